@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.structformer-installed
+DEMO_OUT ?= outputs/demo
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+# Train CRATE on the embedded digits data, then run the white-box analysis on the result.
+demo: $(STAMP)
+	$(BIN)/structformer train --model crate_digits --data digits --epochs 30 --output $(DEMO_OUT) --overwrite
+	$(BIN)/structformer analyze --checkpoint $(DEMO_OUT) --compare init --data digits --output $(DEMO_OUT)/analysis
+	@echo
+	@echo "checkpoint: $(DEMO_OUT)/checkpoints/last"
+	@echo "metrics:    $(DEMO_OUT)/metrics.jsonl"
+	@echo "report:     $(DEMO_OUT)/analysis/report.md"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --timeout=900 tests
+
+bench: $(STAMP)
+	$(BIN)/structformer bench models
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,133 @@
+"""The `--data` argument: its accepted forms, its parsing, and the checks shared by every dataset."""
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+# The forms `--data` accepts, with one line of help each (the CLI prints this table).
+DATASET_FORMS: Dict[str, str] = {
+    'digits': "scikit-learn's 1,797 8x8 grey digits (real data, bundled; 10 classes), stratified split",
+    'synthetic-subspaces': 'tokens drawn from K random subspaces (CRATE §2.2); options num_classes, subspace_dim, '
+                           'token_dim, num_tokens, num_samples, noise, purity',
+    'mnist:PATH': 'a folder of MNIST IDX files (t10k-* and/or train-*, gzip or raw), 28x28 grey, 10 classes',
+    'cifar10:PATH': 'the CIFAR-10 python folder (data_batch_1..5, test_batch), 32x32 RGB, 10 classes',
+    'imagefolder:PATH': 'a torchvision ImageFolder tree (class sub-folders; train/ and val/ or test/ used if present)',
+}
+_NEEDS_PATH = {'mnist', 'cifar10', 'imagefolder'}
+_NO_PATH = {'digits', 'synthetic-subspaces'}
+
+
+def accepted_forms() -> str:
+    return ', '.join(DATASET_FORMS)
+
+
+@dataclass
+class DatasetInfo:
+    """What a model and a report need to know about a dataset (sizes, shapes, provenance)."""
+    name: str
+    num_classes: int
+    in_chans: int
+    img_size: int
+    train_size: int
+    val_size: int
+    description: str
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def parse_data_spec(spec: str) -> Tuple[str, Optional[str]]:
+    """'digits' -> ('digits', None); 'mnist:/data/mnist' -> ('mnist', '/data/mnist').
+
+    The name is case-insensitive; only the first ':' splits, so the path may itself hold colons.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f'--data: expected one of {accepted_forms()}; got {spec!r}')
+    name, sep, path = spec.strip().partition(':')
+    name = name.strip().lower()
+    if name in _NO_PATH:
+        if sep:
+            raise ValueError(f'--data {spec!r}: {name!r} takes no path; accepted forms: {accepted_forms()}')
+        return name, None
+    if name in _NEEDS_PATH:
+        if not path.strip():
+            raise ValueError(f'--data {spec!r}: {name!r} needs a folder, as {name}:PATH; '
+                             f'accepted forms: {accepted_forms()}')
+        return name, os.path.expanduser(path.strip())
+    raise ValueError(f'--data {spec!r}: unknown dataset {name!r}; accepted forms: {accepted_forms()}')
+
+
+def check_folder(path: str, spec: str) -> str:
+    """The folder must exist: say which path and that it came from --data."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f'--data {spec!r}: path {path!r} does not exist')
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f'--data {spec!r}: path {path!r} is not a folder')
+    return path
+
+
+def check_val_fraction(val_fraction) -> float:
+    try:
+        v = float(val_fraction)
+    except (TypeError, ValueError):
+        v = float('nan')
+    if not 0.0 < v < 1.0:     # NaN fails this too
+        raise ValueError(f'val_fraction must be a number in the open interval (0, 1); got {val_fraction!r}')
+    return v
+
+
+# ----- options (they may arrive as strings from `--data-kwargs key=value`) -----
+
+_TRUE = {'1', 'true', 'yes', 'on', 'y', 't'}
+_FALSE = {'0', 'false', 'no', 'off', 'n', 'f'}
+
+
+def _coerce(value, kind: type, key: str, accepted: str):
+    bad = ValueError(f'option {key}: expected {accepted}; got {value!r}')
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad
+    if isinstance(value, bool):           # True is an int in Python; never take it as a count
+        raise bad
+    try:
+        number = float(value.strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise bad from None
+    if kind is int:
+        if not number.is_integer():
+            raise bad
+        return int(number)
+    if math.isnan(number):
+        raise bad
+    return number
+
+
+@dataclass
+class Option:
+    """One dataset option: its type, default and the accepted range (checked after coercion)."""
+    kind: type
+    default: Any
+    accepted: str                                     # words for error messages, e.g. 'an integer >= 1'
+    check: Callable[[Any], bool] = lambda v: True
+
+
+def resolve_options(dataset: str, schema: Dict[str, Option], options: Dict[str, Any]) -> Dict[str, Any]:
+    """Coerce and range-check `options` against `schema`; unknown keys are an error naming the accepted ones."""
+    unknown = sorted(set(options) - set(schema))
+    if unknown:
+        names = ', '.join(sorted(schema)) or '(none)'
+        raise ValueError(f'--data {dataset}: unknown option(s) {", ".join(unknown)}; accepted options: {names}')
+    out = {}
+    for key, opt in schema.items():
+        value = _coerce(options[key], opt.kind, key, opt.accepted) if key in options else opt.default
+        if not opt.check(value):
+            raise ValueError(f'option {key}: expected {opt.accepted}; got {options.get(key, value)!r}')
+        out[key] = value
+    return out
+
+
+def is_square(n: int) -> bool:
+    return n >= 1 and math.isqrt(n) ** 2 == n

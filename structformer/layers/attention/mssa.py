@@ -1,0 +1,71 @@
+"""Multi-head subspace self-attention (MSSA) of CRATE (Yu et al., 2023, §2.3).
+
+One compression step on the coding rate R_c: each head k projects tokens onto its subspace
+U_k (the shared Q = K = V projection) and pulls tokens of the same subspace together.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .registry import register_attention
+
+
+@register_attention('mssa')
+class MSSA(nn.Module):
+    """MSSA with timm's `attn_layer` signature.
+
+    `tied_output=False` (default): Eq. 115 / Alg. 3 as the paper trains it — `w = qkv(x)`,
+    `softmax(w wᵀ · dim_head^-0.5) w` per head, then a separate trainable `to_out`.
+    `tied_output=True`: Eq. 11–12 — the output map is p/(Nε²)[U_1…U_K], i.e. the same weight
+    as the projection (App. B.4 "compression-inspired attention"); `eps` sets ε.
+    The softmax scale dim_head^-0.5 is kept in both (Eq. 11 writes none; the code uses it).
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, attn_head_dim: Optional[int] = None,
+                 qkv_bias: bool = False, qk_norm: bool = False, scale_norm: bool = False,
+                 proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
+                 norm_layer=None, tied_output: bool = False, eps: float = 1.0,
+                 device=None, dtype=None, **unused):
+        super().__init__()
+        if qk_norm or scale_norm:
+            raise ValueError("MSSA shares one projection for Q, K and V (CRATE Eq. 11): "
+                             "qk_norm / scale_norm are not defined for it; pass qk_norm=False")
+        if attn_head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} "
+                                 "(or pass attn_head_dim)")
+            attn_head_dim = dim // num_heads
+        dd = {'device': device, 'dtype': dtype}
+        self.num_heads = num_heads
+        self.head_dim = attn_head_dim
+        self.scale = attn_head_dim ** -0.5
+        self.tied_output = tied_output
+        self.eps = eps
+        inner = num_heads * attn_head_dim
+        # one projection: its rows, per head, are U_kᵀ (CRATE's Q = K = V)
+        self.qkv = nn.Linear(dim, inner, bias=qkv_bias, **dd)
+        self.attn_drop = nn.Dropout(attn_drop)
+        # Eq. 12 maps back with U itself, so no separate output weight exists when tied
+        self.proj = None if tied_output else nn.Linear(inner, dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def subspace_bases(self) -> torch.Tensor:
+        """The learned U_k as a [K, d, p] stack (columns of Wᵀ, head by head)."""
+        w = self.qkv.weight                                      # [K·p, d]
+        return rearrange(w, '(k p) d -> k d p', k=self.num_heads)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False, **unused) -> torch.Tensor:
+        w = rearrange(self.qkv(x), 'b n (h p) -> b h n p', h=self.num_heads)
+        heads = F.scaled_dot_product_attention(
+            w, w, w, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
+            dropout_p=self.attn_drop.p if self.training else 0.)
+        heads = rearrange(heads, 'b h n p -> b n (h p)')
+        if self.proj is not None:
+            return self.proj_drop(self.proj(heads))
+        n = x.shape[-2]
+        tied_scale = self.head_dim / (n * self.eps ** 2)           # p/(Nε²) of Eq. 12
+        return self.proj_drop(tied_scale * heads @ self.qkv.weight)

@@ -1,0 +1,1 @@
+from .ista import ISTA

@@ -1,0 +1,64 @@
+"""The ISTA sparsification block of CRATE (Yu et al., 2023, §2.4).
+
+One proximal-gradient step on min λ‖Z‖₁ + ½‖Z_½ − D Z‖² (non-negative), started at Z = Z_½.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...functional.crate_ops import ista_reference, mm_sparsify_reference
+
+
+class ISTA(nn.Module):
+    """ISTA block with timm's `mlp_layer` signature (`in_features`, `hidden_features`, ...).
+
+    `step='ista'` (default): Eq. 17, Z⁺ = ReLU(Z + η Dᵀ(Z − D Z) − ηλ). The fused path uses
+    that the three products collapse into one: rows x ↦ ReLU(x (I + η(D − DᵀD)) − ηλ), with the
+    d×d effective matrix formed once per forward (d³ flops, independent of batch and tokens).
+    `step='mm'`: the majorisation-minimisation step of Eq. 92, ReLU((1 + 4/(9(1+α))) DᵀZ − 4λ/(9α)),
+    α = d/(Nε²), with no skip (App. B.4).
+    `fused=False` runs the reference written term by term (`structformer.functional.ista_reference`).
+
+    In CRATE the block has no residual around it (Eq. 18); inside timm's `Block` it is used as
+    `x + ISTA(LN(x))`, which is a different layer — see the README.
+    """
+
+    def __init__(self, in_features: int, hidden_features: Optional[int] = None,
+                 out_features: Optional[int] = None, act_layer=None, norm_layer=None,
+                 bias: bool = True, drop: float = 0., *, eta: float = 0.1, lambd: float = 0.1,
+                 step: str = 'ista', eps: float = 1.0, fused: bool = True,
+                 device=None, dtype=None, **unused):
+        super().__init__()
+        if out_features not in (None, in_features):
+            raise ValueError(f"ISTA maps R^d to R^d: out_features={out_features} must equal "
+                             f"in_features={in_features}")
+        if step not in ('ista', 'mm'):
+            raise ValueError(f"step={step!r}: accepted 'ista' (Eq. 17) or 'mm' (Eq. 92)")
+        if eta <= 0 or lambd < 0:
+            raise ValueError(f"need eta > 0 and lambd >= 0, got eta={eta}, lambd={lambd}")
+        self.dim = in_features
+        self.eta = eta
+        self.lambd = lambd
+        self.step = step
+        self.eps = eps
+        self.fused = fused
+        # the dictionary D (d×d), kaiming-uniform as in the paper's code
+        self.weight = nn.Parameter(torch.empty(in_features, in_features, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight)
+        self.drop = nn.Dropout(drop)
+
+    def effective_matrix(self) -> torch.Tensor:
+        """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17."""
+        d = self.weight
+        eye = torch.eye(self.dim, dtype=d.dtype, device=d.device)
+        return eye + self.eta * (d - d.t() @ d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step == 'mm':
+            alpha = self.dim / (x.shape[-2] * self.eps ** 2)
+            return self.drop(mm_sparsify_reference(x, self.weight, self.lambd, alpha))
+        if not self.fused:
+            return self.drop(ista_reference(x, self.weight, self.eta, self.lambd))
+        return self.drop(F.relu(x @ self.effective_matrix() - self.eta * self.lambd))

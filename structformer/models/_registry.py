@@ -1,0 +1,23 @@
+"""Registration of structformer models with timm's registry.
+
+`register_model` wraps `timm.models.register_model` and also records the name, so
+tests and `structformer models` can list exactly the models this package adds.
+"""
+from typing import Callable, List
+
+from timm.models import register_model as _timm_register_model
+
+_STRUCTFORMER_MODELS: List[str] = []
+
+
+def register_model(fn: Callable) -> Callable:
+    """Register `fn` with timm (so `timm.create_model(fn.__name__)` works) and remember it."""
+    fn = _timm_register_model(fn)
+    if fn.__name__ not in _STRUCTFORMER_MODELS:
+        _STRUCTFORMER_MODELS.append(fn.__name__)
+    return fn
+
+
+def list_structformer_models() -> List[str]:
+    """Names of every model registered by structformer, in registration order."""
+    return list(_STRUCTFORMER_MODELS)
