@@ -1,0 +1,229 @@
+"""`structformer train | eval | analyze | bench | models` — one command line for the library."""
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from timm.utils import ParseKwargs
+
+TRAIN_EXAMPLES = """examples:
+  structformer train --model crate_digits --data digits --epochs 30
+  structformer train --model crate_mnist --data mnist:../shared/data/mnist --opt lion --lr 3e-4 --weight-decay 0.5
+  structformer train --model vit_tiny_patch16_224 --model-kwargs img_size=8 patch_size=2 --data digits
+  structformer train --model crate_synthetic --data synthetic-subspaces --data-kwargs num_classes=4 subspace_dim=3
+  structformer train -c outputs/demo/config.yaml --output outputs/again      # rerun a saved configuration
+  structformer train --output outputs/demo --resume                          # continue an interrupted run
+  torchrun --nproc_per_node=2 -m structformer train --model crate_digits --data digits   # DDP
+
+--data accepts: digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH
+(local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
+summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
+
+EVAL_EXAMPLES = """examples:
+  structformer eval --checkpoint outputs/demo
+  structformer eval --checkpoint outputs/demo/checkpoints/epoch_0010 --data digits --split train"""
+
+MODELS_EXAMPLES = """examples:
+  structformer models                 # every structformer model with its parameter count
+  structformer models --filter crate  # only names containing 'crate'
+  structformer models --json"""
+
+BENCH_EXAMPLES = """examples:
+  structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
+  structformer bench models --batch-size 16 --img-size 224 --steps 5"""
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
+    p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
+    g = p.add_argument_group('model and data')
+    g.add_argument('--model', default=S, help='registered timm or structformer model (default crate_digits)')
+    g.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
+                   help='extra model constructor arguments, e.g. eta=0.1 lambd=0.1 sparse_step=mm')
+    g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH')
+    g.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
+                   help='dataset options, e.g. augment=True or num_classes=4')
+    g.add_argument('--val-fraction', type=float, default=S, help='held-out fraction where the data has no split (0.2)')
+    g = p.add_argument_group('optimisation (timm optimisers and schedulers)')
+    g.add_argument('--epochs', type=int, default=S, help='total epochs (30)')
+    g.add_argument('-b', '--batch-size', type=int, default=S, help='per-process batch size (64)')
+    g.add_argument('--eval-batch-size', type=int, default=S, help='(256)')
+    g.add_argument('--opt', default=S, help='any timm optimiser: adamw (default), lion, sgd, ...')
+    g.add_argument('--lr', type=float, default=S, help='peak learning rate (1e-3)')
+    g.add_argument('--weight-decay', type=float, default=S, help='(0.05)')
+    g.add_argument('--momentum', type=float, default=S, help='for sgd (0.9)')
+    g.add_argument('--sched', choices=['cosine', 'none'], default=S, help='cosine with linear warm-up (default) or constant')
+    g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2)')
+    g.add_argument('--warmup-lr', type=float, default=S, help='(1e-6)')
+    g.add_argument('--min-lr', type=float, default=S, help='(1e-6)')
+    g.add_argument('--smoothing', dest='label_smoothing', type=float, default=S, help='label smoothing (0.1)')
+    g.add_argument('--clip-grad', type=float, default=S, help='clip the gradient norm to this value')
+    g.add_argument('--seed', type=int, default=S, help='one seed for data split, init, order and augmentation (0)')
+    g.add_argument('--limit-train-batches', type=int, default=S, help='at most this many batches per epoch (0 = all)')
+    g.add_argument('--workers', dest='num_workers', type=int, default=S, help='data loader workers (0)')
+    g = p.add_argument_group('outputs')
+    g.add_argument('--output', default=S, help='run directory (default outputs/<model>_<data>)')
+    g.add_argument('--keep-last', type=int, default=S, help='checkpoints kept besides epoch 0 (2)')
+    g.add_argument('--save-every', type=int, default=S, help='also keep every N-th epoch (0 = none)')
+    g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
+                   help='continue the run in --output (or from CHECKPOINT); uses the saved configuration')
+    g.add_argument('--stop-after', type=int, default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
+    g.add_argument('--overwrite', action='store_true', help='replace an existing run in --output')
+    g.add_argument('--no-progress', action='store_true', help='no progress bar')
+
+
+def _train_config(args):
+    from .train import TrainConfig, load_config_file
+    from .train.checkpoint import load_checkpoint
+    given = {k: v for k, v in vars(args).items()
+             if k not in ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func')}
+    values = {}
+    if getattr(args, 'config', None):
+        values.update(load_config_file(args.config))
+    if args.resume:
+        source = args.resume if isinstance(args.resume, str) else (given.get('output') or values.get('output'))
+        if source is None:
+            raise ValueError("--resume needs --output RUN_DIR (or --resume CHECKPOINT)")
+        _, state, _ = load_checkpoint(source)
+        values = dict(state['config'])              # a resumed run keeps its configuration
+        given = {k: v for k, v in given.items() if k == 'output'}
+    values.update(given)
+    return TrainConfig.from_dict(values)
+
+
+def cmd_train(args) -> int:
+    from .train import Trainer
+    config = _train_config(args)
+    trainer = Trainer(config, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
+                      progress=not args.no_progress)
+    result = trainer.fit()
+    if trainer.is_main:
+        print(f"\nrun:        {result.output}\ncheckpoint: {result.last_checkpoint}\n"
+              f"metrics:    {result.output / 'metrics.jsonl'}\nconfig:     {result.output / 'config.yaml'}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from torch.utils.data import DataLoader
+
+    from .data import build_datasets
+    from .train import evaluate, load_model
+    model, state = load_model(args.checkpoint)
+    cfg = state['config']
+    data = args.data or cfg['data']
+    data_kwargs = dict(cfg.get('data_kwargs', {}), **(args.data_kwargs or {}))
+    train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
+                                            **data_kwargs)
+    if info.num_classes != model.num_classes:
+        raise ValueError(f"--data {data} has {info.num_classes} classes but the checkpoint's model predicts "
+                         f"{model.num_classes}")
+    dataset = val_ds if args.split == 'val' else train_ds
+    metrics = evaluate(model, DataLoader(dataset, batch_size=args.batch_size), 'cpu')
+    metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
+                    'images': len(dataset)})
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        print(f"{state['model']} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} images): "
+              f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import list_structformer_models
+    from .models.inventory import model_inventory
+    names = [n for n in list_structformer_models() if args.filter in n]
+    rows = model_inventory(names)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    width = max(len(r['name']) for r in rows) if rows else 10
+    print(f"{'model':<{width}}  {'params':>12}  input")
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['params'] / 1e6:>11.2f}M  {'x'.join(map(str, r['input_size']))}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.target == 'models':
+        from .bench.models import run_model_bench
+        return run_model_bench(args)
+    from .bench import attention
+    return attention.run_attention_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog='structformer', formatter_class=fmt,
+        description='Structured deep networks (CRATE, SOFT, ...) as timm models: train, evaluate, analyse, benchmark.',
+        epilog='run `structformer COMMAND --help` for the options and examples of each command')
+    sub = parser.add_subparsers(dest='command', metavar='COMMAND')
+    sub.required = True
+
+    p = sub.add_parser('train', help='train any registered model on a dataset', formatter_class=fmt,
+                       epilog=TRAIN_EXAMPLES, description='Train a model; writes checkpoints, metrics and its configuration.')
+    _add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser('eval', help='top-1 / top-5 / loss of a checkpoint', formatter_class=fmt, epilog=EVAL_EXAMPLES,
+                       description='Evaluate a checkpoint on the held-out split of its data (or --data).')
+    p.add_argument('--checkpoint', required=True, help='run directory or checkpoint directory')
+    p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
+    p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE')
+    p.add_argument('--split', choices=['val', 'train'], default='val')
+    p.add_argument('-b', '--batch-size', type=int, default=256)
+    p.add_argument('--json', action='store_true', help='print one JSON object')
+    p.set_defaults(func=cmd_eval)
+
+    from .analysis.cli import ANALYZE_EXAMPLES, add_analyze_arguments, run_analyze
+    p = sub.add_parser('analyze', help='white-box analysis of a CRATE checkpoint', formatter_class=fmt,
+                       epilog=ANALYZE_EXAMPLES,
+                       description='Per-layer coding rates, sparsity, subspace coherence and token maps (CRATE §3.1).')
+    add_analyze_arguments(p)
+    p.set_defaults(func=run_analyze)
+
+    p = sub.add_parser('bench', help='speed / memory benchmarks (ratios measured in one run)', formatter_class=fmt,
+                       epilog=BENCH_EXAMPLES, description='Benchmarks print measured ratios; they are not tests.')
+    from .bench.models import add_model_bench_arguments
+    bench_sub = p.add_subparsers(dest='target', metavar='TARGET')
+    bench_sub.required = True
+    add_model_bench_arguments(bench_sub.add_parser('models', help='CRATE-T vs ViT-T training / inference speed',
+                                                   formatter_class=fmt, epilog=BENCH_EXAMPLES))
+    try:
+        from .bench.attention import ATTENTION_EXAMPLES, add_attention_bench_arguments
+    except ImportError:
+        pass
+    else:
+        add_attention_bench_arguments(bench_sub.add_parser(
+            'attention', help='attention time / memory / FLOPs vs token count (SOFT Fig. 1b)',
+            formatter_class=fmt, epilog=ATTENTION_EXAMPLES))
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser('models', help='list registered models with parameter counts', formatter_class=fmt,
+                       epilog=MODELS_EXAMPLES)
+    p.add_argument('--filter', default='', help='substring of the name')
+    p.add_argument('--json', action='store_true')
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .train import CheckpointError, TrainingDiverged
+    try:
+        return args.func(args)
+    except TrainingDiverged as e:
+        print(f"structformer {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as e:
+        print(f"structformer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"structformer {args.command}: interrupted; checkpoints already written are intact", file=sys.stderr)
+        return 130
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Checkpoints: safetensors for tensors, JSON for everything else, written atomically.
+
+Layout of one checkpoint directory:
+    model.safetensors        model weights
+    train_state.safetensors  optimiser tensors and the torch RNG state (absent in weights-only saves)
+    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG
+A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest.
+Loading never executes code: safetensors and JSON only.
+"""
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+LATEST = 'latest.json'
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or not a structformer checkpoint."""
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + '.tmp-')
+    try:
+        with os.fdopen(fd, 'w') as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _flatten_optimizer(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    tensors, scalars = {}, {}
+    for idx, entry in state_dict['state'].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f'optim.{idx}.{key}'] = value.detach().contiguous().cpu()
+            else:
+                scalars[f'{idx}.{key}'] = value
+    return tensors, {'param_groups': state_dict['param_groups'], 'scalars': scalars}
+
+
+def _unflatten_optimizer(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Dict[str, Any]:
+    state: Dict[int, Dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith('optim.'):
+            _, idx, key = name.split('.', 2)
+            state.setdefault(int(idx), {})[key] = value
+    for name, value in meta['scalars'].items():
+        idx, key = name.split('.', 1)
+        state.setdefault(int(idx), {})[key] = value
+    return {'state': state, 'param_groups': meta['param_groups']}
+
+
+def capture_rng() -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Every RNG the training loop draws from (python, numpy, torch CPU)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    tensors = {'rng.torch': torch.get_rng_state(), 'rng.numpy': torch.from_numpy(keys.astype(np.int64))}
+    meta = {'numpy': [kind, int(pos), int(has_gauss), float(cached)],
+            'python': [version, list(internal), gauss_next]}
+    return tensors, meta
+
+
+def restore_rng(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    torch.set_rng_state(tensors['rng.torch'])
+    kind, pos, has_gauss, cached = meta['numpy']
+    np.random.set_state((kind, tensors['rng.numpy'].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = meta['python']
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, Any],
+                    optimizer: Optional[torch.optim.Optimizer] = None, with_rng: bool = True) -> Path:
+    """Write a checkpoint directory atomically: everything goes to a temporary sibling that is
+    renamed into place only when complete, so an interruption never leaves a half-written one."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + '.tmp-'))
+    try:
+        weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(weights, str(tmp / 'model.safetensors'))
+        state = dict(state, format_version=FORMAT_VERSION)
+        train_tensors: Dict[str, torch.Tensor] = {}
+        if optimizer is not None:
+            opt_tensors, state['optimizer'] = _flatten_optimizer(optimizer.state_dict())
+            train_tensors.update(opt_tensors)
+        if with_rng:
+            rng_tensors, state['rng'] = capture_rng()
+            train_tensors.update(rng_tensors)
+        if train_tensors:
+            save_file(train_tensors, str(tmp / 'train_state.safetensors'))
+        (tmp / 'state.json').write_text(json.dumps(state, indent=1, default=_json_default))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"cannot store {type(value).__name__} in state.json")
+
+
+def mark_latest(run_checkpoints: Path, directory: Path) -> None:
+    _atomic_write_text(Path(run_checkpoints) / LATEST, json.dumps({'checkpoint': Path(directory).name}))
+
+
+def resolve_checkpoint(path) -> Path:
+    """Accept a checkpoint directory, its model.safetensors, a run directory or its checkpoints/ folder."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    if path.is_file():
+        path = path.parent
+    for candidate in (path, path / 'checkpoints'):
+        if (candidate / 'model.safetensors').exists() or (candidate / 'state.json').exists():
+            return candidate
+        latest = candidate / LATEST
+        if latest.exists():
+            try:
+                name = json.loads(latest.read_text())['checkpoint']
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"--checkpoint: {latest} is corrupt ({e})") from None
+            return candidate / name
+    raise CheckpointError(f"--checkpoint: {path} is not a structformer checkpoint or run directory "
+                          "(expected model.safetensors + state.json, or checkpoints/latest.json)")
+
+
+def load_checkpoint(path, with_train_state: bool = False):
+    """Return (weights, state, train_tensors) from a checkpoint, with clear errors when damaged."""
+    directory = resolve_checkpoint(path)
+    try:
+        state = json.loads((directory / 'state.json').read_text())
+        weights = load_file(str(directory / 'model.safetensors'))
+        train_tensors = {}
+        if with_train_state and (directory / 'train_state.safetensors').exists():
+            train_tensors = load_file(str(directory / 'train_state.safetensors'))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {e.filename} is missing") from None
+    except Exception as e:  # safetensors / json raise several types on damaged files
+        raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or 'model' not in state:
+        raise CheckpointError(f"--checkpoint: {directory}/state.json does not describe a model")
+    state['path'] = str(directory)
+    return weights, state, train_tensors
+
+
+def load_model(path, map_location='cpu'):
+    """Rebuild the model a checkpoint was trained as and load its weights. Returns (model, state)."""
+    import timm
+
+    import structformer  # noqa: F401  (registers our models with timm)
+    weights, state, _ = load_checkpoint(path)
+    try:
+        model = timm.create_model(state['model'], **state.get('model_kwargs', {}))
+    except RuntimeError as e:
+        raise CheckpointError(f"--checkpoint: model {state['model']!r} is not registered ({e})") from None
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise CheckpointError(f"--checkpoint: weights do not fit model {state['model']!r}: {e}") from None
+    return model.to(map_location).eval(), state
+
+
+def optimizer_state_from(train_tensors: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Dict[str, Any]:
+    return _unflatten_optimizer(train_tensors, state['optimizer'])

@@ -1,0 +1,330 @@
+"""The training engine: one loop for every model and dataset, one process or many (DDP).
+
+Determinism: data order comes from a generator seeded by (seed, epoch), independent of the
+global RNG; augmentation and dropout draw from the global RNGs, which every checkpoint saves and
+`resume` restores. So a run stopped after any epoch and resumed gives the same weights as an
+uninterrupted run, bit for bit, on the same machine and thread count.
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import timm
+import torch
+import torch.nn.functional as F
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import accuracy
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm.auto import tqdm
+
+from .checkpoint import (load_checkpoint, mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng,
+                         save_checkpoint)
+from .config import TrainConfig, save_config
+from .distributed import barrier, cleanup_distributed, init_distributed
+from .phases import LossContext, build_phases, phase_for_epoch
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; training stopped without saving the bad state."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def create_model_for_data(name: str, model_kwargs: Dict, info) -> (torch.nn.Module, Dict):
+    """Build `name` for a dataset: classes, channels and image size come from the data unless the
+    user set them. Returns the model and the exact kwargs (stored in checkpoints to rebuild it)."""
+    import structformer  # noqa: F401  (registers our models)
+    if not timm.is_model(name):
+        close = timm.list_models(f'*{name.split("_")[0]}*')[:8]
+        raise ValueError(f"--model {name!r} is not a registered model"
+                         + (f"; similar: {', '.join(close)}" if close else '')
+                         + "; `structformer models` lists them")
+    kwargs = {'num_classes': info.num_classes, 'in_chans': info.in_chans}
+    default_size = timm.get_pretrained_cfg(name).input_size if timm.get_pretrained_cfg(name) else None
+    if default_size is None or default_size[-1] != info.img_size:
+        kwargs['img_size'] = info.img_size
+    kwargs.update(model_kwargs)
+    try:
+        model = timm.create_model(name, **kwargs)
+    except TypeError as e:
+        if 'img_size' in kwargs and 'img_size' not in model_kwargs and 'img_size' in str(e):
+            kwargs.pop('img_size')               # convolutional nets take any size
+            model = timm.create_model(name, **kwargs)
+        else:
+            raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
+    except (AssertionError, ValueError) as e:
+        raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
+    return model, kwargs
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader, device) -> Dict[str, float]:
+    """Mean cross-entropy, top-1 and top-5 accuracy (%) over a loader."""
+    model.eval()
+    total, loss_sum, top1_sum, top5_sum = 0, 0.0, 0.0, 0.0
+    for images, targets in loader:
+        images, targets = images.to(device), targets.to(device)
+        logits = model(images)
+        k = min(5, logits.shape[-1])
+        top1, top5 = accuracy(logits, targets, topk=(1, k))
+        n = targets.shape[0]
+        loss_sum += F.cross_entropy(logits, targets, reduction='sum').item()
+        top1_sum += top1.item() * n
+        top5_sum += top5.item() * n
+        total += n
+    return {'loss': loss_sum / total, 'top1': top1_sum / total, 'top5': top5_sum / total}
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    last_checkpoint: Path
+    history: List[Dict]
+    final: Dict[str, float]
+
+
+class Trainer:
+    """Runs a `TrainConfig`. `callbacks` are called as fn(trainer, epoch, metrics) after each epoch."""
+
+    def __init__(self, config: TrainConfig, resume: Optional[str] = None, stop_after: Optional[int] = None,
+                 overwrite: bool = False, progress: bool = True, callbacks: Optional[List[Callable]] = None):
+        self.config = config.validate()
+        self.resume = resume
+        self.stop_after = stop_after
+        self.progress = progress
+        self.callbacks = callbacks or []
+        self.rank, self.world_size, self.device = init_distributed()
+        self.is_main = self.rank == 0
+        if config.output is None:
+            config.output = f"outputs/{config.model}_{config.data.split(':')[0]}"
+        self.output = Path(config.output)
+        self.ckpt_dir = self.output / 'checkpoints'
+        self._prepare_output(overwrite)
+
+    # ----------------------------------------------------------------- setup
+    def _prepare_output(self, overwrite: bool) -> None:
+        has_run = (self.ckpt_dir / 'latest.json').exists()
+        if has_run and not self.resume and not overwrite:
+            raise FileExistsError(f"--output {self.output} already holds a run; pass --resume to continue it "
+                                  "or --overwrite to replace it")
+        if self.is_main:
+            if overwrite and not self.resume and self.output.exists():
+                shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+                for name in ('metrics.jsonl', 'config.yaml', 'summary.json'):
+                    (self.output / name).unlink(missing_ok=True)
+            self.output.mkdir(parents=True, exist_ok=True)
+        barrier()
+
+    def _build(self) -> None:
+        from ..data import build_datasets
+        cfg = self.config
+        seed_everything(cfg.seed)
+        self.train_ds, self.val_ds, self.info = build_datasets(
+            cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, **cfg.data_kwargs)
+        self.model, self.model_kwargs = create_model_for_data(cfg.model, cfg.model_kwargs, self.info)
+        self.model.to(self.device)
+        self.phases = build_phases(cfg.phases, cfg.epochs)
+        if self.world_size > 1:
+            self.sampler = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
+        else:
+            self.sampler = None
+        self.eval_loader = DataLoader(self.val_ds, batch_size=cfg.eval_batch_size, shuffle=False,
+                                      num_workers=cfg.num_workers)
+        self.steps_per_epoch = len(self._train_loader(1))
+        self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                             momentum=cfg.momentum)
+        self.scheduler = None
+        if cfg.sched == 'cosine':
+            self.scheduler, _ = create_scheduler_v2(
+                self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
+                updates_per_epoch=self.steps_per_epoch)
+
+    def _train_loader(self, epoch: int) -> DataLoader:
+        cfg = self.config
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+            return DataLoader(self.train_ds, batch_size=cfg.batch_size, sampler=self.sampler,
+                              num_workers=cfg.num_workers, drop_last=False)
+        generator = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch)
+        return DataLoader(self.train_ds, batch_size=cfg.batch_size, shuffle=True, generator=generator,
+                          num_workers=cfg.num_workers, drop_last=False)
+
+    def _state(self, epoch: int, metrics: Dict) -> Dict:
+        return {'model': self.config.model, 'model_kwargs': self.model_kwargs, 'epoch': epoch,
+                'global_step': self.global_step, 'config': self.config.to_dict(), 'metrics': metrics,
+                'data_info': {'name': self.info.name, 'num_classes': self.info.num_classes,
+                              'in_chans': self.info.in_chans, 'img_size': self.info.img_size}}
+
+    def _save(self, epoch: int, metrics: Dict) -> Path:
+        path = save_checkpoint(self.ckpt_dir / f'epoch_{epoch:04d}', self.model, self._state(epoch, metrics),
+                               optimizer=self.optimizer)
+        mark_latest(self.ckpt_dir, path)
+        self._prune(epoch)
+        return path
+
+    def _prune(self, epoch: int) -> None:
+        cfg = self.config
+        for path in sorted(self.ckpt_dir.glob('epoch_[0-9][0-9][0-9][0-9]')):
+            e = int(path.name.split('_')[1])
+            keep = e == 0 or e > epoch - cfg.keep_last or (cfg.save_every and e % cfg.save_every == 0)
+            if not keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _restore(self) -> int:
+        source = self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume
+        weights, state, train_tensors = load_checkpoint(source, with_train_state=True)
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
+        self.global_step = state['global_step']
+        if self.scheduler is not None:
+            self.scheduler.step_update(num_updates=self.global_step)
+        restore_rng(train_tensors, state['rng'])
+        return state['epoch']
+
+    # ----------------------------------------------------------------- loop
+    def fit(self) -> TrainResult:
+        cfg = self.config
+        self._build()
+        self.global_step = 0
+        start_epoch = 0
+        if self.resume:
+            start_epoch = self._restore()
+            if self.is_main:
+                print(f"resumed from epoch {start_epoch} of {cfg.epochs} ({resolve_checkpoint(self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume)})")
+        elif self.is_main:
+            save_config(cfg, self.output / 'config.yaml')
+            self._save(0, {})                    # the random init, for white-box comparisons
+        history: List[Dict] = []
+        last_path = resolve_checkpoint(self.ckpt_dir) if self.is_main else None
+        epochs_this_run = 0
+        try:
+            for epoch in range(start_epoch + 1, cfg.epochs + 1):
+                phase = phase_for_epoch(self.phases, epoch)
+                record = self._train_epoch(epoch, phase)
+                if self.is_main:
+                    record.update({f'val_{k}': v for k, v in evaluate(self.model, self.eval_loader, self.device).items()})
+                    with open(self.output / 'metrics.jsonl', 'a') as f:
+                        f.write(json.dumps(record) + '\n')
+                    last_path = self._save(epoch, record)
+                    self._print_epoch(record)
+                barrier()
+                history.append(record)
+                for callback in self.callbacks:
+                    callback(self, epoch, record)
+                epochs_this_run += 1
+                if self.stop_after and epochs_this_run >= self.stop_after and epoch < cfg.epochs:
+                    if self.is_main:
+                        print(f"stopping after {epochs_this_run} epoch(s) as asked (--stop-after); "
+                              f"continue with --resume")
+                    break
+            self._write_digest()
+        finally:
+            cleanup_distributed()
+        final = history[-1] if history else {}
+        if self.is_main and history:
+            self._print_summary(history)
+        return TrainResult(self.output, last_path, history, final)
+
+    def _train_epoch(self, epoch: int, phase) -> Dict:
+        cfg = self.config
+        phase.apply(self.model)
+        model = self.model
+        if self.world_size > 1:
+            model = DistributedDataParallel(self.model, find_unused_parameters=False)
+        model.train()
+        loader = self._train_loader(epoch)
+        limit = cfg.limit_train_batches or len(loader)
+        bar = tqdm(total=min(limit, len(loader)), desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
+                   disable=not (self.progress and self.is_main), leave=False, file=sys.stderr)
+        totals: Dict[str, float] = {}
+        seen, correct, start = 0, 0, time.perf_counter()
+        for step, (images, targets) in enumerate(loader):
+            if step >= limit:
+                break
+            images, targets = images.to(self.device), targets.to(self.device)
+            logits = model(images)
+            terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing))
+            loss = sum(terms.values())
+            if not torch.isfinite(loss):
+                bar.close()
+                raise TrainingDiverged(
+                    f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
+                    f"without saving this state. The last good checkpoint is "
+                    f"{resolve_checkpoint(self.ckpt_dir)}. Try a lower --lr or --clip-grad.")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.clip_grad:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+            self.optimizer.step()
+            self.global_step += 1
+            if self.scheduler is not None:
+                self.scheduler.step_update(num_updates=self.global_step)
+            n = targets.shape[0]
+            seen += n
+            correct += (logits.argmax(-1) == targets).sum().item()
+            for name, value in terms.items():
+                totals[name] = totals.get(name, 0.0) + value.item() * n
+            totals['loss'] = totals.get('loss', 0.0) + loss.item() * n
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._lr():.2e}")
+            bar.update()
+        bar.close()
+        elapsed = time.perf_counter() - start
+        record = {'epoch': epoch, 'phase': phase.name, 'step': self.global_step, 'lr': self._lr(),
+                  'train_top1': 100.0 * correct / max(seen, 1), 'epoch_time_s': elapsed,
+                  'train_img_per_s': seen * self.world_size / max(elapsed, 1e-9)}
+        record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
+        return record
+
+    def _lr(self) -> float:
+        return self.optimizer.param_groups[0]['lr']
+
+    def _write_digest(self) -> None:
+        if self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST'):
+            (self.output / f'final_params_rank{self.rank}.sha256').write_text(parameter_digest(self.model) + '\n')
+
+    def _print_epoch(self, r: Dict) -> None:
+        print(f"epoch {r['epoch']:>3}/{self.config.epochs}  train loss {r['train_loss']:.4f}  "
+              f"val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:6.2f}%  top5 {r['val_top5']:6.2f}%  "
+              f"lr {r['lr']:.2e}  {r['train_img_per_s']:.0f} img/s", flush=True)
+
+    def _print_summary(self, history: List[Dict]) -> None:
+        best = max(history, key=lambda r: r['val_top1'])
+        last = history[-1]
+        summary = {'model': self.config.model, 'data': self.config.data, 'epochs': last['epoch'],
+                   'final_val_top1': last['val_top1'], 'final_val_top5': last['val_top5'],
+                   'final_val_loss': last['val_loss'], 'best_val_top1': best['val_top1'],
+                   'best_epoch': best['epoch'],
+                   'parameters': sum(p.numel() for p in self.model.parameters())}
+        (self.output / 'summary.json').write_text(json.dumps(summary, indent=1))
+        width = max(len(k) for k in summary)
+        print('\n' + '\n'.join(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+                               for k, v in summary.items()))
+
+
+def train(config: TrainConfig, **kwargs) -> TrainResult:
+    """Train `config` (see `Trainer` for keyword arguments)."""
+    return Trainer(config, **kwargs).fit()

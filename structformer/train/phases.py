@@ -1,0 +1,101 @@
+"""Training phases: which parameters train, and which loss terms apply, for a span of epochs.
+
+A phase is a dict in the config's `phases` list, e.g. (two-stage schedules of Sparsifiner §4):
+    - {name: predictor, epochs: 5, trainable: ['*.predictor.*'], losses: {attn_distill: 1.0}}
+    - {name: joint, epochs: 40, losses: {ce: 1.0, distill_kl: 0.5}}
+`trainable` / `frozen` are fnmatch patterns over parameter names; a phase without `trainable`
+trains everything not `frozen`. Without phases, one phase `main` trains all epochs on `ce`.
+Loss terms are looked up in `LOSS_TERMS`, which later issues extend (distillation, decay terms).
+"""
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class LossContext:
+    """What a loss term may look at for one batch."""
+    model: torch.nn.Module
+    images: torch.Tensor
+    targets: torch.Tensor
+    logits: torch.Tensor
+    label_smoothing: float = 0.0
+    extras: Dict[str, object] = field(default_factory=dict)
+
+
+LOSS_TERMS: Dict[str, Callable[[LossContext], torch.Tensor]] = {}
+
+
+def register_loss_term(name: str):
+    def wrap(fn):
+        LOSS_TERMS[name] = fn
+        return fn
+    return wrap
+
+
+@register_loss_term('ce')
+def cross_entropy_term(ctx: LossContext) -> torch.Tensor:
+    """Cross-entropy with label smoothing (the recipes of CRATE and SOFT both smooth by 0.1)."""
+    return F.cross_entropy(ctx.logits, ctx.targets, label_smoothing=ctx.label_smoothing)
+
+
+@dataclass
+class Phase:
+    name: str
+    epochs: int
+    trainable: Optional[List[str]] = None
+    frozen: List[str] = field(default_factory=list)
+    losses: Dict[str, float] = field(default_factory=lambda: {'ce': 1.0})
+
+    def trains(self, param_name: str) -> bool:
+        if any(fnmatch.fnmatch(param_name, pat) for pat in self.frozen):
+            return False
+        return self.trainable is None or any(fnmatch.fnmatch(param_name, pat) for pat in self.trainable)
+
+    def apply(self, model: torch.nn.Module) -> int:
+        """Set requires_grad per this phase; returns how many parameter tensors train."""
+        count = 0
+        for name, param in model.named_parameters():
+            param.requires_grad_(self.trains(name))
+            count += param.requires_grad
+        if count == 0:
+            raise ValueError(f"phase {self.name!r} leaves no parameter trainable; check its patterns")
+        return count
+
+    def loss(self, ctx: LossContext) -> Dict[str, torch.Tensor]:
+        return {name: weight * LOSS_TERMS[name](ctx) for name, weight in self.losses.items() if weight}
+
+
+def build_phases(specs: List[dict], total_epochs: int) -> List[Phase]:
+    if not specs:
+        return [Phase('main', total_epochs)]
+    phases = []
+    for i, spec in enumerate(specs):
+        spec = dict(spec)
+        spec.setdefault('name', f'phase{i}')
+        try:
+            phase = Phase(**spec)
+        except TypeError as e:
+            raise ValueError(f"phases[{i}]: {e}; accepted keys name, epochs, trainable, frozen, losses") from None
+        unknown = sorted(set(phase.losses) - set(LOSS_TERMS))
+        if unknown:
+            raise ValueError(f"phases[{i}].losses: unknown terms {unknown}; accepted: {sorted(LOSS_TERMS)}")
+        if phase.epochs < 1:
+            raise ValueError(f"phases[{i}].epochs={phase.epochs} must be >= 1")
+        phases.append(phase)
+    if sum(p.epochs for p in phases) != total_epochs:
+        raise ValueError(f"phases cover {sum(p.epochs for p in phases)} epochs but --epochs={total_epochs}")
+    return phases
+
+
+def phase_for_epoch(phases: List[Phase], epoch: int) -> Phase:
+    """The phase of 1-based `epoch`."""
+    end = 0
+    for phase in phases:
+        end += phase.epochs
+        if epoch <= end:
+            return phase
+    return phases[-1]
