@@ -33,6 +33,13 @@ class DatasetInfo:
     description: str
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    def summary(self) -> Dict[str, Any]:
+        """A JSON-safe dict for run configs and reports: tensors in `extra` become 'tensor[shape]'."""
+        out = {k: getattr(self, k) for k in ('name', 'num_classes', 'in_chans', 'img_size', 'train_size',
+                                              'val_size', 'description')}
+        out['extra'] = {k: f'tensor{list(v.shape)}' if hasattr(v, 'shape') else v for k, v in self.extra.items()}
+        return out
+
 
 def parse_data_spec(spec: str) -> Tuple[str, Optional[str]]:
     """'digits' -> ('digits', None); 'mnist:/data/mnist' -> ('mnist', '/data/mnist').

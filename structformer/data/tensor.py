@@ -82,8 +82,12 @@ def stratified_split(labels, val_fraction: float, seed: int) -> Tuple[np.ndarray
     """Held-out split with class proportions kept (sklearn train_test_split); indices sorted for readability."""
     from sklearn.model_selection import train_test_split
     labels = np.asarray(labels)
-    train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=val_fraction,
-                                          random_state=seed, stratify=labels)
+    try:
+        train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=val_fraction,
+                                              random_state=seed, stratify=labels)
+    except ValueError as e:     # e.g. too few samples for every class to appear on both sides
+        raise ValueError(f'cannot make a stratified split of {len(labels)} samples of '
+                         f'{len(np.unique(labels))} classes with val_fraction={val_fraction}: {e}') from None
     return np.sort(train_idx), np.sort(val_idx)
 
 

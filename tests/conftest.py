@@ -1,0 +1,22 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import structformer  # noqa: F401  (registers models)
+
+# The real MNIST test set lives beside the project (never committed); tests that use it skip without it.
+SHARED_MNIST = Path(__file__).resolve().parents[1].parent / 'shared' / 'data' / 'mnist'
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def shared_mnist():
+    if not SHARED_MNIST.exists():
+        pytest.skip('needs ../shared/data/mnist (the real MNIST test set, not part of the repository)')
+    return SHARED_MNIST

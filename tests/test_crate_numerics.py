@@ -1,0 +1,139 @@
+"""CRATE operators against references written from the paper's equations (float64)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from structformer.functional import (coding_rate, compression_rate, compression_rate_grad, ista_reference,
+                                     mm_sparsify_reference, mssa_reference, split_heads, ssa_per_head_reference)
+from structformer.layers import ISTA, MSSA
+
+torch.set_default_dtype(torch.float64)
+
+
+def teardown_module():
+    torch.set_default_dtype(torch.float32)
+
+
+def _column_logdet_rate(zc, scale):
+    """½ logdet(I + scale · Z Zᵀ) with Z ∈ R^{d×N} in the paper's column layout, by slogdet."""
+    d = zc.shape[0]
+    return 0.5 * torch.linalg.slogdet(torch.eye(d) + scale * zc @ zc.T)[1]
+
+
+@pytest.mark.parametrize('n,d', [(7, 12), (20, 6)])
+def test_coding_rate_eq7_matches_direct_logdet(n, d):
+    z = torch.randn(n, d)
+    eps = 0.7
+    expected = _column_logdet_rate(z.T, d / (n * eps ** 2))
+    torch.testing.assert_close(coding_rate(z, eps), expected)
+
+
+def test_compression_rate_eq8_matches_per_head_sum():
+    n, d, k, p, eps = 9, 8, 3, 2, 0.5
+    z, u = torch.randn(n, d), torch.randn(k, d, p)
+    expected = sum(_column_logdet_rate(u[i].T @ z.T, p / (n * eps ** 2)) for i in range(k))
+    torch.testing.assert_close(compression_rate(z, u, eps), expected)
+
+
+def test_eq9_gradient_equals_autograd_of_eq8():
+    n, d, k, p, eps = 11, 8, 4, 2, 0.5
+    z = torch.randn(3, n, d, requires_grad=True)
+    u = torch.randn(k, d, p)
+    compression_rate(z, u, eps).sum().backward()
+    torch.testing.assert_close(compression_rate_grad(z.detach(), u, eps), z.grad)
+
+
+def test_split_heads_matches_qkv_rows():
+    w = torch.randn(12, 5)                    # [K·p, d], K=3, p=4
+    u = split_heads(w.T, 3)
+    torch.testing.assert_close(u[1], w[4:8].T)
+
+
+def _naive_ssa_column_form(x, w, num_heads, scale):
+    """Eq. 11 literally, in the paper's column layout, sample by sample: (U_kᵀZ) softmax((U_kᵀZ)ᵀ(U_kᵀZ))."""
+    p = w.shape[0] // num_heads
+    out = []
+    for sample in x:
+        zc = sample.T                                         # d × N
+        heads = []
+        for k in range(num_heads):
+            proj = w[k * p:(k + 1) * p] @ zc                  # U_kᵀ Z: p × N
+            attn = torch.softmax(scale * proj.T @ proj, dim=0)   # column-stochastic N × N
+            heads.append(proj @ attn)
+        out.append(torch.cat(heads, 0).T)
+    return torch.stack(out)
+
+
+def test_ssa_reference_is_eq11():
+    x, w = torch.randn(2, 6, 8), torch.randn(8, 8)
+    # (U_kᵀZ)·softmax: the Gram matrix is symmetric, so row- and column-softmax are transposes
+    torch.testing.assert_close(ssa_per_head_reference(x, w, 2, 0.5), _naive_ssa_column_form(x, w, 2, 0.5))
+
+
+@pytest.mark.parametrize('tied', [False, True])
+def test_mssa_layer_equals_naive_per_head(tied):
+    layer = MSSA(12, num_heads=3, attn_head_dim=5, tied_output=tied, eps=0.8)
+    x = torch.randn(2, 7, 12, requires_grad=True)
+    out = layer(x)
+    if tied:
+        ref = mssa_reference(x, layer.qkv.weight, 3, 5 ** -0.5, tied_scale=5 / (7 * 0.8 ** 2))
+    else:
+        ref = mssa_reference(x, layer.qkv.weight, 3, 5 ** -0.5, layer.proj.weight, layer.proj.bias)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x] + list(layer.parameters()), g)
+    ref_grads = torch.autograd.grad(ref, [x] + list(layer.parameters()), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_ista_reference_is_eq17_in_column_form():
+    x, dmat = torch.randn(2, 5, 6), torch.randn(6, 6)
+    eta, lambd = 0.1, 0.2
+    cols = [F.relu(s.T + eta * dmat.T @ (s.T - dmat @ s.T) - eta * lambd).T for s in x]
+    torch.testing.assert_close(ista_reference(x, dmat, eta, lambd), torch.stack(cols))
+
+
+def test_ista_is_a_proximal_gradient_step():
+    """Eq. 17 = prox of ηλ‖·‖₁ (+ non-negativity) after a gradient step on ½‖Z_½ − D Z‖² at Z = Z_½."""
+    x, dmat = torch.randn(4, 6), torch.randn(6, 6)
+    eta, lambd = 0.05, 0.3
+    z = x.clone().requires_grad_(True)
+    (0.5 * ((x - z @ dmat.T) ** 2).sum()).backward()
+    expected = F.relu(x - eta * z.grad - eta * lambd)
+    torch.testing.assert_close(ista_reference(x, dmat, eta, lambd), expected)
+
+
+@pytest.mark.parametrize('eta,lambd', [(0.1, 0.1), (0.5, 0.02)])
+def test_fused_ista_equals_reference(eta, lambd):
+    fused = ISTA(10, eta=eta, lambd=lambd)
+    ref = ISTA(10, eta=eta, lambd=lambd, fused=False)
+    ref.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 7, 10, requires_grad=True)
+    a, b = fused(x), ref(x)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(b, ista_reference(x, fused.weight, eta, lambd))
+    g = torch.randn_like(a)
+    for ga, gb in zip(torch.autograd.grad(a, [x, fused.weight], g), torch.autograd.grad(b, [x, ref.weight], g)):
+        torch.testing.assert_close(ga, gb)
+
+
+def test_mm_step_is_eq92():
+    layer = ISTA(6, lambd=0.3, step='mm', eps=0.5)
+    x = torch.randn(2, 5, 6)
+    alpha = 6 / (5 * 0.5 ** 2)
+    cols = [F.relu((1 + 4 / (9 * (1 + alpha))) * layer.weight.T @ s.T - 4 * 0.3 / (9 * alpha)).T for s in x]
+    torch.testing.assert_close(layer(x), torch.stack(cols))
+    torch.testing.assert_close(mm_sparsify_reference(x, layer.weight, 0.3, alpha), torch.stack(cols))
+
+
+def test_ista_output_is_sparse_and_nonnegative():
+    layer = ISTA(16, lambd=5.0)
+    out = layer(torch.randn(4, 8, 16))
+    assert (out >= 0).all() and (out == 0).float().mean() > 0.3
+
+
+@pytest.mark.parametrize('kwargs', [dict(step='fista'), dict(eta=0.0), dict(out_features=3)])
+def test_ista_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        ISTA(8, **kwargs)

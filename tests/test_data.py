@@ -1,0 +1,303 @@
+"""Tests of structformer.data: every --data form, its splits, its normalisation and its errors."""
+import gzip
+import json
+import os
+import pickle
+import re
+import struct
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from structformer.data import (DATASET_FORMS, build_datasets, image_to_tokens, parse_data_spec, read_idx,
+                               tokens_to_image)
+
+# The real 10,000-image MNIST test set, shared with the project's CI; it must never be committed.
+SHARED_MNIST = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data', 'mnist')
+MNIST_T10K_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+# ----- digits -----
+
+def test_digits_sizes_shapes_and_normalisation():
+    train, val, info = build_datasets('digits')
+    assert (info.train_size, info.val_size, len(train) + len(val)) == (1437, 360, 1797)
+    assert (info.num_classes, info.in_chans, info.img_size) == (10, 1, 8)
+    x, y = train[0]
+    assert x.shape == (1, 8, 8) and x.dtype == torch.float32 and isinstance(y, int)
+    assert set(train.labels.tolist()) == set(val.labels.tolist()) == set(range(10))
+    allx = torch.cat([train.normalized_images(), val.normalized_images()])
+    assert abs(allx.mean().item()) < 1e-3 and abs(allx.std().item() - 1) < 1e-3
+
+
+def test_digits_split_stratified_and_seeded():
+    tr_a, va_a, _ = build_datasets('digits', seed=0)
+    tr_b, va_b, _ = build_datasets('digits', seed=0)
+    tr_c, va_c, _ = build_datasets('digits', seed=1)
+    assert torch.equal(va_a.source_indices, va_b.source_indices)
+    assert torch.equal(tr_a.images, tr_b.images)
+    assert not torch.equal(va_a.source_indices, va_c.source_indices)
+    # train and val partition the 1,797 images
+    both = torch.cat([tr_a.source_indices, va_a.source_indices]).sort().values
+    assert torch.equal(both, torch.arange(1797))
+    # stratified: each class holds 20% of its images in val, to within one image
+    total = Counter(tr_a.labels.tolist()) + Counter(va_a.labels.tolist())
+    val_counts = Counter(va_a.labels.tolist())
+    for c in range(10):
+        assert abs(val_counts[c] - 0.2 * total[c]) <= 1
+
+
+def test_digits_augment_draws_from_torch_rng():
+    train, _, _ = build_datasets('digits', augment='true')
+    plain, _, _ = build_datasets('digits')
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    first = torch.stack([train[i][0] for i in range(50)])
+    torch.set_rng_state(state)
+    again = torch.stack([train[i][0] for i in range(50)])
+    assert torch.equal(first, again)                  # restoring the RNG state repeats the augmentation
+    reference = torch.stack([plain[i][0] for i in range(50)])
+    assert not torch.equal(first, reference)          # and it does shift some images
+
+
+# ----- synthetic subspaces (CRATE §2.2) -----
+
+def test_synthetic_deterministic_and_seeded():
+    a = build_datasets('synthetic-subspaces', seed=3, num_samples=200)
+    b = build_datasets('synthetic-subspaces', seed=3, num_samples=200)
+    c = build_datasets('synthetic-subspaces', seed=4, num_samples=200)
+    assert torch.equal(a[0].images, b[0].images) and torch.equal(a[1].labels, b[1].labels)
+    assert torch.equal(a[2].extra['subspace_bases'], b[2].extra['subspace_bases'])
+    assert not torch.allclose(a[2].extra['subspace_bases'], c[2].extra['subspace_bases'])
+    info = a[2]
+    assert (info.num_classes, info.in_chans, info.img_size, info.extra['patch_size']) == (4, 1, 16, 4)
+    assert (info.train_size, info.val_size) == (160, 40)
+    json.dumps(info.summary())                                  # run configs can record it
+    assert info.summary()['extra']['subspace_bases'] == 'tensor[4, 16, 3]'
+    allx = a[0].normalized_images()
+    assert abs(allx.mean().item()) < 0.05 and abs(allx.std().item() - 1) < 0.05
+
+
+def test_synthetic_bases_orthonormal_and_orthogonal():
+    _, _, info = build_datasets('synthetic-subspaces', num_samples=40, num_classes=4, subspace_dim=3,
+                                token_dim=16)
+    bases = info.extra['subspace_bases']                       # K x D x p
+    assert bases.shape == (4, 16, 3) and info.extra['orthogonal']
+    gram = torch.einsum('kdp,jdq->kjpq', bases, bases)         # all pairwise B_kᵀB_j
+    for k in range(4):
+        for j in range(4):
+            target = torch.eye(3) if k == j else torch.zeros(3, 3)
+            assert torch.allclose(gram[k, j], target, atol=1e-5)
+    # K·p > D: independent bases, each still orthonormal, but not mutually orthogonal
+    _, _, info = build_datasets('synthetic-subspaces', num_samples=40, num_classes=4, subspace_dim=5,
+                                token_dim=16)
+    bases = info.extra['subspace_bases']
+    assert not info.extra['orthogonal']
+    assert torch.allclose(bases.transpose(1, 2) @ bases, torch.eye(5).expand(4, 5, 5), atol=1e-5)
+    assert (bases[0].T @ bases[1]).abs().max() > 1e-3
+
+
+def test_synthetic_image_token_round_trip_matches_vit_patch_embedding():
+    from timm.layers import PatchEmbed
+    tokens = torch.randn(3, 16, 16)                            # B, N=16 tokens, D=16 (4x4 patches)
+    image = tokens_to_image(tokens)
+    assert image.shape == (3, 1, 16, 16)
+    assert torch.equal(image_to_tokens(image, 4), tokens)
+    # token 1 is the patch right of token 0, and its first row is its first √D values
+    assert torch.equal(image[0, 0, 0, 4:8], tokens[0, 1, :4])
+    assert torch.equal(image[0, 0, 4, 0:4], tokens[0, 4, :4])
+    # A ViT patch embedding whose projection is the identity sees exactly these tokens.
+    embed = PatchEmbed(img_size=16, patch_size=4, in_chans=1, embed_dim=16)
+    with torch.no_grad():
+        embed.proj.weight.copy_(torch.eye(16).reshape(16, 1, 4, 4))
+        embed.proj.bias.zero_()
+        assert torch.allclose(embed(image), tokens, atol=1e-6)
+
+
+def test_synthetic_pure_noiseless_tokens_lie_in_class_subspace():
+    train, _, info = build_datasets('synthetic-subspaces', num_samples=80, noise=0, purity=1)
+    bases = info.extra['subspace_bases']
+    tokens = image_to_tokens(train.normalized_images(), info.extra['patch_size'])      # n, N, D
+    own = bases[train.labels]                                                           # n, D, p
+    projected = own @ (own.transpose(1, 2) @ tokens.transpose(1, 2))                    # n, D, N
+    residual = (tokens.transpose(1, 2) - projected).norm() / tokens.norm()
+    assert residual < 1e-5
+    assert torch.equal(train.token_subspaces, train.labels[:, None].expand(-1, 16))
+    # purity=0: no token comes from its own class subspace; purity=0.75: about 3/4 do
+    train, _, _ = build_datasets('synthetic-subspaces', num_samples=80, purity=0)
+    assert not (train.token_subspaces == train.labels[:, None]).any()
+    train, _, _ = build_datasets('synthetic-subspaces', num_samples=400)
+    frac = (train.token_subspaces == train.labels[:, None]).float().mean().item()
+    assert abs(frac - 0.75) < 0.03
+
+
+# ----- MNIST IDX -----
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_MNIST), reason='shared MNIST test set not present')
+def test_mnist_shared_test_set():
+    train, val, info = build_datasets(f'mnist:{SHARED_MNIST}')
+    assert (info.train_size, info.val_size, info.img_size, info.in_chans) == (8000, 2000, 28, 1)
+    assert torch.equal(val.source_indices, torch.arange(8000, 10000))
+    labels = torch.cat([train.labels, val.labels])
+    assert torch.bincount(labels, minlength=10).tolist() == MNIST_T10K_COUNTS
+    assert '8000' in info.description and train[0][0].shape == (1, 28, 28)
+
+
+def _write_idx(path, array, magic, compress):
+    payload = struct.pack('>I', magic) + struct.pack(f'>{array.ndim}I', *array.shape) + array.tobytes()
+    with (gzip.open if compress else open)(path, 'wb') as f:
+        f.write(payload)
+    return payload
+
+
+@pytest.mark.parametrize('compress', [True, False])
+def test_mnist_tiny_idx_round_trip(tmp_path, compress):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(10, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=10).astype(np.uint8)
+    ext = '.gz' if compress else ''
+    _write_idx(tmp_path / f't10k-images-idx3-ubyte{ext}', images, 2051, compress)
+    _write_idx(tmp_path / f't10k-labels-idx1-ubyte{ext}', labels, 2049, compress)
+    assert np.array_equal(read_idx(str(tmp_path / f't10k-images-idx3-ubyte{ext}')), images)
+    train, val, info = build_datasets(f'mnist:{tmp_path}')
+    assert (info.train_size, info.val_size) == (8, 2)
+    assert np.array_equal(torch.cat([train.images, val.images])[:, 0].numpy(), images)
+    assert np.array_equal(torch.cat([train.labels, val.labels]).numpy(), labels)
+    # with a train pair too: train files train, t10k files val
+    _write_idx(tmp_path / 'train-images-idx3-ubyte', images[:6], 2051, False)
+    _write_idx(tmp_path / 'train-labels-idx1-ubyte', labels[:6], 2049, False)
+    train, val, info = build_datasets(f'mnist:{tmp_path}')
+    assert (len(train), len(val)) == (6, 10) and torch.equal(val.images[:, 0], torch.from_numpy(images))
+
+
+def test_mnist_truncated_or_corrupt_file_is_a_clear_error(tmp_path):
+    images = np.zeros((5, 28, 28), dtype=np.uint8)
+    payload = _write_idx(tmp_path / 't10k-images-idx3-ubyte', images, 2051, False)
+    _write_idx(tmp_path / 't10k-labels-idx1-ubyte', np.zeros(5, np.uint8), 2049, False)
+    (tmp_path / 't10k-images-idx3-ubyte').write_bytes(payload[:-100])
+    with pytest.raises(ValueError, match='t10k-images-idx3-ubyte.*truncated'):
+        build_datasets(f'mnist:{tmp_path}')
+    (tmp_path / 't10k-images-idx3-ubyte').write_bytes(gzip.compress(payload)[:-20])   # truncated gzip
+    with pytest.raises(ValueError, match='t10k-images-idx3-ubyte.*gzip'):
+        build_datasets(f'mnist:{tmp_path}')
+    (tmp_path / 't10k-images-idx3-ubyte').write_bytes(struct.pack('>I', 2049) + payload[4:])  # wrong magic
+    with pytest.raises(ValueError, match='magic number 2049, expected 2051'):
+        build_datasets(f'mnist:{tmp_path}')
+
+
+def test_mnist_folder_without_idx_files(tmp_path):
+    (tmp_path / 't10k-images-idx3-ubyte').write_bytes(b'')
+    with pytest.raises(FileNotFoundError, match='t10k-labels-idx1-ubyte.*incomplete pair: t10k'):
+        build_datasets(f'mnist:{tmp_path}')
+
+
+# ----- CIFAR-10 -----
+
+def _write_cifar(folder, n=4):
+    folder.mkdir(exist_ok=True)
+    rng = np.random.default_rng(1)
+    batches = {}
+    for name in [f'data_batch_{i}' for i in range(1, 6)] + ['test_batch']:
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=n).tolist()
+        with open(folder / name, 'wb') as f:
+            pickle.dump({b'data': data, b'labels': labels}, f)
+        batches[name] = (data, labels)
+    return batches
+
+
+def test_cifar10_tiny_folder(tmp_path):
+    batches = _write_cifar(tmp_path / 'cifar')
+    train, val, info = build_datasets(f'cifar10:{tmp_path / "cifar"}')
+    assert (info.train_size, info.val_size, info.in_chans, info.img_size, info.num_classes) == (20, 4, 3, 32, 10)
+    x, y = val[1]
+    assert x.shape == (3, 32, 32) and y == batches['test_batch'][1][1]
+    # rows are 1024 red, then green, then blue values, each row-major 32x32
+    raw = batches['test_batch'][0][1]
+    assert torch.equal(val.images[1, 1, 0, :], torch.from_numpy(raw[1024:1056]))
+    assert train.labels.tolist() == sum((batches[f'data_batch_{i}'][1] for i in range(1, 6)), [])
+    assert train.augment == 'crop4_flip' and val.augment is None
+    os.remove(tmp_path / 'cifar' / 'data_batch_3')
+    with pytest.raises(FileNotFoundError, match='data_batch_3.*expected data_batch_1'):
+        build_datasets(f'cifar10:{tmp_path / "cifar"}')
+
+
+# ----- image folders -----
+
+def _write_pngs(folder, classes=('cat', 'dog'), per_class=4):
+    from PIL import Image
+    rng = np.random.default_rng(2)
+    for c in classes:
+        (folder / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(folder / c / f'{i}.png')
+
+
+def test_imagefolder_split_and_train_val_layout(tmp_path):
+    _write_pngs(tmp_path / 'flat')
+    train, val, info = build_datasets(f'imagefolder:{tmp_path / "flat"}', img_size=16, val_fraction=0.25)
+    assert (info.num_classes, info.in_chans, info.img_size, info.train_size, info.val_size) == (2, 3, 16, 6, 2)
+    assert info.extra['classes'] == ['cat', 'dog']
+    x, y = val[0]
+    assert x.shape == (3, 16, 16) and x.dtype == torch.float32 and y in (0, 1)
+    assert train[0][0].shape == (3, 16, 16)
+    assert sorted(val[i][1] for i in range(2)) == [0, 1]          # stratified
+    _write_pngs(tmp_path / 'tv' / 'train', per_class=3)
+    _write_pngs(tmp_path / 'tv' / 'val', per_class=2)
+    train, val, info = build_datasets(f'imagefolder:{tmp_path / "tv"}', img_size='8')
+    assert (len(train), len(val), info.img_size) == (6, 4, 8) and val[3][0].shape == (3, 8, 8)
+
+
+# ----- the --data argument and its errors -----
+
+def test_parse_data_spec_and_forms():
+    assert parse_data_spec('digits') == ('digits', None)
+    assert parse_data_spec('MNIST:/a:b') == ('mnist', '/a:b')
+    assert list(DATASET_FORMS) == ['digits', 'synthetic-subspaces', 'mnist:PATH', 'cifar10:PATH',
+                                   'imagefolder:PATH']
+
+
+def test_unknown_dataset_lists_accepted_forms():
+    with pytest.raises(ValueError, match='--data.*imagenet.*digits, synthetic-subspaces, mnist:PATH'):
+        build_datasets('imagenet')
+    with pytest.raises(ValueError, match='needs a folder'):
+        build_datasets('mnist')
+    with pytest.raises(ValueError, match='takes no path'):
+        build_datasets('digits:/tmp')
+
+
+def test_missing_path_names_path_and_argument(tmp_path):
+    missing = str(tmp_path / 'nope')
+    for form in ('mnist', 'cifar10', 'imagefolder'):
+        with pytest.raises(FileNotFoundError, match=f"--data.*{re.escape(missing)}.*does not exist"):
+            build_datasets(f'{form}:{missing}')
+
+
+@pytest.mark.parametrize('kwargs, named', [
+    (dict(token_dim=15), 'token_dim.*perfect square'),
+    (dict(num_tokens='10'), 'num_tokens.*perfect square'),
+    (dict(purity=1.5), r'purity.*\[0, 1\]'),
+    (dict(noise=-1), 'noise.*>= 0'),
+    (dict(num_classes='four'), 'num_classes.*integer'),
+    (dict(num_classes=2.5), 'num_classes.*integer'),
+    (dict(subspace_dim=17), 'subspace_dim.*token_dim'),
+    (dict(augment=True), 'augment'),
+    (dict(colour='red'), 'unknown option.*colour.*accepted options.*num_classes'),
+    (dict(val_fraction=0), r'val_fraction.*\(0, 1\)'),
+    (dict(val_fraction='1.2'), r'val_fraction.*\(0, 1\)'),
+])
+def test_bad_options_name_the_option(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        build_datasets('synthetic-subspaces', num_samples=40, **kwargs)
+
+
+def test_string_options_are_coerced():
+    train, val, info = build_datasets('synthetic-subspaces', num_classes='3', subspace_dim='2', token_dim='9',
+                                      num_tokens='4', num_samples='60', noise='0.1', purity='1',
+                                      val_fraction='0.5')
+    assert (info.num_classes, info.img_size, info.extra['patch_size'], len(train), len(val)) == (3, 6, 3, 30, 30)
+    assert info.extra['subspace_bases'].shape == (3, 9, 2)
+    with pytest.raises(ValueError, match='augment.*true or false'):
+        build_datasets('digits', augment='maybe')

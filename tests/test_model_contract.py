@@ -1,0 +1,95 @@
+"""The timm model contract, for every model structformer registers."""
+import pytest
+import timm
+import torch
+
+from structformer import list_structformer_models
+from structformer.layers import ISTA, MSSA
+
+MODELS = list_structformer_models()
+
+
+def _small(name):
+    """Build a model at a small input size so 24-layer / 77M-parameter models stay cheap on CPU."""
+    cfg = timm.get_pretrained_cfg(name)
+    size = cfg.input_size
+    kwargs = {}
+    if cfg.test_input_size:
+        size = cfg.test_input_size
+        kwargs['img_size'] = size[-1]
+    return timm.create_model(name, **kwargs), size
+
+
+@pytest.mark.parametrize('name', MODELS)
+def test_model_contract(name):
+    model, (c, h, w) = _small(name)
+    x = torch.randn(2, c, h, w)
+    out = model(x)
+    assert out.shape == (2, model.num_classes)
+    assert torch.isfinite(out).all()
+    out.square().mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without gradient: {missing[:5]}"
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape[0] == 2 and feats.shape[-1] == model.num_features
+        pre = model.forward_head(feats, pre_logits=True)
+        assert pre.shape == (2, model.num_features)
+        model.reset_classifier(0)
+        assert model(x).shape == (2, model.num_features)
+        model.reset_classifier(7)
+        assert model(x).shape == (2, 7)
+
+
+@pytest.mark.parametrize('name', [n for n in MODELS if 'large' not in n][:6])
+def test_torch_compile_eager_runs(name):
+    model, (c, h, w) = _small(name)
+    model.eval()
+    x = torch.randn(1, c, h, w)
+    compiled = torch.compile(model, backend='eager')
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize('name,expected', [('crate_tiny_patch16_224', 6.09e6), ('crate_small_patch16_224', 13.12e6),
+                                           ('crate_base_patch16_224', 22.80e6), ('crate_large_patch16_224', 77.64e6)])
+def test_crate_parameter_counts_match_table1(name, expected):
+    with torch.device('meta'):
+        model = timm.create_model(name)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - expected) / expected < 0.005, count
+
+
+def test_crate_wrong_input_gives_clear_error():
+    model = timm.create_model('crate_digits')
+    with pytest.raises(ValueError, match='in_chans=1'):
+        model(torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match='img_size'):
+        model(torch.randn(1, 1, 16, 16))
+
+
+def test_pretrained_request_is_refused_without_download():
+    with pytest.raises(ValueError, match='no pretrained weights'):
+        timm.create_model('crate_digits', pretrained=True)
+
+
+def test_mssa_and_ista_drop_into_timm_vision_transformer():
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10,
+                              attn_layer=MSSA, mlp_layer=ISTA)
+    assert isinstance(model.blocks[0].attn, MSSA) and isinstance(model.blocks[0].mlp, ISTA)
+    out = model(torch.randn(2, 3, 32, 32))
+    out.sum().backward()
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    assert model.blocks[0].mlp.weight.grad is not None
+
+
+def test_crate_variants_build_and_differ():
+    base = timm.create_model('crate_digits')
+    tied = timm.create_model('crate_digits', tied_output=True)
+    mm = timm.create_model('crate_digits', sparse_step='mm')
+    assert tied.blocks[0].attn.proj is None and base.blocks[0].attn.proj is not None
+    assert mm.blocks[0].mlp.step == 'mm'
+    x = torch.randn(2, 1, 8, 8)
+    for m in (tied, mm):
+        assert torch.isfinite(m(x)).all()
