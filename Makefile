@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 # Train CRATE on the embedded digits data, then run the white-box analysis on the result.
 demo: $(STAMP)
-	$(BIN)/structformer train --model crate_digits --data digits --epochs 30 --output $(DEMO_OUT) --overwrite
+	$(BIN)/structformer train --model crate_digits --data digits --epochs 20 --lr 3e-3 --output $(DEMO_OUT) --overwrite
 	$(BIN)/structformer analyze --checkpoint $(DEMO_OUT) --compare init --data digits --output $(DEMO_OUT)/analysis
 	@echo
-	@echo "checkpoint: $(DEMO_OUT)/checkpoints/last"
+	@echo "checkpoints: $(DEMO_OUT)/checkpoints (latest.json names the newest)"
 	@echo "metrics:    $(DEMO_OUT)/metrics.jsonl"
 	@echo "report:     $(DEMO_OUT)/analysis/report.md"
 

@@ -1,0 +1,214 @@
+"""`structformer analyze`: white-box measurements of trained CRATE checkpoints (CRATE §3.1, Fig. 3–7).
+
+Writes, into --output: analysis.json (every number, per checkpoint), compression_per_layer.png and
+sparsity_per_layer.png (one line per checkpoint), coherence_<ckpt>.png, tokens_<ckpt>.png,
+angles_<ckpt>.png (synthetic-subspaces data only) and report.md linking them.
+"""
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..train.checkpoint import load_model, resolve_checkpoint
+from .plots import plot_coherence, plot_layer_curves, plot_principal_angles, plot_token_heatmaps
+from .report import write_report
+from .subspaces import coherence_summary, subspace_coherence, subspace_recovery
+from .whitebox import check_crate, layer_bases, measure_layers, token_heatmaps
+
+__all__ = ['ANALYZE_EXAMPLES', 'add_analyze_arguments', 'run_analyze', 'resolve_compare']
+
+ANALYZE_EXAMPLES = """examples:
+  # the newest checkpoint of a run against its random init (epoch_0000), on the run's own val split
+  structformer analyze --checkpoint outputs/demo --compare init
+
+  # the training trajectory, as in CRATE Fig. 4 (init / epoch 1 / 20 / last)
+  structformer analyze --checkpoint outputs/demo --compare init epoch:1 epoch:20 --num-samples 128
+
+  # one checkpoint directory, other data, explicit output folder
+  structformer analyze --checkpoint outputs/syn/checkpoints/epoch_0020 --data synthetic-subspaces \\
+      --eps 0.5 --output /tmp/syn_analysis
+"""
+
+
+def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    if not parser.epilog:
+        parser.epilog = ANALYZE_EXAMPLES
+    parser.add_argument('--checkpoint', required=True, metavar='PATH',
+                        help='a run directory (its newest checkpoint is used) or a checkpoint directory')
+    parser.add_argument('--compare', nargs='+', default=[], metavar='SPEC',
+                        help="more checkpoints to measure alongside: paths, 'init' (the run's epoch_0000, "
+                             "its random initialisation) or 'epoch:N' (epoch_000N of the same run)")
+    parser.add_argument('--data', default=None, metavar='SPEC',
+                        help="data to measure on (default: the checkpoint's training data, with its options, "
+                             "seed and val_fraction, so the held-out split is the one training used)")
+    parser.add_argument('--num-samples', type=int, default=256, metavar='B',
+                        help='validation samples to average over (>= 1; default 256; capped at the split size)')
+    parser.add_argument('--eps', type=float, default=0.5,
+                        help='ε of the coding rates, Eq. 7–8 (> 0; default 0.5)')
+    parser.add_argument('--exclude-cls', action='store_true',
+                        help='measure patch tokens only (default: all tokens, cls included, as the model sees them)')
+    parser.add_argument('--output', default=None, metavar='DIR',
+                        help='output folder (default: <run>/analysis, or <checkpoint>/analysis outside a run)')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
+                             'random baseline (default 0)')
+    return parser
+
+
+def _check_args(args) -> None:
+    b = args.num_samples
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"--num-samples must be an integer >= 1; got {b!r}")
+    eps = args.eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
+
+
+def _run_dir(checkpoint: Path) -> Optional[Path]:
+    return checkpoint.parent.parent if checkpoint.parent.name == 'checkpoints' else None
+
+
+def resolve_compare(spec: str, run: Optional[Path]) -> Path:
+    """'init' -> <run>/checkpoints/epoch_0000, 'epoch:N' -> epoch_{N:04d}, anything else a path."""
+    m = re.fullmatch(r'epoch:(\d+)', spec.strip())
+    if spec.strip() == 'init' or m:
+        name = 'epoch_0000' if not m else f'epoch_{int(m.group(1)):04d}'
+        if run is None:
+            raise ValueError(f"--compare {spec}: the keyword needs --checkpoint inside a run "
+                             "(<run>/checkpoints/epoch_NNNN); pass a checkpoint path instead")
+        path = run / 'checkpoints' / name
+        if not path.is_dir():
+            have = sorted(p.name for p in (run / 'checkpoints').glob('epoch_*') if p.is_dir())
+            raise FileNotFoundError(f"--compare {spec}: {path} does not exist; this run has {', '.join(have) or 'none'}")
+        return resolve_checkpoint(path)
+    return resolve_checkpoint(spec)
+
+
+def _build_datasets(spec, **kwargs):
+    from ..data import build_datasets            # imported late: the CLI's --help needs no data code
+    return build_datasets(spec, **kwargs)
+
+
+def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, num_samples: int,
+                 seed: int) -> Tuple[torch.Tensor, object, List[int]]:
+    """B validation images (a seeded subset when the split is larger) and the dataset info."""
+    _, val, info = _build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
+    n = len(val)
+    if n == 0:
+        raise ValueError(f"--data {spec}: the validation split is empty")
+    if n > num_samples:
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:num_samples].sort().values.tolist()
+    else:
+        idx = list(range(n))
+    return torch.stack([val[i][0] for i in idx]), info, idx
+
+
+def _label(state: Dict, path: Path) -> str:
+    epoch = state.get('epoch')
+    if epoch is None:
+        return path.name
+    return f'epoch {epoch} (init)' if epoch == 0 else f'epoch {epoch}'
+
+
+def _slug(label: str, taken: set) -> str:
+    base = re.sub(r'[^A-Za-z0-9]+', '_', label).strip('_').lower() or 'checkpoint'
+    slug, k = base, 2
+    while slug in taken:
+        slug, k = f'{base}_{k}', k + 1
+    taken.add(slug)
+    return slug
+
+
+def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: str, label: str) -> Dict:
+    measure = measure_layers(model, images, eps=args.eps, include_cls=not args.exclude_cls)
+    measure.pop('samples')
+    bases = layer_bases(model)
+    coherences = [subspace_coherence(u) for u in bases]
+    figures = {
+        'coherence': plot_coherence(coherences, bases[0].shape[0], out / f'coherence_{slug}.png',
+                                    f'{label}: |UᵀU| per layer (Fig. 7)').name,
+        'tokens': plot_token_heatmaps(token_heatmaps(model, images[:1], seed=args.seed), out / f'tokens_{slug}.png',
+                                      f'{label}: |Z^ℓ| of one sample, ≤50 tokens × ≤50 features (Fig. 6)').name,
+    }
+    result = {'label': label, 'path': str(path), 'model': state.get('model'), 'epoch': state.get('epoch'),
+              'measure': measure,
+              'coherence': [dict(layer=i + 1, **coherence_summary(c, bases[i].shape[0]))
+                            for i, c in enumerate(coherences)],
+              'subspace_recovery': None, 'figures': figures}
+    true = info.extra.get('subspace_bases') if getattr(info, 'extra', None) else None
+    if true is not None:
+        patch_dim = model.patch_embed.proj.in_features
+        if true.shape[1] == patch_dim:
+            result['subspace_recovery'] = subspace_recovery(model, true, seed=args.seed)
+            figures['angles'] = plot_principal_angles(
+                result['subspace_recovery'], out / f'angles_{slug}.png',
+                f'{label}: learned vs true subspaces').name
+        else:
+            result['subspace_recovery_skipped'] = (f'true bases are {true.shape[1]}-dim tokens, the model '
+                                                   f'embeds {patch_dim}-dim patches')
+    return result
+
+
+def run_analyze(args) -> int:
+    _check_args(args)
+    main_path = resolve_checkpoint(args.checkpoint)
+    run = _run_dir(main_path)
+    paths = [main_path]
+    for spec in args.compare:
+        p = resolve_compare(spec, run)
+        if p.resolve() not in {q.resolve() for q in paths}:       # the same checkpoint twice adds nothing
+            paths.append(p)
+    loaded = []
+    for p in paths:
+        model, state = load_model(p)
+        try:
+            check_crate(model)
+        except ValueError as e:
+            raise ValueError(f"--checkpoint {p}: model {state.get('model')!r} is not CRATE: {e}") from None
+        loaded.append((model, state, p))
+
+    config = loaded[0][1].get('config') or {}
+    spec = args.data or config.get('data')
+    if not spec:
+        raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
+    same = args.data is None or args.data == config.get('data')
+    options = dict(config.get('data_kwargs') or {}) if same else {}
+    data_seed = int(config.get('seed', 0))
+    val_fraction = float(config.get('val_fraction', 0.2))
+    images, info, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
+    if len(idx) < args.num_samples:
+        print(f"note: the validation split of {spec} has {len(idx)} samples; measuring all of them "
+              f"instead of --num-samples {args.num_samples}")
+
+    out = Path(args.output) if args.output else (run or main_path) / 'analysis'
+    out.mkdir(parents=True, exist_ok=True)
+    taken: set = set()
+    results = []
+    for model, state, p in loaded:
+        label = _label(state, p)
+        if any(r['label'] == label for r in results):
+            label = f'{label} [{p}]'
+        results.append(_analyse_one(model, state, p, images, args, info, out, _slug(label, taken), label))
+
+    measures = {r['label']: r['measure'] for r in results}
+    analysis = {
+        'data': spec, 'data_kwargs': options, 'data_seed': data_seed, 'val_fraction': val_fraction,
+        'num_samples': len(idx), 'sample_indices': idx, 'eps': float(args.eps),
+        'include_cls': not args.exclude_cls, 'seed': args.seed,
+        'figures': {'R_c': plot_layer_curves(measures, 'R_c', out / 'compression_per_layer.png').name,
+                    'sparsity': plot_layer_curves(measures, 'sparsity', out / 'sparsity_per_layer.png').name},
+        'checkpoints': results,
+    }
+    json_path = out / 'analysis.json'
+    json_path.write_text(json.dumps(analysis, indent=1))
+    report = write_report(analysis, out / 'report.md')
+    pngs = [analysis['figures'][k] for k in ('R_c', 'sparsity')] + [f for r in results for f in r['figures'].values()]
+    print(f'analysis: {json_path}')
+    print(f'report:   {report}')
+    for name in pngs:
+        print(f'figure:   {out / name}')
+    return 0

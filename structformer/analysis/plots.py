@@ -1,0 +1,126 @@
+"""PNG figures of the white-box analysis, in the style of CRATE Fig. 3–4 (curves), 6 (tokens), 7 (coherence).
+
+Figures are built on `matplotlib.figure.Figure` with the Agg canvas, never pyplot: no global backend
+switch, no open-figure state, safe in threads and headless runs.
+"""
+import math
+from pathlib import Path
+from typing import Dict, List, Mapping
+
+import numpy as np
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+__all__ = ['plot_layer_curves', 'plot_coherence', 'plot_token_heatmaps', 'plot_principal_angles']
+
+_CURVES = {
+    'R_c': ('input_R_c', 'R_c(Z^{ℓ+½}; U^ℓ)  (Eq. 8)', 'compression term R_c (lower = more compressed)'),
+    'sparsity': ('input_sparsity', '‖Z^{ℓ+1}‖₀ / (d·N)', 'fraction of non-zero entries (lower = sparser)'),
+}
+
+
+def _save(fig: Figure, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110, bbox_inches='tight')
+    return path
+
+
+def layer_curve(measure: Dict, metric: str):
+    """(x, mean, std): x = 0 is the layer-0 input Z^0, x = ℓ the value after layer ℓ."""
+    input_key = _CURVES[metric][0]
+    layers = measure['layers']
+    mean = [layers[0][input_key]['mean']] + [row[metric]['mean'] for row in layers]
+    std = [layers[0][input_key]['std']] + [row[metric]['std'] for row in layers]
+    return np.arange(len(mean)), np.array(mean), np.array(std)
+
+
+def plot_layer_curves(measures: Mapping[str, Dict], metric: str, path) -> Path:
+    """One line per checkpoint with ±std error bars over samples (Fig. 3–4)."""
+    if metric not in _CURVES:
+        raise ValueError(f"metric must be one of {sorted(_CURVES)}; got {metric!r}")
+    _, title, ylabel = _CURVES[metric]
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    depth = 0
+    for label, measure in measures.items():
+        x, mean, std = layer_curve(measure, metric)
+        depth = max(depth, len(x) - 1)
+        ax.errorbar(x, mean, yerr=std, marker='o', capsize=3, label=label)
+    ax.set_xticks(range(depth + 1), ['input'] + [str(i) for i in range(1, depth + 1)])
+    ax.set_xlabel('layer ℓ')
+    ax.set_ylabel(ylabel)
+    any_m = next(iter(measures.values()))
+    ax.set_title(f"{title}\nmean ± std over B={any_m['num_samples']} samples, ε={any_m['eps']:g}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _grid(n: int):
+    cols = min(n, 4)
+    return math.ceil(n / cols), cols
+
+
+def plot_coherence(coherences: List[torch.Tensor], num_heads: int, path, title: str) -> Path:
+    """Heat maps of |UᵀU| per layer (Fig. 7), head boundaries marked."""
+    rows, cols = _grid(len(coherences))
+    fig = Figure(figsize=(3.2 * cols, 3.0 * rows), layout='constrained')
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= len(coherences):
+            ax.axis('off')
+            continue
+        c = coherences[i].cpu().numpy()
+        im = ax.imshow(c, vmin=0, vmax=1, cmap='viridis', interpolation='nearest')
+        p = c.shape[0] // num_heads
+        for b in range(1, num_heads):            # thin lines between heads
+            ax.axhline(b * p - 0.5, color='w', lw=0.4)
+            ax.axvline(b * p - 0.5, color='w', lw=0.4)
+        ax.set_title(f'layer {i + 1}', fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_token_heatmaps(maps: Mapping[int, np.ndarray], path, title: str) -> Path:
+    """|Z^ℓ| of one sample, tokens × features, for a few layers (Fig. 6); shared colour scale."""
+    vmax = max(float(m.max()) for m in maps.values()) or 1.0
+    fig = Figure(figsize=(3.2 * len(maps), 3.4), layout='constrained')
+    axes = fig.subplots(1, len(maps), squeeze=False)[0]
+    for ax, (ell, m) in zip(axes, maps.items()):
+        im = ax.imshow(m, vmin=0, vmax=vmax, cmap='magma', aspect='auto', interpolation='nearest')
+        ax.set_title('Z^0 (embedding)' if ell == 0 else f'Z^{ell} (after layer {ell})', fontsize=9)
+        ax.set_xlabel('feature')
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_ylabel('token')
+    fig.colorbar(im, ax=list(axes), shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_principal_angles(recovery: Dict, path, title: str) -> Path:
+    """Mean principal angle of matched heads per layer, learned vs random baseline; dots = heads."""
+    layers = recovery['layers']
+    x = np.arange(len(layers))
+    fig = Figure(figsize=(1.2 * len(layers) + 3, 3.6))
+    ax = fig.add_subplot()
+    for offset, key, colour in ((-0.2, 'learned', 'C0'), (0.2, 'random', 'C7')):
+        means = [row[key]['mean_deg'] for row in layers]
+        ax.bar(x + offset, means, width=0.38, color=colour, label=f'{key} U_k')
+        for xi, row in zip(x, layers):
+            heads = [p['mean_deg'] for p in row[key]['pairs']]
+            ax.plot([xi + offset] * len(heads), heads, 'k.', ms=4)
+    ax.set_xticks(x, [str(row['layer']) for row in layers])
+    ax.set_xlabel('layer')
+    ax.set_ylabel('mean principal angle to matched true subspace (°)')
+    ax.set_ylim(0, 90)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)

@@ -1,0 +1,262 @@
+"""White-box analysis (CRATE §3.1, Fig. 3–7): hooks, measurements, coherence, subspace recovery, CLI."""
+import argparse
+import json
+import re
+
+import pytest
+import timm
+import torch
+
+import structformer  # noqa: F401  (registers the CRATE models)
+from structformer.analysis import (capture_layers, map_true_bases, measure_layers, principal_angles,
+                                   random_bases, subspace_coherence, subspace_recovery, token_heatmaps)
+from structformer.analysis.cli import add_analyze_arguments, resolve_compare, run_analyze
+from structformer.functional.coding_rate import coding_rate, compression_rate
+from structformer.train.checkpoint import mark_latest, save_checkpoint
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return timm.create_model('crate_synthetic').eval()
+
+
+@pytest.fixture
+def images():
+    return torch.randn(6, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def _manual_forward(model, x):
+    """CRATE Eq. 18 written out: Z^{ℓ+½} = Z + MSSA(LN(Z)), Z^{ℓ+1} = ISTA(LN(Z^{ℓ+½}))."""
+    with torch.no_grad():
+        z = model.patch_embed(x)
+        z = torch.cat([model.cls_token.expand(len(x), -1, -1), z], 1) + model.pos_embed
+        layers = []
+        for blk in model.blocks:
+            half = z + blk.attn(blk.norm1(z))
+            out = blk.mlp(blk.norm2(half))
+            layers.append({'input': z, 'half': half, 'output': out})
+            z = out
+    return layers
+
+
+def test_hooks_capture_half_and_full_steps(model, images):
+    captured = capture_layers(model, images)
+    expected = _manual_forward(model, images)
+    assert len(captured) == len(model.blocks) == 4
+    for got, want in zip(captured, expected):
+        for stage in ('input', 'half', 'output'):
+            assert got[stage].shape == (6, 17, 16)
+            torch.testing.assert_close(got[stage], want[stage])
+    # the three stages are different tensors (a hook on the wrong module would repeat one)
+    assert not torch.allclose(captured[1]['half'], captured[1]['output'])
+    assert not torch.allclose(captured[1]['input'], captured[1]['half'])
+
+
+def test_measurements_equal_hand_computation(model, images):
+    eps = 0.7
+    result = measure_layers(model, images, eps=eps, batch_size=4)      # 2 mini-batches
+    captured = capture_layers(model, images)
+    assert result['num_samples'] == 6 and result['num_tokens'] == 17 and result['eps'] == eps
+    for i, (row, cap) in enumerate(zip(result['layers'], captured)):
+        u = model.blocks[i].attn.subspace_bases().detach().double()
+        half = cap['half'].double()
+        rc = compression_rate(half, u, eps)
+        r = coding_rate(half, eps)
+        torch.testing.assert_close(result['samples']['R_c'][i], rc)
+        assert row['R_c']['mean'] == pytest.approx(float(rc.mean()))
+        assert row['R_c']['std'] == pytest.approx(float(rc.std(correction=0)))
+        assert row['R']['mean'] == pytest.approx(float(r.mean()))
+        assert row['delta_R']['mean'] == pytest.approx(float((r - rc).mean()))
+        nonzero = (cap['output'] != 0).float().mean(dim=(1, 2))
+        assert row['sparsity']['mean'] == pytest.approx(float(nonzero.mean()))
+        assert row['input_R_c']['mean'] == pytest.approx(float(compression_rate(cap['input'].double(), u, eps).mean()))
+    # the ISTA output is ReLU'd: some but not all entries are zero
+    assert 0 < result['layers'][0]['sparsity']['mean'] < 1
+    # the U of the layer matters: layer 2's tokens measured with layer 1's U give another number
+    other = compression_rate(captured[1]['half'].double(), model.blocks[0].attn.subspace_bases().detach().double(), eps)
+    assert abs(float(other.mean()) - result['layers'][1]['R_c']['mean']) > 1e-6
+
+
+def test_exclude_cls_measures_patch_tokens_only(model, images):
+    result = measure_layers(model, images, include_cls=False)
+    half = capture_layers(model, images)[0]['half'][:, 1:].double()
+    u = model.blocks[0].attn.subspace_bases().detach().double()
+    assert result['num_tokens'] == 16
+    assert result['layers'][0]['R_c']['mean'] == pytest.approx(float(compression_rate(half, u, 0.5).mean()))
+
+
+def test_coherence_of_orthogonal_and_identical_heads():
+    q, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))
+    orthogonal = q.reshape(16, 4, 4).permute(1, 0, 2)                       # 4 heads, mutually orthogonal
+    torch.testing.assert_close(subspace_coherence(orthogonal), torch.eye(16, dtype=torch.float64))
+    one = q[:, :4] * torch.tensor([1., 2., 3., 4.], dtype=torch.float64)    # column norms are divided out
+    identical = one.expand(3, 16, 4)
+    # every p×p block equals the diagonal block I_p: the heads see the same subspace
+    expected = torch.kron(torch.ones(3, 3, dtype=torch.float64), torch.eye(4, dtype=torch.float64))
+    torch.testing.assert_close(subspace_coherence(identical), expected)
+    # width-1 identical heads: all ones
+    torch.testing.assert_close(subspace_coherence(q[:, :1].expand(5, 16, 1)), torch.ones(5, 5, dtype=torch.float64))
+
+
+def test_principal_angles_degrees():
+    e = torch.eye(3, dtype=torch.float64)
+    angles = principal_angles(e[:, :1], (e[:, :1] + e[:, 1:2]) / 2 ** 0.5)
+    assert angles == pytest.approx([45.0])
+    assert principal_angles(e[:, :2], e[:, [1, 0]]) == pytest.approx([0.0, 0.0], abs=1e-6)
+
+
+def _embedded_span(model, basis):
+    """Orthonormal basis of where the patch embedding actually puts tokens of span(basis): tokens
+    through the real module (biases zeroed, so outputs lie in a subspace), then an SVD."""
+    from structformer.data import tokens_to_image
+    gen = torch.Generator().manual_seed(3)
+    tokens = (torch.randn(4, 16, basis.shape[1], generator=gen) @ basis.T)           # [4 images, 16 tokens, D]
+    with torch.no_grad():
+        z = model.patch_embed(tokens_to_image(tokens)).reshape(-1, 16).double()
+    u, s, _ = torch.linalg.svd(z.T, full_matrices=False)
+    assert s[basis.shape[1]] < 1e-5 * s[0]                                           # exactly rank p
+    return u[:, :basis.shape[1]]
+
+
+def test_subspace_recovery_of_planted_bases(model):
+    true = random_bases(4, 16, 3, seed=7).float()            # K=4 subspaces of R^16, p=3 (4·3 ≤ 16)
+    pe = model.patch_embed
+    with torch.no_grad():
+        pe.norm_in.weight.uniform_(0.5, 1.5)                  # a non-trivial γ so the mapping matters
+        pe.norm_out.weight.uniform_(0.5, 1.5)
+        for b in (pe.norm_in.bias, pe.proj.bias, pe.norm_out.bias):
+            b.zero_()
+        # U_k of layer 1 := the embedded span of true subspace (k+1) mod K, 4th column a repeat
+        heads = []
+        for k in range(4):
+            span = _embedded_span(model, true[(k + 1) % 4]).float()
+            heads.append(torch.cat([span, span[:, :1]], 1))                          # [d, p_model=4]
+        model.blocks[0].attn.qkv.weight.copy_(torch.cat([h.T for h in heads], 0))
+    rec = subspace_recovery(model, true, seed=0)
+    first = rec['layers'][0]
+    assert first['learned']['mean_deg'] < 0.5
+    assert {(p['head'], p['true']) for p in first['learned']['pairs']} == {(k, (k + 1) % 4) for k in range(4)}
+    assert all(max(p['angles_deg']) < 0.5 for p in first['learned']['pairs'])
+    assert first['random']['mean_deg'] > 30
+    assert rec['layers'][1]['learned']['mean_deg'] > 30                               # untouched layer
+    # comparing in token space instead of feature space would not recover them
+    naive = principal_angles(model.blocks[0].attn.subspace_bases()[1].detach(), true[2])
+    assert naive.mean() > 5
+    # the mapped bases are orthonormal
+    m = map_true_bases(model, true)
+    torch.testing.assert_close(m.transpose(1, 2) @ m, torch.eye(3, dtype=torch.float64).expand(4, 3, 3))
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_model_unchanged_and_hooks_removed(model, images):
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    measure_layers(model, images)
+    token_heatmaps(model, images[0])
+    subspace_recovery(model, random_bases(4, 16, 3, seed=1))
+    with pytest.raises(ValueError):                          # hooks are removed after a failing forward too
+        measure_layers(model, torch.randn(2, 1, 12, 12))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert _hook_count(model) == 0
+    assert all(len(b.norm2._forward_pre_hooks) == 0 and len(b.mlp._forward_hooks) == 0 for b in model.blocks)
+    assert model.training and all(m.training for m in model.modules())             # mode restored
+
+
+def test_token_heatmaps_subsample_50(images):
+    digits = timm.create_model('crate_digits')                # 17 tokens × 64 features
+    maps = token_heatmaps(digits, torch.randn(1, 1, 8, 8), size=50, seed=0)
+    assert sorted(maps) == [0, 1, 3, 4]
+    assert all(m.shape == (17, 50) and (m >= 0).all() for m in maps.values())
+    assert (maps[4] == 0).any()                                # ISTA output is sparse
+
+
+def test_non_crate_model_is_rejected(images):
+    vit = timm.create_model('test_vit')
+    with pytest.raises(ValueError, match='CRATE'):
+        measure_layers(vit, torch.randn(1, 3, 160, 160))
+    with pytest.raises(ValueError, match='CRATE'):
+        measure_layers(torch.nn.Linear(4, 4), images)
+
+
+# ------------------------------------------------------------------ CLI
+
+CONFIG = {'data': 'synthetic-subspaces', 'data_kwargs': {'num_samples': 48}, 'seed': 0, 'val_fraction': 0.25}
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_analyze_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _make_run(tmp_path, model_name='crate_synthetic'):
+    ckpts = tmp_path / 'run' / 'checkpoints'
+    torch.manual_seed(0)
+    model = timm.create_model(model_name)
+    save_checkpoint(ckpts / 'epoch_0000', model, state={'model': model_name, 'model_kwargs': {}, 'epoch': 0,
+                                                         'config': CONFIG}, with_rng=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    last = save_checkpoint(ckpts / 'epoch_0002', model, state={'model': model_name, 'model_kwargs': {},
+                                                                'epoch': 2, 'config': CONFIG}, with_rng=False)
+    mark_latest(ckpts, last)
+    return tmp_path / 'run'
+
+
+def test_run_analyze_end_to_end(tmp_path, capsys):
+    run = _make_run(tmp_path)
+    args = _parse('--checkpoint', str(run), '--compare', 'init', '--num-samples', '8')
+    assert run_analyze(args) == 0
+    out = run / 'analysis'
+    data = json.loads((out / 'analysis.json').read_text())
+    assert data['num_samples'] == 8 and data['eps'] == 0.5 and data['data'] == 'synthetic-subspaces'
+    assert data['data_kwargs'] == {'num_samples': 48}
+    assert [c['epoch'] for c in data['checkpoints']] == [2, 0]
+    for ck in data['checkpoints']:
+        assert len(ck['measure']['layers']) == 4
+        assert ck['subspace_recovery'] is not None                   # synthetic data: true bases known
+        assert set(ck['figures']) == {'coherence', 'tokens', 'angles'}
+    pngs = sorted(p.name for p in out.glob('*.png'))
+    assert len(pngs) == 2 + 2 * 3
+    assert all((out / p).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' for p in pngs)
+    report = (out / 'report.md').read_text()
+    assert report.count('| layer | R_c mean ± std |') == 2
+    assert '## epoch 2' in report and '## epoch 0 (init)' in report
+    for link in re.findall(r'!\[[^\]]*\]\(([^)]+)\)', report):      # relative links that resolve
+        assert not link.startswith('/') and (out / link).exists()
+    # the trend sentence states the measured numbers
+    rows = data['checkpoints'][0]['measure']['layers']
+    first, last = rows[0]['R_c']['mean'], rows[-1]['R_c']['mean']
+    verb = 'falls' if last < first else 'rises'
+    assert f'R_c {verb} from {first:.4g} at layer 1 to {last:.4g} at layer 4' in report
+    printed = capsys.readouterr().out
+    assert str(out / 'report.md') in printed and str(out / 'analysis.json') in printed
+
+
+def test_resolve_compare_keywords(tmp_path):
+    run = _make_run(tmp_path)
+    assert resolve_compare('epoch:2', run).name == 'epoch_0002'
+    assert resolve_compare('init', run).name == 'epoch_0000'
+    with pytest.raises(FileNotFoundError, match='epoch_0000, epoch_0002'):
+        resolve_compare('epoch:7', run)
+    with pytest.raises(ValueError, match='inside a run'):
+        resolve_compare('init', None)
+
+
+def test_run_analyze_bad_input(tmp_path):
+    run = _make_run(tmp_path)
+    with pytest.raises(ValueError, match=r'--num-samples must be an integer >= 1; got 0'):
+        run_analyze(_parse('--checkpoint', str(run), '--num-samples', '0'))
+    with pytest.raises(ValueError, match=r'--eps must be a finite number > 0'):
+        run_analyze(_parse('--checkpoint', str(run), '--eps', '-1'))
+    vit_dir = tmp_path / 'vit'
+    save_checkpoint(vit_dir, timm.create_model('test_vit'),
+                    state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': 1, 'config': CONFIG}, with_rng=False)
+    with pytest.raises(ValueError, match='not CRATE'):
+        run_analyze(_parse('--checkpoint', str(vit_dir)))
