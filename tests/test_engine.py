@@ -114,3 +114,15 @@ def test_ddp_two_processes_end_with_identical_weights(tmp_path):
     a = load_file(str(out / 'checkpoints' / 'epoch_0000' / 'model.safetensors'))
     b = load_file(str(out / 'checkpoints' / 'epoch_0002' / 'model.safetensors'))
     assert not torch.equal(a['head.weight'], b['head.weight'])
+
+
+@pytest.mark.parametrize('name,kwargs', [('vit_tiny_patch16_224', {'patch_size': 2, 'depth': 2}),
+                                         ('resnet10t', {})])
+def test_any_timm_model_trains_on_embedded_data(tmp_path, name, kwargs):
+    """Data decides classes/channels/size: ViTs get img_size, convolutional nets (no img_size) do not."""
+    result = train(_tiny(tmp_path, model=name, model_kwargs=kwargs, epochs=1, warmup_epochs=0,
+                         limit_train_batches=2), progress=False)
+    model, state = load_model(result.last_checkpoint)
+    assert state['model_kwargs']['num_classes'] == 10 and state['model_kwargs']['in_chans'] == 1
+    assert ('img_size' in state['model_kwargs']) == name.startswith('vit')
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)

@@ -1,2 +1,4 @@
-from .attention import ATTENTION_LAYERS, MSSA, get_attention, register_attention
+from .attention import (ATTENTION_LAYERS, MSSA, LinformerAttention, NaiveSoftmaxAttention, NystromAttention,
+                        PerformerAttention, SoftAttention, SoftmaxAttention, SoftPlusPlusAttention, get_attention,
+                        register_attention)
 from .mlp import ISTA

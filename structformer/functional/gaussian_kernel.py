@@ -1,0 +1,42 @@
+"""Gaussian self-attention kernel of SOFT (Lu et al., IJCV 2024, Eq. 4–5).
+
+`S_ij = exp(−‖q_i − k_j‖² / (2√d))`, written `exp(Q ⊖ K)` in the paper. With Q = K (one shared
+projection, §3.1) S is symmetric, lies in [0, 1] and has a unit diagonal.
+"""
+import math
+from typing import Optional
+
+import torch
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _default_scale(d: int, scale: Optional[float]) -> float:
+    return 1.0 / (2.0 * math.sqrt(d)) if scale is None else scale
+
+
+def gaussian_kernel(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """exp(−scale · ‖q_i − k_j‖²) for q [..., n, d], k [..., m, d] -> [..., n, m] (SOFT Eq. 5).
+
+    `scale` defaults to 1/(2√d). The squared distance is expanded as ‖q‖² + ‖k‖² − 2qkᵀ so only
+    the n×m result (never an n×m×d difference tensor) is materialised; rounding can make the
+    expansion slightly negative, so it is clamped at 0 and the kernel never exceeds 1.
+    Half-precision inputs are computed in float32 (autocast disabled): the expansion subtracts
+    numbers of similar size, and bf16 cancellation there gives errors of order ‖q‖²·2⁻⁸.
+    Returns float32 for half inputs, the input dtype otherwise.
+    """
+    scale = _default_scale(q.shape[-1], scale)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        if q.dtype in _LOW_PRECISION or k.dtype in _LOW_PRECISION:
+            q, k = q.float(), k.float()
+        q_sq = q.pow(2).sum(-1, keepdim=True)                  # [..., n, 1]
+        k_sq = k.pow(2).sum(-1).unsqueeze(-2)                  # [..., 1, m]
+        sq_dist = (q_sq + k_sq - 2.0 * (q @ k.transpose(-2, -1))).clamp_min(0.0)
+        return torch.exp(-scale * sq_dist)
+
+
+def gaussian_kernel_reference(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """Slow, obvious Eq. 5: explicit pairwise differences (memory n·m·d). For tests only."""
+    scale = _default_scale(q.shape[-1], scale)
+    diff = q.unsqueeze(-2) - k.unsqueeze(-3)                   # [..., n, m, d]
+    return torch.exp(-scale * diff.pow(2).sum(-1))

@@ -1,0 +1,126 @@
+"""Moore–Penrose inverse by Newton–Schulz iteration (SOFT Alg. 2 / Eq. 10), implicit backward (Eq. 12).
+
+Iteration (Eq. 10): `X_{k+1} = 2X_k − X_k A X_k`. On the range of A the error obeys
+`I − A X_{k+1} = (I − A X_k)²`, so with `E_0 = I − A X_0` it is `E_0^(2^k)`: quadratic
+convergence once ‖E_k‖ < 1, and null-space components stay exactly zero (X_k = Aᵀ p(A Aᵀ)).
+
+Initialisation (our choice, not the paper's adaptive rule). SOFT's practical rule searches the
+smallest n with ‖I − A·(2βⁿ/‖A‖₁²)·A‖₁ ≤ 1; for an entry-wise positive kernel matrix every
+column sum of |I − αA²| is 1 + α·(off-diagonal − diagonal of A²), independent of the sign
+structure α could fix, so unless A² is diagonally dominant the search never ends (SPEC §2).
+We use `X_0 = α Aᵀ` with `α = 1 / (‖A‖₁ ‖A‖_∞)`:
+  * σ_max(A)² ≤ ‖A‖₁‖A‖_∞, so every non-zero singular value gives 1 − ασ² ∈ [0, 1): the error
+    contracts monotonically for *any* A (Ben-Israel & Cohen, 1966), with no oscillation.
+  * For symmetric A this is `X_0 = A/‖A‖₁²`, half the paper's base α = 2/‖A‖₁² (Alg. 2). The
+    base rule also converges for PSD A but sits on the boundary 1 − αλ² = −1 when ‖A‖₂ = ‖A‖₁
+    (e.g. a kernel matrix of near-identical landmarks, A ≈ 𝟙𝟙ᵀ), where it stalls; ours costs at
+    most one extra iteration for the small eigenvalues and never stalls.
+  * Eigenvalue λ needs about log₂(‖A‖₁²/λ²) iterations. Directions with much smaller λ are left
+    un-inverted after `num_iter` steps: a finite iteration count acts as a spectral cut-off,
+    which is what keeps near-singular kernel matrices from blowing up. `ridge` adds ridge·I.
+  * Non-symmetric A (Nyströmformer's softmax landmark matrix) is handled by the same rule.
+
+Stopping. In floating point the null space of a singular A carries rounding-level eigenvalues,
+and the iteration cannot tell them from small true ones: it doubles their component every step
+(X_{k+1} ≈ 2X_k there). Run long enough, that noise is "inverted" and X blows up (e.g. a rank-3
+8×8 matrix: error 1e-12 after 20 steps, 1 after 60, NaN in float32). So `num_iter` is a maximum:
+each matrix of the batch freezes once its update ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (eps of the
+compute dtype). Converged matrices then stay put for any `num_iter`; matrices still converging
+(small eigenvalues still growing) are unaffected, so the spectral cut-off above is unchanged.
+
+Backward (SOFT Eq. 12): `∇_A L = −Yᵀ (∇_Y L) Yᵀ` with Y the returned X. This is the exact
+derivative of the *inverse* A⁻¹; for invertible A and converged X it is the true gradient.
+For a singular A the derivative of A† has two more terms, `(I − A†A) ∇ᵀ A†A†ᵀ + A†ᵀA† ∇ᵀ (I − AA†)`
+(Golub & Pereyra, 1973), which act only through the null space; they are dropped, as in SOFT.
+The iterates are not stored, so memory is O(m²) whatever `num_iter` is.
+"""
+from typing import Tuple, Union
+
+import torch
+from torch.autograd.function import once_differentiable
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_num_iter(num_iter: int) -> None:
+    if not isinstance(num_iter, int) or isinstance(num_iter, bool) or num_iter < 1:
+        raise ValueError(f"num_iter must be an int >= 1 (Newton–Schulz steps of SOFT Eq. 10), got {num_iter!r}")
+
+
+def _newton_schulz(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    norm_1 = a.abs().sum(-2).amax(-1)                          # max column sum
+    norm_inf = a.abs().sum(-1).amax(-1)                        # max row sum
+    # tiny floor: pinv(0) = 0 (X_0 = 0 is a fixed point) instead of 0/0
+    alpha = 1.0 / (norm_1 * norm_inf).clamp_min(torch.finfo(a.dtype).tiny)
+    x = alpha[..., None, None] * a.transpose(-2, -1)
+    tol = torch.finfo(a.dtype).eps ** 0.5
+    frozen = torch.zeros(a.shape[:-2], dtype=torch.bool, device=a.device)
+    for _ in range(num_iter):
+        x_next = 2 * x - x @ a @ x
+        # past convergence Newton only doubles rounding noise in the null space (module docstring):
+        # freeze each matrix once its update is below √eps (no host sync, so no GPU stall)
+        update = torch.linalg.matrix_norm(x_next - x)
+        x = torch.where(frozen[..., None, None], x, x_next)
+        frozen = frozen | (update <= tol * torch.linalg.matrix_norm(x_next))
+    return x
+
+
+def _add_ridge(a: torch.Tensor, ridge: float) -> torch.Tensor:
+    if ridge == 0.0:
+        return a
+    return a + ridge * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+
+
+class _NewtonPinv(torch.autograd.Function):
+    """Forward: Newton–Schulz (Eq. 10) under no_grad. Backward: closed form (Eq. 12)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, num_iter: int) -> torch.Tensor:
+        x = _newton_schulz(a, num_iter)
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_x: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xt = x.transpose(-2, -1)
+            grad_a = -(xt @ grad_x.to(x.dtype) @ xt)
+        return grad_a, None
+
+
+def pinv_residual(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """‖AXA − A‖_F / ‖A‖_F per matrix (0 for A = 0): the first Moore–Penrose condition (Prop. 2)."""
+    with torch.no_grad():
+        num = torch.linalg.matrix_norm(a @ x @ a - a)
+        den = torch.linalg.matrix_norm(a).clamp_min(torch.finfo(a.dtype).tiny)
+        return num / den
+
+
+def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0,
+                return_residual: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Moore–Penrose inverse of a [..., m, m] matrix (batched) by at most `num_iter` Newton–Schulz steps.
+
+    See the module docstring for the initialisation rule (α = 1/(‖A‖₁‖A‖_∞), X_0 = αAᵀ) and
+    what the backward (SOFT Eq. 12) computes. Half-precision inputs (and autocast) run in float32
+    with autocast disabled and return float32: the iteration squares errors, and bf16 would stop
+    it at a residual of ~1e-2. With `return_residual=True` returns `(X, residual)` where
+    residual = ‖AXA − A‖_F/‖A‖_F (detached, one per matrix, for A + ridge·I).
+    """
+    _check_num_iter(num_iter)
+    if a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"newton_pinv expects square matrices [..., m, m], got shape {tuple(a.shape)}")
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        if a.dtype in _LOW_PRECISION:
+            a = a.float()
+        a = _add_ridge(a, ridge)
+        x = _NewtonPinv.apply(a, num_iter)
+        if return_residual:
+            return x, pinv_residual(a.detach(), x.detach())
+    return x
+
+
+def newton_pinv_reference(a: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:
+    """SVD-based Moore–Penrose inverse (`torch.linalg.pinv`, hermitian) of a symmetric matrix, for tests."""
+    return torch.linalg.pinv(_add_ridge(a, ridge), hermitian=True)

@@ -1,0 +1,289 @@
+"""SOFT and SOFT++: softmax-free attention (Lu et al., "Softmax-free Linear Transformers", IJCV 2024).
+
+Gaussian kernel attention `S = exp(Q ⊖ K)` (Eq. 4–5, Q = K from one projection, §3.1) approximated
+by Nyström through m bottleneck tokens Q̃ (Eq. 6–9):
+
+    A = exp(Q̃ ⊖ Q̃)  [m×m],   P = exp(Q̃ ⊖ Q)  [m×n],   Ŝ = Pᵀ A† P               (SOFT, Eq. 9)
+    Ŝ = Pᵀ D^-½ A† D^-½ P,   D = diag(A 1_m)                                      (SOFT++, Eq. 17)
+
+A† comes from `newton_pinv` (Eq. 10, implicit backward Eq. 12). `Ŝ V` is evaluated right to left,
+`Pᵀ (A† (P V))`, so nothing n×n is formed: time and memory are linear in n.
+
+Interface decisions (the paper leaves them open):
+* Token layout: the first `N − H·W` tokens are prefix tokens (e.g. timm's cls token), the rest an
+  H×W grid in row-major order. `grid_size=(H, W)` is passed to `forward`; without it N − prefix
+  must be a perfect square (prefix = `num_prefix_tokens`, or 0 then 1 when that is None).
+* Prefix tokens are added to the landmarks (m_total = p + m). Nyström reproduces landmark rows
+  and columns of S exactly, so the cls token attends, and is attended to, with the exact Gaussian
+  kernel, and Ŝ stays one symmetric PSD Nyström approximation. Cost: p more landmarks.
+* Samplers (§3.2) on the grid of Q: `conv` (Conv2d over all heads' channels, kernel = stride = k,
+  default), `avgpool` (kernel = stride = k), `random` (m grid tokens; a fresh subset every training
+  forward, and at eval one fixed subset per (n, m) drawn from `seed`, so evaluation is deterministic).
+* k (the paper's sampling ratio "sp"): `sampling_ratio` if given, else k = ⌈√(HW / num_landmarks)⌉, so
+  m = ⌈H/k⌉·⌈W/k⌉ ≈ num_landmarks (49 for 56², 28², 14², 7² grids with k = 8, 4, 2, 1). Grids that k
+  does not divide: avgpool uses ceil_mode (a border window averages the real tokens it covers);
+  conv replicate-pads the grid (never zeros, which would pull border landmarks to the origin).
+* The conv's weight is k×k, so k must be known when it is built: from `sampling_ratio`, from the
+  constructor's `grid_size`, or else the weight is created at the first forward (a lazy
+  parameter, with a warning: build the optimizer after one forward pass in that case). It is
+  initialised as average pooling, so training starts from the `avgpool` sampler.
+* Kernel, pseudo-inverse and the products with A† run in float32 under autocast: A† has large
+  entries of both signs, and bf16 cancellation there ruins the approximation.
+* `attn_drop` drops entries of the left factor Pᵀ (query-to-landmark weights): there is no n×n
+  attention matrix to drop from.
+"""
+import math
+import warnings
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_reference
+from ...functional.newton_pinv import newton_pinv
+from .registry import register_attention
+from .softmax import AttentionBase, check_no_mask
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+SAMPLERS = ('conv', 'avgpool', 'random')
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _LOW_PRECISION else t
+
+
+def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, normalize: bool = False,
+                   newton_iter: int = 20, ridge: float = 0.0, scale: Optional[float] = None,
+                   dropout: Optional[nn.Module] = None) -> torch.Tensor:
+    """Ŝ V for SOFT (Eq. 9) or, with `normalize=True`, SOFT++ (Eq. 17); memory O((m + d)·n + m²).
+
+    q: [..., n, d] (K = Q), v: [..., n, d_v], landmarks Q̃: [..., m, d]. Returns [..., n, d_v] in v's dtype.
+    `dropout` (if given) is applied to the left factor Pᵀ.
+    """
+    out_dtype = v.dtype
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q, v, landmarks = _upcast(q), _upcast(v), _upcast(landmarks)
+        p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [..., m, n]
+        a = gaussian_kernel(landmarks, landmarks, scale)           # exp(Q̃ ⊖ K̃): [..., m, m]
+        a_pinv = newton_pinv(a, newton_iter, ridge)
+        pv = p @ v                                                 # rightmost product first
+        if normalize:
+            d_inv_sqrt = a.sum(-1, keepdim=True).rsqrt()          # D^-½ (row sums ≥ 1: unit diagonal)
+            z = d_inv_sqrt * (a_pinv @ (d_inv_sqrt * pv))
+        else:
+            z = a_pinv @ pv
+        left = p.transpose(-2, -1)
+        if dropout is not None:
+            left = dropout(left)
+        out = left @ z
+    return out.to(out_dtype)
+
+
+def soft_attention_reference(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor,
+                             normalize: bool = False, ridge: float = 0.0, scale: Optional[float] = None,
+                             return_attn: bool = False):
+    """Slow, obvious Eq. 9 / Eq. 17: forms the full n×n Ŝ with an SVD pseudo-inverse. For tests.
+
+    Returns Ŝ V, or (Ŝ V, Ŝ) with `return_attn=True`.
+    """
+    p = gaussian_kernel_reference(landmarks, q, scale)
+    a = gaussian_kernel_reference(landmarks, landmarks, scale)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    middle = torch.linalg.pinv(a + ridge * eye, hermitian=True)
+    if normalize:
+        d_inv_sqrt = torch.diag_embed(a.sum(-1).rsqrt())
+        middle = d_inv_sqrt @ middle @ d_inv_sqrt
+    s_hat = p.transpose(-2, -1) @ middle @ p
+    out = s_hat @ v
+    return (out, s_hat) if return_attn else out
+
+
+def exact_gaussian_attention(q: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """S V with the exact n×n Gaussian kernel S = exp(Q ⊖ Q) (Eq. 5); O(n²), for tests and analysis."""
+    return gaussian_kernel(q, q, scale) @ v
+
+
+def sampling_ratio_for(height: int, width: int, num_landmarks: int) -> int:
+    """k = ⌈√(HW / num_landmarks)⌉: the smallest pooling ratio whose ⌈H/k⌉·⌈W/k⌉ grid is ≈ num_landmarks."""
+    return max(1, math.ceil(math.sqrt(height * width / num_landmarks)))
+
+
+class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
+    """Conv2d with kernel = stride = k over [B, C, H, W] (SOFT §3.2), initialised as average pooling.
+
+    With `kernel_size=None` the k×k weight is created at the first call from the k passed then.
+    """
+
+    def __init__(self, channels: int, kernel_size: Optional[int] = None, device=None, dtype=None):
+        super().__init__()
+        self.channels = channels
+        if kernel_size is None:
+            self.weight = nn.UninitializedParameter(device=device, dtype=dtype)
+        else:
+            self.weight = nn.Parameter(torch.empty(channels, channels, kernel_size, kernel_size,
+                                                   device=device, dtype=dtype))
+            self.reset_parameters()
+
+    @property
+    def kernel_size(self) -> Optional[int]:
+        return None if self.has_uninitialized_params() else self.weight.shape[-1]
+
+    def reset_parameters(self) -> None:
+        if self.has_uninitialized_params():
+            return
+        k = self.weight.shape[-1]
+        eye = torch.eye(self.channels, dtype=self.weight.dtype, device=self.weight.device)
+        with torch.no_grad():
+            # identity over channels, uniform over the window = average pooling
+            self.weight.copy_(eye[:, :, None, None].expand_as(self.weight) / (k * k))
+
+    def initialize_parameters(self, grid: torch.Tensor, kernel_size: int) -> None:
+        if self.has_uninitialized_params():
+            with torch.no_grad():
+                self.weight.materialize((self.channels, self.channels, kernel_size, kernel_size),
+                                        device=grid.device)
+            self.reset_parameters()
+            warnings.warn(f"SOFT conv sampler: k={kernel_size} weights created at the first forward; build the "
+                          "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
+
+    def forward(self, grid: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        k = self.weight.shape[-1]                                  # fixed once built
+        pad_h, pad_w = -grid.shape[-2] % k, -grid.shape[-1] % k
+        if pad_h or pad_w:
+            grid = F.pad(grid, (0, pad_w, 0, pad_h), mode='replicate')
+        return F.conv2d(grid, self.weight, stride=k)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, kernel_size=stride={self.kernel_size}"
+
+
+@register_attention('soft')
+class SoftAttention(AttentionBase):
+    """SOFT attention (Alg. 1, Eq. 9) with timm's `attn_layer` signature; `normalize=True` gives SOFT++ (Eq. 17).
+
+    Keyword args (paper names): `num_landmarks` (m, default 49), `sampler` ('conv' | 'avgpool' |
+    'random'), `newton_iter` (T of Eq. 10), `ridge` (adds ridge·I to A before inverting),
+    `num_prefix_tokens` (None: infer 0 or 1), `sampling_ratio` (k; overrides num_landmarks for
+    conv/avgpool), `grid_size` (lets the conv weight be built at construction), `seed` (eval subset
+    of the random sampler). `qk_norm` normalises the shared Q = K per head. Unknown kwargs are
+    ignored so timm's blocks can pass theirs. See the module docstring for the design choices.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
+                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
+                 norm_layer=None, *, num_landmarks: int = 49, sampler: str = 'conv', newton_iter: int = 20,
+                 ridge: float = 0.0, num_prefix_tokens: Optional[int] = None, sampling_ratio: Optional[int] = None,
+                 grid_size: Optional[Tuple[int, int]] = None, normalize: bool = False,
+                 attn_head_dim: Optional[int] = None, seed: int = 0, device=None, dtype=None, **unused):
+        super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
+                         norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if not isinstance(newton_iter, int) or newton_iter < 1:
+            raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
+        if num_landmarks < 1:
+            raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        if sampling_ratio is not None and sampling_ratio < 1:
+            raise ValueError(f"sampling_ratio must be >= 1, got {sampling_ratio}")
+        if num_prefix_tokens is not None and num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        self.num_landmarks = num_landmarks
+        self.sampler = sampler
+        self.newton_iter = newton_iter
+        self.ridge = ridge
+        self.num_prefix_tokens = num_prefix_tokens
+        self.sampling_ratio = sampling_ratio
+        self.normalize = normalize
+        self.seed = seed
+        self.scale = 1.0 / (2.0 * math.sqrt(self.head_dim))       # 1/(2√d) of Eq. 5, per head
+        self._eval_indices = {}
+        self.conv = None
+        if sampler == 'conv':
+            k = sampling_ratio
+            if k is None and grid_size is not None:
+                self._check_landmarks(grid_size[0] * grid_size[1], tuple(grid_size))
+                k = sampling_ratio_for(grid_size[0], grid_size[1], num_landmarks)
+            self.conv = ConvLandmarkSampler(num_heads * self.head_dim, k, device=device, dtype=dtype)
+
+    def _check_landmarks(self, n: int, grid: Optional[Tuple[int, int]]) -> None:
+        if self.num_landmarks > n:
+            where = f" ({grid[0]}×{grid[1]} grid)" if grid else ""
+            raise ValueError(f"num_landmarks={self.num_landmarks} exceeds the number of tokens n={n}{where}; "
+                             "pass a smaller num_landmarks")
+
+    def resolve_grid(self, num_tokens: int, grid_size: Optional[Tuple[int, int]] = None):
+        """-> (num_prefix, (H, W) or None). H·W grid tokens follow the prefix tokens."""
+        if grid_size is not None:
+            h, w = grid_size
+            prefix = num_tokens - h * w
+            if prefix < 0 or (self.num_prefix_tokens is not None and prefix != self.num_prefix_tokens):
+                raise ValueError(f"grid_size={tuple(grid_size)} does not fit N={num_tokens} tokens with "
+                                 f"num_prefix_tokens={self.num_prefix_tokens}")
+            return prefix, (h, w)
+        candidates = [self.num_prefix_tokens] if self.num_prefix_tokens is not None else [0, 1]
+        for prefix in candidates:
+            side = math.isqrt(max(num_tokens - prefix, 0))
+            if side > 0 and side * side == num_tokens - prefix:
+                return prefix, (side, side)
+        if self.sampler == 'random':                               # needs no grid
+            return candidates[0], None
+        raise ValueError(f"cannot infer the token grid: N={num_tokens} minus {candidates} prefix token(s) is not "
+                         f"a perfect square; pass grid_size=(H, W) to forward (the first N − H·W tokens are "
+                         f"prefix tokens)")
+
+    def _random_indices(self, n: int, m: int, device) -> torch.Tensor:
+        if self.training:
+            return torch.randperm(n, device=device)[:m]
+        idx = self._eval_indices.get((n, m))
+        if idx is None:
+            gen = torch.Generator().manual_seed(self.seed)
+            idx = self._eval_indices[(n, m)] = torch.randperm(n, generator=gen)[:m].sort().values
+        return idx.to(device)
+
+    def landmarks(self, q: torch.Tensor, grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """Bottleneck tokens Q̃ [B, h, p + m, d]: the p prefix tokens, then m sampled grid tokens."""
+        prefix, grid = self.resolve_grid(q.shape[-2], grid_size)
+        head, spatial = q[..., :prefix, :], q[..., prefix:, :]
+        n = spatial.shape[-2]
+        if self.sampler == 'random':
+            self._check_landmarks(n, grid)
+            sampled = spatial[..., self._random_indices(n, self.num_landmarks, q.device), :]
+            return torch.cat([head, sampled], dim=-2)
+        h, w = grid
+        k = self.sampling_ratio
+        if self.conv is not None and self.conv.kernel_size is not None:
+            k = self.conv.kernel_size
+        if k is None:
+            self._check_landmarks(n, grid)
+            k = sampling_ratio_for(h, w, self.num_landmarks)
+        planes = rearrange(spatial, 'b h (y x) d -> b (h d) y x', y=h, x=w)
+        if self.sampler == 'conv':
+            pooled = self.conv(planes, k)
+        else:
+            pooled = F.avg_pool2d(planes, k, stride=k, ceil_mode=True)
+        sampled = rearrange(pooled, 'b (h d) y x -> b h (y x) d', h=self.num_heads)
+        return torch.cat([head, sampled], dim=-2)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        check_no_mask(type(self).__name__, attn_mask, is_causal)
+        q, _, v = self.project(x)
+        out = soft_attention(q, v, self.landmarks(q, grid_size), normalize=self.normalize,
+                             newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale,
+                             dropout=self.attn_drop if self.training and self.attn_drop.p > 0 else None)
+        return self.merge(out)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_landmarks={self.num_landmarks}, sampler={self.sampler!r}, "
+                f"newton_iter={self.newton_iter}, ridge={self.ridge}, normalize={self.normalize}")
+
+
+@register_attention('softpp')
+class SoftPlusPlusAttention(SoftAttention):
+    """SOFT++ (Eq. 17): SoftAttention with the symmetric normalisation D^-½ A† D^-½ on by default."""
+
+    def __init__(self, dim: int, num_heads: int = 8, *args, normalize: bool = True, **kwargs):
+        super().__init__(dim, num_heads, *args, normalize=normalize, **kwargs)
