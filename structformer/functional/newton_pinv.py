@@ -5,16 +5,18 @@ Iteration (Eq. 10): `X_{k+1} = 2X_k − X_k A X_k`. On the range of A the error 
 convergence once ‖E_k‖ < 1, and null-space components stay exactly zero (X_k = Aᵀ p(A Aᵀ)).
 
 Initialisation (our choice, not the paper's adaptive rule). SOFT's practical rule searches the
-smallest n with ‖I − A·(2βⁿ/‖A‖₁²)·A‖₁ ≤ 1; for an entry-wise positive kernel matrix every
-column sum of |I − αA²| is 1 + α·(off-diagonal − diagonal of A²), independent of the sign
-structure α could fix, so unless A² is diagonally dominant the search never ends (SPEC §2).
+smallest n with ‖I − A·(2βⁿ/‖A‖₁²)·A‖₁ ≤ 1. For an entry-wise positive A and small α, column j
+of |I − αA²| sums to 1 + α·(Σ_{i≠j}(A²)_ij − (A²)_jj), above 1 for every α > 0 unless A² is
+diagonally dominant, which kernel matrices rarely are: the halving never ends (in floating point
+it stops only once α is so small that X_0 ≈ 0; tested in tests/test_soft_functional.py).
 We use `X_0 = α Aᵀ` with `α = 1 / (‖A‖₁ ‖A‖_∞)`:
   * σ_max(A)² ≤ ‖A‖₁‖A‖_∞, so every non-zero singular value gives 1 − ασ² ∈ [0, 1): the error
     contracts monotonically for *any* A (Ben-Israel & Cohen, 1966), with no oscillation.
   * For symmetric A this is `X_0 = A/‖A‖₁²`, half the paper's base α = 2/‖A‖₁² (Alg. 2). The
     base rule also converges for PSD A but sits on the boundary 1 − αλ² = −1 when ‖A‖₂ = ‖A‖₁
-    (e.g. a kernel matrix of near-identical landmarks, A ≈ 𝟙𝟙ᵀ), where it stalls; ours costs at
-    most one extra iteration for the small eigenvalues and never stalls.
+    (a kernel matrix of near-identical landmarks, A ≈ 𝟙𝟙ᵀ), where it stalls (for A = 𝟙𝟙ᵀ exactly
+    it returns 0 after one step); ours costs at most one extra iteration for the small
+    eigenvalues and never stalls.
   * Eigenvalue λ needs about log₂(‖A‖₁²/λ²) iterations. Directions with much smaller λ are left
     un-inverted after `num_iter` steps: a finite iteration count acts as a spectral cut-off,
     which is what keeps near-singular kernel matrices from blowing up. `ridge` adds ridge·I.
@@ -22,10 +24,10 @@ We use `X_0 = α Aᵀ` with `α = 1 / (‖A‖₁ ‖A‖_∞)`:
 
 Stopping. In floating point the null space of a singular A carries rounding-level eigenvalues,
 and the iteration cannot tell them from small true ones: it doubles their component every step
-(X_{k+1} ≈ 2X_k there). Run long enough, that noise is "inverted" and X blows up (e.g. a rank-3
-8×8 matrix: error 1e-12 after 20 steps, 1 after 60, NaN in float32). So `num_iter` is a maximum:
-each matrix of the batch freezes once its update ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (eps of the
-compute dtype). Converged matrices then stay put for any `num_iter`; matrices still converging
+(X_{k+1} ≈ 2X_k there). Run long enough, that noise is "inverted" and X blows up (a rank-3 8×8
+matrix in float64: error 1e-12 after 20 steps, 1 after 60; in float32, NaN after ~60). So
+`num_iter` is a maximum: each matrix of the batch freezes once its update
+‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (eps of the compute dtype). Converged matrices then stay put for any `num_iter`; matrices still converging
 (small eigenvalues still growing) are unaffected, so the spectral cut-off above is unchanged.
 
 Backward (SOFT Eq. 12): `∇_A L = −Yᵀ (∇_Y L) Yᵀ` with Y the returned X. This is the exact

@@ -14,7 +14,6 @@ import math
 from typing import Optional, Tuple
 
 import torch
-from torch import nn
 
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask

@@ -11,8 +11,9 @@ A† comes from `newton_pinv` (Eq. 10, implicit backward Eq. 12). `Ŝ V` is eval
 
 Interface decisions (the paper leaves them open):
 * Token layout: the first `N − H·W` tokens are prefix tokens (e.g. timm's cls token), the rest an
-  H×W grid in row-major order. `grid_size=(H, W)` is passed to `forward`; without it N − prefix
-  must be a perfect square (prefix = `num_prefix_tokens`, or 0 then 1 when that is None).
+  H×W grid in row-major order. `grid_size=(H, W)` is passed to `forward` (default: the
+  constructor's `grid_size`); without either, N − prefix must be a perfect square (prefix =
+  `num_prefix_tokens`, or 0 then 1 when that is None), else a ValueError asks for grid_size.
 * Prefix tokens are added to the landmarks (m_total = p + m). Nyström reproduces landmark rows
   and columns of S exactly, so the cls token attends, and is attended to, with the exact Gaussian
   kernel, and Ŝ stays one symmetric PSD Nyström approximation. Cost: p more landmarks.
@@ -167,9 +168,9 @@ class SoftAttention(AttentionBase):
     Keyword args (paper names): `num_landmarks` (m, default 49), `sampler` ('conv' | 'avgpool' |
     'random'), `newton_iter` (T of Eq. 10), `ridge` (adds ridge·I to A before inverting),
     `num_prefix_tokens` (None: infer 0 or 1), `sampling_ratio` (k; overrides num_landmarks for
-    conv/avgpool), `grid_size` (lets the conv weight be built at construction), `seed` (eval subset
-    of the random sampler). `qk_norm` normalises the shared Q = K per head. Unknown kwargs are
-    ignored so timm's blocks can pass theirs. See the module docstring for the design choices.
+    conv/avgpool), `grid_size` (default (H, W) for `forward`, and lets the conv weight be built at
+    construction), `seed` (eval subset of the random sampler). `qk_norm` normalises the shared
+    Q = K per head. Unknown kwargs are ignored so timm's blocks can pass theirs. See the module docstring for the design choices.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
@@ -198,6 +199,7 @@ class SoftAttention(AttentionBase):
         self.sampling_ratio = sampling_ratio
         self.normalize = normalize
         self.seed = seed
+        self.grid_size = tuple(grid_size) if grid_size is not None else None
         self.scale = 1.0 / (2.0 * math.sqrt(self.head_dim))       # 1/(2√d) of Eq. 5, per head
         self._eval_indices = {}
         self.conv = None
@@ -216,6 +218,7 @@ class SoftAttention(AttentionBase):
 
     def resolve_grid(self, num_tokens: int, grid_size: Optional[Tuple[int, int]] = None):
         """-> (num_prefix, (H, W) or None). H·W grid tokens follow the prefix tokens."""
+        grid_size = grid_size if grid_size is not None else self.grid_size
         if grid_size is not None:
             h, w = grid_size
             prefix = num_tokens - h * w

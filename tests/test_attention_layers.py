@@ -1,0 +1,266 @@
+"""SOFT / SOFT++ layers and the softmax, Linformer, Performer and Nyströmformer baselines."""
+import warnings
+
+import pytest
+import timm
+import torch
+
+from structformer.layers.attention.linformer import (LinformerAttention, linformer_attention,
+                                                     linformer_attention_reference)
+from structformer.layers.attention.nystrom import NystromAttention, nystrom_attention, nystrom_attention_reference
+from structformer.layers.attention.performer import (PerformerAttention, orthogonal_random_features,
+                                                     performer_attention, performer_attention_reference)
+from structformer.layers.attention.registry import get_attention
+from structformer.layers.attention.soft import (SoftAttention, SoftPlusPlusAttention, exact_gaussian_attention,
+                                                soft_attention, soft_attention_reference)
+from structformer.layers.attention.softmax import (NaiveSoftmaxAttention, SoftmaxAttention,
+                                                   softmax_attention_reference)
+
+F64 = torch.float64
+NAMES = ['soft', 'softpp', 'softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom']
+
+
+def _randn(*shape, scale=1.0, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g, dtype=F64)).requires_grad_(grad)
+
+
+# ---------------------------------------------------------------- SOFT / SOFT++
+
+@pytest.mark.parametrize('sampler,kwargs', [('avgpool', {}), ('conv', {'sampling_ratio': 1}), ('random', {})])
+@pytest.mark.parametrize('tokens', [16, 17])          # 4×4 grid, without / with a cls token
+def test_soft_with_every_token_a_landmark_is_exact(sampler, kwargs, tokens):
+    """m = n: Nyström reproduces S exactly, so Ŝ V = S V (Eq. 9 with A = S)."""
+    torch.manual_seed(0)
+    layer = SoftAttention(16, num_heads=2, num_landmarks=16, sampler=sampler, newton_iter=60, **kwargs).double().eval()
+    q, _, v = layer.project(_randn(2, tokens, 16, scale=3.0))
+    landmarks = layer.landmarks(q)
+    assert landmarks.shape[-2] == tokens
+    torch.testing.assert_close(soft_attention(q, v, landmarks, newton_iter=60, scale=layer.scale),
+                               exact_gaussian_attention(q, v, scale=layer.scale), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('normalize', [False, True])
+def test_soft_fast_matches_reference(normalize):
+    """Right-to-left Pᵀ(A†(PV)) (SOFT Eq. 9 / SOFT++ Eq. 17) = the explicit n×n Ŝ V, values and grads."""
+    q, v = _randn(2, 2, 20, 4, seed=1, grad=True), _randn(2, 2, 20, 3, seed=2, grad=True)
+    landmarks = _randn(2, 2, 6, 4, scale=1.5, seed=3, grad=True)
+    fast = soft_attention(q, v, landmarks, normalize=normalize, newton_iter=60)
+    ref = soft_attention_reference(q, v, landmarks, normalize=normalize)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-9)
+    w = _randn(*fast.shape, seed=4)
+    for a, b in zip(torch.autograd.grad((fast * w).sum(), (q, v, landmarks)),
+                    torch.autograd.grad((ref * w).sum(), (q, v, landmarks))):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
+
+
+def test_soft_approximation_is_symmetric_psd():
+    q = _randn(24, 4, seed=5)
+    landmarks = q[::4] + 0.1 * _randn(6, 4, seed=6)
+    for normalize in (False, True):
+        _, s_hat = soft_attention_reference(q, torch.eye(24, dtype=F64), landmarks, normalize=normalize,
+                                            return_attn=True)
+        torch.testing.assert_close(s_hat, s_hat.T, rtol=1e-10, atol=1e-10)
+        assert torch.linalg.eigvalsh(s_hat).min() > -1e-8
+
+
+def test_softpp_layer_is_soft_with_normalisation():
+    torch.manual_seed(0)
+    soft = SoftAttention(16, num_heads=2, num_landmarks=4, sampler='avgpool').double()
+    softpp = SoftPlusPlusAttention(16, num_heads=2, num_landmarks=4, sampler='avgpool').double()
+    softpp.load_state_dict(soft.state_dict())
+    assert softpp.normalize and not soft.normalize
+    x = _randn(2, 17, 16, seed=7)
+    q, _, v = soft.project(x)
+    lm = soft.landmarks(q)
+    torch.testing.assert_close(softpp(x), softpp.merge(soft_attention(q, v, lm, normalize=True, scale=soft.scale)))
+    assert not torch.allclose(soft(x), softpp(x))
+
+
+def test_soft_grid_inference_and_samplers():
+    torch.manual_seed(0)
+    layer = SoftAttention(8, num_heads=2, num_landmarks=4, sampler='avgpool')
+    assert layer.resolve_grid(16) == (0, (4, 4))
+    assert layer.resolve_grid(17) == (1, (4, 4))
+    assert layer.resolve_grid(21, grid_size=(4, 5)) == (1, (4, 5))
+    q = torch.randn(1, 2, 21, 4)
+    # 4×5 grid, k = ⌈√(20/4)⌉ = 3, ceil-mode -> 2×2 landmarks + the cls token
+    assert layer.landmarks(q, grid_size=(4, 5)).shape == (1, 2, 5, 4)
+    conv = SoftAttention(8, num_heads=2, num_landmarks=4, grid_size=(4, 5))
+    assert conv.conv.kernel_size == 3 and conv.landmarks(q, grid_size=(4, 5)).shape == (1, 2, 5, 4)
+    assert conv.landmarks(q).shape == (1, 2, 5, 4)            # the constructor's grid_size is the default
+    # the conv starts as average pooling (replicate-padded borders)
+    inner = q[..., 1:, :].reshape(1, 2, 4, 5, 4)[:, :, :3, :3].mean((2, 3))
+    torch.testing.assert_close(conv.landmarks(q, grid_size=(4, 5))[:, :, 1], inner)
+    # random sampler: fresh subset in training, one fixed subset at eval
+    rnd = SoftAttention(8, num_heads=2, num_landmarks=5, sampler='random', num_prefix_tokens=1)
+    x = torch.randn(2, 17, 8)
+    rnd.eval()
+    torch.testing.assert_close(rnd(x), rnd(x))
+    rnd.train()
+    outs = [rnd(x) for _ in range(3)]
+    assert not (torch.allclose(outs[0], outs[1]) and torch.allclose(outs[1], outs[2]))
+
+
+def test_soft_lazy_conv_is_built_at_first_forward_and_trains():
+    torch.manual_seed(0)
+    layer = SoftAttention(16, num_heads=2, num_landmarks=4)
+    assert layer.conv.kernel_size is None
+    with pytest.warns(UserWarning, match='first forward'):
+        out = layer(torch.randn(2, 17, 16))
+    assert layer.conv.kernel_size == 2 and layer.conv.weight.shape == (16, 16, 2, 2)
+    out.square().mean().backward()
+    assert layer.conv.weight.grad.abs().sum() > 0
+    reloaded = SoftAttention(16, num_heads=2, num_landmarks=4)            # lazy weights load from a checkpoint
+    reloaded.load_state_dict(layer.state_dict())
+    assert reloaded.conv.kernel_size == 2
+
+
+def test_soft_bad_inputs():
+    with pytest.raises(ValueError, match=r'num_landmarks=49.*n=16'):
+        SoftAttention(8, num_heads=2, sampler='avgpool')(torch.randn(1, 16, 8))
+    with pytest.raises(ValueError, match=r'num_landmarks=49.*n=16'):
+        SoftAttention(8, num_heads=2)(torch.randn(1, 17, 8))
+    with pytest.raises(ValueError, match=r'num_landmarks=20.*n=16'):
+        SoftAttention(8, num_heads=2, sampler='random', num_landmarks=20)(torch.randn(1, 16, 8))
+    with pytest.raises(ValueError, match='grid_size'):
+        SoftAttention(8, num_heads=2, num_landmarks=4, sampler='avgpool')(torch.randn(1, 20, 8))
+    with pytest.raises(ValueError, match='grid_size'):
+        SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 17, 8), grid_size=(5, 5))
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match='newton_iter'):
+            SoftAttention(8, num_heads=2, newton_iter=bad)
+    with pytest.raises(ValueError, match='sampler'):
+        SoftAttention(8, num_heads=2, sampler='strided')
+    with pytest.raises(NotImplementedError, match='attn_mask'):
+        SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 16, 8), is_causal=True)
+
+
+def test_soft_under_bf16_autocast():
+    torch.manual_seed(0)
+    layer = SoftPlusPlusAttention(16, num_heads=2, num_landmarks=4, sampling_ratio=2)
+    x = torch.randn(2, 17, 16)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), layer(x), rtol=0.05, atol=0.05)
+
+
+# ---------------------------------------------------------------- baselines
+
+def test_softmax_fused_equals_naive_and_reference():
+    torch.manual_seed(0)
+    fused = SoftmaxAttention(16, num_heads=2).double()
+    naive = NaiveSoftmaxAttention(16, num_heads=2).double()
+    naive.load_state_dict(fused.state_dict())
+    x = _randn(2, 9, 16, seed=8)
+    q, k, v = fused.project(x)
+    torch.testing.assert_close(fused(x), fused.merge(softmax_attention_reference(q, k, v)))
+    torch.testing.assert_close(naive(x), fused(x))
+    torch.testing.assert_close(naive(x, is_causal=True), fused(x, is_causal=True))
+    mask = torch.rand(9, 9, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask.fill_diagonal_(True)
+    torch.testing.assert_close(naive(x, attn_mask=mask), fused(x, attn_mask=mask))
+
+
+def test_linformer_matches_reference_and_checks_length():
+    q, k, v = (_randn(2, 3, 12, 4, seed=s) for s in range(3))
+    e, f = _randn(5, 12, scale=0.3, seed=4), _randn(5, 12, scale=0.3, seed=5)
+    torch.testing.assert_close(linformer_attention(q, k, v, e, f), linformer_attention_reference(q, k, v, e, f))
+    torch.manual_seed(0)
+    layer = LinformerAttention(16, num_heads=2, num_landmarks=5, seq_len=12).double()
+    x = _randn(2, 12, 16, seed=6)
+    q, k, v = layer.project(x)
+    torch.testing.assert_close(layer(x), layer.merge(
+        linformer_attention_reference(q, k, v, layer.seq_proj.e, layer.seq_proj.f)))
+    with pytest.raises(ValueError, match='seq_len=12'):
+        layer(_randn(2, 13, 16))
+    with pytest.raises(ValueError, match=r'num_landmarks=20.*n=12'):
+        LinformerAttention(16, num_heads=2, num_landmarks=20, seq_len=12)
+    lazy = LinformerAttention(16, num_heads=2, num_landmarks=5, share_kv=True)
+    with pytest.warns(UserWarning, match='first forward'):
+        lazy(torch.randn(1, 12, 16))
+    assert lazy.seq_proj.seq_len == 12 and lazy.seq_proj.f is None
+
+
+def test_performer_matches_reference_and_converges_to_softmax():
+    q, k, v = (_randn(2, 3, 16, 8, scale=0.5, seed=s) for s in range(3))
+    omega = orthogonal_random_features(64, 8, torch.Generator().manual_seed(0), dtype=F64)
+    torch.testing.assert_close(performer_attention(q, k, v, omega), performer_attention_reference(q, k, v, omega))
+    exact = softmax_attention_reference(q, k, v)
+
+    def error(num_features):
+        errs = [(performer_attention(q, k, v, orthogonal_random_features(
+            num_features, 8, torch.Generator().manual_seed(s), dtype=F64)) - exact).abs().mean() for s in range(3)]
+        return sum(errs) / 3
+
+    e64, e4096 = error(64), error(4096)
+    assert e4096 < e64 / 3, (e64, e4096)          # Monte Carlo: ~1/√m, so ~8× in expectation
+    # the features are orthogonal within blocks of d
+    block = omega[:8] / omega[:8].norm(dim=1, keepdim=True)
+    torch.testing.assert_close(block @ block.T, torch.eye(8, dtype=F64))
+
+
+def test_performer_features_change_only_when_redrawn():
+    torch.manual_seed(0)
+    layer = PerformerAttention(16, num_heads=2, num_features=32)
+    x = torch.randn(2, 10, 16)
+    first = layer(x)
+    torch.testing.assert_close(layer(x), first)
+    layer.train()
+    torch.testing.assert_close(layer(x), first)
+    layer.redraw_features()
+    assert not torch.allclose(layer(x), first)
+
+
+def test_nystrom_matches_reference_and_is_exact_with_all_landmarks():
+    q, k, v = (_randn(2, 2, 14, 4, seed=s) for s in range(3))
+    for m in (3, 5, 7):                            # 5 does not divide 14: uneven segments
+        torch.testing.assert_close(nystrom_attention(q, k, v, m, newton_iter=60),
+                                   nystrom_attention_reference(q, k, v, m), rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(nystrom_attention(q, k, v, 14, newton_iter=60), softmax_attention_reference(q, k, v),
+                               rtol=1e-8, atol=1e-8)
+    torch.manual_seed(0)
+    layer = NystromAttention(16, num_heads=2, num_landmarks=17, newton_iter=60).double()
+    x = _randn(2, 17, 16, scale=3.0, seed=9)
+    q, k, v = layer.project(x)
+    torch.testing.assert_close(layer(x), layer.merge(softmax_attention_reference(q, k, v)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r'num_landmarks=17.*n=16'):
+        layer(_randn(2, 16, 16))
+    skip = NystromAttention(16, num_heads=2, num_landmarks=4, conv_kernel_size=3)    # depthwise skip on V
+    assert skip(torch.randn(2, 17, 16)).shape == (2, 17, 16)
+    with pytest.raises(ValueError, match='conv_kernel_size'):
+        NystromAttention(16, num_heads=2, conv_kernel_size=4)
+
+
+# ---------------------------------------------------------------- timm drop-in
+
+def _small(cls):
+    """The same class with settings that fit a 4×4 grid + cls token (17 tokens)."""
+    extra = {'num_landmarks': 4}
+    if cls in (SoftAttention, SoftPlusPlusAttention):
+        extra['sampling_ratio'] = 2
+    if cls is PerformerAttention:
+        extra = {'num_features': 32}
+
+    class Small(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**extra, **kwargs})
+    return Small
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_timm_vit_drop_in(name):
+    torch.manual_seed(0)
+    cls = get_attention(name)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=10,
+                              attn_layer=_small(cls), qkv_bias=True, drop_path_rate=0.1)
+    assert all(isinstance(b.attn, cls) for b in model.blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                     # Linformer's lazy E, F
+        logits = model(torch.randn(2, 3, 32, 32))
+    assert logits.shape == (2, 10) and torch.isfinite(logits).all()
+    logits.logsumexp(-1).mean().backward()
+    grads = [p.grad for p in model.blocks[0].attn.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
