@@ -33,6 +33,11 @@ BENCH_EXAMPLES = """examples:
   structformer bench models --batch-size 16 --img-size 224 --steps 5"""
 
 
+REPRODUCE_EXAMPLES = """examples:
+  structformer reproduce soft --data ../shared/data/mnist --epochs 1 --limit-train-batches 40
+  structformer reproduce soft --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
+
+
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
@@ -199,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
             'attention', help='attention time / memory / FLOPs vs token count (SOFT Fig. 1b)',
             formatter_class=fmt, epilog=ATTENTION_EXAMPLES))
     p.set_defaults(func=cmd_bench)
+
+    from .reproduce import soft as reproduce_soft
+    p = sub.add_parser('reproduce', help="small-scale reproductions of the papers' tables", formatter_class=fmt,
+                       epilog=REPRODUCE_EXAMPLES, description='Train the paper\'s comparison at a scale this machine runs.')
+    reproduce_sub = p.add_subparsers(dest='target', metavar='PAPER')
+    reproduce_sub.required = True
+    reproduce_soft.add_arguments(reproduce_sub.add_parser(
+        'soft', help='SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST',
+        formatter_class=fmt, epilog=REPRODUCE_EXAMPLES))
+    p.set_defaults(func=lambda args: reproduce_soft.run(args))
 
     p = sub.add_parser('models', help='list registered models with parameter counts', formatter_class=fmt,
                        epilog=MODELS_EXAMPLES)

@@ -108,7 +108,7 @@ def test_soft_lazy_conv_is_built_at_first_forward_and_trains():
     assert layer.conv.kernel_size is None
     with pytest.warns(UserWarning, match='first forward'):
         out = layer(torch.randn(2, 17, 16))
-    assert layer.conv.kernel_size == 2 and layer.conv.weight.shape == (16, 16, 2, 2)
+    assert layer.conv.kernel_size == 2 and layer.conv.weight.shape == (8, 8, 2, 2)   # head_dim × head_dim, shared by heads
     out.square().mean().backward()
     assert layer.conv.weight.grad.abs().sum() > 0
     reloaded = SoftAttention(16, num_heads=2, num_landmarks=4)            # lazy weights load from a checkpoint

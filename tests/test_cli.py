@@ -12,7 +12,7 @@ from structformer.cli import build_parser, main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize('argv', [[], ['train'], ['eval'], ['analyze'], ['bench'], ['bench', 'models'], ['models']])
+@pytest.mark.parametrize('argv', [[], ['train'], ['eval'], ['analyze'], ['bench'], ['bench', 'models'], ['bench', 'attention'], ['reproduce'], ['reproduce', 'soft'], ['models']])
 def test_help_has_examples(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv + ['--help'])

@@ -7,11 +7,14 @@ from structformer.functional import (coding_rate, compression_rate, compression_
                                      mm_sparsify_reference, mssa_reference, split_heads, ssa_per_head_reference)
 from structformer.layers import ISTA, MSSA
 
-torch.set_default_dtype(torch.float64)
 
-
-def teardown_module():
-    torch.set_default_dtype(torch.float32)
+@pytest.fixture(autouse=True)
+def _float64():
+    """Compare in float64 inside this module only (a module-level default would leak into other tests)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def _column_logdet_rate(zc, scale):

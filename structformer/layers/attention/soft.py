@@ -208,7 +208,9 @@ class SoftAttention(AttentionBase):
             if k is None and grid_size is not None:
                 self._check_landmarks(grid_size[0] * grid_size[1], tuple(grid_size))
                 k = sampling_ratio_for(grid_size[0], grid_size[1], num_landmarks)
-            self.conv = ConvLandmarkSampler(num_heads * self.head_dim, k, device=device, dtype=dtype)
+            # one head_dim→head_dim conv shared by every head (as SOFT's public code), not a C×C conv:
+            # C²k² weights per block would add 3.6M parameters to SOFT-Tiny that the paper does not have
+            self.conv = ConvLandmarkSampler(self.head_dim, k, device=device, dtype=dtype)
 
     def _check_landmarks(self, n: int, grid: Optional[Tuple[int, int]]) -> None:
         if self.num_landmarks > n:
@@ -262,12 +264,12 @@ class SoftAttention(AttentionBase):
         if k is None:
             self._check_landmarks(n, grid)
             k = sampling_ratio_for(h, w, self.num_landmarks)
-        planes = rearrange(spatial, 'b h (y x) d -> b (h d) y x', y=h, x=w)
+        planes = rearrange(spatial, 'b h (y x) d -> (b h) d y x', y=h, x=w)   # heads share the sampler
         if self.sampler == 'conv':
             pooled = self.conv(planes, k)
         else:
             pooled = F.avg_pool2d(planes, k, stride=k, ceil_mode=True)
-        sampled = rearrange(pooled, 'b (h d) y x -> b h (y x) d', h=self.num_heads)
+        sampled = rearrange(pooled, '(b h) d y x -> b h (y x) d', h=self.num_heads)
         return torch.cat([head, sampled], dim=-2)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,

@@ -1,0 +1,149 @@
+"""`structformer reproduce soft`: SOFT Table 2 (attention swapped in the Tiny backbone) on MNIST.
+
+The paper trains on ImageNet (300 epochs, V100s); this trains every `*_tiny_*_mnist` variant (the
+Table 1 Tiny widths/depths, small-image stem, see `structformer.models.soft`) with ONE recipe on
+`mnist:PATH` and reports, per attention: parameters, training img/s (the engine's own metric, last
+epoch), inference img/s and activation memory measured on one batch of the trained model, and val
+top-1. Absolute numbers are not comparable with the paper's; the ranking and ratios are what this
+measures.
+
+Memory: Table 2 reports training memory. Here `act_mem_mb` is the bytes of tensors autograd saves
+for backward in one training forward (the part of training memory that depends on the attention),
+measured the same way on CPU and GPU; on CUDA `cuda_peak_mb` (max allocated during forward+backward)
+is added.
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
+PAPER_TABLE2 = {   # SOFT Table 2 (ImageNet, Tiny): params, GFLOPs, train / infer img/s, memory, top-1
+    'softmax': ('13M', '3.9G', '1073 / 3240', '19.0GB', 80.0), 'linformer': ('13M', '1.9G', '2767 / 3779', '11.7GB', 78.2),
+    'performer': ('13M', '2.2G', '2037 / 3657', '15.0GB', 76.1), 'nystrom': ('13M', '2.0G', '1891 / 3518', '17.2GB', 80.1),
+    'soft': ('13M', '1.9G', '1730 / 3436', '15.8GB', 80.9), 'softpp': ('13M', '1.9G', '1730 / 3436', '15.8GB', 80.9),
+}
+
+
+def model_name(attn: str) -> str:
+    """Registered small-image model for an attention name (see structformer.models.soft)."""
+    return {'soft': 'soft_tiny_mnist', 'softpp': 'softpp_tiny_mnist'}.get(attn, f'soft_tiny_{attn}_mnist')
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--data', default='../shared/data/mnist',
+                        help='folder of MNIST IDX files (relative to the current directory)')
+    parser.add_argument('--attn', nargs='+', default=list(ATTENTIONS), choices=ATTENTIONS,
+                        help='attentions to train (one model each)')
+    parser.add_argument('--epochs', type=int, default=3)
+    parser.add_argument('--batch-size', type=int, default=64)
+    parser.add_argument('--lr', type=float, default=1e-3)
+    parser.add_argument('--weight-decay', type=float, default=0.05)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
+    parser.add_argument('--val-fraction', type=float, default=0.2,
+                        help='held-out tail of a single MNIST file pair (0.2: first 8,000 train, last 2,000 val)')
+    parser.add_argument('--output', default='outputs/reproduce_soft')
+
+
+def _activation_bytes(model: torch.nn.Module, images: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd saves for backward in one training forward."""
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass                                           # e.g. tensors without storage
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(images).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def measure(model: torch.nn.Module, images: torch.Tensor, repeats: int = 3) -> Dict[str, float]:
+    """Inference img/s (eval, no_grad, after one warm-up) and training memory on one batch."""
+    out: Dict[str, float] = {}
+    model.eval()
+    with torch.no_grad():
+        model(images)
+        if images.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            model(images)
+        if images.is_cuda:
+            torch.cuda.synchronize()
+        out['infer_img_per_s'] = repeats * images.shape[0] / (time.perf_counter() - start)
+    if images.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    out['act_mem_mb'] = _activation_bytes(model, images) / 2 ** 20
+    if images.is_cuda:
+        out['cuda_peak_mb'] = torch.cuda.max_memory_allocated() / 2 ** 20
+    model.eval()
+    return out
+
+
+def _report(rows: List[Dict], recipe: Dict, split: str) -> str:
+    lines = ['# SOFT Table 2 on MNIST (Tiny backbone, attention swapped)', '',
+             f"Recipe (identical for every row): {json.dumps(recipe)}", '', f"Data: {split}", '',
+             '| attention | model | params | train img/s | infer img/s | act. memory (MB) | val top-1 % '
+             '| paper: params / FLOPs / img/s / memory / top-1 (ImageNet) |',
+             '|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        paper = ' / '.join(str(v) for v in PAPER_TABLE2[r['attention']])
+        lines.append(f"| {r['attention']} | {r['model']} | {r['params'] / 1e6:.2f}M | {r['train_img_per_s']:.0f} | "
+                     f"{r['infer_img_per_s']:.0f} | {r['act_mem_mb']:.1f} | {r['val_top1']:.2f} | {paper} |")
+    lines += ['', 'Memory: tensors saved for backward in one training forward of one batch (see module '
+              'docstring); the paper reports whole-GPU training memory at batch 1024. Throughput is measured '
+              'on this machine, not a V100.']
+    return '\n'.join(lines) + '\n'
+
+
+def run(args: argparse.Namespace) -> int:
+    import structformer  # noqa: F401  (registers the models)
+    from ..data import build_datasets
+    from ..train import TrainConfig, train
+
+    data_dir = Path(args.data)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()}); "
+                                "point it at a folder holding the MNIST IDX files, e.g. t10k-images-idx3-ubyte.gz")
+    spec = f'mnist:{data_dir}'
+    _, _, info = build_datasets(spec, seed=args.seed, val_fraction=args.val_fraction)
+    output = Path(args.output)
+    recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
+                  weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 3),
+                  label_smoothing=0.1, seed=args.seed, val_fraction=args.val_fraction,
+                  limit_train_batches=args.limit_train_batches)
+    rows = []
+    for attn in args.attn:
+        name = model_name(attn)
+        captured = {}
+
+        def keep(trainer, epoch, metrics, captured=captured):
+            captured['trainer'] = trainer
+
+        result = train(TrainConfig(model=name, data=spec, output=str(output / 'runs' / name), **recipe),
+                       progress=False, overwrite=True, callbacks=[keep])
+        trainer = captured['trainer']
+        images, _ = next(iter(trainer.eval_loader))
+        images = images[:args.batch_size].to(trainer.device)
+        row = {'attention': attn, 'model': name, 'params': sum(p.numel() for p in trainer.model.parameters()),
+               'train_img_per_s': result.final['train_img_per_s'], 'val_top1': result.final['val_top1'],
+               **measure(trainer.model, images)}
+        rows.append(row)
+        print(f"{attn:>10}: top-1 {row['val_top1']:.2f}%  train {row['train_img_per_s']:.0f} img/s  "
+              f"infer {row['infer_img_per_s']:.0f} img/s  act. mem {row['act_mem_mb']:.1f} MB", flush=True)
+    (output / 'results.json').write_text(json.dumps({'recipe': recipe, 'data': info.description,
+                                                      'rows': rows}, indent=1))
+    (output / 'report.md').write_text(_report(rows, recipe, info.description))
+    print(f"wrote {output / 'results.json'} and {output / 'report.md'}")
+    return 0
