@@ -30,7 +30,8 @@ MODELS_EXAMPLES = """examples:
 
 BENCH_EXAMPLES = """examples:
   structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
-  structformer bench models --batch-size 16 --img-size 224 --steps 5"""
+  structformer bench models --batch-size 16 --img-size 224 --steps 5
+  structformer bench attention --threads 1 --output outputs/bench/attention.json   # SOFT Fig. 1b sweep"""
 
 
 REPRODUCE_EXAMPLES = """examples:

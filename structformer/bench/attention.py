@@ -1,0 +1,423 @@
+"""`structformer bench attention`: time, memory and FLOPs of one attention layer vs token count.
+
+The axis of SOFT Fig. 1b (memory vs n = 784×1 … 784×8), extended to 784×16 = 12,544 tokens, at
+SOFT-Tiny stage-1 widths (dim 64, 2 heads of 32, Table 1), batch 1, m = 49 landmarks / projected
+length for the linear attentions. Tokens lie on an H×W grid with H·W = n (28×28, 28×56, 56×56,
+56×112, 112×112): the base grid scaled by a×b with a·b = multiplier, passed as `grid_size`.
+
+Per (attention, n): median forward time (eval, no_grad) and forward+backward time (of out.sum())
+after warm-up; peak memory of forward+backward; FLOPs counted by FlopCounterMode beside the analytic
+count (SOFT §3 complexity; see `flops.py`). Each measurement runs in a fresh subprocess so that
+the peak resident memory of one cannot hide another's (nor share its allocator caches); on CPU the
+peak is the growth of the high-water mark (VmHWM = ru_maxrss) over the baseline taken after
+building the layer and the input. The high-water mark is reset there first (Linux clear_refs):
+imports and one tiny warm-up run of the same class (so one-time library start-up is not charged
+to the first n) leave it above what a small n reaches, which would read as 0 growth. On
+CUDA it is max_memory_allocated over the same baseline.
+
+Configurations whose n×n buffers alone would exceed `--max-quadratic-gib` are skipped and marked
+so. Only `softmax_naive` holds n×n buffers: we charge it 4 per head in float32 (logits, their
+scaled copy / probabilities kept for backward, and the two gradients that coexist in backward),
+so 12,544 tokens need 4 × 2 × 12,544² × 4 B ≈ 4.7 GiB and still run under the default 8 GiB.
+SDPA (`softmax`) runs fused, blockwise kernels on CPU and CUDA and holds no n×n buffer.
+
+Two goal ratios are printed from this one run, never asserted: (a) SOFT memory at the largest /
+smallest n (goal: linear growth, ≤ 1.25 × the token ratio, i.e. ≤ 20 at 16×784 / 784), and
+(b) SDPA forward time / SOFT forward time at the largest n (goal ≥ 40×, stated at 12,544 tokens).
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+from .flops import analytic_core_flops, counted_flops, linear_flops
+
+DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
+QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak
+GOAL_MEMORY_SLACK = 1.25                     # (a) passes at <= 1.25 × token ratio (20 at 16×)
+GOAL_SPEEDUP = 40.0                          # (b) SDPA / SOFT forward time at the largest n
+
+ATTENTION_EXAMPLES = """examples:
+  structformer bench attention                                  # 784×{1,2,4,8,16} tokens, all attentions
+  structformer bench attention --multipliers 1 2 4 --attn softmax soft --output out/attention.json
+  structformer bench attention --base-tokens 64 --multipliers 1 4 --repeats 1   # a quick smoke run
+  structformer bench attention --attn soft --multipliers 16 --profile           # where SOFT's time goes
+
+Writes a table; with --output also JSON and a PNG (memory and time vs tokens, log-log, like
+SOFT Fig. 1b). FLOPs: 'counted' = torch FlopCounterMode (matmul/conv only, multiply-add = 2),
+'core' = counted minus the qkv/proj Linear layers, 'analytic' = closed form (SOFT §3 complexity)."""
+
+
+def add_attention_bench_arguments(p):
+    p.add_argument('--attn', nargs='+', default=list(DEFAULT_ATTENTIONS), metavar='NAME',
+                   help=f"registered attention names (default: {' '.join(DEFAULT_ATTENTIONS)})")
+    p.add_argument('--multipliers', nargs='+', type=int, default=[1, 2, 4, 8, 16], metavar='K',
+                   help='token counts n = base-tokens × K (default 1 2 4 8 16)')
+    p.add_argument('--base-tokens', type=int, default=784, help='tokens at multiplier 1 (default 784 = 28×28)')
+    p.add_argument('--dim', type=int, default=64, help='embedding width (SOFT-Tiny stage 1: 64)')
+    p.add_argument('--heads', type=int, default=2, help='heads (SOFT-Tiny stage 1: 2, of width 32)')
+    p.add_argument('--landmarks', type=int, default=49, help='m: landmarks / projected length / features (49)')
+    p.add_argument('--repeats', type=int, default=5, help='timed runs per measurement; the median is reported')
+    p.add_argument('--warmup', type=int, default=2, help='untimed runs before timing')
+    p.add_argument('--max-quadratic-gib', type=float, default=8.0,
+                   help='skip configurations whose n×n buffers would exceed this (GiB, default 8)')
+    p.add_argument('--device', default='cpu', help='cpu | cuda')
+    p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
+    p.add_argument('--in-process', action='store_true',
+                   help='measure in this process (fast; peaks then share one allocator, so less clean)')
+    p.add_argument('--profile', action='store_true',
+                   help='after the sweep, torch.profiler breakdown of the SOFT forward at the largest n')
+    p.add_argument('--output', default=None, help='write JSON here (e.g. DIR/attention.json) and a PNG beside it')
+
+
+def _check_args(args) -> None:
+    from ..layers.attention import ATTENTION_LAYERS
+    if not args.multipliers or any(k < 1 for k in args.multipliers):
+        raise ValueError(f"--multipliers must be integers >= 1, got {args.multipliers}")
+    unknown = [a for a in args.attn if a not in ATTENTION_LAYERS]
+    if unknown:
+        raise ValueError(f"--attn: unknown attention {', '.join(map(repr, unknown))}; "
+                         f"accepted: {', '.join(sorted(ATTENTION_LAYERS))}")
+    for flag in ('base_tokens', 'dim', 'heads', 'landmarks', 'repeats'):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0 or args.threads < 0:
+        raise ValueError("--warmup and --threads must be >= 0")
+    if args.dim % args.heads:
+        raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    if args.landmarks > args.base_tokens:
+        raise ValueError(f"--landmarks {args.landmarks} exceeds --base-tokens {args.base_tokens}")
+    if not args.max_quadratic_gib > 0:
+        raise ValueError(f"--max-quadratic-gib must be > 0, got {args.max_quadratic_gib}")
+    if args.device not in ('cpu', 'cuda'):
+        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+
+
+def _near_square(n: int) -> Tuple[int, int]:
+    """(a, b) with a·b = n, a ≤ b, a as large as possible."""
+    a = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return a, n // a
+
+
+def grid_for(base_tokens: int, multiplier: int) -> Tuple[int, int]:
+    """H×W grid of base_tokens × multiplier tokens: the base grid scaled by a near-square a×b = multiplier."""
+    (h, w), (a, b) = _near_square(base_tokens), _near_square(multiplier)
+    return h * a, w * b
+
+
+def quadratic_gib(name: str, tokens: int, heads: int, batch: int = 1) -> float:
+    """GiB of the n×n float32 buffers an attention holds at its forward+backward peak (0 if linear)."""
+    return QUADRATIC_BUFFERS.get(name, 0) * batch * heads * tokens ** 2 * 4 / 2 ** 30
+
+
+def build_layer(name: str, dim: int, heads: int, landmarks: int, grid: Tuple[int, int], device='cpu'):
+    """The attention under test, with its n- or grid-dependent parameters fixed at construction."""
+    from ..layers.attention import get_attention
+    n = grid[0] * grid[1]
+    kwargs = {'num_landmarks': landmarks, 'grid_size': grid, 'seq_len': n}   # each class ignores what it lacks
+    if name == 'performer':
+        kwargs['num_features'] = landmarks                 # m random features, like the other linear ones
+    return get_attention(name)(dim, num_heads=heads, device=device, **kwargs)
+
+
+def effective_landmarks(layer, grid: Tuple[int, int], landmarks: int) -> int:
+    """m actually used: SOFT's conv/avgpool sampler gives ⌈H/k⌉·⌈W/k⌉, which may differ from --landmarks."""
+    from ..layers.attention.soft import SoftAttention, sampling_ratio_for
+    if isinstance(layer, SoftAttention) and layer.sampler != 'random':
+        k = layer.conv.kernel_size if layer.conv is not None else sampling_ratio_for(*grid, landmarks)
+        return math.ceil(grid[0] / k) * math.ceil(grid[1] / k)
+    return landmarks
+
+
+def _status_mib(key: str) -> Optional[float]:
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) / 1024.0           # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> float:
+    """Baseline MiB for the CPU peak. Resets the high-water mark (Linux: '5' > clear_refs) where allowed,
+    since imports and the tiny warm-up may have raised it above what the measured run will reach;
+    otherwise falls back to ru_maxrss, as bench/models.py does."""
+    try:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        return _status_mib('VmRSS')
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # Linux reports KiB
+
+
+def _peak_rss_mib() -> float:
+    hwm = _status_mib('VmHWM')
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _median_seconds(fn, repeats: int, warmup: int, device: str) -> float:
+    sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: int, warmup: int,
+                device: str = 'cpu', threads: int = 0) -> dict:
+    """Time, peak memory and FLOPs of one (attention, n); meant to run in its own process."""
+    import structformer  # noqa: F401  (registers the attentions)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    grid = tuple(grid)
+    n = grid[0] * grid[1]
+    # one tiny run of the same class first, so code loading and thread pools are not charged to n
+    small = _near_square(max(landmarks, 16))
+    tiny = build_layer(name, dim, heads, min(landmarks, small[0] * small[1]), small, device)
+    tiny(torch.randn(1, small[0] * small[1], dim, device=device, requires_grad=True), grid_size=small).sum().backward()
+    del tiny
+
+    layer = build_layer(name, dim, heads, landmarks, grid, device)
+    x = torch.randn(1, n, dim, device=device, requires_grad=True)
+    if device == 'cuda':
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2 ** 20
+    else:
+        base = _reset_peak_rss()
+
+    def fwd_bwd():
+        layer(x, grid_size=grid).sum().backward()
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    def fwd():
+        with torch.no_grad():
+            layer(x, grid_size=grid)
+
+    layer.train()
+    fwd_bwd()                                            # the peak is reached here; later runs reuse it
+    if device == 'cuda':
+        peak = torch.cuda.max_memory_allocated() / 2 ** 20 - base
+    else:
+        peak = _peak_rss_mib() - base
+    fwd_bwd_s = _median_seconds(fwd_bwd, repeats, max(warmup - 1, 0), device)
+    layer.eval()
+    fwd_s = _median_seconds(fwd, repeats, warmup, device)
+
+    m_eff = effective_landmarks(layer, grid, landmarks)
+    flops_fwd = counted_flops(layer, x, grid)
+    layer.train()
+    flops_fwd_bwd = counted_flops(layer, x, grid, backward=True)
+    linear = linear_flops(layer, n)
+    head_dim = dim // heads
+    analytic = analytic_core_flops(name, n, m_eff, head_dim, heads, getattr(layer, 'newton_iter', 20))
+    return {'attention': name, 'tokens': n, 'grid': list(grid), 'landmarks': m_eff,
+            'params': sum(p.numel() for p in layer.parameters()),
+            'forward_ms': fwd_s * 1e3, 'forward_backward_ms': fwd_bwd_s * 1e3, 'peak_mib': peak,
+            'flops_counted_forward': flops_fwd, 'flops_counted_forward_backward': flops_fwd_bwd,
+            'flops_linear_forward': linear, 'flops_counted_core_forward': flops_fwd - linear,
+            'flops_analytic_core_forward': analytic['flops'] if analytic else None,
+            'flops_analytic_formula': analytic['formula'] if analytic else None,
+            'flops_counter_missed': bool(analytic and flops_fwd - linear < 0.5 * analytic['flops']),
+            'threads': torch.get_num_threads(), 'skipped': False}
+
+
+def _measure_subprocess(name, grid, args) -> dict:
+    call = (f"import json; from structformer.bench.attention import measure_one; "
+            f"print(json.dumps(measure_one({name!r}, {tuple(grid)!r}, {args.dim}, {args.heads}, {args.landmarks}, "
+            f"{args.repeats}, {args.warmup}, {args.device!r}, {args.threads})))")
+    out = subprocess.run([sys.executable, '-c', call], capture_output=True, text=True, check=False)
+    if out.returncode:
+        # e.g. killed for memory: record it and go on, so one failure does not lose the sweep
+        return {'error': f"exit {out.returncode}: {out.stderr.strip()[-1500:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_sweep(args) -> List[dict]:
+    rows = []
+    for k in sorted(set(args.multipliers)):
+        grid = grid_for(args.base_tokens, k)
+        n = grid[0] * grid[1]
+        for name in args.attn:
+            need = quadratic_gib(name, n, args.heads)
+            base = {'attention': name, 'tokens': n, 'multiplier': k, 'grid': list(grid), 'quadratic_gib': need}
+            if need > args.max_quadratic_gib:
+                row = dict(base, skipped=True,
+                           reason=f"n×n buffers need {need:.1f} GiB > --max-quadratic-gib {args.max_quadratic_gib}")
+            elif args.in_process:
+                row = {**base, **measure_one(name, grid, args.dim, args.heads, args.landmarks, args.repeats,
+                                             args.warmup, args.device, args.threads)}
+            else:
+                row = {**base, 'skipped': False, **_measure_subprocess(name, grid, args)}
+            rows.append(row)
+            state = 'skipped' if row.get('skipped') else ('FAILED' if 'error' in row else 'measured')
+            print(f"{state} {name} n={n} ({grid[0]}×{grid[1]})", file=sys.stderr, flush=True)
+    return rows
+
+
+def _find(rows, name, tokens) -> Optional[dict]:
+    for r in rows:
+        if r['attention'] == name and r['tokens'] == tokens and not r.get('skipped') and 'error' not in r:
+            return r
+    return None
+
+
+def goal_ratios(rows, attentions) -> dict:
+    """(a) SOFT memory growth over the sweep and (b) SDPA / SOFT forward time at the largest n."""
+    tokens = sorted({r['tokens'] for r in rows})
+    lo, hi = tokens[0], tokens[-1]
+    out = {}
+    if 'soft' in attentions and hi > lo:
+        a, b = _find(rows, 'soft', lo), _find(rows, 'soft', hi)
+        if a and b and a.get('peak_mib') and b.get('peak_mib') is not None:
+            goal = GOAL_MEMORY_SLACK * hi / lo
+            ratio = b['peak_mib'] / a['peak_mib']
+            out['soft_memory_growth'] = {'ratio': ratio, 'goal_max': goal, 'tokens': [lo, hi],
+                                         'pass': ratio <= goal}
+    if 'soft' in attentions and 'softmax' in attentions:
+        a, b = _find(rows, 'softmax', hi), _find(rows, 'soft', hi)
+        if a and b:
+            ratio = a['forward_ms'] / b['forward_ms']
+            out['sdpa_over_soft_forward_time'] = {'ratio': ratio, 'goal_min': GOAL_SPEEDUP, 'tokens': hi,
+                                                  'pass': ratio >= GOAL_SPEEDUP}
+    return out
+
+
+def _fmt(v, spec, width):
+    return format(v, f'>{width}{spec}') if v is not None else f"{'n/a':>{width}}"
+
+
+def print_report(rows, goals, args) -> None:
+    print(f"\nbatch 1, dim {args.dim}, {args.heads} heads, m = {args.landmarks}, {args.device}, "
+          f"{rows[0].get('threads', '?') if rows else '?'} threads, {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}")
+    print("FLOPs (forward, G): counted = FlopCounterMode on the whole layer (matmul/conv only, multiply-add = 2); "
+          "core = counted − qkv/proj Linear; analytic = closed-form core (softmax: 4n²d per head; "
+          "SOFT: §3 complexity, unit constants)")
+    print(f"{'attention':<14} {'n':>6} {'grid':>8} {'m':>3} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9} "
+          f"{'counted':>8} {'core':>8} {'analytic':>9}")
+    for r in rows:
+        head = f"{r['attention']:<14} {r['tokens']:>6} {'×'.join(map(str, r['grid'])):>8}"
+        if r.get('skipped'):
+            print(f"{head}  skipped: {r['reason']}")
+            continue
+        if 'error' in r:
+            print(f"{head}  FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
+            continue
+        g = 1e9
+        print(f"{head} {r['landmarks'] if r['attention'] not in ('softmax', 'softmax_naive') else '-':>3} "
+              f"{r['forward_ms']:>9.2f} {r['forward_backward_ms']:>11.2f} {_fmt(r['peak_mib'], '.1f', 9)} "
+              f"{r['flops_counted_forward'] / g:>8.3f} {r['flops_counted_core_forward'] / g:>7.3f}"
+              f"{'*' if r.get('flops_counter_missed') else ' '} "
+              f"{_fmt(r['flops_analytic_core_forward'] and r['flops_analytic_core_forward'] / g, '.3f', 9)}")
+    if any(r.get('flops_counter_missed') for r in rows):
+        print("* counted core < half the analytic count: FlopCounterMode has no formula for an op here "
+              "(on CPU, SDPA's fused flash kernel), so 'counted' misses it; trust 'analytic' for that row")
+    a, b = goals.get('soft_memory_growth'), goals.get('sdpa_over_soft_forward_time')
+    print("\ngoal ratios (measured in this run; reported, not asserted):")
+    if a:
+        print(f"  (a) SOFT peak memory at {a['tokens'][1]} / at {a['tokens'][0]} tokens: {a['ratio']:.2f} "
+              f"(goal <= {a['goal_max']:g}, linear growth)  {'PASS' if a['pass'] else 'MISS'}")
+    else:
+        print("  (a) SOFT memory growth: n/a (needs 'soft' at two token counts and measured memory)")
+    if b:
+        note = '' if b['tokens'] == 12544 else ' [goal stated at 12544 tokens]'
+        print(f"  (b) SDPA / SOFT forward time at {b['tokens']} tokens: {b['ratio']:.2f}× "
+              f"(goal >= {b['goal_min']:g}×){note}  {'PASS' if b['pass'] else 'MISS'}")
+    else:
+        print("  (b) SDPA / SOFT forward time: n/a (needs 'softmax' and 'soft' measured at the largest n)")
+
+
+def plot(rows, path) -> None:
+    """Fig. 1b-style: peak memory and forward(+backward) time vs tokens, log-log, one line per attention."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [('peak_mib', 'peak memory, fwd+bwd (MiB)'), ('forward_ms', 'forward time (ms)'),
+              ('forward_backward_ms', 'forward+backward time (ms)')]
+    for ax, (key, label) in zip(axes, panels):
+        for name in dict.fromkeys(r['attention'] for r in rows):
+            pts = [(r['tokens'], r[key]) for r in rows if r['attention'] == name and not r.get('skipped')
+                   and 'error' not in r and r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker='o', label=name)
+        ax.set_xscale('log', base=2)
+        tokens = sorted({r['tokens'] for r in rows})
+        ax.set_xticks(tokens, [str(t) for t in tokens], fontsize=7)   # label the measured n, not powers of 2
+        ax.minorticks_off()
+        ax.set_yscale('log')
+        ax.set_xlabel('tokens n')
+        ax.set_ylabel(label)
+        ax.grid(True, which='both', alpha=0.3)
+    axes[1].legend(fontsize=8)                          # time is measured in every mode
+    fig.suptitle('attention cost vs tokens (cf. SOFT Fig. 1b)')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def profile_forward(name, grid, args, top: int = 15) -> str:
+    """torch.profiler table of one forward (eval, no_grad) grouped by op and input shape."""
+    from torch.profiler import ProfilerActivity, profile
+    layer = build_layer(name, args.dim, args.heads, args.landmarks, grid, args.device).eval()
+    x = torch.randn(1, grid[0] * grid[1], args.dim, device=args.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == 'cuda' else [])
+    with torch.no_grad():
+        for _ in range(2):
+            layer(x, grid_size=grid)
+        with profile(activities=acts, record_shapes=True) as prof:
+            for _ in range(args.repeats):
+                layer(x, grid_size=grid)
+    key = 'self_cuda_time_total' if args.device == 'cuda' else 'self_cpu_time_total'
+    return prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=top, max_name_column_width=30)
+
+
+def run_attention_bench(args) -> int:
+    _check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run_sweep(args)
+    goals = goal_ratios(rows, args.attn)
+    print_report(rows, goals, args)
+    if args.profile:
+        target = next((a for a in args.attn if a in ('soft', 'softpp')), args.attn[0])
+        grid = grid_for(args.base_tokens, max(args.multipliers))
+        print(f"\nprofile: {target} forward at {grid[0] * grid[1]} tokens ({args.repeats} runs)")
+        print(profile_forward(target, grid, args))
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
+        with open(args.output, 'w') as f:
+            json.dump({'settings': settings, 'torch': torch.__version__, 'goals': goals, 'rows': rows}, f, indent=1)
+        png = os.path.splitext(args.output)[0] + '.png'
+        plot(rows, png)
+        print(f"\nwrote {args.output} and {png}")
+    return 1 if any('error' in r for r in rows) else 0
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_attention_bench_arguments(parser)
+    sys.exit(run_attention_bench(parser.parse_args()))

@@ -1,0 +1,58 @@
+"""FLOP counts for the attention benchmark: measured by `FlopCounterMode`, and analytic.
+
+Conventions (so the columns can be compared):
+* FLOPs, with one multiply-add = 2 FLOPs, which is what `torch.utils.flop_counter` counts. It
+  counts matmul / conv ops only: exp, softmax, norms and element-wise ops are missing from it.
+* "core" = the layer minus its `nn.Linear` projections (qkv, proj), whose cost 2·n·in·out per call
+  is exact and the same for every attention, so the attention mechanisms themselves are compared.
+* The analytic SOFT count is the paper's time complexity (SOFT §3, "Complexity") read with unit
+  constants, per head: (d_e + 4 m d_e + m²)·n + T·m³ + d_e·m² multiply-adds. It is an order
+  estimate, not an operation-by-operation tally (e.g. one Newton step, Eq. 10, is two m×m
+  products, 2m³ multiply-adds, where the formula charges m³).
+"""
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+SOFT_FORMULA = '2·h·[(d_e + 4·m·d_e + m²)·n + T·m³ + d_e·m²]  (SOFT §3 complexity, unit constants)'
+SOFTMAX_FORMULA = '2·h·(2·n²·d_e)  (QKᵀ and AV, n²·d_e multiply-adds each)'
+
+
+def linear_flops(layer: nn.Module, tokens: int, batch: int = 1) -> int:
+    """Forward FLOPs of every nn.Linear in `layer` applied once to `batch`×`tokens` rows."""
+    return sum(2 * batch * tokens * m.in_features * m.out_features
+               for m in layer.modules() if isinstance(m, nn.Linear))
+
+
+def soft_flops(tokens: int, landmarks: int, head_dim: int, heads: int, newton_iter: int) -> int:
+    """Analytic SOFT forward FLOPs (module docstring): the paper's O(·) with unit constants, ×2."""
+    n, m, d = tokens, landmarks, head_dim
+    return 2 * heads * ((d + 4 * m * d + m * m) * n + newton_iter * m ** 3 + d * m * m)
+
+
+def softmax_flops(tokens: int, head_dim: int, heads: int) -> int:
+    """Analytic softmax-attention core FLOPs: QKᵀ and AV, each n²·d multiply-adds per head."""
+    return heads * 2 * (2 * tokens * tokens * head_dim)
+
+
+def analytic_core_flops(name: str, tokens: int, landmarks: int, head_dim: int, heads: int,
+                        newton_iter: int = 20) -> Optional[dict]:
+    """{'flops', 'formula'} for attentions with a closed form here (softmax family, SOFT family), else None."""
+    if name in ('softmax', 'softmax_naive'):
+        return {'flops': softmax_flops(tokens, head_dim, heads), 'formula': SOFTMAX_FORMULA}
+    if name in ('soft', 'softpp'):
+        return {'flops': soft_flops(tokens, landmarks, head_dim, heads, newton_iter), 'formula': SOFT_FORMULA}
+    return None
+
+
+def counted_flops(layer: nn.Module, x: torch.Tensor, grid_size, backward: bool = False) -> int:
+    """Total FLOPs that FlopCounterMode sees for one forward (and backward of out.sum() if asked)."""
+    with FlopCounterMode(display=False) as counter:
+        if backward:
+            layer(x, grid_size=grid_size).sum().backward()
+        else:
+            with torch.no_grad():
+                layer(x, grid_size=grid_size)
+    return counter.get_total_flops()

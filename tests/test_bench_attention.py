@@ -1,0 +1,77 @@
+"""`structformer bench attention` (SOFT Fig. 1b sweep) on a tiny configuration, run in this process."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from structformer.bench.attention import add_attention_bench_arguments, build_layer, grid_for, run_attention_bench
+from structformer.bench.flops import counted_flops, linear_flops, softmax_flops
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_attention_bench_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench') / 'attention.json'
+    args = _args('--base-tokens', '64', '--multipliers', '1', '4', '--attn', 'softmax_naive', 'soft',
+                 '--landmarks', '16', '--repeats', '1', '--warmup', '0', '--in-process', '--output', str(out))
+    assert run_attention_bench(args) == 0
+    return json.loads(out.read_text()), out
+
+
+def test_every_row_measured(tiny_run):
+    result, out = tiny_run
+    rows = {(r['attention'], r['tokens']): r for r in result['rows']}
+    assert set(rows) == {(a, n) for a in ('softmax_naive', 'soft') for n in (64, 256)}
+    for r in rows.values():
+        assert not r['skipped']
+        assert r['forward_ms'] > 0 and r['forward_backward_ms'] > 0
+        assert r['flops_counted_forward'] > 0 and r['flops_counted_forward_backward'] > r['flops_counted_forward']
+        assert r['flops_analytic_core_forward'] > 0 and r['flops_analytic_formula']
+    assert rows[('soft', 256)]['grid'] == [16, 16]
+    assert out.with_suffix('.png').stat().st_size > 0
+
+
+def test_grids_follow_fig1b_axis():
+    assert [grid_for(784, k) for k in (1, 2, 4, 8, 16)] == [(28, 28), (28, 56), (56, 56), (56, 112), (112, 112)]
+
+
+@pytest.mark.parametrize('n', [64, 256])
+def test_flop_counter_matches_softmax_formula(n):
+    # QKᵀ and AV are each n·n·d multiply-adds per head, 2 FLOPs per multiply-add:
+    # core = heads · 2 · (2 · n² · d). The qkv / proj Linear layers are counted separately and removed.
+    dim, heads = 64, 2
+    grid = grid_for(n, 1)
+    layer = build_layer('softmax_naive', dim, heads, 16, grid)
+    counted = counted_flops(layer, torch.randn(1, n, dim), grid) - linear_flops(layer, n)
+    expected = softmax_flops(n, dim // heads, heads)
+    assert expected == heads * 2 * (2 * n * n * (dim // heads))
+    assert abs(counted - expected) <= 0.1 * expected
+
+
+@pytest.mark.parametrize('argv, flag', [
+    (['--multipliers', '0'], '--multipliers'),
+    (['--attn', 'softmax', 'no_such_attention'], '--attn'),
+    (['--repeats', '0'], '--repeats'),
+    (['--landmarks', '100', '--base-tokens', '64'], '--landmarks'),
+    (['--max-quadratic-gib', '0'], '--max-quadratic-gib'),
+])
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        run_attention_bench(_args(*argv))
+
+
+def test_quadratic_configurations_are_skipped_not_failed(tmp_path):
+    out = tmp_path / 'attention.json'
+    # 4 buffers × 2 heads × 256² × 4 B = 2 MiB > 0.001 GiB: naive softmax at n = 256 is skipped
+    args = _args('--base-tokens', '64', '--multipliers', '1', '4', '--attn', 'softmax_naive', '--landmarks', '16',
+                 '--repeats', '1', '--warmup', '0', '--in-process', '--max-quadratic-gib', '0.001', '--output', str(out))
+    assert run_attention_bench(args) == 0
+    rows = {r['tokens']: r for r in json.loads(out.read_text())['rows']}
+    assert not rows[64]['skipped'] and rows[64]['forward_ms'] > 0
+    assert rows[256]['skipped'] and 'max-quadratic-gib' in rows[256]['reason']
