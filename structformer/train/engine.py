@@ -194,9 +194,12 @@ class Trainer:
             if not keep:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _resume_source(self):
+        """`--resume` alone continues this run's latest checkpoint; `--resume PATH` a given one."""
+        return self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume
+
     def _restore(self) -> int:
-        source = self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume
-        weights, state, train_tensors = load_checkpoint(source, with_train_state=True)
+        weights, state, train_tensors = load_checkpoint(self._resume_source(), with_train_state=True)
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
         self.global_step = state['global_step']
@@ -214,7 +217,7 @@ class Trainer:
         if self.resume:
             start_epoch = self._restore()
             if self.is_main:
-                print(f"resumed from epoch {start_epoch} of {cfg.epochs} ({resolve_checkpoint(self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume)})")
+                print(f"resumed from epoch {start_epoch} of {cfg.epochs} ({resolve_checkpoint(self._resume_source())})")
         elif self.is_main:
             save_config(cfg, self.output / 'config.yaml')
             self._save(0, {})                    # the random init, for white-box comparisons
