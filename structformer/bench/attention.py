@@ -32,12 +32,13 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from typing import List, Optional, Tuple
 
 import torch
+
+from ._subprocess import MeasurementFailed, python_json
 
 from .flops import analytic_core_flops, counted_flops, linear_flops
 
@@ -247,11 +248,11 @@ def _measure_subprocess(name, grid, args) -> dict:
     call = (f"import json; from structformer.bench.attention import measure_one; "
             f"print(json.dumps(measure_one({name!r}, {tuple(grid)!r}, {args.dim}, {args.heads}, {args.landmarks}, "
             f"{args.repeats}, {args.warmup}, {args.device!r}, {args.threads})))")
-    out = subprocess.run([sys.executable, '-c', call], capture_output=True, text=True, check=False)
-    if out.returncode:
+    try:
+        return python_json(call)
+    except MeasurementFailed as e:
         # e.g. killed for memory: record it and go on, so one failure does not lose the sweep
-        return {'error': f"exit {out.returncode}: {out.stderr.strip()[-1500:]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        return {'error': str(e)}
 
 
 def run_sweep(args) -> List[dict]:

@@ -9,11 +9,12 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 
 import torch
+
+from ._subprocess import MeasurementFailed, python_json
 
 CANDIDATES = [
     # (label, model name, model kwargs)
@@ -82,10 +83,10 @@ def _measure_in_subprocess(name, kwargs, args) -> dict:
     call = (f"import json; from structformer.bench.models import measure_one; "
             f"print(json.dumps(measure_one({name!r}, {kwargs!r}, {args.batch_size}, {args.img_size}, "
             f"{args.steps}, {args.threads})))")
-    out = subprocess.run([sys.executable, '-c', call], capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"measuring {name} {kwargs} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    try:
+        return python_json(call)
+    except MeasurementFailed as e:
+        raise RuntimeError(f"measuring {name} {kwargs} failed: {e}") from None
 
 
 def run_model_bench(args) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..layers.attention.mssa import MSSA
 from ..layers.mlp.ista import ISTA
+from ._pooling import pool_tokens
 from ._registry import register_model
 
 __all__ = ['CRATE', 'CrateBlock']
@@ -141,11 +142,7 @@ class CRATE(nn.Module):
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.global_pool == 'token':
-            x = x[:, 0]
-        elif self.global_pool == 'avg':
-            x = x[:, self.num_prefix_tokens:].mean(dim=1)
-        x = self.norm(x)
+        x = self.norm(pool_tokens(x, self.global_pool, self.num_prefix_tokens))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

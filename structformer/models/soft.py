@@ -33,6 +33,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs
 from torch import nn
 
 from ..layers.attention.registry import get_attention
+from ._pooling import pool_tokens
 from ._registry import register_model
 
 __all__ = ['SoftNet', 'SoftBlock', 'model_complexity']
@@ -215,11 +216,7 @@ class SoftNet(nn.Module):
         return self.forward_intermediates(x)[0]
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.global_pool == 'token':
-            x = x[:, 0]
-        elif self.global_pool == 'avg':
-            x = x[:, self.num_prefix_tokens:].mean(dim=1)
-        x = self.head_drop(x)
+        x = self.head_drop(pool_tokens(x, self.global_pool, self.num_prefix_tokens))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
