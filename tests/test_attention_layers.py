@@ -136,6 +136,61 @@ def test_soft_bad_inputs():
         SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 16, 8), is_causal=True)
 
 
+@pytest.mark.parametrize('grid', [(8, 8), (7, 10)])                  # divisible by k = 2, and padded
+def test_conv_sampler_matmul_matches_conv2d_reference(grid):
+    from structformer.layers.attention.soft import ConvLandmarkSampler
+    sampler = ConvLandmarkSampler(4, kernel_size=2, dtype=F64)
+    with torch.no_grad():
+        sampler.weight.normal_()                                  # not the average-pool initialisation
+    tokens = _randn(3, 2, grid[0] * grid[1], 4, grad=True)
+    out = sampler(tokens, grid)
+    ref = sampler.forward_reference(tokens, grid)
+    assert out.shape == (3, 2, -(-grid[0] // 2) * -(-grid[1] // 2), 4)
+    torch.testing.assert_close(out, ref)
+    cot = _randn(*out.shape, seed=1)
+    g_fast = torch.autograd.grad((out * cot).sum(), (tokens, sampler.weight))
+    g_ref = torch.autograd.grad((ref * cot).sum(), (tokens, sampler.weight))
+    for a, b in zip(g_fast, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize('normalize,qkv_bias,proj_bias,prefix,head_dim,qk_norm', [
+    (False, False, True, 0, None, False),
+    (True, True, True, 1, None, False),
+    (False, True, False, 1, 3, True),                             # attn_head_dim ≠ dim / heads, LayerNorm on q
+])
+def test_soft_folded_projections_match_unfolded(normalize, qkv_bias, proj_bias, prefix, head_dim, qk_norm):
+    torch.manual_seed(0)
+    kwargs = dict(num_heads=2, num_landmarks=4, qkv_bias=qkv_bias, proj_bias=proj_bias, normalize=normalize,
+                  attn_head_dim=head_dim, qk_norm=qk_norm, norm_layer=torch.nn.LayerNorm, sampling_ratio=2,
+                  num_prefix_tokens=prefix, dtype=F64)
+    folded = SoftAttention(8, fold_projections=True, **kwargs)
+    with torch.no_grad():                                         # random, not zero, biases and a non-pooling conv
+        for p in folded.parameters():
+            p.normal_(0, 0.5)
+    plain = SoftAttention(8, fold_projections=False, **kwargs)
+    plain.load_state_dict(folded.state_dict())
+    x = _randn(2, prefix + 30, 8, grad=True)                      # 5×6 grid, k = 2 pads it
+    out, ref = folded(x, grid_size=(5, 6)), plain(x, grid_size=(5, 6))
+    torch.testing.assert_close(out, ref)
+    cot = _randn(*out.shape, seed=1)
+    grads = torch.autograd.grad((out * cot).sum(), [x, *folded.parameters()])
+    grads_ref = torch.autograd.grad((ref * cot).sum(), [x, *plain.parameters()])
+    for (name, _), a, b in zip(folded.named_parameters(), grads[1:], grads_ref[1:]):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(grads[0], grads_ref[0])
+
+
+def test_soft_scale_norm_uses_the_unfolded_order():
+    torch.manual_seed(0)
+    layer = SoftAttention(8, num_heads=2, num_landmarks=4, scale_norm=True, norm_layer=torch.nn.LayerNorm)
+    x = torch.randn(1, 16, 8)
+    q, _, v = layer.project(x)                                    # norm sits between merge and proj: cannot fold
+    heads = soft_attention(q, v, layer.landmarks(q), scale=layer.scale)
+    expected = layer.proj(layer.norm(heads.transpose(1, 2).reshape(1, 16, 8)))
+    torch.testing.assert_close(layer(x), expected)
+
+
 def test_soft_under_bf16_autocast():
     torch.manual_seed(0)
     layer = SoftPlusPlusAttention(16, num_heads=2, num_landmarks=4, sampling_ratio=2)

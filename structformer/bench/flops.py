@@ -5,6 +5,9 @@ Conventions (so the columns can be compared):
   counts matmul / conv ops only: exp, softmax, norms and element-wise ops are missing from it.
 * "core" = the layer minus its `nn.Linear` projections (qkv, proj), whose cost 2·n·in·out per call
   is exact and the same for every attention, so the attention mechanisms themselves are compared.
+  SOFT's default path folds its value and output projections into the attention products
+  (`soft_attention_projected`), so for SOFT "core" is the cost beyond an ordinary qkv/proj
+  budget rather than a separate tally of attention ops; its "counted" total is what it runs.
 * The analytic SOFT count is the paper's time complexity (SOFT §3, "Complexity") read with unit
   constants, per head: (d_e + 4 m d_e + m²)·n + T·m³ + d_e·m² multiply-adds. It is an order
   estimate, not an operation-by-operation tally (e.g. one Newton step, Eq. 10, is two m×m

@@ -32,12 +32,14 @@ def gaussian_kernel(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = N
         q_sq = q.pow(2).sum(-1, keepdim=True)                  # [..., n, 1]
         k_sq = k.pow(2).sum(-1).unsqueeze(-2)                  # [..., 1, m]
         if q.shape[:-2] == k.shape[:-2] and q.dim() >= 2:
-            # one baddbmm forms −scale·(‖q‖² + ‖k‖²) + 2·scale·qkᵀ, then clamp and exp in place:
-            # the n×m exponent is written once instead of by a chain of element-wise passes
+            # baddbmm forms 2·scale·qkᵀ − scale·‖k‖² (the k term broadcast, so no n×m offset tensor
+            # is allocated), then the q term, clamp and exp run in place: one n×m buffer, written
+            # once and updated three times, instead of a chain of fresh n×m temporaries
             n, d, m = q.shape[-2], q.shape[-1], k.shape[-2]
-            offset = ((-scale * q_sq) + (-scale * k_sq)).reshape(-1, n, m)   # scale the vectors, not n×m
-            exponent = torch.baddbmm(offset, q.reshape(-1, n, d), k.reshape(-1, m, d).transpose(1, 2),
-                                     alpha=2.0 * scale)
+            q_flat, k_flat = q.reshape(-1, n, d), k.reshape(-1, m, d)
+            exponent = torch.baddbmm(k_sq.reshape(-1, 1, m), q_flat, k_flat.transpose(1, 2),
+                                     beta=-scale, alpha=2.0 * scale)
+            exponent = exponent.sub_(scale * q_sq.reshape(-1, n, 1))
             return exponent.clamp_max_(0.0).exp_().reshape(*q.shape[:-2], n, m)
         sq_dist = (q_sq + k_sq - 2.0 * (q @ k.transpose(-2, -1))).clamp_min(0.0)
         return torch.exp(-scale * sq_dist)

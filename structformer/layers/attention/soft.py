@@ -32,6 +32,13 @@ Interface decisions (the paper leaves them open):
   entries of both signs, and bf16 cancellation there ruins the approximation.
 * `attn_drop` drops entries of the left factor Pᵀ (query-to-landmark weights): there is no n×n
   attention matrix to drop from.
+* Evaluation order (`fold_projections=True`, the default): Ŝ's factors are all per-head m-row
+  matrices, so the value projection and the output projection are folded into them
+  (`soft_attention_projected`): V and the per-head outputs are never formed, and the only
+  n-sized tensors are Q, P, one read of x and the output. Same value and gradients as the
+  textbook order (`fold_projections=False`, tested against it), fewer passes over n-sized memory.
+* The conv sampler's windows do not overlap (kernel = stride), so it runs as one matmul over
+  flattened k×k windows of the token sequence, with `F.conv2d` kept as its reference.
 """
 import math
 import warnings
@@ -83,6 +90,51 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, no
     return out.to(out_dtype)
 
 
+def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.Tensor, v_weight: torch.Tensor,
+                             v_bias: Optional[torch.Tensor], out_weight: torch.Tensor,
+                             out_bias: Optional[torch.Tensor], normalize: bool = False, newton_iter: int = 20,
+                             ridge: float = 0.0, scale: Optional[float] = None,
+                             dropout: Optional[nn.Module] = None) -> torch.Tensor:
+    """`proj(merge(Ŝ V))` with `V = x W_vᵀ + b_v`: the same value as `soft_attention` between the
+    value and output projections, with the products re-associated so n-sized data is touched least.
+
+    x: [B, n, C], q: [B, h, n, d], landmarks: [B, h, m, d], v_weight: [h·d, C], out_weight: [C_out, h·d].
+    Per head, `P V = (P x) W_vᵀ + (P 1) b_vᵀ`, so V (n×h·d) is never formed; and the head merge plus
+    output projection `Σ_h (P_hᵀ z_h) W_o,hᵀ = [P_1ᵀ … P_hᵀ] [z_1 W_o,1ᵀ; …; z_h W_o,hᵀ]` is one
+    [n, h·m] × [h·m, C_out] matmul, so neither the per-head output nor its merged copy is formed.
+    Everything n-sized is then: P (the kernel), one read of x, and the output. Computed in float32 for
+    half inputs (as `soft_attention`); returns x's dtype, or autocast's dtype inside autocast (as the
+    output projection would).
+    """
+    device_type = x.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    with torch.autocast(device_type=device_type, enabled=False):
+        x, q, landmarks = _upcast(x), _upcast(q), _upcast(landmarks)
+        v_weight, out_weight = _upcast(v_weight), _upcast(out_weight)
+        batch, heads, m, d = landmarks.shape
+        n, c_out = x.shape[1], out_weight.shape[0]
+        p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [B, h, m, n]
+        a = gaussian_kernel(landmarks, landmarks, scale)
+        a_pinv = newton_pinv(a, newton_iter, ridge)
+        p_rows = p.reshape(batch, heads * m, n)
+        px = (p_rows @ x).view(batch, heads, m, x.shape[-1])       # P x: [B, h, m, C]
+        pv = px @ v_weight.view(heads, d, -1).transpose(-2, -1)    # (P x) W_vᵀ: [B, h, m, d]
+        if v_bias is not None:
+            pv = pv + p.sum(-1, keepdim=True) * _upcast(v_bias).view(heads, 1, d)
+        if normalize:
+            d_inv_sqrt = a.sum(-1, keepdim=True).rsqrt()
+            z = d_inv_sqrt * (a_pinv @ (d_inv_sqrt * pv))
+        else:
+            z = a_pinv @ pv
+        y = z @ out_weight.view(c_out, heads, d).permute(1, 2, 0)  # z_h W_o,hᵀ: [B, h, m, C_out]
+        left = p_rows.transpose(1, 2)                              # [B, n, h·m]
+        if dropout is not None:
+            left = dropout(left)
+        y = y.reshape(batch, heads * m, c_out)
+        out = left @ y if out_bias is None else torch.baddbmm(_upcast(out_bias), left, y)
+    return out.to(out_dtype)
+
+
 def soft_attention_reference(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor,
                              normalize: bool = False, ridge: float = 0.0, scale: Optional[float] = None,
                              return_attn: bool = False):
@@ -113,7 +165,7 @@ def sampling_ratio_for(height: int, width: int, num_landmarks: int) -> int:
 
 
 class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
-    """Conv2d with kernel = stride = k over [B, C, H, W] (SOFT §3.2), initialised as average pooling.
+    """Conv2d with kernel = stride = k over the token grid (SOFT §3.2), initialised as average pooling.
 
     With `kernel_size=None` the k×k weight is created at the first call from the k passed then.
     """
@@ -141,21 +193,46 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
             # identity over channels, uniform over the window = average pooling
             self.weight.copy_(eye[:, :, None, None].expand_as(self.weight) / (k * k))
 
-    def initialize_parameters(self, grid: torch.Tensor, kernel_size: int) -> None:
-        if self.has_uninitialized_params():
-            with torch.no_grad():
-                self.weight.materialize((self.channels, self.channels, kernel_size, kernel_size),
-                                        device=grid.device)
-            self.reset_parameters()
-            warnings.warn(f"SOFT conv sampler: k={kernel_size} weights created at the first forward; build the "
-                          "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
+    def initialize_parameters(self, tokens: torch.Tensor, grid_size: Tuple[int, int],
+                              kernel_size: Optional[int] = None) -> None:
+        """Create the k×k weight (the owning attention calls this with its k before the first forward;
+        LazyModuleMixin's own pre-forward call, which cannot know k, is then a no-op)."""
+        if not self.has_uninitialized_params():
+            return
+        if kernel_size is None:
+            raise RuntimeError("ConvLandmarkSampler: kernel_size must be given before the first forward")
+        with torch.no_grad():
+            self.weight.materialize((self.channels, self.channels, kernel_size, kernel_size), device=tokens.device)
+        self.reset_parameters()
+        warnings.warn(f"SOFT conv sampler: k={kernel_size} weights created at the first forward; build the "
+                      "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
 
-    def forward(self, grid: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
+        """Landmarks [..., m, C] from grid tokens [..., H·W, C] (row-major grid), m = ⌈H/k⌉·⌈W/k⌉.
+
+        Kernel = stride = k, so the windows do not overlap and the conv is one matmul: each k×k
+        window flattened to k²C values, times the weight flattened to [k²C, C]. This skips the
+        [B, C, H, W] layout copy and the generic convolution that `forward_reference` pays.
+        """
         k = self.weight.shape[-1]                                  # fixed once built
-        pad_h, pad_w = -grid.shape[-2] % k, -grid.shape[-1] % k
-        if pad_h or pad_w:
-            grid = F.pad(grid, (0, pad_w, 0, pad_h), mode='replicate')
-        return F.conv2d(grid, self.weight, stride=k)
+        h, w = grid_size
+        lead = tokens.shape[:-2]
+        if -h % k or -w % k:                                       # replicate-pad to whole windows
+            planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
+            planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
+            tokens, h, w = rearrange(planes, 'b c y x -> b (y x) c'), planes.shape[-2], planes.shape[-1]
+        windows = rearrange(tokens, '... (gy ky gx kx) c -> ... (gy gx) (ky kx c)', ky=k, kx=k, gy=h // k, gx=w // k)
+        weight = rearrange(self.weight, 'o c ky kx -> (ky kx c) o')
+        return (windows @ weight).reshape(*lead, -1, self.channels)
+
+    def forward_reference(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
+        """The same map as `forward`, written as padding + `F.conv2d` on [B, C, H, W] planes. For tests."""
+        k = self.weight.shape[-1]
+        h, w = grid_size
+        planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
+        planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
+        pooled = F.conv2d(planes, self.weight, stride=k)
+        return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size=stride={self.kernel_size}"
@@ -169,7 +246,9 @@ class SoftAttention(AttentionBase):
     'random'), `newton_iter` (T of Eq. 10), `ridge` (adds ridge·I to A before inverting),
     `num_prefix_tokens` (None: infer 0 or 1), `sampling_ratio` (k; overrides num_landmarks for
     conv/avgpool), `grid_size` (default (H, W) for `forward`, and lets the conv weight be built at
-    construction), `seed` (eval subset of the random sampler). `qk_norm` normalises the shared
+    construction), `seed` (eval subset of the random sampler), `fold_projections` (default True:
+    evaluate V, attention, head merge and output projection in the re-associated order of
+    `soft_attention_projected`; False, or `scale_norm=True`, runs them one after another as written). `qk_norm` normalises the shared
     Q = K per head. Unknown kwargs are ignored so timm's blocks can pass theirs. See the module docstring for the design choices.
     """
 
@@ -178,7 +257,8 @@ class SoftAttention(AttentionBase):
                  norm_layer=None, *, num_landmarks: int = 49, sampler: str = 'conv', newton_iter: int = 20,
                  ridge: float = 0.0, num_prefix_tokens: Optional[int] = None, sampling_ratio: Optional[int] = None,
                  grid_size: Optional[Tuple[int, int]] = None, normalize: bool = False,
-                 attn_head_dim: Optional[int] = None, seed: int = 0, device=None, dtype=None, **unused):
+                 attn_head_dim: Optional[int] = None, seed: int = 0, fold_projections: bool = True,
+                 device=None, dtype=None, **unused):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
@@ -199,6 +279,7 @@ class SoftAttention(AttentionBase):
         self.sampling_ratio = sampling_ratio
         self.normalize = normalize
         self.seed = seed
+        self.fold_projections = fold_projections
         self.grid_size = tuple(grid_size) if grid_size is not None else None
         self.scale = 1.0 / (2.0 * math.sqrt(self.head_dim))       # 1/(2√d) of Eq. 5, per head
         self._eval_indices = {}
@@ -264,21 +345,33 @@ class SoftAttention(AttentionBase):
         if k is None:
             self._check_landmarks(n, grid)
             k = sampling_ratio_for(h, w, self.num_landmarks)
-        planes = rearrange(spatial, 'b h (y x) d -> (b h) d y x', y=h, x=w)   # heads share the sampler
         if self.sampler == 'conv':
-            pooled = self.conv(planes, k)
+            if self.conv.has_uninitialized_params():
+                self.conv.initialize_parameters(spatial, (h, w), k)
+            sampled = self.conv(spatial, (h, w))                  # heads share the sampler
         else:
+            planes = rearrange(spatial, 'b h (y x) d -> (b h) d y x', y=h, x=w)
             pooled = F.avg_pool2d(planes, k, stride=k, ceil_mode=True)
-        sampled = rearrange(pooled, '(b h) d y x -> b h (y x) d', h=self.num_heads)
+            sampled = rearrange(pooled, '(b h) d y x -> b h (y x) d', h=self.num_heads)
         return torch.cat([head, sampled], dim=-2)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
+        dropout = self.attn_drop if self.training and self.attn_drop.p > 0 else None
+        if self.fold_projections and isinstance(self.norm, nn.Identity):
+            inner = self.num_heads * self.head_dim
+            w_q, w_v = self.qkv.weight[:inner], self.qkv.weight[inner:]
+            b_q, b_v = (None, None) if self.qkv.bias is None else (self.qkv.bias[:inner], self.qkv.bias[inner:])
+            q = self.q_norm(rearrange(F.linear(x, w_q, b_q), 'b n (h d) -> b h n d', h=self.num_heads))
+            out = soft_attention_projected(x, q, self.landmarks(q, grid_size), w_v, b_v, self.proj.weight,
+                                           self.proj.bias, normalize=self.normalize, newton_iter=self.newton_iter,
+                                           ridge=self.ridge, scale=self.scale, dropout=dropout)
+            return self.proj_drop(out)
+        # unfolded order: project, attend, merge heads, project (needed when scale_norm sits before proj)
         q, _, v = self.project(x)
         out = soft_attention(q, v, self.landmarks(q, grid_size), normalize=self.normalize,
-                             newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale,
-                             dropout=self.attn_drop if self.training and self.attn_drop.p > 0 else None)
+                             newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale, dropout=dropout)
         return self.merge(out)
 
     def extra_repr(self) -> str:
