@@ -181,6 +181,17 @@ def test_soft_folded_projections_match_unfolded(normalize, qkv_bias, proj_bias, 
     torch.testing.assert_close(grads[0], grads_ref[0])
 
 
+def test_soft_folds_projections_only_where_it_saves_work():
+    stage1 = SoftAttention(64, num_heads=2, num_landmarks=49)     # SOFT-Tiny stage 1: h·m = 98 vs C = 64
+    stage3 = SoftAttention(320, num_heads=10, num_landmarks=49)   # stage 3: h·m = 490 vs C = 320
+    # per token: folded 98·128 = 12,544 < textbook 64·128 + 2·98·32 = 14,464; stage 3: 313,600 > 236,160
+    assert stage1.folding_pays(49) and not stage3.folding_pays(49)
+    assert SoftAttention(64, num_heads=2, fold_projections=False).folding_pays(49) is False
+    assert SoftAttention(320, num_heads=10, fold_projections=True).folding_pays(49) is True
+    scaled = SoftAttention(64, num_heads=2, fold_projections=True, scale_norm=True, norm_layer=torch.nn.LayerNorm)
+    assert not scaled.folding_pays(49)
+
+
 def test_soft_scale_norm_uses_the_unfolded_order():
     torch.manual_seed(0)
     layer = SoftAttention(8, num_heads=2, num_landmarks=4, scale_norm=True, norm_layer=torch.nn.LayerNorm)

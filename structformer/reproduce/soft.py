@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
+from timm.utils import ParseKwargs
 
 ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 PAPER_TABLE2 = {   # SOFT Table 2 (ImageNet, Tiny): params, GFLOPs, train / infer img/s, memory, top-1
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
     parser.add_argument('--val-fraction', type=float, default=0.2,
                         help='held-out tail of a single MNIST file pair (0.2: first 8,000 train, last 2,000 val)')
+    parser.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, default={}, metavar='KEY=VALUE',
+                        help='passed to every model, e.g. dims="(32,64,128,256)" num_heads="(1,2,4,8)" for '
+                             'half-width Tiny models (same depths, head width 32) that train 3-4x faster on CPU')
     parser.add_argument('--output', default='outputs/reproduce_soft')
 
 
@@ -93,7 +97,7 @@ def measure(model: torch.nn.Module, images: torch.Tensor, repeats: int = 3) -> D
 
 def _report(rows: List[Dict], recipe: Dict, split: str) -> str:
     lines = ['# SOFT Table 2 on MNIST (Tiny backbone, attention swapped)', '',
-             f"Recipe (identical for every row): {json.dumps(recipe)}", '', f"Data: {split}", '',
+             f"Recipe (identical for every row): {json.dumps(recipe, default=str)}", '', f"Data: {split}", '',
              '| attention | model | params | train img/s | infer img/s | act. memory (MB) | val top-1 % '
              '| paper: params / FLOPs / img/s / memory / top-1 (ImageNet) |',
              '|---|---|---|---|---|---|---|---|']
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
                   weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 3),
                   label_smoothing=0.1, seed=args.seed, val_fraction=args.val_fraction,
                   limit_train_batches=args.limit_train_batches)
+    model_kwargs = dict(args.model_kwargs or {})
     rows = []
     for attn in args.attn:
         name = model_name(attn)
@@ -131,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         def keep(trainer, epoch, metrics, captured=captured):
             captured['trainer'] = trainer
 
-        result = train(TrainConfig(model=name, data=spec, output=str(output / 'runs' / name), **recipe),
+        result = train(TrainConfig(model=name, model_kwargs=model_kwargs, data=spec,
+                                   output=str(output / 'runs' / name), **recipe),
                        progress=False, overwrite=True, callbacks=[keep])
         trainer = captured['trainer']
         images, _ = next(iter(trainer.eval_loader))
@@ -142,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"{attn:>10}: top-1 {row['val_top1']:.2f}%  train {row['train_img_per_s']:.0f} img/s  "
               f"infer {row['infer_img_per_s']:.0f} img/s  act. mem {row['act_mem_mb']:.1f} MB", flush=True)
-    (output / 'results.json').write_text(json.dumps({'recipe': recipe, 'data': info.description,
-                                                      'rows': rows}, indent=1))
-    (output / 'report.md').write_text(_report(rows, recipe, info.description))
+    recipe_shown = dict(recipe, model_kwargs=model_kwargs) if model_kwargs else recipe
+    (output / 'results.json').write_text(json.dumps({'recipe': recipe_shown, 'data': info.description,
+                                                      'rows': rows}, indent=1, default=str))
+    (output / 'report.md').write_text(_report(rows, recipe_shown, info.description))
     print(f"wrote {output / 'results.json'} and {output / 'report.md'}")
     return 0

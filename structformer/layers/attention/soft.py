@@ -32,11 +32,12 @@ Interface decisions (the paper leaves them open):
   entries of both signs, and bf16 cancellation there ruins the approximation.
 * `attn_drop` drops entries of the left factor Pᵀ (query-to-landmark weights): there is no n×n
   attention matrix to drop from.
-* Evaluation order (`fold_projections=True`, the default): Ŝ's factors are all per-head m-row
-  matrices, so the value projection and the output projection are folded into them
-  (`soft_attention_projected`): V and the per-head outputs are never formed, and the only
-  n-sized tensors are Q, P, one read of x and the output. Same value and gradients as the
-  textbook order (`fold_projections=False`, tested against it), fewer passes over n-sized memory.
+* Evaluation order: Ŝ's factors are per-head m-row matrices, so the value and output projections
+  can be folded into them (`soft_attention_projected`): V and the per-head outputs are never
+  formed, and the only n-sized tensors are Q, P, one read of x and the output. Same value and
+  gradients as the textbook order (tested); it costs n·h·m·(C_in + C_out) multiply-adds against
+  the textbook n·(h·d·(C_in + C_out) + 2·h·m·d), so by default (`fold_projections=None`) each layer
+  takes the cheaper order (`SoftAttention.folding_pays`): folded when h·m is small against the width.
 * The conv sampler's windows do not overlap (kernel = stride), so it runs as one matmul over
   flattened k×k windows of the token sequence, with `F.conv2d` kept as its reference.
 """
@@ -246,9 +247,10 @@ class SoftAttention(AttentionBase):
     'random'), `newton_iter` (T of Eq. 10), `ridge` (adds ridge·I to A before inverting),
     `num_prefix_tokens` (None: infer 0 or 1), `sampling_ratio` (k; overrides num_landmarks for
     conv/avgpool), `grid_size` (default (H, W) for `forward`, and lets the conv weight be built at
-    construction), `seed` (eval subset of the random sampler), `fold_projections` (default True:
-    evaluate V, attention, head merge and output projection in the re-associated order of
-    `soft_attention_projected`; False, or `scale_norm=True`, runs them one after another as written). `qk_norm` normalises the shared
+    construction), `seed` (eval subset of the random sampler), `fold_projections` (True: evaluate
+    V, attention, head merge and output projection in the re-associated order of
+    `soft_attention_projected`; False: one after another as written; None (default): whichever
+    `folding_pays` says needs fewer multiply-adds; `scale_norm=True` always runs as written). `qk_norm` normalises the shared
     Q = K per head. Unknown kwargs are ignored so timm's blocks can pass theirs. See the module docstring for the design choices.
     """
 
@@ -257,7 +259,7 @@ class SoftAttention(AttentionBase):
                  norm_layer=None, *, num_landmarks: int = 49, sampler: str = 'conv', newton_iter: int = 20,
                  ridge: float = 0.0, num_prefix_tokens: Optional[int] = None, sampling_ratio: Optional[int] = None,
                  grid_size: Optional[Tuple[int, int]] = None, normalize: bool = False,
-                 attn_head_dim: Optional[int] = None, seed: int = 0, fold_projections: bool = True,
+                 attn_head_dim: Optional[int] = None, seed: int = 0, fold_projections: Optional[bool] = None,
                  device=None, dtype=None, **unused):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
@@ -355,24 +357,37 @@ class SoftAttention(AttentionBase):
             sampled = rearrange(pooled, '(b h) d y x -> b h (y x) d', h=self.num_heads)
         return torch.cat([head, sampled], dim=-2)
 
+    def folding_pays(self, num_landmarks: int) -> bool:
+        """Whether `soft_attention_projected` needs fewer multiply-adds than the textbook order here.
+
+        Per token, folded: h·m·(C_in + C_out) (P x and the [n, h·m] output product); textbook:
+        inner·(C_in + C_out) (V and proj) + 2·h·m·d (P V and Pᵀ z), inner = h·d. Folding wins when h·m
+        is small against the width: SOFT-Tiny stage 1 (h = 2, m = 49, C = 64) yes, stages 2–4 no.
+        """
+        if not isinstance(self.norm, nn.Identity):
+            return False                                           # scale_norm sits between merge and proj
+        if self.fold_projections is not None:
+            return self.fold_projections
+        hm, inner = self.num_heads * num_landmarks, self.num_heads * self.head_dim
+        widths = self.qkv.in_features + self.proj.out_features
+        return hm * widths < inner * widths + 2 * hm * self.head_dim
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
         dropout = self.attn_drop if self.training and self.attn_drop.p > 0 else None
-        if self.fold_projections and isinstance(self.norm, nn.Identity):
-            inner = self.num_heads * self.head_dim
-            w_q, w_v = self.qkv.weight[:inner], self.qkv.weight[inner:]
-            b_q, b_v = (None, None) if self.qkv.bias is None else (self.qkv.bias[:inner], self.qkv.bias[inner:])
-            q = self.q_norm(rearrange(F.linear(x, w_q, b_q), 'b n (h d) -> b h n d', h=self.num_heads))
-            out = soft_attention_projected(x, q, self.landmarks(q, grid_size), w_v, b_v, self.proj.weight,
-                                           self.proj.bias, normalize=self.normalize, newton_iter=self.newton_iter,
-                                           ridge=self.ridge, scale=self.scale, dropout=dropout)
+        inner = self.num_heads * self.head_dim
+        w_q, w_v = self.qkv.weight[:inner], self.qkv.weight[inner:]
+        b_q, b_v = (None, None) if self.qkv.bias is None else (self.qkv.bias[:inner], self.qkv.bias[inner:])
+        q = self.q_norm(rearrange(F.linear(x, w_q, b_q), 'b n (h d) -> b h n d', h=self.num_heads))
+        landmarks = self.landmarks(q, grid_size)
+        options = dict(normalize=self.normalize, newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale,
+                       dropout=dropout)
+        if self.folding_pays(landmarks.shape[-2]):
+            out = soft_attention_projected(x, q, landmarks, w_v, b_v, self.proj.weight, self.proj.bias, **options)
             return self.proj_drop(out)
-        # unfolded order: project, attend, merge heads, project (needed when scale_norm sits before proj)
-        q, _, v = self.project(x)
-        out = soft_attention(q, v, self.landmarks(q, grid_size), normalize=self.normalize,
-                             newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale, dropout=dropout)
-        return self.merge(out)
+        v = rearrange(F.linear(x, w_v, b_v), 'b n (h d) -> b h n d', h=self.num_heads)
+        return self.merge(soft_attention(q, v, landmarks, **options))    # project, attend, merge, project
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_landmarks={self.num_landmarks}, sampler={self.sampler!r}, "
