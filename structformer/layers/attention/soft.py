@@ -119,7 +119,9 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
         a_pinv = newton_pinv(a, newton_iter, ridge)
         p_rows = p.reshape(batch, heads * m, n)
         px = (p_rows @ x).view(batch, heads, m, x.shape[-1])       # P x: [B, h, m, C]
-        pv = px @ v_weight.view(heads, d, -1).transpose(-2, -1)    # (P x) W_vᵀ: [B, h, m, d]
+        # einsum contracts per head without expanding the weights over the batch (a broadcast
+        # matmul would copy [B, h, C, d] weights and reduce their [B, h, C, d] gradients)
+        pv = torch.einsum('bhmc,hdc->bhmd', px, v_weight.view(heads, d, -1))   # (P x) W_vᵀ
         if v_bias is not None:
             pv = pv + p.sum(-1, keepdim=True) * _upcast(v_bias).view(heads, 1, d)
         if normalize:
@@ -127,7 +129,7 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
             z = d_inv_sqrt * (a_pinv @ (d_inv_sqrt * pv))
         else:
             z = a_pinv @ pv
-        y = z @ out_weight.view(c_out, heads, d).permute(1, 2, 0)  # z_h W_o,hᵀ: [B, h, m, C_out]
+        y = torch.einsum('bhmd,ohd->bhmo', z, out_weight.view(c_out, heads, d))  # z_h W_o,hᵀ: [B, h, m, C_out]
         left = p_rows.transpose(1, 2)                              # [B, n, h·m]
         if dropout is not None:
             left = dropout(left)
