@@ -120,3 +120,23 @@ def test_reproduce_pipeline_tiny(tmp_path, shared_mnist):
     assert all(r['params'] < 1e6 for r in results['rows']), [r['params'] for r in results['rows']]
     report = (tmp_path / 'out' / 'report.md').read_text()
     assert '| softmax |' in report and '| soft |' in report and '9900 train / 100 val' in report
+
+
+@pytest.mark.parametrize('sampler', ['random', 'avgpool'])
+def test_soft_model_with_other_samplers_trains_and_evaluates_deterministically(sampler):
+    torch.manual_seed(0)
+    model = timm.create_model('soft_tiny_mnist', dims=(16, 32, 32, 32), num_heads=(1, 1, 1, 1),
+                              attn_kwargs={'sampler': sampler})
+    assert all(blk.attn.sampler == sampler for stage in model.stages for blk in stage.blocks)
+    x = torch.rand(4, 1, 28, 28)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model(x))          # random: one fixed subset at eval
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    if sampler == 'random':                                       # a fresh subset every training forward
+        with torch.no_grad():
+            outs = [model(x) for _ in range(3)]
+        assert not all(torch.allclose(outs[0], o) for o in outs[1:])
