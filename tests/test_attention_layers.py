@@ -4,6 +4,8 @@ import warnings
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 
 from structformer.layers.attention.linformer import (LinformerAttention, linformer_attention,
                                                      linformer_attention_reference)
@@ -108,7 +110,7 @@ def test_soft_lazy_conv_is_built_at_first_forward_and_trains():
     assert layer.conv.kernel_size is None
     with pytest.warns(UserWarning, match='first forward'):
         out = layer(torch.randn(2, 17, 16))
-    assert layer.conv.kernel_size == 2 and layer.conv.weight.shape == (8, 8, 2, 2)   # head_dim × head_dim, shared by heads
+    assert layer.conv.kernel_size == 2 and layer.conv.weight.shape == (8, 2, 2, 8)   # head_dim × head_dim, shared by heads
     out.square().mean().backward()
     assert layer.conv.weight.grad.abs().sum() > 0
     reloaded = SoftAttention(16, num_heads=2, num_landmarks=4)            # lazy weights load from a checkpoint
@@ -152,6 +154,20 @@ def test_conv_sampler_matmul_matches_conv2d_reference(grid):
     g_ref = torch.autograd.grad((ref * cot).sum(), (tokens, sampler.weight))
     for a, b in zip(g_fast, g_ref):
         torch.testing.assert_close(a, b)
+
+
+def test_conv_sampler_weight_layout_and_average_pool_init():
+    """Weight [C_out, ky, kx, C_in]: landmark (0, 0) is Σ W[o, ky, kx, c]·token[ky·W + kx, c], written out;
+    the initial weight is average pooling over each k×k window."""
+    from structformer.layers.attention.soft import ConvLandmarkSampler
+    sampler = ConvLandmarkSampler(3, kernel_size=2, dtype=F64)
+    tokens = _randn(1, 6 * 4, 3)                                  # a 6×4 grid, row-major
+    pooled = F.avg_pool2d(rearrange(tokens, 'b (y x) c -> b c y x', y=6, x=4), 2)
+    torch.testing.assert_close(sampler(tokens, (6, 4)), rearrange(pooled, 'b c y x -> b (y x) c'))
+    with torch.no_grad():
+        sampler.weight.normal_()
+    by_hand = sum(sampler.weight[:, ky, kx, :] @ tokens[0, ky * 4 + kx] for ky in range(2) for kx in range(2))
+    torch.testing.assert_close(sampler(tokens, (6, 4))[0, 0], by_hand)
 
 
 @pytest.mark.parametrize('normalize,qkv_bias,proj_bias,prefix,head_dim,qk_norm', [

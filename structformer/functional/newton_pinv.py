@@ -49,22 +49,73 @@ def _check_num_iter(num_iter: int) -> None:
         raise ValueError(f"num_iter must be an int >= 1 (Newton–Schulz steps of SOFT Eq. 10), got {num_iter!r}")
 
 
-def _newton_schulz(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+def _initial_guess(a: torch.Tensor) -> torch.Tensor:
     norm_1 = a.abs().sum(-2).amax(-1)                          # max column sum
     norm_inf = a.abs().sum(-1).amax(-1)                        # max row sum
     # tiny floor: pinv(0) = 0 (X_0 = 0 is a fixed point) instead of 0/0
     alpha = 1.0 / (norm_1 * norm_inf).clamp_min(torch.finfo(a.dtype).tiny)
-    x = alpha[..., None, None] * a.transpose(-2, -1)
+    return alpha[:, None, None] * a.transpose(-2, -1)
+
+
+def _newton_step(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.baddbmm(x, torch.bmm(x, a), x, beta=2.0, alpha=-1.0)     # 2X − XAX (Eq. 10), one fused op
+
+
+def _relative_update(x_next: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """‖X_{k+1} − X_k‖_F / ‖X_{k+1}‖_F per matrix."""
+    norms = torch.linalg.vector_norm(torch.stack([x_next - x, x_next]), dim=(-2, -1))
+    return norms[0] / norms[1].clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def _newton_schulz_device(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    """Batched iteration with the per-matrix freeze as tensor ops only: no host sync, so a GPU never
+    stalls, at the price of a masked update every step."""
+    x = _initial_guess(a)
     tol = torch.finfo(a.dtype).eps ** 0.5
-    frozen = torch.zeros(a.shape[:-2], dtype=torch.bool, device=a.device)
+    frozen = torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
     for _ in range(num_iter):
-        x_next = 2 * x - x @ a @ x
-        # past convergence Newton only doubles rounding noise in the null space (module docstring):
-        # freeze each matrix once its update is below √eps (no host sync, so no GPU stall)
-        update = torch.linalg.matrix_norm(x_next - x)
-        x = torch.where(frozen[..., None, None], x, x_next)
-        frozen = frozen | (update <= tol * torch.linalg.matrix_norm(x_next))
+        x_next = _newton_step(x, a)
+        converged = _relative_update(x_next, x) <= tol
+        x = torch.where(frozen[:, None, None], x, x_next)
+        frozen = frozen | converged
     return x
+
+
+def _newton_schulz_host(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    """The same iteration and freeze rule as `_newton_schulz_device`, decided on the host: on a CPU a sync
+    is free, so the loop stops once every matrix has converged and masks only while some have."""
+    x = _initial_guess(a)
+    tol = torch.finfo(a.dtype).eps ** 0.5
+    active = torch.arange(a.shape[0])                          # matrices still iterating
+    out = None
+    for _ in range(num_iter):
+        x_next = _newton_step(x, a)
+        converged = (_relative_update(x_next, x) <= tol).tolist()
+        if not any(converged):
+            x = x_next
+            continue
+        if out is None:
+            out = torch.empty_like(x)
+        keep = torch.tensor([not c for c in converged])
+        done = ~keep
+        out[active[done]] = x_next[done]                       # frozen at X_{k+1}, as the device path
+        active, x, a = active[keep], x_next[keep], a[keep]
+        if active.numel() == 0:
+            return out
+    if out is None:
+        return x
+    out[active] = x
+    return out
+
+
+def _newton_schulz(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    """Up to `num_iter` Newton–Schulz steps on [..., m, m]; each matrix freezes once its relative
+    update ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (module docstring: past convergence the iteration
+    only doubles rounding noise in the null space)."""
+    batch_shape, m = a.shape[:-2], a.shape[-1]
+    flat = a.reshape(-1, m, m)
+    run = _newton_schulz_host if a.device.type == 'cpu' else _newton_schulz_device
+    return run(flat, num_iter).reshape(*batch_shape, m, m)
 
 
 def _add_ridge(a: torch.Tensor, ridge: float) -> torch.Tensor:

@@ -232,6 +232,7 @@ def _cfg(**kwargs):
             'license': 'apache-2.0', **kwargs}
 
 
+_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
 _MNIST = dict(num_classes=10, input_size=(1, 28, 28), mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
 
 # Table 1 of SOFT
@@ -247,6 +248,12 @@ BASELINES = ('softmax', 'linformer', 'performer', 'nystrom')
 # then gives m = 16, 9, 4, 1 landmarks (the stage-4 cls token is one more landmark for SOFT).
 _MNIST_ARGS = dict(img_size=28, in_chans=1, num_classes=10, stem_strides=(2, 1, 1), sampling_ratios=(4, 3, 2, 2))
 
+# Embedded-data setting (scikit-learn digits, 8×8): no stem striding, so the stage grids are 8², 4², 2², 1²;
+# sp (2, 2, 1, 1) gives m = 16, 4, 4, 1 landmarks (stage 3's 2×2 grid is its own landmark set, exact there).
+# Narrow and shallow (Tiny's head width 32 and FFN ratio, depths 1/1/2/1) so it trains in seconds on a CPU.
+_DIGITS_ARGS = dict(img_size=8, in_chans=1, num_classes=10, dims=(32, 64, 96, 128), num_heads=(1, 2, 3, 4),
+                    depths=(1, 1, 2, 1), stem_strides=(1, 1, 1), sampling_ratios=(2, 2, 1, 1))
+
 _MODELS: Dict[str, Dict] = {}
 for _size, _args in _SIZES.items():
     _MODELS[f'soft_{_size}_224'] = dict(_args, attn='soft')
@@ -257,11 +264,13 @@ _MODELS['soft_tiny_mnist'] = dict(_SIZES['tiny'], attn='soft', **_MNIST_ARGS)
 _MODELS['softpp_tiny_mnist'] = dict(_SIZES['tiny'], attn='softpp', **_MNIST_ARGS)
 for _attn in BASELINES:
     _MODELS[f'soft_tiny_{_attn}_mnist'] = dict(_SIZES['tiny'], attn=_attn, **_MNIST_ARGS)
+_MODELS['soft_digits'] = dict(_DIGITS_ARGS, attn='soft')
+_MODELS['softpp_digits'] = dict(_DIGITS_ARGS, attn='softpp')
 
 # test_input_size 64 px: grids 16², 8², 4², 2² and m = 4 landmarks per stage, cheap on CPU yet non-trivial
 default_cfgs = generate_default_cfgs({
-    f'{name}.untrained': _cfg(**_MNIST) if name.endswith('_mnist') else _cfg(test_input_size=(3, 64, 64))
-    for name in _MODELS})
+    f'{name}.untrained': _cfg(**_MNIST) if name.endswith('_mnist') else _cfg(**_DIGITS) if name.endswith('_digits')
+    else _cfg(test_input_size=(3, 64, 64)) for name in _MODELS})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> SoftNet:

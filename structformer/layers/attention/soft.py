@@ -170,6 +170,10 @@ def sampling_ratio_for(height: int, width: int, num_landmarks: int) -> int:
 class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
     """Conv2d with kernel = stride = k over the token grid (SOFT §3.2), initialised as average pooling.
 
+    The weight is stored channels-last, [C_out, k, k, C_in] (`F.conv2d`'s layout is
+    `weight.permute(0, 3, 1, 2)`), because tokens are channels-last: a flattened k×k window of tokens
+    is then ordered like a weight row, and the matmul reads the weight as a free view instead of
+    rearranging it on every forward (and its gradient on every backward).
     With `kernel_size=None` the k×k weight is created at the first call from the k passed then.
     """
 
@@ -179,22 +183,22 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         if kernel_size is None:
             self.weight = nn.UninitializedParameter(device=device, dtype=dtype)
         else:
-            self.weight = nn.Parameter(torch.empty(channels, channels, kernel_size, kernel_size,
+            self.weight = nn.Parameter(torch.empty(channels, kernel_size, kernel_size, channels,
                                                    device=device, dtype=dtype))
             self.reset_parameters()
 
     @property
     def kernel_size(self) -> Optional[int]:
-        return None if self.has_uninitialized_params() else self.weight.shape[-1]
+        return None if self.has_uninitialized_params() else self.weight.shape[1]
 
     def reset_parameters(self) -> None:
         if self.has_uninitialized_params():
             return
-        k = self.weight.shape[-1]
+        k = self.kernel_size
         eye = torch.eye(self.channels, dtype=self.weight.dtype, device=self.weight.device)
         with torch.no_grad():
             # identity over channels, uniform over the window = average pooling
-            self.weight.copy_(eye[:, :, None, None].expand_as(self.weight) / (k * k))
+            self.weight.copy_(eye[:, None, None, :].expand_as(self.weight) / (k * k))
 
     def initialize_parameters(self, tokens: torch.Tensor, grid_size: Tuple[int, int],
                               kernel_size: Optional[int] = None) -> None:
@@ -205,7 +209,7 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         if kernel_size is None:
             raise RuntimeError("ConvLandmarkSampler: kernel_size must be given before the first forward")
         with torch.no_grad():
-            self.weight.materialize((self.channels, self.channels, kernel_size, kernel_size), device=tokens.device)
+            self.weight.materialize((self.channels, kernel_size, kernel_size, self.channels), device=tokens.device)
         self.reset_parameters()
         warnings.warn(f"SOFT conv sampler: k={kernel_size} weights created at the first forward; build the "
                       "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
@@ -214,10 +218,10 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         """Landmarks [..., m, C] from grid tokens [..., H·W, C] (row-major grid), m = ⌈H/k⌉·⌈W/k⌉.
 
         Kernel = stride = k, so the windows do not overlap and the conv is one matmul: each k×k
-        window flattened to k²C values, times the weight flattened to [k²C, C]. This skips the
+        window flattened to k²C values, times the weight viewed as [C, k²C]. This skips the
         [B, C, H, W] layout copy and the generic convolution that `forward_reference` pays.
         """
-        k = self.weight.shape[-1]                                  # fixed once built
+        k = self.kernel_size                                       # fixed once built
         h, w = grid_size
         lead = tokens.shape[:-2]
         if -h % k or -w % k:                                       # replicate-pad to whole windows
@@ -225,16 +229,16 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
             planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
             tokens, h, w = rearrange(planes, 'b c y x -> b (y x) c'), planes.shape[-2], planes.shape[-1]
         windows = rearrange(tokens, '... (gy ky gx kx) c -> ... (gy gx) (ky kx c)', ky=k, kx=k, gy=h // k, gx=w // k)
-        weight = rearrange(self.weight, 'o c ky kx -> (ky kx c) o')
-        return (windows @ weight).reshape(*lead, -1, self.channels)
+        weight = self.weight.reshape(self.channels, -1)          # (ky kx c) rows: a view, no copy
+        return (windows @ weight.t()).reshape(*lead, -1, self.channels)
 
     def forward_reference(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
         """The same map as `forward`, written as padding + `F.conv2d` on [B, C, H, W] planes. For tests."""
-        k = self.weight.shape[-1]
+        k = self.kernel_size
         h, w = grid_size
         planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
         planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
-        pooled = F.conv2d(planes, self.weight, stride=k)
+        pooled = F.conv2d(planes, self.weight.permute(0, 3, 1, 2), stride=k)
         return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
 
     def extra_repr(self) -> str:
