@@ -26,7 +26,8 @@ EVAL_EXAMPLES = """examples:
 MODELS_EXAMPLES = """examples:
   structformer models                 # every structformer model with its parameter count
   structformer models --filter crate  # only names containing 'crate'
-  structformer models --json"""
+  structformer models --json
+  structformer models --filter soft_tiny --flops   # + multiply-adds per image, by component"""
 
 BENCH_EXAMPLES = """examples:
   structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
@@ -135,18 +136,47 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _positive_int(flag: str):
+    """argparse type: an int >= 1, else a one-line error naming the flag and the accepted range."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {value!r}")
+        return number
+    return parse
+
+
 def cmd_models(args) -> int:
     from .models import list_structformer_models
     from .models.inventory import model_inventory
     names = [n for n in list_structformer_models() if args.filter in n]
     rows = model_inventory(names)
+    if args.flops:
+        from .bench.flops import COMPONENTS, model_flops
+        for row in rows:
+            row.update({k: v for k, v in model_flops(row['name'], img_size=args.img_size).items() if k != 'params'})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     width = max(len(r['name']) for r in rows) if rows else 10
-    print(f"{'model':<{width}}  {'params':>12}  input")
+    header = f"{'model':<{width}}  {'params':>12}  input"
+    if args.flops:
+        parts = ''.join(f"  {c[:8]:>8}" for c in COMPONENTS + ('other',))
+        header = f"{'model':<{width}}  {'params':>12}  {'input':>10}  {'GMACs':>7}{parts}"
+    print(header)
     for r in rows:
-        print(f"{r['name']:<{width}}  {r['params'] / 1e6:>11.2f}M  {'x'.join(map(str, r['input_size']))}")
+        size = 'x'.join(map(str, r['input_size']))
+        if args.flops:
+            parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>8.3f}" for c in COMPONENTS + ('other',))
+            print(f"{r['name']:<{width}}  {r['params'] / 1e6:>11.2f}M  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
+        else:
+            print(f"{r['name']:<{width}}  {r['params'] / 1e6:>11.2f}M  {size}")
+    if args.flops:
+        print("GMACs: multiply-adds of one image's forward (FlopCounterMode, matmul/conv only; papers quote these "
+              "as FLOPs), split by component")
     return 0
 
 
@@ -220,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=MODELS_EXAMPLES)
     p.add_argument('--filter', default='', help='substring of the name')
     p.add_argument('--json', action='store_true')
+    p.add_argument('--flops', action='store_true',
+                   help='also count forward multiply-adds of one image, split by component (builds each model)')
+    p.add_argument('--img-size', type=_positive_int('--img-size'), default=None,
+                   help='input side for --flops (default: the model\'s own)')
     p.set_defaults(func=cmd_models)
     return parser
 

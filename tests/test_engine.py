@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,22 @@ def test_any_timm_model_trains_on_embedded_data(tmp_path, name, kwargs):
     assert state['model_kwargs']['num_classes'] == 10 and state['model_kwargs']['in_chans'] == 1
     assert ('img_size' in state['model_kwargs']) == name.startswith('vit')
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_attn_layer_by_name_swaps_a_timm_vit_and_round_trips(tmp_path):
+    """`--model-kwargs attn_layer=soft attn_kwargs=...` puts SOFT into timm's ViT; its lazily shaped conv sampler is
+    materialised before the optimizer is built (so it trains), and the checkpoint rebuilds the same model."""
+    from structformer.layers import SoftAttention
+    kwargs = {'attn_layer': 'soft', 'attn_kwargs': {'num_landmarks': 4}, 'patch_size': 2, 'depth': 2,
+              'embed_dim': 32, 'num_heads': 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                           # no lazy-parameter warning reaches the user
+        result = train(_tiny(tmp_path, model='vit_tiny_patch16_224', model_kwargs=kwargs, epochs=2,
+                             warmup_epochs=0, limit_train_batches=3), progress=False)
+    model, state = load_model(result.last_checkpoint)
+    assert state['model_kwargs']['attn_layer'] == 'soft'         # stored by name, resolved on load
+    assert state['model_kwargs']['attn_kwargs'] == {'num_landmarks': 4}
+    attn = model.blocks[0].attn
+    assert isinstance(attn, SoftAttention) and attn.conv.kernel_size == 2     # 4×4 grid, m = 4 landmarks
+    first = load_file(str(tmp_path / 'run' / 'checkpoints' / 'epoch_0000' / 'model.safetensors'))
+    assert not torch.equal(first['blocks.0.attn.conv.weight'], attn.conv.weight)   # the sampler was trained

@@ -59,3 +59,53 @@ def counted_flops(layer: nn.Module, x: torch.Tensor, grid_size, backward: bool =
             with torch.no_grad():
                 layer(x, grid_size=grid_size)
     return counter.get_total_flops()
+
+
+# components of a model's forward, found by the last name of a module path (first match wins)
+COMPONENTS = ('stem', 'downsampling', 'attention', 'mlp', 'head')
+
+
+def _component(path: str) -> Optional[str]:
+    last = path.rsplit('.', 1)[-1]
+    if path in ('stem', 'patch_embed', 'stages.0.downsample'):
+        return 'stem'
+    if last == 'downsample':
+        return 'downsampling'
+    if last in ('attn', 'mlp', 'head') and (last != 'head' or path == 'head'):
+        return {'attn': 'attention'}.get(last, last)
+    return None
+
+
+def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
+    """Parameters and forward FLOPs of one image through a registered model (eval mode, CPU).
+
+    Returns {'params', 'input_size', 'flops', 'macs', 'breakdown_macs': {component: MACs}}, with
+    components stem / downsampling / attention / mlp / head / other (the rest: norms' matmul-free
+    ops count 0, cls-token concat etc.). Papers, SOFT Table 1–2 included, quote multiply-adds as
+    "FLOPs", so compare their numbers with `macs` = flops / 2 (module docstring). Fused softmax
+    attention (SDPA) is invisible to FlopCounterMode on CPU, so attention layers are switched to
+    their explicit, mathematically identical path while counting (`fused` / timm's `fused_attn`).
+    """
+    import timm
+    model = timm.create_model(name, **({'img_size': img_size} if img_size else {}), **kwargs).eval()
+    for mod in model.modules():
+        for flag in ('fused', 'fused_attn'):
+            if isinstance(getattr(mod, flag, None), bool):
+                setattr(mod, flag, False)
+    cfg = timm.get_pretrained_cfg(name)
+    chans, height, width = cfg.input_size if cfg else (3, 224, 224)
+    chans = getattr(model, 'in_chans', chans)
+    if img_size:
+        height = width = img_size
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randn(1, chans, height, width))
+    total = counter.get_total_flops()
+    breakdown = dict.fromkeys(COMPONENTS, 0)
+    for key, ops in counter.get_flop_counts().items():
+        path = key.split('.', 1)[1] if '.' in key else ''
+        component = _component(path) if path else None
+        if component:
+            breakdown[component] += sum(ops.values()) / 2
+    breakdown['other'] = total / 2 - sum(breakdown.values())
+    return {'params': sum(p.numel() for p in model.parameters()), 'input_size': [chans, height, width],
+            'flops': total, 'macs': total / 2, 'breakdown_macs': breakdown}

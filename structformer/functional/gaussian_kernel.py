@@ -29,8 +29,9 @@ def gaussian_kernel(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = N
     with torch.autocast(device_type=q.device.type, enabled=False):
         if q.dtype in _LOW_PRECISION or k.dtype in _LOW_PRECISION:
             q, k = q.float(), k.float()
-        q_sq = q.pow(2).sum(-1, keepdim=True)                  # [..., n, 1]
-        k_sq = k.pow(2).sum(-1).unsqueeze(-2)                  # [..., 1, m]
+        # squared norms by a reduction that forms no n×d temporary (pow then sum writes one)
+        q_sq = torch.linalg.vector_norm(q, dim=-1, keepdim=True).square()            # [..., n, 1]
+        k_sq = torch.linalg.vector_norm(k, dim=-1).square().unsqueeze(-2)           # [..., 1, m]
         if q.shape[:-2] == k.shape[:-2] and q.dim() >= 2:
             # baddbmm forms 2·scale·qkᵀ − scale·‖k‖² (the k term broadcast, so no n×m offset tensor
             # is allocated), then the q term, clamp and exp run in place: one n×m buffer, written

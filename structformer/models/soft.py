@@ -19,7 +19,8 @@ count is m_s = ⌈H_s/k⌉·⌈W_s/k⌉ (49 for the 56², 28², 14², 7² grids 
 (`attn='linformer' | 'nystrom'`) get the same m_s, Linformer also its fixed seq_len (+1 for the cls token
 in stage 4), so every Table 2 variant sees the same bottleneck size.
 
-Known parameter/FLOP gap (measured by `model_complexity`; numbers in the README): `soft_tiny_224` has
+Known parameter/FLOP gap (measured by `structformer models --flops`, i.e. `bench.flops.model_flops`; numbers
+in the README): `soft_tiny_224` has
 14.53M parameters and 2.98 GMACs against the paper's 13M / 1.9G. Table 1's own Tiny configuration
 already has 14.35M parameters without any sampler, so the quoted count is not reachable from the
 table; the public code's Tiny is a different network (depths 1/2/3/2, MLP ratios 8/8/4/4). Our conv
@@ -38,7 +39,7 @@ from ..layers.attention.registry import get_attention
 from ._pooling import pool_tokens
 from ._registry import register_model
 
-__all__ = ['SoftNet', 'SoftBlock', 'model_complexity']
+__all__ = ['SoftNet', 'SoftBlock']
 
 
 def conv_bn_relu(in_chans: int, out_chans: int, stride: int) -> nn.Sequential:
@@ -291,27 +292,3 @@ def _register(name: str, model_args: Dict):
 
 for _name, _args in _MODELS.items():
     globals()[_name] = _register(_name, _args)
-
-
-def model_complexity(name: str, img_size: int = 224, **kwargs) -> Dict[str, float]:
-    """Parameters and forward FLOPs of one image at `img_size` (eval mode, CPU).
-
-    `torch.utils.flop_counter.FlopCounterMode` counts a multiply-add as 2 FLOPs (matmuls and convs
-    only: softmax, exp, norms and elementwise ops are not counted); papers, SOFT Table 2 included,
-    quote MACs as "FLOPs", so compare the paper's number with `macs` = flops / 2.
-    The fused softmax path (`F.scaled_dot_product_attention`) is invisible to the counter on CPU, so
-    softmax layers are switched to their explicit, mathematically identical path while counting.
-    """
-    import timm
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ..layers.attention.softmax import SoftmaxAttention
-    model = timm.create_model(name, img_size=img_size, **kwargs).eval()
-    for mod in model.modules():
-        if isinstance(mod, SoftmaxAttention):
-            mod.fused = False
-    chans = model.in_chans
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(torch.randn(1, chans, img_size, img_size))
-    flops = counter.get_total_flops()
-    return {'params': sum(p.numel() for p in model.parameters()), 'flops': flops, 'macs': flops / 2}

@@ -171,9 +171,10 @@ def load_model(path, map_location='cpu'):
     import timm
 
     import structformer  # noqa: F401  (registers our models with timm)
+    from ..layers.attention.registry import resolve_layer_kwargs
     weights, state, _ = load_checkpoint(path)
     try:
-        model = timm.create_model(state['model'], **state.get('model_kwargs', {}))
+        model = timm.create_model(state['model'], **resolve_layer_kwargs(state.get('model_kwargs', {})))
     except RuntimeError as e:
         raise CheckpointError(f"--checkpoint: model {state['model']!r} is not registered ({e})") from None
     try:

@@ -13,6 +13,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -25,9 +26,11 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import accuracy
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import UninitializedParameter
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
+from ..layers.attention.registry import resolve_layer_kwargs
 from .checkpoint import (load_checkpoint, mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng,
                          save_checkpoint)
 from .config import TrainConfig, save_config
@@ -60,16 +63,31 @@ def create_model_for_data(name: str, model_kwargs: Dict, info) -> (torch.nn.Modu
         kwargs['img_size'] = info.img_size
     kwargs.update(model_kwargs)
     try:
-        model = timm.create_model(name, **kwargs)
+        model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
     except TypeError as e:
         if 'img_size' in kwargs and 'img_size' not in model_kwargs and 'img_size' in str(e):
             kwargs.pop('img_size')               # convolutional nets take any size
-            model = timm.create_model(name, **kwargs)
+            model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
         else:
             raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
     except (AssertionError, ValueError) as e:
         raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
+    materialize_lazy_parameters(model, (info.in_chans, info.img_size, info.img_size))
     return model, kwargs
+
+
+def materialize_lazy_parameters(model: torch.nn.Module, input_size) -> None:
+    """Give lazily shaped parameters (e.g. SOFT's conv sampler inside a timm ViT, whose k×k weight needs
+    the token grid) their shapes with one forward of zeros, so the optimizer, weight-decay groups and
+    DDP see every parameter. No-op for models without them; RNG state and train/eval mode are kept."""
+    if not any(isinstance(p, UninitializedParameter) for p in model.parameters()):
+        return
+    was_training = model.training
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*created at the first forward')   # handled here
+        model.eval()
+        model(torch.zeros(1, *input_size))
+    model.train(was_training)
 
 
 @torch.no_grad()

@@ -1,0 +1,43 @@
+"""model_flops (`structformer models --flops`): counted multiply-adds against closed forms, per component."""
+import pytest
+import structformer  # noqa: F401  (registers the models)
+
+from structformer.bench.flops import model_flops
+from structformer.cli import main
+
+
+def _conv_macs(side_out, k, c_in, c_out):
+    return side_out * side_out * k * k * c_in * c_out
+
+
+def test_soft_digits_components_match_closed_forms():
+    """soft_digits: grids 8², 4², 2², 1² (+ cls), dims 32/64/96/128, depths 1/1/2/1, FFN ratio 4."""
+    out = model_flops('soft_digits')
+    parts = out['breakdown_macs']
+    tokens, dims, depths = (64, 16, 4, 2), (32, 64, 96, 128), (1, 1, 2, 1)
+    assert parts['mlp'] == sum(n * d * 2 * c * 4 * c for n, c, d in zip(tokens, dims, depths))
+    stem = _conv_macs(8, 3, 1, 16) + _conv_macs(8, 3, 16, 16) + _conv_macs(8, 3, 16, 32)   # inner width dims[0]/2
+    assert parts['stem'] == stem
+    assert parts['downsampling'] == _conv_macs(4, 3, 32, 64) + _conv_macs(2, 3, 64, 96) + _conv_macs(1, 3, 96, 128)
+    assert parts['head'] == 128 * 10
+    assert parts['attention'] > 0 and abs(parts['other']) < 1e-6 * out['macs']
+    assert out['macs'] == out['flops'] / 2 == sum(parts.values())
+
+
+def test_fused_softmax_attention_is_counted():
+    """timm's ViT uses SDPA, which FlopCounterMode cannot see on CPU; model_flops switches it off."""
+    out = model_flops('vit_tiny_patch16_224', img_size=32, patch_size=16, depth=2)
+    n, c = 1 + 4, 192
+    assert out['breakdown_macs']['attention'] == 2 * (4 * n * c * c + 2 * n * n * c)   # qkv + proj, QKᵀ and AV
+
+
+def test_models_cli_prints_macs(capsys):
+    assert main(['models', '--filter', 'softpp_digits', '--flops']) == 0
+    out = capsys.readouterr().out
+    assert 'softpp_digits' in out and 'GMACs' in out and 'attentio' in out
+
+
+def test_models_cli_rejects_bad_img_size(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['models', '--flops', '--img-size', '0'])
+    assert exc.value.code == 2 and '--img-size must be an integer >= 1' in capsys.readouterr().err
