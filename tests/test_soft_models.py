@@ -120,6 +120,16 @@ def test_reproduce_pipeline_tiny(tmp_path, shared_mnist):
     assert all(r['params'] < 1e6 for r in results['rows']), [r['params'] for r in results['rows']]
     report = (tmp_path / 'out' / 'report.md').read_text()
     assert '| softmax |' in report and '| soft |' in report and '9900 train / 100 val' in report
+    # --measure-only re-times the saved runs: same models and accuracies, the training recipe kept
+    again = _args(tmp_path, shared_mnist, attn=['softmax', 'soft'], batch_size='16', val_fraction='0.01',
+                  epochs='9', measure_only=[])
+    assert reproduce_soft.run(again) == 0
+    remeasured = json.loads((tmp_path / 'out' / 'results.json').read_text())
+    assert remeasured['recipe'] == results['recipe']
+    for old, new in zip(results['rows'], remeasured['rows']):
+        assert (new['params'], new['val_top1']) == (old['params'], old['val_top1']) and new['train_img_per_s'] > 0
+    with pytest.raises(FileNotFoundError, match='--measure-only'):
+        reproduce_soft.run(_args(tmp_path, shared_mnist, attn=['performer'], measure_only=[]))
 
 
 @pytest.mark.parametrize('sampler', ['random', 'avgpool'])
