@@ -31,9 +31,7 @@ import math
 import os
 import platform
 import resource
-import statistics
 import sys
-import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -41,6 +39,7 @@ import torch
 from ._subprocess import MeasurementFailed, python_json
 
 from .flops import analytic_core_flops, counted_flops, linear_flops
+from .timing import median_seconds
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak
@@ -169,20 +168,6 @@ def _peak_rss_mib() -> float:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _median_seconds(fn, repeats: int, warmup: int, device: str) -> float:
-    sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: int, warmup: int,
                 device: str = 'cpu', threads: int = 0) -> dict:
     """Time, peak memory and FLOPs of one (attention, n); meant to run in its own process."""
@@ -222,9 +207,9 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
         peak = torch.cuda.max_memory_allocated() / 2 ** 20 - base
     else:
         peak = _peak_rss_mib() - base
-    fwd_bwd_s = _median_seconds(fwd_bwd, repeats, max(warmup - 1, 0), device)
+    fwd_bwd_s = median_seconds(fwd_bwd, repeats, max(warmup - 1, 0), device)
     layer.eval()
-    fwd_s = _median_seconds(fwd, repeats, warmup, device)
+    fwd_s = median_seconds(fwd, repeats, warmup, device)
 
     m_eff = effective_landmarks(layer, grid, landmarks)
     flops_fwd = counted_flops(layer, x, grid)

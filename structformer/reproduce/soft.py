@@ -18,12 +18,13 @@ is added.
 import argparse
 import copy
 import json
-import time
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 from timm.utils import ParseKwargs
+
+from ..bench.timing import median_seconds
 
 ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 # Table 1 Tiny has dims 64/128/320/512 and heads 2/4/10/16 (head width 32). Narrower widths keep the depths,
@@ -86,29 +87,9 @@ def _activation_bytes(model: torch.nn.Module, images: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def _timed(fn, repeats: int, device: torch.device) -> float:
-    """Seconds per call of `fn`, after one untimed warm-up call."""
-    fn()
-    if device.type == 'cuda':
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.type == 'cuda':
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
-
-
-def measure(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, lr: float = 1e-3,
-            weight_decay: float = 0.05, repeats: int = 3) -> Dict[str, float]:
-    """On one batch: inference img/s (eval, no_grad), training img/s (forward, backward and an AdamW step
-    of a copy of the model, so `model` is unchanged) and training memory. Each speed is timed over
-    `repeats` calls after a warm-up; the data loader is left out, so rows differ only by the model."""
-    out: Dict[str, float] = {}
-    batch = images.shape[0]
-    model.eval()
-    with torch.no_grad():
-        out['infer_img_per_s'] = batch / _timed(lambda: model(images), repeats, images.device)
+def _train_step_seconds(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, lr: float,
+                        weight_decay: float, repeats: int) -> float:
+    """Median seconds of forward + backward + AdamW step on a copy of `model` (freed on return)."""
     student = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
 
@@ -118,8 +99,21 @@ def measure(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor,
         loss.backward()
         opt.step()
 
-    out['train_img_per_s'] = batch / _timed(step, repeats, images.device)
-    del student, opt
+    return median_seconds(step, repeats, 1, images.device)
+
+
+def measure(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, lr: float = 1e-3,
+            weight_decay: float = 0.05, repeats: int = 5) -> Dict[str, float]:
+    """On one batch: inference img/s (eval, no_grad), training img/s (forward, backward and an AdamW step
+    of a copy of the model, so `model` is unchanged) and training memory. Each speed is the median of
+    `repeats` timed calls after one warm-up (`bench.timing.median_seconds`); the data loader is left
+    out, so rows differ only by the model."""
+    out: Dict[str, float] = {}
+    batch = images.shape[0]
+    model.eval()
+    with torch.no_grad():
+        out['infer_img_per_s'] = batch / median_seconds(lambda: model(images), repeats, 1, images.device)
+    out['train_img_per_s'] = batch / _train_step_seconds(model, images, targets, lr, weight_decay, repeats)
     if images.is_cuda:
         torch.cuda.reset_peak_memory_stats()
     out['act_mem_mb'] = _activation_bytes(model, images) / 2 ** 20
