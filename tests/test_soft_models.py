@@ -176,10 +176,10 @@ def test_every_small_image_variant_trains_through_the_engine(tmp_path, name, sha
     two batches on its own data, then the checkpoint reloads as the same architecture with finite logits."""
     from structformer.train import TrainConfig, load_model, train
     data = 'digits' if name.endswith('_digits') else f'mnist:{shared_mnist}'
+    narrow = dict(dims=(16, 32, 32, 32), num_heads=(1, 1, 1, 1))
     result = train(TrainConfig(model=name, data=data, epochs=1, batch_size=8, lr=1e-3, warmup_epochs=0,
                                limit_train_batches=2, val_fraction=0.01 if 'mnist' in data else 0.2,
-                               model_kwargs=dict(dims=(16, 32, 32, 32), num_heads=(1, 1, 1, 1)),
-                               output=str(tmp_path / 'run')), progress=False)
+                               model_kwargs=narrow, output=str(tmp_path / 'run')), progress=False)
     assert 0.0 <= result.final['val_top1'] <= 100.0 and result.final['train_loss'] > 0
     model, _ = load_model(result.last_checkpoint)
     side = 8 if name.endswith('_digits') else 28
@@ -187,4 +187,6 @@ def test_every_small_image_variant_trains_through_the_engine(tmp_path, name, sha
     model.eval()
     with torch.no_grad():
         assert torch.isfinite(model(x)).all()
-    assert type(model.stages[0].blocks[0].attn) is type(timm.create_model(name).stages[0].blocks[0].attn)
+    fresh = timm.create_model(name, **narrow)                     # the registered variant, built directly
+    assert type(model.stages[0].blocks[0].attn) is type(fresh.stages[0].blocks[0].attn)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in fresh.state_dict().items()}
