@@ -1,4 +1,6 @@
 """The timm model contract, for every model structformer registers."""
+import math
+
 import pytest
 import timm
 import torch
@@ -41,6 +43,59 @@ def test_model_contract(name):
         assert model(x).shape == (2, model.num_features)
         model.reset_classifier(7)
         assert model(x).shape == (2, 7)
+        assert model.get_classifier() is model.head
+    names = dict(model.named_parameters())
+    assert model.no_weight_decay() and model.no_weight_decay() <= set(names)
+
+
+@pytest.mark.parametrize('name', MODELS)
+def test_forward_intermediates_follow_timm(name):
+    """timm's feature interface: one intermediate per feature_info entry, of its width and reduction;
+    the final output is forward_features'; index selection, NLC, stop_early and features_only agree."""
+    model, (c, h, w) = _small(name)
+    model.eval()
+    x = torch.randn(2, c, h, w)
+    info = model.feature_info
+    with torch.no_grad():
+        final, maps = model.forward_intermediates(x)
+        torch.testing.assert_close(final, model.forward_features(x))
+        assert len(maps) == len(info)
+        for fmap, entry in zip(maps, info):
+            assert fmap.shape == (2, entry['num_chs'], math.ceil(h / entry['reduction']),
+                                  math.ceil(w / entry['reduction'])), (fmap.shape, entry)
+        last_two = model.forward_intermediates(x, indices=[-2, -1], intermediates_only=True, stop_early=True)
+        assert len(last_two) == 2
+        torch.testing.assert_close(last_two[0], maps[-2])
+        torch.testing.assert_close(last_two[1], maps[-1])
+        nlc = model.forward_intermediates(x, indices=1, output_fmt='NLC', intermediates_only=True)[0]
+        torch.testing.assert_close(nlc, maps[-1].flatten(2).transpose(1, 2))
+        with pytest.raises(ValueError, match='output_fmt'):
+            model.forward_intermediates(x, output_fmt='NHWC')
+
+        features = timm.create_model(name, features_only=True, out_indices=(0, -1),
+                                     **({'img_size': h} if timm.get_pretrained_cfg(name).test_input_size else {}))
+        kept = features.model.state_dict()                 # pruned: later blocks / stages and the head are gone
+        assert set(kept) < set(model.state_dict())
+        features.model.load_state_dict({k: v for k, v in model.state_dict().items() if k in kept})
+        features.eval()
+        got = features(x)
+        assert features.feature_info.channels() == [info[0]['num_chs'], info[-1]['num_chs']]
+        torch.testing.assert_close(got[0], maps[0])
+        torch.testing.assert_close(got[1], maps[-1])
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'soft_digits'])
+def test_grad_checkpointing_gives_the_same_gradients(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    x = torch.randn(3, 1, 8, 8)
+    model(x).square().sum().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).square().sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[n], msg=n)
 
 
 @pytest.mark.parametrize('name', [n for n in MODELS if 'large' not in n][:6])

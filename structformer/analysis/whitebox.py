@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..functional.coding_rate import coding_rate, compression_rate, sparsity
+from ..hooks import capture
 
 __all__ = ['check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
            'layer_bases']
@@ -50,24 +51,20 @@ def layer_bases(model: nn.Module) -> List[torch.Tensor]:
 
 @contextmanager
 def layer_hooks(model: nn.Module, callback: Callable[[int, str, torch.Tensor], None]):
-    """Call `callback(ℓ, stage, tokens)` for Z^ℓ ('input'), Z^{ℓ+½} ('half'), Z^{ℓ+1} ('output').
-
-    Hooks only read; they are removed on exit, even after an exception.
-    """
+    """Call `callback(ℓ, stage, tokens)` for Z^ℓ ('input'), Z^{ℓ+½} ('half'), Z^{ℓ+1} ('output'),
+    read through `structformer.hooks.capture` (read-only hooks, removed on exit even after an exception)."""
     check_crate(model)
-    handles = []
-    try:
-        for i, block in enumerate(model.blocks):
-            handles.append(block.register_forward_pre_hook(
-                lambda m, args, i=i: callback(i, 'input', args[0])))
-            handles.append(block.norm2.register_forward_pre_hook(
-                lambda m, args, i=i: callback(i, 'half', args[0])))
-            handles.append(block.mlp.register_forward_hook(
-                lambda m, args, out, i=i: callback(i, 'output', out)))
+    stage_of = {}
+    for i in range(len(model.blocks)):
+        stage_of.update({('input', f'blocks.{i}'): (i, 'input'), ('input', f'blocks.{i}.norm2'): (i, 'half'),
+                         ('output', f'blocks.{i}.mlp'): (i, 'output')})
+
+    def route(kind: str, name: str, tensor: torch.Tensor) -> None:
+        i, stage = stage_of[(kind, name)]
+        callback(i, stage, tensor)
+
+    with capture(model, outputs='blocks.*.mlp', inputs=['blocks.*', 'blocks.*.norm2'], callback=route):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextmanager

@@ -7,19 +7,19 @@ head LN → Linear.
 White-box hooks: Z^{ℓ+½} is the input of `blocks[ℓ].norm2`; Z^{ℓ+1} is the output of
 `blocks[ℓ].mlp`; U_k of layer ℓ is `blocks[ℓ].attn.subspace_bases()`.
 """
-from functools import partial
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 from einops import rearrange
 from timm.layers import to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs
+from timm.models import generate_default_cfgs
+from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
 
 from ..layers.attention.mssa import MSSA
 from ..layers.mlp.ista import ISTA
-from ._pooling import pool_tokens
 from ._registry import register_model
+from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['CRATE', 'CrateBlock']
 
@@ -54,109 +54,123 @@ class CratePatchEmbed(nn.Module):
 
 
 class CrateBlock(nn.Module):
-    """One CRATE layer (Eq. 18): compression by MSSA with a residual, then ISTA without one."""
+    """One CRATE layer (Eq. 18): compression by MSSA with a residual, then ISTA without one.
 
-    def __init__(self, dim, num_heads, dim_head, *, drop=0., attn_drop=0., eta=0.1, lambd=0.1,
+    `drop` is the dropout after MSSA's output projection (the official code's `dropout`);
+    `ista_drop` drops ISTA's output, which the official code does not (default 0)."""
+
+    def __init__(self, dim, num_heads, dim_head, *, drop=0., attn_drop=0., ista_drop=0., eta=0.1, lambd=0.1,
                  tied_output=False, sparse_step='ista', eps=1.0, fused_ista=True):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = MSSA(dim, num_heads=num_heads, attn_head_dim=dim_head, attn_drop=attn_drop,
                          proj_drop=drop, tied_output=tied_output, eps=eps)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = ISTA(dim, eta=eta, lambd=lambd, step=sparse_step, eps=eps, fused=fused_ista, drop=drop)
+        self.mlp = ISTA(dim, eta=eta, lambd=lambd, step=sparse_step, eps=eps, fused=fused_ista, drop=ista_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return self.mlp(self.norm2(x))
 
 
-class CRATE(nn.Module):
+class CRATE(StructuredModel):
     """CRATE image classifier with timm's model interface.
 
     Args (paper names where they exist): `embed_dim` (d), `depth` (L), `num_heads` (K),
     `dim_head` (p), `eta` (η, ISTA step), `lambd` (λ, sparsity), `tied_output` (Eq. 11–12 MSSA
     instead of Eq. 115), `sparse_step` ('ista' = Eq. 17, 'mm' = Eq. 92), `eps` (ε of Eq. 12 / 92),
-    `global_pool` ('token' = cls as in the paper, or 'avg').
+    `global_pool` ('token' = cls as in the paper; 'avg' / 'max' / 'avgmax' over the patch tokens,
+    cls left out), `drop_rate` (after MSSA's projection), `ista_drop_rate` (after ISTA; 0 as in the
+    official code).
     """
+    no_weight_decay_names = frozenset({'pos_embed', 'cls_token'})
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool='token',
                  embed_dim=384, depth=12, num_heads=6, dim_head=64, drop_rate=0., pos_drop_rate=0.,
-                 attn_drop_rate=0., eta=0.1, lambd=0.1, tied_output=False, sparse_step='ista',
-                 eps=1.0, fused_ista=True, **unused):
+                 attn_drop_rate=0., ista_drop_rate=0., eta=0.1, lambd=0.1, tied_output=False, sparse_step='ista',
+                 eps=1.0, fused_ista=True):
         super().__init__()
-        if unused:
-            raise TypeError(f"CRATE got unexpected keyword arguments: {sorted(unused)}")
-        if global_pool not in ('token', 'avg', ''):
-            raise ValueError(f"global_pool={global_pool!r}: accepted 'token', 'avg' or ''")
         for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                             ('dim_head', dim_head), ('in_chans', in_chans)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self.num_classes = num_classes
-        self.global_pool = global_pool
+        self.global_pool = check_global_pool(global_pool)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
-        self.grad_checkpointing = False
 
         self.patch_embed = CratePatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.randn(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.randn(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(pos_drop_rate)
         self.blocks = nn.ModuleList([
-            CrateBlock(embed_dim, num_heads, dim_head, drop=drop_rate, attn_drop=attn_drop_rate, eta=eta,
-                       lambd=lambd, tied_output=tied_output, sparse_step=sparse_step, eps=eps,
-                       fused_ista=fused_ista)
+            CrateBlock(embed_dim, num_heads, dim_head, drop=drop_rate, attn_drop=attn_drop_rate,
+                       ista_drop=ista_drop_rate, eta=eta, lambd=lambd, tied_output=tied_output,
+                       sparse_step=sparse_step, eps=eps, fused_ista=fused_ista)
             for _ in range(depth)])
         self.norm = nn.LayerNorm(embed_dim)            # the head's LN (Alg. 1: LN → Linear)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        reduction = self.patch_embed.patch_size[0]
+        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=reduction) for i in range(depth)]
 
-    @torch.jit.ignore
-    def no_weight_decay(self):
-        return {'pos_embed', 'cls_token'}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None):
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ('token', 'avg', ''):
-                raise ValueError(f"global_pool={global_pool!r}: accepted 'token', 'avg' or ''")
-            self.global_pool = global_pool
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        x = self.pos_drop(x)
+        return self.pos_drop(x)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._embed(x)
         for block in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = self.run_block(block, x)
         return x
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.norm(pool_tokens(x, self.global_pool, self.num_prefix_tokens))
-        return x if pre_logits else self.head(x)
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = 'NCHW', intermediates_only: bool = False):
+        """timm's feature interface (as `VisionTransformer.forward_intermediates`): the outputs Z^{ℓ+1}
+        of the blocks in `indices` (None: all; int n: the last n; list: those, negative from the end),
+        patch tokens as [B, C, H, W] ('NCHW') or [B, N, C] ('NLC'), the cls token split off (returned
+        beside them with `return_prefix_tokens`). `norm` applies the head's LayerNorm to each.
+        Returns (forward_features(x), intermediates), or only the intermediates."""
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        batch = x.shape[0]
+        x = self._embed(x)
+        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
+        intermediates = []
+        for i, block in enumerate(blocks):
+            x = self.run_block(block, x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        prefix = [y[:, :self.num_prefix_tokens] for y in intermediates]
+        intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
+        if output_fmt == 'NCHW':
+            h, w = self.patch_embed.grid_size
+            intermediates = [y.reshape(batch, h, w, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if return_prefix_tokens:
+            intermediates = list(zip(intermediates, prefix))
+        return intermediates if intermediates_only else (x, intermediates)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the blocks after the last index taken (and the head / its norm), as timm's ViT does."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.norm(self.pool(x))
+        return x if pre_logits else self.head(x)
 
 
 def _cfg(**kwargs):
-    return {'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
-            'crop_pct': 0.9, 'interpolation': 'bicubic', 'mean': (0.485, 0.456, 0.406),
-            'std': (0.229, 0.224, 0.225), 'first_conv': 'patch_embed.proj', 'classifier': 'head',
-            'license': 'apache-2.0', **kwargs}
+    return model_cfg(first_conv='patch_embed.proj', **kwargs)
 
-
-_SMALL_IMAGE = dict(mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
 
 default_cfgs = generate_default_cfgs({
     # test_input_size: the size timm-style contract tests build these at, to stay cheap on CPU
@@ -164,41 +178,72 @@ default_cfgs = generate_default_cfgs({
     'crate_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
     'crate_base_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
     'crate_large_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **_SMALL_IMAGE),
-    'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **_SMALL_IMAGE),
+    'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
+    'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
     'crate_cifar.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), crop_pct=1.0),
-    'crate_synthetic.untrained': _cfg(num_classes=4, input_size=(1, 16, 16), **_SMALL_IMAGE),
+    'crate_synthetic.untrained': _cfg(num_classes=4, input_size=(1, 16, 16), **SMALL_IMAGE_CFG),
 })
 
 
 def _create_crate(variant: str, pretrained: bool = False, **kwargs) -> CRATE:
-    if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are shipped and nothing is downloaded; "
-                         "pass pretrained=False or load a checkpoint with `structformer eval --checkpoint`")
-    return build_model_with_cfg(CRATE, variant, pretrained=False, **kwargs)
-
-
-def _register(name, **model_args):
-    """Define and register `name(pretrained=False, **kwargs)` with the given defaults."""
-    def entry(pretrained: bool = False, **kwargs) -> CRATE:
-        return _create_crate(name, pretrained=pretrained, **dict(model_args, **kwargs))
-    entry.__name__ = entry.__qualname__ = name
-    entry.__doc__ = f"CRATE {name}: {model_args}"
-    entry.__module__ = __name__
-    return register_model(entry)
+    return create_model(CRATE, variant, pretrained, default_out_indices=3, **kwargs)
 
 
 # Table 1 of the paper (224 px, patch 16)
-crate_tiny_patch16_224 = _register('crate_tiny_patch16_224', embed_dim=384, depth=12, num_heads=6, dim_head=64)
-crate_small_patch16_224 = _register('crate_small_patch16_224', embed_dim=576, depth=12, num_heads=12, dim_head=48)
-crate_base_patch16_224 = _register('crate_base_patch16_224', embed_dim=768, depth=12, num_heads=12, dim_head=64)
-crate_large_patch16_224 = _register('crate_large_patch16_224', embed_dim=1024, depth=24, num_heads=16, dim_head=64)
+@register_model
+def crate_tiny_patch16_224(pretrained: bool = False, **kwargs) -> CRATE:
+    """CRATE-T (Table 1): d=384, L=12, K=6, p=64."""
+    args = dict(embed_dim=384, depth=12, num_heads=6, dim_head=64)
+    return _create_crate('crate_tiny_patch16_224', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def crate_small_patch16_224(pretrained: bool = False, **kwargs) -> CRATE:
+    """CRATE-S (Table 1): d=576, L=12, K=12, p=48."""
+    args = dict(embed_dim=576, depth=12, num_heads=12, dim_head=48)
+    return _create_crate('crate_small_patch16_224', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def crate_base_patch16_224(pretrained: bool = False, **kwargs) -> CRATE:
+    """CRATE-B (Table 1): d=768, L=12, K=12, p=64."""
+    args = dict(embed_dim=768, depth=12, num_heads=12, dim_head=64)
+    return _create_crate('crate_base_patch16_224', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def crate_large_patch16_224(pretrained: bool = False, **kwargs) -> CRATE:
+    """CRATE-L (Table 1): d=1024, L=24, K=16, p=64."""
+    args = dict(embed_dim=1024, depth=24, num_heads=16, dim_head=64)
+    return _create_crate('crate_large_patch16_224', pretrained, **dict(args, **kwargs))
+
+
 # small-image variants for the embedded data (sized to train on 2 CPU cores in minutes)
-crate_digits = _register('crate_digits', img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                         embed_dim=64, depth=4, num_heads=4, dim_head=16)
-crate_mnist = _register('crate_mnist', img_size=28, patch_size=4, in_chans=1, num_classes=10,
-                        embed_dim=96, depth=6, num_heads=6, dim_head=16)
-crate_cifar = _register('crate_cifar', img_size=32, patch_size=4, in_chans=3, num_classes=10,
-                        embed_dim=192, depth=6, num_heads=6, dim_head=32)
-crate_synthetic = _register('crate_synthetic', img_size=16, patch_size=4, in_chans=1, num_classes=4,
-                            embed_dim=16, depth=4, num_heads=4, dim_head=4)
+@register_model
+def crate_digits(pretrained: bool = False, **kwargs) -> CRATE:
+    """8 px digits, patch 2 (16 tokens), d=64, L=4, K=4, p=16."""
+    args = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4, dim_head=16)
+    return _create_crate('crate_digits', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def crate_mnist(pretrained: bool = False, **kwargs) -> CRATE:
+    """28 px MNIST, patch 4 (49 tokens), d=96, L=6, K=6, p=16."""
+    args = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=96, depth=6, num_heads=6,
+                dim_head=16)
+    return _create_crate('crate_mnist', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def crate_cifar(pretrained: bool = False, **kwargs) -> CRATE:
+    """32 px CIFAR-10, patch 4 (64 tokens), d=192, L=6, K=6, p=32."""
+    args = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=192, depth=6, num_heads=6,
+                dim_head=32)
+    return _create_crate('crate_cifar', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def crate_synthetic(pretrained: bool = False, **kwargs) -> CRATE:
+    """16 px synthetic subspaces, patch 4 = token dim 16, d=16, L=4, K=4, p=4."""
+    args = dict(img_size=16, patch_size=4, in_chans=1, num_classes=4, embed_dim=16, depth=4, num_heads=4, dim_head=4)
+    return _create_crate('crate_synthetic', pretrained, **dict(args, **kwargs))

@@ -28,16 +28,17 @@ sampler is one head_dim×head_dim k×k conv shared by the heads of a block (as t
 C×C conv over all channels, which would add 3.6M parameters.
 """
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from timm.layers import DropPath, Mlp, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs
+from timm.models import generate_default_cfgs
+from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
 
 from ..layers.attention.registry import get_attention
-from ._pooling import pool_tokens
 from ._registry import register_model
+from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SoftNet', 'SoftBlock']
 
@@ -80,7 +81,7 @@ class SoftStage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
 
-class SoftNet(nn.Module):
+class SoftNet(StructuredModel):
     """SOFT pyramid classifier with timm's model interface.
 
     Args: `dims`, `num_heads`, `depths` (Table 1), `sampling_ratios` (sp, Table 1), `attn` (a name in
@@ -95,21 +96,16 @@ class SoftNet(nn.Module):
                  dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(2, 2, 5, 2),
                  sampling_ratios=(8, 4, 2, 1), attn='soft', attn_kwargs: Optional[Dict] = None,
                  stem_strides=(2, 1, 2), mlp_ratio=4., pos_embed=False, drop_rate=0., attn_drop_rate=0.,
-                 drop_path_rate=0., **unused):
+                 drop_path_rate=0.):
         super().__init__()
-        if unused:
-            raise TypeError(f"SoftNet got unexpected keyword arguments: {sorted(unused)}")
         if not (len(dims) == len(num_heads) == len(depths) == len(sampling_ratios) == 4):
             raise ValueError("dims, num_heads, depths and sampling_ratios need one entry per stage (4)")
-        if global_pool not in ('token', 'avg', ''):
-            raise ValueError(f"global_pool={global_pool!r}: accepted 'token', 'avg' or ''")
         attn_layer = get_attention(attn)                 # ValueError listing the accepted names
         self.attn_name = attn if isinstance(attn, str) else attn.__name__
         self.num_classes = num_classes
-        self.global_pool = global_pool
+        self.global_pool = check_global_pool(global_pool)
         self.num_features = self.head_hidden_size = self.embed_dim = dims[-1]
         self.num_prefix_tokens = 1
-        self.grad_checkpointing = False
         self.in_chans = in_chans
 
         side = img_size if isinstance(img_size, int) else img_size[0]
@@ -148,6 +144,7 @@ class SoftNet(nn.Module):
         self.norm = nn.LayerNorm(dims[-1])
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.no_weight_decay_names = frozenset({'cls_token'} | {f'pos_embeds.{i}' for i in range(4) if pos_embed})
         self.feature_info = [dict(num_chs=d, reduction=2 ** (sum(s > 1 for s in stem_strides) + i), module=f'stages.{i}')
                              for i, d in enumerate(dims)]
         self._init_weights()
@@ -165,76 +162,82 @@ class SoftNet(nn.Module):
                 if mod.bias is not None:
                     nn.init.zeros_(mod.bias)
 
-    @torch.jit.ignore
-    def no_weight_decay(self):
-        names = {'cls_token'}
+    def _run_stage(self, i: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Stage i on a [B, C, H, W] map: downsample, tokens (+ cls in stage 4, + positions), blocks.
+        Returns (the stage's grid tokens as a map [B, C_i, H_i, W_i], all its tokens [B, N_i, C_i])."""
+        stage = self.stages[i]
+        x = stage.downsample(x)
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)
+        prefix = 1 if i == 3 else 0                        # stage 4 carries the cls token (Table 1)
+        if prefix:
+            tokens = torch.cat([self.cls_token.expand(b, -1, -1), tokens], dim=1)
         if self.pos_embeds is not None:
-            names |= {f'pos_embeds.{i}' for i in range(len(self.pos_embeds))}
-        return names
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None):
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ('token', 'avg', ''):
-                raise ValueError(f"global_pool={global_pool!r}: accepted 'token', 'avg' or ''")
-            self.global_pool = global_pool
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-
-    def _run_blocks(self, stage: SoftStage, x: torch.Tensor, grid: Tuple[int, int]) -> torch.Tensor:
+            tokens = tokens + self.pos_embeds[i]
         for block in stage.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(block, x, grid, use_reentrant=False)
-            else:
-                x = block(x, grid)
-        return x
+            tokens = self.run_block(block, tokens, (h, w))
+        return tokens[:, prefix:].transpose(1, 2).reshape(b, c, h, w), tokens
 
-    def forward_intermediates(self, x: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """-> (final tokens [B, 1 + H₄W₄, C] after the LN, [stage-1…4 maps [B, C_i, H_i, W_i]])."""
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 4 or x.shape[1] != self.in_chans:
             raise ValueError(f"SoftNet expects images [B, {self.in_chans}, H, W], got {list(x.shape)}")
-        maps = []
-        for i, stage in enumerate(self.stages):
-            x = stage.downsample(x)
-            b, c, h, w = x.shape
-            tokens = x.flatten(2).transpose(1, 2)
-            if i == 3:                                     # stage 4 carries the cls token (Table 1)
-                tokens = torch.cat([self.cls_token.expand(b, -1, -1), tokens], dim=1)
-            if self.pos_embeds is not None:
-                tokens = tokens + self.pos_embeds[i]
-            tokens = self._run_blocks(stage, tokens, (h, w))
-            grid_tokens = tokens[:, 1:] if i == 3 else tokens
-            x = grid_tokens.transpose(1, 2).reshape(b, c, h, w)
-            maps.append(x)
-        return self.norm(tokens), maps
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False):
+        """timm's feature interface (as its hierarchical models): the outputs of the stages in `indices`
+        (None: all four; int n: the last n; list: those, negative from the end) as maps [B, C_i, H_i, W_i]
+        ('NCHW') or tokens [B, H_i·W_i, C_i] ('NLC'); stage 4's cls token is left out. `norm` applies the
+        final LayerNorm to stage 4's output, the only one of its width. Returns (forward_features(x),
+        intermediates), or only the intermediates."""
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
+        self._check_input(x)
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        last = len(self.stages) - 1
+        intermediates, tokens = [], None
+        for i in range(max_index + 1 if stop_early else len(self.stages)):
+            x, tokens = self._run_stage(i, x)
+            if i in take_indices:
+                if norm and i == last:
+                    b, c, h, w = x.shape
+                    x_out = self.norm(tokens)[:, self.num_prefix_tokens:].transpose(1, 2).reshape(b, c, h, w)
+                else:
+                    x_out = x
+                intermediates.append(x_out.flatten(2).transpose(1, 2) if output_fmt == 'NLC' else x_out)
+        if intermediates_only:
+            return intermediates
+        return (self.norm(tokens) if len(self.stages) == 4 and i == last else tokens), intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the stages after the last index taken (and the head / final norm), as timm's models do."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_intermediates(x)[0]
+        """Final tokens [B, 1 + H₄W₄, C₄] after the LayerNorm."""
+        self._check_input(x)
+        for i in range(len(self.stages)):
+            x, tokens = self._run_stage(i, x)
+        return self.norm(tokens)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(pool_tokens(x, self.global_pool, self.num_prefix_tokens))
+        x = self.head_drop(self.pool(x))
         return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 def _cfg(**kwargs):
-    return {'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
-            'crop_pct': 0.9, 'interpolation': 'bicubic', 'mean': (0.485, 0.456, 0.406),
-            'std': (0.229, 0.224, 0.225), 'first_conv': 'stages.0.downsample.0.0', 'classifier': 'head',
-            'license': 'apache-2.0', **kwargs}
+    return model_cfg(first_conv='stages.0.downsample.0.0', **kwargs)
 
 
-_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
-_MNIST = dict(num_classes=10, input_size=(1, 28, 28), mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
+_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG)
+_MNIST = dict(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG)
 
 # Table 1 of SOFT
 _SIZES = {
@@ -255,40 +258,136 @@ _MNIST_ARGS = dict(img_size=28, in_chans=1, num_classes=10, stem_strides=(2, 1, 
 _DIGITS_ARGS = dict(img_size=8, in_chans=1, num_classes=10, dims=(32, 64, 96, 128), num_heads=(1, 2, 3, 4),
                     depths=(1, 1, 2, 1), stem_strides=(1, 1, 1), sampling_ratios=(2, 2, 1, 1))
 
-_MODELS: Dict[str, Dict] = {}
-for _size, _args in _SIZES.items():
-    _MODELS[f'soft_{_size}_224'] = dict(_args, attn='soft')
-    _MODELS[f'softpp_{_size}_224'] = dict(_args, attn='softpp')
-for _attn in BASELINES:
-    _MODELS[f'soft_tiny_{_attn}_224'] = dict(_SIZES['tiny'], attn=_attn)
-_MODELS['soft_tiny_mnist'] = dict(_SIZES['tiny'], attn='soft', **_MNIST_ARGS)
-_MODELS['softpp_tiny_mnist'] = dict(_SIZES['tiny'], attn='softpp', **_MNIST_ARGS)
-for _attn in BASELINES:
-    _MODELS[f'soft_tiny_{_attn}_mnist'] = dict(_SIZES['tiny'], attn=_attn, **_MNIST_ARGS)
-_MODELS['soft_digits'] = dict(_DIGITS_ARGS, attn='soft')
-_MODELS['softpp_digits'] = dict(_DIGITS_ARGS, attn='softpp')
+_NAMES = ([f'{family}_{size}_224' for size in _SIZES for family in ('soft', 'softpp')]
+          + [f'soft_tiny_{attn}_224' for attn in BASELINES]
+          + ['soft_tiny_mnist', 'softpp_tiny_mnist'] + [f'soft_tiny_{attn}_mnist' for attn in BASELINES]
+          + ['soft_digits', 'softpp_digits'])
 
 # test_input_size 64 px: grids 16², 8², 4², 2² and m = 4 landmarks per stage, cheap on CPU yet non-trivial
 default_cfgs = generate_default_cfgs({
     f'{name}.untrained': _cfg(**_MNIST) if name.endswith('_mnist') else _cfg(**_DIGITS) if name.endswith('_digits')
-    else _cfg(test_input_size=(3, 64, 64)) for name in _MODELS})
+    else _cfg(test_input_size=(3, 64, 64)) for name in _NAMES})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> SoftNet:
-    if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are shipped and nothing is downloaded; "
-                         "pass pretrained=False or load a checkpoint with `structformer eval --checkpoint`")
-    return build_model_with_cfg(SoftNet, variant, pretrained=False, **kwargs)
+    return create_model(SoftNet, variant, pretrained, default_out_indices=4, **kwargs)
 
 
-def _register(name: str, model_args: Dict):
-    def entry(pretrained: bool = False, **kwargs) -> SoftNet:
-        return _create(name, pretrained=pretrained, **dict(model_args, **kwargs))
-    entry.__name__ = entry.__qualname__ = name
-    entry.__doc__ = f"SOFT backbone {name} (SOFT §3.4, Table 1/2): {model_args}"
-    entry.__module__ = __name__
-    return register_model(entry)
+@register_model
+def soft_tiny_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Tiny (Table 1)."""
+    return _create('soft_tiny_224', pretrained, **dict(dict(_SIZES['tiny'], attn='soft'), **kwargs))
 
 
-for _name, _args in _MODELS.items():
-    globals()[_name] = _register(_name, _args)
+@register_model
+def softpp_tiny_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Tiny (Table 1, Eq. 17 normalisation)."""
+    return _create('softpp_tiny_224', pretrained, **dict(dict(_SIZES['tiny'], attn='softpp'), **kwargs))
+
+
+@register_model
+def soft_small_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Small (Table 1)."""
+    return _create('soft_small_224', pretrained, **dict(dict(_SIZES['small'], attn='soft'), **kwargs))
+
+
+@register_model
+def softpp_small_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Small (Table 1, Eq. 17 normalisation)."""
+    return _create('softpp_small_224', pretrained, **dict(dict(_SIZES['small'], attn='softpp'), **kwargs))
+
+
+@register_model
+def soft_medium_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Medium (Table 1)."""
+    return _create('soft_medium_224', pretrained, **dict(dict(_SIZES['medium'], attn='soft'), **kwargs))
+
+
+@register_model
+def softpp_medium_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Medium (Table 1, Eq. 17 normalisation)."""
+    return _create('softpp_medium_224', pretrained, **dict(dict(_SIZES['medium'], attn='softpp'), **kwargs))
+
+
+@register_model
+def soft_large_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Large (Table 1)."""
+    return _create('soft_large_224', pretrained, **dict(dict(_SIZES['large'], attn='soft'), **kwargs))
+
+
+@register_model
+def softpp_large_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Large (Table 1, Eq. 17 normalisation)."""
+    return _create('softpp_large_224', pretrained, **dict(dict(_SIZES['large'], attn='softpp'), **kwargs))
+
+
+@register_model
+def soft_tiny_softmax_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """Table 2: the Tiny backbone with softmax attention."""
+    return _create('soft_tiny_softmax_224', pretrained, **dict(dict(_SIZES['tiny'], attn='softmax'), **kwargs))
+
+
+@register_model
+def soft_tiny_linformer_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """Table 2: the Tiny backbone with linformer attention."""
+    return _create('soft_tiny_linformer_224', pretrained, **dict(dict(_SIZES['tiny'], attn='linformer'), **kwargs))
+
+
+@register_model
+def soft_tiny_performer_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """Table 2: the Tiny backbone with performer attention."""
+    return _create('soft_tiny_performer_224', pretrained, **dict(dict(_SIZES['tiny'], attn='performer'), **kwargs))
+
+
+@register_model
+def soft_tiny_nystrom_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """Table 2: the Tiny backbone with nystrom attention."""
+    return _create('soft_tiny_nystrom_224', pretrained, **dict(dict(_SIZES['tiny'], attn='nystrom'), **kwargs))
+
+
+@register_model
+def soft_tiny_mnist(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Tiny on 28×28 MNIST."""
+    return _create('soft_tiny_mnist', pretrained, **dict(dict(_SIZES['tiny'], attn='soft', **_MNIST_ARGS), **kwargs))
+
+
+@register_model
+def softpp_tiny_mnist(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Tiny on 28×28 MNIST."""
+    return _create('softpp_tiny_mnist', pretrained, **dict(dict(_SIZES['tiny'], attn='softpp', **_MNIST_ARGS), **kwargs))
+
+
+@register_model
+def soft_tiny_softmax_mnist(pretrained: bool = False, **kwargs) -> SoftNet:
+    """The Tiny backbone with softmax attention on 28×28 MNIST."""
+    return _create('soft_tiny_softmax_mnist', pretrained, **dict(dict(_SIZES['tiny'], attn='softmax', **_MNIST_ARGS), **kwargs))
+
+
+@register_model
+def soft_tiny_linformer_mnist(pretrained: bool = False, **kwargs) -> SoftNet:
+    """The Tiny backbone with linformer attention on 28×28 MNIST."""
+    return _create('soft_tiny_linformer_mnist', pretrained, **dict(dict(_SIZES['tiny'], attn='linformer', **_MNIST_ARGS), **kwargs))
+
+
+@register_model
+def soft_tiny_performer_mnist(pretrained: bool = False, **kwargs) -> SoftNet:
+    """The Tiny backbone with performer attention on 28×28 MNIST."""
+    return _create('soft_tiny_performer_mnist', pretrained, **dict(dict(_SIZES['tiny'], attn='performer', **_MNIST_ARGS), **kwargs))
+
+
+@register_model
+def soft_tiny_nystrom_mnist(pretrained: bool = False, **kwargs) -> SoftNet:
+    """The Tiny backbone with nystrom attention on 28×28 MNIST."""
+    return _create('soft_tiny_nystrom_mnist', pretrained, **dict(dict(_SIZES['tiny'], attn='nystrom', **_MNIST_ARGS), **kwargs))
+
+
+@register_model
+def soft_digits(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT on the embedded 8×8 digits."""
+    return _create('soft_digits', pretrained, **dict(dict(_DIGITS_ARGS, attn='soft'), **kwargs))
+
+
+@register_model
+def softpp_digits(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++ on the embedded 8×8 digits."""
+    return _create('softpp_digits', pretrained, **dict(dict(_DIGITS_ARGS, attn='softpp'), **kwargs))

@@ -167,20 +167,22 @@ def load_checkpoint(path, with_train_state: bool = False):
 
 
 def load_model(path, map_location='cpu'):
-    """Rebuild the model a checkpoint was trained as and load its weights. Returns (model, state)."""
-    import timm
-
-    import structformer  # noqa: F401  (registers our models with timm)
-    from ..layers.attention.registry import resolve_layer_kwargs
+    """Rebuild the model a checkpoint was trained as (construction and recorded transforms, see
+    `structformer.models.factory.rebuild`) and load its weights. Returns (model, state)."""
+    from ..models.factory import ModelRecipe, rebuild
+    from ..models.transforms import UnknownTransform
     weights, state, _ = load_checkpoint(path)
+    recipe = ModelRecipe.from_state(state)
     try:
-        model = timm.create_model(state['model'], **resolve_layer_kwargs(state.get('model_kwargs', {})))
-    except RuntimeError as e:
-        raise CheckpointError(f"--checkpoint: model {state['model']!r} is not registered ({e})") from None
+        model = rebuild(recipe)
+    except UnknownTransform as e:
+        raise CheckpointError(f"--checkpoint: {state['path']} cannot be rebuilt: {e}") from None
+    except ValueError as e:
+        raise CheckpointError(f"--checkpoint: model {recipe.name!r} cannot be rebuilt ({e})") from None
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
-        raise CheckpointError(f"--checkpoint: weights do not fit model {state['model']!r}: {e}") from None
+        raise CheckpointError(f"--checkpoint: weights do not fit model {recipe.name!r}: {e}") from None
     return model.to(map_location).eval(), state
 
 

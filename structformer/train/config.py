@@ -12,6 +12,9 @@ import yaml
 class TrainConfig:
     model: str = 'crate_digits'
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # model transforms applied after construction, in order: [{'name': ..., 'kwargs': {...}}]
+    # (structformer.models.transforms); recorded in every checkpoint so the run rebuilds exactly
+    transforms: List[Dict[str, Any]] = field(default_factory=list)
     data: str = 'digits'
     data_kwargs: Dict[str, Any] = field(default_factory=dict)
     val_fraction: float = 0.2

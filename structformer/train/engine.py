@@ -13,24 +13,21 @@ import random
 import shutil
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
-import timm
 import torch
 import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import accuracy
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parameter import UninitializedParameter
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
-from ..layers.attention.registry import resolve_layer_kwargs
+from ..models.factory import ModelRecipe, build_model, rebuild
 from .checkpoint import (load_checkpoint, mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng,
                          save_checkpoint)
 from .config import TrainConfig, save_config
@@ -46,48 +43,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
-
-
-def create_model_for_data(name: str, model_kwargs: Dict, info) -> (torch.nn.Module, Dict):
-    """Build `name` for a dataset: classes, channels and image size come from the data unless the
-    user set them. Returns the model and the exact kwargs (stored in checkpoints to rebuild it)."""
-    import structformer  # noqa: F401  (registers our models)
-    if not timm.is_model(name):
-        close = timm.list_models(f'*{name.split("_")[0]}*')[:8]
-        raise ValueError(f"--model {name!r} is not a registered model"
-                         + (f"; similar: {', '.join(close)}" if close else '')
-                         + "; `structformer models` lists them")
-    kwargs = {'num_classes': info.num_classes, 'in_chans': info.in_chans}
-    default_size = timm.get_pretrained_cfg(name).input_size if timm.get_pretrained_cfg(name) else None
-    if default_size is None or default_size[-1] != info.img_size:
-        kwargs['img_size'] = info.img_size
-    kwargs.update(model_kwargs)
-    try:
-        model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
-    except TypeError as e:
-        if 'img_size' in kwargs and 'img_size' not in model_kwargs and 'img_size' in str(e):
-            kwargs.pop('img_size')               # convolutional nets take any size
-            model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
-        else:
-            raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
-    except (AssertionError, ValueError) as e:
-        raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
-    materialize_lazy_parameters(model, (info.in_chans, info.img_size, info.img_size))
-    return model, kwargs
-
-
-def materialize_lazy_parameters(model: torch.nn.Module, input_size) -> None:
-    """Give lazily shaped parameters (e.g. SOFT's conv sampler inside a timm ViT, whose k×k weight needs
-    the token grid) their shapes with one forward of zeros, so the optimizer, weight-decay groups and
-    DDP see every parameter. No-op for models without them; RNG state and train/eval mode are kept."""
-    if not any(isinstance(p, UninitializedParameter) for p in model.parameters()):
-        return
-    was_training = model.training
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='.*created at the first forward')   # handled here
-        model.eval()
-        model(torch.zeros(1, *input_size))
-    model.train(was_training)
 
 
 @torch.no_grad()
@@ -162,7 +117,12 @@ class Trainer:
         seed_everything(cfg.seed)
         self.train_ds, self.val_ds, self.info = build_datasets(
             cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, **cfg.data_kwargs)
-        self.model, self.model_kwargs = create_model_for_data(cfg.model, cfg.model_kwargs, self.info)
+        if self.resume:                    # the recorded recipe: what was trained, whatever the config says now
+            _, state, _ = load_checkpoint(self._resume_source())
+            self.recipe = ModelRecipe.from_state(state)
+            self.model = rebuild(self.recipe)
+        else:
+            self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, cfg.transforms)
         self.model.to(self.device)
         self.phases = build_phases(cfg.phases, cfg.epochs)
         if self.world_size > 1:
@@ -192,7 +152,8 @@ class Trainer:
                           num_workers=cfg.num_workers, drop_last=False)
 
     def _state(self, epoch: int, metrics: Dict) -> Dict:
-        return {'model': self.config.model, 'model_kwargs': self.model_kwargs, 'epoch': epoch,
+        return {'model': self.recipe.name, 'model_kwargs': self.recipe.kwargs, 'recipe': self.recipe.to_dict(),
+                'epoch': epoch,
                 'global_step': self.global_step, 'config': self.config.to_dict(), 'metrics': metrics,
                 'data_info': {'name': self.info.name, 'num_classes': self.info.num_classes,
                               'in_chans': self.info.in_chans, 'img_size': self.info.img_size}}
@@ -280,7 +241,8 @@ class Trainer:
         loader = self._train_loader(epoch)
         limit = cfg.limit_train_batches or len(loader)
         bar = tqdm(total=min(limit, len(loader)), desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
-                   disable=not (self.progress and self.is_main), leave=False, file=sys.stderr)
+                   disable=not (self.progress and self.is_main and sys.stderr.isatty()), leave=False,
+                   file=sys.stderr)   # no carriage-return updates in redirected logs: the epoch line says it all
         totals: Dict[str, float] = {}
         seen, correct, start = 0, 0, time.perf_counter()
         for step, (images, targets) in enumerate(loader):

@@ -1,0 +1,93 @@
+"""What every structformer model family shares: timm's classifier interface, pooling, gradient
+checkpointing, feature extraction, and the `_cfg` / create boilerplate of a timm model file.
+
+A family subclasses `StructuredModel`, sets `head`, `num_features`, `global_pool`, `num_prefix_tokens`
+and `no_weight_decay_names`, and writes `forward_features` / `forward_head` / `forward_intermediates`.
+Each registered name stays an explicit `@register_model` function in the family's file, as in timm,
+calling `create_model(cls, variant, pretrained, **kwargs)`.
+"""
+from typing import Any, Dict, Optional, Set, Type
+
+import torch
+from timm.layers import global_pool_nlc
+from timm.models import build_model_with_cfg
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ['StructuredModel', 'POOL_TYPES', 'check_global_pool', 'model_cfg', 'create_model']
+
+# timm's global_pool_nlc: the cls token, a reduction over the other tokens, or nothing
+POOL_TYPES = ('token', 'avg', 'max', 'avgmax', '')
+
+
+def check_global_pool(global_pool: str) -> str:
+    if global_pool not in POOL_TYPES:
+        raise ValueError(f"global_pool={global_pool!r}: accepted {', '.join(repr(p) for p in POOL_TYPES)}")
+    return global_pool
+
+
+class StructuredModel(nn.Module):
+    """timm's model interface (`get_classifier`, `reset_classifier`, `no_weight_decay`,
+    `set_grad_checkpointing`) for token models with a linear head on pooled tokens."""
+    global_pool: str = 'token'
+    num_prefix_tokens: int = 1
+    num_features: int
+    head_hidden_size: int
+    num_classes: int
+    grad_checkpointing: bool = False
+    no_weight_decay_names: Set[str] = frozenset()
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return set(self.no_weight_decay_names)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = check_global_pool(global_pool)
+        self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, N, C] -> [B, C] by `global_pool` (timm's `global_pool_nlc`: 'avg' leaves the
+        prefix tokens out)."""
+        return global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+        """`block(x, *args)`, recomputed in backward instead of stored when grad checkpointing is on."""
+        if self.grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled():
+            return checkpoint(block, x, *args, use_reentrant=False)
+        return block(x, *args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def model_cfg(**kwargs) -> Dict[str, Any]:
+    """A timm pretrained-config entry. Nothing is ever downloaded: `url` stays empty."""
+    return {'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
+            'crop_pct': 0.9, 'interpolation': 'bicubic', 'mean': (0.485, 0.456, 0.406),
+            'std': (0.229, 0.224, 0.225), 'classifier': 'head', 'license': 'apache-2.0', **kwargs}
+
+
+# grayscale small-image settings (digits, MNIST, synthetic): no normalisation, no crop
+SMALL_IMAGE_CFG = dict(mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
+
+
+def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,
+                 **kwargs) -> nn.Module:
+    """timm's `build_model_with_cfg` with feature extraction through `forward_intermediates`
+    (`features_only=True`, `out_indices` default `default_out_indices`: an int takes the last n),
+    refusing `pretrained=True`: no weights ship and nothing downloads."""
+    if pretrained:
+        raise ValueError(f"{variant}: no pretrained weights are shipped and nothing is downloaded; "
+                         "pass pretrained=False or load a checkpoint with `structformer eval --checkpoint`")
+    feature_cfg = dict(feature_cls='getter', out_indices=kwargs.pop('out_indices', default_out_indices))
+    return build_model_with_cfg(cls, variant, pretrained=False, feature_cfg=feature_cfg, **kwargs)

@@ -1,0 +1,128 @@
+"""The one way to build a model: registered name + kwargs + data facts + recorded transforms.
+
+    model, recipe = build_model('crate_digits', {'depth': 2}, data=info, transforms=['my_transform'])
+    model = rebuild(recipe)          # the same network, from what a checkpoint recorded
+
+`build_model` fills what the data decides (classes, channels, image size) unless the kwargs set it,
+resolves attention names (`attn_layer='soft'`, see `layers.attention.registry.resolve_layer_kwargs`:
+timm's blocks construct and initialise the layer, so a swap by name happens at construction),
+applies the transforms in order, and shapes lazy parameters last (`materialize_lazy`). The returned
+`ModelRecipe` holds exactly what was done; the engine stores it in every checkpoint's `state.json`,
+and `rebuild` replays it without looking at data, so `load_model`, `eval`, `analyze` and `--resume`
+give back the trained network.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .transforms import (TransformContext, apply_transforms, get_transform, has_lazy_parameters,
+                         normalize_transforms)
+
+__all__ = ['ModelRecipe', 'build_model', 'rebuild', 'default_input_size']
+
+
+@dataclass
+class ModelRecipe:
+    """Everything needed to rebuild a model: JSON values only (it is written to state.json)."""
+    name: str
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    transforms: List[Dict[str, Any]] = field(default_factory=list)
+    input_size: Optional[Tuple[int, int, int]] = None        # (C, H, W), for transforms that run a forward
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {'name': self.name, 'kwargs': self.kwargs, 'transforms': self.transforms,
+                'input_size': list(self.input_size) if self.input_size else None}
+
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any]) -> 'ModelRecipe':
+        size = values.get('input_size')
+        return cls(values['name'], dict(values.get('kwargs') or {}), list(values.get('transforms') or []),
+                   tuple(size) if size else None)
+
+    @classmethod
+    def from_state(cls, state: Dict[str, Any]) -> 'ModelRecipe':
+        """From a checkpoint's state.json (runs written before recipes existed had no transforms)."""
+        if 'recipe' in state:
+            return cls.from_dict(state['recipe'])
+        return cls(state['model'], dict(state.get('model_kwargs') or {}))
+
+
+def _registered(name: str) -> None:
+    import timm
+
+    import structformer.models  # noqa: F401  (registers our models)
+    if not isinstance(name, str) or not timm.is_model(name):
+        close = timm.list_models(f'*{str(name).split("_")[0]}*')[:8]
+        raise ValueError(f"--model {name!r} is not a registered model"
+                         + (f"; similar: {', '.join(close)}" if close else '')
+                         + "; `structformer models` lists them")
+
+
+def default_input_size(name: str, kwargs: Dict[str, Any]) -> Optional[Tuple[int, int, int]]:
+    """(C, H, W) the model is built for: kwargs first, then its pretrained config."""
+    import timm
+    cfg = timm.get_pretrained_cfg(name)
+    c, h, w = cfg.input_size if cfg and cfg.input_size else (3, None, None)
+    c = kwargs.get('in_chans', c)
+    size = kwargs.get('img_size')
+    if size is not None:
+        h, w = (size, size) if isinstance(size, int) else tuple(size)
+    return (int(c), int(h), int(w)) if h is not None else None
+
+
+def _data_kwargs(name: str, model_kwargs: Dict[str, Any], data) -> Dict[str, Any]:
+    """Classes, channels and image size from the data unless `model_kwargs` set them; img_size only
+    where it differs from the model's default (so convolutional nets keep their own)."""
+    import timm
+    kwargs: Dict[str, Any] = {}
+    if data is not None:
+        kwargs = {'num_classes': data.num_classes, 'in_chans': data.in_chans}
+        cfg = timm.get_pretrained_cfg(name)
+        default_size = cfg.input_size if cfg else None
+        if default_size is None or default_size[-1] != data.img_size:
+            kwargs['img_size'] = data.img_size
+    kwargs.update(model_kwargs)
+    return kwargs
+
+
+def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -> Tuple[nn.Module, Dict[str, Any]]:
+    import timm
+
+    from ..layers.attention.registry import resolve_layer_kwargs
+    try:
+        return timm.create_model(name, **resolve_layer_kwargs(kwargs)), kwargs
+    except TypeError as e:
+        if 'img_size' in kwargs and 'img_size' not in user_kwargs and 'img_size' in str(e):
+            kwargs = {k: v for k, v in kwargs.items() if k != 'img_size'}   # convolutional nets take any size
+            return _construct(name, kwargs, user_kwargs)
+        raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
+    except (AssertionError, ValueError) as e:
+        raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
+
+
+def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=None,
+                transforms: Sequence[Any] = ()) -> Tuple[nn.Module, ModelRecipe]:
+    """Build `name` for `data` (any object with num_classes, in_chans, img_size; None: the model's
+    defaults), then apply `transforms` in order. Returns the model and the recipe that rebuilds it."""
+    _registered(name)
+    model_kwargs = dict(model_kwargs or {})
+    specs = normalize_transforms(transforms)
+    model, kwargs = _construct(name, _data_kwargs(name, model_kwargs, data), model_kwargs)
+    input_size = (data.in_chans, data.img_size, data.img_size) if data is not None else default_input_size(name, kwargs)
+    context = TransformContext(input_size=input_size)
+    model = apply_transforms(model, specs, context)
+    if has_lazy_parameters(model):                     # last, so transforms may add lazy layers too
+        lazy = {'name': 'materialize_lazy', 'kwargs': {}, 'module': get_transform('materialize_lazy').__module__}
+        model = apply_transforms(model, [lazy], context)
+        specs.append(lazy)
+    return model, ModelRecipe(name, kwargs, specs, input_size)
+
+
+def rebuild(recipe: ModelRecipe) -> nn.Module:
+    """The model a recipe describes, with fresh weights: construction and transforms replayed as recorded."""
+    _registered(recipe.name)
+    for spec in recipe.transforms:                     # fail before building, naming the missing transform
+        get_transform(spec['name'], spec.get('module'))
+    model, _ = _construct(recipe.name, dict(recipe.kwargs), dict(recipe.kwargs))
+    return apply_transforms(model, recipe.transforms, TransformContext(input_size=recipe.input_size))

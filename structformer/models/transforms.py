@@ -1,0 +1,119 @@
+"""Model transforms: named functions that rewrite a built model, recorded in every run.
+
+A transform is `fn(model, context, **kwargs) -> model`, registered under a name with
+`@register_transform(name)`. The factory (`structformer.models.factory`) applies a run's transforms in
+order after construction and stores them, with their arguments, in each checkpoint's `state.json`, so
+`load_model`, `eval`, `analyze` and `--resume` rebuild exactly the trained network. Transforms to come
+(`sparsify`, `factorize`) replace modules of a built model while keeping its weights, which is why
+they act on a model rather than on constructor arguments.
+
+Arguments must be JSON values (they are written to `state.json`). Loading a run never imports
+anything: a transform must already be registered in the loading process (importing structformer
+registers the built-in ones; a user's own must be imported by the user), else `UnknownTransform`.
+"""
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.parameter import UninitializedParameter
+
+__all__ = ['TRANSFORMS', 'TransformContext', 'UnknownTransform', 'register_transform', 'get_transform',
+           'normalize_transforms', 'apply_transforms', 'materialize_lazy']
+
+TRANSFORMS: Dict[str, Callable[..., nn.Module]] = {}
+
+
+class UnknownTransform(ValueError):
+    """A transform name that is not registered in this process."""
+
+
+@dataclass(frozen=True)
+class TransformContext:
+    """What a transform may need to know beyond its own arguments.
+
+    `input_size`: (channels, height, width) of the model's input, for transforms that run a forward.
+    """
+    input_size: Optional[Tuple[int, int, int]] = None
+
+
+def register_transform(name: str):
+    """Decorator: make `fn(model, context, **kwargs) -> model` available under `name`."""
+    def wrap(fn):
+        if name in TRANSFORMS and TRANSFORMS[name] is not fn:
+            raise ValueError(f"model transform {name!r} is already registered to {TRANSFORMS[name].__module__}."
+                             f"{TRANSFORMS[name].__name__}")
+        TRANSFORMS[name] = fn
+        return fn
+    return wrap
+
+
+def get_transform(name: str, module: Optional[str] = None) -> Callable[..., nn.Module]:
+    try:
+        return TRANSFORMS[name]
+    except KeyError:
+        where = f" (it was registered by module {module!r}: import it first)" if module else ''
+        raise UnknownTransform(f"unknown model transform {name!r}{where}; registered: "
+                               f"{', '.join(sorted(TRANSFORMS)) or 'none'}") from None
+
+
+def normalize_transforms(items: Sequence[Any]) -> List[Dict[str, Any]]:
+    """Accept 'name', ('name', {kwargs}) or {'name': ..., 'kwargs': {...}}; return the dict form,
+    checked: the name is registered and the arguments are JSON values."""
+    out = []
+    for item in items or ():
+        if isinstance(item, str):
+            name, kwargs = item, {}
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], dict):
+            name, kwargs = item
+        elif isinstance(item, dict) and set(item) <= {'name', 'kwargs', 'module'} and 'name' in item:
+            name, kwargs = item['name'], item.get('kwargs') or {}
+        else:
+            raise ValueError(f"--transform: {item!r} is not a transform; accepted: 'NAME', (NAME, {{kwargs}}) "
+                             "or {'name': NAME, 'kwargs': {...}}")
+        fn = get_transform(name, item.get('module') if isinstance(item, dict) else None)
+        try:
+            kwargs = json.loads(json.dumps(kwargs))          # JSON round trip: what state.json will hold
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--transform {name}: arguments must be JSON values ({e})") from None
+        out.append({'name': name, 'kwargs': kwargs, 'module': fn.__module__})
+    return out
+
+
+def apply_transforms(model: nn.Module, transforms: Sequence[Dict[str, Any]], context: TransformContext) -> nn.Module:
+    """Apply normalised transforms in order; a transform that raises TypeError on its arguments
+    becomes a ValueError naming the transform."""
+    for spec in transforms:
+        fn = get_transform(spec['name'], spec.get('module'))
+        try:
+            result = fn(model, context, **spec.get('kwargs', {}))
+        except TypeError as e:
+            raise ValueError(f"--transform {spec['name']}: {e}") from None
+        if not isinstance(result, nn.Module):
+            raise TypeError(f"model transform {spec['name']!r} returned {type(result).__name__}, not an nn.Module")
+        model = result
+    return model
+
+
+def has_lazy_parameters(model: nn.Module) -> bool:
+    return any(isinstance(p, UninitializedParameter) for p in model.parameters())
+
+
+@register_transform('materialize_lazy')
+def materialize_lazy(model: nn.Module, context: TransformContext) -> nn.Module:
+    """Give lazily shaped parameters (e.g. SOFT's conv sampler inside a timm ViT, whose k×k weight needs
+    the token grid) their shapes with one forward of zeros, so the optimizer, weight-decay groups, DDP
+    and `load_state_dict` see every parameter. RNG state and train/eval mode are kept."""
+    if not has_lazy_parameters(model):
+        return model
+    if context.input_size is None:
+        raise ValueError("materialize_lazy needs the input size (channels, height, width) of the model")
+    was_training = model.training
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*created at the first forward')   # handled here
+        model.eval()
+        model(torch.zeros(1, *context.input_size))
+    model.train(was_training)
+    return model
