@@ -1,10 +1,11 @@
 """`structformer train | eval | analyze | bench | models` — one command line for the library."""
 import argparse
+import ast
 import json
 import sys
 from typing import List, Optional
 
-from timm.utils import ParseKwargs
+# Nothing heavy at module level: `structformer --help` must answer without importing torch or timm.
 
 TRAIN_EXAMPLES = """examples:
   structformer train --model crate_digits --data digits --epochs 30
@@ -40,6 +41,47 @@ REPRODUCE_EXAMPLES = """examples:
   structformer reproduce soft --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
 
 
+def parse_value(text: str):
+    """A Python literal where the text is one (3, 0.1, True, None, [1, 2], {'a': 1}), else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+class ParseKwargs(argparse.Action):
+    """KEY=VALUE ... into a dict, values as Python literals (timm's convention), with a one-line
+    error naming the flag for an item without '='."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        out = dict(getattr(namespace, self.dest, None) or {})
+        for item in values:
+            key, sep, value = item.partition('=')
+            if not sep or not key.isidentifier():
+                parser.error(f"{option_string} {item!r}: expected KEY=VALUE with KEY a Python name "
+                             "(e.g. depth=6 or attn_kwargs=\"{'num_landmarks': 4}\")")
+            out[key] = parse_value(value)
+        setattr(namespace, self.dest, out)
+
+
+class ParseTransform(argparse.Action):
+    """`--transform NAME KEY=VALUE ...`, repeatable, into [{'name': NAME, 'kwargs': {...}}, ...] in order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name, items = values[0], values[1:]
+        if not name.isidentifier():
+            parser.error(f"{option_string} {name!r}: expected a transform name, then KEY=VALUE arguments")
+        kwargs = {}
+        for item in items:
+            key, sep, value = item.partition('=')
+            if not sep or not key.isidentifier():
+                parser.error(f"{option_string} {name} {item!r}: expected KEY=VALUE")
+            kwargs[key] = parse_value(value)
+        transforms = list(getattr(namespace, self.dest, None) or [])
+        transforms.append({'name': name, 'kwargs': kwargs})
+        setattr(namespace, self.dest, transforms)
+
+
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
@@ -47,6 +89,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--model', default=S, help='registered timm or structformer model (default crate_digits)')
     g.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
                    help='extra model constructor arguments, e.g. eta=0.1 lambd=0.1 sparse_step=mm')
+    g.add_argument('--transform', dest='transforms', nargs='+', action=ParseTransform, default=S,
+                   metavar=('NAME', 'KEY=VALUE'),
+                   help='a registered model transform applied after construction, with its arguments; '
+                        'repeat for several (applied in order, recorded in every checkpoint)')
     g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH')
     g.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
                    help='dataset options, e.g. augment=True or num_classes=4')

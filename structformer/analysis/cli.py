@@ -4,20 +4,20 @@ Writes, into --output: analysis.json (every number, per checkpoint), compression
 sparsity_per_layer.png (one line per checkpoint), coherence_<ckpt>.png, tokens_<ckpt>.png,
 angles_<ckpt>.png (synthetic-subspaces data only) and report.md linking them.
 """
+from __future__ import annotations
+
 import argparse
 import json
 import math
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ..train.checkpoint import load_model, resolve_checkpoint
-from .plots import plot_coherence, plot_layer_curves, plot_principal_angles, plot_token_heatmaps
-from .report import write_report
-from .subspaces import coherence_summary, subspace_coherence, subspace_recovery
-from .whitebox import check_crate, layer_bases, measure_layers, token_heatmaps
+# torch and the measurement modules are imported where they are used: the CLI builds this command's
+# parser for `structformer --help`, which must not pay for importing torch
 
 __all__ = ['ANALYZE_EXAMPLES', 'add_analyze_arguments', 'run_analyze', 'resolve_compare']
 
@@ -74,6 +74,7 @@ def _run_dir(checkpoint: Path) -> Optional[Path]:
 
 def resolve_compare(spec: str, run: Optional[Path]) -> Path:
     """'init' -> <run>/checkpoints/epoch_0000, 'epoch:N' -> epoch_{N:04d}, anything else a path."""
+    from ..train.checkpoint import resolve_checkpoint
     m = re.fullmatch(r'epoch:(\d+)', spec.strip())
     if spec.strip() == 'init' or m:
         name = 'epoch_0000' if not m else f'epoch_{int(m.group(1)):04d}'
@@ -96,6 +97,7 @@ def _build_datasets(spec, **kwargs):
 def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, num_samples: int,
                  seed: int) -> Tuple[torch.Tensor, object, List[int]]:
     """B validation images (a seeded subset when the split is larger) and the dataset info."""
+    import torch
     _, val, info = _build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
     n = len(val)
     if n == 0:
@@ -124,6 +126,9 @@ def _slug(label: str, taken: set) -> str:
 
 
 def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: str, label: str) -> Dict:
+    from .plots import plot_coherence, plot_principal_angles, plot_token_heatmaps
+    from .subspaces import coherence_summary, subspace_coherence, subspace_recovery
+    from .whitebox import layer_bases, measure_layers, token_heatmaps
     measure = measure_layers(model, images, eps=args.eps, include_cls=not args.exclude_cls)
     measure.pop('samples')
     bases = layer_bases(model)
@@ -154,6 +159,10 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
 
 
 def run_analyze(args) -> int:
+    from ..train.checkpoint import load_model, resolve_checkpoint
+    from .plots import plot_layer_curves
+    from .report import write_report
+    from .whitebox import check_crate
     _check_args(args)
     main_path = resolve_checkpoint(args.checkpoint)
     run = _run_dir(main_path)

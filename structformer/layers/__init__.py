@@ -2,3 +2,4 @@ from .attention import (ATTENTION_LAYERS, MSSA, LinformerAttention, NaiveSoftmax
                         PerformerAttention, SoftAttention, SoftmaxAttention, SoftPlusPlusAttention, get_attention,
                         register_attention)
 from .mlp import ISTA
+from .linear import StructuredLinear

@@ -1,4 +1,7 @@
-"""Importing this registers every structformer model with timm."""
+"""Importing this registers every structformer model with timm; `factory` is the one way to build one."""
 from ._registry import list_structformer_models, register_model
 from .crate import CRATE, CrateBlock
 from . import soft
+from .soft import SoftNet
+from .factory import ModelRecipe, build_model, rebuild
+from .transforms import TRANSFORMS, register_transform

@@ -7,7 +7,6 @@ uninterrupted run, bit for bit, on the same machine and thread count.
 """
 import hashlib
 import json
-import math
 import os
 import random
 import shutil

@@ -1,0 +1,39 @@
+"""The interface every structured linear layer implements (see the package docstring)."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StructuredLinear(nn.Module):
+    """A linear map x ↦ x Wᵀ + b whose W ([out_features, in_features]) has structure.
+
+    Subclasses store their factors, implement `to_dense()` (W, materialised: the oracle for tests and
+    the source of spectra) and override `forward` with their fast path. The default `forward` is the
+    slow, obvious reference `F.linear(x, to_dense(), bias)`, which `forward_reference` always is.
+    `bias` is a Parameter of shape [out_features] or None, as in `nn.Linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        for name, value in (('in_features', in_features), ('out_features', out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias: Optional[nn.Parameter] = (
+            nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None)
+
+    def to_dense(self) -> torch.Tensor:
+        """The [out_features, in_features] weight this layer applies."""
+        raise NotImplementedError(f"{type(self).__name__} must implement to_dense()")
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.to_dense(), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_reference(x)
+
+    def extra_repr(self) -> str:
+        return f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}'
