@@ -6,7 +6,6 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-import timm
 import torch
 
 from structformer.models.factory import ModelRecipe, build_model, rebuild
