@@ -105,9 +105,17 @@ def test_newton_pinv_host_loop_equals_sync_free_loop(dtype):
     lm = 0.3 * torch.randn(3, 10, 6, dtype=F64)
     a = torch.cat([torch.stack([_spd(10, 1, shift=5.0), _spd(10, 2, rank=4), torch.zeros(10, 10, dtype=F64)]),
                    gaussian_kernel(lm, lm)]).to(dtype)
+    # Different BLAS kernels round the two loops differently, so a matrix may freeze one step earlier on
+    # one path. The freeze rule only stops once ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F, so such a
+    # disagreement moves X by at most √eps relative (and later steps by far less: Newton converges
+    # quadratically). That bound, per matrix, is the tolerance; no bitwise comparison across paths.
+    bound = torch.finfo(dtype).eps ** 0.5
     for num_iter in (1, 7, 25, 80):
         host, device = _newton_schulz_host(a, num_iter), _newton_schulz_device(a, num_iter)
-        torch.testing.assert_close(host, device, rtol=0, atol=0)
+        assert torch.isfinite(host).all() and torch.isfinite(device).all()
+        gap, size = (host - device).flatten(1).norm(dim=1), host.flatten(1).norm(dim=1)
+        assert (gap <= bound * size).all(), (num_iter, (gap / size).tolist())
+        assert host[2].abs().max() == 0 and device[2].abs().max() == 0      # A = 0 gives X = 0 on both paths
 
 
 def test_newton_pinv_residual_decreases_with_iterations():

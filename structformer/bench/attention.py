@@ -25,6 +25,8 @@ Two goal ratios are printed from this one run, never asserted: (a) SOFT memory a
 smallest n (goal: linear growth, ≤ 1.25 × the token ratio, i.e. ≤ 20 at 16×784 / 784), and
 (b) SDPA forward time / SOFT forward time at the largest n (goal ≥ 40×, stated at 12,544 tokens).
 """
+from __future__ import annotations
+
 import argparse
 import json
 import math
@@ -34,12 +36,7 @@ import resource
 import sys
 from typing import List, Optional, Tuple
 
-import torch
-
 from ._subprocess import MeasurementFailed, python_json
-
-from .flops import analytic_core_flops, counted_flops, linear_flops
-from .timing import median_seconds
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak
@@ -80,6 +77,7 @@ def add_attention_bench_arguments(p):
 
 
 def _check_args(args) -> None:
+    import torch
     from ..layers.attention import ATTENTION_LAYERS
     if not args.multipliers or any(k < 1 for k in args.multipliers):
         raise ValueError(f"--multipliers must be integers >= 1, got {args.multipliers}")
@@ -171,6 +169,9 @@ def _peak_rss_mib() -> float:
 def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: int, warmup: int,
                 device: str = 'cpu', threads: int = 0) -> dict:
     """Time, peak memory and FLOPs of one (attention, n); meant to run in its own process."""
+    import torch
+    from .flops import analytic_core_flops, counted_flops, linear_flops
+    from .timing import median_seconds
     import structformer  # noqa: F401  (registers the attentions)
     if threads:
         torch.set_num_threads(threads)
@@ -295,6 +296,7 @@ def _fmt(v, spec, width):
 
 
 def print_report(rows, goals, args) -> None:
+    import torch
     print(f"\nbatch 1, dim {args.dim}, {args.heads} heads, m = {args.landmarks}, {args.device}, "
           f"{rows[0].get('threads', '?') if rows else '?'} threads, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}")
@@ -366,6 +368,7 @@ def plot(rows, path) -> None:
 
 def profile_forward(name, grid, args, top: int = 15) -> str:
     """torch.profiler table of one forward (eval, no_grad) grouped by op and input shape."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
     layer = build_layer(name, args.dim, args.heads, args.landmarks, grid, args.device).eval()
     x = torch.randn(1, grid[0] * grid[1], args.dim, device=args.device)
@@ -381,6 +384,7 @@ def profile_forward(name, grid, args, top: int = 15) -> str:
 
 
 def run_attention_bench(args) -> int:
+    import torch
     _check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,6 +5,8 @@ hide the other's. Reported: training images/s (forward + backward + AdamW step),
 images/s (eval, no_grad) and the growth of peak memory over the model-and-batch baseline during
 training, with ratios to ViT-T computed from numbers taken in this one run.
 """
+from __future__ import annotations
+
 import json
 import os
 import platform
@@ -12,7 +14,6 @@ import resource
 import sys
 import time
 
-import torch
 
 from ._subprocess import MeasurementFailed, python_json
 
@@ -40,6 +41,7 @@ def _maxrss_mib() -> float:
 
 
 def measure_one(name, kwargs, batch_size, img_size, steps, threads=0) -> dict:
+    import torch
     import timm
 
     import structformer  # noqa: F401
@@ -90,6 +92,7 @@ def _measure_in_subprocess(name, kwargs, args) -> dict:
 
 
 def run_model_bench(args) -> int:
+    import torch
     for flag in ('batch_size', 'img_size', 'steps', 'rounds'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")

@@ -15,16 +15,20 @@ for backward in one training forward (the part of training memory that depends o
 measured the same way on CPU and GPU; on CUDA `cuda_peak_mb` (max allocated during forward+backward)
 is added.
 """
+from __future__ import annotations
+
 import argparse
 import copy
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
-import torch
-from timm.utils import ParseKwargs
+from ..cli import ParseKwargs
 
-from ..bench.timing import median_seconds
+if TYPE_CHECKING:
+    import torch
+
+
 
 ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 # Table 1 Tiny has dims 64/128/320/512 and heads 2/4/10/16 (head width 32). Narrower widths keep the depths,
@@ -70,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _activation_bytes(model: torch.nn.Module, images: torch.Tensor) -> int:
     """Bytes of the distinct tensors autograd saves for backward in one training forward."""
+    import torch
     seen: Dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -90,6 +95,8 @@ def _activation_bytes(model: torch.nn.Module, images: torch.Tensor) -> int:
 def _train_step_seconds(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, lr: float,
                         weight_decay: float, repeats: int) -> float:
     """Median seconds of forward + backward + AdamW step on a copy of `model` (freed on return)."""
+    import torch
+    from ..bench.timing import median_seconds
     student = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
 
@@ -108,6 +115,8 @@ def measure(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor,
     of a copy of the model, so `model` is unchanged) and training memory. Each speed is the median of
     `repeats` timed calls after one warm-up (`bench.timing.median_seconds`); the data loader is left
     out, so rows differ only by the model."""
+    import torch
+    from ..bench.timing import median_seconds
     out: Dict[str, float] = {}
     batch = images.shape[0]
     model.eval()
@@ -143,6 +152,7 @@ def _report(rows: List[Dict], recipe: Dict, split: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     import structformer  # noqa: F401  (registers the models)
     from ..data import build_datasets
     from ..train import TrainConfig, load_model, train

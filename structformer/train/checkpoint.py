@@ -27,6 +27,23 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or not a structformer checkpoint."""
 
 
+def crash_point(step: str) -> None:
+    """Test hook: `STRUCTFORMER_TEST_KILL_AT=step` ends the process on the spot at that step, as kill -9
+    would (no cleanup, no exception handlers), so tests can interrupt a commit at every step without
+    relying on timing. Steps: '<checkpoint name>:weights' (weights written to the temporary folder),
+    '<name>:renamed' (folder committed, latest.json not yet updated), '<name>:latest',
+    'epoch <N>:metrics' (metrics line written). Unset in normal use: one dictionary lookup."""
+    if os.environ.get('STRUCTFORMER_TEST_KILL_AT') == step:
+        os._exit(137)
+
+
+def _permissions_from_umask(path: Path, mode: int) -> None:
+    """mkstemp / mkdtemp create 0600 / 0700 for privacy; a finished run follows the user's umask instead."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + '.tmp-')
     try:
@@ -34,6 +51,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        _permissions_from_umask(Path(tmp), 0o666)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -90,8 +108,10 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + '.tmp-'))
     try:
+        _permissions_from_umask(tmp, 0o777)
         weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / 'model.safetensors'))
+        crash_point(f'{directory.name}:weights')
         state = dict(state, format_version=FORMAT_VERSION)
         train_tensors: Dict[str, torch.Tensor] = {}
         if optimizer is not None:
@@ -106,6 +126,7 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
+        crash_point(f'{directory.name}:renamed')
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -124,6 +145,7 @@ def _json_default(value):
 
 def mark_latest(run_checkpoints: Path, directory: Path) -> None:
     _atomic_write_text(Path(run_checkpoints) / LATEST, json.dumps({'checkpoint': Path(directory).name}))
+    crash_point(f'{Path(directory).name}:latest')
 
 
 def resolve_checkpoint(path) -> Path:
@@ -143,6 +165,10 @@ def resolve_checkpoint(path) -> Path:
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"--checkpoint: {latest} is corrupt ({e})") from None
             return candidate / name
+        committed = sorted(p for p in candidate.glob('epoch_[0-9][0-9][0-9][0-9]')
+                           if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file())
+        if committed:                                   # killed before latest.json was first written
+            return committed[-1]
     raise CheckpointError(f"--checkpoint: {path} is not a structformer checkpoint or run directory "
                           "(expected model.safetensors + state.json, or checkpoints/latest.json)")
 
@@ -179,11 +205,31 @@ def load_model(path, map_location='cpu'):
         raise CheckpointError(f"--checkpoint: {state['path']} cannot be rebuilt: {e}") from None
     except ValueError as e:
         raise CheckpointError(f"--checkpoint: model {recipe.name!r} cannot be rebuilt ({e})") from None
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        raise CheckpointError(f"--checkpoint: weights do not fit model {recipe.name!r}: {e}") from None
+    mismatch = describe_mismatch(model.state_dict(), weights)
+    if mismatch:
+        raise CheckpointError(f"--checkpoint: weights do not fit model {recipe.name!r}: {mismatch}")
+    model.load_state_dict(weights)
     return model.to(map_location).eval(), state
+
+
+def describe_mismatch(expected: Dict[str, torch.Tensor], weights: Dict[str, torch.Tensor], show: int = 3) -> str:
+    """'' if `weights` fit a model with state dict `expected`, else a short account: counts of missing,
+    unexpected and wrongly shaped tensors with the first few names (not thousands of keys)."""
+    def names(keys):
+        keys = sorted(keys)
+        return ', '.join(keys[:show]) + (f', ... ({len(keys)} in all)' if len(keys) > show else '')
+    missing = set(expected) - set(weights)
+    unexpected = set(weights) - set(expected)
+    shapes = {k for k in set(expected) & set(weights) if tuple(expected[k].shape) != tuple(weights[k].shape)}
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing ({names(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected ({names(unexpected)})")
+    if shapes:
+        k = sorted(shapes)[0]
+        parts.append(f"{len(shapes)} of another shape (e.g. {k}: {list(weights[k].shape)} vs {list(expected[k].shape)})")
+    return '; '.join(parts)
 
 
 def optimizer_state_from(train_tensors: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Dict[str, Any]:

@@ -27,15 +27,28 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from ..models.factory import ModelRecipe, build_model, rebuild
-from .checkpoint import (load_checkpoint, mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng,
-                         save_checkpoint)
+from .checkpoint import (_atomic_write_text, crash_point, load_checkpoint, mark_latest, optimizer_state_from,
+                         resolve_checkpoint, restore_rng, save_checkpoint)
 from .config import TrainConfig, save_config
 from .distributed import barrier, cleanup_distributed, init_distributed
 from .phases import LossContext, build_phases, phase_for_epoch
+from .run_dir import discard_aside, move_aside, read_metrics, reconcile, restore_aside
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; training stopped without saving the bad state."""
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Raise ValueError naming `flag` unless `path` (or the nearest folder that exists above it) can be
+    written: checked before any work, so a long run never dies at its first checkpoint."""
+    probe = Path(path).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {probe} is not writable (read-only file system or no permission)")
 
 
 def seed_everything(seed: int) -> None:
@@ -98,17 +111,26 @@ class Trainer:
 
     # ----------------------------------------------------------------- setup
     def _prepare_output(self, overwrite: bool) -> None:
-        has_run = (self.ckpt_dir / 'latest.json').exists()
+        """Check, but do not yet change, the output folder: nothing is written before the data and the
+        model have been built, so a bad argument never costs an old run or leaves an empty folder."""
+        has_run = self.ckpt_dir.is_dir() and any(self.ckpt_dir.iterdir())
         if has_run and not self.resume and not overwrite:
             raise FileExistsError(f"--output {self.output} already holds a run; pass --resume to continue it "
                                   "or --overwrite to replace it")
+        self.overwrite = overwrite and not self.resume
+        check_writable(self.output, '--output')
+
+    def _start_output(self) -> Optional[Path]:
+        """Create the run folder; with --overwrite move the old run aside (returned), to be discarded once
+        the new run's first checkpoint has committed and put back if anything fails before that."""
+        aside = None
         if self.is_main:
-            if overwrite and not self.resume and self.output.exists():
-                shutil.rmtree(self.ckpt_dir, ignore_errors=True)
-                for name in ('metrics.jsonl', 'config.yaml', 'summary.json'):
-                    (self.output / name).unlink(missing_ok=True)
             self.output.mkdir(parents=True, exist_ok=True)
+            reconcile(self.output)
+            if self.overwrite:
+                aside = move_aside(self.output)
         barrier()
+        return aside
 
     def _build(self) -> None:
         from ..data import build_datasets
@@ -130,7 +152,8 @@ class Trainer:
             self.sampler = None
         self.eval_loader = DataLoader(self.val_ds, batch_size=cfg.eval_batch_size, shuffle=False,
                                       num_workers=cfg.num_workers)
-        self.steps_per_epoch = len(self._train_loader(1))
+        # the schedule counts the steps actually taken: --limit-train-batches shortens every epoch
+        self.steps_per_epoch = min(len(self._train_loader(1)), cfg.limit_train_batches or float('inf'))
         self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                              momentum=cfg.momentum)
         self.scheduler = None
@@ -189,16 +212,23 @@ class Trainer:
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
         cfg = self.config
-        self._build()
+        self._build()                            # data and model first: bad input fails before any write
         self.global_step = 0
         start_epoch = 0
+        aside = self._start_output()
         if self.resume:
             start_epoch = self._restore()
             if self.is_main:
+                save_config(cfg, self.output / 'config.yaml')     # --epochs may have extended the run
                 print(f"resumed from epoch {start_epoch} of {cfg.epochs} ({resolve_checkpoint(self._resume_source())})")
         elif self.is_main:
-            save_config(cfg, self.output / 'config.yaml')
-            self._save(0, {})                    # the random init, for white-box comparisons
+            try:
+                save_config(cfg, self.output / 'config.yaml')
+                self._save(0, {})                # the random init, for white-box comparisons
+            except BaseException:
+                restore_aside(self.output, aside)
+                raise
+            discard_aside(aside)
         history: List[Dict] = []
         last_path = resolve_checkpoint(self.ckpt_dir) if self.is_main else None
         epochs_this_run = 0
@@ -208,9 +238,10 @@ class Trainer:
                 record = self._train_epoch(epoch, phase)
                 if self.is_main:
                     record.update({f'val_{k}': v for k, v in evaluate(self.model, self.eval_loader, self.device).items()})
+                    last_path = self._save(epoch, record)     # the checkpoint first: it carries the record too
                     with open(self.output / 'metrics.jsonl', 'a') as f:
                         f.write(json.dumps(record) + '\n')
-                    last_path = self._save(epoch, record)
+                    crash_point(f'epoch {epoch}:metrics')
                     self._print_epoch(record)
                 barrier()
                 history.append(record)
@@ -294,6 +325,7 @@ class Trainer:
               f"lr {r['lr']:.2e}  {r['train_img_per_s']:.0f} img/s", flush=True)
 
     def _print_summary(self, history: List[Dict]) -> None:
+        history = read_metrics(self.output / 'metrics.jsonl') or history    # every epoch, resumed or not
         best = max(history, key=lambda r: r['val_top1'])
         last = history[-1]
         summary = {'model': self.config.model, 'data': self.config.data, 'epochs': last['epoch'],
@@ -301,7 +333,7 @@ class Trainer:
                    'final_val_loss': last['val_loss'], 'best_val_top1': best['val_top1'],
                    'best_epoch': best['epoch'],
                    'parameters': sum(p.numel() for p in self.model.parameters())}
-        (self.output / 'summary.json').write_text(json.dumps(summary, indent=1))
+        _atomic_write_text(self.output / 'summary.json', json.dumps(summary, indent=1))
         width = max(len(k) for k in summary)
         print('\n' + '\n'.join(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
                                for k, v in summary.items()))
