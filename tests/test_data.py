@@ -224,6 +224,43 @@ def test_cifar10_tiny_folder(tmp_path):
         build_datasets(f'cifar10:{tmp_path / "cifar"}')
 
 
+class _Payload:
+    """Unpickling this calls os.mkdir(marker): the test checks the call never happens."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_cifar10_refuses_a_planted_payload_before_it_runs(tmp_path):
+    folder, marker = tmp_path / 'cifar', tmp_path / 'payload-ran'
+    _write_cifar(folder)
+    with open(folder / 'data_batch_2', 'wb') as f:
+        pickle.dump({b'data': _Payload(marker), b'labels': [0]}, f)
+    with pytest.raises(ValueError, match=r'data_batch_2: not a CIFAR-10 batch.*refusing to load posix\.mkdir'):
+        build_datasets(f'cifar10:{folder}')
+    assert not marker.exists()
+    with open(folder / 'data_batch_2', 'wb') as f:           # a top-level payload, not inside the dict
+        pickle.dump(_Payload(marker), f)
+    with pytest.raises(ValueError, match='refusing to load'):
+        build_datasets(f'cifar10:{folder}')
+    assert not marker.exists()
+
+
+def test_cifar10_reads_the_python2_era_pickle_protocol(tmp_path):
+    """The published files are protocol-2 pickles with py2 strings; those need numpy's rebuild functions
+    and _codecs.encode, which the restricted unpickler admits."""
+    folder = tmp_path / 'cifar'
+    batches = _write_cifar(folder)
+    data, labels = batches['test_batch']
+    with open(folder / 'test_batch', 'wb') as f:
+        pickle.dump({b'batch_label': 'testing batch 1 of 1', b'labels': labels, b'data': data,
+                     b'filenames': [b'a.png'] * len(labels)}, f, protocol=2)
+    _, val, _ = build_datasets(f'cifar10:{folder}')
+    assert torch.equal(val.images.reshape(len(labels), -1), torch.from_numpy(data)) and val.labels.tolist() == labels
+
+
 # ----- image folders -----
 
 def _write_pngs(folder, classes=('cat', 'dog'), per_class=4):

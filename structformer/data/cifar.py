@@ -22,13 +22,40 @@ CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'hors
 OPTIONS = {'augment': Option(bool, True, 'true or false')}
 
 
+# Everything a CIFAR-10 batch pickle names (written by Python 2 + numpy, read here with encoding='bytes'):
+# numpy arrays are rebuilt through these, py2 byte strings through _codecs.encode. Nothing else is callable.
+_CIFAR_GLOBALS = frozenset({
+    ('numpy.core.multiarray', '_reconstruct'), ('numpy._core.multiarray', '_reconstruct'),
+    ('numpy', 'ndarray'), ('numpy', 'dtype'), ('_codecs', 'encode'),
+})
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only dicts, lists, bytes/str, ints and numpy arrays: pickle resolves every callable it
+    will invoke through `find_class`, so refusing all but the numpy rebuild functions means a planted
+    payload (os.system, eval, ...) is refused before anything runs."""
+
+    def find_class(self, module, name):
+        if (module, name) not in _CIFAR_GLOBALS:
+            raise pickle.UnpicklingError(f'refusing to load {module}.{name}: a CIFAR-10 batch holds only '
+                                         'a dict of numpy arrays, lists and byte strings')
+        return super().find_class(module, name)
+
+
+def _load_batch_dict(path: str):
+    with open(path, 'rb') as f:
+        batch = _CifarUnpickler(f, encoding='bytes').load()
+    if not isinstance(batch, dict):
+        raise TypeError(f'the pickle holds a {type(batch).__name__}, not a dict')
+    return batch
+
+
 def read_cifar_batch(path: str):
     """(images uint8 [n, 3, 32, 32], labels int64 [n]) from one CIFAR-10 batch file."""
-    # CIFAR-10's own format is pickle. Unpickling can run code, so we only ever open the batch files
-    # inside the folder the user pointed --data at, by their fixed names.
+    # CIFAR-10's own format is pickle, and plain unpickling runs whatever the file names: read it with an
+    # unpickler that admits only what the format needs, and only the fixed file names in --data.
     try:
-        with open(path, 'rb') as f:
-            batch = pickle.load(f, encoding='bytes')
+        batch = _load_batch_dict(path)
         data = np.asarray(batch[b'data'], dtype=np.uint8)
         labels = np.asarray(batch[b'labels'], dtype=np.int64)
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError) as e:

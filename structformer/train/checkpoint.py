@@ -123,6 +123,8 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
         if train_tensors:
             save_file(train_tensors, str(tmp / 'train_state.safetensors'))
         (tmp / 'state.json').write_text(json.dumps(state, indent=1, default=_json_default))
+        for written in tmp.iterdir():               # safetensors writes 0600 whatever the umask
+            _permissions_from_umask(written, 0o666)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)

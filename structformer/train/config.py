@@ -26,7 +26,8 @@ class TrainConfig:
     weight_decay: float = 0.05
     momentum: float = 0.9
     sched: str = 'cosine'
-    warmup_epochs: float = 2.0
+    # None: fitted to the run, min(2, epochs / 10), so a short run never fails on a default it did not set
+    warmup_epochs: Optional[float] = None
     warmup_lr: float = 1e-6
     min_lr: float = 1e-6
     label_smoothing: float = 0.1
@@ -39,6 +40,10 @@ class TrainConfig:
     limit_train_batches: int = 0
     num_workers: int = 0
 
+    def resolved_warmup_epochs(self) -> float:
+        """Warm-up length in epochs: as given, or fitted to the run's length when left unset."""
+        return min(2.0, self.epochs / 10) if self.warmup_epochs is None else self.warmup_epochs
+
     def validate(self) -> 'TrainConfig':
         checks = [
             ('epochs', self.epochs >= 1, '>= 1'),
@@ -46,7 +51,7 @@ class TrainConfig:
             ('eval_batch_size', self.eval_batch_size >= 1, '>= 1'),
             ('lr', self.lr > 0, '> 0'),
             ('weight_decay', self.weight_decay >= 0, '>= 0'),
-            ('warmup_epochs', 0 <= self.warmup_epochs < self.epochs, f'in [0, epochs={self.epochs})'),
+            ('warmup_epochs', 0 <= self.resolved_warmup_epochs() < self.epochs, f'in [0, epochs={self.epochs})'),
             ('label_smoothing', 0 <= self.label_smoothing < 1, 'in [0, 1)'),
             ('val_fraction', 0 < self.val_fraction < 1, 'in (0, 1)'),
             ('keep_last', self.keep_last >= 1, '>= 1'),

@@ -21,18 +21,17 @@ import torch
 import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from timm.utils import accuracy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from ..models.factory import ModelRecipe, build_model, rebuild
-from .checkpoint import (_atomic_write_text, crash_point, load_checkpoint, mark_latest, optimizer_state_from,
-                         resolve_checkpoint, restore_rng, save_checkpoint)
+from .checkpoint import (CheckpointError, _atomic_write_text, crash_point, describe_mismatch, load_checkpoint,
+                         mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng, save_checkpoint)
 from .config import TrainConfig, save_config
 from .distributed import barrier, cleanup_distributed, init_distributed
 from .phases import LossContext, build_phases, phase_for_epoch
-from .run_dir import discard_aside, move_aside, read_metrics, reconcile, restore_aside
+from .run_dir import committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile, restore_aside
 
 
 class TrainingDiverged(RuntimeError):
@@ -61,18 +60,17 @@ def seed_everything(seed: int) -> None:
 def evaluate(model: torch.nn.Module, loader: DataLoader, device) -> Dict[str, float]:
     """Mean cross-entropy, top-1 and top-5 accuracy (%) over a loader."""
     model.eval()
-    total, loss_sum, top1_sum, top5_sum = 0, 0.0, 0.0, 0.0
+    total, loss_sum, top1_hits, top5_hits = 0, 0.0, 0, 0
     for images, targets in loader:
         images, targets = images.to(device), targets.to(device)
         logits = model(images)
-        k = min(5, logits.shape[-1])
-        top1, top5 = accuracy(logits, targets, topk=(1, k))
-        n = targets.shape[0]
+        # whole counts, not per-batch float32 percentages: the result does not depend on the batch size
+        hits = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == targets[:, None]
+        top1_hits += int(hits[:, 0].sum())
+        top5_hits += int(hits.any(dim=-1).sum())
         loss_sum += F.cross_entropy(logits, targets, reduction='sum').item()
-        top1_sum += top1.item() * n
-        top5_sum += top5.item() * n
-        total += n
-    return {'loss': loss_sum / total, 'top1': top1_sum / total, 'top5': top5_sum / total}
+        total += targets.shape[0]
+    return {'loss': loss_sum / total, 'top1': 100.0 * top1_hits / total, 'top5': 100.0 * top5_hits / total}
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
@@ -159,7 +157,7 @@ class Trainer:
         self.scheduler = None
         if cfg.sched == 'cosine':
             self.scheduler, _ = create_scheduler_v2(
-                self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.resolved_warmup_epochs(),
                 warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
                 updates_per_epoch=self.steps_per_epoch)
 
@@ -201,6 +199,10 @@ class Trainer:
 
     def _restore(self) -> int:
         weights, state, train_tensors = load_checkpoint(self._resume_source(), with_train_state=True)
+        mismatch = describe_mismatch(self.model.state_dict(), weights)
+        if mismatch:
+            raise CheckpointError(f"--resume: {resolve_checkpoint(self._resume_source())} is not a checkpoint of "
+                                  f"{self.recipe.name!r} as configured: {mismatch}")
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
         self.global_step = state['global_step']
@@ -230,7 +232,9 @@ class Trainer:
                 raise
             discard_aside(aside)
         history: List[Dict] = []
-        last_path = resolve_checkpoint(self.ckpt_dir) if self.is_main else None
+        last_path = None
+        if self.is_main:                  # `--resume PATH` into a fresh --output: nothing committed here yet
+            last_path = resolve_checkpoint(self.ckpt_dir if committed_checkpoints(self.ckpt_dir) else self._resume_source())
         epochs_this_run = 0
         try:
             for epoch in range(start_epoch + 1, cfg.epochs + 1):
@@ -257,8 +261,8 @@ class Trainer:
         finally:
             cleanup_distributed()
         final = history[-1] if history else {}
-        if self.is_main and history:
-            self._print_summary(history)
+        if self.is_main:
+            self._print_summary(history)     # also on resuming a finished run: a kill may have cost its summary
         return TrainResult(self.output, last_path, history, final)
 
     def _train_epoch(self, epoch: int, phase) -> Dict:
@@ -326,6 +330,8 @@ class Trainer:
 
     def _print_summary(self, history: List[Dict]) -> None:
         history = read_metrics(self.output / 'metrics.jsonl') or history    # every epoch, resumed or not
+        if not history:
+            return
         best = max(history, key=lambda r: r['val_top1'])
         last = history[-1]
         summary = {'model': self.config.model, 'data': self.config.data, 'epochs': last['epoch'],
