@@ -5,6 +5,8 @@ import json
 import sys
 from typing import List, Optional
 
+from .errors import UsageError, expected_failure, one_line
+
 # Nothing heavy at module level: `structformer --help` must answer without importing torch or timm.
 
 TRAIN_EXAMPLES = """examples:
@@ -95,7 +97,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         'repeat for several (applied in order, recorded in every checkpoint)')
     g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH')
     g.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
-                   help='dataset options, e.g. augment=True or num_classes=4')
+                   help='dataset options, e.g. augment=True or num_classes=4; imagefolder: img_size=N, '
+                        'bad_images=error (default: every image is decoded once before training, and an '
+                        'unreadable one stops the run naming the file) or bad_images=skip (leave those out, '
+                        'counted and named in the log)')
     g.add_argument('--val-fraction', type=float, default=S, help='held-out fraction where the data has no split (0.2)')
     g = p.add_argument_group('optimisation (timm optimisers and schedulers)')
     g.add_argument('--epochs', type=int, default=S, help='total epochs (30)')
@@ -104,6 +109,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--opt', default=S, help='any timm optimiser: adamw (default), lion, sgd, ...')
     g.add_argument('--lr', type=float, default=S, help='peak learning rate (1e-3)')
     g.add_argument('--weight-decay', type=float, default=S, help='(0.05)')
+    g.add_argument('--decay-everything', action=argparse.BooleanOptionalAction, default=S,
+                   help='decay every parameter, norms, biases and cls/pos embeddings included, as the official '
+                        'CRATE recipe does (default: timm\'s exemptions)')
     g.add_argument('--momentum', type=float, default=S, help='for sgd (0.9)')
     g.add_argument('--sched', choices=['cosine', 'none'], default=S, help='cosine with linear warm-up (default) or constant')
     g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2)')
@@ -114,34 +122,83 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--seed', type=int, default=S, help='one seed for data split, init, order and augmentation (0)')
     g.add_argument('--limit-train-batches', type=int, default=S, help='at most this many batches per epoch (0 = all)')
     g.add_argument('--workers', dest='num_workers', type=int, default=S, help='data loader workers (0)')
+    g.add_argument('--compile', nargs='?', const='inductor', default=S, metavar='BACKEND',
+                   help='torch.compile the model for training and evaluation (alone: inductor); default eager')
     g = p.add_argument_group('outputs')
     g.add_argument('--output', default=S, help='run directory (default outputs/<model>_<data>)')
     g.add_argument('--keep-last', type=int, default=S, help='checkpoints kept besides epoch 0 (2)')
     g.add_argument('--save-every', type=int, default=S, help='also keep every N-th epoch (0 = none)')
     g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
-                   help='continue the run in --output (or from CHECKPOINT); uses the saved configuration')
-    g.add_argument('--stop-after', type=int, default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
+                   help='continue the run in --output (or from CHECKPOINT) with its saved configuration; '
+                        '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every and '
+                        '--compile may change, any other flag that differs from the saved value is refused')
+    g.add_argument('--stop-after', type=_positive_int('--stop-after'), default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
     g.add_argument('--overwrite', action='store_true', help='replace an existing run in --output')
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
 
 
-def _train_config(args):
-    from .train import TrainConfig, load_config_file
+_NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func')
+# what a resumed run may change: where it writes and what it keeps, never what it trains
+_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'compile')
+
+
+def _flag(key: str) -> str:
+    from .train.config import flag_name
+    return flag_name(key) or key
+
+
+def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
+    """The saved configuration of the run to resume. --epochs may extend it (never below the epochs
+    already trained), where and how it runs (_RESUME_MAY_CHANGE) may change; any other
+    value given by flag or -c that differs from the saved one is refused by name, since the checkpoint was
+    trained with the saved one."""
+    from .train import TrainConfig
     from .train.checkpoint import load_checkpoint
-    given = {k: v for k, v in vars(args).items()
-             if k not in ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func')}
-    values = {}
-    if getattr(args, 'config', None):
-        values.update(load_config_file(args.config))
-    if args.resume:
-        source = args.resume if isinstance(args.resume, str) else (given.get('output') or values.get('output'))
-        if source is None:
-            raise ValueError("--resume needs --output RUN_DIR (or --resume CHECKPOINT)")
+    source = args.resume if isinstance(args.resume, str) else (given.get('output') or from_file.get('output'))
+    if source is None:
+        raise UsageError("--resume needs --output RUN_DIR (or --resume CHECKPOINT)")
+    try:
         _, state, _ = load_checkpoint(source)
-        values = dict(state['config'])              # a resumed run keeps its configuration
-        given = {k: v for k, v in given.items() if k == 'output'}
-    values.update(given)
-    return TrainConfig.from_dict(values)
+    except (FileNotFoundError, ValueError) as e:       # CheckpointError is a ValueError
+        message = one_line(e)
+        raise UsageError(f"--resume: {message.split('--checkpoint: ', 1)[-1]}") from None
+    saved_config = dict(state['config'])
+    values = dict(saved_config)                        # a resumed run keeps its configuration
+    done = int(state.get('epoch', 0))
+    requested = {**{k: (v, f"-c/--config {config_path} key {k!r}") for k, v in from_file.items()},
+                 **{k: (v, _flag(k)) for k, v in given.items()}}
+    for key, (value, flag) in requested.items():
+        if key in _RESUME_MAY_CHANGE:
+            values[key] = value
+            continue
+        if key == 'epochs':
+            if value < done:
+                raise UsageError(f"{flag} {value}: this run has already trained {done} epochs; --resume can "
+                                 f"extend it (--epochs >= {done}), not shorten it")
+            if value != saved_config.get('epochs') and saved_config.get('warmup_epochs') is None:
+                # keep the warm-up the run was trained with: the default is fitted to the epoch count
+                values['warmup_epochs'] = TrainConfig.from_dict(saved_config).resolved_warmup_epochs()
+            values['epochs'] = value
+            continue
+        saved = saved_config.get(key)
+        if value != saved and not (key == 'warmup_epochs' and value == values.get(key)):
+            raise UsageError(f"{flag} cannot change on --resume (saved {saved!r}, given {value!r}); "
+                             "start a new run with --output")
+    return values
+
+
+def _train_config(args):
+    """TrainConfig from (in increasing priority) the defaults, -c FILE and the flags given explicitly;
+    with --resume, the saved configuration (see `_resume_config`)."""
+    from .train import TrainConfig, load_config_file
+    given = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    config_path = getattr(args, 'config', None)
+    from_file = load_config_file(config_path) if config_path else {}
+    if args.resume:
+        values = _resume_config(args, given, from_file, config_path)
+    else:
+        values = {**from_file, **given}
+    return TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
 
 
 def cmd_train(args) -> int:
@@ -195,6 +252,17 @@ def _positive_int(flag: str):
     return parse
 
 
+def human_count(n: int) -> str:
+    """A parameter count people can read: 812, 4.1K, 3.60M, 1.20G."""
+    n = int(n)
+    if abs(n) < 1000:
+        return str(n)
+    for scale, unit, digits in ((1e9, 'G', 2), (1e6, 'M', 2), (1e3, 'K', 1)):
+        if round(abs(n) / scale, digits) >= 1:        # 999,999 is 1.00M, not 1000.0K
+            return f"{n / scale:.{digits}f}{unit}"
+    return str(n)
+
+
 def cmd_models(args) -> int:
     from .models import list_structformer_models
     from .models.inventory import model_inventory
@@ -217,9 +285,9 @@ def cmd_models(args) -> int:
         size = 'x'.join(map(str, r['input_size']))
         if args.flops:
             parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>8.3f}" for c in COMPONENTS + ('other',))
-            print(f"{r['name']:<{width}}  {r['params'] / 1e6:>11.2f}M  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
+            print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
         else:
-            print(f"{r['name']:<{width}}  {r['params'] / 1e6:>11.2f}M  {size}")
+            print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")
     if args.flops:
         print("GMACs: multiply-adds of one image's forward (FlopCounterMode, matmul/conv only; papers quote these "
               "as FLOPs), split by component")
@@ -252,9 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description='Evaluate a checkpoint on the held-out split of its data (or --data).')
     p.add_argument('--checkpoint', required=True, help='run directory or checkpoint directory')
     p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
-    p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE')
+    p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE',
+                   help="dataset options over the checkpoint's (see `structformer train --help`)")
     p.add_argument('--split', choices=['val', 'train'], default='val')
-    p.add_argument('-b', '--batch-size', type=int, default=256)
+    p.add_argument('-b', '--batch-size', type=_positive_int('--batch-size'), default=256)
     p.add_argument('--json', action='store_true', help='print one JSON object')
     p.set_defaults(func=cmd_eval)
 
@@ -305,20 +374,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command. Expected failures -- bad input (UsageError and the project's other validation
+    errors), unusable checkpoints, user paths that are missing, not folders or not writable -- end as one
+    line, `structformer CMD: error: ...`, and exit status 2, as argparse's own errors do. Anything else is
+    a bug and keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .train import CheckpointError, TrainingDiverged
+    command = args.command + (f" {args.target}" if getattr(args, 'target', None) else '')
     try:
         return args.func(args)
-    except TrainingDiverged as e:
-        print(f"structformer {args.command}: stopped: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as e:
-        print(f"structformer {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"structformer {args.command}: interrupted; checkpoints already written are intact", file=sys.stderr)
+        print(f"structformer {command}: interrupted; checkpoints already written are intact", file=sys.stderr)
         return 130
+    except Exception as e:
+        engine = sys.modules.get('structformer.train.engine')        # only a loaded engine can diverge
+        if engine is not None and isinstance(e, engine.TrainingDiverged):
+            print(f"structformer {command}: stopped: {e}", file=sys.stderr)
+            return 1
+        if not expected_failure(e):
+            raise
+        print(f"structformer {command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
 """The command line: help texts, a train → eval → config round trip, and clear errors on bad input."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,70 @@ def test_resume_of_finished_run_changes_nothing(trained_run, capsys):
     before = (trained_run / 'checkpoints' / 'epoch_0002' / 'model.safetensors').read_bytes()
     assert main(['train', '--output', str(trained_run), '--resume', '--no-progress']) == 0
     assert (trained_run / 'checkpoints' / 'epoch_0002' / 'model.safetensors').read_bytes() == before
+
+
+def test_resume_with_more_epochs_extends_the_run(tmp_path, capsys):
+    """--resume --epochs N continues a finished run to N (the schedule is rebuilt for N epochs); a changed
+    training flag is refused by name, and the run is left as it was."""
+    out = tmp_path / 'run'
+    common = ['--output', str(out), '--no-progress']
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0',
+                 '--limit-train-batches', '2', *common]) == 0
+    assert main(['train', '--resume', '--epochs', '2', *common]) == 0
+    assert 'resumed from epoch 1 of 2' in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['epoch'] for r in records] == [1, 2] and records[1]['step'] == 4
+    assert (out / 'checkpoints' / 'epoch_0002').is_dir()
+    assert yaml.safe_load((out / 'config.yaml').read_text())['epochs'] == 2
+
+    before = (out / 'metrics.jsonl').read_text()
+    assert main(['train', '--resume', '--epochs', '3', '--lr', '0.01', *common]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('structformer train: error: --lr cannot change on --resume (saved 0.001, given 0.01)')
+    assert main(['train', '--resume', '--epochs', '1', *common]) == 2
+    assert '--epochs 1: this run has already trained 2 epochs' in capsys.readouterr().err
+    assert (out / 'metrics.jsonl').read_text() == before and not (out / 'checkpoints' / 'epoch_0003').exists()
+
+
+def test_range_errors_name_the_flag_as_typed(tmp_path, capsys):
+    assert main(['train', '--smoothing', '1.5', '--output', str(tmp_path / 'x'), '--no-progress']) == 2
+    assert 'error: --smoothing=1.5 is out of range: accepted in [0, 1)' in capsys.readouterr().err
+
+
+def test_every_config_key_names_its_train_flag():
+    """Error messages name a configuration key by its flag (flag_name): each of those flags exists."""
+    import dataclasses
+
+    from structformer.train.config import TrainConfig, flag_name
+    train = build_parser()._subparsers._group_actions[0].choices['train']
+    flags = {s for action in train._actions for s in action.option_strings}
+    for field in dataclasses.fields(TrainConfig):
+        flag = flag_name(field.name)
+        assert flag is None or flag.split('/')[-1] in flags, (field.name, flag)
+
+
+def test_config_file_values_are_coerced_or_refused(tmp_path):
+    from structformer.errors import UsageError
+    from structformer.train.config import load_config_file
+    path = tmp_path / 'c.yaml'
+    path.write_text("epochs: '3'\nlr: 1e-3\nwarmup_epochs: 1\nclip_grad: null\n")      # YAML reads 1e-3 as a string
+    assert load_config_file(path) == {'epochs': 3, 'lr': 0.001, 'warmup_epochs': 1.0, 'clip_grad': None}
+    for text, needle in [('epochs: 2.5', 'epochs (--epochs) must be an integer'), ('lr: fast', 'lr (--lr) must be a number'),
+                         ('model: 3', 'model (--model) must be a string'), ('epohcs: 3', "did you mean 'epochs'"),
+                         ('label_smoothing: [0.1]', 'label_smoothing (--smoothing) must be a number')]:
+        path.write_text(text + '\n')
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            load_config_file(path)
+
+
+@pytest.mark.parametrize('count, text', [(0, '0'), (812, '812'), (4_100, '4.1K'), (999_999, '1.00M'),
+                                         (3_600_000, '3.60M'), (6_090_856, '6.09M'), (1_200_000_000, '1.20G')])
+def test_parameter_counts_read_by_people(count, text):
+    from structformer.cli import human_count
+    assert human_count(count) == text
+
+
+def test_models_table_shows_small_counts(capsys):
+    assert main(['models', '--filter', 'crate_digits']) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert '0.00M' not in row and re.search(r'\s\d+(\.\d)?K\s', row), row

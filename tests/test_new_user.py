@@ -29,3 +29,18 @@ def test_two_epoch_run_with_defaults_and_a_redirected_log(tmp_path):
     assert '\r' not in done.stdout + done.stderr
     epoch_lines = [line for line in done.stdout.splitlines() if line.startswith('epoch ')]
     assert [line.split()[1] for line in epoch_lines] == ['1/2', '2/2']
+
+
+@pytest.mark.parametrize('decay_everything', [False, True])
+def test_weight_decay_skips_norms_biases_and_cls_pos_unless_asked(tmp_path, decay_everything):
+    from structformer.train.engine import Trainer
+    trainer = Trainer(TrainConfig(model='crate_digits', data='digits', epochs=1, weight_decay=0.05,
+                                  decay_everything=decay_everything, output=str(tmp_path / 'run')))
+    trainer._build()
+    decay = {id(p): group['weight_decay'] for group in trainer.optimizer.param_groups for p in group['params']}
+    named = dict(trainer.model.named_parameters())
+    assert len(decay) == len(named)
+    for name, p in named.items():
+        exempt = p.ndim <= 1 or name in ('cls_token', 'pos_embed')
+        assert decay[id(p)] == (0.05 if decay_everything or not exempt else 0.0), name
+    assert 'cls_token' in named and 'pos_embed' in named

@@ -160,12 +160,15 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
 
 def run_analyze(args) -> int:
     from ..train.checkpoint import load_model, resolve_checkpoint
+    from ..train.engine import check_writable
     from .plots import plot_layer_curves
     from .report import write_report
     from .whitebox import check_crate
     _check_args(args)
     main_path = resolve_checkpoint(args.checkpoint)
     run = _run_dir(main_path)
+    out = Path(args.output) if args.output else (run or main_path) / 'analysis'
+    check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
     paths = [main_path]
     for spec in args.compare:
         p = resolve_compare(spec, run)
@@ -193,7 +196,6 @@ def run_analyze(args) -> int:
         print(f"note: the validation split of {spec} has {len(idx)} samples; measuring all of them "
               f"instead of --num-samples {args.num_samples}")
 
-    out = Path(args.output) if args.output else (run or main_path) / 'analysis'
     out.mkdir(parents=True, exist_ok=True)
     taken: set = set()
     results = []

@@ -2,20 +2,90 @@
 
 If PATH has `train/` and `val/` (or `test/`) sub-folders, those are the two splits; otherwise the
 images of PATH are split, stratified by class, with `seed` and `val_fraction`.
+
+Every image is decoded once before training (JPEGs at 1/8 scale, which still reads every byte), so a
+truncated or corrupt file is found up front and named, not met as `OSError: Truncated File Read` in the
+middle of an epoch. Option `bad_images`: 'error' (default) stops before training, naming the files and
+the reasons; 'skip' leaves them out and prints how many, and which, in the log.
 """
 import copy
 import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 from torch.utils.data import Subset
 
+from ..errors import UsageError
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
 OPTIONS = {
     'img_size': Option(int, 224, 'an integer >= 8', lambda v: v >= 8),
     'augment': Option(bool, True, 'true or false'),
+    'bad_images': Option(str, 'error', "'error' (stop before training) or 'skip' (leave them out, counted in the log)",
+                         lambda v: v in ('error', 'skip')),
 }
+_SHOWN = 3        # unreadable files named in a message; the rest are counted
+
+
+class UnreadableImage(UsageError):
+    """An image file of an --data imagefolder cannot be decoded."""
+
+
+def image_problem(path: str) -> Optional[str]:
+    """None if `path` decodes as an image, else the reason it does not."""
+    from PIL import Image
+    try:
+        with Image.open(path) as im:
+            im.draft('RGB', (max(1, im.size[0] // 8), max(1, im.size[1] // 8)))   # JPEG only; others ignore it
+            im.load()
+    except Exception as e:           # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        return str(e) or type(e).__name__
+    return None
+
+
+def find_unreadable(paths: Sequence[str]) -> List[Tuple[str, str]]:
+    """(path, reason) for every file of `paths` that does not decode; decoding releases the GIL, so threads."""
+    workers = min(8, os.cpu_count() or 1, max(1, len(paths)))
+    with ThreadPoolExecutor(workers) as pool:
+        problems = list(pool.map(image_problem, paths, chunksize=64))
+    return [(p, why) for p, why in zip(paths, problems) if why is not None]
+
+
+def _name_files(bad: List[Tuple[str, str]]) -> str:
+    shown = '; '.join(f'{p} ({why})' for p, why in bad[:_SHOWN])
+    return shown + (f'; and {len(bad) - _SHOWN} more' if len(bad) > _SHOWN else '')
+
+
+def load_rgb(path: str):
+    """torchvision's PIL loader, naming the file if it fails (e.g. changed after the check)."""
+    from PIL import Image
+    try:
+        with open(path, 'rb') as f:
+            return Image.open(f).convert('RGB')
+    except OSError as e:
+        raise UnreadableImage(f'image {path} cannot be read: {e}') from None
+
+
+def _drop_unreadable(folder, spec: str, mode: str):
+    """Check every image of an ImageFolder; stop ('error') or leave the bad ones out ('skip')."""
+    bad = find_unreadable([path for path, _ in folder.samples])
+    if not bad:
+        return folder
+    total = len(folder.samples)
+    if mode == 'error' or len(bad) == total:
+        raise UnreadableImage(
+            f'--data {spec!r}: {len(bad)} of {total} images cannot be read: {_name_files(bad)}. '
+            + ('Fix or remove them, or pass --data-kwargs bad_images=skip to train without them'
+               if len(bad) < total else 'No image of the folder can be read'))
+    skipped = {p for p, _ in bad}
+    folder.samples = [s for s in folder.samples if s[0] not in skipped]
+    folder.imgs = folder.samples
+    folder.targets = [target for _, target in folder.samples]
+    print(f'--data {spec}: skipped {len(bad)} unreadable image(s) of {total} (bad_images=skip): {_name_files(bad)}',
+          flush=True)
+    return folder
 
 
 def default_transforms(img_size: int, augment: bool):
@@ -35,13 +105,18 @@ def default_transforms(img_size: int, augment: bool):
     return train_tf, eval_tf
 
 
-def _image_folder(root: str, transform, spec: str):
+def _image_folder(root: str, transform, spec: str, bad_images: str = 'error'):
     from torchvision.datasets import ImageFolder
     try:
-        return ImageFolder(root, transform=transform)
+        folder = ImageFolder(root, transform=transform, loader=load_rgb)
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
                                 f'{root}/<class name>/<image file> ({e})') from None
+    folder.skipped_images = 0
+    before = len(folder.samples)
+    folder = _drop_unreadable(folder, spec, bad_images)
+    folder.skipped_images = before - len(folder.samples)
+    return folder
 
 
 def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_transform, **options):
@@ -52,15 +127,17 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
     train_tf, eval_tf = train_transform or default_train, eval_transform or default_eval
     val_dir = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
     if os.path.isdir(os.path.join(root, 'train')) and val_dir:
-        train = _image_folder(os.path.join(root, 'train'), train_tf, spec)
-        val = _image_folder(val_dir, eval_tf, spec)
+        train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'])
+        val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'])
         if train.classes != val.classes:
             raise ValueError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold different class '
                              f'folders: {train.classes} vs {val.classes}')
         classes = train.classes
         split = f'train/ ({len(train)}) train, {os.path.basename(val_dir)}/ ({len(val)}) val'
+        skipped = train.skipped_images + val.skipped_images
     else:
-        base = _image_folder(root, train_tf, spec)
+        base = _image_folder(root, train_tf, spec, opts['bad_images'])
+        skipped = base.skipped_images
         train_idx, val_idx = stratified_split(np.asarray(base.targets), val_fraction, seed)
         val_base = copy.copy(base)            # same file list, its own transform
         val_base.transform = eval_tf
@@ -72,5 +149,6 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         train_size=len(train), val_size=len(val),
         description=f'image folder {root}: {len(classes)} classes, {split}, images at {opts["img_size"]}px',
         extra={'path': root, 'classes': list(classes), 'mean': list(IMAGENET_DEFAULT_MEAN),
-               'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment']})
+               'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
+               'skipped_images': skipped})
     return train, val, info

@@ -88,7 +88,7 @@ _FALSE = {'0', 'false', 'no', 'off', 'n', 'f'}
 
 
 def _coerce(value, kind: type, key: str, accepted: str):
-    bad = ValueError(f'option {key}: expected {accepted}; got {value!r}')
+    bad = ValueError(f'--data-kwargs {key}: expected {accepted}; got {value!r}')
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -96,6 +96,10 @@ def _coerce(value, kind: type, key: str, accepted: str):
             return bool(value)
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
+        raise bad
+    if kind is str:
+        if isinstance(value, str):
+            return value.strip()
         raise bad
     if isinstance(value, bool):           # True is an int in Python; never take it as a count
         raise bad
@@ -126,12 +130,13 @@ def resolve_options(dataset: str, schema: Dict[str, Option], options: Dict[str, 
     unknown = sorted(set(options) - set(schema))
     if unknown:
         names = ', '.join(sorted(schema)) or '(none)'
-        raise ValueError(f'--data {dataset}: unknown option(s) {", ".join(unknown)}; accepted options: {names}')
+        raise ValueError(f'--data-kwargs: unknown option(s) {", ".join(unknown)} for --data {dataset}; '
+                         f'accepted options: {names}')
     out = {}
     for key, opt in schema.items():
         value = _coerce(options[key], opt.kind, key, opt.accepted) if key in options else opt.default
         if not opt.check(value):
-            raise ValueError(f'option {key}: expected {opt.accepted}; got {options.get(key, value)!r}')
+            raise ValueError(f'--data-kwargs {key}: expected {opt.accepted}; got {options.get(key, value)!r}')
         out[key] = value
     return out
 

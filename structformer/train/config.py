@@ -1,11 +1,30 @@
 """The resolved configuration of a training run: one dataclass, saved as YAML beside the outputs
 and accepted back with `-c`."""
 import dataclasses
+import difflib
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
+
+from ..errors import UsageError
+
+# configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
+_FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
+          'batch_size': '-b/--batch-size', 'phases': None}
+
+
+def flag_name(key: str) -> Optional[str]:
+    """The train flag that sets configuration key `key` (None where only a config file can)."""
+    return _FLAGS.get(key, '--' + key.replace('_', '-'))
+
+
+def _describe(key: str) -> str:
+    flag = flag_name(key)
+    return f"{key} ({flag})" if flag else key
 
 
 @dataclass
@@ -24,6 +43,9 @@ class TrainConfig:
     opt: str = 'adamw'
     lr: float = 1e-3
     weight_decay: float = 0.05
+    # False (timm's default): norms, biases and the model's no_weight_decay() set (cls/pos) are not decayed;
+    # True decays every parameter, as the official CRATE recipe does
+    decay_everything: bool = False
     momentum: float = 0.9
     sched: str = 'cosine'
     # None: fitted to the run, min(2, epochs / 10), so a short run never fails on a default it did not set
@@ -39,6 +61,9 @@ class TrainConfig:
     phases: List[Dict[str, Any]] = field(default_factory=list)
     limit_train_batches: int = 0
     num_workers: int = 0
+    # torch.compile backend for training and evaluation, None = eager (timm's train script: --torchcompile);
+    # checkpoints hold the plain module's weights, loadable without compile
+    compile: Optional[str] = None
 
     def resolved_warmup_epochs(self) -> float:
         """Warm-up length in epochs: as given, or fitted to the run's length when left unset."""
@@ -62,34 +87,140 @@ class TrainConfig:
         ]
         for name, ok, accepted in checks:
             if not ok:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is out of range: accepted {accepted}")
-        if self.clip_grad is not None and self.clip_grad <= 0:
-            raise ValueError(f"--clip-grad={self.clip_grad} must be > 0")
+                raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
+        if self.compile is not None:
+            import torch._dynamo        # only when asked: validating a config needs no torch otherwise
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile not in backends:
+                raise UsageError(f"--compile={self.compile!r} is not a torch.compile backend: accepted "
+                                 f"{', '.join(backends)}")
         return self
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Dict[str, Any]) -> 'TrainConfig':
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown configuration keys {unknown}; accepted: {sorted(known)}")
-        return cls(**values)
+    def from_dict(cls, values: Dict[str, Any], source: str = 'configuration') -> 'TrainConfig':
+        """A config from plain values (a YAML file, a checkpoint's state): unknown keys are refused with
+        the closest valid name, values coerced to the field's type where that is unambiguous ('3' -> 3
+        for an integer, 3 -> 3.0 for a float) and refused with the expected type otherwise. `source`
+        starts every error message (e.g. '-c/--config run.yaml')."""
+        return cls(**check_values(values, source))
+
+
+_KIND_WORDS = {int: 'an integer', float: 'a number', str: 'a string', bool: 'true or false',
+               dict: 'a mapping of key: value', list: 'a list'}
+
+
+def _coerce(value, kind: type):
+    """`value` as `kind`, or raise TypeError where the conversion would be a guess."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if isinstance(value, bool):                    # True is an int in Python; never take it as a number
+        raise TypeError
+    if kind is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            value = value.strip()
+            try:
+                return int(value)
+            except ValueError:
+                value = float(value)               # '1e3': ValueError (-> refused) unless a number
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise TypeError
+    if kind is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):                 # YAML 1.1 reads `lr: 1e-3` as the string '1e-3'
+            number = float(value.strip())
+            if math.isnan(number):
+                raise TypeError
+            return number
+        raise TypeError
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError
+    if kind in (dict, list):
+        if isinstance(value, kind):
+            return value
+        raise TypeError
+    return value
+
+
+def _field_kind(annotation) -> Tuple[type, bool]:
+    """(the base type, whether None is allowed) of a dataclass field's annotation."""
+    optional = False
+    if typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional, annotation = True, args[0]
+    origin = typing.get_origin(annotation) or annotation
+    return origin, optional
+
+
+def check_values(values: Dict[str, Any], source: str = 'configuration') -> Dict[str, Any]:
+    """Keys and types of configuration `values` checked against TrainConfig; see `TrainConfig.from_dict`."""
+    if not isinstance(values, dict):
+        raise UsageError(f"{source}: expected a mapping of key: value; got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ''
+            raise UsageError(f"{source}: unknown key {key!r}; {hint}accepted keys: {', '.join(sorted(fields))}")
+        kind, optional = _field_kind(hints[key])
+        if value is None and optional:
+            out[key] = None
+            continue
+        try:
+            out[key] = _coerce(value, kind)
+        except (TypeError, ValueError, OverflowError):
+            expected = _KIND_WORDS.get(kind, kind.__name__) + (' or null' if optional else '')
+            raise UsageError(f"{source}: {_describe(key)} must be {expected}; got {value!r}") from None
+    return out
 
 
 def load_config_file(path) -> Dict[str, Any]:
+    """The mapping in a YAML config file, keys and types checked (see `TrainConfig.from_dict`); every
+    problem -- a missing, unreadable or non-file path, bad YAML, an unknown key, a wrong type -- is a
+    UsageError naming -c/--config, the file and the key."""
+    where = f"-c/--config {path}"
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"-c/--config: {path} does not exist")
+        raise UsageError(f"{where}: no such file")
+    if path.is_dir():
+        raise UsageError(f"{where}: is a folder; expected a YAML file such as a run's config.yaml")
+    if not path.is_file():
+        raise UsageError(f"{where}: not a regular file")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding='utf-8')
+    except PermissionError:
+        raise UsageError(f"{where}: cannot be read (permission denied)") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: not a text file (expected YAML)") from None
+    except OSError as e:
+        raise UsageError(f"{where}: cannot be read ({e.strerror or e})") from None
+    try:
+        values = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"-c/--config: {path} is not valid YAML ({e})") from None
+        mark = getattr(e, 'problem_mark', None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ''
+        problem = getattr(e, 'problem', None) or str(e).splitlines()[0]
+        raise UsageError(f"{where}: not valid YAML{at}: {problem}") from None
+    if values is None:
+        return {}
     if not isinstance(values, dict):
-        raise ValueError(f"-c/--config: {path} must hold a mapping of option: value")
-    return values
+        raise UsageError(f"{where}: expected a mapping of key: value (e.g. 'epochs: 10'); "
+                         f"got a YAML {type(values).__name__}")
+    return check_values(values, where)
 
 
 def save_config(config: TrainConfig, path) -> None:

@@ -143,6 +143,10 @@ class Trainer:
         else:
             self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, cfg.transforms)
         self.model.to(self.device)
+        if cfg.compile:
+            # in place (nn.Module.compile): parameter names and state_dict keys stay those of the plain
+            # model, so checkpoints load without compile, and DDP / phases wrap the same module
+            self.model.compile(backend=cfg.compile)
         self.phases = build_phases(cfg.phases, cfg.epochs)
         if self.world_size > 1:
             self.sampler = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
@@ -152,7 +156,10 @@ class Trainer:
                                       num_workers=cfg.num_workers)
         # the schedule counts the steps actually taken: --limit-train-batches shortens every epoch
         self.steps_per_epoch = min(len(self._train_loader(1)), cfg.limit_train_batches or float('inf'))
-        self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        # given the model, timm exempts 1-d parameters and model.no_weight_decay(); given a plain parameter
+        # list it decays everything (the official CRATE recipe)
+        params = list(self.model.parameters()) if cfg.decay_everything else self.model
+        self.optimizer = create_optimizer_v2(params, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                              momentum=cfg.momentum)
         self.scheduler = None
         if cfg.sched == 'cosine':

@@ -1,0 +1,269 @@
+"""Every bad input a user can give the CLI, in one table: each ends as exactly one line
+`structformer CMD: error: ...` naming the argument, exit status 2, no traceback, and nothing created or
+changed in any folder the command was pointed at."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from structformer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree(folder: Path):
+    """Every path under `folder` (the folder included) with its kind, size and modification time."""
+    if not folder.exists():
+        return None
+    out = {}
+    for path in [folder, *sorted(folder.rglob('*'))]:
+        st = path.lstat()
+        out[str(path.relative_to(folder))] = (path.is_dir(), st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
+
+
+def _write_images(root: Path, truncated=()):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for c in ('a', 'b'):
+        (root / c).mkdir(parents=True)
+        for i in range(5):
+            name = root / c / (f'{i}.jpg' if i % 2 else f'{i}.png')
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(name)
+    for rel in truncated:
+        data = (root / rel).read_bytes()
+        (root / rel).write_bytes(data[:len(data) // 2])
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+    """The inputs of the table, built once: a tiny valid run, broken configs, checkpoints and folders."""
+    base = tmp_path_factory.mktemp('bad_inputs')
+    run = base / 'run'
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0',
+                 '--limit-train-batches', '2', '--output', str(run), '--no-progress']) == 0
+    (base / 'folder').mkdir()
+    (base / 'a_file').write_text('not a folder\n')
+    (base / 'epochs_ten.yaml').write_text('model: crate_digits\nepochs: ten\n')
+    (base / 'typo.yaml').write_text('epoch: 3\n')
+    (base / 'syntax.yaml').write_text('epochs: [3\nlr: 0.1\n')
+    (base / 'list.yaml').write_text('- epochs\n- 3\n')
+    (base / 'binary.yaml').write_bytes(b'\xff\xfe\x00\x81garbage')
+    ckpt = run / 'checkpoints' / 'epoch_0001'
+    shutil.copytree(ckpt, base / 'corrupt')
+    (base / 'corrupt' / 'model.safetensors').write_bytes(b'\x00garbage' * 10)
+    (base / 'foreign').mkdir()
+    (base / 'foreign' / 'pytorch_model.bin').write_bytes(b'\x80\x02}q\x00.')
+    shutil.copytree(ckpt, base / 'mismatch')           # a checkpoint whose recipe no longer fits its weights
+    state = json.loads((base / 'mismatch' / 'state.json').read_text())
+    state['recipe']['kwargs']['num_classes'] = state['model_kwargs']['num_classes'] = 7
+    (base / 'mismatch' / 'state.json').write_text(json.dumps(state))
+    _write_images(base / 'images', truncated=['a/1.jpg'])
+    read_only = base / 'read_only'
+    read_only.mkdir()
+    shutil.copytree(run, read_only / 'run')
+    for path in [read_only, *read_only.rglob('*')]:
+        if path.is_dir():
+            path.chmod(0o555)
+    yield {'base': base, 'run': run, 'ro': read_only, **{p.stem: p for p in base.iterdir()}}
+    for path in [read_only, *read_only.rglob('*')]:
+        if path.is_dir():
+            path.chmod(0o755)
+
+
+@pytest.fixture
+def read_only_folders(files, monkeypatch):
+    """chmod 0555 stops writes for a normal user; root writes anyway, so there the read-only file system is
+    simulated where the CLI looks for it: access(2) answers 'not writable' (as it does, EROFS, on a real
+    read-only mount) for everything under the folder."""
+    ro = files['ro']
+    probe = ro / '.probe'
+    try:
+        probe.write_text('')
+    except OSError:
+        return ro                                   # chmod works: the real thing
+    probe.unlink()
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(os.path.abspath(path)).is_relative_to(ro):
+            return False
+        return real_access(path, mode, *args, **kwargs)
+    monkeypatch.setattr(os, 'access', access)
+    return ro
+
+
+OUT = '{tmp}/out'
+CASES = [
+    # KEY=VALUE flags: an item without '='
+    ('kwargs-no-equals', ['train', '--model-kwargs', 'depth', '--output', OUT], ['--model-kwargs', 'KEY=VALUE']),
+    ('data-kwargs-no-equals', ['train', '--data-kwargs', 'augment', '--output', OUT], ['--data-kwargs']),
+    ('eval-data-kwargs-no-equals', ['eval', '--checkpoint', '{run}', '--data-kwargs', 'augment'], ['--data-kwargs']),
+    ('transform-no-equals', ['train', '--transform', 'sparsify', 'keep', '--output', OUT], ['--transform']),
+    ('reproduce-kwargs-no-equals', ['reproduce', 'soft', '--model-kwargs', 'depth', '--output', OUT],
+     ['--model-kwargs']),
+    # config files
+    ('config-is-folder', ['train', '-c', '{folder}', '--output', OUT], ['-c/--config', 'folder']),
+    ('config-missing', ['train', '-c', '{base}/no_such.yaml', '--output', OUT], ['-c/--config', 'no_such.yaml']),
+    ('config-wrong-type', ['train', '-c', '{epochs_ten}', '--output', OUT], ['-c/--config', 'epochs', "'ten'"]),
+    ('config-unknown-key', ['train', '-c', '{typo}', '--output', OUT], ['-c/--config', "did you mean 'epochs'"]),
+    ('config-yaml-syntax', ['train', '-c', '{syntax}', '--output', OUT], ['-c/--config', 'YAML', 'line']),
+    ('config-not-mapping', ['train', '-c', '{list}', '--output', OUT], ['-c/--config', 'mapping']),
+    ('config-binary', ['train', '-c', '{binary}', '--output', OUT], ['-c/--config', 'not a text file']),
+    # model and data
+    ('unknown-model', ['train', '--model', 'no_such_model', '--output', OUT], ['--model']),
+    ('model-kwargs-unknown', ['train', '--model-kwargs', 'no_such_option=3', '--output', OUT], ['--model-kwargs']),
+    ('unknown-data', ['train', '--data', 'imagenet', '--output', OUT], ['--data', 'imagenet']),
+    ('data-missing-path', ['train', '--data', 'mnist:{base}/nothing', '--output', OUT], ['--data', 'does not exist']),
+    ('data-path-is-file', ['train', '--data', 'mnist:{a_file}', '--output', OUT], ['--data', 'is not a folder']),
+    ('data-kwargs-unknown', ['train', '--data-kwargs', 'colour=red', '--output', OUT], ['--data-kwargs', 'colour']),
+    ('data-kwargs-bad-value', ['train', '--data', 'imagefolder:{images}', '--data-kwargs', 'bad_images=maybe',
+                               '--output', OUT], ['--data-kwargs bad_images', "'skip'"]),
+    ('truncated-image', ['train', '--data', 'imagefolder:{images}', '--data-kwargs', 'img_size=16',
+                         '--output', OUT], ['--data', '1.jpg', 'bad_images=skip']),
+    ('eval-class-mismatch', ['eval', '--checkpoint', '{run}', '--data', 'synthetic-subspaces',
+                             '--data-kwargs', 'num_classes=4'], ['--data', 'classes']),
+    # out-of-range flags
+    ('epochs-zero', ['train', '--epochs', '0', '--output', OUT], ['--epochs']),
+    ('epochs-not-int', ['train', '--epochs', 'ten', '--output', OUT], ['--epochs']),
+    ('lr-negative', ['train', '--lr', '-1', '--output', OUT], ['--lr']),
+    ('smoothing', ['train', '--smoothing', '2', '--output', OUT], ['--smoothing']),
+    ('batch-size-zero', ['train', '-b', '0', '--output', OUT], ['--batch-size']),
+    ('workers-negative', ['train', '--workers', '-1', '--output', OUT], ['--workers']),
+    ('val-fraction', ['train', '--val-fraction', '1.5', '--output', OUT], ['--val-fraction']),
+    ('warmup-too-long', ['train', '--epochs', '2', '--warmup-epochs', '5', '--output', OUT], ['--warmup-epochs']),
+    ('sched-unknown', ['train', '--sched', 'step', '--output', OUT], ['--sched']),
+    ('stop-after-zero', ['train', '--stop-after', '0', '--output', OUT], ['--stop-after']),
+    ('eval-batch-size-zero', ['eval', '--checkpoint', '{run}', '-b', '0'], ['--batch-size']),
+    ('analyze-num-samples', ['analyze', '--checkpoint', '{run}', '--num-samples', '0'], ['--num-samples']),
+    ('analyze-eps', ['analyze', '--checkpoint', '{run}', '--eps', '-1'], ['--eps']),
+    ('analyze-compare-missing', ['analyze', '--checkpoint', '{run}', '--compare', 'epoch:7'], ['--compare']),
+    ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
+    # checkpoints
+    ('checkpoint-missing', ['eval', '--checkpoint', '{base}/no_such_run'], ['--checkpoint', 'no_such_run']),
+    ('checkpoint-corrupt', ['eval', '--checkpoint', '{corrupt}'], ['--checkpoint', 'corrupt']),
+    ('checkpoint-foreign', ['eval', '--checkpoint', '{foreign}'], ['--checkpoint', 'not a structformer']),
+    ('checkpoint-mismatch', ['eval', '--checkpoint', '{mismatch}'], ['--checkpoint', 'do not fit']),
+    ('analyze-checkpoint-missing', ['analyze', '--checkpoint', '{base}/no_such_run'], ['--checkpoint']),
+    # runs and output folders
+    ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),
+    ('output-is-file', ['train', '--output', '{a_file}'], ['--output', 'is a file']),
+    ('resume-nothing', ['train', '--resume', '--output', OUT], ['--resume']),
+    ('resume-changed-lr', ['train', '--resume', '--output', '{run}', '--lr', '0.5'], ['--lr', 'saved 0.001']),
+    ('resume-fewer-epochs', ['train', '--resume', '--output', '{run}', '--epochs', '0'], ['--epochs']),
+    ('resume-changed-by-config', ['train', '--resume', '--output', '{run}', '-c', '{typo}'], ['-c/--config']),
+]
+READ_ONLY_CASES = [
+    ('read-only-new-run', ['train', '--output', '{ro}/new_run'], ['--output', 'not writable']),
+    ('read-only-overwrite', ['train', '--output', '{ro}/run', '--overwrite'], ['--output', 'not writable']),
+    ('read-only-resume', ['train', '--output', '{ro}/run', '--resume', '--epochs', '2'], ['--output', 'not writable']),
+    ('read-only-analyze', ['analyze', '--checkpoint', '{run}', '--output', '{ro}/analysis'],
+     ['--output', 'not writable']),
+]
+
+
+def _check_one_error(argv, needles, files, tmp_path, capsys):
+    paths = {k: str(v) for k, v in files.items()}
+    argv = [a.format(tmp=tmp_path, **paths) for a in argv]
+    if argv[0] == 'train':
+        argv += ['--no-progress'] + ([] if '--resume' in argv else ['--limit-train-batches', '1'])
+    watched = [files['base'], tmp_path]
+    before = [_tree(w) for w in watched]
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:                        # argparse's own errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    command = ' '.join(argv[:2] if argv[0] in ('bench', 'reproduce') else argv[:1])
+    errors = [line for line in err.splitlines() if 'error:' in line]
+    assert rc == 2, (argv, rc, err)
+    assert 'Traceback' not in err
+    assert len(errors) == 1 and errors[0].startswith(f'structformer {command}: error: '), err
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    assert [_tree(w) for w in watched] == before, 'the failed command created or changed files'
+
+
+@pytest.mark.parametrize('argv, needles', [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2(argv, needles, files, tmp_path, capsys):
+    _check_one_error(argv, needles, files, tmp_path, capsys)
+
+
+@pytest.mark.parametrize('argv, needles', [c[1:] for c in READ_ONLY_CASES], ids=[c[0] for c in READ_ONLY_CASES])
+def test_read_only_output_is_refused_before_any_work(argv, needles, files, read_only_folders, tmp_path, capsys):
+    _check_one_error(argv, needles, files, tmp_path, capsys)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root reads a chmod 000 file anyway')
+def test_unreadable_config_file(files, tmp_path, capsys):
+    config = tmp_path / 'secret.yaml'
+    config.write_text('epochs: 3\n')
+    config.chmod(0)
+    try:
+        _check_one_error(['train', '-c', str(config), '--output', OUT], ['-c/--config', 'permission'],
+                         files, tmp_path, capsys)
+    finally:
+        config.chmod(0o644)
+
+
+def test_unreadable_images_can_be_skipped(files, tmp_path, capsys):
+    """bad_images=skip trains without the truncated file and says so, naming it, in the log."""
+    out = tmp_path / 'run'
+    assert main(['train', '--data', f"imagefolder:{files['images']}", '--data-kwargs', 'img_size=16',
+                 'bad_images=skip', '--model', 'crate_digits', '--epochs', '1', '--limit-train-batches', '1',
+                 '--output', str(out), '--no-progress']) == 0
+    log = capsys.readouterr().out
+    assert 'skipped 1 unreadable image(s) of 10' in log and '1.jpg' in log
+    assert (out / 'checkpoints' / 'epoch_0001').is_dir()
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only expected failures become one line: an exception from a bug propagates with its traceback."""
+    import structformer.cli as cli
+    monkeypatch.setattr(cli, 'cmd_models', lambda args: {}['missing key'])
+    with pytest.raises(KeyError):
+        main(['models'])
+    import torch
+    monkeypatch.setattr(cli, 'cmd_models', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
+    with pytest.raises(RuntimeError):
+        main(['models'])
+    monkeypatch.setattr(cli, 'cmd_models', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
+    with pytest.raises(ValueError):
+        main(['models'])
+
+
+@pytest.mark.parametrize('argv, needle', [
+    (['train', '-c', '{folder}'], '-c/--config'),
+    (['train', '--data', 'mnist:{a_file}', '--output', '{tmp}/out'], 'is not a folder'),
+])
+def test_installed_command_exits_2_without_traceback(argv, needle, files, tmp_path):
+    """The real console script, end to end, in a fresh process."""
+    exe = ROOT / '.venv' / 'bin' / 'structformer'
+    command = [str(exe)] if exe.exists() else [sys.executable, '-m', 'structformer']
+    paths = {k: str(v) for k, v in files.items()}
+    proc = subprocess.run(command + [a.format(tmp=tmp_path, **paths) for a in argv], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert 'Traceback' not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('structformer train: error: ') and needle in lines[0]
+    assert not (tmp_path / 'out').exists() and not (tmp_path / 'outputs').exists()
+
+
+def test_imagefolder_checks_both_splits_and_counts_skips(tmp_path):
+    from structformer.data import build_datasets
+    from structformer.errors import UsageError
+    _write_images(tmp_path / 'tv' / 'train')
+    _write_images(tmp_path / 'tv' / 'val', truncated=['b/3.jpg', 'a/0.png'])
+    spec = f"imagefolder:{tmp_path / 'tv'}"
+    with pytest.raises(UsageError, match=r"2 of 10 images cannot be read: .*val/a/0\.png \(.*\); .*val/b/3\.jpg"):
+        build_datasets(spec, img_size=8)
+    train, val, info = build_datasets(spec, img_size=8, bad_images='skip')
+    assert (len(train), len(val), info.extra['skipped_images']) == (10, 8, 2)
+    assert all(val[i][0].shape == (3, 8, 8) for i in range(len(val)))
