@@ -278,13 +278,15 @@ def cmd_models(args) -> int:
     width = max(len(r['name']) for r in rows) if rows else 10
     header = f"{'model':<{width}}  {'params':>12}  input"
     if args.flops:
-        parts = ''.join(f"  {c[:8]:>8}" for c in COMPONENTS + ('other',))
+        columns = COMPONENTS + ('other',)
+        col = max(9, *(len(c) for c in columns))            # whole component names: no truncated headers
+        parts = ''.join(f"  {c:>{col}}" for c in columns)
         header = f"{'model':<{width}}  {'params':>12}  {'input':>10}  {'GMACs':>7}{parts}"
     print(header)
     for r in rows:
         size = 'x'.join(map(str, r['input_size']))
         if args.flops:
-            parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>8.3f}" for c in COMPONENTS + ('other',))
+            parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>{col}.3f}" for c in columns)
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
         else:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")

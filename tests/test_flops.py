@@ -2,7 +2,7 @@
 import pytest
 import structformer  # noqa: F401  (registers the models)
 
-from structformer.bench.flops import model_flops
+from structformer.bench.flops import COMPONENTS, model_flops
 from structformer.cli import main
 
 
@@ -32,9 +32,16 @@ def test_fused_softmax_attention_is_counted():
 
 
 def test_models_cli_prints_macs(capsys):
-    assert main(['models', '--filter', 'softpp_digits', '--flops']) == 0
-    out = capsys.readouterr().out
-    assert 'softpp_digits' in out and 'GMACs' in out and 'attentio' in out
+    assert main(['models', '--filter', 'softpp_tiny_mnist', '--flops']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, row = lines[0].split(), lines[1].split()
+    columns = list(COMPONENTS) + ['other']
+    assert header == ['model', 'params', 'input', 'GMACs'] + columns       # every component named in full
+    expected = model_flops('softpp_tiny_mnist')
+    assert row[0] == 'softpp_tiny_mnist' and row[2] == '1x28x28'
+    assert float(row[3]) == pytest.approx(expected['macs'] / 1e9, abs=5e-4)   # printed with 3 decimals
+    for name, text in zip(columns, row[4:]):
+        assert float(text) == pytest.approx(expected['breakdown_macs'][name] / 1e9, abs=5e-4), name
 
 
 def test_models_cli_rejects_bad_img_size(capsys):
