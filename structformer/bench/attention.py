@@ -13,7 +13,8 @@ peak is the growth of the high-water mark (VmHWM = ru_maxrss) over the baseline 
 building the layer and the input. The high-water mark is reset there first (Linux clear_refs):
 imports and one tiny warm-up run of the same class (so one-time library start-up is not charged
 to the first n) leave it above what a small n reaches, which would read as 0 growth. On
-CUDA it is max_memory_allocated over the same baseline.
+CUDA it is max_memory_allocated over the same baseline. Subprocess, timer, memory readers and
+writers are the shared ones of `harness.py`.
 
 Configurations whose n×n buffers alone would exceed `--max-quadratic-gib` are skipped and marked
 so. Only `softmax_naive` holds n×n buffers: we charge it 4 per head in float32 (logits, their
@@ -28,15 +29,13 @@ smallest n (goal: linear growth, ≤ 1.25 × the token ratio, i.e. ≤ 20 at 16�
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import resource
 import sys
 from typing import List, Optional, Tuple
 
-from ._subprocess import MeasurementFailed, python_json
+from .harness import (MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds, write_json,
+                      write_png)
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak
@@ -138,40 +137,11 @@ def effective_landmarks(layer, grid: Tuple[int, int], landmarks: int) -> int:
     return landmarks
 
 
-def _status_mib(key: str) -> Optional[float]:
-    try:
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) / 1024.0           # kB
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> float:
-    """Baseline MiB for the CPU peak. Resets the high-water mark (Linux: '5' > clear_refs) where allowed,
-    since imports and the tiny warm-up may have raised it above what the measured run will reach;
-    otherwise falls back to ru_maxrss, as bench/models.py does."""
-    try:
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')
-        return _status_mib('VmRSS')
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # Linux reports KiB
-
-
-def _peak_rss_mib() -> float:
-    hwm = _status_mib('VmHWM')
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: int, warmup: int,
                 device: str = 'cpu', threads: int = 0) -> dict:
     """Time, peak memory and FLOPs of one (attention, n); meant to run in its own process."""
     import torch
     from .flops import analytic_core_flops, counted_flops, linear_flops
-    from .timing import median_seconds
     import structformer  # noqa: F401  (registers the attentions)
     if threads:
         torch.set_num_threads(threads)
@@ -186,12 +156,7 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
 
     layer = build_layer(name, dim, heads, landmarks, grid, device)
     x = torch.randn(1, n, dim, device=device, requires_grad=True)
-    if device == 'cuda':
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2 ** 20
-    else:
-        base = _reset_peak_rss()
+    memory = PeakMemory(device)
 
     def fwd_bwd():
         layer(x, grid_size=grid).sum().backward()
@@ -204,10 +169,7 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
 
     layer.train()
     fwd_bwd()                                            # the peak is reached here; later runs reuse it
-    if device == 'cuda':
-        peak = torch.cuda.max_memory_allocated() / 2 ** 20 - base
-    else:
-        peak = _peak_rss_mib() - base
+    peak = memory.growth_mib()
     fwd_bwd_s = median_seconds(fwd_bwd, repeats, max(warmup - 1, 0), device)
     layer.eval()
     fwd_s = median_seconds(fwd, repeats, warmup, device)
@@ -231,11 +193,9 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
 
 
 def _measure_subprocess(name, grid, args) -> dict:
-    call = (f"import json; from structformer.bench.attention import measure_one; "
-            f"print(json.dumps(measure_one({name!r}, {tuple(grid)!r}, {args.dim}, {args.heads}, {args.landmarks}, "
-            f"{args.repeats}, {args.warmup}, {args.device!r}, {args.threads})))")
     try:
-        return python_json(call)
+        return measure_in_subprocess('structformer.bench.attention:measure_one', name, list(grid), args.dim,
+                                     args.heads, args.landmarks, args.repeats, args.warmup, args.device, args.threads)
     except MeasurementFailed as e:
         # e.g. killed for memory: record it and go on, so one failure does not lose the sweep
         return {'error': str(e)}
@@ -295,11 +255,10 @@ def _fmt(v, spec, width):
     return format(v, f'>{width}{spec}') if v is not None else f"{'n/a':>{width}}"
 
 
-def print_report(rows, goals, args) -> None:
-    import torch
+def print_report(rows, goals, args, env: dict) -> None:
+    device = env['cpu'] if env['device'] == 'cpu' else f"{env['device']} (CPU {env['cpu']})"
     print(f"\nbatch 1, dim {args.dim}, {args.heads} heads, m = {args.landmarks}, {args.device}, "
-          f"{rows[0].get('threads', '?') if rows else '?'} threads, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}")
+          f"{rows[0].get('threads', '?') if rows else '?'} threads, {device}, torch {env['torch']}")
     print("FLOPs (forward, G): counted = FlopCounterMode on the whole layer (matmul/conv only, multiply-add = 2); "
           "core = counted − qkv/proj Linear; analytic = closed-form core (softmax: 4n²d per head; "
           "SOFT: §3 complexity, unit constants)")
@@ -337,11 +296,8 @@ def print_report(rows, goals, args) -> None:
         print("  (b) SDPA / SOFT forward time: n/a (needs 'softmax' and 'soft' measured at the largest n)")
 
 
-def plot(rows, path) -> None:
+def plot(rows, plt):
     """Fig. 1b-style: peak memory and forward(+backward) time vs tokens, log-log, one line per attention."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [('peak_mib', 'peak memory, fwd+bwd (MiB)'), ('forward_ms', 'forward time (ms)'),
               ('forward_backward_ms', 'forward+backward time (ms)')]
@@ -362,8 +318,7 @@ def plot(rows, path) -> None:
     axes[1].legend(fontsize=8)                          # time is measured in every mode
     fig.suptitle('attention cost vs tokens (cf. SOFT Fig. 1b)')
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def profile_forward(name, grid, args, top: int = 15) -> str:
@@ -390,20 +345,20 @@ def run_attention_bench(args) -> int:
         torch.set_num_threads(args.threads)
     rows = run_sweep(args)
     goals = goal_ratios(rows, args.attn)
-    print_report(rows, goals, args)
+    env = environment(args.device)
+    print_report(rows, goals, args, env)
     if args.profile:
         target = next((a for a in args.attn if a in ('soft', 'softpp')), args.attn[0])
         grid = grid_for(args.base_tokens, max(args.multipliers))
         print(f"\nprofile: {target} forward at {grid[0] * grid[1]} tokens ({args.repeats} runs)")
         print(profile_forward(target, grid, args))
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
-        with open(args.output, 'w') as f:
-            json.dump({'settings': settings, 'torch': torch.__version__, 'goals': goals, 'rows': rows}, f, indent=1)
+        write_json(args.output, {'settings': settings, 'torch': env['torch'], 'environment': env, 'goals': goals,
+                                 'rows': rows})
         png = os.path.splitext(args.output)[0] + '.png'
-        plot(rows, png)
-        print(f"\nwrote {args.output} and {png}")
+        drawn = write_png(png, lambda plt: plot(rows, plt))
+        print(f"\nwrote {args.output}" + (f" and {png}" if drawn else ''))
     return 1 if any('error' in r for r in rows) else 0
 
 

@@ -1,21 +1,16 @@
 """`structformer bench models`: CRATE-T against timm's ViT-T at the same input size.
 
-Each model is measured in its own subprocess, so peak resident memory (ru_maxrss) of one does not
-hide the other's. Reported: training images/s (forward + backward + AdamW step), inference
-images/s (eval, no_grad) and the growth of peak memory over the model-and-batch baseline during
-training, with ratios to ViT-T computed from numbers taken in this one run.
+Each model is measured in its own subprocess, so the peak resident memory of one does not hide the
+other's. Reported: training images/s (forward + backward + AdamW step), inference images/s (eval,
+no_grad), each the median step after 2 warm-up steps, and the growth of peak memory over the
+model-and-batch baseline during training, with ratios to ViT-T computed from numbers taken in this
+one run. Subprocess, timer, memory reader and writers are the shared ones of `harness.py`.
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
-import resource
 import sys
-import time
 
-
-from ._subprocess import MeasurementFailed, python_json
+from .harness import MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds, write_json
 
 CANDIDATES = [
     # (label, model name, model kwargs)
@@ -36,10 +31,6 @@ def add_model_bench_arguments(p):
     p.add_argument('--output', default=None, help='write the results as JSON here')
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # Linux reports KiB
-
-
 def measure_one(name, kwargs, batch_size, img_size, steps, threads=0) -> dict:
     import torch
     import timm
@@ -52,7 +43,7 @@ def measure_one(name, kwargs, batch_size, img_size, steps, threads=0) -> dict:
     images = torch.randn(batch_size, 3, img_size, img_size)
     targets = torch.randint(0, 1000, (batch_size,))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    baseline = _maxrss_mib()
+    memory = PeakMemory('cpu')
 
     def train_step():
         loss = torch.nn.functional.cross_entropy(model(images), targets)
@@ -61,32 +52,20 @@ def measure_one(name, kwargs, batch_size, img_size, steps, threads=0) -> dict:
         optimizer.step()
 
     model.train()
-    for _ in range(2):
-        train_step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step()
-    train_s = (time.perf_counter() - start) / steps
-    peak = _maxrss_mib()
+    train_s = median_seconds(train_step, steps, 2, 'cpu')
+    peak = memory.growth_mib()
     model.eval()
     with torch.no_grad():
-        for _ in range(2):
-            model(images)
-        start = time.perf_counter()
-        for _ in range(steps):
-            model(images)
-        infer_s = (time.perf_counter() - start) / steps
+        infer_s = median_seconds(lambda: model(images), steps, 2, 'cpu')
     return {'model': name, 'kwargs': kwargs, 'params': sum(p.numel() for p in model.parameters()),
             'train_img_per_s': batch_size / train_s, 'infer_img_per_s': batch_size / infer_s,
-            'train_peak_mib_over_baseline': peak - baseline, 'threads': torch.get_num_threads()}
+            'train_peak_mib_over_baseline': peak, 'threads': torch.get_num_threads()}
 
 
 def _measure_in_subprocess(name, kwargs, args) -> dict:
-    call = (f"import json; from structformer.bench.models import measure_one; "
-            f"print(json.dumps(measure_one({name!r}, {kwargs!r}, {args.batch_size}, {args.img_size}, "
-            f"{args.steps}, {args.threads})))")
     try:
-        return python_json(call)
+        return measure_in_subprocess('structformer.bench.models:measure_one', name, kwargs, args.batch_size,
+                                     args.img_size, args.steps, args.threads)
     except MeasurementFailed as e:
         raise RuntimeError(f"measuring {name} {kwargs} failed: {e}") from None
 
@@ -96,6 +75,8 @@ def run_model_bench(args) -> int:
     for flag in ('batch_size', 'img_size', 'steps', 'rounds'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)              # so the environment record names the threads used
     best = {}
     for round_index in range(args.rounds):
         for label, name, kwargs in CANDIDATES:
@@ -110,8 +91,9 @@ def run_model_bench(args) -> int:
             print(f"round {round_index + 1}/{args.rounds}: measured {label}", file=sys.stderr, flush=True)
     rows = [best[label] for label, _, _ in CANDIDATES]
     ref = rows[0]
+    env = environment('cpu')
     print(f"\nbatch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
+          f"{env['cpu']}, torch {env['torch']}")
     print(f"{'model':<24} {'params':>8} {'train img/s':>12} {'ratio':>6} {'infer img/s':>12} {'ratio':>6} "
           f"{'train peak MiB':>15} {'ratio':>6}")
     for r in rows:
@@ -122,7 +104,6 @@ def run_model_bench(args) -> int:
               f"{r['infer_img_per_s']:>12.2f} {r['infer_ratio']:>6.2f} {r['train_peak_mib_over_baseline']:>15.0f} "
               f"{r['memory_ratio']:>6.2f}")
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, 'w') as f:
-            json.dump({'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows}, f, indent=1)
+        write_json(args.output, {'batch_size': args.batch_size, 'img_size': args.img_size, 'environment': env,
+                                 'rows': rows})
     return 0

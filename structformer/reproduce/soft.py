@@ -13,7 +13,7 @@ a machine busy during the long training phase does not skew them; the engine's o
 Memory: Table 2 reports training memory. Here `act_mem_mb` is the bytes of tensors autograd saves
 for backward in one training forward (the part of training memory that depends on the attention),
 measured the same way on CPU and GPU; on CUDA `cuda_peak_mb` (max allocated during forward+backward)
-is added.
+is added. Timer, memory readers, environment record and writers are those of `bench/harness.py`.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
+from ..bench.harness import PeakMemory, environment, median_seconds, saved_tensor_bytes, write_json, write_text
 from ..cli import ParseKwargs
 
 if TYPE_CHECKING:
@@ -72,31 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '(e.g. on a quiet machine) and rewrite the report')
 
 
-def _activation_bytes(model: torch.nn.Module, images: torch.Tensor) -> int:
-    """Bytes of the distinct tensors autograd saves for backward in one training forward."""
-    import torch
-    seen: Dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        try:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            pass                                           # e.g. tensors without storage
-        return t
-
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(images).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return sum(seen.values())
-
-
 def _train_step_seconds(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, lr: float,
                         weight_decay: float, repeats: int) -> float:
     """Median seconds of forward + backward + AdamW step on a copy of `model` (freed on return)."""
     import torch
-    from ..bench.timing import median_seconds
     student = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
 
@@ -113,21 +93,19 @@ def measure(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor,
             weight_decay: float = 0.05, repeats: int = 5) -> Dict[str, float]:
     """On one batch: inference img/s (eval, no_grad), training img/s (forward, backward and an AdamW step
     of a copy of the model, so `model` is unchanged) and training memory. Each speed is the median of
-    `repeats` timed calls after one warm-up (`bench.timing.median_seconds`); the data loader is left
+    `repeats` timed calls after one warm-up (`bench.harness.median_seconds`); the data loader is left
     out, so rows differ only by the model."""
     import torch
-    from ..bench.timing import median_seconds
     out: Dict[str, float] = {}
     batch = images.shape[0]
     model.eval()
     with torch.no_grad():
         out['infer_img_per_s'] = batch / median_seconds(lambda: model(images), repeats, 1, images.device)
     out['train_img_per_s'] = batch / _train_step_seconds(model, images, targets, lr, weight_decay, repeats)
-    if images.is_cuda:
-        torch.cuda.reset_peak_memory_stats()
-    out['act_mem_mb'] = _activation_bytes(model, images) / 2 ** 20
-    if images.is_cuda:
-        out['cuda_peak_mb'] = torch.cuda.max_memory_allocated() / 2 ** 20
+    cuda_memory = PeakMemory(images.device) if images.is_cuda else None
+    out['act_mem_mb'] = saved_tensor_bytes(model, images) / 2 ** 20
+    if cuda_memory is not None:
+        out['cuda_peak_mb'] = cuda_memory.peak_mib()
     model.eval()
     return out
 
@@ -197,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"{attn:>10}: top-1 {row['val_top1']:.2f}%  train {row['train_img_per_s']:.0f} img/s  "
               f"infer {row['infer_img_per_s']:.0f} img/s  act. mem {row['act_mem_mb']:.1f} MB", flush=True)
-    (output / 'results.json').write_text(json.dumps({'recipe': recipe_shown, 'data': info.description,
-                                                      'rows': rows}, indent=1, default=str))
-    (output / 'report.md').write_text(_report(rows, recipe_shown, info.description))
+    write_json(output / 'results.json', {'recipe': recipe_shown, 'data': info.description,
+                                         'environment': environment(device), 'rows': rows}, default=str)
+    write_text(output / 'report.md', _report(rows, recipe_shown, info.description))
     print(f"wrote {output / 'results.json'} and {output / 'report.md'}")
     return 0

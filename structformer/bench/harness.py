@@ -1,0 +1,305 @@
+"""The bench harness every benchmark and reproduction shares, so a sweep file holds only its sweep.
+
+- `measure_in_subprocess` / `python_json`: run one measurement in a fresh Python, read its JSON back.
+- `median_seconds`: the timer (warm-up, median, CUDA-synchronised).
+- `PeakMemory`, `peak_rss_mib`, `reset_peak_rss`, `saved_tensor_bytes`: memory readers.
+- `environment`: the machine and library versions a number was measured with.
+- `write_json`, `write_text`, `write_png`: outputs written atomically (a temporary file in the same
+  folder, then `os.replace`), so an interrupted or failed write never leaves half a file behind.
+
+Only the standard library is imported here: `structformer --help` builds the bench and reproduce
+parsers, which import this module, and must not pay for torch, numpy or matplotlib.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+MIB = 2 ** 20
+
+
+# ---- a measurement in its own process --------------------------------------------------------------
+
+class MeasurementFailed(RuntimeError):
+    """A measurement subprocess exited non-zero (or printed no JSON); the message ends with its stderr."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:                                   # killed by a signal; SIGKILL is usually the OOM killer
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f'signal {-returncode}'
+        return f"was killed by {name}" + (' (out of memory?)' if name == 'SIGKILL' else '')
+    return f"exited with status {returncode}"
+
+
+def python_json(code: str) -> Any:
+    """Run `code` in a fresh interpreter (this one's executable) and return the JSON of its last stdout line.
+
+    A fresh process because peak memory is a per-process high-water mark: two configurations measured
+    in one process would hide each other, and would share allocator caches and warmed-up libraries.
+    """
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=False)
+    # the stderr tail goes last, so its last line (usually the exception) is the message's last line
+    tail = out.stderr.strip()[-1500:]
+    if out.returncode:
+        raise MeasurementFailed(f"measurement subprocess {_exit_reason(out.returncode)}: {tail}", out.returncode)
+    lines = out.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        last = repr(lines[-1][:200]) if lines else 'nothing'
+        raise MeasurementFailed(f"measurement subprocess printed no JSON result (last stdout line: {last}): {tail}",
+                                out.returncode) from None
+
+
+def measure_in_subprocess(target: str, *args, **kwargs) -> Any:
+    """`module:function(*args, **kwargs)` called in a fresh interpreter; returns what it returns.
+
+    Arguments and the result travel as JSON (tuples arrive as lists), so the function must take and
+    return JSON values. Raises MeasurementFailed, naming the exit status or signal and ending with
+    the child's stderr, when the call fails.
+    """
+    module, _, function = target.partition(':')
+    if not module or not function:
+        raise ValueError(f"target must be 'module:function', got {target!r}")
+    payload = json.dumps([args, kwargs])
+    code = (f"import importlib, json\n"
+            f"args, kwargs = json.loads({payload!r})\n"
+            f"result = getattr(importlib.import_module({module!r}), {function!r})(*args, **kwargs)\n"
+            f"print('\\n' + json.dumps(result), flush=True)")   # own line, whatever the call printed
+    return python_json(code)
+
+
+# ---- timer ------------------------------------------------------------------------------------------
+
+def _on_cuda(device) -> bool:
+    # str() of a torch.device is 'cuda' / 'cuda:1', so this needs no torch import on CPU
+    return str(device).startswith('cuda')
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device='cpu') -> float:
+    """Median seconds per call of `fn` over `repeats` timed calls, after `warmup` untimed ones.
+
+    `device` ('cpu' / 'cuda' or a torch.device): on CUDA each call is bracketed by a synchronise, so
+    the time is the kernels' and not the launch's. The median, not the mean, because one call hit by
+    another process on a shared machine should not move the figure.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if _on_cuda(device):
+        import torch
+        sync = torch.cuda.synchronize
+    else:
+        sync = lambda: None                               # noqa: E731
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---- memory -----------------------------------------------------------------------------------------
+
+def _status_mib(key: str) -> Optional[float]:
+    """A kB field of /proc/self/status (Linux) in MiB, or None where there is no such file or field."""
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def _maxrss_mib() -> float:
+    # ru_maxrss is KiB on Linux but bytes on macOS
+    scale = 1024.0 * 1024.0 if sys.platform == 'darwin' else 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (MiB): VmHWM, which `reset_peak_rss` can lower, else ru_maxrss."""
+    hwm = _status_mib('VmHWM')
+    return hwm if hwm is not None else _maxrss_mib()
+
+
+def reset_peak_rss() -> float:
+    """Reset the peak-RSS mark where the kernel allows it and return the baseline (MiB) to subtract.
+
+    Imports and warm-up runs leave the high-water mark above what a small measured run reaches, which
+    would read as zero growth; Linux lowers VmHWM to the current RSS on '5' > /proc/self/clear_refs, and
+    the baseline is then the current RSS. Where that is refused, the mark cannot move, so the baseline
+    is the peak so far and the reading is the growth beyond it (a lower bound).
+    """
+    try:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        rss = _status_mib('VmRSS')
+        if rss is not None:
+            return rss
+    except OSError:
+        pass
+    return peak_rss_mib()
+
+
+class PeakMemory:
+    """Peak memory from construction on: process RSS on CPU, `max_memory_allocated` on CUDA.
+
+    >>> memory = PeakMemory(device)        # resets the peak and takes the baseline
+    >>> run()
+    >>> memory.growth_mib()                # peak during run() minus the baseline
+    """
+
+    def __init__(self, device='cpu'):
+        self.on_cuda = _on_cuda(device)
+        if self.on_cuda:
+            import torch
+            torch.cuda.synchronize()                      # let queued frees land before the baseline
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline_mib = torch.cuda.memory_allocated() / MIB
+        else:
+            self.baseline_mib = reset_peak_rss()
+
+    def peak_mib(self) -> float:
+        """The peak itself (MiB), baseline included."""
+        if self.on_cuda:
+            import torch
+            return torch.cuda.max_memory_allocated() / MIB
+        return peak_rss_mib()
+
+    def growth_mib(self) -> float:
+        return self.peak_mib() - self.baseline_mib
+
+
+def saved_tensor_bytes(model: torch.nn.Module, inputs: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one training forward of `model`.
+
+    The part of training memory that depends on the layers (not on the allocator or the device), so
+    it reads the same on CPU and GPU. Storages are counted once however many views of them are saved.
+    """
+    import torch
+    seen = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass                                           # e.g. tensors without storage
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(inputs).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+# ---- where a number was measured --------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's marketing name ('model name' in /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device='cpu') -> dict:
+    """The record printed and saved beside every measurement: versions, threads, CPU, platform, device."""
+    import torch
+    on_cuda = _on_cuda(device) and torch.cuda.is_available()
+    return {'torch': torch.__version__, 'python': platform.python_version(), 'threads': torch.get_num_threads(),
+            'cpu': cpu_model(), 'platform': platform.platform(),
+            'device': torch.cuda.get_device_name(torch.device(device)) if on_cuda else 'cpu',
+            'cuda': torch.version.cuda if on_cuda else None}
+
+
+# ---- atomic writers ---------------------------------------------------------------------------------
+
+def _write_atomically(path, write: Callable[[Any], None], binary: bool = False) -> str:
+    """Call `write(file)` on a temporary file beside `path`, then move it over `path` in one rename.
+
+    Same folder, so `os.replace` is a rename within one file system (atomic on POSIX); readers see the
+    old file or the whole new one. The temporary file is removed if anything fails.
+    """
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
+    try:
+        with os.fdopen(fd, 'wb' if binary else 'w') as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)                                # mkstemp makes 0600; outputs follow the umask
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path, text: str) -> str:
+    """Write `text` to `path` atomically (parent folders created); returns the absolute path."""
+    return _write_atomically(path, lambda f: f.write(text))
+
+
+def write_json(path, obj, indent: int = 1, **dump_kwargs) -> str:
+    """Write `obj` as JSON atomically. Serialised before the file is opened, so an object that cannot
+    be serialised raises with the old file untouched."""
+    text = json.dumps(obj, indent=indent, **dump_kwargs)
+    return write_text(path, text)
+
+
+def write_png(path, draw: Callable[[Any], Any], dpi: int = 110) -> bool:
+    """Draw with `draw(pyplot) -> figure` and save it as a PNG atomically; returns whether it was written.
+
+    matplotlib is optional: without it the plot is skipped with a note on stderr, and the numbers
+    (written separately as JSON) are not lost. The Agg backend draws without a display.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"note: matplotlib is not installed, so {path} was not drawn (pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig = draw(plt)
+    try:
+        _write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=dpi), binary=True)
+    finally:
+        plt.close(fig)
+    return True
