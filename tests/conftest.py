@@ -11,8 +11,13 @@ SHARED_MNIST = Path(__file__).resolve().parents[1].parent / 'shared' / 'data' / 
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_threads():
+    """Every test starts seeded, and a test that sets torch's thread count (benchmarks do) does not
+    change the reduction order, hence the rounding, of the tests after it."""
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

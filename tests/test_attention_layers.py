@@ -12,7 +12,7 @@ from structformer.layers.attention.linformer import (LinformerAttention, linform
 from structformer.layers.attention.nystrom import NystromAttention, nystrom_attention, nystrom_attention_reference
 from structformer.layers.attention.performer import (PerformerAttention, orthogonal_random_features,
                                                      performer_attention, performer_attention_reference)
-from structformer.layers.attention.registry import get_attention
+from structformer.layers.attention.registry import get_attention, select_options
 from structformer.layers.attention.soft import (SoftAttention, SoftPlusPlusAttention, exact_gaussian_attention,
                                                 soft_attention, soft_attention_reference)
 from structformer.layers.attention.softmax import (NaiveSoftmaxAttention, SoftmaxAttention,
@@ -320,12 +320,9 @@ def test_nystrom_matches_reference_and_is_exact_with_all_landmarks():
 # ---------------------------------------------------------------- timm drop-in
 
 def _small(cls):
-    """The same class with settings that fit a 4×4 grid + cls token (17 tokens)."""
-    extra = {'num_landmarks': 4}
-    if cls in (SoftAttention, SoftPlusPlusAttention):
-        extra['sampling_ratio'] = 2
-    if cls is PerformerAttention:
-        extra = {'num_features': 32}
+    """The same class with settings that fit a 4×4 grid + cls token (17 tokens); each class takes the
+    ones it accepts (an option it does not take is a TypeError)."""
+    extra = select_options(cls, {'num_landmarks': 4, 'sampling_ratio': 2, 'num_features': 32})
 
     class Small(cls):
         def __init__(self, *args, **kwargs):

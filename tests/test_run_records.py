@@ -27,7 +27,9 @@ def _config(output, **overrides):
 
 def _train_in_subprocess(output, kill_at, overwrite=False):
     """Train TINY in a fresh process that the test hook ends (os._exit, as kill -9) at `kill_at`."""
-    code = ('import json, sys; from structformer.train import TrainConfig, train; '
+    # the parent's thread count: the resumed half runs in this process and must round the same way
+    code = ('import json, sys, torch; from structformer.train import TrainConfig, train; '
+            f'torch.set_num_threads({torch.get_num_threads()}); '
             'train(TrainConfig(**json.loads(sys.argv[1])), progress=False, overwrite=sys.argv[2] == "1")')
     env = dict(os.environ, STRUCTFORMER_TEST_KILL_AT=kill_at)
     done = subprocess.run([sys.executable, '-c', code, json.dumps(dict(TINY, output=str(output))), str(int(overwrite))],

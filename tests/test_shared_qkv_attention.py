@@ -51,3 +51,37 @@ def test_float32_error_is_that_of_plain_float32_attention():
 def test_rejects_a_tensor_without_batch_dimension():
     with pytest.raises(ValueError, match=r'w must be \[..., N, p\]'):
         shared_qkv_attention(torch.randn(5, 4), 1.0)
+
+
+def test_crate_trains_the_same_through_either_ssa_implementation():
+    """CRATE with ssa_impl='shared' and 'sdpa': the same function, so the same loss and gradients."""
+    import timm
+    torch.manual_seed(3)
+    x, y = torch.randn(4, 1, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    grads = {}
+    for impl in ('shared', 'sdpa'):
+        torch.manual_seed(0)
+        model = timm.create_model('crate_digits', ssa_impl=impl).double().train()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grads[impl] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads['shared'][0], grads['sdpa'][0], rtol=1e-12, atol=0)
+    for name, g in grads['shared'][1].items():
+        torch.testing.assert_close(g, grads['sdpa'][1][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_mssa_picks_the_shared_backward_only_where_it_applies(monkeypatch):
+    from structformer.layers.attention import mssa
+    calls = []
+    monkeypatch.setattr(mssa, 'shared_qkv_attention', lambda w, s: calls.append(1) or shared_qkv_attention(w, s))
+    layer = mssa.MSSA(16, num_heads=2)
+    x = torch.randn(2, 5, 16)
+    layer(x).sum().backward()
+    assert calls == [1]                                    # auto on a CPU, with a backward to come
+    with torch.no_grad():
+        layer(x)
+    layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool)).sum().backward()
+    mssa.MSSA(16, num_heads=2, ssa_impl='sdpa')(x).sum().backward()
+    assert calls == [1]                                    # no grad, a mask, or 'sdpa': SDPA
+    with pytest.raises(ValueError, match="ssa_impl='flash'"):
+        mssa.MSSA(16, num_heads=2, ssa_impl='flash')

@@ -70,6 +70,9 @@ def add_attention_bench_arguments(p):
     p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--in-process', action='store_true',
                    help='measure in this process (fast; peaks then share one allocator, so less clean)')
+    p.add_argument('--compile', action='store_true',
+                   help='also time each layer under torch.compile (inductor), printed beside eager; compiling '
+                        'costs seconds per configuration, reported as "compile s"')
     p.add_argument('--profile', action='store_true',
                    help='after the sweep, torch.profiler breakdown of the SOFT forward at the largest n')
     p.add_argument('--output', default=None, help='write JSON here (e.g. DIR/attention.json) and a PNG beside it')
@@ -120,12 +123,13 @@ def quadratic_gib(name: str, tokens: int, heads: int, batch: int = 1) -> float:
 
 def build_layer(name: str, dim: int, heads: int, landmarks: int, grid: Tuple[int, int], device='cpu'):
     """The attention under test, with its n- or grid-dependent parameters fixed at construction."""
-    from ..layers.attention import get_attention
+    from ..layers.attention import get_attention, select_options
     n = grid[0] * grid[1]
-    kwargs = {'num_landmarks': landmarks, 'grid_size': grid, 'seq_len': n}   # each class ignores what it lacks
-    if name == 'performer':
-        kwargs['num_features'] = landmarks                 # m random features, like the other linear ones
-    return get_attention(name)(dim, num_heads=heads, device=device, **kwargs)
+    cls = get_attention(name)
+    # m landmarks / projected length / random features, and the grid: each class takes what it accepts
+    kwargs = select_options(cls, {'num_landmarks': landmarks, 'grid_size': grid, 'seq_len': n,
+                                  'num_features': landmarks})
+    return cls(dim, num_heads=heads, device=device, **kwargs)
 
 
 def effective_landmarks(layer, grid: Tuple[int, int], landmarks: int) -> int:
@@ -137,8 +141,26 @@ def effective_landmarks(layer, grid: Tuple[int, int], landmarks: int) -> int:
     return landmarks
 
 
+def _compiled_times(layer, fwd_bwd_of, fwd_of, repeats: int, warmup: int, device: str) -> dict:
+    """Forward and forward+backward times of `torch.compile(layer)`, and the time of its first call."""
+    import time
+
+    import torch
+    compiled = torch.compile(layer)
+    layer.train()
+    start = time.perf_counter()
+    fwd_bwd_of(compiled)()                                  # compiles the training graph
+    compile_s = time.perf_counter() - start
+    fwd_bwd_s = median_seconds(fwd_bwd_of(compiled), repeats, max(warmup - 1, 0), device)
+    layer.eval()
+    fwd_of(compiled)()                                      # eval + no_grad: a graph of its own
+    fwd_s = median_seconds(fwd_of(compiled), repeats, warmup, device)
+    return {'forward_ms_compiled': fwd_s * 1e3, 'forward_backward_ms_compiled': fwd_bwd_s * 1e3,
+            'compile_s': compile_s}
+
+
 def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: int, warmup: int,
-                device: str = 'cpu', threads: int = 0) -> dict:
+                device: str = 'cpu', threads: int = 0, compiled: bool = False) -> dict:
     """Time, peak memory and FLOPs of one (attention, n); meant to run in its own process."""
     import torch
     from .flops import analytic_core_flops, counted_flops, linear_flops
@@ -158,14 +180,20 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
     x = torch.randn(1, n, dim, device=device, requires_grad=True)
     memory = PeakMemory(device)
 
-    def fwd_bwd():
-        layer(x, grid_size=grid).sum().backward()
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
+    def fwd_bwd_of(module):
+        def run():
+            module(x, grid_size=grid).sum().backward()
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+        return run
 
-    def fwd():
-        with torch.no_grad():
-            layer(x, grid_size=grid)
+    def fwd_of(module):
+        def run():
+            with torch.no_grad():
+                module(x, grid_size=grid)
+        return run
+
+    fwd_bwd, fwd = fwd_bwd_of(layer), fwd_of(layer)
 
     layer.train()
     fwd_bwd()                                            # the peak is reached here; later runs reuse it
@@ -173,6 +201,7 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
     fwd_bwd_s = median_seconds(fwd_bwd, repeats, max(warmup - 1, 0), device)
     layer.eval()
     fwd_s = median_seconds(fwd, repeats, warmup, device)
+    compiled_row = _compiled_times(layer, fwd_bwd_of, fwd_of, repeats, warmup, device) if compiled else {}
 
     m_eff = effective_landmarks(layer, grid, landmarks)
     flops_fwd = counted_flops(layer, x, grid)
@@ -189,13 +218,14 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
             'flops_analytic_core_forward': analytic['flops'] if analytic else None,
             'flops_analytic_formula': analytic['formula'] if analytic else None,
             'flops_counter_missed': bool(analytic and flops_fwd - linear < 0.5 * analytic['flops']),
-            'threads': torch.get_num_threads(), 'skipped': False}
+            'threads': torch.get_num_threads(), 'skipped': False, **compiled_row}
 
 
 def _measure_subprocess(name, grid, args) -> dict:
     try:
         return measure_in_subprocess('structformer.bench.attention:measure_one', name, list(grid), args.dim,
-                                     args.heads, args.landmarks, args.repeats, args.warmup, args.device, args.threads)
+                                     args.heads, args.landmarks, args.repeats, args.warmup, args.device, args.threads,
+                                     args.compile)
     except MeasurementFailed as e:
         # e.g. killed for memory: record it and go on, so one failure does not lose the sweep
         return {'error': str(e)}
@@ -214,7 +244,7 @@ def run_sweep(args) -> List[dict]:
                            reason=f"n×n buffers need {need:.1f} GiB > --max-quadratic-gib {args.max_quadratic_gib}")
             elif args.in_process:
                 row = {**base, **measure_one(name, grid, args.dim, args.heads, args.landmarks, args.repeats,
-                                             args.warmup, args.device, args.threads)}
+                                             args.warmup, args.device, args.threads, args.compile)}
             else:
                 row = {**base, 'skipped': False, **_measure_subprocess(name, grid, args)}
             rows.append(row)
@@ -262,8 +292,12 @@ def print_report(rows, goals, args, env: dict) -> None:
     print("FLOPs (forward, G): counted = FlopCounterMode on the whole layer (matmul/conv only, multiply-add = 2); "
           "core = counted − qkv/proj Linear; analytic = closed-form core (softmax: 4n²d per head; "
           "SOFT: §3 complexity, unit constants)")
+    compiled = any('forward_ms_compiled' in r for r in rows)
+    if compiled:
+        print("(c): the same layer under torch.compile (inductor), timed after its first, compiling call")
     print(f"{'attention':<14} {'n':>6} {'grid':>8} {'m':>3} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9} "
-          f"{'counted':>8} {'core':>8} {'analytic':>9}")
+          f"{'counted':>8} {'core':>8} {'analytic':>9}"
+          + (f" {'fwd ms (c)':>11} {'f+b ms (c)':>11} {'compile s':>9}" if compiled else ''))
     for r in rows:
         head = f"{r['attention']:<14} {r['tokens']:>6} {'×'.join(map(str, r['grid'])):>8}"
         if r.get('skipped'):
@@ -277,7 +311,9 @@ def print_report(rows, goals, args, env: dict) -> None:
               f"{r['forward_ms']:>9.2f} {r['forward_backward_ms']:>11.2f} {_fmt(r['peak_mib'], '.1f', 9)} "
               f"{r['flops_counted_forward'] / g:>8.3f} {r['flops_counted_core_forward'] / g:>7.3f}"
               f"{'*' if r.get('flops_counter_missed') else ' '} "
-              f"{_fmt(r['flops_analytic_core_forward'] and r['flops_analytic_core_forward'] / g, '.3f', 9)}")
+              f"{_fmt(r['flops_analytic_core_forward'] and r['flops_analytic_core_forward'] / g, '.3f', 9)}"
+              + (f" {r['forward_ms_compiled']:>11.2f} {r['forward_backward_ms_compiled']:>11.2f} {r['compile_s']:>9.1f}"
+                 if compiled else ''))
     if any(r.get('flops_counter_missed') for r in rows):
         print("* counted core < half the analytic count: FlopCounterMode has no formula for an op here "
               "(on CPU, SDPA's fused flash kernel), so 'counted' misses it; trust 'analytic' for that row")

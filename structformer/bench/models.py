@@ -13,11 +13,13 @@ import sys
 from .harness import MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds, write_json
 
 CANDIDATES = [
-    # (label, model name, model kwargs)
-    ('ViT-T (timm)', 'vit_tiny_patch16_224', {}),
-    ('CRATE-T fused ISTA', 'crate_tiny_patch16_224', {}),
-    ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}),
+    # (label, model name, model kwargs, also measured compiled by default)
+    ('ViT-T (timm)', 'vit_tiny_patch16_224', {}, True),
+    ('CRATE-T', 'crate_tiny_patch16_224', {}, True),
+    ('CRATE-T SDPA backward', 'crate_tiny_patch16_224', {'ssa_impl': 'sdpa'}, False),
+    ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}, False),
 ]
+MODES = ('eager', 'compiled')
 
 
 def add_model_bench_arguments(p):
@@ -28,10 +30,16 @@ def add_model_bench_arguments(p):
                    help='measure every model this many times, interleaved, and keep each one\'s best '
                         '(so a burst of load on a shared machine does not decide the ratio)')
     p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
+    p.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES,
+                   help='eager, and/or torch.compile (inductor; the 2 warm-up steps include compiling, '
+                        'whose time is reported apart). Compiled rows: ViT-T and CRATE-T, or all with --compile-all')
+    p.add_argument('--compile-all', action='store_true', help='measure every candidate compiled too')
     p.add_argument('--output', default=None, help='write the results as JSON here')
 
 
-def measure_one(name, kwargs, batch_size, img_size, steps, threads=0) -> dict:
+def measure_one(name, kwargs, batch_size, img_size, steps, threads=0, compiled=False) -> dict:
+    import time
+
     import torch
     import timm
 
@@ -52,22 +60,42 @@ def measure_one(name, kwargs, batch_size, img_size, steps, threads=0) -> dict:
         optimizer.step()
 
     model.train()
+    compile_s = None
+    if compiled:
+        model.compile()
+        start = time.perf_counter()
+        train_step()                                  # compiles the training graphs, then one more warm-up
+        compile_s = time.perf_counter() - start
     train_s = median_seconds(train_step, steps, 2, 'cpu')
     peak = memory.growth_mib()
     model.eval()
     with torch.no_grad():
+        if compiled:
+            model(images)                             # eval mode and no_grad compile graphs of their own
         infer_s = median_seconds(lambda: model(images), steps, 2, 'cpu')
     return {'model': name, 'kwargs': kwargs, 'params': sum(p.numel() for p in model.parameters()),
+            'mode': 'compiled' if compiled else 'eager', 'first_compiled_step_s': compile_s,
             'train_img_per_s': batch_size / train_s, 'infer_img_per_s': batch_size / infer_s,
             'train_peak_mib_over_baseline': peak, 'threads': torch.get_num_threads()}
 
 
-def _measure_in_subprocess(name, kwargs, args) -> dict:
+def _measure_in_subprocess(name, kwargs, args, compiled) -> dict:
     try:
         return measure_in_subprocess('structformer.bench.models:measure_one', name, kwargs, args.batch_size,
-                                     args.img_size, args.steps, args.threads)
+                                     args.img_size, args.steps, args.threads, compiled)
     except MeasurementFailed as e:
-        raise RuntimeError(f"measuring {name} {kwargs} failed: {e}") from None
+        raise RuntimeError(f"measuring {name} {kwargs} ({'compiled' if compiled else 'eager'}) failed: {e}") from None
+
+
+def _plan(args):
+    """(label, model, kwargs, compiled) in the order measured and printed: eager rows, then compiled."""
+    plan = []
+    for mode in MODES:
+        if mode in args.modes:
+            plan += [(label if mode == 'eager' else f'{label}, compiled', name, kwargs, mode == 'compiled')
+                     for label, name, kwargs, by_default in CANDIDATES
+                     if mode == 'eager' or by_default or args.compile_all]
+    return plan
 
 
 def run_model_bench(args) -> int:
@@ -78,9 +106,10 @@ def run_model_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)              # so the environment record names the threads used
     best = {}
+    plan = _plan(args)
     for round_index in range(args.rounds):
-        for label, name, kwargs in CANDIDATES:
-            row = _measure_in_subprocess(name, kwargs, args)
+        for label, name, kwargs, compiled in plan:
+            row = _measure_in_subprocess(name, kwargs, args, compiled)
             row['label'] = label
             if label in best:   # keep the fastest of the rounds, and the smallest memory growth
                 row['train_img_per_s'] = max(row['train_img_per_s'], best[label]['train_img_per_s'])
@@ -89,20 +118,24 @@ def run_model_bench(args) -> int:
                                                           best[label]['train_peak_mib_over_baseline'])
             best[label] = row
             print(f"round {round_index + 1}/{args.rounds}: measured {label}", file=sys.stderr, flush=True)
-    rows = [best[label] for label, _, _ in CANDIDATES]
-    ref = rows[0]
+    rows = [best[label] for label, _, _, _ in plan]
     env = environment('cpu')
     print(f"\nbatch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
           f"{env['cpu']}, torch {env['torch']}")
-    print(f"{'model':<24} {'params':>8} {'train img/s':>12} {'ratio':>6} {'infer img/s':>12} {'ratio':>6} "
-          f"{'train peak MiB':>15} {'ratio':>6}")
+    print("ratios: to ViT-T in the same mode (eager rows to eager ViT-T, compiled rows to compiled ViT-T)")
+    width = max(24, *(len(r['label']) for r in rows))
+    print(f"{'model':<{width}} {'params':>8} {'train img/s':>12} {'ratio':>6} {'infer img/s':>12} {'ratio':>6} "
+          f"{'train peak MiB':>15} {'ratio':>6} {'compile s':>10}")
+    reference = {r['mode']: r for r in rows if r['model'] == CANDIDATES[0][1]}
     for r in rows:
+        ref = reference.get(r['mode'], rows[0])
         r['train_ratio'] = r['train_img_per_s'] / ref['train_img_per_s']
         r['infer_ratio'] = r['infer_img_per_s'] / ref['infer_img_per_s']
         r['memory_ratio'] = r['train_peak_mib_over_baseline'] / max(ref['train_peak_mib_over_baseline'], 1e-9)
-        print(f"{r['label']:<24} {r['params'] / 1e6:>7.2f}M {r['train_img_per_s']:>12.2f} {r['train_ratio']:>6.2f} "
+        compile_s = '' if r['first_compiled_step_s'] is None else f"{r['first_compiled_step_s']:.1f}"
+        print(f"{r['label']:<{width}} {r['params'] / 1e6:>7.2f}M {r['train_img_per_s']:>12.2f} {r['train_ratio']:>6.2f} "
               f"{r['infer_img_per_s']:>12.2f} {r['infer_ratio']:>6.2f} {r['train_peak_mib_over_baseline']:>15.0f} "
-              f"{r['memory_ratio']:>6.2f}")
+              f"{r['memory_ratio']:>6.2f} {compile_s:>10}")
     if args.output:
         write_json(args.output, {'batch_size': args.batch_size, 'img_size': args.img_size, 'environment': env,
                                  'rows': rows})

@@ -108,13 +108,34 @@ def _newton_schulz_host(a: torch.Tensor, num_iter: int) -> torch.Tensor:
     return out
 
 
+def _newton_schulz_batched(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    run = _newton_schulz_host if a.device.type == 'cpu' else _newton_schulz_device
+    return run(a, num_iter)
+
+
+@torch.library.custom_op('structformer::newton_schulz', mutates_args=())
+def _newton_schulz_opaque(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    """`_newton_schulz_batched` as one opaque operator for torch.compile. Traced, the host loop's early
+    exit (a `.tolist()` and shapes that shrink as matrices freeze) breaks the graph and recompiles for
+    every batch size until dynamo gives up; the device loop traces but unrolls `num_iter` steps into
+    every attention layer's graph, which inductor then compiles kernel by kernel. As an operator the
+    compiled model runs exactly the eager iteration, and the graph holds one node per call."""
+    return _newton_schulz_batched(a, num_iter).contiguous()
+
+
+@_newton_schulz_opaque.register_fake
+def _(a: torch.Tensor, num_iter: int) -> torch.Tensor:
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
 def _newton_schulz(a: torch.Tensor, num_iter: int) -> torch.Tensor:
     """Up to `num_iter` Newton–Schulz steps on [..., m, m]; each matrix freezes once its relative
     update ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (module docstring: past convergence the iteration
-    only doubles rounding noise in the null space)."""
+    only doubles rounding noise in the null space). Eager calls stay plain tensor code, so
+    FlopCounterMode sees every step; under torch.compile the iteration is one opaque operator."""
     batch_shape, m = a.shape[:-2], a.shape[-1]
     flat = a.reshape(-1, m, m)
-    run = _newton_schulz_host if a.device.type == 'cpu' else _newton_schulz_device
+    run = _newton_schulz_opaque if torch.compiler.is_compiling() else _newton_schulz_batched
     return run(flat, num_iter).reshape(*batch_shape, m, m)
 
 

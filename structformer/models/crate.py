@@ -60,11 +60,11 @@ class CrateBlock(nn.Module):
     `ista_drop` drops ISTA's output, which the official code does not (default 0)."""
 
     def __init__(self, dim, num_heads, dim_head, *, drop=0., attn_drop=0., ista_drop=0., eta=0.1, lambd=0.1,
-                 tied_output=False, sparse_step='ista', eps=1.0, fused_ista=True):
+                 tied_output=False, sparse_step='ista', eps=1.0, fused_ista=True, ssa_impl='auto'):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = MSSA(dim, num_heads=num_heads, attn_head_dim=dim_head, attn_drop=attn_drop,
-                         proj_drop=drop, tied_output=tied_output, eps=eps)
+                         proj_drop=drop, tied_output=tied_output, eps=eps, ssa_impl=ssa_impl)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = ISTA(dim, eta=eta, lambd=lambd, step=sparse_step, eps=eps, fused=fused_ista, drop=ista_drop)
 
@@ -81,14 +81,14 @@ class CRATE(StructuredModel):
     instead of Eq. 115), `sparse_step` ('ista' = Eq. 17, 'mm' = Eq. 92), `eps` (ε of Eq. 12 / 92),
     `global_pool` ('token' = cls as in the paper; 'avg' / 'max' / 'avgmax' over the patch tokens,
     cls left out), `drop_rate` (after MSSA's projection), `ista_drop_rate` (after ISTA; 0 as in the
-    official code).
+    official code), `ssa_impl` (how MSSA runs before a backward: see `MSSA`; the same function either way).
     """
     no_weight_decay_names = frozenset({'pos_embed', 'cls_token'})
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool='token',
                  embed_dim=384, depth=12, num_heads=6, dim_head=64, drop_rate=0., pos_drop_rate=0.,
                  attn_drop_rate=0., ista_drop_rate=0., eta=0.1, lambd=0.1, tied_output=False, sparse_step='ista',
-                 eps=1.0, fused_ista=True):
+                 eps=1.0, fused_ista=True, ssa_impl='auto'):
         super().__init__()
         for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                             ('dim_head', dim_head), ('in_chans', in_chans)):
@@ -106,7 +106,7 @@ class CRATE(StructuredModel):
         self.blocks = nn.ModuleList([
             CrateBlock(embed_dim, num_heads, dim_head, drop=drop_rate, attn_drop=attn_drop_rate,
                        ista_drop=ista_drop_rate, eta=eta, lambd=lambd, tied_output=tied_output,
-                       sparse_step=sparse_step, eps=eps, fused_ista=fused_ista)
+                       sparse_step=sparse_step, eps=eps, fused_ista=fused_ista, ssa_impl=ssa_impl)
             for _ in range(depth)])
         self.norm = nn.LayerNorm(embed_dim)            # the head's LN (Alg. 1: LN → Linear)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()

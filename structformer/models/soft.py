@@ -36,7 +36,7 @@ from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
 
-from ..layers.attention.registry import get_attention
+from ..layers.attention.registry import check_options, get_attention, select_options
 from ._registry import register_model
 from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
@@ -86,7 +86,8 @@ class SoftNet(StructuredModel):
 
     Args: `dims`, `num_heads`, `depths` (Table 1), `sampling_ratios` (sp, Table 1), `attn` (a name in
     the attention registry: 'soft', 'softpp', 'softmax', 'linformer', 'performer', 'nystrom', …),
-    `attn_kwargs` (extra kwargs for every attention layer, e.g. sampler='avgpool'), `stem_strides`
+    `attn_kwargs` (extra kwargs for every attention layer, e.g. sampler='avgpool'; a key the chosen attention
+    does not take is a TypeError naming it), `stem_strides`
     ((2, 1, 2) in the paper; small-image variants use (2, 1, 1)), `mlp_ratio` (e), `pos_embed`
     (learned absolute embeddings per stage; off as in the paper), `img_size` (fixes the stage grids,
     needed by Linformer's seq_len).
@@ -101,6 +102,7 @@ class SoftNet(StructuredModel):
         if not (len(dims) == len(num_heads) == len(depths) == len(sampling_ratios) == 4):
             raise ValueError("dims, num_heads, depths and sampling_ratios need one entry per stage (4)")
         attn_layer = get_attention(attn)                 # ValueError listing the accepted names
+        check_options(attn_layer, attn_kwargs or {})     # TypeError naming a typo (it would be silently dropped)
         self.attn_name = attn if isinstance(attn, str) else attn.__name__
         self.num_classes = num_classes
         self.global_pool = check_global_pool(global_pool)
@@ -130,9 +132,9 @@ class SoftNet(StructuredModel):
         for i, (dim, heads, depth, k, (h, w)) in enumerate(zip(dims, num_heads, depths, sampling_ratios, grids)):
             prefix = 1 if i == 3 else 0
             m = math.ceil(h / k) * math.ceil(w / k)       # 49 at 224 px for every stage
-            # union of the registry's per-class kwargs; each class ignores the ones it does not use
-            kwargs = dict(num_landmarks=m, sampling_ratio=k, seq_len=h * w + prefix, num_prefix_tokens=prefix,
-                          grid_size=(h, w))
+            # what the stage fixes, for any attention: each class takes only the options it accepts
+            kwargs = select_options(attn_layer, dict(num_landmarks=m, sampling_ratio=k, seq_len=h * w + prefix,
+                                                     num_prefix_tokens=prefix, grid_size=(h, w)))
             kwargs.update(attn_kwargs or {})
             down = stem if i == 0 else conv_bn_relu(dims[i - 1], dim, 2)
             blocks = [SoftBlock(dim, heads, attn_layer, kwargs, mlp_ratio, drop_rate, attn_drop_rate,

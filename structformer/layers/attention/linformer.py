@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from ..lazy import drop_lazy_hooks, is_uninitialized
+
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
 
@@ -56,6 +58,7 @@ class SequenceProjection(LazyModuleMixin, nn.Module):
             self.e = nn.Parameter(torch.empty(proj_len, seq_len, device=device, dtype=dtype))
             self.f = None if share_kv else nn.Parameter(torch.empty(proj_len, seq_len, device=device, dtype=dtype))
             self.reset_parameters()
+            drop_lazy_hooks(self)
 
     def _check(self, seq_len: int) -> None:
         if self.proj_len > seq_len:
@@ -63,7 +66,7 @@ class SequenceProjection(LazyModuleMixin, nn.Module):
 
     @property
     def seq_len(self) -> Optional[int]:
-        return None if self.has_uninitialized_params() else self.e.shape[-1]
+        return None if is_uninitialized(self.e) else self.e.shape[-1]
 
     def reset_parameters(self) -> None:
         if self.has_uninitialized_params():
@@ -82,6 +85,7 @@ class SequenceProjection(LazyModuleMixin, nn.Module):
                     if p is not None:
                         p.materialize((self.proj_len, n), device=k.device)
             self.reset_parameters()
+            drop_lazy_hooks(self)
             warnings.warn(f"Linformer projections E, F created at the first forward for seq_len={n}; build the "
                           "optimizer after one forward pass, or pass seq_len= at construction")
 
@@ -103,7 +107,7 @@ class LinformerAttention(AttentionBase):
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
                  norm_layer=None, *, num_landmarks: int = 49, seq_len: Optional[int] = None, share_kv: bool = False,
-                 attn_head_dim: Optional[int] = None, device=None, dtype=None, **unused):
+                 attn_head_dim: Optional[int] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         if num_landmarks < 1:

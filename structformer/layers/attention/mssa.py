@@ -10,7 +10,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ...functional.shared_qkv_attention import shared_qkv_attention
 from .registry import register_attention
+
+# how SSA runs when a backward follows (see MSSA)
+SSA_IMPLS = ('auto', 'shared', 'sdpa')
 
 
 @register_attention('mssa')
@@ -22,13 +26,18 @@ class MSSA(nn.Module):
     `tied_output=True`: Eq. 11–12 — the output map is p/(Nε²)[U_1…U_K], i.e. the same weight
     as the projection (App. B.4 "compression-inspired attention"); `eps` sets ε.
     The softmax scale dim_head^-0.5 is kept in both (Eq. 11 writes none; the code uses it).
+
+    `ssa_impl` picks how SSA runs when a backward will follow: 'shared' uses the backward that
+    knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p products instead of five, at the
+    cost of keeping the N×N weights), 'sdpa' torch's fused attention, 'auto' the first on a CPU and
+    the second elsewhere. Without grad, with a mask, causal or with attention dropout, SDPA runs.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, attn_head_dim: Optional[int] = None,
                  qkv_bias: bool = False, qk_norm: bool = False, scale_norm: bool = False,
                  proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
-                 norm_layer=None, tied_output: bool = False, eps: float = 1.0,
-                 device=None, dtype=None, **unused):
+                 norm_layer=None, tied_output: bool = False, eps: float = 1.0, ssa_impl: str = 'auto',
+                 device=None, dtype=None):
         super().__init__()
         if qk_norm or scale_norm:
             raise ValueError("MSSA shares one projection for Q, K and V (CRATE Eq. 11): "
@@ -38,6 +47,9 @@ class MSSA(nn.Module):
                 raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} "
                                  "(or pass attn_head_dim)")
             attn_head_dim = dim // num_heads
+        if ssa_impl not in SSA_IMPLS:
+            raise ValueError(f"ssa_impl={ssa_impl!r}: accepted {', '.join(repr(i) for i in SSA_IMPLS)}")
+        self.ssa_impl = ssa_impl
         dd = {'device': device, 'dtype': dtype}
         self.num_heads = num_heads
         self.head_dim = attn_head_dim
@@ -57,12 +69,22 @@ class MSSA(nn.Module):
         w = self.qkv.weight                                      # [K·p, d]
         return rearrange(w, '(k p) d -> k d p', k=self.num_heads)
 
+    def _shared_backward_applies(self, w: torch.Tensor, attn_mask, is_causal: bool) -> bool:
+        if self.ssa_impl == 'sdpa' or attn_mask is not None or is_causal or not torch.is_grad_enabled():
+            return False
+        if not w.requires_grad or (self.training and self.attn_drop.p > 0):
+            return False
+        return self.ssa_impl == 'shared' or w.device.type == 'cpu'
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False, **unused) -> torch.Tensor:
+                is_causal: bool = False, grid_size=None) -> torch.Tensor:
         w = rearrange(self.qkv(x), 'b n (h p) -> b h n p', h=self.num_heads)
-        heads = F.scaled_dot_product_attention(
-            w, w, w, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
-            dropout_p=self.attn_drop.p if self.training else 0.)
+        if self._shared_backward_applies(w, attn_mask, is_causal):
+            heads = shared_qkv_attention(w, self.scale)
+        else:
+            heads = F.scaled_dot_product_attention(
+                w, w, w, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
+                dropout_p=self.attn_drop.p if self.training else 0.)
         heads = rearrange(heads, 'b h n p -> b n (h p)')
         if self.proj is not None:
             return self.proj_drop(self.proj(heads))

@@ -70,7 +70,7 @@ class NystromAttention(AttentionBase):
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
                  norm_layer=None, *, num_landmarks: int = 49, newton_iter: int = 20,
                  conv_kernel_size: Optional[int] = None, attn_head_dim: Optional[int] = None,
-                 device=None, dtype=None, **unused):
+                 device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         if num_landmarks < 1:

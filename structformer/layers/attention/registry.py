@@ -2,8 +2,15 @@
 (`--model-kwargs attn=soft`). Every class here takes timm's `attn_layer` constructor
 signature (`dim, num_heads, qkv_bias, ..., attn_drop, proj_drop, norm_layer, device, dtype`)
 and is called as `layer(x, attn_mask=None, is_causal=False, grid_size=None)`.
+
+Options are strict: a keyword a class does not take is a TypeError naming it (as timm's `Attention`).
+Code that offers the same facts to any attention (a model's stage: landmarks, grid, sequence length)
+passes them through `select_options(cls, options)`; options a user typed go through
+`check_options(cls, options)`, which names the unknown keys and the closest accepted ones.
 """
-from typing import Dict, Type
+import difflib
+import inspect
+from typing import Dict, FrozenSet, Iterable, Mapping, Type
 
 from torch import nn
 
@@ -31,11 +38,60 @@ def get_attention(name_or_cls) -> Type[nn.Module]:
             f"unknown attention {name_or_cls!r}; accepted: {', '.join(sorted(ATTENTION_LAYERS))}") from None
 
 
+_KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def accepted_options(cls: Type[nn.Module]) -> FrozenSet[str]:
+    """The keyword options `cls(...)` accepts: its `__init__` parameters, and those of the classes it
+    forwards `**kwargs` to along the MRO (a subclass such as `SoftPlusPlusAttention` or a `with_defaults`
+    preset adds its own and passes the rest up)."""
+    names = set()
+    for klass in inspect.getmro(cls):
+        if klass in (nn.Module, object):
+            break
+        init = klass.__dict__.get('__init__')
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]         # drop self
+        names.update(p.name for p in params if p.kind in _KEYWORD_KINDS)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    return frozenset(names)
+
+
+def unknown_options_error(owner: str, unknown: Iterable[str], accepted: Iterable[str]) -> TypeError:
+    """`TypeError: <owner> got unknown option(s) a, b (did you mean: a -> aa); accepted: ...`."""
+    unknown, accepted = sorted(unknown), sorted(accepted)
+    hints = [f"{k} -> {close[0]}" for k in unknown
+             for close in [difflib.get_close_matches(k, accepted, n=1, cutoff=0.6)] if close]
+    return TypeError(f"{owner} got unknown option(s) {', '.join(unknown)}"
+                     + (f" (did you mean: {', '.join(hints)})" if hints else '')
+                     + f"; accepted: {', '.join(accepted)}")
+
+
+def check_options(cls: Type[nn.Module], options: Iterable[str]) -> None:
+    """Raise a TypeError naming every key of `options` that `cls` does not accept."""
+    accepted = accepted_options(cls)
+    unknown = [k for k in options if k not in accepted]
+    if unknown:
+        raise unknown_options_error(cls.__name__, unknown, accepted)
+
+
+def select_options(cls: Type[nn.Module], options: Mapping) -> Dict:
+    """The part of a shared option dict that `cls` accepts: a model passes the facts it knows about a
+    stage (landmarks, grid, sequence length) to whichever attention it was given, and each class takes
+    only its own. User options are checked with `check_options` first, so a typo never lands here."""
+    accepted = accepted_options(cls)
+    return {k: v for k, v in options.items() if k in accepted}
+
+
 def with_defaults(cls: Type[nn.Module], **defaults) -> Type[nn.Module]:
     """A subclass of `cls` whose constructor defaults to `defaults` (explicit kwargs still win). A class,
-    not a functools.partial, because timm checks `issubclass(attn_layer, ...)` before building."""
+    not a functools.partial, because timm checks `issubclass(attn_layer, ...)` before building.
+    A key `cls` does not accept raises a TypeError here, before any layer is built."""
     if not defaults:
         return cls
+    check_options(cls, defaults)
 
     class Preset(cls):
         def __init__(self, *args, **kwargs):

@@ -51,6 +51,8 @@ from einops import rearrange
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from ..lazy import drop_lazy_hooks, is_uninitialized
+
 from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_reference
 from ...functional.newton_pinv import newton_pinv
 from .registry import register_attention
@@ -186,10 +188,11 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
             self.weight = nn.Parameter(torch.empty(channels, kernel_size, kernel_size, channels,
                                                    device=device, dtype=dtype))
             self.reset_parameters()
+            drop_lazy_hooks(self)
 
     @property
     def kernel_size(self) -> Optional[int]:
-        return None if self.has_uninitialized_params() else self.weight.shape[1]
+        return None if is_uninitialized(self.weight) else self.weight.shape[1]
 
     def reset_parameters(self) -> None:
         if self.has_uninitialized_params():
@@ -211,6 +214,7 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         with torch.no_grad():
             self.weight.materialize((self.channels, kernel_size, kernel_size, self.channels), device=tokens.device)
         self.reset_parameters()
+        drop_lazy_hooks(self)
         warnings.warn(f"SOFT conv sampler: k={kernel_size} weights created at the first forward; build the "
                       "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
 
@@ -257,7 +261,7 @@ class SoftAttention(AttentionBase):
     V, attention, head merge and output projection in the re-associated order of
     `soft_attention_projected`; False: one after another as written; None (default): whichever
     `folding_pays` says needs fewer multiply-adds; `scale_norm=True` always runs as written). `qk_norm` normalises the shared
-    Q = K per head. Unknown kwargs are ignored so timm's blocks can pass theirs. See the module docstring for the design choices.
+    Q = K per head. Unknown kwargs raise a TypeError naming them, as timm's own `Attention` does. See the module docstring for the design choices.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
@@ -266,7 +270,7 @@ class SoftAttention(AttentionBase):
                  ridge: float = 0.0, num_prefix_tokens: Optional[int] = None, sampling_ratio: Optional[int] = None,
                  grid_size: Optional[Tuple[int, int]] = None, normalize: bool = False,
                  attn_head_dim: Optional[int] = None, seed: int = 0, fold_projections: Optional[bool] = None,
-                 device=None, dtype=None, **unused):
+                 device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
@@ -354,7 +358,7 @@ class SoftAttention(AttentionBase):
             self._check_landmarks(n, grid)
             k = sampling_ratio_for(h, w, self.num_landmarks)
         if self.sampler == 'conv':
-            if self.conv.has_uninitialized_params():
+            if self.conv.kernel_size is None:
                 self.conv.initialize_parameters(spatial, (h, w), k)
             sampled = self.conv(spatial, (h, w))                  # heads share the sampler
         else:

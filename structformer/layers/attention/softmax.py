@@ -98,7 +98,7 @@ class SoftmaxAttention(AttentionBase):
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.,
                  proj_drop: float = 0., norm_layer=None, *, attn_head_dim: Optional[int] = None,
-                 device=None, dtype=None, **unused):
+                 device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         self.scale = self.head_dim ** -0.5

@@ -29,7 +29,7 @@ class ISTA(nn.Module):
                  out_features: Optional[int] = None, act_layer=None, norm_layer=None,
                  bias: bool = True, drop: float = 0., *, eta: float = 0.1, lambd: float = 0.1,
                  step: str = 'ista', eps: float = 1.0, fused: bool = True,
-                 device=None, dtype=None, **unused):
+                 device=None, dtype=None):
         super().__init__()
         if out_features not in (None, in_features):
             raise ValueError(f"ISTA maps R^d to R^d: out_features={out_features} must equal "
