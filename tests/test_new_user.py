@@ -44,3 +44,18 @@ def test_weight_decay_skips_norms_biases_and_cls_pos_unless_asked(tmp_path, deca
         exempt = p.ndim <= 1 or name in ('cls_token', 'pos_embed')
         assert decay[id(p)] == (0.05 if decay_everything or not exempt else 0.0), name
     assert 'cls_token' in named and 'pos_embed' in named
+
+
+def test_crate_pools_as_asked_including_the_official_mean_over_all_tokens():
+    import timm
+    import torch
+    model = timm.create_model('crate_digits', global_pool='avg_all').eval()
+    x = torch.randn(3, 1, 8, 8)
+    with torch.no_grad():
+        tokens = model.forward_features(x)
+        assert tokens.shape[1] == model.patch_embed.num_patches + 1
+        torch.testing.assert_close(model.forward_head(tokens, pre_logits=True), model.norm(tokens.mean(1)))
+        model.reset_classifier(model.num_classes, global_pool='avg')           # timm's: the cls token left out
+        torch.testing.assert_close(model.forward_head(tokens, pre_logits=True), model.norm(tokens[:, 1:].mean(1)))
+    with pytest.raises(ValueError, match="global_pool='mean'"):
+        timm.create_model('crate_digits', global_pool='mean')

@@ -16,8 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ['StructuredModel', 'POOL_TYPES', 'check_global_pool', 'model_cfg', 'create_model']
 
-# timm's global_pool_nlc: the cls token, a reduction over the other tokens, or nothing
-POOL_TYPES = ('token', 'avg', 'max', 'avgmax', '')
+# timm's global_pool_nlc: the cls token, a reduction over the other tokens, or nothing; plus 'avg_all',
+# the mean over every token, prefix tokens included (the official CRATE code's `pool='mean'`)
+POOL_TYPES = ('token', 'avg', 'max', 'avgmax', 'avg_all', '')
 
 
 def check_global_pool(global_pool: str) -> str:
@@ -57,7 +58,9 @@ class StructuredModel(nn.Module):
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [B, N, C] -> [B, C] by `global_pool` (timm's `global_pool_nlc`: 'avg' leaves the
-        prefix tokens out)."""
+        prefix tokens out; 'avg_all' keeps them)."""
+        if self.global_pool == 'avg_all':
+            return x.mean(dim=1)
         return global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
 
     def run_block(self, block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:

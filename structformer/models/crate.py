@@ -80,7 +80,7 @@ class CRATE(StructuredModel):
     `dim_head` (p), `eta` (η, ISTA step), `lambd` (λ, sparsity), `tied_output` (Eq. 11–12 MSSA
     instead of Eq. 115), `sparse_step` ('ista' = Eq. 17, 'mm' = Eq. 92), `eps` (ε of Eq. 12 / 92),
     `global_pool` ('token' = cls as in the paper; 'avg' / 'max' / 'avgmax' over the patch tokens,
-    cls left out), `drop_rate` (after MSSA's projection), `ista_drop_rate` (after ISTA; 0 as in the
+    cls left out; 'avg_all' = mean over all tokens, cls included, as the official code's 'mean'), `drop_rate` (after MSSA's projection), `ista_drop_rate` (after ISTA; 0 as in the
     official code), `ssa_impl` (how MSSA runs before a backward: see `MSSA`; the same function either way).
     """
     no_weight_decay_names = frozenset({'pos_embed', 'cls_token'})
