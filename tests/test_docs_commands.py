@@ -1,0 +1,71 @@
+"""Every `structformer ...` command in a ```bash block of README.md and docs/*.md runs as written, in
+order, on the embedded data; README's ```python block runs too. Only the length of training is
+shortened (see `shorten`): what is checked is that the commands and the API calls work."""
+import math
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from structformer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))
+
+
+def fenced_blocks(text: str, language: str):
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(path: Path):
+    """The structformer command lines of a document's bash blocks, comments stripped."""
+    found = []
+    for block in fenced_blocks(path.read_text(), 'bash'):
+        for line in block.splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv:
+                assert argv[0] == 'structformer', f"{path.name}: a bash block holds a non-structformer line: {line}"
+                found.append(argv[1:])
+    return found
+
+
+def shorten(argv):
+    """`train` runs a tenth of its epochs (rounded up) on 2 batches each; nothing else changes."""
+    if not argv or argv[0] != 'train':
+        return argv
+    argv = list(argv)
+    if '--epochs' in argv:
+        i = argv.index('--epochs') + 1
+        argv[i] = str(math.ceil(int(argv[i]) / 10))
+    return argv + ['--limit-train-batches', '2', '--no-progress']
+
+
+def _run(argv):
+    try:
+        return main(argv)
+    except SystemExit as e:                 # --help exits through argparse
+        return e.code
+
+
+@pytest.mark.parametrize('path', DOCUMENTS, ids=lambda p: p.name)
+def test_documented_commands_run_in_order(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)             # outputs/... of the examples land here, in order
+    for argv in commands(path):
+        assert _run(shorten(argv)) == 0, f"{path.name}: structformer {shlex.join(argv)}"
+
+
+def test_readme_has_the_commands_it_promises():
+    argvs = [a[0] for a in commands(ROOT / 'README.md') if a]
+    assert {'train', 'eval', 'analyze', 'models'} <= set(argvs)
+
+
+def test_readme_python_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (block,) = fenced_blocks((ROOT / 'README.md').read_text(), 'python')
+    namespace = {}
+    exec(compile(block, 'README.md python block', 'exec'), namespace)
+    extractor, features = namespace['extractor'], namespace['features']
+    assert len(features) == len(extractor.feature_info.channels())
+    assert all(f.shape == (2, c, 4, 4) for f, c in zip(features, extractor.feature_info.channels()))
+    assert namespace['result'].final['epoch'] == 2
