@@ -19,11 +19,11 @@ count is m_s = ⌈H_s/k⌉·⌈W_s/k⌉ (49 for the 56², 28², 14², 7² grids 
 (`attn='linformer' | 'nystrom'`) get the same m_s, Linformer also its fixed seq_len (+1 for the cls token
 in stage 4), so every Table 2 variant sees the same bottleneck size.
 
-Known parameter/FLOP gap (measured by `structformer models --flops`, i.e. `bench.flops.model_flops`;
-numbers in the README): `soft_tiny_224` has 14.53M parameters and 2.96 GMACs against the paper's
-13M / 1.9G. Table 1's own Tiny configuration already has 14.35M parameters without any sampler, and
-its FFNs plus per-token projections alone are 1.96 GMACs, so neither quoted number is reachable from
-the table; the public code's Tiny is a different network (depths 1/2/3/2, MLP ratios 8/8/4/4). Our conv
+Known parameter/FLOP gap (`structformer models --flops`; numbers in docs/soft.md): `soft_tiny_224` has
+more parameters and multiply-adds than the paper's 13M / 1.9G, and so does Table 1's own Tiny
+configuration without any sampler (its FFNs plus per-token projections alone exceed 1.9 GMACs), so
+neither quoted number is reachable from the table; the public code's Tiny is a different network
+(depths 1/2/3/2, MLP ratios 8/8/4/4). Our conv
 sampler is one head_dim×head_dim k×k conv shared by the heads of a block (as the public code), not a
 C×C conv over all channels, which would add 3.6M parameters.
 """

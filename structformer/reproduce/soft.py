@@ -30,11 +30,10 @@ if TYPE_CHECKING:
     import torch
 
 
-
 ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 # Table 1 Tiny has dims 64/128/320/512 and heads 2/4/10/16 (head width 32). Narrower widths keep the depths,
-# the head width and the sampling ratios, and halve the heads: on this project's 2-core CPU a training
-# step (batch 64, MNIST) ran at about 50 img/s at full width, 125 at half and 220 at quarter width.
+# the head width and the sampling ratios, and halve the heads, so a CPU can train every row (half is the
+# default; docs/soft.md has the measured speeds).
 WIDTHS = {'full': {}, 'half': dict(dims=(32, 64, 160, 256), num_heads=(1, 2, 5, 8)),
           'quarter': dict(dims=(16, 32, 80, 128), num_heads=(1, 1, 2, 4))}
 PAPER_TABLE2 = {   # SOFT Table 2 (ImageNet, Tiny): params, GFLOPs, train / infer img/s, memory, top-1

@@ -22,7 +22,7 @@ class ISTA(nn.Module):
     `fused=False` runs the reference written term by term (`structformer.functional.ista_reference`).
 
     In CRATE the block has no residual around it (Eq. 18); inside timm's `Block` it is used as
-    `x + ISTA(LN(x))`, which is a different layer — see the README.
+    `x + ISTA(LN(x))`, which is a different layer — see docs/crate.md.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None,
