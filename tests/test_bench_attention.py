@@ -75,3 +75,17 @@ def test_quadratic_configurations_are_skipped_not_failed(tmp_path):
     rows = {r['tokens']: r for r in json.loads(out.read_text())['rows']}
     assert not rows[64]['skipped'] and rows[64]['forward_ms'] > 0
     assert rows[256]['skipped'] and 'max-quadratic-gib' in rows[256]['reason']
+
+
+def test_compiled_columns_beside_eager(tmp_path, capsys):
+    """--compile BACKEND times the same layer compiled and prints it beside eager (the eager backend here:
+    dynamo's graph with torch's kernels, so the test does not pay for inductor's code generation)."""
+    import torch
+    torch._dynamo.reset()
+    out = tmp_path / 'attention.json'
+    args = _args('--base-tokens', '64', '--multipliers', '1', '--attn', 'soft', '--landmarks', '16', '--repeats',
+                 '1', '--warmup', '0', '--in-process', '--compile', 'eager', '--output', str(out))
+    assert run_attention_bench(args) == 0
+    (row,) = json.loads(out.read_text())['rows']
+    assert row['forward_ms_compiled'] > 0 and row['forward_backward_ms_compiled'] > 0 and row['compile_s'] > 0
+    assert 'fwd ms (c)' in capsys.readouterr().out

@@ -70,9 +70,9 @@ def add_attention_bench_arguments(p):
     p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--in-process', action='store_true',
                    help='measure in this process (fast; peaks then share one allocator, so less clean)')
-    p.add_argument('--compile', action='store_true',
-                   help='also time each layer under torch.compile (inductor), printed beside eager; compiling '
-                        'costs seconds per configuration, reported as "compile s"')
+    p.add_argument('--compile', nargs='?', const='inductor', default=None, metavar='BACKEND',
+                   help='also time each layer under torch.compile (BACKEND, inductor when bare), printed beside '
+                        'eager; compiling costs seconds per configuration, reported as "compile s"')
     p.add_argument('--profile', action='store_true',
                    help='after the sweep, torch.profiler breakdown of the SOFT forward at the largest n')
     p.add_argument('--output', default=None, help='write JSON here (e.g. DIR/attention.json) and a PNG beside it')
@@ -141,12 +141,12 @@ def effective_landmarks(layer, grid: Tuple[int, int], landmarks: int) -> int:
     return landmarks
 
 
-def _compiled_times(layer, fwd_bwd_of, fwd_of, repeats: int, warmup: int, device: str) -> dict:
+def _compiled_times(layer, fwd_bwd_of, fwd_of, repeats: int, warmup: int, device: str, backend: str) -> dict:
     """Forward and forward+backward times of `torch.compile(layer)`, and the time of its first call."""
     import time
 
     import torch
-    compiled = torch.compile(layer)
+    compiled = torch.compile(layer, backend=backend)
     layer.train()
     start = time.perf_counter()
     fwd_bwd_of(compiled)()                                  # compiles the training graph
@@ -160,7 +160,7 @@ def _compiled_times(layer, fwd_bwd_of, fwd_of, repeats: int, warmup: int, device
 
 
 def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: int, warmup: int,
-                device: str = 'cpu', threads: int = 0, compiled: bool = False) -> dict:
+                device: str = 'cpu', threads: int = 0, compiled: Optional[str] = None) -> dict:
     """Time, peak memory and FLOPs of one (attention, n); meant to run in its own process."""
     import torch
     from .flops import analytic_core_flops, counted_flops, linear_flops
@@ -201,7 +201,7 @@ def measure_one(name: str, grid, dim: int, heads: int, landmarks: int, repeats: 
     fwd_bwd_s = median_seconds(fwd_bwd, repeats, max(warmup - 1, 0), device)
     layer.eval()
     fwd_s = median_seconds(fwd, repeats, warmup, device)
-    compiled_row = _compiled_times(layer, fwd_bwd_of, fwd_of, repeats, warmup, device) if compiled else {}
+    compiled_row = _compiled_times(layer, fwd_bwd_of, fwd_of, repeats, warmup, device, compiled) if compiled else {}
 
     m_eff = effective_landmarks(layer, grid, landmarks)
     flops_fwd = counted_flops(layer, x, grid)
