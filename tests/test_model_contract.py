@@ -148,3 +148,18 @@ def test_crate_variants_build_and_differ():
     x = torch.randn(2, 1, 8, 8)
     for m in (tied, mm):
         assert torch.isfinite(m(x)).all()
+
+
+@pytest.mark.parametrize('name, modules', [('crate_digits', 'blocks'), ('soft_digits', 'stages')])
+def test_prune_intermediate_layers_keeps_what_the_features_need(name, modules):
+    """timm's pruning: modules after the last index taken go, the head goes, the kept features are unchanged."""
+    model = timm.create_model(name).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        before = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+        taken = model.prune_intermediate_layers([0, 1], prune_norm=True)
+        after = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+    assert taken == [0, 1] and len(getattr(model, modules)) == 2
+    assert model.num_classes == 0 and isinstance(model.head, torch.nn.Identity) and isinstance(model.norm, torch.nn.Identity)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)

@@ -6,11 +6,12 @@ and `no_weight_decay_names`, and writes `forward_features` / `forward_head` / `f
 Each registered name stays an explicit `@register_model` function in the family's file, as in timm,
 calling `create_model(cls, variant, pretrained, **kwargs)`.
 """
-from typing import Any, Dict, Optional, Set, Type
+from typing import Any, Dict, List, Optional, Set, Type, Union
 
 import torch
 from timm.layers import global_pool_nlc
 from timm.models import build_model_with_cfg
+from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -37,6 +38,8 @@ class StructuredModel(nn.Module):
     num_classes: int
     grad_checkpointing: bool = False
     no_weight_decay_names: Set[str] = frozenset()
+    # the ModuleList whose outputs forward_intermediates returns ('blocks' for CRATE, 'stages' for SOFT)
+    feature_modules: str = 'blocks'
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -55,6 +58,19 @@ class StructuredModel(nn.Module):
         if global_pool is not None:
             self.global_pool = check_global_pool(global_pool)
         self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the feature modules after the last index taken (and the head / final norm), as timm's
+        models do."""
+        modules = getattr(self, self.feature_modules)
+        take_indices, max_index = feature_take_indices(len(modules), indices)
+        setattr(self, self.feature_modules, modules[:max_index + 1])
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take_indices
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [B, N, C] -> [B, C] by `global_pool` (timm's `global_pool_nlc`: 'avg' leaves the

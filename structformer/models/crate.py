@@ -152,17 +152,6 @@ class CRATE(StructuredModel):
             intermediates = list(zip(intermediates, prefix))
         return intermediates if intermediates_only else (x, intermediates)
 
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        """Drop the blocks after the last index taken (and the head / its norm), as timm's ViT does."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take_indices
-
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.norm(self.pool(x))
         return x if pre_logits else self.head(x)

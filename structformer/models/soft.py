@@ -92,6 +92,7 @@ class SoftNet(StructuredModel):
     (learned absolute embeddings per stage; off as in the paper), `img_size` (fixes the stage grids,
     needed by Linformer's seq_len).
     """
+    feature_modules = 'stages'
 
     def __init__(self, img_size=224, in_chans=3, num_classes=1000, global_pool='token',
                  dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(2, 2, 5, 2),
@@ -210,17 +211,6 @@ class SoftNet(StructuredModel):
         if intermediates_only:
             return intermediates
         return (self.norm(tokens) if len(self.stages) == 4 and i == last else tokens), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        """Drop the stages after the last index taken (and the head / final norm), as timm's models do."""
-        take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Final tokens [B, 1 + H₄W₄, C₄] after the LayerNorm."""
