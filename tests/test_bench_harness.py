@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from structformer.atomic import write_atomically
+
 from structformer.bench import harness
 from structformer.bench.harness import (MeasurementFailed, environment, measure_in_subprocess, median_seconds,
                                         python_json, write_json, write_png)
@@ -124,7 +126,7 @@ def test_write_json_is_atomic(tmp_path):
         f.write('{"a": 2, "tru')
         raise OSError('disk full')
     with pytest.raises(OSError, match='disk full'):        # fails mid-write: still the old file
-        harness._write_atomically(path, half_then_crash)
+        write_atomically(path, half_then_crash)
     assert json.loads(path.read_text()) == {'a': 1, 'when': [1, 2]}
     assert os.listdir(path.parent) == ['result.json']      # no temporary file left behind
 

@@ -13,16 +13,16 @@ parsers, which import this module, and must not pay for torch, numpy or matplotl
 from __future__ import annotations
 
 import json
-import os
 import platform
 import resource
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..atomic import write_atomically, write_text_atomically
 
 if TYPE_CHECKING:
     import torch
@@ -245,35 +245,9 @@ def environment(device='cpu') -> dict:
 
 # ---- atomic writers ---------------------------------------------------------------------------------
 
-def _write_atomically(path, write: Callable[[Any], None], binary: bool = False) -> str:
-    """Call `write(file)` on a temporary file beside `path`, then move it over `path` in one rename.
-
-    Same folder, so `os.replace` is a rename within one file system (atomic on POSIX); readers see the
-    old file or the whole new one. The temporary file is removed if anything fails.
-    """
-    path = os.path.abspath(os.fspath(path))
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
-    try:
-        with os.fdopen(fd, 'wb' if binary else 'w') as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)                                # mkstemp makes 0600; outputs follow the umask
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 def write_text(path, text: str) -> str:
     """Write `text` to `path` atomically (parent folders created); returns the absolute path."""
-    return _write_atomically(path, lambda f: f.write(text))
+    return str(write_text_atomically(path, text))
 
 
 def write_json(path, obj, indent: int = 1, **dump_kwargs) -> str:
@@ -299,7 +273,7 @@ def write_png(path, draw: Callable[[Any], Any], dpi: int = 110) -> bool:
     import matplotlib.pyplot as plt
     fig = draw(plt)
     try:
-        _write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=dpi), binary=True)
+        write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=dpi), binary=True)
     finally:
         plt.close(fig)
     return True

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import permissions_from_umask, write_text_atomically
+
 FORMAT_VERSION = 1
 LATEST = 'latest.json'
 
@@ -35,28 +37,6 @@ def crash_point(step: str) -> None:
     'epoch <N>:metrics' (metrics line written). Unset in normal use: one dictionary lookup."""
     if os.environ.get('STRUCTFORMER_TEST_KILL_AT') == step:
         os._exit(137)
-
-
-def _permissions_from_umask(path: Path, mode: int) -> None:
-    """mkstemp / mkdtemp create 0600 / 0700 for privacy; a finished run follows the user's umask instead."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, mode & ~umask)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + '.tmp-')
-    try:
-        with os.fdopen(fd, 'w') as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        _permissions_from_umask(Path(tmp), 0o666)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _flatten_optimizer(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -108,7 +88,7 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + '.tmp-'))
     try:
-        _permissions_from_umask(tmp, 0o777)
+        permissions_from_umask(tmp, 0o777)
         weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / 'model.safetensors'))
         crash_point(f'{directory.name}:weights')
@@ -124,7 +104,7 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
             save_file(train_tensors, str(tmp / 'train_state.safetensors'))
         (tmp / 'state.json').write_text(json.dumps(state, indent=1, default=_json_default))
         for written in tmp.iterdir():               # safetensors writes 0600 whatever the umask
-            _permissions_from_umask(written, 0o666)
+            permissions_from_umask(written, 0o666)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -146,7 +126,7 @@ def _json_default(value):
 
 
 def mark_latest(run_checkpoints: Path, directory: Path) -> None:
-    _atomic_write_text(Path(run_checkpoints) / LATEST, json.dumps({'checkpoint': Path(directory).name}))
+    write_text_atomically(Path(run_checkpoints) / LATEST, json.dumps({'checkpoint': Path(directory).name}))
     crash_point(f'{Path(directory).name}:latest')
 
 

@@ -224,5 +224,5 @@ def load_config_file(path) -> Dict[str, Any]:
 
 
 def save_config(config: TrainConfig, path) -> None:
-    from .checkpoint import _atomic_write_text
-    _atomic_write_text(Path(path), yaml.safe_dump(config.to_dict(), sort_keys=False))
+    from ..atomic import write_text_atomically
+    write_text_atomically(Path(path), yaml.safe_dump(config.to_dict(), sort_keys=False))

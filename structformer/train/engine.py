@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
+from ..atomic import write_text_atomically
 from ..models.factory import ModelRecipe, build_model, rebuild
-from .checkpoint import (CheckpointError, _atomic_write_text, crash_point, describe_mismatch, load_checkpoint,
+from .checkpoint import (CheckpointError, crash_point, describe_mismatch, load_checkpoint,
                          mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng, save_checkpoint)
 from .config import TrainConfig, save_config
 from .distributed import barrier, cleanup_distributed, init_distributed
@@ -346,7 +347,7 @@ class Trainer:
                    'final_val_loss': last['val_loss'], 'best_val_top1': best['val_top1'],
                    'best_epoch': best['epoch'],
                    'parameters': sum(p.numel() for p in self.model.parameters())}
-        _atomic_write_text(self.output / 'summary.json', json.dumps(summary, indent=1))
+        write_text_atomically(self.output / 'summary.json', json.dumps(summary, indent=1))
         width = max(len(k) for k in summary)
         print('\n' + '\n'.join(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
                                for k, v in summary.items()))

@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .checkpoint import LATEST, _atomic_write_text, mark_latest
+from ..atomic import write_text_atomically
+from .checkpoint import LATEST, mark_latest
 
 RUN_FILES = ('config.yaml', 'metrics.jsonl', 'summary.json', 'checkpoints')
 
@@ -87,7 +88,7 @@ def reconcile(output: Path) -> Optional[Path]:
             by_epoch[epoch] = state['metrics']
     lines = ''.join(json.dumps(by_epoch[e]) + '\n' for e in sorted(by_epoch))
     if lines or (output / 'metrics.jsonl').exists():
-        _atomic_write_text(output / 'metrics.jsonl', lines)
+        write_text_atomically(output / 'metrics.jsonl', lines)
     return newest
 
 
