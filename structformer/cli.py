@@ -1,6 +1,7 @@
 """`structformer train | eval | analyze | bench | models` — one command line for the library."""
 import argparse
 import ast
+import importlib
 import json
 import sys
 from typing import List, Optional
@@ -41,6 +42,18 @@ BENCH_EXAMPLES = """examples:
 REPRODUCE_EXAMPLES = """examples:
   structformer reproduce soft --data ../shared/data/mnist --epochs 1 --limit-train-batches 40
   structformer reproduce soft --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
+
+
+# `structformer bench TARGET` and `structformer reproduce PAPER`: one row per target, naming a module that
+# defines add_arguments(parser), run(args) -> int and, optionally, EXAMPLES. The modules must not import
+# torch at module level (`structformer --help` builds every parser).
+BENCH_TARGETS = {
+    'models': ('structformer.bench.models', 'CRATE-T vs ViT-T training / inference speed'),
+    'attention': ('structformer.bench.attention', 'attention time / memory / FLOPs vs token count (SOFT Fig. 1b)'),
+}
+REPRODUCE_TARGETS = {
+    'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),
+}
 
 
 def parse_value(text: str):
@@ -296,12 +309,16 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _target_module(table: dict, target: str):
+    return importlib.import_module(table[target][0])
+
+
 def cmd_bench(args) -> int:
-    if args.target == 'models':
-        from .bench.models import run_model_bench
-        return run_model_bench(args)
-    from .bench import attention
-    return attention.run_attention_bench(args)
+    return _target_module(BENCH_TARGETS, args.target).run(args)
+
+
+def cmd_reproduce(args) -> int:
+    return _target_module(REPRODUCE_TARGETS, args.target).run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,30 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser('bench', help='speed / memory benchmarks (ratios measured in one run)', formatter_class=fmt,
                        epilog=BENCH_EXAMPLES, description='Benchmarks print measured ratios; they are not tests.')
-    from .bench.models import add_model_bench_arguments
     bench_sub = p.add_subparsers(dest='target', metavar='TARGET')
     bench_sub.required = True
-    add_model_bench_arguments(bench_sub.add_parser('models', help='CRATE-T vs ViT-T training / inference speed',
-                                                   formatter_class=fmt, epilog=BENCH_EXAMPLES))
-    try:
-        from .bench.attention import ATTENTION_EXAMPLES, add_attention_bench_arguments
-    except ImportError:
-        pass
-    else:
-        add_attention_bench_arguments(bench_sub.add_parser(
-            'attention', help='attention time / memory / FLOPs vs token count (SOFT Fig. 1b)',
-            formatter_class=fmt, epilog=ATTENTION_EXAMPLES))
+    for target, (module, help_text) in BENCH_TARGETS.items():
+        module = importlib.import_module(module)
+        module.add_arguments(bench_sub.add_parser(target, help=help_text, formatter_class=fmt,
+                                                  epilog=getattr(module, 'EXAMPLES', None)))
     p.set_defaults(func=cmd_bench)
 
-    from .reproduce import soft as reproduce_soft
     p = sub.add_parser('reproduce', help="small-scale reproductions of the papers' tables", formatter_class=fmt,
                        epilog=REPRODUCE_EXAMPLES, description='Train the paper\'s comparison at a scale this machine runs.')
     reproduce_sub = p.add_subparsers(dest='target', metavar='PAPER')
     reproduce_sub.required = True
-    reproduce_soft.add_arguments(reproduce_sub.add_parser(
-        'soft', help='SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST',
-        formatter_class=fmt, epilog=REPRODUCE_EXAMPLES))
-    p.set_defaults(func=lambda args: reproduce_soft.run(args))
+    for target, (module, help_text) in REPRODUCE_TARGETS.items():
+        module = importlib.import_module(module)
+        module.add_arguments(reproduce_sub.add_parser(target, help=help_text, formatter_class=fmt,
+                                                      epilog=getattr(module, 'EXAMPLES', REPRODUCE_EXAMPLES)))
+    p.set_defaults(func=cmd_reproduce)
 
     p = sub.add_parser('models', help='list registered models with parameter counts', formatter_class=fmt,
                        epilog=MODELS_EXAMPLES)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from structformer.bench.attention import add_attention_bench_arguments, build_layer, grid_for, run_attention_bench
+from structformer.bench.attention import add_arguments as add_attention_bench_arguments, build_layer, grid_for, run as run_attention_bench
 from structformer.bench.flops import counted_flops, linear_flops, softmax_flops
 
 

@@ -7,7 +7,7 @@ from structformer.bench import models as bench_models
 
 def _args(**overrides):
     parser = argparse.ArgumentParser()
-    bench_models.add_model_bench_arguments(parser)
+    bench_models.add_arguments(parser)
     args = parser.parse_args([])
     for key, value in overrides.items():
         setattr(args, key, value)
@@ -34,7 +34,7 @@ def test_report_has_ratios_to_vit_in_the_same_mode(tmp_path, monkeypatch, capsys
                 'infer_img_per_s': 2 * speed, 'train_peak_mib_over_baseline': 10.0, 'threads': 1}
     monkeypatch.setattr(bench_models, 'measure_in_subprocess', fake)
     out = tmp_path / 'models.json'
-    assert bench_models.run_model_bench(_args(rounds=1, output=str(out))) == 0
+    assert bench_models.run(_args(rounds=1, output=str(out))) == 0
     rows = {r['label']: r for r in json.loads(out.read_text())['rows']}
     assert rows['CRATE-T']['train_ratio'] == 0.8 and rows['CRATE-T, compiled']['train_ratio'] == 0.8
     assert rows['ViT-T (timm), compiled']['train_ratio'] == 1.0

@@ -42,7 +42,7 @@ QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head al
 GOAL_MEMORY_SLACK = 1.25                     # (a) passes at <= 1.25 × token ratio (20 at 16×)
 GOAL_SPEEDUP = 40.0                          # (b) SDPA / SOFT forward time at the largest n
 
-ATTENTION_EXAMPLES = """examples:
+EXAMPLES = """examples:
   structformer bench attention                                  # 784×{1,2,4,8,16} tokens, all attentions
   structformer bench attention --multipliers 1 2 4 --attn softmax soft --output out/attention.json
   structformer bench attention --base-tokens 64 --multipliers 1 4 --repeats 1   # a quick smoke run
@@ -53,7 +53,7 @@ SOFT Fig. 1b). FLOPs: 'counted' = torch FlopCounterMode (matmul/conv only, multi
 'core' = counted minus the qkv/proj Linear layers, 'analytic' = closed form (SOFT §3 complexity)."""
 
 
-def add_attention_bench_arguments(p):
+def add_arguments(p):
     p.add_argument('--attn', nargs='+', default=list(DEFAULT_ATTENTIONS), metavar='NAME',
                    help=f"registered attention names (default: {' '.join(DEFAULT_ATTENTIONS)})")
     p.add_argument('--multipliers', nargs='+', type=int, default=[1, 2, 4, 8, 16], metavar='K',
@@ -374,7 +374,7 @@ def profile_forward(name, grid, args, top: int = 15) -> str:
     return prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=top, max_name_column_width=30)
 
 
-def run_attention_bench(args) -> int:
+def run(args) -> int:
     import torch
     _check_args(args)
     if args.threads:
@@ -400,5 +400,5 @@ def run_attention_bench(args) -> int:
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_attention_bench_arguments(parser)
-    sys.exit(run_attention_bench(parser.parse_args()))
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -20,9 +20,12 @@ CANDIDATES = [
     ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}, False),
 ]
 MODES = ('eager', 'compiled')
+EXAMPLES = """examples:
+  structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
+  structformer bench models --batch-size 16 --img-size 224 --steps 5"""
 
 
-def add_model_bench_arguments(p):
+def add_arguments(p):
     p.add_argument('--batch-size', type=int, default=16)
     p.add_argument('--img-size', type=int, default=224)
     p.add_argument('--steps', type=int, default=5, help='timed steps per measurement (after 2 warm-up steps)')
@@ -98,7 +101,7 @@ def _plan(args):
     return plan
 
 
-def run_model_bench(args) -> int:
+def run(args) -> int:
     import torch
     for flag in ('batch_size', 'img_size', 'steps', 'rounds'):
         if getattr(args, flag) < 1:
