@@ -12,5 +12,11 @@ output [..., out]) and provides `to_dense()`, the [out, in] matrix it applies: t
 fast path against `F.linear(x, layer.to_dense(), layer.bias)`, and the analysis reads spectra from it.
 """
 from .base import StructuredLinear
+from .kronecker import KroneckerLinear
+from .masked import MaskedLinear
+from .monarch import MonarchLinear
+from .permutation import random_permutation, transpose_permutation
+from .permuted import PKLinear
 
-__all__ = ['StructuredLinear']
+__all__ = ['StructuredLinear', 'PKLinear', 'KroneckerLinear', 'MonarchLinear', 'MaskedLinear',
+           'random_permutation', 'transpose_permutation']

@@ -29,8 +29,12 @@ class StructuredLinear(nn.Module):
         """The [out_features, in_features] weight this layer applies."""
         raise NotImplementedError(f"{type(self).__name__} must implement to_dense()")
 
+    def dense_bias(self) -> Optional[torch.Tensor]:
+        """The [out_features] bias this layer adds (layers that share a bias across blocks expand it)."""
+        return self.bias
+
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.to_dense(), self.bias)
+        return F.linear(x, self.to_dense(), self.dense_bias())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_reference(x)

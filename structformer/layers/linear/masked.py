@@ -1,0 +1,76 @@
+"""SW-MLP's static sparse weight (Mixer paper, App. A.2.5, Eq. S.16–S.17): M ⊙ W with M a frozen
+Bernoulli(p) mask drawn once before training.
+
+The mask is a bool buffer (saved, and regenerated from `seed`); entries of W off the mask start at
+zero and get zero gradient, so no optimiser (weight decay included) ever moves them. Kept entries start
+N(0, 1/(p·in_features)): the paper's mask value 1/√p times N(0, 1/in) (§4.3), i.e. an init scaled to
+the kept fan-in. The layer stores the dense [out, in] weight: this is what makes SW-MLP's memory grow
+as m² (Table S.3), so a large one warns with its byte count before allocating.
+"""
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import StructuredLinear
+
+__all__ = ['MaskedLinear', 'masked_linear_bytes']
+
+WARN_BYTES = 1 << 30
+
+
+def masked_linear_bytes(in_features: int, out_features: int, bytes_per_weight: int = 4) -> int:
+    """Bytes of a MaskedLinear's dense weight and bool mask (bias ignored)."""
+    return in_features * out_features * (bytes_per_weight + 1)
+
+
+class MaskedLinear(StructuredLinear):
+    """x ↦ (M ⊙ W) x + b with M ~ Bernoulli(density) frozen.
+
+    Args:
+        density: p ∈ (0, 1], the expected fraction of kept weights (the paper's 1 − sparsity).
+        seed: seeds the mask, so the same layer is rebuilt exactly.
+        warn_bytes: warn (with the byte count) when weight + mask exceed this many bytes.
+    """
+
+    def __init__(self, in_features: int, out_features: int, density: float = 1.0, bias: bool = True, seed: int = 0,
+                 warn_bytes: int = WARN_BYTES, device=None, dtype=None):
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+            raise ValueError(f"MaskedLinear density must be in (0, 1] (the kept fraction p), got {density!r}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        bytes_needed = masked_linear_bytes(in_features, out_features,
+                                           torch.empty((), dtype=dtype).element_size())
+        if bytes_needed > warn_bytes:
+            warnings.warn(f"MaskedLinear {out_features}x{in_features} stores a dense weight and mask: "
+                          f"{bytes_needed:,} bytes ({bytes_needed / 2**30:.1f} GiB)", ResourceWarning, stacklevel=2)
+        self.density, self.seed = float(density), int(seed)
+        generator = torch.Generator().manual_seed(self.seed)
+        mask = torch.rand(out_features, in_features, generator=generator) < self.density
+        self.register_buffer('mask', mask.to(device))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.weight, std=1 / math.sqrt(self.density * self.in_features))
+            self.weight.mul_(self.mask)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.mask, self.bias)
+
+    def to_dense(self) -> torch.Tensor:
+        return self.weight * self.mask
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        # entry by entry, without the mask product: the kept weights gathered, summed per output row
+        rows, cols = self.mask.nonzero(as_tuple=True)
+        out = x.new_zeros(*x.shape[:-1], self.out_features)
+        out = out.index_add(-1, rows, x[..., cols] * self.weight[rows, cols])
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f', density={self.density}'

@@ -1,0 +1,104 @@
+"""Monarch matrices M = P_out L P R (Dao et al. 2022; the linear S-Mixer is one, Mixer paper Cor. 3.4).
+
+R is block-diagonal with b blocks [q, p] (p = in/b), L block-diagonal with b blocks [s, q] (s = out/b),
+P the transpose shuffle of the middle vector viewed as [b, q] (→ [q, b], re-cut into b chunks of q), and
+P_out the transpose shuffle of the output viewed as [b, s]. With in = out = n and b = √n this is the
+square Monarch of the paper (p = q = s = b) and `MonarchLinear.from_dense` projects any n×n matrix onto
+it: entry (j·b + l', k·b + l) equals L[l'][j, k]·R[k][l', l], so each (l', k) slice is rank one and its
+best rank-one SVD approximation is the Frobenius-optimal projection.
+
+The forward is two batched matmuls with the shuffle between; `to_dense` builds the same matrix from
+block_diag and index permutations, independently of the forward, for the tests.
+"""
+import math
+
+import torch
+from torch import nn
+
+from .base import StructuredLinear
+
+__all__ = ['MonarchLinear']
+
+
+class MonarchLinear(StructuredLinear):
+    """x ↦ P_out L P R x + b.
+
+    Args:
+        nblocks: b, the block count of both factors; must divide in_features and out_features.
+        The middle width is b·q with q = min(in/b, out/b) (the cheaper side; flash-attn's choice too).
+    """
+
+    def __init__(self, in_features: int, out_features: int, nblocks: int = 4, bias: bool = True, device=None,
+                 dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if isinstance(nblocks, bool) or not isinstance(nblocks, int) or nblocks < 1:
+            raise ValueError(f"MonarchLinear nblocks must be a positive integer, got {nblocks!r}")
+        for name, size in (('in_features', in_features), ('out_features', out_features)):
+            if size % nblocks:
+                raise ValueError(f"MonarchLinear nblocks={nblocks} must divide {name}={size} "
+                                 f"(divisors near it: {_divisors_near(size, nblocks)})")
+        self.nblocks = nblocks
+        p, s = in_features // nblocks, out_features // nblocks
+        q = min(p, s)
+        self.block_sizes = (p, q, s)
+        self.weight_right = nn.Parameter(torch.empty(nblocks, q, p, device=device, dtype=dtype))   # R
+        self.weight_left = nn.Parameter(torch.empty(nblocks, s, q, device=device, dtype=dtype))    # L
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        p, q, _ = self.block_sizes
+        # each factor N(0, 1/fan_in) of its own blocks: the product keeps unit gain like a dense init
+        nn.init.normal_(self.weight_right, std=1 / math.sqrt(p))
+        nn.init.normal_(self.weight_left, std=1 / math.sqrt(q))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"MonarchLinear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        b, (p, q, s) = self.nblocks, self.block_sizes
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, b, p).transpose(0, 1)                        # [b, N, p]
+        mid = torch.bmm(rows, self.weight_right.transpose(1, 2))          # R: [b, N, q]
+        # P: the middle [b, q] read as [q, b] and cut again into b chunks of q
+        mid = mid.permute(1, 2, 0).reshape(-1, b, q).transpose(0, 1)      # [b, N, q]
+        out = torch.bmm(mid, self.weight_left.transpose(1, 2))            # L: [b, N, s]
+        out = out.permute(1, 2, 0).reshape(*lead, self.out_features)      # P_out: [b, s] read as [s, b]
+        return out if self.bias is None else out + self.bias
+
+    def to_dense(self) -> torch.Tensor:
+        b, (p, q, s) = self.nblocks, self.block_sizes
+        right = torch.block_diag(*self.weight_right)                      # [b·q, b·p]
+        left = torch.block_diag(*self.weight_left)                        # [b·s, b·q]
+        middle_shuffle = torch.arange(b * q, device=right.device).view(b, q).t().reshape(-1)
+        out_shuffle = torch.arange(b * s, device=right.device).view(b, s).t().reshape(-1)
+        return (left @ right[middle_shuffle])[out_shuffle]
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bias=None) -> 'MonarchLinear':
+        """The square Monarch (b = √n) nearest to an n×n `weight` in Frobenius norm."""
+        if weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+            raise ValueError(f"MonarchLinear.from_dense needs a square [n, n] weight, got {tuple(weight.shape)}")
+        n = weight.shape[0]
+        b = math.isqrt(n)
+        if b * b != n:
+            raise ValueError(f"MonarchLinear.from_dense needs n to be a perfect square (b = √n blocks), got n={n}")
+        layer = cls(n, n, nblocks=b, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        # W[(j, l'), (k, l)] = L[l'][j, k] · R[k][l', l]: one rank-one b×b slice per (l', k)
+        slices = weight.detach().reshape(b, b, b, b).permute(1, 2, 0, 3)    # [l', k, j, l]
+        u, sigma, vh = torch.linalg.svd(slices)
+        root = sigma[..., 0].sqrt()
+        with torch.no_grad():
+            layer.weight_left.copy_((u[..., :, 0] * root[..., None]).permute(0, 2, 1))   # L[l'][j, k]
+            layer.weight_right.copy_((vh[..., 0, :] * root[..., None]).permute(1, 0, 2))  # R[k][l', l]
+            if bias is not None:
+                layer.bias.copy_(bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f', nblocks={self.nblocks}'
+
+
+def _divisors_near(size: int, target: int):
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    return sorted(divisors, key=lambda d: abs(d - target))[:4]

@@ -1,0 +1,219 @@
+"""Structured linear layers of the Mixer family against materialised matrices (Mixer paper Eq. 6–10,
+Prop. 3.2, Def. 5.1; Monarch), in float64 where two code paths are compared."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from structformer.layers.linear import KroneckerLinear, MaskedLinear, MonarchLinear, PKLinear
+from structformer.layers.linear.permutation import (check_permutation, permute_features, permute_features_reference,
+                                                    random_permutation, transpose_permutation)
+
+D = torch.float64
+
+
+def permutation_matrix(perm: torch.Tensor) -> torch.Tensor:
+    """The m×m matrix J with (Jx)[i] = x[perm[i]] -- only the tests ever build one."""
+    m = perm.numel()
+    J = torch.zeros(m, m, dtype=D)
+    J[torch.arange(m), perm] = 1
+    return J
+
+
+def vec(X: torch.Tensor) -> torch.Tensor:
+    """The paper's column-major vec."""
+    return X.t().reshape(-1)
+
+
+def test_vec_kronecker_identity_and_mixing_forms():
+    """vec(WXV) = (Vᵀ⊗W) vec X (Eq. 6); token mixing I_C⊗W, channel mixing Vᵀ⊗I_S = J_cᵀ(I_S⊗Vᵀ)J_c (Eq. 9–10)."""
+    torch.manual_seed(0)
+    S, C = 5, 3
+    X, W, V = torch.randn(S, C, dtype=D), torch.randn(S, S, dtype=D), torch.randn(C, C, dtype=D)
+    torch.testing.assert_close(vec(W @ X @ V), torch.kron(V.t().contiguous(), W) @ vec(X))
+    torch.testing.assert_close(vec(W @ X), torch.kron(torch.eye(C, dtype=D), W) @ vec(X))
+    Jc = permutation_matrix(transpose_permutation(C, S))     # vec(X) = [C, S] row-major -> vec(Xᵀ)
+    torch.testing.assert_close(Jc @ vec(X), vec(X.t()))
+    torch.testing.assert_close(torch.kron(V.t().contiguous(), torch.eye(S, dtype=D)),
+                               Jc.t() @ torch.kron(torch.eye(S, dtype=D), V.t().contiguous()) @ Jc)
+
+
+def test_proposition_3_2_s_mixer_is_a_sparse_wide_mlp():
+    """vec(φ(φ(WX)V)) = φ(J_cᵀ(I_S⊗Vᵀ)J_c φ((I_C⊗W) vec X)), every matrix materialised."""
+    torch.manual_seed(1)
+    S, C = 4, 6
+    X, W, V = torch.randn(S, C, dtype=D), torch.randn(S, S, dtype=D), torch.randn(C, C, dtype=D)
+    phi = F.gelu
+    Jc = permutation_matrix(transpose_permutation(C, S))
+    wide = phi(Jc.t() @ torch.kron(torch.eye(S, dtype=D), V.t().contiguous()) @ Jc
+               @ phi(torch.kron(torch.eye(C, dtype=D), W) @ vec(X)))
+    torch.testing.assert_close(wide, vec(phi(phi(W @ X) @ V)))
+    # the non-zero fractions of §4.1: 1/C for token mixing, 1/S for channel mixing
+    assert (torch.kron(torch.eye(C, dtype=D), W) != 0).double().mean().item() == pytest.approx(1 / C)
+    assert (torch.kron(torch.eye(S, dtype=D), V.t().contiguous()) != 0).double().mean().item() == pytest.approx(1 / S)
+
+
+def test_pk_layer_with_transpose_is_token_mixing():
+    """PK_W(x; J_c, J_cᵀ) on the row-major table x = X.flatten() is (W X).flatten() (Eq. S.10–S.11)."""
+    torch.manual_seed(2)
+    S, C, S_out = 5, 3, 7
+    layer = PKLinear(C, S, S_out, 'transpose', 'transpose', bias=False).double()
+    X = torch.randn(2, S, C, dtype=D)
+    torch.testing.assert_close(layer(X.reshape(2, -1)), (layer.weight @ X).reshape(2, -1))
+    channel = PKLinear(S, C, C, 'identity', 'identity', bias=True).double()
+    torch.testing.assert_close(channel(X.reshape(2, -1)), F.linear(X, channel.weight, channel.bias).reshape(2, -1))
+
+
+def test_pk_dense_matches_definition_5_1():
+    torch.manual_seed(3)
+    layer = PKLinear(4, 3, 5, 'random', 'random', seed=7).double()
+    J1, J2 = permutation_matrix(layer.perm_in), permutation_matrix(layer.perm_out)
+    expected = J2 @ torch.kron(torch.eye(4, dtype=D), layer.weight.detach()) @ J1
+    torch.testing.assert_close(layer.to_dense(), expected)
+
+
+def _layers():
+    return [
+        ('pk-identity', lambda: PKLinear(3, 4, 5)),
+        ('pk-transpose', lambda: PKLinear(3, 4, 4, 'transpose', 'transpose')),
+        ('pk-random', lambda: PKLinear(3, 4, 6, 'random', 'random', seed=1)),
+        ('pk-explicit', lambda: PKLinear(2, 3, 3, torch.tensor([5, 0, 3, 1, 4, 2]), 'transpose')),
+        ('kronecker', lambda: KroneckerLinear((3, 4), (5, 2))),
+        ('monarch-square', lambda: MonarchLinear(16, 16, nblocks=4)),
+        ('monarch-rect', lambda: MonarchLinear(12, 18, nblocks=3)),
+        ('monarch-wide-blocks', lambda: MonarchLinear(24, 8, nblocks=2)),
+        ('masked', lambda: MaskedLinear(10, 7, density=0.3, seed=2)),
+    ]
+
+
+@pytest.mark.parametrize('name,make', _layers(), ids=[n for n, _ in _layers()])
+def test_fast_path_equals_dense_reference_outputs_and_gradients(name, make):
+    torch.manual_seed(4)
+    layer = make().double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)        # non-zero biases too
+    x = torch.randn(2, 3, layer.in_features, dtype=D, requires_grad=True)
+    grad_out = torch.randn(2, 3, layer.out_features, dtype=D)
+    results = []
+    for forward in (layer.forward, layer.forward_reference):
+        layer.zero_grad()
+        x.grad = None
+        y = forward(x)
+        y.backward(grad_out)
+        results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+    (y1, gx1, gp1), (y2, gx2, gp2) = results
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(gx1, gx2)
+    for a, b in zip(gp1, gp2):
+        torch.testing.assert_close(a, b)
+    assert y1.shape == (2, 3, layer.out_features)
+
+
+def test_permute_features_gradcheck_and_reference():
+    torch.manual_seed(5)
+    perm = random_permutation(7, seed=3)
+    x = torch.randn(3, 7, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: permute_features(t, perm), (x,))
+    g = torch.randn(3, 7, dtype=D)
+    a, = torch.autograd.grad(permute_features(x, perm), x, g)
+    b, = torch.autograd.grad(permute_features_reference(x, perm), x, g)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(permute_features(x, perm), x[:, perm])
+
+
+def test_monarch_projection_recovers_a_monarch_and_is_locally_optimal():
+    torch.manual_seed(6)
+    source = MonarchLinear(16, 16, nblocks=4, bias=False).double()
+    projected = MonarchLinear.from_dense(source.to_dense())
+    torch.testing.assert_close(projected.to_dense(), source.to_dense())
+    dense = torch.randn(16, 16, dtype=D)
+    best = MonarchLinear.from_dense(dense)
+    error = (best.to_dense() - dense).norm()
+    assert error < dense.norm()
+    for _ in range(10):                               # no nearby Monarch is closer
+        other = MonarchLinear.from_dense(dense)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(torch.randn_like(p) * 1e-2)
+        assert (other.to_dense() - dense).norm() >= error - 1e-12
+
+
+def test_masked_linear_masked_entries_never_change_in_training():
+    torch.manual_seed(7)
+    layer = MaskedLinear(20, 12, density=0.25, seed=3)
+    off = ~layer.mask
+    assert 0.1 < layer.mask.float().mean().item() < 0.4
+    assert (layer.weight[off] == 0).all()
+    # init scaled to the kept fan-in: kept entries have variance 1/(p·in)
+    kept = layer.weight[layer.mask]
+    assert kept.std().item() == pytest.approx(1 / math.sqrt(0.25 * 20), rel=0.35)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.5)
+    for _ in range(5):
+        opt.zero_grad()
+        layer(torch.randn(8, 20)).square().sum().backward()
+        assert (layer.weight.grad[off] == 0).all()
+        opt.step()
+    assert (layer.weight[off] == 0).all()
+    assert (layer.weight[layer.mask] != kept).any()          # the kept ones did train
+
+
+def test_masked_linear_warns_with_the_byte_count():
+    with pytest.warns(ResourceWarning, match=r'4,000 bytes'):
+        MaskedLinear(20, 40, density=0.5, warn_bytes=1000)    # 800 weights × (4 + 1) bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        MaskedLinear(20, 40, density=0.5)
+
+
+def test_seeded_layers_rebuild_exactly():
+    a, b = PKLinear(3, 4, 4, 'random', 'random', seed=9), PKLinear(3, 4, 4, 'random', 'random', seed=9)
+    assert torch.equal(a.perm_in, b.perm_in) and torch.equal(a.perm_out, b.perm_out)
+    assert not torch.equal(a.perm_in, PKLinear(3, 4, 4, 'random', 'random', seed=10).perm_in)
+    assert torch.equal(MaskedLinear(9, 9, 0.3, seed=1).mask, MaskedLinear(9, 9, 0.3, seed=1).mask)
+
+
+def test_loaded_permutations_win_and_bad_ones_are_refused():
+    torch.manual_seed(8)
+    source, target = PKLinear(3, 4, 4, 'random', 'random', seed=1), PKLinear(3, 4, 4, 'random', 'random', seed=2)
+    target.load_state_dict(source.state_dict())
+    x = torch.randn(2, 12)
+    torch.testing.assert_close(target(x), source(x))
+    state = dict(source.state_dict(), perm_in=torch.zeros(12, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match='not a permutation'):
+        target.load_state_dict(state)
+    identity = PKLinear(3, 4, 4)
+    with pytest.raises(RuntimeError, match="another permutation than this layer's 'identity'"):
+        identity.load_state_dict(source.state_dict())
+
+
+@pytest.mark.parametrize('make,match', [
+    (lambda: PKLinear(2, 3, 3, torch.arange(5)), 'length 6'),
+    (lambda: PKLinear(2, 3, 3, torch.tensor([0, 1, 2, 3, 4, 4])), r'not a permutation: index\(es\) \[4\] repeat'),
+    (lambda: PKLinear(2, 3, 3, torch.tensor([0, 1, 2, 3, 4, 6])), r'indices in \[0, 5\]'),
+    (lambda: PKLinear(2, 3, 3, torch.rand(6)), 'integer index vector'),
+    (lambda: PKLinear(2, 3, 3, 'shuffle'), "'identity', 'transpose', 'random'"),
+    (lambda: PKLinear(0, 3, 3), 'num_blocks must be a positive integer'),
+    (lambda: MaskedLinear(4, 4, density=0.0), r'density must be in \(0, 1\]'),
+    (lambda: MaskedLinear(4, 4, density=1.5), r'density must be in \(0, 1\]'),
+    (lambda: MonarchLinear(12, 16, nblocks=5), 'nblocks=5 must divide in_features=12'),
+    (lambda: MonarchLinear(12, 10, nblocks=4), 'nblocks=4 must divide out_features=10'),
+    (lambda: MonarchLinear.from_dense(torch.randn(12, 12)), 'perfect square'),
+    (lambda: KroneckerLinear((3,), (2, 2)), 'in_shape must be two positive integers'),
+])
+def test_bad_arguments_give_one_clear_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_wrong_input_width_is_named():
+    with pytest.raises(ValueError, match=r'inputs \[\.\.\., 12\] \(num_blocks 3 × block_in 4\)'):
+        PKLinear(3, 4, 4)(torch.randn(2, 10))
+    with pytest.raises(ValueError, match=r'MonarchLinear expects inputs \[\.\.\., 16\]'):
+        MonarchLinear(16, 16, nblocks=4)(torch.randn(2, 15))
+
+
+def test_check_permutation_accepts_lists():
+    assert check_permutation([2, 0, 1], 3).tolist() == [2, 0, 1]
