@@ -1,7 +1,8 @@
 """Importing this registers every structformer model with timm; `factory` is the one way to build one."""
 from ._registry import list_structformer_models, register_model
 from .crate import CRATE, CrateBlock
-from . import soft
+from . import mixer, soft
 from .soft import SoftNet
 from .factory import ModelRecipe, build_model, rebuild
 from .transforms import TRANSFORMS, register_transform
+from ..lowrank import transform as _lowrank_transform  # noqa: F401,E402  (registers the 'factorize' transform)

@@ -1,0 +1,404 @@
+"""MLP-Mixer as a wide sparse MLP (Hayase & Karakida 2024): MLP-Mixer, S-Mixer, RP-Mixer and SW-MLP
+built from the structured layers of `layers/linear/`.
+
+`SparseMixer` covers four models of App. A.2 with two switches:
+  mlp_ratio   γ: MLP-Mixer blocks f(X) = φ(XW₁ᵀ)W₂ᵀ (Eq. S.2, S.5–S.6); None: S-Mixer blocks f(X) = φ(XWᵀ)
+              (Eq. S.3, S.7–S.8, LN and skip kept as the paper does)
+  permutation 'mixer': token mixing J₁ = J_c, J₂ = J_cᵀ (Eq. S.10–S.12); 'random': fresh, frozen random
+              J₁, J₂ per token-mixing layer (RP, Eq. S.13; channel mixing keeps I, I as S.12 writes it,
+              `rp_channels=True` permutes it too)
+The per-patch FC (Eq. S.1) maps C₀ = in_chans·P² to C; the token count S is free of the patch grid S₀
+(App. A.1): the first token-mixing block maps S₀ → S and adds SkipLayer(X) = LN(W̃X) (Eq. S.14–S.15)
+instead of X, used whenever S ≠ S₀ (or `skip_layer=True`, as the paper does in its S sweeps).
+
+`SWMLP` is the static sparse-weight MLP (Eq. S.16–S.17) on the flattened token table, m = S₀·C.
+"""
+from functools import partial
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from timm.layers import DropPath, PatchEmbed, to_2tuple
+from timm.models import generate_default_cfgs
+from timm.models._features import feature_take_indices
+from torch import nn
+
+from ..layers.linear import MaskedLinear, PKLinear
+from ._registry import register_model
+from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
+
+__all__ = ['SparseMixer', 'SWMLP', 'PKMixing', 'SparseMixerBlock']
+
+PERMUTATIONS = ('mixer', 'random')
+
+
+class PKMixing(nn.Module):
+    """One mixing MLP as PK layers on the flattened table: J₂ (I⊗W₂) φ((I⊗W₁) J₁ x) (hidden given), or
+    φ(J₂ (I⊗W) J₁ x) for S-Mixer (hidden None; Eq. S.3 puts φ on the single layer's output)."""
+
+    def __init__(self, num_blocks: int, block_in: int, block_out: int, hidden: Optional[int], perm_in, perm_out,
+                 seed: int, act_layer=nn.GELU, drop: float = 0.):
+        super().__init__()
+        if hidden is None:
+            self.fc1 = PKLinear(num_blocks, block_in, block_out, perm_in, perm_out, seed=seed)
+            self.fc2 = None
+        else:
+            self.fc1 = PKLinear(num_blocks, block_in, hidden, perm_in, 'identity', seed=seed)
+            self.fc2 = PKLinear(num_blocks, hidden, block_out, 'identity', perm_out, seed=seed + 2)
+        self.act = act_layer()
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.act(self.fc1(x)))
+        return x if self.fc2 is None else self.drop(self.fc2(x))
+
+
+class SparseMixerBlock(nn.Module):
+    """U = skip(X) + Mat∘PK-mixing(LN(X)) over tokens, Y = U + Mat∘PK-mixing(LN(U)) over channels.
+
+    X is [B, S_in, C]; token mixing sees it flattened row-major (x = vec(Xᵀ) in the paper's notation),
+    so J_c ('transpose') groups each channel's S_in tokens into one block.
+    """
+
+    def __init__(self, tokens_in: int, tokens: int, channels: int, token_hidden: Optional[int],
+                 channel_hidden: Optional[int], permutation: str = 'mixer', rp_channels: bool = False,
+                 skip_layer: bool = False, seed: int = 0, act_layer=nn.GELU, norm_layer=nn.LayerNorm,
+                 drop: float = 0., drop_path: float = 0.):
+        super().__init__()
+        self.tokens_in, self.tokens, self.channels = tokens_in, tokens, channels
+        random = permutation == 'random'
+        self.norm1 = norm_layer(channels)
+        self.mlp_tokens = PKMixing(channels, tokens_in, tokens, token_hidden,
+                                   'random' if random else 'transpose', 'random' if random else 'transpose',
+                                   seed=seed, act_layer=act_layer, drop=drop)
+        if skip_layer:
+            # SkipLayer(X) = LN(W̃X), W̃ ∈ R^{S×S₀} (Eq. S.15), applied to every channel
+            self.skip = PKLinear(channels, tokens_in, tokens, 'transpose', 'transpose', seed=seed, bias=False)
+            self.skip_norm = norm_layer(channels)
+        else:
+            if tokens_in != tokens:
+                raise ValueError(f"a Mixer block that maps {tokens_in} tokens to {tokens} needs skip_layer=True "
+                                 "(Eq. S.14–S.15)")
+            self.skip = self.skip_norm = None
+        self.norm2 = norm_layer(channels)
+        channel_perm = 'random' if random and rp_channels else 'identity'
+        self.mlp_channels = PKMixing(tokens, channels, channels, channel_hidden, channel_perm, channel_perm,
+                                     seed=seed + 4, act_layer=act_layer, drop=drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        mixed = self.mlp_tokens(self.norm1(x).reshape(batch, -1)).reshape(batch, self.tokens, self.channels)
+        shortcut = x if self.skip is None else self.skip_norm(
+            self.skip(x.reshape(batch, -1)).reshape(batch, self.tokens, self.channels))
+        x = shortcut + self.drop_path(mixed)
+        mixed = self.mlp_channels(self.norm2(x).reshape(batch, -1)).reshape(batch, self.tokens, self.channels)
+        return x + self.drop_path(mixed)
+
+
+def _hidden(ratio: Optional[float], explicit: Optional[int], width: int) -> Optional[int]:
+    if explicit is not None:
+        return int(explicit)
+    return None if ratio is None else max(1, int(round(ratio * width)))
+
+
+class _PatchTableModel(StructuredModel):
+    """What Mixer and SW-MLP share: the per-patch FC stem (Eq. S.1) and the grid checks."""
+    num_prefix_tokens = 0
+    feature_modules = 'blocks'
+
+    def _stem(self, img_size, patch_size, in_chans, embed_dim):
+        # timm's PatchEmbed: a P×P stride-P conv is the per-patch FC C₀ = in_chans·P² → C
+        self.stem = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        self.in_chans, self.patch_tokens = in_chans, self.stem.num_patches
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        expected = (self.in_chans, *self.stem.img_size)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            raise ValueError(f"{type(self).__name__} expects images [B, {expected[0]}, {expected[1]}, {expected[2]}] "
+                             f"(in_chans={expected[0]}, img_size={expected[1:]}), got {tuple(x.shape)}")
+
+
+class SparseMixer(_PatchTableModel):
+    """MLP-Mixer / S-Mixer / RP-Mixer (App. A.2) as a timm classifier.
+
+    Args:
+        num_tokens: S (default: the patch count S₀); embed_dim: C; depth: L blocks.
+        mlp_ratio: γ, one number or (γ_tokens, γ_channels); hidden widths γS and γC (the paper's
+            convention); None builds S-Mixer blocks. token_mlp_dim / channel_mlp_dim override the
+            hidden widths directly (timm's MlpMixer uses 0.5·C and 4·C).
+        permutation: 'mixer' (J_c) or 'random' (RP); rp_channels: also permute channel mixing;
+        perm_seed: seeds every layer's permutations (layer ℓ draws its own from it).
+        skip_layer: None = only when S ≠ S₀; True = always (as in the paper's S sweeps).
+    """
+
+    def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, num_tokens: Optional[int] = None,
+                 embed_dim=64, depth=8, mlp_ratio: Union[None, float, Sequence[float]] = None,
+                 token_mlp_dim: Optional[int] = None, channel_mlp_dim: Optional[int] = None,
+                 permutation: str = 'mixer', rp_channels: bool = False, perm_seed: int = 0,
+                 skip_layer: Optional[bool] = None, norm_eps: float = 1e-5, drop_rate: float = 0.,
+                 proj_drop_rate: float = 0., drop_path_rate: float = 0., global_pool: str = 'avg'):
+        super().__init__()
+        if permutation not in PERMUTATIONS:
+            raise ValueError(f"permutation={permutation!r}: accepted 'mixer' (J_c, the Mixer) or 'random' (RP-Mixer)")
+        if global_pool not in ('avg', ''):
+            raise ValueError(f"global_pool={global_pool!r}: a Mixer has no cls token; accepted 'avg' or ''")
+        self.num_classes, self.global_pool = num_classes, check_global_pool(global_pool)
+        self._stem(img_size, patch_size, in_chans, embed_dim)
+        tokens = self.patch_tokens if num_tokens is None else int(num_tokens)
+        if tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
+        ratios = mlp_ratio if isinstance(mlp_ratio, (tuple, list)) else (mlp_ratio, mlp_ratio)
+        self.num_tokens, self.permutation = tokens, permutation
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        skip_first = (tokens != self.patch_tokens) if skip_layer is None else bool(skip_layer)
+        norm_layer = partial(nn.LayerNorm, eps=norm_eps)
+        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
+        self.blocks = nn.ModuleList([
+            SparseMixerBlock(self.patch_tokens if i == 0 else tokens, tokens, embed_dim,
+                             _hidden(ratios[0], token_mlp_dim, tokens), _hidden(ratios[1], channel_mlp_dim, embed_dim),
+                             permutation=permutation, rp_channels=rp_channels, skip_layer=skip_first and i == 0,
+                             seed=int(perm_seed) * 1000 + 10 * i, norm_layer=norm_layer, drop=proj_drop_rate,
+                             drop_path=dpr[i])
+            for i in range(depth)])
+        self.norm = norm_layer(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        reduction = self.stem.patch_size[0]
+        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=reduction) for i in range(depth)]
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Mixing weights N(0, 1/fan_in), as §4.3 assumes (W ~ N(0, 1/S), V ~ N(0, 1/C)); biases zero;
+        the head zero, as timm's MlpMixer starts it."""
+        for module in self.modules():
+            if isinstance(module, PKLinear):
+                nn.init.normal_(module.weight, std=module.block_in ** -0.5)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        if isinstance(self.head, nn.Linear):
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x = self.stem(x)
+        for block in self.blocks:
+            x = self.run_block(block, x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == 'avg':
+            x = x.mean(dim=1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False):
+        """timm's feature interface: block outputs as [B, C, H, W] on the patch grid ('NCHW', only when
+        S = S₀: a table of S ≠ S₀ tokens has no grid) or [B, S, C] ('NLC')."""
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
+        if output_fmt == 'NCHW' and self.num_tokens != self.patch_tokens:
+            raise ValueError(f"output_fmt='NCHW' needs num_tokens == the patch count ({self.patch_tokens}); this "
+                             f"model mixes {self.num_tokens} tokens, use output_fmt='NLC'")
+        self._check_input(x)
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        x = self.stem(x)
+        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
+        intermediates = []
+        for i, block in enumerate(blocks):
+            x = self.run_block(block, x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        if output_fmt == 'NCHW':
+            h, w = self.stem.grid_size
+            intermediates = [y.reshape(y.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        return intermediates if intermediates_only else (self.norm(x), intermediates)
+
+
+class SWMLP(_PatchTableModel):
+    """Static sparse-weight MLP (App. A.2.5): per-patch FC, vectorisation (m = S₀·C), L blocks
+    x ↦ x + φ((M⊙W) LN(x)) (Eq. S.16; with mlp_ratio γ: x ↦ x + φ((M₂⊙W₂) φ((M₁⊙W₁) LN(x))), Eq. S.17),
+    then LN and the FC classifier (our LN before the head mirrors the Mixers' final norm).
+
+    Args: density p ∈ (0, 1] of every mask; mask_seed seeds them (layer ℓ its own).
+    """
+
+    def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=16, depth=3,
+                 density: float = 0.1, mlp_ratio: Optional[float] = None, mask_seed: int = 0, norm_eps: float = 1e-5,
+                 drop_rate: float = 0., global_pool: str = 'avg'):
+        super().__init__()
+        if global_pool not in ('avg', ''):
+            raise ValueError(f"global_pool={global_pool!r}: SW-MLP classifies its flat vector; accepted 'avg' or ''")
+        self.num_classes, self.global_pool = num_classes, global_pool
+        self._stem(img_size, patch_size, in_chans, embed_dim)
+        self.embed_dim = embed_dim
+        width = self.patch_tokens * embed_dim
+        self.width = self.num_features = self.head_hidden_size = width
+        hidden = None if mlp_ratio is None else max(1, int(round(mlp_ratio * width)))
+        self.blocks = nn.ModuleList([
+            _SparseWeightBlock(width, hidden, density, seed=int(mask_seed) * 1000 + 10 * i, norm_eps=norm_eps)
+            for i in range(depth)])
+        self.norm = nn.LayerNorm(width, eps=norm_eps)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(width, num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=self.stem.patch_size[0])
+                             for i in range(depth)]
+        if isinstance(self.head, nn.Linear):
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x = self.stem(x).flatten(1)
+        for block in self.blocks:
+            x = self.run_block(block, x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward_intermediates(self, x: torch.Tensor, indices=None, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = 'NCHW', intermediates_only: bool = False):
+        """Block outputs, the flat m-vector read back as the [S₀, C] table: [B, C, H, W] or [B, S₀, C]."""
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
+        self._check_input(x)
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        x = self.stem(x).flatten(1)
+        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
+        intermediates = []
+        for i, block in enumerate(blocks):
+            x = self.run_block(block, x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        tables = [y.reshape(y.shape[0], self.patch_tokens, self.embed_dim) for y in intermediates]
+        if output_fmt == 'NCHW':
+            h, w = self.stem.grid_size
+            tables = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in tables]
+        return tables if intermediates_only else (self.norm(x), tables)
+
+
+class _SparseWeightBlock(nn.Module):
+    def __init__(self, width: int, hidden: Optional[int], density: float, seed: int, norm_eps: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(width, eps=norm_eps)
+        out = width if hidden is None else hidden
+        self.fc1 = MaskedLinear(width, out, density=density, seed=seed)
+        self.fc2 = None if hidden is None else MaskedLinear(hidden, width, density=density, seed=seed + 1)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.fc1(self.norm(x)))
+        if self.fc2 is not None:
+            y = self.act(self.fc2(y))
+        return x + y
+
+
+# ---- registered models ------------------------------------------------------------------------
+def _cfg(**kwargs):
+    return model_cfg(first_conv='stem.proj', **kwargs)
+
+
+_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG)
+_MNIST = dict(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG)
+_CIFAR = dict(num_classes=10, input_size=(3, 32, 32), crop_pct=1.0)
+default_cfgs = generate_default_cfgs({
+    'mixer_digits.untrained': _cfg(**_DIGITS), 'rp_mixer_digits.untrained': _cfg(**_DIGITS),
+    'swmlp_digits.untrained': _cfg(**_DIGITS),
+    'smixer_mnist.untrained': _cfg(**_MNIST), 'rp_smixer_mnist.untrained': _cfg(**_MNIST),
+    'swmlp_mnist.untrained': _cfg(**_MNIST),
+    'smixer_cifar.untrained': _cfg(**_CIFAR), 'rp_smixer_cifar.untrained': _cfg(**_CIFAR),
+    'mixer_cifar.untrained': _cfg(**_CIFAR), 'rp_mixer_cifar.untrained': _cfg(**_CIFAR),
+    'swmlp_cifar.untrained': _cfg(test_input_size=(3, 16, 16), **_CIFAR),   # m = 3072: 113M weights at 32 px
+})
+
+
+def _mixer(variant, pretrained, defaults, kwargs):
+    return create_model(SparseMixer, variant, pretrained, default_out_indices=3, **dict(defaults, **kwargs))
+
+
+def _swmlp(variant, pretrained, defaults, kwargs):
+    return create_model(SWMLP, variant, pretrained, default_out_indices=3, **dict(defaults, **kwargs))
+
+
+_DIGITS_ARGS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10)      # S₀ = 16, C₀ = 4
+_MNIST_ARGS = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10)      # S₀ = 49, C₀ = 16
+_CIFAR_ARGS = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10)      # S₀ = 64, C₀ = 48 (App. C)
+
+
+@register_model
+def mixer_digits(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """MLP-Mixer on 8 px digits: S = S₀ = 16, C = 32, L = 4, γ = 2."""
+    return _mixer('mixer_digits', pretrained, dict(_DIGITS_ARGS, embed_dim=32, depth=4, mlp_ratio=2.0), kwargs)
+
+
+@register_model
+def rp_mixer_digits(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """RP MLP-Mixer on 8 px digits (Eq. S.13): as mixer_digits, token mixing between random permutations."""
+    return _mixer('rp_mixer_digits', pretrained,
+                  dict(_DIGITS_ARGS, embed_dim=32, depth=4, mlp_ratio=2.0, permutation='random'), kwargs)
+
+
+@register_model
+def swmlp_digits(pretrained: bool = False, **kwargs) -> SWMLP:
+    """SW-MLP on 8 px digits: m = 16·8 = 128, L = 2, p = 0.25."""
+    return _swmlp('swmlp_digits', pretrained, dict(_DIGITS_ARGS, embed_dim=8, depth=2, density=0.25), kwargs)
+
+
+@register_model
+def smixer_mnist(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """S-Mixer on 28 px MNIST: S = S₀ = 49 tokens, C = 48 channels (C ≈ S, the widest at its Ω), L = 4."""
+    return _mixer('smixer_mnist', pretrained, dict(_MNIST_ARGS, embed_dim=48, depth=4), kwargs)
+
+
+@register_model
+def rp_smixer_mnist(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """RP S-Mixer on 28 px MNIST, as smixer_mnist with random permutations."""
+    return _mixer('rp_smixer_mnist', pretrained,
+                  dict(_MNIST_ARGS, embed_dim=48, depth=4, permutation='random'), kwargs)
+
+
+@register_model
+def swmlp_mnist(pretrained: bool = False, **kwargs) -> SWMLP:
+    """SW-MLP on 28 px MNIST: m = 49·16 = 784, L = 4, p = 0.1."""
+    return _swmlp('swmlp_mnist', pretrained, dict(_MNIST_ARGS, embed_dim=16, depth=4, density=0.1), kwargs)
+
+
+@register_model
+def smixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """S-Mixer at the paper's CIFAR setting (App. C): patch 4, S₀ = 64, S = C = 64, 8 blocks."""
+    return _mixer('smixer_cifar', pretrained, dict(_CIFAR_ARGS, num_tokens=64, embed_dim=64, depth=8), kwargs)
+
+
+@register_model
+def rp_smixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """RP S-Mixer at the paper's CIFAR setting."""
+    return _mixer('rp_smixer_cifar', pretrained,
+                  dict(_CIFAR_ARGS, num_tokens=64, embed_dim=64, depth=8, permutation='random'), kwargs)
+
+
+@register_model
+def mixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """MLP-Mixer at the resource-table CIFAR setting (Table S.3): S = 64, C = 48, L = 3, γ = 2."""
+    return _mixer('mixer_cifar', pretrained, dict(_CIFAR_ARGS, num_tokens=64, embed_dim=48, depth=3, mlp_ratio=2.0),
+                  kwargs)
+
+
+@register_model
+def rp_mixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """RP MLP-Mixer at the resource-table CIFAR setting (Table S.3)."""
+    return _mixer('rp_mixer_cifar', pretrained, dict(_CIFAR_ARGS, num_tokens=64, embed_dim=48, depth=3,
+                                                     mlp_ratio=2.0, permutation='random'), kwargs)
+
+
+@register_model
+def swmlp_cifar(pretrained: bool = False, **kwargs) -> SWMLP:
+    """SW-MLP with the connections of the Table S.3 RP-Mixer: m = 64·48 = 3072, γ = 2, L = 3, and p matched to
+    its Ω (see `structformer.mixer.design`): 3072² · 2 · p = Ω."""
+    from ..mixer.design import omega, sw_density
+    density = sw_density(omega(64, 48, 2.0), 64 * 48, 2.0)
+    return _swmlp('swmlp_cifar', pretrained, dict(_CIFAR_ARGS, embed_dim=48, depth=3, mlp_ratio=2.0,
+                                                  density=density), kwargs)

@@ -1,0 +1,150 @@
+"""Mixer-family models: timm parity, the paper's block equations, RP permutations, reload, SW-MLP masks."""
+import json
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from timm.models.mlp_mixer import MlpMixer
+
+from structformer.cli import main
+from structformer.layers.linear import MaskedLinear, PKLinear
+from structformer.models.mixer import SparseMixer, SWMLP
+
+D = torch.float64
+
+
+def test_mixer_equals_timm_mlp_mixer_with_copied_weights():
+    """Our MLP-Mixer (PK layers, J_c token mixing) is timm's MlpMixer: same state-dict names, same outputs."""
+    torch.manual_seed(0)
+    reference = MlpMixer(img_size=32, patch_size=4, num_classes=10, embed_dim=24, num_blocks=2).double().eval()
+    ours = SparseMixer(img_size=32, patch_size=4, num_classes=10, embed_dim=24, depth=2,
+                       token_mlp_dim=12, channel_mlp_dim=96, norm_eps=1e-6).double().eval()
+    state = {k: v + 0.01 * torch.randn_like(v) for k, v in reference.state_dict().items()}   # non-zero head too
+    reference.load_state_dict(state)
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith(('perm_in', 'perm_out')) for k in missing)
+    x = torch.randn(3, 3, 32, 32, dtype=D)
+    torch.testing.assert_close(ours(x), reference(x))
+
+
+def _s_mixer_block_by_the_equations(block, X):
+    """Eq. S.7–S.8 written out: U = X + φ(W LN(X)), Y = U + φ(LN(U) Vᵀ), with W, V the PK layers' weights."""
+    W, bW = block.mlp_tokens.fc1.weight, block.mlp_tokens.fc1.bias
+    V, bV = block.mlp_channels.fc1.weight, block.mlp_channels.fc1.bias
+    U = X + F.gelu(W @ block.norm1(X) + bW[:, None])
+    return U + F.gelu(block.norm2(U) @ V.t() + bV)
+
+
+def test_s_mixer_block_follows_equations_s7_s8():
+    torch.manual_seed(1)
+    model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=6, depth=1, mlp_ratio=None).double()
+    block = model.blocks[0]
+    X = torch.randn(2, 16, 6, dtype=D)
+    torch.testing.assert_close(block(X), _s_mixer_block_by_the_equations(block, X))
+
+
+def test_first_block_maps_s0_to_s_with_the_skip_layer():
+    """S ≠ S₀: U = LN(W̃X) + φ(W LN(X)) (Eq. S.14–S.15), W ∈ R^{S×S₀}."""
+    torch.manual_seed(2)
+    model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=6, depth=2, num_tokens=10).double()
+    block = model.blocks[0]
+    assert block.skip is not None and model.blocks[1].skip is None
+    X = torch.randn(2, 16, 6, dtype=D)
+    W, bW = block.mlp_tokens.fc1.weight, block.mlp_tokens.fc1.bias
+    U = block.skip_norm(block.skip.weight @ X) + F.gelu(W @ block.norm1(X) + bW[:, None])
+    V, bV = block.mlp_channels.fc1.weight, block.mlp_channels.fc1.bias
+    torch.testing.assert_close(block(X), U + F.gelu(block.norm2(U) @ V.t() + bV))
+    assert model(torch.randn(2, 1, 8, 8, dtype=D)).shape == (2, 10)
+    assert model.forward_features(torch.randn(2, 1, 8, 8, dtype=D)).shape == (2, 10, 6)
+    with pytest.raises(ValueError, match="output_fmt='NCHW' needs num_tokens"):
+        model.forward_intermediates(torch.randn(2, 1, 8, 8, dtype=D))
+    assert model.forward_intermediates(torch.randn(2, 1, 8, 8, dtype=D), output_fmt='NLC')[1][0].shape == (2, 10, 6)
+
+
+def test_rp_mixer_permutations_are_fresh_per_layer_frozen_and_only_in_token_mixing():
+    model = timm.create_model('rp_mixer_digits')
+    token_perms = [b.mlp_tokens.fc1.perm_in for b in model.blocks] + [b.mlp_tokens.fc2.perm_out for b in model.blocks]
+    assert len({tuple(p.tolist()) for p in token_perms}) == len(token_perms)        # all different
+    assert all(b.mlp_channels.fc1.perm_in_kind == 'identity' for b in model.blocks)
+    names = {n for n, _ in model.named_parameters()}
+    assert not any('perm' in n for n in names)                                      # buffers, never trained
+    assert all(b.mlp_tokens.fc1.perm_in.dtype == torch.int64 for b in model.blocks)
+    channels_too = timm.create_model('rp_mixer_digits', rp_channels=True)
+    assert channels_too.blocks[0].mlp_channels.fc1.perm_in_kind == 'random'
+    # same weights, other structure: RP is not the Mixer
+    plain = timm.create_model('mixer_digits')
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if 'perm' not in k}, strict=False)
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        for m in (model, plain):
+            m.head.weight.normal_()
+        plain.head.weight.copy_(model.head.weight)
+        assert not torch.allclose(model(x), plain(x))
+
+
+def test_rp_mixer_run_reloads_to_identical_outputs_in_a_fresh_process(tmp_path):
+    out = tmp_path / 'rp'
+    assert main(['train', '--model', 'rp_mixer_digits', '--model-kwargs', 'perm_seed=3', '--data', 'digits',
+                 '--epochs', '1', '--limit-train-batches', '2', '--output', str(out), '--no-progress']) == 0
+    code = ("import sys, torch, json; from structformer.train import load_model; "
+            "model, _ = load_model(sys.argv[1]); model.eval(); torch.manual_seed(0); "
+            "x = torch.rand(4, 1, 8, 8); print(json.dumps(model(x).tolist()))")
+    fresh = subprocess.run([sys.executable, '-c', code, str(out)], capture_output=True, text=True, check=True)
+    from structformer.train import load_model
+    model, _ = load_model(out)
+    model.eval()
+    torch.manual_seed(0)
+    x = torch.rand(4, 1, 8, 8)
+    with torch.no_grad():
+        here = model(x)
+    # the same code path on the same weights and permutations: bit-identical
+    assert torch.equal(torch.tensor(json.loads(fresh.stdout)), here)
+    assert model.blocks[0].mlp_tokens.fc1.perm_in.tolist() != list(range(32 * 16))
+
+
+def test_sw_mlp_masked_weights_stay_zero_through_training(tmp_path):
+    out = tmp_path / 'sw'
+    assert main(['train', '--model', 'swmlp_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches', '3',
+                 '--weight-decay', '0.5', '--decay-everything', '--output', str(out), '--no-progress']) == 0
+    from structformer.train import load_model
+    model, _ = load_model(out)
+    layers = [m for m in model.modules() if isinstance(m, MaskedLinear)]
+    assert layers
+    fresh = timm.create_model('swmlp_digits')
+    for layer, initial in zip(layers, [m for m in fresh.modules() if isinstance(m, MaskedLinear)]):
+        assert torch.equal(layer.mask, initial.mask)
+        assert (layer.weight[~layer.mask] == 0).all()
+        assert not torch.equal(layer.weight[layer.mask], initial.weight[initial.mask])
+
+
+def test_sw_mlp_width_and_density():
+    model = SWMLP(img_size=8, patch_size=2, in_chans=1, embed_dim=8, depth=2, density=0.25, mlp_ratio=2.0)
+    assert model.width == 128 and model.blocks[0].fc1.out_features == 256
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(permutation='shuffle'), "permutation='shuffle': accepted 'mixer'"),
+    (dict(global_pool='token'), "a Mixer has no cls token"),
+    (dict(num_tokens=0), 'num_tokens must be >= 1'),
+])
+def test_mixer_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SparseMixer(img_size=8, patch_size=2, in_chans=1, **kwargs)
+
+
+def test_wrong_image_names_the_expected_shape():
+    model = timm.create_model('mixer_digits')
+    with pytest.raises(ValueError, match=r'expects images \[B, 1, 8, 8\]'):
+        model(torch.randn(2, 1, 16, 16))
+    with pytest.raises(ValueError, match=r'density must be in \(0, 1\]'):
+        timm.create_model('swmlp_digits', density=1.5)
+
+
+def test_pk_layers_carry_the_mixer():
+    model = timm.create_model('mixer_digits')
+    assert isinstance(model.blocks[0].mlp_tokens.fc1, PKLinear)
+    assert model.blocks[0].mlp_tokens.fc1.perm_in_kind == 'transpose'
