@@ -35,6 +35,20 @@ derivative of the *inverse* A⁻¹; for invertible A and converged X it is the t
 For a singular A the derivative of A† has two more terms, `(I − A†A) ∇ᵀ A†A†ᵀ + A†ᵀA† ∇ᵀ (I − AA†)`
 (Golub & Pereyra, 1973), which act only through the null space; they are dropped, as in SOFT.
 The iterates are not stored, so memory is O(m²) whatever `num_iter` is.
+
+Rules of the public SOFT code (github.com/fudan-zvg/SOFT), selectable with `rule=` to ablate them
+(docs/soft.md has the table of differences):
+* `'soft'` (its `SOFT/kernel/inverse.py`): A ← A + 0.01·I, X_0 = α(A + 0.01·I) with the fixed step
+  α = 0.9·2/‖A‖_∞² (‖A‖_∞ of A without the ridge, per matrix), then exactly `num_iter` steps (no
+  freeze). For PSD A, 1 − αλ² ∈ (−0.8, 1) on every eigenvalue, so it converges; the ridge floors
+  the spectrum at 0.01, which bounds ‖X‖ by 100 on rank-deficient A.
+* `'softpp'` (its SOFT++ `newton_inv`): α = 2/max‖A‖_∞² with the max over the *whole batch* (every
+  image and head of the call), halved while max‖I − αA²‖₁ > 1.01 (again batch-wide), at most 10
+  times (SPEC §2: for positive kernel matrices the test usually never passes, so α = 2⁻¹⁰·2/‖A‖_∞²
+  in practice), X_0 = αA, then exactly `num_iter` steps, no ridge.
+`backward='unrolled'` differentiates through the iterations (and α) with autograd instead of Eq. 12,
+as the public SOFT++ does; it stores every iterate (memory O(num_iter·m²)). It is the derivative of
+the finite-step map actually computed, so it differs from Eq. 12 wherever X has not converged.
 """
 from typing import Tuple, Union
 
@@ -145,12 +159,60 @@ def _add_ridge(a: torch.Tensor, ridge: float) -> torch.Tensor:
     return a + ridge * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
 
 
+RULES = ('ours', 'soft', 'softpp')
+BACKWARDS = ('closed_form', 'unrolled')
+PUBLIC_SOFT_RIDGE = 0.01          # the public SOFT rule's A + 0.01·I
+PUBLIC_SOFT_STEP = 0.9            # ... and its X_0 = 0.9·2/‖A‖_∞² · (A + 0.01·I)
+PUBLIC_SOFTPP_TOL, PUBLIC_SOFTPP_HALVINGS = 1.01, 10
+
+
+def _public_softpp_alpha(a: torch.Tensor) -> torch.Tensor:
+    """α of the public SOFT++ rule for a flat batch [B, m, m]: 2/max_batch‖A‖_∞², halved while the
+    batch-wide max column sum of |I − αA²| exceeds 1.01, at most 10 times. The halving count is chosen
+    without a host sync (all 11 candidates are tested, the first that passes wins); gradients flow
+    through α itself, as in the public code."""
+    alpha = 2.0 / a.abs().sum(-1).amax().square().clamp_min(torch.finfo(a.dtype).tiny)
+    with torch.no_grad():
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        aa = a @ a
+        norms = torch.stack([(eye - alpha * 0.5 ** j * aa).abs().sum(-2).amax()
+                             for j in range(PUBLIC_SOFTPP_HALVINGS + 1)])
+        passes = norms <= PUBLIC_SOFTPP_TOL
+        passes[-1] = True                                       # the 10th halving is kept whatever it gives
+        halvings = passes.int().argmax()                        # first candidate that passes
+    return alpha * torch.pow(0.5, halvings.to(a.dtype))
+
+
+def _public_start(a: torch.Tensor, rule: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(matrix iterated on, X_0) of the public code's rules, for a flat batch [B, m, m]."""
+    if rule == 'soft':
+        # ‖A‖_∞ floored at the ridge: A = 0 then gives 100·I where the public code gives NaN (0/0);
+        # a kernel matrix (unit diagonal, ‖A‖_∞ ≥ 1) never meets the floor
+        alpha = PUBLIC_SOFT_STEP * 2.0 / a.abs().sum(-1).amax(-1).clamp_min(PUBLIC_SOFT_RIDGE).square()
+        p = _add_ridge(a, PUBLIC_SOFT_RIDGE)                    # α from A, the iteration on A + 0.01·I
+        return p, alpha[:, None, None] * p
+    return a, _public_softpp_alpha(a) * a
+
+
+def _iterate(a: torch.Tensor, num_iter: int, rule: str, unrolled: bool) -> torch.Tensor:
+    """X for a flat batch [B, m, m] under `rule`; plain differentiable tensor code when `unrolled`."""
+    if rule == 'ours':
+        if unrolled:                                            # masked loop: autograd sees every step
+            return _newton_schulz_device(a, num_iter)
+        return _newton_schulz(a, num_iter)
+    p, x = _public_start(a, rule)
+    for _ in range(num_iter):                                   # fixed count, no freeze (public code)
+        x = _newton_step(x, p)
+    return x
+
+
 class _NewtonPinv(torch.autograd.Function):
     """Forward: Newton–Schulz (Eq. 10) under no_grad. Backward: closed form (Eq. 12)."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, num_iter: int) -> torch.Tensor:
-        x = _newton_schulz(a, num_iter)
+    def forward(ctx, a: torch.Tensor, num_iter: int, rule: str = 'ours') -> torch.Tensor:
+        batch_shape, m = a.shape[:-2], a.shape[-1]
+        x = _iterate(a.reshape(-1, m, m), num_iter, rule, unrolled=False).reshape(*batch_shape, m, m)
         ctx.save_for_backward(x)
         return x
 
@@ -161,7 +223,7 @@ class _NewtonPinv(torch.autograd.Function):
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x.transpose(-2, -1)
             grad_a = -(xt @ grad_x.to(x.dtype) @ xt)
-        return grad_a, None
+        return grad_a, None, None
 
 
 def pinv_residual(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -172,26 +234,42 @@ def pinv_residual(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return num / den
 
 
-def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0,
-                return_residual: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def check_rule(rule: str, backward: str) -> None:
+    if rule not in RULES:
+        raise ValueError(f"newton rule must be one of {RULES} (ours, public SOFT, public SOFT++), got {rule!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"newton backward must be one of {BACKWARDS}, got {backward!r}")
+
+
+def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0, return_residual: bool = False,
+                rule: str = 'ours', backward: str = 'closed_form'
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Moore–Penrose inverse of a [..., m, m] matrix (batched) by at most `num_iter` Newton–Schulz steps.
 
-    See the module docstring for the initialisation rule (α = 1/(‖A‖₁‖A‖_∞), X_0 = αAᵀ) and
-    what the backward (SOFT Eq. 12) computes. Half-precision inputs (and autocast) run in float32
-    with autocast disabled and return float32: the iteration squares errors, and bf16 would stop
-    it at a residual of ~1e-2. With `return_residual=True` returns `(X, residual)` where
-    residual = ‖AXA − A‖_F/‖A‖_F (detached, one per matrix, for A + ridge·I).
+    See the module docstring for the initialisation rules (`rule='ours'`: α = 1/(‖A‖₁‖A‖_∞),
+    X_0 = αAᵀ, per-matrix freeze; `'soft'` / `'softpp'`: the public code's) and the backward
+    (`'closed_form'`: SOFT Eq. 12; `'unrolled'`: autograd through the iterations). Half-precision
+    inputs (and autocast) run in float32 with autocast disabled and return float32: the iteration
+    squares errors, and bf16 would stop it at a residual of ~1e-2. With `return_residual=True`
+    returns `(X, residual)` where residual = ‖AXA − A‖_F/‖A‖_F (detached, one per matrix, for
+    A + ridge·I, plus 0.01·I under the 'soft' rule).
     """
     _check_num_iter(num_iter)
+    check_rule(rule, backward)
     if a.shape[-1] != a.shape[-2]:
         raise ValueError(f"newton_pinv expects square matrices [..., m, m], got shape {tuple(a.shape)}")
     with torch.autocast(device_type=a.device.type, enabled=False):
         if a.dtype in _LOW_PRECISION:
             a = a.float()
         a = _add_ridge(a, ridge)
-        x = _NewtonPinv.apply(a, num_iter)
+        if backward == 'unrolled':
+            m = a.shape[-1]
+            x = _iterate(a.reshape(-1, m, m), num_iter, rule, unrolled=True).reshape(a.shape)
+        else:
+            x = _NewtonPinv.apply(a, num_iter, rule)
         if return_residual:
-            return x, pinv_residual(a.detach(), x.detach())
+            target = _add_ridge(a, PUBLIC_SOFT_RIDGE) if rule == 'soft' else a
+            return x, pinv_residual(target.detach(), x.detach())
     return x
 
 

@@ -28,6 +28,7 @@ sampler is one head_dim×head_dim k×k conv shared by the heads of a block (as t
 C×C conv over all channels, which would add 3.6M parameters.
 """
 import math
+from functools import partial
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -43,31 +44,52 @@ from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_mo
 __all__ = ['SoftNet', 'SoftBlock']
 
 
-def conv_bn_relu(in_chans: int, out_chans: int, stride: int) -> nn.Sequential:
-    """3×3 Conv → BN → ReLU (padding 1, so the output side is ⌈side / stride⌉)."""
-    return nn.Sequential(nn.Conv2d(in_chans, out_chans, 3, stride, 1, bias=False),
+def conv_bn_relu(in_chans: int, out_chans: int, stride: int, bias: bool = False) -> nn.Sequential:
+    """3×3 Conv → BN → ReLU (padding 1, so the output side is ⌈side / stride⌉). `bias`: the public code's
+    conv bias before BN (redundant with BN's shift, but parameters all the same)."""
+    return nn.Sequential(nn.Conv2d(in_chans, out_chans, 3, stride, 1, bias=bias),
                          nn.BatchNorm2d(out_chans), nn.ReLU(inplace=True))
+
+
+def _per_stage(name: str, value, types) -> tuple:
+    """One value per stage (4) from a scalar or a 4-sequence."""
+    if isinstance(value, types):
+        return (value,) * 4
+    value = tuple(value)
+    if len(value) != 4:
+        raise ValueError(f"{name} takes one value or one per stage (4), got {value!r}")
+    return value
 
 
 def _conv_out(side: int, stride: int) -> int:
     return (side + 2 - 3) // stride + 1
 
 
+MLP_ACTS = {'gelu': nn.GELU, 'gelu_tanh': partial(nn.GELU, approximate='tanh')}
+
+
 class SoftBlock(nn.Module):
-    """Pre-LN transformer layer (SOFT §3.4, "SOFT layer"): x + attn(LN x), then x + Mlp(LN x)."""
+    """Pre-LN transformer layer (SOFT §3.4, "SOFT layer"): x + attn(LN x), then x + Mlp(LN x).
+    `post_norm=True`: the public code's post-LN layer, x = LN(x + attn(x)), then x = LN(x + Mlp(x)).
+    `mlp_act`: 'gelu' or 'gelu_tanh' (the public code's SOFT blocks use the tanh approximation)."""
 
     def __init__(self, dim: int, num_heads: int, attn_layer, attn_kwargs: Dict, mlp_ratio: float = 4.,
-                 drop: float = 0., attn_drop: float = 0., drop_path: float = 0.):
+                 drop: float = 0., attn_drop: float = 0., drop_path: float = 0., post_norm: bool = False,
+                 mlp_act: str = 'gelu'):
         super().__init__()
+        self.post_norm = post_norm
         self.norm1 = nn.LayerNorm(dim)
         self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=True, attn_drop=attn_drop, proj_drop=drop,
                                norm_layer=nn.LayerNorm, **attn_kwargs)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=MLP_ACTS[mlp_act], drop=drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
+        if self.post_norm:
+            x = self.norm1(x + self.drop_path1(self.attn(x, grid_size=grid_size)))
+            return self.norm2(x + self.drop_path2(self.mlp(x)))
         x = x + self.drop_path1(self.attn(self.norm1(x), grid_size=grid_size))
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
@@ -91,19 +113,43 @@ class SoftNet(StructuredModel):
     ((2, 1, 2) in the paper; small-image variants use (2, 1, 1)), `mlp_ratio` (e), `pos_embed`
     (learned absolute embeddings per stage; off as in the paper), `img_size` (fixes the stage grids,
     needed by Linformer's seq_len).
+
+    Public-code options (github.com/fudan-zvg/SOFT; table in docs/soft.md), each its own argument so
+    each can be ablated; None follows `official`: `pos_embed`, `post_norm` (bool or one per stage;
+    official: post-LN in the SOFT stages 1–3, pre-LN in the softmax stage 4), `last_stage_attn`
+    (official: 'softmax'), `conv_bias` (conv biases before BN), `mlp_act` ('gelu' | 'gelu_tanh', or one
+    per stage; official: tanh GELU in the SOFT stages), `value_conv` (per-stage kernel of the V
+    depthwise conv, official 9/5/3/3, for attentions that take it). `official=True` also passes
+    `official=True` to every attention that accepts it (landmark LayerNorm + GELU, the public inverse
+    rule and backward, kaiming sampler init); `attn_kwargs` overrides any of those.
     """
     feature_modules = 'stages'
 
     def __init__(self, img_size=224, in_chans=3, num_classes=1000, global_pool='token',
                  dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(2, 2, 5, 2),
                  sampling_ratios=(8, 4, 2, 1), attn='soft', attn_kwargs: Optional[Dict] = None,
-                 stem_strides=(2, 1, 2), mlp_ratio=4., pos_embed=False, drop_rate=0., attn_drop_rate=0.,
-                 drop_path_rate=0.):
+                 stem_strides=(2, 1, 2), mlp_ratio=4., pos_embed: Optional[bool] = None, drop_rate=0.,
+                 attn_drop_rate=0., drop_path_rate=0., official: bool = False,
+                 post_norm: Optional[Union[bool, Tuple[bool, ...]]] = None, last_stage_attn: Optional[str] = None,
+                 conv_bias: Optional[bool] = None, mlp_act: Optional[Union[str, Tuple[str, ...]]] = None,
+                 value_conv: Optional[Union[int, Tuple[int, ...]]] = None):
         super().__init__()
         if not (len(dims) == len(num_heads) == len(depths) == len(sampling_ratios) == 4):
             raise ValueError("dims, num_heads, depths and sampling_ratios need one entry per stage (4)")
+        pos_embed = official if pos_embed is None else pos_embed
+        post_norm = _per_stage('post_norm', ((True, True, True, False) if official else False)
+                               if post_norm is None else post_norm, (bool,))
+        last_stage_attn = last_stage_attn or ('softmax' if official else None)
+        conv_bias = official if conv_bias is None else conv_bias
+        mlp_act = _per_stage('mlp_act', (('gelu_tanh',) * 3 + ('gelu',) if official else 'gelu')
+                             if mlp_act is None else mlp_act, (str,))
+        if any(a not in MLP_ACTS for a in mlp_act):
+            raise ValueError(f"mlp_act must be one of {sorted(MLP_ACTS)} (or one per stage), got {mlp_act!r}")
+        value_conv = _per_stage('value_conv', ((9, 5, 3, 3) if official else None)
+                                if value_conv is None else value_conv, (int, type(None)))
         attn_layer = get_attention(attn)                 # ValueError listing the accepted names
         check_options(attn_layer, attn_kwargs or {})     # TypeError naming a typo (it would be silently dropped)
+        stage_layers = [attn_layer] * 3 + [get_attention(last_stage_attn) if last_stage_attn else attn_layer]
         self.attn_name = attn if isinstance(attn, str) else attn.__name__
         self.num_classes = num_classes
         self.global_pool = check_global_pool(global_pool)
@@ -123,9 +169,9 @@ class SoftNet(StructuredModel):
         self.grid_sizes = grids
 
         stem_width = max(dims[0] // 2, 8)
-        stem = nn.Sequential(conv_bn_relu(in_chans, stem_width, stem_strides[0]),
-                             conv_bn_relu(stem_width, stem_width, stem_strides[1]),
-                             conv_bn_relu(stem_width, dims[0], stem_strides[2]))
+        stem = nn.Sequential(conv_bn_relu(in_chans, stem_width, stem_strides[0], conv_bias),
+                             conv_bn_relu(stem_width, stem_width, stem_strides[1], conv_bias),
+                             conv_bn_relu(stem_width, dims[0], stem_strides[2], conv_bias))
         total = sum(depths)                              # stochastic depth grows linearly with block index
         dpr = [drop_path_rate * j / max(total - 1, 1) for j in range(total)]
         self.stages = nn.ModuleList()
@@ -134,12 +180,19 @@ class SoftNet(StructuredModel):
             prefix = 1 if i == 3 else 0
             m = math.ceil(h / k) * math.ceil(w / k)       # 49 at 224 px for every stage
             # what the stage fixes, for any attention: each class takes only the options it accepts
-            kwargs = select_options(attn_layer, dict(num_landmarks=m, sampling_ratio=k, seq_len=h * w + prefix,
-                                                     num_prefix_tokens=prefix, grid_size=(h, w)))
-            kwargs.update(attn_kwargs or {})
-            down = stem if i == 0 else conv_bn_relu(dims[i - 1], dim, 2)
-            blocks = [SoftBlock(dim, heads, attn_layer, kwargs, mlp_ratio, drop_rate, attn_drop_rate,
-                                dpr[sum(depths[:i]) + j]) for j in range(depth)]
+            facts = dict(num_landmarks=m, sampling_ratio=k, seq_len=h * w + prefix, num_prefix_tokens=prefix,
+                         grid_size=(h, w))
+            if official:
+                facts['official'] = True
+            if value_conv[i] is not None:
+                facts['value_conv'] = value_conv[i]
+            layer = stage_layers[i]
+            kwargs = select_options(layer, facts)
+            if layer is attn_layer:                      # the user's options belong to `attn`
+                kwargs.update(attn_kwargs or {})
+            down = stem if i == 0 else conv_bn_relu(dims[i - 1], dim, 2, conv_bias)
+            blocks = [SoftBlock(dim, heads, layer, kwargs, mlp_ratio, drop_rate, attn_drop_rate,
+                                dpr[sum(depths[:i]) + j], post_norm[i], mlp_act[i]) for j in range(depth)]
             self.stages.append(SoftStage(down, blocks))
             if pos_embed:
                 self.pos_embeds.append(nn.Parameter(torch.zeros(1, h * w + prefix, dim)))
@@ -238,6 +291,16 @@ _SIZES = {
     'medium': dict(dims=(96, 192, 384, 768), num_heads=(3, 6, 12, 24), depths=(2, 2, 18, 2)),
     'large': dict(dims=(128, 256, 512, 1024), num_heads=(4, 8, 16, 32), depths=(2, 2, 18, 2)),
 }
+# The public code's configurations (fudan-zvg/SOFT, models/softmax_free_vision_transformer.py); with
+# official=True: post-LN SOFT stages 1–3, softmax stage 4, position embeddings, conv biases, MLP ratio 4
+# everywhere (its `mlp_ratios=[8, 8, 4, 4]` never reaches the SOFT blocks, whose hidden width is 4·dim,
+# and stage 4 reads mlp_ratios[3] = 4).
+_OFFICIAL_SIZES = {
+    'tiny': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 2, 3, 2)),
+    'small': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 3, 20, 4)),
+    'medium': dict(dims=(64, 128, 288, 512), num_heads=(2, 4, 9, 16), depths=(1, 3, 29, 5)),
+    'large': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 3, 40, 5)),
+}
 # Table 2 baselines on the Tiny backbone
 BASELINES = ('softmax', 'linformer', 'performer', 'nystrom')
 # Small-image setting: stem ÷2 (strides 2, 1, 1) so 28 px gives grids 14², 7², 4², 2²; sp (4, 3, 2, 2)
@@ -253,7 +316,8 @@ _DIGITS_ARGS = dict(img_size=8, in_chans=1, num_classes=10, dims=(32, 64, 96, 12
 _NAMES = ([f'{family}_{size}_224' for size in _SIZES for family in ('soft', 'softpp')]
           + [f'soft_tiny_{attn}_224' for attn in BASELINES]
           + ['soft_tiny_mnist', 'softpp_tiny_mnist'] + [f'soft_tiny_{attn}_mnist' for attn in BASELINES]
-          + ['soft_digits', 'softpp_digits'])
+          + ['soft_digits', 'softpp_digits']
+          + [f'{family}_{size}_official_224' for size in _OFFICIAL_SIZES for family in ('soft', 'softpp')])
 
 # test_input_size 64 px: grids 16², 8², 4², 2² and m = 4 landmarks per stage, cheap on CPU yet non-trivial
 default_cfgs = generate_default_cfgs({
@@ -383,3 +447,55 @@ def soft_digits(pretrained: bool = False, **kwargs) -> SoftNet:
 def softpp_digits(pretrained: bool = False, **kwargs) -> SoftNet:
     """SOFT++ on the embedded 8×8 digits."""
     return _create('softpp_digits', pretrained, **dict(dict(_DIGITS_ARGS, attn='softpp'), **kwargs))
+
+
+def _official(variant: str, size: str, attn: str, pretrained: bool, kwargs) -> SoftNet:
+    return _create(variant, pretrained, **dict(dict(_OFFICIAL_SIZES[size], attn=attn, official=True), **kwargs))
+
+
+@register_model
+def soft_tiny_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Tiny as the public code builds it (13.07M parameters; docs/soft.md lists every difference)."""
+    return _official('soft_tiny_official_224', 'tiny', 'soft', pretrained, kwargs)
+
+
+@register_model
+def softpp_tiny_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Tiny as the public code means to build it (its SOFT++ classes fail to construct)."""
+    return _official('softpp_tiny_official_224', 'tiny', 'softpp', pretrained, kwargs)
+
+
+@register_model
+def soft_small_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Small as the public code builds it."""
+    return _official('soft_small_official_224', 'small', 'soft', pretrained, kwargs)
+
+
+@register_model
+def softpp_small_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Small as the public code means to build it."""
+    return _official('softpp_small_official_224', 'small', 'softpp', pretrained, kwargs)
+
+
+@register_model
+def soft_medium_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Medium as the public code builds it."""
+    return _official('soft_medium_official_224', 'medium', 'soft', pretrained, kwargs)
+
+
+@register_model
+def softpp_medium_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Medium as the public code means to build it."""
+    return _official('softpp_medium_official_224', 'medium', 'softpp', pretrained, kwargs)
+
+
+@register_model
+def soft_large_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Large as the public code builds it."""
+    return _official('soft_large_official_224', 'large', 'soft', pretrained, kwargs)
+
+
+@register_model
+def softpp_large_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Large as the public code means to build it."""
+    return _official('softpp_large_official_224', 'large', 'softpp', pretrained, kwargs)

@@ -54,12 +54,13 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ..lazy import drop_lazy_hooks, is_uninitialized
 
 from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_reference
-from ...functional.newton_pinv import newton_pinv
+from ...functional.newton_pinv import check_rule, newton_pinv
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 SAMPLERS = ('conv', 'avgpool', 'random')
+SAMPLER_INITS = ('avgpool', 'kaiming')
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
@@ -68,18 +69,19 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 
 def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, normalize: bool = False,
                    newton_iter: int = 20, ridge: float = 0.0, scale: Optional[float] = None,
-                   dropout: Optional[nn.Module] = None) -> torch.Tensor:
+                   dropout: Optional[nn.Module] = None, newton_rule: str = 'ours',
+                   newton_backward: str = 'closed_form') -> torch.Tensor:
     """Ŝ V for SOFT (Eq. 9) or, with `normalize=True`, SOFT++ (Eq. 17); memory O((m + d)·n + m²).
 
     q: [..., n, d] (K = Q), v: [..., n, d_v], landmarks Q̃: [..., m, d]. Returns [..., n, d_v] in v's dtype.
-    `dropout` (if given) is applied to the left factor Pᵀ.
+    `dropout` (if given) is applied to the left factor Pᵀ. `newton_rule` / `newton_backward`: see `newton_pinv`.
     """
     out_dtype = v.dtype
     with torch.autocast(device_type=q.device.type, enabled=False):
         q, v, landmarks = _upcast(q), _upcast(v), _upcast(landmarks)
         p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [..., m, n]
         a = gaussian_kernel(landmarks, landmarks, scale)           # exp(Q̃ ⊖ K̃): [..., m, m]
-        a_pinv = newton_pinv(a, newton_iter, ridge)
+        a_pinv = newton_pinv(a, newton_iter, ridge, rule=newton_rule, backward=newton_backward)
         pv = p @ v                                                 # rightmost product first
         if normalize:
             d_inv_sqrt = a.sum(-1, keepdim=True).rsqrt()          # D^-½ (row sums ≥ 1: unit diagonal)
@@ -97,7 +99,8 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
                              v_bias: Optional[torch.Tensor], out_weight: torch.Tensor,
                              out_bias: Optional[torch.Tensor], normalize: bool = False, newton_iter: int = 20,
                              ridge: float = 0.0, scale: Optional[float] = None,
-                             dropout: Optional[nn.Module] = None) -> torch.Tensor:
+                             dropout: Optional[nn.Module] = None, newton_rule: str = 'ours',
+                             newton_backward: str = 'closed_form') -> torch.Tensor:
     """`proj(merge(Ŝ V))` with `V = x W_vᵀ + b_v`: the same value as `soft_attention` between the
     value and output projections, with the products re-associated so n-sized data is touched least.
 
@@ -118,7 +121,7 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
         n, c_out = x.shape[1], out_weight.shape[0]
         p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [B, h, m, n]
         a = gaussian_kernel(landmarks, landmarks, scale)
-        a_pinv = newton_pinv(a, newton_iter, ridge)
+        a_pinv = newton_pinv(a, newton_iter, ridge, rule=newton_rule, backward=newton_backward)
         p_rows = p.reshape(batch, heads * m, n)
         px = (p_rows @ x).view(batch, heads, m, x.shape[-1])       # P x: [B, h, m, C]
         # einsum contracts per head without expanding the weights over the batch (a broadcast
@@ -179,9 +182,13 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
     With `kernel_size=None` the k×k weight is created at the first call from the k passed then.
     """
 
-    def __init__(self, channels: int, kernel_size: Optional[int] = None, device=None, dtype=None):
+    def __init__(self, channels: int, kernel_size: Optional[int] = None, device=None, dtype=None,
+                 init: str = 'avgpool'):
         super().__init__()
+        if init not in SAMPLER_INITS:
+            raise ValueError(f"sampler_init must be one of {SAMPLER_INITS}, got {init!r}")
         self.channels = channels
+        self.init = init
         if kernel_size is None:
             self.weight = nn.UninitializedParameter(device=device, dtype=dtype)
         else:
@@ -198,6 +205,10 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         if self.has_uninitialized_params():
             return
         k = self.kernel_size
+        if self.init == 'kaiming':
+            # nn.Conv2d's default (the public code's): fan_in = C·k·k in either weight layout
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            return
         eye = torch.eye(self.channels, dtype=self.weight.dtype, device=self.weight.device)
         with torch.no_grad():
             # identity over channels, uniform over the window = average pooling
@@ -262,6 +273,16 @@ class SoftAttention(AttentionBase):
     `soft_attention_projected`; False: one after another as written; None (default): whichever
     `folding_pays` says needs fewer multiply-adds; `scale_norm=True` always runs as written). `qk_norm` normalises the shared
     Q = K per head. Unknown kwargs raise a TypeError naming them, as timm's own `Attention` does. See the module docstring for the design choices.
+
+    Public-code options (github.com/fudan-zvg/SOFT; docs/soft.md has the table). `official=True` turns
+    every one on; each can also be set alone (None: follow `official`), so they can be ablated:
+    `landmark_norm` (LayerNorm(head_dim) + GELU on the landmarks after the sampler, applied at the
+    public code's scale q/d^¼ and mapped back, so the kernel is the public one), `value_conv` (k of a
+    per-head depthwise k×k conv of V on the grid, added to each head's output; 0 = off; official 3,
+    the backbones pass 9/5/3 by stage), `newton_rule` ('ours' | 'soft' | 'softpp', see
+    `newton_pinv`; official: 'soft' for SOFT, 'softpp' for SOFT++), `newton_backward`
+    ('closed_form' | 'unrolled'; official: closed form for SOFT, unrolled for SOFT++),
+    `sampler_init` ('avgpool' | 'kaiming': nn.Conv2d's default init, the public code's).
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
@@ -270,7 +291,9 @@ class SoftAttention(AttentionBase):
                  ridge: float = 0.0, num_prefix_tokens: Optional[int] = None, sampling_ratio: Optional[int] = None,
                  grid_size: Optional[Tuple[int, int]] = None, normalize: bool = False,
                  attn_head_dim: Optional[int] = None, seed: int = 0, fold_projections: Optional[bool] = None,
-                 device=None, dtype=None):
+                 official: bool = False, landmark_norm: Optional[bool] = None, value_conv: Optional[int] = None,
+                 newton_rule: Optional[str] = None, newton_backward: Optional[str] = None,
+                 sampler_init: Optional[str] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
@@ -283,6 +306,19 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"sampling_ratio must be >= 1, got {sampling_ratio}")
         if num_prefix_tokens is not None and num_prefix_tokens < 0:
             raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        # public-code options: None follows `official` (each its own argument, so each can be ablated)
+        landmark_norm = official if landmark_norm is None else landmark_norm
+        value_conv = (3 if official else 0) if value_conv is None else value_conv
+        newton_rule = newton_rule or (('softpp' if normalize else 'soft') if official else 'ours')
+        newton_backward = newton_backward or ('unrolled' if official and normalize else 'closed_form')
+        sampler_init = sampler_init or ('kaiming' if official else 'avgpool')
+        if not isinstance(value_conv, int) or isinstance(value_conv, bool) or value_conv < 0 or \
+                (value_conv and value_conv % 2 == 0):
+            raise ValueError(f"value_conv must be 0 (off) or an odd kernel size >= 1, got {value_conv!r}")
+        check_rule(newton_rule, newton_backward)
+        self.official = official
+        self.newton_rule = newton_rule
+        self.newton_backward = newton_backward
         self.num_landmarks = num_landmarks
         self.sampler = sampler
         self.newton_iter = newton_iter
@@ -303,7 +339,13 @@ class SoftAttention(AttentionBase):
                 k = sampling_ratio_for(grid_size[0], grid_size[1], num_landmarks)
             # one head_dim→head_dim conv shared by every head (as SOFT's public code), not a C×C conv:
             # C²k² weights per block would add 3.6M parameters to SOFT-Tiny that the paper does not have
-            self.conv = ConvLandmarkSampler(self.head_dim, k, device=device, dtype=dtype)
+            self.conv = ConvLandmarkSampler(self.head_dim, k, device=device, dtype=dtype, init=sampler_init)
+        # public code: LayerNorm(head_dim) + GELU after the sampler (shared by the heads)
+        self.landmark_norm = (nn.Sequential(nn.LayerNorm(self.head_dim, device=device, dtype=dtype), nn.GELU())
+                              if landmark_norm else None)
+        # public code: depthwise conv of V per head (groups = heads, one k×k kernel per head, no bias)
+        self.value_conv = (nn.Conv2d(num_heads, num_heads, value_conv, padding=value_conv // 2, groups=num_heads,
+                                     bias=False, device=device, dtype=dtype) if value_conv else None)
 
     def _check_landmarks(self, n: int, grid: Optional[Tuple[int, int]]) -> None:
         if self.num_landmarks > n:
@@ -349,7 +391,7 @@ class SoftAttention(AttentionBase):
         if self.sampler == 'random':
             self._check_landmarks(n, grid)
             sampled = spatial[..., self._random_indices(n, self.num_landmarks, q.device), :]
-            return torch.cat([head, sampled], dim=-2)
+            return self._normalize_landmarks(torch.cat([head, sampled], dim=-2))
         h, w = grid
         k = self.sampling_ratio
         if self.conv is not None and self.conv.kernel_size is not None:
@@ -365,7 +407,26 @@ class SoftAttention(AttentionBase):
             planes = rearrange(spatial, 'b h (y x) d -> (b h) d y x', y=h, x=w)
             pooled = F.avg_pool2d(planes, k, stride=k, ceil_mode=True)
             sampled = rearrange(pooled, '(b h) d y x -> b h (y x) d', h=self.num_heads)
-        return torch.cat([head, sampled], dim=-2)
+        return self._normalize_landmarks(torch.cat([head, sampled], dim=-2))
+
+    def _normalize_landmarks(self, landmarks: torch.Tensor) -> torch.Tensor:
+        """Public code: GELU(LN(·)) of the landmarks of q/d^¼ (its kernel is exp(−‖q/d^¼ − l‖²/2)); scaled
+        back by d^¼ so our exp(−‖q − l‖²/2√d) gives the same kernel. Prefix landmarks (cls) included."""
+        if self.landmark_norm is None:
+            return landmarks
+        c = self.head_dim ** 0.25
+        return c * self.landmark_norm(landmarks / c)
+
+    def value_conv_term(self, v: torch.Tensor, grid_size: Optional[Tuple[int, int]]) -> torch.Tensor:
+        """Per-head depthwise conv of V [B, h, n, d] over the H×W grid (public code), 0 on prefix tokens."""
+        if grid_size is None:
+            raise ValueError("value_conv needs the token grid: pass grid_size=(H, W) (the random sampler "
+                             "cannot infer it)")
+        h, w = grid_size
+        prefix = v.shape[-2] - h * w
+        planes = rearrange(v[..., prefix:, :], 'b h (y x) d -> (b d) h y x', y=h, x=w)
+        out = rearrange(self.value_conv(planes), '(b d) h y x -> b h (y x) d', b=v.shape[0])
+        return F.pad(out, (0, 0, prefix, 0)) if prefix else out
 
     def folding_pays(self, num_landmarks: int) -> bool:
         """Whether `soft_attention_projected` needs fewer multiply-adds than the textbook order here.
@@ -376,6 +437,8 @@ class SoftAttention(AttentionBase):
         """
         if not isinstance(self.norm, nn.Identity):
             return False                                           # scale_norm sits between merge and proj
+        if self.value_conv is not None:
+            return False                                           # the V conv needs V itself
         if self.fold_projections is not None:
             return self.fold_projections
         hm, inner = self.num_heads * num_landmarks, self.num_heads * self.head_dim
@@ -392,16 +455,29 @@ class SoftAttention(AttentionBase):
         q = self.q_norm(rearrange(F.linear(x, w_q, b_q), 'b n (h d) -> b h n d', h=self.num_heads))
         landmarks = self.landmarks(q, grid_size)
         options = dict(normalize=self.normalize, newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale,
-                       dropout=dropout)
+                       dropout=dropout, newton_rule=self.newton_rule, newton_backward=self.newton_backward)
         if self.folding_pays(landmarks.shape[-2]):
             out = soft_attention_projected(x, q, landmarks, w_v, b_v, self.proj.weight, self.proj.bias, **options)
             return self.proj_drop(out)
         v = rearrange(F.linear(x, w_v, b_v), 'b n (h d) -> b h n d', h=self.num_heads)
-        return self.merge(soft_attention(q, v, landmarks, **options))    # project, attend, merge, project
+        out = soft_attention(q, v, landmarks, **options)
+        if self.value_conv is not None:
+            out = out + self.value_conv_term(v, self.resolve_grid(x.shape[1], grid_size)[1]).to(out.dtype)
+        return self.merge(out)                                     # project, attend, merge, project
+
+    def landmark_kernel(self, x: torch.Tensor, grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """A = exp(Q̃ ⊖ Q̃) [B, h, m, m] for the layer input x (for analysis: its conditioning)."""
+        inner = self.num_heads * self.head_dim
+        b_q = None if self.qkv.bias is None else self.qkv.bias[:inner]
+        q = self.q_norm(rearrange(F.linear(x, self.qkv.weight[:inner], b_q), 'b n (h d) -> b h n d',
+                                  h=self.num_heads))
+        landmarks = _upcast(self.landmarks(q, grid_size))
+        return gaussian_kernel(landmarks, landmarks, self.scale)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_landmarks={self.num_landmarks}, sampler={self.sampler!r}, "
-                f"newton_iter={self.newton_iter}, ridge={self.ridge}, normalize={self.normalize}")
+                f"newton_iter={self.newton_iter}, ridge={self.ridge}, normalize={self.normalize}, "
+                f"newton_rule={self.newton_rule!r}, newton_backward={self.newton_backward!r}")
 
 
 @register_attention('softpp')
