@@ -50,6 +50,7 @@ REPRODUCE_EXAMPLES = """examples:
 BENCH_TARGETS = {
     'models': ('structformer.bench.models', 'CRATE-T vs ViT-T training / inference speed'),
     'attention': ('structformer.bench.attention', 'attention time / memory / FLOPs vs token count (SOFT Fig. 1b)'),
+    'mlp': ('structformer.bench.mlp', 'structured linear layers at equal width; Mixer Table S.3 (RP-Mixer vs SW-MLP)'),
 }
 REPRODUCE_TARGETS = {
     'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),
@@ -97,6 +98,17 @@ class ParseTransform(argparse.Action):
         setattr(namespace, self.dest, transforms)
 
 
+def _rank_value(text: str):
+    """argparse type for --rank: an integer count, or a fraction (validated with the configuration)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--rank must be an integer >= 1 or a fraction in (0, 1], got {text!r}")
+
+
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
@@ -115,6 +127,19 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         'unreadable one stops the run naming the file) or bad_images=skip (leave those out, '
                         'counted and named in the log)')
     g.add_argument('--val-fraction', type=float, default=S, help='held-out fraction where the data has no split (0.2)')
+    g = p.add_argument_group('low-rank training (W = U Vᵀ, structformer.lowrank)')
+    g.add_argument('--rank', dest='factorize_rank', type=_rank_value, default=S, metavar='R',
+                   help='factorise linear / conv layers at this rank: an integer, or a fraction in (0, 1] of min(m, n)')
+    g.add_argument('--factorize-at', type=int, default=S, metavar='K',
+                   help='train dense for K epochs, then factorise by truncated SVD and continue (0 = from the start)')
+    g.add_argument('--init', dest='factorize_init', default=S, metavar='INIT',
+                   help='factor initialisation: spectral (default), spectral_ones or he')
+    g.add_argument('--factorize-include', nargs='+', default=S, metavar='PATTERN',
+                   help='layers to factorise: a preset (vision, transformer, all) or module-name patterns; default: '
+                        'every conv but the first, or QKV and both FFN matrices for a transformer')
+    g.add_argument('--factor-decay', default=S, metavar='KIND',
+                   help="regulariser of the factors: l2 (the optimiser's weight decay, default) or frobenius "
+                        "(weight_decay/2 * ||U Vᵀ||²_F, factors taken out of the weight decay)")
     g = p.add_argument_group('optimisation (timm optimisers and schedulers)')
     g.add_argument('--epochs', type=int, default=S, help='total epochs (30)')
     g.add_argument('-b', '--batch-size', type=int, default=S, help='per-process batch size (64)')

@@ -14,7 +14,8 @@ from ..errors import UsageError
 
 # configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
 _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
-          'batch_size': '-b/--batch-size', 'phases': None}
+          'batch_size': '-b/--batch-size', 'phases': None,
+          'factorize_rank': '--rank', 'factorize_init': '--init'}
 
 
 def flag_name(key: str) -> Optional[str]:
@@ -64,6 +65,16 @@ class TrainConfig:
     # torch.compile backend for training and evaluation, None = eager (timm's train script: --torchcompile);
     # checkpoints hold the plain module's weights, loadable without compile
     compile: Optional[str] = None
+    # low-rank training (seed 004, structformer.lowrank): factorise with `factorize_rank` (an int, or a fraction
+    # of min(m, n)) after `factorize_at` epochs of dense pre-training (None or 0: from the start), by
+    # `factorize_init`, over `factorize_include` (patterns or a preset; None: the paper's default)
+    factorize_at: Optional[int] = None
+    factorize_rank: Optional[Any] = None
+    factorize_init: str = 'spectral'
+    factorize_include: Optional[List[str]] = None
+    # 'l2': the factors are in the optimiser's weight decay like any weight; 'frobenius': they leave it and
+    # the loss gains weight_decay/2 * sum ||U V^T||_F^2 instead (Frobenius decay, §3.3)
+    factor_decay: str = 'l2'
 
     def resolved_warmup_epochs(self) -> float:
         """Warm-up length in epochs: as given, or fitted to the run's length when left unset."""
@@ -90,6 +101,7 @@ class TrainConfig:
                 raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
+        self._validate_lowrank()
         if self.compile is not None:
             import torch._dynamo        # only when asked: validating a config needs no torch otherwise
             backends = torch._dynamo.list_backends(exclude_tags=())
@@ -97,6 +109,36 @@ class TrainConfig:
                 raise UsageError(f"--compile={self.compile!r} is not a torch.compile backend: accepted "
                                  f"{', '.join(backends)}")
         return self
+
+    def _validate_lowrank(self) -> None:
+        if self.factor_decay not in ('l2', 'frobenius'):
+            raise UsageError(f"--factor-decay={self.factor_decay!r}: accepted 'l2' or 'frobenius'")
+        inits = ('spectral', 'spectral_ones', 'he')          # structformer.layers.linear.factorized.INITS
+        if self.factorize_init not in inits:
+            raise UsageError(f"--init={self.factorize_init!r} is not a factor initialisation: accepted {', '.join(inits)}")
+        rank = self.factorize_rank
+        if rank is None:
+            if self.factorize_at is not None:
+                raise UsageError(f"--factorize-at={self.factorize_at} needs --rank (an integer count or a fraction "
+                                 "in (0, 1] of min(m, n))")
+            return
+        if (isinstance(rank, bool) or not isinstance(rank, (int, float))
+                or not (rank >= 1 if isinstance(rank, int) else 0 < rank <= 1)):
+            raise UsageError(f"--rank={rank!r} is out of range: accepted an integer >= 1 or a fraction in (0, 1]")
+        if self.factorize_at is not None and not 0 <= self.factorize_at < self.epochs:
+            raise UsageError(f"--factorize-at={self.factorize_at} is out of range: accepted an epoch in "
+                             f"[0, epochs={self.epochs})")
+
+    def factorize_spec(self) -> Optional[Dict[str, Any]]:
+        """The `factorize` transform this configuration asks for (None: no low-rank training)."""
+        if self.factorize_rank is None:
+            return None
+        kwargs: Dict[str, Any] = {'rank': self.factorize_rank, 'init': self.factorize_init}
+        if self.factorize_include:
+            include = self.factorize_include
+            kwargs['include'] = include[0] if len(include) == 1 and include[0] in ('vision', 'transformer', 'lm', 'all') \
+                else list(include)
+        return {'name': 'factorize', 'kwargs': kwargs}
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

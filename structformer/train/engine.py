@@ -27,11 +27,13 @@ from tqdm.auto import tqdm
 
 from ..atomic import write_text_atomically
 from ..models.factory import ModelRecipe, build_model, rebuild
+from ..models.transforms import TransformContext, apply_transforms, normalize_transforms
 from .checkpoint import (CheckpointError, crash_point, describe_mismatch, load_checkpoint,
                          mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng, save_checkpoint)
 from .config import TrainConfig, save_config
 from .distributed import barrier, cleanup_distributed, init_distributed
 from .phases import LossContext, build_phases, phase_for_epoch
+from ..lowrank import regularizers as lowrank_regularizers   # registers the frobenius_decay / factor_l2 terms
 from .run_dir import committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile, restore_aside
 
 
@@ -142,7 +144,10 @@ class Trainer:
             self.recipe = ModelRecipe.from_state(state)
             self.model = rebuild(self.recipe)
         else:
-            self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, cfg.transforms)
+            transforms = list(cfg.transforms)
+            if cfg.factorize_spec() and not cfg.factorize_at:        # low-rank from the start
+                transforms.append(cfg.factorize_spec())
+            self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, transforms)
         self.model.to(self.device)
         if cfg.compile:
             # in place (nn.Module.compile): parameter names and state_dict keys stay those of the plain
@@ -157,17 +162,86 @@ class Trainer:
                                       num_workers=cfg.num_workers)
         # the schedule counts the steps actually taken: --limit-train-batches shortens every epoch
         self.steps_per_epoch = min(len(self._train_loader(1)), cfg.limit_train_batches or float('inf'))
+        self.optimizer = self._make_optimizer()
+        self.scheduler = self._make_scheduler()
+        self.factorized_metrics: Dict[str, float] = {}
+
+    def _make_optimizer(self):
+        cfg = self.config
         # given the model, timm exempts 1-d parameters and model.no_weight_decay(); given a plain parameter
         # list it decays everything (the official CRATE recipe)
         params = list(self.model.parameters()) if cfg.decay_everything else self.model
-        self.optimizer = create_optimizer_v2(params, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                             momentum=cfg.momentum)
-        self.scheduler = None
-        if cfg.sched == 'cosine':
-            self.scheduler, _ = create_scheduler_v2(
-                self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.resolved_warmup_epochs(),
-                warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
-                updates_per_epoch=self.steps_per_epoch)
+        factors = set(lowrank_regularizers.factor_parameter_names(self.model)) if cfg.factor_decay == 'frobenius' else set()
+        # Frobenius decay (seed 004 §3.3) replaces the optimiser's decay of U and V by a loss term on U Vᵀ
+        self.frobenius_weight = cfg.weight_decay if factors else 0.0
+        if factors:
+            params = self._param_groups_without(factors)
+        return create_optimizer_v2(params, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   momentum=cfg.momentum)
+
+    def _param_groups_without(self, names) -> List[Dict]:
+        """The optimiser's parameter groups as timm makes them, with the parameters `names` moved to the
+        group without weight decay."""
+        from timm.optim._param_groups import param_groups_weight_decay
+        cfg = self.config
+        if cfg.decay_everything:
+            named = list(self.model.named_parameters())
+            return [{'params': [p for n, p in named if n not in names]},
+                    {'params': [p for n, p in named if n in names], 'weight_decay': 0.0}]
+        exempt = set(self.model.no_weight_decay()) if hasattr(self.model, 'no_weight_decay') else set()
+        return param_groups_weight_decay(self.model, cfg.weight_decay, no_weight_decay_list=exempt | set(names))
+
+    def _make_scheduler(self):
+        cfg = self.config
+        if cfg.sched != 'cosine':
+            return None
+        scheduler, _ = create_scheduler_v2(
+            self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.resolved_warmup_epochs(),
+            warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
+            updates_per_epoch=self.steps_per_epoch)
+        return scheduler
+
+    # ----------------------------------------------------------------- pre-train, then factorise
+    def _factorize_due(self, epoch: int) -> bool:
+        """True before the first epoch after `factorize_at` epochs of dense training, unless the recipe
+        (a resumed run's included) already holds the factorisation."""
+        cfg = self.config
+        return (bool(cfg.factorize_at) and cfg.factorize_spec() is not None and epoch == cfg.factorize_at + 1
+                and not any(t['name'] == 'factorize' for t in self.recipe.transforms))
+
+    def _factorize_now(self) -> None:
+        """Factorise the trained dense model by truncated SVD (seed 004 §4.3), record the transform in the
+        recipe (so checkpoints from here on rebuild factorised), and rebuild the optimiser and schedule;
+        parameters that survive keep their optimiser state, the schedule continues at the same step."""
+        spec = normalize_transforms([self.config.factorize_spec()])[0]
+        for param in self.model.parameters():        # the next phase sets requires_grad again
+            param.requires_grad_(True)
+        old = self.optimizer
+        self.model = apply_transforms(self.model, [spec], TransformContext(input_size=self.recipe.input_size))
+        self.model.to(self.device)
+        self.recipe.transforms.append(spec)
+        self.optimizer = self._make_optimizer()
+        for group in self.optimizer.param_groups:
+            for param in group['params']:
+                if param in old.state:
+                    self.optimizer.state[param] = old.state[param]
+        self.scheduler = self._make_scheduler()
+        if self.scheduler is not None:
+            self.scheduler.step_update(num_updates=self.global_step)
+        if self.is_main:                              # what the switch cost, before any factorised step
+            after = evaluate(self.model, self.eval_loader, self.device)
+            self.factorized_metrics = {f'factorized_val_{k}': v for k, v in after.items()}
+
+    def _spectra_record(self) -> Dict:
+        """Per-layer effective rank ‖W‖_*/‖W‖_op and singular values (seed 004 Table 1) for runs that
+        factorise: every linear / conv layer, dense or factorised."""
+        from ..lowrank.spectra import effective_rank, layer_spectra
+        spectra = layer_spectra(self.model)
+        ranks = {name: effective_rank(s) for name, s in spectra.items()}
+        factored = [ranks[n] for n, m in self.model.named_modules() if n in ranks and hasattr(m, 'factors')]
+        return {'effective_rank_mean': float(np.mean(factored)) if factored else None,
+                'effective_rank': ranks,
+                'singular_values': {n: [float(f'{v:.5g}') for v in s.tolist()] for n, s in spectra.items()}}
 
     def _train_loader(self, epoch: int) -> DataLoader:
         cfg = self.config
@@ -247,9 +321,15 @@ class Trainer:
         try:
             for epoch in range(start_epoch + 1, cfg.epochs + 1):
                 phase = phase_for_epoch(self.phases, epoch)
+                if self._factorize_due(epoch):
+                    self._factorize_now()
                 record = self._train_epoch(epoch, phase)
+                record.update(self.factorized_metrics)
+                self.factorized_metrics = {}
                 if self.is_main:
                     record.update({f'val_{k}': v for k, v in evaluate(self.model, self.eval_loader, self.device).items()})
+                    if self.config.factorize_spec() or lowrank_regularizers.factor_parameter_names(self.model):
+                        record.update(self._spectra_record())
                     last_path = self._save(epoch, record)     # the checkpoint first: it carries the record too
                     with open(self.output / 'metrics.jsonl', 'a') as f:
                         f.write(json.dumps(record) + '\n')
@@ -293,6 +373,8 @@ class Trainer:
             images, targets = images.to(self.device), targets.to(self.device)
             logits = model(images)
             terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing))
+            if self.frobenius_weight:
+                terms['frobenius_decay'] = self.frobenius_weight * lowrank_regularizers.frobenius_decay(self.model)
             loss = sum(terms.values())
             if not torch.isfinite(loss):
                 bar.close()
