@@ -107,6 +107,10 @@ CASES = [
     ('transform-no-equals', ['train', '--transform', 'sparsify', 'keep', '--output', OUT], ['--transform']),
     ('reproduce-kwargs-no-equals', ['reproduce', 'soft', '--model-kwargs', 'depth', '--output', OUT],
      ['--model-kwargs']),
+    ('reproduce-ablate-other-attention', ['reproduce', 'soft', '--ablate', '--attn', 'softmax', '--output', OUT],
+     ['--ablate', 'softmax']),
+    ('reproduce-ablate-unknown-variant', ['reproduce', 'soft', '--ablate', '--variants', 'layernorm', '--output', OUT],
+     ['--variants']),
     # config files
     ('config-is-folder', ['train', '-c', '{folder}', '--output', OUT], ['-c/--config', 'folder']),
     ('config-missing', ['train', '-c', '{base}/no_such.yaml', '--output', OUT], ['-c/--config', 'no_such.yaml']),

@@ -14,6 +14,12 @@ Memory: Table 2 reports training memory. Here `act_mem_mb` is the bytes of tenso
 for backward in one training forward (the part of training memory that depends on the attention),
 measured the same way on CPU and GPU; on CUDA `cuda_peak_mb` (max allocated during forward+backward)
 is added. Timer, memory readers, environment record and writers are those of `bench/harness.py`.
+
+`--ablate` (issue 14): plain SOFT and SOFT++ with each difference of the public code switched on alone
+(sampler LayerNorm + GELU, V depthwise conv, post-LN, its inverse rule, unrolled backward) and all
+together, same recipe; per row val top-1 (after epoch 1, final, best) and the conditioning of the
+landmark kernel A (2-norm condition number over every SOFT layer, head and image of one validation
+batch: median and max, at initialisation and after training). No speed measurements.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING, Dict, List
 
 from ..bench.harness import PeakMemory, environment, median_seconds, saved_tensor_bytes, write_json, write_text
 from ..cli import ParseKwargs
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +50,68 @@ PAPER_TABLE2 = {   # SOFT Table 2 (ImageNet, Tiny): params, GFLOPs, train / infe
 }
 
 
+# issue 14: each difference of the public SOFT code, switched on alone (model kwargs, `attn_kwargs` merged);
+# '{rule}' is the public rule of the family ('soft' for SOFT, 'softpp' for SOFT++)
+ABLATIONS = {
+    'paper': {},
+    'landmark_norm': {'attn_kwargs': {'landmark_norm': True}},
+    'value_conv': {'value_conv': [9, 5, 3, 3]},
+    'post_norm': {'post_norm': [True, True, True, False]},
+    'newton_rule': {'attn_kwargs': {'newton_rule': '{rule}'}},
+    'unrolled': {'attn_kwargs': {'newton_backward': 'unrolled'}},
+}
+ABLATIONS['all'] = {'value_conv': [9, 5, 3, 3], 'post_norm': [True, True, True, False],
+                    'attn_kwargs': {'landmark_norm': True, 'newton_rule': '{rule}', 'newton_backward': 'unrolled'}}
+
+
+def ablation_kwargs(attn: str, variant: str, base: Dict) -> Dict:
+    """Model kwargs of one ablation row: `base` (width, user's kwargs) plus the variant's switches."""
+    rule = {'soft': 'soft', 'softpp': 'softpp'}[attn]
+    extra = ABLATIONS[variant]
+    out = dict(base, **{k: v for k, v in extra.items() if k != 'attn_kwargs'})
+    attn_kwargs = dict(base.get('attn_kwargs') or {})
+    attn_kwargs.update({k: (rule if v == '{rule}' else v) for k, v in extra.get('attn_kwargs', {}).items()})
+    if attn_kwargs:
+        out['attn_kwargs'] = attn_kwargs
+    return out
+
+
+def landmark_conditioning(model: torch.nn.Module, images: torch.Tensor) -> Dict[str, float]:
+    """2-norm condition numbers of every SOFT layer's landmark kernel A on `images` (one forward):
+    median, 90th percentile and max over layers, heads and images (computed in float64), and the median
+    per stage (`stage_median`; SoftNet's `stages.i`). MNIST's blank borders give identical landmarks,
+    so some A are exactly singular whatever the layer does: the max says little, the median and p90 more."""
+    import torch
+    from ..layers.attention.soft import SoftAttention
+    conds, handles = {}, []
+
+    def hook_for(stage):
+        def hook(module, args, kwargs):
+            a = module.landmark_kernel(args[0], kwargs.get('grid_size'))
+            conds.setdefault(stage, []).append(torch.linalg.cond(a.double()).flatten())
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, SoftAttention):
+            parts = name.split('.')
+            stage = int(parts[1]) if parts[0] == 'stages' else 0
+            handles.append(module.register_forward_pre_hook(hook_for(stage), with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(images)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if not conds:
+        return {}
+    c = torch.cat([t for stage in sorted(conds) for t in conds[stage]])
+    return {'median': c.median().item(), 'p90': c.quantile(0.9).item(), 'max': c.max().item(),
+            'stage_median': [torch.cat(conds[s]).median().item() for s in sorted(conds)]}
+
+
 def model_name(attn: str) -> str:
     """Registered small-image model for an attention name (see structformer.models.soft)."""
     return {'soft': 'soft_tiny_mnist', 'softpp': 'softpp_tiny_mnist'}.get(attn, f'soft_tiny_{attn}_mnist')
@@ -51,8 +120,13 @@ def model_name(attn: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--data', default='../shared/data/mnist',
                         help='folder of MNIST IDX files (relative to the current directory)')
-    parser.add_argument('--attn', nargs='+', default=list(ATTENTIONS), choices=ATTENTIONS,
-                        help='attentions to train (one model each)')
+    parser.add_argument('--attn', nargs='+', default=None, choices=ATTENTIONS,
+                        help='attentions to train (one model each; default: all, or soft softpp with --ablate)')
+    parser.add_argument('--ablate', action='store_true',
+                        help='issue 14: SOFT and SOFT++ with each public-code difference switched on alone and all '
+                             'together; reports top-1 and the condition number of the landmark kernel A per row')
+    parser.add_argument('--variants', nargs='+', default=list(ABLATIONS), choices=list(ABLATIONS),
+                        help='ablation rows to train with --ablate (default: all)')
     parser.add_argument('--width', default='half', choices=sorted(WIDTHS),
                         help="Tiny's widths (full: Table 1, 14M parameters) or narrower with the same depths and "
                              "head width 32 (half: 3.6M, the default, sized for a CPU; quarter: 0.9M)")
@@ -129,6 +203,10 @@ def _report(rows: List[Dict], recipe: Dict, split: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ablate:
+        return run_ablation(args)
+    if args.attn is None:
+        args.attn = list(ATTENTIONS)
     import torch
     import structformer  # noqa: F401  (registers the models)
     from ..data import build_datasets
@@ -177,5 +255,84 @@ def run(args: argparse.Namespace) -> int:
     write_json(output / 'results.json', {'recipe': recipe_shown, 'data': info.description,
                                          'environment': environment(device), 'rows': rows}, default=str)
     write_text(output / 'report.md', _report(rows, recipe_shown, info.description))
+    print(f"wrote {output / 'results.json'} and {output / 'report.md'}")
+    return 0
+
+
+def _ablation_report(rows: List[Dict], recipe: Dict, split: str) -> str:
+    lines = [f"# SOFT vs SOFT++: the public code's differences one at a time (MNIST, {recipe.get('width')} width)", '',
+             f"Recipe (identical for every row): {json.dumps(recipe, default=str)}", '', f"Data: {split}", '',
+             '| attention | variant | params | val top-1 % epoch 1 | final (best) | cond(A) init: median / p90 '
+             '| cond(A) trained: median / p90 | trained, median per stage | train s |',
+             '|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        ci, ct = r['cond_init'], r['cond_trained']
+        stages = ' / '.join(f'{c:.3g}' for c in ct['stage_median'])
+        lines.append(f"| {r['attention']} | {r['variant']} | {r['params'] / 1e6:.3f}M | {r['epoch1_top1']:.2f} | "
+                     f"{r['val_top1']:.2f} ({r['best_val_top1']:.2f}) | {ci['median']:.3g} / {ci['p90']:.3g} | "
+                     f"{ct['median']:.3g} / {ct['p90']:.3g} | {stages} | {r['train_seconds']:.0f} |")
+    lines += ['', 'cond(A): 2-norm condition number of the landmark kernel exp(Q̃ ⊖ Q̃) of every SOFT layer, head and '
+              'image of the first validation batch, before and after training (median and 90th percentile; '
+              "MNIST's blank borders make some landmarks identical, so some A are singular in every row)."]
+    return '\n'.join(lines) + '\n'
+
+
+def run_ablation(args: argparse.Namespace) -> int:
+    """`--ablate`: train every (attention, variant) row with one recipe; see the module docstring."""
+    import time
+
+    import torch
+    import timm
+    import structformer  # noqa: F401  (registers the models)
+    from ..data import build_datasets
+    from ..train import TrainConfig, load_model, train
+
+    attns = args.attn or ['soft', 'softpp']
+    others = [a for a in attns if a not in ('soft', 'softpp')]
+    if others:
+        raise UsageError(f"--ablate applies to --attn soft softpp only, got {' '.join(others)}")
+    if args.measure_only:
+        raise UsageError("--ablate does not measure speeds; drop --measure-only")
+    data_dir = Path(args.data)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()})")
+    spec = f'mnist:{data_dir}'
+    _, val_set, info = build_datasets(spec, seed=args.seed, val_fraction=args.val_fraction)
+    output = Path(args.output)
+    recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
+                  weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 3),
+                  label_smoothing=0.1, seed=args.seed, val_fraction=args.val_fraction,
+                  limit_train_batches=args.limit_train_batches)
+    base = dict(WIDTHS[args.width], **(args.model_kwargs or {}))
+    images, _ = next(iter(torch.utils.data.DataLoader(val_set, batch_size=args.batch_size)))
+    rows = []
+    for attn in attns:
+        for variant in args.variants:
+            name, kwargs = model_name(attn), ablation_kwargs(attn, variant, base)
+            run_dir = output / 'runs' / f'{attn}_{variant}'
+            torch.manual_seed(args.seed)            # the engine seeds the same way: the same initial model
+            fresh = timm.create_model(name, **kwargs)
+            cond_init = landmark_conditioning(fresh, images)
+            start = time.perf_counter()
+            train(TrainConfig(model=name, model_kwargs=kwargs, data=spec, output=str(run_dir), **recipe),
+                  progress=False, overwrite=True)
+            seconds = time.perf_counter() - start
+            model, _ = load_model(run_dir, map_location='cpu')
+            summary = json.loads((run_dir / 'summary.json').read_text())
+            epochs = [json.loads(line) for line in (run_dir / 'metrics.jsonl').read_text().splitlines() if line]
+            row = {'attention': attn, 'variant': variant, 'model': name, 'model_kwargs': kwargs,
+                   'params': sum(p.numel() for p in model.parameters()),
+                   'epoch1_top1': epochs[0]['val_top1'], 'val_top1': summary['final_val_top1'],
+                   'best_val_top1': summary['best_val_top1'], 'train_seconds': seconds,
+                   'cond_init': cond_init, 'cond_trained': landmark_conditioning(model, images)}
+            rows.append(row)
+            print(f"{attn:>7} {variant:<14} top-1 {row['val_top1']:.2f}% (epoch 1: {row['epoch1_top1']:.2f}%)  "
+                  f"cond(A) median {row['cond_trained']['median']:.3g} (init {cond_init['median']:.3g})  "
+                  f"{seconds:.0f} s", flush=True)
+            recipe_shown = dict(recipe, width=args.width, model_kwargs=base)
+            write_json(output / 'results.json', {'recipe': recipe_shown, 'data': info.description,
+                                                 'environment': environment(torch.device('cpu')), 'rows': rows},
+                       default=str)
+            write_text(output / 'report.md', _ablation_report(rows, recipe_shown, info.description))
     print(f"wrote {output / 'results.json'} and {output / 'report.md'}")
     return 0
