@@ -50,6 +50,7 @@ REPRODUCE_EXAMPLES = """examples:
 BENCH_TARGETS = {
     'models': ('structformer.bench.models', 'CRATE-T vs ViT-T training / inference speed'),
     'attention': ('structformer.bench.attention', 'attention time / memory / FLOPs vs token count (SOFT Fig. 1b)'),
+    'lowrank': ('structformer.bench.lowrank', 'dense vs factorised (W = UVᵀ) layer and ViT-S block stack step time / memory'),
     'mlp': ('structformer.bench.mlp', 'structured linear layers at equal width; Mixer Table S.3 (RP-Mixer vs SW-MLP)'),
 }
 REPRODUCE_TARGETS = {

@@ -28,6 +28,9 @@ ANALYZE_EXAMPLES = """examples:
   # the training trajectory, as in CRATE Fig. 4 (init / epoch 1 / 20 / last)
   structformer analyze --checkpoint outputs/demo --compare init epoch:1 epoch:20 --num-samples 128
 
+  # mini-batch CKA between the blocks of two models (Mixer paper Fig. 2)
+  structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --num-samples 256
+
   # one checkpoint directory, other data, explicit output folder
   structformer analyze --checkpoint outputs/syn/checkpoints/epoch_0020 --data synthetic-subspaces \\
       --eps 0.5 --output /tmp/syn_analysis
@@ -53,6 +56,12 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help='measure patch tokens only (default: all tokens, cls included, as the model sees them)')
     parser.add_argument('--output', default=None, metavar='DIR',
                         help='output folder (default: <run>/analysis, or <checkpoint>/analysis outside a run)')
+    parser.add_argument('--cka', default=None, metavar='CHECKPOINT',
+                        help='instead of the white-box measures: mini-batch CKA between every block output of '
+                             '--checkpoint and of this checkpoint (any two models, e.g. a Mixer and an SW-MLP; '
+                             'Mixer paper Fig. 2), written to cka.json and cka.png')
+    parser.add_argument('--cka-batch-size', type=int, default=64, metavar='B',
+                        help='mini-batch size of the CKA estimate (>= 4; default 64)')
     parser.add_argument('--seed', type=int, default=0,
                         help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
                              'random baseline (default 0)')
@@ -63,6 +72,9 @@ def _check_args(args) -> None:
     b = args.num_samples
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
         raise ValueError(f"--num-samples must be an integer >= 1; got {b!r}")
+    if args.cka_batch_size < 4:
+        raise ValueError(f"--cka-batch-size must be an integer >= 4 (the unbiased HSIC needs 4 samples); "
+                         f"got {args.cka_batch_size}")
     eps = args.eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
@@ -169,6 +181,9 @@ def run_analyze(args) -> int:
     run = _run_dir(main_path)
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
+    if args.cka:
+        from .cka_cli import run_cka_analysis
+        return run_cka_analysis(args, main_path, out, load_samples)
     paths = [main_path]
     for spec in args.compare:
         p = resolve_compare(spec, run)

@@ -5,7 +5,8 @@ Convention: a permutation J of length m is stored as an index vector `perm`, and
 
 `permute_features` is the fast path: a gather forward and, since J⁻¹ = Jᵀ, a gather with the inverse
 index backward, where plain indexing would scatter-add the gradient (`index_put_` with accumulate, a
-slower kernel on CPU). `permute_features_reference` is the obvious version the tests compare it with.
+slower kernel on CPU). The inverse costs one O(m) scatter per call, nothing beside a [batch, m] gather,
+so it is not stored: a layer keeps only its m int64 indices. `permute_features_reference` is the obvious version the tests compare it with.
 """
 from typing import Optional, Union
 

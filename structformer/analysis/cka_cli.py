@@ -1,0 +1,60 @@
+"""`structformer analyze --checkpoint A --cka B`: mini-batch CKA between every block output of two
+checkpoints on A's held-out data (Mixer paper Fig. 2). Any two models with `forward_intermediates`
+(every structformer model, timm ViTs and Mixers) and the same input shape can be compared.
+
+Writes cka.json (the matrix, rows A's blocks, columns B's) and cka.png (its heat map) into --output.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..bench.harness import write_json, write_png
+
+
+def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
+    from ..train.checkpoint import load_model, resolve_checkpoint
+    from .cka import minibatch_cka
+    other_path = resolve_checkpoint(args.cka)
+    model_a, state_a = load_model(main_path)
+    model_b, state_b = load_model(other_path)
+    config = state_a.get('config') or {}
+    spec = args.data or config.get('data')
+    if not spec:
+        raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
+    same = args.data is None or args.data == config.get('data')
+    options = dict(config.get('data_kwargs') or {}) if same else {}
+    images, _, idx = load_samples(spec, options, int(config.get('seed', 0)), float(config.get('val_fraction', 0.2)),
+                                  args.num_samples, args.seed)
+    if len(idx) < 4:
+        raise ValueError(f"--num-samples: CKA's unbiased estimator needs at least 4 samples, the split has {len(idx)}")
+    batch = max(4, min(args.cka_batch_size, len(idx)))
+    batches = [images[i:i + batch] for i in range(0, len(idx), batch) if len(images[i:i + batch]) >= 4]
+    try:
+        result = minibatch_cka(model_a, model_b, batches)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--cka {args.cka}: the two models cannot read the same images ({str(e).splitlines()[0]})") from None
+    cka = result['cka']
+    name_a, name_b = state_a.get('model'), state_b.get('model')
+    out.mkdir(parents=True, exist_ok=True)
+    record = {'a': {'checkpoint': str(main_path), 'model': name_a, 'epoch': state_a.get('epoch')},
+              'b': {'checkpoint': str(other_path), 'model': name_b, 'epoch': state_b.get('epoch')},
+              'data': spec, 'samples': sum(len(b) for b in batches), 'batch_size': batch,
+              'estimator': 'minibatch linear CKA, unbiased HSIC (Nguyen et al. 2021)', 'cka': cka.tolist()}
+    print(f"CKA between the blocks of {name_a} ({main_path}) and {name_b} ({other_path}), "
+          f"{record['samples']} samples of {spec} in batches of {batch}:")
+    print('      ' + ''.join(f"  B{j:<4}" for j in range(cka.shape[1])))
+    for i, row in enumerate(cka.tolist()):
+        print(f"A{i:<4} " + ''.join(f"  {v:5.3f}" for v in row))
+    print(f"wrote {write_json(out / 'cka.json', record)}")
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(4.8, 4))
+        image = ax.imshow(cka.numpy(), vmin=0, vmax=1, cmap='magma', origin='lower')
+        ax.set_xlabel(f'{name_b} block')
+        ax.set_ylabel(f'{name_a} block')
+        fig.colorbar(image, ax=ax, label='CKA')
+        fig.tight_layout()
+        return fig
+    if write_png(out / 'cka.png', draw):
+        print(f"wrote {out / 'cka.png'}")
+    return 0

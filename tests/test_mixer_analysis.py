@@ -1,0 +1,150 @@
+"""Mixer-family analysis: design helpers, init spectra, CKA, the effective weights of a model's layers,
+`bench mlp` and `analyze --cka` end to end."""
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from structformer.analysis.cka import MinibatchCKA, hsic_unbiased, hsic_unbiased_reference, linear_cka, minibatch_cka
+from structformer.cli import main
+from structformer.mixer import fixed_omega_pairs, omega, optimal_width, sw_density, sw_width, tokens_for_omega
+from structformer.mixer.spectra import (gaussian_weight, init_spectrum_sweep, largest_singular_value,
+                                        sparse_masked_weight)
+from structformer.models.mixer import SparseMixer
+
+
+def test_fixed_omega_pairs_reproduce_the_papers_tables():
+    """App. C: the (C, S) pairs at Ω = 2¹⁸ and 2²¹ (γ = 1, S-Mixer), Fig. 4's S at Ω = 2¹⁹, γ = 2, SW-MLP widths."""
+    assert [(r['channels'], r['tokens']) for r in fixed_omega_pairs(2 ** 18, [16, 32, 48, 83, 113, 173])] == \
+        [(16, 173), (32, 113), (48, 83), (83, 48), (113, 32), (173, 16)]
+    assert [r['tokens'] for r in fixed_omega_pairs(2 ** 21, [16, 32, 64, 226, 346, 504])] == [504, 346, 226, 64, 32, 16]
+    assert [r['tokens'] for r in fixed_omega_pairs(2 ** 19, [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 64], 2.0)] \
+        == [360, 252, 203, 173, 152, 136, 124, 113, 104, 96, 89, 83, 64]
+    assert [round(sw_width(2 ** 18, p)) for p in (0.9, 0.7, 0.5, 0.3, 0.1)] == [540, 612, 724, 935, 1619]
+
+
+def test_design_identities():
+    S = tokens_for_omega(5000.0, 12, 2.0)
+    assert omega(S, 12, 2.0) == pytest.approx(5000.0)
+    best = optimal_width(2.0 * 40 ** 3, 2.0)
+    assert best['channels'] == pytest.approx(40) and best['width'] == pytest.approx(1600)
+    assert omega(40, 40, 2.0) == pytest.approx(2.0 * 40 ** 3)
+    # at fixed Ω no pair is wider than C = S
+    assert max(r['width'] for r in fixed_omega_pairs(2.0 * 40 ** 3, range(5, 200, 5), 2.0)) <= 1600 * 1.01
+    assert sw_density(omega(64, 48, 2.0), 64 * 48, 2.0) * 2.0 * (64 * 48) ** 2 == pytest.approx(omega(64, 48, 2.0))
+    with pytest.raises(ValueError, match='too narrow'):
+        sw_density(1e9, 10, 1.0)
+    with pytest.raises(ValueError, match='channels must be positive integers'):
+        fixed_omega_pairs(1e5, [0])
+
+
+def test_largest_singular_value_matches_the_dense_norm():
+    rng = np.random.default_rng(0)
+    dense = gaussian_weight(30, 20, rng)
+    assert largest_singular_value(dense) == pytest.approx(np.linalg.norm(dense, 2), rel=1e-8)
+    sparse = sparse_masked_weight(40, 25, 0.2, rng)
+    assert largest_singular_value(sparse) == pytest.approx(np.linalg.norm(sparse.toarray(), 2), rel=1e-8)
+    assert abs(sparse.nnz / (40 * 25) - 0.2) < 0.08
+
+
+def test_init_spectra_follow_section_4_3():
+    """Mixer weights sit near 1 + √γ; SW-MLP's largest singular value grows with width at fixed Ω and
+    lies above the Mixer's edge (Eq. 16–18). Ω small enough that the growth is large."""
+    rows = init_spectrum_sweep(omega_=2 ** 14, gamma=2.0, channels=(4, 16, 24), trials=3, seed=0)
+    edge = 1 + 2 ** 0.5
+    for r in rows:
+        assert abs(r['mixer_token'] - edge) < 0.35 * edge
+    sw = [r['sw_mlp'] for r in rows]
+    assert sw[0] < sw[1] < sw[2] and sw[-1] > edge
+
+
+def test_hsic_closed_form_equals_the_u_statistic():
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 3, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    k, l = x @ x.t(), y @ y.t()
+    assert float(hsic_unbiased(k, l)) == pytest.approx(hsic_unbiased_reference(k, l), rel=1e-10, abs=1e-12)
+
+
+def test_cka_invariances_and_independence():
+    torch.manual_seed(1)
+    x = torch.randn(64, 10, dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.randn(10, 10, dtype=torch.float64))
+    assert linear_cka(x, 3.0 * x @ q) == pytest.approx(1.0)
+    meter = MinibatchCKA(1, 2)
+    for _ in range(4):
+        x = torch.randn(32, 10, dtype=torch.float64)
+        meter.update([x], [5.0 * x @ q, torch.randn(32, 10, dtype=torch.float64)])
+    cka = meter.compute()
+    assert cka[0, 0] == pytest.approx(1.0) and abs(cka[0, 1]) < 0.1
+
+
+def test_minibatch_cka_of_a_model_with_itself_is_one_on_the_diagonal():
+    torch.manual_seed(2)
+    model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=8, depth=3)
+    result = minibatch_cka(model, model, [torch.randn(16, 1, 8, 8) for _ in range(3)])
+    torch.testing.assert_close(torch.diagonal(result['cka']), torch.ones(3, dtype=torch.float64))
+
+
+def test_effective_weight_of_a_model_layer_is_the_wide_sparse_mlp():
+    """The S-Mixer block's token mixing, materialised from its PK layer, is I_C ⊗ W up to the J_c
+    shuffles, with non-zero fraction 1/C; applying the dense matrices reproduces the block (Prop. 3.2)."""
+    torch.manual_seed(3)
+    model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=6, depth=1).double()
+    block = model.blocks[0]
+    token = block.mlp_tokens.fc1.to_dense()                       # [m, m], m = S·C = 96
+    channel = block.mlp_channels.fc1.to_dense()
+    assert token.shape == (96, 96) and (token != 0).double().mean().item() == pytest.approx(1 / 6)
+    assert (channel != 0).double().mean().item() == pytest.approx(1 / 16)
+    X = torch.randn(2, 16, 6, dtype=torch.float64)
+    u = X.reshape(2, -1) + F.gelu(block.norm1(X).reshape(2, -1) @ token.t() + block.mlp_tokens.fc1.dense_bias())
+    U = u.reshape(2, 16, 6)
+    y = u + F.gelu(block.norm2(U).reshape(2, -1) @ channel.t() + block.mlp_channels.fc1.dense_bias())
+    torch.testing.assert_close(block(X).reshape(2, -1), y)
+
+
+def test_bench_mlp_runs_and_reports_the_goals(tmp_path, capsys, monkeypatch):
+    from structformer.bench import mlp
+    # in this process: the fresh-process harness has its own tests, and ten interpreters cost half a minute
+    monkeypatch.setattr(mlp, '_subprocess', lambda target, *a: getattr(mlp, target.split(':')[1])(*a))
+    p = argparse.ArgumentParser()
+    mlp.add_arguments(p)
+    args = p.parse_args(['--side', '8', '--batch-size', '16', '--model-batch-size', '4', '--repeats', '1', '--img-size', '8',
+                         '--rounds', '1', '--output', str(tmp_path)])
+    assert mlp.run(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / 'mlp.json').read_text())
+    assert [r['layer'] for r in result['layers']] == list(mlp.LAYERS)
+    by_name = {r['model']: r for r in result['models']}
+    assert result['goals']['memory_ratio'] == pytest.approx(
+        by_name['swmlp_cifar']['blocks_bytes'] / by_name['rp_mixer_cifar']['blocks_bytes'])
+    assert '(a) SW-MLP / RP-Mixer block storage' in out and 'ImageNet SW-MLP is not built' in out
+    dense = next(r for r in result['layers'] if r['layer'] == 'dense')
+    pk = next(r for r in result['layers'] if r['layer'] == 'pk_random')
+    assert dense['macs_per_row'] == 64 * 64 and pk['macs_per_row'] == 64 * 64 / 8
+
+
+def test_analytic_table_s3_matches_the_papers_imagenet_scale():
+    from structformer.bench.mlp import IMAGENET, analytic_resources
+    table = analytic_resources(**IMAGENET)
+    # the paper: ≈ 23.2 TB for SW-MLP, ≈ 26.3 M for RP-Mixer at S = 256, C = 588, L = 8, γ = 4
+    assert table['sw_mlp']['train_bytes'] == pytest.approx(23.2e12, rel=0.07)
+    assert table['rp_mixer']['weights'] == pytest.approx(26.3e6, rel=0.01)
+
+
+def test_analyze_cka_between_two_runs(tmp_path, capsys):
+    for name in ('mixer_digits', 'swmlp_digits'):
+        assert main(['train', '--model', name, '--data', 'digits', '--epochs', '1', '--limit-train-batches', '1',
+                     '--output', str(tmp_path / name), '--no-progress']) == 0
+    out = tmp_path / 'cka'
+    assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'swmlp_digits'),
+                 '--num-samples', '64', '--cka-batch-size', '32', '--output', str(out)]) == 0
+    record = json.loads((out / 'cka.json').read_text())
+    assert len(record['cka']) == 4 and len(record['cka'][0]) == 2 and record['samples'] == 64
+    assert all(-0.2 < v <= 1.0 + 1e-9 for row in record['cka'] for v in row)
+    assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'mixer_digits'),
+                 '--num-samples', '64', '--output', str(out)]) == 0
+    same = json.loads((out / 'cka.json').read_text())['cka']
+    assert all(abs(same[i][i] - 1) < 1e-9 for i in range(4))
