@@ -23,7 +23,8 @@ Known parameter/FLOP gap (`structformer models --flops`; numbers in docs/soft.md
 more parameters and multiply-adds than the paper's 13M / 1.9G, and so does Table 1's own Tiny
 configuration without any sampler (its FFNs plus per-token projections alone exceed 1.9 GMACs), so
 neither quoted number is reachable from the table; the public code's Tiny is a different network
-(depths 1/2/3/2, MLP ratios 8/8/4/4). Our conv
+(depths 1/2/3/2, MLP ratio 4 everywhere: its `mlp_ratios=[8, 8, 4, 4]` never reaches the SOFT
+blocks), built by `soft_tiny_official_224` (`official=True`, docs/soft.md lists every difference). Our conv
 sampler is one head_dim×head_dim k×k conv shared by the heads of a block (as the public code), not a
 C×C conv over all channels, which would add 3.6M parameters.
 """
