@@ -55,6 +55,7 @@ BENCH_TARGETS = {
 }
 REPRODUCE_TARGETS = {
     'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),
+    'mixer': ('structformer.reproduce.mixer', 'Mixer as a wide sparse MLP: fixed-Ω width, depth and init spectra on MNIST'),
 }
 
 

@@ -1,0 +1,204 @@
+"""`structformer bench lowrank`: training-step time and memory of dense vs factorised layers (seed 004).
+
+Two parts, each a set of candidates timed interleaved over `--rounds` rounds (the best median of each
+kept), so every ratio printed comes from numbers taken in this one run on this machine:
+
+1. One layer, `--in-features` → `--out-features` on `--tokens` tokens: nn.Linear, FactorizedLinear at
+   each rank, and at each rank the naive factorisation as two plain nn.Linear layers. A training step is
+   forward, backward (the input requires grad, as inside a network) and an SGD-momentum step.
+2. A ViT-S block stack (timm's `Block`, dim 384, 6 heads, MLP 1536, `--depth` blocks) on
+   `--batch-size` × 197 tokens: dense vs `factorize(..., include='all')` (QKV, attention output, both
+   FFN matrices) at each rank.
+
+Memory is what a step holds beyond the input: parameters, gradients and momentum (3 × parameter bytes)
+plus the activations autograd saves for backward (distinct storages; parameters and the input, which
+the step holds anyway, not counted), which is exact and independent of the allocator. FLOP ratios are the matmul multiply-adds, for comparison with the measured ratios.
+"""
+from __future__ import annotations
+
+import sys
+
+from .harness import environment, median_seconds, write_json
+
+EXAMPLES = """examples:
+  structformer bench lowrank                                   # the goals: 1024x4096 layer, ViT-S stack
+  structformer bench lowrank --tokens 256 --in-features 64 --out-features 256 --depth 1 --batch-size 1 --steps 1 --rounds 1
+  structformer bench lowrank --ranks 0.25 --threads 2 --output outputs/bench/lowrank.json"""
+
+GOALS = {'layer': (0.25, 3.0), 'stack': (0.25, 2.0)}     # rank: minimum speed-up over dense
+
+
+def add_arguments(p):
+    p.add_argument('--tokens', type=int, default=4096, help='tokens through the single layer (4096)')
+    p.add_argument('--in-features', type=int, default=1024)
+    p.add_argument('--out-features', type=int, default=4096)
+    p.add_argument('--ranks', type=float, nargs='+', default=[0.1, 0.25, 0.5],
+                   help='fractions of min(m, n) (0.1 0.25 0.5)')
+    p.add_argument('--depth', type=int, default=12, help='ViT-S blocks in the stack (12); 0 skips the stack')
+    p.add_argument('--batch-size', type=int, default=8, help='images of 197 tokens through the stack (8)')
+    p.add_argument('--steps', type=int, default=5, help='timed steps per measurement, after 2 warm-up steps')
+    p.add_argument('--rounds', type=int, default=3, help='interleaved rounds; the best median of each is kept')
+    p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
+    p.add_argument('--output', default=None, help='write the results as JSON here')
+
+
+def _check(args) -> None:
+    for flag in ('tokens', 'in_features', 'out_features', 'batch_size', 'steps', 'rounds'):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.depth < 0 or args.threads < 0:
+        raise ValueError("--depth and --threads must be >= 0")
+    for rank in args.ranks:
+        if not 0 < rank <= 1:
+            raise ValueError(f"--ranks: {rank} is out of range: accepted fractions in (0, 1]")
+
+
+def _step_fn(module, inputs):
+    """One training step of `module` on `inputs` (which require grad): forward, backward of a fixed
+    upstream gradient, SGD with momentum."""
+    import torch
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9)
+    grad_out = None
+
+    def step():
+        nonlocal grad_out
+        out = module(inputs)
+        if grad_out is None:
+            grad_out = torch.randn_like(out) / out.numel() ** 0.5
+        out.backward(grad_out)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        inputs.grad = None
+    return step
+
+
+def _memory_bytes(module, inputs) -> int:
+    """3 × parameter bytes (weights, gradients, momentum) + the activations autograd saves for backward
+    (distinct storages, parameters and the input not counted again)."""
+    import torch
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    known = {p.untyped_storage().data_ptr() for p in module.parameters()} | {inputs.untyped_storage().data_ptr()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in known:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    module.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(inputs).sum().backward()
+    module.zero_grad(set_to_none=True)
+    inputs.grad = None
+    return 3 * params + sum(seen.values())
+
+
+def _layer_candidates(args):
+    import torch
+    from torch import nn
+
+    from ..layers.linear.factorized import FactorizedLinear, resolve_rank
+    n, m = args.in_features, args.out_features
+    rows = [('dense nn.Linear', None, nn.Linear(n, m), n * m)]
+    for frac in args.ranks:
+        r = resolve_rank(frac, m, n)
+        rows.append((f'FactorizedLinear r={r} ({frac:g})', frac, FactorizedLinear(n, m, rank=r), r * (m + n)))
+        rows.append((f'two nn.Linear r={r} ({frac:g})', frac, nn.Sequential(nn.Linear(n, r, bias=False),
+                                                                           nn.Linear(r, m)), r * (m + n)))
+    inputs = torch.randn(args.tokens, n, requires_grad=True)
+    return [(label, frac, module, macs * args.tokens, inputs) for label, frac, module, macs in rows]
+
+
+def _stack_candidates(args):
+    import copy
+
+    import torch
+    from timm.models.vision_transformer import Block
+    from torch import nn
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..lowrank.transform import factorize
+
+    def count_macs(module, x):
+        with FlopCounterMode(display=False) as counter:
+            module(x)
+        return counter.get_total_flops() // 2
+    dense = nn.Sequential(*[Block(384, 6, mlp_ratio=4.0, qkv_bias=True) for _ in range(args.depth)])
+    inputs = torch.randn(args.batch_size, 197, 384, requires_grad=True)
+    rows = [('ViT-S blocks, dense', None, dense)]
+    for frac in args.ranks:
+        model = factorize(copy.deepcopy(dense), rank=frac, init='spectral', include='all', verbose=False)
+        rows.append((f'ViT-S blocks, rank {frac:g}', frac, model))
+    with torch.no_grad():
+        return [(label, frac, module, count_macs(module, inputs.detach()), inputs) for label, frac, module in rows]
+
+
+def _measure(candidates, args, part: str):
+    """Interleaved rounds: each candidate's time is the best of its per-round medians."""
+    best = {}
+    for round_index in range(args.rounds):
+        for label, _, module, _, inputs in candidates:
+            module.train()
+            seconds = median_seconds(_step_fn(module, inputs), args.steps, 2, 'cpu')
+            best[label] = min(seconds, best.get(label, float('inf')))
+        print(f"{part}: round {round_index + 1}/{args.rounds} measured", file=sys.stderr, flush=True)
+    rows = []
+    for label, frac, module, macs, inputs in candidates:
+        rows.append({'label': label, 'rank': frac, 'step_s': best[label], 'macs': macs,
+                     'params': sum(p.numel() for p in module.parameters()),
+                     'memory_mib': _memory_bytes(module, inputs) / 2 ** 20})
+    dense = rows[0]
+    for row in rows:
+        row['speedup'] = dense['step_s'] / row['step_s']
+        row['flop_ratio'] = dense['macs'] / row['macs']
+        row['memory_ratio'] = row['memory_mib'] / dense['memory_mib']
+    return rows
+
+
+def _print(title: str, rows) -> None:
+    print(f"\n{title}")
+    width = max(len(r['label']) for r in rows)
+    print(f"{'':<{width}}  {'params':>9}  {'step ms':>9}  {'speed-up':>8}  {'FLOP ratio':>10}  "
+          f"{'memory MiB':>10}  {'memory ratio':>12}")
+    for r in rows:
+        print(f"{r['label']:<{width}}  {r['params'] / 1e6:>8.2f}M  {r['step_s'] * 1e3:>9.1f}  {r['speedup']:>7.2f}x  "
+              f"{r['flop_ratio']:>9.2f}x  {r['memory_mib']:>10.1f}  {r['memory_ratio']:>12.2f}")
+
+
+def _goal(rows, part: str):
+    rank, target = GOALS[part]
+    match = [r for r in rows if r['rank'] == rank and not r['label'].startswith('two')]
+    if not match:
+        return None
+    measured = match[0]['speedup']
+    return {'part': part, 'rank': rank, 'target_speedup': target, 'measured_speedup': measured,
+            'met': measured >= target}
+
+
+def run(args) -> int:
+    import torch
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    env = environment('cpu')
+    layer_rows = _measure(_layer_candidates(args), args, 'layer')
+    stack_rows = _measure(_stack_candidates(args), args, 'stack') if args.depth else []
+    print(f"\n{env['cpu']}, {env['threads']} threads, torch {env['torch']}; training step = forward + backward "
+          f"(input grad included) + SGD momentum; best of {args.rounds} rounds of the median of {args.steps} steps")
+    _print(f"one layer {args.in_features} -> {args.out_features}, {args.tokens} tokens", layer_rows)
+    if stack_rows:
+        _print(f"ViT-S block stack: {args.depth} blocks, {args.batch_size} x 197 tokens, every linear factorised",
+               stack_rows)
+    goals = [g for g in (_goal(layer_rows, 'layer'), _goal(stack_rows, 'stack') if stack_rows else None) if g]
+    if goals and (args.tokens, args.in_features, args.out_features) == (4096, 1024, 4096):
+        print()
+        for g in goals:
+            print(f"goal {g['part']}: rank {g['rank']} at least {g['target_speedup']:.1f}x faster than dense: "
+                  f"measured {g['measured_speedup']:.2f}x, {'met' if g['met'] else 'NOT met'}")
+    if args.output:
+        write_json(args.output, {'environment': env, 'args': {k: v for k, v in vars(args).items() if k != 'func'},
+                                 'layer': layer_rows, 'stack': stack_rows, 'goals': goals})
+    return 0

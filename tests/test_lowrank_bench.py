@@ -1,0 +1,34 @@
+"""`structformer bench lowrank` runs end to end at a tiny size (tests never time things: only the
+structure of the report, its exact FLOP ratios and its memory accounting are checked)."""
+import json
+
+import pytest
+
+from structformer.cli import main
+
+
+def test_bench_lowrank_tiny_run_writes_consistent_ratios(tmp_path, capsys):
+    out = tmp_path / 'lowrank.json'
+    assert main(['bench', 'lowrank', '--tokens', '32', '--in-features', '16', '--out-features', '64', '--ranks', '0.25',
+                 '--depth', '1', '--batch-size', '1', '--steps', '1', '--rounds', '1', '--output', str(out)]) == 0
+    report = json.loads(out.read_text())
+    layer = {r['label']: r for r in report['layer']}
+    assert set(layer) == {'dense nn.Linear', 'FactorizedLinear r=4 (0.25)', 'two nn.Linear r=4 (0.25)'}
+    fact = layer['FactorizedLinear r=4 (0.25)']
+    assert fact['flop_ratio'] == pytest.approx(16 * 64 / (4 * 80))          # mn / r(m + n)
+    assert fact['speedup'] == pytest.approx(layer['dense nn.Linear']['step_s'] / fact['step_s'])
+    assert fact['params'] == 4 * 80 + 64
+    # memory: 3 x parameter bytes (weights, grads, momentum) + saved activations (h: tokens x r, float32)
+    assert fact['memory_mib'] * 2 ** 20 == 3 * 4 * fact['params'] + 4 * 32 * 4
+    assert layer['dense nn.Linear']['memory_mib'] * 2 ** 20 == 3 * 4 * (16 * 64 + 64)   # saves only x and W
+    stack = report['stack']
+    assert [r['label'] for r in stack] == ['ViT-S blocks, dense', 'ViT-S blocks, rank 0.25']
+    assert 2.5 < stack[1]['flop_ratio'] < 3.5 and stack[1]['memory_ratio'] < 1
+    assert 'ViT-S block stack' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('argv, message', [(['--ranks', '0'], '--ranks'), (['--ranks', '1.5'], '--ranks'),
+                                           (['--tokens', '0'], '--tokens'), (['--depth', '-1'], '--depth')])
+def test_bench_lowrank_bad_arguments(argv, message, capsys):
+    assert main(['bench', 'lowrank', *argv]) == 2
+    assert message in capsys.readouterr().err
