@@ -253,3 +253,16 @@ def test_factorize_is_a_recorded_transform_that_rebuilds():
     with pytest.raises(ValueError, match='--transform factorize: .*unexpected keyword'):
         build_model('vit_tiny_patch16_224', {'img_size': 16, 'patch_size': 4, 'depth': 1},
                     transforms=[{'name': 'factorize', 'kwargs': {'rnk': 0.25}}])
+
+
+def test_wide_resnet_sizes_and_vision_preset():
+    with torch.device('meta'):
+        big = timm.create_model('wrn_28_10')
+    assert abs(sum(p.numel() for p in big.parameters()) - 36.5e6) / 36.5e6 < 0.002     # WRN-28-10, CIFAR-100
+    model = timm.create_model('wrn_10_2_digits')
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    factorize(model, rank=0.1, init='spectral_ones', verbose=False)
+    assert sorted(factorized_layers(model)) == sorted(convs[1:]) and type(model.stem) is nn.Conv2d
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    with pytest.raises(ValueError, match='depth=12'):
+        timm.create_model('wrn_28_10', depth=12)
