@@ -1,4 +1,4 @@
-"""`structformer train | eval | analyze | bench | models` — one command line for the library."""
+"""`structformer train | eval | analyze | bench | reproduce | design | models` — one command line for the library."""
 import argparse
 import ast
 import importlib
@@ -399,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(reproduce_sub.add_parser(target, help=help_text, formatter_class=fmt,
                                                       epilog=getattr(module, 'EXAMPLES', REPRODUCE_EXAMPLES)))
     p.set_defaults(func=cmd_reproduce)
+
+    from .mixer import cli as mixer_design
+    p = sub.add_parser('design', help='Mixer widths at a fixed number of connections Ω (Mixer paper §4.2)',
+                       formatter_class=fmt, epilog=mixer_design.EXAMPLES,
+                       description='(S, C) pairs on a fixed-Ω curve, C* = S*, effective widths, SW-MLP widths.')
+    mixer_design.add_arguments(p)
+    p.set_defaults(func=mixer_design.run)
 
     p = sub.add_parser('models', help='list registered models with parameter counts', formatter_class=fmt,
                        epilog=MODELS_EXAMPLES)

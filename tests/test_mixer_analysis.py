@@ -148,3 +148,13 @@ def test_analyze_cka_between_two_runs(tmp_path, capsys):
                  '--num-samples', '64', '--output', str(out)]) == 0
     same = json.loads((out / 'cka.json').read_text())['cka']
     assert all(abs(same[i][i] - 1) < 1e-9 for i in range(4))
+
+
+def test_design_command_prints_the_fixed_omega_table(capsys):
+    assert main(['design', '--omega', '2^18', '--channels', '16', '48', '173', '--json']) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert [(r['channels'], r['tokens']) for r in record['pairs']] == [(16, 173), (48, 83), (173, 16)]
+    assert record['optimal']['channels'] == pytest.approx(64)
+    assert [round(r['width']) for r in record['sw_mlp']] == [540, 612, 724, 935, 1619]
+    assert main(['design', '--omega', '2^19', '--gamma', '2']) == 0
+    assert 'C* = S* = 64.0' in capsys.readouterr().out

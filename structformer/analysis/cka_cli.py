@@ -14,7 +14,10 @@ from ..bench.harness import write_json, write_png
 def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     from ..train.checkpoint import load_model, resolve_checkpoint
     from .cka import minibatch_cka
-    other_path = resolve_checkpoint(args.cka)
+    try:
+        other_path = resolve_checkpoint(args.cka)
+    except (FileNotFoundError, ValueError) as e:          # CheckpointError is a ValueError
+        raise ValueError(f"--cka {args.cka}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
     model_a, state_a = load_model(main_path)
     model_b, state_b = load_model(other_path)
     config = state_a.get('config') or {}

@@ -110,7 +110,7 @@ def measure_model(name: str, batch: int, repeats: int, threads: int = 0, img_siz
     import timm
     import torch
 
-    import structformer  # noqa: F401
+    import structformer  # noqa: F401  (registers the models with timm)
     from .flops import model_flops
     if threads:
         torch.set_num_threads(threads)

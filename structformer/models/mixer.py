@@ -14,10 +14,10 @@ instead of X, used whenever S ≠ S₀ (or `skip_layer=True`, as the paper does 
 `SWMLP` is the static sparse-weight MLP (Eq. S.16–S.17) on the flattened token table, m = S₀·C.
 """
 from functools import partial
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
-from timm.layers import DropPath, PatchEmbed, to_2tuple
+from timm.layers import DropPath, PatchEmbed
 from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch import nn

@@ -56,7 +56,7 @@ class MonarchLinear(StructuredLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MonarchLinear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
-        b, (p, q, s) = self.nblocks, self.block_sizes
+        b, (p, q, _) = self.nblocks, self.block_sizes
         lead = x.shape[:-1]
         rows = x.reshape(-1, b, p).transpose(0, 1)                        # [b, N, p]
         mid = torch.bmm(rows, self.weight_right.transpose(1, 2))          # R: [b, N, q]
@@ -67,7 +67,7 @@ class MonarchLinear(StructuredLinear):
         return out if self.bias is None else out + self.bias
 
     def to_dense(self) -> torch.Tensor:
-        b, (p, q, s) = self.nblocks, self.block_sizes
+        b, (_, q, s) = self.nblocks, self.block_sizes
         right = torch.block_diag(*self.weight_right)                      # [b·q, b·p]
         left = torch.block_diag(*self.weight_left)                        # [b·s, b·q]
         middle_shuffle = torch.arange(b * q, device=right.device).view(b, q).t().reshape(-1)

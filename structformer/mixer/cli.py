@@ -1,0 +1,45 @@
+"""`structformer design`: Mixer widths at a fixed number of connections Ω (Mixer paper §4.2, Eq. 13–15)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+EXAMPLES = """examples:
+  structformer design --omega 2^18                              # App. C's (C, S) pairs, C* = S*, SW-MLP widths
+  structformer design --omega 2^19 --gamma 2 --channels 4 16 64 --json"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..reproduce.mixer import parse_omega
+    p.add_argument('--omega', type=parse_omega, required=True, help='connections per layer, e.g. 262144 or 2^18')
+    p.add_argument('--gamma', type=float, default=1.0, help='expansion factor γ (1: S-Mixer; default 1)')
+    p.add_argument('--channels', type=int, nargs='+', default=None,
+                   help="C values to pair with S on the fixed-Ω curve (default: App. C's 16 32 48 83 113 173 and C*)")
+    p.add_argument('--sw-densities', type=float, nargs='+', default=[0.9, 0.7, 0.5, 0.3, 0.1],
+                   help='SW-MLP densities p to size at the same Ω (width m = √(Ω/(pγ)))')
+    p.add_argument('--json', action='store_true', help='print one JSON object')
+
+
+def run(args) -> int:
+    from .design import fixed_omega_pairs, optimal_width, sw_width
+    if not args.gamma > 0:
+        raise ValueError(f"--gamma must be > 0, got {args.gamma}")
+    if any(not 0 < p <= 1 for p in args.sw_densities):
+        raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
+    if args.channels is not None and any(c < 1 for c in args.channels):
+        raise ValueError(f"--channels must be integers >= 1, got {args.channels}")
+    best = optimal_width(args.omega, args.gamma)
+    channels = args.channels or sorted({16, 32, 48, 83, 113, 173, max(1, round(best['channels']))})
+    pairs = fixed_omega_pairs(args.omega, channels, args.gamma)
+    sw = [{'density': p, 'width': sw_width(args.omega, p, args.gamma)} for p in args.sw_densities]
+    if args.json:
+        print(json.dumps({'omega': args.omega, 'gamma': args.gamma, 'optimal': best, 'pairs': pairs, 'sw_mlp': sw}))
+        return 0
+    print(f"Ω = {args.omega:,} connections per layer, γ = {args.gamma:g}: Ω = γ(CS² + C²S)/2 (Mixer), pγm² (SW-MLP)")
+    print(f"widest Mixer: C* = S* = {best['channels']:.1f}, effective width m* = {best['width']:,.0f}")
+    print(f"{'C':>6} {'S':>6} {'m = SC':>9} {'Ω of the pair':>14} {'token nnz':>10} {'channel nnz':>12}")
+    for r in pairs:
+        print(f"{r['channels']:>6} {r['tokens']:>6} {r['width']:>9,} {r['omega']:>14,.0f} "
+              f"{r['nonzero_token_mixing']:>10.4f} {r['nonzero_channel_mixing']:>12.4f}")
+    print("SW-MLP at the same Ω: " + ', '.join(f"p = {r['density']:g} → m = {r['width']:.0f}" for r in sw))
+    return 0

@@ -1,0 +1,266 @@
+"""`structformer reproduce mixer`: "MLP-Mixer as a wide sparse MLP" Fig. 4 (right), 5, 6 and 7 at MNIST scale.
+
+The paper trains on CIFAR-10/100 and STL-10 (32 px, patch 4, S₀ = 64, 8 blocks, 600 epochs); this runs on the
+real MNIST at ../shared/data/mnist (10,000 images: the first 8,000 train, the last 2,000 held out; 28 px, patch 4,
+so S₀ = 49 and C₀ = 16, no resizing) with one AdamW recipe for every row:
+
+  width   S-Mixer and RP S-Mixer (SkipLayer in the first block, as the paper's S sweeps) at every (S, C) pair
+          on a fixed-Ω curve (γ = 1), and SW-MLP at the same Ω for several densities; test error against the
+          effective width m and against C (Fig. 5–6), several seeds;
+  depth   S = C = C* (the widest pair), normal vs RP at several depths (Fig. 7);
+  spectra largest singular values at init at the paper's Ω = 2¹⁹, γ = 2 (Fig. 4 right), no training.
+
+It ends with the verdicts, computed from the numbers: is the best C the one nearest C = S, and does RP
+close its gap to the normal Mixer as depth grows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Dict, List
+
+from ..bench.harness import environment, write_json, write_png, write_text
+
+EXAMPLES = """examples:
+  structformer reproduce mixer --data ../shared/data/mnist                       # the whole study (~15 min)
+  structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
+      --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
+
+
+def parse_omega(text: str) -> int:
+    """'32768', '2^15' or '2**15' -> 32768."""
+    m = re.fullmatch(r'\s*(\d+)\s*(?:(?:\^|\*\*)\s*(\d+))?\s*', text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--omega expects an integer or a power like 2^15, got {text!r}")
+    value = int(m.group(1)) ** int(m.group(2)) if m.group(2) else int(m.group(1))
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"--omega must be >= 16 connections, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument('--data', default='../shared/data/mnist', help='folder with the MNIST IDX files')
+    p.add_argument('--omega', type=parse_omega, default=2 ** 15,
+                   help='connections per layer Ω of the width sweep (default 2^15: C* = S* = 32)')
+    p.add_argument('--channels', type=int, nargs='+', default=[8, 16, 32, 64, 128],
+                   help='C values on the fixed-Ω curve (S follows from Ω)')
+    p.add_argument('--sw-densities', type=float, nargs='+', default=[0.5, 0.125, 0.03125],
+                   help='SW-MLP densities p at the same Ω (width m = √(Ω/p), rounded to a multiple of S₀)')
+    p.add_argument('--depth', type=int, default=4, help='blocks of the width sweep (default 4)')
+    p.add_argument('--depths', type=int, nargs='+', default=[2, 4, 8], help='depths of the RP-vs-normal sweep')
+    p.add_argument('--seeds', type=int, default=2, help='seeds per configuration (default 2)')
+    p.add_argument('--epochs', type=int, default=5)
+    p.add_argument('--batch-size', type=int, default=128)
+    p.add_argument('--lr', type=float, default=3e-3)
+    p.add_argument('--weight-decay', type=float, default=0.05)
+    p.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
+    p.add_argument('--spectra-trials', type=int, default=3,
+                   help='random draws per width for Fig. 4 right (3; 0 skips the spectra)')
+    p.add_argument('--threads', type=int, default=0,
+                   help="torch threads (default: torch's own; 1 trains these small models almost as fast and "
+                        "shares a busy machine better)")
+    p.add_argument('--output', default='outputs/reproduce_mixer')
+
+
+def _check(args) -> None:
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+    if args.spectra_trials < 0:
+        raise ValueError(f"--spectra-trials must be >= 0, got {args.spectra_trials}")
+    for flag in ('depth', 'seeds', 'epochs', 'batch_size'):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if any(c < 1 for c in args.channels) or any(d < 1 for d in args.depths):
+        raise ValueError("--channels and --depths must be integers >= 1")
+    if any(not 0 < p <= 1 for p in args.sw_densities):
+        raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
+    if args.limit_train_batches < 0:
+        raise ValueError(f"--limit-train-batches must be >= 0, got {args.limit_train_batches}")
+    if not Path(args.data).is_dir():
+        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {Path(args.data).resolve()}); "
+                                "point it at a folder holding the MNIST IDX files")
+
+
+def plan(args, patch_tokens: int = 49) -> List[Dict]:
+    """Every run of the study: (group, label, model, model_kwargs, seed) plus its design numbers."""
+    from ..mixer.design import fixed_omega_pairs, optimal_width
+    runs = []
+    for seed in range(args.seeds):
+        for pair in fixed_omega_pairs(args.omega, args.channels, 1.0):
+            for kind, model in (('S-Mixer', 'smixer_mnist'), ('RP S-Mixer', 'rp_smixer_mnist')):
+                runs.append(dict(group='width', kind=kind, model=model, seed=seed, tokens=pair['tokens'],
+                                 channels=pair['channels'], width=pair['width'], omega=pair['omega'],
+                                 kwargs=dict(num_tokens=pair['tokens'], embed_dim=pair['channels'], depth=args.depth,
+                                             skip_layer=True, perm_seed=seed)))
+        for p in args.sw_densities:
+            channels = max(1, round(math.sqrt(args.omega / p) / patch_tokens))
+            width = channels * patch_tokens
+            density = min(1.0, args.omega / width ** 2)
+            runs.append(dict(group='width', kind='SW-MLP', model='swmlp_mnist', seed=seed, tokens=patch_tokens,
+                             channels=channels, width=width, omega=density * width ** 2, density=density,
+                             kwargs=dict(embed_dim=channels, depth=args.depth, density=density, mask_seed=seed)))
+        side = max(1, round(optimal_width(args.omega)['channels']))
+        for depth in args.depths:
+            for kind, model in (('S-Mixer', 'smixer_mnist'), ('RP S-Mixer', 'rp_smixer_mnist')):
+                runs.append(dict(group='depth', kind=kind, model=model, seed=seed, tokens=side, channels=side,
+                                 width=side * side, depth=depth,
+                                 kwargs=dict(num_tokens=side, embed_dim=side, depth=depth, skip_layer=True,
+                                             perm_seed=seed)))
+    return runs
+
+
+def _run_name(r: Dict) -> str:
+    depth = r['kwargs'].get('depth')
+    return f"{r['group']}_{r['model']}_C{r['channels']}_S{r['tokens']}_L{depth}_seed{r['seed']}"
+
+
+def summarise(rows: List[Dict], group: str, key: str) -> Dict:
+    """{kind: {key value: (mean error, min, max, n)}} over seeds."""
+    out: Dict[str, Dict] = {}
+    for r in rows:
+        if r['group'] != group:
+            continue
+        out.setdefault(r['kind'], {}).setdefault(r[key], []).append(100 - r['val_top1'])
+    return {kind: {k: (statistics.mean(v), min(v), max(v), len(v)) for k, v in sorted(by.items())}
+            for kind, by in out.items()}
+
+
+def verdicts(rows: List[Dict], omega_: float) -> Dict[str, str]:
+    from ..mixer.design import optimal_width
+    c_star = optimal_width(omega_)['channels']
+    out = {}
+    by_c = summarise(rows, 'width', 'channels')
+    for kind in ('S-Mixer', 'RP S-Mixer'):
+        table = by_c.get(kind, {})
+        if len(table) < 2:
+            continue
+        best_c = min(table, key=lambda c: table[c][0])
+        nearest = min(table, key=lambda c: abs(math.log(c / c_star)))
+        holds = best_c == nearest
+        out[f'best_near_c_equals_s_{kind}'] = (
+            f"{kind}: lowest mean error {table[best_c][0]:.2f}% at C = {best_c}; the tried C nearest "
+            f"C* = S* = {c_star:.1f} is {nearest} ({table[nearest][0]:.2f}%). "
+            f"'Best near C = S' {'HOLDS' if holds else 'DOES NOT HOLD'} here.")
+    by_depth = summarise(rows, 'depth', 'depth')
+    normal, rp = by_depth.get('S-Mixer', {}), by_depth.get('RP S-Mixer', {})
+    depths = sorted(set(normal) & set(rp))
+    if len(depths) >= 2:
+        gaps = {d: rp[d][0] - normal[d][0] for d in depths}
+        shown = ', '.join(f"L={d}: {gaps[d]:+.2f}" for d in depths)
+        if gaps[depths[0]] <= 0:
+            verdict = (f"DOES NOT APPLY here: RP is not behind at the shallowest depth (L={depths[0]}), so there is "
+                       "no gap to close")
+        elif gaps[depths[-1]] < gaps[depths[0]]:
+            verdict = f"HOLDS here: the gap shrinks from L={depths[0]} to L={depths[-1]}"
+        else:
+            verdict = f"DOES NOT HOLD here: the gap does not shrink from L={depths[0]} to L={depths[-1]}"
+        out['rp_catches_up_with_depth'] = (
+            f"RP minus normal error by depth ({shown} points; negative: RP better). 'RP catches up with depth' "
+            f"{verdict}.")
+    return out
+
+
+def _plots(rows: List[Dict], spectra: List[Dict], args, out: Path) -> List[str]:
+    from ..mixer.spectra import plot_init_spectra
+    written = []
+    markers = {'S-Mixer': 'o-', 'RP S-Mixer': 's-', 'SW-MLP': '^-'}
+
+    def by(group, key):
+        def draw(plt):
+            fig, ax = plt.subplots(figsize=(5.5, 3.8))
+            for kind, table in summarise(rows, group, key).items():
+                xs = list(table)
+                ax.plot(xs, [table[x][0] for x in xs], markers.get(kind, 'o-'), label=kind)
+                ax.fill_between(xs, [table[x][1] for x in xs], [table[x][2] for x in xs], alpha=0.15)
+            if key != 'depth':
+                ax.set_xscale('log', base=2)
+            ax.set_xlabel({'width': 'effective width m', 'channels': 'C (S from fixed Ω)', 'depth': 'blocks L'}[key])
+            ax.set_ylabel('held-out error %')
+            ax.set_title({'width': f'Fig. 5 analogue, Ω = {args.omega}', 'channels': f'Fig. 6 analogue, Ω = {args.omega}',
+                          'depth': 'Fig. 7 analogue, S = C = C*'}[key])
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            return fig
+        return draw
+
+    for name, group, key in (('error_vs_width.png', 'width', 'width'), ('error_vs_channels.png', 'width', 'channels'),
+                             ('error_vs_depth.png', 'depth', 'depth')):
+        if write_png(out / name, by(group, key)):
+            written.append(name)
+    if spectra and write_png(out / 'init_spectra.png', lambda plt: plot_init_spectra(spectra, plt, 2.0, 2 ** 19)):
+        written.append('init_spectra.png')
+    return written
+
+
+def _report(rows, spectra, found, recipe, figures) -> str:
+    lines = ['# MLP-Mixer as a wide sparse MLP, at MNIST scale', '',
+             f"Recipe (every run): {json.dumps(recipe)}", '',
+             '## Width at fixed Ω (Fig. 5–6)', '', '| model | C | S | m | Ω | held-out error % (mean, min–max over seeds) |',
+             '|---|---|---|---|---|---|']
+    width_rows = {}
+    for r in rows:
+        if r['group'] == 'width':
+            width_rows.setdefault((r['kind'], r['channels'], r['tokens'], r['width'], round(r['omega'])), []).append(
+                100 - r['val_top1'])
+    for (kind, c, s, m, om), errs in sorted(width_rows.items()):
+        lines.append(f"| {kind} | {c} | {s} | {m} | {om} | {statistics.mean(errs):.2f} ({min(errs):.2f}–{max(errs):.2f}) |")
+    lines += ['', '## Depth, S = C = C* (Fig. 7)', '', '| model | L | held-out error % (mean, min–max) |', '|---|---|---|']
+    for kind, table in summarise(rows, 'depth', 'depth').items():
+        for d, (mean, lo, hi, _) in table.items():
+            lines.append(f"| {kind} | {d} | {mean:.2f} ({lo:.2f}–{hi:.2f}) |")
+    if spectra:
+        lines += ['', '## Largest singular value at init, Ω = 2^19, γ = 2 (Fig. 4 right)', '',
+                  '| C | S | m | SW-MLP p | Mixer W (γS×S) | Mixer V (γC×C) | SW-MLP M⊙A (γm×m) | 1 + √γ |',
+                  '|---|---|---|---|---|---|---|---|']
+        for r in spectra:
+            lines.append(f"| {r['channels']} | {r['tokens']} | {r['width']} | {r['density']:.4f} | {r['mixer_token']:.3f} | "
+                         f"{r['mixer_channel']:.3f} | {r['sw_mlp']:.3f} | {r['marchenko_pastur_edge']:.3f} |")
+    lines += ['', '## Verdicts', ''] + [f"- {v}" for v in found.values()]
+    lines += ['', 'Figures: ' + ', '.join(f'[{f}]({f})' for f in figures)]
+    return '\n'.join(lines) + '\n'
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    import torch
+
+    import structformer  # noqa: F401  (registers the models)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ..mixer.spectra import init_spectrum_sweep
+    from ..train import TrainConfig, train
+    out = Path(args.output)
+    recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
+                  weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 5),
+                  label_smoothing=0.0, val_fraction=0.2, limit_train_batches=args.limit_train_batches)
+    spectra = init_spectrum_sweep(trials=args.spectra_trials) if args.spectra_trials else []
+    if spectra:
+        print("init spectra (Ω = 2^19, γ = 2): C, m, Mixer W σ_max, SW-MLP σ_max:", flush=True)
+    for r in spectra:
+        print(f"  C={r['channels']:>3} m={r['width']:>5}  {r['mixer_token']:.3f}  {r['sw_mlp']:.3f}", flush=True)
+    rows = []
+    runs = plan(args)
+    for i, r in enumerate(runs):
+        run_dir = out / 'runs' / _run_name(r)
+        result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=f'mnist:{args.data}',
+                                   output=str(run_dir), seed=r['seed'], keep_last=1, **recipe),
+                       progress=False, overwrite=True)
+        summary = json.loads((Path(result.output) / 'summary.json').read_text())
+        row = dict(r, depth=r['kwargs'].get('depth'), val_top1=summary['final_val_top1'],
+                   best_val_top1=summary['best_val_top1'], run=str(run_dir))
+        rows.append(row)
+        print(f"[{i + 1}/{len(runs)}] {r['group']:<5} {r['kind']:<10} C={r['channels']:<4} S={r['tokens']:<4} "
+              f"m={r['width']:<5} L={row['depth']} seed {r['seed']}: error {100 - row['val_top1']:.2f}%", flush=True)
+    found = verdicts(rows, args.omega)
+    figures = _plots(rows, spectra, args, out)
+    write_json(out / 'results.json', {'recipe': recipe, 'omega': args.omega, 'rows': rows, 'spectra': spectra,
+                                      'verdicts': found, 'environment': environment('cpu'),
+                                      'args': {k: v for k, v in vars(args).items() if k != 'func'}})
+    write_text(out / 'report.md', _report(rows, spectra, found, recipe, figures))
+    print('\n'.join(found.values()))
+    print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    return 0

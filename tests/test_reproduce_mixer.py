@@ -1,0 +1,75 @@
+"""`structformer reproduce mixer`: its plan follows the fixed-Ω design, its verdicts follow the numbers, and a
+tiny run goes end to end on the real MNIST."""
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from structformer.cli import main
+from structformer.mixer import omega
+from structformer.reproduce import mixer
+
+MNIST = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'mnist'
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    mixer.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_parse_omega():
+    assert mixer.parse_omega('2^15') == mixer.parse_omega('2**15') == mixer.parse_omega('32768') == 32768
+    with pytest.raises(argparse.ArgumentTypeError):
+        mixer.parse_omega('lots')
+
+
+def test_plan_keeps_omega_fixed_and_matches_sw_mlp():
+    runs = mixer.plan(_args('--seeds', '1'))
+    width = [r for r in runs if r['group'] == 'width' and r['kind'] != 'SW-MLP']
+    assert {r['channels'] for r in width} == {8, 16, 32, 64, 128}
+    for r in width:       # integer S: within one token of the curve
+        assert abs(omega(r['tokens'], r['channels']) - 2 ** 15) <= omega(r['tokens'] + 1, r['channels']) - \
+            omega(r['tokens'], r['channels'])
+        assert r['kwargs']['skip_layer'] is True
+    sw = [r for r in runs if r['kind'] == 'SW-MLP']
+    for r in sw:
+        assert r['width'] % 49 == 0 and r['density'] * r['width'] ** 2 == pytest.approx(2 ** 15)
+    depth = [r for r in runs if r['group'] == 'depth']
+    assert {(r['kind'], r['depth']) for r in depth} == {(k, d) for k in ('S-Mixer', 'RP S-Mixer') for d in (2, 4, 8)}
+    assert all(r['channels'] == r['tokens'] == 32 for r in depth)
+
+
+def _row(group, kind, error, **kw):
+    return dict(group=group, kind=kind, val_top1=100 - error, **kw)
+
+
+def test_verdicts_follow_the_numbers():
+    rows = [_row('width', 'S-Mixer', e, channels=c) for c, e in ((8, 5.0), (32, 3.0), (128, 6.0))]
+    rows += [_row('depth', 'S-Mixer', e, depth=d) for d, e in ((2, 4.0), (8, 3.0))]
+    rows += [_row('depth', 'RP S-Mixer', e, depth=d) for d, e in ((2, 6.0), (8, 3.2))]
+    found = mixer.verdicts(rows, 2 ** 15)
+    assert 'HOLDS' in found['best_near_c_equals_s_S-Mixer'] and 'C = 32' in found['best_near_c_equals_s_S-Mixer']
+    assert 'HOLDS here: the gap shrinks' in found['rp_catches_up_with_depth']
+    rows[1]['val_top1'] = 100 - 9.0          # best now at C = 8
+    rows[-1]['val_top1'] = 100 - 9.0         # RP falls further behind
+    found = mixer.verdicts(rows, 2 ** 15)
+    assert 'DOES NOT HOLD' in found['best_near_c_equals_s_S-Mixer']
+    assert 'DOES NOT HOLD here' in found['rp_catches_up_with_depth']
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
+def test_tiny_reproduction_end_to_end(tmp_path):
+    out = tmp_path / 'mixer'
+    assert main(['reproduce', 'mixer', '--data', str(MNIST), '--epochs', '1', '--seeds', '1', '--channels', '32',
+                 '--depths', '2', '--sw-densities', '0.25', '--depth', '2', '--limit-train-batches', '2',
+                 '--spectra-trials', '0', '--output', str(out)]) == 0
+    result = json.loads((out / 'results.json').read_text())
+    assert len(result['rows']) == 5 and {r['kind'] for r in result['rows']} == {'S-Mixer', 'RP S-Mixer', 'SW-MLP'}
+    for r in result['rows']:      # each row is its run's own final number
+        summary = json.loads((Path(r['run']) / 'summary.json').read_text())
+        assert r['val_top1'] == summary['final_val_top1'] and summary['model'] == r['model']
+    report = (out / 'report.md').read_text()
+    assert '## Verdicts' in report and "'Best near C = S'" not in report      # one C only: no width verdict
+    assert "'RP catches up with depth'" not in report                         # one depth only: no depth verdict
