@@ -40,6 +40,11 @@ Interface decisions (the paper leaves them open):
   takes the cheaper order (`SoftAttention.folding_pays`): folded when h·m is small against the width.
 * The conv sampler's windows do not overlap (kernel = stride), so it runs as one matmul over
   flattened k×k windows of the token sequence, with `F.conv2d` kept as its reference.
+
+The public code (fudan-zvg/SOFT) differs from the paper's equations; `official=True` follows it, and
+each difference is its own argument (landmark LayerNorm + GELU, V depthwise conv, its inverse rules,
+unrolled backward, sampler init) so it can be ablated. docs/soft.md has the table; the reference of the
+public attention written from its equations is in tests/test_soft_official.py.
 """
 import math
 import warnings
