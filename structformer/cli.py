@@ -275,7 +275,8 @@ def cmd_eval(args) -> int:
         print(json.dumps(metrics))
     else:
         print(f"{state['model']} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} images): "
-              f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}")
+              f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
+              + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else ''))
     return 0
 
 

@@ -9,9 +9,11 @@ from .imagefolder import build_imagefolder
 from .mnist import build_mnist
 from .spec import DatasetInfo, check_val_fraction, parse_data_spec
 from .synthetic import build_synthetic
+from .text import build_pysource, build_text
 
-_BUILDERS = {'digits': build_digits, 'synthetic-subspaces': build_synthetic}
-_FOLDER_BUILDERS = {'mnist': build_mnist, 'cifar10': build_cifar10, 'imagefolder': build_imagefolder}
+_BUILDERS = {'digits': build_digits, 'synthetic-subspaces': build_synthetic, 'pysource': build_pysource}
+_FOLDER_BUILDERS = {'mnist': build_mnist, 'cifar10': build_cifar10, 'imagefolder': build_imagefolder,
+                    'text': build_text}
 
 
 def build_datasets(spec: str, *, seed: int = 0, val_fraction: float = 0.2,

@@ -3,7 +3,7 @@ from ._registry import list_structformer_models, register_model
 from .crate import CRATE, CrateBlock
 from . import mixer, soft
 from .soft import SoftNet
-from . import wide_resnet
+from . import gpt, wide_resnet
 from .factory import ModelRecipe, build_model, rebuild
 from .transforms import TRANSFORMS, register_transform
 from ..lowrank import transform as _lowrank_transform  # noqa: F401,E402  (registers the 'factorize' transform)

@@ -7,6 +7,7 @@ uninterrupted run, bit for bit, on the same machine and thread count.
 """
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -61,19 +62,25 @@ def seed_everything(seed: int) -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: DataLoader, device) -> Dict[str, float]:
-    """Mean cross-entropy, top-1 and top-5 accuracy (%) over a loader."""
+    """Mean cross-entropy, top-1 and top-5 accuracy (%) over a loader; for a language model (logits
+    [B, T, V]) per token, with the perplexity exp(loss) added."""
     model.eval()
-    total, loss_sum, top1_hits, top5_hits = 0, 0.0, 0, 0
+    total, loss_sum, top1_hits, top5_hits, lm = 0, 0.0, 0, 0, False
     for images, targets in loader:
         images, targets = images.to(device), targets.to(device)
         logits = model(images)
+        if logits.dim() == 3:                        # next-token prediction: every position is a sample
+            lm, logits, targets = True, logits.flatten(0, 1), targets.flatten()
         # whole counts, not per-batch float32 percentages: the result does not depend on the batch size
         hits = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == targets[:, None]
         top1_hits += int(hits[:, 0].sum())
         top5_hits += int(hits.any(dim=-1).sum())
         loss_sum += F.cross_entropy(logits, targets, reduction='sum').item()
         total += targets.shape[0]
-    return {'loss': loss_sum / total, 'top1': 100.0 * top1_hits / total, 'top5': 100.0 * top5_hits / total}
+    metrics = {'loss': loss_sum / total, 'top1': 100.0 * top1_hits / total, 'top5': 100.0 * top5_hits / total}
+    if lm:
+        metrics['perplexity'] = math.exp(min(metrics['loss'], 700.0))
+    return metrics
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
@@ -366,7 +373,7 @@ class Trainer:
                    disable=not (self.progress and self.is_main and sys.stderr.isatty()), leave=False,
                    file=sys.stderr)   # no carriage-return updates in redirected logs: the epoch line says it all
         totals: Dict[str, float] = {}
-        seen, correct, start = 0, 0, time.perf_counter()
+        seen, seen_targets, correct, start = 0, 0, 0, time.perf_counter()
         for step, (images, targets) in enumerate(loader):
             if step >= limit:
                 break
@@ -392,6 +399,7 @@ class Trainer:
                 self.scheduler.step_update(num_updates=self.global_step)
             n = targets.shape[0]
             seen += n
+            seen_targets += targets.numel()                  # tokens for a language model
             correct += (logits.argmax(-1) == targets).sum().item()
             for name, value in terms.items():
                 totals[name] = totals.get(name, 0.0) + value.item() * n
@@ -401,7 +409,7 @@ class Trainer:
         bar.close()
         elapsed = time.perf_counter() - start
         record = {'epoch': epoch, 'phase': phase.name, 'step': self.global_step, 'lr': self._lr(),
-                  'train_top1': 100.0 * correct / max(seen, 1), 'epoch_time_s': elapsed,
+                  'train_top1': 100.0 * correct / max(seen_targets, 1), 'epoch_time_s': elapsed,
                   'train_img_per_s': seen * self.world_size / max(elapsed, 1e-9)}
         record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
         return record
@@ -416,6 +424,7 @@ class Trainer:
     def _print_epoch(self, r: Dict) -> None:
         print(f"epoch {r['epoch']:>3}/{self.config.epochs}  train loss {r['train_loss']:.4f}  "
               f"val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:6.2f}%  top5 {r['val_top5']:6.2f}%  "
+              + (f"ppl {r['val_perplexity']:.2f}  " if 'val_perplexity' in r else '') +
               f"lr {r['lr']:.2e}  {r['train_img_per_s']:.0f} img/s", flush=True)
 
     def _print_summary(self, history: List[Dict]) -> None:
@@ -427,6 +436,7 @@ class Trainer:
         summary = {'model': self.config.model, 'data': self.config.data, 'epochs': last['epoch'],
                    'final_val_top1': last['val_top1'], 'final_val_top5': last['val_top5'],
                    'final_val_loss': last['val_loss'], 'best_val_top1': best['val_top1'],
+                   **({'final_val_perplexity': last['val_perplexity']} if 'val_perplexity' in last else {}),
                    'best_epoch': best['epoch'],
                    'parameters': sum(p.numel() for p in self.model.parameters())}
         write_text_atomically(self.output / 'summary.json', json.dumps(summary, indent=1))

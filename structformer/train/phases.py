@@ -38,7 +38,10 @@ def register_loss_term(name: str):
 
 @register_loss_term('ce')
 def cross_entropy_term(ctx: LossContext) -> torch.Tensor:
-    """Cross-entropy with label smoothing (the recipes of CRATE and SOFT both smooth by 0.1)."""
+    """Cross-entropy with label smoothing (the recipes of CRATE and SOFT both smooth by 0.1); per token
+    for a language model's logits [B, T, V] with targets [B, T]."""
+    if ctx.logits.dim() == 3:
+        return F.cross_entropy(ctx.logits.flatten(0, 1), ctx.targets.flatten(), label_smoothing=ctx.label_smoothing)
     return F.cross_entropy(ctx.logits, ctx.targets, label_smoothing=ctx.label_smoothing)
 
 

@@ -1,0 +1,127 @@
+"""Byte-level language modelling on text that is already on this machine (seed 004's LM, offline).
+
+`--data pysource`: the Python standard library's own top-level `.py` files (`sysconfig`'s stdlib folder,
+e.g. 168 files, 4.7 MB for CPython 3.11), which ship with every Python, so nothing is downloaded. The
+text therefore depends on the Python version: the dataset's description names it.
+`--data text:PATH`: one text file, or every `*.txt`, `*.md`, `*.rst` and `*.py` file under a folder.
+
+Files are put in a seeded random order and whole files go to the validation split until it holds
+`val_fraction` of the bytes, so no file is split between the two. Each split is one byte stream (files
+joined by a blank line) cut into non-overlapping windows of `seq_len + 1` bytes; an example is
+(x = window[:-1], y = window[1:]), both int64 [seq_len], vocabulary 256. Options:
+`seq_len` (128), `max_bytes` (2,000,000; 0 = all: files of the seeded order that fit within that size).
+
+For the model factory the data's facts read as a classifier's: num_classes = 256 (the vocabulary),
+img_size = seq_len (the context), in_chans = 1.
+"""
+import random
+import sys
+import sysconfig
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+from torch.utils.data import Dataset
+
+from .spec import DatasetInfo, Option, resolve_options
+
+__all__ = ['ByteWindows', 'build_pysource', 'build_text', 'stdlib_sources', 'TEXT_SUFFIXES']
+
+TEXT_SUFFIXES = ('.txt', '.md', '.rst', '.py')
+OPTIONS = {
+    'seq_len': Option(int, 128, 'an integer >= 2', lambda v: v >= 2),
+    'max_bytes': Option(int, 2_000_000, 'an integer >= 0 (0 = all)', lambda v: v >= 0),
+}
+
+
+class ByteWindows(Dataset):
+    """Non-overlapping (x, y) windows of a byte stream: y is x shifted by one byte."""
+
+    def __init__(self, data: bytes, seq_len: int):
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self.seq_len
+        window = self.tokens[start:start + self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+def stdlib_sources() -> List[Path]:
+    """The standard library's top-level .py files, sorted (no site-packages, no sub-packages)."""
+    return sorted(Path(sysconfig.get_paths()['stdlib']).glob('*.py'))
+
+
+def _text_files(path: Path, spec: str) -> List[Path]:
+    if not path.exists():
+        raise FileNotFoundError(f"--data {spec!r}: path {str(path)!r} does not exist")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"--data {spec!r}: no text files ({', '.join(TEXT_SUFFIXES)}) under {str(path)!r}")
+    return files
+
+
+def _split(files: List[Path], seed: int, val_fraction: float, max_bytes: int, spec: str):
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    texts, total = [], 0
+    for f in order:
+        data = f.read_bytes()
+        if max_bytes and total + len(data) > max_bytes and texts:
+            continue                             # too big for what is left: a smaller file may fit
+        texts.append((f, data[:max_bytes] if max_bytes else data))
+        total += len(texts[-1][1])
+    if len(texts) == 1:                      # one file: hold out its end instead
+        (f, data), = texts
+        cut = int(len(data) * (1 - val_fraction))
+        return data[:cut], data[cut:], 1, 1
+    val, val_bytes = [], 0
+    while texts[len(val):] and val_bytes < val_fraction * total and len(val) < len(texts) - 1:
+        val.append(texts[len(val)])
+        val_bytes += len(val[-1][1])
+    train = texts[len(val):]
+    if not val or not train:
+        raise ValueError(f"--data {spec!r}: needs at least two files (or a larger max_bytes) to hold out "
+                         f"val_fraction={val_fraction} of the text by whole files")
+    join = lambda part: b'\n\n'.join(data for _, data in part)        # noqa: E731
+    return join(train), join(val), len(train), len(val)
+
+
+def _build(files, name, spec, source, *, seed, val_fraction, train_transform=None, eval_transform=None, **options):
+    if train_transform is not None or eval_transform is not None:
+        raise ValueError(f"--data {spec}: text data takes no image transforms")
+    opts = resolve_options(name, OPTIONS, options)
+    train_bytes, val_bytes, n_train, n_val = _split(files, seed, val_fraction, opts['max_bytes'], spec)
+    seq_len = opts['seq_len']
+    train, val = ByteWindows(train_bytes, seq_len), ByteWindows(val_bytes, seq_len)
+    if len(train) == 0 or len(val) == 0:
+        raise ValueError(f"--data-kwargs seq_len={seq_len}: longer than a split's text "
+                         f"({len(train_bytes)} / {len(val_bytes)} bytes)")
+    info = DatasetInfo(
+        name=name, num_classes=256, in_chans=1, img_size=seq_len, train_size=len(train), val_size=len(val),
+        description=(f"{source}: byte-level LM, {len(train_bytes):,} train bytes ({n_train} files) / "
+                     f"{len(val_bytes):,} val bytes ({n_val} files), windows of {seq_len} (seed {seed})"),
+        extra={'task': 'lm', 'seq_len': seq_len, 'train_bytes': len(train_bytes), 'val_bytes': len(val_bytes),
+               'max_bytes': opts['max_bytes'], 'seed': seed})
+    return train, val, info
+
+
+def build_pysource(*, seed, val_fraction, **kwargs):
+    """The standard library's sources as a byte-level LM dataset (see the module docstring)."""
+    files = stdlib_sources()
+    version = '.'.join(map(str, sys.version_info[:3]))
+    return _build(files, 'pysource', 'pysource', f"Python {version} standard library ({len(files)} .py files)",
+                  seed=seed, val_fraction=val_fraction, **kwargs)
+
+
+def build_text(path, *, spec, seed, val_fraction, **kwargs):
+    """Local text files as a byte-level LM dataset (see the module docstring)."""
+    files = _text_files(Path(path), spec)
+    return _build(files, 'text', spec, f"{path} ({len(files)} files)", seed=seed, val_fraction=val_fraction, **kwargs)
