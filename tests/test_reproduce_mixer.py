@@ -73,3 +73,26 @@ def test_tiny_reproduction_end_to_end(tmp_path):
     report = (out / 'report.md').read_text()
     assert '## Verdicts' in report and "'Best near C = S'" not in report      # one C only: no width verdict
     assert "'RP catches up with depth'" not in report                         # one depth only: no depth verdict
+
+
+def test_spectra_verdict_follows_the_trend():
+    def rows(sw):
+        return [dict(channels=c, width=100 * (i + 1), density=0.1, mixer_token=2.41 + (0.01 if i % 2 else -0.01),
+                     mixer_channel=2.4, sw_mlp=v, marchenko_pastur_edge=1 + 2 ** 0.5)
+                for i, (c, v) in enumerate(zip(range(4, 40, 4), sw))]
+    rising = mixer.spectra_verdict(rows([2.40 + 0.01 * i for i in range(9)]))['spectra']
+    assert "does not' HOLDS" in rising
+    flat = mixer.spectra_verdict(rows([2.45, 2.40, 2.46, 2.41, 2.44, 2.42, 2.43, 2.41, 2.44]))['spectra']
+    assert 'DOES NOT HOLD' in flat
+    assert mixer.predicted_sw_sigma({'density': 1.0, 'width': 50}) == pytest.approx(1 + 2 ** 0.5)
+
+
+def test_report_only_rebuilds_from_results(tmp_path):
+    rows = [_row('width', 'S-Mixer', e, channels=c, tokens=64 // c, width=64, omega=2 ** 15)
+            for c, e in ((8, 5.0), (32, 3.0))]
+    (tmp_path / 'results.json').write_text(json.dumps({'recipe': {'epochs': 1}, 'omega': 2 ** 15, 'rows': rows,
+                                                       'spectra': [], 'environment': {'cpu': 'then'}}))
+    assert main(['reproduce', 'mixer', '--report-only', '--output', str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / 'results.json').read_text())
+    assert saved['environment'] == {'cpu': 'then'} and 'HOLDS' in saved['verdicts']['best_near_c_equals_s_S-Mixer']
+    assert '| S-Mixer | 32 |' in (tmp_path / 'report.md').read_text()
