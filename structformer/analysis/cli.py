@@ -31,6 +31,9 @@ ANALYZE_EXAMPLES = """examples:
   # mini-batch CKA between the blocks of two models (Mixer paper Fig. 2)
   structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --num-samples 256
 
+  # loss / accuracy between a dense and a low-rank run (low-rank training Fig. 2)
+  structformer analyze --checkpoint outputs/dense --interpolate outputs/lowrank --interpolate-steps 11
+
   # one checkpoint directory, other data, explicit output folder
   structformer analyze --checkpoint outputs/syn/checkpoints/epoch_0020 --data synthetic-subspaces \\
       --eps 0.5 --output /tmp/syn_analysis
@@ -62,6 +65,12 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                              'Mixer paper Fig. 2), written to cka.json and cka.png')
     parser.add_argument('--cka-batch-size', type=int, default=64, metavar='B',
                         help='mini-batch size of the CKA estimate (>= 4; default 64)')
+    parser.add_argument('--interpolate', default=None, metavar='CHECKPOINT',
+                        help='instead of the white-box measures: held-out loss and accuracy along the straight line '
+                             'from --checkpoint to this checkpoint, factorised layers read densely (low-rank '
+                             'training Fig. 2), written to interpolation.json and interpolation.png')
+    parser.add_argument('--interpolate-steps', type=int, default=11, metavar='N',
+                        help='points on the line, t = 0, 1/(N-1), ..., 1 (>= 2; default 11)')
     parser.add_argument('--seed', type=int, default=0,
                         help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
                              'random baseline (default 0)')
@@ -181,6 +190,9 @@ def run_analyze(args) -> int:
     run = _run_dir(main_path)
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
+    if getattr(args, 'interpolate', None):
+        from ..lowrank.interpolate import run_interpolation
+        return run_interpolation(args, main_path, out)
     if args.cka:
         from .cka_cli import run_cka_analysis
         return run_cka_analysis(args, main_path, out, load_samples)
