@@ -201,6 +201,8 @@ READ_ONLY_CASES = [
     ('read-only-new-run', ['train', '--output', '{ro}/new_run'], ['--output', 'not writable']),
     ('read-only-overwrite', ['train', '--output', '{ro}/run', '--overwrite'], ['--output', 'not writable']),
     ('read-only-resume', ['train', '--output', '{ro}/run', '--resume', '--epochs', '2'], ['--output', 'not writable']),
+    ('read-only-bench-mlp', ['bench', 'mlp', '--output', '{ro}/bench'], ['--output', 'not writable']),
+    ('read-only-reproduce-mixer', ['reproduce', 'mixer', '--output', '{ro}/mixer'], ['--output', 'not writable']),
     ('read-only-analyze', ['analyze', '--checkpoint', '{run}', '--output', '{ro}/analysis'],
      ['--output', 'not writable']),
 ]

@@ -14,6 +14,7 @@ interleaved and the best of them kept, as in the other benchmarks. Table S.3 at 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Dict, List
 
 from .harness import MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds, write_json, write_png
@@ -180,6 +181,9 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
     if args.img_size % 4:
         raise ValueError(f"--img-size must be a multiple of the patch size 4, got {args.img_size}")
+    if args.output:          # before any work: a long run never dies at its first write
+        from ..train.engine import check_writable
+        check_writable(Path(args.output), '--output')
     if args.side < 2:
         raise ValueError(f"--side must be >= 2 (a width of side² features), got {args.side}")
     if args.threads < 0:
@@ -258,7 +262,6 @@ def run(args) -> int:
         result = {'layers': [layers[k] for k in LAYERS], 'models': [models[k] for k in models],
                   'analytic': {'cifar': cifar, 'imagenet': imagenet}, 'goals': goals, 'environment': env,
                   'args': {k: v for k, v in vars(args).items() if k != 'func'}}
-        from pathlib import Path
         out = Path(args.output)
         print(f"\nwrote {write_json(out / 'mlp.json', result)}")
         if write_png(out / 'mlp.png', lambda plt: _plot([layers[k] for k in LAYERS], plt, n)):

@@ -82,6 +82,9 @@ def _check(args) -> None:
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
     if args.limit_train_batches < 0:
         raise ValueError(f"--limit-train-batches must be >= 0, got {args.limit_train_batches}")
+    if args.output:          # before any work: a long run never dies at its first write
+        from ..train.engine import check_writable
+        check_writable(Path(args.output), '--output')
     if not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {Path(args.data).resolve()}); "
                                 "point it at a folder holding the MNIST IDX files")
