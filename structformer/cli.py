@@ -55,6 +55,8 @@ BENCH_TARGETS = {
 }
 REPRODUCE_TARGETS = {
     'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),
+    'lowrank': ('structformer.reproduce.lowrank', 'low-rank training: inits, Frobenius decay vs L2, pre-training, '
+                'interpolation (WRN on MNIST, GPT on the standard library)'),
     'mixer': ('structformer.reproduce.mixer', 'Mixer as a wide sparse MLP: fixed-Ω width, depth and init spectra on MNIST'),
 }
 

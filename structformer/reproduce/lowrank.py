@@ -1,0 +1,288 @@
+"""`structformer reproduce lowrank`: the low-rank training study (seed 004) at a scale a CPU runs.
+
+The seed trains WRN-28-10 on CIFAR-100 (200 epochs), ResNet-50 on ImageNet and GPT-2 on LM1B. Here, on
+data that ships on this machine:
+  vision  a WRN-10-2 on the MNIST test set (../shared/data/mnist, 8,000 train / 2,000 held out), SGD
+          momentum 0.9, weight decay 5e-4, cosine schedule, every conv but the first factorised;
+  lm      the byte-level GPT (`gpt2_byte_tiny`) on the standard library's sources (`--data pysource`),
+          AdamW, QKV and both FFN matrices factorised at rank 0.62 (the seed's Table 4 rank).
+Experiments (each a full `structformer train` run in --output/<part>/<name>):
+  baseline  the dense network;
+  init      He vs spectral vs spectral-ones at each rank (Tables 2–4), L2 (= the optimiser's decay);
+  decay     Frobenius decay vs L2 with spectral init, effective rank ‖W‖_*/‖W‖_op at the end (Tables 1, 5);
+  pretrain  dense for the first third of the epochs, then factorised by truncated SVD (Tables 8–9, Fig. 1);
+and the interpolation of held-out loss between the dense baseline and the pre-trained-then-factorised
+run vs the from-scratch low-rank run (Fig. 2). Writes results.json, results.md and four plots.
+A finished run (its summary.json present) is reused, so an interrupted reproduction continues.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from ..bench.harness import environment, write_json, write_png, write_text
+from ..errors import UsageError
+
+EXAMPLES = """examples:
+  structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 1 --limit-train-batches 2 --output /tmp/lr_quick
+  structformer reproduce lowrank --output outputs/reproduce_lowrank         # both parts, ~25 min on 2 cores"""
+
+INITS = ('he', 'spectral', 'spectral_ones')
+PAPER = {   # seed 004: Table 2 (WRN-28-10, CIFAR-100 top-1), Table 4 (GPT-2, LM1B perplexity), Table 5, Table 1
+    'table2': {'baseline': 81.08, 0.1: (77.94, 79.84, 79.07), 0.2: (80.37, 81.35, 81.27), 0.3: (80.87, 81.53, 81.61)},
+    'table4': {'baseline': 37.67, 0.62: (39.6, 38.78, 38.47)},
+    'table5': {0.1: {'frobenius': 79.84, 'l2': 73.12}, 0.2: {'frobenius': 81.35, 'l2': 78.22}},
+    'table1_effective_rank': {'WRN': (39.87, 16.4), 'ResNet-50': (68.72, 58.00), 'LM': (206.93, 205.70)},
+}
+
+
+def add_arguments(p):
+    p.add_argument('--parts', nargs='+', default=['vision', 'lm'], choices=['vision', 'lm'])
+    p.add_argument('--data', default='../shared/data/mnist', help='MNIST folder for the vision part')
+    p.add_argument('--ranks', type=float, nargs='+', default=[0.1, 0.2, 0.3], help='vision ranks (fractions)')
+    p.add_argument('--lm-rank', type=float, default=0.62, help='LM rank (fraction; the seed uses 0.62)')
+    p.add_argument('--epochs', type=int, default=3)
+    p.add_argument('--limit-train-batches', type=int, default=20, help='batches per epoch (0 = all)')
+    p.add_argument('--lm-max-bytes', type=int, default=600_000, help='standard-library bytes for the LM part')
+    p.add_argument('--interpolate-steps', type=int, default=11)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--output', default='outputs/reproduce_lowrank')
+
+
+def _check(args) -> None:
+    if args.epochs < 2:
+        raise UsageError(f"--epochs must be >= 2 (pre-training takes the first third, at least one epoch); got {args.epochs}")
+    if args.limit_train_batches < 0:
+        raise UsageError(f"--limit-train-batches must be >= 0; got {args.limit_train_batches}")
+    for r in list(args.ranks) + [args.lm_rank]:
+        if not 0 < r <= 1:
+            raise UsageError(f"--ranks / --lm-rank: {r} is out of range: accepted fractions in (0, 1]")
+    if args.interpolate_steps < 2:
+        raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
+    if 'vision' in args.parts and not Path(args.data).is_dir():
+        raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files); or run --parts lm")
+
+
+def _plan(args) -> List[Dict]:
+    """Every run: (part, group, name, factorisation settings)."""
+    runs = []
+    k = max(1, args.epochs // 3)
+    if 'vision' in args.parts:
+        runs.append(dict(part='vision', group='baseline', name='dense', rank=None))
+        for r in args.ranks:
+            runs += [dict(part='vision', group='init', name=f'r{r:g}_{i}', rank=r, init=i) for i in INITS]
+        for r in args.ranks[:2]:
+            runs.append(dict(part='vision', group='decay', name=f'r{r:g}_spectral_frobenius', rank=r, init='spectral',
+                             decay='frobenius'))
+        for r in args.ranks:
+            runs.append(dict(part='vision', group='pretrain', name=f'r{r:g}_spectral_pretrain{k}', rank=r,
+                             init='spectral', at=k))
+    if 'lm' in args.parts:
+        r = args.lm_rank
+        runs.append(dict(part='lm', group='baseline', name='dense', rank=None))
+        runs += [dict(part='lm', group='init', name=f'r{r:g}_{i}', rank=r, init=i) for i in INITS]
+        runs.append(dict(part='lm', group='decay', name=f'r{r:g}_spectral_frobenius', rank=r, init='spectral',
+                         decay='frobenius'))
+        runs.append(dict(part='lm', group='pretrain', name=f'r{r:g}_spectral_pretrain{k}', rank=r, init='spectral', at=k))
+    return runs
+
+
+def _config(run: Dict, args, out: Path):
+    from ..train import TrainConfig
+    common = dict(epochs=args.epochs, limit_train_batches=args.limit_train_batches, seed=args.seed,
+                  label_smoothing=0.0, warmup_epochs=0, output=str(out / run['part'] / run['name']),
+                  factorize_rank=run['rank'], factorize_init=run.get('init', 'spectral'),
+                  factorize_at=run.get('at'), factor_decay=run.get('decay', 'l2'))
+    if run['part'] == 'vision':
+        return TrainConfig(model='wrn_16_2_mnist', model_kwargs={'depth': 10}, data=f'mnist:{args.data}',
+                           batch_size=128, opt='sgd', lr=0.05, momentum=0.9, weight_decay=5e-4, **common)
+    return TrainConfig(model='gpt2_byte_tiny', data='pysource', data_kwargs={'max_bytes': args.lm_max_bytes},
+                       batch_size=32, eval_batch_size=64, opt='adamw', lr=3e-3, weight_decay=0.01, **common)
+
+
+def _train(run: Dict, args, out: Path) -> Dict:
+    from ..train import Trainer
+    folder = out / run['part'] / run['name']
+    if not (folder / 'summary.json').exists():
+        Trainer(_config(run, args, out), overwrite=True, progress=False).fit()
+    history = [json.loads(line) for line in (folder / 'metrics.jsonl').read_text().splitlines()]
+    last = history[-1]
+    return {**run, 'folder': str(folder), 'val_top1': last['val_top1'], 'val_loss': last['val_loss'],
+            'val_perplexity': last.get('val_perplexity'), 'effective_rank_mean': last.get('effective_rank_mean'),
+            'curve': [{'epoch': h['epoch'], 'val_loss': h['val_loss'], 'val_top1': h['val_top1'],
+                       'effective_rank_mean': h.get('effective_rank_mean')} for h in history],
+            'switch': {k: last_k for k, last_k in history[min(len(history) - 1, run.get('at') or 0)].items()
+                       if k.startswith('factorized_val_')}}
+
+
+def _interpolations(results: List[Dict], args, out: Path) -> Dict:
+    """Fig. 2: dense baseline → pre-trained-then-factorised, and → from-scratch spectral, at one rank."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ..data import build_datasets
+    from ..lowrank.interpolate import interpolation_curve
+    from ..train.checkpoint import load_model
+    curves = {}
+    ts = [i / (args.interpolate_steps - 1) for i in range(args.interpolate_steps)]
+    for part in sorted({r['part'] for r in results}):
+        rows = [r for r in results if r['part'] == part]
+        base = next(r for r in rows if r['group'] == 'baseline')
+        pre = [r for r in rows if r['group'] == 'pretrain']
+        if not pre:
+            continue
+        rank = pre[len(pre) // 2]['rank']                  # the middle rank (0.2 by default; the LM's only one)
+        pre = next(r for r in pre if r['rank'] == rank)
+        scratch = next(r for r in rows if r['group'] == 'init' and r['rank'] == rank and r['init'] == 'spectral')
+        config = _config(base, args, out)
+        _, val, _ = build_datasets(config.data, seed=config.seed, val_fraction=config.val_fraction, **config.data_kwargs)
+        val = Subset(val, list(range(min(len(val), 1000))))
+        dense_model, _ = load_model(base['folder'])
+        curves[part] = {'rank': rank}
+        for label, run in (('pretrained', pre), ('from scratch', scratch)):
+            model, _ = load_model(run['folder'])
+            curves[part][label] = interpolation_curve(dense_model, model, DataLoader(val, batch_size=128), ts)
+    return curves
+
+
+def _tables(results: List[Dict], curves: Dict) -> str:
+    lines = ['# Low-rank training (seed 004), reproduced small', '']
+    by = {(r['part'], r['name']): r for r in results}
+    for part, metric, fmt in (('vision', 'val_top1', '{:.2f}'), ('lm', 'val_perplexity', '{:.2f}')):
+        rows = [r for r in results if r['part'] == part]
+        if not rows:
+            continue
+        label = 'held-out top-1 (%)' if part == 'vision' else 'held-out perplexity (bytes)'
+        base = by[(part, 'dense')]
+        lines += [f'## {part}: initialisation ({label}; dense baseline {fmt.format(base[metric])})', '',
+                  '| rank | He | spectral | spectral ones |', '|---|---|---|---|']
+        for rank in sorted({r['rank'] for r in rows if r['group'] == 'init'}):
+            cells = [fmt.format(by[(part, f'r{rank:g}_{i}')][metric]) for i in INITS]
+            lines.append(f'| {rank:g} | ' + ' | '.join(cells) + ' |')
+        lines += ['', f'## {part}: Frobenius decay vs L2 (spectral init)', '',
+                  f'| rank | L2: {label} | L2: eff. rank | FD: {label} | FD: eff. rank |', '|---|---|---|---|---|']
+        for r in [r for r in rows if r['group'] == 'decay']:
+            l2 = by[(part, f"r{r['rank']:g}_spectral")]
+            lines.append(f"| {r['rank']:g} | {fmt.format(l2[metric])} | {l2['effective_rank_mean']:.2f} | "
+                         f"{fmt.format(r[metric])} | {r['effective_rank_mean']:.2f} |")
+        lines += ['', f'## {part}: pre-training (dense for {next((r["at"] for r in rows if r.get("at")), 0)} epoch(s), '
+                      'then SVD) vs low-rank from the start (spectral)', '',
+                  f'| rank | from scratch | pre-trained | right after the switch |', '|---|---|---|---|']
+        for r in [r for r in rows if r['group'] == 'pretrain']:
+            scratch = by[(part, f"r{r['rank']:g}_spectral")]
+            after = r['switch'].get('factorized_val_perplexity' if part == 'lm' else 'factorized_val_top1')
+            lines.append(f"| {r['rank']:g} | {fmt.format(scratch[metric])} | {fmt.format(r[metric])} | "
+                         f"{fmt.format(after) if after is not None else ''} |")
+        if part in curves:
+            c = curves[part]
+            peak = {k: max(p['loss'] for p in c[k]) for k in ('pretrained', 'from scratch')}
+            lines += ['', f"Interpolation from the dense baseline (rank {c['rank']:g}): highest held-out loss on the "
+                          f"line {peak['pretrained']:.3f} to the pre-trained run, {peak['from scratch']:.3f} to the "
+                          "from-scratch run.", '']
+    return '\n'.join(lines) + '\n'
+
+
+def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
+    def draw(plt):
+        parts = sorted({r['part'] for r in results})
+        fig, axes = plt.subplots(len(parts), 3, figsize=(13, 3.4 * len(parts)), squeeze=False)
+        for row, part in enumerate(parts):
+            rows = [r for r in results if r['part'] == part]
+            metric = 'val_top1' if part == 'vision' else 'val_perplexity'
+            ax = axes[row][0]
+            base = next(r for r in rows if r['group'] == 'baseline')
+            for init in INITS:
+                pts = sorted((r['rank'], r[metric]) for r in rows if r['group'] == 'init' and r['init'] == init)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=init)
+            ax.axhline(base[metric], color='k', ls='--', label='dense')
+            ax.set_xlabel('rank (fraction)')
+            ax.set_ylabel(metric)
+            ax.set_title(f'{part}: initialisation')
+            ax.legend(fontsize=7)
+            ax = axes[row][1]
+            for r in rows:
+                if r['group'] in ('decay', 'init') and r.get('init') == 'spectral' and \
+                        any(d['rank'] == r['rank'] for d in rows if d['group'] == 'decay'):
+                    ax.plot([c['epoch'] for c in r['curve']], [c['effective_rank_mean'] for c in r['curve']],
+                            marker='o', label=f"r={r['rank']:g} {r.get('decay', 'l2')}")
+            ax.set_xlabel('epoch')
+            ax.set_ylabel('mean effective rank')
+            ax.set_title(f'{part}: Frobenius decay vs L2')
+            ax.legend(fontsize=7)
+            ax = axes[row][2]
+            for r in rows:
+                if r['group'] == 'baseline' or (r['group'] == 'pretrain') or \
+                        (r['group'] == 'init' and r['init'] == 'spectral'):
+                    if r['group'] != 'baseline' and r['rank'] != (curves.get(part) or {}).get('rank', r['rank']):
+                        continue
+                    ax.plot([c['epoch'] for c in r['curve']], [c['val_loss'] for c in r['curve']], marker='o',
+                            label=r['name'])
+            ax.set_xlabel('epoch')
+            ax.set_ylabel('held-out loss')
+            ax.set_title(f'{part}: pre-training (Fig. 1)')
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        return fig
+    write_png(out / 'lowrank.png', draw)
+    if curves:
+        def draw_interp(plt):
+            fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.4), squeeze=False)
+            for ax, (part, c) in zip(axes[0], sorted(curves.items())):
+                for label in ('pretrained', 'from scratch'):
+                    ax.plot([p['t'] for p in c[label]], [p['loss'] for p in c[label]], marker='o', label=label)
+                ax.set_xlabel('t (0: dense baseline, 1: low-rank run)')
+                ax.set_ylabel('held-out loss')
+                ax.set_title(f"{part}: interpolation at rank {c['rank']:g} (Fig. 2)")
+                ax.legend(fontsize=7)
+            fig.tight_layout()
+            return fig
+        write_png(out / 'interpolation.png', draw_interp)
+
+
+def findings(results: List[Dict], curves: Dict) -> List[str]:
+    """The seed's claims, each checked against these runs (printed and written to results.md)."""
+    out = []
+    by = {(r['part'], r['name']): r for r in results}
+    for part in sorted({r['part'] for r in results}):
+        better = (lambda a, b: a > b) if part == 'vision' else (lambda a, b: a < b)
+        metric = 'val_top1' if part == 'vision' else 'val_perplexity'
+        ranks = sorted({r['rank'] for r in results if r['part'] == part and r['group'] == 'init'})
+        wins = [better(by[(part, f'r{k:g}_spectral')][metric], by[(part, f'r{k:g}_he')][metric]) for k in ranks]
+        out.append(f"{part}: spectral init beats He at {sum(wins)} of {len(wins)} rank(s) (seed: at every rank)")
+        decay = [r for r in results if r['part'] == part and r['group'] == 'decay']
+        keeps = [r['effective_rank_mean'] > by[(part, f"r{r['rank']:g}_spectral")]['effective_rank_mean'] for r in decay]
+        acc = [better(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]) for r in decay]
+        out.append(f"{part}: Frobenius decay keeps a higher effective rank than L2 at {sum(keeps)} of {len(keeps)} "
+                   f"rank(s), and scores better at {sum(acc)} of {len(acc)} (seed: both, at every rank)")
+        pre = [r for r in results if r['part'] == part and r['group'] == 'pretrain']
+        helps = [better(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]) for r in pre]
+        expect = 'helps the LM' if part == 'lm' else 'does not help vision models'
+        out.append(f"{part}: pre-training beats low-rank from the start at {sum(helps)} of {len(helps)} rank(s) "
+                   f"(seed: pre-training {expect})")
+        if part in curves:
+            c = curves[part]
+            closer = max(p['loss'] for p in c['pretrained']) < max(p['loss'] for p in c['from scratch'])
+            out.append(f"{part}: the pre-trained run is {'closer to' if closer else 'not closer to'} the dense "
+                       "baseline by the highest loss on the interpolation line (seed: closer)")
+    return out
+
+
+def run(args) -> int:
+    _check(args)
+    out = Path(args.output)
+    results = []
+    for spec in _plan(args):
+        print(f"== {spec['part']} {spec['name']}", flush=True)
+        results.append(_train(spec, args, out))
+    curves = _interpolations(results, args, out)
+    claims = findings(results, curves)
+    text = _tables(results, curves) + '\n## Findings\n\n' + '\n'.join(f'- {c}' for c in claims) + '\n'
+    write_text(out / 'results.md', text)
+    write_json(out / 'results.json', {'environment': environment('cpu'), 'args': {k: v for k, v in vars(args).items()
+                                                                                  if k != 'func'},
+                                      'runs': results, 'interpolation': curves, 'findings': claims, 'paper': {
+                                          k: {str(kk): vv for kk, vv in v.items()} for k, v in PAPER.items()}})
+    _plots(results, curves, out)
+    print('\n' + text)
+    print(f"written: {out / 'results.md'}, results.json, lowrank.png, interpolation.png")
+    return 0
