@@ -1,0 +1,60 @@
+"""`structformer reproduce lowrank`: its plan covers the seed's tables, the findings read the results
+the right way round, bad arguments are one-line errors. (The runs themselves are the engine's, tested
+in test_lowrank_train.py; a full reproduction takes minutes and is documented in docs/lowrank.md.)"""
+import argparse
+
+import pytest
+
+from structformer.cli import main
+from structformer.reproduce import lowrank
+
+
+def _args(**overrides):
+    parser = argparse.ArgumentParser()
+    lowrank.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_plan_covers_inits_decay_and_pretraining():
+    runs = lowrank._plan(_args(epochs=6))
+    names = {(r['part'], r['name']) for r in runs}
+    for rank in (0.1, 0.2, 0.3):
+        for init in ('he', 'spectral', 'spectral_ones'):
+            assert ('vision', f'r{rank:g}_{init}') in names
+        assert ('vision', f'r{rank:g}_spectral_pretrain2') in names                 # a third of 6 epochs
+    assert {('vision', 'r0.1_spectral_frobenius'), ('vision', 'r0.2_spectral_frobenius')} <= names
+    assert {('lm', 'dense'), ('lm', 'r0.62_spectral'), ('lm', 'r0.62_spectral_pretrain2')} <= names
+    config = lowrank._config(next(r for r in runs if r['name'] == 'r0.2_spectral_pretrain2'), _args(epochs=6),
+                             lowrank.Path('/tmp/x'))
+    assert (config.factorize_at, config.factorize_rank, config.opt, config.weight_decay) == (2, 0.2, 'sgd', 5e-4)
+
+
+def _result(part, name, group, rank=None, init=None, metric=0.0, eff=None, decay=None):
+    key = 'val_top1' if part == 'vision' else 'val_perplexity'
+    return {'part': part, 'name': name, 'group': group, 'rank': rank, 'init': init, 'decay': decay, key: metric,
+            'effective_rank_mean': eff}
+
+
+def test_findings_compare_in_the_right_direction():
+    results = [_result('lm', 'dense', 'baseline', metric=30),
+               _result('lm', 'r0.62_he', 'init', 0.62, 'he', metric=40),
+               _result('lm', 'r0.62_spectral', 'init', 0.62, 'spectral', metric=35, eff=10),
+               _result('lm', 'r0.62_spectral_ones', 'init', 0.62, 'spectral_ones', metric=36),
+               _result('lm', 'r0.62_spectral_frobenius', 'decay', 0.62, 'spectral', metric=34, eff=12),
+               _result('lm', 'r0.62_spectral_pretrain1', 'pretrain', 0.62, 'spectral', metric=33)]
+    claims = lowrank.findings(results, {})
+    assert 'spectral init beats He at 1 of 1' in claims[0]                      # lower perplexity is better
+    assert 'higher effective rank than L2 at 1 of 1' in claims[1] and 'better at 1 of 1' in claims[1]
+    assert 'pre-training beats low-rank from the start at 1 of 1' in claims[2]
+
+
+@pytest.mark.parametrize('argv, message', [(['--epochs', '1'], '--epochs'), (['--ranks', '0'], '--ranks'),
+                                           (['--data', '/no/such/mnist'], '--data'),
+                                           (['--interpolate-steps', '1'], '--interpolate-steps')])
+def test_reproduce_lowrank_bad_arguments(argv, message, capsys, tmp_path):
+    assert main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / 'out').exists()
