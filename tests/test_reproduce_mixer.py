@@ -46,16 +46,19 @@ def _row(group, kind, error, **kw):
 
 
 def test_verdicts_follow_the_numbers():
-    rows = [_row('width', 'S-Mixer', e, channels=c) for c, e in ((8, 5.0), (32, 3.0), (128, 6.0))]
+    rows = [_row('width', 'S-Mixer', e, channels=c, width=m) for c, m, e in ((8, 700, 5.0), (32, 1024, 3.0),
+                                                                             (128, 512, 6.0))]
     rows += [_row('depth', 'S-Mixer', e, depth=d) for d, e in ((2, 4.0), (8, 3.0))]
     rows += [_row('depth', 'RP S-Mixer', e, depth=d) for d, e in ((2, 6.0), (8, 3.2))]
     found = mixer.verdicts(rows, 2 ** 15)
     assert 'HOLDS' in found['best_near_c_equals_s_S-Mixer'] and 'C = 32' in found['best_near_c_equals_s_S-Mixer']
     assert 'HOLDS here: the gap shrinks' in found['rp_catches_up_with_depth']
+    assert "'Error falls as the width grows at fixed Ω' HOLDS" in found['wider_is_better_S-Mixer']
     rows[1]['val_top1'] = 100 - 9.0          # best now at C = 8
     rows[-1]['val_top1'] = 100 - 9.0         # RP falls further behind
     found = mixer.verdicts(rows, 2 ** 15)
     assert 'DOES NOT HOLD' in found['best_near_c_equals_s_S-Mixer']
+    assert "grows at fixed Ω' DOES NOT HOLD" in found['wider_is_better_S-Mixer']
     assert 'DOES NOT HOLD here' in found['rp_catches_up_with_depth']
 
 
@@ -88,7 +91,7 @@ def test_spectra_verdict_follows_the_trend():
 
 
 def test_report_only_rebuilds_from_results(tmp_path):
-    rows = [_row('width', 'S-Mixer', e, channels=c, tokens=64 // c, width=64, omega=2 ** 15)
+    rows = [_row('width', 'S-Mixer', e, channels=c, tokens=64 // c, width=64 * c, omega=2 ** 15)
             for c, e in ((8, 5.0), (32, 3.0))]
     (tmp_path / 'results.json').write_text(json.dumps({'recipe': {'epochs': 1}, 'omega': 2 ** 15, 'rows': rows,
                                                        'spectra': [], 'environment': {'cpu': 'then'}}))

@@ -150,6 +150,16 @@ def verdicts(rows: List[Dict], omega_: float) -> Dict[str, str]:
             f"{kind}: lowest mean error {table[best_c][0]:.2f}% at C = {best_c}; the tried C nearest "
             f"C* = S* = {c_star:.1f} is {nearest} ({table[nearest][0]:.2f}%). "
             f"'Best near C = S' {'HOLDS' if holds else 'DOES NOT HOLD'} here.")
+    from scipy.stats import spearmanr
+    for kind in ('S-Mixer', 'RP S-Mixer', 'SW-MLP'):
+        points = [(r['width'], 100 - r['val_top1']) for r in rows if r['group'] == 'width' and r['kind'] == kind]
+        if len({m for m, _ in points}) < 3:
+            continue
+        test = spearmanr([m for m, _ in points], [e for _, e in points], alternative='less')
+        out[f'wider_is_better_{kind}'] = (
+            f"{kind}: rank correlation of error with effective width m {test.correlation:+.2f} over {len(points)} runs "
+            f"(one-sided p = {test.pvalue:.2g}). 'Error falls as the width grows at fixed Ω' "
+            f"{'HOLDS' if test.pvalue < 0.05 else 'DOES NOT HOLD'} here.")
     by_depth = summarise(rows, 'depth', 'depth')
     normal, rp = by_depth.get('S-Mixer', {}), by_depth.get('RP S-Mixer', {})
     depths = sorted(set(normal) & set(rp))
