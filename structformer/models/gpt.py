@@ -10,7 +10,7 @@ data facts use); output: logits [B, T, num_classes] (num_classes = vocabulary si
 
 Registered in timm's registry (`timm.create_model('gpt2_byte_tiny')`, `structformer train --model ...`)
 but not in `structformer models`' image-classifier list, whose contract (images in, one label out) an LM
-does not meet: `gpt2_byte_tiny` (d 128, 4 layers, context 128, 0.86M parameters) and `gpt2_byte_small`
+does not meet: `gpt2_byte_tiny` (d 128, 4 layers, context 128, 0.88M parameters) and `gpt2_byte_small`
 (d 384, 6 layers, context 256).
 """
 from typing import Optional
