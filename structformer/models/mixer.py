@@ -152,7 +152,7 @@ class SparseMixer(_PatchTableModel):
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         skip_first = (tokens != self.patch_tokens) if skip_layer is None else bool(skip_layer)
         norm_layer = partial(nn.LayerNorm, eps=norm_eps)
-        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]    # plain floats: builds on meta too
         self.blocks = nn.ModuleList([
             SparseMixerBlock(self.patch_tokens if i == 0 else tokens, tokens, embed_dim,
                              _hidden(ratios[0], token_mlp_dim, tokens), _hidden(ratios[1], channel_mlp_dim, embed_dim),

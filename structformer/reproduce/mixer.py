@@ -218,6 +218,8 @@ def _plots(rows: List[Dict], spectra: List[Dict], args, out: Path) -> List[str]:
         def draw(plt):
             fig, ax = plt.subplots(figsize=(5.5, 3.8))
             for kind, table in summarise(rows, group, key).items():
+                if key == 'channels' and kind == 'SW-MLP':
+                    continue                  # SW-MLP's C only sets its width m = S₀C: no (S, C) pair to place
                 xs = list(table)
                 ax.plot(xs, [table[x][0] for x in xs], markers.get(kind, 'o-'), label=kind)
                 ax.fill_between(xs, [table[x][1] for x in xs], [table[x][2] for x in xs], alpha=0.15)

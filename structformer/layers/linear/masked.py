@@ -47,7 +47,7 @@ class MaskedLinear(StructuredLinear):
                           f"{bytes_needed:,} bytes ({bytes_needed / 2**30:.1f} GiB)", ResourceWarning, stacklevel=2)
         self.density, self.seed = float(density), int(seed)
         generator = torch.Generator().manual_seed(self.seed)
-        mask = torch.rand(out_features, in_features, generator=generator) < self.density
+        mask = torch.rand(out_features, in_features, generator=generator, device='cpu') < self.density
         self.register_buffer('mask', mask.to(device))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.reset_parameters()

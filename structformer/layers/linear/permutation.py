@@ -16,8 +16,9 @@ PermutationSpec = Union[str, torch.Tensor, None]
 KINDS = ('identity', 'transpose', 'random')
 
 
+# index vectors are always made on the CPU (then moved), so a layer also builds under torch.device('meta')
 def identity_permutation(m: int) -> torch.Tensor:
-    return torch.arange(m, dtype=torch.int64)
+    return torch.arange(m, dtype=torch.int64, device='cpu')
 
 
 def transpose_permutation(rows: int, cols: int) -> torch.Tensor:
@@ -25,13 +26,13 @@ def transpose_permutation(rows: int, cols: int) -> torch.Tensor:
 
     `x[..., transpose_permutation(r, c)]` equals `x.view(..., r, c).transpose(-1, -2).flatten(-2)`.
     """
-    return torch.arange(rows * cols, dtype=torch.int64).view(rows, cols).t().reshape(-1)
+    return torch.arange(rows * cols, dtype=torch.int64, device='cpu').view(rows, cols).t().reshape(-1)
 
 
 def random_permutation(m: int, seed: int) -> torch.Tensor:
     """A uniformly random permutation of m indices, regenerated exactly from `seed` on any machine."""
     generator = torch.Generator().manual_seed(int(seed))
-    return torch.randperm(m, generator=generator, dtype=torch.int64)
+    return torch.randperm(m, generator=generator, dtype=torch.int64, device='cpu')
 
 
 def check_permutation(perm: torch.Tensor, m: int, name: str = 'permutation') -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 
 from .base import StructuredLinear
 from .permutation import (PermutationSpec, check_permutation, identity_permutation, permute_features,
-                          random_permutation)
+                          random_permutation, transpose_permutation)
 
 __all__ = ['PKLinear']
 
@@ -66,7 +66,7 @@ class PKLinear(StructuredLinear):
             return 'identity', identity_permutation(m)
         if isinstance(spec, str) and spec == 'transpose':
             rows, cols = grid
-            return 'transpose', torch.arange(m, dtype=torch.int64).view(rows, cols).t().reshape(-1)
+            return 'transpose', transpose_permutation(rows, cols)
         if isinstance(spec, str) and spec == 'random':
             return 'random', random_permutation(m, seed)
         if isinstance(spec, str):
