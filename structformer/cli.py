@@ -58,6 +58,7 @@ REPRODUCE_TARGETS = {
     'lowrank': ('structformer.reproduce.lowrank', 'low-rank training: inits, Frobenius decay vs L2, pre-training, '
                 'interpolation (WRN on MNIST, GPT on the standard library)'),
     'mixer': ('structformer.reproduce.mixer', 'Mixer as a wide sparse MLP: fixed-Ω width, depth and init spectra on MNIST'),
+    'crate': ('structformer.reproduce.crate', 'CRATE Fig. 3–5: R_c and sparsity per layer over training, depth 12 on MNIST'),
 }
 
 

@@ -11,7 +11,7 @@ import structformer  # noqa: F401  (registers the CRATE models)
 from structformer.analysis import (capture_layers, map_true_bases, measure_layers, principal_angles,
                                    random_bases, subspace_coherence, subspace_recovery, token_heatmaps)
 from structformer.analysis.cli import add_analyze_arguments, resolve_compare, run_analyze
-from structformer.functional.coding_rate import coding_rate, compression_rate
+from structformer.functional.coding_rate import official_rate_per_head
 from structformer.train.checkpoint import mark_latest, save_checkpoint
 
 
@@ -53,37 +53,51 @@ def test_hooks_capture_half_and_full_steps(model, images):
     assert not torch.allclose(captured[1]['input'], captured[1]['half'])
 
 
+def _ln(norm, z):
+    with torch.no_grad():
+        return torch.nn.functional.layer_norm(z, norm.normalized_shape, norm.weight, norm.bias, norm.eps).double()
+
+
 def test_measurements_equal_hand_computation(model, images):
     eps = 0.7
-    result = measure_layers(model, images, eps=eps, batch_size=4)      # 2 mini-batches
+    result = measure_layers(model, images, eps=eps, batch_size=4)      # 2 mini-batches, official estimator
     captured = capture_layers(model, images)
     assert result['num_samples'] == 6 and result['num_tokens'] == 17 and result['eps'] == eps
+    assert result['estimator'] == 'official'
     for i, (row, cap) in enumerate(zip(result['layers'], captured)):
-        u = model.blocks[i].attn.subspace_bases().detach().double()
-        half = cap['half'].double()
-        rc = compression_rate(half, u, eps)
-        r = coding_rate(half, eps)
-        torch.testing.assert_close(result['samples']['R_c'][i], rc)
-        assert row['R_c']['mean'] == pytest.approx(float(rc.mean()))
-        assert row['R_c']['std'] == pytest.approx(float(rc.std(correction=0)))
-        assert row['R']['mean'] == pytest.approx(float(r.mean()))
-        assert row['delta_R']['mean'] == pytest.approx(float((r - rc).mean()))
+        blk = model.blocks[i]
+        u = blk.attn.subspace_bases().detach().double()
+        before = official_rate_per_head(_ln(blk.norm1, cap['input']), u, eps).sum(-1)
+        after = official_rate_per_head(_ln(blk.norm1, cap['half']), u, eps).sum(-1)
+        torch.testing.assert_close(result['samples']['R_c'][i], before)
+        torch.testing.assert_close(result['samples']['R_c_after_mssa'][i], after)
+        assert row['R_c']['std'] == pytest.approx(float(before.std(correction=0)))
+        assert row['mssa_delta']['mean'] == pytest.approx(float((after - before).mean()))
         nonzero = (cap['output'] != 0).float().mean(dim=(1, 2))
         assert row['sparsity']['mean'] == pytest.approx(float(nonzero.mean()))
-        assert row['input_R_c']['mean'] == pytest.approx(float(compression_rate(cap['input'].double(), u, eps).mean()))
+        ista_in = (_ln(blk.norm2, cap['half']) != 0).double().mean(dim=(1, 2))
+        assert row['sparsity_before_ista']['mean'] == pytest.approx(float(ista_in.mean()))
+        assert row['token_norm']['mean'] == pytest.approx(float(cap['input'].double().norm(dim=-1).mean()))
+        assert row['token_norm_out']['mean'] == pytest.approx(float(cap['output'].double().norm(dim=-1).mean()))
+        assert row['U_norm']['per_head'] == pytest.approx([float(x) for x in u.norm(dim=(1, 2))])
     # the ISTA output is ReLU'd: some but not all entries are zero
     assert 0 < result['layers'][0]['sparsity']['mean'] < 1
-    # the U of the layer matters: layer 2's tokens measured with layer 1's U give another number
-    other = compression_rate(captured[1]['half'].double(), model.blocks[0].attn.subspace_bases().detach().double(), eps)
-    assert abs(float(other.mean()) - result['layers'][1]['R_c']['mean']) > 1e-6
+    lo, hi = result['R_c_bounds']
+    assert all(lo <= row['R_c']['mean'] <= hi for row in result['layers'])
 
 
 def test_exclude_cls_measures_patch_tokens_only(model, images):
-    result = measure_layers(model, images, include_cls=False)
-    half = capture_layers(model, images)[0]['half'][:, 1:].double()
-    u = model.blocks[0].attn.subspace_bases().detach().double()
-    assert result['num_tokens'] == 16
-    assert result['layers'][0]['R_c']['mean'] == pytest.approx(float(compression_rate(half, u, 0.5).mean()))
+    result = measure_layers(model, images, include_cls=False, estimator='paper')
+    cap = capture_layers(model, images)[0]
+    blk = model.blocks[0]
+    z = _ln(blk.norm1, cap['input'])[:, 1:]
+    q = torch.linalg.qr(blk.attn.subspace_bases().detach().double()).Q
+    n, p = z.shape[1], q.shape[-1]
+    w = torch.einsum('bnd,kdp->bknp', z, q)
+    gram = torch.eye(n, dtype=torch.float64) + p / (n * 0.5 ** 2) * w @ w.transpose(-1, -2)
+    want = 0.5 * torch.logdet(gram).sum(-1)
+    assert result['num_tokens'] == 16 and result['eps'] == 0.5
+    assert result['layers'][0]['R_c']['mean'] == pytest.approx(float(want.mean()))
 
 
 def test_coherence_of_orthogonal_and_identical_heads():
@@ -215,7 +229,8 @@ def test_run_analyze_end_to_end(tmp_path, capsys):
     assert run_analyze(args) == 0
     out = run / 'analysis'
     data = json.loads((out / 'analysis.json').read_text())
-    assert data['num_samples'] == 8 and data['eps'] == 0.5 and data['data'] == 'synthetic-subspaces'
+    assert data['num_samples'] == 8 and data['eps'] == 0.1 and data['data'] == 'synthetic-subspaces'
+    assert data['estimator'] == 'official'
     assert data['data_kwargs'] == {'num_samples': 48}
     assert [c['epoch'] for c in data['checkpoints']] == [2, 0]
     for ck in data['checkpoints']:
@@ -223,10 +238,10 @@ def test_run_analyze_end_to_end(tmp_path, capsys):
         assert ck['subspace_recovery'] is not None                   # synthetic data: true bases known
         assert set(ck['figures']) == {'coherence', 'tokens', 'angles'}
     pngs = sorted(p.name for p in out.glob('*.png'))
-    assert len(pngs) == 2 + 2 * 3
+    assert len(pngs) == 3 + 2 * 3                                    # + training_curves.png (2 epochs)
     assert all((out / p).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' for p in pngs)
     report = (out / 'report.md').read_text()
-    assert report.count('| layer | R_c mean ± std |') == 2
+    assert report.count('| layer | R_c (MSSA in) |') == 2
     assert '## epoch 2' in report and '## epoch 0 (init)' in report
     for link in re.findall(r'!\[[^\]]*\]\(([^)]+)\)', report):      # relative links that resolve
         assert not link.startswith('/') and (out / link).exists()
@@ -247,6 +262,16 @@ def test_resolve_compare_keywords(tmp_path):
         resolve_compare('epoch:7', run)
     with pytest.raises(ValueError, match='inside a run'):
         resolve_compare('init', None)
+
+
+def test_run_analyze_compare_all_epochs(tmp_path):
+    run = _make_run(tmp_path)
+    assert run_analyze(_parse('--checkpoint', str(run), '--compare', 'all', '--num-samples', '4',
+                              '--estimator', 'paper')) == 0
+    data = json.loads((run / 'analysis' / 'analysis.json').read_text())
+    assert sorted(c['epoch'] for c in data['checkpoints']) == [0, 2]
+    assert data['estimator'] == 'paper' and data['eps'] == 0.5
+    assert (run / 'analysis' / data['figures']['training']).is_file()
 
 
 def test_run_analyze_bad_input(tmp_path):

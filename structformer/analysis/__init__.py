@@ -1,12 +1,13 @@
-"""White-box analysis of CRATE (Yu et al., 2023, §3.1): per-layer compression R_c (Eq. 8), coding rate
-R (Eq. 7), sparsity, subspace coherence (Fig. 7), token heat maps (Fig. 6) and recovery of known
+"""White-box analysis of CRATE (Yu et al., 2023, §3.1): per-layer compression R_c (Eq. 8; `official`
+and `paper` estimators), per-operator deltas, sparsity, norms, curves over training, subspace coherence (Fig. 7), token heat maps (Fig. 6) and recovery of known
 subspaces on synthetic data. `structformer analyze` (cli.py) runs it all on checkpoints."""
 import importlib
 
 _HOMES = {'subspaces': ('coherence_summary', 'embedding_linear_map', 'map_true_bases', 'match_subspaces',
                         'principal_angles', 'random_bases', 'subspace_coherence', 'subspace_recovery'),
-          'whitebox': ('capture_layers', 'check_crate', 'layer_bases', 'layer_hooks', 'measure_layers',
-                       'token_heatmaps')}
+          'whitebox': ('ESTIMATORS', 'capture_layers', 'check_crate', 'layer_bases', 'layer_hooks', 'measure_layers',
+                       'rate', 'token_heatmaps'),
+          'curves': ('measure_checkpoints', 'measure_run', 'run_checkpoints')}
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_WHERE)
 

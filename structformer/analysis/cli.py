@@ -28,6 +28,9 @@ ANALYZE_EXAMPLES = """examples:
   # the training trajectory, as in CRATE Fig. 4 (init / epoch 1 / 20 / last)
   structformer analyze --checkpoint outputs/demo --compare init epoch:1 epoch:20 --num-samples 128
 
+  # every saved epoch (train with --save-every 1) in one figure, training_curves.png
+  structformer analyze --checkpoint outputs/demo --compare all --num-samples 1000
+
   # mini-batch CKA between the blocks of two models (Mixer paper Fig. 2)
   structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --num-samples 256
 
@@ -36,7 +39,7 @@ ANALYZE_EXAMPLES = """examples:
 
   # one checkpoint directory, other data, explicit output folder
   structformer analyze --checkpoint outputs/syn/checkpoints/epoch_0020 --data synthetic-subspaces \\
-      --eps 0.5 --output /tmp/syn_analysis
+      --estimator paper --eps 0.5 --output /tmp/syn_analysis
 """
 
 
@@ -47,14 +50,18 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help='a run directory (its newest checkpoint is used) or a checkpoint directory')
     parser.add_argument('--compare', nargs='+', default=[], metavar='SPEC',
                         help="more checkpoints to measure alongside: paths, 'init' (the run's epoch_0000, "
-                             "its random initialisation) or 'epoch:N' (epoch_000N of the same run)")
+                             "its random initialisation), 'epoch:N' (epoch_000N of the same run) or 'all' (every "
+                             "saved epoch of the run; keep them with train --save-every 1)")
     parser.add_argument('--data', default=None, metavar='SPEC',
                         help="data to measure on (default: the checkpoint's training data, with its options, "
                              "seed and val_fraction, so the held-out split is the one training used)")
     parser.add_argument('--num-samples', type=int, default=256, metavar='B',
                         help='validation samples to average over (>= 1; default 256; capped at the split size)')
-    parser.add_argument('--eps', type=float, default=0.5,
-                        help='ε of the coding rates, Eq. 7–8 (> 0; default 0.5)')
+    parser.add_argument('--estimator', default='official', choices=['official', 'paper'],
+                        help="R_c estimator: 'official' (CRATE's public code: tokens scaled to unit norm per head, "
+                             "ε² = 0.01; default) or 'paper' (Eq. 8 with orthonormalised U_k); both on LN1(Z)")
+    parser.add_argument('--eps', type=float, default=None,
+                        help='ε of the R_c estimator (> 0; default 0.1 for official, 0.5 for paper)')
     parser.add_argument('--exclude-cls', action='store_true',
                         help='measure patch tokens only (default: all tokens, cls included, as the model sees them)')
     parser.add_argument('--output', default=None, metavar='DIR',
@@ -85,7 +92,8 @@ def _check_args(args) -> None:
         raise ValueError(f"--cka-batch-size must be an integer >= 4 (the unbiased HSIC needs 4 samples); "
                          f"got {args.cka_batch_size}")
     eps = args.eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+                            or eps <= 0):
         raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
 
 
@@ -150,7 +158,7 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
     from .plots import plot_coherence, plot_principal_angles, plot_token_heatmaps
     from .subspaces import coherence_summary, subspace_coherence, subspace_recovery
     from .whitebox import layer_bases, measure_layers, token_heatmaps
-    measure = measure_layers(model, images, eps=args.eps, include_cls=not args.exclude_cls)
+    measure = measure_layers(model, images, eps=args.eps, estimator=args.estimator, include_cls=not args.exclude_cls)
     measure.pop('samples')
     bases = layer_bases(model)
     coherences = [subspace_coherence(u) for u in bases]
@@ -198,9 +206,17 @@ def run_analyze(args) -> int:
         return run_cka_analysis(args, main_path, out, load_samples)
     paths = [main_path]
     for spec in args.compare:
-        p = resolve_compare(spec, run)
-        if p.resolve() not in {q.resolve() for q in paths}:       # the same checkpoint twice adds nothing
-            paths.append(p)
+        if spec.strip() == 'all':
+            if run is None:
+                raise ValueError("--compare all: the keyword needs --checkpoint inside a run "
+                                 "(<run>/checkpoints/epoch_NNNN)")
+            from .curves import run_checkpoints
+            found = run_checkpoints(run)
+        else:
+            found = [resolve_compare(spec, run)]
+        for p in found:
+            if p.resolve() not in {q.resolve() for q in paths}:       # the same checkpoint twice adds nothing
+                paths.append(p)
     loaded = []
     for p in paths:
         model, state = load_model(p)
@@ -235,16 +251,23 @@ def run_analyze(args) -> int:
     measures = {r['label']: r['measure'] for r in results}
     analysis = {
         'data': spec, 'data_kwargs': options, 'data_seed': data_seed, 'val_fraction': val_fraction,
-        'num_samples': len(idx), 'sample_indices': idx, 'eps': float(args.eps),
+        'num_samples': len(idx), 'sample_indices': idx, 'estimator': args.estimator,
+        'eps': results[0]['measure']['eps'],
         'include_cls': not args.exclude_cls, 'seed': args.seed,
         'figures': {'R_c': plot_layer_curves(measures, 'R_c', out / 'compression_per_layer.png').name,
                     'sparsity': plot_layer_curves(measures, 'sparsity', out / 'sparsity_per_layer.png').name},
         'checkpoints': results,
     }
+    by_epoch = sorted((r for r in results if r['epoch'] is not None), key=lambda r: r['epoch'])
+    if len(by_epoch) >= 2:                       # Fig. 4: every measured epoch in one figure
+        from .plots import plot_training_curves
+        analysis['figures']['training'] = plot_training_curves(
+            [dict(r['measure'], epoch=r['epoch']) for r in by_epoch], out / 'training_curves.png',
+            'R_c and sparsity per layer over training').name
     json_path = out / 'analysis.json'
     json_path.write_text(json.dumps(analysis, indent=1))
     report = write_report(analysis, out / 'report.md')
-    pngs = [analysis['figures'][k] for k in ('R_c', 'sparsity')] + [f for r in results for f in r['figures'].values()]
+    pngs = list(analysis['figures'].values()) + [f for r in results for f in r['figures'].values()]
     print(f'analysis: {json_path}')
     print(f'report:   {report}')
     for name in pngs:

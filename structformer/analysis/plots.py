@@ -13,11 +13,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ['plot_layer_curves', 'plot_coherence', 'plot_token_heatmaps', 'plot_principal_angles']
+__all__ = ['plot_layer_curves', 'plot_training_curves', 'plot_coherence', 'plot_token_heatmaps', 'plot_principal_angles']
 
 _CURVES = {
-    'R_c': ('input_R_c', 'R_c(Z^{ℓ+½}; U^ℓ)  (Eq. 8)', 'compression term R_c (lower = more compressed)'),
-    'sparsity': ('input_sparsity', '‖Z^{ℓ+1}‖₀ / (d·N)', 'fraction of non-zero entries (lower = sparser)'),
+    'R_c': ('R_c(LN1(Z^ℓ); U^ℓ) at the MSSA input', 'compression term R_c (lower = more compressed)'),
+    'sparsity': ('‖Z^{ℓ+1}‖₀ / (d·N) at the ISTA output', 'fraction of non-zero entries (lower = sparser)'),
 }
 
 
@@ -30,33 +30,63 @@ def _save(fig: Figure, path) -> Path:
 
 
 def layer_curve(measure: Dict, metric: str):
-    """(x, mean, std): x = 0 is the layer-0 input Z^0, x = ℓ the value after layer ℓ."""
-    input_key = _CURVES[metric][0]
+    """(x, mean, std) with x = ℓ = 1 … L."""
     layers = measure['layers']
-    mean = [layers[0][input_key]['mean']] + [row[metric]['mean'] for row in layers]
-    std = [layers[0][input_key]['std']] + [row[metric]['std'] for row in layers]
-    return np.arange(len(mean)), np.array(mean), np.array(std)
+    mean = [row[metric]['mean'] for row in layers]
+    std = [row[metric]['std'] for row in layers]
+    return np.arange(1, len(mean) + 1), np.array(mean), np.array(std)
+
+
+def _estimator_note(measure: Dict) -> str:
+    bounds = measure.get('R_c_bounds')
+    note = f"{measure.get('estimator', '?')} estimator, ε={measure['eps']:g}"
+    return note + (f', range {bounds[0]:.0f}…{bounds[1]:.0f}' if bounds else '')
 
 
 def plot_layer_curves(measures: Mapping[str, Dict], metric: str, path) -> Path:
-    """One line per checkpoint with ±std error bars over samples (Fig. 3–4)."""
+    """One line per checkpoint with ±std error bars over samples (Fig. 3)."""
     if metric not in _CURVES:
         raise ValueError(f"metric must be one of {sorted(_CURVES)}; got {metric!r}")
-    _, title, ylabel = _CURVES[metric]
+    title, ylabel = _CURVES[metric]
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     depth = 0
     for label, measure in measures.items():
         x, mean, std = layer_curve(measure, metric)
-        depth = max(depth, len(x) - 1)
+        depth = max(depth, len(x))
         ax.errorbar(x, mean, yerr=std, marker='o', capsize=3, label=label)
-    ax.set_xticks(range(depth + 1), ['input'] + [str(i) for i in range(1, depth + 1)])
+    ax.set_xticks(range(1, depth + 1))
     ax.set_xlabel('layer ℓ')
     ax.set_ylabel(ylabel)
     any_m = next(iter(measures.values()))
-    ax.set_title(f"{title}\nmean ± std over B={any_m['num_samples']} samples, ε={any_m['eps']:g}", fontsize=9)
+    note = _estimator_note(any_m) if metric == 'R_c' else 'cls included' if any_m['include_cls'] else 'patch tokens'
+    ax.set_title(f"{title}\nmean ± std over B={any_m['num_samples']} samples, {note}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_training_curves(per_epoch: List[Dict], path, title: str) -> Path:
+    """R_c and sparsity against the layer, one line per saved epoch coloured by epoch (Fig. 4), one figure."""
+    import matplotlib
+    fig = Figure(figsize=(11, 4), layout='constrained')
+    axes = fig.subplots(1, 2)
+    cmap = matplotlib.colormaps['viridis']
+    epochs = [m.get('epoch') or 0 for m in per_epoch]
+    top = max(max(epochs), 1)
+    for ax, metric in zip(axes, ('R_c', 'sparsity')):
+        for m, epoch in zip(per_epoch, epochs):
+            x, mean, _ = layer_curve(m, metric)
+            ax.plot(x, mean, marker='o', ms=3, color=cmap(epoch / top), lw=2 if epoch in (0, top) else 1,
+                    label=f'epoch {epoch}' + (' (init)' if epoch == 0 else ''))
+        ax.set_xticks(x)
+        ax.set_xlabel('layer ℓ')
+        ax.set_ylabel(_CURVES[metric][1])
+        ax.set_title(_CURVES[metric][0] + ('\n' + _estimator_note(per_epoch[0]) if metric == 'R_c' else ''),
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{title} (B={per_epoch[0]['num_samples']} held-out samples)", fontsize=10)
     return _save(fig, path)
 
 

@@ -4,7 +4,7 @@ report only states what the measurements show)."""
 from pathlib import Path
 from typing import Dict
 
-__all__ = ['trend_sentence', 'render_report', 'write_report']
+__all__ = ['trend_sentence', 'estimator_sentence', 'render_report', 'write_report']
 
 _NAMES = {'R_c': 'R_c', 'sparsity': 'sparsity'}
 
@@ -31,18 +31,30 @@ def trend_sentence(measure: Dict, metric: str) -> str:
 
 
 def _table(measure: Dict) -> str:
-    lines = ['| layer | R_c mean ± std | R mean ± std | ΔR = R − R_c | sparsity mean ± std |',
-             '|---:|---:|---:|---:|---:|']
-    first = measure['layers'][0]
-    lines.append(f"| input (Z^0) | {_num(first['input_R_c']['mean'])} ± {_num(first['input_R_c']['std'])} "
-                 f"| | | {first['input_sparsity']['mean']:.3f} ± {first['input_sparsity']['std']:.3f} |")
+    lines = ['| layer | R_c (MSSA in) | R_c (MSSA out) | MSSA ΔR_c | sparsity (ISTA in → out) '
+             '| ‖Z^ℓ‖ → ‖Z^{ℓ+½}‖ → ‖Z^{ℓ+1}‖ | mean ‖U_k‖_F |',
+             '|---:|---:|---:|---:|---:|---:|---:|']
     for row in measure['layers']:
         lines.append(
             f"| {row['layer']} | {_num(row['R_c']['mean'])} ± {_num(row['R_c']['std'])} "
-            f"| {_num(row['R']['mean'])} ± {_num(row['R']['std'])} "
-            f"| {_num(row['delta_R']['mean'])} ± {_num(row['delta_R']['std'])} "
-            f"| {row['sparsity']['mean']:.3f} ± {row['sparsity']['std']:.3f} |")
+            f"| {_num(row['R_c_after_mssa']['mean'])} | {row['mssa_delta']['mean']:+.3g} ± {row['mssa_delta']['std']:.2g} "
+            f"| {row['sparsity_before_ista']['mean']:.3f} → {row['sparsity']['mean']:.3f} ± {row['sparsity']['std']:.3f} "
+            f"| {row['token_norm']['mean']:.3g} → {row['token_norm_half']['mean']:.3g} → {row['token_norm_out']['mean']:.3g} "
+            f"| {row['U_norm']['mean']:.3g} |")
     return '\n'.join(lines)
+
+
+def estimator_sentence(measure: Dict) -> str:
+    """Which R_c estimator, its ε and, for `official`, the range it can take at these shapes."""
+    est, eps = measure.get('estimator', 'official'), measure['eps']
+    if est == 'official':
+        lo, hi = measure['R_c_bounds']
+        return (f"R_c estimator `official` (CRATE's public code): U_kᵀ LN1(Z) with every token scaled to unit norm "
+                f"within each head, ε = {eps:g} (ε² = {eps ** 2:g}); with K = {measure['num_heads']}, "
+                f"N = {measure['num_tokens']}, p = {measure['dim_head']} it lies in [{lo:.1f}, {hi:.1f}] "
+                f"(all tokens parallel … spread evenly).")
+    return (f"R_c estimator `paper` (Eq. 8 as written): orthonormalised U_k on LN1(Z), ε = {eps:g}; "
+            f"K = {measure['num_heads']}, N = {measure['num_tokens']}, p = {measure['dim_head']}.")
 
 
 def _recovery_table(recovery: Dict) -> str:
@@ -61,15 +73,19 @@ def render_report(analysis: Dict) -> str:
     out = [
         '# White-box analysis (CRATE §3.1)', '',
         f"Data: `{analysis['data']}` (options {analysis['data_kwargs'] or 'none'}, split seed "
-        f"{analysis['data_seed']}), B = {analysis['num_samples']} validation samples, ε = {analysis['eps']:g}, "
-        f"{tokens}.", '',
-        'Per layer ℓ: R_c = R_c(Z^{ℓ+½}; U^ℓ) (Eq. 8) and R = R(Z^{ℓ+½}) (Eq. 7) on the MSSA block output '
-        '(after the residual), ΔR = R − R_c, sparsity = ‖Z^{ℓ+1}‖₀/(d·N) on the ISTA output; mean ± std over '
-        'the B samples. The "input" row is Z^0, the embedded tokens, measured with U of layer 1.', '',
+        f"{analysis['data_seed']}), B = {analysis['num_samples']} validation samples, {tokens}.", '',
+        estimator_sentence(analysis['checkpoints'][0]['measure']), '',
+        'Per layer ℓ, with the layer\'s own LN1 and U^ℓ: R_c at the MSSA input LN1(Z^ℓ) (where the official code '
+        'measures) and at LN1(Z^{ℓ+½}) after the MSSA step, their difference (< 0: the step compresses); the '
+        'fraction of non-zero entries ‖·‖₀/(d·N) of the ISTA input LN2(Z^{ℓ+½}) and output Z^{ℓ+1} (the official '
+        'code reports 1 − this); the mean token norms of the residual stream and ‖U_k‖_F, which the estimators '
+        'ignore by design. Mean ± std over the B samples.', '',
         '## Compression and sparsity across layers (Fig. 3–4)', '',
         f"![R_c per layer]({analysis['figures']['R_c']})", '',
         f"![sparsity per layer]({analysis['figures']['sparsity']})", '',
     ]
+    if analysis['figures'].get('training'):
+        out += ['Every measured epoch in one figure (Fig. 4):', '', f"![over training]({analysis['figures']['training']})", '']
     for ck in analysis['checkpoints']:
         measure = ck['measure']
         out += [f"## {ck['label']}", '',

@@ -1,18 +1,31 @@
-"""Layer-wise white-box measurements of CRATE (Yu et al., 2023, §3.1, Fig. 3–4 and Fig. 6).
+"""Layer-wise white-box measurements of CRATE (Yu et al., 2023, §3.1, Fig. 3–5).
 
 For layer ℓ (Eq. 18) the hooks documented in `structformer.models.crate` give
     Z^ℓ      the input of `blocks[ℓ]`            (ℓ = 0: embedded tokens, cls + positions added),
     Z^{ℓ+½}  the input of `blocks[ℓ].norm2`      (after MSSA and its residual),
     Z^{ℓ+1}  the output of `blocks[ℓ].mlp`       (after ISTA, no residual),
-and U^ℓ = `blocks[ℓ].attn.subspace_bases()` ([K, d, p], the raw qkv rows, not re-orthonormalised:
-R_c is measured against the subspaces the layer actually projects on).
+and U^ℓ = `blocks[ℓ].attn.subspace_bases()` ([K, d, p], the qkv rows of each head).
 
-Per sample we compute R_c(Z^{ℓ+½}; U^ℓ) (Eq. 8), R(Z^{ℓ+½}) (Eq. 7), ΔR = R − R_c and the sparsity
-‖Z^{ℓ+1}‖₀/(d·N) (§3.1), plus R_c(Z^ℓ; U^ℓ) and ‖Z^ℓ‖₀/(d·N) of the layer input so a curve can start
-at the embedding. Mean and std (population, so B = 1 gives 0) over the B samples.
+R_c is measured where MSSA looks: on LN1^ℓ(·), the layer's own first LayerNorm (γ, β included), against
+U^ℓ, with one of two estimators (`ESTIMATORS`):
+- `official` (default): the estimator of the public CRATE code that drew the paper's Fig. 3–5: every
+  projected token U_kᵀ LN1(z) scaled to unit norm within its head, ε = 0.1 (ε² = 0.01), see
+  `functional.coding_rate.official_rate_per_head`. Scale-invariant; bounded (`official_rate_bounds`).
+- `paper`: Eq. 8 as written, ε = 0.5, with U_k orthonormalised (QR) on LN1(·) tokens.
+Both ignore the norms of the residual stream and of U; those are reported beside R_c instead
+(`token_norm*`, `U_norm`), because an R_c on raw tokens and raw U mostly tracks them.
 
-Tokens: by default all N+1 tokens, cls included, because the paper's Z = [z_cls, z_1 … z_N] is what
-every layer processes (Alg. 1); `include_cls=False` drops the prefix token(s) instead.
+Per sample and layer (`METRICS`):
+    R_c                   R_c(LN1^ℓ(Z^ℓ); U^ℓ), the MSSA input: where the official code measures (its qkv hook)
+    R_c_after_mssa        R_c(LN1^ℓ(Z^{ℓ+½}); U^ℓ): same LN and U after the MSSA step
+    mssa_delta            R_c_after_mssa − R_c: < 0 when the MSSA step compresses
+    sparsity_before_ista  ‖LN2^ℓ(Z^{ℓ+½})‖₀/(dN), the ISTA input
+    sparsity              ‖Z^{ℓ+1}‖₀/(dN), the ISTA output (§3.1; the official code reports 1 − this)
+    token_norm, token_norm_half, token_norm_out   mean ‖z‖₂ per token of Z^ℓ, Z^{ℓ+½}, Z^{ℓ+1}
+Mean and std (population, so B = 1 gives 0) over the B samples.
+
+Tokens: by default all N+1 tokens, cls included, as the official hook sees them; `include_cls=False` drops
+the prefix token(s).
 """
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence
@@ -21,13 +34,42 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..functional.coding_rate import coding_rate, compression_rate, sparsity
+from ..functional.coding_rate import (OFFICIAL_EPS, official_rate_bounds, official_rate_per_head,
+                                      paper_rate_per_head, sparsity)
 from ..hooks import capture
 
-__all__ = ['check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
-           'layer_bases']
+__all__ = ['ESTIMATORS', 'check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
+           'layer_bases', 'rate', 'default_eps']
 
-METRICS = ('R_c', 'R', 'delta_R', 'sparsity', 'input_R_c', 'input_sparsity')
+ESTIMATORS = ('official', 'paper')
+_DEFAULT_EPS = {'official': OFFICIAL_EPS, 'paper': 0.5}
+
+METRICS = ('R_c', 'R_c_after_mssa', 'mssa_delta', 'sparsity_before_ista', 'sparsity',
+           'token_norm', 'token_norm_half', 'token_norm_out')
+
+
+def default_eps(estimator: str) -> float:
+    """ε of an estimator when none is given: 0.1 for `official` (its code's ε² = 0.01), 0.5 for `paper`."""
+    _check_estimator(estimator)
+    return _DEFAULT_EPS[estimator]
+
+
+def _check_estimator(estimator: str) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}; got {estimator!r}")
+
+
+def rate(z: torch.Tensor, u_heads: torch.Tensor, estimator: str = 'official', eps: Optional[float] = None,
+         norm: Optional[nn.Module] = None) -> torch.Tensor:
+    """R_c of tokens z [..., N, d] against U [K, d, p] with `estimator`, after `norm` (the layer's LN1) when
+    given; one value per sample. Invariant to scaling z (through the norm, or always for `official`) and U."""
+    _check_estimator(estimator)
+    eps = default_eps(estimator) if eps is None else eps
+    if norm is not None:
+        z = torch.nn.functional.layer_norm(z, norm.normalized_shape, None if norm.weight is None else norm.weight.to(z),
+                                           None if norm.bias is None else norm.bias.to(z), norm.eps)
+    per_head = official_rate_per_head if estimator == 'official' else paper_rate_per_head
+    return per_head(z, u_heads.to(z), eps).sum(-1)
 
 
 def check_crate(model: nn.Module) -> None:
@@ -109,51 +151,68 @@ def _stats(values: torch.Tensor) -> Dict[str, float]:
     return {'mean': float(values.mean()), 'std': float(values.std(correction=0))}
 
 
-def measure_layers(model: nn.Module, images: torch.Tensor, eps: float = 0.5, *, include_cls: bool = True,
-                   batch_size: int = 64) -> Dict:
-    """Per-layer R_c (Eq. 8), R (Eq. 7), ΔR and sparsity over the samples in `images` (Fig. 3–4).
+def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] = None, *,
+                   estimator: str = 'official', include_cls: bool = True, batch_size: int = 64) -> Dict:
+    """Per-layer R_c, per-operator deltas, sparsity and norms over the samples in `images` (Fig. 3–5).
 
-    Returns {'eps', 'num_samples', 'num_tokens', 'dim', 'include_cls', 'layers': [...], 'samples'}:
-    `layers[ℓ]` holds {'layer': ℓ+1, metric: {'mean', 'std'}} for the metrics
-    R_c = R_c(Z^{ℓ+½}; U^ℓ), R = R(Z^{ℓ+½}), delta_R = R − R_c, sparsity = ‖Z^{ℓ+1}‖₀/(dN),
-    input_R_c = R_c(Z^ℓ; U^ℓ), input_sparsity = ‖Z^ℓ‖₀/(dN);
-    `samples[metric]` is the [L, B] tensor of per-sample values. Computed in float64 by streaming
-    over mini-batches, so only scalars per sample are kept.
+    Returns {'estimator', 'eps', 'num_samples', 'num_tokens', 'dim', 'num_heads', 'dim_head', 'include_cls',
+    'R_c_bounds', 'layers': [...], 'samples'}: `layers[ℓ]` holds {'layer': ℓ+1, metric: {'mean', 'std'} for
+    every metric of `METRICS`, 'U_norm': {'per_head': [‖U_k‖_F], 'mean'}}; `samples[metric]` is the [L, B]
+    tensor of per-sample values; `R_c_bounds` the (min, max) the official estimator can take at these shapes
+    (None for `paper`). Float64, streamed over mini-batches: only scalars per sample are kept.
     """
     check_crate(model)
     _check_images(images)
-    if not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
+    _check_estimator(estimator)
+    eps = default_eps(estimator) if eps is None else eps
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
     bases = [u.double() for u in layer_bases(model)]
+    norms1 = [b.norm1 for b in model.blocks]
+    norms2 = [b.norm2 for b in model.blocks]
     skip = 0 if include_cls else int(getattr(model, 'num_prefix_tokens', 1))
     depth = len(bases)
     values: Dict[str, List[List[torch.Tensor]]] = {m: [[] for _ in range(depth)] for m in METRICS}
     shape = {}
 
+    def layer_norm(norm, z):
+        return torch.nn.functional.layer_norm(z.float(), norm.normalized_shape, norm.weight, norm.bias,
+                                              norm.eps).double()
+
     def measure(i, stage, z):
-        z = z.detach()[:, skip:].double()
+        z = z.detach()
         shape['tokens'], shape['dim'] = z.shape[-2:]
         u = bases[i].to(z.device)
+        keep = lambda name, v: values[name][i].append(v.cpu())      # noqa: E731
         if stage == 'input':
-            values['input_R_c'][i].append(compression_rate(z, u, eps).cpu())
-            values['input_sparsity'][i].append(sparsity(z).cpu())
+            keep('R_c', rate(layer_norm(norms1[i], z)[:, skip:], u, estimator, eps))
+            keep('token_norm', z[:, skip:].double().norm(dim=-1).mean(-1))
         elif stage == 'half':
-            rc, r = compression_rate(z, u, eps).cpu(), coding_rate(z, eps).cpu()
-            values['R_c'][i].append(rc)
-            values['R'][i].append(r)
-            values['delta_R'][i].append(r - rc)
+            keep('R_c_after_mssa', rate(layer_norm(norms1[i], z)[:, skip:], u, estimator, eps))
+            keep('sparsity_before_ista', sparsity(layer_norm(norms2[i], z)[:, skip:]).double())
+            keep('token_norm_half', z[:, skip:].double().norm(dim=-1).mean(-1))
         else:
-            values['sparsity'][i].append(sparsity(z).cpu())
+            keep('sparsity', sparsity(z[:, skip:]).double())
+            keep('token_norm_out', z[:, skip:].double().norm(dim=-1).mean(-1))
 
     device = _device(model)
     with layer_hooks(model, measure), _eval_no_grad(model):
         for start in range(0, len(images), batch_size):
             model(images[start:start + batch_size].to(device))
 
-    samples = {m: torch.stack([torch.cat(v) for v in per_layer]) for m, per_layer in values.items()}
-    layers = [{'layer': i + 1, **{m: _stats(samples[m][i]) for m in METRICS}} for i in range(depth)]
-    return {'eps': float(eps), 'num_samples': len(images), 'num_tokens': int(shape['tokens']),
-            'dim': int(shape['dim']), 'include_cls': include_cls, 'layers': layers, 'samples': samples}
+    samples = {m: torch.stack([torch.cat(v) for v in per_layer]) for m, per_layer in values.items() if per_layer[0]}
+    samples['mssa_delta'] = samples['R_c_after_mssa'] - samples['R_c']
+    num_heads, _, dim_head = bases[0].shape
+    tokens = int(shape['tokens']) - skip
+    layers = []
+    for i in range(depth):
+        head_norms = bases[i].norm(dim=(1, 2))
+        layers.append({'layer': i + 1, **{m: _stats(samples[m][i]) for m in METRICS},
+                       'U_norm': {'per_head': [float(x) for x in head_norms], 'mean': float(head_norms.mean())}})
+    bounds = list(official_rate_bounds(num_heads, tokens, dim_head, eps)) if estimator == 'official' else None
+    return {'estimator': estimator, 'eps': float(eps), 'num_samples': len(images), 'num_tokens': tokens,
+            'dim': int(shape['dim']), 'num_heads': int(num_heads), 'dim_head': int(dim_head),
+            'include_cls': include_cls, 'R_c_bounds': bounds, 'layers': layers, 'samples': samples}
 
 
 def token_heatmaps(model: nn.Module, image: torch.Tensor, layers: Optional[Sequence[int]] = None,

@@ -65,3 +65,56 @@ def compression_rate_grad(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0
 def sparsity(z: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
     """‖Z‖₀ / (d·N) per sample (fraction of entries with |z| > tol), as in CRATE §3.1."""
     return (z.abs() > tol).float().mean(dim=(-2, -1))
+
+
+# --- estimators of R_c for measuring a network (the analysis, not the layers) -------------------------------
+
+OFFICIAL_EPS = 0.1
+"""ε of the official estimator: its code passes `eps=0.01` and uses it as ε² (p/(N·0.01)), i.e. ε = 0.1."""
+
+
+def _project(z: torch.Tensor, u_heads: torch.Tensor) -> torch.Tensor:
+    """U_kᵀ z for every head: z [..., N, d], u_heads [K, d, p] -> [..., K, N, p]."""
+    if u_heads.ndim != 3 or u_heads.shape[1] != z.shape[-1]:
+        raise ValueError(f"u_heads must be [K, d, p] with d = {z.shape[-1]} (the tokens' width); "
+                         f"got {list(u_heads.shape)}")
+    return torch.einsum('...nd,kdp->...knp', z, u_heads)
+
+
+def official_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = OFFICIAL_EPS) -> torch.Tensor:
+    """Per-head terms of the estimator in CRATE's public code (`vis_utils/coding_rate.py`), [..., K].
+
+    Each projected token w_i = U_kᵀ z_i is scaled to unit norm within the head, then
+    ½ logdet(I_N + p/(N ε²) W Wᵀ) with W = [ŵ_1 … ŵ_N]ᵀ ∈ R^{N×p}. Invariant to scaling tokens or U_k
+    (each token separately, even). Each term lies in [½ log(1 + p/ε²), ½ r log(1 + p/(r ε²))], r = min(p, N):
+    the trace of WWᵀ is N, the upper end when it spreads evenly over r directions, the lower when all
+    tokens are parallel. A zero projection (a token orthogonal to the head) counts as a zero token.
+    """
+    w = _project(z, u_heads)
+    norms = w.norm(dim=-1, keepdim=True)
+    w = w / torch.where(norms > 0, norms, torch.ones_like(norms))
+    n, p = w.shape[-2:]
+    return _half_logdet_identity_plus(_small_gram(w), p / (n * eps ** 2))
+
+
+def official_rate_bounds(num_heads: int, num_tokens: int, dim_head: int, eps: float = OFFICIAL_EPS):
+    """(min, max) of the official R_c summed over K heads (see `official_rate_per_head`)."""
+    import math
+    r = min(dim_head, num_tokens)
+    low = 0.5 * math.log1p(dim_head / eps ** 2)
+    high = 0.5 * r * math.log1p(dim_head / (r * eps ** 2))
+    return num_heads * low, num_heads * high
+
+
+def orthonormal_bases(u_heads: torch.Tensor) -> torch.Tensor:
+    """Q_k with orthonormal columns spanning each U_k ([K, d, p], reduced QR; p <= d)."""
+    if u_heads.shape[-1] > u_heads.shape[-2]:
+        raise ValueError(f"orthonormalising needs p <= d; got U of shape {list(u_heads.shape)}")
+    return torch.linalg.qr(u_heads, mode='reduced').Q
+
+
+def paper_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
+    """Per-head terms of Eq. 8 as written, with U_k orthonormalised first (the paper assumes orthonormal
+    bases): ½ logdet(I + p/(N ε²) (Q_kᵀZ)ᵀ(Q_kᵀZ)) -> [..., K]. Invariant to the scale of U_k; the
+    caller makes it invariant to the tokens' scale by passing LayerNormed tokens (as MSSA sees them)."""
+    return coding_rate_per_head(z, orthonormal_bases(u_heads), eps)
