@@ -168,6 +168,11 @@ CASES = [
     ('analyze-num-samples', ['analyze', '--checkpoint', '{run}', '--num-samples', '0'], ['--num-samples']),
     ('analyze-eps', ['analyze', '--checkpoint', '{run}', '--eps', '-1'], ['--eps']),
     ('analyze-compare-missing', ['analyze', '--checkpoint', '{run}', '--compare', 'epoch:7'], ['--compare']),
+    ('analyze-estimator', ['analyze', '--checkpoint', '{run}', '--estimator', 'raw'], ['--estimator', 'official']),
+    ('reproduce-crate-threads', ['reproduce', 'crate', '--threads', '-1', '--output', OUT], ['--threads', '>= 0']),
+    ('reproduce-crate-depth', ['reproduce', 'crate', '--depth', '0', '--output', OUT], ['--depth', '>= 1']),
+    ('reproduce-crate-no-data', ['reproduce', 'crate', '--data', '{base}/nothing', '--output', OUT],
+     ['--data', 'no such folder']),
     ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
     # the Mixer family (seed 003)
     ('bench-mlp-side', ['bench', 'mlp', '--side', '1'], ['--side', '>= 2']),
