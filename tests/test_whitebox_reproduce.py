@@ -1,0 +1,48 @@
+"""`structformer reproduce crate` (issue 10): a smoke run end to end, finished runs reused, the verdict rule."""
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from structformer.reproduce import crate
+
+MNIST = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data' / 'mnist'
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    crate.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
+def test_smoke_run_and_reuse(tmp_path, capsys):
+    out = tmp_path / 'crate'
+    argv = ['--data', str(MNIST), '--depth', '2', '--epochs', '2', '--limit-train-batches', '2',
+            '--num-samples', '12', '--threads', '1', '--output', str(out)]
+    assert crate.run(_args(*argv)) == 0
+    results = json.loads((out / 'results.json').read_text())
+    assert results['epochs'] == [0, 1, 2]                    # every epoch kept (save_every 1), init first
+    assert results['recipe']['opt'] == 'lion' and results['recipe']['weight_decay'] == 0.5
+    assert results['recipe']['label_smoothing'] == 0.1 and results['recipe']['decay_everything']
+    last = results['curves']['per_epoch'][-1]
+    assert len(last['layers']) == 2 and last['num_samples'] == 12 and last['estimator'] == 'official'
+    assert (out / 'curves.png').read_bytes()[:4] == b'\x89PNG'
+    report = (out / 'report.md').read_text()
+    assert '**Verdict: ' in report and 'MSSA ΔR_c' in report
+    capsys.readouterr()
+    assert crate.run(_args(*argv)) == 0                      # the finished run is reused, not retrained
+    assert 'reusing the finished run' in capsys.readouterr().out
+
+
+def _layers(rc, sp):
+    return [{'R_c': {'mean': r}, 'sparsity': {'mean': s}} for r, s in zip(rc, sp)]
+
+
+def test_verdict_rule():
+    init = _layers([200, 200, 200], [0.5, 0.4, 0.4])
+    assert crate._verdict(_layers([195, 180, 170], [0.5, 0.3, 0.2]), init)['text'].startswith('reproduces')
+    v = crate._verdict(_layers([195, 180, 170], [0.5, 0.4, 0.45]), init)
+    assert v['R_c_falls'] and not v['sparsity_falls'] and v['text'].startswith('partly')
+    assert crate._verdict(_layers([195, 199, 201], [0.5, 0.5, 0.6]), init)['text'].startswith('does not')
