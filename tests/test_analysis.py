@@ -121,13 +121,13 @@ def test_principal_angles_degrees():
 
 
 def _embedded_span(model, basis):
-    """Orthonormal basis of where the patch embedding actually puts tokens of span(basis): tokens
-    through the real module (biases zeroed, so outputs lie in a subspace), then an SVD."""
+    """Orthonormal basis of where layer 1's MSSA sees tokens of span(basis): tokens through the real patch
+    embedding and block 0's norm1 (biases zeroed, so outputs lie in a subspace), then an SVD."""
     from structformer.data import tokens_to_image
     gen = torch.Generator().manual_seed(3)
     tokens = (torch.randn(4, 16, basis.shape[1], generator=gen) @ basis.T)           # [4 images, 16 tokens, D]
     with torch.no_grad():
-        z = model.patch_embed(tokens_to_image(tokens)).reshape(-1, 16).double()
+        z = model.blocks[0].norm1(model.patch_embed(tokens_to_image(tokens))).reshape(-1, 16).double()
     u, s, _ = torch.linalg.svd(z.T, full_matrices=False)
     assert s[basis.shape[1]] < 1e-5 * s[0]                                           # exactly rank p
     return u[:, :basis.shape[1]]
@@ -139,7 +139,8 @@ def test_subspace_recovery_of_planted_bases(model):
     with torch.no_grad():
         pe.norm_in.weight.uniform_(0.5, 1.5)                  # a non-trivial γ so the mapping matters
         pe.norm_out.weight.uniform_(0.5, 1.5)
-        for b in (pe.norm_in.bias, pe.proj.bias, pe.norm_out.bias):
+        model.blocks[0].norm1.weight.uniform_(0.5, 1.5)       # layer 1's γ is part of the mapping too
+        for b in (pe.norm_in.bias, pe.proj.bias, pe.norm_out.bias, model.blocks[0].norm1.bias):
             b.zero_()
         # U_k of layer 1 := the embedded span of true subspace (k+1) mod K, 4th column a repeat
         heads = []
@@ -153,7 +154,18 @@ def test_subspace_recovery_of_planted_bases(model):
     assert {(p['head'], p['true']) for p in first['learned']['pairs']} == {(k, (k + 1) % 4) for k in range(4)}
     assert all(max(p['angles_deg']) < 0.5 for p in first['learned']['pairs'])
     assert first['random']['mean_deg'] > 30
-    assert rec['layers'][1]['learned']['mean_deg'] > 30                               # untouched layer
+    assert len(rec['layers']) == 1                                                    # layer 1 only
+    # on data drawn from those subspaces, each head holds most of its matched subspace's energy
+    from structformer.analysis.subspaces import subspace_energy
+    from structformer.data import sample_tokens, tokens_to_image
+    gen = torch.Generator().manual_seed(5)
+    labels = torch.arange(8) % 4
+    tokens, subspace = sample_tokens(true, labels, 16, purity=0.5, noise=0.0, gen=gen)
+    energy = subspace_energy(model, tokens_to_image(tokens), subspace, 4, permutations=50)
+    assert energy['matched_share'] > energy['permutation_matched_share']['p95'] + 0.1   # uniform: 0.25
+    assert energy['p_value'] < 0.05
+    assert torch.tensor(energy['matrix']).argmax(1).tolist() == [(k + 1) % 4 for k in range(4)]
+    assert 0 <= energy['attention_within_subspace']['chance'] <= 1
     # comparing in token space instead of feature space would not recover them
     naive = principal_angles(model.blocks[0].attn.subspace_bases()[1].detach(), true[2])
     assert naive.mean() > 5

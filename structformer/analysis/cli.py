@@ -135,6 +135,9 @@ def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, 
         idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:num_samples].sort().values.tolist()
     else:
         idx = list(range(n))
+    subspaces = getattr(val, 'token_subspaces', None)      # synthetic-subspaces: each token's subspace
+    if subspaces is not None and getattr(info, 'extra', None) is not None:
+        info.extra['val_token_subspaces'] = subspaces[idx]
     return torch.stack([val[i][0] for i in idx]), info, idx
 
 
@@ -156,7 +159,7 @@ def _slug(label: str, taken: set) -> str:
 
 def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: str, label: str) -> Dict:
     from .plots import plot_coherence, plot_principal_angles, plot_token_heatmaps
-    from .subspaces import coherence_summary, subspace_coherence, subspace_recovery
+    from .subspaces import coherence_summary, subspace_coherence, subspace_energy, subspace_recovery
     from .whitebox import layer_bases, measure_layers, token_heatmaps
     measure = measure_layers(model, images, eps=args.eps, estimator=args.estimator, include_cls=not args.exclude_cls)
     measure.pop('samples')
@@ -178,6 +181,9 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
         patch_dim = model.patch_embed.proj.in_features
         if true.shape[1] == patch_dim:
             result['subspace_recovery'] = subspace_recovery(model, true, seed=args.seed)
+            labels = info.extra.get('val_token_subspaces')
+            if labels is not None:
+                result['subspace_energy'] = subspace_energy(model, images, labels, true.shape[0], seed=args.seed)
             figures['angles'] = plot_principal_angles(
                 result['subspace_recovery'], out / f'angles_{slug}.png',
                 f'{label}: learned vs true subspaces').name

@@ -67,6 +67,22 @@ def _recovery_table(recovery: Dict) -> str:
     return '\n'.join(lines)
 
 
+def _energy_lines(e: Dict) -> list:
+    k, j = len(e['matrix']), len(e['matrix'][0])
+    lines = [f"Layer-1 energy share per head and subspace (rows: {k} heads, columns: {j} true subspaces; "
+             f"uniform = {e['uniform']:.3f}): Hungarian-matched mean share {e['matched_share']:.3f}, against "
+             f"{e['permutation_matched_share']['mean']:.3f} (95th percentile "
+             f"{e['permutation_matched_share']['p95']:.3f}) with the tokens' subspace labels permuted "
+             f"({e['permutation_matched_share']['count']} permutations, p = {e['p_value']:.3f}).", '',
+             '| head | ' + ' | '.join(f'S{c}' for c in range(j)) + ' |', '|---:|' + '---:|' * j]
+    lines += [f'| {h} | ' + ' | '.join(f'{v:.3f}' for v in row) + ' |' for h, row in enumerate(e['matrix'])]
+    a = e['attention_within_subspace']
+    lines += ['', f"Layer-1 attention that stays within a token's own subspace: "
+              + ', '.join(f'{v:.3f}' for v in a['per_head']) + f" per head (mean {a['mean']:.3f}); "
+              f"uniform attention would give {a['chance']:.3f}.", '']
+    return lines
+
+
 def render_report(analysis: Dict) -> str:
     """Markdown text; figure paths in `analysis` are relative to the report's folder."""
     tokens = 'all tokens, cls included' if analysis['include_cls'] else 'patch tokens only (cls excluded)'
@@ -106,6 +122,8 @@ def render_report(analysis: Dict) -> str:
                     f"{rec['mapping']}; 0° = recovered; the random orthonormal baseline shows no recovery):", '',
                     _recovery_table(rec), '',
                     f"![principal angles]({ck['figures']['angles']})", '']
+        if ck.get('subspace_energy'):
+            out += _energy_lines(ck['subspace_energy'])
     return '\n'.join(out)
 
 

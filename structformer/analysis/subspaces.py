@@ -10,8 +10,18 @@ of the patch embedding (Alg. 1: LN(D) → Linear(D, d) → LN(d)):
 dropping what is not linear in the token: the 1/σ of each LayerNorm (a positive per-token scalar,
 which keeps a token inside its span), the biases β and b and the position embedding (offsets).
 So span(M B_j) is where the embedded tokens of subspace j lie up to a per-token scale and a
-common offset. That is the approximation: offsets are ignored, and the U_k are compared as they
-are stored (qkv rows), without the γ of the block's own norm1.
+common offset (the position embedding is such an offset: removed). Layer 1's MSSA then sees
+LN1(z), so its heads are compared with span(diag(γ₁) C_d M B_j), the norm's γ included. Only layer 1
+is compared: later layers see tokens already mixed by attention and ISTA, where the data's
+subspaces have no closed-form image. The paper does not claim that supervised training recovers the
+data's subspaces (it claims incoherent U and compression), so this is a control, not a test of CRATE.
+
+Energy (layer 1, measured on data): for every patch token of a known subspace j, the share of
+Σ_k ‖U_kᵀ LN1(z)‖² that falls in head k (z = patch embedding, no cls, no positions), averaged into a
+heads × subspaces matrix; contrast = mean over the Hungarian-matched (head, subspace) pairs minus the
+uniform 1/K, against a baseline that permutes the tokens' subspace labels. Attention (layer 1, as
+the model runs, positions included): per head, the share of each patch token's attention over patch
+tokens that lands on tokens of its own subspace, against the share of such tokens (uniform attention).
 """
 from typing import Dict, List, Optional
 
@@ -23,7 +33,7 @@ from torch import nn
 
 from .whitebox import layer_bases
 
-__all__ = ['subspace_coherence', 'coherence_summary', 'principal_angles', 'embedding_linear_map',
+__all__ = ['subspace_energy', 'subspace_coherence', 'coherence_summary', 'principal_angles', 'embedding_linear_map',
            'map_true_bases', 'match_subspaces', 'random_bases', 'subspace_recovery']
 
 
@@ -79,9 +89,12 @@ def embedding_linear_map(model: nn.Module) -> torch.Tensor:
     return _ln_linear(pe.norm_out, d).to(w) @ w @ _ln_linear(pe.norm_in, big_d).to(w)
 
 
-def map_true_bases(model: nn.Module, true_bases: torch.Tensor) -> torch.Tensor:
-    """[K, D, p] true bases in token space -> [K, d, p] orthonormal bases of span(M B_j)."""
+def map_true_bases(model: nn.Module, true_bases: torch.Tensor, layer_norm: Optional[nn.Module] = None) -> torch.Tensor:
+    """[K, D, p] true bases in token space -> [K, d, p] orthonormal bases of span(M B_j), or of
+    span(diag(γ) C_d M B_j) when `layer_norm` (layer 1's norm1) is given."""
     m = embedding_linear_map(model)
+    if layer_norm is not None:
+        m = _ln_linear(layer_norm, m.shape[0]).to(m) @ m
     if true_bases.ndim != 3 or true_bases.shape[1] != m.shape[1]:
         raise ValueError(f"true_bases must be [K, D, p] with D = {m.shape[1]} (the model's patch dimension "
                          f"in_chans·patch_size²); got {list(true_bases.shape)}")
@@ -108,19 +121,73 @@ def match_subspaces(learned: torch.Tensor, true: torch.Tensor) -> Dict:
     return {'pairs': pairs, 'mean_deg': float(np.mean([p['mean_deg'] for p in pairs]))}
 
 
-def subspace_recovery(model: nn.Module, true_bases: torch.Tensor, seed: int = 0,
-                      layers: Optional[List[int]] = None) -> Dict:
-    """Per layer: heads matched to the mapped true subspaces, principal angles in degrees, and the
-    same for random orthonormal bases of the learned shape (what "no recovery" looks like)."""
-    mapped = map_true_bases(model, true_bases)
+def subspace_recovery(model: nn.Module, true_bases: torch.Tensor, seed: int = 0) -> Dict:
+    """Layer 1: heads matched to the mapped true subspaces (LN1's γ included), principal angles in
+    degrees, and the same for random orthonormal bases of the learned shape (what "no recovery" looks like)."""
+    mapped = map_true_bases(model, true_bases, model.blocks[0].norm1)
     bases = layer_bases(model)
-    layers = range(len(bases)) if layers is None else layers
+    layers = [0]
     out = []
     for i in layers:
         u = bases[i].double().cpu()
         out.append({'layer': i + 1, 'learned': match_subspaces(u, mapped),
                     'random': match_subspaces(random_bases(*u.shape, seed=seed + i), mapped)})
     return {'num_true': int(true_bases.shape[0]), 'true_dim': int(true_bases.shape[2]),
-            'mapping': 'the linear part of the patch embedding (LayerNorm centring and γ, projection weight; '
-                       'per-token 1/σ, biases and positions dropped), compared as spans',
+            'mapping': 'the linear part of the patch embedding and of layer 1\'s LN1 (LayerNorm centring and γ, '
+                       'projection weight; per-token 1/σ, biases and positions dropped), compared as spans',
             'layers': out}
+
+
+def _hungarian_mean(matrix: torch.Tensor) -> float:
+    rows, cols = linear_sum_assignment(-matrix.numpy())
+    return float(matrix[rows, cols].mean())
+
+
+def subspace_energy(model: nn.Module, images: torch.Tensor, token_subspaces: torch.Tensor, num_subspaces: int,
+                    permutations: int = 200, seed: int = 0) -> Dict:
+    """Layer 1, on data: the heads × subspaces energy-share matrix with a label-permutation baseline, and
+    the share of each head's attention that stays within a token's own subspace (see the module notes).
+
+    `token_subspaces` [B, N] gives the subspace of every patch token of `images` [B, C, H, W]."""
+    blk = model.blocks[0]
+    u = blk.attn.subspace_bases().detach().double()                      # [K, d, p]
+    num_heads = u.shape[0]
+    labels = token_subspaces.reshape(-1).long()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            z = model.patch_embed(images)                                # no cls, no positions
+            y = blk.norm1(z).double().reshape(-1, z.shape[-1])
+            energy = torch.einsum('td,kdp->tkp', y, u).pow(2).sum(-1)    # [tokens, K]
+            share = energy / energy.sum(-1, keepdim=True).clamp_min(1e-300)
+            x = model._embed(images)                                      # layer 1's input as the model runs
+            w = torch.einsum('bnd,kdp->bknp', blk.norm1(x).double(), u)
+            prefix = int(getattr(model, 'num_prefix_tokens', 1))
+            attn = torch.softmax(w @ w.transpose(-1, -2) * blk.attn.scale, dim=-1)[:, :, prefix:, prefix:]
+    finally:
+        model.train(was_training)
+    if len(labels) != len(share):
+        raise ValueError(f"token_subspaces has {len(labels)} labels for {len(share)} patch tokens")
+
+    def matrix(lab):
+        counts = torch.bincount(lab, minlength=num_subspaces).clamp_min(1).double()
+        sums = torch.zeros(num_subspaces, num_heads, dtype=torch.float64).index_add_(0, lab, share)
+        return (sums / counts[:, None]).T                                 # [K heads, J subspaces]
+
+    mat = matrix(labels)
+    gen = torch.Generator().manual_seed(seed)
+    baseline = torch.tensor([_hungarian_mean(matrix(labels[torch.randperm(len(labels), generator=gen)]))
+                             for _ in range(permutations)])
+    matched = _hungarian_mean(mat)
+    attn = attn / attn.sum(-1, keepdim=True)                              # over patch tokens only
+    lab = token_subspaces.long()
+    same = (lab[:, :, None] == lab[:, None, :]).double()                 # [B, N, N]
+    within = (attn * same[:, None]).sum(-1).mean(dim=(0, 2))             # per head
+    chance = same.mean(-1).mean()
+    return {'matrix': mat.tolist(), 'uniform': 1.0 / num_heads, 'matched_share': matched,
+            'permutation_matched_share': {'mean': float(baseline.mean()), 'p95': float(baseline.quantile(0.95)),
+                                          'count': permutations},
+            'p_value': float(((baseline >= matched).sum() + 1) / (permutations + 1)),
+            'attention_within_subspace': {'per_head': within.tolist(), 'mean': float(within.mean()),
+                                          'chance': float(chance)}}
