@@ -12,7 +12,9 @@ Experiments (each a full `structformer train` run in --output/<part>/<name>):
   decay     Frobenius decay vs L2 with spectral init, effective rank ‖W‖_*/‖W‖_op at the end (Tables 1, 5);
   pretrain  dense for the first third of the epochs, then factorised by truncated SVD (Tables 8–9, Fig. 1);
 and the interpolation of held-out loss between the dense baseline and the pre-trained-then-factorised
-run vs the from-scratch low-rank run (Fig. 2). Writes results.json, results.md and four plots.
+run vs the from-scratch low-rank run (Fig. 2). Writes results.json, results.md, lowrank.png (inits,
+effective rank per epoch, held-out loss per epoch), spectra.png (final singular values, FD vs L2) and
+interpolation.png.
 A finished run (its summary.json present) is reused, so an interrupted reproduction continues.
 """
 from __future__ import annotations
@@ -108,10 +110,17 @@ def _train(run: Dict, args, out: Path) -> Dict:
         Trainer(_config(run, args, out), overwrite=True, progress=False).fit()
     history = [json.loads(line) for line in (folder / 'metrics.jsonl').read_text().splitlines()]
     last = history[-1]
+    spectra = {}
+    if run['rank'] is not None:                  # the factorised layers' singular values at the end
+        from ..lowrank.spectra import layer_spectra
+        from ..train.checkpoint import load_model
+        model, _ = load_model(folder)
+        spectra = {name: s.tolist() for name, s in layer_spectra(model, factorized_only=True).items()}
     return {**run, 'folder': str(folder), 'val_top1': last['val_top1'], 'val_loss': last['val_loss'],
             'val_perplexity': last.get('val_perplexity'), 'effective_rank_mean': last.get('effective_rank_mean'),
             'curve': [{'epoch': h['epoch'], 'val_loss': h['val_loss'], 'val_top1': h['val_top1'],
                        'effective_rank_mean': h.get('effective_rank_mean')} for h in history],
+            'spectra': spectra,
             'switch': {k: last_k for k, last_k in history[min(len(history) - 1, run.get('at') or 0)].items()
                        if k.startswith('factorized_val_')}}
 
@@ -224,6 +233,24 @@ def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
         fig.tight_layout()
         return fig
     write_png(out / 'lowrank.png', draw)
+    decay = [r for r in results if r['group'] == 'decay']
+    if decay:
+        def draw_spectra(plt):
+            fig, axes = plt.subplots(1, len(decay), figsize=(4.5 * len(decay), 3.4), squeeze=False)
+            for ax, fd in zip(axes[0], decay):
+                l2 = next(r for r in results if r['part'] == fd['part'] and r['group'] == 'init'
+                          and r['rank'] == fd['rank'] and r['init'] == 'spectral')
+                layer = sorted(fd['spectra'])[len(fd['spectra']) // 2]          # a middle factorised layer
+                for label, run in (('L2', l2), ('Frobenius decay', fd)):
+                    s = run['spectra'][layer]
+                    ax.semilogy(range(1, len(s) + 1), [v / s[0] for v in s], label=label)
+                ax.set_xlabel('index')
+                ax.set_ylabel('σ_i / σ_1')
+                ax.set_title(f"{fd['part']} r={fd['rank']:g}: {layer}", fontsize=8)
+                ax.legend(fontsize=7)
+            fig.tight_layout()
+            return fig
+        write_png(out / 'spectra.png', draw_spectra)
     if curves:
         def draw_interp(plt):
             fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.4), squeeze=False)
@@ -284,5 +311,5 @@ def run(args) -> int:
                                           k: {str(kk): vv for kk, vv in v.items()} for k, v in PAPER.items()}})
     _plots(results, curves, out)
     print('\n' + text)
-    print(f"written: {out / 'results.md'}, results.json, lowrank.png, interpolation.png")
+    print(f"written: {out / 'results.md'}, results.json, lowrank.png, spectra.png, interpolation.png")
     return 0
