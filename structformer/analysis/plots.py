@@ -74,11 +74,14 @@ def plot_training_curves(per_epoch: List[Dict], path, title: str) -> Path:
     cmap = matplotlib.colormaps['viridis']
     epochs = [m.get('epoch') or 0 for m in per_epoch]
     top = max(max(epochs), 1)
+    step = max(1, len(epochs) // 6)              # a legend of about 6 entries however many epochs
+    labelled = set(epochs[::step]) | {epochs[0], epochs[-1]}
     for ax, metric in zip(axes, ('R_c', 'sparsity')):
         for m, epoch in zip(per_epoch, epochs):
             x, mean, _ = layer_curve(m, metric)
+            label = f'epoch {epoch}' + (' (init)' if epoch == 0 else '') if epoch in labelled else None
             ax.plot(x, mean, marker='o', ms=3, color=cmap(epoch / top), lw=2 if epoch in (0, top) else 1,
-                    label=f'epoch {epoch}' + (' (init)' if epoch == 0 else ''))
+                    label=label)
         ax.set_xticks(x)
         ax.set_xlabel('layer ℓ')
         ax.set_ylabel(_CURVES[metric][1])
