@@ -15,9 +15,11 @@ import sys
 
 __version__ = '0.1.0'
 
-_SUBMODULES = ('analysis', 'bench', 'data', 'functional', 'hooks', 'layers', 'models', 'reproduce', 'train')
+_SUBMODULES = ('analysis', 'bench', 'data', 'functional', 'hooks', 'layers', 'lowrank', 'models', 'reproduce',
+               'train')
 _EXPORTS = {'list_structformer_models': 'models', 'build_model': 'models.factory', 'rebuild': 'models.factory',
-            'register_transform': 'models.transforms', 'capture': 'hooks'}
+            'register_transform': 'models.transforms', 'capture': 'hooks',
+            'factorize': 'lowrank.transform'}
 __all__ = list(_SUBMODULES) + list(_EXPORTS)
 
 

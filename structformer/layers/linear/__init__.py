@@ -12,6 +12,7 @@ output [..., out]) and provides `to_dense()`, the [out, in] matrix it applies: t
 fast path against `F.linear(x, layer.to_dense(), layer.bias)`, and the analysis reads spectra from it.
 """
 from .base import StructuredLinear
+from .factorized import FactorizedConv2d, FactorizedLinear
 from .kronecker import KroneckerLinear
 from .masked import MaskedLinear
 from .monarch import MonarchLinear
@@ -19,4 +20,4 @@ from .permutation import random_permutation, transpose_permutation
 from .permuted import PKLinear
 
 __all__ = ['StructuredLinear', 'PKLinear', 'KroneckerLinear', 'MonarchLinear', 'MaskedLinear',
-           'random_permutation', 'transpose_permutation']
+           'random_permutation', 'transpose_permutation', 'FactorizedLinear', 'FactorizedConv2d']
