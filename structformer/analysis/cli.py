@@ -1,7 +1,8 @@
 """`structformer analyze`: white-box measurements of trained CRATE checkpoints (CRATE §3.1, Fig. 3–7).
 
 Writes, into --output: analysis.json (every number, per checkpoint), compression_per_layer.png and
-sparsity_per_layer.png (one line per checkpoint), coherence_<ckpt>.png, tokens_<ckpt>.png,
+sparsity_per_layer.png (one line per checkpoint), training_curves.png (every measured epoch, Fig. 4),
+coherence_<ckpt>.png, tokens_<ckpt>.png,
 angles_<ckpt>.png (synthetic-subspaces data only) and report.md linking them.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Dict, List
 from ..bench.harness import environment, write_json, write_text
 
 EXAMPLES = """examples:
-  structformer reproduce crate --threads 1                          # depth 12, 15 epochs (~20 min, 2 cores)
+  structformer reproduce crate --threads 1                          # depth 12, 15 epochs (~20 min, 2 busy cores)
   structformer reproduce crate --depth 2 --epochs 1 --limit-train-batches 5 --num-samples 32 \\
       --output /tmp/crate_quick                                      # a smoke run"""
 
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
     p.add_argument('--num-samples', type=int, default=1000, help='held-out images measured (1000, as the paper)')
-    p.add_argument('--estimator', default='official', help='R_c estimator: official (default), paper or raw')
+    p.add_argument('--estimator', default='official', choices=['official', 'paper'],
+                   help='R_c estimator (see structformer.analysis.whitebox; default official)')
     p.add_argument('--threads', type=int, default=0,
                    help="torch threads (default: torch's own; 1 shares a busy machine far better)")
     p.add_argument('--output', default='outputs/reproduce_crate')
