@@ -136,6 +136,14 @@ def test_mixer_bad_arguments(kwargs, match):
         SparseMixer(img_size=8, patch_size=2, in_chans=1, **kwargs)
 
 
+def test_reset_classifier_refuses_a_cls_pool():
+    model = timm.create_model('mixer_digits')
+    with pytest.raises(ValueError, match="no cls token"):
+        model.reset_classifier(5, 'token')
+    model.reset_classifier(5, 'avg')
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 5)
+
+
 def test_wrong_image_names_the_expected_shape():
     model = timm.create_model('mixer_digits')
     with pytest.raises(ValueError, match=r'expects images \[B, 1, 8, 8\]'):

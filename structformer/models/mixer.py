@@ -111,6 +111,11 @@ class _PatchTableModel(StructuredModel):
         self.stem = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.in_chans, self.patch_tokens = in_chans, self.stem.num_patches
 
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool is not None and global_pool not in ('avg', ''):
+            raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__} has no cls token; accepted 'avg' or ''")
+        super().reset_classifier(num_classes, global_pool)
+
     def _check_input(self, x: torch.Tensor) -> None:
         expected = (self.in_chans, *self.stem.img_size)
         if x.dim() != 4 or tuple(x.shape[1:]) != expected:
