@@ -2,8 +2,8 @@
 
 The seed trains WRN-28-10 on CIFAR-100 (200 epochs), ResNet-50 on ImageNet and GPT-2 on LM1B. Here, on
 data that ships on this machine:
-  vision  a WRN-10-2 on the MNIST test set (../shared/data/mnist, 8,000 train / 2,000 held out), SGD
-          momentum 0.9, weight decay 5e-4, cosine schedule, every conv but the first factorised;
+  vision  a WRN-10-2 on the MNIST test set (../shared/data/mnist, 8,000 train / 2,000 held out), SGD (lr 0.2,
+          momentum 0.9, weight decay 5e-4, cosine schedule), every conv but the first factorised;
   lm      the byte-level GPT (`gpt2_byte_tiny`) on the standard library's sources (`--data pysource`),
           AdamW, QKV and both FFN matrices factorised at rank 0.62 (the seed's Table 4 rank).
 Experiments (each a full `structformer train` run in --output/<part>/<name>):
@@ -99,7 +99,7 @@ def _config(run: Dict, args, out: Path):
                   factorize_at=run.get('at'), factor_decay=run.get('decay', 'l2'))
     if run['part'] == 'vision':
         return TrainConfig(model='wrn_16_2_mnist', model_kwargs={'depth': 10}, data=f'mnist:{args.data}',
-                           batch_size=128, opt='sgd', lr=0.05, momentum=0.9, weight_decay=5e-4, **common)
+                           batch_size=128, opt='sgd', lr=0.2, momentum=0.9, weight_decay=5e-4, **common)
     return TrainConfig(model='gpt2_byte_tiny', data='pysource', data_kwargs={'max_bytes': args.lm_max_bytes},
                        batch_size=32, eval_batch_size=64, opt='adamw', lr=3e-3, weight_decay=0.01, **common)
 
@@ -117,7 +117,11 @@ def _train(run: Dict, args, out: Path) -> Dict:
         from ..train.checkpoint import load_model
         model, _ = load_model(folder)
         spectra = {name: s.tolist() for name, s in layer_spectra(model, factorized_only=True).items()}
+    import yaml
+    trained = yaml.safe_load((folder / 'config.yaml').read_text())     # a reused run keeps its own settings
     return {**run, 'folder': str(folder), 'val_top1': last['val_top1'], 'val_loss': last['val_loss'],
+            'epochs': trained['epochs'], 'limit_train_batches': trained['limit_train_batches'],
+            'batch_size': trained['batch_size'], 'model': trained['model'], 'data': trained['data'],
             'val_perplexity': last.get('val_perplexity'), 'effective_rank_mean': last.get('effective_rank_mean'),
             'curve': [{'epoch': h['epoch'], 'val_loss': h['val_loss'], 'val_top1': h['val_top1'],
                        'effective_rank_mean': h.get('effective_rank_mean')} for h in history],
@@ -164,6 +168,8 @@ def _tables(results: List[Dict], curves: Dict) -> str:
             continue
         label = 'held-out top-1 (%)' if part == 'vision' else 'held-out perplexity (bytes)'
         base = by[(part, 'dense')]
+        lines += [f"{part}: `{base['model']}` on `{base['data']}`, {base['epochs']} epochs of "
+                  f"{base['limit_train_batches'] or 'all'} batches of {base['batch_size']}, one seed per row.", '']
         lines += [f'## {part}: initialisation ({label}; dense baseline {fmt.format(base[metric])})', '',
                   '| rank | He | spectral | spectral ones |', '|---|---|---|---|']
         for rank in sorted({r['rank'] for r in rows if r['group'] == 'init'}):
