@@ -7,3 +7,4 @@ from .soft import SoftAttention, SoftPlusPlusAttention
 from .linformer import LinformerAttention
 from .performer import PerformerAttention
 from .nystrom import NystromAttention
+from .sparsifiner import SparsifinerAttention

@@ -1,0 +1,123 @@
+"""Sparsifiner's math (Wei et al., CVPR 2023, Eq. 1–6) as pure functions on per-head tensors.
+
+Shapes: q, k, v [B, H, n, d]; W_down, W_up [n_down, n] (one pair per layer, shared by the heads).
+
+    A_down = softmax(Q (W_down K)ᵀ / √d)              Eq. 1   low-rank attention, [B, H, n, n_down]
+    Ã_down = A_down ⊙ 1[A_down > τ]                    Eq. 2   sparse coefficients
+    S      = Ã_down · (W_up ⊙ 1[|W_up| ≥ t])           Eq. 3   connectivity scores (the distillation target's shape)
+    M      = 1[Top-B(S)] per query row                 Eq. 3   B = ⌈keep · n⌉ keys per query
+    Ã      = softmax(QKᵀ/√d) restricted to M, X' = ÃV  Eq. 4–6
+
+Three execution paths of Eq. 4–6 that agree to rounding:
+  `masked_attention`     dense logits, −∞ off the mask, softmax: the reference (n² memory);
+  `gathered_attention`   each query's B keys gathered: work and memory ∝ n·B, with autograd;
+  `flex_attention_path`  torch's FlexAttention with a block mask built from M (GPU; on CPU eager it
+                         materialises the scores, so it is there only to be tested).
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def budget(num_tokens: int, keep_ratio: float) -> int:
+    """B = ⌈keep_ratio · n⌉ keys per query (at least 1)."""
+    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)) or not 0 < keep_ratio <= 1:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    return max(1, math.ceil(keep_ratio * num_tokens - 1e-9))
+
+
+def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
+                       scale: Optional[float] = None) -> torch.Tensor:
+    """Eq. 1: softmax(Q (W_down K)ᵀ · scale) over the n_down down-projected keys."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_down = torch.einsum('pn,bhnd->bhpd', w_down, k)
+    return torch.softmax((q @ k_down.transpose(-2, -1)) * scale, dim=-1)
+
+
+def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float) -> torch.Tensor:
+    """Eq. 2–3 before the top-k: Ã_down · W̃_up with coefficients ≤ τ and basis entries |w| < t set to zero
+    (the products keep their gradient through the entries that survive)."""
+    coefficients = a_down * (a_down > tau)
+    basis = w_up * (w_up.abs() >= up_threshold)
+    return coefficients @ basis
+
+
+def topk_indices(scores: torch.Tensor, keys: int) -> torch.Tensor:
+    """The `keys` highest-scoring key indices of every query row, [B, H, n, keys] (exactly `keys` per row)."""
+    return scores.topk(keys, dim=-1, sorted=False).indices
+
+
+def mask_from_indices(indices: torch.Tensor, num_keys: int, dense_rows: int = 0) -> torch.Tensor:
+    """Bool [B, H, n, num_keys] with True at `indices`; the first `dense_rows` query rows keep every key."""
+    mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, indices, True)
+    if dense_rows:
+        mask[..., :dense_rows, :] = True
+    return mask
+
+
+def block_mask_from_scores(scores: torch.Tensor, block_size: int, keep_ratio: float) -> torch.Tensor:
+    """The block-level variant (ours, beyond the paper): mean scores over block_size × block_size tiles,
+    keep the top ⌈keep · blocks⌉ key blocks of every query block, and expand to a token mask. Token-level
+    top-k leaves almost no empty tile, so only this lets a blocked kernel skip work."""
+    n_q, n_k = scores.shape[-2:]
+    pad_q, pad_k = (-n_q) % block_size, (-n_k) % block_size
+    # padded entries take the row minimum, so a partial tile is not favoured by its padding
+    padded = F.pad(scores, (0, pad_k, 0, pad_q), value=float('-inf'))
+    padded = torch.where(torch.isinf(padded), scores.amin(dim=(-2, -1), keepdim=True), padded)
+    qb, kb = padded.shape[-2] // block_size, padded.shape[-1] // block_size
+    tiles = padded.reshape(*scores.shape[:-2], qb, block_size, kb, block_size).mean(dim=(-3, -1))
+    keep = budget(kb, keep_ratio)
+    chosen = mask_from_indices(topk_indices(tiles, keep), kb)
+    mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
+    return mask[..., :n_q, :n_k]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Eq. 4–6 the obvious way: softmax over the kept logits only (−∞ elsewhere), then · V."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = (q @ k.transpose(-2, -1)) * scale
+    attn = torch.softmax(logits.masked_fill(~mask, float('-inf')), dim=-1)
+    if dropout_p:
+        attn = F.dropout(attn, dropout_p)
+    return attn @ v
+
+
+def _gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n_k, d], indices [B, H, n, K] -> [B, H, n, K, d]."""
+    b, h, n, keys = indices.shape
+    flat = indices.reshape(b, h, n * keys, 1).expand(-1, -1, -1, x.shape[-1])
+    return x.gather(2, flat).reshape(b, h, n, keys, x.shape[-1])
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                       scale: Optional[float] = None, dropout_p: float = 0.0, dense_rows: int = 0) -> torch.Tensor:
+    """Eq. 4–6 on each query's own keys: gather K and V at `indices` ([B, H, n, K]), softmax over K
+    logits. Work and memory ∝ n·K·d instead of n². The first `dense_rows` queries attend to every key."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sparse_q, sparse_idx = q[..., dense_rows:, :], indices[..., dense_rows:, :]
+    k_sel, v_sel = _gather_rows(k, sparse_idx), _gather_rows(v, sparse_idx)
+    attn = torch.softmax(torch.einsum('bhnd,bhnkd->bhnk', sparse_q, k_sel) * scale, dim=-1)
+    if dropout_p:
+        attn = F.dropout(attn, dropout_p)
+    out = torch.einsum('bhnk,bhnkd->bhnd', attn, v_sel)
+    if dense_rows:
+        dense = F.scaled_dot_product_attention(q[..., :dense_rows, :], k, v, dropout_p=dropout_p, scale=scale)
+        out = torch.cat([dense, out], dim=-2)
+    return out
+
+
+def flex_attention_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: Optional[float] = None, block_size: int = 128) -> torch.Tensor:
+    """Eq. 4–6 through FlexAttention: the token mask as mask_mod, its block mask skipping empty tiles."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    b, h, n, _ = q.shape
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        return mask[batch, head, q_idx, kv_idx]
+
+    block_mask = create_block_mask(mask_mod, b, h, n, k.shape[-2], device=q.device, BLOCK_SIZE=block_size)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)

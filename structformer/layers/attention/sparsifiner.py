@@ -1,0 +1,182 @@
+"""Sparsifiner attention (Wei et al., "Sparsifiner: Learning Sparse Instance-Dependent Attention for
+Efficient Vision Transformers", CVPR 2023), with timm's `attn_layer` signature.
+
+A connectivity-mask predictor (Eq. 1–3) picks B = ⌈keep_ratio · n⌉ keys per query from a low-rank,
+sparsified attention estimate; multi-head attention then runs on those keys only (Eq. 4–6). The mask is
+computed without gradient (the paper detaches it from the attention path); the predictor learns through
+its connectivity scores Ã_down·W_up, which `last_scores` keeps for the attention-distillation loss
+(Eq. 10) when `keep_scores` is on.
+
+Hyper-parameters (defaults = the paper's): `n_down` 32, `tau` 0.05, `up_threshold` 1e-2, `keep_ratio`
+0.25, `predictor_dim` None (the public code reduces q/k channels to 32 inside the predictor: pass 32),
+`dense_cls_row` True (the public code's choice: the cls query attends to every token; the paper is
+silent), `connectivity` 'token' (the paper) or 'block' (`block_size` tiles, ours).
+
+Execution (`impl`): 'masked' (dense logits, −∞ off the mask: the reference and a CPU training path),
+'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention with a block mask: the GPU path;
+on CPU eager it materialises the scores), 'auto' (CUDA: flex; CPU: masked for training and short
+sequences, gather for inference at n ≥ 512 with B ≤ n/2 — a first rule, to be settled by the coming
+`bench sparse-attention`).
+
+W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
+created at the first forward from its n (the model factory's `materialize_lazy` does that before an
+optimiser exists).
+"""
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from ...functional.sparsifiner import (block_mask_from_scores, budget, connectivity_scores, flex_attention_path,
+                                       gathered_attention, low_rank_attention, mask_from_indices, masked_attention,
+                                       topk_indices)
+from ..lazy import drop_lazy_hooks, is_uninitialized
+from .registry import register_attention
+from .softmax import AttentionBase, check_no_mask
+
+IMPLS = ('auto', 'masked', 'gather', 'flex')
+CONNECTIVITY = ('token', 'block')
+GATHER_MIN_TOKENS = 512      # 'auto' on CPU gathers only for inference at n >= this and B <= n/2
+
+
+class ConnectivityBasis(LazyModuleMixin, nn.Module):
+    """W_down and W_up, both [n_down, n] (Eq. 1, 3), created at the first forward when n is not given."""
+
+    def __init__(self, n_down: int, seq_len: Optional[int] = None, device=None, dtype=None):
+        super().__init__()
+        self.n_down = n_down
+        if seq_len is None:
+            self.w_down = nn.UninitializedParameter(device=device, dtype=dtype)
+            self.w_up = nn.UninitializedParameter(device=device, dtype=dtype)
+        else:
+            self.w_down = nn.Parameter(torch.empty(n_down, seq_len, device=device, dtype=dtype))
+            self.w_up = nn.Parameter(torch.empty(n_down, seq_len, device=device, dtype=dtype))
+            self.reset_parameters()
+            drop_lazy_hooks(self)
+
+    @property
+    def seq_len(self) -> Optional[int]:
+        return None if is_uninitialized(self.w_down) else self.w_down.shape[-1]
+
+    def reset_parameters(self) -> None:
+        if self.has_uninitialized_params():
+            return
+        # W_down as Linformer's E (a token at the scale of one token); W_up's entries well above the
+        # 1e-2 threshold at init, so the first masks are not decided by ties at zero
+        nn.init.normal_(self.w_down, std=self.w_down.shape[-1] ** -0.5)
+        nn.init.normal_(self.w_up, std=self.n_down ** -0.5)
+
+    def initialize_parameters(self, k: torch.Tensor) -> None:
+        if self.has_uninitialized_params():
+            n = k.shape[-2]
+            with torch.no_grad():
+                self.w_down.materialize((self.n_down, n), device=k.device)
+                self.w_up.materialize((self.n_down, n), device=k.device)
+            self.reset_parameters()
+            drop_lazy_hooks(self)
+            warnings.warn(f"Sparsifiner W_down, W_up created at the first forward for seq_len={n}; build the "
+                          "optimizer after one forward pass, or pass seq_len= at construction")
+
+    def forward(self, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if k.shape[-2] != self.w_down.shape[-1]:
+            raise ValueError(f"Sparsifiner was built for seq_len={self.w_down.shape[-1]} tokens, got n={k.shape[-2]}")
+        return self.w_down, self.w_up
+
+    def extra_repr(self) -> str:
+        return f"n_down={self.n_down}, seq_len={self.seq_len}"
+
+
+@register_attention('sparsifiner')
+class SparsifinerAttention(AttentionBase):
+    """Sparsifiner MHSA with timm's `attn_layer` signature (see the module docstring for the options)."""
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
+                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
+                 norm_layer=None, *, keep_ratio: float = 0.25, n_down: int = 32, tau: float = 0.05,
+                 up_threshold: float = 1e-2, predictor_dim: Optional[int] = None, dense_cls_row: bool = True,
+                 connectivity: str = 'token', block_size: int = 64, impl: str = 'auto',
+                 seq_len: Optional[int] = None, keep_scores: bool = False, attn_head_dim: Optional[int] = None,
+                 device=None, dtype=None):
+        super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
+                         norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
+        budget(1, keep_ratio)                                     # validates keep_ratio
+        for name, value in (('n_down', n_down), ('block_size', block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= tau < 1:
+            raise ValueError(f"tau must be in [0, 1) (a threshold on softmax coefficients), got {tau!r}")
+        if up_threshold < 0:
+            raise ValueError(f"up_threshold must be >= 0, got {up_threshold!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r}: accepted {', '.join(map(repr, IMPLS))}")
+        if connectivity not in CONNECTIVITY:
+            raise ValueError(f"connectivity={connectivity!r}: accepted 'token' (the paper) or 'block'")
+        if connectivity == 'block' and impl == 'gather':
+            raise ValueError("impl='gather' needs connectivity='token' (a block mask has no fixed keys per query)")
+        self.keep_ratio, self.tau, self.up_threshold = float(keep_ratio), float(tau), float(up_threshold)
+        self.dense_cls_row, self.connectivity, self.block_size, self.impl = dense_cls_row, connectivity, block_size, impl
+        self.keep_scores = keep_scores
+        self.basis = ConnectivityBasis(n_down, seq_len, device=device, dtype=dtype)
+        self.predictor_q = self.predictor_k = None
+        if predictor_dim is not None:
+            self.predictor_q = nn.Linear(self.head_dim, predictor_dim, bias=False, device=device, dtype=dtype)
+            self.predictor_k = nn.Linear(self.head_dim, predictor_dim, bias=False, device=device, dtype=dtype)
+        self.last_scores: Optional[torch.Tensor] = None
+        self.last_mask: Optional[torch.Tensor] = None
+
+    def budget(self, num_tokens: int) -> int:
+        return budget(num_tokens, self.keep_ratio)
+
+    def predict(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
+        w_down, w_up = self.basis(k)
+        if self.predictor_q is not None:
+            q, k = self.predictor_q(q), self.predictor_k(k)
+        a_down = low_rank_attention(q, k, w_down.to(q.dtype))
+        return connectivity_scores(a_down, w_up.to(q.dtype), self.tau, self.up_threshold)
+
+    def _resolve_impl(self, q: torch.Tensor, keys: int, n: int) -> str:
+        if self.impl != 'auto':
+            return self.impl
+        if q.is_cuda:
+            return 'flex'
+        # CPU: the n² masked softmax is one fused-ish matmul pair and wins at ViT token counts and in
+        # training (the gathered K, V copies cost more than the logits they save); gathering pays off only
+        # for inference on long sequences with a small budget
+        if self.training or self.connectivity != 'token' or n < GATHER_MIN_TOKENS or 2 * keys > n:
+            return 'masked'
+        return 'gather'
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                grid_size=None) -> torch.Tensor:
+        check_no_mask(type(self).__name__, attn_mask, is_causal)
+        q, k, v = self.project(x)
+        n = q.shape[-2]
+        scores = self.predict(q, k)
+        self.last_scores = scores if self.keep_scores else None
+        keys = self.budget(n)
+        dense_rows = 1 if self.dense_cls_row else 0
+        dropout_p = self.attn_drop.p if self.training else 0.
+        impl = self._resolve_impl(q, keys, n)
+        with torch.no_grad():                                   # the mask is detached from the attention path
+            if self.connectivity == 'block':
+                mask, indices = block_mask_from_scores(scores, self.block_size, self.keep_ratio), None
+                if dense_rows:
+                    mask[..., :dense_rows, :] = True
+            else:
+                indices = topk_indices(scores, keys)
+                mask = mask_from_indices(indices, n, dense_rows) if impl != 'gather' else None
+        self.last_mask = mask if self.keep_scores else None
+        if impl == 'gather':
+            out = gathered_attention(q, k, v, indices, dropout_p=dropout_p, dense_rows=dense_rows)
+        elif impl == 'flex':
+            out = flex_attention_path(q, k, v, mask, block_size=self.block_size if self.connectivity == 'block' else 128)
+        else:
+            out = masked_attention(q, k, v, mask, dropout_p=dropout_p)
+        return self.merge(out)
+
+    def extra_repr(self) -> str:
+        return (f"keep_ratio={self.keep_ratio}, tau={self.tau}, up_threshold={self.up_threshold}, "
+                f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}")

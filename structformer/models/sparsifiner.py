@@ -1,0 +1,143 @@
+"""Sparsifiner models: any timm VisionTransformer with its attention replaced by `SparsifinerAttention`.
+
+`sparsify(model, keep_ratio=...)` converts a built ViT in place and keeps every weight (qkv, norms, proj
+are the same modules); it is also the registered model transform 'sparsify', so a run that used it
+(`structformer train --transform sparsify keep_ratio=0.25`) reloads. The registered names build timm's
+`VisionTransformer` with the Sparsifiner layer from the start: `sparsifiner_deit_{tiny,small}_patch16_224`
+(DeiT-T/S shapes, the paper's backbones) and `sparsifiner_digits`, `sparsifiner_mnist` for the
+embedded data.
+"""
+from timm.layers import Attention as TimmAttention
+from timm.models import generate_default_cfgs
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from ..layers.attention.registry import with_defaults
+from ..layers.attention.sparsifiner import SparsifinerAttention
+from ._registry import register_model
+from .base import SMALL_IMAGE_CFG, create_model, model_cfg
+from .transforms import TransformContext, register_transform
+
+__all__ = ['sparsify', 'SparsifinerAttention', 'predictor_parameter_names']
+
+
+def predictor_parameter_names(model: nn.Module) -> set:
+    """Names of the connectivity predictors' parameters (W_down, W_up, the optional q/k reductions).
+    The mask they produce is detached from the attention path (Eq. 3–4), so the task loss gives them no
+    gradient: they learn only from the attention-distillation loss (Eq. 10)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, SparsifinerAttention):
+            for part in ('basis', 'predictor_q', 'predictor_k'):
+                sub = getattr(module, part)
+                if sub is not None:
+                    names |= {f"{prefix}.{part}.{n}" if prefix else f"{part}.{n}" for n, _ in sub.named_parameters()}
+    return names
+
+
+def _token_count(model: nn.Module):
+    embed = getattr(model, 'patch_embed', None)
+    patches = getattr(embed, 'num_patches', None)
+    if patches is None or getattr(embed, 'dynamic_img_size', False):
+        return None                          # W_down, W_up are then shaped at the first forward
+    return patches + getattr(model, 'num_prefix_tokens', 0)
+
+
+def sparsify(model: nn.Module, keep_ratio: float = 0.25, **options) -> nn.Module:
+    """Replace every timm `Attention` in `model` by a `SparsifinerAttention` with the same projections
+    (the modules themselves move across, so the dense weights are kept exactly) and a fresh
+    connectivity predictor. `options` are SparsifinerAttention's (n_down, tau, up_threshold,
+    predictor_dim, dense_cls_row, connectivity, block_size, impl). At keep_ratio=1 every key is kept
+    and the model computes what it computed before."""
+    seq_len = _token_count(model)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, TimmAttention):
+                continue
+            dim = child.qkv.in_features
+            new = SparsifinerAttention(dim, child.num_heads, attn_drop=child.attn_drop.p, proj_drop=child.proj_drop.p,
+                                       attn_head_dim=child.head_dim, keep_ratio=keep_ratio, seq_len=seq_len,
+                                       device=child.qkv.weight.device, dtype=child.qkv.weight.dtype, **options)
+            for part in ('qkv', 'q_norm', 'k_norm', 'norm', 'proj'):
+                setattr(new, part, getattr(child, part))
+            if hasattr(child, 'scale') and abs(child.scale - child.head_dim ** -0.5) > 1e-12:
+                raise ValueError(f"sparsify: {name} uses a non-standard attention scale {child.scale}")
+            setattr(parent, name, new)
+            replaced += 1
+    if not replaced:
+        raise ValueError(f"sparsify: {type(model).__name__} has no timm Attention module to replace "
+                         "(sparsify converts timm VisionTransformer-style models)")
+    return model
+
+
+@register_transform('sparsify')
+def sparsify_transform(model: nn.Module, context: TransformContext, keep_ratio: float = 0.25, **options) -> nn.Module:
+    """Model transform: `sparsify(model, keep_ratio, **options)` (recorded in checkpoints)."""
+    return sparsify(model, keep_ratio=keep_ratio, **options)
+
+
+class SparsifinerViT(VisionTransformer):
+    """timm's VisionTransformer with the structformer contract where timm's differs: `no_weight_decay` names
+    only parameters that exist, and a bad `output_fmt` is a ValueError."""
+
+    def no_weight_decay(self):
+        names = {n for n, _ in self.named_parameters()}
+        return {k for k in super().no_weight_decay() if k in names}
+
+    def forward_intermediates(self, x, *args, output_fmt: str = 'NCHW', **kwargs):
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
+        return super().forward_intermediates(x, *args, output_fmt=output_fmt, **kwargs)
+
+
+def _cfg(**kwargs):
+    return model_cfg(first_conv='patch_embed.proj', **kwargs)
+
+
+default_cfgs = generate_default_cfgs({
+    'sparsifiner_deit_tiny_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
+    'sparsifiner_deit_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
+    'sparsifiner_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
+    'sparsifiner_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
+})
+
+_LAYER_OPTIONS = ('keep_ratio', 'n_down', 'tau', 'up_threshold', 'predictor_dim', 'dense_cls_row', 'connectivity',
+                  'block_size', 'impl')
+
+
+def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> SparsifinerViT:
+    args = dict(defaults, **kwargs)
+    layer = {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}
+    args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # n from the first forward: any img_size
+    return create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
+
+
+@register_model
+def sparsifiner_deit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> SparsifinerViT:
+    """DeiT-T (d = 192, 12 blocks, 3 heads) with Sparsifiner attention, keep 0.25, n_down 32."""
+    return _create('sparsifiner_deit_tiny_patch16_224', pretrained,
+                   dict(patch_size=16, embed_dim=192, depth=12, num_heads=3), kwargs)
+
+
+@register_model
+def sparsifiner_deit_small_patch16_224(pretrained: bool = False, **kwargs) -> SparsifinerViT:
+    """DeiT-S (d = 384, 12 blocks, 6 heads), the paper's main backbone, with Sparsifiner attention."""
+    return _create('sparsifiner_deit_small_patch16_224', pretrained,
+                   dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), kwargs)
+
+
+@register_model
+def sparsifiner_digits(pretrained: bool = False, **kwargs) -> SparsifinerViT:
+    """8 px digits, patch 2 (16 + 1 tokens), d = 64, 4 blocks, 4 heads; n_down 8, keep 0.25 (B = 5)."""
+    return _create('sparsifiner_digits', pretrained,
+                   dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4,
+                        n_down=8), kwargs)
+
+
+@register_model
+def sparsifiner_mnist(pretrained: bool = False, **kwargs) -> SparsifinerViT:
+    """28 px MNIST, patch 4 (49 + 1 tokens), d = 96, 6 blocks, 3 heads; n_down 16, keep 0.25 (B = 13)."""
+    return _create('sparsifiner_mnist', pretrained,
+                   dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=96, depth=6, num_heads=3,
+                        n_down=16), kwargs)

@@ -1,0 +1,182 @@
+"""Sparsifiner attention (Eq. 1–6): its execution paths agree, it keeps exactly B keys per query, keep 1 is
+dense attention, `sparsify` keeps a ViT's function, and the mask is detached from the attention path."""
+import warnings
+
+import pytest
+import timm
+import torch
+from timm.layers import Attention as TimmAttention
+
+from structformer.functional.sparsifiner import (block_mask_from_scores, budget, flex_attention_path, gathered_attention,
+                                                 mask_from_indices, masked_attention, topk_indices)
+from structformer.layers import SparsifinerAttention
+from structformer.layers.attention.softmax import softmax_attention_reference
+from structformer.models.sparsifiner import sparsify
+
+D = torch.float64
+
+
+def _qkv(b=2, h=3, n=17, d=8, dtype=D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, dtype=dtype, generator=g, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize('n,keep,expected', [(17, 0.25, 5), (197, 0.25, 50), (50, 1.0, 50), (10, 0.01, 1), (8, 0.5, 4)])
+def test_budget_is_ceil_keep_times_n(n, keep, expected):
+    assert budget(n, keep) == expected
+
+
+@pytest.mark.parametrize('keep', [0, -0.1, 1.5, True])
+def test_bad_keep_ratio_is_refused(keep):
+    with pytest.raises(ValueError, match=r'keep_ratio must be in \(0, 1\]'):
+        SparsifinerAttention(32, 4, keep_ratio=keep)
+
+
+@pytest.mark.parametrize('dense_rows', [0, 1])
+def test_masked_and_gathered_paths_agree_with_gradients(dense_rows):
+    q, k, v = _qkv()
+    scores = torch.randn(2, 3, 17, 17, dtype=D)
+    idx = topk_indices(scores, budget(17, 0.25))
+    mask = mask_from_indices(idx, 17, dense_rows)
+    grad = torch.randn(2, 3, 17, 8, dtype=D)
+    outs, grads = [], []
+    for path in (lambda: masked_attention(q, k, v, mask), lambda: gathered_attention(q, k, v, idx, dense_rows=dense_rows)):
+        out = path()
+        outs.append(out.detach())
+        grads.append(torch.autograd.grad(out, (q, k, v), grad))
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_exactly_budget_keys_per_query_row():
+    scores = torch.randn(2, 3, 17, 17)
+    keys = budget(17, 0.25)
+    mask = mask_from_indices(topk_indices(scores, keys), 17, dense_rows=1)
+    counts = mask.sum(-1)
+    assert (counts[..., 0] == 17).all() and (counts[..., 1:] == keys).all()
+    # the kept keys are the highest-scoring ones
+    kept_min = scores.masked_fill(~mask, float('inf'))[..., 1:, :].amin(-1)
+    dropped_max = scores.masked_fill(mask, float('-inf'))[..., 1:, :].amax(-1)
+    assert (kept_min >= dropped_max).all()
+
+
+def test_flex_attention_path_agrees_on_forward():
+    q, k, v = (t.detach().float() for t in _qkv())
+    mask = mask_from_indices(topk_indices(torch.randn(2, 3, 17, 17), 5), 17, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        try:
+            out = flex_attention_path(q, k, v, mask, block_size=16)
+        except (RuntimeError, NotImplementedError) as e:       # a torch build without CPU FlexAttention
+            pytest.skip(f"FlexAttention does not run here: {e}")
+    torch.testing.assert_close(out, masked_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_block_variant_is_whole_tiles_and_equals_its_masked_reference():
+    scores = torch.randn(1, 2, 20, 20)
+    mask = block_mask_from_scores(scores, block_size=4, keep_ratio=0.4)
+    tiles = mask.reshape(1, 2, 5, 4, 5, 4)
+    assert (tiles.all(dim=(-3, -1)) | ~tiles.any(dim=(-3, -1))).all()           # each tile all in or all out
+    assert (tiles.any(dim=(-3, -1)).sum(-1) == budget(5, 0.4)).all()            # ⌈0.4 · 5⌉ key blocks per query block
+    torch.manual_seed(0)
+    layer = SparsifinerAttention(32, 2, keep_ratio=0.4, connectivity='block', block_size=4, impl='masked',
+                                 seq_len=20, keep_scores=True).double().eval()
+    x = torch.randn(2, 20, 32, dtype=D)
+    out = layer(x)
+    q, k, v = layer.project(x)
+    expected = block_mask_from_scores(layer.predict(q, k), 4, 0.4)
+    expected[..., 0, :] = True
+    assert torch.equal(layer.last_mask, expected)
+    torch.testing.assert_close(out, layer.merge(masked_attention(q, k, v, expected)))
+
+
+def _twin(keep=1.0, **options):
+    torch.manual_seed(1)
+    dense = TimmAttention(32, num_heads=4, qkv_bias=True).double()
+    sparse = SparsifinerAttention(32, 4, qkv_bias=True, keep_ratio=keep, seq_len=12, **options).double()
+    sparse.load_state_dict(dense.state_dict(), strict=False)
+    return dense, sparse
+
+
+@pytest.mark.parametrize('impl', ['masked', 'gather', 'auto'])
+def test_keep_ratio_one_is_dense_attention_outputs_and_gradients(impl):
+    dense, sparse = _twin(impl=impl)
+    x = torch.randn(3, 12, 32, dtype=D, requires_grad=True)
+    grad = torch.randn(3, 12, 32, dtype=D)
+    a = dense(x)
+    ga = torch.autograd.grad(a, [x, dense.qkv.weight, dense.proj.weight], grad)
+    b = sparse(x)
+    gb = torch.autograd.grad(b, [x, sparse.qkv.weight, sparse.proj.weight], grad)
+    torch.testing.assert_close(b, a)
+    for u, w in zip(ga, gb):
+        torch.testing.assert_close(w, u)
+
+
+def test_sparse_attention_is_softmax_over_the_kept_keys():
+    _, sparse = _twin(keep=0.25, impl='gather', keep_scores=True)
+    sparse.eval()
+    x = torch.randn(2, 12, 32, dtype=D)
+    out = sparse(x)
+    q, k, v = sparse.project(x)
+    mask = sparse.last_mask if sparse.last_mask is not None else mask_from_indices(
+        topk_indices(sparse.predict(q, k), budget(12, 0.25)), 12, 1)
+    torch.testing.assert_close(out, sparse.merge(softmax_attention_reference(q, k, v, attn_mask=mask)))
+
+
+def test_mask_is_detached_and_scores_carry_the_predictor_gradient():
+    _, sparse = _twin(keep=0.25, keep_scores=True, predictor_dim=4)
+    x = torch.randn(2, 12, 32, dtype=D)
+    sparse(x).sum().backward(retain_graph=True)          # the scores share q, k with the attention
+    predictor = [sparse.basis.w_down, sparse.basis.w_up, sparse.predictor_q.weight, sparse.predictor_k.weight]
+    assert all(p.grad is None for p in predictor)                      # nothing flows through the mask
+    assert sparse.qkv.weight.grad is not None
+    sparse.last_scores.square().mean().backward()                      # the distillation target does train them
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in predictor)
+
+
+def test_sparsify_keeps_the_logits_at_keep_one_and_reports_nothing_to_convert():
+    torch.manual_seed(2)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, num_classes=5).double().eval()
+    x = torch.randn(2, 3, 16, 16, dtype=D)
+    with torch.no_grad():
+        before = model(x)
+        sparsify(model, keep_ratio=1.0)
+        after = model(x)
+    assert all(isinstance(b.attn, SparsifinerAttention) for b in model.blocks)
+    assert model.blocks[0].attn.basis.seq_len == 17
+    torch.testing.assert_close(after, before)
+    with pytest.raises(ValueError, match='no timm Attention'):
+        sparsify(torch.nn.Linear(3, 3))
+
+
+def test_wrong_token_count_and_options_are_named():
+    layer = SparsifinerAttention(32, 4, seq_len=12)
+    with pytest.raises(ValueError, match='built for seq_len=12 tokens, got n=9'):
+        layer(torch.randn(1, 9, 32))
+    with pytest.raises(ValueError, match="impl='gather' needs connectivity='token'"):
+        SparsifinerAttention(32, 4, connectivity='block', impl='gather')
+    with pytest.raises(ValueError, match='impl='):
+        SparsifinerAttention(32, 4, impl='sparse')
+    with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
+        SparsifinerAttention(32, 4, tau=1.5)
+
+
+def test_registered_models_train_a_step_with_the_predictor_trainable_by_distillation():
+    model = timm.create_model('sparsifiner_digits')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model(torch.randn(2, 1, 8, 8))                   # shapes W_down, W_up (n = 17)
+    attn = model.blocks[0].attn
+    assert attn.basis.w_down.shape == (8, 17) and attn.budget(17) == 5
+
+
+def test_auto_picks_masked_for_training_and_gather_for_long_inference():
+    layer = SparsifinerAttention(32, 4, keep_ratio=0.25)
+    q = torch.zeros(1, 4, 600, 8)
+    layer.train()
+    assert layer._resolve_impl(q, budget(600, 0.25), 600) == 'masked'
+    layer.eval()
+    assert layer._resolve_impl(q, budget(600, 0.25), 600) == 'gather'
+    assert layer._resolve_impl(q[..., :100, :], budget(100, 0.25), 100) == 'masked'
+    assert layer._resolve_impl(q, budget(600, 0.75), 600) == 'masked'
