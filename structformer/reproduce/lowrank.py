@@ -32,6 +32,7 @@ EXAMPLES = """examples:
   structformer reproduce lowrank --output outputs/reproduce_lowrank         # both parts, ~25 min on 2 cores"""
 
 INITS = ('he', 'spectral', 'spectral_ones')
+GROUPS = ('init', 'decay', 'pretrain')
 PAPER = {   # seed 004: Table 2 (WRN-28-10, CIFAR-100 top-1), Table 4 (GPT-2, LM1B perplexity), Table 5, Table 1
     'table2': {'baseline': 81.08, 0.1: (77.94, 79.84, 79.07), 0.2: (80.37, 81.35, 81.27), 0.3: (80.87, 81.53, 81.61)},
     'table4': {'baseline': 37.67, 0.62: (39.6, 38.78, 38.47)},
@@ -49,6 +50,8 @@ def add_arguments(p):
     p.add_argument('--limit-train-batches', type=int, default=20, help='batches per epoch (0 = all)')
     p.add_argument('--lm-max-bytes', type=int, default=600_000, help='standard-library bytes for the LM part')
     p.add_argument('--interpolate-steps', type=int, default=11)
+    p.add_argument('--groups', nargs='+', default=list(GROUPS), choices=GROUPS,
+                   help='experiments to run (the dense baseline always runs): split a reproduction across processes')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--output', default='outputs/reproduce_lowrank')
 
@@ -88,7 +91,7 @@ def _plan(args) -> List[Dict]:
         runs.append(dict(part='lm', group='decay', name=f'r{r:g}_spectral_frobenius', rank=r, init='spectral',
                          decay='frobenius'))
         runs.append(dict(part='lm', group='pretrain', name=f'r{r:g}_spectral_pretrain{k}', rank=r, init='spectral', at=k))
-    return runs
+    return [r for r in runs if r['group'] == 'baseline' or r['group'] in getattr(args, 'groups', GROUPS)]
 
 
 def _config(run: Dict, args, out: Path):
