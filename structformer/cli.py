@@ -4,6 +4,7 @@ import ast
 import importlib
 import json
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from .errors import UsageError, expected_failure, one_line
@@ -145,6 +146,13 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--factor-decay', default=S, metavar='KIND',
                    help="regulariser of the factors: l2 (the optimiser's weight decay, default) or frobenius "
                         "(weight_decay/2 * ||U Vᵀ||²_F, factors taken out of the weight decay)")
+    g = p.add_argument_group('distillation from a dense teacher (Sparsifiner §4)')
+    g.add_argument('--teacher', default=S, metavar='RUN_DIR',
+                   help='a finished run of the dense model the student was converted from; the student starts from '
+                        'its weights and trains in two stages: the attention predictors alone on attention '
+                        'distillation, then everything on CE + token and logit distillation')
+    g.add_argument('--predictor-epochs', type=int, default=S, metavar='K',
+                   help='epochs of stage 1 (default about 1/9 of --epochs, the paper\'s 5 of 45; 0 = none)')
     g = p.add_argument_group('optimisation (timm optimisers and schedulers)')
     g.add_argument('--epochs', type=int, default=S, help='total epochs (30)')
     g.add_argument('-b', '--batch-size', type=int, default=S, help='per-process batch size (64)')
@@ -224,10 +232,20 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
             values['epochs'] = value
             continue
         saved = saved_config.get(key)
+        if key == 'teacher' and value and saved and _same_checkpoint(value, saved):
+            continue                                   # the run directory given again: the recorded checkpoint
         if value != saved and not (key == 'warmup_epochs' and value == values.get(key)):
             raise UsageError(f"{flag} cannot change on --resume (saved {saved!r}, given {value!r}); "
                              "start a new run with --output")
     return values
+
+
+def _same_checkpoint(given: str, saved: str) -> bool:
+    from .train.checkpoint import resolve_checkpoint
+    try:
+        return resolve_checkpoint(given).resolve() == Path(saved).resolve()
+    except (FileNotFoundError, ValueError):
+        return False
 
 
 def _train_config(args):

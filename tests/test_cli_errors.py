@@ -47,6 +47,8 @@ def files(tmp_path_factory):
     run = base / 'run'
     assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0',
                  '--limit-train-batches', '2', '--output', str(run), '--no-progress']) == 0
+    assert main(['train', '--model', 'vit_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0',
+                 '--limit-train-batches', '1', '--output', str(base / 'vit_run'), '--no-progress']) == 0
     (base / 'folder').mkdir()
     (base / 'a_file').write_text('not a folder\n')
     (base / 'epochs_ten.yaml').write_text('model: crate_digits\nepochs: ten\n')
@@ -185,6 +187,18 @@ CASES = [
     ('sparsify-keep-ratio', ['train', '--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=8', 'patch_size=2',
                              'depth=1', '--transform', 'sparsify', 'keep_ratio=0', '--output', OUT],
      ['keep_ratio', '(0, 1]']),
+    ('teacher-missing', ['train', '--model', 'sparsifiner_digits', '--teacher', '{base}/no_such_run', '--output', OUT],
+     ['--teacher', 'no_such_run', 'does not exist']),
+    ('teacher-other-architecture', ['train', '--model', 'sparsifiner_digits', '--teacher', '{run}', '--output', OUT],
+     ['--teacher', 'another architecture']),
+    ('teacher-other-shape', ['train', '--model', 'sparsifiner_digits', '--model-kwargs', 'embed_dim=32',
+                             '--teacher', '{vit_run}', '--output', OUT], ['--teacher', 'another shape']),
+    ('teacher-other-data', ['train', '--model', 'sparsifiner_digits', '--data', 'synthetic-subspaces',
+                            '--teacher', '{vit_run}', '--output', OUT], ['--teacher', 'num_classes']),
+    ('predictor-epochs-no-teacher', ['train', '--predictor-epochs', '1', '--output', OUT],
+     ['--predictor-epochs', '--teacher']),
+    ('predictor-epochs-range', ['train', '--model', 'sparsifiner_digits', '--teacher', '{vit_run}', '--epochs', '2',
+                                '--predictor-epochs', '3', '--output', OUT], ['--predictor-epochs', '[0, epochs=2]']),
     ('design-omega', ['design', '--omega', 'big'], ['--omega']),
     ('design-density', ['design', '--omega', '2^10', '--sw-densities', '0'], ['--sw-densities', '(0, 1]']),
     ('analyze-cka-batch', ['analyze', '--checkpoint', '{run}', '--cka', '{run}', '--cka-batch-size', '2'],

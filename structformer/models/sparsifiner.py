@@ -5,9 +5,9 @@ are the same modules); it is also the registered model transform 'sparsify', so 
 (`structformer train --transform sparsify keep_ratio=0.25`) reloads. The registered names build timm's
 `VisionTransformer` with the Sparsifiner layer from the start: `sparsifiner_deit_{tiny,small}_patch16_224`
 (DeiT-T/S shapes, the paper's backbones) and `sparsifiner_digits`, `sparsifiner_mnist` for the
-embedded data.
+embedded data; `vit_digits`, `vit_mnist` are their dense counterparts (same weights but the predictors),
+the teachers of the two-stage distillation (`structformer train --teacher`, structformer.train.distill).
 """
-from timm.layers import Attention as TimmAttention
 from timm.models import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -15,10 +15,11 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
+from .attention_swap import swap_attention
 from .base import SMALL_IMAGE_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
-__all__ = ['sparsify', 'SparsifinerAttention', 'predictor_parameter_names']
+__all__ = ['sparsify', 'SparsifinerAttention', 'SparsifinerViT', 'ContractViT', 'predictor_parameter_names']
 
 
 def predictor_parameter_names(model: nn.Module) -> set:
@@ -35,40 +36,16 @@ def predictor_parameter_names(model: nn.Module) -> set:
     return names
 
 
-def _token_count(model: nn.Module):
-    embed = getattr(model, 'patch_embed', None)
-    patches = getattr(embed, 'num_patches', None)
-    if patches is None or getattr(embed, 'dynamic_img_size', False):
-        return None                          # W_down, W_up are then shaped at the first forward
-    return patches + getattr(model, 'num_prefix_tokens', 0)
-
-
 def sparsify(model: nn.Module, keep_ratio: float = 0.25, **options) -> nn.Module:
     """Replace every timm `Attention` in `model` by a `SparsifinerAttention` with the same projections
     (the modules themselves move across, so the dense weights are kept exactly) and a fresh
-    connectivity predictor. `options` are SparsifinerAttention's (n_down, tau, up_threshold,
-    predictor_dim, dense_cls_row, connectivity, block_size, impl). At keep_ratio=1 every key is kept
-    and the model computes what it computed before."""
-    seq_len = _token_count(model)
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, TimmAttention):
-                continue
-            dim = child.qkv.in_features
-            new = SparsifinerAttention(dim, child.num_heads, attn_drop=child.attn_drop.p, proj_drop=child.proj_drop.p,
-                                       attn_head_dim=child.head_dim, keep_ratio=keep_ratio, seq_len=seq_len,
-                                       device=child.qkv.weight.device, dtype=child.qkv.weight.dtype, **options)
-            for part in ('qkv', 'q_norm', 'k_norm', 'norm', 'proj'):
-                setattr(new, part, getattr(child, part))
-            if hasattr(child, 'scale') and abs(child.scale - child.head_dim ** -0.5) > 1e-12:
-                raise ValueError(f"sparsify: {name} uses a non-standard attention scale {child.scale}")
-            setattr(parent, name, new)
-            replaced += 1
-    if not replaced:
-        raise ValueError(f"sparsify: {type(model).__name__} has no timm Attention module to replace "
-                         "(sparsify converts timm VisionTransformer-style models)")
-    return model
+    connectivity predictor (`swap_attention`). `options` are SparsifinerAttention's (n_down, tau,
+    up_threshold, predictor_dim, dense_cls_row, connectivity, block_size, impl). At keep_ratio=1 every key
+    is kept and the model computes what it computed before."""
+    try:
+        return swap_attention(model, 'sparsifiner', keep_ratio=keep_ratio, **options)
+    except ValueError as e:
+        raise ValueError(str(e).replace('swap_attention:', 'sparsify:')) from None
 
 
 @register_transform('sparsify')
@@ -77,7 +54,7 @@ def sparsify_transform(model: nn.Module, context: TransformContext, keep_ratio: 
     return sparsify(model, keep_ratio=keep_ratio, **options)
 
 
-class SparsifinerViT(VisionTransformer):
+class ContractViT(VisionTransformer):
     """timm's VisionTransformer with the structformer contract where timm's differs: `no_weight_decay` names
     only parameters that exist, and a bad `output_fmt` is a ValueError."""
 
@@ -91,6 +68,10 @@ class SparsifinerViT(VisionTransformer):
         return super().forward_intermediates(x, *args, output_fmt=output_fmt, **kwargs)
 
 
+class SparsifinerViT(ContractViT):
+    """A ContractViT whose attention layers are `SparsifinerAttention`."""
+
+
 def _cfg(**kwargs):
     return model_cfg(first_conv='patch_embed.proj', **kwargs)
 
@@ -100,10 +81,16 @@ default_cfgs = generate_default_cfgs({
     'sparsifiner_deit_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
     'sparsifiner_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
     'sparsifiner_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
+    'vit_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
+    'vit_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
 })
 
 _LAYER_OPTIONS = ('keep_ratio', 'n_down', 'tau', 'up_threshold', 'predictor_dim', 'dense_cls_row', 'connectivity',
                   'block_size', 'impl')
+
+
+_DIGITS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4)
+_MNIST = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=96, depth=6, num_heads=3)
 
 
 def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> SparsifinerViT:
@@ -131,13 +118,23 @@ def sparsifiner_deit_small_patch16_224(pretrained: bool = False, **kwargs) -> Sp
 def sparsifiner_digits(pretrained: bool = False, **kwargs) -> SparsifinerViT:
     """8 px digits, patch 2 (16 + 1 tokens), d = 64, 4 blocks, 4 heads; n_down 8, keep 0.25 (B = 5)."""
     return _create('sparsifiner_digits', pretrained,
-                   dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4,
-                        n_down=8), kwargs)
+                   dict(_DIGITS, n_down=8), kwargs)
 
 
 @register_model
 def sparsifiner_mnist(pretrained: bool = False, **kwargs) -> SparsifinerViT:
     """28 px MNIST, patch 4 (49 + 1 tokens), d = 96, 6 blocks, 3 heads; n_down 16, keep 0.25 (B = 13)."""
     return _create('sparsifiner_mnist', pretrained,
-                   dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=96, depth=6, num_heads=3,
-                        n_down=16), kwargs)
+                   dict(_MNIST, n_down=16), kwargs)
+
+
+@register_model
+def vit_digits(pretrained: bool = False, **kwargs) -> ContractViT:
+    """The dense ViT `sparsifiner_digits` is converted from (its distillation teacher): same shapes, timm attention."""
+    return create_model(ContractViT, 'vit_digits', pretrained, default_out_indices=3, **dict(_DIGITS, **kwargs))
+
+
+@register_model
+def vit_mnist(pretrained: bool = False, **kwargs) -> ContractViT:
+    """The dense ViT `sparsifiner_mnist` is converted from (its distillation teacher): same shapes, timm attention."""
+    return create_model(ContractViT, 'vit_mnist', pretrained, default_out_indices=3, **dict(_MNIST, **kwargs))

@@ -75,6 +75,11 @@ class TrainConfig:
     # 'l2': the factors are in the optimiser's weight decay like any weight; 'frobenius': they leave it and
     # the loss gains weight_decay/2 * sum ||U V^T||_F^2 instead (Frobenius decay, §3.3)
     factor_decay: str = 'l2'
+    # distillation from a dense teacher (Sparsifiner §4, structformer.train.distill): the teacher's run directory
+    # or checkpoint (recorded as the resolved checkpoint); without `phases`, the paper's two stages with
+    # `predictor_epochs` of stage 1 (None: about the paper's 5 of 45, 0 when the student has no predictor)
+    teacher: Optional[str] = None
+    predictor_epochs: Optional[int] = None
 
     def resolved_warmup_epochs(self) -> float:
         """Warm-up length in epochs: as given, or fitted to the run's length when left unset."""
@@ -102,6 +107,7 @@ class TrainConfig:
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
         self._validate_lowrank()
+        self._validate_distillation()
         if self.compile is not None:
             import torch._dynamo        # only when asked: validating a config needs no torch otherwise
             backends = torch._dynamo.list_backends(exclude_tags=())
@@ -128,6 +134,21 @@ class TrainConfig:
         if self.factorize_at is not None and not 0 <= self.factorize_at < self.epochs:
             raise UsageError(f"--factorize-at={self.factorize_at} is out of range: accepted an epoch in "
                              f"[0, epochs={self.epochs})")
+
+    def _validate_distillation(self) -> None:
+        if self.predictor_epochs is None:
+            return
+        if self.teacher is None:
+            raise UsageError(f"--predictor-epochs={self.predictor_epochs} needs --teacher RUN_DIR")
+        if self.phases:
+            raise UsageError("--predictor-epochs and a config file's `phases` both set the stages; give one")
+        if not 0 <= self.predictor_epochs <= self.epochs:
+            raise UsageError(f"--predictor-epochs={self.predictor_epochs} is out of range: accepted [0, "
+                             f"epochs={self.epochs}]")
+
+    def default_predictor_epochs(self) -> int:
+        """Stage-1 epochs when not given: the paper's 5 of 45 epochs, at least one when there are two."""
+        return max(1, round(self.epochs / 9)) if self.epochs >= 2 else 0
 
     def factorize_spec(self) -> Optional[Dict[str, Any]]:
         """The `factorize` transform this configuration asks for (None: no low-rank training)."""

@@ -34,6 +34,7 @@ from .checkpoint import (CheckpointError, crash_point, describe_mismatch, load_c
 from .config import TrainConfig, save_config
 from .distributed import barrier, cleanup_distributed, init_distributed
 from .phases import LossContext, build_phases, phase_for_epoch
+from . import distill
 from ..lowrank import regularizers as lowrank_regularizers   # registers the frobenius_decay / factor_l2 terms
 from .run_dir import committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile, restore_aside
 
@@ -155,12 +156,19 @@ class Trainer:
             if cfg.factorize_spec() and not cfg.factorize_at:        # low-rank from the start
                 transforms.append(cfg.factorize_spec())
             self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, transforms)
+        self.distiller = self._make_distiller()
         self.model.to(self.device)
         if cfg.compile:
             # in place (nn.Module.compile): parameter names and state_dict keys stay those of the plain
             # model, so checkpoints load without compile, and DDP / phases wrap the same module
             self.model.compile(backend=cfg.compile)
-        self.phases = build_phases(cfg.phases, cfg.epochs)
+        self.phases = build_phases(self._phase_specs(), cfg.epochs)
+        for phase in self.phases:
+            used = [t for t in phase.losses if t in distill.DISTILL_TERMS and phase.losses[t]]
+            if used and self.distiller is None:
+                raise ValueError(f"phase {phase.name!r} uses {', '.join(used)}, which need --teacher RUN_DIR")
+            if self.distiller is not None:
+                self.distiller.check_phase_terms(used)
         if self.world_size > 1:
             self.sampler = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         else:
@@ -172,6 +180,29 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
         self.factorized_metrics: Dict[str, float] = {}
+
+    def _make_distiller(self) -> Optional['distill.Distiller']:
+        """With --teacher: load and check the dense teacher, start a new student from its weights (a
+        resumed one has its own), and record the teacher as the exact checkpoint it was read from."""
+        cfg = self.config
+        if not cfg.teacher:
+            return None
+        teacher = distill.load_teacher(cfg.teacher, self.info)
+        if self.resume:
+            distill.check_compatible(self.model, teacher)
+        else:
+            distill.init_from_teacher(self.model, teacher)
+        cfg.teacher = str(resolve_checkpoint(cfg.teacher))
+        return distill.Distiller(self.model, teacher.to(self.device))
+
+    def _phase_specs(self) -> List[dict]:
+        cfg = self.config
+        if cfg.phases or self.distiller is None:
+            return cfg.phases
+        stage1 = cfg.predictor_epochs
+        if stage1 is None:
+            stage1 = cfg.default_predictor_epochs() if self.distiller.sparse_layers else 0
+        return distill.distillation_phases(cfg.epochs, stage1)
 
     def _make_optimizer(self):
         cfg = self.config
@@ -354,6 +385,8 @@ class Trainer:
                     break
             self._write_digest()
         finally:
+            if self.distiller is not None:
+                self.distiller.stop()
             cleanup_distributed()
         final = history[-1] if history else {}
         if self.is_main:
@@ -364,6 +397,8 @@ class Trainer:
         cfg = self.config
         phase.apply(self.model)
         model = self.model
+        if self.distiller is not None:
+            self.distiller.start_phase(phase)
         if self.world_size > 1:
             model = DistributedDataParallel(self.model, find_unused_parameters=False)
         model.train()
@@ -378,8 +413,11 @@ class Trainer:
             if step >= limit:
                 break
             images, targets = images.to(self.device), targets.to(self.device)
+            if self.distiller is not None:
+                self.distiller.start_batch(images)
             logits = model(images)
-            terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing))
+            extras = {'distiller': self.distiller} if self.distiller is not None else {}
+            terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing, extras))
             if self.frobenius_weight:
                 terms['frobenius_decay'] = self.frobenius_weight * lowrank_regularizers.frobenius_decay(self.model)
             loss = sum(terms.values())

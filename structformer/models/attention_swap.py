@@ -1,0 +1,76 @@
+"""Swap the attention of a built ViT for any registered attention, keeping its weights.
+
+`swap_attention(model, 'linformer', num_landmarks=49)` replaces every timm `Attention` (and every
+structformer attention with the same projections) by the registered class, moving the q/k/v and output
+projections, the q/k norms and the scale norm across as the same modules: the dense weights are kept
+exactly and only the new layer's own parameters (Sparsifiner's predictor, Linformer's E and F) are fresh.
+This is how `sparsify` converts a ViT (Sparsifiner §4: the backbone is the pretrained dense model) and how
+the Linformer comparison of Sparsifiner Table 4 gets the same backbone. Registered as the model transform
+'swap_attention', so runs reload.
+"""
+from typing import Optional
+
+from timm.layers import Attention as TimmAttention
+from torch import nn
+
+from ..layers.attention.registry import accepted_options, check_options, get_attention
+from ..layers.attention.softmax import AttentionBase
+from .transforms import TransformContext, register_transform
+
+__all__ = ['swap_attention', 'token_count', 'SHARED_PARTS']
+
+SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
+
+
+def token_count(model: nn.Module) -> Optional[int]:
+    """Tokens per image of a ViT with a fixed input size (patches + prefix tokens), or None when the size
+    is dynamic (layers with per-token parameters are then shaped at the first forward)."""
+    embed = getattr(model, 'patch_embed', None)
+    patches = getattr(embed, 'num_patches', None)
+    if patches is None or getattr(embed, 'dynamic_img_size', False):
+        return None
+    return patches + getattr(model, 'num_prefix_tokens', 0)
+
+
+def _swappable(module: nn.Module) -> bool:
+    if isinstance(module, TimmAttention):
+        return True
+    # a structformer attention with separate q, k, v (not a shared-QK one such as SOFT's)
+    return type(module) is not AttentionBase and isinstance(module, AttentionBase) and not module.shared_qk
+
+
+def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
+    """Replace every attention of `model` by the registered attention `attn` built with `options`
+    (plus `seq_len` when the layer takes one and the model's token count is fixed); see the module
+    docstring. Returns the model (changed in place)."""
+    cls = get_attention(attn)
+    check_options(cls, options)
+    seq_len = token_count(model)
+    if 'seq_len' in accepted_options(cls) and 'seq_len' not in options:
+        options = dict(options, seq_len=seq_len)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not _swappable(child) or isinstance(child, cls):
+                continue
+            if abs(getattr(child, 'scale', child.head_dim ** -0.5) - child.head_dim ** -0.5) > 1e-12:
+                raise ValueError(f"swap_attention: {name} uses a non-standard attention scale {child.scale}")
+            weight = child.qkv.weight
+            new = cls(child.qkv.in_features, child.num_heads, attn_drop=child.attn_drop.p,
+                      proj_drop=child.proj_drop.p, attn_head_dim=child.head_dim, device=weight.device,
+                      dtype=weight.dtype, **options)
+            for part in SHARED_PARTS:
+                setattr(new, part, getattr(child, part))
+            setattr(parent, name, new)
+            replaced += 1
+    if not replaced:
+        raise ValueError(f"swap_attention: {type(model).__name__} has no timm Attention module to replace "
+                         "(it converts timm VisionTransformer-style models)")
+    return model
+
+
+@register_transform('swap_attention')
+def swap_attention_transform(model: nn.Module, context: TransformContext, attn: str = 'softmax',
+                             **options) -> nn.Module:
+    """Model transform: `swap_attention(model, attn, **options)` (recorded in checkpoints)."""
+    return swap_attention(model, attn, **options)
