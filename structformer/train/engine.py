@@ -460,7 +460,8 @@ class Trainer:
             (self.output / f'final_params_rank{self.rank}.sha256').write_text(parameter_digest(self.model) + '\n')
 
     def _print_epoch(self, r: Dict) -> None:
-        print(f"epoch {r['epoch']:>3}/{self.config.epochs}  train loss {r['train_loss']:.4f}  "
+        phase = f"[{r['phase']}]  " if len(self.phases) > 1 else ''
+        print(f"epoch {r['epoch']:>3}/{self.config.epochs}  {phase}train loss {r['train_loss']:.4f}  "
               f"val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:6.2f}%  top5 {r['val_top5']:6.2f}%  "
               + (f"ppl {r['val_perplexity']:.2f}  " if 'val_perplexity' in r else '') +
               f"lr {r['lr']:.2e}  {r['train_img_per_s']:.0f} img/s", flush=True)
