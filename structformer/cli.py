@@ -53,6 +53,7 @@ BENCH_TARGETS = {
     'attention': ('structformer.bench.attention', 'attention time / memory / FLOPs vs token count (SOFT Fig. 1b)'),
     'lowrank': ('structformer.bench.lowrank', 'dense vs factorised (W = UVᵀ) layer and ViT-S block stack step time / memory'),
     'mlp': ('structformer.bench.mlp', 'structured linear layers at equal width; Mixer Table S.3 (RP-Mixer vs SW-MLP)'),
+    'sparse-attention': ('structformer.bench.sparse_attention', 'Sparsifiner MHSA paths vs dense SDPA: time and FLOPs vs n, keep'),
 }
 REPRODUCE_TARGETS = {
     'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),

@@ -121,3 +121,98 @@ def flex_attention_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
     block_mask = create_block_mask(mask_mod, b, h, n, k.shape[-2], device=q.device, BLOCK_SIZE=block_size)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+
+
+# ---- the block path without n×n tensors (ours): predictor on tile means, attention on gathered tiles ----
+
+def _tile_mean(x: torch.Tensor, dim: int, block_size: int) -> torch.Tensor:
+    """Means of consecutive `block_size` slices along `dim`; a partial last slice is averaged over its own length."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    pad = (-n) % block_size
+    sums = F.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, block_size).sum(-1)
+    counts = torch.full((sums.shape[-1],), float(block_size), dtype=x.dtype, device=x.device)
+    counts[-1] = block_size - pad
+    return (sums / counts).movedim(-1, dim)
+
+
+def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float,
+                        block_size: int) -> torch.Tensor:
+    """Tile means of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: the mean of S over
+    query tile I × key tile J is (mean over I of Ã_down's rows) · (mean over J of W̃_up's columns), exactly, by
+    linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². A partial last
+    tile is the mean of its real entries (`block_mask_from_scores` pads it with the minimum instead)."""
+    coefficients = a_down * (a_down > tau)
+    basis = w_up * (w_up.abs() >= up_threshold)
+    return _tile_mean(coefficients, -2, block_size) @ _tile_mean(basis, -1, block_size)
+
+
+def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_size: int,
+                          dense_rows: int = 0) -> torch.Tensor:
+    """Token mask [B, H, n, n] of kept key tiles `block_indices` [B, H, query tiles, kept tiles]."""
+    tiles = block_indices.shape[-2]
+    chosen = mask_from_indices(block_indices, tiles)
+    mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
+    mask = mask[..., :num_tokens, :num_tokens].contiguous()
+    if dense_rows:
+        mask[..., :dense_rows, :] = True
+    return mask
+
+
+def block_gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+                             block_size: int, scale: Optional[float] = None, dropout_p: float = 0.0,
+                             dense_rows: int = 0) -> torch.Tensor:
+    """Eq. 4–6 on a block mask: each query tile attends to its kept key tiles `block_indices` [B, H, qb, kk].
+
+    The kk·bs keys of a tile are gathered once for its bs queries (token-level gathering copies B keys per
+    query), and each tile is one small dense attention through SDPA: work ∝ n·kk·bs·d. Key positions past n
+    (the last tile's padding) are masked out. The first `dense_rows` queries attend to every key."""
+    b, h, n, d = q.shape
+    pad = (-n) % block_size
+    tiles, kept = block_indices.shape[-2:]
+    q_t, k_t, v_t = (F.pad(t, (0, 0, 0, pad)).reshape(b * h * tiles, block_size * d) for t in (q, k, v))
+    # whole tiles are rows of k_t, v_t: index_select copies them as blocks (gather would index every element)
+    offsets = torch.arange(b * h, device=q.device).reshape(b, h, 1, 1) * tiles
+    rows = (block_indices + offsets).reshape(-1)
+    k_sel, v_sel = (t.index_select(0, rows).reshape(b * h * tiles, 1, kept * block_size, d) for t in (k_t, v_t))
+    q_t = q_t.reshape(b * h * tiles, 1, block_size, d)
+    valid = None
+    if pad:
+        positions = block_indices.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)
+        valid = (positions < n).reshape(b * h * tiles, 1, 1, kept * block_size)
+    out = F.scaled_dot_product_attention(q_t, k_sel, v_sel, attn_mask=valid, dropout_p=dropout_p, scale=scale)
+    out = out.reshape(b, h, tiles * block_size, d)[..., :n, :]
+    if dense_rows:
+        dense = F.scaled_dot_product_attention(q[..., :dense_rows, :], k, v, dropout_p=dropout_p, scale=scale)
+        out = torch.cat([dense, out[..., dense_rows:, :]], dim=-2)
+    return out
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_down: torch.Tensor,
+                           w_up: torch.Tensor, tau: float, up_threshold: float, keep_ratio: float,
+                           block_size: int, dense_rows: int = 0, dropout_p: float = 0.0) -> torch.Tensor:
+    """Eq. 1–6 with block connectivity and no n×n tensor: low-rank attention (Eq. 1), tile-mean scores
+    (Eq. 2–3, `pooled_block_scores`), the top ⌈keep · tiles⌉ key tiles per query tile (detached, as the token
+    mask is), then `block_gathered_attention` (Eq. 4–6). q, k here are the predictor's inputs too."""
+    a_down = low_rank_attention(q, k, w_down)
+    with torch.no_grad():
+        tiles = pooled_block_scores(a_down, w_up, tau, up_threshold, block_size)
+        block_indices = topk_indices(tiles, budget(tiles.shape[-1], keep_ratio))
+    return block_gathered_attention(q, k, v, block_indices, block_size, dropout_p=dropout_p, dense_rows=dense_rows)
+
+
+# ---- pruned sequences (EViT token pruning combined, ours): per-sample bases for the tokens left ----
+
+def source_columns(w: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """The W_down / W_up columns of a pruned sequence: W [n_down, n_full], `sources` [B, n, n_full] (row i:
+    the convex weights of the original tokens that token i stands for) -> W·Sᵀ [B, n_down, n]. A one-hot row
+    picks its token's column exactly (a gather written as a product); a fused token's row mixes columns."""
+    return torch.einsum('pm,bnm->bpn', w, sources.to(w.dtype))
+
+
+def low_rank_attention_per_sample(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
+                                  scale: Optional[float] = None) -> torch.Tensor:
+    """Eq. 1 with a per-sample W_down [B, n_down, n] (`source_columns`), shared by the heads."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_down = torch.einsum('bpn,bhnd->bhpd', w_down, k)
+    return torch.softmax((q @ k_down.transpose(-2, -1)) * scale, dim=-1)

@@ -1,0 +1,254 @@
+"""`structformer bench sparse-attention`: Sparsifiner MHSA paths against dense SDPA, time and FLOPs.
+
+One SparsifinerAttention layer at DeiT-S shape (d = 384, 6 heads of 64) per token count n, its predictor
+included (Eq. 1–3), run on each execution path of Eq. 4–6: 'masked' (n² logits, −∞ off the mask), 'gather'
+(each query's B keys gathered), 'flex' (FlexAttention; on CPU eager it materialises the scores), 'block' (the
+layer's block connectivity, masked), and 'block-gather' (`block_sparse_attention`: block connectivity with the
+predictor on tile means and attention on gathered tiles, no n×n tensor; a functional path the layer does not
+call yet). Beside them, 'dense SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv
+and proj weights, so the projections are in every row. Inference (eval, no_grad) by default; --train times
+forward + backward of out.sum().
+
+Every time is a median of the project timer (`harness.median_seconds`); every ratio divides two numbers of
+this run (the dense row is re-timed for every keep ratio, next to its paths). FLOPs are the sparse (paper)
+count of `sparse_flops.py` over the dense MHSA count, at the measured nnz(M) for the block rows.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..errors import UsageError
+from .harness import environment, median_seconds, write_json
+
+PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather')
+GOAL = (577, 0.25, 0.6)                  # at n = 577, keep 0.25: fastest path ≤ 0.6 × dense SDPA
+
+EXAMPLES = """examples:
+  structformer bench sparse-attention --threads 1                       # n 197 577 1025 4097, keep 0.1 0.25 0.5
+  structformer bench sparse-attention --tokens 577 --keep 0.25 --paths masked block-gather
+  structformer bench sparse-attention --tokens 65 --keep 0.5 --repeats 1 --warmup 0 --json /tmp/sparse.json
+  structformer bench sparse-attention --train --tokens 197 577          # forward + backward"""
+
+
+def add_arguments(p):
+    p.add_argument('--tokens', type=int, nargs='+', default=[197, 577, 1025, 4097], metavar='N',
+                   help='token counts n (default 197 577 1025 4097)')
+    p.add_argument('--keep', type=float, nargs='+', default=[0.1, 0.25, 0.5], metavar='RATIO',
+                   help='keep ratios, B = ⌈keep·n⌉ keys per query (default 0.1 0.25 0.5)')
+    p.add_argument('--paths', nargs='+', default=list(PATHS), metavar='PATH', help=f"of {' '.join(PATHS)} (all)")
+    p.add_argument('--dim', type=int, default=384, help='embedding width (DeiT-S: 384)')
+    p.add_argument('--heads', type=int, default=6, help='heads (DeiT-S: 6 of 64)')
+    p.add_argument('--block-size', type=int, default=64, help='tile size of the block connectivity (64)')
+    p.add_argument('--batch', type=int, default=1, help='batch size (1)')
+    p.add_argument('--threads', type=int, default=0, help="torch threads (0 = torch's current setting)")
+    p.add_argument('--train', action='store_true', help='time forward + backward instead of inference')
+    p.add_argument('--repeats', type=int, default=5, help='timed calls per row; the median is reported (5)')
+    p.add_argument('--warmup', type=int, default=1, help='untimed calls before timing (1)')
+    p.add_argument('--max-gib', type=float, default=4.0,
+                   help='skip a path whose largest intermediates would exceed this many GiB (4)')
+    p.add_argument('--json', default=None, metavar='PATH', help='also write the rows as JSON here')
+
+
+def _check(args) -> None:
+    if not args.tokens or any(n < 2 for n in args.tokens):
+        raise UsageError(f"--tokens must be integers >= 2, got {args.tokens}")
+    if not args.keep or any(not 0 < k <= 1 for k in args.keep):
+        raise UsageError(f"--keep must be ratios in (0, 1], got {args.keep}")
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown or not args.paths:
+        raise UsageError(f"--paths: unknown {', '.join(map(repr, unknown))}; accepted: {' '.join(PATHS)}")
+    for flag in ('dim', 'heads', 'block_size', 'batch', 'repeats'):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0 or args.threads < 0:
+        raise UsageError(f"--warmup and --threads must be >= 0, got {args.warmup} and {args.threads}")
+    if args.dim % args.heads:
+        raise UsageError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    if not args.max_gib > 0:
+        raise UsageError(f"--max-gib must be > 0, got {args.max_gib}")
+
+
+def _gib(path: str, n: int, keys: int, args) -> float:
+    """The largest float32 intermediates of a path (GiB): n×n per head for the predictor and masked
+    logits, the gathered [n, B, d] keys and values, the gathered tiles; ×3 in training."""
+    b, h, d = args.batch, args.heads, args.dim // args.heads
+    square = b * h * n * n * 4
+    size = {'masked': 4 * square, 'flex': 4 * square, 'block': 4 * square,
+            'gather': square + 2 * b * h * n * keys * d * 4,
+            'block-gather': 2 * b * h * n * min(n, keys + args.block_size) * d * 4}[path]
+    return size * (3 if args.train else 1) / 2 ** 30
+
+
+def _dense_twin(layer):
+    """timm's Attention (SDPA) with the layer's qkv and proj weights."""
+    from timm.models.vision_transformer import Attention
+    dense = Attention(layer.qkv.in_features, layer.num_heads, qkv_bias=layer.qkv.bias is not None)
+    dense.qkv.load_state_dict(layer.qkv.state_dict())
+    dense.proj.load_state_dict(layer.proj.state_dict())
+    return dense
+
+
+def _block_gather_forward(layer):
+    from ..functional.sparsifiner import block_sparse_attention
+
+    def forward(x):
+        q, k, v = layer.project(x)
+        out = block_sparse_attention(q, k, v, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold,
+                                     layer.keep_ratio, layer.block_size, int(layer.dense_cls_row))
+        return layer.merge(out)
+    return forward
+
+
+def _block_gather_flops(layer, x) -> dict:
+    """The sparse count of the block-gather path: its tile-mean predictor and the measured nnz of its mask."""
+    import math
+
+    import torch
+
+    from ..functional.sparsifiner import (block_indices_to_mask, budget, low_rank_attention, pooled_block_scores,
+                                          topk_indices)
+    from .sparse_flops import layer_mhsa_flops
+    with torch.no_grad():
+        q, k, _ = layer.project(x)
+        tiles = pooled_block_scores(low_rank_attention(q, k, layer.basis.w_down), layer.basis.w_up, layer.tau,
+                                    layer.up_threshold, layer.block_size)
+        indices = topk_indices(tiles, budget(tiles.shape[-1], layer.keep_ratio))
+        n = q.shape[-2]
+        mask = block_indices_to_mask(indices, n, layer.block_size, int(layer.dense_cls_row))
+        nnz = int(mask.sum()) // (mask.shape[0] * mask.shape[1])
+    counts = layer_mhsa_flops(layer, n, nnz)
+    t, p, h = math.ceil(n / layer.block_size), layer.basis.n_down, layer.num_heads
+    pooled = 2 * h * p * n * layer.head_dim * 2 + 2 * h * t * p * t
+    counts['sparse'] += pooled - counts['predictor']
+    return counts
+
+
+def _layer_flops(layer, x, path: str) -> dict:
+    import torch
+
+    from .sparse_flops import layer_mhsa_flops
+    if path == 'block-gather':
+        return _block_gather_flops(layer, x)
+    if path == 'block':
+        layer.keep_scores = True
+        with torch.no_grad():
+            layer(x)
+        mask = layer.last_mask
+        layer.keep_scores, layer.last_mask, layer.last_scores = False, None, None
+        return layer_mhsa_flops(layer, x.shape[1], int(mask.sum()) // (mask.shape[0] * mask.shape[1]))
+    return layer_mhsa_flops(layer, x.shape[1])
+
+
+def _timer(fn, x, train: bool, module):
+    import torch
+
+    if train:
+        def call():
+            fn(x).sum().backward()
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+        return call
+
+    def call():
+        with torch.no_grad():
+            fn(x)
+    return call
+
+
+def _configure(layer, path: str, keep: float) -> None:
+    layer.keep_ratio = float(keep)
+    layer.connectivity = 'block' if path in ('block', 'block-gather') else 'token'
+    layer.impl = {'block': 'masked', 'block-gather': 'masked'}.get(path, path)
+
+
+def measure(args) -> list:
+    import warnings
+
+    import torch
+
+    from ..functional.sparsifiner import budget
+    from ..layers.attention.sparsifiner import SparsifinerAttention
+    rows = []
+    for n in args.tokens:
+        torch.manual_seed(0)
+        layer = SparsifinerAttention(args.dim, args.heads, qkv_bias=True, seq_len=n, block_size=args.block_size)
+        dense = _dense_twin(layer)
+        x = torch.randn(args.batch, n, args.dim, requires_grad=args.train)
+        for module in (layer, dense):
+            module.train(args.train)
+        for keep in args.keep:
+            dense_s = median_seconds(_timer(dense, x, args.train, dense), args.repeats, args.warmup)
+            dense_flops = None
+            base = {'tokens': n, 'keep': keep, 'keys': budget(n, keep)}
+            for path in args.paths:
+                row = dict(base, path=path)
+                need = _gib(path, n, row['keys'], args)
+                if need > args.max_gib:
+                    rows.append(dict(row, ms=None, note=f"skipped: ~{need:.1f} GiB > --max-gib {args.max_gib:g}"))
+                    continue
+                _configure(layer, path, keep)
+                fn = _block_gather_forward(layer) if path == 'block-gather' else layer
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter('ignore')            # flex's "without torch.compile" notice
+                        seconds = median_seconds(_timer(fn, x, args.train, layer), args.repeats, args.warmup)
+                except Exception as e:                             # e.g. flex unsupported here: mark, go on
+                    rows.append(dict(row, ms=None, note=f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+                    continue
+                flops = _layer_flops(layer, x[:1].detach(), path)
+                dense_flops = flops['dense']
+                note = 'CPU eager: materialises the scores' if path == 'flex' and not x.is_cuda else ''
+                rows.append(dict(row, ms=seconds * 1e3, vs_dense=seconds / dense_s,
+                                 flops_vs_dense=flops['sparse'] / flops['dense'], nnz=flops['nnz'], note=note))
+            rows.append(dict(base, path='dense SDPA', ms=dense_s * 1e3, vs_dense=1.0,
+                             flops_vs_dense=1.0 if dense_flops else None, note=''))
+            print(f"measured n={n} keep={keep:g}", file=sys.stderr, flush=True)
+    return rows
+
+
+def goal(rows, train: bool) -> dict:
+    n, keep, limit = GOAL
+    timed = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] != 'dense SDPA'
+             and r.get('ms') is not None]
+    if not timed:
+        return {'line': f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: n/a "
+                        f"(needs --tokens {n} --keep {keep:g})"}
+    best = min(timed, key=lambda r: r['vs_dense'])
+    met = best['vs_dense'] <= limit
+    mode = ' [measured with --train; the goal is stated for inference]' if train else ''
+    return {'path': best['path'], 'ratio': best['vs_dense'], 'met': met,
+            'line': f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: "
+                    f"{'met' if met else 'not met'} ({best['vs_dense']:.2f}×, {best['path']}){mode}"}
+
+
+def format_table(rows) -> str:
+    lines = [f"{'n':>5} {'keep':>5} {'B':>5} {'path':<13} {'ms':>9} {'vs SDPA':>8} {'FLOPs vs dense':>14}  note"]
+    for r in rows:
+        ms = f"{r['ms']:>9.2f}" if r.get('ms') is not None else f"{'-':>9}"
+        ratio = f"{r['vs_dense']:>7.2f}×" if r.get('vs_dense') is not None else f"{'-':>8}"
+        fl = f"{r['flops_vs_dense']:>13.2f}×" if r.get('flops_vs_dense') is not None else f"{'-':>14}"
+        lines.append(f"{r['tokens']:>5} {r['keep']:>5g} {r['keys']:>5} {r['path']:<13} {ms} {ratio} {fl}  {r['note']}")
+    return '\n'.join(lines)
+
+
+def run(args) -> int:
+    import torch
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment('cpu')
+    rows = measure(args)
+    verdict = goal(rows, args.train)
+    mode = 'forward + backward (train)' if args.train else 'inference (eval, no_grad)'
+    print(f"\nSparsifiner MHSA (predictor included) vs dense SDPA, same qkv/proj weights; d {args.dim}, {args.heads} "
+          f"heads, batch {args.batch}, block {args.block_size}, {mode}; {env['threads']} threads, {env['cpu']}, "
+          f"torch {env['torch']}")
+    print("ms: median; vs SDPA: time / dense SDPA time (same run); FLOPs: sparse (paper) MHSA count / dense "
+          "MHSA count (projections included)")
+    print(format_table(rows))
+    print(verdict['line'])
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
+        write_json(args.json, {'settings': settings, 'environment': env, 'goal': verdict, 'rows': rows})
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,93 @@
+"""The block path without n×n tensors (functional/sparsifiner.py) and `structformer bench sparse-attention`."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from structformer.bench.sparse_attention import add_arguments, run as run_bench
+from structformer.cli import main
+from structformer.functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, block_sparse_attention,
+                                                 budget, connectivity_scores, low_rank_attention, masked_attention,
+                                                 pooled_block_scores, topk_indices)
+
+
+def _qkv(n, heads=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize('n, block_size, dense_rows', [(16, 4, 0), (19, 4, 1), (23, 8, 1), (5, 8, 0)])
+def test_block_gathered_attention_equals_masked_attention_with_gradients(n, block_size, dense_rows):
+    q, k, v = _qkv(n)
+    tiles = -(-n // block_size)
+    g = torch.Generator().manual_seed(1)
+    indices = torch.rand(2, 2, tiles, tiles, generator=g).topk(budget(tiles, 0.5), dim=-1).indices
+    mask = block_indices_to_mask(indices, n, block_size, dense_rows)
+    grad = torch.randn(2, 2, n, 8, dtype=torch.float64, generator=g)
+    got = block_gathered_attention(q, k, v, indices, block_size, dense_rows=dense_rows)
+    want = masked_attention(q, k, v, mask)
+    torch.testing.assert_close(got, want)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_pooled_block_scores_are_the_tile_means_of_the_scores():
+    n, p, bs = 19, 5, 4                                  # 19 = 4·4 + 3: a partial last tile
+    q, k, _ = _qkv(n)
+    w_down, w_up = torch.randn(p, n, dtype=torch.float64), torch.randn(p, n, dtype=torch.float64)
+    a_down = low_rank_attention(q, k, w_down)
+    scores = connectivity_scores(a_down, w_up, 0.1, 0.3)
+    tiles = pooled_block_scores(a_down, w_up, 0.1, 0.3, bs)
+    edges = list(range(0, n, bs)) + [n]
+    for i in range(len(edges) - 1):
+        for j in range(len(edges) - 1):
+            tile = scores[..., edges[i]:edges[i + 1], edges[j]:edges[j + 1]].mean(dim=(-2, -1))
+            torch.testing.assert_close(tiles[..., i, j], tile)
+
+
+def test_block_sparse_attention_is_masked_attention_on_its_top_tiles():
+    n, p, bs, keep = 21, 4, 4, 0.4
+    q, k, v = _qkv(n)
+    w_down, w_up = torch.randn(p, n, dtype=torch.float64), torch.randn(p, n, dtype=torch.float64)
+    got = block_sparse_attention(q, k, v, w_down, w_up, 0.05, 1e-2, keep, bs, dense_rows=1)
+    tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, 0.05, 1e-2, bs)
+    mask = block_indices_to_mask(topk_indices(tiles, budget(tiles.shape[-1], keep)), n, bs, 1)
+    torch.testing.assert_close(got, masked_attention(q, k, v, mask))
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(masked_attention(q, k, v, mask).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / 'sparse.json'
+    args = _args('--tokens', '20', '--keep', '0.25', '--dim', '16', '--heads', '2', '--block-size', '8',
+                 '--repeats', '1', '--warmup', '0', '--threads', '1', '--paths', 'masked', 'gather', 'block',
+                 'block-gather', '--json', str(out))
+    assert run_bench(args) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.split()[:2] == ['n', 'keep'])
+    assert header.split() == ['n', 'keep', 'B', 'path', 'ms', 'vs', 'SDPA', 'FLOPs', 'vs', 'dense', 'note']
+    assert 'goal: at n=577 keep 0.25, fastest CPU path ≤ 0.6× dense SDPA: n/a' in text
+    rows = json.loads(out.read_text())['rows']
+    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'dense SDPA']
+    for r in rows:
+        assert r['ms'] > 0 and r['vs_dense'] > 0 and r['flops_vs_dense'] > 0
+    assert rows[1]['flops_vs_dense'] == rows[0]['flops_vs_dense']          # the same sparse count
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--keep', '0'], '--keep must be ratios in (0, 1]'), (['--keep', '1.5'], '--keep must be ratios in (0, 1]'),
+    (['--tokens', '1'], '--tokens must be integers >= 2'), (['--paths', 'sideways'], '--paths: unknown')])
+def test_bad_arguments_are_one_clear_line(argv, message, capsys):
+    assert main(['bench', 'sparse-attention', *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('structformer bench sparse-attention: error:') and message in err and '\n' not in err
