@@ -21,6 +21,14 @@ sequences, gather for inference at n ≥ 512 with B ≤ n/2 — a first rule, to
 W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
 created at the first forward from its n (the model factory's `materialize_lazy` does that before an
 optimiser exists).
+
+After EViT token pruning (`structformer.models.token_pruning`, ours: the paper only combines the two
+methods) a layer sees n' < n tokens. `forward(x, token_sources=S)` then takes S [B, n', n], row i the
+convex weights of the original tokens that token i stands for (one-hot for a kept token, the fusion
+weights for a fused one), and the predictor runs with per-sample bases W·Sᵀ [B, n_down, n']: a kept
+token uses its own W_down, W_up columns, a fused token the mix of its tokens' columns (one column, as
+the fused token takes one softmax slot); the threshold of Eq. 3 applies to the mixed columns, and
+B = ⌈keep · n'⌉. `token_sources=None` is the unpruned path unchanged.
 """
 import warnings
 from typing import Optional, Tuple
@@ -30,8 +38,8 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from ...functional.sparsifiner import (block_mask_from_scores, budget, connectivity_scores, flex_attention_path,
-                                       gathered_attention, low_rank_attention, mask_from_indices, masked_attention,
-                                       topk_indices)
+                                       gathered_attention, low_rank_attention, low_rank_attention_per_sample,
+                                       mask_from_indices, masked_attention, source_columns, topk_indices)
 from ..lazy import drop_lazy_hooks, is_uninitialized
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
@@ -68,9 +76,9 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
         nn.init.normal_(self.w_down, std=self.w_down.shape[-1] ** -0.5)
         nn.init.normal_(self.w_up, std=self.n_down ** -0.5)
 
-    def initialize_parameters(self, k: torch.Tensor) -> None:
+    def initialize_parameters(self, k: torch.Tensor, num_tokens: Optional[int] = None) -> None:
         if self.has_uninitialized_params():
-            n = k.shape[-2]
+            n = k.shape[-2] if num_tokens is None else num_tokens
             with torch.no_grad():
                 self.w_down.materialize((self.n_down, n), device=k.device)
                 self.w_up.materialize((self.n_down, n), device=k.device)
@@ -79,9 +87,12 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
             warnings.warn(f"Sparsifiner W_down, W_up created at the first forward for seq_len={n}; build the "
                           "optimizer after one forward pass, or pass seq_len= at construction")
 
-    def forward(self, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        if k.shape[-2] != self.w_down.shape[-1]:
-            raise ValueError(f"Sparsifiner was built for seq_len={self.w_down.shape[-1]} tokens, got n={k.shape[-2]}")
+    def forward(self, k: torch.Tensor, num_tokens: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(W_down, W_up); `num_tokens`: the unpruned token count when k holds a pruned sequence."""
+        n = k.shape[-2] if num_tokens is None else num_tokens
+        if n != self.w_down.shape[-1]:
+            what = 'got n' if num_tokens is None else 'token_sources come from n'
+            raise ValueError(f"Sparsifiner was built for seq_len={self.w_down.shape[-1]} tokens, {what}={n}")
         return self.w_down, self.w_up
 
     def extra_repr(self) -> str:
@@ -91,6 +102,8 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
 @register_attention('sparsifiner')
 class SparsifinerAttention(AttentionBase):
     """Sparsifiner MHSA with timm's `attn_layer` signature (see the module docstring for the options)."""
+
+    takes_token_sources = True          # forward accepts token_sources= (pruned sequences, see the module doc)
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
@@ -129,13 +142,20 @@ class SparsifinerAttention(AttentionBase):
     def budget(self, num_tokens: int) -> int:
         return budget(num_tokens, self.keep_ratio)
 
-    def predict(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
-        w_down, w_up = self.basis(k)
+    def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor).
+        With `token_sources` [B, n, n_full] the bases are the per-sample columns W·Sᵀ (module docstring)."""
+        if token_sources is None:
+            w_down, w_up = self.basis(k)
+        else:
+            w_down, w_up = (source_columns(w, token_sources) for w in self.basis(k, token_sources.shape[-1]))
         if self.predictor_q is not None:
             q, k = self.predictor_q(q), self.predictor_k(k)
-        a_down = low_rank_attention(q, k, w_down.to(q.dtype))
-        return connectivity_scores(a_down, w_up.to(q.dtype), self.tau, self.up_threshold)
+        if token_sources is None:
+            a_down = low_rank_attention(q, k, w_down.to(q.dtype))
+            return connectivity_scores(a_down, w_up.to(q.dtype), self.tau, self.up_threshold)
+        a_down = low_rank_attention_per_sample(q, k, w_down.to(q.dtype))
+        return connectivity_scores(a_down, w_up.to(q.dtype).unsqueeze(1), self.tau, self.up_threshold)
 
     def _resolve_impl(self, q: torch.Tensor, keys: int, n: int) -> str:
         if self.impl != 'auto':
@@ -150,11 +170,14 @@ class SparsifinerAttention(AttentionBase):
         return 'gather'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                grid_size=None) -> torch.Tensor:
+                grid_size=None, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
         q, k, v = self.project(x)
         n = q.shape[-2]
-        scores = self.predict(q, k)
+        if token_sources is not None and token_sources.shape[:2] != q.shape[:1] + q.shape[2:3]:
+            raise ValueError(f"token_sources must be [batch, tokens, n_full] = [{q.shape[0]}, {n}, ...], "
+                             f"got {list(token_sources.shape)}")
+        scores = self.predict(q, k, token_sources)
         self.last_scores = scores if self.keep_scores else None
         keys = self.budget(n)
         dense_rows = 1 if self.dense_cls_row else 0
