@@ -3,7 +3,8 @@
 Writes, into --output: analysis.json (every number, per checkpoint), compression_per_layer.png and
 sparsity_per_layer.png (one line per checkpoint), training_curves.png (every measured epoch, Fig. 4),
 coherence_<ckpt>.png, tokens_<ckpt>.png,
-angles_<ckpt>.png (synthetic-subspaces data only) and report.md linking them.
+angles_<ckpt>.png (synthetic-subspaces data only) and report.md linking them. A model with Sparsifiner
+attention gets its mask accounting and pictures instead (analysis/sparsifiner.py: sparsifiner.json, PNGs).
 """
 from __future__ import annotations
 
@@ -79,6 +80,12 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                              'training Fig. 2), written to interpolation.json and interpolation.png')
     parser.add_argument('--interpolate-steps', type=int, default=11, metavar='N',
                         help='points on the line, t = 0, 1/(N-1), ..., 1 (>= 2; default 11)')
+    parser.add_argument('--query-patch', default=None, metavar='ROW,COL|INDEX',
+                        help='Sparsifiner models: the query patch whose kept keys and attention rows are drawn, '
+                             'as ROW,COL or a row-major patch index (default: the centre patch)')
+    parser.add_argument('--layers', nargs='+', default=None, metavar='L',
+                        help='Sparsifiner models: the layers drawn, numbered from 1 (default: the first six); '
+                             'the numbers in sparsifiner.json cover every layer')
     parser.add_argument('--seed', type=int, default=0,
                         help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
                              'random baseline (default 0)')
@@ -199,6 +206,7 @@ def run_analyze(args) -> int:
     from ..train.engine import check_writable
     from .plots import plot_layer_curves
     from .report import write_report
+    from .sparsifiner import run_sparsifiner_analysis, sparsifiner_layers
     from .whitebox import check_crate
     _check_args(args)
     main_path = resolve_checkpoint(args.checkpoint)
@@ -227,6 +235,8 @@ def run_analyze(args) -> int:
     loaded = []
     for p in paths:
         model, state = load_model(p)
+        if p is main_path and sparsifiner_layers(model):      # Sparsifiner: its own accounting and pictures
+            return run_sparsifiner_analysis(args, model, state, main_path, out, load_samples)
         try:
             check_crate(model)
         except ValueError as e:
