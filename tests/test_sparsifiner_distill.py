@@ -189,3 +189,47 @@ def test_paper_stage_weights():
     assert stage2['epochs'] == 40 and stage2['losses'] == {'ce': 1.0, 'distill_token': 0.5, 'distill_kl': 0.5}
     assert 'trainable' not in stage2
     assert TrainConfig(epochs=45).default_predictor_epochs() == 5
+
+
+def test_pruned_student_is_distilled_at_the_original_positions():
+    """With EViT pruning the student's kept tokens (and attention rows / columns) are compared with the
+    teacher's at their original positions; a fused token has no counterpart."""
+    torch.manual_seed(0)
+    teacher, _ = build_model('vit_digits', {}, None, [])
+    student, _ = build_model('sparsifiner_digits', {}, None,
+                             [{'name': 'prune_tokens', 'kwargs': {'keep_rate': 0.5, 'layers': [1]}}])
+    init_from_teacher(student, teacher)
+    student.train()
+    images = torch.randn(3, 1, 8, 8)
+    phase = Phase('all', 1, losses={'distill_token': 1, 'distill_attn': 1})
+    d, ctx = _context(student, teacher, images, phase)
+    positions = student.token_pruning.positions                   # [B, 1 + 8 + 1 fused]
+    assert positions.shape == (3, 10) and (positions[:, -1] == -1).all()
+    with torch.no_grad():
+        t_tokens = teacher.forward_features(images)
+    s_tokens = d.student_tokens()
+    expected = torch.stack([(s_tokens[b, 1:9] - t_tokens[b, positions[b, 1:9]]).pow(2) for b in range(3)]).mean()
+    torch.testing.assert_close(LOSS_TERMS['distill_token'](ctx), expected, rtol=1e-5, atol=1e-7)
+    # blocks 2 and 3 see the pruned tokens: their error uses the teacher's rows / columns at the kept positions
+    x = teacher._pos_embed(teacher.patch_embed(images))
+    per_layer = []
+    for i, block in enumerate(teacher.blocks):
+        a_t = attention_probabilities(block.attn, block.norm1(x))
+        scores = student.blocks[i].attn.last_scores
+        pos = student.token_pruning.entering.get(i, (None,))[0]
+        if i < 2:
+            assert pos is None or pos.shape[1] == 17
+            per_layer.append((scores[..., 1:, :] - a_t[..., 1:, :]).pow(2).sum() / 3)
+        else:
+            assert scores.shape[-1] == 10 and torch.equal(pos, positions)
+            err = 0.0
+            for b in range(3):
+                keep = pos[b] >= 0
+                sub = a_t[b][:, pos[b][keep]][:, :, pos[b][keep]]
+                err = err + (scores[b][:, keep][:, :, keep][:, 1:] - sub[:, 1:]).pow(2).sum()
+            per_layer.append(err / 3)
+        x = block(x)
+    total = LOSS_TERMS['distill_attn'](ctx)
+    torch.testing.assert_close(total, torch.stack(per_layer).mean(), rtol=1e-4, atol=1e-6)
+    total.backward()
+    assert student.blocks[3].attn.basis.w_up.grad is not None

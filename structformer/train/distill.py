@@ -225,6 +225,14 @@ class Distiller:
     def student_scores(self) -> Dict[str, torch.Tensor]:
         return {name: layer.last_scores for name, layer in self.sparse_layers.items()}
 
+    def positions(self, block: Optional[int] = None) -> Optional[torch.Tensor]:
+        """With EViT token pruning (`prune_tokens`): the original index of every token entering block `block`
+        (None: the final tokens), [B, n'], −1 for a fused token; None where nothing was pruned."""
+        state = getattr(self.student, 'token_pruning', None)
+        if state is None:
+            return None
+        return state.positions if block is None else state.entering.get(block, (None, None))[0]
+
 
 def _has_module(model: nn.Module, name: str) -> bool:
     try:
@@ -247,7 +255,13 @@ def token_distillation_term(ctx: LossContext) -> torch.Tensor:
     d = _distiller(ctx)
     student, teacher = d.student_tokens(), d.teacher()['tokens']
     p = d.prefix_tokens
-    return F.mse_loss(student[:, p:], teacher[:, p:])
+    positions = d.positions()
+    if positions is None or positions.shape[1] == teacher.shape[1]:
+        return F.mse_loss(student[:, p:], teacher[:, p:])
+    # pruned: each kept token against the teacher's token at its original position; a fused one has none
+    kept = positions[:, p:] >= 0
+    gathered = teacher.gather(1, positions[:, p:].clamp(min=0).unsqueeze(-1).expand(-1, -1, teacher.shape[-1]))
+    return (student[:, p:] - gathered)[kept].pow(2).mean()
 
 
 @register_loss_term('distill_kl')
@@ -269,5 +283,26 @@ def attention_distillation_term(ctx: LossContext) -> torch.Tensor:
         if s is None:
             raise RuntimeError(f"distill_attn: {name} kept no connectivity scores in this step")
         rows = 1 if d.sparse_layers[name].dense_cls_row else 0
-        total = total + (s[..., rows:, :] - teacher_maps[name][..., rows:, :]).pow(2).sum() / s.shape[0]
+        target = teacher_maps[name]
+        positions = d.positions(_block_index(name))
+        error = s - target if positions is None or positions.shape[1] == target.shape[-1] \
+            else _pruned_error(s, target, positions)
+        total = total + error[..., rows:, :].pow(2).sum() / s.shape[0]
     return total / max(len(scores), 1)
+
+
+def _block_index(name: str) -> Optional[int]:
+    """3 for 'blocks.3.attn' (the block whose tokens a pruned layer sees)."""
+    parts = name.split('.')
+    return int(parts[1]) if len(parts) > 2 and parts[0] == 'blocks' and parts[1].isdigit() else None
+
+
+def _pruned_error(scores: torch.Tensor, target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores [B, H, n', n'] minus the teacher's map [B, H, n, n] at the kept tokens' original rows and
+    columns; rows and columns of a fused token (position −1) count zero."""
+    b, h, m, n = scores.shape[0], scores.shape[1], scores.shape[-1], target.shape[-1]
+    idx = positions.clamp(min=0)
+    rows = target.gather(2, idx[:, None, :, None].expand(b, h, m, n))
+    both = rows.gather(3, idx[:, None, None, :].expand(b, h, m, m))
+    valid = positions >= 0
+    return (scores - both) * (valid[:, None, :, None] & valid[:, None, None, :])
