@@ -61,6 +61,8 @@ REPRODUCE_TARGETS = {
                 'interpolation (WRN on MNIST, GPT on the standard library)'),
     'mixer': ('structformer.reproduce.mixer', 'Mixer as a wide sparse MLP: fixed-Ω width, depth and init spectra on MNIST'),
     'crate': ('structformer.reproduce.crate', 'CRATE Fig. 3–5: R_c and sparsity per layer over training, depth 12 on MNIST'),
+    'sparsifiner': ('structformer.reproduce.sparsifiner', 'Sparsifiner Tables 1 and 4: keep ratio vs accuracy and MHSA '
+                    'FLOPs, against Linformer at equal budget, distilled from a dense ViT on MNIST'),
 }
 
 

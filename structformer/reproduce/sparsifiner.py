@@ -1,0 +1,230 @@
+"""`structformer reproduce sparsifiner`: Sparsifiner's accuracy / MHSA-FLOPs trade-off (Wei et al., CVPR 2023,
+Table 1 and Table 4) at MNIST scale.
+
+The paper converts an ImageNet-pretrained DeiT-S / LV-ViT-S and trains 5 epochs of stage 1 (the predictor
+alone on attention distillation) and 40 of stage 2 (everything, CE + token + logit distillation). Here:
+
+  teacher     `vit_mnist` (d = 96, 6 blocks, 3 heads, patch 4: 49 + 1 tokens) trained on the real MNIST at
+              ../shared/data/mnist (the first 8,000 of its 10,000 images train, the last 2,000 are held out);
+  sparsifiner `sparsifiner_mnist` (the same network plus the predictor, n_down = 16) started from the
+              teacher's weights, stage 1 then stage 2, at each keep ratio (B = ⌈keep · 50⌉ keys per query);
+  linformer   the same backbone with Linformer attention at rank k = B (Table 4: "the low-rank dimension of
+              Linformer equals the sparse budget"), started from the teacher, every epoch in stage 2's recipe
+              (it has no predictor to train alone);
+  dense       the teacher fine-tuned with stage 2's recipe for as many epochs: the accuracy a student is
+              compared with, so that extra training is not mistaken for the method's effect.
+
+Per row: held-out top-1, MHSA FLOPs per image (the paper's count: projections, predictor, and QKᵀ / ÃV at
+the kept entries only) and the measured time of one attention layer (inference, its `auto` path).
+Verdicts, computed from the numbers: (1) "small accuracy drop at keep 0.25": the drop from the dense row is
+at most 0.5 points or within two standard errors of a difference of two accuracies on the held-out set;
+(2) "better than Linformer at equal budget": Sparsifiner's top-1 above Linformer's at every keep ratio.
+Finished runs in --output are reused when their recipe matches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Dict, List
+
+from ..bench.harness import environment, write_json, write_png, write_text
+
+EXAMPLES = """examples:
+  structformer reproduce sparsifiner --threads 1                        # the study (~25 min on 2 busy cores)
+  structformer reproduce sparsifiner --teacher-epochs 1 --epochs 2 --keep 0.25 --limit-train-batches 3 \\
+      --output /tmp/sparsifiner_quick                                     # a smoke run"""
+
+SEQ_LEN = 50                     # 49 patches + cls of a 28 px image at patch 4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument('--data', default='../shared/data/mnist', help='folder with the MNIST IDX files')
+    p.add_argument('--keep', type=float, nargs='+', default=[0.1, 0.25, 0.5], help='keep ratios (0, 1]')
+    p.add_argument('--teacher-epochs', type=int, default=15, help='epochs of the dense teacher (15)')
+    p.add_argument('--epochs', type=int, default=3, help='epochs of every student, both stages (3)')
+    p.add_argument('--predictor-epochs', type=int, default=1, help='of which stage 1 (1)')
+    p.add_argument('--batch-size', type=int, default=64)
+    p.add_argument('--lr', type=float, default=2e-3, help='AdamW peak learning rate of the teacher (2e-3)')
+    p.add_argument('--student-lr', type=float, default=5e-4, help='AdamW peak learning rate of the students')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
+    p.add_argument('--threads', type=int, default=0,
+                   help="torch threads (default: torch's own; 1 shares a busy machine far better)")
+    p.add_argument('--output', default='outputs/reproduce_sparsifiner')
+
+
+def _check(args) -> None:
+    for flag in ('teacher_epochs', 'epochs', 'batch_size'):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.predictor_epochs < args.epochs:
+        raise ValueError(f"--predictor-epochs must be in [0, --epochs={args.epochs}), got {args.predictor_epochs}")
+    for keep in args.keep:
+        if not 0 < keep <= 1:
+            raise ValueError(f"--keep {keep}: keep ratios must be in (0, 1]")
+    if args.threads < 0 or args.limit_train_batches < 0:
+        raise ValueError(f"--threads and --limit-train-batches must be >= 0, got {args.threads}, {args.limit_train_batches}")
+    if not args.lr > 0 or not args.student_lr > 0:
+        raise ValueError(f"--lr and --student-lr must be > 0, got {args.lr}, {args.student_lr}")
+
+
+def _common(args) -> Dict:
+    return dict(batch_size=args.batch_size, weight_decay=0.05, label_smoothing=0.1, seed=args.seed, val_fraction=0.2,
+                limit_train_batches=args.limit_train_batches, keep_last=1)
+
+
+def _rows(args, teacher_dir: Path) -> List[Dict]:
+    """(label, kind, keep, config values) of every student."""
+    student = dict(_common(args), epochs=args.epochs, lr=args.student_lr, teacher=str(teacher_dir))
+    rows = [dict(label='dense (fine-tuned teacher)', kind='dense', keep=1.0,
+                 config=dict(student, model='vit_mnist', predictor_epochs=0))]
+    for keep in args.keep:
+        budget = math.ceil(keep * SEQ_LEN - 1e-9)
+        rows.append(dict(label=f'Sparsifiner keep {keep:g} (B = {budget})', kind='sparsifiner', keep=keep,
+                         config=dict(student, model='sparsifiner_mnist', model_kwargs={'keep_ratio': keep},
+                                     predictor_epochs=args.predictor_epochs)))
+        rows.append(dict(label=f'Linformer k = {budget}', kind='linformer', keep=keep,
+                         config=dict(student, model='vit_mnist', predictor_epochs=0,
+                                     transforms=[{'name': 'swap_attention',
+                                                  'kwargs': {'attn': 'linformer', 'num_landmarks': budget}}])))
+    return rows
+
+
+def _finished(run_dir: Path, config: Dict) -> bool:
+    summary = run_dir / 'summary.json'
+    if not summary.is_file():
+        return False
+    import yaml
+    saved = yaml.safe_load((run_dir / 'config.yaml').read_text()) or {}
+    for key, value in config.items():
+        if key in ('data', 'teacher', 'output'):
+            continue
+        if key == 'transforms':
+            if [(t['name'], t.get('kwargs')) for t in saved.get(key) or []] != [(t['name'], t['kwargs']) for t in value]:
+                return False
+        elif saved.get(key) != value:
+            return False
+    return json.loads(summary.read_text()).get('epochs') == config['epochs']
+
+
+def _train(config: Dict, run_dir: Path, spec: str) -> Dict:
+    from ..train import TrainConfig, train
+    if _finished(run_dir, config):
+        print(f'reusing the finished run in {run_dir}', flush=True)
+    else:
+        print(f'training {run_dir.name} ...', flush=True)
+        train(TrainConfig(data=spec, output=str(run_dir), **config), progress=False, overwrite=True)
+    return json.loads((run_dir / 'summary.json').read_text())
+
+
+def _attention_ms(model, batch: int = 64) -> float:
+    """Median inference time of the first attention layer on this model's token count (ms)."""
+    import torch
+    from ..bench.harness import median_seconds
+    layer = model.blocks[0].attn.eval()
+    x = torch.randn(batch, SEQ_LEN, model.embed_dim)
+    with torch.no_grad():
+        return 1e3 * median_seconds(lambda: layer(x), repeats=7, warmup=2)
+
+
+def _mhsa_flops(model) -> Dict[str, float]:
+    from ..bench.sparse_flops import model_mhsa_flops
+    return model_mhsa_flops(model, seq_len=SEQ_LEN)
+
+
+def _verdicts(rows: List[Dict], val_images: int) -> Dict:
+    dense = next(r for r in rows if r['kind'] == 'dense')
+    by_keep = {}
+    for r in rows:
+        by_keep.setdefault(r['keep'], {})[r['kind']] = r
+    out = {}
+    if 0.25 in by_keep and 'sparsifiner' in by_keep[0.25]:
+        s = by_keep[0.25]['sparsifiner']
+        drop = dense['top1'] - s['top1']
+        p1, p2 = dense['top1'] / 100, s['top1'] / 100
+        se = 100 * math.sqrt((p1 * (1 - p1) + p2 * (1 - p2)) / val_images)
+        holds = drop <= max(0.5, 2 * se)
+        out['small_drop_at_0.25'] = {
+            'holds': holds, 'drop_points': drop, 'two_standard_errors': 2 * se,
+            'text': (f"{'holds' if holds else 'does not hold'}: keep 0.25 reaches {s['top1']:.2f}% against "
+                     f"{dense['top1']:.2f}% dense, a drop of {drop:.2f} points (threshold max(0.5, 2 SE = {2 * se:.2f}))")}
+    margins = {k: v['sparsifiner']['top1'] - v['linformer']['top1'] for k, v in by_keep.items()
+               if 'sparsifiner' in v and 'linformer' in v}
+    if margins:
+        holds = all(m > 0 for m in margins.values())
+        out['beats_linformer'] = {
+            'holds': holds, 'margins_points': margins,
+            'text': (f"{'holds' if holds else 'does not hold'}: Sparsifiner minus Linformer top-1 at equal budget: "
+                     + ', '.join(f'keep {k:g}: {m:+.2f}' for k, m in sorted(margins.items())))}
+    return out
+
+
+def _plot(rows: List[Dict], path: Path) -> bool:
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for kind, marker in (('sparsifiner', 'o'), ('linformer', 's'), ('dense', '*')):
+            pts = sorted((r['mhsa_mflops'], r['top1']) for r in rows if r['kind'] == kind)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=kind, linestyle='-' if len(pts) > 1 else 'none')
+        ax.set_xlabel('MHSA MFLOPs per image (sparse count)')
+        ax.set_ylabel('held-out top-1 (%)')
+        ax.set_title('Sparsifiner vs Linformer on MNIST (vit_mnist backbone)')
+        ax.grid(alpha=0.3)
+        ax.legend()
+        return fig
+    return write_png(path, draw)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    import torch
+    import structformer  # noqa: F401  (registers the models)
+    from ..train.checkpoint import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data_dir = Path(args.data)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()}); "
+                                "point it at a folder holding the MNIST IDX files")
+    spec = f'mnist:{data_dir}'
+    output = Path(args.output)
+    teacher_dir = output / 'teacher'
+    teacher_config = dict(_common(args), model='vit_mnist', epochs=args.teacher_epochs, lr=args.lr)
+    teacher_summary = _train(teacher_config, teacher_dir, spec)
+    results = []
+    for i, row in enumerate(_rows(args, teacher_dir)):
+        run_dir = output / f"{row['kind']}_{row['keep']:g}"
+        summary = _train(row['config'], run_dir, spec)
+        model, _ = load_model(run_dir)
+        flops = _mhsa_flops(model)
+        results.append({'label': row['label'], 'kind': row['kind'], 'keep': row['keep'], 'run': run_dir.name,
+                        'top1': summary['final_val_top1'], 'best_top1': summary['best_val_top1'],
+                        'mhsa_mflops': flops['mhsa'] / 1e6, 'total_mflops': flops['total'] / 1e6,
+                        'attention_ms': _attention_ms(model)})
+    from ..data import build_datasets
+    val_images = len(build_datasets(spec, seed=args.seed, val_fraction=0.2)[1])
+    verdicts = _verdicts(results, val_images)
+    dense = next(r for r in results if r['kind'] == 'dense')
+    header = ('| model | top-1 % (best) | Δ vs dense | MHSA MFLOPs | vs dense | total MFLOPs | attention layer ms '
+              '(batch 64) |\n|---|---|---|---|---|---|---|')
+    lines = [f"| {r['label']} | {r['top1']:.2f} ({r['best_top1']:.2f}) | {r['top1'] - dense['top1']:+.2f} | "
+             f"{r['mhsa_mflops']:.2f} | {r['mhsa_mflops'] / dense['mhsa_mflops']:.2f}× | {r['total_mflops']:.1f} | "
+             f"{r['attention_ms']:.2f} |" for r in results]
+    figure = output / 'pareto.png'
+    drew = _plot(results, figure)
+    report = [f'# reproduce sparsifiner on MNIST ({spec})', '',
+              f"teacher vit_mnist: {teacher_summary['final_val_top1']:.2f}% after {args.teacher_epochs} epochs; "
+              f"students: {args.epochs} epochs ({args.predictor_epochs} of stage 1), lr {args.student_lr}", '',
+              header, *lines, '', *[f"**{k}: {v['text']}.**" for k, v in verdicts.items()]]
+    if drew:
+        report += ['', f'![pareto]({figure.name})']
+    write_text(output / 'report.md', '\n'.join(report) + '\n')
+    write_json(output / 'results.json', {'teacher': teacher_summary, 'rows': results, 'verdicts': verdicts,
+                                          'args': {k: v for k, v in vars(args).items() if k != 'func'},
+                                          'environment': environment(torch.device('cpu'))}, default=str)
+    print('\n'.join(report))
+    print(f"wrote {output / 'report.md'}, {output / 'results.json'}" + (f' and {figure}' if drew else ''))
+    return 0

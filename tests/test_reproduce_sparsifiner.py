@@ -1,0 +1,95 @@
+"""`structformer reproduce sparsifiner`: its rows, its verdict rule, and a smoke run on a small MNIST subset."""
+import argparse
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from structformer.cli import main
+from structformer.data.mnist import read_idx
+from structformer.reproduce import sparsifiner as repro
+
+MNIST = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data' / 'mnist'
+
+
+def _args(**overrides):
+    parser = argparse.ArgumentParser()
+    repro.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_rows_pair_each_keep_with_linformer_at_the_budget(tmp_path):
+    rows = repro._rows(_args(keep=[0.1, 0.25, 0.5]), tmp_path / 'teacher')
+    kinds = [(r['kind'], r['keep']) for r in rows]
+    assert kinds[0] == ('dense', 1.0)
+    budgets = {r['keep']: r['config']['transforms'][0]['kwargs']['num_landmarks'] for r in rows if r['kind'] == 'linformer'}
+    assert budgets == {0.1: 5, 0.25: 13, 0.5: 25}                       # ⌈keep · 50⌉
+    sparse = [r for r in rows if r['kind'] == 'sparsifiner']
+    assert [r['config']['model_kwargs']['keep_ratio'] for r in sparse] == [0.1, 0.25, 0.5]
+    assert all(r['config']['teacher'] == str(tmp_path / 'teacher') for r in rows)
+    # the same recipe for every student: only the model, its attention and the stage-1 length differ
+    recipe = lambda r: {k: v for k, v in r['config'].items() if k not in ('model', 'model_kwargs', 'transforms',
+                                                                          'predictor_epochs')}
+    assert all(recipe(r) == recipe(rows[0]) for r in rows)
+
+
+def _row(kind, keep, top1):
+    return {'kind': kind, 'keep': keep, 'top1': top1}
+
+
+def test_verdict_rule():
+    rows = [_row('dense', 1.0, 98.0), _row('sparsifiner', 0.25, 97.7), _row('linformer', 0.25, 97.0),
+            _row('sparsifiner', 0.5, 97.9), _row('linformer', 0.5, 98.1)]
+    v = repro._verdicts(rows, 2000)
+    assert v['small_drop_at_0.25']['holds'] and abs(v['small_drop_at_0.25']['drop_points'] - 0.3) < 1e-9
+    assert not v['beats_linformer']['holds']
+    assert v['beats_linformer']['margins_points'][0.25] == pytest.approx(0.7)
+    rows[1]['top1'] = 96.0                                   # 2 points below: beyond 0.5 and beyond 2 SE
+    rows[4]['top1'] = 97.0
+    v = repro._verdicts(rows, 2000)
+    two_se = 200 * ((0.98 * 0.02 + 0.96 * 0.04) / 2000) ** 0.5   # 1.08 points
+    assert not v['small_drop_at_0.25']['holds']
+    assert v['small_drop_at_0.25']['two_standard_errors'] == pytest.approx(two_se)
+    assert not v['beats_linformer']['holds']                 # keep 0.25: 96.0 < 97.0
+    rows[2]['top1'] = 95.0
+    assert repro._verdicts(rows, 2000)['beats_linformer']['holds']
+
+
+def _subset(src: Path, dst: Path, count: int) -> None:
+    dst.mkdir()
+    for name, magic in (('t10k-images-idx3-ubyte', 2051), ('t10k-labels-idx1-ubyte', 2049)):
+        array = read_idx(str(src / f'{name}.gz'))
+        array = np.ascontiguousarray(np.concatenate([array[:count // 2], array[-count // 2:]]))
+        with gzip.open(dst / f'{name}.gz', 'wb') as f:
+            f.write(struct.pack('>I', magic) + struct.pack(f'>{array.ndim}I', *array.shape) + array.tobytes())
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
+def test_smoke_run_and_reuse(tmp_path, capsys):
+    data = tmp_path / 'mnist'
+    _subset(MNIST, data, 300)
+    argv = ['reproduce', 'sparsifiner', '--data', str(data), '--teacher-epochs', '1', '--epochs', '2', '--keep', '0.25',
+            '--limit-train-batches', '1', '--batch-size', '32', '--threads', '1', '--output', str(tmp_path / 'out')]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / 'out' / 'results.json').read_text())
+    assert [r['kind'] for r in results['rows']] == ['dense', 'sparsifiner', 'linformer']
+    dense, sparse, linformer = results['rows']
+    assert sparse['mhsa_mflops'] < dense['mhsa_mflops'] and linformer['mhsa_mflops'] < dense['mhsa_mflops']
+    assert set(results['verdicts']) == {'small_drop_at_0.25', 'beats_linformer'}
+    report = (tmp_path / 'out' / 'report.md').read_text()
+    assert 'Sparsifiner keep 0.25 (B = 13)' in report and 'Linformer k = 13' in report
+    capsys.readouterr()
+    assert main(argv) == 0                                   # every run is reused
+    assert capsys.readouterr().out.count('reusing the finished run') == 4
+
+
+def test_bad_keep_is_refused(tmp_path, capsys):
+    assert main(['reproduce', 'sparsifiner', '--keep', '0', '--output', str(tmp_path / 'o')]) == 2
+    assert '--keep' in capsys.readouterr().err
+    assert not (tmp_path / 'o').exists()
