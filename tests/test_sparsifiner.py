@@ -180,3 +180,20 @@ def test_auto_picks_masked_for_training_and_gather_for_long_inference():
     assert layer._resolve_impl(q, budget(600, 0.25), 600) == 'gather'
     assert layer._resolve_impl(q[..., :100, :], budget(100, 0.25), 100) == 'masked'
     assert layer._resolve_impl(q, budget(600, 0.75), 600) == 'masked'
+
+
+def test_keys_per_query_fixes_the_budget_and_refuses_more_than_n():
+    from structformer.layers.attention.sparsifiner import SparsifinerAttention
+    torch.manual_seed(0)
+    layer = SparsifinerAttention(32, 4, keys_per_query=6, seq_len=17, n_down=4, impl='masked', keep_scores=True)
+    layer(torch.randn(2, 17, 32))
+    assert (layer.last_mask[..., 1:, :].sum(-1) == 6).all()          # the cls row stays dense
+    with pytest.raises(ValueError, match=r'keys_per_query=18 is larger than the seq_len=17 tokens; accepted 1\.\.17'):
+        SparsifinerAttention(32, 4, keys_per_query=18, seq_len=17)
+    lazy = SparsifinerAttention(32, 4, keys_per_query=9, n_down=4)
+    with pytest.raises(ValueError, match=r'keys_per_query=9 is larger than the n=5 tokens'), warnings.catch_warnings():
+        warnings.simplefilter('ignore')                    # W_down, W_up created at the first forward
+        lazy(torch.randn(1, 5, 32))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match='keys_per_query must be a positive integer'):
+            SparsifinerAttention(32, 4, keys_per_query=bad)

@@ -85,8 +85,8 @@ default_cfgs = generate_default_cfgs({
     'vit_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
 })
 
-_LAYER_OPTIONS = ('keep_ratio', 'n_down', 'tau', 'up_threshold', 'predictor_dim', 'dense_cls_row', 'connectivity',
-                  'block_size', 'impl')
+_LAYER_OPTIONS = ('keep_ratio', 'keys_per_query', 'n_down', 'tau', 'up_threshold', 'predictor_dim', 'dense_cls_row',
+                  'connectivity', 'block_size', 'impl')
 
 
 _DIGITS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4)

@@ -10,7 +10,8 @@ its connectivity scores Ã_down·W_up, which `last_scores` keeps for the attenti
 Hyper-parameters (defaults = the paper's): `n_down` 32, `tau` 0.05, `up_threshold` 1e-2, `keep_ratio`
 0.25, `predictor_dim` None (the public code reduces q/k channels to 32 inside the predictor: pass 32),
 `dense_cls_row` True (the public code's choice: the cls query attends to every token; the paper is
-silent), `connectivity` 'token' (the paper) or 'block' (`block_size` tiles, ours).
+silent), `connectivity` 'token' (the paper) or 'block' (`block_size` tiles, ours). `keys_per_query` fixes
+the budget B as a count instead (the paper's "budget ≥ 40" rows); it must not exceed n.
 
 Execution (`impl`): 'masked' (dense logits, −∞ off the mask: the reference and a CPU training path),
 'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention with a block mask: the GPU path;
@@ -111,10 +112,19 @@ class SparsifinerAttention(AttentionBase):
                  up_threshold: float = 1e-2, predictor_dim: Optional[int] = None, dense_cls_row: bool = True,
                  connectivity: str = 'token', block_size: int = 64, impl: str = 'auto',
                  seq_len: Optional[int] = None, keep_scores: bool = False, attn_head_dim: Optional[int] = None,
-                 device=None, dtype=None):
+                 keys_per_query: Optional[int] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         budget(1, keep_ratio)                                     # validates keep_ratio
+        if keys_per_query is not None:
+            if isinstance(keys_per_query, bool) or not isinstance(keys_per_query, int) or keys_per_query < 1:
+                raise ValueError(f"keys_per_query must be a positive integer (the budget B), got {keys_per_query!r}")
+            if seq_len is not None and keys_per_query > seq_len:
+                raise ValueError(f"keys_per_query={keys_per_query} is larger than the seq_len={seq_len} tokens; "
+                                 f"accepted 1..{seq_len}")
+            if connectivity == 'block':
+                raise ValueError("keys_per_query applies to connectivity='token'; a block mask keeps keep_ratio of the tiles")
+        self.keys_per_query = keys_per_query
         for name, value in (('n_down', n_down), ('block_size', block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -140,7 +150,12 @@ class SparsifinerAttention(AttentionBase):
         self.last_mask: Optional[torch.Tensor] = None
 
     def budget(self, num_tokens: int) -> int:
-        return budget(num_tokens, self.keep_ratio)
+        if self.keys_per_query is None:
+            return budget(num_tokens, self.keep_ratio)
+        if self.keys_per_query > num_tokens:
+            raise ValueError(f"keys_per_query={self.keys_per_query} is larger than the n={num_tokens} tokens this "
+                             f"layer sees; accepted 1..{num_tokens}")
+        return self.keys_per_query
 
     def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor).
@@ -201,5 +216,6 @@ class SparsifinerAttention(AttentionBase):
         return self.merge(out)
 
     def extra_repr(self) -> str:
-        return (f"keep_ratio={self.keep_ratio}, tau={self.tau}, up_threshold={self.up_threshold}, "
+        budget_text = f"keys_per_query={self.keys_per_query}" if self.keys_per_query else f"keep_ratio={self.keep_ratio}"
+        return (f"{budget_text}, tau={self.tau}, up_threshold={self.up_threshold}, "
                 f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}")
