@@ -71,11 +71,14 @@ def _check(args) -> None:
 def _gib(path: str, n: int, keys: int, args) -> float:
     """The largest float32 intermediates of a path (GiB): n×n per head for the predictor and masked
     logits, the gathered [n, B, d] keys and values, the gathered tiles; ×3 in training."""
-    b, h, d = args.batch, args.heads, args.dim // args.heads
+    from ..functional.sparsifiner import budget
+    b, h, d, bs = args.batch, args.heads, args.dim // args.heads, args.block_size
     square = b * h * n * n * 4
+    tiles = -(-n // bs)
+    kept = budget(tiles, keys / n) * bs                      # keys of a query tile
     size = {'masked': 4 * square, 'flex': 4 * square, 'block': 4 * square,
             'gather': square + 2 * b * h * n * keys * d * 4,
-            'block-gather': 2 * b * h * n * min(n, keys + args.block_size) * d * 4}[path]
+            'block-gather': b * h * tiles * kept * (2 * d + bs) * 4}[path]   # gathered K, V tiles; tile logits
     return size * (3 if args.train else 1) / 2 ** 30
 
 
