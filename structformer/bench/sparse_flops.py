@@ -63,6 +63,8 @@ def layer_mhsa_flops(layer, n: int, nnz: Optional[int] = None) -> Dict[str, int]
         per_row = min(n, budget(tiles, layer.keep_ratio) * layer.block_size)
         c = int(bool(layer.dense_cls_row))
         nnz = (n - c) * per_row + c * n
+    elif nnz is None:                                   # the layer's own B (keep_ratio, or keys_per_query)
+        nnz = token_nnz(n, layer.budget(n), int(bool(layer.dense_cls_row)))
     return sparsifiner_mhsa_flops(n, dim, layer.num_heads, layer.head_dim, layer.keep_ratio, layer.basis.n_down,
                                   layer.predictor_q.out_features if layer.predictor_q is not None else None,
                                   layer.dense_cls_row, nnz)
