@@ -15,9 +15,9 @@ the budget B as a count instead (the paper's "budget ≥ 40" rows); it must not 
 
 Execution (`impl`): 'masked' (dense logits, −∞ off the mask: the reference and a CPU training path),
 'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention with a block mask: the GPU path;
-on CPU eager it materialises the scores), 'auto' (CUDA: flex; CPU: masked for training and short
-sequences, gather for inference at n ≥ 512 with B ≤ n/2 — a first rule, to be settled by the coming
-`bench sparse-attention`).
+on CPU eager it materialises the scores), 'auto' (CUDA: flex; CPU: masked, in training and inference:
+`structformer bench sparse-attention` measured gather 4–100× slower than masked at n = 197–1025, its
+per-query K/V copies cost more than the logits they save; docs/benchmarks.md).
 
 W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
 created at the first forward from its n (the model factory's `materialize_lazy` does that before an
@@ -47,7 +47,6 @@ from .softmax import AttentionBase, check_no_mask
 
 IMPLS = ('auto', 'masked', 'gather', 'flex')
 CONNECTIVITY = ('token', 'block')
-GATHER_MIN_TOKENS = 512      # 'auto' on CPU gathers only for inference at n >= this and B <= n/2
 
 
 class ConnectivityBasis(LazyModuleMixin, nn.Module):
@@ -177,12 +176,9 @@ class SparsifinerAttention(AttentionBase):
             return self.impl
         if q.is_cuda:
             return 'flex'
-        # CPU: the n² masked softmax is one fused-ish matmul pair and wins at ViT token counts and in
-        # training (the gathered K, V copies cost more than the logits they save); gathering pays off only
-        # for inference on long sequences with a small budget
-        if self.training or self.connectivity != 'token' or n < GATHER_MIN_TOKENS or 2 * keys > n:
-            return 'masked'
-        return 'gather'
+        # CPU: the n² masked softmax (two GEMMs) beat gathering every query's keys at every measured n and
+        # keep ratio (bench sparse-attention): the [B, H, n, B, d] copies cost more than the logits they save
+        return 'masked'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size=None, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
