@@ -77,7 +77,7 @@ def _energy_lines(e: Dict) -> list:
              '| head | ' + ' | '.join(f'S{c}' for c in range(j)) + ' |', '|---:|' + '---:|' * j]
     lines += [f'| {h} | ' + ' | '.join(f'{v:.3f}' for v in row) + ' |' for h, row in enumerate(e['matrix'])]
     a = e['attention_within_subspace']
-    lines += ['', f"Layer-1 attention that stays within a token's own subspace: "
+    lines += ['', "Layer-1 attention that stays within a token's own subspace: "
               + ', '.join(f'{v:.3f}' for v in a['per_head']) + f" per head (mean {a['mean']:.3f}); "
               f"uniform attention would give {a['chance']:.3f}.", '']
     return lines
@@ -110,7 +110,7 @@ def render_report(analysis: Dict) -> str:
                 f"- {trend_sentence(measure, 'sparsity')}", '',
                 _table(measure), '']
         coh = ck['coherence']
-        out += [f"Subspace coherence (Fig. 7): |cos| between columns of different heads, mean per layer "
+        out += ["Subspace coherence (Fig. 7): |cos| between columns of different heads, mean per layer "
                 + ', '.join(f"{c['mean_between_heads']:.3f}" for c in coh)
                 + '; max ' + ', '.join(f"{c['max_between_heads']:.3f}" for c in coh) + '.', '',
                 f"![coherence]({ck['figures']['coherence']})", '',

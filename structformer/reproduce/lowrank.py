@@ -186,7 +186,7 @@ def _tables(results: List[Dict], curves: Dict) -> str:
                          f"{fmt.format(r[metric])} | {r['effective_rank_mean']:.2f} |")
         lines += ['', f'## {part}: pre-training (dense for {next((r["at"] for r in rows if r.get("at")), 0)} epoch(s), '
                       'then SVD) vs low-rank from the start (spectral)', '',
-                  f'| rank | from scratch | pre-trained | right after the switch |', '|---|---|---|---|']
+                  '| rank | from scratch | pre-trained | right after the switch |', '|---|---|---|---|']
         for r in [r for r in rows if r['group'] == 'pretrain']:
             scratch = by[(part, f"r{r['rank']:g}_spectral")]
             after = r['switch'].get('factorized_val_perplexity' if part == 'lm' else 'factorized_val_top1')
