@@ -154,8 +154,6 @@ def test_wrong_token_count_and_options_are_named():
     layer = SparsifinerAttention(32, 4, seq_len=12)
     with pytest.raises(ValueError, match='built for seq_len=12 tokens, got n=9'):
         layer(torch.randn(1, 9, 32))
-    with pytest.raises(ValueError, match="impl='gather' needs connectivity='token'"):
-        SparsifinerAttention(32, 4, connectivity='block', impl='gather')
     with pytest.raises(ValueError, match='impl='):
         SparsifinerAttention(32, 4, impl='sparse')
     with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
@@ -196,3 +194,25 @@ def test_keys_per_query_fixes_the_budget_and_refuses_more_than_n():
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match='keys_per_query must be a positive integer'):
             SparsifinerAttention(32, 4, keys_per_query=bad)
+
+
+@pytest.mark.parametrize('n', [20, 19])                       # 19: a partial last tile
+def test_block_connectivity_tile_gather_equals_the_masked_block_path(n):
+    """impl='gather' with block connectivity (the CPU default without keep_scores: no n×n tensor) picks the
+    tiles the masked block path picks and computes the same outputs and gradients."""
+    torch.manual_seed(0)
+    options = dict(keep_ratio=0.4, connectivity='block', block_size=4, seq_len=n, n_down=6)
+    masked = SparsifinerAttention(32, 2, impl='masked', keep_scores=True, **options).double()
+    gathered = SparsifinerAttention(32, 2, impl='gather', keep_scores=True, **options).double()
+    gathered.load_state_dict(masked.state_dict())
+    assert SparsifinerAttention(32, 2, **options)._resolve_impl(torch.zeros(1), 0, n) == 'gather'
+    x = torch.randn(3, n, 32, dtype=D, requires_grad=True)
+    out_m = masked(x)
+    grad_m = torch.autograd.grad(out_m.square().sum(), [x, masked.qkv.weight])
+    out_g = gathered(x)
+    grad_g = torch.autograd.grad(out_g.square().sum(), [x, gathered.qkv.weight])
+    assert torch.equal(gathered.last_mask, masked.last_mask)
+    torch.testing.assert_close(gathered.last_scores, masked.last_scores)
+    torch.testing.assert_close(out_g, out_m)
+    for a, b in zip(grad_g, grad_m):
+        torch.testing.assert_close(a, b)

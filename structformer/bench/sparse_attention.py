@@ -4,8 +4,8 @@ One SparsifinerAttention layer at DeiT-S shape (d = 384, 6 heads of 64) per toke
 included (Eq. 1–3), run on each execution path of Eq. 4–6: 'masked' (n² logits, −∞ off the mask), 'gather'
 (each query's B keys gathered), 'flex' (FlexAttention; on CPU eager it materialises the scores), 'block' (the
 layer's block connectivity, masked), and 'block-gather' (`block_sparse_attention`: block connectivity with the
-predictor on tile means and attention on gathered tiles, no n×n tensor; a functional path the layer does not
-call yet). Beside them, 'dense SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv
+predictor on tile means and attention on gathered tiles, no n×n tensor; the layer runs it as impl='gather' with
+block connectivity, its CPU default). Beside them, 'dense SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv
 and proj weights, so the projections are in every row. Inference (eval, no_grad) by default; --train times
 forward + backward of out.sum().
 

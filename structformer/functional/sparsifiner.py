@@ -59,20 +59,15 @@ def mask_from_indices(indices: torch.Tensor, num_keys: int, dense_rows: int = 0)
 
 
 def block_mask_from_scores(scores: torch.Tensor, block_size: int, keep_ratio: float) -> torch.Tensor:
-    """The block-level variant (ours, beyond the paper): mean scores over block_size × block_size tiles,
-    keep the top ⌈keep · blocks⌉ key blocks of every query block, and expand to a token mask. Token-level
-    top-k leaves almost no empty tile, so only this lets a blocked kernel skip work."""
-    n_q, n_k = scores.shape[-2:]
-    pad_q, pad_k = (-n_q) % block_size, (-n_k) % block_size
-    # padded entries take the row minimum, so a partial tile is not favoured by its padding
-    padded = F.pad(scores, (0, pad_k, 0, pad_q), value=float('-inf'))
-    padded = torch.where(torch.isinf(padded), scores.amin(dim=(-2, -1), keepdim=True), padded)
-    qb, kb = padded.shape[-2] // block_size, padded.shape[-1] // block_size
-    tiles = padded.reshape(*scores.shape[:-2], qb, block_size, kb, block_size).mean(dim=(-3, -1))
-    keep = budget(kb, keep_ratio)
-    chosen = mask_from_indices(topk_indices(tiles, keep), kb)
+    """The block-level variant (ours, beyond the paper): mean scores over block_size × block_size tiles (a
+    partial last tile averaged over its real entries, as `pooled_block_scores` computes them without S), keep
+    the top ⌈keep · blocks⌉ key blocks of every query block, and expand to a token mask. Token-level top-k
+    leaves almost no empty tile, so only this lets a blocked kernel skip work."""
+    n_k = scores.shape[-1]
+    tiles = _tile_mean(_tile_mean(scores, -2, block_size), -1, block_size)
+    chosen = mask_from_indices(topk_indices(tiles, budget(tiles.shape[-1], keep_ratio)), tiles.shape[-1])
     mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
-    return mask[..., :n_q, :n_k]
+    return mask[..., :scores.shape[-2], :n_k]
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -141,7 +136,7 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
     """Tile means of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: the mean of S over
     query tile I × key tile J is (mean over I of Ã_down's rows) · (mean over J of W̃_up's columns), exactly, by
     linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². A partial last
-    tile is the mean of its real entries (`block_mask_from_scores` pads it with the minimum instead)."""
+    tile is the mean of its real entries, as in `block_mask_from_scores`."""
     coefficients = a_down * (a_down > tau)
     basis = w_up * (w_up.abs() >= up_threshold)
     return _tile_mean(coefficients, -2, block_size) @ _tile_mean(basis, -1, block_size)

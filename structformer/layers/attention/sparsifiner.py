@@ -38,9 +38,10 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from ...functional.sparsifiner import (block_mask_from_scores, budget, connectivity_scores, flex_attention_path,
-                                       gathered_attention, low_rank_attention, low_rank_attention_per_sample,
-                                       mask_from_indices, masked_attention, source_columns, topk_indices)
+from ...functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, block_mask_from_scores,
+                                       budget, connectivity_scores, flex_attention_path, gathered_attention,
+                                       low_rank_attention, low_rank_attention_per_sample, mask_from_indices,
+                                       masked_attention, pooled_block_scores, source_columns, topk_indices)
 from ..lazy import drop_lazy_hooks, is_uninitialized
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
@@ -135,8 +136,6 @@ class SparsifinerAttention(AttentionBase):
             raise ValueError(f"impl={impl!r}: accepted {', '.join(map(repr, IMPLS))}")
         if connectivity not in CONNECTIVITY:
             raise ValueError(f"connectivity={connectivity!r}: accepted 'token' (the paper) or 'block'")
-        if connectivity == 'block' and impl == 'gather':
-            raise ValueError("impl='gather' needs connectivity='token' (a block mask has no fixed keys per query)")
         self.keep_ratio, self.tau, self.up_threshold = float(keep_ratio), float(tau), float(up_threshold)
         self.dense_cls_row, self.connectivity, self.block_size, self.impl = dense_cls_row, connectivity, block_size, impl
         self.keep_scores = keep_scores
@@ -156,9 +155,9 @@ class SparsifinerAttention(AttentionBase):
                              f"layer sees; accepted 1..{num_tokens}")
         return self.keys_per_query
 
-    def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor).
-        With `token_sources` [B, n, n_full] the bases are the per-sample columns W·Sᵀ (module docstring)."""
+    def low_rank(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None):
+        """Eq. 1: (A_down [B, H, n, n_down], W_up [n_down, n] or per sample [B, 1, n_down, n]). With
+        `token_sources` [B, n, n_full] the bases are the per-sample columns W·Sᵀ (module docstring)."""
         if token_sources is None:
             w_down, w_up = self.basis(k)
         else:
@@ -166,18 +165,25 @@ class SparsifinerAttention(AttentionBase):
         if self.predictor_q is not None:
             q, k = self.predictor_q(q), self.predictor_k(k)
         if token_sources is None:
-            a_down = low_rank_attention(q, k, w_down.to(q.dtype))
-            return connectivity_scores(a_down, w_up.to(q.dtype), self.tau, self.up_threshold)
-        a_down = low_rank_attention_per_sample(q, k, w_down.to(q.dtype))
-        return connectivity_scores(a_down, w_up.to(q.dtype).unsqueeze(1), self.tau, self.up_threshold)
+            return low_rank_attention(q, k, w_down.to(q.dtype)), w_up.to(q.dtype)
+        return low_rank_attention_per_sample(q, k, w_down.to(q.dtype)), w_up.to(q.dtype).unsqueeze(1)
+
+    def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
+        a_down, w_up = self.low_rank(q, k, token_sources)
+        return connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
 
     def _resolve_impl(self, q: torch.Tensor, keys: int, n: int) -> str:
         if self.impl != 'auto':
             return self.impl
         if q.is_cuda:
             return 'flex'
-        # CPU: the n² masked softmax (two GEMMs) beat gathering every query's keys at every measured n and
-        # keep ratio (bench sparse-attention): the [B, H, n, B, d] copies cost more than the logits they save
+        # CPU, token connectivity: the n² masked softmax (two GEMMs) beat gathering every query's keys at every
+        # measured n and keep ratio (bench sparse-attention): the [B, H, n, B, d] copies cost more than the
+        # logits they save. Block connectivity: whole tiles are gathered once per query tile and the predictor
+        # runs on tile means, with no n×n tensor, unless the n×n scores are asked for (keep_scores)
+        if self.connectivity == 'block' and not self.keep_scores:
+            return 'gather'
         return 'masked'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
@@ -188,12 +194,14 @@ class SparsifinerAttention(AttentionBase):
         if token_sources is not None and token_sources.shape[:2] != q.shape[:1] + q.shape[2:3]:
             raise ValueError(f"token_sources must be [batch, tokens, n_full] = [{q.shape[0]}, {n}, ...], "
                              f"got {list(token_sources.shape)}")
-        scores = self.predict(q, k, token_sources)
-        self.last_scores = scores if self.keep_scores else None
         keys = self.budget(n)
         dense_rows = 1 if self.dense_cls_row else 0
         dropout_p = self.attn_drop.p if self.training else 0.
         impl = self._resolve_impl(q, keys, n)
+        if self.connectivity == 'block' and impl == 'gather':
+            return self.merge(self._block_gathered(q, k, v, token_sources, dense_rows, dropout_p))
+        scores = self.predict(q, k, token_sources)
+        self.last_scores = scores if self.keep_scores else None
         with torch.no_grad():                                   # the mask is detached from the attention path
             if self.connectivity == 'block':
                 mask, indices = block_mask_from_scores(scores, self.block_size, self.keep_ratio), None
@@ -210,6 +218,21 @@ class SparsifinerAttention(AttentionBase):
         else:
             out = masked_attention(q, k, v, mask, dropout_p=dropout_p)
         return self.merge(out)
+
+    def _block_gathered(self, q, k, v, token_sources, dense_rows: int, dropout_p: float) -> torch.Tensor:
+        """Block connectivity without an n×n tensor: tile-mean scores by linearity (`pooled_block_scores`), the
+        top ⌈keep · tiles⌉ key tiles per query tile, attention on the gathered tiles. Picks the tiles the
+        masked block path picks (up to ties)."""
+        a_down, w_up = self.low_rank(q, k, token_sources)
+        if self.keep_scores:
+            self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
+        with torch.no_grad():
+            tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
+            block_indices = topk_indices(tiles, budget(tiles.shape[-1], self.keep_ratio))
+            self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
+                              if self.keep_scores else None)
+        return block_gathered_attention(q, k, v, block_indices, self.block_size, dropout_p=dropout_p,
+                                        dense_rows=dense_rows)
 
     def extra_repr(self) -> str:
         budget_text = f"keys_per_query={self.keys_per_query}" if self.keys_per_query else f"keep_ratio={self.keep_ratio}"
