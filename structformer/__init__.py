@@ -19,7 +19,8 @@ _SUBMODULES = ('analysis', 'bench', 'data', 'functional', 'hooks', 'layers', 'lo
                'train')
 _EXPORTS = {'list_structformer_models': 'models', 'build_model': 'models.factory', 'rebuild': 'models.factory',
             'register_transform': 'models.transforms', 'capture': 'hooks',
-            'factorize': 'lowrank.transform'}
+            'factorize': 'lowrank.transform', 'sparsify': 'models.sparsifiner',
+            'swap_attention': 'models.attention_swap', 'prune_tokens': 'models.token_pruning'}
 __all__ = list(_SUBMODULES) + list(_EXPORTS)
 
 
