@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--data', default='../shared/data/mnist', help='folder with the MNIST IDX files')
     p.add_argument('--keep', type=float, nargs='+', default=[0.1, 0.25, 0.5], help='keep ratios (0, 1]')
     p.add_argument('--teacher-epochs', type=int, default=15, help='epochs of the dense teacher (15)')
-    p.add_argument('--epochs', type=int, default=3, help='epochs of every student, both stages (3)')
+    p.add_argument('--epochs', type=int, default=6, help='epochs of every student, both stages (6)')
     p.add_argument('--predictor-epochs', type=int, default=1, help='of which stage 1 (1)')
     p.add_argument('--batch-size', type=int, default=64)
     p.add_argument('--lr', type=float, default=2e-3, help='AdamW peak learning rate of the teacher (2e-3)')
