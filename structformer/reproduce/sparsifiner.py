@@ -32,7 +32,7 @@ from typing import Dict, List
 from ..bench.harness import environment, write_json, write_png, write_text
 
 EXAMPLES = """examples:
-  structformer reproduce sparsifiner --threads 1                        # the study (~25 min on 2 busy cores)
+  structformer reproduce sparsifiner --threads 1                        # the study (about 65 min at 1 thread)
   structformer reproduce sparsifiner --teacher-epochs 1 --epochs 2 --keep 0.25 --limit-train-batches 3 \\
       --output /tmp/sparsifiner_quick                                     # a smoke run"""
 
