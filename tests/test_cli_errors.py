@@ -195,6 +195,8 @@ CASES = [
                              '--teacher', '{vit_run}', '--output', OUT], ['--teacher', 'another shape']),
     ('teacher-other-data', ['train', '--model', 'sparsifiner_digits', '--data', 'synthetic-subspaces',
                             '--teacher', '{vit_run}', '--output', OUT], ['--teacher', 'num_classes']),
+    ('teacher-factorize-at', ['train', '--model', 'sparsifiner_digits', '--teacher', '{vit_run}', '--rank', '0.5',
+                              '--factorize-at', '1', '--epochs', '2', '--output', OUT], ['--teacher', '--factorize-at=1']),
     ('predictor-epochs-no-teacher', ['train', '--predictor-epochs', '1', '--output', OUT],
      ['--predictor-epochs', '--teacher']),
     ('predictor-epochs-range', ['train', '--model', 'sparsifiner_digits', '--teacher', '{vit_run}', '--epochs', '2',

@@ -136,6 +136,9 @@ class TrainConfig:
                              f"[0, epochs={self.epochs})")
 
     def _validate_distillation(self) -> None:
+        if self.teacher is not None and self.factorize_at:
+            raise UsageError(f"--teacher cannot be combined with --factorize-at={self.factorize_at}: the student would "
+                             "change its layers in the middle of the distillation; factorise from the start or not at all")
         if self.predictor_epochs is None:
             return
         if self.teacher is None:
