@@ -2,3 +2,13 @@
 
 Each module offers `add_arguments(parser)` and `run(args) -> int` for `structformer reproduce NAME`.
 """
+from pathlib import Path
+
+
+def mnist_spec(data: str) -> str:
+    """The `--data` spec of a reproduction's MNIST folder ('mnist:PATH'), refused by name when the folder is missing."""
+    folder = Path(data)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--data {data}: no such folder (resolved to {folder.resolve()}); "
+                                "point it at a folder holding the MNIST IDX files, e.g. t10k-images-idx3-ubyte.gz")
+    return f'mnist:{folder}'

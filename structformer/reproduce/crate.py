@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
+from . import mnist_spec
 from ..bench.harness import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -113,11 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    data_dir = Path(args.data)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()}); "
-                                "point it at a folder holding the MNIST IDX files, e.g. t10k-images-idx3-ubyte.gz")
-    spec = f'mnist:{data_dir}'
+    spec = mnist_spec(args.data)
     output = Path(args.output)
     run_dir = output / 'run'
     recipe = _recipe(args)

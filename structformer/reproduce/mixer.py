@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
+from . import mnist_spec
 from ..bench.harness import environment, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -85,9 +86,7 @@ def _check(args) -> None:
     if args.output:          # before any work: a long run never dies at its first write
         from ..train.engine import check_writable
         check_writable(Path(args.output), '--output')
-    if not Path(args.data).is_dir():
-        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {Path(args.data).resolve()}); "
-                                "point it at a folder holding the MNIST IDX files")
+    mnist_spec(args.data)
 
 
 def plan(args, patch_tokens: int = 49) -> List[Dict]:

@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
+from . import mnist_spec
 from ..bench.harness import PeakMemory, environment, median_seconds, saved_tensor_bytes, write_json, write_text
 from ..cli import ParseKwargs
 from ..errors import UsageError
@@ -212,11 +213,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data import build_datasets
     from ..train import TrainConfig, load_model, train
 
-    data_dir = Path(args.data)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()}); "
-                                "point it at a folder holding the MNIST IDX files, e.g. t10k-images-idx3-ubyte.gz")
-    spec = f'mnist:{data_dir}'
+    spec = mnist_spec(args.data)
     _, val_set, info = build_datasets(spec, seed=args.seed, val_fraction=args.val_fraction)
     output = Path(args.output)
     recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
@@ -293,10 +290,7 @@ def run_ablation(args: argparse.Namespace) -> int:
         raise UsageError(f"--ablate applies to --attn soft softpp only, got {' '.join(others)}")
     if args.measure_only:
         raise UsageError("--ablate does not measure speeds; drop --measure-only")
-    data_dir = Path(args.data)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()})")
-    spec = f'mnist:{data_dir}'
+    spec = mnist_spec(args.data)
     _, val_set, info = build_datasets(spec, seed=args.seed, val_fraction=args.val_fraction)
     output = Path(args.output)
     recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,

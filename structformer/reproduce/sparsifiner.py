@@ -29,6 +29,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
+from . import mnist_spec
 from ..bench.harness import environment, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -185,17 +186,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    data_dir = Path(args.data)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"--data {args.data}: no such folder (resolved to {data_dir.resolve()}); "
-                                "point it at a folder holding the MNIST IDX files")
-    spec = f'mnist:{data_dir}'
+    spec = mnist_spec(args.data)
     output = Path(args.output)
     teacher_dir = output / 'teacher'
     teacher_config = dict(_common(args), model='vit_mnist', epochs=args.teacher_epochs, lr=args.lr)
     teacher_summary = _train(teacher_config, teacher_dir, spec)
     results = []
-    for i, row in enumerate(_rows(args, teacher_dir)):
+    for row in _rows(args, teacher_dir):
         run_dir = output / f"{row['kind']}_{row['keep']:g}"
         summary = _train(row['config'], run_dir, spec)
         model, _ = load_model(run_dir)

@@ -55,17 +55,12 @@ def student_only_parameters(student: nn.Module) -> set:
     """Names of the parameters a converted student adds to its dense teacher's: Sparsifiner's predictors
     (W_down, W_up, the q/k reductions) and Linformer's E, F. Every other weight must come from the teacher."""
     from ..layers.attention.linformer import LinformerAttention
-    from ..layers.attention.sparsifiner import SparsifinerAttention
-    parts = {SparsifinerAttention: ('basis', 'predictor_q', 'predictor_k'), LinformerAttention: ('seq_proj',)}
-    names = set()
+    from ..models.sparsifiner import predictor_parameter_names
+    names = predictor_parameter_names(student)
     for prefix, module in student.named_modules():
-        for cls, owned in parts.items():
-            if isinstance(module, cls):
-                for part in owned:
-                    sub = getattr(module, part, None)
-                    if sub is not None:
-                        names |= {f"{prefix}.{part}.{n}" if prefix else f"{part}.{n}"
-                                  for n, _ in sub.named_parameters()}
+        if isinstance(module, LinformerAttention):
+            owner = f"{prefix}.seq_proj" if prefix else 'seq_proj'
+            names |= {f"{owner}.{n}" for n, _ in module.seq_proj.named_parameters()}
     return names
 
 
