@@ -155,3 +155,29 @@ def test_harness_imports_nothing_heavy():
             'heavy = [m for m in ("torch", "numpy", "matplotlib", "timm") if m in sys.modules]; '
             'assert not heavy, heavy')
     subprocess.run([sys.executable, '-c', code], check=True)
+
+
+def test_paired_ratios_rotate_the_order_and_rate_each_round_against_the_reference(monkeypatch):
+    """A fake clock: 'a' takes 2 units, 'b' 1 unit except in one slow round (4 units). Each round's ratio
+    is a/b of that round, so b's median ratio is 2 (the slow round is an outlier, not a shift), and the
+    order of the calls rotates from round to round."""
+    from structformer.bench import harness
+    clock, order = [0.0], []
+    cost = {'a': [2, 2, 2, 2, 2, 2], 'b': [1, 1, 4, 1, 1, 1]}
+
+    def make(label):
+        def call():
+            order.append(label)
+            if len(order) > 2 * 2:                              # past the 2 warm-up calls each
+                clock[0] += cost[label].pop(0)
+        return call
+    monkeypatch.setattr(harness.time, 'perf_counter', lambda: clock[0])
+    result = harness.paired_ratios({'a': make('a'), 'b': make('b')}, 'a', rounds=6)
+    assert order[4:8] == ['a', 'b', 'b', 'a']
+    assert result['a']['ratio'] == 1.0 and result['b']['ratio'] == 2.0
+    assert result['b']['median_s'] == 1.0 and result['b']['rounds'] == 6
+    assert result['b']['ratio_q1'] <= 2.0 <= result['b']['ratio_q3']
+    with pytest.raises(ValueError, match="reference 'c'"):
+        harness.paired_ratios({'a': make('a')}, 'c', rounds=1)
+    with pytest.raises(ValueError, match='rounds must be >= 1'):
+        harness.paired_ratios({'a': make('a')}, 'a', rounds=0)

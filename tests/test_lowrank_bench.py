@@ -16,7 +16,9 @@ def test_bench_lowrank_tiny_run_writes_consistent_ratios(tmp_path, capsys):
     assert set(layer) == {'dense nn.Linear', 'FactorizedLinear r=4 (0.25)', 'two nn.Linear r=4 (0.25)'}
     fact = layer['FactorizedLinear r=4 (0.25)']
     assert fact['flop_ratio'] == pytest.approx(16 * 64 / (4 * 80))          # mn / r(m + n)
+    # one paired round: the speed-up is that round's dense / factorised time, and its quartiles collapse on it
     assert fact['speedup'] == pytest.approx(layer['dense nn.Linear']['step_s'] / fact['step_s'])
+    assert fact['speedup_q1'] == fact['speedup'] == fact['speedup_q3']
     assert fact['params'] == 4 * 80 + 64
     # memory: 3 x parameter bytes (weights, grads, momentum) + saved activations (h: tokens x r, float32)
     assert fact['memory_mib'] * 2 ** 20 == 3 * 4 * fact['params'] + 4 * 32 * 4

@@ -74,15 +74,16 @@ def test_mssa_picks_the_shared_backward_only_where_it_applies(monkeypatch):
     from structformer.layers.attention import mssa
     calls = []
     monkeypatch.setattr(mssa, 'shared_qkv_attention', lambda w, s: calls.append(1) or shared_qkv_attention(w, s))
-    layer = mssa.MSSA(16, num_heads=2)
+    layer = mssa.MSSA(16, num_heads=2, ssa_impl='shared')
     x = torch.randn(2, 5, 16)
     layer(x).sum().backward()
-    assert calls == [1]                                    # auto on a CPU, with a backward to come
+    assert calls == [1]                                    # 'shared', with a backward to come
     with torch.no_grad():
         layer(x)
     layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool)).sum().backward()
     mssa.MSSA(16, num_heads=2, ssa_impl='sdpa')(x).sum().backward()
-    assert calls == [1]                                    # no grad, a mask, or 'sdpa': SDPA
+    mssa.MSSA(16, num_heads=2)(x).sum().backward()
+    assert calls == [1]                                    # no grad, a mask, 'sdpa' or the default: SDPA
     with pytest.raises(ValueError, match="ssa_impl='flash'"):
         mssa.MSSA(16, num_heads=2, ssa_impl='flash')
 

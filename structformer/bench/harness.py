@@ -1,7 +1,8 @@
 """The bench harness every benchmark and reproduction shares, so a sweep file holds only its sweep.
 
 - `measure_in_subprocess` / `python_json`: run one measurement in a fresh Python, read its JSON back.
-- `median_seconds`: the timer (warm-up, median, CUDA-synchronised).
+- `median_seconds`: the timer (warm-up, median, CUDA-synchronised); `paired_ratios`: speed ratios from
+  calls taken back to back, for machines whose speed drifts.
 - `PeakMemory`, `peak_rss_mib`, `reset_peak_rss`, `saved_tensor_bytes`: memory readers.
 - `environment`: the machine and library versions a number was measured with.
 - `write_json`, `write_text`, `write_png`: outputs written atomically (a temporary file in the same
@@ -119,6 +120,41 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device='
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2) -> dict:
+    """Speed ratios of callables timed back to back: each round calls every one of `calls` ({label: fn})
+    once, in an order rotated from round to round, and records time(reference) / time(label) for that
+    round. Returns {label: {'median_s', 'ratio', 'ratio_q1', 'ratio_q3', 'rounds'}}: the median step time,
+    and the median and quartiles of the per-round ratios.
+
+    Why pairs: on a shared machine the speed of the same code drifts by tens of percent from one second
+    to the next (a 1024³ matmul took 30–53 ms in consecutive seconds on this project's 2-core machine),
+    so two medians taken minutes apart can disagree by more than the effect measured, while two calls
+    taken within seconds of each other mostly see the same machine. Calls are not synchronised with a
+    device: CPU only."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if reference not in calls:
+        raise ValueError(f"reference {reference!r} is not one of the calls: {', '.join(calls)}")
+    labels = list(calls)
+    for label in labels:
+        for _ in range(warmup):
+            calls[label]()
+    times = {label: [] for label in labels}
+    for round_index in range(rounds):
+        shift = round_index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            start = time.perf_counter()
+            calls[label]()
+            times[label].append(time.perf_counter() - start)
+    result = {}
+    for label in labels:
+        ratios = sorted(r / t for r, t in zip(times[reference], times[label]))
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method='inclusive') if len(ratios) > 1 else ratios * 3
+        result[label] = {'median_s': statistics.median(times[label]), 'ratio': statistics.median(ratios),
+                         'ratio_q1': q1, 'ratio_q3': q3, 'rounds': rounds}
+    return result
 
 
 # ---- memory -----------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """`structformer bench lowrank`: training-step time and memory of dense vs factorised layers (seed 004).
 
-Two parts, each a set of candidates timed interleaved over `--rounds` rounds (the best median of each
-kept), so every ratio printed comes from numbers taken in this one run on this machine:
+Two parts, each a set of candidates whose training steps are timed back to back, `--rounds` × `--steps`
+rounds after 2 warm-up steps each (`harness.paired_ratios`): a speed-up is the median of the per-round
+ratios dense / candidate (quartiles beside it), which a machine whose speed drifts moves far less than a
+ratio of medians taken apart:
 
 1. One layer, `--in-features` → `--out-features` on `--tokens` tokens: nn.Linear, FactorizedLinear at
    each rank, and at each rank the naive factorisation as two plain nn.Linear layers. A training step is
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from .harness import environment, median_seconds, write_json
+from .harness import environment, paired_ratios, write_json
 
 EXAMPLES = """examples:
   structformer bench lowrank                                   # the goals: 1024x4096 layer, ViT-S stack
@@ -36,8 +38,8 @@ def add_arguments(p):
                    help='fractions of min(m, n) (0.1 0.25 0.5)')
     p.add_argument('--depth', type=int, default=12, help='ViT-S blocks in the stack (12); 0 skips the stack')
     p.add_argument('--batch-size', type=int, default=8, help='images of 197 tokens through the stack (8)')
-    p.add_argument('--steps', type=int, default=5, help='timed steps per measurement, after 2 warm-up steps')
-    p.add_argument('--rounds', type=int, default=3, help='interleaved rounds; the best median of each is kept')
+    p.add_argument('--steps', type=int, default=5, help='paired rounds = --rounds x --steps, after 2 warm-up steps (5)')
+    p.add_argument('--rounds', type=int, default=3, help='see --steps (3)')
     p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
 
@@ -136,22 +138,23 @@ def _stack_candidates(args):
 
 
 def _measure(candidates, args, part: str):
-    """Interleaved rounds: each candidate's time is the best of its per-round medians."""
-    best = {}
-    for round_index in range(args.rounds):
-        for label, _, module, _, inputs in candidates:
-            module.train()
-            seconds = median_seconds(_step_fn(module, inputs), args.steps, 2, 'cpu')
-            best[label] = min(seconds, best.get(label, float('inf')))
-        print(f"{part}: round {round_index + 1}/{args.rounds} measured", file=sys.stderr, flush=True)
+    """Every candidate's training step timed back to back, `--rounds` × `--steps` rounds
+    (`harness.paired_ratios`): the step time is the median, the speed-up the median per-round ratio to
+    dense, with its quartiles."""
+    for _, _, module, _, _ in candidates:
+        module.train()
+    steps = {label: _step_fn(module, inputs) for label, _, module, _, inputs in candidates}
+    paired = paired_ratios(steps, candidates[0][0], args.rounds * args.steps)
+    print(f"{part}: {args.rounds * args.steps} paired rounds measured", file=sys.stderr, flush=True)
     rows = []
     for label, frac, module, macs, inputs in candidates:
-        rows.append({'label': label, 'rank': frac, 'step_s': best[label], 'macs': macs,
+        rows.append({'label': label, 'rank': frac, 'step_s': paired[label]['median_s'], 'macs': macs,
                      'params': sum(p.numel() for p in module.parameters()),
-                     'memory_mib': _memory_bytes(module, inputs) / 2 ** 20})
+                     'memory_mib': _memory_bytes(module, inputs) / 2 ** 20,
+                     'speedup': paired[label]['ratio'], 'speedup_q1': paired[label]['ratio_q1'],
+                     'speedup_q3': paired[label]['ratio_q3']})
     dense = rows[0]
     for row in rows:
-        row['speedup'] = dense['step_s'] / row['step_s']
         row['flop_ratio'] = dense['macs'] / row['macs']
         row['memory_ratio'] = row['memory_mib'] / dense['memory_mib']
     return rows
@@ -160,11 +163,12 @@ def _measure(candidates, args, part: str):
 def _print(title: str, rows) -> None:
     print(f"\n{title}")
     width = max(len(r['label']) for r in rows)
-    print(f"{'':<{width}}  {'params':>9}  {'step ms':>9}  {'speed-up':>8}  {'FLOP ratio':>10}  "
+    print(f"{'':<{width}}  {'params':>9}  {'step ms':>9}  {'speed-up':>8}  {'quartiles':>11}  {'FLOP ratio':>10}  "
           f"{'memory MiB':>10}  {'memory ratio':>12}")
     for r in rows:
+        quartiles = f"{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}"
         print(f"{r['label']:<{width}}  {r['params'] / 1e6:>8.2f}M  {r['step_s'] * 1e3:>9.1f}  {r['speedup']:>7.2f}x  "
-              f"{r['flop_ratio']:>9.2f}x  {r['memory_mib']:>10.1f}  {r['memory_ratio']:>12.2f}")
+              f"{quartiles:>11}  {r['flop_ratio']:>9.2f}x  {r['memory_mib']:>10.1f}  {r['memory_ratio']:>12.2f}")
 
 
 def _goal(rows, part: str):
@@ -187,7 +191,7 @@ def run(args) -> int:
     layer_rows = _measure(_layer_candidates(args), args, 'layer')
     stack_rows = _measure(_stack_candidates(args), args, 'stack') if args.depth else []
     print(f"\n{env['cpu']}, {env['threads']} threads, torch {env['torch']}; training step = forward + backward "
-          f"(input grad included) + SGD momentum; best of {args.rounds} rounds of the median of {args.steps} steps")
+          f"(input grad included) + SGD momentum; speed-up: median of {args.rounds * args.steps} back-to-back rounds")
     _print(f"one layer {args.in_features} -> {args.out_features}, {args.tokens} tokens", layer_rows)
     if stack_rows:
         _print(f"ViT-S block stack: {args.depth} blocks, {args.batch_size} x 197 tokens, every linear factorised",

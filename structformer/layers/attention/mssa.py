@@ -27,10 +27,13 @@ class MSSA(nn.Module):
     as the projection (App. B.4 "compression-inspired attention"); `eps` sets ε.
     The softmax scale dim_head^-0.5 is kept in both (Eq. 11 writes none; the code uses it).
 
-    `ssa_impl` picks how SSA runs when a backward will follow: 'shared' uses the backward that
-    knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p products instead of five, at the
-    cost of keeping the N×N weights), 'sdpa' torch's fused attention, 'auto' the first on a CPU and
-    the second elsewhere. Without grad, with a mask, causal or with attention dropout, SDPA runs.
+    `ssa_impl` picks how SSA runs when a backward will follow: 'sdpa' torch's fused attention,
+    'shared' the backward that knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p
+    products instead of five, at the cost of keeping the N×N weights), 'auto' (default) SDPA: in
+    paired step-by-step timings on a 2-core CPU the fused kernel was the faster of the two (its five
+    products cost less than the shared path's N×N elementwise passes, the transposed sum dS + dSᵀ
+    above all) and it keeps no N×N weights; see docs/benchmarks.md. Without grad, with a mask,
+    causal or with attention dropout, SDPA runs whatever `ssa_impl` says.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, attn_head_dim: Optional[int] = None,
@@ -74,7 +77,7 @@ class MSSA(nn.Module):
             return False
         if not w.requires_grad or (self.training and self.attn_drop.p > 0):
             return False
-        return self.ssa_impl == 'shared' or w.device.type == 'cpu'
+        return self.ssa_impl == 'shared'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False, grid_size=None) -> torch.Tensor:
