@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from structformer.bench.sparse_attention import add_arguments, run as run_bench
+from structformer.bench.sparse_attention import add_arguments, goal, run as run_bench
+from structformer.bench.sparse_flops import dense_mhsa_flops
 from structformer.cli import main
 from structformer.functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, block_sparse_attention,
                                                  budget, connectivity_scores, low_rank_attention, masked_attention,
@@ -78,10 +79,30 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     assert header.split() == ['n', 'keep', 'B', 'path', 'ms', 'vs', 'SDPA', 'FLOPs', 'vs', 'dense', 'note']
     assert 'goal: at n=577 keep 0.25, fastest CPU path ≤ 0.6× dense SDPA: n/a' in text
     rows = json.loads(out.read_text())['rows']
-    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'dense SDPA']
+    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'dense SDPA',
+                                         'block-gather core', 'dense SDPA core']
     for r in rows:
         assert r['ms'] > 0 and r['vs_dense'] > 0 and r['flops_vs_dense'] > 0
     assert rows[1]['flops_vs_dense'] == rows[0]['flops_vs_dense']          # the same sparse count
+    # the attention-alone count is the module's count less the projections both modules run
+    n, dim = 20, 16
+    dense, projections = dense_mhsa_flops(n, dim, 2, 8), 2 * n * dim * 3 * dim + 2 * n * dim * dim
+    module, core = rows[3]['flops_vs_dense'], rows[5]['flops_vs_dense']
+    assert module * dense == pytest.approx(projections + core * (dense - projections))
+    assert rows[6]['vs_dense'] == 1.0 and rows[6]['flops_vs_dense'] == 1.0
+
+
+def test_goal_judges_the_module_and_reports_the_attention_alone():
+    base = {'tokens': 577, 'keep': 0.25, 'keys': 145, 'note': ''}
+    rows = [dict(base, path='masked', ms=30.0, vs_dense=3.0, flops_vs_dense=0.81),
+            dict(base, path='block-gather', ms=10.0, vs_dense=1.0, flops_vs_dense=0.69),
+            dict(base, path='dense SDPA', ms=10.0, vs_dense=1.0, flops_vs_dense=1.0),
+            dict(base, path='block-gather core', ms=2.5, vs_dense=0.5, flops_vs_dense=0.3),
+            dict(base, path='dense SDPA core', ms=5.0, vs_dense=1.0, flops_vs_dense=1.0)]
+    verdict = goal(rows, train=False)
+    assert verdict['path'] == 'block-gather' and verdict['ratio'] == 1.0 and not verdict['met']
+    assert verdict['core_ratio'] == 0.5 and verdict['core_met']
+    assert 'not met (1.00×, block-gather)' in verdict['line'] and 'block-gather 0.50× SDPA, within 0.6×' in verdict['line']
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import UsageError
-from .harness import environment, median_seconds, write_json
+from .harness import environment, median_seconds, paired_ratios, write_json
 
 PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather')
 GOAL = (577, 0.25, 0.6)                  # at n = 577, keep 0.25: fastest path ≤ 0.6 × dense SDPA
@@ -205,13 +205,44 @@ def measure(args) -> list:
                                  flops_vs_dense=flops['sparse'] / flops['dense'], nnz=flops['nnz'], note=note))
             rows.append(dict(base, path='dense SDPA', ms=dense_s * 1e3, vs_dense=1.0,
                              flops_vs_dense=1.0 if dense_flops else None, note=''))
+            if 'block-gather' in args.paths and not args.train:
+                _configure(layer, 'block-gather', keep)
+                rows += _core_rows(layer, x, base, args)
             print(f"measured n={n} keep={keep:g}", file=sys.stderr, flush=True)
     return rows
 
 
+def _core_rows(layer, x, base: dict, args) -> list:
+    """The attention operation alone, projections excluded: `block_sparse_attention` (predictor included)
+    against `F.scaled_dot_product_attention` on the same q, k, v, timed back to back
+    (`harness.paired_ratios`, `--repeats` rounds). The projections are the same dense GEMMs in both
+    modules (at n = 577 they are 0.57 of dense MHSA FLOPs), so this is the part a sparse path can shorten."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..functional.sparsifiner import block_sparse_attention
+    with torch.no_grad():
+        q, k, v = layer.project(x)
+    calls = {
+        'dense SDPA core': lambda: F.scaled_dot_product_attention(q, k, v),
+        'block-gather core': lambda: block_sparse_attention(
+            q, k, v, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold, layer.keep_ratio,
+            layer.block_size, int(layer.dense_cls_row)),
+    }
+    with torch.no_grad():
+        paired = paired_ratios(calls, 'dense SDPA core', args.repeats, args.warmup)
+    counts = _block_gather_flops(layer, x[:1].detach())
+    core_flops = (counts['sparse'] - counts['projections']) / (counts['dense'] - counts['projections'])
+    note = 'attention alone (projections excluded), paired with SDPA alone'
+    return [dict(base, path='block-gather core', ms=paired['block-gather core']['median_s'] * 1e3,
+                 vs_dense=1 / paired['block-gather core']['ratio'], flops_vs_dense=core_flops, note=note),
+            dict(base, path='dense SDPA core', ms=paired['dense SDPA core']['median_s'] * 1e3, vs_dense=1.0,
+                 flops_vs_dense=1.0, note='')]
+
+
 def goal(rows, train: bool) -> dict:
     n, keep, limit = GOAL
-    timed = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] != 'dense SDPA'
+    timed = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] in PATHS
              and r.get('ms') is not None]
     if not timed:
         return {'line': f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: n/a "
@@ -219,9 +250,17 @@ def goal(rows, train: bool) -> dict:
     best = min(timed, key=lambda r: r['vs_dense'])
     met = best['vs_dense'] <= limit
     mode = ' [measured with --train; the goal is stated for inference]' if train else ''
-    return {'path': best['path'], 'ratio': best['vs_dense'], 'met': met,
-            'line': f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: "
-                    f"{'met' if met else 'not met'} ({best['vs_dense']:.2f}×, {best['path']}){mode}"}
+    line = (f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: "
+            f"{'met' if met else 'not met'} ({best['vs_dense']:.2f}×, {best['path']}){mode}")
+    verdict = {'path': best['path'], 'ratio': best['vs_dense'], 'met': met}
+    core = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] == 'block-gather core']
+    if core:
+        c = core[0]
+        verdict.update(core_ratio=c['vs_dense'], core_met=c['vs_dense'] <= limit)
+        line += (f"\n      attention alone (predictor included, projections excluded): block-gather "
+                 f"{c['vs_dense']:.2f}× SDPA, {'within' if c['vs_dense'] <= limit else 'above'} {limit}×; whole module: "
+                 f"the sparse FLOPs alone are {best['flops_vs_dense']:.2f}× dense")
+    return dict(verdict, line=line)
 
 
 def format_table(rows) -> str:
