@@ -264,12 +264,12 @@ def goal(rows, train: bool) -> dict:
 
 
 def format_table(rows) -> str:
-    lines = [f"{'n':>5} {'keep':>5} {'B':>5} {'path':<13} {'ms':>9} {'vs SDPA':>8} {'FLOPs vs dense':>14}  note"]
+    lines = [f"{'n':>5} {'keep':>5} {'B':>5} {'path':<17} {'ms':>9} {'vs SDPA':>8} {'FLOPs vs dense':>14}  note"]
     for r in rows:
         ms = f"{r['ms']:>9.2f}" if r.get('ms') is not None else f"{'-':>9}"
         ratio = f"{r['vs_dense']:>7.2f}×" if r.get('vs_dense') is not None else f"{'-':>8}"
         fl = f"{r['flops_vs_dense']:>13.2f}×" if r.get('flops_vs_dense') is not None else f"{'-':>14}"
-        lines.append(f"{r['tokens']:>5} {r['keep']:>5g} {r['keys']:>5} {r['path']:<13} {ms} {ratio} {fl}  {r['note']}")
+        lines.append(f"{r['tokens']:>5} {r['keep']:>5g} {r['keys']:>5} {r['path']:<17} {ms} {ratio} {fl}  {r['note']}")
     return '\n'.join(lines)
 
 
