@@ -103,7 +103,8 @@ def test_phase_validation():
 def test_ddp_two_processes_end_with_identical_weights(tmp_path):
     out = tmp_path / 'ddp'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_port=29517',
+    # --standalone: the rendezvous takes a free local port (a fixed one fails when another job holds it)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
            '-m', 'structformer', 'train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '2',
            '--warmup-epochs', '0', '--limit-train-batches', '4', '--output', str(out), '--no-progress',
            '--model-kwargs', 'drop_rate=0.1']
