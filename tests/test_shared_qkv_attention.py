@@ -82,8 +82,15 @@ def test_mssa_picks_the_shared_backward_only_where_it_applies(monkeypatch):
         layer(x)
     layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool)).sum().backward()
     mssa.MSSA(16, num_heads=2, ssa_impl='sdpa')(x).sum().backward()
-    mssa.MSSA(16, num_heads=2)(x).sum().backward()
-    assert calls == [1]                                    # no grad, a mask, 'sdpa' or the default: SDPA
+    assert calls == [1]                                    # no grad, a mask, or 'sdpa': SDPA
+    auto = mssa.MSSA(16, num_heads=2)
+    auto(x).sum().backward()
+    assert calls == [1, 1]                                 # auto, CPU, 5 tokens: the shared backward
+    long = torch.randn(1, mssa.SHARED_BACKWARD_MAX_TOKENS, 16)
+    auto(long).sum().backward()
+    assert calls == [1, 1]                                 # auto, CPU, from the cut on: SDPA
+    auto(long[:, 1:]).sum().backward()
+    assert calls == [1, 1, 1]
     with pytest.raises(ValueError, match="ssa_impl='flash'"):
         mssa.MSSA(16, num_heads=2, ssa_impl='flash')
 

@@ -11,8 +11,9 @@ Q = K = V = W the gradient has a shorter form. Writing P = softmax(S), S = s·W 
 and rowsum(dP ⊙ P) = rowsum(G ⊙ O) (an N×p product instead of N×N). That is three N×N×p products
 in the backward instead of five. The price is keeping P (N×N per head) for the backward, which a
 flash kernel does not, and N×N elementwise passes (dS and the transposed sum dS + dSᵀ) that a fused
-kernel avoids; on the CPUs measured (docs/benchmarks.md) those passes cost more than the two products
-saved, so `structformer.layers.attention.mssa.MSSA` runs it only when asked (`ssa_impl='shared'`).
+kernel avoids. On the CPU measured (docs/benchmarks.md) it wins for short sequences and those passes
+outweigh the two saved products from about N = 128 on, so `structformer.layers.attention.mssa.MSSA`
+runs it by default only below that (`ssa_impl='auto'`), or whenever asked (`ssa_impl='shared'`).
 """
 import torch
 

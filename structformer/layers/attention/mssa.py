@@ -15,6 +15,9 @@ from .registry import register_attention
 
 # how SSA runs when a backward follows (see MSSA)
 SSA_IMPLS = ('auto', 'shared', 'sdpa')
+# 'auto' on a CPU: the shared-QKV backward below this many tokens, SDPA from it (measured crossover
+# between N = 101 and N = 145; see MSSA's docstring)
+SHARED_BACKWARD_MAX_TOKENS = 128
 
 
 @register_attention('mssa')
@@ -29,11 +32,14 @@ class MSSA(nn.Module):
 
     `ssa_impl` picks how SSA runs when a backward will follow: 'sdpa' torch's fused attention,
     'shared' the backward that knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p
-    products instead of five, at the cost of keeping the N×N weights), 'auto' (default) SDPA: in
-    paired step-by-step timings on a 2-core CPU the fused kernel was the faster of the two (its five
-    products cost less than the shared path's N×N elementwise passes, the transposed sum dS + dSᵀ
-    above all) and it keeps no N×N weights; see docs/benchmarks.md. Without grad, with a mask,
-    causal or with attention dropout, SDPA runs whatever `ssa_impl` says.
+    products instead of five, at the cost of keeping the N×N weights), 'auto' (default) the shared
+    backward on a CPU for sequences shorter than `SHARED_BACKWARD_MAX_TOKENS` and SDPA otherwise.
+    Why the cut: timed back to back on a 2-core CPU (SSA forward + backward, head widths 16–64),
+    the shared backward is 1.4–3× faster at N = 17–50, even at N ≈ 100, and SDPA 1.2–2.2× faster
+    from N = 145 (CRATE-T's N = 197 included): past that the shared path's N×N elementwise passes
+    (the transposed sum dS + dSᵀ above all) cost more than the two products it saves; see
+    docs/benchmarks.md. Without grad, with a mask, causal or with attention dropout, SDPA runs
+    whatever `ssa_impl` says.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, attn_head_dim: Optional[int] = None,
@@ -77,7 +83,9 @@ class MSSA(nn.Module):
             return False
         if not w.requires_grad or (self.training and self.attn_drop.p > 0):
             return False
-        return self.ssa_impl == 'shared'
+        if self.ssa_impl == 'shared':
+            return True
+        return w.device.type == 'cpu' and w.shape[-2] < SHARED_BACKWARD_MAX_TOKENS
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False, grid_size=None) -> torch.Tensor:
