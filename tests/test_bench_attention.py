@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from structformer.bench.attention import add_arguments as add_attention_bench_arguments, build_layer, grid_for, run as run_attention_bench
+from structformer.bench.attention import add_arguments as add_attention_bench_arguments, build_layer, goal_ratios, grid_for, run as run_attention_bench
 from structformer.bench.flops import counted_flops, linear_flops, softmax_flops
 
 
@@ -60,6 +60,7 @@ def test_flop_counter_matches_softmax_formula(n):
     (['--repeats', '0'], '--repeats'),
     (['--landmarks', '100', '--base-tokens', '64'], '--landmarks'),
     (['--max-quadratic-gib', '0'], '--max-quadratic-gib'),
+    (['--pairs', '-1'], '--pairs'),
 ])
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
@@ -89,3 +90,36 @@ def test_compiled_columns_beside_eager(tmp_path, capsys):
     (row,) = json.loads(out.read_text())['rows']
     assert row['forward_ms_compiled'] > 0 and row['forward_backward_ms_compiled'] > 0 and row['compile_s'] > 0
     assert 'fwd ms (c)' in capsys.readouterr().out
+
+
+def test_goal_b_is_judged_on_the_paired_ratio(tmp_path, capsys):
+    """--pairs times every attention's forward at the largest n back to back (SDPA the reference, first);
+    goal (b) then reports the paired median, and the sweep's ratio of medians beside it."""
+    out = tmp_path / 'attention.json'
+    args = _args('--base-tokens', '64', '--multipliers', '1', '4', '--attn', 'soft', 'softmax', '--landmarks', '16',
+                 '--repeats', '1', '--warmup', '0', '--in-process', '--pairs', '3', '--output', str(out))
+    assert run_attention_bench(args) == 0
+    result = json.loads(out.read_text())
+    paired = result['paired']
+    assert paired['tokens'] == 256 and paired['reference'] == 'softmax'
+    assert list(paired['ratios']) == ['softmax', 'soft']
+    assert paired['ratios']['softmax']['ratio'] == 1.0 and paired['ratios']['soft']['rounds'] == 3
+    soft = paired['ratios']['soft']
+    assert soft['ratio_q1'] <= soft['ratio'] <= soft['ratio_q3'] and soft['median_s'] > 0
+    goal = result['goals']['sdpa_over_soft_forward_time']
+    assert goal['source'] == 'paired' and goal['ratio'] == soft['ratio']
+    rows = {(r['attention'], r['tokens']): r for r in result['rows']}
+    assert goal['sweep_ratio'] == pytest.approx(rows[('softmax', 256)]['forward_ms'] / rows[('soft', 256)]['forward_ms'])
+    assert 'paired forward at 256 tokens' in capsys.readouterr().out
+
+
+def test_goal_b_falls_back_to_sweep_medians_without_pairs():
+    rows = [{'attention': a, 'tokens': 12544, 'forward_ms': ms, 'skipped': False} for a, ms in
+            (('softmax', 400.0), ('soft', 8.0))]
+    sweep = goal_ratios(rows, ['softmax', 'soft'])['sdpa_over_soft_forward_time']
+    assert sweep['source'] == 'sweep medians' and sweep['ratio'] == 50.0 and sweep['pass']
+    paired = {'tokens': 12544, 'reference': 'softmax',
+              'ratios': {'softmax': {'ratio': 1.0}, 'soft': {'ratio': 35.0, 'ratio_q1': 33.0, 'ratio_q3': 37.0}}}
+    judged = goal_ratios(rows, ['softmax', 'soft'], paired)['sdpa_over_soft_forward_time']
+    assert judged['source'] == 'paired' and judged['ratio'] == 35.0 and not judged['pass']
+    assert judged['sweep_ratio'] == 50.0 and judged['quartiles'] == [33.0, 37.0]
