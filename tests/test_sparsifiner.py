@@ -216,3 +216,25 @@ def test_block_connectivity_tile_gather_equals_the_masked_block_path(n):
     torch.testing.assert_close(out_g, out_m)
     for a, b in zip(grad_g, grad_m):
         torch.testing.assert_close(a, b)
+
+
+def test_registered_models_have_every_parameter_at_construction():
+    """timm.create_model gives W_down, W_up their shape at once (n = patches + cls at the model's img_size),
+    so an optimiser built right away trains the predictor; only a dynamic image size leaves them lazy."""
+    from torch.nn.parameter import UninitializedParameter
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                        # no lazy-parameter warning, now or at forward
+        model = timm.create_model('sparsifiner_digits')
+        bigger = timm.create_model('sparsifiner_digits', img_size=16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 1, 8, 8)).sum().backward()
+    assert not any(isinstance(p, UninitializedParameter) for p in model.parameters())
+    assert model.blocks[0].attn.basis.w_down.shape == (8, 17)      # 4×4 patches + cls
+    assert bigger.blocks[0].attn.basis.w_up.shape == (8, 65)       # 8×8 patches + cls
+    optimised = {id(p) for group in optimizer.param_groups for p in group['params']}
+    assert id(model.blocks[0].attn.basis.w_down) in optimised
+    dynamic = timm.create_model('sparsifiner_digits', dynamic_img_size=True)
+    assert isinstance(dynamic.blocks[0].attn.basis.w_down, UninitializedParameter)
+    converted = sparsify(timm.create_model('vit_digits', dynamic_img_size=True))      # sparsify sees it too
+    assert isinstance(converted.blocks[0].attn.basis.w_up, UninitializedParameter)
+    assert sparsify(timm.create_model('vit_digits')).blocks[0].attn.basis.w_up.shape == (32, 17)

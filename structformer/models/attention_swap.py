@@ -27,7 +27,8 @@ def token_count(model: nn.Module) -> Optional[int]:
     is dynamic (layers with per-token parameters are then shaped at the first forward)."""
     embed = getattr(model, 'patch_embed', None)
     patches = getattr(embed, 'num_patches', None)
-    if patches is None or getattr(embed, 'dynamic_img_size', False):
+    # timm keeps the flag on the model (PatchEmbed only relaxes its size check)
+    if patches is None or getattr(model, 'dynamic_img_size', False) or getattr(embed, 'dynamic_img_size', False):
         return None
     return patches + getattr(model, 'num_prefix_tokens', 0)
 

@@ -15,7 +15,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import swap_attention
+from .attention_swap import swap_attention, token_count
 from .base import SMALL_IMAGE_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -96,8 +96,23 @@ _MNIST = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=9
 def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> SparsifinerViT:
     args = dict(defaults, **kwargs)
     layer = {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}
-    args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # n from the first forward: any img_size
-    return create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
+    args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # timm's Block does not pass n
+    model = create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
+    materialize_predictors(model)
+    return model
+
+
+def materialize_predictors(model: nn.Module) -> nn.Module:
+    """Shape every predictor's W_down, W_up for the model's token count now (patches + prefix tokens at
+    its img_size), so that `model.parameters()` is complete before an optimiser is built. With
+    `dynamic_img_size=True` the count is unknown and they stay lazy (shaped at the first forward)."""
+    num_tokens = token_count(model)
+    if num_tokens is not None:
+        device = model.patch_embed.proj.weight.device
+        for module in model.modules():
+            if isinstance(module, SparsifinerAttention):
+                module.basis.materialize(num_tokens, device=device)
+    return model
 
 
 @register_model

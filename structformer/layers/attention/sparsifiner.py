@@ -77,14 +77,23 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
         nn.init.normal_(self.w_down, std=self.w_down.shape[-1] ** -0.5)
         nn.init.normal_(self.w_up, std=self.n_down ** -0.5)
 
+    def materialize(self, num_tokens: int, device=None) -> bool:
+        """Create W_down, W_up for `num_tokens` tokens now and initialise them; False (and nothing changed)
+        when they already exist. Registered models call it at construction, where n is known."""
+        if not self.has_uninitialized_params():
+            return False
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        with torch.no_grad():
+            self.w_down.materialize((self.n_down, num_tokens), device=device)
+            self.w_up.materialize((self.n_down, num_tokens), device=device)
+        self.reset_parameters()
+        drop_lazy_hooks(self)
+        return True
+
     def initialize_parameters(self, k: torch.Tensor, num_tokens: Optional[int] = None) -> None:
-        if self.has_uninitialized_params():
-            n = k.shape[-2] if num_tokens is None else num_tokens
-            with torch.no_grad():
-                self.w_down.materialize((self.n_down, n), device=k.device)
-                self.w_up.materialize((self.n_down, n), device=k.device)
-            self.reset_parameters()
-            drop_lazy_hooks(self)
+        n = k.shape[-2] if num_tokens is None else num_tokens
+        if self.materialize(n, device=k.device):
             warnings.warn(f"Sparsifiner W_down, W_up created at the first forward for seq_len={n}; build the "
                           "optimizer after one forward pass, or pass seq_len= at construction")
 
