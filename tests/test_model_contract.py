@@ -89,6 +89,31 @@ def test_forward_intermediates_follow_timm(name):
         torch.testing.assert_close(got[1], maps[-1])
 
 
+@pytest.mark.parametrize('name', MODELS)
+def test_features_only_with_default_out_indices(name):
+    """`features_only=True` alone (timm's default out_indices: the last 3 blocks, SOFT's last 4 stages) builds
+    and runs for every model, a variant shallower than that included; the predictors of a Sparsifiner
+    model are shaped at construction inside timm's wrapper too (no lazy-parameter warning)."""
+    import warnings
+    cfg = timm.get_pretrained_cfg(name)
+    size = cfg.test_input_size or cfg.input_size
+    kwargs = {'img_size': size[-1]} if cfg.test_input_size else {}
+    info = _small(name)[0].feature_info
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        features = timm.create_model(name, features_only=True, **kwargs).eval()
+        with torch.no_grad():
+            maps = features(torch.randn(1, *size))
+    last = 4 if name.startswith('soft') else 3
+    assert len(maps) == min(last, len(info))
+    assert features.feature_info.channels() == [e['num_chs'] for e in info][-len(maps):]
+
+
+def test_features_only_of_a_variant_made_shallow():
+    features = timm.create_model('crate_digits', depth=2, features_only=True)      # default asks for 3
+    assert len(features(torch.randn(1, 1, 8, 8))) == 2
+
+
 @pytest.mark.parametrize('name', ['crate_digits', 'soft_digits'])
 def test_grad_checkpointing_gives_the_same_gradients(name):
     torch.manual_seed(0)

@@ -103,10 +103,15 @@ SMALL_IMAGE_CFG = dict(mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='neare
 def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,
                  **kwargs) -> nn.Module:
     """timm's `build_model_with_cfg` with feature extraction through `forward_intermediates`
-    (`features_only=True`, `out_indices` default `default_out_indices`: an int takes the last n),
+    (`features_only=True`, `out_indices` default `default_out_indices`: an int takes the last n, at most
+    `depth` of them),
     refusing `pretrained=True`: no weights ship and nothing downloads."""
     if pretrained:
         raise ValueError(f"{variant}: no pretrained weights are shipped and nothing is downloaded; "
                          "pass pretrained=False or load a checkpoint with `structformer eval --checkpoint`")
+    depth = kwargs.get('depth')
+    if isinstance(default_out_indices, int) and isinstance(depth, int) and depth >= 1:
+        # "the last n blocks" cannot ask for more blocks than a shallow variant has (timm asserts)
+        default_out_indices = min(default_out_indices, depth)
     feature_cfg = dict(feature_cls='getter', out_indices=kwargs.pop('out_indices', default_out_indices))
     return build_model_with_cfg(cls, variant, pretrained=False, feature_cfg=feature_cfg, **kwargs)

@@ -106,9 +106,10 @@ def materialize_predictors(model: nn.Module) -> nn.Module:
     """Shape every predictor's W_down, W_up for the model's token count now (patches + prefix tokens at
     its img_size), so that `model.parameters()` is complete before an optimiser is built. With
     `dynamic_img_size=True` the count is unknown and they stay lazy (shaped at the first forward)."""
-    num_tokens = token_count(model)
+    vit = model if hasattr(model, 'patch_embed') else getattr(model, 'model', model)   # features_only: timm's wrapper
+    num_tokens = token_count(vit)
     if num_tokens is not None:
-        device = model.patch_embed.proj.weight.device
+        device = vit.patch_embed.proj.weight.device
         for module in model.modules():
             if isinstance(module, SparsifinerAttention):
                 module.basis.materialize(num_tokens, device=device)
