@@ -8,6 +8,7 @@ are the same modules); it is also the registered model transform 'sparsify', so 
 embedded data; `vit_digits`, `vit_mnist` are their dense counterparts (same weights but the predictors),
 the teachers of the two-stage distillation (`structformer train --teacher`, structformer.train.distill).
 """
+import torch
 from timm.models import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -110,9 +111,12 @@ def materialize_predictors(model: nn.Module) -> nn.Module:
     num_tokens = token_count(vit)
     if num_tokens is not None:
         device = vit.patch_embed.proj.weight.device
-        for module in model.modules():
-            if isinstance(module, SparsifinerAttention):
-                module.basis.materialize(num_tokens, device=device)
+        # drawn without advancing the global RNG, as `materialize_lazy`'s dry forward drew them before:
+        # the same seed gives the same initial weights and the same run as in runs recorded earlier
+        with torch.random.fork_rng(devices=[]):
+            for module in model.modules():
+                if isinstance(module, SparsifinerAttention):
+                    module.basis.materialize(num_tokens, device=device)
     return model
 
 
