@@ -212,7 +212,7 @@ def test_soft_scale_norm_uses_the_unfolded_order():
     # Two evaluation orders through a pseudo-inverse and a LayerNorm: in float32 they differ by rounding
     # that depends on the CPU's kernels, so compare the orders in float64 where rounding is negligible.
     torch.manual_seed(0)
-    layer = SoftAttention(8, num_heads=2, num_landmarks=4, scale_norm=True, norm_layer=torch.nn.LayerNorm).double()
+    layer = SoftAttention(8, num_heads=2, num_landmarks=4, sampling_ratio=2, scale_norm=True, norm_layer=torch.nn.LayerNorm).double()
     x = torch.randn(1, 16, 8, dtype=torch.float64)
     q, _, v = layer.project(x)                                    # norm sits between merge and proj: cannot fold
     heads = soft_attention(q, v, layer.landmarks(q), scale=layer.scale)
