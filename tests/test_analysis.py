@@ -295,5 +295,5 @@ def test_run_analyze_bad_input(tmp_path):
     vit_dir = tmp_path / 'vit'
     save_checkpoint(vit_dir, timm.create_model('test_vit'),
                     state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': 1, 'config': CONFIG}, with_rng=False)
-    with pytest.raises(ValueError, match='not CRATE'):
+    with pytest.raises(ValueError, match=r'not CRATE.*For other models: --cka CHECKPOINT, --interpolate CHECKPOINT'):
         run_analyze(_parse('--checkpoint', str(vit_dir)))

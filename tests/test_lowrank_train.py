@@ -113,3 +113,25 @@ def test_factorised_from_the_start_is_recorded_as_a_transform(tmp_path):
     model, state = load_model(tmp_path / 'run')
     assert state['recipe']['transforms'][0]['kwargs']['init'] == 'he'
     assert isinstance(model.blocks[0].mlp.fc1, nn.Module) and hasattr(model.blocks[0].mlp.fc1, 'factors')
+
+
+def test_analyze_reads_back_the_logged_ranks_and_spectra(tmp_path):
+    """`structformer analyze` on a low-rank run (not CRATE) writes spectra.json / spectra.png from the
+    effective ranks and singular values the engine logged: the same numbers, epoch by epoch."""
+    import argparse
+
+    from structformer.analysis.cli import add_analyze_arguments, run_analyze
+    train(_config(tmp_path, epochs=2, factorize_at=1), progress=False)
+    run = tmp_path / 'run'
+    parser = add_analyze_arguments(argparse.ArgumentParser())
+    assert run_analyze(parser.parse_args(['--checkpoint', str(run)])) == 0
+    summary = json.loads((run / 'analysis' / 'spectra.json').read_text())
+    logged = _metrics(run)
+    assert summary['epochs'] == [1, 2] and summary['last_epoch'] == 2
+    layer = 'blocks.0.mlp.fc1'
+    assert summary['effective_rank'][layer] == [m['effective_rank'][layer] for m in logged]
+    assert summary['effective_rank_mean'][0] is None                    # epoch 1 is dense: nothing factorised
+    assert summary['effective_rank_mean'][1] == logged[1]['effective_rank_mean'] > 0
+    assert summary['singular_values'][layer] == logged[-1]['singular_values'][layer]
+    assert len(summary['singular_values'][layer]) == 8                  # rank 0.25 of min(32, 128)
+    assert (run / 'analysis' / 'spectra.png').stat().st_size > 0

@@ -36,6 +36,9 @@ ANALYZE_EXAMPLES = """examples:
   # mini-batch CKA between the blocks of two models (Mixer paper Fig. 2)
   structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --num-samples 256
 
+  # a run trained with --rank (not CRATE): the per-layer effective ranks and spectra it logged, spectra.png
+  structformer analyze --checkpoint outputs/lowrank
+
   # loss / accuracy between a dense and a low-rank run (low-rank training Fig. 2)
   structformer analyze --checkpoint outputs/dense --interpolate outputs/lowrank --interpolate-steps 11
 
@@ -240,7 +243,13 @@ def run_analyze(args) -> int:
         try:
             check_crate(model)
         except ValueError as e:
-            raise ValueError(f"--checkpoint {p}: model {state.get('model')!r} is not CRATE: {e}") from None
+            if p is main_path:
+                from ..lowrank.run_spectra import run_spectra_analysis, spectra_history
+                if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
+                    return run_spectra_analysis(run, out)
+            raise ValueError(f"--checkpoint {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
+                             "models: --cka CHECKPOINT, --interpolate CHECKPOINT, and for runs trained with "
+                             "--rank the effective ranks and spectra they logged") from None
         loaded.append((model, state, p))
 
     config = loaded[0][1].get('config') or {}
