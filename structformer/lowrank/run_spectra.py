@@ -11,24 +11,19 @@ layer, each divided by its largest, on a log scale).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..bench.harness import write_json, write_png
+from ..train.run_dir import read_metrics
 
 
 def spectra_history(run: Optional[Path]) -> List[Dict]:
     """The metrics.jsonl records of `run` that carry effective ranks, in file order ([] when none)."""
-    if run is None or not (Path(run) / 'metrics.jsonl').is_file():
+    if run is None:
         return []
-    records = []
-    for line in (Path(run) / 'metrics.jsonl').read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if record.get('effective_rank'):
-                records.append(record)
-    return records
+    # the engine's reader: a torn last line of an interrupted run is dropped, not a JSON error
+    return [record for record in read_metrics(Path(run) / 'metrics.jsonl') if record.get('effective_rank')]
 
 
 def summarise(history: List[Dict]) -> Dict:
