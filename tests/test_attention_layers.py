@@ -12,7 +12,7 @@ from structformer.layers.attention.linformer import (LinformerAttention, linform
 from structformer.layers.attention.nystrom import NystromAttention, nystrom_attention, nystrom_attention_reference
 from structformer.layers.attention.performer import (PerformerAttention, orthogonal_random_features,
                                                      performer_attention, performer_attention_reference)
-from structformer.layers.attention.registry import get_attention, select_options
+from structformer.layers.attention.registry import ATTENTION_LAYERS, get_attention, select_options
 from structformer.layers.attention.soft import (SoftAttention, SoftPlusPlusAttention, exact_gaussian_attention,
                                                 soft_attention, soft_attention_reference)
 from structformer.layers.attention.softmax import (NaiveSoftmaxAttention, SoftmaxAttention,
@@ -116,6 +116,18 @@ def test_soft_lazy_conv_is_built_at_first_forward_and_trains():
     reloaded = SoftAttention(16, num_heads=2, num_landmarks=4)            # lazy weights load from a checkpoint
     reloaded.load_state_dict(layer.state_dict())
     assert reloaded.conv.kernel_size == 2
+
+
+@pytest.mark.parametrize('name', sorted(ATTENTION_LAYERS))
+@pytest.mark.parametrize('sizes, bad', [(dict(dim=0, num_heads=2), 'dim'), (dict(dim=8, num_heads=0), 'num_heads'),
+                                        (dict(dim=8, num_heads=-2), 'num_heads'),
+                                        (dict(dim=8, num_heads=2, attn_head_dim=-1), 'attn_head_dim'),
+                                        (dict(dim=8, num_heads=2, attn_head_dim=0), 'attn_head_dim')])
+def test_every_attention_names_a_bad_size(name, sizes, bad):
+    """Not a ZeroDivisionError, math domain error or torch shape error, and not a layer that builds and
+    fails at its first forward."""
+    with pytest.raises(ValueError, match=f'{bad} must be a positive integer'):
+        get_attention(name)(**sizes)
 
 
 def test_soft_bad_inputs():

@@ -130,6 +130,16 @@ def test_mm_step_is_eq92():
     torch.testing.assert_close(mm_sparsify_reference(x, layer.weight, 0.3, alpha), torch.stack(cols))
 
 
+def test_bad_sizes_and_eps_are_named_at_construction():
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match='in_features must be a positive integer'):
+            ISTA(bad)
+    with pytest.raises(ValueError, match='eps must be > 0'):
+        ISTA(4, step='mm', eps=0)                      # α = d/(Nε²) would divide by zero at the first forward
+    with pytest.raises(ValueError, match='eps must be > 0'):
+        MSSA(8, 2, tied_output=True, eps=0.0)
+
+
 def test_ista_output_is_sparse_and_nonnegative():
     layer = ISTA(16, lambd=5.0)
     out = layer(torch.randn(4, 8, 16))

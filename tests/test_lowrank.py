@@ -44,6 +44,13 @@ def test_unknown_init_is_a_clear_error():
         FactorizedConv2d(3, 8, 3, rank=2, init='orthogonal')
 
 
+@pytest.mark.parametrize('args, name', [((0, 3, 3), 'in_channels'), ((2, -1, 3), 'out_channels'),
+                                        ((2, 3, 0), 'kernel_size'), ((2, 3, (3, -1)), 'kernel_size')])
+def test_conv_sizes_are_named_before_the_rank(args, name):
+    with pytest.raises(ValueError, match=f'{name} must be a positive integer'):
+        FactorizedConv2d(*args, rank=1)
+
+
 @pytest.mark.parametrize('shape', [(12, 7), (7, 12), (9, 9)])
 def test_full_rank_spectral_init_reproduces_w(shape):
     torch.manual_seed(0)

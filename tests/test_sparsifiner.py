@@ -11,6 +11,7 @@ from structformer.functional.sparsifiner import (block_mask_from_scores, budget,
                                                  mask_from_indices, masked_attention, topk_indices)
 from structformer.layers import SparsifinerAttention
 from structformer.layers.attention.softmax import softmax_attention_reference
+from structformer.models.attention_swap import swap_attention
 from structformer.models.sparsifiner import sparsify
 
 D = torch.float64
@@ -150,6 +151,31 @@ def test_sparsify_keeps_the_logits_at_keep_one_and_reports_nothing_to_convert():
         sparsify(torch.nn.Linear(3, 3))
 
 
+def test_sparsify_keeps_an_eval_model_in_eval_mode():
+    """The new layers are fresh modules (training mode); with attention dropout an eval model that kept them
+    in training mode would drop attention weights at inference and differ from the dense model at keep 1."""
+    torch.manual_seed(3)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, num_classes=5,
+                              attn_drop_rate=0.5).double().eval()
+    x = torch.randn(2, 3, 16, 16, dtype=D)
+    with torch.no_grad():
+        before = model(x)
+        sparsify(model, keep_ratio=1.0)
+        after = model(x)
+    assert not any(m.training for m in model.modules())
+    torch.testing.assert_close(after, before)
+    model.train()
+    assert all(b.attn.training for b in model.blocks)
+
+
+@pytest.mark.parametrize('attn', ['soft', 'softpp', 'mssa'])
+def test_swap_attention_refuses_shared_qk_layers_and_leaves_the_model(attn):
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=2)
+    with pytest.raises(ValueError, match=f"attn='{attn}' has .* cannot take the \\[48, 16\\] q/k/v weights"):
+        swap_attention(model, attn)
+    assert all(type(b.attn) is TimmAttention for b in model.blocks)
+
+
 def test_wrong_token_count_and_options_are_named():
     layer = SparsifinerAttention(32, 4, seq_len=12)
     with pytest.raises(ValueError, match='built for seq_len=12 tokens, got n=9'):
@@ -158,6 +184,8 @@ def test_wrong_token_count_and_options_are_named():
         SparsifinerAttention(32, 4, impl='sparse')
     with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
         SparsifinerAttention(32, 4, tau=1.5)
+    with pytest.raises(ValueError, match='seq_len must be a positive integer'):
+        SparsifinerAttention(32, 4, seq_len=0)
 
 
 def test_registered_models_train_a_step_with_the_predictor_trainable_by_distillation():

@@ -40,6 +40,17 @@ def _swappable(module: nn.Module) -> bool:
     return type(module) is not AttentionBase and isinstance(module, AttentionBase) and not module.shared_qk
 
 
+def _check_same_projection(attn: str, new: nn.Module, child: nn.Module) -> None:
+    """The moved q/k/v projection must fit the new layer: shared-QK attentions (SOFT's Q = K, CRATE's
+    Q = K = V) have fewer rows than timm's [3·inner, dim] and would fail at the first forward."""
+    want = getattr(getattr(new, 'qkv', None), 'weight', None)
+    if want is None or want.shape != child.qkv.weight.shape:
+        shape = 'no qkv projection' if want is None else f"a {list(want.shape)} qkv projection"
+        raise ValueError(f"swap_attention: attn={attn!r} has {shape}, so it cannot take the "
+                         f"{list(child.qkv.weight.shape)} q/k/v weights of this model's attention (it shares Q and "
+                         f"K); build the model with attn_layer={attn!r} instead of converting it")
+
+
 def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
     """Replace every attention of `model` by the registered attention `attn` built with `options`
     (plus `seq_len` when the layer takes one and the model's token count is fixed); see the module
@@ -60,8 +71,10 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
             new = cls(child.qkv.in_features, child.num_heads, attn_drop=child.attn_drop.p,
                       proj_drop=child.proj_drop.p, attn_head_dim=child.head_dim, device=weight.device,
                       dtype=weight.dtype, **options)
+            _check_same_projection(attn, new, child)
             for part in SHARED_PARTS:
                 setattr(new, part, getattr(child, part))
+            new.train(child.training)             # a fresh module is in training mode; keep the model's mode
             setattr(parent, name, new)
             replaced += 1
     if not replaced:

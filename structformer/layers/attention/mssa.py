@@ -12,6 +12,7 @@ from torch import nn
 
 from ...functional.shared_qkv_attention import shared_qkv_attention
 from .registry import register_attention
+from .softmax import check_head_sizes
 
 # how SSA runs when a backward follows (see MSSA)
 SSA_IMPLS = ('auto', 'shared', 'sdpa')
@@ -51,11 +52,9 @@ class MSSA(nn.Module):
         if qk_norm or scale_norm:
             raise ValueError("MSSA shares one projection for Q, K and V (CRATE Eq. 11): "
                              "qk_norm / scale_norm are not defined for it; pass qk_norm=False")
-        if attn_head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} "
-                                 "(or pass attn_head_dim)")
-            attn_head_dim = dim // num_heads
+        attn_head_dim = check_head_sizes(dim, num_heads, attn_head_dim)
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0 (the ε of Eq. 12's (p/(Nε²)) scaling), got {eps!r}")
         if ssa_impl not in SSA_IMPLS:
             raise ValueError(f"ssa_impl={ssa_impl!r}: accepted {', '.join(repr(i) for i in SSA_IMPLS)}")
         self.ssa_impl = ssa_impl

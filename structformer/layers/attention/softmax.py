@@ -21,6 +21,21 @@ def check_no_mask(name: str, attn_mask: Optional[torch.Tensor], is_causal: bool)
                                   "attention matrix); use 'softmax' for masked attention")
 
 
+def check_head_sizes(dim: int, num_heads: int, attn_head_dim: Optional[int]) -> int:
+    """Validate timm's attention sizes before any tensor is built; returns the head width (dim // num_heads
+    unless attn_head_dim is given). Raises a ValueError naming the argument, not a torch shape error."""
+    for name, value in (('dim', dim), ('num_heads', num_heads), ('attn_head_dim', attn_head_dim)):
+        if value is None and name == 'attn_head_dim':
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if attn_head_dim is None:
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} (or pass attn_head_dim)")
+        return dim // num_heads
+    return attn_head_dim
+
+
 class AttentionBase(nn.Module):
     """timm `attn_layer` signature plus head split / merge. Subclasses implement `forward`.
 
@@ -34,10 +49,7 @@ class AttentionBase(nn.Module):
                  proj_drop: float = 0., norm_layer=None, *, attn_head_dim: Optional[int] = None,
                  shared_qk: bool = False, device=None, dtype=None):
         super().__init__()
-        if attn_head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} (or pass attn_head_dim)")
-            attn_head_dim = dim // num_heads
+        attn_head_dim = check_head_sizes(dim, num_heads, attn_head_dim)
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("qk_norm / scale_norm need a norm_layer (timm's Block passes one)")
         dd = {'device': device, 'dtype': dtype}

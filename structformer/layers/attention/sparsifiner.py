@@ -55,6 +55,8 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
 
     def __init__(self, n_down: int, seq_len: Optional[int] = None, device=None, dtype=None):
         super().__init__()
+        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+            raise ValueError(f"seq_len must be a positive integer (tokens per image) or None, got {seq_len!r}")
         self.n_down = n_down
         if seq_len is None:
             self.w_down = nn.UninitializedParameter(device=device, dtype=dtype)

@@ -143,6 +143,11 @@ class FactorizedConv2d(nn.Module):
         super().__init__()
         if init not in INITS:
             raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
+        sizes = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+        for name, value in (('in_channels', in_channels), ('out_channels', out_channels)) + tuple(
+                ('kernel_size', k) for k in sizes):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         dense = nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                           dilation=dilation, bias=bias, device=device, dtype=dtype)
         self.in_channels, self.out_channels = in_channels, out_channels

@@ -31,6 +31,10 @@ class ISTA(nn.Module):
                  step: str = 'ista', eps: float = 1.0, fused: bool = True,
                  device=None, dtype=None):
         super().__init__()
+        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
+            raise ValueError(f"in_features must be a positive integer (the width d of D), got {in_features!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0 (α = d/(Nε²) of Eq. 92), got {eps!r}")
         if out_features not in (None, in_features):
             raise ValueError(f"ISTA maps R^d to R^d: out_features={out_features} must equal "
                              f"in_features={in_features}")
