@@ -23,7 +23,7 @@ uniform 1/K, against a baseline that permutes the tokens' subspace labels. Atten
 the model runs, positions included): per head, the share of each patch token's attention over patch
 tokens that lands on tokens of its own subspace, against the share of such tokens (uniform attention).
 """
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch

@@ -14,7 +14,7 @@ regularisers and the spectra read them) and `to_dense()`, the reference the test
 Ranks are an integer count or a fraction of min(m, n) (`resolve_rank`, the paper's "rank 0.1").
 """
 import math
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 import torch.nn.functional as F
