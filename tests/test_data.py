@@ -287,6 +287,63 @@ def test_imagefolder_split_and_train_val_layout(tmp_path):
     assert (len(train), len(val), info.img_size) == (6, 4, 8) and val[3][0].shape == (3, 8, 8)
 
 
+# ----- timm's transforms from a model's config feed what training fed -----
+
+def _timm_eval_input(pretrained_cfg, image_hwc):
+    """timm's own eval pipeline (resolve_data_config + create_transform) on one 8-bit image; the config is a
+    dict or a registered model's name."""
+    import timm.data
+    from PIL import Image
+    if isinstance(pretrained_cfg, str):
+        pretrained_cfg = timm.get_pretrained_cfg(pretrained_cfg).to_dict()
+    cfg = timm.data.resolve_data_config({}, pretrained_cfg=pretrained_cfg)
+    array = image_hwc[..., 0] if image_hwc.shape[-1] == 1 else image_hwc
+    return timm.data.create_transform(**cfg)(Image.fromarray(array))
+
+
+def _registered(suffix):
+    import timm
+
+    import structformer  # noqa: F401  (registers the models)
+    return [n for n in timm.list_models('*' + suffix) if timm.get_pretrained_cfg(n) is not None]
+
+
+def test_registered_digits_and_mnist_configs_reproduce_the_training_normalisation(shared_mnist):
+    """A model named for a dataset declares that dataset's training normalisation in timm's pixel units, so
+    timm's eval transform on the 8-bit image gives the engine's tensor (it gave ImageNet/identity before)."""
+    _, digits_val, _ = build_datasets('digits')
+    _, mnist_val, _ = build_datasets(f'mnist:{shared_mnist}')
+    for suffix, val in (('_digits', digits_val), ('_mnist', mnist_val)):
+        names = _registered(suffix)
+        assert len(names) >= 5, names
+        image = val.images[3].permute(1, 2, 0).numpy()
+        for name in names:
+            torch.testing.assert_close(_timm_eval_input(name, image), val[3][0], msg=name)
+
+
+def test_registered_cifar_configs_reproduce_the_training_normalisation(tmp_path):
+    _write_cifar(tmp_path / 'cifar')
+    _, val, _ = build_datasets(f'cifar10:{tmp_path / "cifar"}')
+    names = _registered('_cifar') + ['wrn_16_4']
+    assert len(names) >= 5, names
+    image = val.images[1].permute(1, 2, 0).numpy()
+    for name in names:
+        torch.testing.assert_close(_timm_eval_input(name, image), val[1][0], msg=name)
+
+
+def test_eval_data_config_reproduces_the_imagefolder_eval_transform(tmp_path):
+    from PIL import Image
+
+    from structformer.data.pixel_stats import eval_data_config
+    _write_pngs(tmp_path / 'flat')
+    _, val, info = build_datasets(f'imagefolder:{tmp_path / "flat"}', img_size=16, val_fraction=0.25)
+    path = val.samples[0][0] if hasattr(val, 'samples') else val.dataset.samples[val.indices[0]][0]
+    cfg = dict(eval_data_config('imagefolder'), input_size=(3, 16, 16))
+    image = np.asarray(Image.open(path).convert('RGB'))
+    torch.testing.assert_close(_timm_eval_input(cfg, image), val[0][0])
+    assert eval_data_config('synthetic-subspaces') is None
+
+
 # ----- the --data argument and its errors -----
 
 def test_parse_data_spec_and_forms():

@@ -128,6 +128,14 @@ def test_any_timm_model_trains_on_embedded_data(tmp_path, name, kwargs):
     assert state['model_kwargs']['num_classes'] == 10 and state['model_kwargs']['in_chans'] == 1
     assert ('img_size' in state['model_kwargs']) == name.startswith('vit')
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    # timm's data config of the reloaded model is the training data's, not ImageNet's 3 x 224 defaults
+    import timm.data
+
+    from structformer.data import DIGITS_MEAN, DIGITS_STD
+    cfg = timm.data.resolve_data_config({}, model=model)
+    assert cfg['input_size'] == (1, 8, 8) and cfg['crop_pct'] == 1.0
+    assert cfg['mean'] == (DIGITS_MEAN / 255,) and cfg['std'] == (DIGITS_STD / 255,)
+    assert model.default_cfg is model.pretrained_cfg
 
 
 def test_attn_layer_by_name_swaps_a_timm_vit_and_round_trips(tmp_path):

@@ -15,6 +15,8 @@ from timm.models._features import feature_take_indices   # timm's own index rule
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..data.pixel_stats import PIXEL_STATS
+
 __all__ = ['StructuredModel', 'POOL_TYPES', 'check_global_pool', 'model_cfg', 'create_model']
 
 # timm's global_pool_nlc: the cls token, a reduction over the other tokens, or nothing; plus 'avg_all',
@@ -96,8 +98,12 @@ def model_cfg(**kwargs) -> Dict[str, Any]:
             'std': (0.229, 0.224, 0.225), 'classifier': 'head', 'license': 'apache-2.0', **kwargs}
 
 
-# grayscale small-image settings (digits, MNIST, synthetic): no normalisation, no crop
-SMALL_IMAGE_CFG = dict(mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')
+# small-image settings: no crop, and the normalisation `structformer train` applies to the data the model is
+# named for, in timm's pixel units (`data.pixel_stats`), so timm's transforms feed what training fed
+SMALL_IMAGE_CFG = dict(mean=(0.,), std=(1.,), crop_pct=1.0, interpolation='nearest')   # synthetic: no image form
+DIGITS_CFG = dict(SMALL_IMAGE_CFG, mean=PIXEL_STATS['digits'][0], std=PIXEL_STATS['digits'][1])
+MNIST_CFG = dict(SMALL_IMAGE_CFG, mean=PIXEL_STATS['mnist'][0], std=PIXEL_STATS['mnist'][1])
+CIFAR10_CFG = dict(crop_pct=1.0, mean=PIXEL_STATS['cifar10'][0], std=PIXEL_STATS['cifar10'][1])
 
 
 def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,

@@ -19,7 +19,8 @@ from torch import nn
 from ..layers.attention.mssa import MSSA
 from ..layers.mlp.ista import ISTA
 from ._registry import register_model
-from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
+from .base import (CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model,
+                   model_cfg)
 
 __all__ = ['CRATE', 'CrateBlock']
 
@@ -167,9 +168,9 @@ default_cfgs = generate_default_cfgs({
     'crate_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
     'crate_base_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
     'crate_large_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
-    'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
-    'crate_cifar.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), crop_pct=1.0),
+    'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
+    'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
+    'crate_cifar.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), **CIFAR10_CFG),
     'crate_synthetic.untrained': _cfg(num_classes=4, input_size=(1, 16, 16), **SMALL_IMAGE_CFG),
 })
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..layers.linear import MaskedLinear, PKLinear
 from ._registry import register_model
-from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
+from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SparseMixer', 'SWMLP', 'PKMixing', 'SparseMixerBlock']
 
@@ -307,9 +307,9 @@ def _cfg(**kwargs):
     return model_cfg(first_conv='stem.proj', **kwargs)
 
 
-_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG)
-_MNIST = dict(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG)
-_CIFAR = dict(num_classes=10, input_size=(3, 32, 32), crop_pct=1.0)
+_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG)
+_MNIST = dict(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG)
+_CIFAR = dict(num_classes=10, input_size=(3, 32, 32), **CIFAR10_CFG)
 default_cfgs = generate_default_cfgs({
     'mixer_digits.untrained': _cfg(**_DIGITS), 'rp_mixer_digits.untrained': _cfg(**_DIGITS),
     'swmlp_digits.untrained': _cfg(**_DIGITS),

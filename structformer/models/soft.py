@@ -40,7 +40,7 @@ from torch import nn
 
 from ..layers.attention.registry import check_options, get_attention, select_options
 from ._registry import register_model
-from .base import SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model, model_cfg
+from .base import DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SoftNet', 'SoftBlock']
 
@@ -282,8 +282,8 @@ def _cfg(**kwargs):
     return model_cfg(first_conv='stages.0.downsample.0.0', **kwargs)
 
 
-_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG)
-_MNIST = dict(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG)
+_DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG)
+_MNIST = dict(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG)
 
 # Table 1 of SOFT
 _SIZES = {

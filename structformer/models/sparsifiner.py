@@ -17,7 +17,7 @@ from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
 from .attention_swap import swap_attention, token_count
-from .base import SMALL_IMAGE_CFG, create_model, model_cfg
+from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
 __all__ = ['sparsify', 'SparsifinerAttention', 'SparsifinerViT', 'ContractViT', 'predictor_parameter_names']
@@ -80,10 +80,10 @@ def _cfg(**kwargs):
 default_cfgs = generate_default_cfgs({
     'sparsifiner_deit_tiny_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
     'sparsifiner_deit_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'sparsifiner_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
-    'sparsifiner_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
-    'vit_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
-    'vit_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
+    'sparsifiner_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
+    'sparsifiner_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
+    'vit_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
+    'vit_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
 })
 
 _LAYER_OPTIONS = ('keep_ratio', 'keys_per_query', 'n_down', 'tau', 'up_threshold', 'predictor_dim', 'dense_cls_row',

@@ -19,7 +19,7 @@ from timm.models._features import feature_take_indices
 from torch import nn
 
 from ._registry import register_model
-from .base import SMALL_IMAGE_CFG, StructuredModel, create_model, model_cfg
+from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, create_model, model_cfg
 
 __all__ = ['WideResNet', 'WideBasicBlock']
 
@@ -137,9 +137,9 @@ def _cfg(**kwargs):
 
 default_cfgs = generate_default_cfgs({
     'wrn_28_10.untrained': _cfg(num_classes=100, input_size=(3, 32, 32)),
-    'wrn_16_4.untrained': _cfg(num_classes=10, input_size=(3, 32, 32)),
-    'wrn_16_2_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **SMALL_IMAGE_CFG),
-    'wrn_10_2_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **SMALL_IMAGE_CFG),
+    'wrn_16_4.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), **CIFAR10_CFG),
+    'wrn_16_2_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
+    'wrn_10_2_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
 })
 
 

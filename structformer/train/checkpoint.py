@@ -191,7 +191,25 @@ def load_model(path, map_location='cpu'):
     if mismatch:
         raise CheckpointError(f"--checkpoint: weights do not fit model {recipe.name!r}: {mismatch}")
     model.load_state_dict(weights)
+    record_training_data(model, state.get('data_info') or {})
     return model.to(map_location).eval(), state
+
+
+def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> None:
+    """Put the input size and normalisation the model was trained with into its `pretrained_cfg` (timm's
+    `resolve_data_config` reads them from there), replacing the registry's defaults: a timm model trained
+    on MNIST must not be fed ImageNet statistics by timm's transforms. Data without an image form
+    (synthetic subspaces, text) leaves the config as it is."""
+    from ..data.pixel_stats import eval_data_config
+    data_cfg = eval_data_config(data_info.get('name', ''))
+    if data_cfg is None or not data_info.get('img_size') or not data_info.get('in_chans'):
+        return
+    size = data_info['img_size']
+    cfg = dict(getattr(model, 'pretrained_cfg', None) or {})
+    cfg.update(data_cfg, num_classes=data_info.get('num_classes', cfg.get('num_classes')),
+               input_size=(data_info['in_chans'], *((size, size) if isinstance(size, int) else size)))
+    model.pretrained_cfg = cfg
+    model.default_cfg = cfg                     # timm's older alias of the same dict
 
 
 def describe_mismatch(expected: Dict[str, torch.Tensor], weights: Dict[str, torch.Tensor], show: int = 3) -> str:

@@ -1,0 +1,44 @@
+"""The normalisation `structformer train` applies to each image dataset, in timm's pixel units.
+
+timm's `resolve_data_config` + `create_transform` read an 8-bit image as values in [0, 1] (ToTensor) and
+then subtract `mean` and divide by `std` from the model's `pretrained_cfg`. For a model to see the same
+inputs through timm as through `structformer train`, its config must hold the training normalisation in
+those units. The digits are stored as 8-bit images holding their raw values 0..16 (`load_digits_arrays`),
+which the engine normalises in raw units, so their statistics divide by 255 here. Synthetic subspace data
+has no 8-bit image form and no entry.
+"""
+from typing import Any, Dict, Optional, Tuple
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from .cifar import CIFAR10_MEAN, CIFAR10_STD
+from .digits import DIGITS_MEAN, DIGITS_STD
+from .mnist import MNIST_MEAN, MNIST_STD
+
+PIXEL_STATS = {
+    'digits': ((DIGITS_MEAN / 255,), (DIGITS_STD / 255,)),
+    'mnist': ((MNIST_MEAN,), (MNIST_STD,)),
+    'cifar10': (tuple(CIFAR10_MEAN), tuple(CIFAR10_STD)),
+    'imagefolder': (tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)),
+}
+
+
+# how the eval images reach the model: the tensor datasets are used at their own size (no resize, no crop);
+# image folders go through timm's default eval transform (resize to img_size / 0.875, centre crop)
+EVAL_GEOMETRY = {'imagefolder': {'crop_pct': 0.875, 'interpolation': 'bilinear'}}
+TENSOR_GEOMETRY = {'crop_pct': 1.0, 'interpolation': 'nearest'}
+
+
+def pixel_stats(dataset: str) -> Optional[Tuple[tuple, tuple]]:
+    """(mean, std) per channel in timm's [0, 1] pixel units for a dataset name of `DatasetInfo.name`, or
+    None for data without an 8-bit image form (synthetic subspaces, text)."""
+    return PIXEL_STATS.get(dataset)
+
+
+def eval_data_config(dataset: str) -> Optional[Dict[str, Any]]:
+    """The `pretrained_cfg` entries (mean, std, crop_pct, interpolation) with which timm's eval transform
+    reproduces what `structformer train` fed the model on `dataset`, or None (no image form)."""
+    stats = pixel_stats(dataset)
+    if stats is None:
+        return None
+    return dict(EVAL_GEOMETRY.get(dataset, TENSOR_GEOMETRY), mean=stats[0], std=stats[1])
