@@ -70,6 +70,28 @@ def test_with_defaults_and_attn_kwargs_reject_typos():
         resolve_layer_kwargs({'attn_layer': 'soft', 'attn_kwargs': {'num_landmark': 4}})
 
 
+def test_models_with_preset_attention_pickle_whole():
+    """timm keeps the attn_layer class in `model._model_args`; a preset made at run time used to make
+    `torch.save(model)` fail for every sparsifiner_* model and every `attn_layer='<name>'` ViT."""
+    import io
+
+    from structformer.models.factory import build_model
+    soft_vit = build_model('vit_tiny_patch16_224', {'img_size': 8, 'patch_size': 2, 'in_chans': 1, 'depth': 2,
+                                                   'attn_layer': 'soft', 'attn_kwargs': {'num_landmarks': 4}})[0]
+    for model in (timm.create_model('sparsifiner_digits', depth=2), soft_vit):
+        model.eval()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        x = torch.randn(2, 1, 8, 8)
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)     # the same code path and weights
+        assert type(loaded.blocks[0].attn).__module__ != 'structformer.layers.attention.registry'   # a plain class
+    preset = loaded._model_args['attn_layer']                        # the soft ViT's, rebuilt from (class, defaults)
+    assert preset.preset_base is SoftAttention and preset.preset_defaults == {'num_landmarks': 4}
+    assert issubclass(preset, SoftAttention) and type(loaded.blocks[0].attn) is SoftAttention
+
+
 @pytest.mark.parametrize('name', ['soft_digits', 'softpp_digits'])
 def test_model_attn_kwargs_typo_names_the_key(name):
     with pytest.raises(TypeError, match=r"Attention got unknown option\(s\) num_landmark .*num_landmarks"):

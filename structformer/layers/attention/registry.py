@@ -8,6 +8,7 @@ Code that offers the same facts to any attention (a model's stage: landmarks, gr
 passes them through `select_options(cls, options)`; options a user typed go through
 `check_options(cls, options)`, which names the unknown keys and the closest accepted ones.
 """
+import copyreg
 import difflib
 import inspect
 from typing import Dict, FrozenSet, Iterable, Mapping, Type
@@ -85,17 +86,36 @@ def select_options(cls: Type[nn.Module], options: Mapping) -> Dict:
     return {k: v for k, v in options.items() if k in accepted}
 
 
+class _PresetClass(type):
+    """Metaclass of `with_defaults` presets. A class made at run time cannot be pickled by reference, and timm
+    keeps the `attn_layer` class in `model._model_args`, so `torch.save(model)` pickles it: the reducer
+    registered below pickles a preset as (base class, defaults) and rebuilds it on load."""
+
+
+def _rebuild_preset(cls: Type[nn.Module], defaults: Dict) -> Type[nn.Module]:
+    return with_defaults(cls, **defaults)
+
+
+copyreg.pickle(_PresetClass, lambda preset: (_rebuild_preset, (preset.preset_base, dict(preset.preset_defaults))))
+
+
 def with_defaults(cls: Type[nn.Module], **defaults) -> Type[nn.Module]:
     """A subclass of `cls` whose constructor defaults to `defaults` (explicit kwargs still win). A class,
     not a functools.partial, because timm checks `issubclass(attn_layer, ...)` before building.
-    A key `cls` does not accept raises a TypeError here, before any layer is built."""
+    A key `cls` does not accept raises a TypeError here, before any layer is built. The layers it builds
+    are plain `cls` instances; the class itself pickles as (cls, defaults)."""
     if not defaults:
         return cls
     check_options(cls, defaults)
 
-    class Preset(cls):
+    class Preset(cls, metaclass=_PresetClass):
+        preset_base, preset_defaults = cls, dict(defaults)
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**defaults, **kwargs})
+            # the preset only supplies constructor defaults: the built layer is a plain `cls`, so it pickles
+            # by reference and type checks see `cls`
+            self.__class__ = cls
 
     Preset.__name__ = Preset.__qualname__ = cls.__name__
     return Preset
