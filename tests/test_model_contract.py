@@ -114,18 +114,70 @@ def test_features_only_of_a_variant_made_shallow():
     assert len(features(torch.randn(1, 1, 8, 8))) == 2
 
 
-@pytest.mark.parametrize('name', ['crate_digits', 'soft_digits'])
-def test_grad_checkpointing_gives_the_same_gradients(name):
+@pytest.mark.parametrize('name', ['crate_digits', 'soft_digits', 'wrn_10_2_digits', 'swmlp_digits'])
+def test_grad_checkpointing_gives_the_same_gradients(name, monkeypatch):
+    import structformer.models.base as base
     torch.manual_seed(0)
     model = timm.create_model(name).eval()
     x = torch.randn(3, 1, 8, 8)
     model(x).square().sum().backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    calls = []
+    monkeypatch.setattr(base, 'checkpoint', lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
     model.set_grad_checkpointing(True)
     model(x).square().sum().backward()
+    assert calls, 'set_grad_checkpointing(True) checkpointed nothing'        # WRN ignored the flag before
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
+@pytest.mark.parametrize('name', MODELS)
+def test_group_matcher_gives_one_group_per_block_for_layer_decay(name):
+    """timm's `group_parameters` (layer-wise lr decay): embeddings first, one group per block in order, the head
+    last. Without `group_matcher`, timm falls back to chunks of parameters that split blocks."""
+    import re
+
+    import timm.optim
+    from timm.models import group_parameters
+    model, _ = _small(name)
+    groups = group_parameters(model, model.group_matcher())
+    group_of = {n: i for i, names in groups.items() for n in names}
+    assert set(group_of) == {n for n, _ in model.named_parameters()}
+    embeddings = [n for n in group_of if re.match(r'(stem|patch_embed|tok_embed|cls_token|pos_embed)', n)]
+    assert embeddings and all(group_of[n] == 0 for n in embeddings), embeddings
+    assert all(group_of[n] == max(groups) for n in group_of if n.startswith('head.'))
+    block = lambda n: re.match(r'(blocks\.\d+|stages\.\d+\.blocks\.\d+|stages\.\d+\.\d+)\.', n)
+    by_block = {}
+    for n, i in group_of.items():
+        if block(n):
+            by_block.setdefault(block(n).group(1), set()).add(i)
+    assert by_block and all(len(ids) == 1 for ids in by_block.values()), by_block     # a block is never split
+    order = [min(ids) for _, ids in sorted(by_block.items(), key=lambda kv: [int(t) for t in re.findall(r'\d+', kv[0])])]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    optimizer = timm.optim.create_optimizer_v2(model, 'adamw', lr=1e-3, layer_decay=0.75)
+    assert len({g['lr_scale'] for g in optimizer.param_groups}) == len(groups)
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'swmlp_digits', 'wrn_10_2_digits', 'mixer_digits', 'soft_digits'])
+def test_drop_path_rate_is_stochastic_depth_growing_over_the_blocks(name):
+    """timm's `drop_path_rate` (train.py --drop-path): 0 at the first block, the rate at the last, off in eval."""
+    from timm.layers import DropPath
+    torch.manual_seed(0)
+    model = timm.create_model(name, drop_path_rate=0.5)
+    rates = [m.drop_prob for m in model.modules() if isinstance(m, DropPath)]
+    assert rates and max(rates) == pytest.approx(0.5) and rates == sorted(rates)
+    plain = timm.create_model(name)
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(4, 1, 8, 8)
+    model.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))
+        model.train()                                      # features: some heads are zero-initialised
+        assert not torch.allclose(model.forward_features(x), model.forward_features(x))
+    if name in ('crate_digits', 'swmlp_digits', 'wrn_10_2_digits'):         # ours; the others build timm's blocks
+        with pytest.raises(ValueError, match='drop_path_rate'):
+            timm.create_model(name, drop_path_rate=1.5)
 
 
 @pytest.mark.parametrize('name', [n for n in MODELS if 'large' not in n][:6])
@@ -178,6 +230,37 @@ def test_crate_variants_build_and_differ():
     x = torch.randn(2, 1, 8, 8)
     for m in (tied, mm):
         assert torch.isfinite(m(x)).all()
+
+
+@pytest.mark.parametrize('name', ['wrn_10_2_digits', 'soft_digits'])
+def test_pruning_the_last_stage_drops_the_final_norm_of_its_width(name):
+    """timm's default prune_norm=False kept a final norm sized for the last stage: the next forward failed."""
+    model = timm.create_model(name).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        before = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+        model.prune_intermediate_layers([0, 1])
+        after = model.forward_intermediates(x, indices=[0, 1], norm=True, intermediates_only=True)
+        assert model.forward_features(x).shape[-1] == model.num_features == model.feature_info[1]['num_chs']
+    assert isinstance(model.norm, torch.nn.Identity)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match='prune_head=False'):
+        timm.create_model(name).prune_intermediate_layers([0], prune_head=False)
+
+
+def test_wrn_global_pool_empty_returns_the_unpooled_map():
+    """As timm's ResNets: global_pool='' leaves the map [B, C, H, W] (the head, if any, at every position)."""
+    model = timm.create_model('wrn_10_2_digits', num_classes=0, global_pool='').eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        fmap = model(x)
+        assert fmap.shape == (2, 128, 2, 2)
+        torch.testing.assert_close(fmap, model.forward_features(x).permute(0, 3, 1, 2))
+        model.reset_classifier(5, 'avg')
+        assert model(x).shape == (2, 5)
+        model.reset_classifier(5, '')
+        assert model(x).shape == (2, 5, 2, 2)
 
 
 @pytest.mark.parametrize('name, modules', [('crate_digits', 'blocks'), ('soft_digits', 'stages')])

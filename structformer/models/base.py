@@ -48,6 +48,22 @@ class StructuredModel(nn.Module):
         return set(self.no_weight_decay_names)
 
     @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups (`timm.models.group_parameters`, layer-wise lr decay in
+        `create_optimizer_v2(..., layer_decay=...)`): the embeddings first ('stem': stem, patch / token
+        embedding, cls and position tokens), then one group per block (per stage when `coarse`, a stage's
+        downsampling with its first block, as timm's staged models), the final norm after the last block and
+        the head last."""
+        last = (r'^norm', (99999,))
+        if self.feature_modules == 'stages':
+            blocks = [(r'^stages\.(\d+)', None), last] if coarse else [
+                (r'^stages\.(\d+)\.downsample', (0,)), (r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                (r'^stages\.(\d+)\.(\d+)', None), last]
+        else:
+            blocks = [(r'^blocks\.(\d+)', None), last]
+        return dict(stem=r'^(?:stem|patch_embed|tok_embed|cls_token|pos_embed)', blocks=blocks)
+
+    @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
@@ -68,6 +84,16 @@ class StructuredModel(nn.Module):
         modules = getattr(self, self.feature_modules)
         take_indices, max_index = feature_take_indices(len(modules), indices)
         setattr(self, self.feature_modules, modules[:max_index + 1])
+        info = getattr(self, 'feature_info', None)
+        width = info[max_index]['num_chs'] if info else self.num_features
+        if width != self.num_features:
+            # staged models narrow towards the input: the final norm (and a kept head) no longer fit, so the
+            # norm goes whatever prune_norm says, as timm's staged models do when their last stage is cut
+            if not prune_head:
+                raise ValueError(f"prune_head=False keeps a head for {self.num_features} features, but the kept "
+                                 f"{self.feature_modules} end at {width}; pass prune_head=True")
+            prune_norm = True
+            self.num_features = self.head_hidden_size = width
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:

@@ -11,7 +11,7 @@ from typing import List, Optional, Union
 
 import torch
 from einops import rearrange
-from timm.layers import to_2tuple
+from timm.layers import DropPath, to_2tuple
 from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
@@ -58,11 +58,13 @@ class CrateBlock(nn.Module):
     """One CRATE layer (Eq. 18): compression by MSSA with a residual, then ISTA without one.
 
     `drop` is the dropout after MSSA's output projection (the official code's `dropout`);
-    `ista_drop` drops ISTA's output, which the official code does not (default 0)."""
+    `ista_drop` drops ISTA's output, which the official code does not (default 0); `drop_path` is stochastic
+    depth on the one residual branch, MSSA's (not in the paper or its code; default 0)."""
 
     def __init__(self, dim, num_heads, dim_head, *, drop=0., attn_drop=0., ista_drop=0., eta=0.1, lambd=0.1,
-                 tied_output=False, sparse_step='ista', eps=1.0, fused_ista=True, ssa_impl='auto'):
+                 tied_output=False, sparse_step='ista', eps=1.0, fused_ista=True, ssa_impl='auto', drop_path=0.):
         super().__init__()
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = MSSA(dim, num_heads=num_heads, attn_head_dim=dim_head, attn_drop=attn_drop,
                          proj_drop=drop, tied_output=tied_output, eps=eps, ssa_impl=ssa_impl)
@@ -70,7 +72,7 @@ class CrateBlock(nn.Module):
         self.mlp = ISTA(dim, eta=eta, lambd=lambd, step=sparse_step, eps=eps, fused=fused_ista, drop=ista_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+        x = x + self.drop_path(self.attn(self.norm1(x)))
         return self.mlp(self.norm2(x))
 
 
@@ -82,15 +84,18 @@ class CRATE(StructuredModel):
     instead of Eq. 115), `sparse_step` ('ista' = Eq. 17, 'mm' = Eq. 92), `eps` (ε of Eq. 12 / 92),
     `global_pool` ('token' = cls as in the paper; 'avg' / 'max' / 'avgmax' over the patch tokens,
     cls left out; 'avg_all' = mean over all tokens, cls included, as the official code's 'mean'), `drop_rate` (after MSSA's projection), `ista_drop_rate` (after ISTA; 0 as in the
-    official code), `ssa_impl` (how MSSA runs before a backward: see `MSSA`; the same function either way).
+    official code), `drop_path_rate` (stochastic depth on MSSA's residual, growing linearly over the blocks as
+    in timm; 0, as the paper), `ssa_impl` (how MSSA runs before a backward: see `MSSA`; the same function either way).
     """
     no_weight_decay_names = frozenset({'pos_embed', 'cls_token'})
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool='token',
                  embed_dim=384, depth=12, num_heads=6, dim_head=64, drop_rate=0., pos_drop_rate=0.,
                  attn_drop_rate=0., ista_drop_rate=0., eta=0.1, lambd=0.1, tied_output=False, sparse_step='ista',
-                 eps=1.0, fused_ista=True, ssa_impl='auto'):
+                 eps=1.0, fused_ista=True, ssa_impl='auto', drop_path_rate=0.):
         super().__init__()
+        if not 0 <= drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
         for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                             ('dim_head', dim_head), ('in_chans', in_chans)):
             if not isinstance(value, int) or value < 1:
@@ -107,8 +112,9 @@ class CRATE(StructuredModel):
         self.blocks = nn.ModuleList([
             CrateBlock(embed_dim, num_heads, dim_head, drop=drop_rate, attn_drop=attn_drop_rate,
                        ista_drop=ista_drop_rate, eta=eta, lambd=lambd, tied_output=tied_output,
-                       sparse_step=sparse_step, eps=eps, fused_ista=fused_ista, ssa_impl=ssa_impl)
-            for _ in range(depth)])
+                       sparse_step=sparse_step, eps=eps, fused_ista=fused_ista, ssa_impl=ssa_impl,
+                       drop_path=drop_path_rate * i / max(depth - 1, 1))
+            for i in range(depth)])
         self.norm = nn.LayerNorm(embed_dim)            # the head's LN (Alg. 1: LN → Linear)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         reduction = self.patch_embed.patch_size[0]

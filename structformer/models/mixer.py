@@ -227,13 +227,16 @@ class SWMLP(_PatchTableModel):
     x ↦ x + φ((M⊙W) LN(x)) (Eq. S.16; with mlp_ratio γ: x ↦ x + φ((M₂⊙W₂) φ((M₁⊙W₁) LN(x))), Eq. S.17),
     then LN and the FC classifier (our LN before the head mirrors the Mixers' final norm).
 
-    Args: density p ∈ (0, 1] of every mask; mask_seed seeds them (layer ℓ its own).
+    Args: density p ∈ (0, 1] of every mask; mask_seed seeds them (layer ℓ its own); drop_path_rate:
+    stochastic depth on the residual branches, growing linearly over the blocks as in timm (0, as the paper).
     """
 
     def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=16, depth=3,
                  density: float = 0.1, mlp_ratio: Optional[float] = None, mask_seed: int = 0, norm_eps: float = 1e-5,
-                 drop_rate: float = 0., global_pool: str = 'avg'):
+                 drop_rate: float = 0., global_pool: str = 'avg', drop_path_rate: float = 0.):
         super().__init__()
+        if not 0 <= drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: SW-MLP classifies its flat vector; accepted 'avg' or ''")
         self.num_classes, self.global_pool = num_classes, global_pool
@@ -243,7 +246,8 @@ class SWMLP(_PatchTableModel):
         self.width = self.num_features = self.head_hidden_size = width
         hidden = None if mlp_ratio is None else max(1, int(round(mlp_ratio * width)))
         self.blocks = nn.ModuleList([
-            _SparseWeightBlock(width, hidden, density, seed=int(mask_seed) * 1000 + 10 * i, norm_eps=norm_eps)
+            _SparseWeightBlock(width, hidden, density, seed=int(mask_seed) * 1000 + 10 * i, norm_eps=norm_eps,
+                               drop_path=drop_path_rate * i / max(depth - 1, 1))
             for i in range(depth)])
         self.norm = nn.LayerNorm(width, eps=norm_eps)
         self.head_drop = nn.Dropout(drop_rate)
@@ -287,8 +291,10 @@ class SWMLP(_PatchTableModel):
 
 
 class _SparseWeightBlock(nn.Module):
-    def __init__(self, width: int, hidden: Optional[int], density: float, seed: int, norm_eps: float):
+    def __init__(self, width: int, hidden: Optional[int], density: float, seed: int, norm_eps: float,
+                 drop_path: float = 0.):
         super().__init__()
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm = nn.LayerNorm(width, eps=norm_eps)
         out = width if hidden is None else hidden
         self.fc1 = MaskedLinear(width, out, density=density, seed=seed)
@@ -299,7 +305,7 @@ class _SparseWeightBlock(nn.Module):
         y = self.act(self.fc1(self.norm(x)))
         if self.fc2 is not None:
             y = self.act(self.fc2(y))
-        return x + y
+        return x + self.drop_path(y)
 
 
 # ---- registered models ------------------------------------------------------------------------

@@ -258,7 +258,8 @@ class SoftNet(StructuredModel):
             if i in take_indices:
                 if norm and i == last:
                     b, c, h, w = x.shape
-                    x_out = self.norm(tokens)[:, self.num_prefix_tokens:].transpose(1, 2).reshape(b, c, h, w)
+                    # only stage 4 carries the cls token; a pruned model's last stage has none
+                    x_out = self.norm(tokens)[:, tokens.shape[1] - h * w:].transpose(1, 2).reshape(b, c, h, w)
                 else:
                     x_out = x
                 intermediates.append(x_out.flatten(2).transpose(1, 2) if output_fmt == 'NLC' else x_out)

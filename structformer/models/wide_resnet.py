@@ -14,6 +14,7 @@ does), so the feature width is the last dimension like every other structformer 
 from typing import List, Optional, Union
 
 import torch
+from timm.layers import DropPath
 from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -27,7 +28,7 @@ __all__ = ['WideResNet', 'WideBasicBlock']
 class WideBasicBlock(nn.Module):
     """Pre-activation basic block: x + conv(relu(bn(conv(relu(bn(x)))))), 1×1 shortcut on shape change."""
 
-    def __init__(self, in_chs: int, out_chs: int, stride: int, drop_rate: float = 0.0):
+    def __init__(self, in_chs: int, out_chs: int, stride: int, drop_rate: float = 0.0, drop_path: float = 0.0):
         super().__init__()
         self.bn1 = nn.BatchNorm2d(in_chs)
         self.conv1 = nn.Conv2d(in_chs, out_chs, 3, stride=stride, padding=1, bias=False)
@@ -36,13 +37,14 @@ class WideBasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(out_chs, out_chs, 3, stride=1, padding=1, bias=False)
         self.shortcut = (nn.Conv2d(in_chs, out_chs, 1, stride=stride, bias=False)
                          if stride != 1 or in_chs != out_chs else None)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()     # stochastic depth (timm's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = torch.relu(self.bn1(x))
         skip = x if self.shortcut is None else self.shortcut(pre)
         out = self.conv1(pre)
         out = self.conv2(self.drop(torch.relu(self.bn2(out))))
-        return out + skip
+        return self.drop_path(out) + skip
 
 
 class WideResNet(StructuredModel):
@@ -51,7 +53,8 @@ class WideResNet(StructuredModel):
     num_prefix_tokens = 0
 
     def __init__(self, depth: int = 28, widen_factor: int = 10, num_classes: int = 100, in_chans: int = 3,
-                 drop_rate: float = 0.0, global_pool: str = 'avg', img_size: Optional[int] = None):
+                 drop_rate: float = 0.0, drop_path_rate: float = 0.0, global_pool: str = 'avg',
+                 img_size: Optional[int] = None):
         super().__init__()
         if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
             raise ValueError(f"depth={depth!r}: a WRN depth is 6n + 4 with n >= 1 (10, 16, 22, 28, 40, ...)")
@@ -59,7 +62,11 @@ class WideResNet(StructuredModel):
             raise ValueError(f"widen_factor={widen_factor!r} must be an integer >= 1")
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: accepted 'avg' or ''")
+        if not 0 <= drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
         n = (depth - 4) // 6
+        # timm's rule: the drop-path rate grows linearly from 0 at the first block to drop_path_rate at the last
+        rates = [drop_path_rate * i / max(3 * n - 1, 1) for i in range(3 * n)]
         widths = [16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
         self.in_chans, self.num_classes, self.global_pool = in_chans, num_classes, global_pool
         self.img_size = img_size                      # any size works; recorded for the data facts only
@@ -68,7 +75,7 @@ class WideResNet(StructuredModel):
         in_chs = 16
         for i, width in enumerate(widths):
             blocks = [WideBasicBlock(in_chs if j == 0 else width, width, (1 if i == 0 else 2) if j == 0 else 1,
-                                     drop_rate) for j in range(n)]
+                                     drop_rate, rates[i * n + j]) for j in range(n)]
             self.stages.append(nn.Sequential(*blocks))
             in_chs = width
         self.norm = nn.Sequential(nn.BatchNorm2d(in_chs), nn.ReLU())
@@ -106,7 +113,7 @@ class WideResNet(StructuredModel):
         last = len(self.stages) - 1
         intermediates = []
         for i in range(max_index + 1 if stop_early else len(self.stages)):
-            x = self.stages[i](x)
+            x = self._run_stage(self.stages[i], x)
             if i in take_indices:
                 out = self.norm(x) if norm and i == last else x
                 intermediates.append(out.flatten(2).transpose(1, 2) if output_fmt == 'NLC' else out)
@@ -119,15 +126,23 @@ class WideResNet(StructuredModel):
         self._check_input(x)
         x = self.stem(x)
         for stage in self.stages:
-            x = stage(x)
+            x = self._run_stage(stage, x)
         return self.norm(x).permute(0, 2, 3, 1)
 
+    def _run_stage(self, stage: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        """Block by block through `run_block`, so `set_grad_checkpointing()` recomputes each block in backward
+        (as timm's ResNets do, BatchNorm's running statistics then also see the recomputation)."""
+        for block in stage:
+            x = self.run_block(block, x)
+        return x
+
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Channels-last features [B, H, W, C] -> 'avg': pooled [B, C] (logits [B, classes]); '': the unpooled
+        map [B, C, H, W] as timm's ResNets return it (the head, if any, applied at every position)."""
         if self.global_pool == 'avg':
             x = x.mean(dim=(1, 2))
-        else:
-            x = x.flatten(1, 2).mean(1) if x.ndim == 4 else x
-        return x if pre_logits else self.head(x)
+            return x if pre_logits else self.head(x)
+        return (x if pre_logits else self.head(x)).permute(0, 3, 1, 2)
 
 
 def _cfg(**kwargs):
