@@ -249,6 +249,15 @@ def test_pruning_the_last_stage_drops_the_final_norm_of_its_width(name):
         timm.create_model(name).prune_intermediate_layers([0], prune_head=False)
 
 
+def test_pruning_a_constant_width_model_keeps_its_norm_and_width():
+    model = timm.create_model('swmlp_digits').eval()                    # feature maps of embed_dim channels
+    width = model.num_features                                          # its flat vector is wider
+    model.prune_intermediate_layers([0])
+    assert model.num_features == width and not isinstance(model.norm, torch.nn.Identity)
+    with torch.no_grad():
+        assert model.forward_features(torch.randn(2, 1, 8, 8)).shape[-1] == width
+
+
 def test_wrn_global_pool_empty_returns_the_unpooled_map():
     """As timm's ResNets: global_pool='' leaves the map [B, C, H, W] (the head, if any, at every position)."""
     model = timm.create_model('wrn_10_2_digits', num_classes=0, global_pool='').eval()

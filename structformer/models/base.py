@@ -85,7 +85,8 @@ class StructuredModel(nn.Module):
         take_indices, max_index = feature_take_indices(len(modules), indices)
         setattr(self, self.feature_modules, modules[:max_index + 1])
         info = getattr(self, 'feature_info', None)
-        width = info[max_index]['num_chs'] if info else self.num_features
+        # only staged models change width along the depth (SW-MLP's map channels are not its flat width)
+        width = info[max_index]['num_chs'] if info and self.feature_modules == 'stages' else self.num_features
         if width != self.num_features:
             # staged models narrow towards the input: the final norm (and a kept head) no longer fit, so the
             # norm goes whatever prune_norm says, as timm's staged models do when their last stage is cut
