@@ -308,27 +308,28 @@ def _registered(suffix):
     return [n for n in timm.list_models('*' + suffix) if timm.get_pretrained_cfg(n) is not None]
 
 
+def _assert_configs_feed_the_training_input(names, val, index):
+    """timm's eval transform from each model's registered config, on val image `index` as an 8-bit image,
+    equals the tensor the engine trains on."""
+    assert len(names) >= 5, names
+    image = val.images[index].permute(1, 2, 0).numpy()
+    for name in names:
+        torch.testing.assert_close(_timm_eval_input(name, image), val[index][0], msg=name)
+
+
 def test_registered_digits_and_mnist_configs_reproduce_the_training_normalisation(shared_mnist):
     """A model named for a dataset declares that dataset's training normalisation in timm's pixel units, so
     timm's eval transform on the 8-bit image gives the engine's tensor (it gave ImageNet/identity before)."""
     _, digits_val, _ = build_datasets('digits')
     _, mnist_val, _ = build_datasets(f'mnist:{shared_mnist}')
     for suffix, val in (('_digits', digits_val), ('_mnist', mnist_val)):
-        names = _registered(suffix)
-        assert len(names) >= 5, names
-        image = val.images[3].permute(1, 2, 0).numpy()
-        for name in names:
-            torch.testing.assert_close(_timm_eval_input(name, image), val[3][0], msg=name)
+        _assert_configs_feed_the_training_input(_registered(suffix), val, 3)
 
 
 def test_registered_cifar_configs_reproduce_the_training_normalisation(tmp_path):
     _write_cifar(tmp_path / 'cifar')
     _, val, _ = build_datasets(f'cifar10:{tmp_path / "cifar"}')
-    names = _registered('_cifar') + ['wrn_16_4']
-    assert len(names) >= 5, names
-    image = val.images[1].permute(1, 2, 0).numpy()
-    for name in names:
-        torch.testing.assert_close(_timm_eval_input(name, image), val[1][0], msg=name)
+    _assert_configs_feed_the_training_input(_registered('_cifar') + ['wrn_16_4'], val, 1)
 
 
 def test_eval_data_config_reproduces_the_imagefolder_eval_transform(tmp_path):
