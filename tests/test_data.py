@@ -338,7 +338,7 @@ def test_eval_data_config_reproduces_the_imagefolder_eval_transform(tmp_path):
     from structformer.data.pixel_stats import eval_data_config
     _write_pngs(tmp_path / 'flat')
     _, val, info = build_datasets(f'imagefolder:{tmp_path / "flat"}', img_size=16, val_fraction=0.25)
-    path = val.samples[0][0] if hasattr(val, 'samples') else val.dataset.samples[val.indices[0]][0]
+    path = val.dataset.samples[val.indices[0]][0]                 # a stratified Subset of the ImageFolder
     cfg = dict(eval_data_config('imagefolder'), input_size=(3, 16, 16))
     image = np.asarray(Image.open(path).convert('RGB'))
     torch.testing.assert_close(_timm_eval_input(cfg, image), val[0][0])
