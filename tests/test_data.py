@@ -343,6 +343,15 @@ def test_eval_data_config_reproduces_the_imagefolder_eval_transform(tmp_path):
     image = np.asarray(Image.open(path).convert('RGB'))
     torch.testing.assert_close(_timm_eval_input(cfg, image), val[0][0])
     assert eval_data_config('synthetic-subspaces') is None
+    import subprocess
+    import sys
+
+    import timm.data
+    from structformer.data import pixel_stats
+    assert (pixel_stats.IMAGENET_DEFAULT_MEAN, pixel_stats.IMAGENET_DEFAULT_STD) == (
+        timm.data.IMAGENET_DEFAULT_MEAN, timm.data.IMAGENET_DEFAULT_STD)
+    # imported first in a fresh process it must not re-enter itself through timm's registration hook
+    subprocess.run([sys.executable, '-c', 'import structformer.data.pixel_stats'], check=True)
 
 
 # ----- the --data argument and its errors -----

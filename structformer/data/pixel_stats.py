@@ -9,11 +9,14 @@ has no 8-bit image form and no entry.
 """
 from typing import Any, Dict, Optional, Tuple
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-
 from .cifar import CIFAR10_MEAN, CIFAR10_STD
 from .digits import DIGITS_MEAN, DIGITS_STD
 from .mnist import MNIST_MEAN, MNIST_STD
+
+# timm's IMAGENET_DEFAULT_MEAN / _STD, written out: importing timm here would re-enter structformer.models (which
+# imports this module) through timm's model-registration hook when this module is the first one imported
+IMAGENET_DEFAULT_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_DEFAULT_STD = (0.229, 0.224, 0.225)
 
 PIXEL_STATS = {
     'digits': ((DIGITS_MEAN / 255,), (DIGITS_STD / 255,)),
