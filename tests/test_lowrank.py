@@ -227,6 +227,20 @@ def test_transformer_preset_takes_qkv_and_ffn_not_the_attention_output():
     model(torch.randn(2, 3, 16, 16)).sum().backward()
 
 
+@pytest.mark.parametrize('tied_output', [False, True])
+def test_factorized_crate_keeps_its_subspaces_and_tied_output(tied_output):
+    """MSSA reads its qkv weight as the subspace bases U_k (white-box analysis) and, tied, as the output map
+    of Eq. 12: after `factorize` both must read U Vᵀ (an nn.Linear `.weight` no longer exists)."""
+    model = timm.create_model('crate_digits', depth=2, tied_output=tied_output).double()
+    x = torch.randn(3, 1, 8, 8, **F64)
+    before, bases = model(x), [b.attn.subspace_bases() for b in model.blocks]
+    factorize(model, rank=1.0, include=['blocks.*.attn.qkv'], skip_no_saving=False, verbose=False)
+    assert isinstance(model.blocks[0].attn.qkv, FactorizedLinear)
+    for block, dense in zip(model.blocks, bases):
+        torch.testing.assert_close(block.attn.subspace_bases(), dense, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(model(x), before, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize('kwargs, message', [
     (dict(rank=0), 'rank=0'), (dict(rank=-1), 'rank=-1'), (dict(rank=1.5), 'rank=1.5'),
     (dict(rank=10_000), r'rank \(layer .*\)=10000 is out of range'),

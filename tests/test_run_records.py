@@ -164,3 +164,70 @@ def test_resume_from_a_checkpoint_into_a_new_folder(tmp_path, straight):
     result = train(_config(tmp_path / 'continued'), resume=str(first), progress=False)
     assert [r['epoch'] for r in result.history] == [2]
     assert result.last_checkpoint == tmp_path / 'continued' / 'checkpoints' / 'epoch_0002'
+
+
+def _fail_in_first_epoch(monkeypatch):
+    def broken(self, epoch, phase):
+        raise RuntimeError(f'simulated failure in epoch {epoch}')
+    monkeypatch.setattr(Trainer, '_train_epoch', broken)
+
+
+def test_a_new_run_that_fails_in_its_first_epoch_leaves_nothing(tmp_path, monkeypatch):
+    """A command that failed before training an epoch (a bad forward, a diverged first step) must not leave
+    a config and an init checkpoint that make the corrected command answer 'already holds a run'."""
+    _fail_in_first_epoch(monkeypatch)
+    with pytest.raises(RuntimeError, match='simulated'):
+        train(_config(tmp_path / 'new'), progress=False)
+    assert not (tmp_path / 'new').exists()
+    existing = tmp_path / 'existing'                 # a folder the user made: it stays, empty
+    existing.mkdir()
+    with pytest.raises(RuntimeError, match='simulated'):
+        train(_config(existing), progress=False)
+    assert list(existing.iterdir()) == []
+
+
+def test_overwrite_that_fails_in_its_first_epoch_brings_the_old_run_back(tmp_path, monkeypatch):
+    output = tmp_path / 'run'
+    train(_config(output), progress=False)
+    before = _snapshot(output)
+    _fail_in_first_epoch(monkeypatch)
+    with pytest.raises(RuntimeError, match='simulated'):
+        train(_config(output, seed=3), progress=False, overwrite=True)
+    assert _snapshot(output) == before and not list(output.glob('.replaced-*'))
+
+
+def test_overwrite_killed_in_its_first_epoch_brings_the_old_run_back(tmp_path):
+    """Killed after the new run's init checkpoint but before its first trained epoch: on the next start the
+    old run comes back (it is discarded only once the new run has trained an epoch)."""
+    output = tmp_path / 'run'
+    train(_config(output), progress=False)
+    before = _snapshot(output)
+    _train_in_subprocess(output, 'epoch_0001:weights', overwrite=True)
+    reconcile(output)
+    assert _snapshot(output) == before and not list(output.glob('.replaced-*'))
+
+
+def test_a_second_process_cannot_train_into_a_run_in_use(tmp_path):
+    """Two `train` processes into one --output: the second is refused by name, the first's records stay its own."""
+    from structformer.train.run_dir import RunLock
+    output = tmp_path / 'run'
+    with RunLock(output):                            # as a running `train` holds it
+        code = ('import json, sys; from structformer.train import TrainConfig, train; '
+                'train(TrainConfig(**json.loads(sys.argv[1])), progress=False)')
+        done = subprocess.run([sys.executable, '-c', code, json.dumps(dict(TINY, output=str(output)))],
+                              capture_output=True, text=True)
+        assert done.returncode != 0 and 'is in use by another training process' in done.stderr, done.stderr[-800:]
+        assert not (output / 'config.yaml').exists() and not (output / 'checkpoints').exists()
+    train(_config(output), progress=False)        # released: the folder is usable again
+
+
+def test_a_run_finished_by_another_process_meanwhile_is_not_overwritten(tmp_path):
+    """The 'already holds a run' check is made again under the lock: a process that started while the folder
+    was empty must not write into the run another process completed in the meantime."""
+    output = tmp_path / 'run'
+    late = Trainer(_config(output, seed=5), progress=False)       # checked while the folder was empty
+    train(_config(output), progress=False)
+    before = _snapshot(output)
+    with pytest.raises(FileExistsError, match='another process'):
+        late.fit()
+    assert _snapshot(output) == before

@@ -31,6 +31,7 @@ from scipy.linalg import subspace_angles
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from ..layers.linear.base import StructuredLinear, linear_weight
 from .whitebox import layer_bases
 
 __all__ = ['subspace_energy', 'subspace_coherence', 'coherence_summary', 'principal_angles', 'embedding_linear_map',
@@ -81,10 +82,10 @@ def embedding_linear_map(model: nn.Module) -> torch.Tensor:
     """M = diag(γ_out)C_d · W · diag(γ_in)C_D ([d, D]): the patch embedding without its offsets."""
     pe = getattr(model, 'patch_embed', None)
     proj = getattr(pe, 'proj', None)
-    if not isinstance(proj, nn.Linear) or not hasattr(pe, 'norm_in') or not hasattr(pe, 'norm_out'):
+    if not isinstance(proj, (nn.Linear, StructuredLinear)) or not hasattr(pe, 'norm_in') or not hasattr(pe, 'norm_out'):
         raise ValueError("subspace recovery needs CRATE's patch embedding (patch_embed.norm_in, .proj "
                          "as a Linear, .norm_out)")
-    w = proj.weight.detach().double().cpu()
+    w = linear_weight(proj).detach().double().cpu()
     d, big_d = w.shape
     return _ln_linear(pe.norm_out, d).to(w) @ w @ _ln_linear(pe.norm_in, big_d).to(w)
 

@@ -165,6 +165,22 @@ def _summary(plans: Sequence[LayerPlan], rank, init: str) -> str:
     return text
 
 
+def check_factorization(model: nn.Module, rank: Union[int, float] = 0.3, init: str = 'spectral',
+                        include=None, exclude=None, skip_no_saving: bool = True) -> List[LayerPlan]:
+    """The plan of `factorize` with these arguments, or the ValueError it would raise, without changing
+    the model: the trainer calls it before a run that factorises after pre-training starts, so a rank
+    that saves nothing is refused before the dense epochs rather than after them."""
+    if init not in INITS:
+        raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
+    plans = plan_factorization(model, rank, include, exclude, skip_no_saving)
+    if not any(p.action == 'factorize' for p in plans):
+        raise ValueError(f"rank={rank}: none of the {len(plans)} chosen layer(s) would save parameters "
+                         f"(r >= mn/(m+n) everywhere); lower the rank, or factorise anyway with "
+                         f"skip_no_saving=False (command line: --transform factorize rank={rank} "
+                         f"skip_no_saving=False)")
+    return plans
+
+
 def factorize(model: nn.Module, rank: Union[int, float] = 0.3, init: str = 'spectral',
               include: Optional[Union[str, Sequence[str]]] = None, exclude: Optional[Sequence[str]] = None,
               skip_no_saving: bool = True, verbose: bool = True) -> nn.Module:
@@ -174,12 +190,7 @@ def factorize(model: nn.Module, rank: Union[int, float] = 0.3, init: str = 'spec
     vectors, Σ = I) or 'he'. The plan is stored as `model.lowrank_plan` (a list of dicts) and, with
     `verbose`, summarised on stderr. Raises ValueError, changing nothing, on bad arguments or when no
     chosen layer would save parameters."""
-    if init not in INITS:
-        raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
-    plans = plan_factorization(model, rank, include, exclude, skip_no_saving)
-    if not any(p.action == 'factorize' for p in plans):
-        raise ValueError(f"rank={rank}: none of the {len(plans)} chosen layer(s) would save parameters "
-                         f"(r >= mn/(m+n) everywhere); lower the rank, or pass skip_no_saving=False")
+    plans = check_factorization(model, rank, init, include, exclude, skip_no_saving)
     layers = eligible_layers(model)
     for plan in plans:
         if plan.action != 'factorize':

@@ -96,9 +96,19 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
         if 'img_size' in kwargs and 'img_size' not in user_kwargs and 'img_size' in str(e):
             kwargs = {k: v for k, v in kwargs.items() if k != 'img_size'}   # convolutional nets take any size
             return _construct(name, kwargs, user_kwargs)
+        strings = [f"{k}={v!r}" for k, v in user_kwargs.items() if isinstance(v, str)]
+        if strings and "'str'" in str(e):       # e.g. eta=abc: a comparison deep in the constructor failed
+            raise ValueError(f"--model-kwargs {', '.join(strings)}: {name} expects another type there ({e}); "
+                             "write numbers, true/false and lists as such (eta=0.1, qkv_bias=true)") from None
         raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
     except (AssertionError, ValueError) as e:
         raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and 'alloc' not in str(e):
+            raise
+        raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
+                         f"({str(e).splitlines()[0][:160]}); check --model-kwargs sizes (img_size, embed_dim, "
+                         "depth)") from None
 
 
 def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=None,

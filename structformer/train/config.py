@@ -3,6 +3,7 @@ and accepted back with `-c`."""
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,14 @@ from ..errors import UsageError
 _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
           'batch_size': '-b/--batch-size', 'phases': None,
           'factorize_rank': '--rank', 'factorize_init': '--init'}
+
+
+# the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
+DEFAULT_FLOOR_LR = 1e-6
+FLOAT32_MAX = 3.4028234663852886e38
+# data-loader worker processes: more than this only forks processes that wait on each other (and a typo such
+# as 100000 would fork until the machine stops); the ceiling grows with the machine
+MAX_WORKERS = max(32, 2 * (os.cpu_count() or 1))
 
 
 def flag_name(key: str) -> Optional[str]:
@@ -51,8 +60,9 @@ class TrainConfig:
     sched: str = 'cosine'
     # None: fitted to the run, min(2, epochs / 10), so a short run never fails on a default it did not set
     warmup_epochs: Optional[float] = None
-    warmup_lr: float = 1e-6
-    min_lr: float = 1e-6
+    # None: 1e-6, or lr when that is lower (an explicit value above lr is refused)
+    warmup_lr: Optional[float] = None
+    min_lr: Optional[float] = None
     label_smoothing: float = 0.1
     clip_grad: Optional[float] = None
     seed: int = 0
@@ -85,20 +95,34 @@ class TrainConfig:
         """Warm-up length in epochs: as given, or fitted to the run's length when left unset."""
         return min(2.0, self.epochs / 10) if self.warmup_epochs is None else self.warmup_epochs
 
+    def resolved_warmup_lr(self) -> float:
+        """The learning rate the warm-up starts from: as given, or 1e-6 (at most lr) when left unset."""
+        return min(DEFAULT_FLOOR_LR, self.lr) if self.warmup_lr is None else self.warmup_lr
+
+    def resolved_min_lr(self) -> float:
+        """The cosine schedule's floor: as given, or 1e-6 (at most lr) when left unset."""
+        return min(DEFAULT_FLOOR_LR, self.lr) if self.min_lr is None else self.min_lr
+
     def validate(self) -> 'TrainConfig':
+        self._validate_numbers()
+        self._validate_optimizer()
         checks = [
             ('epochs', self.epochs >= 1, '>= 1'),
             ('batch_size', self.batch_size >= 1, '>= 1'),
             ('eval_batch_size', self.eval_batch_size >= 1, '>= 1'),
             ('lr', self.lr > 0, '> 0'),
             ('weight_decay', self.weight_decay >= 0, '>= 0'),
+            ('warmup_lr', self.warmup_lr is None or 0 <= self.warmup_lr <= self.lr, f'in [0, lr={self.lr:g}]'),
+            ('min_lr', self.min_lr is None or 0 <= self.min_lr <= self.lr, f'in [0, lr={self.lr:g}]'),
+            ('momentum', 0 <= self.momentum < 1, 'in [0, 1)'),
+            ('seed', 0 <= self.seed < 2 ** 32, 'in [0, 2**32)'),
             ('warmup_epochs', 0 <= self.resolved_warmup_epochs() < self.epochs, f'in [0, epochs={self.epochs})'),
             ('label_smoothing', 0 <= self.label_smoothing < 1, 'in [0, 1)'),
             ('val_fraction', 0 < self.val_fraction < 1, 'in (0, 1)'),
             ('keep_last', self.keep_last >= 1, '>= 1'),
             ('save_every', self.save_every >= 0, '>= 0'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
-            ('num_workers', self.num_workers >= 0, '>= 0'),
+            ('num_workers', 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
             ('sched', self.sched in ('cosine', 'none'), "'cosine' or 'none'"),
         ]
         for name, ok, accepted in checks:
@@ -115,6 +139,26 @@ class TrainConfig:
                 raise UsageError(f"--compile={self.compile!r} is not a torch.compile backend: accepted "
                                  f"{', '.join(backends)}")
         return self
+
+    def _validate_numbers(self) -> None:
+        """Every real-valued setting finite and within float32's range: the optimiser and the schedule
+        hand them to float32 tensors, where 1e300 overflows deep inside torch and inf turns the loss nan."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                raise UsageError(f"{flag_name(f.name)}={value!r} is out of range: accepted a finite number "
+                                 f"of magnitude at most {FLOAT32_MAX:.3g} (float32)")
+
+    def _validate_optimizer(self) -> None:
+        from timm.optim import list_optimizers     # only here: a config is read without timm elsewhere
+        name = self.opt.lower()
+        base = name[len('lookahead_'):] if name.startswith('lookahead_') else name
+        known = list_optimizers()
+        if base not in known:
+            close = difflib.get_close_matches(base, known, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ''
+            raise UsageError(f"--opt={self.opt!r} is not a timm optimiser: {hint}accepted any of timm.optim."
+                             f"list_optimizers() (e.g. adamw, sgd, lion, lamb), optionally prefixed 'lookahead_'")
 
     def _validate_lowrank(self) -> None:
         if self.factor_decay not in ('l2', 'frobenius'):

@@ -36,7 +36,8 @@ from .distributed import barrier, cleanup_distributed, init_distributed
 from .phases import LossContext, build_phases, phase_for_epoch
 from . import distill
 from ..lowrank import regularizers as lowrank_regularizers   # registers the frobenius_decay / factor_l2 terms
-from .run_dir import committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile, restore_aside
+from .run_dir import (RunLock, committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile,
+                      undo_new_run)
 
 
 class TrainingDiverged(RuntimeError):
@@ -129,9 +130,17 @@ class Trainer:
         self.overwrite = overwrite and not self.resume
         check_writable(self.output, '--output')
 
+    def _check_still_free(self) -> None:
+        """`_prepare_output` again, now under the run lock: another process may have started and finished a
+        run in this folder while this one was building its data and model."""
+        if not self.resume and not self.overwrite and committed_checkpoints(self.ckpt_dir):
+            raise FileExistsError(f"--output {self.output} already holds a run (written by another process "
+                                  "while this one started); pass --resume to continue it or --overwrite to "
+                                  "replace it")
+
     def _start_output(self) -> Optional[Path]:
         """Create the run folder; with --overwrite move the old run aside (returned), to be discarded once
-        the new run's first checkpoint has committed and put back if anything fails before that."""
+        the new run's first trained epoch has committed and put back if anything fails before that."""
         aside = None
         if self.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
@@ -156,6 +165,8 @@ class Trainer:
             if cfg.factorize_spec() and not cfg.factorize_at:        # low-rank from the start
                 transforms.append(cfg.factorize_spec())
             self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, transforms)
+        self._check_planned_factorization()
+        self._check_input_shapes()
         self.distiller = self._make_distiller()
         self.model.to(self.device)
         if cfg.compile:
@@ -180,6 +191,36 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
         self.factorized_metrics: Dict[str, float] = {}
+
+    def _check_planned_factorization(self) -> None:
+        """With --factorize-at K > 0: refuse a factorisation that `factorize` would refuse now, before the K
+        dense epochs (and their checkpoints) rather than after them."""
+        spec = self.config.factorize_spec()
+        if spec is None or not self.config.factorize_at or any(t['name'] == 'factorize' for t in self.recipe.transforms):
+            return
+        from ..lowrank.transform import check_factorization
+        kwargs = spec['kwargs']
+        check_factorization(self.model, kwargs['rank'], kwargs['init'], kwargs.get('include'))
+
+    def _check_input_shapes(self) -> None:
+        """One forward of two validation samples, in eval mode and without gradients, before anything is
+        written: a model built for other images (img_size=, in_chans=) or other data (images into a
+        language model) is refused by its own check here, not after the run folder exists. Eval mode and
+        the fixed samples draw no random numbers, so the run itself is unchanged."""
+        from torch.utils.data import default_collate      # not a DataLoader: its iterator draws a seed
+        batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self.model(batch)
+        except ValueError:
+            raise
+        except RuntimeError as e:         # a shape torch found wrong: name the data and the model
+            raise ValueError(f"--model {self.config.model} cannot take a batch of --data {self.config.data} "
+                             f"(shape {list(batch.shape)}): {str(e).splitlines()[0]}") from None
+        finally:
+            self.model.train(was_training)
 
     def _make_distiller(self) -> Optional['distill.Distiller']:
         """With --teacher: load and check the dense teacher, start a new student from its weights (a
@@ -235,7 +276,7 @@ class Trainer:
             return None
         scheduler, _ = create_scheduler_v2(
             self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.resolved_warmup_epochs(),
-            warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
+            warmup_lr=cfg.resolved_warmup_lr(), min_lr=cfg.resolved_min_lr(), step_on_epochs=False,
             updates_per_epoch=self.steps_per_epoch)
         return scheduler
 
@@ -333,24 +374,33 @@ class Trainer:
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
-        cfg = self.config
         self._build()                            # data and model first: bad input fails before any write
         self.global_step = 0
         start_epoch = 0
-        aside = self._start_output()
+        with RunLock(self.output if self.is_main else None) as lock:
+            if self.is_main:
+                self._check_still_free()
+            aside = self._start_output()
+            # a new run that fails before its first trained epoch commits leaves nothing behind (and an
+            # --overwrite'n run comes back): the command was refused, so a retry must not meet a half run
+            self.uncommitted_new_run = not self.resume
+            try:
+                return self._fit(start_epoch, aside)
+            except Exception:
+                if self.is_main and self.uncommitted_new_run:
+                    undo_new_run(self.output, aside, lock)
+                raise
+
+    def _fit(self, start_epoch: int, aside: Optional[Path]) -> TrainResult:
+        cfg = self.config
         if self.resume:
             start_epoch = self._restore()
             if self.is_main:
                 save_config(cfg, self.output / 'config.yaml')     # --epochs may have extended the run
                 print(f"resumed from epoch {start_epoch} of {cfg.epochs} ({resolve_checkpoint(self._resume_source())})")
         elif self.is_main:
-            try:
-                save_config(cfg, self.output / 'config.yaml')
-                self._save(0, {})                # the random init, for white-box comparisons
-            except BaseException:
-                restore_aside(self.output, aside)
-                raise
-            discard_aside(aside)
+            save_config(cfg, self.output / 'config.yaml')
+            self._save(0, {})                    # the random init, for white-box comparisons
         history: List[Dict] = []
         last_path = None
         if self.is_main:                  # `--resume PATH` into a fresh --output: nothing committed here yet
@@ -369,6 +419,9 @@ class Trainer:
                     if self.config.factorize_spec() or lowrank_regularizers.factor_parameter_names(self.model):
                         record.update(self._spectra_record())
                     last_path = self._save(epoch, record)     # the checkpoint first: it carries the record too
+                    if self.uncommitted_new_run:                # a trained epoch: the old run can go now
+                        self.uncommitted_new_run = False
+                        discard_aside(aside)
                     with open(self.output / 'metrics.jsonl', 'a') as f:
                         f.write(json.dumps(record) + '\n')
                     crash_point(f'epoch {epoch}:metrics')
@@ -423,10 +476,11 @@ class Trainer:
             loss = sum(terms.values())
             if not torch.isfinite(loss):
                 bar.close()
+                kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
+                        else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
                 raise TrainingDiverged(
                     f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
-                    f"without saving this state. The last good checkpoint is "
-                    f"{resolve_checkpoint(self.ckpt_dir)}. Try a lower --lr or --clip-grad.")
+                    f"without saving this state: {kept}. Try a lower --lr or --clip-grad.")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.clip_grad:

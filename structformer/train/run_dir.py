@@ -1,6 +1,7 @@
 """A run directory as the single source of truth, whatever interrupted the process that wrote it.
 
     RUN/config.yaml, RUN/metrics.jsonl, RUN/summary.json, RUN/checkpoints/epoch_NNNN/, RUN/checkpoints/latest.json
+    RUN/.lock   (flock'ed by the one process training into RUN; see `RunLock`)
 
 Checkpoints commit by rename (see `checkpoint.save_checkpoint`), so after a kill the folder can hold:
 an `epoch_NNNN.tmp-*` folder that never committed, a committed checkpoint that `latest.json` does not
@@ -29,6 +30,10 @@ def committed_checkpoints(ckpt_dir: Path) -> List[Path]:
         if path.is_dir() and (path / 'state.json').is_file() and (path / 'model.safetensors').is_file():
             found.append(path)
     return sorted(found, key=lambda p: int(p.name.split('_')[1]))
+
+
+def _epoch(checkpoint: Path) -> int:
+    return int(checkpoint.name.split('_')[1])
 
 
 def remove_stale_temporaries(ckpt_dir: Path) -> List[str]:
@@ -64,8 +69,8 @@ def reconcile(output: Path) -> Optional[Path]:
     output = Path(output)
     ckpt_dir = output / 'checkpoints'
     for aside in output.glob('.replaced-*'):           # an --overwrite that was interrupted
-        if committed_checkpoints(ckpt_dir):
-            discard_aside(aside)                        # ... after the new run's first checkpoint
+        if any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)):
+            discard_aside(aside)                        # ... after the new run's first trained epoch
         else:
             restore_aside(output, aside)                # ... before it: the old run comes back
     if not ckpt_dir.is_dir():
@@ -124,3 +129,73 @@ def restore_aside(output: Path, aside: Optional[Path]) -> None:
 def discard_aside(aside: Optional[Path]) -> None:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def undo_new_run(output: Path, aside: Optional[Path], lock: 'RunLock') -> None:
+    """Remove what a new run wrote into `output` before its first trained epoch (its config, its init
+    checkpoint), put back the run that --overwrite moved aside, and remove `output` itself (or the lock
+    file) if the run's `lock` created it: a command that failed leaves the folder as it found it."""
+    output = Path(output)
+    for name in RUN_FILES:
+        target = output / name
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        elif target.exists():
+            target.unlink()
+    restore_aside(output, aside)
+    if lock.created:
+        shutil.rmtree(output, ignore_errors=True)
+    elif lock.created_file:
+        (output / RunLock.NAME).unlink(missing_ok=True)
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the life of one training process (`flock` on RUN/.lock, which
+    the kernel releases when the process ends however it ends, so a killed run never leaves a stale lock).
+    A second `train` into the same --output while one runs is refused instead of interleaving its
+    checkpoints and metrics with the first. `None` (a DDP worker that is not rank 0) locks nothing.
+    Where `fcntl` does not exist (Windows) no lock is taken."""
+
+    NAME = '.lock'
+
+    def __init__(self, output: Optional[Path]):
+        self.output = None if output is None else Path(output)
+        self.fd: Optional[int] = None
+        # whether this lock made the folder / the lock file (atomic: only one process can), so that a failed
+        # new run can leave the folder as it found it
+        self.created = self.created_file = False
+
+    def __enter__(self) -> 'RunLock':
+        try:
+            import fcntl
+        except ImportError:                              # pragma: no cover - not POSIX
+            return self
+        if self.output is None:
+            return self
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.output.mkdir()
+            self.created = True
+        except FileExistsError:
+            pass
+        path = self.output / self.NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            self.created_file = True
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FileExistsError(f"--output {self.output} is in use by another training process; wait for it "
+                                  "to finish or choose another --output") from None
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            # the file stays: unlinking it would let a process that opened it a moment earlier lock a file
+            # that is no longer the one the next process opens
+            os.close(self.fd)
+            self.fd = None

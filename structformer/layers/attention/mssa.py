@@ -11,6 +11,7 @@ from einops import rearrange
 from torch import nn
 
 from ...functional.shared_qkv_attention import shared_qkv_attention
+from ..linear.base import linear_weight
 from .registry import register_attention
 from .softmax import check_head_sizes
 
@@ -74,7 +75,7 @@ class MSSA(nn.Module):
 
     def subspace_bases(self) -> torch.Tensor:
         """The learned U_k as a [K, d, p] stack (columns of Wᵀ, head by head)."""
-        w = self.qkv.weight                                      # [K·p, d]
+        w = linear_weight(self.qkv)                              # [K·p, d] (also after `factorize`)
         return rearrange(w, '(k p) d -> k d p', k=self.num_heads)
 
     def _shared_backward_applies(self, w: torch.Tensor, attn_mask, is_causal: bool) -> bool:
@@ -100,4 +101,4 @@ class MSSA(nn.Module):
             return self.proj_drop(self.proj(heads))
         n = x.shape[-2]
         tied_scale = self.head_dim / (n * self.eps ** 2)           # p/(Nε²) of Eq. 12
-        return self.proj_drop(tied_scale * heads @ self.qkv.weight)
+        return self.proj_drop(tied_scale * heads @ linear_weight(self.qkv))

@@ -11,7 +11,7 @@ Every layer keeps `nn.Linear`'s interface (`in_features`, `out_features`, `bias`
 output [..., out]) and provides `to_dense()`, the [out, in] matrix it applies: tests compare each
 fast path against `F.linear(x, layer.to_dense(), layer.bias)`, and the analysis reads spectra from it.
 """
-from .base import StructuredLinear
+from .base import StructuredLinear, linear_weight
 from .factorized import FactorizedConv2d, FactorizedLinear
 from .kronecker import KroneckerLinear
 from .masked import MaskedLinear
@@ -19,5 +19,5 @@ from .monarch import MonarchLinear
 from .permutation import random_permutation, transpose_permutation
 from .permuted import PKLinear
 
-__all__ = ['StructuredLinear', 'PKLinear', 'KroneckerLinear', 'MonarchLinear', 'MaskedLinear',
+__all__ = ['StructuredLinear', 'linear_weight', 'PKLinear', 'KroneckerLinear', 'MonarchLinear', 'MaskedLinear',
            'random_permutation', 'transpose_permutation', 'FactorizedLinear', 'FactorizedConv2d']

@@ -41,3 +41,14 @@ class StructuredLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}'
+
+
+def linear_weight(layer: nn.Module) -> torch.Tensor:
+    """The [out, in] matrix a linear layer applies, whether a plain `nn.Linear` or a structured one
+    (materialised by `to_dense()`): for code that reads weights (tied outputs, white-box analysis) and
+    must keep working after `factorize` or a structured swap."""
+    if isinstance(layer, StructuredLinear):
+        return layer.to_dense()
+    if isinstance(layer, nn.Linear):
+        return layer.weight
+    raise TypeError(f"expected an nn.Linear or a StructuredLinear, got {type(layer).__name__}")

@@ -33,15 +33,16 @@ class ISTA(nn.Module):
         super().__init__()
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive integer (the width d of D), got {in_features!r}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0 (α = d/(Nε²) of Eq. 92), got {eps!r}")
         if out_features not in (None, in_features):
             raise ValueError(f"ISTA maps R^d to R^d: out_features={out_features} must equal "
                              f"in_features={in_features}")
         if step not in ('ista', 'mm'):
             raise ValueError(f"step={step!r}: accepted 'ista' (Eq. 17) or 'mm' (Eq. 92)")
-        if eta <= 0 or lambd < 0:
-            raise ValueError(f"need eta > 0 and lambd >= 0, got eta={eta}, lambd={lambd}")
+        for name, value, ok, accepted in (('eta', eta, lambda v: v > 0, '> 0 (the ISTA step size η)'),
+                                          ('lambd', lambd, lambda v: v >= 0, '>= 0 (the sparsity weight λ)'),
+                                          ('eps', eps, lambda v: v > 0, '> 0 (α = d/(Nε²) of Eq. 92)')):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"{name} must be a number {accepted}, got {value!r}")
         self.dim = in_features
         self.eta = eta
         self.lambd = lambd
