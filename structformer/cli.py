@@ -293,12 +293,13 @@ def cmd_eval(args) -> int:
                          f"{model.num_classes}")
     dataset = val_ds if args.split == 'val' else train_ds
     metrics = evaluate(model, DataLoader(dataset, batch_size=args.batch_size), 'cpu')
+    unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
     metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
-                    'images': len(dataset)})
+                    unit: len(dataset)})
     if args.json:
         print(json.dumps(metrics))
     else:
-        print(f"{state['model']} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} images): "
+        print(f"{state['model']} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
               f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
               + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else ''))
     return 0

@@ -59,6 +59,9 @@ def files(tmp_path_factory):
     ckpt = run / 'checkpoints' / 'epoch_0001'
     shutil.copytree(ckpt, base / 'corrupt')
     (base / 'corrupt' / 'model.safetensors').write_bytes(b'\x00garbage' * 10)
+    shutil.copytree(ckpt, base / 'no_weights')
+    (base / 'no_weights' / 'model.safetensors').unlink()
+    (base / 'empty_text.txt').write_text('')
     (base / 'foreign').mkdir()
     (base / 'foreign' / 'pytorch_model.bin').write_bytes(b'\x80\x02}q\x00.')
     shutil.copytree(ckpt, base / 'mismatch')           # a checkpoint whose recipe no longer fits its weights
@@ -222,6 +225,10 @@ CASES = [
     ('predictor-epochs-range', ['train', '--model', 'sparsifiner_digits', '--teacher', '{vit_run}', '--epochs', '2',
                                 '--predictor-epochs', '3', '--output', OUT], ['--predictor-epochs', '[0, epochs=2]']),
     ('design-omega', ['design', '--omega', 'big'], ['--omega']),
+    ('design-omega-too-large', ['design', '--omega', '2^1100'], ['--omega', 'at most 2^64']),
+    ('design-omega-huge-power', ['design', '--omega', '9^99999999'], ['--omega', 'at most 2^64']),
+    ('bench-models-img-size', ['bench', 'models', '--img-size', '7'], ['--img-size', 'multiple of the patch size 16']),
+    ('bench-models-threads', ['bench', 'models', '--threads', '-1'], ['--threads', '>= 0']),
     ('design-density', ['design', '--omega', '2^10', '--sw-densities', '0'], ['--sw-densities', '(0, 1]']),
     ('analyze-cka-batch', ['analyze', '--checkpoint', '{run}', '--cka', '{run}', '--cka-batch-size', '2'],
      ['--cka-batch-size', '>= 4']),
@@ -232,6 +239,13 @@ CASES = [
     ('checkpoint-corrupt', ['eval', '--checkpoint', '{corrupt}'], ['--checkpoint', 'corrupt']),
     ('checkpoint-foreign', ['eval', '--checkpoint', '{foreign}'], ['--checkpoint', 'not a structformer']),
     ('checkpoint-mismatch', ['eval', '--checkpoint', '{mismatch}'], ['--checkpoint', 'do not fit']),
+    ('checkpoint-weights-missing', ['eval', '--checkpoint', '{no_weights}'],
+     ['--checkpoint', 'incomplete', 'model.safetensors is missing']),
+    ('checkpoint-is-other-file', ['eval', '--checkpoint', '{a_file}'], ['--checkpoint', 'a_file is a file']),
+    ('analyze-compare-unknown', ['analyze', '--checkpoint', '{run}', '--compare', 'foo'],
+     ['--compare foo', 'init, epoch:N']),
+    ('text-empty', ['train', '--model', 'gpt2_byte_tiny', '--data', 'text:{empty_text}', '--output', OUT],
+     ['--data', 'empty', '0 bytes']),
     ('analyze-checkpoint-missing', ['analyze', '--checkpoint', '{base}/no_such_run'], ['--checkpoint']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),

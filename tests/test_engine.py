@@ -155,3 +155,8 @@ def test_attn_layer_by_name_swaps_a_timm_vit_and_round_trips(tmp_path):
     assert isinstance(attn, SoftAttention) and attn.conv.kernel_size == 2     # 4×4 grid, m = 4 landmarks
     first = load_file(str(tmp_path / 'run' / 'checkpoints' / 'epoch_0000' / 'model.safetensors'))
     assert not torch.equal(first['blocks.0.attn.conv.weight'], attn.conv.weight)   # the sampler was trained
+
+
+def test_epoch_line_rate_keeps_slow_runs_readable():
+    from structformer.train.engine import _rate
+    assert _rate(0.0774) == '0.0774' and _rate(12.345) == '12.3' and _rate(1234.6) == '1235'

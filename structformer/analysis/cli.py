@@ -27,8 +27,10 @@ ANALYZE_EXAMPLES = """examples:
   # the newest checkpoint of a run against its random init (epoch_0000), on the run's own val split
   structformer analyze --checkpoint outputs/demo --compare init
 
-  # the training trajectory, as in CRATE Fig. 4 (init / epoch 1 / 20 / last)
-  structformer analyze --checkpoint outputs/demo --compare init epoch:1 epoch:20 --num-samples 128
+  # the training trajectory, as in CRATE Fig. 4 (init / epoch 1 / 10 / last); the epochs must still be on
+  # disk: train with --save-every 1 (or 10), since by default a run keeps only its last 2 and epoch_0000
+  structformer train --model crate_digits --data digits --epochs 20 --save-every 1 --output outputs/trajectory
+  structformer analyze --checkpoint outputs/trajectory --compare init epoch:1 epoch:10 --num-samples 128
 
   # every saved epoch (train with --save-every 1) in one figure, training_curves.png
   structformer analyze --checkpoint outputs/demo --compare all --num-samples 1000
@@ -126,7 +128,11 @@ def resolve_compare(spec: str, run: Optional[Path]) -> Path:
             have = sorted(p.name for p in (run / 'checkpoints').glob('epoch_*') if p.is_dir())
             raise FileNotFoundError(f"--compare {spec}: {path} does not exist; this run has {', '.join(have) or 'none'}")
         return resolve_checkpoint(path)
-    return resolve_checkpoint(spec)
+    try:
+        return resolve_checkpoint(spec)
+    except (FileNotFoundError, ValueError) as e:    # its message blames --checkpoint: this is --compare
+        reason = str(e).split(f'{spec} ', 1)[-1] if str(e).startswith('--checkpoint: ') else str(e)
+        raise type(e)(f"--compare {spec}: {reason}; accepted init, epoch:N, all, or a checkpoint path") from None
 
 
 def _build_datasets(spec, **kwargs):

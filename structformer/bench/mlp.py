@@ -250,8 +250,14 @@ def run(args) -> int:
     }
     verdict = lambda ok: 'MET' if ok else 'NOT MET'                         # noqa: E731
     print("\ngoals (ratios measured in this run):")
-    print(f"  (a) SW-MLP / RP-Mixer block storage at the CIFAR setting: {goals['memory_ratio']:.0f}x "
-          f"(goal >= {GOAL_MEMORY:.0f}x) {verdict(goals['memory_ratio'] >= GOAL_MEMORY)}")
+    if args.img_size == 32:
+        print(f"  (a) SW-MLP / RP-Mixer block storage at the CIFAR setting: {goals['memory_ratio']:.0f}x "
+              f"(goal >= {GOAL_MEMORY:.0f}x) {verdict(goals['memory_ratio'] >= GOAL_MEMORY)}")
+    else:                        # the ratio grows with the image: a smaller one says nothing about the goal
+        analytic = cifar['sw_mlp']['bytes'] / cifar['rp_mixer']['bytes']
+        print(f"  (a) SW-MLP / RP-Mixer block storage: {goals['memory_ratio']:.0f}x measured at {args.img_size} px; "
+              f"the goal (>= {GOAL_MEMORY:.0f}x) is stated at the CIFAR setting (32 px), so no verdict "
+              f"(analytic there, masks included: {analytic:.0f}x; run with --img-size 32 to judge it)")
     print(f"  (b) RP-Mixer / Mixer training step: {goals['rp_step_ratio']:.3f}x (goal <= {GOAL_RP_STEP}x) "
           f"{verdict(goals['rp_step_ratio'] <= GOAL_RP_STEP)}")
     monarch_note = '' if n == 4096 and args.batch_size == 1024 else f' (measured at n = {n}, batch {args.batch_size}; the goal is stated at n = 4096, batch 1024)'

@@ -23,6 +23,7 @@ CANDIDATES = [
     ('CRATE-T shared-QKV backward', 'crate_tiny_patch16_224', {'ssa_impl': 'shared'}, False),
     ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}, False),
 ]
+PATCH_SIZE = 16                        # of every candidate
 MODES = ('eager', 'compiled')
 GOAL_RATIO = 0.9                       # CRATE-T's training speed over ViT-T's, eager or compiled
 EXAMPLES = """examples:
@@ -147,6 +148,11 @@ def run(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.pairs < 0:
         raise ValueError(f"--pairs must be >= 0 (0 skips the paired timing), got {args.pairs}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    if args.img_size % PATCH_SIZE:
+        raise ValueError(f"--img-size must be a multiple of the patch size {PATCH_SIZE} (ViT-T and CRATE-T are "
+                         f"patch16 models), got {args.img_size}")
     if args.threads:
         torch.set_num_threads(args.threads)              # so the environment record names the threads used
     best = {}

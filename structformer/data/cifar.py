@@ -78,8 +78,8 @@ def build_cifar10(path, *, spec, seed, val_fraction, train_transform, eval_trans
     expected = TRAIN_FILES + (VAL_FILE,)
     missing = [name for name in expected if not os.path.isfile(os.path.join(folder, name))]
     if missing:
-        raise FileNotFoundError(f'--data {spec!r}: folder {folder!r} lacks CIFAR-10 files {", ".join(missing)}; '
-                                f'expected {", ".join(expected)}')
+        raise FileNotFoundError(f'--data {spec!r}: folder {folder!r} lacks CIFAR-10 files {", ".join(missing)} '
+                                f'(the python version: data_batch_1..5 and test_batch)')
     parts = [read_cifar_batch(os.path.join(folder, name)) for name in expected]
     images = torch.cat([x for x, _ in parts])
     labels = torch.cat([y for _, y in parts])

@@ -38,7 +38,9 @@ class ByteWindows(Dataset):
     """Non-overlapping (x, y) windows of a byte stream: y is x shifted by one byte."""
 
     def __init__(self, data: bytes, seq_len: int):
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        # frombuffer refuses an empty buffer; an empty split is reported by the caller, naming --data
+        self.tokens = (torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data
+                       else torch.zeros(0, dtype=torch.long))
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -78,6 +80,8 @@ def _split(files: List[Path], seed: int, val_fraction: float, max_bytes: int, sp
             continue                             # too big for what is left: a smaller file may fit
         texts.append((f, data[:max_bytes] if max_bytes else data))
         total += len(texts[-1][1])
+    if total == 0:
+        raise ValueError(f"--data {spec!r}: the text is empty ({len(files)} file(s), 0 bytes)")
     if len(texts) == 1:                      # one file: hold out its end instead
         (f, data), = texts
         cut = int(len(data) * (1 - val_fraction))

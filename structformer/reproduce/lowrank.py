@@ -28,7 +28,7 @@ from ..bench.harness import environment, write_json, write_png, write_text
 from ..errors import UsageError
 
 EXAMPLES = """examples:
-  structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 1 --limit-train-batches 2 --output /tmp/lr_quick
+  structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
   structformer reproduce lowrank --output outputs/reproduce_lowrank         # both parts, ~25 min on 2 cores"""
 
 INITS = ('he', 'spectral', 'spectral_ones')

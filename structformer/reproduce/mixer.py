@@ -32,12 +32,19 @@ EXAMPLES = """examples:
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
 
+OMEGA_MAX_LOG2 = 64          # far beyond any layer that fits in memory; keeps every width exact in float64
+
+
 def parse_omega(text: str) -> int:
     """'32768', '2^15' or '2**15' -> 32768."""
     m = re.fullmatch(r'\s*(\d+)\s*(?:(?:\^|\*\*)\s*(\d+))?\s*', text)
     if not m:
         raise argparse.ArgumentTypeError(f"--omega expects an integer or a power like 2^15, got {text!r}")
-    value = int(m.group(1)) ** int(m.group(2)) if m.group(2) else int(m.group(1))
+    base, exponent = int(m.group(1)), int(m.group(2) or 1)
+    # bounded before the power is computed: 9^99999999 would otherwise take minutes and gigabytes
+    if base > 1 and exponent * math.log2(base) > OMEGA_MAX_LOG2:
+        raise argparse.ArgumentTypeError(f"--omega must be at most 2^{OMEGA_MAX_LOG2} connections, got {text.strip()}")
+    value = base ** exponent
     if value < 16:
         raise argparse.ArgumentTypeError(f"--omega must be >= 16 connections, got {value}")
     return value

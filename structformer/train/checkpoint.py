@@ -136,6 +136,9 @@ def resolve_checkpoint(path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     if path.is_file():
+        if path.name not in ('model.safetensors', 'state.json'):
+            raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "
+                                  "state.json; give a run directory, a checkpoint folder or its model.safetensors")
         path = path.parent
     for candidate in (path, path / 'checkpoints'):
         if (candidate / 'model.safetensors').exists() or (candidate / 'state.json').exists():
@@ -158,6 +161,9 @@ def resolve_checkpoint(path) -> Path:
 def load_checkpoint(path, with_train_state: bool = False):
     """Return (weights, state, train_tensors) from a checkpoint, with clear errors when damaged."""
     directory = resolve_checkpoint(path)
+    for name in ('state.json', 'model.safetensors'):
+        if not (directory / name).is_file():
+            raise CheckpointError(f"--checkpoint: {directory} is incomplete: {name} is missing")
     try:
         state = json.loads((directory / 'state.json').read_text())
         weights = load_file(str(directory / 'model.safetensors'))

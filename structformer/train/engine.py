@@ -518,7 +518,7 @@ class Trainer:
         print(f"epoch {r['epoch']:>3}/{self.config.epochs}  {phase}train loss {r['train_loss']:.4f}  "
               f"val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:6.2f}%  top5 {r['val_top5']:6.2f}%  "
               + (f"ppl {r['val_perplexity']:.2f}  " if 'val_perplexity' in r else '') +
-              f"lr {r['lr']:.2e}  {r['train_img_per_s']:.0f} img/s", flush=True)
+              f"lr {r['lr']:.2e}  {_rate(r['train_img_per_s'])} img/s", flush=True)
 
     def _print_summary(self, history: List[Dict]) -> None:
         history = read_metrics(self.output / 'metrics.jsonl') or history    # every epoch, resumed or not
@@ -536,6 +536,11 @@ class Trainer:
         width = max(len(k) for k in summary)
         print('\n' + '\n'.join(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
                                for k, v in summary.items()))
+
+
+def _rate(per_second: float) -> str:
+    """Three significant figures below 100 (a slow run's 0.077 img/s is not '0'), whole numbers above."""
+    return f"{per_second:.0f}" if per_second >= 100 else f"{per_second:.3g}"
 
 
 def train(config: TrainConfig, **kwargs) -> TrainResult:
