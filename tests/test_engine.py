@@ -160,3 +160,17 @@ def test_attn_layer_by_name_swaps_a_timm_vit_and_round_trips(tmp_path):
 def test_epoch_line_rate_keeps_slow_runs_readable():
     from structformer.train.engine import _rate
     assert _rate(0.0774) == '0.0774' and _rate(12.345) == '12.3' and _rate(1234.6) == '1235'
+
+
+def test_the_dry_forward_before_writing_draws_no_random_numbers(tmp_path):
+    """`train` runs one forward of two validation samples before it writes anything (a model that cannot take
+    the data is refused with nothing written); it must leave the RNG where it was, even for a model whose
+    forward draws (here: dropout left in training mode would), or the run would differ from a run without it."""
+    from structformer.train.engine import Trainer
+    trainer = Trainer(_tiny(tmp_path, model_kwargs={'drop_rate': 0.5}), progress=False)
+    trainer._build()
+    trainer.model.eval = lambda: trainer.model               # keep dropout active: the forward draws
+    state = torch.get_rng_state()
+    trainer._check_input_shapes()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not (tmp_path / 'run').exists()

@@ -205,14 +205,16 @@ class Trainer:
     def _check_input_shapes(self) -> None:
         """One forward of two validation samples, in eval mode and without gradients, before anything is
         written: a model built for other images (img_size=, in_chans=) or other data (images into a
-        language model) is refused by its own check here, not after the run folder exists. Eval mode and
-        the fixed samples draw no random numbers, so the run itself is unchanged."""
+        language model) is refused by its own check here, not after the run folder exists. The RNG state
+        is restored afterwards, so the run itself is unchanged."""
         from torch.utils.data import default_collate      # not a DataLoader: its iterator draws a seed
+        if len(self.val_ds) == 0:
+            return
         batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0]
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):  # and if a layer did draw: undone
                 self.model(batch)
         except ValueError:
             raise
