@@ -177,8 +177,8 @@ def test_a_new_run_that_fails_in_its_first_epoch_leaves_nothing(tmp_path, monkey
     a config and an init checkpoint that make the corrected command answer 'already holds a run'."""
     _fail_in_first_epoch(monkeypatch)
     with pytest.raises(RuntimeError, match='simulated'):
-        train(_config(tmp_path / 'new'), progress=False)
-    assert not (tmp_path / 'new').exists()
+        train(_config(tmp_path / 'new' / 'deeper' / 'run'), progress=False)
+    assert not (tmp_path / 'new').exists()           # the folders made for it go too
     existing = tmp_path / 'existing'                 # a folder the user made: it stays, empty
     existing.mkdir()
     with pytest.raises(RuntimeError, match='simulated'):

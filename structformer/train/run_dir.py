@@ -144,7 +144,7 @@ def undo_new_run(output: Path, aside: Optional[Path], lock: 'RunLock') -> None:
             target.unlink()
     restore_aside(output, aside)
     if lock.created:
-        shutil.rmtree(output, ignore_errors=True)
+        shutil.rmtree(lock.created_root, ignore_errors=True)
     elif lock.created_file:
         (output / RunLock.NAME).unlink(missing_ok=True)
 
@@ -164,6 +164,7 @@ class RunLock:
         # whether this lock made the folder / the lock file (atomic: only one process can), so that a failed
         # new run can leave the folder as it found it
         self.created = self.created_file = False
+        self.created_root: Optional[Path] = None         # with `created`: the outermost folder made for it
 
     def __enter__(self) -> 'RunLock':
         try:
@@ -172,10 +173,14 @@ class RunLock:
             return self
         if self.output is None:
             return self
+        missing = self.output.absolute()
+        while not missing.parent.exists():               # the outermost folder this run would make
+            missing = missing.parent
         self.output.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.output.mkdir()
             self.created = True
+            self.created_root = missing
         except FileExistsError:
             pass
         path = self.output / self.NAME
