@@ -330,14 +330,17 @@ def human_count(n: int) -> str:
 
 
 def cmd_models(args) -> int:
-    from .models import list_structformer_models
+    from .models import list_structformer_language_models, list_structformer_models
     from .models.inventory import model_inventory
-    names = [n for n in list_structformer_models() if args.filter in n]
+    language = set(list_structformer_language_models())
+    names = [n for n in list_structformer_models() + sorted(language) if args.filter in n]
     rows = model_inventory(names)
+    for row in rows:
+        row['task'] = 'language model' if row['name'] in language else 'image classification'
     if args.flops:
         from .bench.flops import COMPONENTS, model_flops
         for row in rows:
-            row.update({k: v for k, v in model_flops(row['name'], img_size=args.img_size).items() if k != 'params'})
+            row.update(model_flops(row['name'], img_size=args.img_size))    # params of the model at that size
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -350,15 +353,16 @@ def cmd_models(args) -> int:
         header = f"{'model':<{width}}  {'params':>12}  {'input':>10}  {'GMACs':>7}{parts}"
     print(header)
     for r in rows:
-        size = 'x'.join(map(str, r['input_size']))
+        # a language model reads token ids [B, T]: its "input" is the context length
+        size = f"T={r['input_size'][-1]}" if r['task'] == 'language model' else 'x'.join(map(str, r['input_size']))
         if args.flops:
             parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>{col}.3f}" for c in columns)
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
         else:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")
     if args.flops:
-        print("GMACs: multiply-adds of one image's forward (FlopCounterMode, matmul/conv only; papers quote these "
-              "as FLOPs), split by component")
+        print("GMACs: multiply-adds of one image's forward (a language model: one sequence of T tokens; "
+              "FlopCounterMode, matmul/conv only; papers quote these as FLOPs), split by component")
     return 0
 
 

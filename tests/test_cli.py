@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import timm
 import yaml
 
 from structformer.cli import build_parser, main
@@ -70,7 +71,22 @@ def test_eval_prints_accuracy(trained_run, capsys):
 def test_models_lists_parameter_counts(capsys):
     assert main(['models', '--filter', 'crate_tiny', '--json']) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows == [{'name': 'crate_tiny_patch16_224', 'params': 6090856, 'input_size': [3, 224, 224]}]
+    assert rows == [{'name': 'crate_tiny_patch16_224', 'params': 6090856, 'input_size': [3, 224, 224],
+                     'task': 'image classification'}]
+
+
+def test_models_lists_language_models_apart_and_counts_at_the_asked_size(capsys):
+    assert main(['models', '--filter', 'gpt2_byte', '--json']) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r['name'] for r in rows} == {'gpt2_byte_tiny', 'gpt2_byte_small'}
+    assert all(r['task'] == 'language model' for r in rows)
+    assert main(['models', '--filter', 'gpt2_byte_tiny', '--flops']) == 0
+    assert 'T=128' in capsys.readouterr().out
+    # --img-size: the parameters of the model built at that size (CRATE's position embedding grows)
+    assert main(['models', '--filter', 'crate_digits', '--flops', '--img-size', '16', '--json']) == 0
+    row, = json.loads(capsys.readouterr().out)
+    built = timm.create_model('crate_digits', img_size=16)
+    assert row['input_size'] == [1, 16, 16] and row['params'] == sum(p.numel() for p in built.parameters())
 
 
 @pytest.mark.parametrize('argv,needle', [

@@ -29,6 +29,22 @@ def test_bench_lowrank_tiny_run_writes_consistent_ratios(tmp_path, capsys):
     assert 'ViT-S block stack' in capsys.readouterr().out
 
 
+def test_bench_lowrank_stack_factorises_every_linear_at_any_rank(tmp_path):
+    """Above rank 0.5 attn.proj (384×384) saves nothing; the stack still factorises it, as its title says,
+    rather than aborting (rank 1.0) or skipping it silently (rank 0.6)."""
+    out = tmp_path / 'lowrank.json'
+    assert main(['bench', 'lowrank', '--tokens', '8', '--in-features', '16', '--out-features', '16', '--ranks', '0.6',
+                 '1.0', '--depth', '1', '--batch-size', '1', '--steps', '1', '--rounds', '1', '--output', str(out)]) == 0
+    stack = {r['label']: r for r in json.loads(out.read_text())['stack']}
+    d = 384
+    for frac in (0.6, 1.0):
+        r = round(frac * d)
+        expected = r * (d + 3 * d) + r * (d + d) + r * (d + 4 * d) + r * (4 * d + d)    # qkv, proj, fc1, fc2
+        dense_linear = 3 * d * d + d * d + 2 * 4 * d * d
+        assert stack[f'ViT-S blocks, rank {frac:g}']['params'] - stack['ViT-S blocks, dense']['params'] == \
+            expected - dense_linear
+
+
 @pytest.mark.parametrize('argv, message', [(['--ranks', '0'], '--ranks'), (['--ranks', '1.5'], '--ranks'),
                                            (['--tokens', '0'], '--tokens'), (['--depth', '-1'], '--depth')])
 def test_bench_lowrank_bad_arguments(argv, message, capsys):

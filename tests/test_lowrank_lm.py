@@ -73,6 +73,47 @@ def test_gpt_is_causal_and_factorises_qkv_and_ffn_only():
         model(torch.randn(1, 1, 8, 8))
 
 
+def test_gpt_attention_equals_its_explicit_reference_and_is_counted():
+    """SDPA (is_causal) against softmax(QKᵀ/√d + causal mask)·V, outputs and gradients in float64; the explicit
+    path is what FLOP counting sees (the fused kernel is invisible to FlopCounterMode on CPU)."""
+    from structformer.bench.flops import model_flops
+    from structformer.models.gpt import CausalSelfAttention
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(16, 4).double()
+    x = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
+    fused = layer(x)
+    grads = torch.autograd.grad(fused.square().sum(), [x, *layer.parameters()])
+    layer.fused = False
+    explicit = layer(x)
+    torch.testing.assert_close(explicit, fused, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(explicit.square().sum(), [x, *layer.parameters()]), grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    counted = model_flops('gpt2_byte_tiny')
+    d, t, depth = 128, 128, 4
+    assert counted['breakdown_macs']['attention'] == depth * (4 * t * d * d + 2 * t * t * d)   # qkv, proj, QKᵀ, AV
+
+
+def test_gpt_forward_intermediates_and_cka():
+    """timm's feature interface on the LM (hidden states after each block, NLC), which `analyze --cka` uses."""
+    from structformer.analysis.cka import minibatch_cka
+    torch.manual_seed(0)
+    model = timm.create_model('gpt2_byte_tiny', **TINY).eval()
+    x = torch.randint(0, 256, (2, 20))
+    final, hidden = model.forward_intermediates(x)
+    torch.testing.assert_close(final, model.forward_features(x))
+    assert len(hidden) == 2 and all(h.shape == (2, 20, 32) for h in hidden)
+    manual = model._embed(x)
+    for block, h in zip(model.blocks, hidden):
+        manual = block(manual)
+        torch.testing.assert_close(h, manual)
+    last, = model.forward_intermediates(x, indices=[-1], norm=True, intermediates_only=True)
+    torch.testing.assert_close(last, final)
+    with pytest.raises(ValueError, match="'NLC'"):
+        model.forward_intermediates(x, output_fmt='NCHW')
+    cka = minibatch_cka(model, model, [torch.randint(0, 256, (4, 20)), torch.randint(0, 256, (5, 20))])
+    torch.testing.assert_close(cka['cka'].diagonal(), torch.ones(2, dtype=cka['cka'].dtype))   # a model with itself
+
+
 def test_evaluate_reports_per_token_loss_and_perplexity():
     torch.manual_seed(0)
     model = timm.create_model('gpt2_byte_tiny', **TINY)

@@ -84,6 +84,9 @@ def block_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.T
     """Every block's output for a batch, via timm's `forward_intermediates` in the NLC layout where a
     model offers it (any structformer or timm ViT/Mixer), flattened per sample."""
     model.eval()
+    if not hasattr(model, 'forward_intermediates'):
+        raise ValueError(f"--cka: {type(model).__name__} has no forward_intermediates (timm's feature interface), "
+                         "so its block outputs cannot be compared")
     try:
         maps = model.forward_intermediates(images, intermediates_only=True, output_fmt='NLC')
     except TypeError:

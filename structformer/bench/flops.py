@@ -77,7 +77,8 @@ def _component(path: str) -> Optional[str]:
 
 
 def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
-    """Parameters and forward FLOPs of one image through a registered model (eval mode, CPU).
+    """Parameters and forward FLOPs of one image (a language model: one sequence of its context length)
+    through a registered model (eval mode, CPU).
 
     Returns {'params', 'input_size', 'flops', 'macs', 'breakdown_macs': {component: MACs}}, with
     components stem / downsampling / attention / mlp / head / other (the rest: norms' matmul-free
@@ -97,8 +98,14 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
     chans = getattr(model, 'in_chans', chans)
     if img_size:
         height = width = img_size
+    from ..models import list_structformer_language_models
+    if name in list_structformer_language_models():      # one sequence of token ids, the full context
+        chans, height, width = 1, 1, model.context
+        sample = torch.zeros(1, width, dtype=torch.long)
+    else:
+        sample = torch.randn(1, chans, height, width)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(torch.randn(1, chans, height, width))
+        model(sample)
     total = counter.get_total_flops()
     breakdown = dict.fromkeys(COMPONENTS, 0)
     for key, ops in counter.get_flop_counts().items():

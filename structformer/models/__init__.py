@@ -1,5 +1,5 @@
 """Importing this registers every structformer model with timm; `factory` is the one way to build one."""
-from ._registry import list_structformer_models, register_model
+from ._registry import list_structformer_language_models, list_structformer_models, register_model
 from .crate import CRATE, CrateBlock
 from . import attention_swap, mixer, soft, sparsifiner, token_pruning
 from .soft import SoftNet

@@ -9,31 +9,36 @@ Input: token ids [B, T] (int64), T <= `img_size` (the context length: the name t
 data facts use); output: logits [B, T, num_classes] (num_classes = vocabulary size, 256 for bytes).
 
 Registered in timm's registry (`timm.create_model('gpt2_byte_tiny')`, `structformer train --model ...`)
-but not in `structformer models`' image-classifier list, whose contract (images in, one label out) an LM
-does not meet: `gpt2_byte_tiny` (d 128, 4 layers, context 128, 0.88M parameters) and `gpt2_byte_small`
+as a language model: `structformer models` lists it apart from the image classifiers, whose contract
+(images in, one label out) an LM does not meet: `gpt2_byte_tiny` (d 128, 4 layers, context 128, 0.88M parameters) and `gpt2_byte_small`
 (d 384, 6 layers, context 256).
 """
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices   # timm's own index rule
+from timm.models import generate_default_cfgs
 from torch import nn
 
+from ._registry import register_language_model
 from .base import StructuredModel, create_model, model_cfg
 
 __all__ = ['GPT', 'CausalSelfAttention', 'GPTBlock']
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with a causal mask (PyTorch's SDPA, is_causal=True)."""
+    """Multi-head self-attention with a causal mask: PyTorch's SDPA (is_causal=True), or with
+    `fused = False` the explicit softmax(QKᵀ/√d + causal mask)·V it computes (the reference the tests
+    compare against, and the path FLOP counting takes: SDPA's fused kernel is invisible to it on CPU)."""
 
     def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim={dim} must be divisible by num_heads={num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.fused = True
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.attn_drop, self.proj_drop = attn_drop, nn.Dropout(proj_drop)
@@ -41,8 +46,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).reshape(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.attn_drop if self.training else 0.0)
+        dropout = self.attn_drop if self.training else 0.0
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            weights = F.dropout(scores.masked_fill(future, float('-inf')).softmax(-1), dropout)
+            out = weights @ v
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -98,16 +109,41 @@ class GPT(StructuredModel):
         self.num_classes = num_classes
         self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 
-    def forward_features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> final hidden states [B, T, D]."""
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"GPT expects token ids [B, T] (int64), got {tuple(tokens.shape)} {tokens.dtype}")
         if tokens.shape[1] > self.context:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the context img_size={self.context}")
-        x = self.drop(self.tok_embed(tokens) + self.pos_embed[:, :tokens.shape[1]])
+        return self.drop(self.tok_embed(tokens) + self.pos_embed[:, :tokens.shape[1]])
+
+    def forward_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> final hidden states [B, T, D]."""
+        x = self._embed(tokens)
         for block in self.blocks:
             x = self.run_block(block, x)
         return self.norm(x)
+
+    def forward_intermediates(self, tokens: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NLC',
+                              intermediates_only: bool = False):
+        """timm's feature interface for a sequence model: the hidden states [B, T, D] after the blocks in
+        `indices` (None: all; int n: the last n; list: those, negative from the end); `norm` applies the
+        final LayerNorm to each. Only the 'NLC' layout exists (there is no grid). Returns
+        (forward_features(tokens), intermediates), or only the intermediates."""
+        if output_fmt != 'NLC':
+            raise ValueError(f"output_fmt={output_fmt!r}: a language model's hidden states are [B, T, D]; "
+                             "accepted 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        x = self._embed(tokens)
+        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
+        intermediates = []
+        for i, block in enumerate(blocks):
+            x = self.run_block(block, x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates           # as forward_features (timm: normed even when stopped early)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Per-token logits [B, T, vocabulary] (pre_logits: the hidden states)."""
@@ -129,14 +165,14 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> GPT:
     return create_model(GPT, variant, pretrained, **kwargs)
 
 
-@register_model
+@register_language_model
 def gpt2_byte_tiny(pretrained: bool = False, **kwargs) -> GPT:
     """d 128, 4 layers, 4 heads, context 128, byte vocabulary."""
     return _create('gpt2_byte_tiny', pretrained, **dict(dict(embed_dim=128, depth=4, num_heads=4, img_size=128),
                                                         **kwargs))
 
 
-@register_model
+@register_language_model
 def gpt2_byte_small(pretrained: bool = False, **kwargs) -> GPT:
     """d 384, 6 layers, 6 heads, context 256, byte vocabulary."""
     return _create('gpt2_byte_small', pretrained, **dict(dict(embed_dim=384, depth=6, num_heads=6, img_size=256),
