@@ -161,3 +161,10 @@ def test_design_command_prints_the_fixed_omega_table(capsys):
     assert [round(r['width']) for r in record['sw_mlp']] == [540, 612, 724, 935, 1619]
     assert main(['design', '--omega', '2^19', '--gamma', '2']) == 0
     assert 'C* = S* = 64.0' in capsys.readouterr().out
+    # a C this Ω cannot reach (S = 1 already spends 201 × Ω) is marked, and left out of the default list
+    assert main(['design', '--omega', '100', '--channels', '4', '200', '--json']) == 0
+    pairs = json.loads(capsys.readouterr().out)['pairs']
+    assert [(r['channels'], r['on_curve']) for r in pairs] == [(4, True), (200, False)]
+    assert main(['design', '--omega', '2^10']) == 0
+    out = capsys.readouterr().out
+    assert '!' not in out and '\n   173 ' not in out and '\n    16 ' in out

@@ -29,8 +29,10 @@ def run(args) -> int:
     if args.channels is not None and any(c < 1 for c in args.channels):
         raise ValueError(f"--channels must be integers >= 1, got {args.channels}")
     best = optimal_width(args.omega, args.gamma)
-    channels = args.channels or sorted({16, 32, 48, 83, 113, 173, max(1, round(best['channels']))})
-    pairs = fixed_omega_pairs(args.omega, channels, args.gamma)
+    pairs = fixed_omega_pairs(args.omega, args.channels or sorted({16, 32, 48, 83, 113, 173,
+                                                                   max(1, round(best['channels']))}), args.gamma)
+    if not args.channels:          # the default list keeps the C that this Ω can reach
+        pairs = [r for r in pairs if r['on_curve']]
     sw = [{'density': p, 'width': sw_width(args.omega, p, args.gamma)} for p in args.sw_densities]
     if args.json:
         print(json.dumps({'omega': args.omega, 'gamma': args.gamma, 'optimal': best, 'pairs': pairs, 'sw_mlp': sw}))
@@ -39,7 +41,9 @@ def run(args) -> int:
     print(f"widest Mixer: C* = S* = {best['channels']:.1f}, effective width m* = {best['width']:,.0f}")
     print(f"{'C':>6} {'S':>6} {'m = SC':>9} {'Ω of the pair':>14} {'token nnz':>10} {'channel nnz':>12}")
     for r in pairs:
-        print(f"{r['channels']:>6} {r['tokens']:>6} {r['width']:>9,} {r['omega']:>14,.0f} "
+        print(f"{r['channels']:>6} {r['tokens']:>6} {r['width']:>9,} {r['omega']:>14,.0f}{' ' if r['on_curve'] else '!'}"
               f"{r['nonzero_token_mixing']:>10.4f} {r['nonzero_channel_mixing']:>12.4f}")
+    if not all(r['on_curve'] for r in pairs):
+        print("! off the fixed-Ω curve: even S = 1 spends more than 1.5 × Ω at this C (C too large for this Ω)")
     print("SW-MLP at the same Ω: " + ', '.join(f"p = {r['density']:g} → m = {r['width']:.0f}" for r in sw))
     return 0

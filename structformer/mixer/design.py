@@ -58,14 +58,20 @@ def optimal_width(omega_: float, gamma: float = 1.0) -> Dict[str, float]:
     return {'channels': side, 'tokens': side, 'width': side * side}
 
 
+OFF_CURVE = 1.5         # a pair spending more than this × Ω is off the fixed-Ω curve (C too large for Ω)
+
+
 def fixed_omega_pairs(omega_: float, channels: Iterable[int], gamma: float = 1.0) -> List[Dict[str, float]]:
     """One row per C: the integer S nearest the fixed-Ω curve, the effective width m = SC, the Ω that
-    pair really has, and the non-zero fractions of token and channel mixing (1/C, 1/S)."""
+    pair really has, and the non-zero fractions of token and channel mixing (1/C, 1/S). `on_curve` is
+    False where even S = 1 spends more than 1.5 × Ω (C too large for this Ω): that pair is not on the curve."""
     rows = []
     for C in channels:
         if isinstance(C, bool) or not isinstance(C, int) or C < 1:
             raise ValueError(f"channels must be positive integers, got {C!r}")
         S = max(1, int(round(tokens_for_omega(omega_, C, gamma))))
-        rows.append({'channels': C, 'tokens': S, 'width': S * C, 'omega': omega(S, C, gamma),
-                     'nonzero_token_mixing': 1 / C, 'nonzero_channel_mixing': 1 / S})
+        pair_omega = omega(S, C, gamma)
+        rows.append({'channels': C, 'tokens': S, 'width': S * C, 'omega': pair_omega,
+                     'nonzero_token_mixing': 1 / C, 'nonzero_channel_mixing': 1 / S,
+                     'on_curve': pair_omega <= OFF_CURVE * omega_})
     return rows
