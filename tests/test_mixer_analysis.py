@@ -121,6 +121,8 @@ def test_bench_mlp_runs_and_reports_the_goals(tmp_path, capsys, monkeypatch):
     assert result['goals']['memory_ratio'] == pytest.approx(
         by_name['swmlp_cifar']['blocks_bytes'] / by_name['rp_mixer_cifar']['blocks_bytes'])
     assert '(a) SW-MLP / RP-Mixer block storage' in out and 'ImageNet SW-MLP is not built' in out
+    goal_a = next(line for line in out.splitlines() if '(a) SW-MLP' in line)   # measured at 8 px: no verdict
+    assert 'measured at 8 px' in goal_a and 'no verdict' in goal_a and 'MET' not in goal_a
     dense = next(r for r in result['layers'] if r['layer'] == 'dense')
     pk = next(r for r in result['layers'] if r['layer'] == 'pk_random')
     assert dense['macs_per_row'] == 64 * 64 and pk['macs_per_row'] == 64 * 64 / 8
