@@ -231,3 +231,16 @@ def test_a_run_finished_by_another_process_meanwhile_is_not_overwritten(tmp_path
     with pytest.raises(FileExistsError, match='another process'):
         late.fit()
     assert _snapshot(output) == before
+
+
+def test_a_file_system_without_locks_trains_with_a_warning(tmp_path, monkeypatch, capsys):
+    """flock fails with ENOLCK on some network mounts: that is not a reason to refuse the run."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, 'No locks available')
+    monkeypatch.setattr(fcntl, 'flock', no_locks)
+    train(_config(tmp_path / 'run', epochs=1), progress=False)
+    assert committed_checkpoints(tmp_path / 'run' / 'checkpoints')
+    assert 'cannot lock the run folder (No locks available)' in capsys.readouterr().err

@@ -14,6 +14,7 @@ from the checkpoint's own `state.json`, which carries that epoch's metrics).
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -195,6 +196,11 @@ class RunLock:
             os.close(fd)
             raise FileExistsError(f"--output {self.output} is in use by another training process; wait for it "
                                   "to finish or choose another --output") from None
+        except OSError as e:                            # a file system without locks (some NFS mounts): go on
+            os.close(fd)
+            print(f"warning: --output {self.output}: cannot lock the run folder ({e.strerror or e}); make sure no "
+                  "other process trains into it", file=sys.stderr)
+            return self
         self.fd = fd
         return self
 
