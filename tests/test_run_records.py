@@ -97,11 +97,14 @@ def test_overwrite_with_a_bad_argument_keeps_the_old_run(tmp_path, straight):
     assert _snapshot(output) == before
 
 
-def test_overwrite_killed_before_its_first_checkpoint_brings_the_old_run_back(tmp_path):
+@pytest.mark.parametrize('kill_at', ['epoch_0000:weights', 'epoch_0001:weights'])
+def test_overwrite_killed_before_its_first_trained_epoch_brings_the_old_run_back(tmp_path, kill_at):
+    """Killed before the new run's init checkpoint, or after it but before its first trained epoch: on the next
+    start the old run comes back (it is discarded only once the new run has trained an epoch)."""
     output = tmp_path / 'run'
     train(_config(output), progress=False)
     before = _snapshot(output)
-    _train_in_subprocess(output, 'epoch_0000:weights', overwrite=True)
+    _train_in_subprocess(output, kill_at, overwrite=True)
     reconcile(output)
     assert _snapshot(output) == before and not list(output.glob('.replaced-*'))
 
@@ -192,17 +195,6 @@ def test_overwrite_that_fails_in_its_first_epoch_brings_the_old_run_back(tmp_pat
     _fail_in_first_epoch(monkeypatch)
     with pytest.raises(RuntimeError, match='simulated'):
         train(_config(output, seed=3), progress=False, overwrite=True)
-    assert _snapshot(output) == before and not list(output.glob('.replaced-*'))
-
-
-def test_overwrite_killed_in_its_first_epoch_brings_the_old_run_back(tmp_path):
-    """Killed after the new run's init checkpoint but before its first trained epoch: on the next start the
-    old run comes back (it is discarded only once the new run has trained an epoch)."""
-    output = tmp_path / 'run'
-    train(_config(output), progress=False)
-    before = _snapshot(output)
-    _train_in_subprocess(output, 'epoch_0001:weights', overwrite=True)
-    reconcile(output)
     assert _snapshot(output) == before and not list(output.glob('.replaced-*'))
 
 

@@ -29,8 +29,8 @@ def run(args) -> int:
     if args.channels is not None and any(c < 1 for c in args.channels):
         raise ValueError(f"--channels must be integers >= 1, got {args.channels}")
     best = optimal_width(args.omega, args.gamma)
-    pairs = fixed_omega_pairs(args.omega, args.channels or sorted({16, 32, 48, 83, 113, 173,
-                                                                   max(1, round(best['channels']))}), args.gamma)
+    channels = args.channels or sorted({16, 32, 48, 83, 113, 173, max(1, round(best['channels']))})
+    pairs = fixed_omega_pairs(args.omega, channels, args.gamma)
     if not args.channels:          # the default list keeps the C that this Ω can reach
         pairs = [r for r in pairs if r['on_curve']]
     sw = [{'density': p, 'width': sw_width(args.omega, p, args.gamma)} for p in args.sw_densities]

@@ -13,12 +13,16 @@ _STRUCTFORMER_MODELS: List[str] = []
 _LANGUAGE_MODELS: List[str] = []
 
 
+def _register(fn: Callable, names: List[str]) -> Callable:
+    fn = _timm_register_model(fn)
+    if fn.__name__ not in names:
+        names.append(fn.__name__)
+    return fn
+
+
 def register_model(fn: Callable) -> Callable:
     """Register `fn` with timm (so `timm.create_model(fn.__name__)` works) and remember it."""
-    fn = _timm_register_model(fn)
-    if fn.__name__ not in _STRUCTFORMER_MODELS:
-        _STRUCTFORMER_MODELS.append(fn.__name__)
-    return fn
+    return _register(fn, _STRUCTFORMER_MODELS)
 
 
 def list_structformer_models() -> List[str]:
@@ -28,10 +32,7 @@ def list_structformer_models() -> List[str]:
 
 def register_language_model(fn: Callable) -> Callable:
     """As `register_model`, for a causal language model."""
-    fn = _timm_register_model(fn)
-    if fn.__name__ not in _LANGUAGE_MODELS:
-        _LANGUAGE_MODELS.append(fn.__name__)
-    return fn
+    return _register(fn, _LANGUAGE_MODELS)
 
 
 def list_structformer_language_models() -> List[str]:

@@ -114,6 +114,20 @@ class StructuredModel(nn.Module):
             return checkpoint(block, x, *args, use_reentrant=False)
         return block(x, *args)
 
+    def run_blocks_keeping(self, x: torch.Tensor, indices, norm: bool = False, stop_early: bool = False):
+        """`self.blocks` on the embedded `x` (each through `run_block`), keeping the outputs of the blocks
+        timm's `feature_take_indices` picks from `indices` (through `self.norm` when `norm`); `stop_early`
+        skips the blocks after the last one kept. The loop of every single-stack `forward_intermediates`.
+        Returns (the last block's output, the kept outputs)."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
+        kept = []
+        for i, block in enumerate(blocks):
+            x = self.run_block(block, x)
+            if i in take_indices:
+                kept.append(self.norm(x) if norm else x)
+        return x, kept
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 

@@ -13,7 +13,6 @@ import torch
 from einops import rearrange
 from timm.layers import DropPath, to_2tuple
 from timm.models import generate_default_cfgs
-from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
 
 from ..layers.attention.mssa import MSSA
@@ -141,15 +140,8 @@ class CRATE(StructuredModel):
         Returns (forward_features(x), intermediates), or only the intermediates."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         batch = x.shape[0]
-        x = self._embed(x)
-        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
-        intermediates = []
-        for i, block in enumerate(blocks):
-            x = self.run_block(block, x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        x, intermediates = self.run_blocks_keeping(self._embed(x), indices, norm, stop_early)
         prefix = [y[:, :self.num_prefix_tokens] for y in intermediates]
         intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         if output_fmt == 'NCHW':

@@ -18,7 +18,6 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp, trunc_normal_
-from timm.models._features import feature_take_indices   # timm's own index rule
 from timm.models import generate_default_cfgs
 from torch import nn
 
@@ -133,14 +132,7 @@ class GPT(StructuredModel):
         if output_fmt != 'NLC':
             raise ValueError(f"output_fmt={output_fmt!r}: a language model's hidden states are [B, T, D]; "
                              "accepted 'NLC'")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        x = self._embed(tokens)
-        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
-        intermediates = []
-        for i, block in enumerate(blocks):
-            x = self.run_block(block, x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        x, intermediates = self.run_blocks_keeping(self._embed(tokens), indices, norm, stop_early)
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates           # as forward_features (timm: normed even when stopped early)

@@ -19,7 +19,6 @@ from typing import List, Optional, Sequence, Union
 import torch
 from timm.layers import DropPath, PatchEmbed
 from timm.models import generate_default_cfgs
-from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..layers.linear import MaskedLinear, PKLinear
@@ -208,14 +207,7 @@ class SparseMixer(_PatchTableModel):
             raise ValueError(f"output_fmt='NCHW' needs num_tokens == the patch count ({self.patch_tokens}); this "
                              f"model mixes {self.num_tokens} tokens, use output_fmt='NLC'")
         self._check_input(x)
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        x = self.stem(x)
-        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
-        intermediates = []
-        for i, block in enumerate(blocks):
-            x = self.run_block(block, x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        x, intermediates = self.run_blocks_keeping(self.stem(x), indices, norm, stop_early)
         if output_fmt == 'NCHW':
             h, w = self.stem.grid_size
             intermediates = [y.reshape(y.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
@@ -275,14 +267,7 @@ class SWMLP(_PatchTableModel):
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
         self._check_input(x)
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        x = self.stem(x).flatten(1)
-        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
-        intermediates = []
-        for i, block in enumerate(blocks):
-            x = self.run_block(block, x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        x, intermediates = self.run_blocks_keeping(self.stem(x).flatten(1), indices, norm, stop_early)
         tables = [y.reshape(y.shape[0], self.patch_tokens, self.embed_dim) for y in intermediates]
         if output_fmt == 'NCHW':
             h, w = self.stem.grid_size

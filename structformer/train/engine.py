@@ -123,20 +123,18 @@ class Trainer:
     def _prepare_output(self, overwrite: bool) -> None:
         """Check, but do not yet change, the output folder: nothing is written before the data and the
         model have been built, so a bad argument never costs an old run or leaves an empty folder."""
-        has_run = self.ckpt_dir.is_dir() and any(self.ckpt_dir.iterdir())
-        if has_run and not self.resume and not overwrite:
-            raise FileExistsError(f"--output {self.output} already holds a run; pass --resume to continue it "
-                                  "or --overwrite to replace it")
         self.overwrite = overwrite and not self.resume
+        self._check_no_run_here()
         check_writable(self.output, '--output')
 
-    def _check_still_free(self) -> None:
-        """`_prepare_output` again, now under the run lock: another process may have started and finished a
-        run in this folder while this one was building its data and model."""
-        if not self.resume and not self.overwrite and committed_checkpoints(self.ckpt_dir):
-            raise FileExistsError(f"--output {self.output} already holds a run (written by another process "
-                                  "while this one started); pass --resume to continue it or --overwrite to "
-                                  "replace it")
+    def _check_no_run_here(self, since: str = '') -> None:
+        """Refuse a new run (not --resume, not --overwrite) into a folder that holds one. Checked before the
+        build and again under the run lock (`since` says so): another process may have started and
+        finished a run here while this one was building its data and model."""
+        has_run = self.ckpt_dir.is_dir() and any(self.ckpt_dir.iterdir())
+        if has_run and not self.resume and not self.overwrite:
+            raise FileExistsError(f"--output {self.output} already holds a run{since}; pass --resume to continue "
+                                  "it or --overwrite to replace it")
 
     def _start_output(self) -> Optional[Path]:
         """Create the run folder; with --overwrite move the old run aside (returned), to be discarded once
@@ -381,7 +379,7 @@ class Trainer:
         start_epoch = 0
         with RunLock(self.output if self.is_main else None) as lock:
             if self.is_main:
-                self._check_still_free()
+                self._check_no_run_here(' (written by another process while this one started)')
             aside = self._start_output()
             # a new run that fails before its first trained epoch commits leaves nothing behind (and an
             # --overwrite'n run comes back): the command was refused, so a retry must not meet a half run

@@ -119,12 +119,17 @@ def restore_aside(output: Path, aside: Optional[Path]) -> None:
     for name in RUN_FILES:
         if (aside / name).exists():
             target = Path(output) / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
+            _remove(target)
             os.replace(aside / name, target)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove(target: Path, ignore_errors: bool = False) -> None:
+    """Delete a run record, folder or file, if it is there."""
+    if target.is_dir():
+        shutil.rmtree(target, ignore_errors=ignore_errors)
+    elif target.exists():
+        target.unlink()
 
 
 def discard_aside(aside: Optional[Path]) -> None:
@@ -138,11 +143,7 @@ def undo_new_run(output: Path, aside: Optional[Path], lock: 'RunLock') -> None:
     file) if the run's `lock` created it: a command that failed leaves the folder as it found it."""
     output = Path(output)
     for name in RUN_FILES:
-        target = output / name
-        if target.is_dir():
-            shutil.rmtree(target, ignore_errors=True)
-        elif target.exists():
-            target.unlink()
+        _remove(output / name, ignore_errors=True)       # already on a failure path: keep its error
     restore_aside(output, aside)
     if lock.created:
         shutil.rmtree(lock.created_root, ignore_errors=True)
