@@ -107,8 +107,37 @@ def test_goal_judges_the_module_and_reports_the_attention_alone():
 
 @pytest.mark.parametrize('argv, message', [
     (['--keep', '0'], '--keep must be ratios in (0, 1]'), (['--keep', '1.5'], '--keep must be ratios in (0, 1]'),
-    (['--tokens', '1'], '--tokens must be integers >= 2'), (['--paths', 'sideways'], '--paths: unknown')])
+    (['--tokens', '1'], '--tokens must be integers >= 2'), (['--paths', 'sideways'], '--paths: unknown'),
+    (['--dtype', 'float16'], '--dtype must be one of float32, bfloat16'), (['--device', 'tpu'], '--device must be cpu or cuda')])
 def test_bad_arguments_are_one_clear_line(argv, message, capsys):
     assert main(['bench', 'sparse-attention', *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith('structformer bench sparse-attention: error:') and message in err and '\n' not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message on a machine without CUDA')
+def test_device_cuda_without_a_gpu_is_refused(capsys):
+    assert main(['bench', 'sparse-attention', '--device', 'cuda']) == 2
+    assert '--device cuda: no CUDA device is available here' in capsys.readouterr().err
+
+
+def test_block_flex_rows_and_bfloat16(tmp_path, capsys):
+    """block-flex (CPU eager here) times the same function as block-gather; bfloat16 rows run."""
+    out = tmp_path / 'sparse.json'
+    args = _args('--tokens', '20', '--keep', '0.5', '--dim', '16', '--heads', '2', '--block-size', '8',
+                 '--repeats', '1', '--warmup', '0', '--threads', '1', '--paths', 'block-gather', 'block-flex',
+                 '--dtype', 'bfloat16', '--json', str(out))
+    assert run_bench(args) == 0
+    assert 'bfloat16' in capsys.readouterr().out
+    rows = {r['path']: r for r in json.loads(out.read_text())['rows']}
+    assert rows['block-flex']['ms'] > 0 and 'materialises' in rows['block-flex']['note']
+    assert rows['block-flex']['flops_vs_dense'] == rows['block-gather']['flops_vs_dense']
+
+
+def test_goal_on_cuda_names_the_fastest_path_without_a_verdict():
+    base = {'tokens': 577, 'keep': 0.25, 'keys': 145, 'note': ''}
+    rows = [dict(base, path='flex', ms=3.0, vs_dense=3.0, flops_vs_dense=0.81),
+            dict(base, path='block-flex', ms=2.0, vs_dense=2.0, flops_vs_dense=0.69)]
+    verdict = goal(rows, train=False, device='cuda')
+    assert verdict['met'] is None and verdict['path'] == 'block-flex'
+    assert 'the fastest path is block-flex at 2.00× dense SDPA' in verdict['line']

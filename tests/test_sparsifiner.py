@@ -202,9 +202,9 @@ def test_auto_picks_masked_on_cpu_and_explicit_paths_are_kept():
     layer = SparsifinerAttention(32, 4, keep_ratio=0.25)
     for mode in (layer.train, layer.eval):
         mode()
-        assert layer._resolve_impl(q, budget(600, 0.25), 600) == 'masked'
+        assert layer._resolve_impl(q, 0.0) == 'masked'
     explicit = SparsifinerAttention(32, 4, keep_ratio=0.25, impl='gather').eval()
-    assert explicit._resolve_impl(q, budget(600, 0.25), 600) == 'gather'
+    assert explicit._resolve_impl(q, 0.0) == 'gather'
 
 
 def test_keys_per_query_fixes_the_budget_and_refuses_more_than_n():
@@ -233,7 +233,7 @@ def test_block_connectivity_tile_gather_equals_the_masked_block_path(n):
     masked = SparsifinerAttention(32, 2, impl='masked', keep_scores=True, **options).double()
     gathered = SparsifinerAttention(32, 2, impl='gather', keep_scores=True, **options).double()
     gathered.load_state_dict(masked.state_dict())
-    assert SparsifinerAttention(32, 2, **options)._resolve_impl(torch.zeros(1), 0, n) == 'gather'
+    assert SparsifinerAttention(32, 2, **options)._resolve_impl(torch.zeros(1), 0.0) == 'gather'
     x = torch.randn(3, n, 32, dtype=D, requires_grad=True)
     out_m = masked(x)
     grad_m = torch.autograd.grad(out_m.square().sum(), [x, masked.qkv.weight])
@@ -266,3 +266,60 @@ def test_registered_models_have_every_parameter_at_construction():
     converted = sparsify(timm.create_model('vit_digits', dynamic_img_size=True))      # sparsify sees it too
     assert isinstance(converted.blocks[0].attn.basis.w_up, UninitializedParameter)
     assert sparsify(timm.create_model('vit_digits')).blocks[0].attn.basis.w_up.shape == (32, 17)
+
+
+# ---- FlexAttention (functional/sparsifiner_flex.py): what can be checked without a GPU ----------------------
+
+def test_token_block_mask_visits_the_tiles_create_block_mask_visits():
+    from structformer.functional.sparsifiner_flex import token_block_mask, token_block_mask_reference
+    n, bs = 37, 16                                        # 37 = 2·16 + 5: the last tiles cross the sequence end
+    mask = torch.rand(2, 3, n, n) < 0.3
+    mask[..., :16, :16] = True                            # a full interior tile
+    mask[..., 16:32, :16] = False                         # an empty one
+    ours, reference = token_block_mask(mask, bs), token_block_mask_reference(mask, bs)
+    assert torch.equal(ours.to_dense(), reference.to_dense())
+    full = lambda m: m.full_kv_num_blocks[..., :2]        # noqa: E731  (query tiles inside the sequence)
+    assert torch.equal(full(ours), full(reference)) and full(ours).sum() > 0
+
+
+@pytest.mark.parametrize('dense_rows', [0, 1])
+def test_block_flex_attention_equals_gathered_tiles_on_forward(dense_rows):
+    from structformer.functional.sparsifiner import block_gathered_attention
+    from structformer.functional.sparsifiner_flex import block_flex_attention
+    q, k, v = (t.detach() for t in _qkv(n=37))
+    indices = torch.rand(2, 3, 3, 3).topk(2, dim=-1).indices
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                   # eager FlexAttention's notice
+        got = block_flex_attention(q, k, v, indices, 16, dense_rows=dense_rows)
+    torch.testing.assert_close(got, block_gathered_attention(q, k, v, indices, 16, dense_rows=dense_rows))
+
+
+def test_flex_kernel_tiles_follow_the_mask_tiles():
+    from structformer.functional.sparsifiner_flex import kernel_options
+    assert kernel_options(128, True) is None and kernel_options(256, True) is None and kernel_options(64, False) is None
+    options = kernel_options(64, True)
+    assert options['BLOCK_M'] == options['BLOCK_N'] == 64
+    assert options['BLOCK_N1'] % options['BLOCK_M1'] == 0 and options['BLOCK_M2'] % options['BLOCK_N2'] == 0
+    assert all(64 % options[key] == 0 for key in ('BLOCK_M1', 'BLOCK_N1', 'BLOCK_M2', 'BLOCK_N2'))
+    with pytest.raises(ValueError, match='block_size=48'):
+        kernel_options(48, True)
+
+
+def test_flex_refuses_attention_dropout():
+    with pytest.raises(ValueError, match=r"impl='flex'.*attn_drop=0\.1"):
+        SparsifinerAttention(32, 4, impl='flex', attn_drop=0.1)
+    layer = SparsifinerAttention(32, 4, impl='flex', seq_len=9).train()
+    layer.attn_drop.p = 0.1
+    with pytest.raises(ValueError, match=r"impl='flex' has no attention dropout"):
+        layer(torch.randn(2, 9, 32))
+
+
+def test_auto_on_cuda_follows_the_gpu_measurements():
+    cuda_like = type('CudaLike', (), {'is_cuda': True})()
+    token = SparsifinerAttention(32, 4, attn_drop=0.1).train()
+    assert token._resolve_impl(cuda_like, 0.0) == 'flex' and token._resolve_impl(cuda_like, 0.1) == 'masked'
+    assert token.eval()._resolve_impl(cuda_like, 0.0) == 'masked'
+    block = SparsifinerAttention(32, 4, connectivity='block')
+    assert block._resolve_impl(cuda_like, 0.0) == 'gather' and block.eval()._resolve_impl(cuda_like, 0.0) == 'gather'
+    block.keep_scores = True                              # the n×n scores are wanted: the masked block path
+    assert block._resolve_impl(cuda_like, 0.0) == 'masked'

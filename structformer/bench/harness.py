@@ -96,6 +96,14 @@ def _on_cuda(device) -> bool:
     return str(device).startswith('cuda')
 
 
+def _synchroniser(device) -> Callable[[], None]:
+    """torch.cuda.synchronize on CUDA (kernels run asynchronously), a no-op elsewhere."""
+    if _on_cuda(device):
+        import torch
+        return torch.cuda.synchronize
+    return lambda: None
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device='cpu') -> float:
     """Median seconds per call of `fn` over `repeats` timed calls, after `warmup` untimed ones.
 
@@ -105,11 +113,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device='
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if _on_cuda(device):
-        import torch
-        sync = torch.cuda.synchronize
-    else:
-        sync = lambda: None                               # noqa: E731
+    sync = _synchroniser(device)
     for _ in range(warmup):
         fn()
     times = []
@@ -122,7 +126,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device='
     return statistics.median(times)
 
 
-def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2) -> dict:
+def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2, device='cpu') -> dict:
     """Speed ratios of callables timed back to back: each round calls every one of `calls` ({label: fn})
     once, in an order rotated from round to round, and records time(reference) / time(label) for that
     round. Returns {label: {'median_s', 'ratio', 'ratio_q1', 'ratio_q3', 'rounds'}}: the median step time,
@@ -131,13 +135,14 @@ def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2) -> 
     Why pairs: on a shared machine the speed of the same code drifts by tens of percent from one second
     to the next (a 1024³ matmul took 30–53 ms in consecutive seconds on this project's 2-core machine),
     so two medians taken minutes apart can disagree by more than the effect measured, while two calls
-    taken within seconds of each other mostly see the same machine. Calls are not synchronised with a
-    device: CPU only."""
+    taken within seconds of each other mostly see the same machine. On CUDA (`device`) each call is
+    bracketed by a synchronise, as in `median_seconds`."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if reference not in calls:
         raise ValueError(f"reference {reference!r} is not one of the calls: {', '.join(calls)}")
     labels = list(calls)
+    sync = _synchroniser(device)
     for label in labels:
         for _ in range(warmup):
             calls[label]()
@@ -145,8 +150,10 @@ def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2) -> 
     for round_index in range(rounds):
         shift = round_index % len(labels)
         for label in labels[shift:] + labels[:shift]:
+            sync()
             start = time.perf_counter()
             calls[label]()
+            sync()
             times[label].append(time.perf_counter() - start)
     result = {}
     for label in labels:

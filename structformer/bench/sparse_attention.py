@@ -3,9 +3,11 @@
 One SparsifinerAttention layer at DeiT-S shape (d = 384, 6 heads of 64) per token count n, its predictor
 included (Eq. 1–3), run on each execution path of Eq. 4–6: 'masked' (n² logits, −∞ off the mask), 'gather'
 (each query's B keys gathered), 'flex' (FlexAttention; on CPU eager it materialises the scores), 'block' (the
-layer's block connectivity, masked), and 'block-gather' (`block_sparse_attention`: block connectivity with the
+layer's block connectivity, masked), 'block-gather' (`block_sparse_attention`: block connectivity with the
 predictor on tile means and attention on gathered tiles, no n×n tensor; the layer runs it as impl='gather' with
-block connectivity, its CPU default). Beside them, 'dense SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv
+block connectivity, its CPU default) and 'block-flex' (the same predictor, the kept tiles as FlexAttention's full
+tiles: the layer's CUDA default with block connectivity). `--device cuda` runs everything on the GPU, where
+'flex' and 'block-flex' are compiled; `--dtype bfloat16` for half-precision rows. Beside them, 'dense SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv
 and proj weights, so the projections are in every row. Inference (eval, no_grad) by default; --train times
 forward + backward of out.sum().
 
@@ -20,14 +22,16 @@ import sys
 from ..errors import UsageError
 from .harness import environment, median_seconds, paired_ratios, write_json
 
-PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather')
+PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather', 'block-flex')
+DTYPES = ('float32', 'bfloat16')
 GOAL = (577, 0.25, 0.6)                  # at n = 577, keep 0.25: fastest path ≤ 0.6 × dense SDPA
 
 EXAMPLES = """examples:
   structformer bench sparse-attention --threads 1                       # n 197 577 1025 4097, keep 0.1 0.25 0.5
   structformer bench sparse-attention --tokens 577 --keep 0.25 --paths masked block-gather
   structformer bench sparse-attention --tokens 65 --keep 0.5 --repeats 1 --warmup 0 --json /tmp/sparse.json
-  structformer bench sparse-attention --train --tokens 197 577          # forward + backward"""
+  structformer bench sparse-attention --train --tokens 197 577          # forward + backward
+  structformer bench sparse-attention --device cuda --batch 64 --repeats 50 --paths masked flex block-flex"""
 
 
 def add_arguments(p):
@@ -41,6 +45,8 @@ def add_arguments(p):
     p.add_argument('--block-size', type=int, default=64, help='tile size of the block connectivity (64)')
     p.add_argument('--batch', type=int, default=1, help='batch size (1)')
     p.add_argument('--threads', type=int, default=0, help="torch threads (0 = torch's current setting)")
+    p.add_argument('--device', default='cpu', help='cpu | cuda (cpu)')
+    p.add_argument('--dtype', default='float32', help=f"{' | '.join(DTYPES)} (float32)")
     p.add_argument('--train', action='store_true', help='time forward + backward instead of inference')
     p.add_argument('--repeats', type=int, default=5, help='timed calls per row; the median is reported (5)')
     p.add_argument('--warmup', type=int, default=1, help='untimed calls before timing (1)')
@@ -66,6 +72,13 @@ def _check(args) -> None:
         raise UsageError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     if not args.max_gib > 0:
         raise UsageError(f"--max-gib must be > 0, got {args.max_gib}")
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.device not in ('cpu', 'cuda'):
+        raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
+    import torch
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here")
 
 
 def _gib(path: str, n: int, keys: int, args) -> float:
@@ -78,7 +91,8 @@ def _gib(path: str, n: int, keys: int, args) -> float:
     kept = budget(tiles, keys / n) * bs                      # keys of a query tile
     size = {'masked': 4 * square, 'flex': 4 * square, 'block': 4 * square,
             'gather': square + 2 * b * h * n * keys * d * 4,
-            'block-gather': b * h * tiles * kept * (2 * d + bs) * 4}[path]   # gathered K, V tiles; tile logits
+            'block-gather': b * h * tiles * kept * (2 * d + bs) * 4,     # gathered K, V tiles; tile logits
+            'block-flex': b * h * n * d * 4 * 4}[path]                    # q, k, v, out: no n×n, no copies
     return size * (3 if args.train else 1) / 2 ** 30
 
 
@@ -91,15 +105,18 @@ def _dense_twin(layer):
     return dense
 
 
-def _block_gather_forward(layer):
-    from ..functional.sparsifiner import block_sparse_attention
-
+def _block_forward(layer, impl: str):
+    """The module with `block_sparse_attention` (impl 'gather' or 'flex') as its attention."""
     def forward(x):
         q, k, v = layer.project(x)
-        out = block_sparse_attention(q, k, v, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold,
-                                     layer.keep_ratio, layer.block_size, int(layer.dense_cls_row))
-        return layer.merge(out)
+        return layer.merge(_block_core(layer, q, k, v, impl))
     return forward
+
+
+def _block_core(layer, q, k, v, impl: str):
+    from ..functional.sparsifiner import block_sparse_attention
+    return block_sparse_attention(q, k, v, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold,
+                                  layer.keep_ratio, layer.block_size, int(layer.dense_cls_row), impl=impl)
 
 
 def _block_gather_flops(layer, x) -> dict:
@@ -130,7 +147,7 @@ def _layer_flops(layer, x, path: str) -> dict:
     import torch
 
     from .sparse_flops import layer_mhsa_flops
-    if path == 'block-gather':
+    if path in ('block-gather', 'block-flex'):
         return _block_gather_flops(layer, x)
     if path == 'block':
         layer.keep_scores = True
@@ -160,8 +177,8 @@ def _timer(fn, x, train: bool, module):
 
 def _configure(layer, path: str, keep: float) -> None:
     layer.keep_ratio = float(keep)
-    layer.connectivity = 'block' if path in ('block', 'block-gather') else 'token'
-    layer.impl = {'block': 'masked', 'block-gather': 'masked'}.get(path, path)
+    layer.connectivity = 'block' if path.startswith('block') else 'token'
+    layer.impl = {'block': 'masked', 'block-gather': 'gather', 'block-flex': 'flex'}.get(path, path)
 
 
 def measure(args) -> list:
@@ -172,15 +189,17 @@ def measure(args) -> list:
     from ..functional.sparsifiner import budget
     from ..layers.attention.sparsifiner import SparsifinerAttention
     rows = []
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     for n in args.tokens:
         torch.manual_seed(0)
         layer = SparsifinerAttention(args.dim, args.heads, qkv_bias=True, seq_len=n, block_size=args.block_size)
         dense = _dense_twin(layer)
-        x = torch.randn(args.batch, n, args.dim, requires_grad=args.train)
+        layer, dense = layer.to(device, dtype), dense.to(device, dtype)
+        x = torch.randn(args.batch, n, args.dim, device=device, dtype=dtype, requires_grad=args.train)
         for module in (layer, dense):
             module.train(args.train)
         for keep in args.keep:
-            dense_s = median_seconds(_timer(dense, x, args.train, dense), args.repeats, args.warmup)
+            dense_s = median_seconds(_timer(dense, x, args.train, dense), args.repeats, args.warmup, device)
             dense_flops = None
             base = {'tokens': n, 'keep': keep, 'keys': budget(n, keep)}
             for path in args.paths:
@@ -190,60 +209,73 @@ def measure(args) -> list:
                     rows.append(dict(row, ms=None, note=f"skipped: ~{need:.1f} GiB > --max-gib {args.max_gib:g}"))
                     continue
                 _configure(layer, path, keep)
-                fn = _block_gather_forward(layer) if path == 'block-gather' else layer
+                fn = _block_forward(layer, layer.impl) if path in ('block-gather', 'block-flex') else layer
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter('ignore')            # flex's "without torch.compile" notice
-                        seconds = median_seconds(_timer(fn, x, args.train, layer), args.repeats, args.warmup)
+                        seconds = median_seconds(_timer(fn, x, args.train, layer), args.repeats, args.warmup,
+                                                 device)
                 except Exception as e:                             # e.g. flex unsupported here: mark, go on
-                    rows.append(dict(row, ms=None, note=f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+                    rows.append(dict(row, ms=None, note=_failure(e)))
                     continue
                 flops = _layer_flops(layer, x[:1].detach(), path)
                 dense_flops = flops['dense']
-                note = 'CPU eager: materialises the scores' if path == 'flex' and not x.is_cuda else ''
+                note = 'CPU eager: materialises the scores' if 'flex' in path and not x.is_cuda else ''
                 rows.append(dict(row, ms=seconds * 1e3, vs_dense=seconds / dense_s,
                                  flops_vs_dense=flops['sparse'] / flops['dense'], nnz=flops['nnz'], note=note))
             rows.append(dict(base, path='dense SDPA', ms=dense_s * 1e3, vs_dense=1.0,
                              flops_vs_dense=1.0 if dense_flops else None, note=''))
-            if 'block-gather' in args.paths and not args.train:
-                _configure(layer, 'block-gather', keep)
-                rows += _core_rows(layer, x, base, args)
+            block_path = 'block-flex' if x.is_cuda else 'block-gather'      # the layer's block default here
+            if block_path in args.paths and not args.train:
+                _configure(layer, block_path, keep)
+                try:
+                    rows += _core_rows(layer, x, base, args, block_path)
+                except Exception as e:
+                    rows.append(dict(base, path=f'{block_path} core', ms=None, note=_failure(e)))
             print(f"measured n={n} keep={keep:g}", file=sys.stderr, flush=True)
     return rows
 
 
-def _core_rows(layer, x, base: dict, args) -> list:
-    """The attention operation alone, projections excluded: `block_sparse_attention` (predictor included)
-    against `F.scaled_dot_product_attention` on the same q, k, v, timed back to back
+def _failure(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [''])[0]
+    return f"did not run: {type(e).__name__}: {first[:80]}"
+
+
+def _core_rows(layer, x, base: dict, args, block_path: str) -> list:
+    """The attention operation alone, projections excluded: `block_sparse_attention` (predictor included; on
+    `block_path`'s executor) against `F.scaled_dot_product_attention` on the same q, k, v, timed back to back
     (`harness.paired_ratios`, `--repeats` rounds). The projections are the same dense GEMMs in both
     modules (at n = 577 they are 0.57 of dense MHSA FLOPs), so this is the part a sparse path can shorten."""
     import torch
     import torch.nn.functional as F
-
-    from ..functional.sparsifiner import block_sparse_attention
     with torch.no_grad():
         q, k, v = layer.project(x)
-    calls = {
-        'dense SDPA core': lambda: F.scaled_dot_product_attention(q, k, v),
-        'block-gather core': lambda: block_sparse_attention(
-            q, k, v, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold, layer.keep_ratio,
-            layer.block_size, int(layer.dense_cls_row)),
-    }
+    label = f'{block_path} core'
+    calls = {'dense SDPA core': lambda: F.scaled_dot_product_attention(q, k, v),
+             label: lambda: _block_core(layer, q, k, v, layer.impl)}
     with torch.no_grad():
-        paired = paired_ratios(calls, 'dense SDPA core', args.repeats, args.warmup)
+        paired = paired_ratios(calls, 'dense SDPA core', args.repeats, args.warmup, x.device)
     counts = _block_gather_flops(layer, x[:1].detach())
     core_flops = (counts['sparse'] - counts['projections']) / (counts['dense'] - counts['projections'])
     note = 'attention alone (projections excluded), paired with SDPA alone'
-    return [dict(base, path='block-gather core', ms=paired['block-gather core']['median_s'] * 1e3,
-                 vs_dense=1 / paired['block-gather core']['ratio'], flops_vs_dense=core_flops, note=note),
+    return [dict(base, path=label, ms=paired[label]['median_s'] * 1e3,
+                 vs_dense=1 / paired[label]['ratio'], flops_vs_dense=core_flops, note=note),
             dict(base, path='dense SDPA core', ms=paired['dense SDPA core']['median_s'] * 1e3, vs_dense=1.0,
                  flops_vs_dense=1.0, note='')]
 
 
-def goal(rows, train: bool) -> dict:
+def goal(rows, train: bool, device: str = 'cpu') -> dict:
+    """The CPU goal's verdict; on CUDA, where no goal is set, the fastest path at the goal's setting."""
     n, keep, limit = GOAL
     timed = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] in PATHS
              and r.get('ms') is not None]
+    if device != 'cpu':
+        if not timed:
+            return {'line': f"on {device} (the ≤ {limit}× goal is stated for the CPU): n={n} keep {keep:g} not measured"}
+        best = min(timed, key=lambda r: r['vs_dense'])
+        return {'path': best['path'], 'ratio': best['vs_dense'], 'met': None,
+                'line': f"on {device} (the ≤ {limit}× goal is stated for the CPU): at n={n} keep {keep:g} the fastest "
+                        f"path is {best['path']} at {best['vs_dense']:.2f}× dense SDPA"}
     if not timed:
         return {'line': f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: n/a "
                         f"(needs --tokens {n} --keep {keep:g})"}
@@ -253,11 +285,12 @@ def goal(rows, train: bool) -> dict:
     line = (f"goal: at n={n} keep {keep:g}, fastest CPU path ≤ {limit}× dense SDPA: "
             f"{'met' if met else 'not met'} ({best['vs_dense']:.2f}×, {best['path']}){mode}")
     verdict = {'path': best['path'], 'ratio': best['vs_dense'], 'met': met}
-    core = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] == 'block-gather core']
+    core = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'].endswith(' core')
+            and r['path'] != 'dense SDPA core']
     if core:
         c = core[0]
         verdict.update(core_ratio=c['vs_dense'], core_met=c['vs_dense'] <= limit)
-        line += (f"\n      attention alone (predictor included, projections excluded): block-gather "
+        line += (f"\n      attention alone (predictor included, projections excluded): {c['path'][:-5]} "
                  f"{c['vs_dense']:.2f}× SDPA, {'within' if c['vs_dense'] <= limit else 'above'} {limit}×; whole module: "
                  f"the sparse FLOPs alone are {best['flops_vs_dense']:.2f}× dense")
     return dict(verdict, line=line)
@@ -278,13 +311,14 @@ def run(args) -> int:
     _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = environment('cpu')
+    env = environment(args.device)
     rows = measure(args)
-    verdict = goal(rows, args.train)
+    verdict = goal(rows, args.train, args.device)
     mode = 'forward + backward (train)' if args.train else 'inference (eval, no_grad)'
+    where = (f"{env['device']}, CUDA {env['cuda']}" if args.device == 'cuda'
+             else f"{env['threads']} threads, {env['cpu']}")
     print(f"\nSparsifiner MHSA (predictor included) vs dense SDPA, same qkv/proj weights; d {args.dim}, {args.heads} "
-          f"heads, batch {args.batch}, block {args.block_size}, {mode}; {env['threads']} threads, {env['cpu']}, "
-          f"torch {env['torch']}")
+          f"heads, batch {args.batch}, block {args.block_size}, {args.dtype}, {mode}; {where}, torch {env['torch']}")
     print("ms: median; vs SDPA: time / dense SDPA time (same run); FLOPs: sparse (paper) MHSA count / dense "
           "MHSA count (projections included)")
     print(format_table(rows))

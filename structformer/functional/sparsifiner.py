@@ -11,14 +11,16 @@ Shapes: q, k, v [B, H, n, d]; W_down, W_up [n_down, n] (one pair per layer, shar
 Three execution paths of Eq. 4–6 that agree to rounding:
   `masked_attention`     dense logits, −∞ off the mask, softmax: the reference (n² memory);
   `gathered_attention`   each query's B keys gathered: work and memory ∝ n·B, with autograd;
-  `flex_attention_path`  torch's FlexAttention with a block mask built from M (GPU; on CPU eager it
-                         materialises the scores, so it is there only to be tested).
+  `flex_attention_path`  torch's FlexAttention on the kept tiles of M (`sparsifiner_flex.py`: the GPU path,
+                         compiled there; on CPU eager it materialises the scores, so it is there to be tested).
 """
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .sparsifiner_flex import block_flex_attention, flex_attention_path  # noqa: F401  (re-exported)
 
 
 def budget(num_tokens: int, keep_ratio: float) -> int:
@@ -105,19 +107,6 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indice
     return out
 
 
-def flex_attention_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                        scale: Optional[float] = None, block_size: int = 128) -> torch.Tensor:
-    """Eq. 4–6 through FlexAttention: the token mask as mask_mod, its block mask skipping empty tiles."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    b, h, n, _ = q.shape
-
-    def mask_mod(batch, head, q_idx, kv_idx):
-        return mask[batch, head, q_idx, kv_idx]
-
-    block_mask = create_block_mask(mask_mod, b, h, n, k.shape[-2], device=q.device, BLOCK_SIZE=block_size)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
-
-
 # ---- the block path without n×n tensors (ours): predictor on tile means, attention on gathered tiles ----
 
 def _tile_mean(x: torch.Tensor, dim: int, block_size: int) -> torch.Tensor:
@@ -185,14 +174,22 @@ def block_gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_down: torch.Tensor,
                            w_up: torch.Tensor, tau: float, up_threshold: float, keep_ratio: float,
-                           block_size: int, dense_rows: int = 0, dropout_p: float = 0.0) -> torch.Tensor:
+                           block_size: int, dense_rows: int = 0, dropout_p: float = 0.0,
+                           impl: str = 'gather') -> torch.Tensor:
     """Eq. 1–6 with block connectivity and no n×n tensor: low-rank attention (Eq. 1), tile-mean scores
     (Eq. 2–3, `pooled_block_scores`), the top ⌈keep · tiles⌉ key tiles per query tile (detached, as the token
-    mask is), then `block_gathered_attention` (Eq. 4–6). q, k here are the predictor's inputs too."""
+    mask is), then Eq. 4–6 on those tiles: `block_gathered_attention` (impl='gather', CPU) or
+    `block_flex_attention` (impl='flex', GPU; no dropout). q, k here are the predictor's inputs too."""
     a_down = low_rank_attention(q, k, w_down)
     with torch.no_grad():
         tiles = pooled_block_scores(a_down, w_up, tau, up_threshold, block_size)
         block_indices = topk_indices(tiles, budget(tiles.shape[-1], keep_ratio))
+    if impl == 'flex':
+        if dropout_p:
+            raise ValueError("impl='flex' has no attention dropout; use dropout_p=0 or impl='gather'")
+        return block_flex_attention(q, k, v, block_indices, block_size, dense_rows=dense_rows)
+    if impl != 'gather':
+        raise ValueError(f"impl={impl!r}: accepted 'gather' or 'flex'")
     return block_gathered_attention(q, k, v, block_indices, block_size, dropout_p=dropout_p, dense_rows=dense_rows)
 
 

@@ -14,10 +14,15 @@ silent), `connectivity` 'token' (the paper) or 'block' (`block_size` tiles, ours
 the budget B as a count instead (the paper's "budget ≥ 40" rows); it must not exceed n.
 
 Execution (`impl`): 'masked' (dense logits, −∞ off the mask: the reference and a CPU training path),
-'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention with a block mask: the GPU path;
-on CPU eager it materialises the scores), 'auto' (CUDA: flex; CPU: masked, in training and inference:
-`structformer bench sparse-attention` measured gather 4–100× slower than masked at n = 197–1025, its
-per-query K/V copies cost more than the logits they save; docs/benchmarks.md).
+'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention on the kept tiles, compiled on CUDA,
+training included; on CPU eager it materialises the scores; no attention dropout), 'auto': on a CPU the
+masked path, in training and inference (`structformer bench sparse-attention` measured gather 4–100× slower
+than masked at n = 197–1025, its per-query K/V copies cost more than the logits they save); on CUDA flex in
+training (no n×n probabilities kept for the backward) and masked in inference and under attention dropout
+(masked was 1.4–5× faster than compiled flex on an H100 at n = 197–4097). With connectivity='block',
+'gather' and 'flex' run the predictor on tile means and attend to whole kept tiles, with no n×n tensor,
+unless `keep_scores` asks for the n×n scores; 'auto' takes 'gather' on every device (on the H100 it was as
+fast as flex or faster, and it trains in bfloat16 and with dropout).
 
 W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
 created at the first forward from its n (the model factory's `materialize_lazy` does that before an
@@ -38,8 +43,9 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from ...functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, block_mask_from_scores,
-                                       budget, connectivity_scores, flex_attention_path, gathered_attention,
+from ...functional.sparsifiner import (block_flex_attention, block_gathered_attention, block_indices_to_mask,
+                                       block_mask_from_scores, budget, connectivity_scores, flex_attention_path,
+                                       gathered_attention,
                                        low_rank_attention, low_rank_attention_per_sample, mask_from_indices,
                                        masked_attention, pooled_block_scores, source_columns, topk_indices)
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -145,6 +151,9 @@ class SparsifinerAttention(AttentionBase):
             raise ValueError(f"up_threshold must be >= 0, got {up_threshold!r}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: accepted {', '.join(map(repr, IMPLS))}")
+        if impl == 'flex' and attn_drop:
+            raise ValueError(f"impl='flex' (FlexAttention) has no attention dropout, got attn_drop={attn_drop!r}; "
+                             "use attn_drop=0, or impl='auto' / 'masked'")
         if connectivity not in CONNECTIVITY:
             raise ValueError(f"connectivity={connectivity!r}: accepted 'token' (the paper) or 'block'")
         self.keep_ratio, self.tau, self.up_threshold = float(keep_ratio), float(tau), float(up_threshold)
@@ -184,11 +193,16 @@ class SparsifinerAttention(AttentionBase):
         a_down, w_up = self.low_rank(q, k, token_sources)
         return connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
 
-    def _resolve_impl(self, q: torch.Tensor, keys: int, n: int) -> str:
+    def _resolve_impl(self, q: torch.Tensor, dropout_p: float) -> str:
         if self.impl != 'auto':
             return self.impl
         if q.is_cuda:
-            return 'flex'
+            # measured on an H100 (docs/sparsifiner.md): gathered tiles ran as fast as FlexAttention's full tiles
+            # or faster, and support dropout and bfloat16 training; token masks: the masked softmax beat FlexAttention
+            # in inference at every n, while in training FlexAttention saves no n×n probabilities for the backward
+            if self.connectivity == 'block' and not self.keep_scores:
+                return 'gather'
+            return 'flex' if self.training and not dropout_p else 'masked'   # FlexAttention has no dropout
         # CPU, token connectivity: the n² masked softmax (two GEMMs) beat gathering every query's keys at every
         # measured n and keep ratio (bench sparse-attention): the [B, H, n, B, d] copies cost more than the
         # logits they save. Block connectivity: whole tiles are gathered once per query tile and the predictor
@@ -208,9 +222,13 @@ class SparsifinerAttention(AttentionBase):
         keys = self.budget(n)
         dense_rows = 1 if self.dense_cls_row else 0
         dropout_p = self.attn_drop.p if self.training else 0.
-        impl = self._resolve_impl(q, keys, n)
-        if self.connectivity == 'block' and impl == 'gather':
-            return self.merge(self._block_gathered(q, k, v, token_sources, dense_rows, dropout_p))
+        impl = self._resolve_impl(q, dropout_p)
+        if impl == 'flex' and dropout_p:
+            raise ValueError(f"impl='flex' has no attention dropout, and attn_drop.p={dropout_p} in training; "
+                             "set attn_drop.p=0 or impl='auto' / 'masked'")
+        # block connectivity on tile means alone, no n×n tensor (flex only when the n×n scores are not asked for)
+        if self.connectivity == 'block' and (impl == 'gather' or (impl == 'flex' and not self.keep_scores)):
+            return self.merge(self._block_tiles(q, k, v, token_sources, dense_rows, dropout_p, impl))
         scores = self.predict(q, k, token_sources)
         self.last_scores = scores if self.keep_scores else None
         with torch.no_grad():                                   # the mask is detached from the attention path
@@ -230,10 +248,10 @@ class SparsifinerAttention(AttentionBase):
             out = masked_attention(q, k, v, mask, dropout_p=dropout_p)
         return self.merge(out)
 
-    def _block_gathered(self, q, k, v, token_sources, dense_rows: int, dropout_p: float) -> torch.Tensor:
+    def _block_tiles(self, q, k, v, token_sources, dense_rows: int, dropout_p: float, impl: str) -> torch.Tensor:
         """Block connectivity without an n×n tensor: tile-mean scores by linearity (`pooled_block_scores`), the
-        top ⌈keep · tiles⌉ key tiles per query tile, attention on the gathered tiles. Picks the tiles the
-        masked block path picks (up to ties)."""
+        top ⌈keep · tiles⌉ key tiles per query tile, attention on those tiles: gathered (impl='gather') or as
+        FlexAttention's full tiles (impl='flex'). Picks the tiles the masked block path picks (up to ties)."""
         a_down, w_up = self.low_rank(q, k, token_sources)
         if self.keep_scores:
             self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
@@ -242,6 +260,8 @@ class SparsifinerAttention(AttentionBase):
             block_indices = topk_indices(tiles, budget(tiles.shape[-1], self.keep_ratio))
             self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
                               if self.keep_scores else None)
+        if impl == 'flex':
+            return block_flex_attention(q, k, v, block_indices, self.block_size, dense_rows=dense_rows)
         return block_gathered_attention(q, k, v, block_indices, self.block_size, dropout_p=dropout_p,
                                         dense_rows=dense_rows)
 
