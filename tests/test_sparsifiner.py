@@ -323,3 +323,10 @@ def test_auto_on_cuda_follows_the_gpu_measurements():
     assert block._resolve_impl(cuda_like, 0.0) == 'gather' and block.eval()._resolve_impl(cuda_like, 0.0) == 'gather'
     block.keep_scores = True                              # the n×n scores are wanted: the masked block path
     assert block._resolve_impl(cuda_like, 0.0) == 'masked'
+
+
+def test_auto_on_cuda_without_flex_attention_trains_on_the_masked_path(monkeypatch):
+    import structformer.layers.attention.sparsifiner as module
+    monkeypatch.setattr(module, 'flex_attention_available', lambda: False)      # torch 2.4: no FlexAttention
+    cuda_like = type('CudaLike', (), {'is_cuda': True})()
+    assert SparsifinerAttention(32, 4).train()._resolve_impl(cuda_like, 0.0) == 'masked'

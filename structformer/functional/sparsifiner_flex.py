@@ -25,6 +25,16 @@ import torch.nn.functional as F
 
 
 @lru_cache(maxsize=None)
+def flex_attention_available() -> bool:
+    """FlexAttention arrived in torch 2.5; the package accepts torch >= 2.4."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
     # dynamo's default dynamic=None: a second shape (another batch size) compiles one shape-generic kernel

@@ -45,9 +45,10 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from ...functional.sparsifiner import (block_flex_attention, block_gathered_attention, block_indices_to_mask,
                                        block_mask_from_scores, budget, connectivity_scores, flex_attention_path,
-                                       gathered_attention,
-                                       low_rank_attention, low_rank_attention_per_sample, mask_from_indices,
+                                       gathered_attention, low_rank_attention, low_rank_attention_per_sample,
+                                       mask_from_indices,
                                        masked_attention, pooled_block_scores, source_columns, topk_indices)
+from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
@@ -202,7 +203,9 @@ class SparsifinerAttention(AttentionBase):
             # in inference at every n, while in training FlexAttention saves no n×n probabilities for the backward
             if self.connectivity == 'block' and not self.keep_scores:
                 return 'gather'
-            return 'flex' if self.training and not dropout_p else 'masked'   # FlexAttention has no dropout
+            if self.training and not dropout_p and flex_attention_available():   # FlexAttention has no dropout
+                return 'flex'
+            return 'masked'
         # CPU, token connectivity: the n² masked softmax (two GEMMs) beat gathering every query's keys at every
         # measured n and keep ratio (bench sparse-attention): the [B, H, n, B, d] copies cost more than the
         # logits they save. Block connectivity: whole tiles are gathered once per query tile and the predictor
