@@ -5,10 +5,11 @@ included (Eq. 1–3), run on each execution path of Eq. 4–6: 'masked' (n² log
 (each query's B keys gathered), 'flex' (FlexAttention; on CPU eager it materialises the scores), 'block' (the
 layer's block connectivity, masked), 'block-gather' (`block_sparse_attention`: block connectivity with the
 predictor on tile means and attention on gathered tiles, no n×n tensor; the layer runs it as impl='gather' with
-block connectivity, its CPU default) and 'block-flex' (the same predictor, the kept tiles as FlexAttention's full
-tiles: the layer's CUDA default with block connectivity). `--device cuda` runs everything on the GPU, where
-'flex' and 'block-flex' are compiled; `--dtype bfloat16` for half-precision rows. Beside them, 'dense SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv
-and proj weights, so the projections are in every row. Inference (eval, no_grad) by default; --train times
+block connectivity, its default on every device) and 'block-flex' (the same predictor, the kept tiles as
+FlexAttention's full tiles: impl='flex' with block connectivity). `--device cuda` runs everything on the GPU,
+where 'flex' and 'block-flex' are compiled; `--dtype bfloat16` for half-precision rows. Beside them, 'dense
+SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv and proj weights, so the
+projections are in every row. Inference (eval, no_grad) by default; --train times
 forward + backward of out.sum().
 
 Every time is a median of the project timer (`harness.median_seconds`); every ratio divides two numbers of
@@ -225,7 +226,7 @@ def measure(args) -> list:
                                  flops_vs_dense=flops['sparse'] / flops['dense'], nnz=flops['nnz'], note=note))
             rows.append(dict(base, path='dense SDPA', ms=dense_s * 1e3, vs_dense=1.0,
                              flops_vs_dense=1.0 if dense_flops else None, note=''))
-            block_path = 'block-flex' if x.is_cuda else 'block-gather'      # the layer's block default here
+            block_path = 'block-flex' if x.is_cuda else 'block-gather'      # the kernel each device has for tiles
             if block_path in args.paths and not args.train:
                 _configure(layer, block_path, keep)
                 try:

@@ -19,10 +19,10 @@ training included; on CPU eager it materialises the scores; no attention dropout
 masked path, in training and inference (`structformer bench sparse-attention` measured gather 4–100× slower
 than masked at n = 197–1025, its per-query K/V copies cost more than the logits they save); on CUDA flex in
 training (no n×n probabilities kept for the backward) and masked in inference and under attention dropout
-(masked was 1.4–5× faster than compiled flex on an H100 at n = 197–4097). With connectivity='block',
+(masked was 1.4–6.4× faster than compiled flex on an H100 at n = 197–4097). With connectivity='block',
 'gather' and 'flex' run the predictor on tile means and attend to whole kept tiles, with no n×n tensor,
-unless `keep_scores` asks for the n×n scores; 'auto' takes 'gather' on every device (on the H100 it was as
-fast as flex or faster, and it trains in bfloat16 and with dropout).
+unless `keep_scores` asks for the n×n scores; 'auto' takes 'gather' on every device (on the H100 it was
+faster than flex or within 8 % of it at every size, and it trains in bfloat16 and with dropout).
 
 W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
 created at the first forward from its n (the model factory's `materialize_lazy` does that before an
@@ -198,9 +198,9 @@ class SparsifinerAttention(AttentionBase):
         if self.impl != 'auto':
             return self.impl
         if q.is_cuda:
-            # measured on an H100 (docs/sparsifiner.md): gathered tiles ran as fast as FlexAttention's full tiles
-            # or faster, and support dropout and bfloat16 training; token masks: the masked softmax beat FlexAttention
-            # in inference at every n, while in training FlexAttention saves no n×n probabilities for the backward
+            # measured on an H100 (docs/sparsifiner.md): gathered tiles ran faster than FlexAttention's full tiles or
+            # within 8 % of them, and support dropout and bfloat16 training; token masks: the masked softmax beat
+            # FlexAttention in inference at every n, while in training FlexAttention keeps no n×n probabilities
             if self.connectivity == 'block' and not self.keep_scores:
                 return 'gather'
             if self.training and not dropout_p and flex_attention_available():   # FlexAttention has no dropout
