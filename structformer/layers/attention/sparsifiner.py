@@ -19,7 +19,7 @@ training included; on CPU eager it materialises the scores; no attention dropout
 masked path, in training and inference (`structformer bench sparse-attention` measured gather 4–100× slower
 than masked at n = 197–1025, its per-query K/V copies cost more than the logits they save); on CUDA flex in
 training (no n×n probabilities kept for the backward) and masked in inference and under attention dropout
-(masked was 1.4–6.4× faster than compiled flex on an H100 at n = 197–4097). With connectivity='block',
+(masked was 1.3–6.4× faster than compiled flex on an H100 at n = 197–4097). With connectivity='block',
 'gather' and 'flex' run the predictor on tile means and attend to whole kept tiles, with no n×n tensor,
 unless `keep_scores` asks for the n×n scores; 'auto' takes 'gather' on every device (on the H100 it was
 faster than flex or within 8 % of it at every size, and it trains in bfloat16 and with dropout).
