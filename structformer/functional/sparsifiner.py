@@ -184,6 +184,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
     with torch.no_grad():
         tiles = pooled_block_scores(a_down, w_up, tau, up_threshold, block_size)
         block_indices = topk_indices(tiles, budget(tiles.shape[-1], keep_ratio))
+    return tile_attention(q, k, v, block_indices, block_size, dense_rows, dropout_p, impl)
+
+
+def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+                   block_size: int, dense_rows: int = 0, dropout_p: float = 0.0, impl: str = 'gather') -> torch.Tensor:
+    """Eq. 4–6 on the kept key tiles `block_indices`: gathered (impl='gather', `block_gathered_attention`) or as
+    FlexAttention's full tiles (impl='flex', `block_flex_attention`, which has no dropout)."""
     if impl == 'flex':
         if dropout_p:
             raise ValueError("impl='flex' has no attention dropout; use dropout_p=0 or impl='gather'")

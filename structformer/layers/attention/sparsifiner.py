@@ -43,11 +43,10 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from ...functional.sparsifiner import (block_flex_attention, block_gathered_attention, block_indices_to_mask,
-                                       block_mask_from_scores, budget, connectivity_scores, flex_attention_path,
-                                       gathered_attention, low_rank_attention, low_rank_attention_per_sample,
-                                       mask_from_indices,
-                                       masked_attention, pooled_block_scores, source_columns, topk_indices)
+from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_scores, budget, connectivity_scores,
+                                       flex_attention_path, gathered_attention, low_rank_attention,
+                                       low_rank_attention_per_sample, mask_from_indices, masked_attention,
+                                       pooled_block_scores, source_columns, tile_attention, topk_indices)
 from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
 from .registry import register_attention
@@ -263,10 +262,7 @@ class SparsifinerAttention(AttentionBase):
             block_indices = topk_indices(tiles, budget(tiles.shape[-1], self.keep_ratio))
             self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
                               if self.keep_scores else None)
-        if impl == 'flex':
-            return block_flex_attention(q, k, v, block_indices, self.block_size, dense_rows=dense_rows)
-        return block_gathered_attention(q, k, v, block_indices, self.block_size, dropout_p=dropout_p,
-                                        dense_rows=dense_rows)
+        return tile_attention(q, k, v, block_indices, self.block_size, dense_rows, dropout_p, impl)
 
     def extra_repr(self) -> str:
         budget_text = f"keys_per_query={self.keys_per_query}" if self.keys_per_query else f"keep_ratio={self.keep_ratio}"
