@@ -18,7 +18,7 @@ def _qkv(n, heads=2, d=8, seed=0):
     return [torch.randn(2, heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
 
 
-@pytest.mark.parametrize('n, block_size, dense_rows', [(16, 4, 0), (19, 4, 1), (23, 8, 1), (5, 8, 0)])
+@pytest.mark.parametrize('n, block_size, dense_rows', [(16, 4, 0), (19, 4, 1), (23, 8, 1), (5, 8, 0), (5, 8, 1), (16, 4, 2)])
 def test_block_gathered_attention_equals_masked_attention_with_gradients(n, block_size, dense_rows):
     q, k, v = _qkv(n)
     tiles = -(-n // block_size)
@@ -47,6 +47,28 @@ def test_pooled_block_scores_are_the_tile_means_of_the_scores():
         for j in range(len(edges) - 1):
             tile = scores[..., edges[i]:edges[i + 1], edges[j]:edges[j + 1]].mean(dim=(-2, -1))
             torch.testing.assert_close(tiles[..., i, j], tile)
+
+
+@pytest.mark.parametrize('head_dim', [8, 6])                 # 6: a scale that is not a power of two
+def test_predictor_equals_eq_1_to_3_written_out_with_gradients(head_dim):
+    """`low_rank_attention` (scale folded into the n_down keys) and `connectivity_scores` (F.threshold) against
+    Eq. 1–3 as printed: softmax(Q (W_down K)ᵀ / √d), then Ã_down = A_down ⊙ 1[A_down > τ], then Ã_down · W̃_up."""
+    n, p, tau, t = 13, 5, 0.15, 0.3
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, 3, n, head_dim, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w_down, w_up = (torch.randn(p, n, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    a_down = low_rank_attention(q, k, w_down)
+    got = connectivity_scores(a_down, w_up, tau, t)
+    k_down = torch.stack([torch.stack([w_down @ k[b, h] for h in range(3)]) for b in range(2)])
+    want_a = torch.softmax(q @ k_down.transpose(-2, -1) / head_dim ** 0.5, dim=-1)
+    want = (want_a * (want_a > tau)) @ (w_up * (w_up.abs() >= t))
+    assert (want_a > tau).any() and (want_a <= tau).any()      # both sides of τ are exercised
+    torch.testing.assert_close(a_down, want_a)
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, w_down, w_up), upstream),
+                    torch.autograd.grad(want, (q, k, w_down, w_up), upstream)):
+        torch.testing.assert_close(a, b)
 
 
 def test_block_sparse_attention_is_masked_attention_on_its_top_tiles():

@@ -34,14 +34,14 @@ def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
                        scale: Optional[float] = None) -> torch.Tensor:
     """Eq. 1: softmax(Q (W_down K)ᵀ · scale) over the n_down down-projected keys."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k_down = torch.einsum('pn,bhnd->bhpd', w_down, k)
-    return torch.softmax((q @ k_down.transpose(-2, -1)) * scale, dim=-1)
+    k_down = torch.matmul(w_down, k) * scale             # the scale on the n_down keys, not on the n × n_down logits
+    return torch.softmax(q @ k_down.transpose(-2, -1), dim=-1)
 
 
 def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float) -> torch.Tensor:
     """Eq. 2–3 before the top-k: Ã_down · W̃_up with coefficients ≤ τ and basis entries |w| < t set to zero
     (the products keep their gradient through the entries that survive)."""
-    coefficients = a_down * (a_down > tau)
+    coefficients = F.threshold(a_down, tau, 0.0)          # a · 1[a > τ] in one pass; its gradient is 1[a > τ]
     basis = w_up * (w_up.abs() >= up_threshold)
     return coefficients @ basis
 
@@ -126,7 +126,7 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
     query tile I × key tile J is (mean over I of Ã_down's rows) · (mean over J of W̃_up's columns), exactly, by
     linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². A partial last
     tile is the mean of its real entries, as in `block_mask_from_scores`."""
-    coefficients = a_down * (a_down > tau)
+    coefficients = F.threshold(a_down, tau, 0.0)
     basis = w_up * (w_up.abs() >= up_threshold)
     return _tile_mean(coefficients, -2, block_size) @ _tile_mean(basis, -1, block_size)
 
@@ -143,29 +143,46 @@ def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_si
     return mask
 
 
+def _tile_sdpa(q_tiles: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               padded: bool, dropout_p: float, scale: Optional[float]) -> torch.Tensor:
+    """SDPA of query tiles q_tiles [B·H, t, L, d] on the keys at token `positions` [B, H, t, S]: K and V rows are
+    gathered by token (runs of block_size contiguous rows, no padded copy of k or v); slots past n (a partial
+    last key tile) read the last key and are masked out. Each part gathers its own rows, so in training no
+    gradient is accumulated through slices of a shared gathered tensor."""
+    b, h, n, d = k.shape
+    offsets = torch.arange(b * h, device=k.device).reshape(b, h, 1, 1) * n
+    rows = (positions.clamp(max=n - 1) + offsets).reshape(-1)
+    shape = (b * h, positions.shape[-2], positions.shape[-1], d)
+    k_sel, v_sel = (t.reshape(b * h * n, d).index_select(0, rows).reshape(shape) for t in (k, v))
+    valid = (positions < n).reshape(b * h, positions.shape[-2], 1, positions.shape[-1]) if padded else None
+    return F.scaled_dot_product_attention(q_tiles, k_sel, v_sel, attn_mask=valid, dropout_p=dropout_p, scale=scale)
+
+
 def block_gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
                              block_size: int, scale: Optional[float] = None, dropout_p: float = 0.0,
                              dense_rows: int = 0) -> torch.Tensor:
     """Eq. 4–6 on a block mask: each query tile attends to its kept key tiles `block_indices` [B, H, qb, kk].
 
     The kk·bs keys of a tile are gathered once for its bs queries (token-level gathering copies B keys per
-    query), and each tile is one small dense attention through SDPA: work ∝ n·kk·bs·d. Key positions past n
-    (the last tile's padding) are masked out. The first `dense_rows` queries attend to every key."""
+    query), and the full query tiles are one batched SDPA call: work ∝ n·kk·bs·d. A partial last query tile
+    is its own small call rather than padding q. Key positions past n (the last key tile's padding) are
+    gathered as copies of the last key and masked out. The first `dense_rows` queries attend to every key.
+    `masked_attention` on `block_indices_to_mask` is the reference (tested, outputs and gradients)."""
     b, h, n, d = q.shape
-    pad = (-n) % block_size
-    tiles, kept = block_indices.shape[-2:]
-    q_t, k_t, v_t = (F.pad(t, (0, 0, 0, pad)).reshape(b * h * tiles, block_size * d) for t in (q, k, v))
-    # whole tiles are rows of k_t, v_t: index_select copies them as blocks (gather would index every element)
-    offsets = torch.arange(b * h, device=q.device).reshape(b, h, 1, 1) * tiles
-    rows = (block_indices + offsets).reshape(-1)
-    k_sel, v_sel = (t.index_select(0, rows).reshape(b * h * tiles, 1, kept * block_size, d) for t in (k_t, v_t))
-    q_t = q_t.reshape(b * h * tiles, 1, block_size, d)
-    valid = None
-    if pad:
-        positions = block_indices.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)
-        valid = (positions < n).reshape(b * h * tiles, 1, 1, kept * block_size)
-    out = F.scaled_dot_product_attention(q_t, k_sel, v_sel, attn_mask=valid, dropout_p=dropout_p, scale=scale)
-    out = out.reshape(b, h, tiles * block_size, d)[..., :n, :]
+    full = n // block_size                                # query tiles without padding
+    positions = block_indices.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)
+    positions = positions.flatten(-2)                     # [B, H, qb, kk·bs] key token of every tile slot
+    padded = n % block_size != 0                          # the last key tile has slots past n to mask
+    parts = []
+    if full:
+        q_full = q[..., :full * block_size, :].reshape(b * h, full, block_size, d)
+        out = _tile_sdpa(q_full, k, v, positions[..., :full, :], padded, dropout_p, scale)
+        parts.append(out.reshape(b, h, full * block_size, d))
+    if full * block_size < n:
+        q_tail = q[..., full * block_size:, :].reshape(b * h, 1, n - full * block_size, d)
+        out = _tile_sdpa(q_tail, k, v, positions[..., full:, :], padded, dropout_p, scale)
+        parts.append(out.reshape(b, h, n - full * block_size, d))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     if dense_rows:
         dense = F.scaled_dot_product_attention(q[..., :dense_rows, :], k, v, dropout_p=dropout_p, scale=scale)
         out = torch.cat([dense, out[..., dense_rows:, :]], dim=-2)
@@ -213,5 +230,5 @@ def low_rank_attention_per_sample(q: torch.Tensor, k: torch.Tensor, w_down: torc
                                   scale: Optional[float] = None) -> torch.Tensor:
     """Eq. 1 with a per-sample W_down [B, n_down, n] (`source_columns`), shared by the heads."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k_down = torch.einsum('bpn,bhnd->bhpd', w_down, k)
-    return torch.softmax((q @ k_down.transpose(-2, -1)) * scale, dim=-1)
+    k_down = torch.einsum('bpn,bhnd->bhpd', w_down, k) * scale
+    return torch.softmax(q @ k_down.transpose(-2, -1), dim=-1)
