@@ -114,6 +114,36 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     assert rows[6]['vs_dense'] == 1.0 and rows[6]['flops_vs_dense'] == 1.0
 
 
+def test_every_module_row_is_paired_with_dense_sdpa(tmp_path, monkeypatch):
+    """Each path is timed round by round against the dense module (`paired_ratios`), not against one dense median
+    taken before it: the reported ratio is the pairing's, and the dense row is the median of its pairings."""
+    import structformer.bench.sparse_attention as bench
+    calls = []
+
+    def fake_paired(fns, reference, rounds, warmup, device):
+        (label,) = [k for k in fns if k != reference]
+        calls.append((reference, label, rounds))
+        for fn in fns.values():
+            fn()                                       # the callables run
+        dense_s = 0.010 * len(calls)                   # 10, 20, 30 ms: the dense row must be their median
+        return {reference: {'median_s': dense_s, 'ratio': 1.0, 'ratio_q1': 1.0, 'ratio_q3': 1.0},
+                label: {'median_s': 0.004, 'ratio': 2.5, 'ratio_q1': 2.0, 'ratio_q3': 4.0}}
+
+    monkeypatch.setattr(bench, 'paired_ratios', fake_paired)
+    out = tmp_path / 'sparse.json'
+    args = _args('--tokens', '20', '--keep', '0.25', '--dim', '16', '--heads', '2', '--block-size', '8',
+                 '--repeats', '3', '--warmup', '0', '--threads', '1', '--paths', 'masked', 'gather', 'block',
+                 '--json', str(out))
+    assert bench.run(args) == 0
+    assert calls == [('dense SDPA', 'masked', 3), ('dense SDPA', 'gather', 3), ('dense SDPA', 'block', 3)]
+    rows = {r['path']: r for r in json.loads(out.read_text())['rows']}
+    for path in ('masked', 'gather', 'block'):
+        assert rows[path]['vs_dense'] == pytest.approx(0.4)
+        assert (rows[path]['vs_dense_q1'], rows[path]['vs_dense_q3']) == pytest.approx((0.25, 0.5))
+        assert rows[path]['ms'] == pytest.approx(4.0)
+    assert rows['dense SDPA']['ms'] == pytest.approx(20.0)
+
+
 def test_goal_judges_the_module_and_reports_the_attention_alone():
     base = {'tokens': 577, 'keep': 0.25, 'keys': 145, 'note': ''}
     rows = [dict(base, path='masked', ms=30.0, vs_dense=3.0, flops_vs_dense=0.81),

@@ -12,12 +12,15 @@ SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv an
 projections are in every row. Inference (eval, no_grad) by default; --train times
 forward + backward of out.sum().
 
-Every time is a median of the project timer (`harness.median_seconds`); every ratio divides two numbers of
-this run (the dense row is re-timed for every keep ratio, next to its paths). FLOPs are the sparse (paper)
+Every path is timed back to back with the dense module, round by round (`harness.paired_ratios`, `--repeats`
+rounds, rotated order), so that the machine's drift within a run does not decide a ratio: 'vs SDPA' is the
+median of the per-round time ratios (quartiles in the JSON), 'ms' the path's median time, and the dense row's
+'ms' the median of the dense module's medians over its pairings. FLOPs are the sparse (paper)
 count of `sparse_flops.py` over the dense MHSA count, at the measured nnz(M) for the block rows.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 
 from ..errors import UsageError
@@ -49,7 +52,7 @@ def add_arguments(p):
     p.add_argument('--device', default='cpu', help='cpu | cuda (cpu)')
     p.add_argument('--dtype', default='float32', help=f"{' | '.join(DTYPES)} (float32)")
     p.add_argument('--train', action='store_true', help='time forward + backward instead of inference')
-    p.add_argument('--repeats', type=int, default=5, help='timed calls per row; the median is reported (5)')
+    p.add_argument('--repeats', type=int, default=5, help='paired rounds per row, each timing the path and dense SDPA once (5)')
     p.add_argument('--warmup', type=int, default=1, help='untimed calls before timing (1)')
     p.add_argument('--max-gib', type=float, default=4.0,
                    help='skip a path whose largest intermediates would exceed this many GiB (4)')
@@ -200,8 +203,8 @@ def measure(args) -> list:
         for module in (layer, dense):
             module.train(args.train)
         for keep in args.keep:
-            dense_s = median_seconds(_timer(dense, x, args.train, dense), args.repeats, args.warmup, device)
-            dense_flops = None
+            dense_call = _timer(dense, x, args.train, dense)
+            dense_times, dense_flops = [], None
             base = {'tokens': n, 'keep': keep, 'keys': budget(n, keep)}
             for path in args.paths:
                 row = dict(base, path=path)
@@ -214,16 +217,23 @@ def measure(args) -> list:
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter('ignore')            # flex's "without torch.compile" notice
-                        seconds = median_seconds(_timer(fn, x, args.train, layer), args.repeats, args.warmup,
-                                                 device)
+                        # the dense module re-timed in every round, next to the path (`paired_ratios`)
+                        paired = paired_ratios({'dense SDPA': dense_call, path: _timer(fn, x, args.train, layer)},
+                                               'dense SDPA', args.repeats, args.warmup, device)
                 except Exception as e:                             # e.g. flex unsupported here: mark, go on
                     rows.append(dict(row, ms=None, note=_failure(e)))
                     continue
+                dense_times.append(paired['dense SDPA']['median_s'])
+                stats = paired[path]
                 flops = _layer_flops(layer, x[:1].detach(), path)
                 dense_flops = flops['dense']
                 note = 'CPU eager: materialises the scores' if 'flex' in path and not x.is_cuda else ''
-                rows.append(dict(row, ms=seconds * 1e3, vs_dense=seconds / dense_s,
+                rows.append(dict(row, ms=stats['median_s'] * 1e3, vs_dense=1 / stats['ratio'],
+                                 vs_dense_q1=1 / stats['ratio_q3'], vs_dense_q3=1 / stats['ratio_q1'],
                                  flops_vs_dense=flops['sparse'] / flops['dense'], nnz=flops['nnz'], note=note))
+            if not dense_times:                                # every path skipped or failed: time dense alone
+                dense_times.append(median_seconds(dense_call, args.repeats, args.warmup, device))
+            dense_s = statistics.median(dense_times)
             rows.append(dict(base, path='dense SDPA', ms=dense_s * 1e3, vs_dense=1.0,
                              flops_vs_dense=1.0 if dense_flops else None, note=''))
             block_path = 'block-flex' if x.is_cuda else 'block-gather'      # the kernel each device has for tiles
@@ -320,8 +330,8 @@ def run(args) -> int:
              else f"{env['threads']} threads, {env['cpu']}")
     print(f"\nSparsifiner MHSA (predictor included) vs dense SDPA, same qkv/proj weights; d {args.dim}, {args.heads} "
           f"heads, batch {args.batch}, block {args.block_size}, {args.dtype}, {mode}; {where}, torch {env['torch']}")
-    print("ms: median; vs SDPA: time / dense SDPA time (same run); FLOPs: sparse (paper) MHSA count / dense "
-          "MHSA count (projections included)")
+    print("ms: median; vs SDPA: median over paired rounds of time / dense SDPA time; FLOPs: sparse (paper) MHSA "
+          "count / dense MHSA count (projections included)")
     print(format_table(rows))
     print(verdict['line'])
     if args.json:
