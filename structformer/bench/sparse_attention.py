@@ -52,7 +52,8 @@ def add_arguments(p):
     p.add_argument('--device', default='cpu', help='cpu | cuda (cpu)')
     p.add_argument('--dtype', default='float32', help=f"{' | '.join(DTYPES)} (float32)")
     p.add_argument('--train', action='store_true', help='time forward + backward instead of inference')
-    p.add_argument('--repeats', type=int, default=5, help='paired rounds per row, each timing the path and dense SDPA once (5)')
+    p.add_argument('--repeats', type=int, default=5,
+                   help='paired rounds per row, each timing the path and dense SDPA once (5)')
     p.add_argument('--warmup', type=int, default=1, help='untimed calls before timing (1)')
     p.add_argument('--max-gib', type=float, default=4.0,
                    help='skip a path whose largest intermediates would exceed this many GiB (4)')
