@@ -108,3 +108,102 @@ def test_mssa_shared_backward_under_bf16_autocast():
     (grad,) = torch.autograd.grad(out.float().sum(), layer.qkv.weight)
     torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.05)
     torch.testing.assert_close(grad, ref_grad, rtol=0.05, atol=0.05 * ref_grad.abs().max().item())
+
+
+# ---- chunked passes (cache-sized (image, head) chunks, MSSA's strided layout) ----
+
+from structformer.functional import shared_qkv_attention as ssa_module  # noqa: E402
+
+
+@pytest.mark.parametrize('images,heads,per_chunk', [(3, 4, 1), (3, 4, 3), (3, 4, 4), (3, 4, 8), (3, 4, 9),
+                                                    (5, 6, 12), (2, 6, 100), (1, 1, 1)])
+def test_chunks_cover_every_image_head_pair_once(images, heads, per_chunk):
+    seen = torch.zeros(images, heads, dtype=torch.int64)
+    for img, hd in ssa_module.chunks(images, heads, per_chunk):
+        block = seen[img, hd]
+        assert 1 <= block.numel() <= max(per_chunk, 1)
+        block += 1
+    assert bool((seen == 1).all())
+
+
+def test_heads_per_chunk_keeps_each_threads_share_within_the_budget():
+    budget = ssa_module.CHUNK_BYTES_PER_THREAD
+    per_head = 197 * 197 * 4
+    chunk = ssa_module.heads_per_chunk(96, 197, 4, 2, 'cpu')
+    assert chunk * per_head <= 2 * budget < (chunk + 1) * per_head
+    assert ssa_module.heads_per_chunk(96, 2000, 4, 1, 'cpu') == 1          # one head's weights exceed it
+    assert ssa_module.heads_per_chunk(6, 17, 4, 2, 'cpu') == 6             # never more than there are
+    assert ssa_module.heads_per_chunk(96, 197, 4, 2, 'cuda') == 96         # off the CPU: one batched pass
+
+
+def _mssa_layout(images, tokens, heads, width, dtype=torch.float64):
+    """w as MSSA makes it: a [images, heads, N, p] view of a [images, N, heads·p] projection output."""
+    base = torch.randn(images, tokens, heads * width, dtype=dtype)
+    return base.view(images, tokens, heads, width).transpose(1, 2)
+
+
+@pytest.mark.parametrize('chunk', [0, 1, 2, 3, 4, 8, 12])
+@pytest.mark.parametrize('layout', ['mssa', 'contiguous'])
+def test_every_chunking_matches_the_reference_in_float64(chunk, layout):
+    """Chunks of part of an image's heads (1-3), one image (4), several (8, 12), the automatic choice:
+    the same output and gradient as autograd through the plain formula, and the output keeps w's
+    memory layout (MSSA's [images, N, heads·p] is never transposed as a whole)."""
+    torch.manual_seed(6)
+    w = _mssa_layout(3, 11, 4, 5)
+    if layout == 'contiguous':
+        w = w.contiguous()
+    probe = torch.randn(w.shape, dtype=torch.float64)
+    ours = _value_and_grad(lambda t: shared_qkv_attention(t, 0.7, chunk=chunk), w, probe)
+    expected = _value_and_grad(lambda t: shared_qkv_attention_reference(t, 0.7), w, probe)
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    out = shared_qkv_attention(w, 0.7, chunk=chunk)
+    assert out.stride() == w.stride()
+
+
+@pytest.mark.parametrize('chunk', [1, 3, 8])
+def test_gradcheck_chunked_on_the_mssa_layout(chunk):
+    torch.manual_seed(7)
+    w = _mssa_layout(2, 6, 4, 3).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: shared_qkv_attention(t, 0.9, chunk=chunk), (w,))
+
+
+@pytest.mark.parametrize('shape', [(5, 9, 4), (2, 3, 2, 7, 4)])
+def test_three_and_five_dimensional_inputs(shape):
+    torch.manual_seed(8)
+    w, probe = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    for chunk in (0, 1, 2):
+        ours = _value_and_grad(lambda t: shared_qkv_attention(t, 0.5, chunk=chunk), w, probe)
+        expected = _value_and_grad(lambda t: shared_qkv_attention_reference(t, 0.5), w, probe)
+        for a, b in zip(ours, expected):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_custom_ops_pass_torch_library_opcheck():
+    """Schema, fake (meta) kernels and the registered autograd formula of the two custom ops, as
+    torch.compile relies on them, on both layouts."""
+    torch.manual_seed(9)
+    for w in (_mssa_layout(2, 5, 3, 4, torch.float32), torch.randn(2, 3, 5, 4)):
+        torch.library.opcheck(ssa_module._forward, (w.requires_grad_(), 0.5, 2))
+
+
+def test_rejects_a_bad_chunk():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match='chunk must be an integer >= 0'):
+            shared_qkv_attention(torch.randn(2, 5, 4), 1.0, chunk=bad)
+
+
+def test_auto_takes_the_shared_backward_further_for_wide_heads(monkeypatch):
+    """'auto' on a CPU: below SHARED_BACKWARD_MAX_TOKENS at any head width, below
+    SHARED_BACKWARD_MAX_TOKENS_WIDE at widths from SHARED_BACKWARD_WIDE_HEAD_DIM (the measured crossovers)."""
+    from structformer.layers.attention import mssa
+    calls = []
+    monkeypatch.setattr(mssa, 'shared_qkv_attention', lambda w, s: calls.append(1) or shared_qkv_attention(w, s))
+    wide, narrow = mssa.SHARED_BACKWARD_WIDE_HEAD_DIM, mssa.SHARED_BACKWARD_WIDE_HEAD_DIM // 2
+    n = mssa.SHARED_BACKWARD_MAX_TOKENS + 10
+    far = mssa.SHARED_BACKWARD_MAX_TOKENS_WIDE
+    for width, tokens, shared in ((wide, n, True), (narrow, n, False), (wide, far, False), (wide, far - 1, True)):
+        calls.clear()
+        layer = mssa.MSSA(2 * width, num_heads=2)
+        layer(torch.randn(1, tokens, 2 * width)).sum().backward()
+        assert bool(calls) == shared, (width, tokens)

@@ -20,7 +20,7 @@ CANDIDATES = [
     # (label, model name, model kwargs, also measured compiled by default)
     ('ViT-T (timm)', 'vit_tiny_patch16_224', {}, True),
     ('CRATE-T', 'crate_tiny_patch16_224', {}, True),
-    ('CRATE-T shared-QKV backward', 'crate_tiny_patch16_224', {'ssa_impl': 'shared'}, False),
+    ('CRATE-T, SDPA attention', 'crate_tiny_patch16_224', {'ssa_impl': 'sdpa'}, False),
     ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}, False),
 ]
 PATCH_SIZE = 16                        # of every candidate

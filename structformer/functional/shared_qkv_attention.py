@@ -10,12 +10,24 @@ Q = K = V = W the gradient has a shorter form. Writing P = softmax(S), S = s·W 
 
 and rowsum(dP ⊙ P) = rowsum(G ⊙ O) (an N×p product instead of N×N). That is three N×N×p products
 in the backward instead of five. The price is keeping P (N×N per head) for the backward, which a
-flash kernel does not, and N×N elementwise passes (dS and the transposed sum dS + dSᵀ) that a fused
-kernel avoids. On the CPU measured (docs/benchmarks.md) it wins for short sequences and those passes
-outweigh the two saved products from about N = 128 on, so `structformer.layers.attention.mssa.MSSA`
-runs it by default only below that (`ssa_impl='auto'`), or whenever asked (`ssa_impl='shared'`).
+flash kernel does not, and N×N elementwise passes (softmax, dS, the transposed sum dS + dSᵀ) that a
+fused kernel keeps in cache. Run over all heads at once those passes stream [batch·heads, N, N]
+tensors through memory, and from N ≈ 128 on they cost more than the two saved products. So on a CPU
+both passes run in chunks of (image, head) pairs small enough that a chunk's N×N weights stay in a
+core's cache (`heads_per_chunk`); the products of a chunk are still batched, and a chunk of MSSA's
+[images, N, heads·p] activations is packed for them while it is in cache, never the whole tensor.
+Timed on a 2-core CPU (docs/benchmarks.md) it beats SDPA's fused kernel up to N ≈ 100 at every head
+width and up to N ≈ 290 at width 64 (CRATE-T: N = 197). `structformer.layers.attention.mssa.MSSA`
+picks it or SDPA (`ssa_impl`).
 """
+from typing import Tuple
+
 import torch
+
+# One chunk's N×N weights take about this many bytes per thread: a chunk's scores, dP and dS then stay in
+# a core's L2 cache (1–2 MiB on current x86 servers) between the products and the elementwise passes
+# that read them, instead of making every pass stream [batch·heads, N, N] tensors through memory.
+CHUNK_BYTES_PER_THREAD = 1 << 20
 
 
 def shared_qkv_attention_reference(w: torch.Tensor, scale: float) -> torch.Tensor:
@@ -23,32 +35,142 @@ def shared_qkv_attention_reference(w: torch.Tensor, scale: float) -> torch.Tenso
     return torch.softmax(scale * w @ w.transpose(-2, -1), dim=-1) @ w
 
 
-class _SharedQKVAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, scale: float) -> torch.Tensor:
-        shape = w.shape
-        w3 = w.reshape(-1, shape[-2], shape[-1])                       # [batch·heads, N, p]
-        probs = torch.softmax(torch.bmm(w3, w3.transpose(1, 2)).mul_(scale), dim=-1)
-        out = torch.bmm(probs, w3)
-        ctx.save_for_backward(w3, probs, out)
-        ctx.scale, ctx.shape = scale, shape
-        return out.view(shape)
+def heads_per_chunk(pairs: int, tokens: int, element_size: int, threads: int, device_type: str) -> int:
+    """How many of the `pairs` (image, head) pairs one chunk holds: all of them off the CPU (one batched
+    product each), else as many as keep each thread's share of the chunk's N×N weights within
+    `CHUNK_BYTES_PER_THREAD`, at least one."""
+    if device_type != 'cpu':
+        return pairs
+    return max(1, min(pairs, threads * CHUNK_BYTES_PER_THREAD // (tokens * tokens * element_size)))
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        w3, probs, out = ctx.saved_tensors
-        g = grad_out.reshape(w3.shape)
-        row = (g * out).sum(-1, keepdim=True)                          # rowsum(dP ⊙ P) = rowsum(G ⊙ O)
-        d_scores = torch.bmm(g, w3.transpose(1, 2)).sub_(row).mul_(probs)     # dS, in place on dP
+
+def chunks(images: int, heads: int, per_chunk: int):
+    """(image slice, head slice) pairs covering an [images, heads] grid once, in chunks of at most
+    `per_chunk` pairs (at least one): whole images when a chunk holds at least one image's heads, else
+    head ranges of one image. Either way a chunk of a contiguous [images, heads, ...] tensor is
+    contiguous."""
+    if per_chunk >= heads:
+        step = per_chunk // heads
+        return [(slice(i, i + step), slice(None)) for i in range(0, images, step)]
+    return [(slice(i, i + 1), slice(h, h + per_chunk)) for i in range(images) for h in range(0, heads, per_chunk)]
+
+
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """torch's intra-op thread count, read as a constant under torch.compile (it only sets the chunk
+    size, i.e. speed, never the result)."""
+    return torch.get_num_threads()
+
+
+def _compute_dtype(w: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run the products in: the op below is opaque to autocast, so its input is
+    cast first."""
+    if torch.is_autocast_enabled(w.device.type):
+        return torch.get_autocast_dtype(w.device.type)
+    return w.dtype
+
+
+# The forward and backward are custom ops (opaque to torch.compile, which runs them as they are: traced,
+# their chunk loop of out= writes would be functionalised into whole-tensor copies) with the backward
+# registered as the forward's autograd formula.
+
+@torch.library.custom_op('structformer::shared_qkv_attention_forward', mutates_args=())
+def _forward(w: torch.Tensor, scale: float, per_chunk: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    """(O in w's memory layout, P [images, heads, N, N], W and O packed contiguous for the backward)
+    for w [images, heads, N, p]. A strided w's chunks are packed just before their products read them
+    (while in cache); for a contiguous w the packed pair is empty (the backward reads w and O)."""
+    images, heads, n, p = w.shape
+    strided = not w.is_contiguous()
+    w_packed = torch.empty(w.shape, dtype=w.dtype, device=w.device) if strided else w.new_empty(0)
+    out_packed = torch.empty_like(w_packed)
+    out = torch.empty_like(w)                                         # w's layout (strides preserved)
+    probs = w.new_empty(images, heads, n, n)
+    for img, hd in chunks(images, heads, per_chunk):
+        if strided:
+            w_c, o_c = w_packed[img, hd].view(-1, n, p), out_packed[img, hd].view(-1, n, p)
+            w_packed[img, hd].copy_(w[img, hd])
+        else:
+            w_c, o_c = w[img, hd].view(-1, n, p), out[img, hd].view(-1, n, p)
+        p_c = probs[img, hd].view(-1, n, n)
+        torch.baddbmm(p_c, w_c, w_c.transpose(1, 2), beta=0, alpha=scale, out=p_c)     # S = s·W Wᵀ
+        torch.softmax(p_c, dim=-1, out=p_c)                                           # P
+        torch.bmm(p_c, w_c, out=o_c)                                                  # O = P W
+        if strided:
+            out[img, hd].copy_(out_packed[img, hd])
+    return out, probs, w_packed, out_packed
+
+
+@_forward.register_fake
+def _(w, scale, per_chunk):
+    packed = torch.empty(w.shape if not w.is_contiguous() else (0,), dtype=w.dtype, device=w.device)
+    return torch.empty_like(w), w.new_empty(*w.shape[:-1], w.shape[-2]), packed, torch.empty_like(packed)
+
+
+@torch.library.custom_op('structformer::shared_qkv_attention_backward', mutates_args=())
+def _backward(grad_out: torch.Tensor, w: torch.Tensor, probs: torch.Tensor, out: torch.Tensor, scale: float,
+              per_chunk: int) -> torch.Tensor:
+    """dW (in grad_out's memory layout) from G = grad_out, chunk by chunk (see the module docstring);
+    w and out contiguous."""
+    images, heads, n, p = w.shape
+    grad_w = torch.empty_like(grad_out)
+    for img, hd in chunks(images, heads, per_chunk):
+        w_c, o_c, p_c = w[img, hd].view(-1, n, p), out[img, hd].view(-1, n, p), probs[img, hd].view(-1, n, n)
+        g_c = grad_out[img, hd].reshape(-1, n, p).contiguous()
+        row = (g_c * o_c).sum(-1, keepdim=True)                       # rowsum(dP ⊙ P) = rowsum(G ⊙ O)
+        d_scores = torch.bmm(g_c, w_c.transpose(1, 2)).sub_(row).mul_(p_c)        # dS, in place on dP
         # W is both query and key: their gradients s·dS W and s·dSᵀ W share one product
-        grad_w = torch.baddbmm(torch.bmm(probs.transpose(1, 2), g), d_scores + d_scores.transpose(1, 2), w3,
-                               alpha=ctx.scale)
-        return grad_w.view(ctx.shape), None
+        d_sym = d_scores + d_scores.transpose(1, 2)
+        _store(grad_w[img, hd], lambda into: torch.baddbmm(torch.bmm(p_c.transpose(1, 2), g_c), d_sym, w_c,
+                                                           alpha=scale, out=into))
+    return grad_w
 
 
-def shared_qkv_attention(w: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scale · W Wᵀ) W for w of shape [..., N, p], with the shared-projection backward above."""
+@_backward.register_fake
+def _(grad_out, w, probs, out, scale, per_chunk):
+    return torch.empty_like(grad_out)
+
+
+def _store(target: torch.Tensor, product) -> None:
+    """Run `product(out=...)` straight into a chunk's [images, heads, N, p] place when that place is
+    contiguous, else into a fresh buffer copied there."""
+    if target.is_contiguous():
+        product(target.view(-1, *target.shape[-2:]))
+    else:
+        target.copy_(product(None).view(target.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    w, scale, per_chunk = inputs
+    out, probs, w_packed, out_packed = output
+    packed = w_packed.numel() > 0
+    ctx.save_for_backward(w_packed if packed else w, probs, out_packed if packed else out)
+    ctx.scale, ctx.per_chunk = scale, per_chunk
+    ctx.set_materialize_grads(False)       # P and the packed copies are outputs only for the backward
+
+
+def _autograd_backward(ctx, grad_out, *unused):
+    if grad_out is None:
+        return None, None, None
+    w, probs, out = ctx.saved_tensors
+    return _backward(grad_out, w, probs, out, ctx.scale, ctx.per_chunk), None, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def shared_qkv_attention(w: torch.Tensor, scale: float, chunk: int = 0) -> torch.Tensor:
+    """softmax(scale · W Wᵀ) W for w of shape [..., N, p], with the shared-projection backward above.
+    The output has w's memory layout. `chunk`: (image, head) pairs per pass (a multiple of the heads,
+    the second-to-last batch dimension, or a part of them); 0 (default) picks `heads_per_chunk`.
+    Under autocast the products run in autocast's dtype, as `torch.bmm` would."""
     if w.dim() < 3:
         raise ValueError(f"shared_qkv_attention: w must be [..., N, p] with a batch dimension, got {tuple(w.shape)}")
-    return _SharedQKVAttention.apply(w, scale)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"shared_qkv_attention: chunk must be an integer >= 0 (0 = chosen per device), got {chunk!r}")
+    shape = w.shape
+    w4 = (w.unsqueeze(0) if w.dim() == 3 else w.flatten(0, -4)).to(_compute_dtype(w))   # [images, heads, N, p]
+    if chunk == 0:
+        chunk = heads_per_chunk(w4.shape[0] * w4.shape[1], shape[-2], w4.element_size(), _threads(), w.device.type)
+    out = _forward(w4, float(scale), chunk)[0]
+    return out.view(shape)

@@ -17,9 +17,11 @@ from .softmax import check_head_sizes
 
 # how SSA runs when a backward follows (see MSSA)
 SSA_IMPLS = ('auto', 'shared', 'sdpa')
-# 'auto' on a CPU: the shared-QKV backward below this many tokens, SDPA from it (measured crossover
-# between N = 101 and N = 145; see MSSA's docstring)
+# 'auto' on a CPU: the shared-QKV backward below this many tokens, SDPA from it, measured crossovers
+# (docs/benchmarks.md): at head widths of 16 and 32 between N = 101 and 197, at 64 between 257 and 321
 SHARED_BACKWARD_MAX_TOKENS = 128
+SHARED_BACKWARD_WIDE_HEAD_DIM = 64
+SHARED_BACKWARD_MAX_TOKENS_WIDE = 300
 
 
 @register_attention('mssa')
@@ -35,11 +37,13 @@ class MSSA(nn.Module):
     `ssa_impl` picks how SSA runs when a backward will follow: 'sdpa' torch's fused attention,
     'shared' the backward that knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p
     products instead of five, at the cost of keeping the N×N weights), 'auto' (default) the shared
-    backward on a CPU for sequences shorter than `SHARED_BACKWARD_MAX_TOKENS` and SDPA otherwise.
-    Why the cut: timed back to back on a 2-core CPU (SSA forward + backward, head widths 16–64),
-    the shared backward is 1.4–3× faster at N = 17–50, even at N ≈ 100, and SDPA 1.2–2.2× faster
-    from N = 145 (CRATE-T's N = 197 included): past that the shared path's N×N elementwise passes
-    (the transposed sum dS + dSᵀ above all) cost more than the two products it saves; see
+    backward on a CPU for sequences shorter than `SHARED_BACKWARD_MAX_TOKENS` (128), or
+    `SHARED_BACKWARD_MAX_TOKENS_WIDE` (300) at head widths of 64 and more, and SDPA otherwise.
+    Why the cut: timed back to back on a 2-core CPU (MSSA forward + backward, 6 heads), the shared
+    backward, run in cache-sized chunks, is 1.1–2× faster than SDPA up to N ≈ 100 at every head
+    width, and 4–10 % faster at width 64 up to N = 257 (CRATE-T's N = 197 included); SDPA is faster
+    from N = 197 at widths 16–32 and from N ≈ 320 at 64, where its fused kernel's savings on the N×N
+    elementwise passes outweigh the two products the shared backward saves; see
     docs/benchmarks.md. Without grad, with a mask, causal or with attention dropout, SDPA runs
     whatever `ssa_impl` says.
     """
@@ -85,7 +89,10 @@ class MSSA(nn.Module):
             return False
         if self.ssa_impl == 'shared':
             return True
-        return w.device.type == 'cpu' and w.shape[-2] < SHARED_BACKWARD_MAX_TOKENS
+        if w.device.type != 'cpu':
+            return False
+        wide = w.shape[-1] >= SHARED_BACKWARD_WIDE_HEAD_DIM
+        return w.shape[-2] < (SHARED_BACKWARD_MAX_TOKENS_WIDE if wide else SHARED_BACKWARD_MAX_TOKENS)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False, grid_size=None) -> torch.Tensor:

@@ -5,7 +5,6 @@ One proximal-gradient step on min λ‖Z‖₁ + ½‖Z_½ − D Z‖² (non-neg
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
@@ -67,6 +66,9 @@ class ISTA(nn.Module):
         if not self.fused:
             return self.drop(ista_reference(x, self.weight, self.eta, self.lambd))
         # one GEMM with the threshold folded in as its bias (addmm), then an in-place ReLU:
-        # no pass over the B×N×d activations besides the product itself
+        # no pass over the B×N×d activations besides the product itself. The ReLU runs on the
+        # product's own 2-D result, not on a view of it: an in-place op on a view makes autograd
+        # copy the whole gradient three times in the backward (CopySlices).
         threshold = x.new_full((self.dim,), -self.eta * self.lambd)
-        return self.drop(F.linear(x, self.effective_matrix().t(), threshold).relu_())
+        codes = torch.addmm(threshold, x.reshape(-1, self.dim), self.effective_matrix()).relu_()
+        return self.drop(codes.view(x.shape))
