@@ -47,9 +47,9 @@ def test_report_has_ratios_to_vit_in_the_same_mode(tmp_path, monkeypatch, capsys
     assert 'CRATE-T, compiled' in printed
     # the goal is judged on the paired ratios (0.95 here), not the best-of-rounds ones (0.80)
     assert rows['CRATE-T']['paired_train']['ratio'] == 0.95
-    assert 'met (paired: 0.95× eager, 0.95× compiled)' in printed
+    assert 'met (paired: 0.950× eager, 0.950× compiled)' in printed
     assert bench_models.goal([dict(r, paired_train=None) for r in rows.values()]).startswith(
-        "goal: CRATE-T trains at >= 0.9x ViT-T's speed (eager or compiled): not met (best-of-rounds: 0.80× eager")
+        "goal: CRATE-T trains at >= 0.9x ViT-T's speed (eager or compiled): not met (best-of-rounds: 0.800× eager")
 
 
 def test_measure_one_runs_a_real_model_eager():
@@ -69,3 +69,12 @@ def test_paired_timing_runs_real_models_and_rates_each_mode_against_its_vit():
     crate = result['CRATE-T']
     assert crate['rounds'] == 3 and crate['median_s'] > 0
     assert crate['ratio_q1'] <= crate['ratio'] <= crate['ratio_q3']
+
+
+def test_goal_is_not_met_by_a_ratio_that_only_rounds_to_it():
+    vit, crate = bench_models.CANDIDATES[0], bench_models.CANDIDATES[1]
+    rows = [{'model': vit[1], 'kwargs': vit[2], 'mode': 'eager', 'paired_train': {'ratio': 1.0}},
+            {'model': crate[1], 'kwargs': crate[2], 'mode': 'eager', 'paired_train': {'ratio': 0.8961}}]
+    assert bench_models.goal(rows).endswith('not met (paired: 0.896× eager)')
+    rows[1]['paired_train']['ratio'] = 0.9
+    assert bench_models.goal(rows).endswith(': met (paired: 0.900× eager)')

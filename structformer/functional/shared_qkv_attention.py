@@ -70,6 +70,20 @@ def _compute_dtype(w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
+def pieces(t: torch.Tensor, per_chunk: int):
+    """The chunks of an [images, heads, ...] tensor as views, in `chunks` order (whole images by one
+    split, which keeps the per-chunk Python work small)."""
+    images, heads = t.shape[:2]
+    if per_chunk >= heads:
+        return t.split(per_chunk // heads)
+    return [t[img, hd] for img, hd in chunks(images, heads, per_chunk)]
+
+
+def _batch(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous [images, heads, A, B] chunk as the [pairs, A, B] batch of the products (a view)."""
+    return t.view(-1, *t.shape[-2:])
+
+
 # The forward and backward are custom ops (opaque to torch.compile, which runs them as they are: traced,
 # their chunk loop of out= writes would be functionalised into whole-tensor copies) with the backward
 # registered as the forward's autograd formula.
@@ -80,24 +94,22 @@ def _forward(w: torch.Tensor, scale: float, per_chunk: int) -> Tuple[torch.Tenso
     """(O in w's memory layout, P [images, heads, N, N], W and O packed contiguous for the backward)
     for w [images, heads, N, p]. A strided w's chunks are packed just before their products read them
     (while in cache); for a contiguous w the packed pair is empty (the backward reads w and O)."""
-    images, heads, n, p = w.shape
+    images, heads, n, _ = w.shape
     strided = not w.is_contiguous()
     w_packed = torch.empty(w.shape, dtype=w.dtype, device=w.device) if strided else w.new_empty(0)
     out_packed = torch.empty_like(w_packed)
     out = torch.empty_like(w)                                         # w's layout (strides preserved)
     probs = w.new_empty(images, heads, n, n)
-    for img, hd in chunks(images, heads, per_chunk):
+    parts = [pieces(t, per_chunk) for t in (w, out, probs) + ((w_packed, out_packed) if strided else (w, out))]
+    for w_src, o_dst, p_c, w_c, o_c in zip(*parts):
         if strided:
-            w_c, o_c = w_packed[img, hd].view(-1, n, p), out_packed[img, hd].view(-1, n, p)
-            w_packed[img, hd].copy_(w[img, hd])
-        else:
-            w_c, o_c = w[img, hd].view(-1, n, p), out[img, hd].view(-1, n, p)
-        p_c = probs[img, hd].view(-1, n, n)
+            w_c.copy_(w_src)
+        p_c, w_c = _batch(p_c), _batch(w_c)
         torch.baddbmm(p_c, w_c, w_c.transpose(1, 2), beta=0, alpha=scale, out=p_c)     # S = s·W Wᵀ
         torch.softmax(p_c, dim=-1, out=p_c)                                           # P
-        torch.bmm(p_c, w_c, out=o_c)                                                  # O = P W
+        torch.bmm(p_c, w_c, out=_batch(o_c))                                          # O = P W
         if strided:
-            out[img, hd].copy_(out_packed[img, hd])
+            o_dst.copy_(o_c)
     return out, probs, w_packed, out_packed
 
 
@@ -112,32 +124,25 @@ def _backward(grad_out: torch.Tensor, w: torch.Tensor, probs: torch.Tensor, out:
               per_chunk: int) -> torch.Tensor:
     """dW (in grad_out's memory layout) from G = grad_out, chunk by chunk (see the module docstring);
     w and out contiguous."""
-    images, heads, n, p = w.shape
     grad_w = torch.empty_like(grad_out)
-    for img, hd in chunks(images, heads, per_chunk):
-        w_c, o_c, p_c = w[img, hd].view(-1, n, p), out[img, hd].view(-1, n, p), probs[img, hd].view(-1, n, n)
-        g_c = grad_out[img, hd].reshape(-1, n, p).contiguous()
+    for g_c, dw_c, w_c, o_c, p_c in zip(*(pieces(t, per_chunk) for t in (grad_out, grad_w, w, out, probs))):
+        w_c, o_c, p_c = _batch(w_c), _batch(o_c), _batch(p_c)
+        g_c = _batch(g_c.contiguous())
         row = (g_c * o_c).sum(-1, keepdim=True)                       # rowsum(dP ⊙ P) = rowsum(G ⊙ O)
         d_scores = torch.bmm(g_c, w_c.transpose(1, 2)).sub_(row).mul_(p_c)        # dS, in place on dP
         # W is both query and key: their gradients s·dS W and s·dSᵀ W share one product
         d_sym = d_scores + d_scores.transpose(1, 2)
-        _store(grad_w[img, hd], lambda into: torch.baddbmm(torch.bmm(p_c.transpose(1, 2), g_c), d_sym, w_c,
-                                                           alpha=scale, out=into))
+        base = torch.bmm(p_c.transpose(1, 2), g_c)
+        if dw_c.is_contiguous():
+            torch.baddbmm(base, d_sym, w_c, alpha=scale, out=_batch(dw_c))
+        else:
+            dw_c.copy_(torch.baddbmm(base, d_sym, w_c, alpha=scale).view(dw_c.shape))
     return grad_w
 
 
 @_backward.register_fake
 def _(grad_out, w, probs, out, scale, per_chunk):
     return torch.empty_like(grad_out)
-
-
-def _store(target: torch.Tensor, product) -> None:
-    """Run `product(out=...)` straight into a chunk's [images, heads, N, p] place when that place is
-    contiguous, else into a fresh buffer copied there."""
-    if target.is_contiguous():
-        product(target.view(-1, *target.shape[-2:]))
-    else:
-        target.copy_(product(None).view(target.shape))
 
 
 def _setup_context(ctx, inputs, output):
