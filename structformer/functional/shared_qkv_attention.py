@@ -16,8 +16,8 @@ tensors through memory, and from N ≈ 128 on they cost more than the two saved 
 both passes run in chunks of (image, head) pairs small enough that a chunk's N×N weights stay in a
 core's cache (`heads_per_chunk`); the products of a chunk are still batched, and a chunk of MSSA's
 [images, N, heads·p] activations is packed for them while it is in cache, never the whole tensor.
-Timed on a 2-core CPU (docs/benchmarks.md) it beats SDPA's fused kernel up to N ≈ 100 at every head
-width and up to N ≈ 290 at width 64 (CRATE-T: N = 197). `structformer.layers.attention.mssa.MSSA`
+Timed on a 2-core CPU (docs/benchmarks.md) it beats SDPA's fused kernel up to N ≈ 150 at every head
+width and up to N ≈ 290 at widths 32–64 (CRATE-T: N = 197). `structformer.layers.attention.mssa.MSSA`
 picks it or SDPA (`ssa_impl`).
 """
 from typing import Tuple

@@ -18,9 +18,9 @@ from .softmax import check_head_sizes
 # how SSA runs when a backward follows (see MSSA)
 SSA_IMPLS = ('auto', 'shared', 'sdpa')
 # 'auto' on a CPU: the shared-QKV backward below this many tokens, SDPA from it, measured crossovers
-# (docs/benchmarks.md): at head widths of 16 and 32 between N = 101 and 197, at 64 between 257 and 321
+# (docs/benchmarks.md): at head width 16 between N = 145 and 197, at 32–64 between 257 and 321
 SHARED_BACKWARD_MAX_TOKENS = 128
-SHARED_BACKWARD_WIDE_HEAD_DIM = 64
+SHARED_BACKWARD_WIDE_HEAD_DIM = 32
 SHARED_BACKWARD_MAX_TOKENS_WIDE = 300
 
 
@@ -38,12 +38,12 @@ class MSSA(nn.Module):
     'shared' the backward that knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p
     products instead of five, at the cost of keeping the N×N weights), 'auto' (default) the shared
     backward on a CPU for sequences shorter than `SHARED_BACKWARD_MAX_TOKENS` (128), or
-    `SHARED_BACKWARD_MAX_TOKENS_WIDE` (300) at head widths of 64 and more, and SDPA otherwise.
+    `SHARED_BACKWARD_MAX_TOKENS_WIDE` (300) at head widths of 32 and more, and SDPA otherwise.
     Why the cut: timed back to back on a 2-core CPU (MSSA forward + backward, 6 heads), the shared
-    backward, run in cache-sized chunks, is 1.1–2× faster than SDPA up to N ≈ 100 at every head
-    width, and 4–10 % faster at width 64 up to N = 257 (CRATE-T's N = 197 included); SDPA is faster
-    from N = 197 at widths 16–32 and from N ≈ 320 at 64, where its fused kernel's savings on the N×N
-    elementwise passes outweigh the two products the shared backward saves; see
+    backward, run in cache-sized chunks, is 1.05–1.9× faster than SDPA up to N = 145 at every head
+    width and 3–7 % faster at widths 32–64 up to N = 257 (CRATE-T's N = 197 included); SDPA is
+    faster from N = 197 at width 16 and from N ≈ 320 at 32–64, where its fused kernel's savings on the
+    N×N elementwise passes outweigh the two products the shared backward saves; see
     docs/benchmarks.md. Without grad, with a mask, causal or with attention dropout, SDPA runs
     whatever `ssa_impl` says.
     """
