@@ -207,3 +207,17 @@ def test_auto_takes_the_shared_backward_further_for_wide_heads(monkeypatch):
         layer = mssa.MSSA(2 * width, num_heads=2)
         layer(torch.randn(1, tokens, 2 * width)).sum().backward()
         assert bool(calls) == shared, (width, tokens)
+
+
+def test_an_expanded_upstream_gradient():
+    """`.sum().backward()` hands the op a stride-0 gradient; every chunking still gives the reference's."""
+    torch.manual_seed(10)
+    base = _mssa_layout(2, 7, 4, 3)
+    grads = []
+    for fn in (lambda t: shared_qkv_attention(t, 0.6, chunk=1), lambda t: shared_qkv_attention(t, 0.6, chunk=8),
+               lambda t: shared_qkv_attention_reference(t, 0.6)):
+        w = base.detach().clone().requires_grad_()
+        fn(w).sum().backward()
+        grads.append(w.grad)
+    for g in grads[:2]:
+        torch.testing.assert_close(g, grads[2], rtol=1e-10, atol=1e-12)
