@@ -41,7 +41,7 @@ class MSSA(nn.Module):
     `SHARED_BACKWARD_MAX_TOKENS_WIDE` (300) at head widths of 32 and more, and SDPA otherwise.
     Why the cut: timed back to back on a 2-core CPU (MSSA forward + backward, 6 heads), the shared
     backward, run in cache-sized chunks, is 1.05–1.9× faster than SDPA up to N = 145 at every head
-    width and 3–7 % faster at widths 32–64 up to N = 257 (CRATE-T's N = 197 included); SDPA is
+    width and 3–10 % faster at widths 32–64 up to N = 257 (CRATE-T's N = 197 included); SDPA is
     faster from N = 197 at width 16 and from N ≈ 320 at 32–64, where its fused kernel's savings on the
     N×N elementwise passes outweigh the two products the shared backward saves; see
     docs/benchmarks.md. Without grad, with a mask, causal or with attention dropout, SDPA runs
