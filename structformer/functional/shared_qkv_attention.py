@@ -128,15 +128,16 @@ def _backward(grad_out: torch.Tensor, w: torch.Tensor, probs: torch.Tensor, out:
     for g_c, dw_c, w_c, o_c, p_c in zip(*(pieces(t, per_chunk) for t in (grad_out, grad_w, w, out, probs))):
         w_c, o_c, p_c = _batch(w_c), _batch(o_c), _batch(p_c)
         g_c = _batch(g_c.contiguous())
-        row = (g_c * o_c).sum(-1, keepdim=True)                       # rowsum(dP ⊙ P) = rowsum(G ⊙ O)
-        d_scores = torch.bmm(g_c, w_c.transpose(1, 2)).sub_(row).mul_(p_c)        # dS, in place on dP
+        row = torch.linalg.vecdot(g_c, o_c).unsqueeze(-1)              # rowsum(dP ⊙ P) = rowsum(G ⊙ O)
+        # dS = P ⊙ (G Wᵀ − row): the row subtracted as the product's β-term, then one in-place pass
+        d_scores = torch.baddbmm(row.expand(-1, -1, row.shape[1]), g_c, w_c.transpose(1, 2), beta=-1)
+        d_scores.mul_(p_c)
         # W is both query and key: their gradients s·dS W and s·dSᵀ W share one product
         d_sym = d_scores + d_scores.transpose(1, 2)
-        base = torch.bmm(p_c.transpose(1, 2), g_c)
-        if dw_c.is_contiguous():
-            torch.baddbmm(base, d_sym, w_c, alpha=scale, out=_batch(dw_c))
-        else:
-            dw_c.copy_(torch.baddbmm(base, d_sym, w_c, alpha=scale).view(dw_c.shape))
+        into = _batch(dw_c) if dw_c.is_contiguous() else None        # else a buffer copied into place
+        grad_c = torch.bmm(p_c.transpose(1, 2), g_c, out=into).baddbmm_(d_sym, w_c, alpha=scale)
+        if into is None:
+            dw_c.copy_(grad_c.view(dw_c.shape))
     return grad_w
 
 
