@@ -221,3 +221,24 @@ def test_an_expanded_upstream_gradient():
         grads.append(w.grad)
     for g in grads[:2]:
         torch.testing.assert_close(g, grads[2], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize('chunk', [0, 2, 3, 6])
+def test_matches_crate_ssa_per_head_reference_through_the_projection(chunk):
+    """CRATE Eq. 11 head by head (`ssa_per_head_reference`) against the chunked op on MSSA's layout of
+    the same projection: outputs and gradients for the tokens and the projection, float64."""
+    from structformer.functional.crate_ops import ssa_per_head_reference
+    torch.manual_seed(11)
+    x = torch.randn(2, 9, 12, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(12, 12, dtype=torch.float64, requires_grad=True)        # 3 heads of width 4
+    probe = torch.randn(2, 9, 12, dtype=torch.float64)
+
+    def ours():
+        w = (x @ weight.t()).view(2, 9, 3, 4).transpose(1, 2)
+        return shared_qkv_attention(w, 0.5, chunk=chunk).transpose(1, 2).reshape(2, 9, 12)
+    results = []
+    for fn in (ours, lambda: ssa_per_head_reference(x, weight, 3, 0.5)):
+        out = fn()
+        results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), (x, weight))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
