@@ -118,12 +118,14 @@ from structformer.functional import shared_qkv_attention as ssa_module  # noqa: 
 @pytest.mark.parametrize('images,heads,per_chunk', [(3, 4, 1), (3, 4, 3), (3, 4, 4), (3, 4, 8), (3, 4, 9),
                                                     (5, 6, 12), (2, 6, 100), (1, 1, 1)])
 def test_chunks_cover_every_image_head_pair_once(images, heads, per_chunk):
-    seen = torch.zeros(images, heads, dtype=torch.int64)
-    for img, hd in ssa_module.chunks(images, heads, per_chunk):
-        block = seen[img, hd]
-        assert 1 <= block.numel() <= max(per_chunk, 1)
-        block += 1
-    assert bool((seen == 1).all())
+    """`pieces`, the chunking both custom ops run: every pair once, at most `per_chunk` per chunk, and
+    a contiguous tensor's chunks contiguous (the products read them as one batch by `view`)."""
+    grid = torch.zeros(images, heads, 3, dtype=torch.int64)
+    for piece in ssa_module.pieces(grid, per_chunk):
+        assert 1 <= piece.shape[0] * piece.shape[1] <= max(per_chunk, 1)
+        assert piece.is_contiguous()
+        piece += 1
+    assert bool((grid == 1).all())
 
 
 def test_heads_per_chunk_keeps_each_threads_share_within_the_budget():

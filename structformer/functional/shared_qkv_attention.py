@@ -44,17 +44,6 @@ def heads_per_chunk(pairs: int, tokens: int, element_size: int, threads: int, de
     return max(1, min(pairs, threads * CHUNK_BYTES_PER_THREAD // (tokens * tokens * element_size)))
 
 
-def chunks(images: int, heads: int, per_chunk: int):
-    """(image slice, head slice) pairs covering an [images, heads] grid once, in chunks of at most
-    `per_chunk` pairs (at least one): whole images when a chunk holds at least one image's heads, else
-    head ranges of one image. Either way a chunk of a contiguous [images, heads, ...] tensor is
-    contiguous."""
-    if per_chunk >= heads:
-        step = per_chunk // heads
-        return [(slice(i, i + step), slice(None)) for i in range(0, images, step)]
-    return [(slice(i, i + 1), slice(h, h + per_chunk)) for i in range(images) for h in range(0, heads, per_chunk)]
-
-
 @torch.compiler.assume_constant_result
 def _threads() -> int:
     """torch's intra-op thread count, read as a constant under torch.compile (it only sets the chunk
@@ -71,12 +60,13 @@ def _compute_dtype(w: torch.Tensor) -> torch.dtype:
 
 
 def pieces(t: torch.Tensor, per_chunk: int):
-    """The chunks of an [images, heads, ...] tensor as views, in `chunks` order (whole images by one
-    split, which keeps the per-chunk Python work small)."""
+    """An [images, heads, ...] tensor as views covering every (image, head) pair once, in chunks of at
+    most `per_chunk` pairs (at least one): whole images (one split) when a chunk holds at least one
+    image's heads, else head ranges of one image. A chunk of a contiguous tensor is contiguous."""
     images, heads = t.shape[:2]
     if per_chunk >= heads:
         return t.split(per_chunk // heads)
-    return [t[img, hd] for img, hd in chunks(images, heads, per_chunk)]
+    return [t[i:i + 1, h:h + per_chunk] for i in range(images) for h in range(0, heads, per_chunk)]
 
 
 def _batch(t: torch.Tensor) -> torch.Tensor:
