@@ -176,6 +176,7 @@ def test_paired_ratios_rotate_the_order_and_rate_each_round_against_the_referenc
     assert order[4:8] == ['a', 'b', 'b', 'a']
     assert result['a']['ratio'] == 1.0 and result['b']['ratio'] == 2.0
     assert result['b']['median_s'] == 1.0 and result['b']['rounds'] == 6
+    assert result['b']['times_s'] == [1, 1, 4, 1, 1, 1] and result['a']['times_s'] == [2] * 6   # round order
     assert result['b']['ratio_q1'] <= 2.0 <= result['b']['ratio_q3']
     with pytest.raises(ValueError, match="reference 'c'"):
         harness.paired_ratios({'a': make('a')}, 'c', rounds=1)

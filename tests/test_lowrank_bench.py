@@ -13,8 +13,12 @@ def test_bench_lowrank_tiny_run_writes_consistent_ratios(tmp_path, capsys):
                  '--depth', '1', '--batch-size', '1', '--steps', '1', '--rounds', '1', '--output', str(out)]) == 0
     report = json.loads(out.read_text())
     layer = {r['label']: r for r in report['layer']}
-    assert set(layer) == {'dense nn.Linear', 'FactorizedLinear r=4 (0.25)', 'two nn.Linear r=4 (0.25)'}
+    assert set(layer) == {'dense nn.Linear', 'dense, oneDNN kernels', 'FactorizedLinear r=4 (0.25)',
+                          'FactorizedLinear r=4 (0.25), torch kernels', 'two nn.Linear r=4 (0.25)'}
     fact = layer['FactorizedLinear r=4 (0.25)']
+    # 'same kernels': that round's time of the dense layer on oneDNN's kernels / the row's
+    assert fact['speedup_same_kernels'] == pytest.approx(layer['dense, oneDNN kernels']['step_s'] / fact['step_s'])
+    assert layer['FactorizedLinear r=4 (0.25), torch kernels']['params'] == fact['params']
     assert fact['flop_ratio'] == pytest.approx(16 * 64 / (4 * 80))          # mn / r(m + n)
     # one paired round: the speed-up is that round's dense / factorised time, and its quartiles collapse on it
     assert fact['speedup'] == pytest.approx(layer['dense nn.Linear']['step_s'] / fact['step_s'])
@@ -24,8 +28,13 @@ def test_bench_lowrank_tiny_run_writes_consistent_ratios(tmp_path, capsys):
     assert fact['memory_mib'] * 2 ** 20 == 3 * 4 * fact['params'] + 4 * 32 * 4
     assert layer['dense nn.Linear']['memory_mib'] * 2 ** 20 == 3 * 4 * (16 * 64 + 64)   # saves only x and W
     stack = report['stack']
-    assert [r['label'] for r in stack] == ['ViT-S blocks, dense', 'ViT-S blocks, rank 0.25']
-    assert 2.5 < stack[1]['flop_ratio'] < 3.5 and stack[1]['memory_ratio'] < 1
+    assert [r['label'] for r in stack] == ['ViT-S blocks, dense', 'ViT-S blocks, dense, oneDNN kernels',
+                                           'ViT-S blocks, rank 0.25']
+    assert stack[1]['flop_ratio'] == 1 and stack[1]['params'] == stack[0]['params']
+    assert 2.5 < stack[2]['flop_ratio'] < 3.5 and stack[2]['memory_ratio'] < 1
+    # the goal is judged on FactorizedLinear itself, not on its torch-kernels twin
+    assert [g['part'] for g in report['goals']] == ['layer', 'stack']
+    assert report['goals'][0]['measured_speedup'] == fact['speedup']
     assert 'ViT-S block stack' in capsys.readouterr().out
 
 

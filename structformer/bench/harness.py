@@ -129,8 +129,9 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device='
 def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2, device='cpu') -> dict:
     """Speed ratios of callables timed back to back: each round calls every one of `calls` ({label: fn})
     once, in an order rotated from round to round, and records time(reference) / time(label) for that
-    round. Returns {label: {'median_s', 'ratio', 'ratio_q1', 'ratio_q3', 'rounds'}}: the median step time,
-    and the median and quartiles of the per-round ratios.
+    round. Returns {label: {'median_s', 'ratio', 'ratio_q1', 'ratio_q3', 'rounds', 'times_s'}}: the median
+    step time, the median and quartiles of the per-round ratios, and the round times in round order (so
+    two non-reference labels can be paired too).
 
     Why pairs: on a shared machine the speed of the same code drifts by tens of percent from one second
     to the next (a 1024³ matmul took 30–53 ms in consecutive seconds on this project's 2-core machine),
@@ -160,7 +161,7 @@ def paired_ratios(calls: dict, reference: str, rounds: int, warmup: int = 2, dev
         ratios = sorted(r / t for r, t in zip(times[reference], times[label]))
         q1, _, q3 = statistics.quantiles(ratios, n=4, method='inclusive') if len(ratios) > 1 else ratios * 3
         result[label] = {'median_s': statistics.median(times[label]), 'ratio': statistics.median(ratios),
-                         'ratio_q1': q1, 'ratio_q3': q3, 'rounds': rounds}
+                         'ratio_q1': q1, 'ratio_q3': q3, 'rounds': rounds, 'times_s': times[label]}
     return result
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...functional.onednn_linear import linear
 from .base import StructuredLinear
 
 __all__ = ['FactorizedLinear', 'FactorizedConv2d', 'resolve_rank', 'saves_parameters', 'INITS',
@@ -127,7 +128,9 @@ class FactorizedLinear(StructuredLinear):
         return self.U @ self.V.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x @ self.V, self.U, self.bias)
+        # (x V) Uᵀ + b as two `linear` calls: oneDNN's kernels for float32 on CPU (14–16 % faster products
+        # than torch.mm's on the project's AMD EPYC, functional/onednn_linear.py), F.linear elsewhere
+        return linear(linear(x, self.V.t()), self.U, self.bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f', rank={self.rank}'

@@ -1,0 +1,135 @@
+"""`F.linear` (y = x Wᵀ + b) on oneDNN's inner-product kernels, with the backward written out.
+
+Why: torch's CPU matmul calls MKL's sgemm. On this project's AMD EPYC, oneDNN's JIT kernels ran the
+products of a factorised layer 14–16 % faster where the left operand is a plain row-major matrix (x Wᵀ
+and g W at [4096, 4096] × [4096, 256] and alike) and the bias-fused forward 7 % faster; with a
+transposed left operand (∂W = gᵀ x) they were 2× slower, so that product stays on `torch.mm`
+(docs/lowrank.md, "Kernels"). The op is `torch.ops.mkldnn._linear_pointwise`, the one inductor emits for
+linear layers on CPU; it has no autograd formula, hence the Function below:
+
+    forward   y  = x Wᵀ + b       oneDNN, bias fused
+    backward  ∂x = g W            oneDNN (W passed as the view (Wᵀ)ᵀ, no copy)
+              ∂W = gᵀ x           torch.mm (as (xᵀ g)ᵀ for a transposed-view weight)
+              ∂b = Σ_tokens g
+
+`linear` takes this path for float32 CPU tensors outside autocast and compilation, when torch has the op
+and the product has at least `MIN_MULTIPLY_ADDS` multiply-adds; everything else (other dtypes, devices,
+autocast, `torch.compile`, small products, `torch_kernels()`) runs `F.linear`, the reference the tests
+compare against (outputs and gradients in float32; `gradcheck` of the Function in float64, where its
+products run on torch's kernels).
+"""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['linear', 'onednn_available', 'torch_kernels']
+
+_enabled = True
+
+# Below this many multiply-adds per product, torch's kernels. A oneDNN call (with this Function around it) cost
+# about 50 µs more than F.linear here, which decides small products (a FactorizedLinear 64 -> 256 at rank 16 on
+# 64 tokens trained at 0.55x torch's speed on oneDNN); a rank-0.25 ViT-S block stack on 8 x 197 tokens (products
+# of 0.6e8-2.3e8) trained at the same speed on either (1.93x vs 2.00x dense, 20 paired rounds); a 1024 -> 4096
+# layer at rank 256 on 4096 tokens (products of 1.1e9-4.3e9) 8-11 % faster on oneDNN.
+MIN_MULTIPLY_ADDS = 2 ** 28
+
+
+def _has_op() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_HAS_OP = _has_op()
+
+
+def _linear_pointwise_flops(x_shape, w_shape, *args, **kwargs) -> int:
+    """2 · tokens · in · out, as FlopCounterMode counts F.linear's addmm (the bias add is not counted)."""
+    tokens = 1
+    for size in x_shape[:-1]:
+        tokens *= size
+    return 2 * tokens * w_shape[1] * w_shape[0]
+
+
+if _HAS_OP:    # without this FlopCounterMode would see no work in a FactorizedLinear (model_flops, benches)
+    from torch.utils import flop_counter
+
+    if torch.ops.mkldnn._linear_pointwise not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_linear_pointwise_flops)
+
+
+def onednn_available() -> bool:
+    """Whether `linear` can use oneDNN here (torch built with it and the op present) and is allowed to."""
+    return _HAS_OP and _enabled
+
+
+@contextlib.contextmanager
+def torch_kernels():
+    """Within this block `linear` runs `F.linear` (torch's own kernels), e.g. to compare the two paths."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x Wᵀ (+ b): oneDNN for float32, torch's kernels otherwise (float64 in gradcheck)."""
+    if x.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """F.linear's forward and backward with the products of `_product` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _product(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(g, weight.t()).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            rows = x.reshape(-1, x.shape[-1])
+            # a transposed view (FactorizedLinear's Vᵀ) gets its gradient in its base's layout: (xᵀ g)ᵀ, so
+            # the parameter's gradient needs no copy, and that product ran faster here than gᵀ x
+            grad_w = (rows.t() @ g).t() if _is_transposed(weight) else g.t() @ rows
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _is_transposed(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    if not onednn_available() or torch.compiler.is_compiling() or torch.is_autocast_enabled('cpu'):
+        return False
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if not all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors) or weight.dim() != 2:
+        return False
+    return x.numel() * weight.shape[0] >= MIN_MULTIPLY_ADDS           # tokens · in · out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """y = x Wᵀ + b, as `F.linear` (any leading dims of x; weight [out, in], possibly a strided view):
+    on oneDNN for float32 CPU tensors (`_OneDnnLinear`), `F.linear` otherwise."""
+    if _eligible(x, weight, bias):
+        return _OneDnnLinear.apply(x, weight, bias)
+    if bias is None and _is_transposed(weight):
+        # x (Wᵀ)ᵀ as a product with the base: autograd then gives the base its gradient in its own layout
+        # (through F.linear it arrives transposed and AccumulateGrad copies it)
+        return torch.matmul(x, weight.t())
+    return F.linear(x, weight, bias)
