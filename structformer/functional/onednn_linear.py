@@ -12,13 +12,14 @@ linear layers on CPU; it has no autograd formula, hence the Function below:
               ∂W = gᵀ x           torch.mm (as (xᵀ g)ᵀ for a transposed-view weight)
               ∂b = Σ_tokens g
 
-`linear` takes this path for float32 CPU tensors outside autocast and compilation, when torch has the op
-and the product has at least `MIN_MULTIPLY_ADDS` multiply-adds; everything else (other dtypes, devices,
+`linear` takes this path for float32 CPU tensors outside autocast and compilation, on x86-64 when torch has
+the op and the product has at least `MIN_MULTIPLY_ADDS` multiply-adds; everything else (other dtypes, devices,
 autocast, `torch.compile`, small products, `torch_kernels()`) runs `F.linear`, the reference the tests
 compare against (outputs and gradients in float32; `gradcheck` of the Function in float64, where its
 products run on torch's kernels).
 """
 import contextlib
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ MIN_MULTIPLY_ADDS = 2 ** 28
 
 
 def _has_op() -> bool:
+    # x86-64 only: the only CPUs it was measured on; on ARM torch's BLAS is left alone
+    if platform.machine().lower() not in ('x86_64', 'amd64'):
+        return False
     try:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
     except (AttributeError, RuntimeError):
