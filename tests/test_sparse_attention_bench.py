@@ -19,7 +19,7 @@ def _qkv(n, heads=2, d=8, seed=0):
 
 
 @pytest.mark.parametrize('n, block_size, dense_rows',
-                         [(16, 4, 0), (19, 4, 1), (23, 8, 1), (5, 8, 0), (5, 8, 1), (16, 4, 2)])
+                         [(16, 4, 0), (19, 4, 1), (23, 8, 1), (5, 8, 0), (5, 8, 1), (16, 4, 2), (2, 4, 2)])
 def test_block_gathered_attention_equals_masked_attention_with_gradients(n, block_size, dense_rows):
     q, k, v = _qkv(n)
     tiles = -(-n // block_size)
