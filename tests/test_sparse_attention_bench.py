@@ -36,6 +36,30 @@ def test_block_gathered_attention_equals_masked_attention_with_gradients(n, bloc
         torch.testing.assert_close(a, b)
 
 
+# a head's gathered K and V here: 2 · batch 2 · 5 tiles · 2 kept · 4 tokens · d 8 · 8 bytes = 10240
+@pytest.mark.parametrize('budget_bytes, chunks', [(1, 3), (2 * 10240, 2)])      # 1 head each; 2 + 1 heads
+def test_block_gathered_attention_in_head_chunks_equals_masked_attention(monkeypatch, budget_bytes, chunks):
+    """Heads run in chunks of `GATHER_BYTES_PER_CHUNK` (here 1 head, or 2 of 3 with a short last chunk): the
+    same outputs and gradients as the masked reference."""
+    from structformer.functional import sparsifiner
+    monkeypatch.setattr(sparsifiner, 'GATHER_BYTES_PER_CHUNK', budget_bytes)
+    calls = []
+    chunk = sparsifiner._block_gathered_chunk
+    monkeypatch.setattr(sparsifiner, '_block_gathered_chunk', lambda q, *a: calls.append(q.shape[1]) or chunk(q, *a))
+    n, bs, dense_rows = 19, 4, 1
+    q, k, v = _qkv(n, heads=3)
+    tiles = -(-n // bs)
+    g = torch.Generator().manual_seed(3)
+    indices = torch.rand(2, 3, tiles, tiles, generator=g).topk(budget(tiles, 0.4), dim=-1).indices
+    got = block_gathered_attention(q, k, v, indices, bs, dense_rows=dense_rows)
+    want = masked_attention(q, k, v, block_indices_to_mask(indices, n, bs, dense_rows))
+    torch.testing.assert_close(got, want)
+    assert len(calls) == chunks and sum(calls) == 3
+    grad = torch.randn(2, 3, n, 8, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_pooled_block_scores_are_the_tile_means_of_the_scores():
     n, p, bs = 19, 5, 4                                  # 19 = 4·4 + 3: a partial last tile
     q, k, _ = _qkv(n)
