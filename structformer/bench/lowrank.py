@@ -52,7 +52,7 @@ def _on_onednn(module):
             return linear(x, self.weight, self.bias)
 
     module = copy.deepcopy(module)
-    for target in [module] + list(module.modules()):
+    for target in module.modules():                      # the module itself included
         if type(target) is nn.Linear:
             target.__class__ = OneDnnLinear
     return module

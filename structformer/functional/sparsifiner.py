@@ -70,8 +70,8 @@ def block_mask_from_scores(scores: torch.Tensor, block_size: int, keep_ratio: fl
     partial last tile averaged over its real entries, as `pooled_block_scores` computes them without S), keep
     the top ⌈keep · blocks⌉ key blocks of every query block, and expand to a token mask. Token-level top-k
     leaves almost no empty tile, so only this lets a blocked kernel skip work."""
-    n_k = scores.shape[-1]
-    tiles = _tile_mean(_tile_mean(scores, -2, block_size), -1, block_size)
+    n, n_k = scores.shape[-2:]
+    tiles = _tile_pooling(n, block_size, scores) @ scores @ _tile_pooling(n_k, block_size, scores).transpose(-2, -1)
     chosen = mask_from_indices(topk_indices(tiles, budget(tiles.shape[-1], keep_ratio)), tiles.shape[-1])
     mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
     return mask[..., :scores.shape[-2], :n_k]
@@ -117,20 +117,9 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indice
 
 # ---- the block path without n×n tensors (ours): predictor on tile means, attention on gathered tiles ----
 
-def _tile_mean(x: torch.Tensor, dim: int, block_size: int) -> torch.Tensor:
-    """Means of consecutive `block_size` slices along `dim`; a partial last slice is averaged over its own length."""
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
-    pad = (-n) % block_size
-    sums = F.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, block_size).sum(-1)
-    counts = torch.full((sums.shape[-1],), float(block_size), dtype=x.dtype, device=x.device)
-    counts[-1] = block_size - pad
-    return (sums / counts).movedim(-1, dim)
-
-
 def _tile_pooling(num_tokens: int, block_size: int, like: torch.Tensor) -> torch.Tensor:
     """P [⌈n/bs⌉, n] with P[t, i] = 1/|tile t| for token i in tile t: P X is the tile means of X's rows (a
-    partial last tile averaged over its real rows, as `_tile_mean`)."""
+    partial last tile averaged over its real rows)."""
     tile_of = torch.arange(num_tokens, device=like.device) // block_size
     members = tile_of == torch.arange(-(-num_tokens // block_size), device=like.device).unsqueeze(-1)
     members = members.to(like.dtype)
@@ -163,26 +152,25 @@ def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_si
     return mask
 
 
-def _tile_rows(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, padded: bool):
-    """The keys and values at token `positions` [B, H, 1, S] of the last (partial) query tile, [B, H, S, d]
-    each, and the mask of slots inside n ([B, H, 1, S], or None without padding)."""
+def _tile_keys(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, padded: bool):
+    """The keys and values at token `positions` [B, H, t, S] (`_gather_rows`: runs of block_size contiguous
+    rows, no padded copy of k or v), [B, H, t, S, d] each, and the mask of slots inside n ([B, H, t, S], or
+    None without padding): slots past n (a partial last key tile) read the last key, to be masked out."""
     n = k.shape[-2]
     in_range = positions.clamp(max=n - 1)
-    k_sel, v_sel = (_gather_rows(x, in_range).squeeze(2) for x in (k, v))
+    k_sel, v_sel = (_gather_rows(x, in_range) for x in (k, v))
     return k_sel, v_sel, (positions < n) if padded else None
 
 
 def _tile_sdpa(q_tiles: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                padded: bool, dropout_p: float, scale: Optional[float]) -> torch.Tensor:
-    """SDPA of query tiles q_tiles [B·H, t, L, d] on the keys at token `positions` [B, H, t, S] (`_gather_rows`:
-    runs of block_size contiguous rows, no padded copy of k or v); slots past n (a partial last key tile) read
-    the last key and are masked out. Each part gathers its own rows, so in training no gradient is accumulated
-    through slices of a shared gathered tensor."""
+    """SDPA of query tiles q_tiles [B·H, t, L, d] on the keys at token `positions` [B, H, t, S] (`_tile_keys`).
+    Each part gathers its own rows, so in training no gradient is accumulated through slices of a shared
+    gathered tensor."""
     b, h, t, slots = positions.shape
-    n = k.shape[-2]
-    in_range = positions.clamp(max=n - 1)
-    k_sel, v_sel = (_gather_rows(x, in_range).reshape(b * h, t, slots, -1) for x in (k, v))
-    valid = (positions < n).reshape(b * h, t, 1, slots) if padded else None
+    k_sel, v_sel, valid = _tile_keys(k, v, positions, padded)
+    k_sel, v_sel = (x.reshape(b * h, t, slots, -1) for x in (k_sel, v_sel))
+    valid = valid.reshape(b * h, t, 1, slots) if valid is not None else None
     return F.scaled_dot_product_attention(q_tiles, k_sel, v_sel, attn_mask=valid, dropout_p=dropout_p, scale=scale)
 
 
@@ -248,8 +236,9 @@ def _block_gathered_chunk(q, k, v, block_indices, block_size: int, scale: Option
         out = _tile_sdpa(q_full, k, v, positions[..., :full, :], padded, dropout_p, scale)
         parts.append(out.reshape(b, h, full * block_size, d))
     if full * block_size < n:
-        tail = _tile_rows(k, v, positions[..., full:, :], padded)
-        parts.append(_few_queries_attention(q[..., full * block_size:, :], *tail, dropout_p, scale))
+        k_sel, v_sel, valid = _tile_keys(k, v, positions[..., full:, :], padded)     # one tile: t = 1
+        parts.append(_few_queries_attention(q[..., full * block_size:, :], k_sel.squeeze(2), v_sel.squeeze(2),
+                                            valid, dropout_p, scale))
     if dense_rows:                                        # drop the sparse rows that the dense ones replace
         dense, sparse = parts[0], parts[1:]
         if sparse[0].shape[-2] > dense_rows:
