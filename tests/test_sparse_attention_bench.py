@@ -119,24 +119,25 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / 'sparse.json'
     args = _args('--tokens', '20', '--keep', '0.25', '--dim', '16', '--heads', '2', '--block-size', '8',
                  '--repeats', '1', '--warmup', '0', '--threads', '1', '--paths', 'masked', 'gather', 'block',
-                 'block-gather', '--json', str(out))
+                 'block-gather', 'block-kernel', '--json', str(out))
     assert run_bench(args) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.split()[:2] == ['n', 'keep'])
     assert header.split() == ['n', 'keep', 'B', 'path', 'ms', 'vs', 'SDPA', 'FLOPs', 'vs', 'dense', 'note']
-    assert 'goal: at n=577 keep 0.25, fastest CPU path ≤ 0.6× dense SDPA: n/a' in text
+    assert 'goal: at n=577 keep 0.25, MHSA time with the predictor included ≤ 0.6× fused dense SDPA: n/a' in text
     rows = json.loads(out.read_text())['rows']
-    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'dense SDPA',
-                                         'block-gather core', 'dense SDPA core']
+    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'block-kernel', 'dense SDPA',
+                                         'block-gather core', 'dense SDPA core', 'block-kernel core', 'dense SDPA core']
     for r in rows:
         assert r['ms'] > 0 and r['vs_dense'] > 0 and r['flops_vs_dense'] > 0
     assert rows[1]['flops_vs_dense'] == rows[0]['flops_vs_dense']          # the same sparse count
     # the attention-alone count is the module's count less the projections both modules run
     n, dim = 20, 16
     dense, projections = dense_mhsa_flops(n, dim, 2, 8), 2 * n * dim * 3 * dim + 2 * n * dim * dim
-    module, core = rows[3]['flops_vs_dense'], rows[5]['flops_vs_dense']
+    module, core = rows[3]['flops_vs_dense'], rows[6]['flops_vs_dense']
     assert module * dense == pytest.approx(projections + core * (dense - projections))
-    assert rows[6]['vs_dense'] == 1.0 and rows[6]['flops_vs_dense'] == 1.0
+    assert rows[4]['flops_vs_dense'] == module and rows[8]['flops_vs_dense'] == core    # the kernel: the same count
+    assert rows[7]['vs_dense'] == 1.0 and rows[7]['flops_vs_dense'] == 1.0
 
 
 def test_every_module_row_is_paired_with_dense_sdpa(tmp_path, monkeypatch):
@@ -169,17 +170,21 @@ def test_every_module_row_is_paired_with_dense_sdpa(tmp_path, monkeypatch):
     assert rows['dense SDPA']['ms'] == pytest.approx(20.0)
 
 
-def test_goal_judges_the_module_and_reports_the_attention_alone():
+def test_goal_judges_the_attention_alone_and_the_whole_module_each_on_its_fastest_path():
     base = {'tokens': 577, 'keep': 0.25, 'keys': 145, 'note': ''}
     rows = [dict(base, path='masked', ms=30.0, vs_dense=3.0, flops_vs_dense=0.81),
             dict(base, path='block-gather', ms=10.0, vs_dense=1.0, flops_vs_dense=0.69),
             dict(base, path='dense SDPA', ms=10.0, vs_dense=1.0, flops_vs_dense=1.0),
+            dict(base, path='block-kernel core', ms=3.5, vs_dense=0.7, flops_vs_dense=0.3),
+            dict(base, path='dense SDPA core', ms=5.0, vs_dense=1.0, flops_vs_dense=1.0),
             dict(base, path='block-gather core', ms=2.5, vs_dense=0.5, flops_vs_dense=0.3),
             dict(base, path='dense SDPA core', ms=5.0, vs_dense=1.0, flops_vs_dense=1.0)]
     verdict = goal(rows, train=False)
     assert verdict['path'] == 'block-gather' and verdict['ratio'] == 1.0 and not verdict['met']
-    assert verdict['core_ratio'] == 0.5 and verdict['core_met']
-    assert 'not met (1.00×, block-gather)' in verdict['line'] and 'block-gather 0.50× SDPA, within 0.6×' in verdict['line']
+    assert verdict['core_path'] == 'block-gather' and verdict['core_ratio'] == 0.5 and verdict['core_met']
+    lines = verdict['line'].splitlines()
+    assert 'attention alone' in lines[1] and lines[1].endswith('met (0.50×, block-gather)')
+    assert 'whole module' in lines[2] and lines[2].endswith('not met (1.00×, block-gather)')
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -218,3 +223,18 @@ def test_goal_on_cuda_names_the_fastest_path_without_a_verdict():
     verdict = goal(rows, train=False, device='cuda')
     assert verdict['met'] is None and verdict['path'] == 'block-flex'
     assert 'the fastest path is block-flex at 2.00× dense SDPA' in verdict['line']
+
+
+def test_block_kernel_rows_run_in_inference_and_say_why_not_in_training(tmp_path):
+    """The kernel is forward-only: with --train its row is marked, with the reason, and the rest still runs."""
+    from structformer.functional import tile_kernel
+    if not tile_kernel.available():
+        pytest.skip(f'the tile kernel does not exist here: {tile_kernel.unavailable_reason()}')
+    out = tmp_path / 'sparse.json'
+    args = _args('--tokens', '20', '--keep', '0.5', '--dim', '16', '--heads', '2', '--block-size', '8', '--train',
+                 '--repeats', '1', '--warmup', '0', '--threads', '1', '--paths', 'block-gather', 'block-kernel',
+                 '--json', str(out))
+    assert run_bench(args) == 0
+    rows = {r['path']: r for r in json.loads(out.read_text())['rows']}
+    assert rows['block-gather']['ms'] > 0 and rows['block-kernel']['ms'] is None
+    assert rows['block-kernel']['note'].startswith('did not run: ValueError: the tile kernel is forward-only')

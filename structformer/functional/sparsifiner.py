@@ -8,11 +8,13 @@ Shapes: q, k, v [B, H, n, d]; W_down, W_up [n_down, n] (one pair per layer, shar
     M      = 1[Top-B(S)] per query row                 Eq. 3   B = ⌈keep · n⌉ keys per query
     Ã      = softmax(QKᵀ/√d) restricted to M, X' = ÃV  Eq. 4–6
 
-Three execution paths of Eq. 4–6 that agree to rounding:
+Execution paths of Eq. 4–6 that agree to rounding:
   `masked_attention`     dense logits, −∞ off the mask, softmax: the reference (n² memory);
   `gathered_attention`   each query's B keys gathered: work and memory ∝ n·B, with autograd;
   `flex_attention_path`  torch's FlexAttention on the kept tiles of M (`sparsifiner_flex.py`: the GPU path,
                          compiled there; on CPU eager it materialises the scores, so it is there to be tested).
+With block connectivity, `block_gathered_attention` (gathered tiles, autograd) and the CPU tile kernel
+(`tile_kernel.py`, inference) take the kept tiles directly.
 """
 import math
 from typing import Optional
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .sparsifiner_flex import block_flex_attention, flex_attention_path  # noqa: F401  (re-exported)
+from .tile_kernel import block_tile_attention
 
 
 def budget(num_tokens: int, keep_ratio: float) -> int:
@@ -254,8 +257,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
                            impl: str = 'gather') -> torch.Tensor:
     """Eq. 1–6 with block connectivity and no n×n tensor: low-rank attention (Eq. 1), tile-mean scores
     (Eq. 2–3, `pooled_block_scores`), the top ⌈keep · tiles⌉ key tiles per query tile (detached, as the token
-    mask is), then Eq. 4–6 on those tiles: `block_gathered_attention` (impl='gather', CPU) or
-    `block_flex_attention` (impl='flex', GPU; no dropout). q, k here are the predictor's inputs too."""
+    mask is), then Eq. 4–6 on those tiles (`tile_attention`): `block_gathered_attention` (impl='gather', CPU and
+    GPU, training), the CPU tile kernel (impl='kernel', inference) or `block_flex_attention` (impl='flex', GPU;
+    no dropout). q, k here are the predictor's inputs too."""
     a_down = low_rank_attention(q, k, w_down)
     with torch.no_grad():
         tiles = pooled_block_scores(a_down, w_up, tau, up_threshold, block_size)
@@ -265,14 +269,19 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
 
 def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
                    block_size: int, dense_rows: int = 0, dropout_p: float = 0.0, impl: str = 'gather') -> torch.Tensor:
-    """Eq. 4–6 on the kept key tiles `block_indices`: gathered (impl='gather', `block_gathered_attention`) or as
-    FlexAttention's full tiles (impl='flex', `block_flex_attention`, which has no dropout)."""
+    """Eq. 4–6 on the kept key tiles `block_indices`: gathered (impl='gather', `block_gathered_attention`), as
+    FlexAttention's full tiles (impl='flex', `block_flex_attention`, which has no dropout), or by the CPU tile
+    kernel (impl='kernel', `tile_kernel.block_tile_attention`: forward only, no dropout)."""
+    if impl == 'kernel':
+        if dropout_p:
+            raise ValueError("impl='kernel' has no attention dropout; use dropout_p=0 or impl='gather'")
+        return block_tile_attention(q, k, v, block_indices, block_size, dense_rows=dense_rows)
     if impl == 'flex':
         if dropout_p:
             raise ValueError("impl='flex' has no attention dropout; use dropout_p=0 or impl='gather'")
         return block_flex_attention(q, k, v, block_indices, block_size, dense_rows=dense_rows)
     if impl != 'gather':
-        raise ValueError(f"impl={impl!r}: accepted 'gather' or 'flex'")
+        raise ValueError(f"impl={impl!r}: accepted 'gather', 'flex' or 'kernel'")
     return block_gathered_attention(q, k, v, block_indices, block_size, dropout_p=dropout_p, dense_rows=dense_rows)
 
 

@@ -1,0 +1,142 @@
+"""The CPU kernel of Sparsifiner's block connectivity (`csrc/block_tile_attention.cpp`), built on first use.
+
+`block_tile_attention(q, k, v, block_indices, block_size, scale)` is Eq. 4–6 on whole kept key tiles, as
+`block_gathered_attention` computes it, without copying the tiles: a BLAS GEMM per kept tile where it lies in
+K and V, ATen's softmax in between, query tiles in parallel. Forward only (inference): training keeps the
+gathered path, whose backward is autograd's.
+
+The source is compiled once per machine and torch build with the system's C++ compiler (`$CXX`, else `c++`),
+about 10 s, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
+threads torch's OpenMP runtime), and loaded with `torch.ops.load_library`. The library lands in
+`$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`), in a folder
+named by a hash of the source, torch's version and the compiler, written to a temporary name and renamed.
+It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
+or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
+gathered path instead.
+"""
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / 'csrc' / 'block_tile_attention.cpp'
+LIBRARY = 'block_tile_attention.so'
+DTYPES = (torch.float32, torch.float64)
+
+
+def cache_dir() -> Path:
+    if os.environ.get('STRUCTFORMER_KERNEL_DIR'):
+        return Path(os.environ['STRUCTFORMER_KERNEL_DIR'])
+    base = os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache'
+    return Path(base) / 'structformer' / 'kernels'
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get('CXX') or 'c++') or shutil.which('g++')
+
+
+def _command(compiler: str, output: Path) -> list:
+    # torch's header and library folders (what torch.utils.cpp_extension names, without importing it: its
+    # import logs a CUDA notice on machines without CUDA)
+    root = Path(torch.__file__).resolve().parent
+    includes, libraries = [root / 'include', root / 'include' / 'torch' / 'csrc' / 'api' / 'include'], [root / 'lib']
+    # torch's own libgomp (same soname as the one already loaded), so the kernel's at::parallel_for shares
+    # torch's OpenMP threads instead of starting a second runtime
+    return [compiler, '-O3', '-std=c++20', '-shared', '-fPIC', '-fopenmp',
+            f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
+            *(f'-I{p}' for p in includes), str(SOURCE), '-o', str(output),
+            *(f'-L{p}' for p in libraries), '-lc10', '-ltorch_cpu', '-lgomp',
+            *(f'-Wl,-rpath,{p}' for p in libraries)]
+
+
+def _platform_reason() -> Optional[str]:
+    if os.environ.get('STRUCTFORMER_NO_KERNEL', '') not in ('', '0'):
+        return 'STRUCTFORMER_NO_KERNEL is set'
+    if sys.platform != 'linux' or platform.machine().lower() not in ('x86_64', 'amd64'):
+        return f'built for Linux on x86-64 only (this is {sys.platform} on {platform.machine()})'
+    if not torch.backends.openmp.is_available() or not torch.backends.mkl.is_available():
+        return 'this torch build has no OpenMP or no MKL (the kernel uses both)'
+    return None
+
+
+def _build(compiler: str) -> Path:
+    """The library's path, compiled into the cache if it is not there yet (temp name, then rename)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + f'{torch.__version__}|{torch.version.git_version}|{compiler}'
+                         .encode()).hexdigest()[:16]
+    folder = cache_dir() / key
+    library = folder / LIBRARY
+    if library.exists():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
+        partial = Path(scratch) / LIBRARY
+        done = subprocess.run(_command(compiler, partial), capture_output=True, text=True)
+        if done.returncode != 0:
+            last = [line for line in done.stderr.splitlines() if 'error' in line] or done.stderr.splitlines()[-1:]
+            raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {(last or ['?'])[0][:300]}")
+        os.replace(partial, library)
+    return library
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason() -> Optional[str]:
+    """None when the kernel is loaded (building it first if needed), else why it cannot run here."""
+    reason = _platform_reason()
+    if reason:
+        return reason
+    compiler = _compiler()
+    if compiler is None:
+        return 'no C++ compiler found ($CXX, c++ or g++)'
+    try:
+        torch.ops.load_library(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        reason = f'{type(e).__name__}: {e}'
+        warnings.warn(f"structformer: the Sparsifiner CPU tile kernel is unavailable ({reason}); "
+                      "block connectivity runs the gathered path", RuntimeWarning, stacklevel=3)
+        return reason
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def usable(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    """Whether impl='auto' may run the kernel on q: inference (no gradient needed), a float32/64 CPU tensor,
+    no attention dropout, not inside torch.compile, and the library loads."""
+    return (q.device.type == 'cpu' and q.dtype in DTYPES and not dropout_p and not q.requires_grad
+            and not torch.compiler.is_compiling() and available())
+
+
+def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+                         block_size: int, scale: Optional[float] = None, dense_rows: int = 0) -> torch.Tensor:
+    """Eq. 4–6 on the kept key tiles `block_indices` [B, H, query tiles, kept] of q [B, H, n, d], k, v
+    [B, H, m, d] (any strides with contiguous channels), forward only; the first `dense_rows` queries attend to
+    every key. The output is [B, H, n, d] laid out as [B, n, H, d], so merging the heads is a view. The function
+    of `block_gathered_attention`. Raises ValueError on input the kernel does not take."""
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("the tile kernel is forward-only (no autograd): run it under torch.no_grad() or "
+                         "torch.inference_mode(), or use impl='gather' to train")
+    tensors = (q, k, v)
+    if any(t.device.type != 'cpu' for t in tensors) or q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
+                         f"k {k.dtype}, v {v.dtype}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    try:
+        return torch.ops.structformer.block_tile_attention(q, k, v, block_indices.to(torch.int64).contiguous(),
+                                                           int(block_size), scale, int(dense_rows))
+    except RuntimeError as e:                   # the kernel's own checks: the first line names the argument
+        raise ValueError(str(e).splitlines()[0]) from None

@@ -1,0 +1,150 @@
+"""The CPU tile kernel of Sparsifiner's block connectivity (csrc/block_tile_attention.cpp) against its slow,
+obvious reference: masked_attention on block_indices_to_mask."""
+import pytest
+import torch
+
+from structformer.functional import tile_kernel
+from structformer.functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, masked_attention,
+                                                 tile_attention)
+from structformer.layers.attention.sparsifiner import SparsifinerAttention
+
+
+@pytest.fixture(scope='module')
+def kernel():
+    """The kernel where it is meant to build (Linux x86-64 with torch's MKL and OpenMP and a compiler): a failed
+    build there fails the test instead of skipping it."""
+    reason = tile_kernel._platform_reason() or (None if tile_kernel._compiler() else 'no C++ compiler')
+    if reason:
+        pytest.skip(f'the tile kernel does not exist here: {reason}')
+    assert tile_kernel.unavailable_reason() is None, tile_kernel.unavailable_reason()
+    return tile_kernel.block_tile_attention
+
+
+def _case(batch, heads, n, d, block_size, kept, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=g, dtype=dtype) for _ in range(3))
+    tiles = -(-n // block_size)
+    rows = [torch.randperm(tiles, generator=g)[:kept] for _ in range(batch * heads * tiles)]
+    return q, k, v, torch.stack(rows).reshape(batch, heads, tiles, kept)
+
+
+CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
+    (1, 6, 577, 64, 64, 3, 1),          # DeiT-S at 384 px, keep 0.25: a one-token last tile, the cls row dense
+    (2, 3, 130, 16, 32, 2, 0),          # two images, partial last tiles, no dense row
+    (1, 2, 20, 8, 64, 1, 1),            # fewer tokens than one tile
+    (1, 2, 70, 8, 8, 9, 9),             # every tile kept; dense rows past the first tile
+    (1, 1, 64, 4, 16, 2, 64),           # every row dense
+]
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('batch, heads, n, d, block_size, kept, dense_rows', CASES)
+def test_kernel_equals_masked_attention_on_the_tile_mask(kernel, dtype, batch, heads, n, d, block_size, kept,
+                                                         dense_rows):
+    q, k, v, chosen = _case(batch, heads, n, d, block_size, kept, dtype)
+    expected = masked_attention(q, k, v, block_indices_to_mask(chosen, n, block_size, dense_rows))
+    got = kernel(q, k, v, chosen, block_size, dense_rows=dense_rows)
+    tolerance = {} if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_kernel_takes_the_strided_heads_of_a_projection_and_returns_token_major_heads(kernel):
+    """q, k, v as the layer has them (views of one [B, n, 3, H, d] projection, no copies), an explicit scale, and
+    an output whose heads merge into [B, n, H·d] as a view."""
+    torch.manual_seed(0)
+    b, n, h, d, bs = 2, 50, 3, 8, 16
+    qkv = torch.randn(b, n, 3, h, d, dtype=torch.float64).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    assert not q.is_contiguous()
+    _, _, _, chosen = _case(b, h, n, d, bs, 2, torch.float64)
+    got = kernel(q, k, v, chosen, bs, scale=0.3, dense_rows=1)
+    expected = masked_attention(q, k, v, block_indices_to_mask(chosen, n, bs, 1), scale=0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert got.transpose(1, 2).is_contiguous()
+
+
+def test_kernel_equals_the_gathered_path_at_every_thread_count(kernel):
+    q, k, v, chosen = _case(1, 4, 200, 16, 32, 3, torch.float32)
+    reference = block_gathered_attention(q, k, v, chosen, 32, dense_rows=1)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            torch.testing.assert_close(tile_attention(q, k, v, chosen, 32, dense_rows=1, impl='kernel'), reference)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_layer_infers_on_the_kernel_by_default_and_matches_gather(kernel, dtype):
+    """impl='auto' with block connectivity runs the kernel in CPU inference and gathers in training; both give
+    the outputs of impl='gather' on the same weights."""
+    torch.manual_seed(0)
+    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=41, n_down=6)
+    auto = SparsifinerAttention(32, 4, **options).to(dtype).eval()
+    gathered = SparsifinerAttention(32, 4, impl='gather', **options).to(dtype).eval()
+    gathered.load_state_dict(auto.state_dict())
+    x = torch.randn(3, 41, 32, dtype=dtype)
+    with torch.no_grad():
+        q = auto.project(x)[0]
+        assert auto._resolve_impl(q, 0.0) == 'kernel'
+        got, expected = auto(x), gathered(x)
+    torch.testing.assert_close(got, expected)
+    assert auto._resolve_impl(auto.project(x)[0], 0.0) == 'gather'          # gradients wanted: the gathered path
+    assert auto._resolve_impl(q, 0.1) == 'gather'                            # attention dropout
+    assert SparsifinerAttention(32, 4, keep_ratio=0.3)._resolve_impl(q, 0.0) == 'masked'   # token connectivity
+
+
+def test_bad_input_is_one_clear_error(kernel):
+    q, k, v, chosen = _case(1, 2, 40, 8, 16, 2, torch.float32)
+    cases = [
+        ((q, k, v, chosen.clamp(max=0) + 3, 16), r'block index 3 out of range; accepted 0\.\.2'),
+        ((q, k, v, torch.zeros_like(chosen), 16), 'key tile 0 kept twice in one row'),
+        ((q, k, v, chosen[:, :, :2], 16), r'block_indices must be contiguous int64 \[B, H, 3 query tiles, 1\.\.3'),
+        ((q.bfloat16(), k.bfloat16(), v.bfloat16(), chosen, 16), 'takes float32 or float64 CPU tensors'),
+        ((q, k[..., :4], v[..., :4], chosen, 16), r'q \[B, H, n, d\], k and v \[B, H, m, d\] expected'),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            kernel(*args)
+    with pytest.raises(ValueError, match=r'dense_rows must be in 0\.\.40, got 41'):
+        kernel(q, k, v, chosen, 16, dense_rows=41)
+    with pytest.raises(ValueError, match='forward-only'):
+        kernel(q.requires_grad_(), k, v, chosen, 16)
+    with pytest.raises(ValueError, match="impl='kernel' has no attention dropout"):
+        tile_attention(q.detach(), k, v, chosen, 16, dropout_p=0.1, impl='kernel')
+
+
+def test_layer_refuses_the_kernel_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="impl='kernel' .* runs connectivity='block' only"):
+        SparsifinerAttention(32, 4, impl='kernel')
+    with pytest.raises(ValueError, match="impl='kernel' has no attention dropout"):
+        SparsifinerAttention(32, 4, impl='kernel', connectivity='block', attn_drop=0.1)
+
+
+def test_without_the_kernel_auto_gathers_and_says_why(monkeypatch):
+    monkeypatch.setenv('STRUCTFORMER_NO_KERNEL', '1')
+    assert tile_kernel._platform_reason() == 'STRUCTFORMER_NO_KERNEL is set'
+    monkeypatch.setattr(tile_kernel, 'available', lambda: False)
+    layer = SparsifinerAttention(32, 4, connectivity='block', block_size=8).eval()
+    with torch.no_grad():
+        assert layer._resolve_impl(torch.zeros(1, 4, 20, 8), 0.0) == 'gather'
+
+
+def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, monkeypatch):
+    """The library is compiled under a temporary name and renamed into place, once; a compile error names the
+    compiler and the first error line and leaves no library behind."""
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    compiler = tile_kernel._compiler()
+    library = tile_kernel._build(compiler)
+    assert library.exists() and library.parent.parent == tmp_path / 'cache'
+    assert [p.name for p in library.parent.iterdir()] == [tile_kernel.LIBRARY]      # no scratch left over
+    stamp = library.stat().st_mtime_ns
+    assert tile_kernel._build(compiler) == library and library.stat().st_mtime_ns == stamp
+    broken = tmp_path / 'broken.cpp'
+    broken.write_text('this is not C++;\n')
+    monkeypatch.setattr(tile_kernel, 'SOURCE', broken)
+    with pytest.raises(RuntimeError, match=r'compiling broken\.cpp with .* failed: .*error'):
+        tile_kernel._build(compiler)
+    assert list((tmp_path / 'cache').rglob('*.so')) == [library]                  # only the good build
+    assert not list((tmp_path / 'cache').rglob('.build-*'))
