@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from structformer.functional import tile_kernel
-from structformer.functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, masked_attention,
-                                                 tile_attention)
+from structformer.functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, budget,
+                                                 down_projected_keys, low_rank_attention, masked_attention,
+                                                 pooled_basis, pooled_block_scores, predicted_tiles, tile_attention,
+                                                 topk_indices)
 from structformer.layers.attention.sparsifiner import SparsifinerAttention
 
 
@@ -75,12 +77,13 @@ def test_kernel_equals_the_gathered_path_at_every_thread_count(kernel):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
-def test_layer_infers_on_the_kernel_by_default_and_matches_gather(kernel, dtype):
-    """impl='auto' with block connectivity runs the kernel in CPU inference and gathers in training; both give
-    the outputs of impl='gather' on the same weights."""
+@pytest.mark.parametrize('dtype, predictor_dim', [(torch.float64, None), (torch.float32, None), (torch.float64, 4)])
+def test_layer_infers_on_the_kernel_by_default_and_matches_gather(kernel, dtype, predictor_dim):
+    """impl='auto' with block connectivity runs the kernel (predictor and attention) in CPU inference and
+    gathers in training; both give the outputs of impl='gather' on the same weights."""
     torch.manual_seed(0)
-    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=41, n_down=6)
+    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=41, n_down=6,
+                   predictor_dim=predictor_dim)
     auto = SparsifinerAttention(32, 4, **options).to(dtype).eval()
     gathered = SparsifinerAttention(32, 4, impl='gather', **options).to(dtype).eval()
     gathered.load_state_dict(auto.state_dict())
@@ -148,3 +151,36 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, mon
         tile_kernel._build(compiler)
     assert list((tmp_path / 'cache').rglob('*.so')) == [library]                  # only the good build
     assert not list((tmp_path / 'cache').rglob('.build-*'))
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('n, block_size, keep, tau', [(577, 64, 0.25, 0.05), (41, 8, 0.5, 0.05), (30, 8, 1.0, 0.0),
+                                                      (12, 16, 0.3, 0.2)])
+def test_kernel_predictor_picks_the_tiles_of_the_torch_ops(kernel, dtype, n, block_size, keep, tau):
+    """block_connectivity = pooled_block_scores + topk_indices (Eq. 1–3 on tile means, then the top tiles), as
+    sets of tiles per query tile; with a threshold that zeroes coefficients and an up-threshold that zeroes
+    part of W_up."""
+    g = torch.Generator().manual_seed(1)
+    b, h, d, p = 2, 3, 16, 8
+    q, k = (torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(2))
+    w_down, w_up = (torch.randn(p, n, generator=g, dtype=dtype) * 0.05 for _ in range(2))
+    tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, 0.03, block_size)
+    expected = topk_indices(tiles, budget(tiles.shape[-1], keep)).sort(-1).values
+    got = tile_kernel.block_connectivity(q, down_projected_keys(k, w_down), pooled_basis(w_up, 0.03, block_size), tau,
+                                         block_size, expected.shape[-1])
+    assert got.dtype == torch.int64 and got.shape == expected.shape
+    assert torch.equal(got.sort(-1).values, expected)
+    via_functional = predicted_tiles(q, k, w_down, w_up, tau, 0.03, keep, block_size, kernel=True)
+    assert torch.equal(via_functional.sort(-1).values, expected)
+
+
+def test_kernel_predictor_breaks_ties_to_the_lower_tile_and_refuses_bad_input(kernel):
+    """All-equal scores (zero W_up) keep tiles 0..kept-1; a budget outside 1..tiles is named."""
+    q, k = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    k_down = down_projected_keys(k, torch.randn(4, 40))
+    got = tile_kernel.block_connectivity(q, k_down, torch.zeros(4, 3), 0.05, 16, 2)
+    assert torch.equal(got, torch.tensor([0, 1]).expand(1, 2, 3, 2))
+    with pytest.raises(ValueError, match=r'kept must be in 1\.\.3, got 4'):
+        tile_kernel.block_connectivity(q, k_down, torch.zeros(4, 3), 0.05, 16, 4)
+    with pytest.raises(ValueError, match='float32 or float64'):
+        tile_kernel.block_connectivity(q.double(), k_down, torch.zeros(4, 3), 0.05, 16, 2)

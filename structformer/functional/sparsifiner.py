@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .sparsifiner_flex import block_flex_attention, flex_attention_path  # noqa: F401  (re-exported)
-from .tile_kernel import block_tile_attention
+from .tile_kernel import block_connectivity, block_tile_attention
 
 
 def budget(num_tokens: int, keep_ratio: float) -> int:
@@ -33,17 +33,21 @@ def budget(num_tokens: int, keep_ratio: float) -> int:
     return max(1, math.ceil(keep_ratio * num_tokens - 1e-9))
 
 
-def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
-                       scale: Optional[float] = None) -> torch.Tensor:
-    """Eq. 1: softmax(Q (W_down K)ᵀ · scale) over the n_down down-projected keys."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+def down_projected_keys(k: torch.Tensor, w_down: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """W_down K · scale [B, H, n_down, d]: the n_down keys of Eq. 1, the scale folded into them."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
     b, h, n, d = k.shape
     # every head's W_down K in one GEMM over the token-major keys [B, n, H·d] (a view when k is the head split
     # of a projection, as in the layer): 6 heads as one [n_down, n] × [n, 384] product instead of a broadcast
     # batch of six; the scale on the n_down keys, not on the n × n_down logits
     tokens = k.transpose(1, 2).reshape(b, n, h * d)
-    k_down = (torch.matmul(w_down, tokens) * scale).reshape(b, -1, h, d).transpose(1, 2)
-    return torch.softmax(q @ k_down.transpose(-2, -1), dim=-1)
+    return (torch.matmul(w_down, tokens) * scale).reshape(b, -1, h, d).transpose(1, 2)
+
+
+def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
+                       scale: Optional[float] = None) -> torch.Tensor:
+    """Eq. 1: softmax(Q (W_down K)ᵀ · scale) over the n_down down-projected keys."""
+    return torch.softmax(q @ down_projected_keys(k, w_down, scale).transpose(-2, -1), dim=-1)
 
 
 def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float) -> torch.Tensor:
@@ -129,6 +133,12 @@ def _tile_pooling(num_tokens: int, block_size: int, like: torch.Tensor) -> torch
     return members / members.sum(-1, keepdim=True)
 
 
+def pooled_basis(w_up: torch.Tensor, up_threshold: float, block_size: int) -> torch.Tensor:
+    """The key-tile means of W̃_up = W_up ⊙ 1[|W_up| ≥ t] (Eq. 3), [..., n_down, ⌈n/bs⌉]: W̃_up Pᵀ (`_tile_pooling`)."""
+    basis = w_up * (w_up.abs() >= up_threshold)
+    return basis @ _tile_pooling(w_up.shape[-1], block_size, w_up).transpose(-2, -1)
+
+
 def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float,
                         block_size: int) -> torch.Tensor:
     """Tile means of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: the mean of S over
@@ -137,10 +147,23 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
     tile is the mean of its real entries, as in `block_mask_from_scores`. The means are products with the
     pooling matrix P (`_tile_pooling`): P Ã_down (P W̃_upᵀ)ᵀ, two small GEMMs instead of pads and reshapes."""
     coefficients = F.threshold(a_down, tau, 0.0)
-    basis = w_up * (w_up.abs() >= up_threshold)
     pool_queries = _tile_pooling(a_down.shape[-2], block_size, a_down)
-    pool_keys = pool_queries if w_up.shape[-1] == a_down.shape[-2] else _tile_pooling(w_up.shape[-1], block_size, w_up)
-    return (pool_queries @ coefficients) @ (basis @ pool_keys.transpose(-2, -1))
+    return (pool_queries @ coefficients) @ pooled_basis(w_up, up_threshold, block_size)
+
+
+def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, tau: float,
+                    up_threshold: float, keep_ratio: float, block_size: int, kernel: bool = False) -> torch.Tensor:
+    """The block connectivity, without gradient: Eq. 1–3 on tile means, then the top ⌈keep · tiles⌉ key tiles of
+    each query tile, [B, H, ⌈n/bs⌉, kept]. In torch ops (`pooled_block_scores`, `topk_indices`), or with
+    `kernel=True` in one pass of the CPU kernel over the n × n_down coefficients (`tile_kernel.
+    block_connectivity`, inference; the same tiles up to the rounding of near ties, tested)."""
+    with torch.no_grad():
+        if kernel:
+            basis = pooled_basis(w_up, up_threshold, block_size)
+            return block_connectivity(q, down_projected_keys(k, w_down), basis, tau, block_size,
+                                      budget(basis.shape[-1], keep_ratio))
+        tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, up_threshold, block_size)
+        return topk_indices(tiles, budget(tiles.shape[-1], keep_ratio))
 
 
 def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_size: int,
@@ -260,10 +283,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
     mask is), then Eq. 4–6 on those tiles (`tile_attention`): `block_gathered_attention` (impl='gather', CPU and
     GPU, training), the CPU tile kernel (impl='kernel', inference) or `block_flex_attention` (impl='flex', GPU;
     no dropout). q, k here are the predictor's inputs too."""
-    a_down = low_rank_attention(q, k, w_down)
-    with torch.no_grad():
-        tiles = pooled_block_scores(a_down, w_up, tau, up_threshold, block_size)
-        block_indices = topk_indices(tiles, budget(tiles.shape[-1], keep_ratio))
+    block_indices = predicted_tiles(q, k, w_down, w_up, tau, up_threshold, keep_ratio, block_size, impl == 'kernel')
     return tile_attention(q, k, v, block_indices, block_size, dense_rows, dropout_p, impl)
 
 

@@ -2,7 +2,9 @@
 
 `block_tile_attention(q, k, v, block_indices, block_size, scale)` is Eq. 4–6 on whole kept key tiles, as
 `block_gathered_attention` computes it, without copying the tiles: a BLAS GEMM per kept tile where it lies in
-K and V, ATen's softmax in between, query tiles in parallel. Forward only (inference): training keeps the
+K and V, ATen's softmax in between, query tiles in parallel. `block_connectivity(...)` picks those tiles
+(Eq. 1–3 on tile means and the top-k, as `pooled_block_scores` + `topk_indices` do) in one pass per head
+instead of about fifteen small torch ops. Forward only (inference): training keeps the torch ops and the
 gathered path, whose backward is autograd's.
 
 The source is compiled once per machine and torch build with the system's C++ compiler (`$CXX`, else `c++`),
@@ -139,4 +141,24 @@ def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         return torch.ops.structformer.block_tile_attention(q, k, v, block_indices.to(torch.int64).contiguous(),
                                                            int(block_size), scale, int(dense_rows))
     except RuntimeError as e:                   # the kernel's own checks: the first line names the argument
+        raise ValueError(str(e).splitlines()[0]) from None
+
+
+def block_connectivity(q: torch.Tensor, k_down: torch.Tensor, basis_tiles: torch.Tensor, tau: float,
+                       block_size: int, kept: int) -> torch.Tensor:
+    """The block connectivity's top `kept` key tiles per query tile, [B, H, ⌈n/bs⌉, kept] int64: Eq. 1–3 on tile
+    means in one pass per (batch, head), from q [B, H, n, d], the scaled down-projected keys k_down [B, H, p, d]
+    (`down_projected_keys`) and the key-tile means of W̃_up, basis_tiles [p, key tiles] (`pooled_basis`).
+    Ties go to the lower tile index. Forward only, like `block_tile_attention`."""
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")
+    if q.dtype not in DTYPES or any(t.device.type != 'cpu' or t.dtype != q.dtype for t in (q, k_down, basis_tiles)):
+        raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
+                         f"k_down {k_down.dtype}, basis_tiles {basis_tiles.dtype}")
+    q, k_down = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_down))
+    try:
+        return torch.ops.structformer.block_connectivity(q, k_down, basis_tiles.contiguous(), float(tau),
+                                                         int(block_size), int(kept))
+    except RuntimeError as e:
         raise ValueError(str(e).splitlines()[0]) from None

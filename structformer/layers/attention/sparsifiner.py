@@ -48,7 +48,8 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_scores, budget, connectivity_scores,
                                        flex_attention_path, gathered_attention, low_rank_attention,
                                        low_rank_attention_per_sample, mask_from_indices, masked_attention,
-                                       pooled_block_scores, source_columns, tile_attention, topk_indices)
+                                       pooled_block_scores, predicted_tiles, source_columns, tile_attention,
+                                       topk_indices)
 from ...functional import tile_kernel
 from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -264,14 +265,20 @@ class SparsifinerAttention(AttentionBase):
         """Block connectivity without an n×n tensor: tile-mean scores by linearity (`pooled_block_scores`), the
         top ⌈keep · tiles⌉ key tiles per query tile, attention on those tiles: gathered (impl='gather') or as
         FlexAttention's full tiles (impl='flex'). Picks the tiles the masked block path picks (up to ties)."""
-        a_down, w_up = self.low_rank(q, k, token_sources)
-        if self.keep_scores:
-            self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
-        with torch.no_grad():
-            tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
-            block_indices = topk_indices(tiles, budget(tiles.shape[-1], self.keep_ratio))
-            self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
-                              if self.keep_scores else None)
+        if self.keep_scores or token_sources is not None:
+            a_down, w_up = self.low_rank(q, k, token_sources)
+            if self.keep_scores:
+                self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
+            with torch.no_grad():
+                tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
+                block_indices = topk_indices(tiles, budget(tiles.shape[-1], self.keep_ratio))
+        else:                                  # no scores wanted: the tiles alone (in the kernel's pass on 'kernel')
+            w_down, w_up = self.basis(k)
+            q_in, k_in = (self.predictor_q(q), self.predictor_k(k)) if self.predictor_q is not None else (q, k)
+            block_indices = predicted_tiles(q_in, k_in, w_down.to(q.dtype), w_up.to(q.dtype), self.tau,
+                                            self.up_threshold, self.keep_ratio, self.block_size, impl == 'kernel')
+        self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
+                          if self.keep_scores else None)
         return tile_attention(q, k, v, block_indices, self.block_size, dense_rows, dropout_p, impl)
 
     def extra_repr(self) -> str:
