@@ -184,3 +184,15 @@ def test_kernel_predictor_breaks_ties_to_the_lower_tile_and_refuses_bad_input(ke
         tile_kernel.block_connectivity(q, k_down, torch.zeros(4, 3), 0.05, 16, 4)
     with pytest.raises(ValueError, match='float32 or float64'):
         tile_kernel.block_connectivity(q.double(), k_down, torch.zeros(4, 3), 0.05, 16, 2)
+
+
+def test_an_unwritable_cache_falls_back_to_the_temp_dir(kernel, tmp_path, monkeypatch):
+    import os
+    import tempfile
+    blocked = tmp_path / 'file'
+    blocked.write_text('')                      # a file where the cache folder should be: mkdir fails
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(blocked / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    (tmp_path / 'tmp').mkdir()
+    library = tile_kernel._build(tile_kernel._compiler())
+    assert library.exists() and library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'

@@ -10,8 +10,9 @@ gathered path, whose backward is autograd's.
 The source is compiled once per machine and torch build with the system's C++ compiler (`$CXX`, else `c++`),
 about 10 s, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
 threads torch's OpenMP runtime), and loaded with `torch.ops.load_library`. The library lands in
-`$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`), in a folder
-named by a hash of the source, torch's version and the compiler, written to a temporary name and renamed.
+`$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`; a per-user
+folder under the temp dir when that cannot be created), in a folder named by a hash of the source, torch's
+version and the compiler, written to a temporary name and renamed.
 It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
 or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
 gathered path instead.
@@ -78,7 +79,14 @@ def _build(compiler: str) -> Path:
     library = folder / LIBRARY
     if library.exists():
         return library
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:                              # a read-only home: a per-user folder under the temp dir
+        folder = Path(tempfile.gettempdir()) / f'structformer-kernels-{os.getuid()}' / key
+        library = folder / LIBRARY
+        if library.exists():
+            return library
+        folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
         partial = Path(scratch) / LIBRARY
         done = subprocess.run(_command(compiler, partial), capture_output=True, text=True)
