@@ -7,7 +7,7 @@ from structformer.functional import tile_kernel
 from structformer.functional.sparsifiner import (block_gathered_attention, block_indices_to_mask, budget,
                                                  down_projected_keys, low_rank_attention, masked_attention,
                                                  pooled_basis, pooled_block_scores, predicted_tiles, tile_attention,
-                                                 topk_indices)
+                                                 top_tiles)
 from structformer.layers.attention.sparsifiner import SparsifinerAttention
 
 
@@ -157,21 +157,37 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, mon
 @pytest.mark.parametrize('n, block_size, keep, tau', [(577, 64, 0.25, 0.05), (41, 8, 0.5, 0.05), (30, 8, 1.0, 0.0),
                                                       (12, 16, 0.3, 0.2)])
 def test_kernel_predictor_picks_the_tiles_of_the_torch_ops(kernel, dtype, n, block_size, keep, tau):
-    """block_connectivity = pooled_block_scores + topk_indices (Eq. 1–3 on tile means, then the top tiles), as
-    sets of tiles per query tile; with a threshold that zeroes coefficients and an up-threshold that zeroes
-    part of W_up."""
+    """block_connectivity = pooled_block_scores + top_tiles (Eq. 1–3 on tile means, then the top tiles, in
+    descending order); with a threshold that zeroes coefficients and an up-threshold that zeroes part of W_up."""
     g = torch.Generator().manual_seed(1)
     b, h, d, p = 2, 3, 16, 8
     q, k = (torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(2))
     w_down, w_up = (torch.randn(p, n, generator=g, dtype=dtype) * 0.05 for _ in range(2))
     tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, 0.03, block_size)
-    expected = topk_indices(tiles, budget(tiles.shape[-1], keep)).sort(-1).values
+    expected = top_tiles(tiles, budget(tiles.shape[-1], keep))
     got = tile_kernel.block_connectivity(q, down_projected_keys(k, w_down), pooled_basis(w_up, 0.03, block_size), tau,
                                          block_size, expected.shape[-1])
-    assert got.dtype == torch.int64 and got.shape == expected.shape
-    assert torch.equal(got.sort(-1).values, expected)
-    via_functional = predicted_tiles(q, k, w_down, w_up, tau, 0.03, keep, block_size, kernel=True)
-    assert torch.equal(via_functional.sort(-1).values, expected)
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+    assert torch.equal(predicted_tiles(q, k, w_down, w_up, tau, 0.03, keep, block_size, kernel=True), expected)
+
+
+def test_exact_ties_keep_the_same_tiles_on_every_path(kernel):
+    """Where Eq. 3's threshold zeroes W_up (all |w| < t) every tile score is 0: the kernel, the torch ops and the
+    masked block path all keep tiles 0..kept-1, so the layer's outputs agree across paths."""
+    torch.manual_seed(0)
+    options = dict(keep_ratio=0.5, connectivity='block', block_size=4, seq_len=17, n_down=6, up_threshold=1.0)
+    layers = {impl: SparsifinerAttention(32, 2, impl=impl, **options).double().eval()
+              for impl in ('kernel', 'gather', 'masked')}
+    for layer in layers.values():
+        layer.load_state_dict(layers['kernel'].state_dict())
+    x = torch.randn(3, 17, 32, dtype=torch.float64)
+    with torch.no_grad():
+        outputs = {impl: layer(x) for impl, layer in layers.items()}
+        q, k, _ = layers['kernel'].project(x)
+        tiles = predicted_tiles(q, k, layers['kernel'].basis.w_down, layers['kernel'].basis.w_up, 0.05, 1.0, 0.5, 4)
+    assert torch.equal(tiles, torch.tensor([0, 1, 2]).expand(3, 2, 5, 3))
+    torch.testing.assert_close(outputs['kernel'], outputs['gather'], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outputs['kernel'], outputs['masked'], rtol=1e-12, atol=1e-12)
 
 
 def test_kernel_predictor_breaks_ties_to_the_lower_tile_and_refuses_bad_input(kernel):

@@ -134,13 +134,13 @@ def _block_gather_flops(layer, x) -> dict:
     import torch
 
     from ..functional.sparsifiner import (block_indices_to_mask, budget, low_rank_attention, pooled_block_scores,
-                                          topk_indices)
+                                          top_tiles)
     from .sparse_flops import layer_mhsa_flops
     with torch.no_grad():
         q, k, _ = layer.project(x)
         tiles = pooled_block_scores(low_rank_attention(q, k, layer.basis.w_down), layer.basis.w_up, layer.tau,
                                     layer.up_threshold, layer.block_size)
-        indices = topk_indices(tiles, budget(tiles.shape[-1], layer.keep_ratio))
+        indices = top_tiles(tiles, budget(tiles.shape[-1], layer.keep_ratio))
         n = q.shape[-2]
         mask = block_indices_to_mask(indices, n, layer.block_size, int(layer.dense_cls_row))
         nnz = int(mask.sum()) // (mask.shape[0] * mask.shape[1])

@@ -14,7 +14,8 @@
 // block_connectivity is the predictor of the same block mask (Eq. 1–3 on tile means, then the top tiles), for
 // every (batch, head) in parallel: A_down = softmax(Q K_downᵀ) [n × p] (K_down = W_down K, scaled), Ã_down =
 // A_down ⊙ 1[A_down > τ], its means over query tiles [qt × p] times the key-tile means of W̃_up [p × kt],
-// then the `kept` highest key tiles of each query tile. Its reference is pooled_block_scores + topk_indices.
+// then the `kept` highest key tiles of each query tile, ties to the lower tile (as top_tiles' stable sort).
+// Its reference is pooled_block_scores + top_tiles.
 //
 // Why by hand: torch's fused CPU attention takes no tile list, and FlexAttention compiled for the CPU ran at
 // 0.95x dense SDPA on these masks (docs/sparsifiner.md); gathering the tiles first copies 5 MB per layer at

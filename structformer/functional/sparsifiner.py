@@ -63,6 +63,14 @@ def topk_indices(scores: torch.Tensor, keys: int) -> torch.Tensor:
     return scores.topk(keys, dim=-1, sorted=False).indices
 
 
+def top_tiles(tile_scores: torch.Tensor, kept: int) -> torch.Tensor:
+    """The `kept` highest-scoring key tiles of every query tile, [..., kept], ties to the lower tile index: a
+    stable descending sort, so that every block path (and the CPU kernel's partial sort) keeps the same tiles
+    when scores tie exactly, as they do where Eq. 2–3's thresholds zero a whole tile's scores. `topk` leaves the
+    order of ties to its algorithm (all-equal rows of 5 gave tiles 2, 3, 4)."""
+    return tile_scores.sort(dim=-1, descending=True, stable=True).indices[..., :kept]
+
+
 def mask_from_indices(indices: torch.Tensor, num_keys: int, dense_rows: int = 0) -> torch.Tensor:
     """Bool [B, H, n, num_keys] with True at `indices`; the first `dense_rows` query rows keep every key."""
     mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.bool, device=indices.device)
@@ -79,7 +87,7 @@ def block_mask_from_scores(scores: torch.Tensor, block_size: int, keep_ratio: fl
     leaves almost no empty tile, so only this lets a blocked kernel skip work."""
     n, n_k = scores.shape[-2:]
     tiles = _tile_pooling(n, block_size, scores) @ scores @ _tile_pooling(n_k, block_size, scores).transpose(-2, -1)
-    chosen = mask_from_indices(topk_indices(tiles, budget(tiles.shape[-1], keep_ratio)), tiles.shape[-1])
+    chosen = mask_from_indices(top_tiles(tiles, budget(tiles.shape[-1], keep_ratio)), tiles.shape[-1])
     mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
     return mask[..., :scores.shape[-2], :n_k]
 
@@ -154,16 +162,16 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
 def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, tau: float,
                     up_threshold: float, keep_ratio: float, block_size: int, kernel: bool = False) -> torch.Tensor:
     """The block connectivity, without gradient: Eq. 1–3 on tile means, then the top ⌈keep · tiles⌉ key tiles of
-    each query tile, [B, H, ⌈n/bs⌉, kept]. In torch ops (`pooled_block_scores`, `topk_indices`), or with
+    each query tile, [B, H, ⌈n/bs⌉, kept]. In torch ops (`pooled_block_scores`, `top_tiles`), or with
     `kernel=True` in one pass of the CPU kernel over the n × n_down coefficients (`tile_kernel.
-    block_connectivity`, inference; the same tiles up to the rounding of near ties, tested)."""
+    block_connectivity`, inference; the same tiles, exact ties included, up to the rounding of near ties; tested)."""
     with torch.no_grad():
         if kernel:
             basis = pooled_basis(w_up, up_threshold, block_size)
             return block_connectivity(q, down_projected_keys(k, w_down), basis, tau, block_size,
                                       budget(basis.shape[-1], keep_ratio))
         tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, up_threshold, block_size)
-        return topk_indices(tiles, budget(tiles.shape[-1], keep_ratio))
+        return top_tiles(tiles, budget(tiles.shape[-1], keep_ratio))
 
 
 def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_size: int,

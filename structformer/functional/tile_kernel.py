@@ -3,7 +3,7 @@
 `block_tile_attention(q, k, v, block_indices, block_size, scale)` is Eq. 4–6 on whole kept key tiles, as
 `block_gathered_attention` computes it, without copying the tiles: a BLAS GEMM per kept tile where it lies in
 K and V, ATen's softmax in between, query tiles in parallel. `block_connectivity(...)` picks those tiles
-(Eq. 1–3 on tile means and the top-k, as `pooled_block_scores` + `topk_indices` do) in one pass per head
+(Eq. 1–3 on tile means and the top tiles, as `pooled_block_scores` + `top_tiles` do) in one pass per head
 instead of about fifteen small torch ops. Forward only (inference): training keeps the torch ops and the
 gathered path, whose backward is autograd's.
 

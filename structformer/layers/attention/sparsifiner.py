@@ -49,7 +49,7 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
                                        flex_attention_path, gathered_attention, low_rank_attention,
                                        low_rank_attention_per_sample, mask_from_indices, masked_attention,
                                        pooled_block_scores, predicted_tiles, source_columns, tile_attention,
-                                       topk_indices)
+                                       top_tiles, topk_indices)
 from ...functional import tile_kernel
 from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -271,7 +271,7 @@ class SparsifinerAttention(AttentionBase):
                 self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
             with torch.no_grad():
                 tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
-                block_indices = topk_indices(tiles, budget(tiles.shape[-1], self.keep_ratio))
+                block_indices = top_tiles(tiles, budget(tiles.shape[-1], self.keep_ratio))
         else:                                  # no scores wanted: the tiles alone (in the kernel's pass on 'kernel')
             w_down, w_up = self.basis(k)
             q_in, k_in = (self.predictor_q(q), self.predictor_k(k)) if self.predictor_q is not None else (q, k)
