@@ -63,6 +63,12 @@ def test_kernel_takes_the_strided_heads_of_a_projection_and_returns_token_major_
     expected = masked_attention(q, k, v, block_indices_to_mask(chosen, n, bs, 1), scale=0.3)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     assert got.transpose(1, 2).is_contiguous()
+    # an expanded key (every token the same row: stride 0) and channels two apart are copied first
+    same_key = k[:, :, :1].expand(-1, -1, n, -1)
+    spaced = torch.randn(b, h, n, 2 * d, dtype=torch.float64)[..., ::2]
+    got = kernel(q, same_key, spaced, chosen, bs)
+    expected = masked_attention(q, same_key, spaced, block_indices_to_mask(chosen, n, bs, 0))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_kernel_equals_the_gathered_path_at_every_thread_count(kernel):

@@ -129,8 +129,10 @@ at::Tensor block_tile_attention(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "block_tile_attention: q [B, H, n, d], k and v [B, H, m, d] expected, got ", q.sizes(), ", ", k.sizes(),
               ", ", v.sizes());
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "block_tile_attention: the channels of q, k, v must be contiguous (stride 1)");
+  // BLAS reads each row at a stride of at least its width (lda >= d): channels contiguous, rows apart
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && q.stride(2) >= q.size(3) &&
+                  k.stride(2) >= k.size(3) && v.stride(2) >= v.size(3),
+              "block_tile_attention: q, k, v need contiguous channels and a token stride >= d");
   TORCH_CHECK(block_size >= 1, "block_tile_attention: block_size must be >= 1, got ", block_size);
   TORCH_CHECK(dense_rows >= 0 && dense_rows <= q.size(2), "block_tile_attention: dense_rows must be in 0..",
               q.size(2), ", got ", dense_rows);
@@ -216,7 +218,8 @@ at::Tensor block_connectivity(const at::Tensor& q, const at::Tensor& k_down, con
                   basis_tiles.size(0) == k_down.size(2) && basis_tiles.is_contiguous(),
               "block_connectivity: shapes q ", q.sizes(), ", k_down ", k_down.sizes(), ", basis_tiles ",
               basis_tiles.sizes(), " do not fit (contiguous basis_tiles [p, key tiles])");
-  TORCH_CHECK(q.stride(3) == 1 && k_down.stride(3) == 1, "block_connectivity: channels must be contiguous");
+  TORCH_CHECK(q.stride(3) == 1 && k_down.stride(3) == 1 && q.stride(2) >= q.size(3) && k_down.stride(2) >= k_down.size(3),
+              "block_connectivity: q and k_down need contiguous channels and a row stride >= d");
   TORCH_CHECK(block_size >= 1, "block_connectivity: block_size must be >= 1, got ", block_size);
   TORCH_CHECK(kept >= 1 && kept <= basis_tiles.size(1), "block_connectivity: kept must be in 1..",
               basis_tiles.size(1), ", got ", kept);

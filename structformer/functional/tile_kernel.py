@@ -127,6 +127,12 @@ def usable(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
             and not torch.compiler.is_compiling() and available())
 
 
+def _blas_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself when BLAS can read its rows in place (contiguous channels, rows at least d apart; the head views
+    of a qkv projection are), else a contiguous copy (e.g. an expanded tensor, whose rows share memory)."""
+    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+
+
 def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
                          block_size: int, scale: Optional[float] = None, dense_rows: int = 0) -> torch.Tensor:
     """Eq. 4–6 on the kept key tiles `block_indices` [B, H, query tiles, kept] of q [B, H, n, d], k, v
@@ -144,7 +150,7 @@ def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
                          f"k {k.dtype}, v {v.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    q, k, v = (_blas_rows(t) for t in tensors)
     try:
         return torch.ops.structformer.block_tile_attention(q, k, v, block_indices.to(torch.int64).contiguous(),
                                                            int(block_size), scale, int(dense_rows))
@@ -164,7 +170,7 @@ def block_connectivity(q: torch.Tensor, k_down: torch.Tensor, basis_tiles: torch
     if q.dtype not in DTYPES or any(t.device.type != 'cpu' or t.dtype != q.dtype for t in (q, k_down, basis_tiles)):
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
                          f"k_down {k_down.dtype}, basis_tiles {basis_tiles.dtype}")
-    q, k_down = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_down))
+    q, k_down = _blas_rows(q), _blas_rows(k_down)
     try:
         return torch.ops.structformer.block_connectivity(q, k_down, basis_tiles.contiguous(), float(tau),
                                                          int(block_size), int(kept))
