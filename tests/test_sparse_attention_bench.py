@@ -119,25 +119,24 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / 'sparse.json'
     args = _args('--tokens', '20', '--keep', '0.25', '--dim', '16', '--heads', '2', '--block-size', '8',
                  '--repeats', '1', '--warmup', '0', '--threads', '1', '--paths', 'masked', 'gather', 'block',
-                 'block-gather', 'block-kernel', '--json', str(out))
+                 'block-gather', '--json', str(out))
     assert run_bench(args) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.split()[:2] == ['n', 'keep'])
     assert header.split() == ['n', 'keep', 'B', 'path', 'ms', 'vs', 'SDPA', 'FLOPs', 'vs', 'dense', 'note']
     assert 'goal: at n=577 keep 0.25, MHSA time with the predictor included ≤ 0.6× fused dense SDPA: n/a' in text
     rows = json.loads(out.read_text())['rows']
-    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'block-kernel', 'dense SDPA',
-                                         'block-gather core', 'dense SDPA core', 'block-kernel core', 'dense SDPA core']
+    assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'dense SDPA',
+                                         'block-gather core', 'dense SDPA core']
     for r in rows:
         assert r['ms'] > 0 and r['vs_dense'] > 0 and r['flops_vs_dense'] > 0
     assert rows[1]['flops_vs_dense'] == rows[0]['flops_vs_dense']          # the same sparse count
     # the attention-alone count is the module's count less the projections both modules run
     n, dim = 20, 16
     dense, projections = dense_mhsa_flops(n, dim, 2, 8), 2 * n * dim * 3 * dim + 2 * n * dim * dim
-    module, core = rows[3]['flops_vs_dense'], rows[6]['flops_vs_dense']
+    module, core = rows[3]['flops_vs_dense'], rows[5]['flops_vs_dense']
     assert module * dense == pytest.approx(projections + core * (dense - projections))
-    assert rows[4]['flops_vs_dense'] == module and rows[8]['flops_vs_dense'] == core    # the kernel: the same count
-    assert rows[7]['vs_dense'] == 1.0 and rows[7]['flops_vs_dense'] == 1.0
+    assert rows[6]['vs_dense'] == 1.0 and rows[6]['flops_vs_dense'] == 1.0
 
 
 def test_every_module_row_is_paired_with_dense_sdpa(tmp_path, monkeypatch):
@@ -226,15 +225,22 @@ def test_goal_on_cuda_names_the_fastest_path_without_a_verdict():
 
 
 def test_block_kernel_rows_run_in_inference_and_say_why_not_in_training(tmp_path):
-    """The kernel is forward-only: with --train its row is marked, with the reason, and the rest still runs."""
+    """block-kernel times the block path's function on the CPU kernel: a module row and an attention-alone row,
+    with block-gather's FLOP counts. The kernel is forward-only: with --train its row is marked, with the
+    reason, and the rest still runs."""
     from structformer.functional import tile_kernel
     if not tile_kernel.available():
         pytest.skip(f'the tile kernel does not exist here: {tile_kernel.unavailable_reason()}')
     out = tmp_path / 'sparse.json'
-    args = _args('--tokens', '20', '--keep', '0.5', '--dim', '16', '--heads', '2', '--block-size', '8', '--train',
-                 '--repeats', '1', '--warmup', '0', '--threads', '1', '--paths', 'block-gather', 'block-kernel',
-                 '--json', str(out))
-    assert run_bench(args) == 0
+    common = ('--tokens', '20', '--keep', '0.5', '--dim', '16', '--heads', '2', '--block-size', '8', '--repeats', '1',
+              '--warmup', '0', '--threads', '1', '--paths', 'block-gather', 'block-kernel', '--json', str(out))
+    assert run_bench(_args(*common)) == 0
+    rows = json.loads(out.read_text())['rows']
+    assert [r['path'] for r in rows] == ['block-gather', 'block-kernel', 'dense SDPA', 'block-gather core',
+                                         'dense SDPA core', 'block-kernel core', 'dense SDPA core']
+    assert all(r['ms'] > 0 for r in rows)
+    assert rows[1]['flops_vs_dense'] == rows[0]['flops_vs_dense'] and rows[5]['flops_vs_dense'] == rows[3]['flops_vs_dense']
+    assert run_bench(_args('--train', *common)) == 0
     rows = {r['path']: r for r in json.loads(out.read_text())['rows']}
     assert rows['block-gather']['ms'] > 0 and rows['block-kernel']['ms'] is None
     assert rows['block-kernel']['note'].startswith('did not run: ValueError: the tile kernel is forward-only')

@@ -134,10 +134,15 @@ def test_layer_refuses_the_kernel_where_it_does_not_apply():
 def test_without_the_kernel_auto_gathers_and_says_why(monkeypatch):
     monkeypatch.setenv('STRUCTFORMER_NO_KERNEL', '1')
     assert tile_kernel._platform_reason() == 'STRUCTFORMER_NO_KERNEL is set'
-    monkeypatch.setattr(tile_kernel, 'available', lambda: False)
-    layer = SparsifinerAttention(32, 4, connectivity='block', block_size=8).eval()
+    monkeypatch.setattr(tile_kernel, 'unavailable_reason', lambda: 'no C++ compiler found ($CXX, c++ or g++)')
+    layer = SparsifinerAttention(32, 4, connectivity='block', block_size=8, seq_len=20).eval()
+    x = torch.randn(1, 20, 32)
     with torch.no_grad():
-        assert layer._resolve_impl(torch.zeros(1, 4, 20, 8), 0.0) == 'gather'
+        assert layer._resolve_impl(layer.project(x)[0], 0.0) == 'gather'
+        assert layer(x).shape == x.shape
+    q, k, v, chosen = _case(1, 2, 20, 8, 8, 2, torch.float32)
+    with pytest.raises(RuntimeError, match=r'tile kernel is unavailable: no C\+\+ compiler found'):
+        tile_kernel.block_tile_attention(q, k, v, chosen, 8)
 
 
 def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, monkeypatch):

@@ -263,8 +263,10 @@ class SparsifinerAttention(AttentionBase):
 
     def _block_tiles(self, q, k, v, token_sources, dense_rows: int, dropout_p: float, impl: str) -> torch.Tensor:
         """Block connectivity without an n×n tensor: tile-mean scores by linearity (`pooled_block_scores`), the
-        top ⌈keep · tiles⌉ key tiles per query tile, attention on those tiles: gathered (impl='gather') or as
-        FlexAttention's full tiles (impl='flex'). Picks the tiles the masked block path picks (up to ties)."""
+        top ⌈keep · tiles⌉ key tiles per query tile, attention on those tiles: gathered (impl='gather'), by the CPU
+        kernel (impl='kernel', its predictor too unless the scores are kept or the sequence is pruned) or as
+        FlexAttention's full tiles (impl='flex'). Picks the tiles the masked block path picks (exact ties to the
+        lower tile, `top_tiles`; near ties may fall either way by rounding)."""
         if self.keep_scores or token_sources is not None:
             a_down, w_up = self.low_rank(q, k, token_sources)
             if self.keep_scores:
