@@ -34,7 +34,7 @@ GOAL = (577, 0.25, 0.6)                  # at n = 577, keep 0.25: fastest path â
 
 EXAMPLES = """examples:
   structformer bench sparse-attention --threads 1                       # n 197 577 1025 4097, keep 0.1 0.25 0.5
-  structformer bench sparse-attention --tokens 577 --keep 0.25 --paths masked block-gather
+  structformer bench sparse-attention --tokens 577 --keep 0.25 --paths block-gather block-kernel --repeats 30   # the goal
   structformer bench sparse-attention --tokens 65 --keep 0.5 --repeats 1 --warmup 0 --json /tmp/sparse.json
   structformer bench sparse-attention --train --tokens 197 577          # forward + backward
   structformer bench sparse-attention --device cuda --batch 64 --repeats 50 --paths masked flex block-flex"""
