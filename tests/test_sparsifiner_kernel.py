@@ -1,5 +1,8 @@
-"""The CPU tile kernel of Sparsifiner's block connectivity (csrc/block_tile_attention.cpp) against its slow,
-obvious reference: masked_attention on block_indices_to_mask."""
+"""The CPU tile kernel of Sparsifiner's block connectivity (csrc/) against its slow, obvious references:
+masked_attention on block_indices_to_mask (outputs, and gradients through autograd), gradcheck in float64,
+and pooled_block_scores + top_tiles for its predictor."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,8 +88,8 @@ def test_kernel_equals_the_gathered_path_at_every_thread_count(kernel):
 
 @pytest.mark.parametrize('dtype, predictor_dim', [(torch.float64, None), (torch.float32, None), (torch.float64, 4)])
 def test_layer_infers_on_the_kernel_by_default_and_matches_gather(kernel, dtype, predictor_dim):
-    """impl='auto' with block connectivity runs the kernel (predictor and attention) in CPU inference and
-    gathers in training; both give the outputs of impl='gather' on the same weights."""
+    """impl='auto' with block connectivity runs the kernel on a CPU (predictor and attention in inference, the
+    attention in training) and gathers under attention dropout; it gives the outputs of impl='gather'."""
     torch.manual_seed(0)
     options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=41, n_down=6,
                    predictor_dim=predictor_dim)
@@ -99,7 +102,7 @@ def test_layer_infers_on_the_kernel_by_default_and_matches_gather(kernel, dtype,
         assert auto._resolve_impl(q, 0.0) == 'kernel'
         got, expected = auto(x), gathered(x)
     torch.testing.assert_close(got, expected)
-    assert auto._resolve_impl(auto.project(x)[0], 0.0) == 'gather'          # gradients wanted: the gathered path
+    assert auto._resolve_impl(auto.project(x)[0], 0.0) == 'kernel'          # gradients wanted: its backward
     assert auto._resolve_impl(q, 0.1) == 'gather'                            # attention dropout
     assert SparsifinerAttention(32, 4, keep_ratio=0.3)._resolve_impl(q, 0.0) == 'masked'   # token connectivity
 
@@ -118,10 +121,8 @@ def test_bad_input_is_one_clear_error(kernel):
             kernel(*args)
     with pytest.raises(ValueError, match=r'dense_rows must be in 0\.\.40, got 41'):
         kernel(q, k, v, chosen, 16, dense_rows=41)
-    with pytest.raises(ValueError, match='forward-only'):
-        kernel(q.requires_grad_(), k, v, chosen, 16)
     with pytest.raises(ValueError, match="impl='kernel' has no attention dropout"):
-        tile_attention(q.detach(), k, v, chosen, 16, dropout_p=0.1, impl='kernel')
+        tile_attention(q, k, v, chosen, 16, dropout_p=0.1, impl='kernel')
 
 
 def test_layer_refuses_the_kernel_where_it_does_not_apply():
@@ -157,7 +158,7 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, mon
     assert tile_kernel._build(compiler) == library and library.stat().st_mtime_ns == stamp
     broken = tmp_path / 'broken.cpp'
     broken.write_text('this is not C++;\n')
-    monkeypatch.setattr(tile_kernel, 'SOURCE', broken)
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (broken,))
     with pytest.raises(RuntimeError, match=r'compiling broken\.cpp with .* failed: .*error'):
         tile_kernel._build(compiler)
     assert list((tmp_path / 'cache').rglob('*.so')) == [library]                  # only the good build
@@ -213,13 +214,66 @@ def test_kernel_predictor_breaks_ties_to_the_lower_tile_and_refuses_bad_input(ke
         tile_kernel.block_connectivity(q.double(), k_down, torch.zeros(4, 3), 0.05, 16, 2)
 
 
-def test_an_unwritable_cache_falls_back_to_the_temp_dir(kernel, tmp_path, monkeypatch):
+def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    """(The compiler is replaced by a stand-in that writes the linked file: this is about where it goes.)"""
     import os
     import tempfile
+
+    def stand_in(commands, compiler):
+        for command in commands:
+            if '-shared' in command:
+                Path(command[command.index('-o') + 1]).write_bytes(b'library')
+    monkeypatch.setattr(tile_kernel, '_run_all', stand_in)
     blocked = tmp_path / 'file'
     blocked.write_text('')                      # a file where the cache folder should be: mkdir fails
     monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(blocked / 'cache'))
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
     (tmp_path / 'tmp').mkdir()
-    library = tile_kernel._build(tile_kernel._compiler())
+    library = tile_kernel._build('c++')
     assert library.exists() and library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
+
+
+GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
+    (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
+    (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)
+    (1, 1, 10, 2, 16, 1, 1),            # fewer tokens than one tile
+    (1, 2, 13, 3, 4, 4, 5),             # every tile kept, dense rows past the first tile
+]
+
+
+@pytest.mark.parametrize('batch, heads, n, d, block_size, kept, dense_rows', GRADIENT_CASES)
+def test_kernel_backward_passes_gradcheck(kernel, batch, heads, n, d, block_size, kept, dense_rows):
+    q, k, v, chosen = _case(batch, heads, n, d, block_size, kept, torch.float64, seed=3)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: kernel(q, k, v, chosen, block_size, dense_rows=dense_rows), inputs)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_kernel_gradients_equal_autograd_through_masked_attention(kernel, dtype):
+    """At DeiT-S's 577 tokens, keep 0.25, with the cls row dense and q, k, v strided views of one projection."""
+    torch.manual_seed(0)
+    b, h, n, d, bs = 1, 6, 577, 64, 64
+    qkv = torch.randn(b, n, 3, h, d, dtype=dtype, requires_grad=True)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    _, _, _, chosen = _case(b, h, n, d, bs, 3, dtype)
+    upstream = torch.randn(b, h, n, d, dtype=dtype)
+    expected = torch.autograd.grad(masked_attention(q, k, v, block_indices_to_mask(chosen, n, bs, 1)), qkv, upstream)
+    got = torch.autograd.grad(kernel(q, k, v, chosen, bs, dense_rows=1), qkv, upstream)
+    tolerance = {} if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[0], expected[0], **tolerance)
+
+
+def test_layer_trains_on_the_kernel_as_on_the_gathered_path(kernel):
+    """A training step's outputs and gradients (input, qkv and output weights) on impl='kernel'
+    equal impl='gather''s on the same weights."""
+    torch.manual_seed(0)
+    options = dict(keep_ratio=0.4, connectivity='block', block_size=4, seq_len=19, n_down=6)
+    layers = {impl: SparsifinerAttention(32, 2, impl=impl, **options).double().train() for impl in ('kernel', 'gather')}
+    layers['gather'].load_state_dict(layers['kernel'].state_dict())
+    x = torch.randn(3, 19, 32, dtype=torch.float64, requires_grad=True)
+    results = {}
+    for impl, layer in layers.items():
+        out = layer(x)
+        results[impl] = (out, *torch.autograd.grad(out.square().sum(), [x, layer.qkv.weight, layer.proj.weight]))
+    for a, b in zip(results['kernel'], results['gather']):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

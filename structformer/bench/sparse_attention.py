@@ -5,9 +5,10 @@ included (Eq. 1–3), run on each execution path of Eq. 4–6: 'masked' (n² log
 (each query's B keys gathered), 'flex' (FlexAttention; on CPU eager it materialises the scores), 'block' (the
 layer's block connectivity, masked), 'block-gather' (`block_sparse_attention`: block connectivity with the
 predictor on tile means and attention on gathered tiles, no n×n tensor; impl='gather' with block connectivity,
-the layer's default in training), 'block-kernel' (the same predictor, the kept tiles attended where they lie by
-the CPU tile kernel, `functional/tile_kernel.py`: impl='kernel', the layer's default in CPU inference; forward
-only) and 'block-flex' (the same predictor, the kept tiles as FlexAttention's full tiles: impl='flex'). `--device cuda` runs everything on the GPU,
+the layer's default on CUDA and under attention dropout), 'block-kernel' (the same predictor, the kept tiles
+attended where they lie by the CPU tile kernel, `functional/tile_kernel.py`: impl='kernel', the layer's CPU
+default) and 'block-flex' (the same predictor, the kept tiles as FlexAttention's full tiles: impl='flex').
+`--device cuda` runs everything on the GPU,
 where 'flex' and 'block-flex' are compiled; `--dtype bfloat16` for half-precision rows. Beside them, 'dense
 SDPA': timm's Attention with `F.scaled_dot_product_attention` on the same qkv and proj weights, so the
 projections are in every row. Inference (eval, no_grad) by default; --train times
@@ -240,7 +241,7 @@ def measure(args) -> list:
             dense_s = statistics.median(dense_times)
             rows.append(dict(base, path='dense SDPA', ms=dense_s * 1e3, vs_dense=1.0,
                              flops_vs_dense=1.0 if dense_flops else None, note=''))
-            # the attention alone on each tile executor the device has (inference: the kernel is forward-only)
+            # the attention alone on each tile executor the device has (inference rows)
             core_paths = ('block-flex', 'block-gather') if x.is_cuda else ('block-gather', 'block-kernel')
             for block_path in [p for p in core_paths if p in args.paths and not args.train]:
                 _configure(layer, block_path, keep)

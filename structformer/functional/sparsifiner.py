@@ -14,7 +14,7 @@ Execution paths of Eq. 4–6 that agree to rounding:
   `flex_attention_path`  torch's FlexAttention on the kept tiles of M (`sparsifiner_flex.py`: the GPU path,
                          compiled there; on CPU eager it materialises the scores, so it is there to be tested).
 With block connectivity, `block_gathered_attention` (gathered tiles, autograd) and the CPU tile kernel
-(`tile_kernel.py`, inference) take the kept tiles directly.
+(`tile_kernel.py`, its own backward) take the kept tiles directly.
 """
 import math
 from typing import Optional
@@ -289,7 +289,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
     """Eq. 1–6 with block connectivity and no n×n tensor: low-rank attention (Eq. 1), tile-mean scores
     (Eq. 2–3, `pooled_block_scores`), the top ⌈keep · tiles⌉ key tiles per query tile (detached, as the token
     mask is), then Eq. 4–6 on those tiles (`tile_attention`): `block_gathered_attention` (impl='gather', CPU and
-    GPU, training), the CPU tile kernel (impl='kernel', inference) or `block_flex_attention` (impl='flex', GPU;
+    GPU), the CPU tile kernel (impl='kernel'; no dropout) or `block_flex_attention` (impl='flex', GPU;
     no dropout). q, k here are the predictor's inputs too."""
     block_indices = predicted_tiles(q, k, w_down, w_up, tau, up_threshold, keep_ratio, block_size, impl == 'kernel')
     return tile_attention(q, k, v, block_indices, block_size, dense_rows, dropout_p, impl)
@@ -299,7 +299,7 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indi
                    block_size: int, dense_rows: int = 0, dropout_p: float = 0.0, impl: str = 'gather') -> torch.Tensor:
     """Eq. 4–6 on the kept key tiles `block_indices`: gathered (impl='gather', `block_gathered_attention`), as
     FlexAttention's full tiles (impl='flex', `block_flex_attention`, which has no dropout), or by the CPU tile
-    kernel (impl='kernel', `tile_kernel.block_tile_attention`: forward only, no dropout)."""
+    kernel (impl='kernel', `tile_kernel.block_tile_attention`: no dropout)."""
     if impl == 'kernel':
         if dropout_p:
             raise ValueError("impl='kernel' has no attention dropout; use dropout_p=0 or impl='gather'")

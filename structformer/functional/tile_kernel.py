@@ -1,11 +1,12 @@
-"""The CPU kernel of Sparsifiner's block connectivity (`csrc/block_tile_attention.cpp`), built on first use.
+"""The CPU kernel of Sparsifiner's block connectivity (`csrc/`), built on first use.
 
 `block_tile_attention(q, k, v, block_indices, block_size, scale)` is Eq. 4–6 on whole kept key tiles, as
 `block_gathered_attention` computes it, without copying the tiles: a BLAS GEMM per kept tile where it lies in
 K and V, ATen's softmax in between, query tiles in parallel. `block_connectivity(...)` picks those tiles
 (Eq. 1–3 on tile means and the top tiles, as `pooled_block_scores` + `top_tiles` do) in one pass per head
-instead of about fifteen small torch ops. Forward only (inference): training keeps the torch ops and the
-gathered path, whose backward is autograd's.
+instead of about fifteen small torch ops (inference: the tiles carry no gradient). The attention has a
+backward (`csrc/block_tile_attention_backward.cpp`, the autograd Function `_TileAttention`), so it trains.
+No attention dropout.
 
 The source is compiled once per machine and torch build with the system's C++ compiler (`$CXX`, else `c++`),
 about 10 s, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
@@ -30,8 +31,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-SOURCE = Path(__file__).resolve().parent.parent / 'csrc' / 'block_tile_attention.cpp'
+CSRC = Path(__file__).resolve().parent.parent / 'csrc'
+SOURCES = tuple(CSRC / name for name in ('block_tile_attention.cpp', 'block_tile_attention_backward.cpp',
+                                         'block_connectivity.cpp'))
+HEADERS = (CSRC / 'tile_common.h',)
 LIBRARY = 'block_tile_attention.so'
 DTYPES = (torch.float32, torch.float64)
 
@@ -47,18 +52,39 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get('CXX') or 'c++') or shutil.which('g++')
 
 
-def _command(compiler: str, output: Path) -> list:
-    # torch's header and library folders (what torch.utils.cpp_extension names, without importing it: its
-    # import logs a CUDA notice on machines without CUDA)
+def _torch_folders():
+    """torch's header and library folders (what torch.utils.cpp_extension names, without importing it: its
+    import logs a CUDA notice on machines without CUDA)."""
     root = Path(torch.__file__).resolve().parent
-    includes, libraries = [root / 'include', root / 'include' / 'torch' / 'csrc' / 'api' / 'include'], [root / 'lib']
+    return [root / 'include', root / 'include' / 'torch' / 'csrc' / 'api' / 'include'], [root / 'lib']
+
+
+def _compile_commands(compiler: str, scratch: Path, output: Path):
+    """One command per source (object files, run side by side), then the link into `output`."""
+    includes, libraries = _torch_folders()
+    objects = [scratch / f'{source.stem}.o' for source in SOURCES]
+    compile_flags = [compiler, '-O3', '-std=c++20', '-fPIC', '-fopenmp',
+                     f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
+                     *(f'-I{p}' for p in includes)]
+    compiles = [[*compile_flags, '-c', str(source), '-o', str(obj)] for source, obj in zip(SOURCES, objects)]
     # torch's own libgomp (same soname as the one already loaded), so the kernel's at::parallel_for shares
     # torch's OpenMP threads instead of starting a second runtime
-    return [compiler, '-O3', '-std=c++20', '-shared', '-fPIC', '-fopenmp',
-            f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
-            *(f'-I{p}' for p in includes), str(SOURCE), '-o', str(output),
-            *(f'-L{p}' for p in libraries), '-lc10', '-ltorch_cpu', '-lgomp',
-            *(f'-Wl,-rpath,{p}' for p in libraries)]
+    link = [compiler, '-shared', '-fopenmp', *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
+            '-lc10', '-ltorch_cpu', '-lgomp', *(f'-Wl,-rpath,{p}' for p in libraries)]
+    return compiles, link
+
+
+def _run_all(commands, compiler: str) -> None:
+    """Run the commands side by side; a failure names the compiler and its first error line."""
+    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
+    failures = [(p.wait(), p.stderr.read(), c) for p, c in zip(running, commands)]
+    for p in running:
+        p.stderr.close()
+    for code, stderr, command in failures:
+        if code != 0:
+            lines = [line for line in stderr.splitlines() if 'error' in line] or stderr.splitlines()[-1:] or ['?']
+            what = next((Path(a).name for a in command if a.endswith('.cpp')), 'the library')
+            raise RuntimeError(f"compiling {what} with {compiler} failed: {lines[0][:300]}")
 
 
 def _platform_reason() -> Optional[str]:
@@ -73,8 +99,8 @@ def _platform_reason() -> Optional[str]:
 
 def _build(compiler: str) -> Path:
     """The library's path, compiled into the cache if it is not there yet (temp name, then rename)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + f'{torch.__version__}|{torch.version.git_version}|{compiler}'
-                         .encode()).hexdigest()[:16]
+    code = b''.join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(code + f'{torch.__version__}|{torch.version.git_version}|{compiler}'.encode()).hexdigest()[:16]
     folder = cache_dir() / key
     library = folder / LIBRARY
     if library.exists():
@@ -89,10 +115,9 @@ def _build(compiler: str) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
         partial = Path(scratch) / LIBRARY
-        done = subprocess.run(_command(compiler, partial), capture_output=True, text=True)
-        if done.returncode != 0:
-            last = [line for line in done.stderr.splitlines() if 'error' in line] or done.stderr.splitlines()[-1:]
-            raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {(last or ['?'])[0][:300]}")
+        compiles, link = _compile_commands(compiler, Path(scratch), partial)
+        _run_all(compiles, compiler)
+        _run_all([link], compiler)
         os.replace(partial, library)
     return library
 
@@ -121,10 +146,10 @@ def available() -> bool:
 
 
 def usable(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
-    """Whether impl='auto' may run the kernel on q: inference (no gradient needed), a float32/64 CPU tensor,
-    no attention dropout, not inside torch.compile, and the library loads."""
-    return (q.device.type == 'cpu' and q.dtype in DTYPES and not dropout_p and not q.requires_grad
-            and not torch.compiler.is_compiling() and available())
+    """Whether impl='auto' may run the kernel on q: a float32/64 CPU tensor, no attention dropout, not inside
+    torch.compile, and the library loads."""
+    return (q.device.type == 'cpu' and q.dtype in DTYPES and not dropout_p and not torch.compiler.is_compiling()
+            and available())
 
 
 def _blas_rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,27 +158,47 @@ def _blas_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
 
 
+class _TileAttention(torch.autograd.Function):
+    """block_tile_attention with its backward (`csrc/block_tile_attention_backward.cpp`): P is recomputed from
+    q and k, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = scale · dS K, dK = scale · dSᵀ Q, dV = Pᵀ dO on the kept
+    tiles. gradcheck in float64 and autograd through masked_attention are its references (tests)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_indices, block_size: int, scale: float, dense_rows: int):
+        out = torch.ops.structformer.block_tile_attention(q, k, v, block_indices, block_size, scale, dense_rows)
+        ctx.save_for_backward(q, k, v, out, block_indices)
+        ctx.settings = (block_size, scale, dense_rows)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, block_indices = ctx.saved_tensors
+        grads = torch.ops.structformer.block_tile_attention_backward(q, k, v, out, _blas_rows(grad_out), block_indices,
+                                                                    *ctx.settings)
+        return (*grads, None, None, None, None)
+
+
 def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
                          block_size: int, scale: Optional[float] = None, dense_rows: int = 0) -> torch.Tensor:
     """Eq. 4–6 on the kept key tiles `block_indices` [B, H, query tiles, kept] of q [B, H, n, d], k, v
-    [B, H, m, d] (any strides with contiguous channels), forward only; the first `dense_rows` queries attend to
-    every key. The output is [B, H, n, d] laid out as [B, n, H, d], so merging the heads is a view. The function
-    of `block_gathered_attention`. Raises ValueError on input the kernel does not take."""
+    [B, H, m, d] (any strides with contiguous channels), differentiable in q, k and v; the first `dense_rows`
+    queries attend to every key. The output is [B, H, n, d] laid out as [B, n, H, d], so merging the heads is
+    a view. The function of `block_gathered_attention`. Raises ValueError on input the kernel does not take."""
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("the tile kernel is forward-only (no autograd): run it under torch.no_grad() or "
-                         "torch.inference_mode(), or use impl='gather' to train")
     tensors = (q, k, v)
     if any(t.device.type != 'cpu' for t in tensors) or q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
                          f"k {k.dtype}, v {v.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q, k, v = (_blas_rows(t) for t in tensors)
+    arguments = (q, k, v, block_indices.to(torch.int64).contiguous(), int(block_size), scale, int(dense_rows))
     try:
-        return torch.ops.structformer.block_tile_attention(q, k, v, block_indices.to(torch.int64).contiguous(),
-                                                           int(block_size), scale, int(dense_rows))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _TileAttention.apply(*arguments)
+        return torch.ops.structformer.block_tile_attention(*arguments)
     except RuntimeError as e:                   # the kernel's own checks: the first line names the argument
         raise ValueError(str(e).splitlines()[0]) from None
 
@@ -163,7 +208,7 @@ def block_connectivity(q: torch.Tensor, k_down: torch.Tensor, basis_tiles: torch
     """The block connectivity's top `kept` key tiles per query tile, [B, H, ⌈n/bs⌉, kept] int64: Eq. 1–3 on tile
     means in one pass per (batch, head), from q [B, H, n, d], the scaled down-projected keys k_down [B, H, p, d]
     (`down_projected_keys`) and the key-tile means of W̃_up, basis_tiles [p, key tiles] (`pooled_basis`).
-    Ties go to the lower tile index. Forward only, like `block_tile_attention`."""
+    Ties go to the lower tile index. No gradient (the tiles are a detached choice)."""
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")

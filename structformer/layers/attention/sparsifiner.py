@@ -22,9 +22,10 @@ training (no n×n probabilities kept for the backward) and masked in inference a
 (masked was 1.3–6.4× faster than compiled flex on an H100 at n = 197–4097). With connectivity='block',
 'gather' and 'flex' run the predictor on tile means and attend to whole kept tiles, with no n×n tensor,
 unless `keep_scores` asks for the n×n scores; 'auto' takes 'gather' on every device (on the H100 it was
-faster than flex or within 8 % of it at every size, and it trains in bfloat16 and with dropout), except in
-CPU inference, where it takes 'kernel': the CPU tile kernel (`functional/tile_kernel.py`, block connectivity
-only, forward only, float32/64, built on first use; where it cannot load, 'auto' stays on 'gather').
+faster than flex or within 8 % of it at every size, and it trains in bfloat16 and with dropout), except on
+a CPU, where it takes 'kernel' in training and inference: the CPU tile kernel (`functional/tile_kernel.py`,
+block connectivity only, float32/64, no attention dropout, built on first use; under attention dropout or
+where it cannot load, 'auto' stays on 'gather').
 
 W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
 created at the first forward from its n (the model factory's `materialize_lazy` does that before an
@@ -217,8 +218,9 @@ class SparsifinerAttention(AttentionBase):
         # logits they save. Block connectivity: whole tiles are gathered once per query tile and the predictor
         # runs on tile means, with no n×n tensor, unless the n×n scores are asked for (keep_scores)
         if self.connectivity == 'block' and not self.keep_scores:
-            # inference: the tile kernel, no K/V copies (bench sparse-attention: 0.4-0.5x SDPA with its predictor at
-            # n = 577, keep 0.25, against 0.8-1.1x gathered); training and where it cannot load: gathered tiles
+            # the tile kernel, no K/V copies (bench sparse-attention at n = 577, keep 0.25: 0.4-0.6x SDPA alone with
+            # its predictor against 0.7-1.1x gathered in inference; whole module 0.68-0.70x against 0.84-0.94x
+            # in training); under dropout or where it cannot load: gathered tiles
             return 'kernel' if tile_kernel.usable(q, dropout_p) else 'gather'
         return 'masked'
 
