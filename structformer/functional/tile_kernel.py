@@ -9,7 +9,7 @@ backward (`csrc/block_tile_attention_backward.cpp`, the autograd Function `_Tile
 No attention dropout.
 
 The source is compiled once per machine and torch build with the system's C++ compiler (`$CXX`, else `c++`),
-about 10 s, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
+about 20 s on 2 cores, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
 threads torch's OpenMP runtime), and loaded with `torch.ops.load_library`. The library lands in
 `$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`; a per-user
 folder under the temp dir when that cannot be created), in a folder named by a hash of the source, torch's
