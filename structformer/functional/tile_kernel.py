@@ -77,10 +77,10 @@ def _compile_commands(compiler: str, scratch: Path, output: Path):
 def _run_all(commands, compiler: str) -> None:
     """Run the commands side by side; a failure names the compiler and its first error line."""
     running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
-    failures = [(p.wait(), p.stderr.read(), c) for p, c in zip(running, commands)]
-    for p in running:
-        p.stderr.close()
-    for code, stderr, command in failures:
+    # communicate() reads each error stream to its end while waiting (a compiler's error output can exceed a
+    # pipe's buffer); the others keep compiling meanwhile
+    finished = [(p.communicate()[1], p.returncode, c) for p, c in zip(running, commands)]
+    for stderr, code, command in finished:
         if code != 0:
             lines = [line for line in stderr.splitlines() if 'error' in line] or stderr.splitlines()[-1:] or ['?']
             what = next((Path(a).name for a in command if a.endswith('.cpp')), 'the library')
