@@ -134,14 +134,12 @@ def _block_gather_flops(layer, x) -> dict:
 
     import torch
 
-    from ..functional.sparsifiner import (block_indices_to_mask, budget, low_rank_attention, pooled_block_scores,
-                                          top_tiles)
+    from ..functional.sparsifiner import block_indices_to_mask, predicted_tiles
     from .sparse_flops import layer_mhsa_flops
     with torch.no_grad():
         q, k, _ = layer.project(x)
-        tiles = pooled_block_scores(low_rank_attention(q, k, layer.basis.w_down), layer.basis.w_up, layer.tau,
-                                    layer.up_threshold, layer.block_size)
-        indices = top_tiles(tiles, budget(tiles.shape[-1], layer.keep_ratio))
+        indices = predicted_tiles(q, k, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold,
+                                  layer.keep_ratio, layer.block_size)
         n = q.shape[-2]
         mask = block_indices_to_mask(indices, n, layer.block_size, int(layer.dense_cls_row))
         nnz = int(mask.sum()) // (mask.shape[0] * mask.shape[1])

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -152,6 +153,21 @@ def usable(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
             and available())
 
 
+def _require_kernel() -> None:
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")
+
+
+@contextmanager
+def _argument_errors():
+    """The ops' own checks (TORCH_CHECK) as a ValueError of their first line, which names the argument."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise ValueError(str(e).splitlines()[0]) from None
+
+
 def _blas_rows(x: torch.Tensor) -> torch.Tensor:
     """x itself when BLAS can read its rows in place (contiguous channels, rows at least d apart; the head views
     of a qkv projection are), else a contiguous copy (e.g. an expanded tensor, whose rows share memory)."""
@@ -185,9 +201,7 @@ def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     [B, H, m, d] (any strides with contiguous channels), differentiable in q, k and v; the first `dense_rows`
     queries attend to every key. The output is [B, H, n, d] laid out as [B, n, H, d], so merging the heads is
     a view. The function of `block_gathered_attention`. Raises ValueError on input the kernel does not take."""
-    reason = unavailable_reason()
-    if reason:
-        raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")
+    _require_kernel()
     tensors = (q, k, v)
     if any(t.device.type != 'cpu' for t in tensors) or q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
@@ -195,12 +209,10 @@ def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q, k, v = (_blas_rows(t) for t in tensors)
     arguments = (q, k, v, block_indices.to(torch.int64).contiguous(), int(block_size), scale, int(dense_rows))
-    try:
+    with _argument_errors():
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return _TileAttention.apply(*arguments)
         return torch.ops.structformer.block_tile_attention(*arguments)
-    except RuntimeError as e:                   # the kernel's own checks: the first line names the argument
-        raise ValueError(str(e).splitlines()[0]) from None
 
 
 def block_connectivity(q: torch.Tensor, k_down: torch.Tensor, basis_tiles: torch.Tensor, tau: float,
@@ -209,15 +221,11 @@ def block_connectivity(q: torch.Tensor, k_down: torch.Tensor, basis_tiles: torch
     means in one pass per (batch, head), from q [B, H, n, d], the scaled down-projected keys k_down [B, H, p, d]
     (`down_projected_keys`) and the key-tile means of W̃_up, basis_tiles [p, key tiles] (`pooled_basis`).
     Ties go to the lower tile index. No gradient (the tiles are a detached choice)."""
-    reason = unavailable_reason()
-    if reason:
-        raise RuntimeError(f"the Sparsifiner CPU tile kernel is unavailable: {reason}")
+    _require_kernel()
     if q.dtype not in DTYPES or any(t.device.type != 'cpu' or t.dtype != q.dtype for t in (q, k_down, basis_tiles)):
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
                          f"k_down {k_down.dtype}, basis_tiles {basis_tiles.dtype}")
     q, k_down = _blas_rows(q), _blas_rows(k_down)
-    try:
+    with _argument_errors():
         return torch.ops.structformer.block_connectivity(q, k_down, basis_tiles.contiguous(), float(tau),
                                                          int(block_size), int(kept))
-    except RuntimeError as e:
-        raise ValueError(str(e).splitlines()[0]) from None

@@ -190,11 +190,16 @@ class SparsifinerAttention(AttentionBase):
             w_down, w_up = self.basis(k)
         else:
             w_down, w_up = (source_columns(w, token_sources) for w in self.basis(k, token_sources.shape[-1]))
-        if self.predictor_q is not None:
-            q, k = self.predictor_q(q), self.predictor_k(k)
+        q, k = self._predictor_inputs(q, k)
         if token_sources is None:
             return low_rank_attention(q, k, w_down.to(q.dtype)), w_up.to(q.dtype)
         return low_rank_attention_per_sample(q, k, w_down.to(q.dtype)), w_up.to(q.dtype).unsqueeze(1)
+
+    def _predictor_inputs(self, q: torch.Tensor, k: torch.Tensor):
+        """q and k as the predictor sees them: reduced to `predictor_dim` channels when it is set."""
+        if self.predictor_q is None:
+            return q, k
+        return self.predictor_q(q), self.predictor_k(k)
 
     def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
@@ -278,8 +283,7 @@ class SparsifinerAttention(AttentionBase):
                 block_indices = top_tiles(tiles, budget(tiles.shape[-1], self.keep_ratio))
         else:                                  # no scores wanted: the tiles alone (in the kernel's pass on 'kernel')
             w_down, w_up = self.basis(k)
-            q_in, k_in = (self.predictor_q(q), self.predictor_k(k)) if self.predictor_q is not None else (q, k)
-            block_indices = predicted_tiles(q_in, k_in, w_down.to(q.dtype), w_up.to(q.dtype), self.tau,
+            block_indices = predicted_tiles(*self._predictor_inputs(q, k), w_down.to(q.dtype), w_up.to(q.dtype), self.tau,
                                             self.up_threshold, self.keep_ratio, self.block_size, impl == 'kernel')
         self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
                           if self.keep_scores else None)
