@@ -178,6 +178,57 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--workers', dest='num_workers', type=int, default=S, help='data loader workers (0)')
     g.add_argument('--compile', nargs='?', const='inductor', default=S, metavar='BACKEND',
                    help='torch.compile the model for training and evaluation (alone: inductor); default eager')
+    g = p.add_argument_group("precision, device and throughput (timm train.py's flags)")
+    g.add_argument('--amp', action=argparse.BooleanOptionalAction, default=S,
+                   help='mixed precision: autocast, float32 master weights (a gradient scaler for float16)')
+    g.add_argument('--amp-dtype', default=S, metavar='DTYPE',
+                   help='float16 or bfloat16 (default: float16 on CUDA as timm, bfloat16 on a CPU)')
+    g.add_argument('--device', default=S, help='auto (default: CUDA if present), cpu, cuda or cuda:N')
+    g.add_argument('--channels-last', action=argparse.BooleanOptionalAction, default=S,
+                   help='channels-last memory format for the model and its inputs')
+    g.add_argument('--grad-accum-steps', type=int, default=S, metavar='N',
+                   help='accumulate gradients over N batches per optimiser step (1)')
+    g.add_argument('--lr-base', type=float, default=S, metavar='LR',
+                   help='scale this lr to the effective batch (timm: lr = lr_base * batch / lr_base_size); '
+                        'replaces --lr')
+    g.add_argument('--lr-base-size', type=int, default=S, metavar='N', help='batch size of --lr-base (256)')
+    g.add_argument('--lr-base-scale', default=S, metavar='RULE', help="linear or sqrt (default: sqrt for ada*/lamb)")
+    g.add_argument('--log-interval', type=int, default=S, metavar='N',
+                   help='a log line every N optimiser steps: loss, lr, img/s (50; 0 = epoch lines only)')
+    g.add_argument('--log-tb', default=S, metavar='DIR', help='also write TensorBoard scalars to DIR (needs tensorboard)')
+    g.add_argument('--allow-world-size-change', action=argparse.BooleanOptionalAction, default=S,
+                   help='let --resume continue on another number of processes (the schedule is recomputed)')
+    g = p.add_argument_group("augmentation and regularisation (timm's transforms, Mixup / CutMix, EMA)")
+    g.add_argument('--aa', default=S, metavar='POLICY',
+                   help="RandAugment / AutoAugment / AugMix policy, timm's strings: rand-m9-mstd0.5-inc1, "
+                        "original, v0, augmix-m5-w4-d2")
+    g.add_argument('--reprob', type=float, default=S, help='random erasing probability (0)')
+    g.add_argument('--remode', default=S, help="random erasing fill: pixel (default), rand or const")
+    g.add_argument('--recount', type=int, default=S, help='random erasing count (1)')
+    g.add_argument('--color-jitter', type=float, default=S, metavar='S',
+                   help='colour jitter strength (default: none; timm applies it only without --aa)')
+    g.add_argument('--scale', type=float, nargs=2, default=S, metavar=('MIN', 'MAX'),
+                   help='random-resized-crop area range (0.08 1.0)')
+    g.add_argument('--ratio', type=float, nargs=2, default=S, metavar=('MIN', 'MAX'),
+                   help='random-resized-crop aspect range (0.75 1.333)')
+    g.add_argument('--hflip', type=float, default=S, help='horizontal flip probability (0.5 where the data flips)')
+    g.add_argument('--aug-repeats', type=int, default=S, metavar='N',
+                   help='repeated augmentation (DeiT): every image N times an epoch, 0 = off')
+    g.add_argument('--mixup', type=float, default=S, metavar='ALPHA', help='Mixup alpha (0 = off)')
+    g.add_argument('--cutmix', type=float, default=S, metavar='ALPHA', help='CutMix alpha (0 = off)')
+    g.add_argument('--cutmix-minmax', type=float, nargs=2, default=S, metavar=('MIN', 'MAX'),
+                   help='CutMix box ratio range (overrides --cutmix alpha)')
+    g.add_argument('--mixup-prob', type=float, default=S, help='probability of mixing a batch (1.0)')
+    g.add_argument('--mixup-switch-prob', type=float, default=S, help='probability of CutMix instead of Mixup when both are on (0.5)')
+    g.add_argument('--mixup-mode', default=S, help='batch (default), pair or elem')
+    g.add_argument('--mixup-off-epoch', type=int, default=S, metavar='E', help='stop mixing after epoch E (0 = never)')
+    g.add_argument('--drop', type=float, default=S, help="dropout rate passed to the model as drop_rate")
+    g.add_argument('--drop-path', type=float, default=S, help='stochastic depth rate passed to the model as drop_path_rate')
+    g.add_argument('--model-ema', action=argparse.BooleanOptionalAction, default=S,
+                   help='keep an exponential moving average of the weights, evaluated and saved beside them')
+    g.add_argument('--model-ema-decay', type=float, default=S, help='(0.9998)')
+    g.add_argument('--model-ema-warmup', action=argparse.BooleanOptionalAction, default=S,
+                   help="timm ModelEmaV3's decay warm-up")
     g = p.add_argument_group('outputs')
     g.add_argument('--output', default=S, help='run directory (default outputs/<model>_<data>)')
     g.add_argument('--keep-last', type=int, default=S, help='checkpoints kept besides epoch 0 (2)')

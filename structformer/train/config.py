@@ -15,7 +15,7 @@ from ..errors import UsageError
 
 # configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
 _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
-          'batch_size': '-b/--batch-size', 'phases': None,
+          'batch_size': '-b/--batch-size', 'phases': None, 'recipe': '--recipe',
           'factorize_rank': '--rank', 'factorize_init': '--init'}
 
 
@@ -90,6 +90,57 @@ class TrainConfig:
     # `predictor_epochs` of stage 1 (None: about the paper's 5 of 45, 0 when the student has no predictor)
     teacher: Optional[str] = None
     predictor_epochs: Optional[int] = None
+    # ---- paper scale (timm train.py's names and defaults unless said otherwise; docs/training.md)
+    # regularisation passed to the model's constructor as timm's train.py does (None: the model's own default)
+    drop: Optional[float] = None
+    drop_path: Optional[float] = None
+    # mixed precision (train/precision.py): autocast in `amp_dtype` (None: float16 on CUDA as timm, bfloat16 on a
+    # CPU), a gradient scaler for float16; weights, optimiser state and checkpoints stay float32
+    amp: bool = False
+    amp_dtype: Optional[str] = None
+    # where to train: auto (CUDA when present, the local rank's GPU under torchrun), cpu, cuda, cuda:N
+    device: str = 'auto'
+    channels_last: bool = False
+    # data augmentation (timm's transforms, data/augment.py); None leaves a dataset's own default
+    aa: Optional[str] = None
+    reprob: float = 0.0
+    remode: str = 'pixel'
+    recount: int = 1
+    color_jitter: Optional[float] = None
+    scale: Optional[List[float]] = None
+    ratio: Optional[List[float]] = None
+    hflip: Optional[float] = None
+    # DeiT's repeated augmentation: each image this many times per epoch (timm RepeatAugSampler); 0 = off
+    aug_repeats: int = 0
+    # Mixup / CutMix (timm.data.Mixup) with soft-target cross-entropy, label smoothing folded into the targets
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    cutmix_minmax: Optional[List[float]] = None
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = 'batch'
+    mixup_off_epoch: int = 0
+    # exponential moving average of the weights (timm.utils.ModelEmaV3), evaluated beside the model every epoch
+    model_ema: bool = False
+    model_ema_decay: float = 0.9998
+    model_ema_warmup: bool = False
+    # optimiser steps every N batches; the effective batch is batch_size * grad_accum_steps * processes
+    grad_accum_steps: int = 1
+    # timm's lr scaling: with lr_base set, lr = lr_base * effective batch / lr_base_size (sqrt for adaptive
+    # optimisers unless lr_base_scale says 'linear'); --lr is then computed, not taken
+    lr_base: Optional[float] = None
+    lr_base_size: int = 256
+    lr_base_scale: str = ''
+    # a per-step log line (loss, lr, img/s) every N optimiser steps (0: epoch lines only)
+    log_interval: int = 50
+    log_tb: Optional[str] = None
+    # a resumed run must keep its process count (the data order and the schedule depend on it) unless this is set;
+    # then the schedule is recomputed for the new count
+    allow_world_size_change: bool = False
+    # what the run was started from (`structformer train --recipe NAME`), for the record
+    recipe: Optional[str] = None
+    # the data set's size where the data is not at hand (a recipe's dry run), e.g. ImageNet-1k's 1,281,167
+    dataset_size: Optional[int] = None
 
     def resolved_warmup_epochs(self) -> float:
         """Warm-up length in epochs: as given, or fitted to the run's length when left unset."""
@@ -132,6 +183,7 @@ class TrainConfig:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
         self._validate_lowrank()
         self._validate_distillation()
+        self._validate_paper_scale()
         if self.compile is not None:
             import torch._dynamo        # only when asked: validating a config needs no torch otherwise
             backends = torch._dynamo.list_backends(exclude_tags=())
@@ -192,6 +244,63 @@ class TrainConfig:
         if not 0 <= self.predictor_epochs <= self.epochs:
             raise UsageError(f"--predictor-epochs={self.predictor_epochs} is out of range: accepted [0, "
                              f"epochs={self.epochs}]")
+
+    def _validate_paper_scale(self) -> None:
+        """Precision, augmentation, EMA, accumulation and logging settings: ranges and names, before any work."""
+        checks = [
+            ('drop', self.drop is None or 0 <= self.drop < 1, 'in [0, 1)'),
+            ('drop_path', self.drop_path is None or 0 <= self.drop_path < 1, 'in [0, 1)'),
+            ('amp_dtype', self.amp_dtype in (None, 'float16', 'bfloat16'), "'float16' or 'bfloat16'"),
+            ('reprob', 0 <= self.reprob <= 1, 'in [0, 1]'),
+            ('remode', self.remode in ('const', 'rand', 'pixel'), "'const', 'rand' or 'pixel'"),
+            ('recount', self.recount >= 1, '>= 1'),
+            ('color_jitter', self.color_jitter is None or 0 <= self.color_jitter <= 1, 'in [0, 1]'),
+            ('hflip', self.hflip is None or 0 <= self.hflip <= 1, 'in [0, 1]'),
+            ('aug_repeats', self.aug_repeats == 0 or self.aug_repeats >= 2, '0 (off) or >= 2'),
+            ('mixup', self.mixup >= 0, '>= 0 (0 = off)'),
+            ('cutmix', self.cutmix >= 0, '>= 0 (0 = off)'),
+            ('mixup_prob', 0 <= self.mixup_prob <= 1, 'in [0, 1]'),
+            ('mixup_switch_prob', 0 <= self.mixup_switch_prob <= 1, 'in [0, 1]'),
+            ('mixup_mode', self.mixup_mode in ('batch', 'pair', 'elem'), "'batch', 'pair' or 'elem'"),
+            ('mixup_off_epoch', 0 <= self.mixup_off_epoch <= self.epochs, f'in [0, epochs={self.epochs}]'),
+            ('model_ema_decay', 0 < self.model_ema_decay < 1, 'in (0, 1)'),
+            ('grad_accum_steps', 1 <= self.grad_accum_steps <= 65536, 'an integer in [1, 65536]'),
+            ('lr_base', self.lr_base is None or self.lr_base > 0, '> 0'),
+            ('lr_base_size', self.lr_base_size >= 1, '>= 1'),
+            ('lr_base_scale', self.lr_base_scale in ('', 'linear', 'sqrt'), "'linear', 'sqrt' or '' (by optimiser)"),
+            ('log_interval', self.log_interval >= 0, '>= 0 (0 = epoch lines only)'),
+            ('dataset_size', self.dataset_size is None or self.dataset_size >= 1, '>= 1'),
+        ]
+        for name, ok, accepted in checks:
+            if not ok:
+                raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
+        for name, low, high in (('scale', 0.0, 1.0), ('ratio', 0.0, float('inf')), ('cutmix_minmax', 0.0, 1.0)):
+            value = getattr(self, name)
+            if value is not None and not (len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+                                          and low < value[0] <= value[1] <= high):
+                span = f"({low:g}, {high:g}]" if high != float('inf') else '(0, inf)'
+                raise UsageError(f"{flag_name(name)}={value!r} is out of range: accepted two numbers MIN MAX with "
+                                 f"MIN <= MAX in {span}")
+        if self.aa is not None:
+            from ..data.augment import check_auto_augment     # timm's parser, with the flag named
+            check_auto_augment(self.aa)
+        device = self.device
+        if not (device in ('auto', 'cpu', 'cuda') or (device.startswith('cuda:') and device[5:].isdigit())):
+            raise UsageError(f"--device={device!r}: accepted auto, cpu, cuda or cuda:N")
+
+    def effective_batch(self, world_size: int = 1) -> int:
+        """Images per optimiser step over every process: per-process batch x accumulation x processes."""
+        return self.batch_size * self.grad_accum_steps * world_size
+
+    def resolved_lr(self, world_size: int = 1) -> float:
+        """The peak learning rate: --lr, or timm's scaling of --lr-base to the effective batch (linear for SGD-like
+        optimisers, square root for Ada* and LAMB (timm's rule), unless --lr-base-scale names one)."""
+        if self.lr_base is None:
+            return self.lr
+        ratio = self.effective_batch(world_size) / self.lr_base_size
+        # timm train.py's rule: 'ada*' and 'lamb' optimisers scale by the square root
+        scale = self.lr_base_scale or ('sqrt' if any(o in self.opt.lower() for o in ('ada', 'lamb')) else 'linear')
+        return self.lr_base * (ratio ** 0.5 if scale == 'sqrt' else ratio)
 
     def default_predictor_epochs(self) -> int:
         """Stage-1 epochs when not given: the paper's 5 of 45 epochs, at least one when there are two."""
