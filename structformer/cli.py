@@ -244,7 +244,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func')
 # what a resumed run may change: where it writes and what it keeps, never what it trains
-_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'compile')
+_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'compile', 'num_workers', 'device',
+                      'log_interval', 'log_tb', 'allow_world_size_change')
 
 
 def _flag(key: str) -> str:
@@ -333,7 +334,7 @@ def cmd_eval(args) -> int:
 
     from .data import build_datasets
     from .train import evaluate, load_model
-    model, state = load_model(args.checkpoint)
+    model, state = load_model(args.checkpoint, ema=args.ema)
     cfg = state['config']
     data = args.data or cfg['data']
     data_kwargs = dict(cfg.get('data_kwargs', {}), **(args.data_kwargs or {}))
@@ -346,11 +347,11 @@ def cmd_eval(args) -> int:
     metrics = evaluate(model, DataLoader(dataset, batch_size=args.batch_size), 'cpu')
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
     metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
-                    unit: len(dataset)})
+                    unit: len(dataset), 'weights': 'ema' if args.ema else 'model'})
     if args.json:
         print(json.dumps(metrics))
     else:
-        print(f"{state['model']} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
+        print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
               f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
               + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else ''))
     return 0
@@ -452,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--split', choices=['val', 'train'], default='val')
     p.add_argument('-b', '--batch-size', type=_positive_int('--batch-size'), default=256)
     p.add_argument('--json', action='store_true', help='print one JSON object')
+    p.add_argument('--ema', action='store_true', help='score the weight average of a run trained with --model-ema')
     p.set_defaults(func=cmd_eval)
 
     from .analysis.cli import ANALYZE_EXAMPLES, add_analyze_arguments, run_analyze

@@ -81,9 +81,11 @@ def restore_rng(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, Any],
-                    optimizer: Optional[torch.optim.Optimizer] = None, with_rng: bool = True) -> Path:
+                    optimizer: Optional[torch.optim.Optimizer] = None, with_rng: bool = True,
+                    extra_files: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> Path:
     """Write a checkpoint directory atomically: everything goes to a temporary sibling that is
-    renamed into place only when complete, so an interruption never leaves a half-written one."""
+    renamed into place only when complete, so an interruption never leaves a half-written one.
+    `extra_files`: more safetensors files {name: tensors} in the same folder (e.g. the weight average)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + '.tmp-'))
@@ -102,6 +104,8 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
             train_tensors.update(rng_tensors)
         if train_tensors:
             save_file(train_tensors, str(tmp / 'train_state.safetensors'))
+        for name, tensors in (extra_files or {}).items():
+            save_file(tensors, str(tmp / name))
         (tmp / 'state.json').write_text(json.dumps(state, indent=1, default=_json_default))
         for written in tmp.iterdir():               # safetensors writes 0600 whatever the umask
             permissions_from_umask(written, 0o666)
@@ -180,12 +184,15 @@ def load_checkpoint(path, with_train_state: bool = False):
     return weights, state, train_tensors
 
 
-def load_model(path, map_location='cpu'):
+def load_model(path, map_location='cpu', ema: bool = False):
     """Rebuild the model a checkpoint was trained as (construction and recorded transforms, see
-    `structformer.models.factory.rebuild`) and load its weights. Returns (model, state)."""
+    `structformer.models.factory.rebuild`) and load its weights (`ema`: the weight average kept by
+    --model-ema instead). Returns (model, state)."""
     from ..models.factory import ModelRecipe, rebuild
     from ..models.transforms import UnknownTransform
     weights, state, _ = load_checkpoint(path)
+    if ema:
+        weights = _load_average(Path(state['path']))
     recipe = ModelRecipe.from_state(state)
     try:
         model = rebuild(recipe)
@@ -199,6 +206,18 @@ def load_model(path, map_location='cpu'):
     model.load_state_dict(weights)
     record_training_data(model, state.get('data_info') or {})
     return model.to(map_location).eval(), state
+
+
+def _load_average(directory: Path) -> Dict[str, torch.Tensor]:
+    from .ema import EMA_FILE
+    path = directory / EMA_FILE
+    if not path.is_file():
+        raise CheckpointError(f"--ema: {directory} has no weight average ({EMA_FILE}); the run was trained without "
+                              "--model-ema")
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"--ema: {path} is corrupt ({type(e).__name__}: {e})") from None
 
 
 def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> None:

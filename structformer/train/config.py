@@ -71,7 +71,8 @@ class TrainConfig:
     save_every: int = 0
     phases: List[Dict[str, Any]] = field(default_factory=list)
     limit_train_batches: int = 0
-    num_workers: int = 0
+    # data-loader worker processes; None: one per core (at most 8) for images decoded from files, 0 in memory
+    num_workers: Optional[int] = None
     # torch.compile backend for training and evaluation, None = eager (timm's train script: --torchcompile);
     # checkpoints hold the plain module's weights, loadable without compile
     compile: Optional[str] = None
@@ -173,7 +174,7 @@ class TrainConfig:
             ('keep_last', self.keep_last >= 1, '>= 1'),
             ('save_every', self.save_every >= 0, '>= 0'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
-            ('num_workers', 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
+            ('num_workers', self.num_workers is None or 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
             ('sched', self.sched in ('cosine', 'none'), "'cosine' or 'none'"),
         ]
         for name, ok, accepted in checks:

@@ -1,24 +1,50 @@
-"""DDP setup: the same code path at 1 process; under `torchrun` it joins the process group
+"""Devices and DDP: the same code path at 1 process; under `torchrun` it joins the process group
 (gloo on CPU, nccl on CUDA)."""
 import os
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..errors import UsageError
 
-def init_distributed():
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """--device: auto (the local rank's GPU when CUDA is present, else the CPU), cpu, cuda (the local rank's
+    GPU under torchrun) or cuda:N."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if name == 'cpu':
+        return torch.device('cpu')
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                         f"built with CUDA {torch.version.cuda}); use --device cpu or auto")
+    index = local_rank if name == 'cuda' else int(name.split(':', 1)[1])
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                         f"(accepted cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    return torch.device('cuda', index)
+
+
+def init_distributed(device: str = 'auto'):
     """Returns (rank, world_size, device). Reads torchrun's environment variables."""
     world_size = int(os.environ.get('WORLD_SIZE', '1'))
     rank = int(os.environ.get('RANK', '0'))
     local_rank = int(os.environ.get('LOCAL_RANK', '0'))
-    if torch.cuda.is_available():
-        device = torch.device('cuda', local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device('cpu')
+    resolved = resolve_device(device, local_rank)
+    if resolved.type == 'cuda':
+        torch.cuda.set_device(resolved)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
-    return rank, world_size, device
+        dist.init_process_group('nccl' if resolved.type == 'cuda' else 'gloo')
+    return rank, world_size, resolved
+
+
+def all_reduce_sum(values: Sequence[float]) -> List[float]:
+    """Sums of `values` over every process (float64, exact for counts below 2**53); integers stay integers."""
+    device = 'cuda' if dist.get_backend() == 'nccl' else 'cpu'
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return [int(round(s)) if isinstance(v, int) else float(s) for v, s in zip(values, tensor.tolist())]
 
 
 def barrier():

@@ -1,10 +1,16 @@
 """The training engine: one loop for every model and dataset, one process or many (DDP).
 
-Determinism: data order comes from a generator seeded by (seed, epoch), independent of the
-global RNG; augmentation and dropout draw from the global RNGs, which every checkpoint saves and
-`resume` restores. So a run stopped after any epoch and resumed gives the same weights as an
-uninterrupted run, bit for bit, on the same machine and thread count.
+The loop is generic; what a configuration adds plugs in as parts it calls (train/parts.py: low-rank
+factorisation and Frobenius decay, the weight average), precision (train/precision.py), Mixup / CutMix
+(train/mixing.py) and distillation (train/distill.py).
+
+Determinism: data order comes from a generator seeded by (seed, epoch), independent of the global RNG;
+every sample's augmentation draws from RNGs seeded by (seed, epoch, rank, position) (train/seeding.py), so
+it does not depend on the loader's workers; dropout, drop path and Mixup draw from the training process's
+global RNGs, which every checkpoint saves and `resume` restores. So a run stopped after any epoch and resumed
+gives the same weights as an uninterrupted run, bit for bit, on the same machine and thread count.
 """
+import contextlib
 import hashlib
 import json
 import math
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm.auto import tqdm
 
 from ..atomic import write_text_atomically
@@ -32,10 +38,15 @@ from ..models.transforms import TransformContext, apply_transforms, normalize_tr
 from .checkpoint import (CheckpointError, crash_point, describe_mismatch, load_checkpoint,
                          mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng, save_checkpoint)
 from .config import TrainConfig, save_config
-from .distributed import barrier, cleanup_distributed, init_distributed
+from .distributed import all_reduce_sum, barrier, cleanup_distributed, init_distributed
+from .mixing import build_mixup, hard_labels, mixing_active
+from .parts import LowRankPart, build_parts
 from .phases import LossContext, build_phases, phase_for_epoch
+from .precision import Precision
+from .seeding import EpochOrder, SeededSamples, ShuffledOrder
+from .steplog import StepLog
 from . import distill
-from ..lowrank import regularizers as lowrank_regularizers   # registers the frobenius_decay / factor_l2 terms
+from ..errors import UsageError
 from .run_dir import (RunLock, committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile,
                       undo_new_run)
 
@@ -63,14 +74,19 @@ def seed_everything(seed: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, device) -> Dict[str, float]:
+def evaluate(model: torch.nn.Module, loader: DataLoader, device, precision: Optional[Precision] = None,
+             distributed: bool = False) -> Dict[str, float]:
     """Mean cross-entropy, top-1 and top-5 accuracy (%) over a loader; for a language model (logits
-    [B, T, V]) per token, with the perplexity exp(loss) added."""
+    [B, T, V]) per token, with the perplexity exp(loss) added. `precision`: evaluate under the run's
+    autocast (as timm's validate does); `distributed`: each process holds a disjoint part of the data and the
+    counts are summed over all of them, so every process returns the exact global metrics."""
     model.eval()
     total, loss_sum, top1_hits, top5_hits, lm = 0, 0.0, 0, 0, False
     for images, targets in loader:
-        images, targets = images.to(device), targets.to(device)
-        logits = model(images)
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with precision.autocast() if precision is not None else contextlib.nullcontext():
+            logits = model(images)
+        logits = logits.float()
         if logits.dim() == 3:                        # next-token prediction: every position is a sample
             lm, logits, targets = True, logits.flatten(0, 1), targets.flatten()
         # whole counts, not per-batch float32 percentages: the result does not depend on the batch size
@@ -79,6 +95,9 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device) -> Dict[str, fl
         top5_hits += int(hits.any(dim=-1).sum())
         loss_sum += F.cross_entropy(logits, targets, reduction='sum').item()
         total += targets.shape[0]
+    if distributed:
+        total, top1_hits, top5_hits, loss_sum, lm = all_reduce_sum([total, top1_hits, top5_hits, loss_sum, int(lm)])
+        lm = bool(lm)
     metrics = {'loss': loss_sum / total, 'top1': 100.0 * top1_hits / total, 'top5': 100.0 * top5_hits / total}
     if lm:
         metrics['perplexity'] = math.exp(min(metrics['loss'], 700.0))
@@ -111,7 +130,7 @@ class Trainer:
         self.stop_after = stop_after
         self.progress = progress
         self.callbacks = callbacks or []
-        self.rank, self.world_size, self.device = init_distributed()
+        self.rank, self.world_size, self.device = init_distributed(config.device)
         self.is_main = self.rank == 0
         if config.output is None:
             config.output = f"outputs/{config.model}_{config.data.split(':')[0]}"
@@ -150,23 +169,35 @@ class Trainer:
 
     def _build(self) -> None:
         from ..data import build_datasets
+        from ..data.augment import Augmentation
         cfg = self.config
         seed_everything(cfg.seed)
+        augmentation = Augmentation.from_config(cfg)
+        extra = {'augmentation': augmentation} if augmentation.requested() else {}
         self.train_ds, self.val_ds, self.info = build_datasets(
-            cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, **cfg.data_kwargs)
+            cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, **extra, **cfg.data_kwargs)
+        self.resumed_state = None
         if self.resume:                    # the recorded recipe: what was trained, whatever the config says now
-            _, state, _ = load_checkpoint(self._resume_source())
-            self.recipe = ModelRecipe.from_state(state)
+            _, self.resumed_state, _ = load_checkpoint(self._resume_source())
+            self._check_world_size(self.resumed_state)
+            self.recipe = ModelRecipe.from_state(self.resumed_state)
             self.model = rebuild(self.recipe)
         else:
             transforms = list(cfg.transforms)
             if cfg.factorize_spec() and not cfg.factorize_at:        # low-rank from the start
                 transforms.append(cfg.factorize_spec())
-            self.model, self.recipe = build_model(cfg.model, cfg.model_kwargs, self.info, transforms)
+            self.model, self.recipe = build_model(cfg.model, self._model_kwargs(), self.info, transforms)
         self._check_planned_factorization()
         self._check_input_shapes()
+        self.precision = Precision.create(cfg.amp, cfg.amp_dtype, self.device)
+        self.mixup = build_mixup(cfg, self.info.num_classes, language_model=self.info.name in ('pysource', 'text'))
         self.distiller = self._make_distiller()
+        self._warn_untaught_predictors()
         self.model.to(self.device)
+        if cfg.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        self.parts = build_parts(cfg, self.model)        # before compile: the weight average copies the plain module
+        self.lowrank = next(p for p in self.parts if isinstance(p, LowRankPart))
         if cfg.compile:
             # in place (nn.Module.compile): parameter names and state_dict keys stay those of the plain
             # model, so checkpoints load without compile, and DDP / phases wrap the same module
@@ -178,17 +209,45 @@ class Trainer:
                 raise ValueError(f"phase {phase.name!r} uses {', '.join(used)}, which need --teacher RUN_DIR")
             if self.distiller is not None:
                 self.distiller.check_phase_terms(used)
-        if self.world_size > 1:
-            self.sampler = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
-        else:
-            self.sampler = None
-        self.eval_loader = DataLoader(self.val_ds, batch_size=cfg.eval_batch_size, shuffle=False,
-                                      num_workers=cfg.num_workers)
-        # the schedule counts the steps actually taken: --limit-train-batches shortens every epoch
-        self.steps_per_epoch = min(len(self._train_loader(1)), cfg.limit_train_batches or float('inf'))
+        self._make_loaders()
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
-        self.factorized_metrics: Dict[str, float] = {}
+        self.steplog = StepLog(cfg, self.is_main)
+
+    def _model_kwargs(self) -> Dict:
+        """The model's constructor arguments: --model-kwargs, with --drop / --drop-path passed as timm's train.py
+        passes them (drop_rate, drop_path_rate)."""
+        kwargs = dict(self.config.model_kwargs)
+        for flag, key in (('drop', 'drop_rate'), ('drop_path', 'drop_path_rate')):
+            value = getattr(self.config, flag)
+            if value is not None:
+                if key in kwargs and kwargs[key] != value:
+                    raise UsageError(f"--{flag.replace('_', '-')} {value} and --model-kwargs {key}={kwargs[key]} "
+                                     "disagree; give one")
+                kwargs[key] = value
+        return kwargs
+
+    def _check_world_size(self, state: Dict) -> None:
+        """A resumed run keeps its process count: the data each process sees and the steps per epoch depend on
+        it. --allow-world-size-change continues anyway, with the schedule recomputed for the new count."""
+        saved = int(state.get('world_size', 1))
+        if saved != self.world_size and not self.config.allow_world_size_change:
+            raise UsageError(f"--resume: the run was trained on {saved} process(es), this is {self.world_size}; "
+                             f"resume with {saved} (torchrun --nproc_per_node {saved}) or pass "
+                             "--allow-world-size-change to continue with the schedule recomputed")
+
+    def _warn_untaught_predictors(self) -> None:
+        """Sparsifiner's connectivity predictors learn only from the attention-distillation loss (Eq. 10): without
+        a teacher they keep their random initialisation and the kept keys stay random. Say so before training."""
+        from ..models.sparsifiner import predictor_parameter_names
+        if self.distiller is not None or not self.is_main:
+            return
+        names = predictor_parameter_names(self.model)
+        uses_attn = any(p.get('losses', {}).get('distill_attn') for p in self.config.phases)
+        if names and not uses_attn:
+            print(f"note: {self.config.model} has {len(names)} connectivity-predictor tensors (e.g. {sorted(names)[0]}) "
+                  "that learn only from attention distillation (Sparsifiner Eq. 10); without --teacher RUN_DIR they "
+                  "keep their initialisation and the kept keys stay random", file=sys.stderr, flush=True)
 
     def _check_planned_factorization(self) -> None:
         """With --factorize-at K > 0: refuse a factorisation that `factorize` would refuse now, before the K
@@ -199,6 +258,52 @@ class Trainer:
         from ..lowrank.transform import check_factorization
         kwargs = spec['kwargs']
         check_factorization(self.model, kwargs['rank'], kwargs['init'], kwargs.get('include'))
+
+    def _make_loaders(self) -> None:
+        """The training loader, made once for the run (persistent workers stay between epochs): an order per
+        epoch (shuffled; DistributedSampler over processes; timm's RepeatAugSampler for --aug-repeats) whose
+        samples load with seeded augmentation (train/seeding.py). Evaluation splits the held-out set over the
+        processes without padding, so the summed counts are exact."""
+        cfg = self.config
+        workers = self._workers()
+        pin = self.device.type == 'cuda'
+        if cfg.aug_repeats:
+            from timm.data.distributed_sampler import RepeatAugSampler
+            order = RepeatAugSampler(self.train_ds, num_replicas=self.world_size, rank=self.rank, shuffle=True,
+                                     num_repeats=cfg.aug_repeats)
+        elif self.world_size > 1:
+            order = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
+        else:
+            order = ShuffledOrder(len(self.train_ds), cfg.seed)
+        limit = cfg.limit_train_batches * cfg.batch_size
+        self.train_order = EpochOrder(order, limit)
+        loader_options = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
+        # mixing pairs images, so timm drops an epoch's last, smaller batch when it mixes; so do we
+        self.train_loader = DataLoader(SeededSamples(self.train_ds, cfg.seed, self.rank), batch_size=cfg.batch_size,
+                                       sampler=self.train_order, drop_last=self.mixup is not None,
+                                       generator=torch.Generator().manual_seed(cfg.seed), **loader_options)
+        self.batches_per_epoch = len(self.train_loader)
+        if self.batches_per_epoch == 0:
+            raise UsageError(f"-b/--batch-size {cfg.batch_size} leaves no training batch: this process has "
+                             f"{len(self.train_order)} training samples" + (" and --mixup drops a partial batch"
+                                                                              if self.mixup is not None else ''))
+        # the schedule counts optimiser steps: --limit-train-batches shortens every epoch, accumulation divides it
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.grad_accum_steps)
+        val = self.val_ds if self.world_size == 1 else Subset(self.val_ds, range(self.rank, len(self.val_ds),
+                                                                                 self.world_size))
+        self.eval_loader = DataLoader(val, batch_size=cfg.eval_batch_size, shuffle=False, **loader_options)
+
+    def _workers(self) -> int:
+        """--workers, or a default by where the data lives: images decoded from files want worker processes
+        (one per core, at most 8), in-memory tensors none (a worker would only copy them)."""
+        if self.config.num_workers is not None:
+            return self.config.num_workers
+        if self.info.name == 'imagefolder':
+            return min(8, max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+        return 0
+
+    def effective_batch(self) -> int:
+        return self.config.effective_batch(self.world_size)
 
     def _check_input_shapes(self) -> None:
         """One forward of two validation samples, in eval mode and without gradients, before anything is
@@ -250,13 +355,13 @@ class Trainer:
         # given the model, timm exempts 1-d parameters and model.no_weight_decay(); given a plain parameter
         # list it decays everything (the official CRATE recipe)
         params = list(self.model.parameters()) if cfg.decay_everything else self.model
-        factors = set(lowrank_regularizers.factor_parameter_names(self.model)) if cfg.factor_decay == 'frobenius' else set()
+        factors = self.lowrank.optimizer_exemptions(self.model)
         # Frobenius decay (seed 004 §3.3) replaces the optimiser's decay of U and V by a loss term on U Vᵀ
         self.frobenius_weight = cfg.weight_decay if factors else 0.0
         if factors:
             params = self._param_groups_without(factors)
-        return create_optimizer_v2(params, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   momentum=cfg.momentum)
+        return create_optimizer_v2(params, opt=cfg.opt, lr=cfg.resolved_lr(self.world_size),
+                                   weight_decay=cfg.weight_decay, momentum=cfg.momentum)
 
     def _param_groups_without(self, names) -> List[Dict]:
         """The optimiser's parameter groups as timm makes them, with the parameters `names` moved to the
@@ -280,25 +385,14 @@ class Trainer:
             updates_per_epoch=self.steps_per_epoch)
         return scheduler
 
-    # ----------------------------------------------------------------- pre-train, then factorise
-    def _factorize_due(self, epoch: int) -> bool:
-        """True before the first epoch after `factorize_at` epochs of dense training, unless the recipe
-        (a resumed run's included) already holds the factorisation."""
-        cfg = self.config
-        return (bool(cfg.factorize_at) and cfg.factorize_spec() is not None and epoch == cfg.factorize_at + 1
-                and not any(t['name'] == 'factorize' for t in self.recipe.transforms))
-
-    def _factorize_now(self) -> None:
-        """Factorise the trained dense model by truncated SVD (seed 004 §4.3), record the transform in the
-        recipe (so checkpoints from here on rebuild factorised), and rebuild the optimiser and schedule;
-        parameters that survive keep their optimiser state, the schedule continues at the same step."""
-        spec = normalize_transforms([self.config.factorize_spec()])[0]
-        for param in self.model.parameters():        # the next phase sets requires_grad again
-            param.requires_grad_(True)
+    # ----------------------------------------------------------------- what parts call
+    def replace_model(self, model: torch.nn.Module) -> None:
+        """Continue with another network (factorised mid-run): the optimiser is rebuilt, parameters that
+        survive keep their optimiser state, and the schedule continues at the same step."""
+        self.model = model.to(self.device)
+        if self.config.channels_last:
+            self.model.to(memory_format=torch.channels_last)
         old = self.optimizer
-        self.model = apply_transforms(self.model, [spec], TransformContext(input_size=self.recipe.input_size))
-        self.model.to(self.device)
-        self.recipe.transforms.append(spec)
         self.optimizer = self._make_optimizer()
         for group in self.optimizer.param_groups:
             for param in group['params']:
@@ -307,41 +401,29 @@ class Trainer:
         self.scheduler = self._make_scheduler()
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self.global_step)
-        if self.is_main:                              # what the switch cost, before any factorised step
-            after = evaluate(self.model, self.eval_loader, self.device)
-            self.factorized_metrics = {f'factorized_val_{k}': v for k, v in after.items()}
+        for part in self.parts:
+            part.model_replaced(self)
 
-    def _spectra_record(self) -> Dict:
-        """Per-layer effective rank ‖W‖_*/‖W‖_op and singular values (seed 004 Table 1) for runs that
-        factorise: every linear / conv layer, dense or factorised."""
-        from ..lowrank.spectra import effective_rank, layer_spectra
-        spectra = layer_spectra(self.model)
-        ranks = {name: effective_rank(s) for name, s in spectra.items()}
-        factored = [ranks[n] for n, m in self.model.named_modules() if n in ranks and hasattr(m, 'factors')]
-        return {'effective_rank_mean': float(np.mean(factored)) if factored else None,
-                'effective_rank': ranks,
-                'singular_values': {n: [float(f'{v:.5g}') for v in s.tolist()] for n, s in spectra.items()}}
+    def evaluate_model(self, model: torch.nn.Module) -> Dict[str, float]:
+        """Held-out metrics of `model` (the trained one or its weight average), on every process together."""
+        return evaluate(model, self.eval_loader, self.device, self.precision, distributed=self.world_size > 1)
 
-    def _train_loader(self, epoch: int) -> DataLoader:
-        cfg = self.config
-        if self.sampler is not None:
-            self.sampler.set_epoch(epoch)
-            return DataLoader(self.train_ds, batch_size=cfg.batch_size, sampler=self.sampler,
-                              num_workers=cfg.num_workers, drop_last=False)
-        generator = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch)
-        return DataLoader(self.train_ds, batch_size=cfg.batch_size, shuffle=True, generator=generator,
-                          num_workers=cfg.num_workers, drop_last=False)
-
+    # ----------------------------------------------------------------- checkpoints
     def _state(self, epoch: int, metrics: Dict) -> Dict:
         return {'model': self.recipe.name, 'model_kwargs': self.recipe.kwargs, 'recipe': self.recipe.to_dict(),
-                'epoch': epoch,
-                'global_step': self.global_step, 'config': self.config.to_dict(), 'metrics': metrics,
+                'epoch': epoch, 'global_step': self.global_step, 'world_size': self.world_size,
+                'effective_batch_size': self.effective_batch(), 'precision': self.precision.name,
+                'grad_scaler': self.precision.state(),
+                'config': self.config.to_dict(), 'metrics': metrics,
                 'data_info': {'name': self.info.name, 'num_classes': self.info.num_classes,
                               'in_chans': self.info.in_chans, 'img_size': self.info.img_size}}
 
     def _save(self, epoch: int, metrics: Dict) -> Path:
+        files = {}
+        for part in self.parts:
+            files.update(part.checkpoint_files())
         path = save_checkpoint(self.ckpt_dir / f'epoch_{epoch:04d}', self.model, self._state(epoch, metrics),
-                               optimizer=self.optimizer)
+                               optimizer=self.optimizer, extra_files=files)
         mark_latest(self.ckpt_dir, path)
         self._prune(epoch)
         return path
@@ -359,14 +441,20 @@ class Trainer:
         return self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume
 
     def _restore(self) -> int:
-        weights, state, train_tensors = load_checkpoint(self._resume_source(), with_train_state=True)
+        source = resolve_checkpoint(self._resume_source())
+        weights, state, train_tensors = load_checkpoint(source, with_train_state=True)
         mismatch = describe_mismatch(self.model.state_dict(), weights)
         if mismatch:
-            raise CheckpointError(f"--resume: {resolve_checkpoint(self._resume_source())} is not a checkpoint of "
+            raise CheckpointError(f"--resume: {source} is not a checkpoint of "
                                   f"{self.recipe.name!r} as configured: {mismatch}")
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
+        self.precision.load_state(state.get('grad_scaler'))
+        for part in self.parts:
+            part.restore(source)
         self.global_step = state['global_step']
+        if int(state.get('world_size', 1)) != self.world_size:     # allowed: the schedule follows the new count
+            self.global_step = state['epoch'] * self.steps_per_epoch
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self.global_step)
         restore_rng(train_tensors, state['rng'])
@@ -391,6 +479,15 @@ class Trainer:
                     undo_new_run(self.output, aside, lock)
                 raise
 
+    def _describe_plan(self) -> str:
+        cfg = self.config
+        accum = f" x {cfg.grad_accum_steps} accumulated" if cfg.grad_accum_steps > 1 else ''
+        procs = f" x {self.world_size} processes" if self.world_size > 1 else ''
+        return (f"{cfg.model} on {self.device}, {self.precision.name}"
+                + (' autocast' if self.precision.dtype is not None else '')
+                + f"; effective batch {self.effective_batch()} ({cfg.batch_size} per process{accum}{procs}), "
+                f"{self.steps_per_epoch} optimiser steps per epoch, peak lr {cfg.resolved_lr(self.world_size):.3g}")
+
     def _fit(self, start_epoch: int, aside: Optional[Path]) -> TrainResult:
         cfg = self.config
         if self.resume:
@@ -401,6 +498,8 @@ class Trainer:
         elif self.is_main:
             save_config(cfg, self.output / 'config.yaml')
             self._save(0, {})                    # the random init, for white-box comparisons
+        if self.is_main:
+            print(self._describe_plan(), flush=True)
         history: List[Dict] = []
         last_path = None
         if self.is_main:                  # `--resume PATH` into a fresh --output: nothing committed here yet
@@ -409,15 +508,13 @@ class Trainer:
         try:
             for epoch in range(start_epoch + 1, cfg.epochs + 1):
                 phase = phase_for_epoch(self.phases, epoch)
-                if self._factorize_due(epoch):
-                    self._factorize_now()
+                for part in self.parts:
+                    part.before_epoch(self, epoch)
                 record = self._train_epoch(epoch, phase)
-                record.update(self.factorized_metrics)
-                self.factorized_metrics = {}
+                record.update({f'val_{k}': v for k, v in self.evaluate_model(self.model).items()})
+                for part in self.parts:          # every process: evaluation is shared
+                    record.update(part.epoch_metrics(self, epoch))
                 if self.is_main:
-                    record.update({f'val_{k}': v for k, v in evaluate(self.model, self.eval_loader, self.device).items()})
-                    if self.config.factorize_spec() or lowrank_regularizers.factor_parameter_names(self.model):
-                        record.update(self._spectra_record())
                     last_path = self._save(epoch, record)     # the checkpoint first: it carries the record too
                     if self.uncommitted_new_run:                # a trained epoch: the old run can go now
                         self.uncommitted_new_run = False
@@ -426,6 +523,7 @@ class Trainer:
                         f.write(json.dumps(record) + '\n')
                     crash_point(f'epoch {epoch}:metrics')
                     self._print_epoch(record)
+                    self.steplog.epoch(record)
                 barrier()
                 history.append(record)
                 for callback in self.callbacks:
@@ -440,62 +538,88 @@ class Trainer:
         finally:
             if self.distiller is not None:
                 self.distiller.stop()
+            self.steplog.close()
             cleanup_distributed()
         final = history[-1] if history else {}
         if self.is_main:
             self._print_summary(history)     # also on resuming a finished run: a kill may have cost its summary
         return TrainResult(self.output, last_path, history, final)
 
+    def _wrap(self) -> torch.nn.Module:
+        """The module the step runs: under torchrun, DDP over the parameters this phase trains (DDP registers
+        the ones that require a gradient when it is made, so it is made again after each phase's freezing)."""
+        if self.world_size == 1:
+            return self.model
+        ids = [self.device.index] if self.device.type == 'cuda' else None
+        return DistributedDataParallel(self.model, device_ids=ids, find_unused_parameters=False)
+
     def _train_epoch(self, epoch: int, phase) -> Dict:
         cfg = self.config
         phase.apply(self.model)
-        model = self.model
         if self.distiller is not None:
             self.distiller.start_phase(phase)
-        if self.world_size > 1:
-            model = DistributedDataParallel(self.model, find_unused_parameters=False)
+        model = self._wrap()
         model.train()
-        loader = self._train_loader(epoch)
-        limit = cfg.limit_train_batches or len(loader)
-        bar = tqdm(total=min(limit, len(loader)), desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
+        self.train_order.set_epoch(epoch)
+        if self.mixup is not None:
+            self.mixup.mixup_enabled = mixing_active(self.mixup, cfg, epoch)
+        batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
+        bar = tqdm(total=batches, desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
                    disable=not (self.progress and self.is_main and sys.stderr.isatty()), leave=False,
                    file=sys.stderr)   # no carriage-return updates in redirected logs: the epoch line says it all
         totals: Dict[str, float] = {}
         seen, seen_targets, correct, start = 0, 0, 0, time.perf_counter()
-        for step, (images, targets) in enumerate(loader):
-            if step >= limit:
-                break
-            images, targets = images.to(self.device), targets.to(self.device)
-            if self.distiller is not None:
-                self.distiller.start_batch(images)
-            logits = model(images)
-            extras = {'distiller': self.distiller} if self.distiller is not None else {}
-            terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing, extras))
-            if self.frobenius_weight:
-                terms['frobenius_decay'] = self.frobenius_weight * lowrank_regularizers.frobenius_decay(self.model)
-            loss = sum(terms.values())
-            if not torch.isfinite(loss):
-                bar.close()
-                kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
-                        else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
-                raise TrainingDiverged(
-                    f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
-                    f"without saving this state: {kept}. Try a lower --lr or --clip-grad.")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.clip_grad:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
-            self.optimizer.step()
-            self.global_step += 1
-            if self.scheduler is not None:
-                self.scheduler.step_update(num_updates=self.global_step)
+        self.steplog.start_epoch()
+        self.optimizer.zero_grad(set_to_none=True)
+        for step, (images, targets) in enumerate(self.train_loader):
+            images = images.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            if cfg.channels_last and images.dim() == 4:
+                images = images.contiguous(memory_format=torch.channels_last)
+            if self.mixup is not None:
+                images, targets = self.mixup(images, targets)
+            # accumulation: the optimiser steps after every `accum` batches and after the epoch's last one; each
+            # batch's loss is divided by the size of its group, so a group's gradient is the mean over its images
+            group = min(accum, batches - (step - step % accum))
+            update = step % accum == group - 1
+            with contextlib.nullcontext() if update or self.world_size == 1 else model.no_sync():
+                with self.precision.autocast():
+                    if self.distiller is not None:
+                        self.distiller.start_batch(images)
+                    logits = model(images)
+                    extras = {'distiller': self.distiller} if self.distiller is not None else {}
+                    terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing, extras))
+                for part in self.parts:          # regularisers of the weights: float32, outside autocast
+                    terms.update(part.loss_terms(self))
+                loss = sum(terms.values())
+                if not torch.isfinite(loss):
+                    bar.close()
+                    kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
+                            else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
+                    raise TrainingDiverged(
+                        f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
+                        f"without saving this state: {kept}. Try a lower --lr or --clip-grad.")
+                self.precision.backward(loss / group)
+            if update:
+                self.precision.step(self.optimizer, self.model.parameters(), cfg.clip_grad)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                if self.scheduler is not None:
+                    self.scheduler.step_update(num_updates=self.global_step)
+                for part in self.parts:
+                    part.after_step(self)
             n = targets.shape[0]
             seen += n
-            seen_targets += targets.numel()                  # tokens for a language model
-            correct += (logits.argmax(-1) == targets).sum().item()
+            seen_targets += hard_labels(targets).numel()           # tokens for a language model
+            correct += (logits.argmax(-1) == hard_labels(targets)).sum().item()
             for name, value in terms.items():
                 totals[name] = totals.get(name, 0.0) + value.item() * n
             totals['loss'] = totals.get('loss', 0.0) + loss.item() * n
+            if update:
+                self.steplog.step(epoch, step + 1, batches, self.global_step, loss.item(), self._lr(),
+                                  n * self.world_size)
+            else:
+                self.steplog.count(n * self.world_size)
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._lr():.2e}")
             bar.update()
         bar.close()
@@ -515,8 +639,9 @@ class Trainer:
 
     def _print_epoch(self, r: Dict) -> None:
         phase = f"[{r['phase']}]  " if len(self.phases) > 1 else ''
+        ema = f"ema top1 {r['ema_val_top1']:6.2f}%  " if 'ema_val_top1' in r else ''
         print(f"epoch {r['epoch']:>3}/{self.config.epochs}  {phase}train loss {r['train_loss']:.4f}  "
-              f"val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:6.2f}%  top5 {r['val_top5']:6.2f}%  "
+              f"val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:6.2f}%  top5 {r['val_top5']:6.2f}%  {ema}"
               + (f"ppl {r['val_perplexity']:.2f}  " if 'val_perplexity' in r else '') +
               f"lr {r['lr']:.2e}  {_rate(r['train_img_per_s'])} img/s", flush=True)
 
@@ -530,7 +655,10 @@ class Trainer:
                    'final_val_top1': last['val_top1'], 'final_val_top5': last['val_top5'],
                    'final_val_loss': last['val_loss'], 'best_val_top1': best['val_top1'],
                    **({'final_val_perplexity': last['val_perplexity']} if 'val_perplexity' in last else {}),
+                   **({'final_ema_val_top1': last['ema_val_top1']} if 'ema_val_top1' in last else {}),
                    'best_epoch': best['epoch'],
+                   'effective_batch_size': self.effective_batch(), 'world_size': self.world_size,
+                   'precision': self.precision.name,
                    'parameters': sum(p.numel() for p in self.model.parameters())}
         write_text_atomically(self.output / 'summary.json', json.dumps(summary, indent=1))
         width = max(len(k) for k in summary)

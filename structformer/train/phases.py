@@ -39,7 +39,12 @@ def register_loss_term(name: str):
 @register_loss_term('ce')
 def cross_entropy_term(ctx: LossContext) -> torch.Tensor:
     """Cross-entropy with label smoothing (the recipes of CRATE and SOFT both smooth by 0.1); per token
-    for a language model's logits [B, T, V] with targets [B, T]."""
+    for a language model's logits [B, T, V] with targets [B, T]. Soft targets [B, classes] (Mixup / CutMix,
+    train/mixing.py) already hold the smoothing, as timm's Mixup folds it in: they take timm's
+    SoftTargetCrossEntropy."""
+    if ctx.targets.is_floating_point():
+        from timm.loss import SoftTargetCrossEntropy
+        return SoftTargetCrossEntropy()(ctx.logits, ctx.targets)
     if ctx.logits.dim() == 3:
         return F.cross_entropy(ctx.logits.flatten(0, 1), ctx.targets.flatten(), label_smoothing=ctx.label_smoothing)
     return F.cross_entropy(ctx.logits, ctx.targets, label_smoothing=ctx.label_smoothing)

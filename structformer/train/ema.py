@@ -1,0 +1,32 @@
+"""An exponential moving average of the weights (timm.utils.ModelEmaV3), as a part the training loop calls.
+
+Updated after every optimiser step with the step count (so timm's optional decay warm-up follows the run),
+evaluated beside the model every epoch (`ema_val_*` in metrics.jsonl), saved as `ema.safetensors` in each
+checkpoint and restored on --resume; `structformer eval --ema` scores it.
+"""
+from typing import Dict
+
+import torch
+
+EMA_FILE = 'ema.safetensors'
+
+
+class WeightAverage:
+    def __init__(self, model: torch.nn.Module, decay: float, warmup: bool):
+        from timm.utils import ModelEmaV3
+        # stochastic rounding only matters for an average kept in a low-precision dtype; ours is float32
+        self.ema = ModelEmaV3(model, decay=decay, use_warmup=warmup)
+        self.ema.module.requires_grad_(False)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ema.module
+
+    def update(self, model: torch.nn.Module, step: int) -> None:
+        self.ema.update(model, step=step)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous().cpu() for k, v in self.ema.module.state_dict().items()}
+
+    def load_state_dict(self, weights: Dict[str, torch.Tensor]) -> None:
+        self.ema.module.load_state_dict(weights)

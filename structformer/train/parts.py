@@ -1,0 +1,140 @@
+"""Pieces the training loop calls at fixed points, so the loop names no family.
+
+A `Part` may add loss terms to a step, act before an epoch (factorise the model), after an optimiser step
+(update a weight average), add metrics at the end of an epoch, and keep files in each checkpoint. The engine
+builds the parts a configuration asks for (`build_parts`) and calls every hook of every part in order.
+
+    LowRankPart       seed 004: factorise after `factorize_at` dense epochs (truncated SVD, §4.3), Frobenius
+                      decay (§3.3) as a loss term, per-layer spectra in the epoch record (Table 1)
+    WeightAveragePart timm's ModelEmaV3: updated every step, evaluated every epoch, saved with the checkpoint
+Distillation (train/distill.py) and precision (train/precision.py) are parts of the same loop with their own
+interfaces: the teacher must see each batch before the student, and precision wraps the step itself.
+"""
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+
+class Part:
+    """The hooks; each does nothing unless a part overrides it."""
+
+    def loss_terms(self, trainer) -> Dict[str, torch.Tensor]:
+        return {}
+
+    def before_epoch(self, trainer, epoch: int) -> None:
+        pass
+
+    def after_step(self, trainer) -> None:
+        pass
+
+    def epoch_metrics(self, trainer, epoch: int) -> Dict:
+        return {}
+
+    def checkpoint_files(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """{file name: tensors} written into each checkpoint folder beside the model's weights."""
+        return {}
+
+    def restore(self, checkpoint: Path) -> None:
+        pass
+
+    def model_replaced(self, trainer) -> None:
+        """The trainer's model was rebuilt (factorised mid-run): drop anything tied to the old one."""
+
+
+class LowRankPart(Part):
+    """Low-rank training's pieces (structformer.lowrank) as the loop sees them."""
+
+    def __init__(self, config):
+        from ..lowrank import regularizers        # registers the frobenius_decay / factor_l2 loss terms
+        self.config, self.regularizers = config, regularizers
+        self.switch_metrics: Dict[str, float] = {}
+
+    def optimizer_exemptions(self, model) -> set:
+        """Factor parameters that leave the optimiser's weight decay: Frobenius decay replaces it (§3.3)."""
+        if self.config.factor_decay != 'frobenius':
+            return set()
+        return set(self.regularizers.factor_parameter_names(model))
+
+    def loss_terms(self, trainer) -> Dict[str, torch.Tensor]:
+        if not trainer.frobenius_weight:
+            return {}
+        return {'frobenius_decay': trainer.frobenius_weight * self.regularizers.frobenius_decay(trainer.model)}
+
+    def due(self, trainer, epoch: int) -> bool:
+        """True before the first epoch after `factorize_at` dense epochs, unless the recipe (a resumed run's
+        included) already holds the factorisation."""
+        cfg = self.config
+        return (bool(cfg.factorize_at) and cfg.factorize_spec() is not None and epoch == cfg.factorize_at + 1
+                and not any(t['name'] == 'factorize' for t in trainer.recipe.transforms))
+
+    def before_epoch(self, trainer, epoch: int) -> None:
+        if not self.due(trainer, epoch):
+            return
+        from ..models.transforms import TransformContext, apply_transforms, normalize_transforms
+        spec = normalize_transforms([self.config.factorize_spec()])[0]
+        for param in trainer.model.parameters():        # the next phase sets requires_grad again
+            param.requires_grad_(True)
+        model = apply_transforms(trainer.model, [spec], TransformContext(input_size=trainer.recipe.input_size))
+        trainer.recipe.transforms.append(spec)
+        trainer.replace_model(model)
+        after = trainer.evaluate_model(trainer.model)     # what the switch cost, before any factorised step
+        self.switch_metrics = {f'factorized_val_{k}': v for k, v in after.items()}
+
+    def epoch_metrics(self, trainer, epoch: int) -> Dict:
+        record, self.switch_metrics = dict(self.switch_metrics), {}
+        if self.config.factorize_spec() or self.regularizers.factor_parameter_names(trainer.model):
+            record.update(self._spectra(trainer.model))
+        return record
+
+    @staticmethod
+    def _spectra(model) -> Dict:
+        """Per-layer effective rank ‖W‖_*/‖W‖_op and singular values (seed 004 Table 1), dense or factorised."""
+        from ..lowrank.spectra import effective_rank, layer_spectra
+        spectra = layer_spectra(model)
+        ranks = {name: effective_rank(s) for name, s in spectra.items()}
+        factored = [ranks[n] for n, m in model.named_modules() if n in ranks and hasattr(m, 'factors')]
+        return {'effective_rank_mean': float(np.mean(factored)) if factored else None,
+                'effective_rank': ranks,
+                'singular_values': {n: [float(f'{v:.5g}') for v in s.tolist()] for n, s in spectra.items()}}
+
+
+class WeightAveragePart(Part):
+    """--model-ema: timm's ModelEmaV3 over the trained weights (train/ema.py)."""
+
+    def __init__(self, model, config):
+        from .ema import WeightAverage
+        self.average = WeightAverage(model, config.model_ema_decay, config.model_ema_warmup)
+
+    def after_step(self, trainer) -> None:
+        self.average.update(trainer.model, trainer.global_step)
+
+    def model_replaced(self, trainer) -> None:
+        # another architecture (e.g. factorised): the average restarts from the new weights
+        from .ema import WeightAverage
+        self.average = WeightAverage(trainer.model, self.average.ema.decay, self.average.ema.use_warmup)
+
+    def epoch_metrics(self, trainer, epoch: int) -> Dict:
+        return {f'ema_val_{k}': v for k, v in trainer.evaluate_model(self.average.module).items()}
+
+    def checkpoint_files(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        from .ema import EMA_FILE
+        return {EMA_FILE: self.average.state_dict()}
+
+    def restore(self, checkpoint: Path) -> None:
+        from safetensors.torch import load_file
+
+        from .checkpoint import CheckpointError
+        from .ema import EMA_FILE
+        path = Path(checkpoint) / EMA_FILE
+        if not path.is_file():
+            raise CheckpointError(f"--resume: {checkpoint} has no {EMA_FILE}: it was trained without --model-ema")
+        self.average.load_state_dict(load_file(str(path)))
+
+
+def build_parts(config, model) -> List[Part]:
+    parts: List[Part] = [LowRankPart(config)]       # also reports spectra of a model factorised by --transform
+    if config.model_ema:
+        parts.append(WeightAveragePart(model, config))
+    return parts

@@ -1,0 +1,94 @@
+"""Mixed precision for the training loop: autocast, a gradient scaler for float16, float32 master weights.
+
+The parameters, the optimiser state and every checkpoint stay float32: autocast only changes the dtype the
+eligible ops (matmuls, convolutions, SDPA) compute in, and each of our custom ops states its own policy
+(docs/precision.md). float16 needs loss scaling against gradient underflow (torch.amp.GradScaler, whose state is
+saved with the checkpoint so a resumed run scales as the uninterrupted one); bfloat16 has float32's exponent
+range and needs none, as in timm's train.py.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional
+
+import torch
+
+from ..errors import UsageError
+
+DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
+
+
+def default_amp_dtype(device: torch.device) -> str:
+    """timm's default (float16) on CUDA; bfloat16 on a CPU, the one low precision every CPU autocast runs."""
+    return 'float16' if device.type == 'cuda' else 'bfloat16'
+
+
+def cpu_float16_supported() -> bool:
+    """float16 arithmetic in hardware (AMX-FP16); elsewhere a CPU emulates it through float32, slower than float32."""
+    return bool(getattr(torch.cpu, '_is_amx_fp16_supported', lambda: False)())
+
+
+def cpu_bfloat16_native() -> bool:
+    """bfloat16 dot products in hardware (AVX512-BF16 or AMX); without them a bfloat16 matmul is no faster."""
+    return any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+
+
+@dataclass
+class Precision:
+    """One run's precision: `autocast()` around forward and loss, `backward`, `step` (unscale, clip, step)."""
+    device: torch.device
+    dtype: Optional[torch.dtype] = None          # None: float32 throughout
+    scaler: Optional[torch.amp.GradScaler] = None
+
+    @classmethod
+    def create(cls, amp: bool, amp_dtype: Optional[str], device: torch.device) -> 'Precision':
+        if not amp:
+            if amp_dtype is not None:
+                raise UsageError(f"--amp-dtype {amp_dtype} needs --amp")
+            return cls(device)
+        name = amp_dtype or default_amp_dtype(device)
+        if name not in DTYPES:
+            raise UsageError(f"--amp-dtype={name!r}: accepted float16 or bfloat16")
+        if device.type == 'cpu' and name == 'float16' and not cpu_float16_supported():
+            raise UsageError("--amp-dtype float16 on this CPU: it has no float16 arithmetic (AMX-FP16), so autocast "
+                             "would emulate it more slowly than float32; use --amp-dtype bfloat16 on a CPU")
+        if device.type not in ('cpu', 'cuda'):
+            raise UsageError(f"--amp on device {device}: accepted on cpu or cuda")
+        scaler = torch.amp.GradScaler(device.type) if name == 'float16' else None
+        return cls(device, DTYPES[name], scaler)
+
+    @property
+    def name(self) -> str:
+        return {torch.float16: 'float16', torch.bfloat16: 'bfloat16'}.get(self.dtype, 'float32')
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
+             clip_grad: Optional[float]) -> None:
+        """Unscale (float16), clip the gradient norm if asked, and step; with float16 a step whose gradients
+        overflowed is skipped and the scale lowered, as GradScaler does."""
+        if self.scaler is not None:
+            if clip_grad:
+                self.scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(list(params), clip_grad)
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return
+        if clip_grad:
+            torch.nn.utils.clip_grad_norm_(list(params), clip_grad)
+        optimizer.step()
+
+    def state(self) -> Dict:
+        """What a checkpoint keeps: the float16 loss scale and its growth counter (JSON-safe)."""
+        if self.scaler is None:
+            return {}
+        return {k: (v.item() if torch.is_tensor(v) else v) for k, v in self.scaler.state_dict().items()}
+
+    def load_state(self, state: Optional[Dict]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

@@ -1,0 +1,87 @@
+"""Augmentation randomness that depends on (seed, epoch, rank, position) alone, not on worker processes.
+
+timm's transforms draw from Python's `random`, random erasing and our in-memory augmentations from torch's
+global RNG, Mixup from numpy's. A data-loader worker has its own copy of each, seeded when the worker starts
+and carried from epoch to epoch when workers persist, so what a sample gets would depend on the number of
+workers, on which worker loaded it and on whether the run was resumed. Here every sample is loaded with the
+three global RNGs seeded from (seed, epoch, rank, its position in this process's epoch order) and restored
+afterwards: the same sample at the same place of the same epoch gets the same augmentation with 0 or 8
+workers, persistent or not, straight or resumed. The position (not the image index) is the key, so DeiT's
+repeated augmentation gives each repeat of an image its own draw.
+"""
+import random
+from typing import Iterator, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+
+def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
+    """A 64-bit seed from the four keys (numpy's SeedSequence hashes them; nearby keys give unrelated seeds)."""
+    words = np.random.SeedSequence([seed, epoch, rank, position]).generate_state(2, dtype=np.uint32)
+    return int(words[0]) << 32 | int(words[1])
+
+
+class EpochOrder(Sampler):
+    """Yields (epoch, position, index) over an index sampler's order for the current epoch; `set_epoch` moves
+    to the next one (and is passed on to a sampler that has it, e.g. DistributedSampler)."""
+
+    def __init__(self, order: Sampler, limit: int = 0):
+        self.order, self.epoch, self.limit = order, 0, limit
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.order, 'set_epoch'):
+            self.order.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Tuple[int, int, int]]:
+        for position, index in enumerate(self.order):
+            if self.limit and position >= self.limit:      # --limit-train-batches: no sample loaded in vain
+                return
+            yield self.epoch, position, int(index)
+
+    def __len__(self) -> int:
+        return min(len(self.order), self.limit) if self.limit else len(self.order)
+
+
+class ShuffledOrder(Sampler):
+    """One process's order: a permutation drawn from a generator seeded by (seed, epoch)."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class SeededSamples(Dataset):
+    """`dataset[index]` loaded with Python's, numpy's and torch's global RNGs seeded by `sample_seed` and put
+    back afterwards (so, in the main process, dropout and Mixup draw as if no sample had been loaded)."""
+
+    def __init__(self, dataset: Dataset, seed: int, rank: int = 0):
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Tuple[int, int, int]):
+        epoch, position, index = key
+        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        value = sample_seed(self.seed, epoch, self.rank, position)
+        random.seed(value)
+        np.random.seed(value % 2 ** 32)
+        torch.random.default_generator.manual_seed(value)     # the CPU generator only: CUDA's drives dropout
+        try:
+            return self.dataset[index]
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
