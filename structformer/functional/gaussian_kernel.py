@@ -21,9 +21,10 @@ def gaussian_kernel(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = N
     `scale` defaults to 1/(2√d). The squared distance is expanded as ‖q‖² + ‖k‖² − 2qkᵀ so only
     the n×m result (never an n×m×d difference tensor) is materialised; rounding can make the
     expansion slightly negative, so it is clamped at 0 and the kernel never exceeds 1.
-    Half-precision inputs are computed in float32 (autocast disabled): the expansion subtracts
-    numbers of similar size, and bf16 cancellation there gives errors of order ‖q‖²·2⁻⁸.
-    Returns float32 for half inputs, the input dtype otherwise.
+    Dtype policy: computes in float32 under any autocast context (autocast off, float16/bfloat16 inputs
+    upcast), because the expansion subtracts numbers of similar size and bf16 cancellation there gives
+    exponent errors of order scale·‖q‖²·2⁻⁸ exactly where the kernel is not negligible (q ≈ k).
+    Returns float32 for half inputs, the input dtype otherwise (float32 / float64).
     """
     scale = _default_scale(q.shape[-1], scale)
     with torch.autocast(device_type=q.device.type, enabled=False):

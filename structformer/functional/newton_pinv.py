@@ -142,6 +142,13 @@ def _(a: torch.Tensor, num_iter: int) -> torch.Tensor:
     return torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
+# Dtype policy of the opaque op: float32 under autocast (its inputs cast to float32, autocast off inside), as the
+# eager iteration runs. `newton_pinv` already calls it with autocast off; this rule covers a direct call, which
+# autocast would otherwise pass through untouched, leaving the op's bmm calls to autocast's bf16/fp16.
+for _device_type in ('cpu', 'cuda'):
+    torch.library.register_autocast('structformer::newton_schulz', _device_type, torch.float32)
+
+
 def _newton_schulz(a: torch.Tensor, num_iter: int) -> torch.Tensor:
     """Up to `num_iter` Newton–Schulz steps on [..., m, m]; each matrix freezes once its relative
     update ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (module docstring: past convergence the iteration
@@ -248,9 +255,9 @@ def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0, return_
 
     See the module docstring for the initialisation rules (`rule='ours'`: α = 1/(‖A‖₁‖A‖_∞),
     X_0 = αAᵀ, per-matrix freeze; `'soft'` / `'softpp'`: the public code's) and the backward
-    (`'closed_form'`: SOFT Eq. 12; `'unrolled'`: autograd through the iterations). Half-precision
-    inputs (and autocast) run in float32 with autocast disabled and return float32: the iteration
-    squares errors, and bf16 would stop it at a residual of ~1e-2. With `return_residual=True`
+    (`'closed_form'`: SOFT Eq. 12; `'unrolled'`: autograd through the iterations). Dtype policy: computes
+    in float32 under any autocast context (autocast off, float16/bfloat16 inputs upcast, float32 returned),
+    because the iteration squares its error each step and in bf16 it stalls at a residual of ~1e-2. With `return_residual=True`
     returns `(X, residual)` where residual = ‖AXA − A‖_F/‖A‖_F (detached, one per matrix, for
     A + ridge·I, plus 0.01·I under the 'soft' rule).
     """

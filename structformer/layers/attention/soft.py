@@ -28,8 +28,12 @@ Interface decisions (the paper leaves them open):
   constructor's `grid_size`, or else the weight is created at the first forward (a lazy
   parameter, with a warning: build the optimizer after one forward pass in that case). It is
   initialised as average pooling, so training starts from the `avgpool` sampler.
-* Kernel, pseudo-inverse and the products with A† run in float32 under autocast: A† has large
-  entries of both signs, and bf16 cancellation there ruins the approximation.
+* Precision under autocast (docs/precision.md): the float32 islands are the kernel exponent (P and A),
+  A† and the m-sized products with A† (autocast off, inputs upcast); the n-sized products around them
+  (P V, Pᵀ z; folded: P x and the [n, h·m] output product) run in the autocast dtype. Measured against a
+  float64 reference on bf16-valued inputs: this order stays at ≤ 1.3·2⁻⁸ relative error for cond(A) from 1
+  to 1e6, while A† in bf16 (entries of both signs, cancellation in A† P V) reached 1e-2 at cond 60 and 6e-2 at
+  1e6. SOFT's public code has no float32 island at all (under `--amp` its kernel and inverse run in fp16).
 * `attn_drop` drops entries of the left factor Pᵀ (query-to-landmark weights): there is no n×n
   attention matrix to drop from.
 * Evaluation order: Ŝ's factors are per-head m-row matrices, so the value and output projections
@@ -60,16 +64,13 @@ from ..lazy import drop_lazy_hooks, is_uninitialized
 
 from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_reference
 from ...functional.newton_pinv import check_rule, newton_pinv
+from ...functional.precision import autocast_dtype
+from ...functional.precision import upcast as _upcast
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 SAMPLERS = ('conv', 'avgpool', 'random')
 SAMPLER_INITS = ('avgpool', 'kaiming')
-
-
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in _LOW_PRECISION else t
 
 
 def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, normalize: bool = False,
@@ -78,26 +79,31 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, no
                    newton_backward: str = 'closed_form') -> torch.Tensor:
     """Ŝ V for SOFT (Eq. 9) or, with `normalize=True`, SOFT++ (Eq. 17); memory O((m + d)·n + m²).
 
-    q: [..., n, d] (K = Q), v: [..., n, d_v], landmarks Q̃: [..., m, d]. Returns [..., n, d_v] in v's dtype.
-    `dropout` (if given) is applied to the left factor Pᵀ. `newton_rule` / `newton_backward`: see `newton_pinv`.
+    q: [..., n, d] (K = Q), v: [..., n, d_v], landmarks Q̃: [..., m, d]. Returns [..., n, d_v] in the autocast
+    dtype inside autocast, else v's dtype. `dropout` (if given) is applied to the left factor Pᵀ.
+    `newton_rule` / `newton_backward`: see `newton_pinv`.
+    Dtype policy: the kernels P, A, the inverse A†, D^-½ and the m-sized products with A† run in float32
+    (autocast off, half inputs upcast: A† has large entries of both signs), the two n-sized products P V and
+    Pᵀ z in the autocast dtype (v's dtype outside autocast), as the matmuls they are (module docstring).
     """
-    out_dtype = v.dtype
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        q, v, landmarks = _upcast(q), _upcast(v), _upcast(landmarks)
-        p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [..., m, n]
+    device_type = q.device.type
+    low = autocast_dtype(device_type, v.dtype)                     # dtype of the n-sized products
+    with torch.autocast(device_type=device_type, enabled=False):
+        q, landmarks = _upcast(q), _upcast(landmarks)
+        p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [..., m, n], float32 island
         a = gaussian_kernel(landmarks, landmarks, scale)           # exp(Q̃ ⊖ K̃): [..., m, m]
         a_pinv = newton_pinv(a, newton_iter, ridge, rule=newton_rule, backward=newton_backward)
-        pv = p @ v                                                 # rightmost product first
+        p_low = p.to(low)                                          # no copy when low is p's dtype
+        pv = (p_low @ v.to(low)).to(a_pinv.dtype)                  # rightmost product first (n-sized)
         if normalize:
             d_inv_sqrt = a.sum(-1, keepdim=True).rsqrt()          # D^-½ (row sums ≥ 1: unit diagonal)
             z = d_inv_sqrt * (a_pinv @ (d_inv_sqrt * pv))
         else:
-            z = a_pinv @ pv
-        left = p.transpose(-2, -1)
+            z = a_pinv @ pv                                        # m-sized, in the island
+        left = p_low.transpose(-2, -1)
         if dropout is not None:
             left = dropout(left)
-        out = left @ z
-    return out.to(out_dtype)
+        return left @ z.to(low)                                    # n-sized
 
 
 def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.Tensor, v_weight: torch.Tensor,
@@ -113,22 +119,24 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
     Per head, `P V = (P x) W_vᵀ + (P 1) b_vᵀ`, so V (n×h·d) is never formed; and the head merge plus
     output projection `Σ_h (P_hᵀ z_h) W_o,hᵀ = [P_1ᵀ … P_hᵀ] [z_1 W_o,1ᵀ; …; z_h W_o,hᵀ]` is one
     [n, h·m] × [h·m, C_out] matmul, so neither the per-head output nor its merged copy is formed.
-    Everything n-sized is then: P (the kernel), one read of x, and the output. Computed in float32 for
-    half inputs (as `soft_attention`); returns x's dtype, or autocast's dtype inside autocast (as the
-    output projection would).
+    Everything n-sized is then: P (the kernel), one read of x, and the output. Returns x's dtype, or
+    autocast's dtype inside autocast (as the output projection would).
+    Dtype policy (as `soft_attention`): the kernels, A†, D^-½ and every m-sized product (the per-head weight
+    products included) run in float32 with autocast off; the two n-sized products P x and [P_1ᵀ … P_hᵀ] y (with
+    the output bias) run in the autocast dtype (x's dtype outside autocast).
     """
     device_type = x.device.type
-    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    low = autocast_dtype(device_type, x.dtype)                     # dtype of the n-sized products
     with torch.autocast(device_type=device_type, enabled=False):
-        x, q, landmarks = _upcast(x), _upcast(q), _upcast(landmarks)
+        q, landmarks = _upcast(q), _upcast(landmarks)
         v_weight, out_weight = _upcast(v_weight), _upcast(out_weight)
         batch, heads, m, d = landmarks.shape
         n, c_out = x.shape[1], out_weight.shape[0]
-        p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [B, h, m, n]
+        p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [B, h, m, n], float32 island
         a = gaussian_kernel(landmarks, landmarks, scale)
         a_pinv = newton_pinv(a, newton_iter, ridge, rule=newton_rule, backward=newton_backward)
-        p_rows = p.reshape(batch, heads * m, n)
-        px = (p_rows @ x).view(batch, heads, m, x.shape[-1])       # P x: [B, h, m, C]
+        p_rows = p.reshape(batch, heads * m, n).to(low)            # no copy when low is p's dtype
+        px = (p_rows @ x.to(low)).to(a_pinv.dtype).view(batch, heads, m, x.shape[-1])   # P x: [B, h, m, C], n-sized
         # einsum contracts per head without expanding the weights over the batch (a broadcast
         # matmul would copy [B, h, C, d] weights and reduce their [B, h, C, d] gradients)
         pv = torch.einsum('bhmc,hdc->bhmd', px, v_weight.view(heads, d, -1))   # (P x) W_vᵀ
@@ -143,9 +151,8 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
         left = p_rows.transpose(1, 2)                              # [B, n, h·m]
         if dropout is not None:
             left = dropout(left)
-        y = y.reshape(batch, heads * m, c_out)
-        out = left @ y if out_bias is None else torch.baddbmm(_upcast(out_bias), left, y)
-    return out.to(out_dtype)
+        y = y.reshape(batch, heads * m, c_out).to(low)
+        return left @ y if out_bias is None else torch.baddbmm(out_bias.to(low), left, y)   # n-sized
 
 
 def soft_attention_reference(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor,
