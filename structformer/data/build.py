@@ -3,6 +3,7 @@ from typing import Callable, Optional, Tuple
 
 from torch.utils.data import Dataset
 
+from .augment import Augmentation
 from .cifar import build_cifar10
 from .digits import build_digits
 from .imagefolder import build_imagefolder
@@ -18,14 +19,18 @@ _FOLDER_BUILDERS = {'mnist': build_mnist, 'cifar10': build_cifar10, 'imagefolder
 
 def build_datasets(spec: str, *, seed: int = 0, val_fraction: float = 0.2,
                    train_transform: Optional[Callable] = None, eval_transform: Optional[Callable] = None,
-                   **options) -> Tuple[Dataset, Dataset, DatasetInfo]:
+                   augmentation: Optional[Augmentation] = None, **options) -> Tuple[Dataset, Dataset, DatasetInfo]:
     """Train and val datasets for `spec` (see DATASET_FORMS), each yielding (float32 [C, H, W], int label).
 
     seed / val_fraction: the held-out split where the data has none of its own (digits, synthetic,
     a single MNIST pair, an imagefolder without train/ and val/); `seed` also seeds the synthetic data.
     train_transform / eval_transform: for in-memory datasets, callables applied to the normalised
     tensor after the built-in augmentation; for imagefolder, PIL -> tensor transforms that replace
-    the defaults. options: dataset options, e.g. augment=true, num_classes=4; strings are coerced.
+    the defaults. augmentation: timm's training augmentations (`structformer train`'s --aa, --reprob,
+    --remode, --recount, --color-jitter, --scale, --ratio, --hflip; augment.py) for the train split of
+    image data; refused (UsageError) for synthetic-subspaces and text; recorded in
+    info.extra['augmentation']. None or nothing requested: today's datasets.
+    options: dataset options, e.g. augment=true, num_classes=4; strings are coerced.
     """
     name, path = parse_data_spec(spec)
     val_fraction = check_val_fraction(val_fraction)
@@ -34,7 +39,7 @@ def build_datasets(spec: str, *, seed: int = 0, val_fraction: float = 0.2,
     except (TypeError, ValueError):
         raise ValueError(f'seed must be an integer; got {seed!r}') from None
     common = dict(seed=seed, val_fraction=val_fraction, train_transform=train_transform,
-                  eval_transform=eval_transform, **options)
+                  eval_transform=eval_transform, augmentation=augmentation, **options)
     if name in _BUILDERS:
         return _BUILDERS[name](**common)
     return _FOLDER_BUILDERS[name](path, spec=spec, **common)

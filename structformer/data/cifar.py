@@ -69,7 +69,8 @@ def read_cifar_batch(path: str):
     return torch.from_numpy(data.reshape(-1, 3, 32, 32)), torch.from_numpy(labels)
 
 
-def build_cifar10(path, *, spec, seed, val_fraction, train_transform, eval_transform, **options):
+def build_cifar10(path, *, spec, seed, val_fraction, train_transform, eval_transform, augmentation=None,
+                  **options):
     opts = resolve_options('cifar10', OPTIONS, options)
     folder = check_folder(path, spec)
     if not os.path.isfile(os.path.join(folder, VAL_FILE)) and os.path.isdir(os.path.join(folder,
@@ -87,10 +88,11 @@ def build_cifar10(path, *, spec, seed, val_fraction, train_transform, eval_trans
     train_idx, val_idx = np.arange(len(images) - n_val), np.arange(len(images) - n_val, len(images))
     train, val = split_datasets(images, labels, train_idx, val_idx, mean=CIFAR10_MEAN, std=CIFAR10_STD,
                                 max_value=255.0, augment='crop4_flip' if opts['augment'] else None,
-                                train_transform=train_transform, eval_transform=eval_transform)
+                                train_transform=train_transform, eval_transform=eval_transform,
+                                augmentation=augmentation, raw_max=255.0)
     info = DatasetInfo(
         name='cifar10', num_classes=10, in_chans=3, img_size=32, train_size=len(train), val_size=len(val),
         description=f'CIFAR-10 folder {folder}: data_batch_1..5 ({len(train)}) train, test_batch ({len(val)}) val',
         extra={'path': folder, 'classes': list(CLASSES), 'mean': list(CIFAR10_MEAN), 'std': list(CIFAR10_STD),
-               'max_value': 255.0, 'augment': opts['augment']})
+               'max_value': 255.0, 'augment': opts['augment'], 'augmentation': train.augmentation_record})
     return train, val, info

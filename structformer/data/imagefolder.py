@@ -17,6 +17,7 @@ import numpy as np
 from torch.utils.data import Subset
 
 from ..errors import UsageError
+from .augment import given_flags, timm_train_transform, wanted
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
@@ -92,8 +93,8 @@ def default_transforms(img_size: int, augment: bool):
     """(train, eval) PIL -> normalised tensor transforms, ImageNet mean/std.
 
     Eval is timm's (resize to img_size/0.875, center crop). Train is random-resized-crop + flip built
-    from torchvision, not timm.create_transform: timm's random crop draws from Python's `random`,
-    and we want every augmentation to draw from torch's RNG so resumed runs repeat bit for bit.
+    from torchvision, drawing from torch's RNG; it is kept as it was so runs without augmentation flags
+    are unchanged. The flags (--aa, --reprob, ...) replace it with timm's create_transform (augment.py).
     """
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
     from torchvision import transforms as T
@@ -119,11 +120,23 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error'):
     return folder
 
 
-def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_transform, **options):
+def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_transform, augmentation=None,
+                      **options):
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     opts = resolve_options('imagefolder', OPTIONS, options)
+    aug = wanted(augmentation)
+    if aug is not None and not opts['augment']:
+        raise UsageError(f'--data-kwargs augment=false turns off the training augmentation of --data {spec} '
+                         f'that {given_flags(aug)} configure; give one or the other')
+    if aug is not None and train_transform is not None:
+        raise ValueError('train_transform replaces the training transform that augmentation configures; '
+                         'give one or the other')
     root = check_folder(path, spec)
     default_train, default_eval = default_transforms(opts['img_size'], opts['augment'])
+    applied = None
+    if aug is not None:
+        default_train, applied = timm_train_transform(opts['img_size'], aug, IMAGENET_DEFAULT_MEAN,
+                                                      IMAGENET_DEFAULT_STD)
     train_tf, eval_tf = train_transform or default_train, eval_transform or default_eval
     val_dir = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
     if os.path.isdir(os.path.join(root, 'train')) and val_dir:
@@ -150,5 +163,5 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         description=f'image folder {root}: {len(classes)} classes, {split}, images at {opts["img_size"]}px',
         extra={'path': root, 'classes': list(classes), 'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
-               'skipped_images': skipped})
+               'skipped_images': skipped, 'augmentation': applied})
     return train, val, info

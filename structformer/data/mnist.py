@@ -94,7 +94,7 @@ def find_mnist_files(folder: str, spec: str):
     return pairs
 
 
-def build_mnist(path, *, spec, seed, val_fraction, train_transform, eval_transform, **options):
+def build_mnist(path, *, spec, seed, val_fraction, train_transform, eval_transform, augmentation=None, **options):
     opts = resolve_options('mnist', OPTIONS, options)
     pairs = find_mnist_files(check_folder(path, spec), spec)
     if pairs['train'] and pairs['t10k']:
@@ -116,11 +116,12 @@ def build_mnist(path, *, spec, seed, val_fraction, train_transform, eval_transfo
         raise ValueError(f'--data {spec!r}: expected square images; the IDX files hold {h}x{w}')
     train, val = split_datasets(images, labels, train_idx, val_idx, mean=[MNIST_MEAN], std=[MNIST_STD],
                                 max_value=255.0, augment='shift1' if opts['augment'] else None,
-                                train_transform=train_transform, eval_transform=eval_transform)
+                                train_transform=train_transform, eval_transform=eval_transform,
+                                augmentation=augmentation, raw_max=255.0)
     info = DatasetInfo(
         name='mnist', num_classes=max(10, int(labels.max()) + 1), in_chans=1, img_size=int(h),
         train_size=len(train), val_size=len(val),
         description=f'MNIST-format IDX folder {path}: {len(train)} train / {len(val)} val ({split})',
         extra={'path': path, 'mean': [MNIST_MEAN], 'std': [MNIST_STD], 'max_value': 255.0, 'split': split,
-               'augment': opts['augment']})
+               'augment': opts['augment'], 'augmentation': train.augmentation_record})
     return train, val, info

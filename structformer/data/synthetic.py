@@ -14,6 +14,7 @@ import math
 import torch
 from einops import rearrange
 
+from .augment import refuse_augmentation
 from .spec import DatasetInfo, Option, is_square, resolve_options
 from .tensor import split_datasets, stratified_split
 
@@ -71,7 +72,9 @@ def sample_tokens(bases: torch.Tensor, labels: torch.Tensor, num_tokens: int, pu
     return tokens, subspace
 
 
-def build_synthetic(*, seed, val_fraction, train_transform, eval_transform, **options):
+def build_synthetic(*, seed, val_fraction, train_transform, eval_transform, augmentation=None, **options):
+    # the pixels are tokens of subspaces: cropping, flipping or recolouring them would break the data model
+    refuse_augmentation(augmentation, 'synthetic-subspaces')
     o = resolve_options('synthetic-subspaces', OPTIONS, options)
     k, p, d, n_tok = o['num_classes'], o['subspace_dim'], o['token_dim'], o['num_tokens']
     if p > d:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from .augment import Augmentation, raw_image_augmentation, wanted
+
 AUGMENTATIONS = ('shift1', 'crop4_flip')
 
 
@@ -19,12 +21,17 @@ class TensorImageDataset(Dataset):
     and MNIST) or 'crop4_flip' (pad 4 + random crop + horizontal flip, for CIFAR-10). Padding is
     raw 0, i.e. the black background. All randomness comes from torch's global RNG, so a training
     engine that saves and restores `torch.get_rng_state()` resumes bit for bit.
+    augmentation: timm's augmentations asked for by `structformer train`'s flags (augment.py), applied after
+    `augment` on the image in raw units (scaled to 0..255 by 255 / raw_max for PIL), random erasing after
+    normalisation; they draw from the global `random`, numpy and torch RNGs. None or nothing requested:
+    the output is what it is without them. raw_max: the raw value of white (16 for digits, 255 for 8-bit).
     transform: an optional callable applied last, to the normalised tensor.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, mean: Sequence[float],
                  std: Sequence[float], max_value: float = 1.0, augment: Optional[str] = None,
-                 transform: Optional[Callable] = None, source_indices: Optional[torch.Tensor] = None):
+                 transform: Optional[Callable] = None, source_indices: Optional[torch.Tensor] = None,
+                 augmentation: Optional[Augmentation] = None, raw_max: float = 255.0):
         if images.ndim != 4 or len(images) != len(labels):
             raise ValueError(f'images must be [N, C, H, W] with one label each; got {tuple(images.shape)} '
                              f'and {len(labels)} labels')
@@ -38,6 +45,14 @@ class TensorImageDataset(Dataset):
         self.max_value = float(max_value)
         self.augment = augment
         self.transform = transform
+        self.augmentation = wanted(augmentation)
+        self.pixel_augment, self.erase, self.augmentation_record = None, None, None
+        if self.augmentation is not None:
+            # the mean pixel in 0..255 units: fill of timm's rotations and shifts, as transforms_factory sets it
+            mean_pixel = tuple((self.mean.flatten() * self.max_value * 255.0 / raw_max).tolist())
+            self.pixel_augment, self.erase, self.augmentation_record = raw_image_augmentation(
+                self.augmentation, channels=c, size=tuple(images.shape[-2:]), raw_max=raw_max,
+                mean_pixel=mean_pixel)
         # Positions in the source collection (e.g. in load_digits()), so splits can be compared.
         self.source_indices = (torch.arange(len(images)) if source_indices is None
                                else torch.as_tensor(source_indices, dtype=torch.long))
@@ -60,7 +75,11 @@ class TensorImageDataset(Dataset):
             x = _random_crop(x, pad=4)
             if torch.rand(()) < 0.5:
                 x = x.flip(-1)
+        if self.pixel_augment is not None:
+            x = self.pixel_augment(x)
         x = self._normalise(x)
+        if self.erase is not None:
+            x = self.erase(x)
         if self.transform is not None:
             x = self.transform(x)
         return x, int(self.labels[i])
@@ -101,13 +120,14 @@ def contiguous_split(n: int, val_fraction: float) -> Tuple[np.ndarray, np.ndarra
 
 def split_datasets(images: torch.Tensor, labels: torch.Tensor, train_idx, val_idx, *, mean, std,
                    max_value: float = 1.0, augment: Optional[str] = None, train_transform=None,
-                   eval_transform=None) -> Tuple[TensorImageDataset, TensorImageDataset]:
+                   eval_transform=None, augmentation: Optional[Augmentation] = None,
+                   raw_max: float = 255.0) -> Tuple[TensorImageDataset, TensorImageDataset]:
     """Train/val datasets over index sets of one collection; only the train side is augmented."""
     train_idx = torch.as_tensor(np.asarray(train_idx), dtype=torch.long)
     val_idx = torch.as_tensor(np.asarray(val_idx), dtype=torch.long)
     common = dict(mean=mean, std=std, max_value=max_value)
     train = TensorImageDataset(images[train_idx], labels[train_idx], augment=augment, transform=train_transform,
-                               source_indices=train_idx, **common)
+                               source_indices=train_idx, augmentation=augmentation, raw_max=raw_max, **common)
     val = TensorImageDataset(images[val_idx], labels[val_idx], transform=eval_transform,
                              source_indices=val_idx, **common)
     return train, val

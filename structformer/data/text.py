@@ -23,6 +23,7 @@ from typing import List, Tuple
 import torch
 from torch.utils.data import Dataset
 
+from .augment import refuse_augmentation
 from .spec import DatasetInfo, Option, resolve_options
 
 __all__ = ['ByteWindows', 'build_pysource', 'build_text', 'stdlib_sources', 'TEXT_SUFFIXES']
@@ -98,7 +99,9 @@ def _split(files: List[Path], seed: int, val_fraction: float, max_bytes: int, sp
     return join(train), join(val), len(train), len(val)
 
 
-def _build(files, name, spec, source, *, seed, val_fraction, train_transform=None, eval_transform=None, **options):
+def _build(files, name, spec, source, *, seed, val_fraction, train_transform=None, eval_transform=None,
+           augmentation=None, **options):
+    refuse_augmentation(augmentation, spec)
     if train_transform is not None or eval_transform is not None:
         raise ValueError(f"--data {spec}: text data takes no image transforms")
     opts = resolve_options(name, OPTIONS, options)
