@@ -9,11 +9,16 @@ HSIC; `MinibatchCKA` accumulates the unbiased HSIC_1 estimator (Song et al. 2012
 and reports Σ HSIC_1(K, L) / √(Σ HSIC_1(K, K) · Σ HSIC_1(L, L)), which does not depend on the batch size in
 expectation. `hsic_unbiased_reference` is the U-statistic written out over distinct index quadruples, the
 slow reference the tests compare the closed form with.
+
+Precision: HSIC in float64; the models' forward passes run with autocast off (`full_precision`), so CKA does not
+depend on whether the caller sits inside an autocast context.
 """
 import itertools
 from typing import Dict, List, Sequence
 
 import torch
+
+from ..functional.precision import full_precision
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +85,7 @@ class MinibatchCKA:
 
 
 @torch.no_grad()
+@full_precision
 def block_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.Tensor]:
     """Every block's output for a batch, via timm's `forward_intermediates` in the NLC layout where a
     model offers it (any structformer or timm ViT/Mixer), flattened per sample."""
@@ -94,6 +100,7 @@ def block_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.T
     return [m.reshape(m.shape[0], -1) for m in maps]
 
 
+@full_precision
 def minibatch_cka(model_a: torch.nn.Module, model_b: torch.nn.Module, batches) -> Dict[str, object]:
     """CKA between the block outputs of two models over an iterable of image batches (Fig. 2)."""
     meter = None

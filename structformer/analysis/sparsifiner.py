@@ -11,6 +11,8 @@ Pictures (PNG): the kept keys of one query patch per head over the image (the ma
 attention row next to the sparse one Ã (Eq. 4–5; paper Fig. 5), and the rows of W_up as maps over the
 patch grid, thresholded (paper Fig. 6). The mask is the layer's own (`keep_scores`, `impl='masked'`), the
 dense attention and Ã_down are recomputed from the layer's input with its own projections.
+Precision: the measurements run with autocast off (`full_precision`): the masks, densities and recalls of the
+float32 model, whatever context they are called in.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import UsageError
+from ..functional.precision import full_precision
 from ..functional.sparsifiner import low_rank_attention
 from ..layers.attention.sparsifiner import SparsifinerAttention
 
@@ -41,6 +44,7 @@ def sparsifiner_layers(model: torch.nn.Module) -> Dict[str, SparsifinerAttention
 
 # ---------------------------------------------------------------- per-layer quantities (pure)
 
+@full_precision
 def layer_maps(attn: SparsifinerAttention, x: torch.Tensor, mask: torch.Tensor,
                with_a_down: bool = True) -> Dict[str, torch.Tensor]:
     """From the layer's input x [B, n, C] and its mask M [B, H, n, n]: the dense attention A = softmax(QKᵀ/√d),
@@ -144,6 +148,7 @@ def _recording(layers: Sequence[SparsifinerAttention]):
             m.last_scores = m.last_mask = None
 
 
+@full_precision
 def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_token: Optional[int] = None,
                         draw: int = PICTURE_IMAGES, batch_size: int = 32) -> Dict:
     """Per-layer numbers over `images` and, for the first `draw` images, the rows of the query token

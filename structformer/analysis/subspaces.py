@@ -22,6 +22,8 @@ heads × subspaces matrix; contrast = mean over the Hungarian-matched (head, sub
 uniform 1/K, against a baseline that permutes the tokens' subspace labels. Attention (layer 1, as
 the model runs, positions included): per head, the share of each patch token's attention over patch
 tokens that lands on tokens of its own subspace, against the share of such tokens (uniform attention).
+
+Precision: float64 throughout; the functions that run the model do so with autocast off (`full_precision`).
 """
 from typing import Dict, Optional
 
@@ -31,6 +33,7 @@ from scipy.linalg import subspace_angles
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from ..functional.precision import full_precision
 from ..layers.linear.base import StructuredLinear, linear_weight
 from .whitebox import layer_bases
 
@@ -122,6 +125,7 @@ def match_subspaces(learned: torch.Tensor, true: torch.Tensor) -> Dict:
     return {'pairs': pairs, 'mean_deg': float(np.mean([p['mean_deg'] for p in pairs]))}
 
 
+@full_precision
 def subspace_recovery(model: nn.Module, true_bases: torch.Tensor, seed: int = 0) -> Dict:
     """Layer 1: heads matched to the mapped true subspaces (LN1's γ included), principal angles in
     degrees, and the same for random orthonormal bases of the learned shape (what "no recovery" looks like)."""
@@ -144,6 +148,7 @@ def _hungarian_mean(matrix: torch.Tensor) -> float:
     return float(matrix[rows, cols].mean())
 
 
+@full_precision
 def subspace_energy(model: nn.Module, images: torch.Tensor, token_subspaces: torch.Tensor, num_subspaces: int,
                     permutations: int = 200, seed: int = 0) -> Dict:
     """Layer 1, on data: the heads × subspaces energy-share matrix with a label-permutation baseline, and

@@ -26,6 +26,10 @@ Mean and std (population, so B = 1 gives 0) over the B samples.
 
 Tokens: by default all N+1 tokens, cls included, as the official hook sees them; `include_cls=False` drops
 the prefix token(s).
+
+Precision: every measurement (the model's forward included) runs with autocast off (`full_precision`), so it gives
+the same numbers inside an autocast context as outside: a logdet or a sparsity count of bf16 activations would
+measure the rounding, not the network.
 """
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence
@@ -36,6 +40,7 @@ from torch import nn
 
 from ..functional.coding_rate import (OFFICIAL_EPS, official_rate_bounds, official_rate_per_head,
                                       paper_rate_per_head, sparsity)
+from ..functional.precision import full_precision
 from ..hooks import capture
 
 __all__ = ['ESTIMATORS', 'check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
@@ -59,6 +64,7 @@ def _check_estimator(estimator: str) -> None:
         raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}; got {estimator!r}")
 
 
+@full_precision
 def rate(z: torch.Tensor, u_heads: torch.Tensor, estimator: str = 'official', eps: Optional[float] = None,
          norm: Optional[nn.Module] = None) -> torch.Tensor:
     """R_c of tokens z [..., N, d] against U [K, d, p] with `estimator`, after `norm` (the layer's LN1) when
@@ -127,6 +133,7 @@ def _device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device('cpu')
 
 
+@full_precision
 def capture_layers(model: nn.Module, images: torch.Tensor) -> List[Dict[str, torch.Tensor]]:
     """One eval forward; returns per layer {'input': Z^ℓ, 'half': Z^{ℓ+½}, 'output': Z^{ℓ+1}}, each
     [B, N+1, d] (cls included). Keeps every tensor: use `measure_layers` for large batches."""
@@ -151,6 +158,7 @@ def _stats(values: torch.Tensor) -> Dict[str, float]:
     return {'mean': float(values.mean()), 'std': float(values.std(correction=0))}
 
 
+@full_precision
 def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] = None, *,
                    estimator: str = 'official', include_cls: bool = True, batch_size: int = 64) -> Dict:
     """Per-layer R_c, per-operator deltas, sparsity and norms over the samples in `images` (Fig. 3–5).
@@ -215,6 +223,7 @@ def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] 
             'include_cls': include_cls, 'R_c_bounds': bounds, 'layers': layers, 'samples': samples}
 
 
+@full_precision
 def token_heatmaps(model: nn.Module, image: torch.Tensor, layers: Optional[Sequence[int]] = None,
                    size: int = 50, seed: int = 0) -> Dict[int, np.ndarray]:
     """|Z^ℓ| of one sample as a tokens × features array (Fig. 6), keyed by ℓ (0 = embedded input,

@@ -2,8 +2,15 @@
 
 Tokens are rows here: a sample is `Z` of shape [N, d] (the paper writes Z ∈ R^{d×N}).
 Every function accepts a leading batch dimension and returns one value per sample.
+
+Dtype policy: every rate (and ∇R_c, the orthonormal bases) computes in float32 (float64 for float64 input) with
+autocast off, whatever context it is called in (`computes_in_float32`), because a logdet through a Cholesky of a
+bf16 Gram matrix is meaningless (before this guard, `compression_rate` of 16 tokens under CPU bf16 autocast
+raised 'not positive-definite', and `coding_rate` silently factorised a bf16-rounded Gram matrix).
 """
 import torch
+
+from .precision import computes_in_float32
 
 
 def _half_logdet_identity_plus(gram: torch.Tensor, scale: float) -> torch.Tensor:
@@ -19,6 +26,7 @@ def _small_gram(z: torch.Tensor) -> torch.Tensor:
     return z.transpose(-2, -1) @ z if d <= n else z @ z.transpose(-2, -1)
 
 
+@computes_in_float32
 def coding_rate(z: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
     """R(Z) of CRATE Eq. 7: ½ logdet(I + d/(N ε²) ZᵀZ), for z of shape [..., N, d]."""
     n, d = z.shape[-2:]
@@ -33,6 +41,7 @@ def split_heads(u: torch.Tensor, num_heads: int) -> torch.Tensor:
     return u.reshape(d, num_heads, kp // num_heads).permute(1, 0, 2)
 
 
+@computes_in_float32
 def coding_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
     """Per-head terms of CRATE Eq. 8: ½ logdet(I + p/(N ε²) (U_kᵀZ)ᵀ(U_kᵀZ)) -> [..., K]."""
     n = z.shape[-2]
@@ -41,11 +50,13 @@ def coding_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.
     return _half_logdet_identity_plus(_small_gram(projected), p / (n * eps ** 2))
 
 
+@computes_in_float32
 def compression_rate(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
     """R_c(Z; U_[K]) of CRATE Eq. 8 (sum over heads) for z [..., N, d] and u_heads [K, d, p]."""
     return coding_rate_per_head(z, u_heads, eps).sum(-1)
 
 
+@computes_in_float32
 def compression_rate_grad(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
     """Closed-form ∇_Z R_c of CRATE Eq. 9, in row layout.
 
@@ -81,6 +92,7 @@ def _project(z: torch.Tensor, u_heads: torch.Tensor) -> torch.Tensor:
     return torch.einsum('...nd,kdp->...knp', z, u_heads)
 
 
+@computes_in_float32
 def official_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = OFFICIAL_EPS) -> torch.Tensor:
     """Per-head terms of the estimator in CRATE's public code (`vis_utils/coding_rate.py`), [..., K].
 
@@ -106,6 +118,7 @@ def official_rate_bounds(num_heads: int, num_tokens: int, dim_head: int, eps: fl
     return num_heads * low, num_heads * high
 
 
+@computes_in_float32
 def orthonormal_bases(u_heads: torch.Tensor) -> torch.Tensor:
     """Q_k with orthonormal columns spanning each U_k ([K, d, p], reduced QR; p <= d)."""
     if u_heads.shape[-1] > u_heads.shape[-2]:
@@ -113,6 +126,7 @@ def orthonormal_bases(u_heads: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(u_heads, mode='reduced').Q
 
 
+@computes_in_float32
 def paper_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
     """Per-head terms of Eq. 8 as written, with U_k orthonormalised first (the paper assumes orthonormal
     bases): ½ logdet(I + p/(N ε²) (Q_kᵀZ)ᵀ(Q_kᵀZ)) -> [..., K]. Invariant to the scale of U_k; the

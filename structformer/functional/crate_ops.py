@@ -1,6 +1,9 @@
 """Slow, obvious references for the CRATE operators, written straight from the equations.
 
 The layers in `structformer.layers` have fused fast paths; tests compare them with these.
+Dtype policy: plain torch ops, so under autocast each product runs in the autocast dtype and everything else
+follows torch's type promotion (e.g. `ista_reference`'s skip add x + η(·) returns float32 for a float32 x); the
+layers state and enforce their own output dtype (docs/precision.md).
 Row layout: x is [B, N, d]; `qkv_weight` is the [K·p, d] weight of the shared projection,
 so U_k = qkv_weight[k·p:(k+1)·p]ᵀ ∈ R^{d×p}.
 """

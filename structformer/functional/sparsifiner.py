@@ -15,6 +15,12 @@ Execution paths of Eq. 4–6 that agree to rounding:
                          compiled there; on CPU eager it materialises the scores, so it is there to be tested).
 With block connectivity, `block_gathered_attention` (gathered tiles, autograd) and the CPU tile kernel
 (`tile_kernel.py`, its own backward) take the kept tiles directly.
+
+Dtype policy (docs/precision.md): the predictor (Eq. 1–3: `down_projected_keys`, `low_rank_attention`,
+`connectivity_scores`, the tile means, `predicted_tiles`, the per-sample bases) computes in float32 under any
+autocast context (`computes_in_float32`: autocast off, half inputs upcast), because its scores feed a top-k and
+bf16 scores (8 significant bits) tie and change which keys are kept; the attention of Eq. 4–6 runs in the
+autocast dtype like any attention (the CPU tile kernel, float32-only, casts in and out: `tile_kernel.py`).
 """
 import math
 from typing import Optional
@@ -22,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .precision import computes_in_float32
 from .sparsifiner_flex import block_flex_attention, flex_attention_path  # noqa: F401  (re-exported)
 from .tile_kernel import block_connectivity, block_tile_attention
 
@@ -33,6 +40,7 @@ def budget(num_tokens: int, keep_ratio: float) -> int:
     return max(1, math.ceil(keep_ratio * num_tokens - 1e-9))
 
 
+@computes_in_float32
 def down_projected_keys(k: torch.Tensor, w_down: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """W_down K · scale [B, H, n_down, d]: the n_down keys of Eq. 1, the scale folded into them."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
@@ -44,12 +52,14 @@ def down_projected_keys(k: torch.Tensor, w_down: torch.Tensor, scale: Optional[f
     return (torch.matmul(w_down, tokens) * scale).reshape(b, -1, h, d).transpose(1, 2)
 
 
+@computes_in_float32
 def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
                        scale: Optional[float] = None) -> torch.Tensor:
     """Eq. 1: softmax(Q (W_down K)ᵀ · scale) over the n_down down-projected keys."""
     return torch.softmax(q @ down_projected_keys(k, w_down, scale).transpose(-2, -1), dim=-1)
 
 
+@computes_in_float32
 def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float) -> torch.Tensor:
     """Eq. 2–3 before the top-k: Ã_down · W̃_up with coefficients ≤ τ and basis entries |w| < t set to zero
     (the products keep their gradient through the entries that survive)."""
@@ -80,6 +90,7 @@ def mask_from_indices(indices: torch.Tensor, num_keys: int, dense_rows: int = 0)
     return mask
 
 
+@computes_in_float32
 def block_mask_from_scores(scores: torch.Tensor, block_size: int, keep_ratio: float) -> torch.Tensor:
     """The block-level variant (ours, beyond the paper): mean scores over block_size × block_size tiles (a
     partial last tile averaged over its real entries, as `pooled_block_scores` computes them without S), keep
@@ -141,12 +152,14 @@ def _tile_pooling(num_tokens: int, block_size: int, like: torch.Tensor) -> torch
     return members / members.sum(-1, keepdim=True)
 
 
+@computes_in_float32
 def pooled_basis(w_up: torch.Tensor, up_threshold: float, block_size: int) -> torch.Tensor:
     """The key-tile means of W̃_up = W_up ⊙ 1[|W_up| ≥ t] (Eq. 3), [..., n_down, ⌈n/bs⌉]: W̃_up Pᵀ (`_tile_pooling`)."""
     basis = w_up * (w_up.abs() >= up_threshold)
     return basis @ _tile_pooling(w_up.shape[-1], block_size, w_up).transpose(-2, -1)
 
 
+@computes_in_float32
 def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float,
                         block_size: int) -> torch.Tensor:
     """Tile means of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: the mean of S over
@@ -159,6 +172,7 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
     return (pool_queries @ coefficients) @ pooled_basis(w_up, up_threshold, block_size)
 
 
+@computes_in_float32
 def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, tau: float,
                     up_threshold: float, keep_ratio: float, block_size: int, kernel: bool = False) -> torch.Tensor:
     """The block connectivity, without gradient: Eq. 1–3 on tile means, then the top ⌈keep · tiles⌉ key tiles of
@@ -315,6 +329,7 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indi
 
 # ---- pruned sequences (EViT token pruning combined, ours): per-sample bases for the tokens left ----
 
+@computes_in_float32
 def source_columns(w: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
     """The W_down / W_up columns of a pruned sequence: W [n_down, n_full], `sources` [B, n, n_full] (row i:
     the convex weights of the original tokens that token i stands for) -> W·Sᵀ [B, n_down, n]. A one-hot row
@@ -322,6 +337,7 @@ def source_columns(w: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
     return torch.einsum('pm,bnm->bpn', w, sources.to(w.dtype))
 
 
+@computes_in_float32
 def low_rank_attention_per_sample(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
                                   scale: Optional[float] = None) -> torch.Tensor:
     """Eq. 1 with a per-sample W_down [B, n_down, n] (`source_columns`), shared by the heads."""

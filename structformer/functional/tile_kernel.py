@@ -17,6 +17,13 @@ version and the compiler, written to a temporary name and renamed.
 It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
 or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
 gathered path instead.
+
+Dtype policy: the kernel computes in float32 or float64 only (its GEMMs are MKL's sgemm/dgemm). Under CPU autocast
+`block_tile_attention` casts float16/bfloat16 inputs to float32, runs the kernel with autocast off and casts the
+output to the autocast dtype (gradients flow back through the casts); the layer's impl='auto' does not pick the
+kernel under autocast (`usable`), it runs the gathered tiles in the autocast dtype as SDPA would. Outside autocast
+half inputs are refused (ValueError). `block_connectivity` (the predictor) takes float32/64 only; its callers
+upcast (`sparsifiner.predicted_tiles` computes in float32).
 """
 import hashlib
 import os
@@ -33,6 +40,8 @@ from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from .precision import LOW_PRECISION, upcast
 
 CSRC = Path(__file__).resolve().parent.parent / 'csrc'
 SOURCES = tuple(CSRC / name for name in ('block_tile_attention.cpp', 'block_tile_attention_backward.cpp',
@@ -147,10 +156,11 @@ def available() -> bool:
 
 
 def usable(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
-    """Whether impl='auto' may run the kernel on q: a float32/64 CPU tensor, no attention dropout, not inside
-    torch.compile, and the library loads."""
-    return (q.device.type == 'cpu' and q.dtype in DTYPES and not dropout_p and not torch.compiler.is_compiling()
-            and available())
+    """Whether impl='auto' may run the kernel on q: a float32/64 CPU tensor, no CPU autocast (there the attention
+    runs in the autocast dtype, on the gathered path), no attention dropout, not inside torch.compile, and the
+    library loads."""
+    return (q.device.type == 'cpu' and q.dtype in DTYPES and not torch.is_autocast_enabled('cpu') and not dropout_p
+            and not torch.compiler.is_compiling() and available())
 
 
 def _require_kernel() -> None:
@@ -200,9 +210,15 @@ def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     """Eq. 4–6 on the kept key tiles `block_indices` [B, H, query tiles, kept] of q [B, H, n, d], k, v
     [B, H, m, d] (any strides with contiguous channels), differentiable in q, k and v; the first `dense_rows`
     queries attend to every key. The output is [B, H, n, d] laid out as [B, n, H, d], so merging the heads is
-    a view. The function of `block_gathered_attention`. Raises ValueError on input the kernel does not take."""
+    a view. The function of `block_gathered_attention`. Raises ValueError on input the kernel does not take.
+    Dtype policy: float32/64 in and out; under CPU autocast, half inputs are cast to float32, the kernel runs
+    in float32 with autocast off and the output is cast to the autocast dtype (module docstring)."""
     _require_kernel()
     tensors = (q, k, v)
+    if torch.is_autocast_enabled('cpu') and any(t.dtype in LOW_PRECISION for t in tensors):
+        with torch.autocast(device_type='cpu', enabled=False):
+            out = block_tile_attention(*(upcast(t) for t in tensors), block_indices, block_size, scale, dense_rows)
+        return out.to(torch.get_autocast_dtype('cpu'))                  # strides preserved: heads merge as a view
     if any(t.device.type != 'cpu' for t in tensors) or q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
                          f"k {k.dtype}, v {v.dtype}")

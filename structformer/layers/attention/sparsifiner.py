@@ -27,6 +27,12 @@ a CPU, where it takes 'kernel' in training and inference: the CPU tile kernel (`
 block connectivity only, float32/64, no attention dropout, built on first use; under attention dropout or
 where it cannot load, 'auto' stays on 'gather').
 
+Dtype policy under autocast (docs/precision.md): the predictor (its q/k reductions, Eq. 1–3, the scores kept for
+distillation, the top-k) computes in float32 with autocast off, because a top-k over bf16 scores ties and changes
+which keys are kept; the attention (Eq. 4–6) runs in the autocast dtype (masked, gathered, flex), and the output
+is in that dtype. On a CPU under autocast 'auto' takes the gathered tiles in the autocast dtype, not the
+float32-only tile kernel; impl='kernel' still runs the kernel, in float32, cast in and out (`tile_kernel.py`).
+
 W_down and W_up have n columns, so the token count is fixed per layer: pass `seq_len`, or they are
 created at the first forward from its n (the model factory's `materialize_lazy` does that before an
 optimiser exists).
@@ -43,6 +49,7 @@ import warnings
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
@@ -52,8 +59,10 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
                                        pooled_block_scores, predicted_tiles, source_columns, tile_attention,
                                        top_tiles, topk_indices)
 from ...functional import tile_kernel
+from ...functional.precision import upcast
 from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
+from ..linear.base import linear_weight
 from .registry import register_attention
 from .softmax import AttentionBase, check_no_mask
 
@@ -196,10 +205,16 @@ class SparsifinerAttention(AttentionBase):
         return low_rank_attention_per_sample(q, k, w_down.to(q.dtype)), w_up.to(q.dtype).unsqueeze(1)
 
     def _predictor_inputs(self, q: torch.Tensor, k: torch.Tensor):
-        """q and k as the predictor sees them: reduced to `predictor_dim` channels when it is set."""
+        """q and k as the predictor sees them: float16/bfloat16 upcast to float32 (the predictor's dtype policy:
+        its scores feed a top-k), then reduced to `predictor_dim` channels when it is set, by its two linear maps
+        in float32 with autocast off."""
+        q, k = upcast(q), upcast(k)
         if self.predictor_q is None:
             return q, k
-        return self.predictor_q(q), self.predictor_k(k)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            # linear_weight: the [out, in] matrix also after `factorize` swaps the maps (no bias: built without)
+            return (F.linear(q, linear_weight(self.predictor_q).to(q.dtype)),
+                    F.linear(k, linear_weight(self.predictor_k).to(k.dtype)))
 
     def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
@@ -223,6 +238,8 @@ class SparsifinerAttention(AttentionBase):
         # logits they save. Block connectivity: whole tiles are gathered once per query tile and the predictor
         # runs on tile means, with no n×n tensor, unless the n×n scores are asked for (keep_scores)
         if self.connectivity == 'block' and not self.keep_scores:
+            # under CPU autocast `usable` is False: the attention then runs in the autocast dtype on gathered tiles,
+            # not in float32 in the kernel (its dtype policy, module docstring). Otherwise:
             # the tile kernel, no K/V copies (bench sparse-attention at n = 577, keep 0.25: 0.4-0.6x SDPA alone with
             # its predictor against 0.7-1.1x gathered in inference; whole module 0.68-0.70x against 0.84-0.94x
             # in training); under dropout or where it cannot load: gathered tiles

@@ -13,6 +13,11 @@ class StructuredLinear(nn.Module):
     the source of spectra) and override `forward` with their fast path. The default `forward` is the
     slow, obvious reference `F.linear(x, to_dense(), bias)`, which `forward_reference` always is.
     `bias` is a Parameter of shape [out_features] or None, as in `nn.Linear`.
+
+    Dtype policy (every subclass, tested in tests/test_autocast_policy.py): under autocast `forward` behaves as
+    `nn.Linear` does, its products run in the autocast dtype and the output (bias included) is in that dtype,
+    because the layers are matmuls and bf16/fp16 is what autocast asks of matmuls; `to_dense()` is the weight in
+    the parameters' dtype whether or not autocast is on (it is a weight, read by analysis and tests).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):

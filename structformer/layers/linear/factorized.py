@@ -85,6 +85,9 @@ class FactorizedLinear(StructuredLinear):
     `rank` is an int or a fraction of min(in, out). A fresh layer is initialised like `nn.Linear`
     and then factorised by `init` ('spectral' by default: U Vᵀ is the truncated SVD of that init).
     `from_linear(layer, rank, init)` factorises a trained layer.
+    Dtype policy: under autocast both products run in the autocast dtype through `F.linear` / `matmul` (the
+    oneDNN path of `functional.onednn_linear` is float32-only and is not taken under autocast), so the output
+    is in the autocast dtype; `to_dense()` is U Vᵀ in the parameters' dtype, autocast or not.
     """
 
     def __init__(self, in_features: int, out_features: int, rank: Union[int, float] = 0.25, bias: bool = True,
@@ -125,7 +128,8 @@ class FactorizedLinear(StructuredLinear):
         return self.U, self.V
 
     def to_dense(self) -> torch.Tensor:
-        return self.U @ self.V.T
+        with torch.autocast(device_type=self.U.device.type, enabled=False):   # the weight, not a bf16 copy
+            return self.U @ self.V.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (x V) Uᵀ + b as two `linear` calls: oneDNN's kernels for float32 on CPU (14–16 % faster products
@@ -139,7 +143,9 @@ class FactorizedLinear(StructuredLinear):
 class FactorizedConv2d(nn.Module):
     """An h×w convolution c_in → r (weight V: [r, c_in, h, w], the original stride / padding /
     dilation), then a 1×1 convolution r → c_out (weight U: [c_out, r, 1, 1], the bias): the kernel as
-    the matrix [c_out, c_in·h·w] = U Vᵀ (§3.1.2). Groups and non-zero padding modes are not factorised."""
+    the matrix [c_out, c_in·h·w] = U Vᵀ (§3.1.2). Groups and non-zero padding modes are not factorised.
+    Under autocast both convolutions run in the autocast dtype (that dtype out); `to_dense()` stays in the
+    parameters' dtype."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, rank: Union[int, float] = 0.25,
                  stride=1, padding=0, dilation=1, bias: bool = True, init: str = 'spectral', device=None, dtype=None):
@@ -189,9 +195,10 @@ class FactorizedConv2d(nn.Module):
         return self.U.flatten(1), self.V.flatten(1).T
 
     def to_dense(self) -> torch.Tensor:
-        """The [c_out, c_in, h, w] kernel this layer applies."""
+        """The [c_out, c_in, h, w] kernel this layer applies (in the parameters' dtype, autocast or not)."""
         u, v = self.factors()
-        return (u @ v.T).reshape(self.out_channels, self.in_channels, *self.kernel_size)
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            return (u @ v.T).reshape(self.out_channels, self.in_channels, *self.kernel_size)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.to_dense(), self.bias, self.stride, self.padding, self.dilation)

@@ -31,6 +31,7 @@ class KroneckerLinear(StructuredLinear):
         out_shape: (q₁, q₂), out_features = q₁·q₂; A is [q₁, p₁] (mixes rows, e.g. tokens),
             B is [q₂, p₂] (mixes columns, e.g. channels).
     The factors start N(0, 1/p₁) and N(0, 1/p₂), so A ⊗ B has the N(0, 1/fan_in)-scale of a dense init.
+    Under autocast: both matmuls in the autocast dtype, bias added in it (that dtype out, as `nn.Linear`).
     """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], bias: bool = True, device=None, dtype=None):
@@ -55,7 +56,8 @@ class KroneckerLinear(StructuredLinear):
         matrix = x.reshape(*lead, *self.in_shape)
         y = torch.matmul(torch.matmul(self.weight_rows, matrix), self.weight_cols.t())    # A X Bᵀ
         y = y.reshape(*lead, self.out_features)
-        return y if self.bias is None else y + self.bias
+        # bias in the products' dtype: a float32 bias would promote a bf16/fp16 autocast output to float32
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def to_dense(self) -> torch.Tensor:
         return torch.kron(self.weight_rows, self.weight_cols)

@@ -33,6 +33,7 @@ class MaskedLinear(StructuredLinear):
         density: p ∈ (0, 1], the expected fraction of kept weights (the paper's 1 − sparsity).
         seed: seeds the mask, so the same layer is rebuilt exactly.
         warn_bytes: warn (with the byte count) when weight + mask exceed this many bytes.
+    Under autocast: M ⊙ W formed in the weight's dtype, then `F.linear` in the autocast dtype (that dtype out).
     """
 
     def __init__(self, in_features: int, out_features: int, density: float = 1.0, bias: bool = True, seed: int = 0,

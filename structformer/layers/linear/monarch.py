@@ -21,7 +21,8 @@ __all__ = ['MonarchLinear']
 
 
 class MonarchLinear(StructuredLinear):
-    """x ↦ P_out L P R x + b.
+    """x ↦ P_out L P R x + b. Under autocast: two bmm calls in the autocast dtype, bias added in it (that dtype
+    out, as `nn.Linear`); `to_dense()` in the parameters' dtype.
 
     Args:
         nblocks: b, the block count of both factors; must divide in_features and out_features.
@@ -64,7 +65,8 @@ class MonarchLinear(StructuredLinear):
         mid = mid.permute(1, 2, 0).reshape(-1, b, q).transpose(0, 1)      # [b, N, q]
         out = torch.bmm(mid, self.weight_left.transpose(1, 2))            # L: [b, N, s]
         out = out.permute(1, 2, 0).reshape(*lead, self.out_features)      # P_out: [b, s] read as [s, b]
-        return out if self.bias is None else out + self.bias
+        # bias in the products' dtype: a float32 bias would promote a bf16/fp16 autocast output to float32
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def to_dense(self) -> torch.Tensor:
         b, (_, q, s) = self.nblocks, self.block_sizes
@@ -72,7 +74,8 @@ class MonarchLinear(StructuredLinear):
         left = torch.block_diag(*self.weight_left)                        # [b·s, b·q]
         middle_shuffle = torch.arange(b * q, device=right.device).view(b, q).t().reshape(-1)
         out_shuffle = torch.arange(b * s, device=right.device).view(b, s).t().reshape(-1)
-        return (left @ right[middle_shuffle])[out_shuffle]
+        with torch.autocast(device_type=right.device.type, enabled=False):   # the weight, not a bf16 copy
+            return (left @ right[middle_shuffle])[out_shuffle]
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias=None) -> 'MonarchLinear':

@@ -39,6 +39,8 @@ class PKLinear(StructuredLinear):
         perm_in, perm_out: J₁ and J₂ ('identity' | 'transpose' | 'random' | int64 index vector).
         seed: seeds the random permutations (J₂ uses seed + 1), so a layer is rebuilt exactly.
         bias: a [block_out] bias shared by the blocks (as a Mixer MLP's), added before J₂.
+    Under autocast: the block product is `F.linear` in the autocast dtype and the shuffles are index copies, so
+    the output is in the autocast dtype.
     """
 
     def __init__(self, num_blocks: int, block_in: int, block_out: int, perm_in: PermutationSpec = 'identity',

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
+from ...functional.precision import autocast_dtype
 
 
 class ISTA(nn.Module):
@@ -22,6 +23,12 @@ class ISTA(nn.Module):
 
     In CRATE the block has no residual around it (Eq. 18); inside timm's `Block` it is used as
     `x + ISTA(LN(x))`, which is a different layer — see docs/crate.md.
+
+    Dtype policy: under autocast every step computes its products in the autocast dtype and returns it, as a
+    `nn.Linear` would (the steps are matmul-like; in Eq. 17 the skip term makes the output ≈ x, so bf16 rounding
+    of the effective matrix costs ~2⁻⁸ of the output); the fused path's d×d effective matrix is formed in the weight's
+    dtype with autocast off (DᵀD is not rounded before it is subtracted), and the reference path (`fused=False`),
+    whose skip-connection add would promote to float32, is cast to the autocast dtype at the end.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None,
@@ -54,17 +61,20 @@ class ISTA(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def effective_matrix(self) -> torch.Tensor:
-        """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17."""
+        """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17. In the weight's
+        dtype, autocast or not (d³ work, independent of batch and tokens)."""
         d = self.weight
-        eye = torch.eye(self.dim, dtype=d.dtype, device=d.device)
-        return eye + self.eta * (d - d.t() @ d)
+        with torch.autocast(device_type=d.device.type, enabled=False):
+            eye = torch.eye(self.dim, dtype=d.dtype, device=d.device)
+            return eye + self.eta * (d - d.t() @ d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step == 'mm':
             alpha = self.dim / (x.shape[-2] * self.eps ** 2)
             return self.drop(mm_sparsify_reference(x, self.weight, self.lambd, alpha))
         if not self.fused:
-            return self.drop(ista_reference(x, self.weight, self.eta, self.lambd))
+            out = ista_reference(x, self.weight, self.eta, self.lambd)
+            return self.drop(out.to(autocast_dtype(x.device.type, out.dtype)))
         # one GEMM with the threshold folded in as its bias (addmm), then an in-place ReLU:
         # no pass over the B×N×d activations besides the product itself. The ReLU runs on the
         # product's own 2-D result, not on a view of it: an in-place op on a view makes autograd
