@@ -34,6 +34,11 @@ MODELS_EXAMPLES = """examples:
   structformer models --json
   structformer models --filter soft_tiny --flops   # + multiply-adds per image, by component"""
 
+RECIPES_EXAMPLES = """examples:
+  structformer recipes
+  structformer train --recipe crate_base_in1k --data imagefolder:/data/imagenet --dry-run
+  torchrun --nproc_per_node 8 -m structformer train --recipe crate_base_in1k --data imagefolder:/data/imagenet"""
+
 BENCH_EXAMPLES = """examples:
   structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
   structformer bench models --batch-size 16 --img-size 224 --steps 5
@@ -121,6 +126,15 @@ def _rank_value(text: str):
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
+    p.add_argument('--recipe', default=S, metavar='NAME',
+                   help="a paper's training setting as the starting configuration (`structformer recipes` lists "
+                        "them); -c FILE and the flags given override its values")
+    p.add_argument('--dry-run', action='store_true',
+                   help='print the resolved plan (model and parameters, data, batch, steps, learning rates, '
+                        'augmentation, precision, EMA, stages) and exit without training or writing anything')
+    p.add_argument('--dataset-size', type=int, default=S, metavar='N',
+                   help="training images (sequences) of --data, for a dry run that does not read the data "
+                        "(recipes state their data's)")
     g = p.add_argument_group('model and data')
     g.add_argument('--model', default=S, help='registered timm or structformer model (default crate_digits)')
     g.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
@@ -242,7 +256,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
 
 
-_NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func')
+_NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
 # what a resumed run may change: where it writes and what it keeps, never what it trains
 _RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'compile', 'num_workers', 'device',
                       'log_interval', 'log_tb', 'allow_world_size_change')
@@ -304,8 +318,8 @@ def _same_checkpoint(given: str, saved: str) -> bool:
 
 
 def _train_config(args):
-    """TrainConfig from (in increasing priority) the defaults, -c FILE and the flags given explicitly;
-    with --resume, the saved configuration (see `_resume_config`)."""
+    """TrainConfig from (in increasing priority) the defaults, --recipe NAME, -c FILE and the flags given
+    explicitly; with --resume, the saved configuration (see `_resume_config`)."""
     from .train import TrainConfig, load_config_file
     given = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
     config_path = getattr(args, 'config', None)
@@ -313,11 +327,19 @@ def _train_config(args):
     if args.resume:
         values = _resume_config(args, given, from_file, config_path)
     else:
-        values = {**from_file, **given}
+        from_recipe = {}
+        if 'recipe' in given:                      # the recipe's values sit under -c FILE and the flags
+            from .train.recipes import load_recipe
+            from_recipe, _ = load_recipe(given['recipe'])
+        values = {**from_recipe, **from_file, **given}
     return TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
 
 
 def cmd_train(args) -> int:
+    if args.dry_run:                               # the plan only: nothing trained, nothing written
+        from .train.recipes import dry_run
+        print(dry_run(_train_config(args)))
+        return 0
     from .train import Trainer
     config = _train_config(args)
     trainer = Trainer(config, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
@@ -418,6 +440,26 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_recipes(args) -> int:
+    from .train.recipes import recipe_rows
+    rows = recipe_rows()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    def short(text: str, width: int) -> str:
+        return text if len(text) <= width else text[:width - 1] + '…'
+    table = [{'name': r['name'], 'paper': r['paper'].split(' (')[0], 'model': r['model'],
+              'reported': short(r['reported'], 48), 'source': short(r['source'], 60)} for r in rows]
+    columns = ('name', 'paper', 'model', 'reported')
+    widths = {c: max(len(c), *(len(t[c]) for t in table)) for c in columns}
+    print('  '.join(f"{c:<{widths[c]}}" for c in columns) + '  source')
+    for t in table:
+        print('  '.join(f"{t[c]:<{widths[c]}}" for c in columns) + f"  {t['source']}")
+    print(f"\n{len(rows)} recipes; `structformer train --recipe NAME --data ... --dry-run` prints a recipe's plan "
+          "(docs/recipes.md)")
+    return 0
+
+
 def _target_module(table: dict, target: str):
     return importlib.import_module(table[target][0])
 
@@ -499,6 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--img-size', type=_positive_int('--img-size'), default=None,
                    help='input side for --flops (default: the model\'s own)')
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser('recipes', help="the papers' training settings, for `structformer train --recipe NAME`",
+                       formatter_class=fmt, epilog=RECIPES_EXAMPLES)
+    p.add_argument('--json', action='store_true', help='one JSON list: name, paper, source, model, data, reported')
+    p.set_defaults(func=cmd_recipes)
     return parser
 
 
