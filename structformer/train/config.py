@@ -164,8 +164,11 @@ class TrainConfig:
             ('eval_batch_size', self.eval_batch_size >= 1, '>= 1'),
             ('lr', self.lr > 0, '> 0'),
             ('weight_decay', self.weight_decay >= 0, '>= 0'),
-            ('warmup_lr', self.warmup_lr is None or 0 <= self.warmup_lr <= self.lr, f'in [0, lr={self.lr:g}]'),
-            ('min_lr', self.min_lr is None or 0 <= self.min_lr <= self.lr, f'in [0, lr={self.lr:g}]'),
+            # with --lr-base the peak depends on the process count: the engine checks it against the floor
+            ('warmup_lr', self.warmup_lr is None or 0 <= self.warmup_lr <= (self.lr if self.lr_base is None else
+                                                                            float('inf')), f'in [0, lr={self.lr:g}]'),
+            ('min_lr', self.min_lr is None or 0 <= self.min_lr <= (self.lr if self.lr_base is None else float('inf')),
+             f'in [0, lr={self.lr:g}]'),
             ('momentum', 0 <= self.momentum < 1, 'in [0, 1)'),
             ('seed', 0 <= self.seed < 2 ** 32, 'in [0, 2**32)'),
             ('warmup_epochs', 0 <= self.resolved_warmup_epochs() < self.epochs, f'in [0, epochs={self.epochs})'),

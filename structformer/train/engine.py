@@ -42,7 +42,7 @@ from .distributed import all_reduce_sum, barrier, cleanup_distributed, init_dist
 from .mixing import build_mixup, hard_labels, mixing_active
 from .parts import LowRankPart, build_parts
 from .phases import LossContext, build_phases, phase_for_epoch
-from .precision import Precision
+from .precision import Precision, cpu_bfloat16_native
 from .seeding import EpochOrder, SeededSamples, ShuffledOrder
 from .steplog import StepLog
 from . import distill
@@ -189,6 +189,7 @@ class Trainer:
             self.model, self.recipe = build_model(cfg.model, self._model_kwargs(), self.info, transforms)
         self._check_planned_factorization()
         self._check_input_shapes()
+        self._check_lr_floor()
         self.precision = Precision.create(cfg.amp, cfg.amp_dtype, self.device)
         self.mixup = build_mixup(cfg, self.info.num_classes, language_model=self.info.name in ('pysource', 'text'))
         self.distiller = self._make_distiller()
@@ -226,6 +227,18 @@ class Trainer:
                                      "disagree; give one")
                 kwargs[key] = value
         return kwargs
+
+    def _check_lr_floor(self) -> None:
+        """--warmup-lr and --min-lr must not exceed the peak: with --lr-base the peak follows the effective batch,
+        so a recipe sized for 8 processes can put its floor above the peak on one."""
+        cfg = self.config
+        peak = cfg.resolved_lr(self.world_size)
+        for key in ('warmup_lr', 'min_lr'):
+            value = getattr(cfg, key)
+            if value is not None and value > peak:
+                raise UsageError(f"--{key.replace('_', '-')} {value:g} is above the peak learning rate {peak:.3g} "
+                                 f"(--lr-base {cfg.lr_base:g} scaled to the effective batch {self.effective_batch()}); "
+                                 f"lower it or raise the batch (--grad-accum-steps)")
 
     def _check_world_size(self, state: Dict) -> None:
         """A resumed run keeps its process count: the data each process sees and the steps per epoch depend on
@@ -483,8 +496,10 @@ class Trainer:
         cfg = self.config
         accum = f" x {cfg.grad_accum_steps} accumulated" if cfg.grad_accum_steps > 1 else ''
         procs = f" x {self.world_size} processes" if self.world_size > 1 else ''
+        emulated = (self.device.type == 'cpu' and self.precision.name == 'bfloat16' and not cpu_bfloat16_native())
         return (f"{cfg.model} on {self.device}, {self.precision.name}"
                 + (' autocast' if self.precision.dtype is not None else '')
+                + (' (this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up)' if emulated else '')
                 + f"; effective batch {self.effective_batch()} ({cfg.batch_size} per process{accum}{procs}), "
                 f"{self.steps_per_epoch} optimiser steps per epoch, peak lr {cfg.resolved_lr(self.world_size):.3g}")
 
