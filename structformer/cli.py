@@ -142,6 +142,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--model', default=S, help='registered timm or structformer model (default crate_digits)')
     g.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
                    help='extra model constructor arguments, e.g. eta=0.1 lambd=0.1 sparse_step=mm')
+    g.add_argument('--initial-checkpoint', default=S, metavar='RUN|FILE',
+                   help='fine-tune from these weights (run or checkpoint folder, .safetensors, weights-only .pth); '
+                        'the classifier, input channels and position embedding adapt to the model, as timm does; '
+                        'a fresh optimiser and schedule')
     g.add_argument('--transform', dest='transforms', nargs='+', action=ParseTransform, default=S,
                    metavar=('NAME', 'KEY=VALUE'),
                    help='a registered model transform applied after construction, with its arguments; '

@@ -138,6 +138,9 @@ class TrainConfig:
     # a resumed run must keep its process count (the data order and the schedule depend on it) unless this is set;
     # then the schedule is recomputed for the new count
     allow_world_size_change: bool = False
+    # fine-tuning: start from these weights (a run or checkpoint folder, .safetensors, or a weights-only .pth),
+    # adapted to the model (classifier, input channels, position embedding), with a fresh optimiser and schedule
+    initial_checkpoint: Optional[str] = None
     # what the run was started from (`structformer train --recipe NAME`), for the record
     recipe: Optional[str] = None
     # the data set's size where the data is not at hand (a recipe's dry run), e.g. ImageNet-1k's 1,281,167
@@ -236,6 +239,9 @@ class TrainConfig:
                              f"[0, epochs={self.epochs})")
 
     def _validate_distillation(self) -> None:
+        if self.teacher is not None and self.initial_checkpoint is not None:
+            raise UsageError("--initial-checkpoint and --teacher both give the student its weights (a distilled "
+                             "student starts from its teacher's); give one")
         if self.teacher is not None and self.factorize_at:
             raise UsageError(f"--teacher cannot be combined with --factorize-at={self.factorize_at}: the student would "
                              "change its layers in the middle of the distillation; factorise from the start or not at all")

@@ -184,9 +184,12 @@ class Trainer:
             self.model = rebuild(self.recipe)
         else:
             transforms = list(cfg.transforms)
-            if cfg.factorize_spec() and not cfg.factorize_at:        # low-rank from the start
+            factorize_now = cfg.factorize_spec() is not None and not cfg.factorize_at   # low-rank from the start
+            if factorize_now and not cfg.initial_checkpoint:
                 transforms.append(cfg.factorize_spec())
             self.model, self.recipe = build_model(cfg.model, self._model_kwargs(), self.info, transforms)
+            if cfg.initial_checkpoint:
+                self._load_initial_weights(factorize_now)
         self._check_planned_factorization()
         self._check_input_shapes()
         self._check_lr_floor()
@@ -214,6 +217,22 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
         self.steplog = StepLog(cfg, self.is_main)
+
+    def _load_initial_weights(self, then_factorize: bool) -> None:
+        """--initial-checkpoint: the dense weights first, then (low-rank from the start) the factorisation of them
+        by truncated SVD, as after dense pre-training."""
+        from ..models.transforms import TransformContext, apply_transforms, normalize_transforms
+        from .initial_weights import load_initial_weights
+        cfg = self.config
+        done = load_initial_weights(self.model, cfg.initial_checkpoint)
+        cfg.initial_checkpoint = str(Path(cfg.initial_checkpoint).absolute())   # the record holds where it was read
+        if self.is_main:
+            print(f"--initial-checkpoint {cfg.initial_checkpoint}: weights loaded"
+                  + ''.join(f"\n  adapted {line}" for line in done), flush=True)
+        if then_factorize:
+            spec = normalize_transforms([cfg.factorize_spec()])[0]
+            self.model = apply_transforms(self.model, [spec], TransformContext(input_size=self.recipe.input_size))
+            self.recipe.transforms.append(spec)
 
     def _model_kwargs(self) -> Dict:
         """The model's constructor arguments: --model-kwargs, with --drop / --drop-path passed as timm's train.py
