@@ -2,7 +2,10 @@
 import argparse
 import json
 
+import pytest
+
 from structformer.bench import models as bench_models
+from structformer.cli import main
 
 
 def _args(**overrides):
@@ -32,9 +35,10 @@ def test_report_has_ratios_to_vit_in_the_same_mode(tmp_path, monkeypatch, capsys
             plan = call[0]
             return {label: {'median_s': 0.1, 'ratio': 0.95 if 'CRATE' in label else 1.0, 'ratio_q1': 0.9,
                             'ratio_q3': 1.0, 'rounds': 10} for label, *_ in plan}
-        name, kwargs, batch_size, img_size, steps, threads, compiled = call
+        name, kwargs, batch_size, img_size, steps, threads, compiled, dtype, transforms = call
         speed = {'vit_tiny_patch16_224': 100.0}.get(name, 80.0) * (1.5 if compiled else 1.0)
-        return {'model': name, 'kwargs': kwargs, 'params': 1, 'mode': 'compiled' if compiled else 'eager',
+        return {'model': name, 'kwargs': kwargs, 'transforms': transforms, 'dtype': dtype, 'params': 1,
+                'mode': 'compiled' if compiled else 'eager',
                 'first_compiled_step_s': 3.0 if compiled else None, 'train_img_per_s': speed,
                 'infer_img_per_s': 2 * speed, 'train_peak_mib_over_baseline': 10.0, 'threads': 1}
     monkeypatch.setattr(bench_models, 'measure_in_subprocess', fake)
@@ -78,3 +82,143 @@ def test_goal_is_not_met_by_a_ratio_that_only_rounds_to_it():
     assert bench_models.goal(rows).endswith('not met (paired: 0.896× eager)')
     rows[1]['paired_train']['ratio'] = 0.9
     assert bench_models.goal(rows).endswith(': met (paired: 0.900× eager)')
+
+
+# ---- --amp (float32 and bfloat16 rows) and --families ---------------------------------------------------
+
+SMALL_CANDIDATES = [('ViT-T (timm)', 'vit_tiny_patch16_224', {'depth': 1}, True),
+                    ('CRATE-T', 'crate_tiny_patch16_224', {'depth': 1}, True)]
+SMALL_FAMILIES = [('CRATE', 'CRATE-T', 'crate_tiny_patch16_224', {'depth': 1}, []),
+                  ('low-rank', 'ViT-T factorized', 'vit_tiny_patch16_224', {'depth': 1},
+                   [{'name': 'factorize', 'kwargs': {'rank': 0.5}}])]
+
+
+def _in_process(target, *call):
+    """measure_in_subprocess without the subprocess (a fresh interpreter per row is seconds each): the same
+    function, its arguments and result through JSON as they travel there."""
+    module, _, function = target.partition(':')
+    assert module == bench_models.__name__
+    call = json.loads(json.dumps(call))
+    return json.loads(json.dumps(getattr(bench_models, function)(*call)))
+
+
+def test_plan_with_families_adds_each_family_once_with_its_transforms():
+    plan = bench_models._plan(_args(families=True, modes=['eager']))
+    labels = [p[0] for p in plan]
+    assert labels[:len(bench_models.CANDIDATES)] == [c[0] for c in bench_models.CANDIDATES]
+    assert labels.count('CRATE-T') == 1                      # the CRATE family is the CRATE-T row
+    extra = {p[0]: p for p in plan[len(bench_models.CANDIDATES):]}
+    assert {p[1] for p in extra.values()} >= {'soft_tiny_224', 'sparsifiner_deit_tiny_patch16_224'}
+    factorized = extra['ViT-T factorized rank 0.5']
+    assert factorized[1] == 'vit_tiny_patch16_224' and factorized[4] == [{'name': 'factorize', 'kwargs': {'rank': 0.5}}]
+    assert all(len(p) == 5 for p in plan) and not any(p[3] for p in plan)
+
+
+def test_amp_run_measures_float32_and_bfloat16_rows_and_pairs_them(tmp_path, monkeypatch, capsys):
+    """A tiny real run (32 px, depth-1 models, measured in-process): every model has a float32 and a bfloat16
+    row, each bfloat16 row a paired bfloat16-over-float32 ratio with its quartiles, and the JSON has the
+    rows, their dtype and the verdicts, each family's beside what this CPU does in bfloat16."""
+    monkeypatch.setattr(bench_models, 'CANDIDATES', SMALL_CANDIDATES)
+    monkeypatch.setattr(bench_models, 'FAMILIES', SMALL_FAMILIES)
+    monkeypatch.setattr(bench_models, '_mixer_224', lambda: None)
+    monkeypatch.setattr(bench_models, 'measure_in_subprocess', _in_process)
+    out = tmp_path / 'bf16.json'
+    assert bench_models.run(_args(img_size=32, batch_size=2, steps=1, rounds=1, pairs=2, modes=['eager'],
+                                  amp='bfloat16', families=True, output=str(out))) == 0
+    result = json.loads(out.read_text())
+    assert result['amp'] == 'bfloat16' and result['dtypes'] == ['float32', 'bfloat16']
+    rows = {(r['label'], r['dtype']): r for r in result['rows']}
+    labels = ['ViT-T (timm)', 'CRATE-T', 'ViT-T factorized']
+    assert set(rows) == {(label, dtype) for label in labels for dtype in ('float32', 'bfloat16')}
+    assert rows['ViT-T factorized', 'bfloat16']['transforms'][0]['name'] == 'factorize'
+    for label in labels:
+        bf16 = rows[label, 'bfloat16']
+        pair = bf16['paired_over_float32']
+        assert pair['rounds'] == 2 and 0 < pair['ratio_q1'] <= pair['ratio'] <= pair['ratio_q3']
+        assert bf16['train_over_float32'] > 0 and bf16['paired_train']['ratio'] > 0
+        assert rows[label, 'float32'].get('paired_over_float32') is None
+    assert rows['ViT-T (timm)', 'bfloat16']['paired_train']['ratio'] == 1.0   # to ViT-T in bfloat16
+    goals = result['amp_goals']
+    families = [g for g in goals if g.get('family')]
+    assert [g['family'] for g in families] == ['CRATE', 'low-rank']
+    assert all(isinstance(g['met'], bool) and g['source'] == 'paired' and g['target'] == 2.0 for g in families)
+    assert all(g['cpu']['native'] == bench_models.cpu_capability('bfloat16')['native'] for g in goals)
+    crate = [g for g in goals if g['goal'] == 'crate_over_vit']
+    assert len(crate) == 1 and crate[0]['target'] == 1.25
+    assert result['goal'].startswith("goal: CRATE-T trains at >= 0.9x ViT-T's speed")   # float32 rows only
+    printed = capsys.readouterr().out
+    assert 'bfloat16 over float32' in printed
+    assert 'goal: each family trains >= 2.0x faster in bfloat16 than in float32' in printed
+    assert bench_models.cpu_capability('bfloat16')['text'] in printed
+    assert "goal: CRATE-T in bfloat16 trains at >= 1.25x ViT-T's bfloat16 speed" in printed
+    assert 'no mixer is registered at 224 px' in printed
+
+
+def test_paired_by_dtype_times_each_models_dtypes_back_to_back(monkeypatch):
+    """Fake clock: every float32 step takes 2 s, every bfloat16 step 1 s (ViT) or 4 s (CRATE), so the
+    ratios are exact; and in every round a model's two steps are adjacent, their order alternating."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(bench_models.time, 'perf_counter', lambda: clock[0])
+
+    def step(label, dtype, seconds):
+        def call():
+            calls.append((label, dtype))
+            clock[0] += seconds
+        return call
+    steps = {'vit': {'float32': step('vit', 'float32', 2.0), 'bfloat16': step('vit', 'bfloat16', 1.0)},
+             'crate': {'float32': step('crate', 'float32', 2.0), 'bfloat16': step('crate', 'bfloat16', 4.0)}}
+    result = bench_models.paired_by_dtype(steps, 'vit', rounds=4, warmup=1)
+    assert result['vit [bfloat16]']['over_float32']['ratio'] == 2.0
+    assert result['crate [bfloat16]']['over_float32']['ratio'] == 0.5
+    assert result['crate [bfloat16]']['ratio'] == 0.25 and result['crate']['ratio'] == 1.0
+    assert 'over_float32' not in result['crate'] and result['crate [bfloat16]']['rounds'] == 4
+    timed = calls[4:]                                          # after 1 warm-up call of each of the 4 steps
+    pairs = [timed[i:i + 2] for i in range(0, len(timed), 2)]
+    assert all(a[0] == b[0] and a[1] != b[1] for a, b in pairs)
+    assert [p[0][1] for p in pairs] == ['float32', 'float32', 'bfloat16', 'bfloat16'] * 2
+
+
+def _amp_rows(crate_speedup, crate_over_vit):
+    vit, crate = bench_models.CANDIDATES[0], bench_models.CANDIDATES[1]
+    rows = []
+    for (label, name, kwargs, _), speedup, ratio in ((vit, 1.0, 1.0), (crate, crate_speedup, crate_over_vit)):
+        rows.append({'label': label, 'model': name, 'kwargs': kwargs, 'transforms': [], 'mode': 'eager',
+                     'dtype': 'bfloat16', 'train_over_float32': speedup, 'train_ratio': ratio,
+                     'paired_over_float32': {'ratio': speedup, 'ratio_q1': speedup, 'ratio_q3': speedup},
+                     'paired_train': {'ratio': ratio, 'ratio_q1': ratio, 'ratio_q3': ratio}})
+    return rows
+
+
+def test_amp_goals_name_the_cpu_and_do_not_round_up(monkeypatch):
+    import structformer.train.precision as precision
+    families = [('CRATE', 'CRATE-T', 'crate_tiny_patch16_224', {}, [])]
+    monkeypatch.setattr(precision, 'cpu_bfloat16_native', lambda: False)
+    goals = bench_models.amp_goals(_amp_rows(1.998, 1.25), families, 'bfloat16')
+    assert goals[0]['line'].endswith('this CPU has no AVX512-BF16 or AMX: a bfloat16 matmul is emulated, '
+                                     'so no speed-up is expected')
+    assert goals[1]['line'] == '  CRATE (CRATE-T): not met (paired: 1.998× eager (quartiles 1.998–1.998))'
+    assert goals[1]['met'] is False and goals[2]['met'] is True and goals[2]['line'].startswith(
+        "goal: CRATE-T in bfloat16 trains at >= 1.25x ViT-T's bfloat16 speed (eager or compiled): met (paired: 1.250×")
+    monkeypatch.setattr(precision, 'cpu_bfloat16_native', lambda: True)
+    goals = bench_models.amp_goals(_amp_rows(2.0, 1.2), families, 'bfloat16')
+    assert 'has AVX512-BF16/AMX' in goals[0]['line'] and goals[1]['met'] is True and goals[2]['met'] is False
+    assert [g['goal'] for g in bench_models.amp_goals(_amp_rows(2.0, 1.2), [], 'bfloat16')] == ['crate_over_vit']
+    # no paired rounds (--pairs 0): judged on the best-of-rounds ratios
+    rows = [dict(r, paired_over_float32=None, paired_train=None) for r in _amp_rows(2.5, 1.0)]
+    assert 'met (best-of-rounds: 2.500× eager)' in bench_models.amp_goals(rows, families, 'bfloat16')[1]['line']
+
+
+@pytest.mark.parametrize('supported', [False, True])
+def test_amp_float16_only_where_the_cpu_has_float16(supported, monkeypatch, capsys):
+    """--amp float16 is refused as one line naming --amp before anything is measured, unless the CPU has
+    AMX-FP16 (where Precision.create takes it, the run goes on: here to a deliberate stop)."""
+    import structformer.train.precision as precision
+    monkeypatch.setattr(precision, 'cpu_float16_supported', lambda: supported)
+    monkeypatch.setattr(bench_models, '_plan', lambda args: pytest.fail('measured') if not supported else [][0])
+    if supported:
+        with pytest.raises(IndexError):
+            bench_models.run(_args(amp='float16'))
+        return
+    assert main(['bench', 'models', '--amp', 'float16']) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if 'error:' in line]
+    assert len(errors) == 1 and errors[0].startswith('structformer bench models: error: --amp float16 ')

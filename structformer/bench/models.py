@@ -8,10 +8,18 @@ one run. Then (`--pairs`) every model's training step once more, all in one proc
 back (`harness.paired_ratios`): the median per-round ratio to ViT-T, the figure the CRATE-T goal is
 judged on, because on a machine whose speed drifts it moves far less than a ratio of two medians taken
 minutes apart. Subprocess, timers, memory reader and writers are the shared ones of `harness.py`.
+
+`--amp bfloat16` measures every row in float32 and again under autocast to bfloat16 (float32 weights,
+`train.precision.Precision`, as `structformer train --amp` runs), and the paired rounds time each model's
+two training steps back to back: the median per-round bfloat16-over-float32 speed ratio per model.
+`--families` adds one 224-px model per family (SOFT, Sparsifiner, a factorised ViT-T; CRATE is CRATE-T)
+and judges each family's bfloat16 speed-up against its goal, next to what the CPU can do in bfloat16.
 """
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
 from .harness import (MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds,
                       paired_ratios, write_json)
@@ -23,12 +31,25 @@ CANDIDATES = [
     ('CRATE-T, SDPA attention', 'crate_tiny_patch16_224', {'ssa_impl': 'sdpa'}, False),
     ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}, False),
 ]
+FAMILIES = [
+    # (family, label, model name, model kwargs, transforms as build_model takes them): one 224-px model each;
+    # a label already among CANDIDATES is that row, not measured twice. The mixer family is looked up (`_mixer_224`).
+    ('CRATE', 'CRATE-T', 'crate_tiny_patch16_224', {}, []),
+    ('SOFT', 'SOFT-T', 'soft_tiny_224', {}, []),
+    ('Sparsifiner', 'Sparsifiner DeiT-T', 'sparsifiner_deit_tiny_patch16_224', {}, []),
+    ('low-rank', 'ViT-T factorized rank 0.5', 'vit_tiny_patch16_224', {},
+     [{'name': 'factorize', 'kwargs': {'rank': 0.5}}]),
+]
 PATCH_SIZE = 16                        # of every candidate
 MODES = ('eager', 'compiled')
+AMP_DTYPES = ('bfloat16', 'float16')
 GOAL_RATIO = 0.9                       # CRATE-T's training speed over ViT-T's, eager or compiled
+GOAL_AMP_SPEEDUP = 2.0                 # each family's --amp training speed over its float32 speed
+GOAL_AMP_CRATE = 1.25                  # CRATE-T's --amp training speed over ViT-T's --amp speed
 EXAMPLES = """examples:
   structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
-  structformer bench models --batch-size 16 --img-size 224 --steps 5"""
+  structformer bench models --batch-size 16 --img-size 224 --steps 5
+  structformer bench models --amp bfloat16 --families --modes eager   # bfloat16 against float32, per family"""
 
 
 def add_arguments(p):
@@ -46,103 +67,220 @@ def add_arguments(p):
     p.add_argument('--pairs', type=int, default=10,
                    help='then time the training steps of all models back to back in one process for this many '
                         'rounds and report the median per-round ratio to ViT-T with its quartiles (10; 0 skips)')
+    p.add_argument('--amp', default=None, choices=AMP_DTYPES,
+                   help='measure every row in float32 and again under autocast to this dtype (float32 weights, '
+                        'as `structformer train --amp`); the paired rounds then time each model\'s two training '
+                        'steps back to back. float16 only on a CPU with float16 arithmetic (AMX-FP16)')
+    p.add_argument('--families', action='store_true',
+                   help='add one 224-px model per family (SOFT, Sparsifiner, factorised ViT-T; CRATE is CRATE-T) '
+                        f'and, with --amp, judge each family\'s speed-up over float32 (goal >= {GOAL_AMP_SPEEDUP}x)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
 
 
-def _training_setup(name, kwargs, batch_size, img_size):
-    """A fresh model (seed 0) in train mode, a batch, and its training step (forward, cross-entropy,
-    backward, AdamW step)."""
-    import torch
-    import timm
+def _key(label: str, dtype: str) -> str:
+    """A row's name: the label for float32 rows (as before --amp existed), 'label [dtype]' for the others."""
+    return label if dtype == 'float32' else f'{label} [{dtype}]'
 
-    import structformer  # noqa: F401
+
+def _precision(dtype: str):
+    import torch
+
+    from ..train.precision import Precision
+    cpu = torch.device('cpu')
+    return Precision.create(False, None, cpu) if dtype == 'float32' else Precision.create(True, dtype, cpu)
+
+
+def _training_setup(name, kwargs, batch_size, img_size, transforms=()):
+    """A fresh model (seed 0, `build_model`, transforms applied) in train mode, a batch, and its training
+    step (forward and cross-entropy under the precision's autocast, backward, AdamW step); the step takes a
+    `Precision` (float32 when none is given), so one model serves float32 and --amp steps alike."""
+    import torch
+
+    from ..models.factory import build_model
     torch.manual_seed(0)
-    model = timm.create_model(name, img_size=img_size, num_classes=1000, **kwargs)
+    model, _ = build_model(name, dict(kwargs, img_size=img_size, num_classes=1000), None, list(transforms))
     images = torch.randn(batch_size, 3, img_size, img_size)
     targets = torch.randint(0, 1000, (batch_size,))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    float32 = _precision('float32')
 
-    def train_step():
-        loss = torch.nn.functional.cross_entropy(model(images), targets)
+    def train_step(precision=None):
+        precision = precision or float32
+        with precision.autocast():
+            loss = torch.nn.functional.cross_entropy(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        precision.backward(loss)
+        precision.step(optimizer, model.parameters(), None)
 
     model.train()
     return model, images, train_step
 
 
-def measure_one(name, kwargs, batch_size, img_size, steps, threads=0, compiled=False) -> dict:
-    import time
-
+def measure_one(name, kwargs, batch_size, img_size, steps, threads=0, compiled=False, dtype='float32',
+                transforms=()) -> dict:
     import torch
     if threads:
         torch.set_num_threads(threads)
+    precision = _precision(dtype)
     memory = PeakMemory('cpu')
-    model, images, train_step = _training_setup(name, kwargs, batch_size, img_size)
+    model, images, train_step = _training_setup(name, kwargs, batch_size, img_size, transforms)
     compile_s = None
     if compiled:
         model.compile()
         start = time.perf_counter()
-        train_step()                                  # compiles the training graphs, then one more warm-up
+        train_step(precision)                         # compiles the training graphs, then one more warm-up
         compile_s = time.perf_counter() - start
-    train_s = median_seconds(train_step, steps, 2, 'cpu')
+    train_s = median_seconds(lambda: train_step(precision), steps, 2, 'cpu')
     peak = memory.growth_mib()
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), precision.autocast():
         if compiled:
             model(images)                             # eval mode and no_grad compile graphs of their own
         infer_s = median_seconds(lambda: model(images), steps, 2, 'cpu')
-    return {'model': name, 'kwargs': kwargs, 'params': sum(p.numel() for p in model.parameters()),
+    return {'model': name, 'kwargs': kwargs, 'transforms': list(transforms), 'dtype': dtype,
+            'params': sum(p.numel() for p in model.parameters()),
             'mode': 'compiled' if compiled else 'eager', 'first_compiled_step_s': compile_s,
             'train_img_per_s': batch_size / train_s, 'infer_img_per_s': batch_size / infer_s,
             'train_peak_mib_over_baseline': peak, 'threads': torch.get_num_threads()}
 
 
-def measure_paired(plan, batch_size, img_size, rounds, threads=0) -> dict:
-    """Training steps of every planned model in one process, timed back to back (`paired_ratios`):
-    {label: ratio stats} with each mode's ratios to ViT-T of that mode. `plan`: (label, model, kwargs,
-    compiled) as `_plan` makes it."""
-    import torch
-    if threads:
-        torch.set_num_threads(threads)
-    steps = {}
-    for label, name, kwargs, compiled in plan:
-        model, _, train_step = _training_setup(name, kwargs, batch_size, img_size)
-        if compiled:
-            model.compile()
-            train_step()                              # compiling happens here, not inside a timed round
-        steps[label] = train_step
+def _entry(entry):
+    """(label, model, kwargs, compiled, transforms) from a plan entry (transforms optional)."""
+    label, name, kwargs, compiled, *rest = entry
+    return label, name, kwargs, compiled, (rest[0] if rest else [])
+
+
+def _ratio_stats(reference_times, times) -> dict:
+    """Median and quartiles of the per-round ratios time(reference) / time (as `paired_ratios` reports them)."""
+    ratios = sorted(r / t for r, t in zip(reference_times, times))
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method='inclusive') if len(ratios) > 1 else ratios * 3
+    return {'ratio': statistics.median(ratios), 'ratio_q1': q1, 'ratio_q3': q3, 'rounds': len(ratios)}
+
+
+def paired_by_dtype(steps: dict, reference: str, rounds: int, warmup: int = 2) -> dict:
+    """`steps`: {label: {dtype: fn}}, the first dtype float32. Each round calls every label's steps, labels in
+    an order rotated from round to round and each label's dtypes back to back (their order alternating from
+    round to round), so a model's float32 and --amp steps see the same machine. Returns {_key(label, dtype):
+    stats}: the ratio to `reference` in the same dtype (as `paired_ratios`), plus, for the other dtypes,
+    'over_float32': the median and quartiles of the per-round ratios time(float32) / time(dtype) of that label."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    labels = list(steps)
+    dtypes = list(steps[reference])
+    for label in labels:
+        for dtype in dtypes:
+            for _ in range(warmup):
+                steps[label][dtype]()
+    times = {(label, dtype): [] for label in labels for dtype in dtypes}
+    for round_index in range(rounds):
+        shift = round_index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            for dtype in (dtypes if round_index % 2 == 0 else dtypes[::-1]):
+                start = time.perf_counter()
+                steps[label][dtype]()
+                times[label, dtype].append(time.perf_counter() - start)
     result = {}
-    for compiled in (False, True):
-        group = {label: steps[label] for label, _, _, c in plan if c == compiled}
-        reference = next((label for label, name, _, c in plan if c == compiled and name == CANDIDATES[0][1]), None)
-        if group and reference:
-            result.update(paired_ratios(group, reference, rounds))
+    for label in labels:
+        for dtype in dtypes:
+            stats = dict(_ratio_stats(times[reference, dtype], times[label, dtype]),
+                         median_s=statistics.median(times[label, dtype]), times_s=times[label, dtype])
+            if dtype != dtypes[0]:
+                stats['over_float32'] = _ratio_stats(times[label, dtypes[0]], times[label, dtype])
+            result[_key(label, dtype)] = stats
     return result
 
 
-def _measure_in_subprocess(name, kwargs, args, compiled) -> dict:
+def measure_paired(plan, batch_size, img_size, rounds, threads=0, dtypes=('float32',)) -> dict:
+    """Training steps of every planned model in one process, timed back to back (`paired_ratios`):
+    {label: ratio stats} with each mode's ratios to ViT-T of that mode. `plan`: (label, model, kwargs,
+    compiled[, transforms]) as `_plan` makes it. With more than float32 in `dtypes` (--amp), the rounds are
+    `paired_by_dtype`'s: each row's ratio to ViT-T in its mode and dtype, and each --amp row's over float32."""
+    import functools
+
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    dtypes = list(dtypes)
+    precisions = {dtype: _precision(dtype) for dtype in dtypes}
+    plan = [_entry(p) for p in plan]
+    steps = {}
+    for label, name, kwargs, compiled, transforms in plan:
+        model, _, train_step = _training_setup(name, kwargs, batch_size, img_size, transforms)
+        if compiled:
+            model.compile()
+            for dtype in dtypes:
+                train_step(precisions[dtype])         # compiling happens here, not inside a timed round
+        steps[label] = {dtype: functools.partial(train_step, precisions[dtype]) for dtype in dtypes}
+    result = {}
+    for compiled in (False, True):
+        group = {label: steps[label] for label, _, _, c, _ in plan if c == compiled}
+        reference = next((label for label, name, kwargs, c, transforms in plan
+                          if c == compiled and name == CANDIDATES[0][1] and not transforms),
+                         None)
+        if group and reference:
+            if len(dtypes) == 1:
+                result.update(paired_ratios({label: s[dtypes[0]] for label, s in group.items()}, reference, rounds))
+            else:
+                result.update(paired_by_dtype(group, reference, rounds))
+    return result
+
+
+def _measure_in_subprocess(entry, args, dtype) -> dict:
+    label, name, kwargs, compiled, transforms = _entry(entry)
     try:
         return measure_in_subprocess('structformer.bench.models:measure_one', name, kwargs, args.batch_size,
-                                     args.img_size, args.steps, args.threads, compiled)
+                                     args.img_size, args.steps, args.threads, compiled, dtype, transforms)
     except MeasurementFailed as e:
-        raise RuntimeError(f"measuring {name} {kwargs} ({'compiled' if compiled else 'eager'}) failed: {e}") from None
+        raise RuntimeError(f"measuring {label} ({name} {kwargs}, {'compiled' if compiled else 'eager'}, {dtype}) "
+                           f"failed: {e}") from None
+
+
+def _mixer_224():
+    """A registered structformer mixer built for 224 px, or None (`structformer models` lists them)."""
+    from ..models import list_structformer_models
+    return next((n for n in list_structformer_models() if 'mixer' in n and n.endswith('_224')), None)
+
+
+def _families(args) -> list:
+    """(family, label, model, kwargs, transforms) of --families: FAMILIES and, where one is registered, a mixer."""
+    if not getattr(args, 'families', False):
+        return []
+    mixer = _mixer_224()
+    return list(FAMILIES) + ([('mixer', mixer, mixer, {}, [])] if mixer else [])
 
 
 def _plan(args):
-    """(label, model, kwargs, compiled) in the order measured and printed: eager rows, then compiled."""
+    """(label, model, kwargs, compiled, transforms) in the order measured and printed: eager rows (the
+    candidates, then the --families models not among them), then compiled."""
+    rows = [(label, name, kwargs, by_default, []) for label, name, kwargs, by_default in CANDIDATES]
+    rows += [(label, name, kwargs, False, transforms) for _, label, name, kwargs, transforms in _families(args)
+             if label not in {r[0] for r in rows}]
     plan = []
     for mode in MODES:
         if mode in args.modes:
-            plan += [(label if mode == 'eager' else f'{label}, compiled', name, kwargs, mode == 'compiled')
-                     for label, name, kwargs, by_default in CANDIDATES
+            plan += [(label if mode == 'eager' else f'{label}, compiled', name, kwargs, mode == 'compiled', transforms)
+                     for label, name, kwargs, by_default, transforms in rows
                      if mode == 'eager' or by_default or args.compile_all]
     return plan
 
 
+def _check_amp(args) -> None:
+    """--amp's dtype as `structformer train --amp` would take it on this CPU (float16 needs AMX-FP16)."""
+    if args.amp is None:
+        return
+    import torch
+
+    from ..errors import UsageError
+    from ..train.precision import Precision
+    try:
+        Precision.create(True, args.amp, torch.device('cpu'))
+    except UsageError as e:
+        raise UsageError(str(e).replace('--amp-dtype', '--amp')) from None
+
+
 def run(args) -> int:
     import torch
+    _check_amp(args)
     for flag in ('batch_size', 'img_size', 'steps', 'rounds'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -155,65 +293,102 @@ def run(args) -> int:
                          f"patch16 models), got {args.img_size}")
     if args.threads:
         torch.set_num_threads(args.threads)              # so the environment record names the threads used
+    dtypes = ['float32'] + ([args.amp] if args.amp else [])
     best = {}
     plan = _plan(args)
     for round_index in range(args.rounds):
-        for label, name, kwargs, compiled in plan:
-            row = _measure_in_subprocess(name, kwargs, args, compiled)
-            row['label'] = label
-            if label in best:   # keep the fastest of the rounds, and the smallest memory growth
-                row['train_img_per_s'] = max(row['train_img_per_s'], best[label]['train_img_per_s'])
-                row['infer_img_per_s'] = max(row['infer_img_per_s'], best[label]['infer_img_per_s'])
-                row['train_peak_mib_over_baseline'] = min(row['train_peak_mib_over_baseline'],
-                                                          best[label]['train_peak_mib_over_baseline'])
-            best[label] = row
-            print(f"round {round_index + 1}/{args.rounds}: measured {label}", file=sys.stderr, flush=True)
-    rows = [best[label] for label, _, _, _ in plan]
+        for entry in plan:
+            for dtype in dtypes:
+                label = entry[0]
+                key = _key(label, dtype)
+                row = _measure_in_subprocess(entry, args, dtype)
+                row['label'] = label
+                if key in best:   # keep the fastest of the rounds, and the smallest memory growth
+                    row['train_img_per_s'] = max(row['train_img_per_s'], best[key]['train_img_per_s'])
+                    row['infer_img_per_s'] = max(row['infer_img_per_s'], best[key]['infer_img_per_s'])
+                    row['train_peak_mib_over_baseline'] = min(row['train_peak_mib_over_baseline'],
+                                                              best[key]['train_peak_mib_over_baseline'])
+                best[key] = row
+                print(f"round {round_index + 1}/{args.rounds}: measured {key}", file=sys.stderr, flush=True)
+    rows = [best[_key(entry[0], dtype)] for entry in plan for dtype in dtypes]
     paired = {}
     if args.pairs:
-        paired = _measure_paired_in_subprocess(plan, args)
+        paired = _measure_paired_in_subprocess(plan, args, dtypes)
         print(f"paired: {args.pairs} rounds measured", file=sys.stderr, flush=True)
     env = environment('cpu')
     print(f"\nbatch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
           f"{env['cpu']}, torch {env['torch']}")
-    print("ratios: to ViT-T in the same mode (eager rows to eager ViT-T, compiled rows to compiled ViT-T)")
+    print("ratios: to ViT-T in the same mode and dtype (eager rows to eager ViT-T, compiled rows to compiled ViT-T)")
     width = max(24, *(len(r['label']) for r in rows))
-    print(f"{'model':<{width}} {'params':>8} {'train img/s':>12} {'ratio':>6} {'infer img/s':>12} {'ratio':>6} "
-          f"{'train peak MiB':>15} {'ratio':>6} {'compile s':>10}  paired train ratio (quartiles)")
-    reference = {r['mode']: r for r in rows if r['model'] == CANDIDATES[0][1]}
+    print(f"{'model':<{width}} {'dtype':>8} {'params':>8} {'train img/s':>12} {'ratio':>6} {'infer img/s':>12} "
+          f"{'ratio':>6} {'train peak MiB':>15} {'ratio':>6} {'compile s':>10}  paired train ratio (quartiles)")
+    reference = {(r['mode'], r['dtype']): r for r in rows if r['model'] == CANDIDATES[0][1] and not r['transforms']}
+    float32_rows = {(r['label'], r['mode']): r for r in rows if r['dtype'] == 'float32'}
     for r in rows:
-        ref = reference.get(r['mode'], rows[0])
+        ref = reference.get((r['mode'], r['dtype']), rows[0])
         r['train_ratio'] = r['train_img_per_s'] / ref['train_img_per_s']
         r['infer_ratio'] = r['infer_img_per_s'] / ref['infer_img_per_s']
         r['memory_ratio'] = r['train_peak_mib_over_baseline'] / max(ref['train_peak_mib_over_baseline'], 1e-9)
         compile_s = '' if r['first_compiled_step_s'] is None else f"{r['first_compiled_step_s']:.1f}"
-        pair = paired.get(r['label'])
+        pair = paired.get(_key(r['label'], r['dtype']))
         r['paired_train'] = pair
+        if r['dtype'] != 'float32':
+            base = float32_rows[r['label'], r['mode']]
+            r['train_over_float32'] = r['train_img_per_s'] / base['train_img_per_s']
+            r['infer_over_float32'] = r['infer_img_per_s'] / base['infer_img_per_s']
+            r['paired_over_float32'] = pair.get('over_float32') if pair else None
         pair_text = f"  {pair['ratio']:.2f} ({pair['ratio_q1']:.2f}–{pair['ratio_q3']:.2f})" if pair else ''
-        print(f"{r['label']:<{width}} {r['params'] / 1e6:>7.2f}M {r['train_img_per_s']:>12.2f} {r['train_ratio']:>6.2f} "
-              f"{r['infer_img_per_s']:>12.2f} {r['infer_ratio']:>6.2f} {r['train_peak_mib_over_baseline']:>15.0f} "
-              f"{r['memory_ratio']:>6.2f} {compile_s:>10}{pair_text}")
+        print(f"{r['label']:<{width}} {r['dtype']:>8} {r['params'] / 1e6:>7.2f}M {r['train_img_per_s']:>12.2f} "
+              f"{r['train_ratio']:>6.2f} {r['infer_img_per_s']:>12.2f} {r['infer_ratio']:>6.2f} "
+              f"{r['train_peak_mib_over_baseline']:>15.0f} {r['memory_ratio']:>6.2f} {compile_s:>10}{pair_text}")
+    if args.amp:
+        _print_over_float32(rows, args, width)
     verdict = goal(rows)
     if verdict:
         print(verdict)
+    families = _families(args)
+    verdicts = amp_goals(rows, families, args.amp) if args.amp else []
+    for v in verdicts:
+        print(v['line'])
+    if args.families and not any(f[0] == 'mixer' for f in families):
+        print("  (mixer family: no mixer is registered at 224 px (`structformer models`), so none was measured)")
     if args.output:
         write_json(args.output, {'batch_size': args.batch_size, 'img_size': args.img_size, 'environment': env,
-                                 'pairs': args.pairs, 'rows': rows, 'goal': verdict})
+                                 'pairs': args.pairs, 'amp': args.amp, 'dtypes': dtypes,
+                                 'families': [{'family': f, 'label': label, 'model': name, 'kwargs': kwargs,
+                                               'transforms': transforms}
+                                              for f, label, name, kwargs, transforms in families],
+                                 'rows': rows, 'goal': verdict, 'amp_goals': verdicts})
     return 0
 
 
-def _measure_paired_in_subprocess(plan, args) -> dict:
+def _print_over_float32(rows, args, width) -> None:
+    print(f"\n{args.amp} over float32 (speed ratio; paired: each model's float32 and {args.amp} training steps back "
+          f"to back, {args.pairs} rounds, median (quartiles))")
+    print(f"{'model':<{width}} {'mode':>8} {'train':>6} {'infer':>6}  paired train")
+    for r in rows:
+        if r['dtype'] == 'float32':
+            continue
+        pair = r.get('paired_over_float32')
+        pair_text = f"  {pair['ratio']:.3f} ({pair['ratio_q1']:.3f}–{pair['ratio_q3']:.3f})" if pair else ''
+        print(f"{r['label']:<{width}} {r['mode']:>8} {r['train_over_float32']:>6.2f} {r['infer_over_float32']:>6.2f}"
+              f"{pair_text}")
+
+
+def _measure_paired_in_subprocess(plan, args, dtypes=('float32',)) -> dict:
     try:
         return measure_in_subprocess('structformer.bench.models:measure_paired', plan, args.batch_size,
-                                     args.img_size, args.pairs, args.threads)
+                                     args.img_size, args.pairs, args.threads, list(dtypes))
     except MeasurementFailed as e:
         raise RuntimeError(f"the paired timing failed: {e}") from None
 
 
 def goal(rows) -> str:
-    """The CRATE-T goal (≥ 0.9× ViT-T's training speed, eager or compiled) judged on the paired ratios
-    when they were taken (steadier on a drifting machine), else on the best-of-rounds ratios."""
-    crate = [r for r in rows if r['model'] == CANDIDATES[1][1] and r['kwargs'] == CANDIDATES[1][2]]
+    """The CRATE-T goal (≥ 0.9× ViT-T's training speed, eager or compiled, float32) judged on the paired
+    ratios when they were taken (steadier on a drifting machine), else on the best-of-rounds ratios."""
+    rows = [r for r in rows if r.get('dtype', 'float32') == 'float32']
+    crate = [r for r in rows if r['model'] == CANDIDATES[1][1] and r['kwargs'] == CANDIDATES[1][2]
+             and not r.get('transforms')]
     if not crate or not any(r['model'] == CANDIDATES[0][1] for r in rows):
         return ''
     source = 'paired' if all(r.get('paired_train') for r in crate) else 'best-of-rounds'
@@ -222,3 +397,59 @@ def goal(rows) -> str:
     found = ", ".join(f"{value:.3f}× {mode}" for mode, value in measured.items())   # 0.896 is not 0.90
     return (f"goal: CRATE-T trains at >= {GOAL_RATIO}x ViT-T's speed (eager or compiled): "
             f"{'met' if best >= GOAL_RATIO else 'not met'} ({source}: {found})")
+
+
+def cpu_capability(dtype: str) -> dict:
+    """Whether this CPU computes `dtype` in hardware, and the plain sentence printed beside the verdicts."""
+    from ..train.precision import cpu_bfloat16_native, cpu_float16_supported
+    if dtype == 'float16':
+        native = cpu_float16_supported()
+        text = ('this CPU has AMX-FP16 (float16 arithmetic in hardware)' if native else
+                'this CPU has no AMX-FP16: float16 is emulated through float32, no speed-up is expected')
+    else:
+        native = cpu_bfloat16_native()
+        text = ('this CPU has AVX512-BF16/AMX (bfloat16 dot products in hardware)' if native else
+                'this CPU has no AVX512-BF16 or AMX: a bfloat16 matmul is emulated, so no speed-up is expected')
+    return {'dtype': dtype, 'native': native, 'text': text}
+
+
+def _judge(selected, ratio_key, paired_key, target) -> dict:
+    """{mode: ratio} of `selected` rows, judged on the paired ratios when every row has them (steadier on a
+    drifting machine), else on the best-of-rounds ones; met when the best mode reaches `target`."""
+    paired = all(r.get(paired_key) for r in selected)
+    measured = {r['mode']: (r[paired_key]['ratio'] if paired else r[ratio_key]) for r in selected}
+    quartiles = {r['mode']: [r[paired_key]['ratio_q1'], r[paired_key]['ratio_q3']] for r in selected} if paired else {}
+    source = 'paired' if paired else 'best-of-rounds'
+    met = max(measured.values()) >= target
+    found = ", ".join(f"{value:.3f}× {mode}" + (f" (quartiles {quartiles[mode][0]:.3f}–{quartiles[mode][1]:.3f})"
+                                                if mode in quartiles else '')
+                      for mode, value in measured.items())            # 0.896 is not 0.90
+    return {'target': target, 'measured': measured, 'quartiles': quartiles, 'source': source, 'met': met,
+            'text': f"{'met' if met else 'not met'} ({source}: {found})"}
+
+
+def amp_goals(rows, families, amp: str) -> list:
+    """The --amp verdicts, each a dict with its printed 'line': with --families, every family's training speed
+    in `amp` over its float32 speed (goal >= 2.0x, eager or compiled), headed by what this CPU does in `amp`;
+    and CRATE-T's `amp` training speed over ViT-T's `amp` speed (goal >= 1.25x)."""
+    capability = cpu_capability(amp)
+    out = []
+    if families:
+        out.append({'goal': 'family_speedup', 'target': GOAL_AMP_SPEEDUP, 'cpu': capability,
+                    'line': f"goal: each family trains >= {GOAL_AMP_SPEEDUP}x faster in {amp} than in float32 "
+                            f"(eager or compiled); {capability['text']}"})
+        for family, label, name, _, _ in families:
+            selected = [r for r in rows if r['dtype'] == amp and r['label'] in (label, f'{label}, compiled')]
+            if not selected:
+                continue
+            verdict = _judge(selected, 'train_over_float32', 'paired_over_float32', GOAL_AMP_SPEEDUP)
+            out.append(dict(verdict, goal='family_speedup', family=family, label=label, model=name, cpu=capability,
+                            line=f"  {family} ({label}): {verdict['text']}"))
+    crate = [r for r in rows if r['dtype'] == amp and r['model'] == CANDIDATES[1][1]
+             and r['kwargs'] == CANDIDATES[1][2] and not r['transforms']]
+    if crate and any(r['dtype'] == amp and r['model'] == CANDIDATES[0][1] for r in rows):
+        verdict = _judge(crate, 'train_ratio', 'paired_train', GOAL_AMP_CRATE)
+        out.append(dict(verdict, goal='crate_over_vit', label='CRATE-T', cpu=capability,
+                        line=f"goal: CRATE-T in {amp} trains at >= {GOAL_AMP_CRATE}x ViT-T's {amp} speed "
+                             f"(eager or compiled): {verdict['text']}"))
+    return out
