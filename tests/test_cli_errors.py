@@ -269,7 +269,6 @@ CASES = [
      ['--lr-base-scale', "'sqrt'"]),
     ('log-interval-negative', ['train', '--log-interval', '-1', '--output', OUT], ['--log-interval', '>= 0']),
     ('eval-ema-without-average', ['eval', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
-    ('bench-models-fp16-first', ['bench', 'models', '--pairs', '-1', '--amp', 'float16'], ['--amp float16', 'AMX-FP16']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),
     ('output-is-file', ['train', '--output', '{a_file}'], ['--output', 'is a file']),

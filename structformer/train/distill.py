@@ -57,6 +57,19 @@ def distillation_phases(epochs: int, predictor_epochs: int) -> List[dict]:
     return phases
 
 
+def note_untaught_predictors(model: nn.Module, config, is_main: bool = True) -> None:
+    """Sparsifiner's connectivity predictors learn only from the attention-distillation loss (Eq. 10): without a
+    teacher they keep their random initialisation and the kept keys stay random. Say so before training."""
+    from ..models.sparsifiner import predictor_parameter_names
+    names = predictor_parameter_names(model)
+    uses_attn = any(p.get('losses', {}).get('distill_attn') for p in config.phases)
+    if is_main and names and not uses_attn:
+        import sys
+        print(f"note: {config.model} has {len(names)} connectivity-predictor tensors (e.g. {sorted(names)[0]}) that "
+              "learn only from attention distillation (Sparsifiner Eq. 10); without --teacher RUN_DIR they keep their "
+              "initialisation and the kept keys stay random", file=sys.stderr, flush=True)
+
+
 def student_only_parameters(student: nn.Module) -> set:
     """Names of the parameters a converted student adds to its dense teacher's: Sparsifiner's predictors
     (W_down, W_up, the q/k reductions) and Linformer's E, F. Every other weight must come from the teacher."""

@@ -1,8 +1,8 @@
 """The training engine: one loop for every model and dataset, one process or many (DDP).
 
-The loop is generic; what a configuration adds plugs in as parts it calls (train/parts.py: low-rank
-factorisation and Frobenius decay, the weight average), precision (train/precision.py), Mixup / CutMix
-(train/mixing.py) and distillation (train/distill.py).
+The loop is generic; what a configuration adds plugs in as parts it calls (train/parts.py: distillation
+from a teacher, low-rank factorisation and Frobenius decay, the weight average), precision
+(train/precision.py) and Mixup / CutMix (train/mixing.py).
 
 Determinism: data order comes from a generator seeded by (seed, epoch), independent of the global RNG;
 every sample's augmentation draws from RNGs seeded by (seed, epoch, rank, position) (train/seeding.py), so
@@ -45,7 +45,6 @@ from .phases import LossContext, build_phases, phase_for_epoch
 from .precision import Precision, cpu_bfloat16_native
 from .seeding import EpochOrder, SeededSamples, ShuffledOrder
 from .steplog import StepLog
-from . import distill
 from ..errors import UsageError
 from .run_dir import (RunLock, committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile,
                       undo_new_run)
@@ -195,24 +194,17 @@ class Trainer:
         self._check_lr_floor()
         self.precision = Precision.create(cfg.amp, cfg.amp_dtype, self.device)
         self.mixup = build_mixup(cfg, self.info.num_classes, language_model=self.info.name in ('pysource', 'text'))
-        self.distiller = self._make_distiller()
-        self._warn_untaught_predictors()
         self.model.to(self.device)
         if cfg.channels_last:
             self.model.to(memory_format=torch.channels_last)
-        self.parts = build_parts(cfg, self.model)        # before compile: the weight average copies the plain module
+        self.parts = build_parts(self)          # before compile: the weight average copies the plain module
         self.lowrank = next(p for p in self.parts if isinstance(p, LowRankPart))
         if cfg.compile:
             # in place (nn.Module.compile): parameter names and state_dict keys stay those of the plain
             # model, so checkpoints load without compile, and DDP / phases wrap the same module
             self.model.compile(backend=cfg.compile)
         self.phases = build_phases(self._phase_specs(), cfg.epochs)
-        for phase in self.phases:
-            used = [t for t in phase.losses if t in distill.DISTILL_TERMS and phase.losses[t]]
-            if used and self.distiller is None:
-                raise ValueError(f"phase {phase.name!r} uses {', '.join(used)}, which need --teacher RUN_DIR")
-            if self.distiller is not None:
-                self.distiller.check_phase_terms(used)
+        self._check_phases()
         self._make_loaders()
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
@@ -267,19 +259,6 @@ class Trainer:
             raise UsageError(f"--resume: the run was trained on {saved} process(es), this is {self.world_size}; "
                              f"resume with {saved} (torchrun --nproc_per_node {saved}) or pass "
                              "--allow-world-size-change to continue with the schedule recomputed")
-
-    def _warn_untaught_predictors(self) -> None:
-        """Sparsifiner's connectivity predictors learn only from the attention-distillation loss (Eq. 10): without
-        a teacher they keep their random initialisation and the kept keys stay random. Say so before training."""
-        from ..models.sparsifiner import predictor_parameter_names
-        if self.distiller is not None or not self.is_main:
-            return
-        names = predictor_parameter_names(self.model)
-        uses_attn = any(p.get('losses', {}).get('distill_attn') for p in self.config.phases)
-        if names and not uses_attn:
-            print(f"note: {self.config.model} has {len(names)} connectivity-predictor tensors (e.g. {sorted(names)[0]}) "
-                  "that learn only from attention distillation (Sparsifiner Eq. 10); without --teacher RUN_DIR they "
-                  "keep their initialisation and the kept keys stay random", file=sys.stderr, flush=True)
 
     def _check_planned_factorization(self) -> None:
         """With --factorize-at K > 0: refuse a factorisation that `factorize` would refuse now, before the K
@@ -359,28 +338,26 @@ class Trainer:
         finally:
             self.model.train(was_training)
 
-    def _make_distiller(self) -> Optional['distill.Distiller']:
-        """With --teacher: load and check the dense teacher, start a new student from its weights (a
-        resumed one has its own), and record the teacher as the exact checkpoint it was read from."""
-        cfg = self.config
-        if not cfg.teacher:
-            return None
-        teacher = distill.load_teacher(cfg.teacher, self.info)
-        if self.resume:
-            distill.check_compatible(self.model, teacher)
-        else:
-            distill.init_from_teacher(self.model, teacher)
-        cfg.teacher = str(resolve_checkpoint(cfg.teacher))
-        return distill.Distiller(self.model, teacher.to(self.device))
-
     def _phase_specs(self) -> List[dict]:
-        cfg = self.config
-        if cfg.phases or self.distiller is None:
-            return cfg.phases
-        stage1 = cfg.predictor_epochs
-        if stage1 is None:
-            stage1 = cfg.default_predictor_epochs() if self.distiller.sparse_layers else 0
-        return distill.distillation_phases(cfg.epochs, stage1)
+        """The configuration's phases, else the first default a part gives (distillation's two stages), else one."""
+        if self.config.phases:
+            return self.config.phases
+        for part in self.parts:
+            specs = part.phase_specs(self)
+            if specs is not None:
+                return specs
+        return []
+
+    def _check_phases(self) -> None:
+        from .distill import DISTILL_TERMS
+        extras = {}
+        for part in self.parts:
+            extras.update(part.loss_extras())
+            part.check_phases(self.phases)
+        for phase in self.phases:
+            used = [t for t in phase.losses if t in DISTILL_TERMS and phase.losses[t]]
+            if used and 'distiller' not in extras:
+                raise ValueError(f"phase {phase.name!r} uses {', '.join(used)}, which need --teacher RUN_DIR")
 
     def _make_optimizer(self):
         cfg = self.config
@@ -570,8 +547,8 @@ class Trainer:
                     break
             self._write_digest()
         finally:
-            if self.distiller is not None:
-                self.distiller.stop()
+            for part in self.parts:
+                part.finish()
             self.steplog.close()
             cleanup_distributed()
         final = history[-1] if history else {}
@@ -590,8 +567,10 @@ class Trainer:
     def _train_epoch(self, epoch: int, phase) -> Dict:
         cfg = self.config
         phase.apply(self.model)
-        if self.distiller is not None:
-            self.distiller.start_phase(phase)
+        extras: Dict[str, object] = {}
+        for part in self.parts:
+            part.before_phase(self, phase)
+            extras.update(part.loss_extras())
         model = self._wrap()
         model.train()
         self.train_order.set_epoch(epoch)
@@ -618,10 +597,9 @@ class Trainer:
             update = step % accum == group - 1
             with contextlib.nullcontext() if update or self.world_size == 1 else model.no_sync():
                 with self.precision.autocast():
-                    if self.distiller is not None:
-                        self.distiller.start_batch(images)
+                    for part in self.parts:          # the teacher sees the (mixed) batch first
+                        part.before_batch(self, images)
                     logits = model(images)
-                    extras = {'distiller': self.distiller} if self.distiller is not None else {}
                     terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing, extras))
                 for part in self.parts:          # regularisers of the weights: float32, outside autocast
                     terms.update(part.loss_terms(self))

@@ -4,11 +4,12 @@ A `Part` may add loss terms to a step, act before an epoch (factorise the model)
 (update a weight average), add metrics at the end of an epoch, and keep files in each checkpoint. The engine
 builds the parts a configuration asks for (`build_parts`) and calls every hook of every part in order.
 
+    DistillationPart  Sparsifiner §4: the dense teacher starts the student, sees each batch first, gives the
+                      distillation loss terms their targets, and sets the default two stages (train/distill.py)
     LowRankPart       seed 004: factorise after `factorize_at` dense epochs (truncated SVD, §4.3), Frobenius
                       decay (§3.3) as a loss term, per-layer spectra in the epoch record (Table 1)
     WeightAveragePart timm's ModelEmaV3: updated every step, evaluated every epoch, saved with the checkpoint
-Distillation (train/distill.py) and precision (train/precision.py) are parts of the same loop with their own
-interfaces: the teacher must see each batch before the student, and precision wraps the step itself.
+Precision (train/precision.py) wraps the step itself and Mixup (train/mixing.py) the batch.
 """
 from pathlib import Path
 from typing import Dict, List
@@ -20,11 +21,31 @@ import torch
 class Part:
     """The hooks; each does nothing unless a part overrides it."""
 
+    def phase_specs(self, trainer):
+        """Default training phases (None: this part has none); the first part that gives some sets them."""
+        return None
+
+    def check_phases(self, phases) -> None:
+        """Refuse, before training, phases this part cannot serve."""
+
     def loss_terms(self, trainer) -> Dict[str, torch.Tensor]:
         return {}
 
     def before_epoch(self, trainer, epoch: int) -> None:
         pass
+
+    def before_phase(self, trainer, phase) -> None:
+        """After the phase's freezing, before its epoch's first batch."""
+
+    def before_batch(self, trainer, images: torch.Tensor) -> None:
+        """Before the student's forward of `images` (the mixed batch when mixing)."""
+
+    def loss_extras(self) -> Dict[str, object]:
+        """What the phase's loss terms may read from this part (LossContext.extras)."""
+        return {}
+
+    def finish(self) -> None:
+        """The run ends (normally or not): leave the model as it was."""
 
     def after_step(self, trainer) -> None:
         pass
@@ -133,8 +154,57 @@ class WeightAveragePart(Part):
         self.average.load_state_dict(load_file(str(path)))
 
 
-def build_parts(config, model) -> List[Part]:
-    parts: List[Part] = [LowRankPart(config)]       # also reports spectra of a model factorised by --transform
+class DistillationPart(Part):
+    """--teacher: distillation from a dense teacher (Sparsifiner §4, train/distill.py)."""
+
+    def __init__(self, trainer):
+        from . import distill
+        from .checkpoint import resolve_checkpoint
+        cfg = trainer.config
+        teacher = distill.load_teacher(cfg.teacher, trainer.info)
+        if trainer.resume:                        # a resumed student has its own weights
+            distill.check_compatible(trainer.model, teacher)
+        else:                                     # a new student starts from the teacher's
+            distill.init_from_teacher(trainer.model, teacher)
+        cfg.teacher = str(resolve_checkpoint(cfg.teacher))      # recorded as the exact checkpoint read
+        self.config, self.distill = cfg, distill
+        self.distiller = distill.Distiller(trainer.model, teacher.to(trainer.device))
+
+    def phase_specs(self, trainer):
+        stage1 = self.config.predictor_epochs
+        if stage1 is None:
+            stage1 = self.config.default_predictor_epochs() if self.distiller.sparse_layers else 0
+        return self.distill.distillation_phases(self.config.epochs, stage1)
+
+    def check_phases(self, phases) -> None:
+        for phase in phases:
+            self.distiller.check_phase_terms([t for t in phase.losses if t in self.distill.DISTILL_TERMS
+                                              and phase.losses[t]])
+
+    def before_phase(self, trainer, phase) -> None:
+        self.distiller.start_phase(phase)
+
+    def before_batch(self, trainer, images: torch.Tensor) -> None:
+        self.distiller.start_batch(images)
+
+    def loss_extras(self) -> Dict[str, object]:
+        return {'distiller': self.distiller}
+
+    def finish(self) -> None:
+        self.distiller.stop()
+
+
+def build_parts(trainer) -> List[Part]:
+    """The parts a configuration asks for, in the order their hooks run: the teacher first (it sets the
+    student's starting weights, which the weight average then copies)."""
+    config = trainer.config
+    parts: List[Part] = []
+    if config.teacher:
+        parts.append(DistillationPart(trainer))
+    else:
+        from .distill import note_untaught_predictors
+        note_untaught_predictors(trainer.model, config, trainer.is_main)
+    parts.append(LowRankPart(config))           # also reports spectra of a model factorised by --transform
     if config.model_ema:
-        parts.append(WeightAveragePart(model, config))
+        parts.append(WeightAveragePart(trainer.model, config))
     return parts
