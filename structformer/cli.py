@@ -217,6 +217,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--log-interval', type=int, default=S, metavar='N',
                    help='a log line every N optimiser steps: loss, lr, img/s (50; 0 = epoch lines only)')
     g.add_argument('--log-tb', default=S, metavar='DIR', help='also write TensorBoard scalars to DIR (needs tensorboard)')
+    g.add_argument('--dist-bn', default=S, metavar='MODE',
+                   help="BatchNorm statistics across processes after each epoch: reduce (average, default), broadcast "
+                        "(rank 0's) or '' (each its own)")
     g.add_argument('--allow-world-size-change', action=argparse.BooleanOptionalAction, default=S,
                    help='let --resume continue on another number of processes (the schedule is recomputed)')
     g = p.add_argument_group("augmentation and regularisation (timm's transforms, Mixup / CutMix, EMA)")

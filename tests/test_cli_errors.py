@@ -267,6 +267,7 @@ CASES = [
     ('device-unknown', ['train', '--device', 'tpu', '--output', OUT], ['--device', 'cuda:N']),
     ('lr-base-scale', ['train', '--lr-base', '1e-3', '--lr-base-scale', 'cube', '--output', OUT],
      ['--lr-base-scale', "'sqrt'"]),
+    ('dist-bn-unknown', ['train', '--dist-bn', 'sum', '--output', OUT], ['--dist-bn', "'broadcast'"]),
     ('log-interval-negative', ['train', '--log-interval', '-1', '--output', OUT], ['--log-interval', '>= 0']),
     ('eval-ema-without-average', ['eval', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
     # runs and output folders

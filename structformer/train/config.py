@@ -135,6 +135,9 @@ class TrainConfig:
     # a per-step log line (loss, lr, img/s) every N optimiser steps (0: epoch lines only)
     log_interval: int = 50
     log_tb: Optional[str] = None
+    # BatchNorm running statistics across processes at the end of each epoch (timm's --dist-bn): 'reduce' averages
+    # them, 'broadcast' takes rank 0's, '' leaves each process its own (the processes then evaluate differently)
+    dist_bn: str = 'reduce'
     # a resumed run must keep its process count (the data order and the schedule depend on it) unless this is set;
     # then the schedule is recomputed for the new count
     allow_world_size_change: bool = False
@@ -279,6 +282,7 @@ class TrainConfig:
             ('lr_base_size', self.lr_base_size >= 1, '>= 1'),
             ('lr_base_scale', self.lr_base_scale in ('', 'linear', 'sqrt'), "'linear', 'sqrt' or '' (by optimiser)"),
             ('log_interval', self.log_interval >= 0, '>= 0 (0 = epoch lines only)'),
+            ('dist_bn', self.dist_bn in ('reduce', 'broadcast', ''), "'reduce', 'broadcast' or ''"),
             ('dataset_size', self.dataset_size is None or self.dataset_size >= 1, '>= 1'),
         ]
         for name, ok, accepted in checks:

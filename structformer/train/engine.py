@@ -522,6 +522,7 @@ class Trainer:
                 for part in self.parts:
                     part.before_epoch(self, epoch)
                 record = self._train_epoch(epoch, phase)
+                self._distribute_batch_norm()
                 record.update({f'val_{k}': v for k, v in self.evaluate_model(self.model).items()})
                 for part in self.parts:          # every process: evaluation is shared
                     record.update(part.epoch_metrics(self, epoch))
@@ -555,6 +556,14 @@ class Trainer:
         if self.is_main:
             self._print_summary(history)     # also on resuming a finished run: a kill may have cost its summary
         return TrainResult(self.output, last_path, history, final)
+
+    def _distribute_batch_norm(self) -> None:
+        """DDP gives every process rank 0's buffers at the start of each forward, so after an epoch the BatchNorm
+        running statistics differ by the last batch each process saw; timm's distribute_bn makes them one again
+        (--dist-bn), before the shared evaluation and the checkpoint."""
+        if self.world_size > 1 and self.config.dist_bn:
+            from timm.utils import distribute_bn
+            distribute_bn(self.model, self.world_size, reduce=self.config.dist_bn == 'reduce')
 
     def _wrap(self) -> torch.nn.Module:
         """The module the step runs: under torchrun, DDP over the parameters this phase trains (DDP registers
