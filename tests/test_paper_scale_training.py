@@ -195,12 +195,12 @@ FAMILIES = {
 @pytest.mark.slow
 @pytest.mark.parametrize('family', sorted(FAMILIES))
 def test_bfloat16_training_follows_float32(tmp_path, family):
-    """12 optimiser steps of a small model of each family under CPU bfloat16 autocast: finite, and each epoch's
+    """24 optimiser steps of a small model of each family under CPU bfloat16 autocast: finite, and each epoch's
     mean training loss within 3 % of float32's. bfloat16 keeps 8 significant bits (unit roundoff 2^-8 = 0.39 %);
     a loss averaged over batches moves by a few roundoffs when only the matmuls round, so 3 % (about 8 roundoffs)
     separates 'the same training' from a broken cast (a float32 island lost, a top-k on bfloat16 ties), which
     shows up as a loss off by tens of per cent or not finite."""
-    common = dict(epochs=2, batch_size=32, lr=2e-3, limit_train_batches=6, val_fraction=0.05, **FAMILIES[family])
+    common = dict(epochs=3, batch_size=32, lr=2e-3, limit_train_batches=8, val_fraction=0.05, **FAMILIES[family])
     full = train(_config(tmp_path, 'fp32', **common), progress=False)
     half = train(_config(tmp_path, 'bf16', amp=True, amp_dtype='bfloat16', **common), progress=False)
     a, b = [r['train_loss'] for r in full.history], [r['train_loss'] for r in half.history]
