@@ -10,8 +10,8 @@ import pytest
 from structformer.atomic import write_atomically
 
 from structformer.bench import harness
-from structformer.bench.harness import (MeasurementFailed, environment, measure_in_subprocess, median_seconds,
-                                        python_json, write_json, write_png)
+from structformer.bench.harness import MeasurementFailed, measure_in_subprocess, median_seconds, python_json
+from structformer.records import environment, write_json, write_png
 
 
 # ---- subprocess runner ------------------------------------------------------------------------------

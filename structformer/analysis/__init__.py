@@ -1,6 +1,8 @@
-"""White-box analysis of CRATE (Yu et al., 2023, §3.1): per-layer compression R_c (Eq. 8; `official`
-and `paper` estimators), per-operator deltas, sparsity, norms, curves over training, subspace coherence (Fig. 7), token heat maps (Fig. 6) and recovery of known
-subspaces on synthetic data. `structformer analyze` (cli.py) runs it all on checkpoints."""
+"""White-box measurements of trained models. CRATE (Yu et al., 2023, §3.1): per-layer compression R_c
+(Eq. 8; `official` and `paper` estimators), per-operator deltas, sparsity, norms, curves over training,
+subspace coherence (Fig. 7), token heat maps (Fig. 6) and recovery of known subspaces on synthetic data.
+Sparsifiner: predicted masks and attention maps (`sparsifiner.py`). Any two models: CKA (`cka.py`).
+`structformer analyze` (cli.py) runs them on checkpoints."""
 import importlib
 
 _HOMES = {'subspaces': ('coherence_summary', 'embedding_linear_map', 'map_true_bases', 'match_subspaces',

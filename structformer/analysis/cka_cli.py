@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..bench.harness import write_json, write_png
+from ..records import write_json, write_png
 
 
 def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:

@@ -212,7 +212,7 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
 
 def run_analyze(args) -> int:
     from ..train.checkpoint import load_model, resolve_checkpoint
-    from ..train.engine import check_writable
+    from ..records import check_writable
     from .plots import plot_layer_curves
     from .report import write_report
     from .sparsifiner import run_sparsifiner_analysis, sparsifiner_layers

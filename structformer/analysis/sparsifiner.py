@@ -225,7 +225,7 @@ def _grid_map(row: torch.Tensor, prefix: int, gh: int, gw: int) -> torch.Tensor:
 
 def plot_masks(image, rows, layers, query, grid, path: Path, title: str) -> bool:
     """The kept keys (M's query row, Eq. 3) of patch `query` per head (columns) and layer (rows), over the image."""
-    from ..bench.harness import write_png
+    from ..records import write_png
     prefix, gh, gw = grid
 
     def draw(plt):
@@ -253,7 +253,7 @@ def plot_masks(image, rows, layers, query, grid, path: Path, title: str) -> bool
 def plot_attention(rows, layers, query, grid, path: Path, title: str) -> bool:
     """Paper Fig. 5: the query's dense attention row softmax(QKᵀ/√d) above its sparse row Ã (Eq. 4), per head,
     as maps over the patch grid (cls column dropped; its weight and each panel's colour maximum in the title)."""
-    from ..bench.harness import write_png
+    from ..records import write_png
     prefix, gh, gw = grid
 
     def draw(plt):
@@ -278,7 +278,7 @@ def plot_attention(rows, layers, query, grid, path: Path, title: str) -> bool:
 def plot_basis(w_up: torch.Tensor, up_threshold: float, grid, path: Path, title: str) -> bool:
     """Paper Fig. 6: each of the n_down rows of W_up as a map over the patch grid (prefix columns dropped),
     entries with |w| < up_threshold set to zero (white)."""
-    from ..bench.harness import write_png
+    from ..records import write_png
     prefix, gh, gw = grid
     basis = (w_up * (w_up.abs() >= up_threshold))[:, prefix:].reshape(-1, gh, gw)
     vmax = float(basis.abs().max().clamp_min(1e-12))
@@ -304,7 +304,7 @@ def plot_basis(w_up: torch.Tensor, up_threshold: float, grid, path: Path, title:
 
 def run_sparsifiner_analysis(args, model, state: Dict, path: Path, out: Path, load_samples) -> int:
     """Measure and draw (see the module docstring) into `out`: sparsifiner.json and the PNGs."""
-    from ..bench.harness import write_json
+    from ..records import write_json
     layers = sparsifiner_layers(model)
     chosen = parse_layers(getattr(args, 'layers', None), len(layers))
     config = state.get('config') or {}

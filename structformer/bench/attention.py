@@ -38,8 +38,8 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
-from .harness import (MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds,
-                      paired_ratios, write_json, write_png)
+from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
+from ..records import environment, write_json, write_png
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak

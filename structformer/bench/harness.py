@@ -4,9 +4,9 @@
 - `median_seconds`: the timer (warm-up, median, CUDA-synchronised); `paired_ratios`: speed ratios from
   calls taken back to back, for machines whose speed drifts.
 - `PeakMemory`, `peak_rss_mib`, `reset_peak_rss`, `saved_tensor_bytes`: memory readers.
-- `environment`: the machine and library versions a number was measured with.
-- `write_json`, `write_text`, `write_png`: outputs written atomically (a temporary file in the same
-  folder, then `os.replace`), so an interrupted or failed write never leaves half a file behind.
+
+Records, figures, the environment record and output checks live in `structformer.records`, shared with
+reproduce/, analysis/ and train/.
 
 Only the standard library is imported here: `structformer --help` builds the bench and reproduce
 parsers, which import this module, and must not pay for torch, numpy or matplotlib.
@@ -14,7 +14,6 @@ parsers, which import this module, and must not pay for torch, numpy or matplotl
 from __future__ import annotations
 
 import json
-import platform
 import resource
 import signal
 import statistics
@@ -22,8 +21,6 @@ import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
-
-from ..atomic import write_atomically, write_text_atomically
 
 if TYPE_CHECKING:
     import torch
@@ -261,63 +258,3 @@ def saved_tensor_bytes(model: torch.nn.Module, inputs: torch.Tensor) -> int:
         model(inputs).sum().backward()
     model.zero_grad(set_to_none=True)
     return sum(seen.values())
-
-
-# ---- where a number was measured --------------------------------------------------------------------
-
-def cpu_model() -> str:
-    """The CPU's marketing name ('model name' in /proc/cpuinfo), else what `platform` knows."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(device='cpu') -> dict:
-    """The record printed and saved beside every measurement: versions, threads, CPU, platform, device."""
-    import torch
-    on_cuda = _on_cuda(device) and torch.cuda.is_available()
-    return {'torch': torch.__version__, 'python': platform.python_version(), 'threads': torch.get_num_threads(),
-            'cpu': cpu_model(), 'platform': platform.platform(),
-            'device': torch.cuda.get_device_name(torch.device(device)) if on_cuda else 'cpu',
-            'cuda': torch.version.cuda if on_cuda else None}
-
-
-# ---- atomic writers ---------------------------------------------------------------------------------
-
-def write_text(path, text: str) -> str:
-    """Write `text` to `path` atomically (parent folders created); returns the absolute path."""
-    return str(write_text_atomically(path, text))
-
-
-def write_json(path, obj, indent: int = 1, **dump_kwargs) -> str:
-    """Write `obj` as JSON atomically. Serialised before the file is opened, so an object that cannot
-    be serialised raises with the old file untouched."""
-    text = json.dumps(obj, indent=indent, **dump_kwargs)
-    return write_text(path, text)
-
-
-def write_png(path, draw: Callable[[Any], Any], dpi: int = 110) -> bool:
-    """Draw with `draw(pyplot) -> figure` and save it as a PNG atomically; returns whether it was written.
-
-    matplotlib is optional: without it the plot is skipped with a note on stderr, and the numbers
-    (written separately as JSON) are not lost. The Agg backend draws without a display.
-    """
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"note: matplotlib is not installed, so {path} was not drawn (pip install matplotlib)",
-              file=sys.stderr)
-        return False
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig = draw(plt)
-    try:
-        write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=dpi), binary=True)
-    finally:
-        plt.close(fig)
-    return True

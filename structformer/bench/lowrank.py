@@ -27,7 +27,8 @@ from __future__ import annotations
 import statistics
 import sys
 
-from .harness import environment, paired_ratios, write_json
+from .harness import paired_ratios
+from ..records import environment, write_json
 
 EXAMPLES = """examples:
   structformer bench lowrank                                   # the goals: 1024x4096 layer, ViT-S stack

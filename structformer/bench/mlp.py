@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-from .harness import MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds, write_json, write_png
+from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds
+from ..records import environment, write_json, write_png
 
 EXAMPLES = """examples:
   structformer bench mlp                                   # layers at n = 4096 + Table S.3 + the three goals
@@ -182,7 +183,7 @@ def _check(args) -> None:
     if args.img_size % 4:
         raise ValueError(f"--img-size must be a multiple of the patch size 4, got {args.img_size}")
     if args.output:          # before any work: a long run never dies at its first write
-        from ..train.engine import check_writable
+        from ..records import check_writable
         check_writable(Path(args.output), '--output')
     if args.side < 2:
         raise ValueError(f"--side must be >= 2 (a width of side² features), got {args.side}")

@@ -21,8 +21,8 @@ import statistics
 import sys
 import time
 
-from .harness import (MeasurementFailed, PeakMemory, environment, measure_in_subprocess, median_seconds,
-                      paired_ratios, write_json)
+from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
+from ..records import environment, write_json
 
 CANDIDATES = [
     # (label, model name, model kwargs, also measured compiled by default)

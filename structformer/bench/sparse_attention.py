@@ -26,7 +26,8 @@ import statistics
 import sys
 
 from ..errors import UsageError
-from .harness import environment, median_seconds, paired_ratios, write_json
+from .harness import median_seconds, paired_ratios
+from ..records import environment, write_json
 
 PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather', 'block-kernel', 'block-flex')
 DTYPES = ('float32', 'bfloat16')

@@ -79,7 +79,7 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     """`analyze --checkpoint A --interpolate B`: the curve on A's held-out split, as JSON and a plot."""
     from torch.utils.data import DataLoader
 
-    from ..bench.harness import write_json, write_png
+    from ..records import write_json, write_png
     from ..data import build_datasets
     from ..train.checkpoint import load_model, resolve_checkpoint
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..bench.harness import write_json, write_png
+from ..records import write_json, write_png
 from ..train.run_dir import read_metrics
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from . import mnist_spec
-from ..bench.harness import environment, write_json, write_text
+from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
   structformer reproduce crate --threads 1                          # depth 12, 15 epochs (~20 min, 2 busy cores)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-from ..bench.harness import environment, write_json, write_png, write_text
+from ..records import environment, write_json, write_png, write_text
 from ..errors import UsageError
 
 EXAMPLES = """examples:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from . import mnist_spec
-from ..bench.harness import environment, write_json, write_png, write_text
+from ..records import environment, write_json, write_png, write_text
 
 EXAMPLES = """examples:
   structformer reproduce mixer --data ../shared/data/mnist                       # the whole study (~15 min)
@@ -91,7 +91,7 @@ def _check(args) -> None:
     if args.limit_train_batches < 0:
         raise ValueError(f"--limit-train-batches must be >= 0, got {args.limit_train_batches}")
     if args.output:          # before any work: a long run never dies at its first write
-        from ..train.engine import check_writable
+        from ..records import check_writable
         check_writable(Path(args.output), '--output')
     mnist_spec(args.data)
 

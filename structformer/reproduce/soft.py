@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
 from . import mnist_spec
-from ..bench.harness import PeakMemory, environment, median_seconds, saved_tensor_bytes, write_json, write_text
+from ..bench.harness import PeakMemory, median_seconds, saved_tensor_bytes
+from ..records import environment, write_json, write_text
 from ..cli import ParseKwargs
 from ..errors import UsageError
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from . import mnist_spec
-from ..bench.harness import environment, write_json, write_png, write_text
+from ..records import environment, write_json, write_png, write_text
 
 EXAMPLES = """examples:
   structformer reproduce sparsifiner --threads 1                        # the study (about 65 min at 1 thread)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm.auto import tqdm
 
 from ..atomic import write_text_atomically
+from ..records import check_writable
 from ..models.factory import ModelRecipe, build_model, rebuild
 from ..models.transforms import TransformContext, apply_transforms, normalize_transforms
 from .checkpoint import (CheckpointError, crash_point, describe_mismatch, load_checkpoint,
@@ -52,18 +53,6 @@ from .run_dir import (RunLock, committed_checkpoints, discard_aside, move_aside,
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; training stopped without saving the bad state."""
-
-
-def check_writable(path: Path, flag: str) -> None:
-    """Raise ValueError naming `flag` unless `path` (or the nearest folder that exists above it) can be
-    written: checked before any work, so a long run never dies at its first checkpoint."""
-    probe = Path(path).absolute()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {probe} is not writable (read-only file system or no permission)")
 
 
 def seed_everything(seed: int) -> None:

@@ -1,0 +1,105 @@
+"""Records, figures, the machine a number was measured on, and output checks: the one place that
+benchmarks (`bench/`), reproductions (`reproduce/`), analyses (`analysis/`) and training (`train/`)
+take them from, so none of those packages imports another for a utility.
+
+- `write_text`, `write_json`, `write_png`: outputs written atomically (a temporary file in the same
+  folder, then `os.replace`), so an interrupted or failed write never leaves half a file behind.
+- `environment`, `cpu_model`: the machine and library versions a number was measured with.
+- `check_writable`: an output folder checked before any work, so a long job never dies at its first write.
+
+Only the standard library is imported at module level: `structformer --help` builds parsers that
+import this module and must not pay for torch, numpy or matplotlib.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .atomic import write_atomically, write_text_atomically
+
+
+# ---- where a number was measured --------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's marketing name ('model name' in /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device='cpu') -> dict:
+    """The record printed and saved beside every measurement: versions, threads, CPU, platform, device."""
+    import torch
+    on_cuda = str(device).startswith('cuda') and torch.cuda.is_available()
+    return {'torch': torch.__version__, 'python': platform.python_version(), 'threads': torch.get_num_threads(),
+            'cpu': cpu_model(), 'platform': platform.platform(),
+            'device': torch.cuda.get_device_name(torch.device(device)) if on_cuda else 'cpu',
+            'cuda': torch.version.cuda if on_cuda else None}
+
+
+# ---- output checks ----------------------------------------------------------------------------------
+
+def check_writable(path, flag: str) -> None:
+    """Raise ValueError naming `flag` unless `path` (or the nearest folder that exists above it) can be
+    written: checked before any work, so a long run never dies at its first output."""
+    probe = Path(path).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {probe} is not writable (read-only file system or no permission)")
+
+
+def check_output_file(path, flag: str) -> None:
+    """Like `check_writable`, for an output that is one file: it must not be an existing folder, and
+    the folder it goes into (or the nearest one above that exists) must be writable."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    check_writable(target.absolute().parent, flag)
+
+
+# ---- atomic writers ---------------------------------------------------------------------------------
+
+def write_text(path, text: str) -> str:
+    """Write `text` to `path` atomically (parent folders created); returns the absolute path."""
+    return str(write_text_atomically(path, text))
+
+
+def write_json(path, obj, indent: int = 1, **dump_kwargs) -> str:
+    """Write `obj` as JSON atomically. Serialised before the file is opened, so an object that cannot
+    be serialised raises with the old file untouched."""
+    text = json.dumps(obj, indent=indent, **dump_kwargs)
+    return write_text(path, text)
+
+
+def write_png(path, draw: Callable[[Any], Any], dpi: int = 110) -> bool:
+    """Draw with `draw(pyplot) -> figure` and save it as a PNG atomically; returns whether it was written.
+
+    matplotlib is optional: without it the plot is skipped with a note on stderr, and the numbers
+    (written separately as JSON) are not lost. The Agg backend draws without a display.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"note: matplotlib is not installed, so {path} was not drawn (pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig = draw(plt)
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=dpi), binary=True)
+    finally:
+        plt.close(fig)
+    return True
