@@ -475,7 +475,12 @@ def _target_module(table: dict, target: str):
 
 
 def cmd_bench(args) -> int:
-    return _target_module(BENCH_TARGETS, args.target).run(args)
+    from .bench.load import start_watch, summary_line
+    module = _target_module(BENCH_TARGETS, args.target)
+    watch = start_watch(getattr(args, 'threads', 0) or None)     # every benchmark says whether others were busy
+    status = module.run(args)
+    print(summary_line(watch.record()))
+    return status
 
 
 def cmd_reproduce(args) -> int:
@@ -569,9 +574,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     command = args.command + (f" {args.target}" if getattr(args, 'target', None) else '')
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:              # Ctrl-C, or SIGTERM during training (exit status 143)
         print(f"structformer {command}: interrupted; checkpoints already written are intact", file=sys.stderr)
-        return 130
+        return getattr(e, 'exit_status', 130)
     except Exception as e:
         engine = sys.modules.get('structformer.train.engine')        # only a loaded engine can diverge
         if engine is not None and isinstance(e, engine.TrainingDiverged):

@@ -39,6 +39,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
+from .load import run_record
 from ..records import environment, write_json, write_png
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
@@ -477,7 +478,7 @@ def run(args) -> int:
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
         write_json(args.output, {'settings': settings, 'torch': env['torch'], 'environment': env, 'goals': goals,
-                                 'rows': rows, 'paired': paired})
+                                 'rows': rows, 'paired': paired, 'machine_load': run_record()})
         png = os.path.splitext(args.output)[0] + '.png'
         drawn = write_png(png, lambda plt: plot(rows, plt))
         print(f"\nwrote {args.output}" + (f" and {png}" if drawn else ''))

@@ -28,6 +28,7 @@ import statistics
 import sys
 
 from .harness import paired_ratios
+from .load import run_record
 from ..records import environment, write_json
 
 EXAMPLES = """examples:
@@ -269,5 +270,6 @@ def run(args) -> int:
                   f"measured {g['measured_speedup']:.2f}x, {'met' if g['met'] else 'NOT met'}{share}")
     if args.output:
         write_json(args.output, {'environment': env, 'args': {k: v for k, v in vars(args).items() if k != 'func'},
-                                 'layer': layer_rows, 'stack': stack_rows, 'goals': goals})
+                                 'layer': layer_rows, 'stack': stack_rows, 'goals': goals,
+                                 'machine_load': run_record()})
     return 0

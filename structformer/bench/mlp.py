@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds
+from .load import run_record
 from ..records import environment, write_json, write_png
 
 EXAMPLES = """examples:
@@ -268,7 +269,7 @@ def run(args) -> int:
     if args.output:
         result = {'layers': [layers[k] for k in LAYERS], 'models': [models[k] for k in models],
                   'analytic': {'cifar': cifar, 'imagenet': imagenet}, 'goals': goals, 'environment': env,
-                  'args': {k: v for k, v in vars(args).items() if k != 'func'}}
+                  'args': {k: v for k, v in vars(args).items() if k != 'func'}, 'machine_load': run_record()}
         out = Path(args.output)
         print(f"\nwrote {write_json(out / 'mlp.json', result)}")
         if write_png(out / 'mlp.png', lambda plt: _plot([layers[k] for k in LAYERS], plt, n)):

@@ -23,6 +23,7 @@ import time
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from ..records import environment, write_json
+from .load import row_flag, row_mark, row_record, run_record
 
 CANDIDATES = [
     # (label, model name, model kwargs, also measured compiled by default)
@@ -301,8 +302,12 @@ def run(args) -> int:
             for dtype in dtypes:
                 label = entry[0]
                 key = _key(label, dtype)
+                mark = row_mark()
                 row = _measure_in_subprocess(entry, args, dtype)
                 row['label'] = label
+                row['machine_load'] = row_record(mark)
+                if key in best and best[key].get('machine_load') and not best[key]['machine_load']['busy']:
+                    row['machine_load'] = best[key]['machine_load']   # a quiet round backs the best figures
                 if key in best:   # keep the fastest of the rounds, and the smallest memory growth
                     row['train_img_per_s'] = max(row['train_img_per_s'], best[key]['train_img_per_s'])
                     row['infer_img_per_s'] = max(row['infer_img_per_s'], best[key]['infer_img_per_s'])
@@ -311,9 +316,11 @@ def run(args) -> int:
                 best[key] = row
                 print(f"round {round_index + 1}/{args.rounds}: measured {key}", file=sys.stderr, flush=True)
     rows = [best[_key(entry[0], dtype)] for entry in plan for dtype in dtypes]
-    paired = {}
+    paired, paired_load = {}, None
     if args.pairs:
+        mark = row_mark()
         paired = _measure_paired_in_subprocess(plan, args, dtypes)
+        paired_load = row_record(mark)
         print(f"paired: {args.pairs} rounds measured", file=sys.stderr, flush=True)
     env = environment('cpu')
     print(f"\nbatch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
@@ -340,7 +347,10 @@ def run(args) -> int:
         pair_text = f"  {pair['ratio']:.2f} ({pair['ratio_q1']:.2f}–{pair['ratio_q3']:.2f})" if pair else ''
         print(f"{r['label']:<{width}} {r['dtype']:>8} {r['params'] / 1e6:>7.2f}M {r['train_img_per_s']:>12.2f} "
               f"{r['train_ratio']:>6.2f} {r['infer_img_per_s']:>12.2f} {r['infer_ratio']:>6.2f} "
-              f"{r['train_peak_mib_over_baseline']:>15.0f} {r['memory_ratio']:>6.2f} {compile_s:>10}{pair_text}")
+              f"{r['train_peak_mib_over_baseline']:>15.0f} {r['memory_ratio']:>6.2f} {compile_s:>10}{pair_text}"
+              f"{row_flag(r.get('machine_load'))}")
+    if paired_load and paired_load['busy']:
+        print(f"paired ratios: {paired_load['advice']}")
     if args.amp:
         _print_over_float32(rows, args, width)
     verdict = goal(rows)
@@ -358,7 +368,8 @@ def run(args) -> int:
                                  'families': [{'family': f, 'label': label, 'model': name, 'kwargs': kwargs,
                                                'transforms': transforms}
                                               for f, label, name, kwargs, transforms in families],
-                                 'rows': rows, 'goal': verdict, 'amp_goals': verdicts})
+                                 'rows': rows, 'goal': verdict, 'amp_goals': verdicts,
+                                 'paired_machine_load': paired_load, 'machine_load': run_record()})
     return 0
 
 

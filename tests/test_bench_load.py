@@ -1,0 +1,60 @@
+"""Benchmarks notice a busy machine: the CPU others took during a measurement is recorded and judged
+(`bench/load.py`), and a run under an artificial competing load flags itself in its table and JSON."""
+import json
+import os
+import subprocess
+import sys
+
+from structformer.bench import load
+from structformer.bench.load import Snapshot, between, judge, summary_line
+
+HZ = os.sysconf('SC_CLK_TCK')
+
+
+def _snap(wall, own_cpu, busy_ticks, steal_ticks=0, load_average=0.5):
+    return Snapshot(wall, own_cpu, (busy_ticks, steal_ticks), load_average)
+
+
+def test_others_cpu_is_busy_time_minus_ours():
+    # 10 s wall; the machine's CPUs were busy 25 s in all, 20 s of it ours: others took 0.5 cores
+    record = between(_snap(0, 0, 0), _snap(10, 20, 25 * HZ), threads=2, cpus=2)
+    assert abs(record['other_cores'] - 0.5) < 1e-9
+    assert abs(record['cpu_share'] - 1.0) < 1e-9
+    assert record['busy'] and 'threads 1' in record['advice']
+
+
+def test_quiet_interval_is_not_flagged():
+    record = between(_snap(0, 0, 0), _snap(10, 19.5, 20 * HZ), threads=2, cpus=2)   # 0.05 cores of daemons
+    assert not record['busy'] and 'advice' not in record
+    assert summary_line(record).startswith('machine: quiet')
+
+
+def test_steal_and_idle_cores():
+    assert judge(0.0, 0.2, threads=2, cpus=2)                 # a hypervisor took a fifth of our CPUs
+    assert not judge(1.0, 0.0, threads=1, cpus=2)             # one competitor fits beside --threads 1
+    assert judge(1.0, 0.0, threads=2, cpus=2)
+    assert not judge(None, None, threads=2, cpus=2)           # no /proc/stat: unknown, not flagged
+
+
+def test_bench_under_competing_load_flags_itself(tmp_path):
+    """A real `structformer bench lowrank` run while busy subprocesses hold every core: the JSON record says
+    busy with the advice, and the line under the table says BUSY. Threads = cores, so the competitors can
+    never fit into idle cores whatever machine runs this."""
+    cpus = load.cpu_count()
+    spin = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(cpus)]
+    try:
+        out = tmp_path / 'lowrank.json'
+        result = subprocess.run(
+            [sys.executable, '-m', 'structformer', 'bench', 'lowrank', '--tokens', '256', '--in-features', '64',
+             '--out-features', '256', '--ranks', '0.25', '--depth', '0', '--steps', '10', '--rounds', '2',
+             '--threads', str(cpus), '--output', str(out)],
+            capture_output=True, text=True, timeout=300)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())['machine_load']
+    assert record['busy'], record
+    assert record['other_cores'] > 0.3
+    assert 'machine: BUSY' in result.stdout and '--threads 1' in result.stdout
