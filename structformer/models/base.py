@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.pixel_stats import PIXEL_STATS
 
-__all__ = ['StructuredModel', 'POOL_TYPES', 'check_global_pool', 'model_cfg', 'create_model']
+__all__ = ['StructuredModel', 'POOL_TYPES', 'check_global_pool', 'model_cfg', 'create_model',
+           'check_pretrained_source']
 
 # timm's global_pool_nlc: the cls token, a reduction over the other tokens, or nothing; plus 'avg_all',
 # the mean over every token, prefix tokens included (the official CRATE code's `pool='mean'`)
@@ -133,7 +134,8 @@ class StructuredModel(nn.Module):
 
 
 def model_cfg(**kwargs) -> Dict[str, Any]:
-    """A timm pretrained-config entry. Nothing is ever downloaded: `url` stays empty."""
+    """A timm pretrained-config entry. Nothing is ever downloaded: `url` stays empty; `pretrained=True` loads what
+    the user points the config at (`file`, `hf_hub_id`, or timm's `local-dir:` model names)."""
     return {'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
             'crop_pct': 0.9, 'interpolation': 'bicubic', 'mean': (0.485, 0.456, 0.406),
             'std': (0.229, 0.224, 0.225), 'classifier': 'head', 'license': 'apache-2.0', **kwargs}
@@ -147,18 +149,41 @@ MNIST_CFG = dict(SMALL_IMAGE_CFG, mean=PIXEL_STATS['mnist'][0], std=PIXEL_STATS[
 CIFAR10_CFG = dict(crop_pct=1.0, mean=PIXEL_STATS['cifar10'][0], std=PIXEL_STATS['cifar10'][1])
 
 
+NO_WEIGHTS = ("no pretrained weights are shipped and nothing downloads: pass pretrained_cfg_overlay=dict(file="
+              "'weights.safetensors'), build timm.create_model('local-dir:DIR', pretrained=True) from a folder written by "
+              "`structformer convert` or `export --format hf`, or train with --pretrained-path FILE")
+
+
+def check_pretrained_source(variant: str, pretrained_cfg=None, pretrained_cfg_overlay=None) -> None:
+    """Fail in one line, before building, when `pretrained=True` has nothing to load (timm's loader would fail
+    deep inside, or, for a missing file, with an empty FileNotFoundError)."""
+    from pathlib import Path
+
+    from timm.models._builder import _resolve_pretrained_source, resolve_pretrained_cfg
+    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=pretrained_cfg_overlay)
+    load_from, location = _resolve_pretrained_source(cfg.to_dict())
+    if not load_from:
+        raise ValueError(f"{variant}: pretrained=True: {NO_WEIGHTS}")
+    if load_from in ('file', 'local-dir') and not Path(location).exists():
+        raise FileNotFoundError(f"{variant}: pretrained weights {location}: does not exist")
+
+
 def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,
                  **kwargs) -> nn.Module:
     """timm's `build_model_with_cfg` with feature extraction through `forward_intermediates`
     (`features_only=True`, `out_indices` default `default_out_indices`: an int takes the last n, at most
-    `depth` of them),
-    refusing `pretrained=True`: no weights ship and nothing downloads."""
+    `depth` of them). `pretrained=True` goes through timm's `load_pretrained` with the family's filter
+    (`structformer.weights.filters`: classifier, input channels, position embeddings adapted, anything else that
+    does not fit refused by name); with no weights configured it fails in one line naming what to pass."""
     if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are shipped and nothing is downloaded; "
-                         "pass pretrained=False or load a checkpoint with `structformer eval --checkpoint`")
+        check_pretrained_source(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
     depth = kwargs.get('depth')
     if isinstance(default_out_indices, int) and isinstance(depth, int) and depth >= 1:
         # "the last n blocks" cannot ask for more blocks than a shallow variant has (timm asserts)
         default_out_indices = min(default_out_indices, depth)
     feature_cfg = dict(feature_cls='getter', out_indices=kwargs.pop('out_indices', default_out_indices))
-    return build_model_with_cfg(cls, variant, pretrained=False, feature_cfg=feature_cfg, **kwargs)
+    from ..weights.filters import pretrained_filter_fn
+    # strictness is the filter's: it refuses by name whatever it does not adapt, and leaves out on purpose what
+    # stays freshly initialised (a lazy Sparsifiner basis of another token count, shaped after loading)
+    return build_model_with_cfg(cls, variant, pretrained=pretrained, feature_cfg=feature_cfg,
+                                pretrained_filter_fn=pretrained_filter_fn, pretrained_strict=False, **kwargs)

@@ -8,8 +8,8 @@ global average pool → linear. The seed factorises every conv but the first (th
 
 Registered: `wrn_28_10` (CIFAR-100, 36.5M parameters), `wrn_16_4` (CIFAR-10), `wrn_16_2_mnist` and
 `wrn_10_2_digits` (small, for the data that ships here). `depth` and `widen_factor` are arguments of
-every variant. `forward_features` returns the final map channels-last [B, H, W, C] (as timm's Swin
-does), so the feature width is the last dimension like every other structformer model.
+every variant. `forward_features` returns the final map [B, C, H, W], as timm's CNNs do (timm's
+`forward_head`, pooling and feature tools expect NCHW from a convolutional network).
 """
 from typing import List, Optional, Union
 
@@ -119,15 +119,15 @@ class WideResNet(StructuredModel):
                 intermediates.append(out.flatten(2).transpose(1, 2) if output_fmt == 'NLC' else out)
         if intermediates_only:
             return intermediates
-        return self.norm(x).permute(0, 2, 3, 1), intermediates
+        return self.norm(x), intermediates
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The final map after BN-ReLU, channels-last [B, H, W, C]."""
+        """The final map after BN-ReLU, [B, C, H, W] (NCHW, as timm's CNNs)."""
         self._check_input(x)
         x = self.stem(x)
         for stage in self.stages:
             x = self._run_stage(stage, x)
-        return self.norm(x).permute(0, 2, 3, 1)
+        return self.norm(x)
 
     def _run_stage(self, stage: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         """Block by block through `run_block`, so `set_grad_checkpointing()` recomputes each block in backward
@@ -137,12 +137,14 @@ class WideResNet(StructuredModel):
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Channels-last features [B, H, W, C] -> 'avg': pooled [B, C] (logits [B, classes]); '': the unpooled
-        map [B, C, H, W] as timm's ResNets return it (the head, if any, applied at every position)."""
+        """Features [B, C, H, W] -> 'avg': pooled [B, C] (logits [B, classes]); '': the unpooled map
+        [B, C, H, W] as timm's ResNets return it (the head, if any, applied at every position)."""
         if self.global_pool == 'avg':
-            x = x.mean(dim=(1, 2))
+            x = x.mean(dim=(2, 3))
             return x if pre_logits else self.head(x)
-        return (x if pre_logits else self.head(x)).permute(0, 3, 1, 2)
+        if pre_logits:
+            return x
+        return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 def _cfg(**kwargs):
