@@ -19,7 +19,9 @@ TRAIN_FILES = tuple(f'data_batch_{i}' for i in range(1, 6))
 VAL_FILE = 'test_batch'
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 
-OPTIONS = {'augment': Option(bool, True, 'true or false')}
+OPTIONS = {'augment': Option(bool, True, 'true or false'),
+           'img_size': Option(int, 32, "an integer >= 8 (default: the model's input size; other than 32, the "
+                              "images are resized after augmentation)", lambda v: v >= 8)}
 
 
 # Everything a CIFAR-10 batch pickle names (written by Python 2 + numpy, read here with encoding='bytes'):
@@ -85,14 +87,19 @@ def build_cifar10(path, *, spec, seed, val_fraction, train_transform, eval_trans
     images = torch.cat([x for x, _ in parts])
     labels = torch.cat([y for _, y in parts])
     n_val = len(parts[-1][1])
+    size = opts['img_size']
+    if size != 32:           # resized last, after the 32-px augmentation and normalisation
+        from .sizing import TensorResize
+        train_transform, eval_transform = TensorResize(size, train_transform), TensorResize(size, eval_transform)
     train_idx, val_idx = np.arange(len(images) - n_val), np.arange(len(images) - n_val, len(images))
     train, val = split_datasets(images, labels, train_idx, val_idx, mean=CIFAR10_MEAN, std=CIFAR10_STD,
                                 max_value=255.0, augment='crop4_flip' if opts['augment'] else None,
                                 train_transform=train_transform, eval_transform=eval_transform,
                                 augmentation=augmentation, raw_max=255.0)
     info = DatasetInfo(
-        name='cifar10', num_classes=10, in_chans=3, img_size=32, train_size=len(train), val_size=len(val),
-        description=f'CIFAR-10 folder {folder}: data_batch_1..5 ({len(train)}) train, test_batch ({len(val)}) val',
+        name='cifar10', num_classes=10, in_chans=3, img_size=size, train_size=len(train), val_size=len(val),
+        description=f'CIFAR-10 folder {folder}: data_batch_1..5 ({len(train)}) train, test_batch ({len(val)}) val'
+                    + (f', resized to {size}px' if size != 32 else ''),
         extra={'path': folder, 'classes': list(CLASSES), 'mean': list(CIFAR10_MEAN), 'std': list(CIFAR10_STD),
                'max_value': 255.0, 'augment': opts['augment'], 'augmentation': train.augmentation_record})
     return train, val, info

@@ -3,18 +3,21 @@
 If PATH has `train/` and `val/` (or `test/`) sub-folders, those are the two splits; otherwise the
 images of PATH are split, stratified by class, with `seed` and `val_fraction`.
 
-Every image is decoded once before training (JPEGs at 1/8 scale, which still reads every byte), so a
-truncated or corrupt file is found up front and named, not met as `OSError: Truncated File Read` in the
-middle of an epoch. Option `bad_images`: 'error' (default) stops before training, naming the files and
-the reasons; 'skip' leaves them out and prints how many, and which, in the log.
+Before training every file is checked once (option `check`): 'header' (default) opens each file's
+header in parallel threads, without decoding, so a file that is not an image is found up front and
+named; 'decode' decodes every image (JPEGs at 1/8 scale, which still reads every byte); 'none' skips
+the pass. The result is cached by the file list, sizes and modification times (imagecheck.py) and, under
+torchrun, computed by process 0 and shared. Option `bad_images`: 'error' (default) stops before training,
+naming the files and the reasons; 'skip' leaves them out and prints how many, and which, in the log; a
+file that still fails to decode during training (e.g. truncated: its header was fine) is then replaced
+by the next readable sample and named in the log, never a crash mid-epoch.
 """
 import copy
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-from torch.utils.data import Subset
+from torch.utils.data import Dataset, Subset
 
 from ..errors import UsageError
 from .augment import given_flags, timm_train_transform, wanted
@@ -22,10 +25,12 @@ from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
 OPTIONS = {
-    'img_size': Option(int, 224, 'an integer >= 8', lambda v: v >= 8),
+    'img_size': Option(int, 224, "an integer >= 8 (default: the model's input size)", lambda v: v >= 8),
     'augment': Option(bool, True, 'true or false'),
     'bad_images': Option(str, 'error', "'error' (stop before training) or 'skip' (leave them out, counted in the log)",
                          lambda v: v in ('error', 'skip')),
+    'check': Option(str, 'header', "'header' (open each file's header, default), 'decode' (decode every image) "
+                    "or 'none'", lambda v: v in ('header', 'decode', 'none')),
 }
 _SHOWN = 3        # unreadable files named in a message; the rest are counted
 
@@ -35,23 +40,51 @@ class UnreadableImage(UsageError):
 
 
 def image_problem(path: str) -> Optional[str]:
-    """None if `path` decodes as an image, else the reason it does not."""
-    from PIL import Image
-    try:
-        with Image.open(path) as im:
-            im.draft('RGB', (max(1, im.size[0] // 8), max(1, im.size[1] // 8)))   # JPEG only; others ignore it
-            im.load()
-    except Exception as e:           # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
-        return str(e) or type(e).__name__
-    return None
+    """None if `path` decodes as an image, else the reason it does not (imagecheck.decode_problem)."""
+    from .imagecheck import decode_problem
+    return decode_problem(path)
 
 
-def find_unreadable(paths: Sequence[str]) -> List[Tuple[str, str]]:
-    """(path, reason) for every file of `paths` that does not decode; decoding releases the GIL, so threads."""
-    workers = min(8, os.cpu_count() or 1, max(1, len(paths)))
-    with ThreadPoolExecutor(workers) as pool:
-        problems = list(pool.map(image_problem, paths, chunksize=64))
-    return [(p, why) for p, why in zip(paths, problems) if why is not None]
+def find_unreadable(paths: Sequence[str], mode: str = 'decode') -> List[Tuple[str, str]]:
+    """(path, reason) for every file of `paths` that fails the check `mode` ('header' or 'decode'), uncached."""
+    from .imagecheck import run_check
+    return run_check(list(paths), mode)
+
+
+def report_replaced(holder, name: str, why: str, replacement_name: str) -> None:
+    """One log line per unreadable file a loader process meets in training (bad_images=skip), with its count."""
+    seen = holder.__dict__.setdefault('bad_seen', [])
+    if name not in seen:
+        seen.append(name)
+        print(f'--data {getattr(holder, "spec", "")}: {why}; replaced by {replacement_name} (bad_images=skip; '
+              f'{len(seen)} unreadable image(s) met by this loader process)', flush=True)
+
+
+class ReplaceUnreadable(Dataset):
+    """`dataset` whose items that fail to decode (UnreadableImage) are replaced by the next readable item, each
+    failure named in the log once: bad_images=skip never stops a run mid-epoch."""
+
+    def __init__(self, dataset, spec: str):
+        self.dataset, self.spec = dataset, spec
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):           # classes, targets, transform ... of the wrapped dataset
+        if name in ('dataset', 'spec', '__setstate__'):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index: int):
+        n = len(self.dataset)
+        for k in range(min(n, 100)):
+            try:
+                return self.dataset[(index + k) % n]
+            except UnreadableImage as e:
+                report_replaced(self, str(e).split(' cannot be read')[0].removeprefix('image '), str(e),
+                                f'item {(index + k + 1) % n}')
+        raise UnreadableImage(f'--data {self.spec!r}: {min(n, 100)} consecutive images from item {index} cannot be '
+                              'read; the data is broken beyond skipping')
 
 
 def _name_files(bad: List[Tuple[str, str]]) -> str:
@@ -65,13 +98,14 @@ def load_rgb(path: str):
     try:
         with open(path, 'rb') as f:
             return Image.open(f).convert('RGB')
-    except OSError as e:
+    except (OSError, SyntaxError, ValueError) as e:        # e.g. a JPEG cut after its header: 'image file is truncated'
         raise UnreadableImage(f'image {path} cannot be read: {e}') from None
 
 
-def _drop_unreadable(folder, spec: str, mode: str):
-    """Check every image of an ImageFolder; stop ('error') or leave the bad ones out ('skip')."""
-    bad = find_unreadable([path for path, _ in folder.samples])
+def _drop_unreadable(folder, spec: str, mode: str, check: str = 'header'):
+    """Check every image of an ImageFolder (imagecheck.py); stop ('error') or leave the bad ones out ('skip')."""
+    from .imagecheck import shared_check
+    bad = shared_check([path for path, _ in folder.samples], check, f'--data {spec}')
     if not bad:
         return folder
     total = len(folder.samples)
@@ -106,7 +140,26 @@ def default_transforms(img_size: int, augment: bool):
     return train_tf, eval_tf
 
 
-def _image_folder(root: str, transform, spec: str, bad_images: str = 'error'):
+def image_transforms(spec: str, opts, augmentation, train_transform, eval_transform):
+    """(train, eval, applied augmentation record) PIL -> tensor transforms of an image dataset with options
+    img_size and augment (image folders, shards, Hugging Face datasets)."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    aug = wanted(augmentation)
+    if aug is not None and not opts['augment']:
+        raise UsageError(f'--data-kwargs augment=false turns off the training augmentation of --data {spec} '
+                         f'that {given_flags(aug)} configure; give one or the other')
+    if aug is not None and train_transform is not None:
+        raise ValueError('train_transform replaces the training transform that augmentation configures; '
+                         'give one or the other')
+    default_train, default_eval = default_transforms(opts['img_size'], opts['augment'])
+    applied = None
+    if aug is not None:
+        default_train, applied = timm_train_transform(opts['img_size'], aug, IMAGENET_DEFAULT_MEAN,
+                                                      IMAGENET_DEFAULT_STD)
+    return train_transform or default_train, eval_transform or default_eval, applied
+
+
+def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
     from torchvision.datasets import ImageFolder
     try:
         folder = ImageFolder(root, transform=transform, loader=load_rgb)
@@ -115,7 +168,7 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error'):
                                 f'{root}/<class name>/<image file> ({e})') from None
     folder.skipped_images = 0
     before = len(folder.samples)
-    folder = _drop_unreadable(folder, spec, bad_images)
+    folder = _drop_unreadable(folder, spec, bad_images, check)
     folder.skipped_images = before - len(folder.samples)
     return folder
 
@@ -124,24 +177,13 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
                       **options):
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     opts = resolve_options('imagefolder', OPTIONS, options)
-    aug = wanted(augmentation)
-    if aug is not None and not opts['augment']:
-        raise UsageError(f'--data-kwargs augment=false turns off the training augmentation of --data {spec} '
-                         f'that {given_flags(aug)} configure; give one or the other')
-    if aug is not None and train_transform is not None:
-        raise ValueError('train_transform replaces the training transform that augmentation configures; '
-                         'give one or the other')
+    train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
     root = check_folder(path, spec)
-    default_train, default_eval = default_transforms(opts['img_size'], opts['augment'])
-    applied = None
-    if aug is not None:
-        default_train, applied = timm_train_transform(opts['img_size'], aug, IMAGENET_DEFAULT_MEAN,
-                                                      IMAGENET_DEFAULT_STD)
-    train_tf, eval_tf = train_transform or default_train, eval_transform or default_eval
+    check = opts['check']
     val_dir = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
     if os.path.isdir(os.path.join(root, 'train')) and val_dir:
-        train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'])
-        val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'])
+        train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'], check)
+        val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'], check)
         if train.classes != val.classes:
             raise ValueError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold different class '
                              f'folders: {train.classes} vs {val.classes}')
@@ -149,7 +191,7 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         split = f'train/ ({len(train)}) train, {os.path.basename(val_dir)}/ ({len(val)}) val'
         skipped = train.skipped_images + val.skipped_images
     else:
-        base = _image_folder(root, train_tf, spec, opts['bad_images'])
+        base = _image_folder(root, train_tf, spec, opts['bad_images'], check)
         skipped = base.skipped_images
         train_idx, val_idx = stratified_split(np.asarray(base.targets), val_fraction, seed)
         val_base = copy.copy(base)            # same file list, its own transform
@@ -163,5 +205,7 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         description=f'image folder {root}: {len(classes)} classes, {split}, images at {opts["img_size"]}px',
         extra={'path': root, 'classes': list(classes), 'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
-               'skipped_images': skipped, 'augmentation': applied})
+               'skipped_images': skipped, 'augmentation': applied, 'check': check})
+    if opts['bad_images'] == 'skip':
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
     return train, val, info

@@ -12,11 +12,15 @@ DATASET_FORMS: Dict[str, str] = {
     'mnist:PATH': 'a folder of MNIST IDX files (t10k-* and/or train-*, gzip or raw), 28x28 grey, 10 classes',
     'cifar10:PATH': 'the CIFAR-10 python folder (data_batch_1..5, test_batch), 32x32 RGB, 10 classes',
     'imagefolder:PATH': 'a torchvision ImageFolder tree (class sub-folders; train/ and val/ or test/ used if present)',
+    'wds:TRAIN[,VAL]': 'webdataset tar shards (KEY.jpg + KEY.cls), brace patterns, e.g. '
+                       'DIR/train-{000000..000146}.tar,DIR/validation-000000.tar, or DIR with _info.json; '
+                       'streamed (docs/data.md)',
+    'hfds:PATH': "a Hugging Face dataset written by datasets' save_to_disk (image + ClassLabel columns; extra 'hf')",
     'pysource': "byte-level language modelling on the Python standard library's own .py files (offline); "
                 'options seq_len, max_bytes',
     'text:PATH': 'byte-level language modelling on a text file or a folder of .txt/.md/.rst/.py files',
 }
-_NEEDS_PATH = {'mnist', 'cifar10', 'imagefolder', 'text'}
+_NEEDS_PATH = {'mnist', 'cifar10', 'imagefolder', 'text', 'wds', 'hfds'}
 _NO_PATH = {'digits', 'synthetic-subspaces', 'pysource'}
 
 

@@ -1,0 +1,74 @@
+"""The image size of a dataset follows the model it is for.
+
+An image folder, shards, a Hugging Face dataset or CIFAR-10 has no size of its own that a model must
+take: without `img_size` it is read at the model's input size (model_kwargs img_size, else its pretrained
+config's input_size), so an 8-px `crate_digits` gets 8-px images, not 224-px ones (12,544 tokens). A given
+img_size that the model cannot be built for (e.g. not a multiple of its patch) is refused in one line
+naming both sizes, before anything is read.
+"""
+from typing import Dict
+
+from ..errors import UsageError
+
+FOLLOWS_MODEL = ('imagefolder', 'wds', 'hfds', 'cifar10')
+
+
+def model_input_size(model: str, model_kwargs: Dict):
+    """The model's (H, W), or None if unknown (not registered, or no pretrained config)."""
+    try:
+        from ..models.factory import default_input_size
+        size = default_input_size(model, model_kwargs)
+    except Exception:                 # an unknown model: the model build names it
+        return None
+    return size[1:] if size else None
+
+
+def check_model_takes(model: str, model_kwargs: Dict, img_size: int, native) -> None:
+    """Build `model` for `img_size` on the meta device (no memory, no init cost); a size error it raises
+    becomes one line naming both sizes. Other errors are left to the real build, which names them."""
+    import timm
+    import torch
+    kwargs = dict(model_kwargs, img_size=img_size)
+    try:
+        with torch.device('meta'):
+            timm.create_model(model, **kwargs)
+    except (ValueError, AssertionError) as e:
+        if 'img_size' in str(e) or 'divisible' in str(e):
+            raise UsageError(f'--data-kwargs img_size={img_size}: --model {model} (input size {native[0]}) '
+                             f'cannot take {img_size}-px images: {str(e).splitlines()[0][:200]}') from None
+    except Exception:
+        pass
+
+
+def resolve_img_size(name: str, options: Dict, model: str, model_kwargs: Dict) -> Dict:
+    """{'img_size': N} to add to the dataset options (or {}), after checking a given one against the model."""
+    if name not in FOLLOWS_MODEL:
+        return {}
+    native = model_input_size(model, model_kwargs)
+    if 'img_size' in options:
+        if native is not None:
+            try:
+                size = int(options['img_size'])
+            except (TypeError, ValueError):
+                return {}                 # the dataset's own option check names it
+            check_model_takes(model, model_kwargs, size, native)
+        return {}
+    if native is None or native[0] != native[1]:
+        return {}
+    if name == 'cifar10' and native[0] == 32:
+        return {}
+    return {'img_size': int(native[0])}
+
+
+class TensorResize:
+    """[C, H, W] float tensor -> [C, size, size], bicubic with antialiasing (CIFAR-10 at a model's 224 px, as
+    CRATE fine-tunes it), then `then` if given (a caller's transform)."""
+
+    def __init__(self, size: int, then=None):
+        self.size, self.then = size, then
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+        x = F.interpolate(x[None], size=(self.size, self.size), mode='bicubic', antialias=True,
+                          align_corners=False)[0]
+        return self.then(x) if self.then is not None else x
