@@ -146,6 +146,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help='fine-tune from these weights (run or checkpoint folder, .safetensors, weights-only .pth); '
                         'the classifier, input channels and position embedding adapt to the model, as timm does; '
                         'a fresh optimiser and schedule')
+    g.add_argument('--pretrained', action='store_const', const=True, default=S,
+                   help="start from timm's pretrained weights for --model (its pretrained config; structformer ships "
+                        "none, and offline nothing downloads: use --pretrained-path); adapted as --initial-checkpoint")
+    g.add_argument('--pretrained-path', default=S, metavar='FILE',
+                   help='start from this weights file (.safetensors, weights-only .pth / .bin, or a folder written by '
+                        '`structformer convert`); adapted as --initial-checkpoint')
     g.add_argument('--transform', dest='transforms', nargs='+', action=ParseTransform, default=S,
                    metavar=('NAME', 'KEY=VALUE'),
                    help='a registered model transform applied after construction, with its arguments; '
@@ -171,10 +177,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="regulariser of the factors: l2 (the optimiser's weight decay, default) or frobenius "
                         "(weight_decay/2 * ||U Vᵀ||²_F, factors taken out of the weight decay)")
     g = p.add_argument_group('distillation from a dense teacher (Sparsifiner §4)')
-    g.add_argument('--teacher', default=S, metavar='RUN_DIR',
-                   help='a finished run of the dense model the student was converted from; the student starts from '
-                        'its weights and trains in two stages: the attention predictors alone on attention '
-                        'distillation, then everything on CE + token and logit distillation')
+    g.add_argument('--teacher', default=S, metavar='RUN_DIR|FILE|NAME',
+                   help='the dense model the student was converted from: a finished run, a weights file or folder '
+                        '(the dense counterpart of --model, e.g. deit_small_patch16_224 for sparsifiner_deit_small_'
+                        'patch16_224, or `structformer convert` output), or a registered model name with '
+                        '--teacher-pretrained; the student starts from its weights and trains in two stages: the '
+                        'attention predictors alone on attention distillation, then everything on CE + token and '
+                        'logit distillation')
+    g.add_argument('--teacher-pretrained', action='store_const', const=True, default=S,
+                   help="--teacher NAME with timm's pretrained weights (downloads where timm has them)")
     g.add_argument('--predictor-epochs', type=int, default=S, metavar='K',
                    help='epochs of stage 1 (default about 1/9 of --epochs, the paper\'s 5 of 45; 0 = none)')
     g = p.add_argument_group('optimisation (timm optimisers and schedulers)')

@@ -12,15 +12,30 @@ from structformer.models.sparsifiner import predictor_parameter_names
 MODELS = list_structformer_models()
 
 
+def _cheap_side(name):
+    """A small input side for the contract tests, so 24-layer / 77M-parameter models stay cheap on CPU: the
+    224-px CRATE / Sparsifiner models at 32 px, SOFT at 64 px (grids 16², 8², 4², 2², 4 landmarks per stage),
+    SW-MLP on CIFAR at 16 px (its m = 3072 at 32 px is 113M weights); None: the model's own size. (Not the
+    pretrained config's `test_input_size`: timm's validate.py evaluates at that size.)"""
+    if name.endswith('_224'):
+        return 64 if name.startswith('soft') else 32
+    return 16 if name == 'swmlp_cifar' else None
+
+
+def _small_kwargs(name):
+    side = _cheap_side(name)
+    return {'img_size': side} if side else {}
+
+
+def _small_size(name):
+    c, h, w = timm.get_pretrained_cfg(name).input_size
+    side = _cheap_side(name)
+    return (c, side, side) if side else (c, h, w)
+
+
 def _small(name):
-    """Build a model at a small input size so 24-layer / 77M-parameter models stay cheap on CPU."""
-    cfg = timm.get_pretrained_cfg(name)
-    size = cfg.input_size
-    kwargs = {}
-    if cfg.test_input_size:
-        size = cfg.test_input_size
-        kwargs['img_size'] = size[-1]
-    return timm.create_model(name, **kwargs), size
+    """Build a model at a small input size (`_cheap_side`)."""
+    return timm.create_model(name, **_small_kwargs(name)), _small_size(name)
 
 
 @pytest.mark.parametrize('name', MODELS)
@@ -39,7 +54,9 @@ def test_model_contract(name):
 
     with torch.no_grad():
         feats = model.forward_features(x)
-        assert feats.shape[0] == 2 and feats.shape[-1] == model.num_features
+        # token models end in their width; convolutional nets return NCHW maps, as timm's CNNs do
+        width = feats.shape[1] if name.startswith('wrn_') else feats.shape[-1]
+        assert feats.shape[0] == 2 and width == model.num_features
         pre = model.forward_head(feats, pre_logits=True)
         assert pre.shape == (2, model.num_features)
         model.reset_classifier(0)
@@ -78,7 +95,7 @@ def test_forward_intermediates_follow_timm(name):
             model.forward_intermediates(x, output_fmt='NHWC')
 
         features = timm.create_model(name, features_only=True, out_indices=(0, -1),
-                                     **({'img_size': h} if timm.get_pretrained_cfg(name).test_input_size else {}))
+                                     **_small_kwargs(name))
         kept = features.model.state_dict()                 # pruned: later blocks / stages and the head are gone
         assert set(kept) < set(model.state_dict())
         features.model.load_state_dict({k: v for k, v in model.state_dict().items() if k in kept})
@@ -95,9 +112,7 @@ def test_features_only_with_default_out_indices(name):
     and runs for every model, a variant shallower than that included; the predictors of a Sparsifiner
     model are shaped at construction inside timm's wrapper too (no lazy-parameter warning)."""
     import warnings
-    cfg = timm.get_pretrained_cfg(name)
-    size = cfg.test_input_size or cfg.input_size
-    kwargs = {'img_size': size[-1]} if cfg.test_input_size else {}
+    size, kwargs = _small_size(name), _small_kwargs(name)
     info = _small(name)[0].feature_info
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -241,7 +256,9 @@ def test_pruning_the_last_stage_drops_the_final_norm_of_its_width(name):
         before = model.forward_intermediates(x, indices=[0, 1], intermediates_only=True)
         model.prune_intermediate_layers([0, 1])
         after = model.forward_intermediates(x, indices=[0, 1], norm=True, intermediates_only=True)
-        assert model.forward_features(x).shape[-1] == model.num_features == model.feature_info[1]['num_chs']
+        out = model.forward_features(x)
+        width = out.shape[1] if name.startswith('wrn_') else out.shape[-1]      # NCHW from the CNN
+        assert width == model.num_features == model.feature_info[1]['num_chs']
     assert isinstance(model.norm, torch.nn.Identity)
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b)
@@ -265,7 +282,7 @@ def test_wrn_global_pool_empty_returns_the_unpooled_map():
     with torch.no_grad():
         fmap = model(x)
         assert fmap.shape == (2, 128, 2, 2)
-        torch.testing.assert_close(fmap, model.forward_features(x).permute(0, 3, 1, 2))
+        torch.testing.assert_close(fmap, model.forward_features(x))          # NCHW, as timm's CNNs
         model.reset_classifier(5, 'avg')
         assert model(x).shape == (2, 5)
         model.reset_classifier(5, '')

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from ..data.pixel_stats import PIXEL_STATS
 
 __all__ = ['StructuredModel', 'POOL_TYPES', 'check_global_pool', 'model_cfg', 'create_model',
-           'check_pretrained_source']
+           'check_pretrained_source', 'takes_token_ids', 'TOKEN_IDS_NOTE']
 
 # timm's global_pool_nlc: the cls token, a reduction over the other tokens, or nothing; plus 'avg_all',
 # the mean over every token, prefix tokens included (the official CRATE code's `pool='mean'`)
@@ -139,6 +139,20 @@ def model_cfg(**kwargs) -> Dict[str, Any]:
     return {'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
             'crop_pct': 0.9, 'interpolation': 'bicubic', 'mean': (0.485, 0.456, 0.406),
             'std': (0.229, 0.224, 0.225), 'classifier': 'head', 'license': 'apache-2.0', **kwargs}
+
+
+# the `notes` entry of a model that takes token ids [B, T] (int64), not images (the byte-level GPTs)
+TOKEN_IDS_NOTE = 'input: token ids [B, T] (int64, a byte vocabulary 0-255), not images'
+
+
+def takes_token_ids(cfg) -> bool:
+    """Whether a pretrained config (timm's PretrainedCfg or its dict, or a model name) is a token-id model's:
+    image tooling skips those."""
+    if isinstance(cfg, str):
+        import timm
+        cfg = timm.get_pretrained_cfg(cfg)
+    notes = (cfg.get('notes') if isinstance(cfg, dict) else getattr(cfg, 'notes', None)) or ()
+    return TOKEN_IDS_NOTE in notes
 
 
 # small-image settings: no crop, and the normalisation `structformer train` applies to the data the model is

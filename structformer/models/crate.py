@@ -161,11 +161,10 @@ def _cfg(**kwargs):
 
 
 default_cfgs = generate_default_cfgs({
-    # test_input_size: the size timm-style contract tests build these at, to stay cheap on CPU
-    'crate_tiny_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'crate_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'crate_base_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'crate_large_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
+    'crate_tiny_patch16_224.untrained': _cfg(),
+    'crate_small_patch16_224.untrained': _cfg(),
+    'crate_base_patch16_224.untrained': _cfg(),
+    'crate_large_patch16_224.untrained': _cfg(),
     'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
     'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
     'crate_cifar.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), **CIFAR10_CFG),

@@ -22,7 +22,7 @@ from timm.models import generate_default_cfgs
 from torch import nn
 
 from ._registry import register_language_model
-from .base import StructuredModel, create_model, model_cfg
+from .base import TOKEN_IDS_NOTE, StructuredModel, create_model, model_cfg
 
 __all__ = ['GPT', 'CausalSelfAttention', 'GPTBlock']
 
@@ -143,8 +143,10 @@ class GPT(StructuredModel):
 
 
 def _cfg(**kwargs):
+    # timm's config has no field for the input's kind: `notes` says it (`base.takes_token_ids` reads it), so that
+    # generic image tooling (transforms, validate-style loops, image benchmarks) can skip these models
     return model_cfg(**dict(dict(num_classes=256, input_size=(1, 1, 128), mean=(0.,), std=(1.,), crop_pct=1.0,
-                                 first_conv=None), **kwargs))
+                                 first_conv=None, classifier='head', notes=(TOKEN_IDS_NOTE,)), **kwargs))
 
 
 default_cfgs = generate_default_cfgs({

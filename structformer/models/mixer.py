@@ -308,7 +308,7 @@ default_cfgs = generate_default_cfgs({
     'swmlp_mnist.untrained': _cfg(**_MNIST),
     'smixer_cifar.untrained': _cfg(**_CIFAR), 'rp_smixer_cifar.untrained': _cfg(**_CIFAR),
     'mixer_cifar.untrained': _cfg(**_CIFAR), 'rp_mixer_cifar.untrained': _cfg(**_CIFAR),
-    'swmlp_cifar.untrained': _cfg(test_input_size=(3, 16, 16), **_CIFAR),   # m = 3072: 113M weights at 32 px
+    'swmlp_cifar.untrained': _cfg(**_CIFAR),
 })
 
 

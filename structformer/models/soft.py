@@ -321,10 +321,9 @@ _NAMES = ([f'{family}_{size}_224' for size in _SIZES for family in ('soft', 'sof
           + ['soft_digits', 'softpp_digits']
           + [f'{family}_{size}_official_224' for size in _OFFICIAL_SIZES for family in ('soft', 'softpp')])
 
-# test_input_size 64 px: grids 16², 8², 4², 2² and m = 4 landmarks per stage, cheap on CPU yet non-trivial
 default_cfgs = generate_default_cfgs({
     f'{name}.untrained': _cfg(**_MNIST) if name.endswith('_mnist') else _cfg(**_DIGITS) if name.endswith('_digits')
-    else _cfg(test_input_size=(3, 64, 64)) for name in _NAMES})
+    else _cfg() for name in _NAMES})
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> SoftNet:

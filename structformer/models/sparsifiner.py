@@ -78,8 +78,8 @@ def _cfg(**kwargs):
 
 
 default_cfgs = generate_default_cfgs({
-    'sparsifiner_deit_tiny_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
-    'sparsifiner_deit_small_patch16_224.untrained': _cfg(test_input_size=(3, 32, 32)),
+    'sparsifiner_deit_tiny_patch16_224.untrained': _cfg(),
+    'sparsifiner_deit_small_patch16_224.untrained': _cfg(),
     'sparsifiner_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
     'sparsifiner_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
     'vit_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),

@@ -144,6 +144,13 @@ class TrainConfig:
     # fine-tuning: start from these weights (a run or checkpoint folder, .safetensors, or a weights-only .pth),
     # adapted to the model (classifier, input channels, position embedding), with a fresh optimiser and schedule
     initial_checkpoint: Optional[str] = None
+    # start from pretrained weights: `pretrained` timm's for a model that has them (its pretrained_cfg; structformer
+    # ships none), `pretrained_path` a weights file (safetensors or weights-only .pth / .bin) or a local-dir folder;
+    # adapted as `initial_checkpoint` (structformer.weights.filters)
+    pretrained: bool = False
+    pretrained_path: Optional[str] = None
+    # --teacher NAME: a registered model built with timm's pretrained weights (`teacher_pretrained`)
+    teacher_pretrained: bool = False
     # what the run was started from (`structformer train --recipe NAME`), for the record
     recipe: Optional[str] = None
     # the data set's size where the data is not at hand (a recipe's dry run), e.g. ImageNet-1k's 1,281,167
@@ -242,6 +249,15 @@ class TrainConfig:
                              f"[0, epochs={self.epochs})")
 
     def _validate_distillation(self) -> None:
+        given = [flag for flag, value in (('--initial-checkpoint', self.initial_checkpoint), ('--pretrained', self.pretrained),
+                                          ('--pretrained-path', self.pretrained_path), ('--teacher', self.teacher)) if value]
+        if len(given) > 1 and self.teacher is None:
+            raise UsageError(f"{' and '.join(given)} each give the model its starting weights; give one")
+        if self.teacher_pretrained and self.teacher is None:
+            raise UsageError("--teacher-pretrained needs --teacher NAME (a registered model name)")
+        if self.teacher is not None and (self.pretrained or self.pretrained_path):
+            raise UsageError(f"{given[0]} and --teacher both give the student its weights (a distilled student starts "
+                             "from its teacher's); give one")
         if self.teacher is not None and self.initial_checkpoint is not None:
             raise UsageError("--initial-checkpoint and --teacher both give the student its weights (a distilled "
                              "student starts from its teacher's); give one")

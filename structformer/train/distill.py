@@ -83,10 +83,14 @@ def student_only_parameters(student: nn.Module) -> set:
     return names
 
 
-def load_teacher(path, data_info=None, device='cpu') -> nn.Module:
+def load_teacher(path, data_info=None, device='cpu', config=None) -> nn.Module:
     """The dense teacher from a run directory or checkpoint, frozen and in eval mode; checked against the
-    data (classes, channels, image size). Every problem is a UsageError naming --teacher."""
+    data (classes, channels, image size). Every problem is a UsageError naming --teacher. With the run's `config`,
+    also a weights file / folder or a registered model name (`initial_weights.build_teacher`)."""
     from .checkpoint import CheckpointError, load_model
+    from .initial_weights import build_teacher, is_run_or_checkpoint
+    if config is not None and not is_run_or_checkpoint(path):
+        return build_teacher(str(path), config, data_info).to(device)
     if not Path(path).exists():
         raise UsageError(f"--teacher {path}: does not exist (expected the run directory of a trained dense model)")
     try:

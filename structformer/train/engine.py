@@ -173,10 +173,11 @@ class Trainer:
         else:
             transforms = list(cfg.transforms)
             factorize_now = cfg.factorize_spec() is not None and not cfg.factorize_at   # low-rank from the start
-            if factorize_now and not cfg.initial_checkpoint:
+            starting_weights = cfg.initial_checkpoint or cfg.pretrained or cfg.pretrained_path
+            if factorize_now and not starting_weights:
                 transforms.append(cfg.factorize_spec())
             self.model, self.recipe = build_model(cfg.model, self._model_kwargs(), self.info, transforms)
-            if cfg.initial_checkpoint:
+            if starting_weights:
                 self._load_initial_weights(factorize_now)
         self._check_planned_factorization()
         self._check_input_shapes()
@@ -200,15 +201,25 @@ class Trainer:
         self.steplog = StepLog(cfg, self.is_main)
 
     def _load_initial_weights(self, then_factorize: bool) -> None:
-        """--initial-checkpoint: the dense weights first, then (low-rank from the start) the factorisation of them
-        by truncated SVD, as after dense pre-training."""
+        """--initial-checkpoint / --pretrained-path / --pretrained: the dense weights first (adapted by the family's
+        filter, structformer.weights.filters), then (low-rank from the start) the factorisation of them by truncated
+        SVD, as after dense pre-training."""
         from ..models.transforms import TransformContext, apply_transforms, normalize_transforms
-        from .initial_weights import load_initial_weights
+        from .initial_weights import load_initial_weights, load_timm_pretrained
         cfg = self.config
-        done = load_initial_weights(self.model, cfg.initial_checkpoint)
-        cfg.initial_checkpoint = str(Path(cfg.initial_checkpoint).absolute())   # the record holds where it was read
+        if cfg.pretrained:
+            source, done = load_timm_pretrained(self.model, cfg.model)
+        else:
+            flag = '--initial-checkpoint' if cfg.initial_checkpoint else '--pretrained-path'
+            done = load_initial_weights(self.model, cfg.initial_checkpoint or cfg.pretrained_path, flag)
+            path = str(Path(cfg.initial_checkpoint or cfg.pretrained_path).absolute())   # the record holds where it was read
+            if cfg.initial_checkpoint:
+                cfg.initial_checkpoint = path
+            else:
+                cfg.pretrained_path = path
+            source = f"{flag} {path}"
         if self.is_main:
-            print(f"--initial-checkpoint {cfg.initial_checkpoint}: weights loaded"
+            print(f"{source}: weights loaded"
                   + ''.join(f"\n  adapted {line}" for line in done), flush=True)
         if then_factorize:
             spec = normalize_transforms([cfg.factorize_spec()])[0]

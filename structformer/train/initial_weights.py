@@ -1,13 +1,15 @@
-"""`--initial-checkpoint`: start a new run from trained weights (fine-tuning), with a fresh optimiser and schedule.
+"""`--initial-checkpoint` / `--pretrained-path`: start a new run from trained weights (fine-tuning), with a fresh
+optimiser and schedule.
 
-Accepted: a structformer run or checkpoint folder, a `.safetensors` file, or a weights-only `.pth` / `.pt` / `.bin`
+Accepted: a structformer run or checkpoint folder, a folder in timm's local-dir layout (`structformer convert`,
+`export --format hf`: config.json + model.safetensors), a `.safetensors` file, or a weights-only `.pth` / `.pt` / `.bin`
 (read with `torch.load(weights_only=True)`: loading never runs code). The weights are adapted to the model as timm
 adapts pretrained weights: a classifier of another size is left at its fresh initialisation, the first layer's
 input channels are folded or repeated (`timm.models._manipulate.adapt_input_conv`), an absolute position
-embedding of another grid is resampled (`timm.layers.resample_abs_pos_embed`). Every adaptation is reported;
+embedding of another grid is resampled (`timm.layers.resample_abs_pos_embed`): the family filters of
+`structformer.weights.filters`, which timm's `pretrained=True` uses too. Every adaptation is reported;
 any other key that is missing, unexpected or of another shape is refused by name, never silently dropped.
 """
-import math
 from pathlib import Path
 from typing import Dict, List
 
@@ -18,81 +20,152 @@ from ..errors import UsageError
 FLAG = '--initial-checkpoint'
 
 
-def read_weights(path) -> Dict[str, torch.Tensor]:
+def read_weights(path, flag: str = FLAG) -> Dict[str, torch.Tensor]:
     """The tensors of a run / checkpoint folder, a safetensors file or a weights-only torch file."""
     from .checkpoint import CheckpointError, load_checkpoint
     path = Path(path)
     if not path.exists():
-        raise UsageError(f"{FLAG} {path}: does not exist")
-    if path.is_dir() or path.name in ('model.safetensors', 'state.json'):
+        raise UsageError(f"{flag} {path}: does not exist")
+    if path.is_dir() and not (path / 'state.json').exists() and (path / 'model.safetensors').is_file():
+        path = path / 'model.safetensors'           # timm's local-dir layout (config.json + model.safetensors)
+    if path.is_dir() or (path.name in ('model.safetensors', 'state.json') and (path.parent / 'state.json').exists()):
         try:
             weights, _, _ = load_checkpoint(path)
         except CheckpointError as e:
-            raise UsageError(f"{FLAG} {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+            raise UsageError(f"{flag} {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
         return weights
     if path.suffix == '.safetensors':
         from safetensors.torch import load_file
         try:
             return load_file(str(path))
         except Exception as e:                      # safetensors raises several types on damaged files
-            raise UsageError(f"{FLAG} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+            raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     if path.suffix in ('.pth', '.pt', '.bin'):
         try:
             loaded = torch.load(str(path), map_location='cpu', weights_only=True)
         except Exception as e:                      # a pickle with code in it, or a damaged file
-            raise UsageError(f"{FLAG} {path}: not a weights-only torch file ({type(e).__name__}: "
+            raise UsageError(f"{flag} {path}: not a weights-only torch file ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
         for key in ('state_dict', 'model', 'state_dict_ema'):       # common wrappers of training scripts
             if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
                 loaded = loaded[key]
                 break
         if not isinstance(loaded, dict) or not all(torch.is_tensor(v) for v in loaded.values()):
-            raise UsageError(f"{FLAG} {path}: holds no mapping of names to tensors")
+            raise UsageError(f"{flag} {path}: holds no mapping of names to tensors")
         return {k[len('module.'):] if k.startswith('module.') else k: v for k, v in loaded.items()}
-    raise UsageError(f"{FLAG} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
+    raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
                      ".pth / .pt / .bin")
 
 
-def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> List[str]:
-    """Adapt `weights` in place to `model` (classifier, input channels, position embedding); returns what was done."""
-    own = model.state_dict()
-    cfg = getattr(model, 'pretrained_cfg', None) or {}
-    done = []
-    classifiers = cfg.get('classifier') or ()
-    for prefix in ([classifiers] if isinstance(classifiers, str) else classifiers):
-        for key in (f'{prefix}.weight', f'{prefix}.bias'):
-            if key in weights and key in own and weights[key].shape != own[key].shape:
-                done.append(f"{key} {list(weights[key].shape)} -> {list(own[key].shape)}: freshly initialised "
-                            "(another number of classes)")
-                del weights[key]
-    first = cfg.get('first_conv')
-    key = f'{first}.weight' if isinstance(first, str) else None
-    if key in weights and key in own and weights[key].dim() == 4 and weights[key].shape[1] != own[key].shape[1]:
-        from timm.models._manipulate import adapt_input_conv
-        old = weights[key].shape[1]
-        weights[key] = adapt_input_conv(own[key].shape[1], weights[key].float(), base_chans=old).to(weights[key].dtype)
-        done.append(f"{key}: input channels {old} -> {own[key].shape[1]} (timm's adapt_input_conv)")
-    if 'pos_embed' in weights and 'pos_embed' in own and weights['pos_embed'].shape != own['pos_embed'].shape:
-        from timm.layers import resample_abs_pos_embed
-        prefix = getattr(model, 'num_prefix_tokens', 1)
-        old_tokens, new_tokens = weights['pos_embed'].shape[1] - prefix, own['pos_embed'].shape[1] - prefix
-        old_side, new_side = math.isqrt(old_tokens), math.isqrt(new_tokens)
-        if old_side ** 2 == old_tokens and new_side ** 2 == new_tokens:
-            weights['pos_embed'] = resample_abs_pos_embed(weights['pos_embed'], [new_side, new_side],
-                                                          [old_side, old_side], num_prefix_tokens=prefix)
-            done.append(f"pos_embed: grid {old_side}x{old_side} -> {new_side}x{new_side} (timm's resample_abs_pos_embed)")
+def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag: str = FLAG, path='') -> List[str]:
+    """Adapt `weights` in place to `model` with the family's filter (`structformer.weights.filters`, the one timm's
+    `pretrained=True` uses); returns what was done. Anything else that does not fit is a UsageError naming `flag`."""
+    from ..weights.filters import WeightsMismatch, adapt_state_dict
+    try:
+        adapted, done = adapt_state_dict(weights, model, where=f"{flag} {path}".strip())
+    except WeightsMismatch as e:
+        raise UsageError(str(e).replace('model ', '--model ', 1)) from None
+    weights.clear()
+    weights.update(adapted)
     return done
 
 
-def load_initial_weights(model: torch.nn.Module, path) -> List[str]:
-    """Load `path` into `model` as --initial-checkpoint does; returns the adaptations made."""
-    from .checkpoint import describe_mismatch
-    weights = read_weights(path)
-    done = adapt_weights(model, weights)
-    own = model.state_dict()
-    dropped = {k for k in own if k not in weights and any(k in line.split(' ')[0] for line in done)}
-    mismatch = describe_mismatch({k: v for k, v in own.items() if k not in dropped}, weights)
-    if mismatch:
-        raise UsageError(f"{FLAG} {path}: the weights do not fit --model {getattr(model, 'default_cfg', {}).get('architecture', type(model).__name__)}: {mismatch}")
-    model.load_state_dict(weights, strict=False)
+def load_initial_weights(model: torch.nn.Module, path, flag: str = FLAG) -> List[str]:
+    """Load `path` into `model` as --initial-checkpoint / --pretrained-path do; returns the adaptations made."""
+    weights = read_weights(path, flag)
+    done = adapt_weights(model, weights, flag, path)
+    model.load_state_dict(weights, strict=False)      # complete but for a lazy basis left to its own shape
     return done
+
+
+def load_timm_pretrained(model: torch.nn.Module, name: str, flag: str = '--pretrained'):
+    """timm's pretrained weights for `name` (what its pretrained config points at) into the built `model`, through
+    timm's `load_pretrained` and the family filter. Returns (where they came from, the adaptations made)."""
+    import timm
+    from timm.models import load_pretrained
+    from timm.models._builder import _resolve_pretrained_source
+
+    from ..weights.filters import WeightsMismatch, adapt_state_dict
+    cfg = timm.get_pretrained_cfg(name)
+    load_from, location = _resolve_pretrained_source(cfg.to_dict()) if cfg else ('', '')
+    if not load_from:
+        raise UsageError(f"{flag}: timm has no pretrained weights for --model {name} (structformer ships none); "
+                         "give --pretrained-path FILE (e.g. `structformer convert` output)")
+    own = getattr(model, 'pretrained_cfg', None) or {}
+    done: List[str] = []
+
+    def filter_fn(state, target):
+        adapted, lines = adapt_state_dict(state, target, where=f"{flag} ({load_from} {location})")
+        done.extend(lines)
+        return adapted
+    try:
+        load_pretrained(model, pretrained_cfg=dict(cfg.to_dict(), classifier=own.get('classifier', cfg.classifier),
+                                                   first_conv=own.get('first_conv', cfg.first_conv)),
+                        num_classes=cfg.num_classes, in_chans=(cfg.input_size or (3,))[0], filter_fn=filter_fn,
+                        strict=False)
+    except WeightsMismatch as e:
+        raise UsageError(str(e)) from None
+    except Exception as e:                          # offline: huggingface_hub / urllib raise many types
+        raise UsageError(f"{flag}: timm's weights for --model {name} ({load_from} {location}) could not be read "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); offline, give "
+                         "--pretrained-path FILE") from None
+    return f"{flag} ({load_from} {location})", done
+
+
+# the dense model a registered Sparsifiner student was converted from (Sparsifiner §4 distils DeiT into it)
+DENSE_COUNTERPARTS = {'sparsifiner_deit_tiny_patch16_224': 'deit_tiny_patch16_224',
+                      'sparsifiner_deit_small_patch16_224': 'deit_small_patch16_224',
+                      'sparsifiner_digits': 'vit_digits', 'sparsifiner_mnist': 'vit_mnist'}
+
+
+def is_run_or_checkpoint(path) -> bool:
+    """A structformer run or checkpoint folder (state.json, or a run's checkpoints/), as --teacher RUN_DIR means."""
+    path = Path(path)
+    if path.is_file() and path.name in ('model.safetensors', 'state.json'):
+        path = path.parent
+    return path.is_dir() and ((path / 'state.json').is_file() or (path / 'checkpoints').is_dir())
+
+
+def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
+    """--teacher as a weights file or folder (the student's dense counterpart, or the architecture a local-dir
+    folder's config.json names) or a registered model name (with --teacher-pretrained: timm's weights), built for
+    the run's data. A teacher's classifier must already fit the data: it is never re-initialised."""
+    import json
+
+    import timm
+
+    from ..models.factory import build_model
+    kwargs = {}
+    if Path(spec).exists():
+        folder_cfg = Path(spec) / 'config.json'
+        if folder_cfg.is_file():
+            recorded = json.loads(folder_cfg.read_text())
+            name, kwargs = recorded.get('architecture'), dict(recorded.get('model_args') or {})
+        else:
+            sparsified = any((t.get('name') if isinstance(t, dict) else t) == 'sparsify' for t in config.transforms or ())
+            name = DENSE_COUNTERPARTS.get(config.model, config.model if sparsified else None)
+            kwargs = dict(config.model_kwargs or {}) if name == config.model else {}
+        if not name:
+            raise UsageError(f"--teacher {spec}: a weights file needs the student's dense counterpart, and --model "
+                             f"{config.model} has none known ({', '.join(sorted(DENSE_COUNTERPARTS))} do); give the "
+                             "teacher's run directory or a registered model name with --teacher-pretrained")
+        teacher, _ = build_model(name, {k: v for k, v in kwargs.items() if k not in ('num_classes', 'in_chans')},
+                                 data_info)
+        done = load_initial_weights(teacher, spec, '--teacher')
+    elif timm.is_model(spec):
+        if not config.teacher_pretrained:
+            raise UsageError(f"--teacher {spec}: an untrained teacher teaches nothing; add --teacher-pretrained "
+                             "(timm's weights) or give a run directory or weights file")
+        teacher, _ = build_model(spec, {}, data_info)
+        _, done = load_timm_pretrained(teacher, spec, '--teacher-pretrained')
+    else:
+        raise UsageError(f"--teacher {spec}: not a run directory, weights file or folder, nor a registered model name")
+    wrong = [line for line in done if 'number of classes' in line or 'classifier' in line]
+    if wrong:
+        raise UsageError(f"--teacher {spec}: its classifier does not fit the data ({wrong[0]}); a teacher must be "
+                         "trained for the same classes")
+    if done:
+        print(f"--teacher {spec}: weights loaded" + ''.join(f"\n  adapted {line}" for line in done), flush=True)
+    for param in teacher.parameters():
+        param.requires_grad_(False)
+    return teacher.eval()

@@ -161,12 +161,15 @@ class DistillationPart(Part):
         from . import distill
         from .checkpoint import resolve_checkpoint
         cfg = trainer.config
-        teacher = distill.load_teacher(cfg.teacher, trainer.info)
+        teacher = distill.load_teacher(cfg.teacher, trainer.info, config=cfg)
         if trainer.resume:                        # a resumed student has its own weights
             distill.check_compatible(trainer.model, teacher)
         else:                                     # a new student starts from the teacher's
             distill.init_from_teacher(trainer.model, teacher)
-        cfg.teacher = str(resolve_checkpoint(cfg.teacher))      # recorded as the exact checkpoint read
+        if Path(cfg.teacher).exists():            # recorded as the exact checkpoint / file read (a name stays a name)
+            from .initial_weights import is_run_or_checkpoint
+            cfg.teacher = str(resolve_checkpoint(cfg.teacher) if is_run_or_checkpoint(cfg.teacher)
+                              else Path(cfg.teacher).absolute())
         self.config, self.distill = cfg, distill
         self.distiller = distill.Distiller(trainer.model, teacher.to(trainer.device))
 
