@@ -61,6 +61,8 @@ def test_block_gathered_attention_in_head_chunks_equals_masked_attention(monkeyp
 
 
 def test_pooled_block_scores_are_the_tile_means_of_the_scores():
+    """Full key tiles: the mean of S over the tile. The partial last key tile (r = 3 of 4 keys): its mean shrunk
+    toward the mean over all keys of those queries, μ + √(r/bs)·(mean − μ) (`_key_tile_pooling`, issue 34)."""
     n, p, bs = 19, 5, 4                                  # 19 = 4·4 + 3: a partial last tile
     q, k, _ = _qkv(n)
     w_down, w_up = torch.randn(p, n, dtype=torch.float64), torch.randn(p, n, dtype=torch.float64)
@@ -69,8 +71,12 @@ def test_pooled_block_scores_are_the_tile_means_of_the_scores():
     tiles = pooled_block_scores(a_down, w_up, 0.1, 0.3, bs)
     edges = list(range(0, n, bs)) + [n]
     for i in range(len(edges) - 1):
+        rows = scores[..., edges[i]:edges[i + 1], :]
         for j in range(len(edges) - 1):
-            tile = scores[..., edges[i]:edges[i + 1], edges[j]:edges[j + 1]].mean(dim=(-2, -1))
+            tile = rows[..., edges[j]:edges[j + 1]].mean(dim=(-2, -1))
+            if j == len(edges) - 2:
+                overall = rows.mean(dim=(-2, -1))
+                tile = overall + (3 / 4) ** 0.5 * (tile - overall)
             torch.testing.assert_close(tiles[..., i, j], tile)
 
 
@@ -123,7 +129,7 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     assert run_bench(args) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.split()[:2] == ['n', 'keep'])
-    assert header.split() == ['n', 'keep', 'B', 'path', 'ms', 'vs', 'SDPA', 'FLOPs', 'vs', 'dense', 'note']
+    assert header.split() == ['n', 'keep', 'B', 'density', 'path', 'ms', 'vs', 'SDPA', 'FLOPs', 'vs', 'dense', 'note']
     assert 'goal: at n=577 keep 0.25, MHSA time with the predictor included ≤ 0.6× fused dense SDPA: n/a' in text
     rows = json.loads(out.read_text())['rows']
     assert [r['path'] for r in rows] == ['masked', 'gather', 'block', 'block-gather', 'dense SDPA',
@@ -137,6 +143,12 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     module, core = rows[3]['flops_vs_dense'], rows[5]['flops_vs_dense']
     assert module * dense == pytest.approx(projections + core * (dense - projections))
     assert rows[6]['vs_dense'] == 1.0 and rows[6]['flops_vs_dense'] == 1.0
+    # the realised key density beside the nominal keep: the token paths keep B = 5 keys per sparse row; the block
+    # paths keep ⌈5 / 8⌉ = 1 tile of 8 (or the partial tile of 4) per query tile, the cls row dense
+    assert rows[0]['density'] == rows[1]['density'] == pytest.approx((19 * 5 + 20) / 400)
+    for r in (rows[2], rows[3], rows[5]):
+        assert (19 * 4 + 20) / 400 <= r['density'] <= (19 * 8 + 20) / 400 and r['density'] == r['nnz'] / 400
+    assert rows[4]['density'] == 1.0
 
 
 def test_every_module_row_is_paired_with_dense_sdpa(tmp_path, monkeypatch):

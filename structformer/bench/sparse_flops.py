@@ -55,12 +55,11 @@ def sparsifiner_mhsa_flops(n: int, dim: int, heads: int, head_dim: int, keep_rat
 
 def layer_mhsa_flops(layer, n: int, nnz: Optional[int] = None) -> Dict[str, int]:
     """`sparsifiner_mhsa_flops` with a SparsifinerAttention layer's own hyper-parameters. A block-connectivity
-    layer without a measured `nnz` is charged ⌈keep·tiles⌉ whole tiles per query (an upper bound)."""
-    from ..functional.sparsifiner import budget
+    layer without a measured `nnz` is charged `tile_budget` whole tiles per query (an upper bound)."""
+    from ..functional.sparsifiner import tile_budget
     dim = layer.qkv.in_features
     if nnz is None and layer.connectivity == 'block':
-        tiles = math.ceil(n / layer.block_size)
-        per_row = min(n, budget(tiles, layer.keep_ratio) * layer.block_size)
+        per_row = min(n, tile_budget(n, layer.block_size, layer.keep_ratio) * layer.block_size)
         c = int(bool(layer.dense_cls_row))
         nnz = (n - c) * per_row + c * n
     elif nnz is None:                                   # the layer's own B (keep_ratio, or keys_per_query)

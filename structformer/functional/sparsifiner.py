@@ -40,6 +40,15 @@ def budget(num_tokens: int, keep_ratio: float) -> int:
     return max(1, math.ceil(keep_ratio * num_tokens - 1e-9))
 
 
+def tile_budget(num_tokens: int, block_size: int, keep_ratio: float) -> int:
+    """Key tiles kept per query tile by the block connectivity: the budget counted in keys, B = ⌈keep · n⌉,
+    covered by whole tiles, ⌈B / bs⌉ (at most every tile). A query tile then attends to between B − bs and
+    B + bs keys whichever tiles it keeps (a partial last tile has fewer than bs keys): within one tile of B.
+    Counting the partial tile as a whole tile (⌈keep · ⌈n/bs⌉⌉) made the budget depend on whether it was kept."""
+    keys = budget(num_tokens, keep_ratio)
+    return min(-(-num_tokens // block_size), -(-keys // block_size))
+
+
 @computes_in_float32
 def down_projected_keys(k: torch.Tensor, w_down: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """W_down K · scale [B, H, n_down, d]: the n_down keys of Eq. 1, the scale folded into them."""
@@ -92,13 +101,14 @@ def mask_from_indices(indices: torch.Tensor, num_keys: int, dense_rows: int = 0)
 
 @computes_in_float32
 def block_mask_from_scores(scores: torch.Tensor, block_size: int, keep_ratio: float) -> torch.Tensor:
-    """The block-level variant (ours, beyond the paper): mean scores over block_size × block_size tiles (a
-    partial last tile averaged over its real entries, as `pooled_block_scores` computes them without S), keep
-    the top ⌈keep · blocks⌉ key blocks of every query block, and expand to a token mask. Token-level top-k
-    leaves almost no empty tile, so only this lets a blocked kernel skip work."""
+    """The block-level variant (ours, beyond the paper): tile scores over block_size × block_size tiles (query
+    tiles averaged, key tiles by `_key_tile_pooling`: a partial last key tile shrunk to a full tile's spread, as
+    `pooled_block_scores` computes them without S), keep the top `tile_budget` key tiles of every query tile,
+    and expand to a token mask. Token-level top-k leaves almost no empty tile, so only this lets a blocked
+    kernel skip work."""
     n, n_k = scores.shape[-2:]
-    tiles = _tile_pooling(n, block_size, scores) @ scores @ _tile_pooling(n_k, block_size, scores).transpose(-2, -1)
-    chosen = mask_from_indices(top_tiles(tiles, budget(tiles.shape[-1], keep_ratio)), tiles.shape[-1])
+    tiles = _tile_pooling(n, block_size, scores) @ scores @ _key_tile_pooling(n_k, block_size, scores).transpose(-2, -1)
+    chosen = mask_from_indices(top_tiles(tiles, tile_budget(n_k, block_size, keep_ratio)), tiles.shape[-1])
     mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
     return mask[..., :scores.shape[-2], :n_k]
 
@@ -152,21 +162,66 @@ def _tile_pooling(num_tokens: int, block_size: int, like: torch.Tensor) -> torch
     return members / members.sum(-1, keepdim=True)
 
 
+def _key_tile_pooling(num_tokens: int, block_size: int, like: torch.Tensor) -> torch.Tensor:
+    """The key-side pooling P_k [⌈n/bs⌉, n]: a full tile's row is its mean (1/bs on its tokens); a partial last
+    tile of r < bs tokens is its mean shrunk toward the mean over all n keys, μ + √(r/bs)·(mean_r − μ).
+
+    Why: the top tiles are chosen by comparing tile scores, and a tile mean's spread falls as 1/√(tile size).
+    The plain mean of a one-token tile (n = 577 = 9·64 + 1) is one key's score, 8× as spread as a 64-key mean:
+    it was kept by 93 % of query tiles on random inputs at keep 0.25 (under-selected elsewhere), against 23 % for
+    a full tile. Shrunk by √(r/bs), its deviation from the row mean has a full tile's variance when keys' scores
+    are exchangeable, so it is kept about as often as a full tile (tests/test_sparsifiner_tiles.py). The row
+    mean μ is a mean over all keys, so P_k's rows still sum to 1 and the map stays linear: pooled scores are
+    still two small products (`pooled_block_scores`), and the CPU kernel needs no change (`pooled_basis`)."""
+    pooling = _tile_pooling(num_tokens, block_size, like)
+    partial = num_tokens % block_size
+    if partial:
+        shrink = math.sqrt(partial / block_size)
+        pooling[-1] = shrink * pooling[-1] + (1 - shrink) / num_tokens
+    return pooling
+
+
+def tile_sizes(num_tokens: int, block_size: int, device=None) -> torch.Tensor:
+    """Tokens in each of the ⌈n/bs⌉ tiles (int64): bs, …, bs, and the partial last tile's r."""
+    sizes = torch.full((-(-num_tokens // block_size),), block_size, dtype=torch.int64, device=device)
+    sizes[-1] = num_tokens - (sizes.numel() - 1) * block_size
+    return sizes
+
+
+def realised_density(num_tokens: int, dense_rows: int = 0, *, keys: Optional[int] = None,
+                     block_indices: Optional[torch.Tensor] = None, block_size: Optional[int] = None) -> torch.Tensor:
+    """The fraction of (query, key) pairs a sparse path attends to, dense rows included: what it really
+    computed, beside the nominal keep ratio. Token connectivity: `keys` per sparse query. Block connectivity:
+    the kept tiles' real sizes (a partial last tile counts its r keys), per query tile weighted by its queries.
+    A 0-dim float tensor (no device sync)."""
+    n = num_tokens
+    if block_indices is None:
+        return torch.tensor(((n - dense_rows) * min(keys, n) + dense_rows * n) / (n * n))
+    sizes = tile_sizes(n, block_size, block_indices.device)
+    kept = sizes[block_indices].sum(-1).double()                   # [B, H, query tiles] keys per query tile
+    starts = torch.arange(sizes.numel(), device=sizes.device) * block_size
+    dense_here = torch.minimum((dense_rows - starts).clamp(min=0), sizes)      # dense queries in each tile
+    rows = (sizes - dense_here).double()                           # its sparse queries
+    pairs = (kept * rows).sum(-1).mean() + dense_rows * n          # the dense rows attend to all n keys
+    return (pairs / (n * n)).float()
+
+
 @computes_in_float32
 def pooled_basis(w_up: torch.Tensor, up_threshold: float, block_size: int) -> torch.Tensor:
-    """The key-tile means of W̃_up = W_up ⊙ 1[|W_up| ≥ t] (Eq. 3), [..., n_down, ⌈n/bs⌉]: W̃_up Pᵀ (`_tile_pooling`)."""
+    """The key-tile poolings of W̃_up = W_up ⊙ 1[|W_up| ≥ t] (Eq. 3), [..., n_down, ⌈n/bs⌉]: W̃_up P_kᵀ
+    (`_key_tile_pooling`: means, a partial last tile shrunk to a full tile's spread)."""
     basis = w_up * (w_up.abs() >= up_threshold)
-    return basis @ _tile_pooling(w_up.shape[-1], block_size, w_up).transpose(-2, -1)
+    return basis @ _key_tile_pooling(w_up.shape[-1], block_size, w_up).transpose(-2, -1)
 
 
 @computes_in_float32
 def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float,
                         block_size: int) -> torch.Tensor:
-    """Tile means of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: the mean of S over
-    query tile I × key tile J is (mean over I of Ã_down's rows) · (mean over J of W̃_up's columns), exactly, by
-    linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². A partial last
-    tile is the mean of its real entries, as in `block_mask_from_scores`. The means are products with the
-    pooling matrix P (`_tile_pooling`): P Ã_down (P W̃_upᵀ)ᵀ, two small GEMMs instead of pads and reshapes."""
+    """Tile scores of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: P_q S P_kᵀ over
+    query tile I × key tile J is (mean over I of Ã_down's rows) · (P_k-pooling over J of W̃_up's columns),
+    exactly, by linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². Full
+    tiles are means; a partial last key tile is shrunk to a full tile's spread (`_key_tile_pooling`), as in
+    `block_mask_from_scores`. Two small GEMMs with the pooling matrices instead of pads and reshapes."""
     coefficients = F.threshold(a_down, tau, 0.0)
     pool_queries = _tile_pooling(a_down.shape[-2], block_size, a_down)
     return (pool_queries @ coefficients) @ pooled_basis(w_up, up_threshold, block_size)
@@ -175,7 +230,7 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
 @computes_in_float32
 def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, tau: float,
                     up_threshold: float, keep_ratio: float, block_size: int, kernel: bool = False) -> torch.Tensor:
-    """The block connectivity, without gradient: Eq. 1–3 on tile means, then the top ⌈keep · tiles⌉ key tiles of
+    """The block connectivity, without gradient: Eq. 1–3 on tile scores, then the top `tile_budget` key tiles of
     each query tile, [B, H, ⌈n/bs⌉, kept]. In torch ops (`pooled_block_scores`, `top_tiles`), or with
     `kernel=True` in one pass of the CPU kernel over the n × n_down coefficients (`tile_kernel.
     block_connectivity`, inference; the same tiles, exact ties included, up to the rounding of near ties; tested)."""
@@ -183,9 +238,9 @@ def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up
         if kernel:
             basis = pooled_basis(w_up, up_threshold, block_size)
             return block_connectivity(q, down_projected_keys(k, w_down), basis, tau, block_size,
-                                      budget(basis.shape[-1], keep_ratio))
+                                      tile_budget(k.shape[-2], block_size, keep_ratio))
         tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, up_threshold, block_size)
-        return top_tiles(tiles, budget(tiles.shape[-1], keep_ratio))
+        return top_tiles(tiles, tile_budget(k.shape[-2], block_size, keep_ratio))
 
 
 def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_size: int,
@@ -301,7 +356,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
                            block_size: int, dense_rows: int = 0, dropout_p: float = 0.0,
                            impl: str = 'gather') -> torch.Tensor:
     """Eq. 1–6 with block connectivity and no n×n tensor: low-rank attention (Eq. 1), tile-mean scores
-    (Eq. 2–3, `pooled_block_scores`), the top ⌈keep · tiles⌉ key tiles per query tile (detached, as the token
+    (Eq. 2–3, `pooled_block_scores`), the top `tile_budget` key tiles per query tile (detached, as the token
     mask is), then Eq. 4–6 on those tiles (`tile_attention`): `block_gathered_attention` (impl='gather', CPU and
     GPU), the CPU tile kernel (impl='kernel'; no dropout) or `block_flex_attention` (impl='flex', GPU;
     no dropout). q, k here are the predictor's inputs too."""

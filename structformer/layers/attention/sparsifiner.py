@@ -56,8 +56,8 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_scores, budget, connectivity_scores,
                                        flex_attention_path, gathered_attention, low_rank_attention,
                                        low_rank_attention_per_sample, mask_from_indices, masked_attention,
-                                       pooled_block_scores, predicted_tiles, source_columns, tile_attention,
-                                       top_tiles, topk_indices)
+                                       pooled_block_scores, predicted_tiles, realised_density, source_columns,
+                                       tile_attention, tile_budget, top_tiles, topk_indices)
 from ...functional import tile_kernel
 from ...functional.precision import upcast
 from ...functional.sparsifiner_flex import flex_attention_available
@@ -183,6 +183,9 @@ class SparsifinerAttention(AttentionBase):
             self.predictor_k = nn.Linear(self.head_dim, predictor_dim, bias=False, device=device, dtype=dtype)
         self.last_scores: Optional[torch.Tensor] = None
         self.last_mask: Optional[torch.Tensor] = None
+        # the fraction of (query, key) pairs the last forward attended to, dense rows included (0-dim tensor):
+        # what the path really computed, beside the nominal keep ratio (`functional.sparsifiner.realised_density`)
+        self.last_density: Optional[torch.Tensor] = None
 
     def budget(self, num_tokens: int) -> int:
         if self.keys_per_query is None:
@@ -273,9 +276,11 @@ class SparsifinerAttention(AttentionBase):
                 mask, indices = block_mask_from_scores(scores, self.block_size, self.keep_ratio), None
                 if dense_rows:
                     mask[..., :dense_rows, :] = True
+                self.last_density = mask.float().mean((-2, -1)).mean()
             else:
                 indices = topk_indices(scores, keys)
                 mask = mask_from_indices(indices, n, dense_rows) if impl != 'gather' else None
+                self.last_density = realised_density(n, dense_rows, keys=keys)
         self.last_mask = mask if self.keep_scores else None
         if impl == 'gather':
             out = gathered_attention(q, k, v, indices, dropout_p=dropout_p, dense_rows=dense_rows)
@@ -287,7 +292,7 @@ class SparsifinerAttention(AttentionBase):
 
     def _block_tiles(self, q, k, v, token_sources, dense_rows: int, dropout_p: float, impl: str) -> torch.Tensor:
         """Block connectivity without an n×n tensor: tile-mean scores by linearity (`pooled_block_scores`), the
-        top ⌈keep · tiles⌉ key tiles per query tile, attention on those tiles: gathered (impl='gather'), by the CPU
+        top `tile_budget` key tiles per query tile, attention on those tiles: gathered (impl='gather'), by the CPU
         kernel (impl='kernel', its predictor too unless the scores are kept or the sequence is pruned) or as
         FlexAttention's full tiles (impl='flex'). Picks the tiles the masked block path picks (exact ties to the
         lower tile, `top_tiles`; near ties may fall either way by rounding)."""
@@ -297,13 +302,15 @@ class SparsifinerAttention(AttentionBase):
                 self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
             with torch.no_grad():
                 tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
-                block_indices = top_tiles(tiles, budget(tiles.shape[-1], self.keep_ratio))
+                block_indices = top_tiles(tiles, tile_budget(q.shape[-2], self.block_size, self.keep_ratio))
         else:                                  # no scores wanted: the tiles alone (in the kernel's pass on 'kernel')
             w_down, w_up = self.basis(k)
             block_indices = predicted_tiles(*self._predictor_inputs(q, k), w_down.to(q.dtype), w_up.to(q.dtype), self.tau,
                                             self.up_threshold, self.keep_ratio, self.block_size, impl == 'kernel')
         self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
                           if self.keep_scores else None)
+        self.last_density = realised_density(q.shape[-2], dense_rows, block_indices=block_indices,
+                                             block_size=self.block_size)
         return tile_attention(q, k, v, block_indices, self.block_size, dense_rows, dropout_p, impl)
 
     def extra_repr(self) -> str:
