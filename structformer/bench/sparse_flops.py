@@ -15,7 +15,6 @@ tensors) computes the predictor on tile means (2·h·p·(n/bs)² instead of 2·h
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Iterable, List, Optional
 
 ATTENTION_KEYS = ('attn',)
