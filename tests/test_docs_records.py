@@ -1,0 +1,135 @@
+"""The numbers the docs state equal the committed records they were made from.
+
+Each table below is parsed from the markdown as a reader sees it and compared cell by cell with the JSON
+record beside it, to the precision the table prints (half a unit of its last digit). A number retyped by
+hand, a table left over from an earlier run, or a record replaced without its table fails here.
+"""
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / 'docs'
+NUMBER = re.compile(r'-?\d+(?:\.\d+)?')
+
+
+def tables(page: str) -> list:
+    """Every markdown table of a page, as lists of cell lists (header first, the --- row dropped)."""
+    found, current = [], []
+    for line in (DOCS / page).read_text().splitlines():
+        if line.startswith('|'):
+            cells = [c.strip() for c in line.strip().strip('|').split('|')]
+            if not all(set(c) <= set('-: ') for c in cells):
+                current.append(cells)
+        elif current:
+            found.append(current)
+            current = []
+    if current:
+        found.append(current)
+    return found
+
+
+def table_with(page: str, header_start: str) -> list:
+    matches = [t for t in tables(page) if ' | '.join(t[0]).startswith(header_start)]
+    assert len(matches) == 1, f"{page}: {len(matches)} tables start with {header_start!r}"
+    return matches[0]
+
+
+def printed_equal(cell: str, value: float, index: int = 0) -> None:
+    """The index-th number printed in `cell` equals `value` to the precision it is printed with."""
+    numbers = NUMBER.findall(cell.replace(',', '').replace('−', '-'))
+    assert len(numbers) > index, f"no number {index} in {cell!r}"
+    text = numbers[index]
+    decimals = len(text.split('.')[1]) if '.' in text else 0
+    assert abs(float(text) - value) <= 0.5 * 10 ** -decimals + 1e-9, f"{cell!r}: record says {value}"
+
+
+def record(path: str) -> dict:
+    return json.loads((DOCS / path).read_text())
+
+
+# ---- benchmarks.md ------------------------------------------------------------------------------------
+
+def test_bf16_table_is_the_committed_run():
+    rows = record('bench_models_bf16.json')['rows']
+    table = table_with('benchmarks.md', 'model | params | train img/s fp32')[1:]
+    labels = list(dict.fromkeys(r['label'] for r in rows))
+    assert len(table) == len(labels)
+    for cells, label in zip(table, labels):
+        fp32, bf16 = (next(r for r in rows if r['label'] == label and r['dtype'] == d) for d in ('float32', 'bfloat16'))
+        printed_equal(cells[1], fp32['params'] / 1e6)
+        printed_equal(cells[2], fp32['train_img_per_s'])
+        printed_equal(cells[3], bf16['train_img_per_s'])
+        over = bf16['paired_over_float32']
+        for i, key in enumerate(('ratio', 'ratio_q1', 'ratio_q3')):
+            printed_equal(cells[4], over[key], i)
+        printed_equal(cells[5], bf16['infer_over_float32'])
+        printed_equal(cells[6], fp32['paired_train']['ratio'])
+        printed_equal(cells[7], bf16['paired_train']['ratio'])
+
+
+SOFT_NAMES = {'softmax (SDPA)': 'softmax', 'softmax (naive)': 'softmax_naive', 'Linformer': 'linformer',
+              'Performer': 'performer', 'Nyströmformer': 'nystrom', 'SOFT': 'soft', 'SOFT++': 'softpp'}
+
+
+def test_soft_attention_table_is_the_committed_sweep():
+    rows = record('soft_attention_fig1b.json')['rows']
+    names = {r['attention'] for r in rows}
+    table = table_with('benchmarks.md', 'attention | n = 784 fwd')
+    sizes = [int(NUMBER.findall(h.replace(',', ''))[0]) for h in table[0][1:4]]
+    assert sizes == [784, 3136, 12544]
+    for cells in table[1:]:
+        name = SOFT_NAMES[cells[0]]
+        assert name in names, (name, names)
+        by_n = {r['tokens']: r for r in rows if r['attention'] == name}
+        for cell, n in zip(cells[1:4], sizes):
+            printed_equal(cell, by_n[n]['forward_ms'], 0)
+            printed_equal(cell, by_n[n]['forward_backward_ms'], 1)
+        printed_equal(cells[4], by_n[12544]['peak_mib'])
+
+
+GPU_TABLES = {'gpu_h100_fp32_batch64.json': ('n | keep | dense SDPA ms | masked | gather', 197),
+              'gpu_h100_fp32_n4097_batch8.json': ('n | keep | dense SDPA ms | masked | gather', 4097),
+              'gpu_h100_bf16_batch64.json': ('n | keep | dense SDPA ms | masked | flex', None),
+              'gpu_h100_bf16_batch64_forward_lists.json': ('n | keep | dense SDPA ms | flex', None)}
+
+
+@pytest.mark.parametrize('name', sorted(GPU_TABLES))
+def test_gpu_tables_are_their_records(name):
+    header, first_n = GPU_TABLES[name]
+    candidates = [t for t in tables('benchmarks.md') if ' | '.join(t[0]).startswith(header)
+                  and (first_n is None or int(t[1][0]) == first_n)]
+    assert len(candidates) == 1, name
+    table = candidates[0]
+    rows = {(r['tokens'], r['keep'], r['path']): r for r in record(f'sparsifiner/{name}')['rows']}
+    checked = 0
+    for cells in table[1:]:
+        n, keep = int(cells[0]), float(cells[1])
+        printed_equal(cells[2], rows[n, keep, 'dense SDPA']['ms'])
+        for path, cell in zip(table[0][3:], cells[3:]):
+            if cell == 'skip':
+                assert (n, keep, path) not in rows or rows[n, keep, path].get('ms') is None
+                continue
+            printed_equal(cell, rows[n, keep, path]['ms'], 0)
+            printed_equal(cell, rows[n, keep, path]['vs_dense'], 1)
+            checked += 1
+    assert checked >= 3 * len(table[1:])
+
+
+# ---- mixer.md -----------------------------------------------------------------------------------------
+
+def test_mixer_width_table_is_the_committed_study():
+    rows = [r for r in record('mixer/reproduce_mixer.json')['rows'] if r['group'] == 'width']
+    table = table_with('mixer.md', 'C | S | m = SC | S-Mixer | RP S-Mixer')
+    for cells in table[1:]:
+        channels, tokens, width = (int(c) for c in cells[:3])
+        for kind, cell in zip(('S-Mixer', 'RP S-Mixer'), cells[3:5]):
+            errors = [100 - r['val_top1'] for r in rows
+                      if r['kind'] == kind and r['channels'] == channels and r['tokens'] == tokens]
+            assert len(errors) >= 2 and all(r['width'] == width for r in rows if r['channels'] == channels
+                                            and r['kind'] == kind)
+            printed_equal(cell, statistics.mean(errors), 0)
+            printed_equal(cell, min(errors), 1)
+            printed_equal(cell, max(errors), 2)
