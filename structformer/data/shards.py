@@ -73,6 +73,16 @@ def split_patterns(text: str) -> Tuple[str, Optional[str]]:
     return text[:cut].strip(), text[cut + 1:].strip() or None
 
 
+def absolute_patterns(text: str) -> str:
+    """TRAIN[,VAL] with every local part (between ',' and '::') made absolute, URLs as they are; for the run's
+    record, so eval and --resume read the same shards from any folder."""
+    def fix(pattern: str) -> str:
+        parts = pattern.split('::')
+        return '::'.join(os.path.abspath(os.path.expanduser(p)) if p and is_local(p) else p for p in parts)
+    train, val = split_patterns(text)
+    return fix(train) + (',' + fix(val) if val else '')
+
+
 def is_local(url: str) -> bool:
     return ':' not in url.split('/')[0] or url.startswith('file:')
 
@@ -281,21 +291,19 @@ class ShardStream(IterableDataset):
         order = np.random.default_rng(_seed(self.seed, epoch, 0, 0)).permutation(len(self.urls))
         return order[slot::slots].tolist()
 
-    def _raw(self, mine: List[int], epoch: int, slot: int) -> Iterator[Tuple[int, int, str, bytes, int]]:
-        """(shard id, position, ext, bytes, label) from this slot's shards, round after round if the quota
-        needs more than one pass (each later round in a fresh order)."""
+    def _rounds(self, mine: List[int], epoch: int, slot: int):
+        """Passes over this slot's shards, each an iterator of (shard id, position, name, bytes, label); a pass after
+        the first (the quota needs more than the slot's shards hold) takes the shards in a fresh order."""
         for round_ in range(1 << 30):
             order = mine if round_ == 0 else np.random.default_rng(_seed(self.seed, epoch, slot, round_)).permutation(mine).tolist()
-            yielded = False
-            for k in order:
-                shard = self.shard_ids[k]
-                for j, (key, ext, data, label) in enumerate(iter_shard(self.urls[k])):
-                    if self.held_out is not None and self.held_out(shard, j):
-                        continue
-                    yielded = True
+            yield self._pass(order)
+
+    def _pass(self, order: List[int]):
+        for k in order:
+            shard = self.shard_ids[k]
+            for j, (key, ext, data, label) in enumerate(iter_shard(self.urls[k])):
+                if self.held_out is None or not self.held_out(shard, j):
                     yield shard, j, f'{self.urls[k]}:{key}.{ext}', data, label
-            if not yielded:
-                return
 
     def __iter__(self):
         info = get_worker_info()
@@ -307,13 +315,17 @@ class ShardStream(IterableDataset):
         quota = self.quota(worker, workers)
         rng = random.Random(_seed(self.seed, epoch, 1 << 20, slot))
         given = 0
-        for item in self._shuffled(self._raw(self.slot_shards(epoch, slot, slots), epoch, slot), rng):
-            if given >= quota:
+        for items in self._rounds(self.slot_shards(epoch, slot, slots), epoch, slot):
+            before = given
+            for item in self._shuffled(items, rng):     # the buffer drains at the end of each pass
+                if given >= quota:
+                    return
+                sample = self._load(item, epoch)
+                if sample is not None:      # None: undecodable under bad_images=skip, the next sample stands in
+                    given += 1
+                    yield sample
+            if given >= quota or given == before:      # done, or shards without a (readable) sample
                 return
-            sample = self._load(item, epoch)
-            if sample is not None:          # None: undecodable under bad_images=skip, the next sample stands in
-                given += 1
-                yield sample
 
     def _shuffled(self, items, rng: random.Random):
         """webdataset's shuffle buffer, with our generator: fill `shuffle_buffer`, then yield a random slot and refill it."""

@@ -1,0 +1,179 @@
+"""`structformer bench data`: can the loader feed the model? Images/s of decode + training transform.
+
+One run builds N generated JPEGs at ImageNet's typical size (about 500x375, photo-like noise so they
+compress as photos do), writes them as a folder and as shards, and times, at each worker count, full
+passes of three loaders with equal transforms: our ImageFolder (data/imagefolder.py), our shards
+(data/shards.py) and timm's create_dataset + create_loader; each with random-resized-crop + flip, and again
+with RandAugment (rand-m9-mstd0.5-inc1) + random erasing (0.25). It also times one training step of
+crate_tiny_patch16_224 (float32 and bfloat16 autocast) and reports the images/s that step needs, against
+what each loader gives. The load average before and after goes into the JSON: numbers from a busy machine
+are not measurements.
+"""
+import json
+import os
+import tempfile
+import time
+
+EXAMPLES = """examples:
+  structformer bench data --images 2000 --workers 1 2 --output outputs/bench/data.json
+  structformer bench data --images 64 --batch-size 16            # a quick check that it runs"""
+RECIPES = {'rrc_flip': {}, 'rrc_flip_ra_re': {'aa': 'rand-m9-mstd0.5-inc1', 'reprob': 0.25}}
+LOADERS = ('imagefolder', 'shards', 'timm')
+
+
+def add_arguments(p):
+    p.add_argument('--images', type=int, default=2000, help='generated JPEGs (2000)')
+    p.add_argument('--workers', type=int, nargs='+', default=[1, 2], help='loader worker counts (1 2)')
+    p.add_argument('--batch-size', type=int, default=64)
+    p.add_argument('--img-size', type=int, default=224)
+    p.add_argument('--model', default='crate_tiny_patch16_224', help='the model whose training step is timed')
+    p.add_argument('--step-batch', type=int, default=8, help='batch of the timed training step (8)')
+    p.add_argument('--folder', default=None, help='keep the generated images here (default: a temporary folder)')
+    p.add_argument('--output', default=None, help='write the results as JSON here')
+
+
+def generate_jpegs(root: str, n: int, classes: int = 10, size=(500, 375), seed: int = 0) -> None:
+    """n JPEGs in `classes` class folders: smooth colour fields plus noise (quality 90, about 60-100 kB each)."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    for c in range(classes):
+        os.makedirs(os.path.join(root, f'class_{c:02d}'), exist_ok=True)
+    for i in range(n):
+        field = Image.fromarray(np.roll(base, i, axis=0)).resize((w, h), Image.BILINEAR)
+        pixels = np.asarray(field, dtype=np.int16) + rng.integers(-24, 24, (h, w, 3), dtype=np.int16)
+        Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(
+            os.path.join(root, f'class_{i % classes:02d}', f'{i:06d}.jpg'), quality=90)
+
+
+def _augmentation(recipe):
+    from ..data.augment import Augmentation
+    return Augmentation(**RECIPES[recipe]) if RECIPES[recipe] else None
+
+
+def _timed(loader, limit_batches=None) -> tuple:
+    start, n = time.perf_counter(), 0
+    for i, (x, _) in enumerate(loader):
+        n += x.shape[0]
+        if limit_batches and i + 1 >= limit_batches:
+            break
+    return n, time.perf_counter() - start
+
+
+def loader_rate(kind: str, folder: str, shards: str, recipe: str, workers: int, batch: int, img_size: int) -> dict:
+    """Images/s over one full pass (workers started before the clock: their start-up is not decode speed)."""
+    import torch
+    from torch.utils.data import DataLoader
+    aug = _augmentation(recipe)
+    if kind == 'timm':
+        from timm.data import create_dataset, create_loader
+        ds = create_dataset('', root=folder, split='', is_training=True)
+        opts = RECIPES[recipe]
+        loader = create_loader(ds, input_size=(3, img_size, img_size), batch_size=batch, is_training=True,
+                               no_aug=False, scale=(0.08, 1.0), hflip=0.5, color_jitter=None,
+                               auto_augment=opts.get('aa'), re_prob=opts.get('reprob', 0.0), re_mode='pixel',
+                               num_workers=workers, use_prefetcher=False, persistent_workers=True,
+                               interpolation='bilinear')
+    else:
+        from ..data import build_datasets
+        spec = f'imagefolder:{folder}' if kind == 'imagefolder' else f'wds:{shards}'
+        options = dict(img_size=img_size, check='none') if kind == 'imagefolder' else dict(img_size=img_size)
+        if kind == 'shards':
+            options['shuffle_buffer'] = 256
+        train, _, _ = build_datasets(spec, augmentation=aug, val_fraction=0.01, **options)
+        if kind == 'shards':
+            from ..data.shards import stream_loader
+            loader, order, _ = stream_loader(train, batch_size=batch, workers=workers, rank=0, world_size=1,
+                                             drop_last=False)
+            order.set_epoch(1)
+        else:
+            loader = DataLoader(train, batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True)
+    it = iter(loader)
+    next(it)                                    # workers up, first batch out: not counted
+    n, seconds = 0, 0.0
+    start = time.perf_counter()
+    for x, _ in it:
+        n += x.shape[0]
+    seconds = time.perf_counter() - start
+    del it, loader
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {'loader': kind, 'recipe': recipe, 'workers': workers, 'images': n, 'seconds': seconds,
+            'images_per_s': n / seconds if seconds else None}
+
+
+def step_rate(model_name: str, batch: int, img_size: int, dtype: str, steps: int = 3) -> float:
+    """Images/s of full training steps (forward, backward, AdamW) of `model_name` on this machine's CPU."""
+    import timm
+    import torch
+    import structformer.models  # noqa: F401  (registers the models)
+    model = timm.create_model(model_name, num_classes=1000, img_size=img_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = torch.randn(batch, 3, img_size, img_size), torch.randint(0, 1000, (batch,))
+    autocast = torch.autocast('cpu', dtype=torch.bfloat16) if dtype == 'bfloat16' else None
+
+    def step():
+        with autocast if autocast is not None else torch.autocast('cpu', enabled=False):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def run(args) -> int:
+    from ..errors import UsageError
+    from ..records import check_output_file
+    if args.output:
+        check_output_file(args.output, '--output')
+    if args.images < args.batch_size * 2:
+        raise UsageError(f'--images {args.images}: give at least two batches (2 x --batch-size {args.batch_size})')
+    if any(w < 1 for w in args.workers):
+        raise UsageError(f'--workers {args.workers}: each worker count must be >= 1')
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.folder or os.path.join(tmp, 'images')
+        if not os.path.isdir(folder) or not os.listdir(folder):
+            start = time.perf_counter()
+            generate_jpegs(folder, args.images)
+            print(f'generated {args.images} JPEGs in {time.perf_counter() - start:.1f} s', flush=True)
+        from ..data.wds import write_shards
+        shard_dir = os.path.join(tmp, 'shards')
+        shard_size = max(1, -(-args.images // (2 * max(args.workers))))     # at least one shard per worker
+        info = write_shards(folder, shard_dir, shard_size, check='none')
+        names = info['splits']['train']['filenames']
+        # every shard trains; the first is named as the validation pattern too, so none is held out
+        shards = '::'.join(os.path.join(shard_dir, f) for f in names) + ',' + os.path.join(shard_dir, names[0])
+        rows = []
+        for recipe in RECIPES:
+            for workers in args.workers:
+                for kind in LOADERS:
+                    row = loader_rate(kind, folder, shards, recipe, workers, args.batch_size, args.img_size)
+                    rows.append(row)
+                    print(f"{recipe:14} workers {workers}  {kind:12} {row['images_per_s']:8.1f} img/s", flush=True)
+    needs = {}
+    for dtype in ('float32', 'bfloat16'):
+        needs[dtype] = step_rate(args.model, args.step_batch, args.img_size, dtype)
+        print(f'one training step of {args.model} ({dtype}, batch {args.step_batch}) consumes '
+              f'{needs[dtype]:.1f} img/s on this machine', flush=True)
+    ratios = {}
+    for recipe in RECIPES:
+        for workers in args.workers:
+            by = {r['loader']: r['images_per_s'] for r in rows if r['recipe'] == recipe and r['workers'] == workers}
+            for kind in ('imagefolder', 'shards'):
+                ratios[f'{recipe}/workers{workers}/{kind}_vs_timm'] = by[kind] / by['timm']
+                print(f'{recipe:14} workers {workers}  {kind} / timm = {by[kind] / by["timm"]:.2f}x', flush=True)
+    result = {'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
+              'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
+              'load_average_before': load_before, 'load_average_after': os.getloadavg(),
+              'cpu_count': os.cpu_count(), 'goal': 'our loaders >= 1.0x timm images/s with equal transforms'}
+    if args.output:
+        from ..records import write_json
+        write_json(args.output, result)
+        print(f'wrote {args.output}')
+    return 0

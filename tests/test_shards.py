@@ -1,0 +1,224 @@
+"""webdataset shards (data/shards.py, data/wds.py): the writer round-trips a folder; the stream splits shards over
+processes and workers and gives every sample once per epoch; the epoch depends on (seed, epoch) alone, so a
+resumed run equals a straight one; held-out shards are named; bad shards are one line, exit 2, nothing written."""
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from structformer.cli import main
+from structformer.data import build_datasets
+from structformer.data.shards import ShardStream, iter_shard, stream_loader
+from structformer.data.wds import write_shards
+
+CLASSES = ('ant', 'bee', 'cow')
+
+
+def _folder(root: Path, per_class: int, offset: int = 0):
+    """PNG images (lossless) whose first pixel encodes a unique id, and a few JPEGs: id = R + 256 G."""
+    from PIL import Image
+    k = offset
+    for c in CLASSES:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.full((12, 10, 3), 7, np.uint8)
+            pixels[0, 0] = (k % 256, k // 256, 0)
+            Image.fromarray(pixels).save(root / c / f'{k:04d}.png')
+            k += 1
+    return k
+
+
+def pixel_id(image):
+    """The id a test image carries in its first pixel (a picklable transform for loader workers)."""
+    r, g, _ = image.getpixel((0, 0))
+    return torch.tensor(r + 256 * g)
+
+
+@pytest.fixture(scope='module')
+def shards(tmp_path_factory):
+    base = tmp_path_factory.mktemp('shards')
+    _folder(base / 'images', 8)                       # 24 samples in 4 shards of 6: two processes x two workers
+    write_shards(str(base / 'images'), str(base / 'wds'), 6)
+    return base
+
+
+def test_shards_round_trip_images_labels_and_class_order(tmp_path):
+    from torchvision.datasets import ImageFolder
+    n = _folder(tmp_path / 'tv' / 'train', 5)
+    _folder(tmp_path / 'tv' / 'val', 2, offset=n)
+    assert main(['data', 'shard', str(tmp_path / 'tv'), str(tmp_path / 'out'), '--shard-size', '4']) == 0
+    info = json.loads((tmp_path / 'out' / '_info.json').read_text())
+    assert info['classes'] == list(CLASSES)
+    for split, folder in (('train', 'train'), ('validation', 'val')):
+        source = ImageFolder(str(tmp_path / 'tv' / folder))
+        expected = sorted((Path(p).read_bytes(), label) for p, label in source.samples)
+        names = info['splits'][split]['filenames']
+        got = [(data, label) for name in names for _, ext, data, label in iter_shard(str(tmp_path / 'out' / name))]
+        assert sorted(got) == expected                   # the same bytes under the same labels
+        assert info['splits'][split]['shard_lengths'] == [len(list(iter_shard(str(tmp_path / 'out' / f))))
+                                                          for f in names]
+        assert sum(info['splits'][split]['shard_lengths']) == len(source.samples)
+    train, val, data_info = build_datasets(f"wds:{tmp_path / 'out'}", img_size=8)
+    assert data_info.extra['classes'] == list(CLASSES) and data_info.num_classes == 3
+    assert (len(train), len(val)) == (15, 6)
+    val_source = ImageFolder(str(tmp_path / 'tv' / 'val'))
+    assert val.targets == val_source.targets            # validation keeps the folder's order
+
+
+def _epoch_ids(stream: ShardStream, epoch: int, world: int, workers: int, batch: int = 4):
+    """{rank: [(worker-order batch, ids)]} of one epoch through real DataLoaders (ranks one after another)."""
+    seen = {}
+    for rank in range(world):
+        loader, order, batches = stream_loader(stream, batch_size=batch, workers=workers, rank=rank,
+                                               world_size=world, drop_last=False)
+        order.set_epoch(epoch)
+        got = [x.tolist() for x, _ in loader]
+        assert len(got) == batches
+        seen[rank] = got
+    return seen
+
+
+def _stream(shards, **kw):
+    train, _, _ = build_datasets(f"wds:{shards / 'wds' / 'train-{000000..000003}.tar'},"
+                                 f"{shards / 'wds' / 'train-000000.tar'}", train_transform=pixel_id, **kw)
+    return train
+
+
+def test_two_processes_two_workers_see_disjoint_shards_and_every_sample_once(shards):
+    stream = _stream(shards, shuffle_buffer=3)
+    for epoch in (1, 2):
+        slots = [stream.slot_shards(epoch, slot, 4) for slot in range(4)]
+        assert sorted(s for slot in slots for s in slot) == [0, 1, 2, 3]      # dealt: disjoint, all of them
+        seen = _epoch_ids(stream, epoch, world=2, workers=2)
+        ids = [i for rank in seen.values() for batch in rank for i in batch]
+        assert sorted(ids) == list(range(24))                                  # every sample once
+        by_rank = [{i for batch in seen[r] for i in batch} for r in (0, 1)]
+        assert not by_rank[0] & by_rank[1] and len(seen[0]) == len(seen[1])   # disjoint, equal steps (DDP)
+        # each process's two workers read whole shards: the ids of a shard stay in one rank
+        shard_of = {i: s for s in range(4) for _, _, _, i in
+                    [(0, 0, 0, int(pixel_id(__import__('PIL.Image', fromlist=['x']).open(io.BytesIO(d)))))
+                     for _, _, d, _ in iter_shard(str(shards / 'wds' / f'train-{s:06d}.tar'))]}
+        for r in (0, 1):
+            assert len({shard_of[i] for i in by_rank[r]}) == 2
+    first, again, later = (_epoch_ids(stream, e, 2, 2) for e in (1, 1, 2))
+    assert first == again and first != later               # seeded by (seed, epoch): same epoch, same order
+
+
+def test_epoch_is_the_stated_number_of_samples_and_limit_cuts_batches(shards):
+    stream = _stream(shards, train_samples=10)
+    seen = _epoch_ids(stream, 1, world=1, workers=2, batch=3)
+    assert sum(len(b) for b in seen[0]) == 10              # 10 of the 24, from both workers
+    loader, _, batches = stream_loader(stream, batch_size=3, workers=2, rank=0, world_size=1, drop_last=False,
+                                       limit_batches=2)
+    assert batches == 2 and len(list(loader)) == 2
+
+
+def test_held_out_shards_are_named_and_sample_holdout_is_disjoint(shards, capsys):
+    train, val, info = build_datasets(f"wds:{shards / 'wds' / 'train-{000000..000003}.tar'}", img_size=8)
+    out = capsys.readouterr().out
+    assert 'held out the last 1 of 4 shards' in out and 'train-000003.tar' in out
+    assert (len(train), len(val), train.urls[-1].endswith('train-000002.tar')) == (18, 6, True)
+    one = shards / 'wds' / 'train-000000.tar'
+    train, val, info = build_datasets(f'wds:{one}', train_transform=pixel_id, eval_transform=pixel_id,
+                                      val_fraction=0.5, seed=3)
+    assert 'seeded val_fraction=0.5' in capsys.readouterr().out
+    train.configure(0, 1)
+    train.set_epoch(1)
+    train_ids = {int(x) for x, _ in train}
+    val_ids = {int(val[i][0]) for i in range(len(val))}
+    assert len(train) == len(train_ids) and not train_ids & val_ids and len(train_ids | val_ids) == 6
+    assert 0 < len(val_ids) < 6
+
+
+def _train(out: Path, data: str, *extra):
+    return main(['train', '--model', 'crate_digits', '--data', data, '--epochs', '2', '-b', '4', '--workers', '2',
+                 '--warmup-epochs', '0', '--output', str(out), '--no-progress', '--log-interval', '0',
+                 '--aa', 'rand-m9-mstd0.5-inc1', '--reprob', '0.25', *extra])
+
+
+def test_resume_at_an_epoch_boundary_is_exact_with_shards(shards, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    data = f"wds:{shards / 'wds'}/train-{{000000..000003}}.tar,{shards / 'wds'}/train-000000.tar"
+    assert _train(tmp_path / 'straight', data) == 0
+    assert _train(tmp_path / 'resumed', data, '--stop-after', '1') == 0
+    assert main(['train', '--resume', '--output', str(tmp_path / 'resumed'), '--no-progress', '--workers', '2']) == 0
+    a, b = (load_file(str(tmp_path / run / 'checkpoints' / 'epoch_0002' / 'model.safetensors'))
+            for run in ('straight', 'resumed'))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    one = load_file(str(tmp_path / 'straight' / 'checkpoints' / 'epoch_0001' / 'model.safetensors'))
+    assert not all(torch.equal(a[k], one[k]) for k in a)          # it trained
+
+
+def _tar(path: Path, members):
+    with tarfile.open(path, 'w') as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture
+def bad_shards(shards, tmp_path):
+    good = (shards / 'wds' / 'train-000000.tar').read_bytes()
+    png = next(iter_shard(str(shards / 'wds' / 'train-000000.tar')))[2]
+    _tar(tmp_path / 'nocls.tar', [('a.png', png), ('b.png', png)])
+    (tmp_path / 'corrupt.tar').write_bytes(good[:len(good) // 2 + 100])
+    (tmp_path / 'garbage.tar').write_bytes(b'\x01' * 1024)
+    return tmp_path
+
+
+@pytest.mark.parametrize('data, needles', [
+    ('wds:{d}/none-*.tar', ['none-*.tar', 'names no shard']),
+    ('wds:{d}/missing-{{0..1}}.tar', ['do not exist', 'missing-0.tar']),
+    ('wds:{d}/nocls.tar', ['nocls.tar', "'a'", 'no a class']),
+    ('wds:{d}/corrupt.tar', ['corrupt.tar', 'truncated']),
+    ('wds:{d}/garbage.tar', ['garbage.tar', 'not a readable tar']),
+    ('wds:{s}/train-000000.tar,', ['expected TRAIN_PATTERN']),
+])
+def test_bad_shards_are_one_line_exit_2_nothing_written(data, needles, bad_shards, shards, tmp_path, capsys):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    data = data.format(d=bad_shards, s=shards / 'wds')
+    if data.endswith(','):
+        data += ',x.tar'
+    rc = main(['train', '--model', 'crate_digits', '--data', data, '--output', str(tmp_path / 'run'), '--no-progress'])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_shard_command_refuses_a_used_output_and_writes_nothing_on_failure(shards, tmp_path, capsys):
+    (tmp_path / 'used').mkdir()
+    (tmp_path / 'used' / 'x').write_text('')
+    assert main(['data', 'shard', str(shards / 'images'), str(tmp_path / 'used')]) == 2
+    assert 'not an empty folder' in capsys.readouterr().err
+    bad = tmp_path / 'bad'
+    _folder(bad, 2)
+    (bad / 'ant' / 'z.png').write_bytes(b'not an image')
+    assert main(['data', 'shard', str(bad), str(tmp_path / 'out')]) == 2
+    assert 'z.png' in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['bad', 'used']
+
+
+def test_hfds_reads_a_saved_dataset(tmp_path):
+    datasets = pytest.importorskip('datasets')
+    from PIL import Image
+    images = [Image.fromarray(np.full((6, 6, 3), 10 * i, np.uint8)) for i in range(8)]
+    features = datasets.Features({'image': datasets.Image(), 'label': datasets.ClassLabel(names=['x', 'y'])})
+    ds = datasets.DatasetDict({
+        'train': datasets.Dataset.from_dict({'image': images[:6], 'label': [0, 1] * 3}, features=features),
+        'test': datasets.Dataset.from_dict({'image': images[6:], 'label': [1, 0]}, features=features)})
+    ds.save_to_disk(str(tmp_path / 'hf'))
+    train, val, info = build_datasets(f"hfds:{tmp_path / 'hf'}", img_size=8, augment=False)
+    assert (len(train), len(val), info.num_classes, info.extra['classes']) == (6, 2, 2, ['x', 'y'])
+    x, y = val[0]
+    assert x.shape == (3, 8, 8) and y == 1
