@@ -52,6 +52,9 @@ REPRODUCE_EXAMPLES = """examples:
   structformer reproduce soft --data ../shared/data/mnist --epochs 1 --limit-train-batches 40
   structformer reproduce soft --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
 
+DATA_EXAMPLES = """examples:
+  structformer data shard /data/imagenet /data/imagenet-wds --shard-size 1000
+  structformer train --model crate_base --data wds:/data/imagenet-wds          # the folder's _info.json names the splits"""
 
 # `structformer bench TARGET` and `structformer reproduce PAPER`: one row per target, naming a module that
 # defines add_arguments(parser), run(args) -> int and, optionally, EXAMPLES. The modules must not import
@@ -62,6 +65,8 @@ BENCH_TARGETS = {
     'lowrank': ('structformer.bench.lowrank', 'dense vs factorised (W = UVᵀ) layer and ViT-S block stack step time / memory'),
     'mlp': ('structformer.bench.mlp', 'structured linear layers at equal width; Mixer Table S.3 (RP-Mixer vs SW-MLP)'),
     'sparse-attention': ('structformer.bench.sparse_attention', 'Sparsifiner MHSA paths vs dense SDPA: time and FLOPs vs n, keep'),
+    'data': ('structformer.bench.data', 'loader images/s (decode + train transform): our folder and shards vs timm, '
+             'against what a training step needs'),
 }
 REPRODUCE_TARGETS = {
     'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),
@@ -494,6 +499,16 @@ def cmd_bench(args) -> int:
     return status
 
 
+def cmd_data(args) -> int:
+    """`structformer data shard IMAGEFOLDER OUT`: webdataset shards of an image folder (data/wds.py)."""
+    from .data.wds import shard_patterns, write_shards
+    info = write_shards(args.imagefolder, args.out, args.shard_size, seed=args.seed, check=args.check)
+    for split in info['splits'].values():
+        print(f"{split['name']}: {split['num_samples']} samples in {len(split['filenames'])} shard(s)")
+    print(f"wrote {args.out} ({len(info['classes'])} classes); train with --data {shard_patterns(args.out, info)}")
+    return 0
+
+
 def cmd_reproduce(args) -> int:
     return _target_module(REPRODUCE_TARGETS, args.target).run(args)
 
@@ -550,6 +565,20 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(reproduce_sub.add_parser(target, help=help_text, formatter_class=fmt,
                                                       epilog=getattr(module, 'EXAMPLES', REPRODUCE_EXAMPLES)))
     p.set_defaults(func=cmd_reproduce)
+
+    p = sub.add_parser('data', help='dataset tools: webdataset shards from an image folder', formatter_class=fmt,
+                       epilog=DATA_EXAMPLES)
+    data_sub = p.add_subparsers(dest='action', metavar='ACTION')
+    data_sub.required = True
+    s = data_sub.add_parser('shard', help='write an ImageFolder as webdataset tar shards (KEY.jpg + KEY.cls, _info.json)',
+                            formatter_class=fmt, epilog=DATA_EXAMPLES)
+    s.add_argument('imagefolder', metavar='IMAGEFOLDER', help='class sub-folders; train/ and val/ (or test/) become two splits')
+    s.add_argument('out', metavar='OUT', help='a new (or empty) folder; written all at once, nothing on failure')
+    s.add_argument('--shard-size', type=_positive_int('--shard-size'), default=1000, help='samples per shard (1000)')
+    s.add_argument('--seed', type=int, default=0, help='seed of the order the training samples are written in')
+    s.add_argument('--check', choices=['header', 'decode', 'none'], default='header',
+                   help='up-front check of the images (header: open each file without decoding)')
+    p.set_defaults(func=cmd_data)
 
     from .mixer import cli as mixer_design
     p = sub.add_parser('design', help='Mixer widths at a fixed number of connections Ω (Mixer paper §4.2)',

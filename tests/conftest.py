@@ -6,6 +6,9 @@ import torch
 
 import structformer  # noqa: F401  (registers models)
 
+# The image-folder check cache (data/imagecheck.py) of the test session: a fresh folder, not the user's ~/.cache.
+os.environ.setdefault('STRUCTFORMER_CACHE', __import__('tempfile').mkdtemp(prefix='structformer-test-cache-'))
+
 # The real MNIST test set lives beside the project (never committed); tests that use it skip without it.
 SHARED_MNIST = Path(__file__).resolve().parents[1].parent / 'shared' / 'data' / 'mnist'
 

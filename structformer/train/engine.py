@@ -163,7 +163,11 @@ class Trainer:
         augmentation = Augmentation.from_config(cfg)
         extra = {'augmentation': augmentation} if augmentation.requested() else {}
         self.train_ds, self.val_ds, self.info = build_datasets(
-            cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, **extra, **cfg.data_kwargs)
+            cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, model=cfg.model, model_kwargs=cfg.model_kwargs,
+            **extra, **cfg.data_kwargs)
+        if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in ('imagefolder', 'wds', 'hfds',
+                                                                                             'cifar10'):
+            cfg.data_kwargs['img_size'] = self.info.img_size     # it followed the model: recorded for eval and resume
         self.resumed_state = None
         if self.resume:                    # the recorded recipe: what was trained, whatever the config says now
             _, self.resumed_state, _ = load_checkpoint(self._resume_source())
@@ -278,7 +282,15 @@ class Trainer:
         cfg = self.config
         workers = self._workers()
         pin = self.device.type == 'cuda'
-        if cfg.aug_repeats:
+        if getattr(self.train_ds, 'streaming', False):      # shards: the stream splits itself (data/shards.py)
+            from ..data.shards import stream_loader
+            if cfg.aug_repeats:
+                raise UsageError(f"--aug-repeats needs random access to the data; --data {cfg.data} is streamed")
+            self.train_loader, self.train_order, self.batches_per_epoch = stream_loader(
+                self.train_ds, batch_size=cfg.batch_size, workers=workers, rank=self.rank, world_size=self.world_size,
+                drop_last=self.mixup is not None, limit_batches=cfg.limit_train_batches, pin_memory=pin)
+            order = None
+        elif cfg.aug_repeats:
             from timm.data.distributed_sampler import RepeatAugSampler
             order = RepeatAugSampler(self.train_ds, num_replicas=self.world_size, rank=self.rank, shuffle=True,
                                      num_repeats=cfg.aug_repeats)
@@ -286,14 +298,15 @@ class Trainer:
             order = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         else:
             order = ShuffledOrder(len(self.train_ds), cfg.seed)
-        limit = cfg.limit_train_batches * cfg.batch_size
-        self.train_order = EpochOrder(order, limit)
         loader_options = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
-        # mixing pairs images, so timm drops an epoch's last, smaller batch when it mixes; so do we
-        self.train_loader = DataLoader(SeededSamples(self.train_ds, cfg.seed, self.rank), batch_size=cfg.batch_size,
-                                       sampler=self.train_order, drop_last=self.mixup is not None,
-                                       generator=torch.Generator().manual_seed(cfg.seed), **loader_options)
-        self.batches_per_epoch = len(self.train_loader)
+        if order is not None:
+            limit = cfg.limit_train_batches * cfg.batch_size
+            self.train_order = EpochOrder(order, limit)
+            # mixing pairs images, so timm drops an epoch's last, smaller batch when it mixes; so do we
+            self.train_loader = DataLoader(SeededSamples(self.train_ds, cfg.seed, self.rank), batch_size=cfg.batch_size,
+                                           sampler=self.train_order, drop_last=self.mixup is not None,
+                                           generator=torch.Generator().manual_seed(cfg.seed), **loader_options)
+            self.batches_per_epoch = len(self.train_loader)
         if self.batches_per_epoch == 0:
             raise UsageError(f"-b/--batch-size {cfg.batch_size} leaves no training batch: this process has "
                              f"{len(self.train_order)} training samples" + (" and --mixup drops a partial batch"
@@ -309,8 +322,11 @@ class Trainer:
         (one per core, at most 8), in-memory tensors none (a worker would only copy them)."""
         if self.config.num_workers is not None:
             return self.config.num_workers
-        if self.info.name == 'imagefolder':
-            return min(8, max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+        if self.info.name in ('imagefolder', 'wds', 'hfds'):
+            default = min(8, max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+            if getattr(self.train_ds, 'streaming', False):          # a stream needs a shard per worker
+                default = min(default, len(self.train_ds.urls) // self.world_size)
+            return default
         return 0
 
     def effective_batch(self) -> int:
