@@ -329,10 +329,27 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
         saved = saved_config.get(key)
         if key == 'teacher' and value and saved and _same_checkpoint(value, saved):
             continue                                   # the run directory given again: the recorded checkpoint
+        if key == 'data' and isinstance(value, str) and _moved_data(value, saved, values):
+            continue
         if value != saved and not (key == 'warmup_epochs' and value == values.get(key)):
             raise UsageError(f"{flag} cannot change on --resume (saved {saved!r}, given {value!r}); "
                              "start a new run with --output")
     return values
+
+
+def _moved_data(given: str, saved, values: dict) -> bool:
+    """--data on --resume: the saved data named again (relative paths compared as absolute), or the same kind of
+    data where the saved path no longer exists (the data moved: `values` takes the new place)."""
+    from .train.data_paths import absolute_data, data_path
+    spec, as_given = absolute_data(given)
+    if spec == saved or given == saved:
+        return True
+    old_path = data_path(saved) if isinstance(saved, str) else None
+    same_kind = spec.partition(':')[0].strip().lower() == str(saved).partition(':')[0].strip().lower()
+    if old_path is None or Path(old_path).exists() or not same_kind:
+        return False
+    values['data'], values['data_as_given'] = spec, as_given
+    return True
 
 
 def _same_checkpoint(given: str, saved: str) -> bool:
@@ -358,6 +375,8 @@ def _train_config(args):
             from .train.recipes import load_recipe
             from_recipe, _ = load_recipe(given['recipe'])
         values = {**from_recipe, **from_file, **given}
+        if 'data' in given:                        # a data_as_given from -c FILE recorded the file's data
+            values['data_as_given'] = None
     return TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
 
 
@@ -385,6 +404,9 @@ def cmd_eval(args) -> int:
     model, state = load_model(args.checkpoint, ema=args.ema)
     cfg = state['config']
     data = args.data or cfg['data']
+    if not args.data:
+        from .train.data_paths import check_stored_data
+        check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
     data_kwargs = dict(cfg.get('data_kwargs', {}), **(args.data_kwargs or {}))
     train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
                                             **data_kwargs)

@@ -262,6 +262,9 @@ def run_analyze(args) -> int:
     spec = args.data or config.get('data')
     if not spec:
         raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
+    if not args.data:
+        from ..train.data_paths import check_stored_data
+        check_stored_data(spec, config.get('data_as_given'), "the checkpoint's", '--data')
     same = args.data is None or args.data == config.get('data')
     options = dict(config.get('data_kwargs') or {}) if same else {}
     data_seed = int(config.get('seed', 0))

@@ -40,7 +40,7 @@ from typing import List, Optional, Tuple
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from .load import run_record
-from ..records import environment, write_json, write_png
+from ..records import check_output_file, environment, write_json, write_png
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak
@@ -463,6 +463,8 @@ def profile_forward(name, grid, args, top: int = 15) -> str:
 def run(args) -> int:
     import torch
     _check_args(args)
+    if args.output:                # before measuring: a sweep of minutes never dies at the write
+        check_output_file(args.output, '--output')
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run_sweep(args)

@@ -29,7 +29,7 @@ import sys
 
 from .harness import paired_ratios
 from .load import run_record
-from ..records import environment, write_json
+from ..records import check_output_file, environment, write_json
 
 EXAMPLES = """examples:
   structformer bench lowrank                                   # the goals: 1024x4096 layer, ViT-S stack
@@ -248,6 +248,8 @@ def _goal(rows, part: str):
 def run(args) -> int:
     import torch
     _check(args)
+    if args.output:                # before measuring: minutes of timings never die at the write
+        check_output_file(args.output, '--output')
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ import sys
 import time
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
-from ..records import environment, write_json
+from ..records import check_output_file, environment, write_json
 from .load import row_flag, row_mark, row_record, run_record
 
 CANDIDATES = [
@@ -282,6 +282,8 @@ def _check_amp(args) -> None:
 def run(args) -> int:
     import torch
     _check_amp(args)
+    if args.output:                # before measuring: minutes of timings never die at the write
+        check_output_file(args.output, '--output')
     for flag in ('batch_size', 'img_size', 'steps', 'rounds'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")

@@ -31,7 +31,7 @@ import sys
 from ..errors import UsageError
 from .harness import median_seconds, paired_ratios
 from .load import run_record
-from ..records import environment, write_json
+from ..records import check_output_file, environment, write_json
 
 PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather', 'block-kernel', 'block-flex')
 DTYPES = ('float32', 'bfloat16')
@@ -347,6 +347,8 @@ def format_table(rows) -> str:
 def run(args) -> int:
     import torch
     _check(args)
+    if args.json:                  # before measuring: minutes of timings never die at the write
+        check_output_file(args.json, '--json')
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment(args.device)

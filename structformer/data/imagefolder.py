@@ -166,6 +166,9 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
                                 f'{root}/<class name>/<image file> ({e})') from None
+    if len(folder.classes) < 2:         # one class trains to loss 0 and 100 %, which measures nothing
+        raise UsageError(f'--data {spec!r}: {root!r} holds one class ({folder.classes[0]!r}); a classifier needs '
+                         f'at least two class folders, {root}/<class name>/<image file>')
     folder.skipped_images = 0
     before = len(folder.samples)
     folder = _drop_unreadable(folder, spec, bad_images, check)

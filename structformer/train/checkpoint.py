@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -34,8 +35,15 @@ def crash_point(step: str) -> None:
     would (no cleanup, no exception handlers), so tests can interrupt a commit at every step without
     relying on timing. Steps: '<checkpoint name>:weights' (weights written to the temporary folder),
     '<name>:renamed' (folder committed, latest.json not yet updated), '<name>:latest',
-    'epoch <N>:metrics' (metrics line written). Unset in normal use: one dictionary lookup."""
+    'epoch <N>:metrics' (metrics line written), 'epoch <N>:step <S>' (S optimiser steps of epoch N taken).
+    With `STRUCTFORMER_TEST_KILL_WITH=SIGINT` (or SIGTERM) the process sends itself that signal there instead,
+    as Ctrl-C or a scheduler's stop would, so its handlers run. Unset in normal use: one dictionary lookup."""
     if os.environ.get('STRUCTFORMER_TEST_KILL_AT') == step:
+        name = os.environ.get('STRUCTFORMER_TEST_KILL_WITH')
+        if name:
+            import signal
+            os.kill(os.getpid(), getattr(signal, name))
+            return
         os._exit(137)
 
 
@@ -144,22 +152,50 @@ def resolve_checkpoint(path) -> Path:
             raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "
                                   "state.json; give a run directory, a checkpoint folder or its model.safetensors")
         path = path.parent
+    replaced = replaced_run(path.parent if path.name == 'checkpoints' else path)
+    if replaced is not None:
+        print(f"note: {path} holds an --overwrite that stopped before its first epoch; reading the run it "
+              f"replaced, which the next `train --output` into this folder puts back", file=sys.stderr)
+        path = replaced
     for candidate in (path, path / 'checkpoints'):
         if (candidate / 'model.safetensors').exists() or (candidate / 'state.json').exists():
             return candidate
+        committed = _committed(candidate)
         latest = candidate / LATEST
         if latest.exists():
             try:
                 name = json.loads(latest.read_text())['checkpoint']
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"--checkpoint: {latest} is corrupt ({e})") from None
-            return candidate / name
-        committed = sorted(p for p in candidate.glob('epoch_[0-9][0-9][0-9][0-9]')
-                           if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file())
+                if not isinstance(name, str) or (candidate / name) not in committed:
+                    raise ValueError(f"it names {name!r}, which is not a complete checkpoint here")
+                return candidate / name
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                if not committed:
+                    raise CheckpointError(f"--checkpoint: {latest} is corrupt ({e}) and {candidate} holds no "
+                                          "complete checkpoint") from None
+                print(f"note: {latest} is unreadable ({type(e).__name__}: {e}); using the newest complete "
+                      f"checkpoint, {committed[-1].name}", file=sys.stderr)
+                return committed[-1]
         if committed:                                   # killed before latest.json was first written
             return committed[-1]
     raise CheckpointError(f"--checkpoint: {path} is not a structformer checkpoint or run directory "
                           "(expected model.safetensors + state.json, or checkpoints/latest.json)")
+
+
+def _committed(ckpt_dir: Path):
+    """Complete checkpoint folders (weights and state present) in `ckpt_dir`, oldest first."""
+    return sorted(p for p in Path(ckpt_dir).glob('epoch_[0-9][0-9][0-9][0-9]')
+                  if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file())
+
+
+def replaced_run(run: Path) -> Optional[Path]:
+    """The records an `--overwrite` of `run` moved aside (RUN/.replaced-PID) while the new run has not yet
+    committed a trained epoch, else None. That old run is still the folder's run: the next start puts it back
+    (`run_dir.reconcile`), so readers (eval, analyze, --resume) read it rather than the new run's init."""
+    run = Path(run)
+    asides = [a for a in sorted(run.glob('.replaced-*')) if _committed(a / 'checkpoints')]
+    if not asides or any(int(p.name.split('_')[1]) >= 1 for p in _committed(run / 'checkpoints')):
+        return None
+    return asides[-1]
 
 
 def load_checkpoint(path, with_train_state: bool = False):

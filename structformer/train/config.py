@@ -16,7 +16,7 @@ from ..errors import UsageError
 # configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
 _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
           'batch_size': '-b/--batch-size', 'phases': None, 'recipe': '--recipe',
-          'factorize_rank': '--rank', 'factorize_init': '--init'}
+          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None}
 
 
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
@@ -46,6 +46,9 @@ class TrainConfig:
     transforms: List[Dict[str, Any]] = field(default_factory=list)
     data: str = 'digits'
     data_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # `data` as typed where its path was relative (`data` itself is stored absolute, so the run opens from any
+    # folder; train/data_paths.py), for the record only
+    data_as_given: Optional[str] = None
     val_fraction: float = 0.2
     epochs: int = 30
     batch_size: int = 64

@@ -39,6 +39,7 @@ from ..models.transforms import TransformContext, apply_transforms, normalize_tr
 from .checkpoint import (CheckpointError, crash_point, describe_mismatch, load_checkpoint,
                          mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng, save_checkpoint)
 from .config import TrainConfig, save_config
+from .data_paths import absolute_data, check_stored_data
 from .distributed import all_reduce_sum, barrier, cleanup_distributed, init_distributed
 from .mixing import build_mixup, hard_labels, mixing_active
 from .parts import LowRankPart, build_parts
@@ -47,8 +48,8 @@ from .precision import Precision, cpu_bfloat16_native
 from .seeding import EpochOrder, SeededSamples, ShuffledOrder
 from .steplog import StepLog
 from ..errors import UsageError
-from .run_dir import (RunLock, committed_checkpoints, discard_aside, move_aside, read_metrics, reconcile,
-                      undo_new_run)
+from .run_dir import (RunLock, committed_checkpoints, discard_aside, disk_full, holds_run, move_aside,
+                      read_metrics, reconcile, signals_deferred, sigterm_as_interrupt, undo_new_run)
 
 
 class TrainingDiverged(RuntimeError):
@@ -122,6 +123,11 @@ class Trainer:
         self.is_main = self.rank == 0
         if config.output is None:
             config.output = f"outputs/{config.model}_{config.data.split(':')[0]}"
+        if resume:       # the run's own data: refused by name, with the flag that moves it, if it is gone
+            check_stored_data(config.data, config.data_as_given, "the run's", '--data with --resume')
+        else:            # stored absolute: eval, --resume and -c config.yaml work from any folder
+            config.data, as_given = absolute_data(config.data)
+            config.data_as_given = as_given or config.data_as_given
         self.output = Path(config.output)
         self.ckpt_dir = self.output / 'checkpoints'
         self._prepare_output(overwrite)
@@ -130,9 +136,24 @@ class Trainer:
     def _prepare_output(self, overwrite: bool) -> None:
         """Check, but do not yet change, the output folder: nothing is written before the data and the
         model have been built, so a bad argument never costs an old run or leaves an empty folder."""
-        self.overwrite = overwrite and not self.resume
+        if overwrite and self.resume:
+            raise UsageError("--resume and --overwrite together: --resume continues the run in --output, --overwrite "
+                             "replaces it with a new one; give one of them")
+        self.overwrite = overwrite
         self._check_no_run_here()
+        self._check_resume_into_own_run()
         check_writable(self.output, '--output')
+
+    def _check_resume_into_own_run(self) -> None:
+        """`--resume CHECKPOINT` continues that run in --output: a folder that is new or empty, or the checkpoint's
+        own run. Into a folder that holds another run it would mix the two runs' epochs and records."""
+        if not isinstance(self.resume, str) or self.resume in ('latest', '') or not holds_run(self.output):
+            return
+        source = resolve_checkpoint(self.resume).resolve()
+        if not source.is_relative_to(self.output.resolve()):
+            raise UsageError(f"--output {self.output} already holds another run than --resume {self.resume}; "
+                             "continue a run from its checkpoint into a new (or empty) --output, or into its own "
+                             "run folder")
 
     def _check_no_run_here(self, since: str = '') -> None:
         """Refuse a new run (not --resume, not --overwrite) into a folder that holds one. Checked before the
@@ -143,17 +164,18 @@ class Trainer:
             raise FileExistsError(f"--output {self.output} already holds a run{since}; pass --resume to continue "
                                   "it or --overwrite to replace it")
 
-    def _start_output(self) -> Optional[Path]:
-        """Create the run folder; with --overwrite move the old run aside (returned), to be discarded once
-        the new run's first trained epoch has committed and put back if anything fails before that."""
-        aside = None
+    def _start_output(self) -> None:
+        """Create the run folder; with --overwrite move the old run aside (`self.aside`), to be discarded once
+        the new run's first trained epoch has committed and put back if anything fails before that.
+        `self.started`: from here on the folder's run files are the new run's (or absent), so a failure may
+        remove them; a signal cannot fall between the move and the flag."""
         if self.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
             reconcile(self.output)
-            if self.overwrite:
-                aside = move_aside(self.output)
+            with signals_deferred():
+                self.aside = move_aside(self.output) if self.overwrite else None
+                self.started = True
         barrier()
-        return aside
 
     def _build(self) -> None:
         from ..data import build_datasets
@@ -345,7 +367,7 @@ class Trainer:
         self.model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):  # and if a layer did draw: undone
-                self.model(batch)
+                logits = self.model(batch)
         except ValueError:
             raise
         except RuntimeError as e:         # a shape torch found wrong: name the data and the model
@@ -353,6 +375,13 @@ class Trainer:
                              f"(shape {list(batch.shape)}): {str(e).splitlines()[0]}") from None
         finally:
             self.model.train(was_training)
+        predicts = logits.shape[-1] if torch.is_tensor(logits) else None
+        if predicts is not None and predicts != self.info.num_classes:   # else: cross-entropy's IndexError later
+            given = self.config.model_kwargs.get('num_classes')
+            what = f"--model-kwargs num_classes={given}" if given is not None else f"--model {self.config.model}"
+            raise UsageError(f"{what}: the model predicts {predicts} classes but --data {self.config.data} has "
+                             f"{self.info.num_classes}; leave num_classes out (it follows the data) or give "
+                             f"num_classes={self.info.num_classes}")
 
     def _phase_specs(self) -> List[dict]:
         """The configuration's phases, else the first default a part gives (distillation's two stages), else one."""
@@ -447,11 +476,28 @@ class Trainer:
         files = {}
         for part in self.parts:
             files.update(part.checkpoint_files())
-        path = save_checkpoint(self.ckpt_dir / f'epoch_{epoch:04d}', self.model, self._state(epoch, metrics),
-                               optimizer=self.optimizer, extra_files=files)
-        mark_latest(self.ckpt_dir, path)
+        try:
+            path = save_checkpoint(self.ckpt_dir / f'epoch_{epoch:04d}', self.model, self._state(epoch, metrics),
+                                   optimizer=self.optimizer, extra_files=files)
+            mark_latest(self.ckpt_dir, path)
+        except Exception as e:          # safetensors reports a full disk as SafetensorError, not OSError
+            if not disk_full(e):
+                raise
+            raise self._out_of_space(e, f'checkpoint epoch_{epoch:04d}') from None
         self._prune(epoch)
         return path
+
+    def _out_of_space(self, error: Exception, writing: str) -> CheckpointError:
+        """A full disk while committing an epoch, as one line: what is intact and how to go on. A checkpoint is
+        committed by rename, so a failed write leaves the previous ones as they were."""
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else 'no space left on device'
+        if self.uncommitted_new_run:
+            kept = "nothing of this new run was kept (it had not finished an epoch); free space and start it again"
+        else:
+            last = committed_checkpoints(self.ckpt_dir)[-1]
+            kept = (f"the last intact checkpoint is epoch {int(last.name.split('_')[1])} ({last}); free space, then "
+                    f"continue with `structformer train --output {self.output} --resume`")
+        return CheckpointError(f"--output {self.output}: the disk is full ({reason}) while writing {writing}; {kept}")
 
     def _prune(self, epoch: int) -> None:
         cfg = self.config
@@ -490,18 +536,23 @@ class Trainer:
         self._build()                            # data and model first: bad input fails before any write
         self.global_step = 0
         start_epoch = 0
-        with RunLock(self.output if self.is_main else None) as lock:
+        with RunLock(self.output if self.is_main else None) as lock, sigterm_as_interrupt():
             if self.is_main:
                 self._check_no_run_here(' (written by another process while this one started)')
-            aside = self._start_output()
-            # a new run that fails before its first trained epoch commits leaves nothing behind (and an
-            # --overwrite'n run comes back): the command was refused, so a retry must not meet a half run
+            # a new run that fails or is stopped (Ctrl-C, SIGTERM) before its first trained epoch commits leaves
+            # nothing behind, and an --overwrite'n run comes back as it was: a retry must not meet a half run
             self.uncommitted_new_run = not self.resume
+            self.aside, self.started = None, False
             try:
-                return self._fit(start_epoch, aside)
-            except Exception:
-                if self.is_main and self.uncommitted_new_run:
-                    undo_new_run(self.output, aside, lock)
+                self._start_output()
+                return self._fit(start_epoch, self.aside)
+            except BaseException:
+                if self.is_main and self.uncommitted_new_run and self.started:
+                    with signals_deferred():
+                        undo_new_run(self.output, self.aside, lock)
+                    if self.aside is not None:
+                        print(f"--overwrite stopped before the new run's first epoch: the run it was replacing is "
+                              f"back in {self.output} as it was", file=sys.stderr, flush=True)
                 raise
 
     def _describe_plan(self) -> str:
@@ -530,7 +581,8 @@ class Trainer:
         history: List[Dict] = []
         last_path = None
         if self.is_main:                  # `--resume PATH` into a fresh --output: nothing committed here yet
-            last_path = resolve_checkpoint(self.ckpt_dir if committed_checkpoints(self.ckpt_dir) else self._resume_source())
+            here = committed_checkpoints(self.ckpt_dir)         # this run's own (an aside is not read here)
+            last_path = here[-1] if here else resolve_checkpoint(self._resume_source())
         epochs_this_run = 0
         try:
             for epoch in range(start_epoch + 1, cfg.epochs + 1):
@@ -547,8 +599,11 @@ class Trainer:
                     if self.uncommitted_new_run:                # a trained epoch: the old run can go now
                         self.uncommitted_new_run = False
                         discard_aside(aside)
-                    with open(self.output / 'metrics.jsonl', 'a') as f:
-                        f.write(json.dumps(record) + '\n')
+                    try:
+                        with open(self.output / 'metrics.jsonl', 'a') as f:
+                            f.write(json.dumps(record) + '\n')
+                    except OSError as e:    # the checkpoint holds the record: the next start restores the line
+                        raise self._out_of_space(e, 'metrics.jsonl') if disk_full(e) else e
                     crash_point(f'epoch {epoch}:metrics')
                     self._print_epoch(record)
                     self.steplog.epoch(record)
@@ -645,6 +700,7 @@ class Trainer:
                     self.scheduler.step_update(num_updates=self.global_step)
                 for part in self.parts:
                     part.after_step(self)
+                crash_point(f'epoch {epoch}:step {step // accum + 1}')
             n = targets.shape[0]
             seen += n
             seen_targets += hard_labels(targets).numel()           # tokens for a language model

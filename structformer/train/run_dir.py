@@ -11,10 +11,14 @@ committed checkpoint: stale temporaries go, `latest.json` is rewritten from the 
 and `metrics.jsonl` keeps exactly one line per epoch up to that checkpoint (a missing line is taken
 from the checkpoint's own `state.json`, which carries that epoch's metrics).
 """
+import errno
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -98,6 +102,58 @@ def reconcile(output: Path) -> Optional[Path]:
     return newest
 
 
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` says the disk (or the user's quota) is full: an OSError with ENOSPC / EDQUOT, or the
+    SafetensorError that safetensors raises with the system's message inside."""
+    codes = [errno.ENOSPC] + ([errno.EDQUOT] if hasattr(errno, 'EDQUOT') else [])
+    if isinstance(error, OSError):
+        return error.errno in codes
+    return any(os.strerror(code) in str(error) for code in codes) or 'StorageFull' in str(error)
+
+
+def holds_run(output: Path) -> bool:
+    """Whether `output` holds a run: checkpoints (committed or not), or one an --overwrite moved aside."""
+    ckpt_dir = Path(output) / 'checkpoints'
+    return (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or any(Path(output).glob('.replaced-*'))
+
+
+@contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM held back (delivered when the block ends): for a few renames that must not stop
+    half-way, such as moving a run aside, after which a failure could no longer tell old records from new."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, 'pthread_sigmask'):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`), raised like Ctrl-C's KeyboardInterrupt, so the same clean-up runs
+    (a half-started --overwrite puts the old run back). Exit status 143 = 128 + SIGTERM, as the signal's own."""
+    exit_status = 128 + signal.SIGTERM
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """For the block, SIGTERM raises `Terminated` instead of ending the process on the spot."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated(f"stopped by {signal.Signals(signum).name}")
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def move_aside(output: Path) -> Optional[Path]:
     """Move an old run's records into a hidden sibling folder (for `--overwrite`), so they can be put
     back if the new run fails before its first checkpoint. Returns that folder, or None if empty."""
@@ -106,9 +162,10 @@ def move_aside(output: Path) -> Optional[Path]:
     if not present:
         return None
     aside = output / f'.replaced-{os.getpid()}'
-    aside.mkdir()
-    for name in present:
-        os.replace(output / name, aside / name)
+    with signals_deferred():                            # all of the old run moves, or none of it
+        aside.mkdir()
+        for name in present:
+            os.replace(output / name, aside / name)
     return aside
 
 
@@ -116,12 +173,13 @@ def restore_aside(output: Path, aside: Optional[Path]) -> None:
     """Undo `move_aside`: whatever the new run wrote is removed and the old records come back."""
     if aside is None:
         return
-    for name in RUN_FILES:
-        if (aside / name).exists():
-            target = Path(output) / name
-            _remove(target)
-            os.replace(aside / name, target)
-    shutil.rmtree(aside, ignore_errors=True)
+    with signals_deferred():                            # a second Ctrl-C must not stop it half-way
+        for name in RUN_FILES:
+            if (aside / name).exists():
+                target = Path(output) / name
+                _remove(target)
+                os.replace(aside / name, target)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove(target: Path, ignore_errors: bool = False) -> None:

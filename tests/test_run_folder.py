@@ -1,0 +1,238 @@
+"""A run folder is one run, wherever it is opened from (issue 35): resuming another run into it is refused,
+an --overwrite stopped by Ctrl-C or SIGTERM before its first epoch puts the old run back byte for byte, data
+paths are stored absolute, benchmarks check their output before measuring, a full disk and a corrupt
+latest.json end in one line that says what is intact."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from structformer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ['--model', 'crate_digits', '--model-kwargs', 'depth=1', '--data', 'digits', '--warmup-epochs', '0',
+        '--limit-train-batches', '2', '--no-progress']
+
+
+def _tree(folder: Path):
+    """Every path under `folder` with its kind, size, modification time and mode."""
+    return {str(p.relative_to(folder)): (p.is_dir(), p.lstat().st_size, p.lstat().st_mtime_ns, p.lstat().st_mode)
+            for p in [folder, *sorted(folder.rglob('*'))]}
+
+
+def _bytes(folder: Path):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
+
+
+def _train(output, *extra, epochs=2):
+    assert main(['train', *TINY, '--epochs', str(epochs), '--output', str(output), *extra]) == 0
+
+
+def _one_error(capsys, argv, *needles):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope='module')
+def two_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp('two_runs')
+    _train(base / 'a')
+    _train(base / 'b', '--seed', '3')
+    return base / 'a', base / 'b'
+
+
+# ---------------------------------------------------------------- 1. one folder, one run
+
+def test_resume_from_another_run_into_a_folder_that_holds_a_run_is_refused(two_runs, capsys):
+    a, b = two_runs
+    before = _tree(a)
+    _one_error(capsys, ['train', '--resume', str(b), '--output', str(a), '--epochs', '3', '--no-progress'],
+               '--output', 'another run', '--resume')
+    _one_error(capsys, ['train', '--resume', str(b / 'checkpoints' / 'epoch_0002'), '--output', str(a),
+                        '--no-progress'], 'another run')
+    _one_error(capsys, ['train', '--resume', '--overwrite', '--output', str(a), '--no-progress'],
+               '--resume', '--overwrite')
+    assert _tree(a) == before
+
+
+def test_resume_from_another_run_goes_into_a_new_folder_or_its_own(two_runs, tmp_path):
+    a, b = two_runs
+    copy = tmp_path / 'b_copy'
+    shutil.copytree(b, copy)
+    assert main(['train', '--resume', str(copy), '--output', str(copy), '--epochs', '3', '--no-progress']) == 0
+    assert main(['train', '--resume', str(a), '--output', str(tmp_path / 'new'), '--epochs', '3',
+                 '--no-progress']) == 0
+    lines = (tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()
+    assert [json.loads(line)['epoch'] for line in lines] == [3]          # only what this folder trained
+
+
+# ---------------------------------------------------------------- 2. an interrupted --overwrite
+
+def _interrupted(output, kill_at, signal_name=None, seed=5):
+    """`structformer train --overwrite` in a fresh process, stopped at test hook `kill_at` by `signal_name` sent
+    to itself (None: ended on the spot, as kill -9)."""
+    env = dict(os.environ, STRUCTFORMER_TEST_KILL_AT=kill_at, OMP_NUM_THREADS='1')
+    if signal_name:
+        env['STRUCTFORMER_TEST_KILL_WITH'] = signal_name
+    return subprocess.run([sys.executable, '-m', 'structformer', 'train', *TINY, '--epochs', '2', '--seed', str(seed),
+                           '--output', str(output), '--overwrite'], env=env, capture_output=True, text=True)
+
+
+def _eval(run, capsys):
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(run), '--json']) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize('signal_name, status', [('SIGINT', 130), ('SIGTERM', 143)])
+@pytest.mark.parametrize('kill_at', ['epoch 1:step 1', 'epoch_0001:weights'])
+def test_overwrite_stopped_in_its_first_epoch_puts_the_old_run_back(two_runs, tmp_path, capsys, signal_name,
+                                                                    status, kill_at):
+    run = tmp_path / 'run'
+    shutil.copytree(two_runs[0], run)
+    before = _bytes(run)
+    done = _interrupted(run, kill_at, signal_name)
+    assert done.returncode == status, done.stderr[-2000:]
+    assert 'Traceback' not in done.stderr
+    assert 'the run it was replacing is back' in done.stderr
+    assert _bytes(run) == before and not list(run.glob('.replaced-*'))
+    scored = _eval(run, capsys)
+    summary = json.loads((run / 'summary.json').read_text())
+    assert scored['epoch'] == 2 and scored['top1'] == pytest.approx(summary['final_val_top1'])
+
+
+def test_overwrite_killed_outright_is_read_as_the_old_run_until_the_next_start(two_runs, tmp_path, capsys):
+    """kill -9 runs no handler: the old run waits in RUN/.replaced-PID. eval and --resume read it (not the new
+    run's random init), and the next start puts it back."""
+    run = tmp_path / 'run'
+    shutil.copytree(two_runs[0], run)
+    before = _bytes(run)
+    assert _interrupted(run, 'epoch 1:step 1').returncode == 137
+    assert list(run.glob('.replaced-*'))
+    scored = _eval(run, capsys)
+    old_summary = json.loads((next(run.glob('.replaced-*')) / 'summary.json').read_text())
+    assert scored['epoch'] == 2 and scored['top1'] == pytest.approx(old_summary['final_val_top1'])
+    assert main(['train', '--resume', '--output', str(run), '--no-progress']) == 0
+    out = capsys.readouterr().out
+    assert 'resumed from epoch 2 of 2' in out
+    assert _bytes(run).keys() == before.keys()
+    assert {k: v for k, v in _bytes(run).items() if k.startswith('checkpoints/')} == \
+        {k: v for k, v in before.items() if k.startswith('checkpoints/')}
+
+
+# ---------------------------------------------------------------- 3. a run opened from another folder
+
+def _images(root: Path, classes=('a', 'b')):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)).save(root / c / f'{i}.png')
+
+
+def test_a_run_is_evaluated_resumed_and_rerun_from_another_folder(tmp_path, monkeypatch, capsys):
+    work, elsewhere = tmp_path / 'work', tmp_path / 'elsewhere'
+    _images(work / 'imgs')
+    elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    assert main(['train', '--model', 'crate_digits', '--model-kwargs', 'depth=1', '--data', 'imagefolder:imgs',
+                 '--data-kwargs', 'img_size=8', '--workers', '0', '--epochs', '1', '--warmup-epochs', '0',
+                 '--output', 'run', '--no-progress']) == 0
+    config = yaml.safe_load((work / 'run' / 'config.yaml').read_text())
+    assert config['data'] == f"imagefolder:{work / 'imgs'}" and config['data_as_given'] == 'imagefolder:imgs'
+    monkeypatch.chdir(elsewhere)
+    run = str(work / 'run')
+    assert _eval(run, capsys)['epoch'] == 1
+    assert main(['train', '--resume', '--output', run, '--epochs', '2', '--no-progress']) == 0
+    assert main(['train', '-c', f'{run}/config.yaml', '--epochs', '1', '--output', 'again', '--no-progress']) == 0
+    (work / 'imgs').rename(work / 'moved')                  # the data moves: the error names it and the flag
+    _one_error(capsys, ['eval', '--checkpoint', run], str(work / 'imgs'), 'given as imagefolder:imgs', '--data')
+    _one_error(capsys, ['train', '--resume', '--output', run, '--epochs', '3', '--no-progress'],
+               str(work / 'imgs'), '--data')
+    assert main(['eval', '--checkpoint', run, '--data', f"imagefolder:{work / 'moved'}"]) == 0
+    assert main(['train', '--resume', '--output', run, '--epochs', '3', '--data', f"imagefolder:{work / 'moved'}",
+                 '--no-progress']) == 0
+
+
+def test_one_class_image_folder_is_refused(tmp_path, capsys):
+    _images(tmp_path / 'imgs', classes=('only',))
+    _one_error(capsys, ['train', '--data', f"imagefolder:{tmp_path / 'imgs'}", '--output', str(tmp_path / 'run'),
+                        '--no-progress'], '--data', 'one class', 'at least two')
+    assert not (tmp_path / 'run').exists()
+
+
+# ---------------------------------------------------------------- 4. benchmarks check their output first
+
+BENCH_MEASURES = [('models', 'structformer.bench.models', '_plan', '--output'),
+                  ('attention', 'structformer.bench.attention', 'run_sweep', '--output'),
+                  ('lowrank', 'structformer.bench.lowrank', '_measure', '--output'),
+                  ('sparse-attention', 'structformer.bench.sparse_attention', 'measure', '--json')]
+
+
+@pytest.mark.parametrize('target, module, measure, flag', BENCH_MEASURES, ids=[b[0] for b in BENCH_MEASURES])
+def test_benchmark_with_an_unwritable_output_fails_before_measuring(target, module, measure, flag, tmp_path,
+                                                                    monkeypatch, capsys):
+    import importlib
+    blocker = tmp_path / 'a_file'
+    blocker.write_text('not a folder\n')
+
+    def measured(*args, **kwargs):
+        raise AssertionError('measured before checking the output')
+    monkeypatch.setattr(importlib.import_module(module), measure, measured)
+    _one_error(capsys, ['bench', target, flag, str(blocker / 'out.json')], flag, 'is a file')
+    _one_error(capsys, ['bench', target, flag, str(tmp_path)], flag, 'is a folder')
+
+
+# ---------------------------------------------------------------- 5. the last tracebacks
+
+def test_a_full_disk_during_a_checkpoint_says_what_is_intact(two_runs, tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    import structformer.train.checkpoint as checkpoint
+    real = checkpoint.save_file
+
+    def save_file(tensors, path):
+        if 'epoch_0003' in path:
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                  'message: "No space left on device" })')
+        return real(tensors, path)
+    run = tmp_path / 'run'
+    shutil.copytree(two_runs[0], run)
+    monkeypatch.setattr(checkpoint, 'save_file', save_file)
+    line = _one_error(capsys, ['train', '--resume', '--output', str(run), '--epochs', '4', '--no-progress'],
+                      'disk is full', 'last intact checkpoint is epoch 2', '--resume')
+    assert str(run) in line
+    assert not list((run / 'checkpoints').glob('*.tmp-*')) and not (run / 'checkpoints' / 'epoch_0003').exists()
+    monkeypatch.setattr(checkpoint, 'save_file', real)
+    assert main(['train', '--resume', '--output', str(run), '--epochs', '4', '--no-progress']) == 0
+    # a new run whose first trained epoch cannot be written: nothing of it is kept
+    monkeypatch.setattr(checkpoint, 'save_file', lambda t, p: save_file(t, p.replace('epoch_0001', 'epoch_0003')))
+    _one_error(capsys, ['train', *TINY, '--epochs', '2', '--output', str(tmp_path / 'new')],
+               'disk is full', 'nothing of this new run was kept')
+    assert not (tmp_path / 'new').exists()
+
+
+def test_a_corrupt_latest_json_falls_back_to_the_newest_complete_checkpoint(two_runs, tmp_path, capsys):
+    run = tmp_path / 'run'
+    shutil.copytree(two_runs[0], run)
+    (run / 'checkpoints' / 'latest.json').write_text('{"checkpoint": ')
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert 'epoch 2' in out and 'latest.json is unreadable' in err and 'epoch_0002' in err
+    (run / 'checkpoints' / 'latest.json').write_text('{"checkpoint": "epoch_0007"}')
+    assert main(['eval', '--checkpoint', str(run)]) == 0
+    assert 'epoch 2' in capsys.readouterr().out
