@@ -1,0 +1,172 @@
+"""Big folders and sizes (data/imagecheck.py, data/imagefolder.py, data/sizing.py): the up-front check opens headers
+only, is cached by file list + sizes + mtimes and invalidated by a change; an image that fails to decode in training
+under bad_images=skip is replaced and named; the image size follows the model; a size the model cannot take is one
+line naming both sizes."""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from structformer.cli import main
+from structformer.data import build_datasets
+from structformer.data import imagecheck
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_data import _write_cifar  # noqa: E402
+
+
+def _images(root: Path, per_class: int = 4, side: int = 40):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for c in ('a', 'b'):
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(root / c / f'{i}.jpg',
+                                                                                       quality=95)
+    return root
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    return tmp_path / 'cache'
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = imagecheck.header_problem
+
+    def counted(path):
+        calls.append(path)
+        return real(path)
+    monkeypatch.setattr(imagecheck, 'header_problem', counted)
+    monkeypatch.setattr(imagecheck, 'decode_problem', lambda p: pytest.fail('the default check decoded an image'))
+    return calls
+
+
+def test_header_check_is_cached_and_invalidated_by_a_change(tmp_path, cache, monkeypatch, capsys):
+    root = _images(tmp_path / 'imgs')
+    calls = _counting(monkeypatch)
+    spec = f'imagefolder:{root}'
+    build_datasets(spec, img_size=8)
+    assert len(calls) == 8 and 'reused' not in capsys.readouterr().out
+    build_datasets(spec, img_size=8)
+    assert len(calls) == 8 and 'header check of 8 files reused' in capsys.readouterr().out
+    (root / 'b' / '3.jpg').write_bytes(b'this is not an image at all')     # same name, new size and mtime
+    with pytest.raises(ValueError, match=r"1 of 8 images cannot be read: .*b/3\.jpg"):
+        build_datasets(spec, img_size=8)
+    assert len(calls) == 16                                                 # checked again, all of them
+    (root / 'b' / '3.jpg').unlink()
+    build_datasets(spec, img_size=8)                                       # a removed file: a new list
+    assert len(calls) == 23
+    assert len(list(cache.rglob('*.json'))) == 3
+
+
+def test_a_file_that_fails_to_decode_in_training_is_replaced_and_named(tmp_path, cache, capsys):
+    root = _images(tmp_path / 'imgs', side=64)
+    bad = root / 'a' / '2.jpg'
+    data = bad.read_bytes()
+    bad.write_bytes(data[:len(data) * 2 // 3])          # the header is whole: only decoding finds the cut
+    assert imagecheck.header_problem(str(bad)) is None and imagecheck.decode_problem(str(bad)) is not None
+    spec = f'imagefolder:{root}'
+    train, val, _ = build_datasets(spec, img_size=8, bad_images='skip', val_fraction=0.25, augment=False)
+    both = [(ds, i) for ds in (train, val) for i in range(len(ds))
+            if ds.dataset.dataset.samples[ds.dataset.indices[i]][0] == str(bad)]
+    (ds, i), = both
+    x, y = ds[i]
+    n = len(ds)
+    assert torch.equal(x, ds[(i + 1) % n][0]) and y == ds[(i + 1) % n][1]      # the next readable item
+    out = capsys.readouterr().out
+    assert str(bad) in out and 'bad_images=skip' in out and '1 unreadable image(s)' in out
+    with pytest.raises(ValueError, match='2.jpg cannot be read'):
+        train_e, val_e, _ = build_datasets(spec, img_size=8, val_fraction=0.25)
+        [ds[k] for ds in (train_e, val_e) for k in range(len(ds))]
+    # a whole training run: the epoch completes, the file is named in the log, nothing crashes
+    out_dir = tmp_path / 'run'
+    assert main(['train', '--model', 'crate_digits', '--data', spec, '--data-kwargs', 'bad_images=skip',
+                 '--epochs', '1', '-b', '2', '--workers', '0', '--output', str(out_dir), '--no-progress',
+                 '--val-fraction', '0.25']) == 0
+    assert str(bad) in capsys.readouterr().out
+    assert (out_dir / 'checkpoints' / 'epoch_0001').is_dir()
+
+
+def test_decode_check_is_the_option_and_finds_what_the_header_misses(tmp_path, cache):
+    root = _images(tmp_path / 'imgs', side=64)
+    data = (root / 'a' / '1.jpg').read_bytes()
+    (root / 'a' / '1.jpg').write_bytes(data[:len(data) * 2 // 3])
+    build_datasets(f'imagefolder:{root}', img_size=8)                        # the header is fine
+    with pytest.raises(ValueError, match=r'1 of 8 images cannot be read: .*a/1\.jpg'):
+        build_datasets(f'imagefolder:{root}', img_size=8, check='decode')
+
+
+def test_the_check_runs_once_on_process_0_and_is_shared(tmp_path, cache):
+    """Two gloo processes: process 0 checks (its count of header reads is the file count), process 1 reads none."""
+    import subprocess
+    root = _images(tmp_path / 'imgs')
+    script = (
+        "import os, torch.distributed as dist; from structformer.data import imagecheck as ic\n"
+        "dist.init_process_group('gloo')\n"
+        "calls = []\n"
+        "real = ic.header_problem\n"
+        "ic.header_problem = lambda p: calls.append(p) or real(p)\n"
+        f"bad = ic.shared_check(sorted(str(p) for p in __import__('pathlib').Path({str(root)!r}).rglob('*.jpg')), 'header')\n"
+        "print('RANK', dist.get_rank(), len(calls), len(bad), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    (tmp_path / 'check.py').write_text(script)
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           str(tmp_path / 'check.py')], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ranks = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith('RANK'))
+    assert ranks == [['0', '8', '0'], ['1', '0', '0']]
+
+
+@pytest.mark.parametrize('model, kwargs, expected', [
+    ('crate_digits', {}, 8),
+    ('crate_tiny_patch16_224', {}, 224),
+    ('crate_tiny_patch16_224', {'img_size': 32}, 32),
+    ('crate_mnist', {}, 28),
+])
+def test_image_size_follows_the_model(tmp_path, cache, model, kwargs, expected):
+    root = _images(tmp_path / 'imgs')
+    train, val, info = build_datasets(f'imagefolder:{root}', model=model, model_kwargs=kwargs, augment=False)
+    assert info.img_size == expected and val[0][0].shape == (3, expected, expected)
+    _, _, given = build_datasets(f'imagefolder:{root}', model=model, model_kwargs=kwargs, img_size=16)
+    assert given.img_size == 16                                               # img_size given: it wins
+    _, _, alone = build_datasets(f'imagefolder:{root}')
+    assert alone.img_size == 224                                              # no model: the folder default
+
+
+def test_cifar_follows_the_model_and_is_resized(tmp_path):
+    _write_cifar(tmp_path / 'cifar')
+    train, val, info = build_datasets(f"cifar10:{tmp_path / 'cifar'}", model='crate_tiny_patch16_224')
+    assert info.img_size == 224 and val[0][0].shape == (3, 224, 224) and train[0][0].shape == (3, 224, 224)
+    _, small, info32 = build_datasets(f"cifar10:{tmp_path / 'cifar'}", model='crate_digits')
+    assert info32.img_size == 8 and small[0][0].shape == (3, 8, 8)
+    _, plain, native = build_datasets(f"cifar10:{tmp_path / 'cifar'}")
+    assert native.img_size == 32 and plain[0][0].shape == (3, 32, 32)
+
+
+def test_engine_records_the_followed_size_and_trains_at_it(tmp_path, cache):
+    import yaml
+    root = _images(tmp_path / 'imgs')
+    out = tmp_path / 'run'
+    assert main(['train', '--model', 'crate_digits', '--data', f'imagefolder:{root}', '--epochs', '1',
+                 '--limit-train-batches', '1', '--output', str(out), '--no-progress', '--workers', '0']) == 0
+    config = yaml.safe_load((out / 'config.yaml').read_text())
+    assert config['data_kwargs']['img_size'] == 8
+    assert main(['eval', '--checkpoint', str(out)]) == 0
+
+
+def test_a_size_the_model_cannot_take_is_one_line_naming_both(tmp_path, cache, capsys):
+    root = _images(tmp_path / 'imgs')
+    rc = main(['train', '--model', 'crate_tiny_patch16_224', '--data', f'imagefolder:{root}', '--data-kwargs',
+               'img_size=100', '--output', str(tmp_path / 'run'), '--no-progress'])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert rc == 2 and len(lines) == 1 and 'Traceback' not in err
+    assert 'img_size=100' in lines[0] and 'input size 224' in lines[0] and 'divisible' in lines[0]
+    assert not (tmp_path / 'run').exists()
