@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from ..errors import UsageError
+
 if TYPE_CHECKING:
     import torch
 
@@ -108,6 +110,25 @@ def _check_args(args) -> None:
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
                             or eps <= 0):
         raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
+
+
+# options with no effect in some analyses, and the analyses that use them (a value left at its default is not
+# asked for); given where they do nothing, they are refused rather than silently ignored
+_USED_BY = {'--compare': ('compare', ('crate',)), '--eps': ('eps', ('crate',)),
+            '--exclude-cls': ('exclude_cls', ('crate',)),
+            '--query-patch': ('query_patch', ('sparsifiner',)), '--layers': ('layers', ('sparsifiner',)),
+            '--data': ('data', ('crate', 'sparsifiner', 'cka', 'interpolate'))}
+_ANALYSES = {'crate': 'the white-box measures of a CRATE checkpoint', 'sparsifiner': 'a Sparsifiner checkpoint',
+             'cka': '--cka', 'interpolate': '--interpolate', 'spectra': "a low-rank run's logged spectra"}
+
+
+def refuse_unused_options(args, analysis: str, what: str) -> None:
+    """Refuse, by name, an option given that `analysis` (a key of _ANALYSES) does not read; `what` names the
+    checkpoint's model for the message."""
+    for flag, (key, users) in _USED_BY.items():
+        if analysis not in users and getattr(args, key, None) not in (None, [], False):
+            raise UsageError(f"{flag} does not apply here: {what} is analysed as {_ANALYSES[analysis]}; {flag} is "
+                             f"for {' and '.join(_ANALYSES[u] for u in users)}")
 
 
 def _run_dir(checkpoint: Path) -> Optional[Path]:
@@ -223,9 +244,11 @@ def run_analyze(args) -> int:
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
     if getattr(args, 'interpolate', None):
+        refuse_unused_options(args, 'interpolate', str(main_path))
         from ..lowrank.interpolate import run_interpolation
         return run_interpolation(args, main_path, out)
     if args.cka:
+        refuse_unused_options(args, 'cka', str(main_path))
         from .cka_cli import run_cka_analysis
         return run_cka_analysis(args, main_path, out, load_samples)
     paths = [main_path]
@@ -244,7 +267,9 @@ def run_analyze(args) -> int:
     loaded = []
     for p in paths:
         model, state = load_model(p)
+        what = f"{p} (model {state.get('model')!r})"
         if p is main_path and sparsifiner_layers(model):      # Sparsifiner: its own accounting and pictures
+            refuse_unused_options(args, 'sparsifiner', what)
             return run_sparsifiner_analysis(args, model, state, main_path, out, load_samples)
         try:
             check_crate(model)
@@ -252,10 +277,13 @@ def run_analyze(args) -> int:
             if p is main_path:
                 from ..lowrank.run_spectra import run_spectra_analysis, spectra_history
                 if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
+                    refuse_unused_options(args, 'spectra', what)
                     return run_spectra_analysis(run, out)
             raise ValueError(f"--checkpoint {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
                              "models: --cka CHECKPOINT, --interpolate CHECKPOINT, and for runs trained with "
                              "--rank the effective ranks and spectra they logged") from None
+        if p is main_path:
+            refuse_unused_options(args, 'crate', what)
         loaded.append((model, state, p))
 
     config = loaded[0][1].get('config') or {}

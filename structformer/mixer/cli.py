@@ -21,13 +21,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..reproduce.mixer import OMEGA_MAX_LOG2
     from .design import fixed_omega_pairs, optimal_width, sw_width
-    if not args.gamma > 0:
-        raise ValueError(f"--gamma must be > 0, got {args.gamma}")
+    # Ω/γ is the layer's size before the expansion: between 16 and 2^64 connections, as --omega itself, every
+    # width below (C* = (Ω/γ)^{1/3}, m = √(Ω/(pγ))) is >= 1 and finite (1e-300 overflows, 1e300 gives m = 0)
+    low, high = args.omega / 2 ** OMEGA_MAX_LOG2, args.omega / 16
+    if not low <= args.gamma <= high:
+        raise ValueError(f"--gamma {args.gamma:g} is out of range: accepted γ with Ω/γ in [16, 2^{OMEGA_MAX_LOG2}], "
+                         f"here γ in [{low:.3g}, {high:.3g}] for --omega {args.omega}")
     if any(not 0 < p <= 1 for p in args.sw_densities):
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
-    if args.channels is not None and any(c < 1 for c in args.channels):
-        raise ValueError(f"--channels must be integers >= 1, got {args.channels}")
+    if any(not sw_width(args.omega, p, args.gamma) < 2 ** OMEGA_MAX_LOG2 for p in args.sw_densities):
+        raise ValueError(f"--sw-densities {min(args.sw_densities):g} is too small: the SW-MLP width √(Ω/(pγ)) would "
+                         f"exceed 2^{OMEGA_MAX_LOG2}")
+    if args.channels is not None and any(not 1 <= c <= args.omega for c in args.channels):
+        raise ValueError(f"--channels must be integers in [1, Ω = {args.omega}], got {args.channels}")
     best = optimal_width(args.omega, args.gamma)
     channels = args.channels or sorted({16, 32, 48, 83, 113, 173, max(1, round(best['channels']))})
     pairs = fixed_omega_pairs(args.omega, channels, args.gamma)
