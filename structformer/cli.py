@@ -402,8 +402,10 @@ def cmd_eval(args) -> int:
     from .data import build_datasets
     from .train import evaluate, load_model
     model, state = load_model(args.checkpoint, ema=args.ema)
-    cfg = state['config']
-    data = args.data or cfg['data']
+    cfg = state.get('config') or {}
+    data = args.data or cfg.get('data')
+    if not data:                                   # converted weights (`structformer convert`) record no data set
+        raise UsageError(f"--data: {state['path']} records no data set (converted weights); pass --data")
     if not args.data:
         from .train.data_paths import check_stored_data
         check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
@@ -541,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog='structformer', formatter_class=fmt,
         description='Structured deep networks (CRATE, SOFT, ...) as timm models: train, evaluate, analyse, benchmark.',
         epilog='run `structformer COMMAND --help` for the options and examples of each command')
+    from . import __version__
+    parser.add_argument('--version', action='version', version=f'structformer {__version__}')
     sub = parser.add_subparsers(dest='command', metavar='COMMAND')
     sub.required = True
 
@@ -618,6 +622,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--img-size', type=_positive_int('--img-size'), default=None,
                    help='input side for --flops (default: the model\'s own)')
     p.set_defaults(func=cmd_models)
+
+    from .weights import cli as convert_cli
+    p = sub.add_parser('convert', help="the papers' public checkpoints (and timm's DeiT) into our models",
+                       formatter_class=fmt, epilog=convert_cli.EXAMPLES,
+                       description='Convert a checkpoint to a weights folder that eval, train --pretrained-path / '
+                                   "--initial-checkpoint and timm's local-dir: load (docs/weights.md).")
+    convert_cli.add_arguments(p)
+    p.set_defaults(func=convert_cli.run)
 
     p = sub.add_parser('recipes', help="the papers' training settings, for `structformer train --recipe NAME`",
                        formatter_class=fmt, epilog=RECIPES_EXAMPLES)

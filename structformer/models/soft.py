@@ -76,14 +76,14 @@ class SoftBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, attn_layer, attn_kwargs: Dict, mlp_ratio: float = 4.,
                  drop: float = 0., attn_drop: float = 0., drop_path: float = 0., post_norm: bool = False,
-                 mlp_act: str = 'gelu'):
+                 mlp_act: str = 'gelu', norm_eps: float = 1e-5):
         super().__init__()
         self.post_norm = post_norm
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=True, attn_drop=attn_drop, proj_drop=drop,
                                norm_layer=nn.LayerNorm, **attn_kwargs)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=MLP_ACTS[mlp_act], drop=drop)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -193,12 +193,14 @@ class SoftNet(StructuredModel):
                 kwargs.update(attn_kwargs or {})
             down = stem if i == 0 else conv_bn_relu(dims[i - 1], dim, 2, conv_bias)
             blocks = [SoftBlock(dim, heads, layer, kwargs, mlp_ratio, drop_rate, attn_drop_rate,
-                                dpr[sum(depths[:i]) + j], post_norm[i], mlp_act[i]) for j in range(depth)]
+                                dpr[sum(depths[:i]) + j], post_norm[i], mlp_act[i],
+                                # the public code's stage 4 and final norm: LayerNorm(eps=1e-6), as timm's PVT blocks
+                                norm_eps=1e-6 if official and i == 3 else 1e-5) for j in range(depth)]
             self.stages.append(SoftStage(down, blocks))
             if pos_embed:
                 self.pos_embeds.append(nn.Parameter(torch.zeros(1, h * w + prefix, dim)))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dims[-1]))
-        self.norm = nn.LayerNorm(dims[-1])
+        self.norm = nn.LayerNorm(dims[-1], eps=1e-6 if official else 1e-5)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.no_weight_decay_names = frozenset({'cls_token'} | {f'pos_embeds.{i}' for i in range(4) if pos_embed})

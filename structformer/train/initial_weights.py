@@ -40,7 +40,7 @@ def read_weights(path, flag: str = FLAG) -> Dict[str, torch.Tensor]:
             return load_file(str(path))
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    if path.suffix in ('.pth', '.pt', '.bin'):
+    if path.suffix in ('.pth', '.pt', '.bin', '.tar'):                # .pth.tar: timm's train.py
         try:
             loaded = torch.load(str(path), map_location='cpu', weights_only=True)
         except Exception as e:                      # a pickle with code in it, or a damaged file
@@ -54,7 +54,7 @@ def read_weights(path, flag: str = FLAG) -> Dict[str, torch.Tensor]:
             raise UsageError(f"{flag} {path}: holds no mapping of names to tensors")
         return {k[len('module.'):] if k.startswith('module.') else k: v for k, v in loaded.items()}
     raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
-                     ".pth / .pt / .bin")
+                     ".pth / .pt / .bin / .pth.tar")
 
 
 def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag: str = FLAG, path='') -> List[str]:

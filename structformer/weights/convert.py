@@ -1,0 +1,182 @@
+"""`structformer convert --from SOURCE FILE --model NAME --output OUT`: checkpoints of the papers' public code (and
+timm's ViT / DeiT weights) into our models, written as a folder that `eval --checkpoint`, `train --pretrained-path`,
+`--initial-checkpoint` and `timm.create_model('local-dir:OUT', pretrained=True)` load (docs/weights.md).
+
+Each source is a table of key rules (regex -> our key, and how the tensor changes), written from the public code's
+module structure (Ma-Lab-Berkeley/CRATE `model/crate.py`, fudan-zvg/SOFT `models/softmax_free_*.py`,
+lim142857/Sparsifiner `src/models/sparsifiner.py`); no code of theirs is imported. A key no rule takes, or one of
+ours no key fills, is named (the first few and the count) and refused; the only exceptions are said in the report:
+Sparsifiner's predictor when the source has none (timm's DeiT: freshly initialised), and the biases of the public
+Sparsifiner's predictor projections, which our predictor does not have.
+"""
+import re
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import UsageError
+
+__all__ = ['SOURCES', 'convert_state_dict', 'infer_model_kwargs']
+
+Tensor = torch.Tensor
+Rule = Tuple[str, str, Optional[Callable[[Tensor], Tensor]]]
+
+
+def _names(keys, show: int = 3) -> str:
+    keys = sorted(keys)
+    return ', '.join(keys[:show]) + (f', ... ({len(keys)} in all)' if len(keys) > show else f' ({len(keys)})')
+
+
+# ------------------------------------------------------------------ CRATE (Ma-Lab-Berkeley/CRATE, model/crate.py)
+# to_patch_embedding = Sequential(Rearrange('b c (h p1) (w p2) -> b (h w) (p1 p2 c)'), LayerNorm, Linear, LayerNorm):
+# our CratePatchEmbed flattens patches in the same (p1 p2 c) order, so its Linear takes the weight as is.
+# transformer.layers.i = [PreNorm(Attention: qkv (no bias), to_out.0), PreNorm(FeedForward: weight = D)];
+# mlp_head = Sequential(LayerNorm, Linear).
+CRATE_RULES: List[Rule] = [
+    (r'to_patch_embedding\.1\.(weight|bias)', r'patch_embed.norm_in.\1', None),
+    (r'to_patch_embedding\.2\.(weight|bias)', r'patch_embed.proj.\1', None),
+    (r'to_patch_embedding\.3\.(weight|bias)', r'patch_embed.norm_out.\1', None),
+    (r'pos_embedding', r'pos_embed', None),
+    (r'cls_token', r'cls_token', None),
+    (r'transformer\.layers\.(\d+)\.0\.norm\.(weight|bias)', r'blocks.\1.norm1.\2', None),
+    (r'transformer\.layers\.(\d+)\.0\.fn\.qkv\.weight', r'blocks.\1.attn.qkv.weight', None),
+    (r'transformer\.layers\.(\d+)\.0\.fn\.to_out\.0\.(weight|bias)', r'blocks.\1.attn.proj.\2', None),
+    (r'transformer\.layers\.(\d+)\.1\.norm\.(weight|bias)', r'blocks.\1.norm2.\2', None),
+    # FeedForward: x + η(x W − x Wᵀ W) − ηλ, i.e. Eq. 17 with D = W (F.linear's row convention): our ISTA's weight
+    (r'transformer\.layers\.(\d+)\.1\.fn\.weight', r'blocks.\1.mlp.weight', None),
+    (r'mlp_head\.0\.(weight|bias)', r'norm.\1', None),
+    (r'mlp_head\.1\.(weight|bias)', r'head.\1', None),
+]
+
+# ------------------------------------------------------------------ SOFT (fudan-zvg/SOFT, models/softmax_free_*.py)
+_BN = r'(weight|bias|running_mean|running_var|num_batches_tracked)'
+_STEM = {'0': '0.0', '1': '0.1', '3': '1.0', '4': '1.1', '6': '2.0', '7': '2.1'}   # Conv, BN, ReLU ×3 -> 3 × (Conv, BN)
+SOFT_RULES: List[Rule] = [
+    (r'patch_embed1\.proj\.([013467])\.' + _BN, lambda m: f'stages.0.downsample.{_STEM[m[1]]}.{m[2]}', None),
+    (r'patch_embed([234])\.proj\.([01])\.' + _BN, lambda m: f'stages.{int(m[1]) - 1}.downsample.{m[2]}.{m[3]}', None),
+    (r'pos_embed([1-4])', lambda m: f'pos_embeds.{int(m[1]) - 1}', None),
+    (r'cls_token', r'cls_token', None),
+    # stages 1-3: SoftmaxFreeTransformerBlock.att = post-LN layer (mha, norm1, ff1, ff2, norm2)
+    (r'block([123])\.(\d+)\.att\.mha\.ff\.(weight|bias)', lambda m: f'stages.{int(m[1]) - 1}.blocks.{m[2]}.attn.proj.{m[3]}', None),
+    # the landmark conv: nn.Conv2d [C_out, C_in, k, k] -> ours channels-last [C_out, k, k, C_in] (ConvLandmarkSampler)
+    (r'block([123])\.(\d+)\.att\.mha\.attn\.Qlandmark_op\.weight', lambda m: f'stages.{int(m[1]) - 1}.blocks.{m[2]}.attn.conv.weight',
+     lambda w: w.permute(0, 2, 3, 1).contiguous()),
+    (r'block([123])\.(\d+)\.att\.mha\.attn\.Qnorm_act\.0\.(weight|bias)',
+     lambda m: f'stages.{int(m[1]) - 1}.blocks.{m[2]}.attn.landmark_norm.0.{m[3]}', None),
+    (r'block([123])\.(\d+)\.att\.mha\.attn\.conv\.weight', lambda m: f'stages.{int(m[1]) - 1}.blocks.{m[2]}.attn.value_conv.weight', None),
+    (r'block([123])\.(\d+)\.att\.(norm[12])\.(weight|bias)', lambda m: f'stages.{int(m[1]) - 1}.blocks.{m[2]}.{m[3]}.{m[4]}', None),
+    (r'block([123])\.(\d+)\.att\.ff([12])\.(weight|bias)', lambda m: f'stages.{int(m[1]) - 1}.blocks.{m[2]}.mlp.fc{m[3]}.{m[4]}', None),
+    # stage 4: a PVT-style Block (q, kv, proj; sr_ratio 1), timm's names otherwise
+    (r'block4\.(\d+)\.attn\.proj\.(weight|bias)', r'stages.3.blocks.\1.attn.proj.\2', None),
+    (r'block4\.(\d+)\.(norm[12])\.(weight|bias)', r'stages.3.blocks.\1.\2.\3', None),
+    (r'block4\.(\d+)\.mlp\.(fc[12])\.(weight|bias)', r'stages.3.blocks.\1.mlp.\2.\3', None),
+    (r'norm\.(weight|bias)', r'norm.\1', None),
+    (r'head\.(weight|bias)', r'head.\1', None),
+]
+
+
+def _soft_joined(state: Dict[str, Tensor], done: Dict[str, Tensor], used: set) -> None:
+    """Our fused qkv: SOFT's [W_q; W_v] (its keys are its queries), stage 4's [q; k; v] from q and kv = [k; v]."""
+    for key in list(state):
+        m = re.fullmatch(r'block([123])\.(\d+)\.att\.mha\.W_q\.(weight|bias)', key)
+        if m:
+            v_key = key.replace('.W_q.', '.W_v.')
+            if v_key in state:
+                done[f'stages.{int(m[1]) - 1}.blocks.{m[2]}.attn.qkv.{m[3]}'] = torch.cat([state[key], state[v_key]])
+                used |= {key, v_key}
+        m = re.fullmatch(r'block4\.(\d+)\.attn\.q\.(weight|bias)', key)
+        if m:
+            kv_key = key.replace('.q.', '.kv.')
+            if kv_key in state:
+                done[f'stages.3.blocks.{m[1]}.attn.qkv.{m[2]}'] = torch.cat([state[key], state[kv_key]])
+                used |= {key, kv_key}
+
+
+# ------------------------------------------------------------------ Sparsifiner (lim142857/Sparsifiner)
+# DeiT's timm names for everything but the MaskPredictor: proj_c_q / proj_c_k Linear(head_dim, reduced_c) (with
+# bias), proj_n and proj_back_n [N, n_down] (used as k @ proj_n and proj_back_nᵀ): ours [n_down, N], no bias.
+_T = lambda w: w.t().contiguous()                 # noqa: E731
+SPARSIFINER_RULES: List[Rule] = [
+    (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_c_q\.weight', r'blocks.\1.attn.predictor_q.weight', None),
+    (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_c_k\.weight', r'blocks.\1.attn.predictor_k.weight', None),
+    (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_n', r'blocks.\1.attn.basis.w_down', _T),
+    (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_back_n', r'blocks.\1.attn.basis.w_up', _T),
+    (r'(.*)', r'\1', None),                       # the ViT: timm's own names
+]
+SPARSIFINER_DROPPED = r'blocks\.\d+\.attn\.mask_predictor\.proj_c_[qk]\.bias'
+
+
+def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Tensor], used: set) -> None:
+    for key, value in state.items():
+        if key in used:
+            continue
+        for pattern, target, change in rules:
+            m = re.fullmatch(pattern, key)
+            if m:
+                name = target(m) if callable(target) else m.expand(target)
+                done[name] = change(value) if change else value
+                used.add(key)
+                break
+
+
+def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Module) -> Tuple[Dict[str, Tensor], List[str]]:
+    """`state` in `source`'s layout -> our keys for `model`, and the notes of what was not a plain copy. Unknown keys
+    and keys of ours left unfilled are a UsageError naming them."""
+    if source not in SOURCES:
+        raise UsageError(f"--from {source!r}: accepted {', '.join(SOURCES)}")
+    done: Dict[str, Tensor] = {}
+    used: set = set()
+    notes: List[str] = []
+    if source == 'soft-official':
+        _soft_joined(state, done, used)
+    if source == 'sparsifiner-official':
+        dropped = sorted(k for k in state if re.fullmatch(SPARSIFINER_DROPPED, k))
+        if dropped:
+            notes.append(f"dropped {_names(dropped)}: our predictor's q/k reductions have no bias (the public code's "
+                         "do), so the predicted keys can differ from the public model's")
+            used |= set(dropped)
+    rules = {'crate-official': CRATE_RULES, 'soft-official': SOFT_RULES, 'sparsifiner-official': SPARSIFINER_RULES,
+             'timm': [(r'(.*)', r'\1', None)]}[source]
+    _apply_rules(state, rules, done, used)
+    unknown = set(state) - used
+    ours = model.state_dict()
+    if source == 'soft-official':          # BatchNorm counters exist in ours only when tracked
+        unknown -= {k for k in unknown if k.endswith('num_batches_tracked')}
+    unexpected = set(done) - set(ours)
+    if unknown or unexpected:
+        what = [f"{len(unknown)} unknown ({_names(unknown)})"] if unknown else []
+        what += [f"{len(unexpected)} without a place in {type(model).__name__} ({_names(unexpected)})"] if unexpected else []
+        raise UsageError(f"--from {source}: the checkpoint does not fit this converter and --model: {'; '.join(what)}")
+    missing = set(ours) - set(done)
+    from ..models.sparsifiner import predictor_parameter_names
+    fresh = missing & (predictor_parameter_names(model) | {k for k in ours if k.endswith('num_batches_tracked')})
+    if missing - fresh:
+        raise UsageError(f"--from {source}: {len(missing - fresh)} weights of the model are not in the checkpoint "
+                         f"({_names(missing - fresh)}); is --model the checkpoint's architecture?")
+    predictors = {k for k in fresh if not k.endswith('num_batches_tracked')}
+    if predictors:
+        notes.append(f"Sparsifiner's connectivity predictor freshly initialised ({_names(predictors)}): the source has "
+                     "none; train it by attention distillation (structformer train --teacher)")
+    for key in fresh:
+        done[key] = ours[key].clone()
+    return done, notes
+
+
+def infer_model_kwargs(source: str, state: Dict[str, Tensor]) -> Dict[str, object]:
+    """Constructor arguments the checkpoint fixes: classes (from the classifier), and for the public Sparsifiner
+    the predictor's shapes (n_down, predictor_dim)."""
+    kwargs: Dict[str, object] = {}
+    head = {'crate-official': 'mlp_head.1.weight'}.get(source, 'head.weight')
+    if head in state:
+        kwargs['num_classes'] = int(state[head].shape[0])
+    if source == 'sparsifiner-official':
+        down = next((v for k, v in state.items() if k.endswith('mask_predictor.proj_n')), None)
+        q = next((v for k, v in state.items() if k.endswith('mask_predictor.proj_c_q.weight')), None)
+        if down is not None:
+            kwargs['n_down'] = int(down.shape[1])
+        if q is not None:
+            kwargs['predictor_dim'] = int(q.shape[0])
+    return kwargs
+
+
+SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
