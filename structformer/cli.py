@@ -13,7 +13,7 @@ from .errors import UsageError, expected_failure, one_line
 
 TRAIN_EXAMPLES = """examples:
   structformer train --model crate_digits --data digits --epochs 30
-  structformer train --model crate_mnist --data mnist:../shared/data/mnist --opt lion --lr 3e-4 --weight-decay 0.5
+  structformer train --model crate_mnist --data mnist:/data/mnist --opt lion --lr 3e-4 --weight-decay 0.5
   structformer train --model vit_tiny_patch16_224 --model-kwargs img_size=8 patch_size=2 --data digits
   structformer train --model crate_synthetic --data synthetic-subspaces --data-kwargs num_classes=4 subspace_dim=3
   structformer train -c outputs/demo/config.yaml --output outputs/again      # rerun a saved configuration
@@ -23,8 +23,8 @@ TRAIN_EXAMPLES = """examples:
       --reprob 0.25 --model-ema --grad-accum-steps 2          # timm train.py's flags (docs/training.md)
   structformer train --recipe crate_tiny_in1k --dry-run      # a paper's recipe, planned without its data
 
---data accepts: digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH
-(local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
+--data accepts: digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH | wds:TRAIN[,VAL]
+| hfds:PATH (local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
 summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
 
 EVAL_EXAMPLES = """examples:
@@ -49,7 +49,7 @@ BENCH_EXAMPLES = """examples:
 
 
 REPRODUCE_EXAMPLES = """examples:
-  structformer reproduce soft --data ../shared/data/mnist --epochs 1 --limit-train-batches 40
+  structformer reproduce soft --data /data/mnist --epochs 1 --limit-train-batches 40
   structformer reproduce soft --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
 
 DATA_EXAMPLES = """examples:
@@ -161,12 +161,14 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    metavar=('NAME', 'KEY=VALUE'),
                    help='a registered model transform applied after construction, with its arguments; '
                         'repeat for several (applied in order, recorded in every checkpoint)')
-    g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH')
+    g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH '
+                                              '| wds:TRAIN[,VAL] | hfds:PATH (docs/data.md)')
     g.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
-                   help='dataset options, e.g. augment=True or num_classes=4; imagefolder: img_size=N, '
-                        'bad_images=error (default: every image is decoded once before training, and an '
-                        'unreadable one stops the run naming the file) or bad_images=skip (leave those out, '
-                        'counted and named in the log)')
+                   help="dataset options, e.g. augment=True or num_classes=4; imagefolder/wds/hfds/cifar10: img_size=N "
+                        "(default: the model's input size); imagefolder: check=header (default: open every file's "
+                        "header once, cached) | decode | none, bad_images=error (an unreadable file stops the run "
+                        "naming it) or bad_images=skip (left out, or replaced in training, and named in the log); "
+                        "wds: train_samples=N, shuffle_buffer=N, holdout=shards|samples")
     g.add_argument('--val-fraction', type=float, default=S, help='held-out fraction where the data has no split (0.2)')
     g = p.add_argument_group('low-rank training (W = U Vᵀ, structformer.lowrank)')
     g.add_argument('--rank', dest='factorize_rank', type=_rank_value, default=S, metavar='R',

@@ -67,7 +67,7 @@ def check_auto_augment(policy: str) -> None:
 
 
 # --data forms whose images the flags can augment, for the refusal of the others
-IMAGE_FORMS = 'digits, mnist:PATH, cifar10:PATH, imagefolder:PATH'
+IMAGE_FORMS = 'digits, mnist:PATH, cifar10:PATH, imagefolder:PATH, wds:TRAIN[,VAL], hfds:PATH'
 _REMODES = ('const', 'rand', 'pixel')
 
 

@@ -23,6 +23,10 @@ IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049
 _IDX_DTYPES = {0x08: '>u1', 0x09: '>i1', 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
 
 OPTIONS = {'augment': Option(bool, True, 'true or false')}
+# Said wherever an MNIST folder is missing: the data belongs to the user, nothing downloads at run time.
+MNIST_HOWTO = ('MNIST in IDX format is four files, train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, '
+               't10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz (yann.lecun.com/exdb/mnist or a mirror); or run '
+               'python -c "import torchvision; torchvision.datasets.MNIST(\'DIR\', download=True)" once and pass DIR')
 
 
 def _read_bytes(path: str) -> bytes:
@@ -90,7 +94,7 @@ def find_mnist_files(folder: str, spec: str):
             f'--data {spec!r}: folder {folder!r} lacks the expected MNIST IDX files: '
             f't10k-images-idx3-ubyte[.gz] with t10k-labels-idx1-ubyte[.gz], and/or '
             f'train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz]'
-            + (f' (incomplete pair: {", ".join(incomplete)})' if incomplete else ''))
+            + (f' (incomplete pair: {", ".join(incomplete)})' if incomplete else '') + f'. {MNIST_HOWTO}')
     return pairs
 
 

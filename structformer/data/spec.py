@@ -63,8 +63,12 @@ def parse_data_spec(spec: str) -> Tuple[str, Optional[str]]:
         return name, None
     if name in _NEEDS_PATH:
         if not path.strip():
+            hint = ''
+            if name == 'mnist':
+                from .mnist import MNIST_HOWTO
+                hint = f'. {MNIST_HOWTO}'
             raise ValueError(f'--data {spec!r}: {name!r} needs a folder, as {name}:PATH; '
-                             f'accepted forms: {accepted_forms()}')
+                             f'accepted forms: {accepted_forms()}{hint}')
         return name, os.path.expanduser(path.strip())
     raise ValueError(f'--data {spec!r}: unknown dataset {name!r}; accepted forms: {accepted_forms()}')
 

@@ -6,7 +6,12 @@ from pathlib import Path
 
 
 def mnist_spec(data: str) -> str:
-    """The `--data` spec of a reproduction's MNIST folder ('mnist:PATH'), refused by name when the folder is missing."""
+    """The `--data` spec of a reproduction's MNIST folder ('mnist:PATH'), refused by name when the folder is missing
+    or not given (the data belongs to the user: no default path)."""
+    from ..errors import UsageError
+    if not data:
+        from ..data.mnist import MNIST_HOWTO
+        raise UsageError(f'--data PATH is required: a folder of MNIST IDX files. {MNIST_HOWTO}')
     folder = Path(data)
     if not folder.is_dir():
         raise FileNotFoundError(f"--data {data}: no such folder (resolved to {folder.resolve()}); "

@@ -5,7 +5,7 @@ against that layer's subspaces and each ISTA step makes them sparser, so R_c and
 depth, and this emerges over training (Fig. 4: flat at init, falling by the last epoch).
 
 This trains a deeper CRATE (`crate_mnist` with depth 12 by default: d = 96, K = 6 heads of p = 16,
-49 patch tokens + cls) on the real MNIST in ../shared/data/mnist (10,000 images: the first 8,000 train,
+49 patch tokens + cls) on the real MNIST in --data (e.g. its 10,000 images: the first 8,000 train,
 the last 2,000 held out) with the paper's recipe — Lion, weight decay 0.5 on every parameter (as the
 official code), label smoothing 0.1, cosine schedule with warm-up — keeping every epoch's checkpoint.
 It then measures, on `--num-samples` held-out images (1,000 as the paper), per layer and per saved
@@ -36,7 +36,7 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument('--data', default='../shared/data/mnist', help='folder with the MNIST IDX files')
+    p.add_argument('--data', default=None, help='a folder of MNIST IDX files (required; see `structformer train --help` or docs/data.md for where to get them)')
     p.add_argument('--depth', type=int, default=12, help='CRATE layers L (default 12)')
     p.add_argument('--epochs', type=int, default=15)
     p.add_argument('--batch-size', type=int, default=64)

@@ -2,7 +2,7 @@
 
 The seed trains WRN-28-10 on CIFAR-100 (200 epochs), ResNet-50 on ImageNet and GPT-2 on LM1B. Here, on
 data that ships on this machine:
-  vision  a WRN-10-2 on the MNIST test set (../shared/data/mnist, 8,000 train / 2,000 held out), SGD (lr 0.2,
+  vision  a WRN-10-2 on the MNIST test set (--data, 8,000 train / 2,000 held out), SGD (lr 0.2,
           momentum 0.9, weight decay 5e-4, cosine schedule), every conv but the first factorised;
   lm      the byte-level GPT (`gpt2_byte_tiny`) on the standard library's sources (`--data pysource`),
           AdamW, QKV and both FFN matrices factorised at rank 0.62 (the seed's Table 4 rank).
@@ -43,7 +43,7 @@ PAPER = {   # seed 004: Table 2 (WRN-28-10, CIFAR-100 top-1), Table 4 (GPT-2, LM
 
 def add_arguments(p):
     p.add_argument('--parts', nargs='+', default=['vision', 'lm'], choices=['vision', 'lm'])
-    p.add_argument('--data', default='../shared/data/mnist', help='MNIST folder for the vision part')
+    p.add_argument('--data', default=None, help='MNIST folder for the vision part (folder of MNIST IDX files (required; see `structformer train --help` or docs/data.md for where to get them))')
     p.add_argument('--ranks', type=float, nargs='+', default=[0.1, 0.2, 0.3], help='vision ranks (fractions)')
     p.add_argument('--lm-rank', type=float, default=0.62, help='LM rank (fraction; the seed uses 0.62)')
     p.add_argument('--epochs', type=int, default=3)
@@ -66,8 +66,10 @@ def _check(args) -> None:
             raise UsageError(f"--ranks / --lm-rank: {r} is out of range: accepted fractions in (0, 1]")
     if args.interpolate_steps < 2:
         raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
-    if 'vision' in args.parts and not Path(args.data).is_dir():
-        raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files); or run --parts lm")
+    if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
+        from ..data.mnist import MNIST_HOWTO
+        raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files; or run --parts lm)" if args.data
+                         else f"--data PATH is required for the vision part (or run --parts lm). {MNIST_HOWTO}")
 
 
 def _plan(args) -> List[Dict]:

@@ -1,7 +1,7 @@
 """`structformer reproduce mixer`: "MLP-Mixer as a wide sparse MLP" Fig. 4 (right), 5, 6 and 7 at MNIST scale.
 
 The paper trains on CIFAR-10/100 and STL-10 (32 px, patch 4, S₀ = 64, 8 blocks, 600 epochs); this runs on the
-real MNIST at ../shared/data/mnist (10,000 images: the first 8,000 train, the last 2,000 held out; 28 px, patch 4,
+real MNIST in --data (e.g. its 10,000 images: the first 8,000 train, the last 2,000 held out; 28 px, patch 4,
 so S₀ = 49 and C₀ = 16, no resizing) with one AdamW recipe for every row:
 
   width   S-Mixer and RP S-Mixer (SkipLayer in the first block, as the paper's S sweeps) at every (S, C) pair
@@ -27,7 +27,7 @@ from . import mnist_spec
 from ..records import environment, write_json, write_png, write_text
 
 EXAMPLES = """examples:
-  structformer reproduce mixer --data ../shared/data/mnist                       # the whole study (~15 min)
+  structformer reproduce mixer --data /data/mnist                                # the whole study (~15 min)
   structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
@@ -51,7 +51,7 @@ def parse_omega(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument('--data', default='../shared/data/mnist', help='folder with the MNIST IDX files')
+    p.add_argument('--data', default=None, help='a folder of MNIST IDX files (required; see `structformer train --help` or docs/data.md for where to get them)')
     p.add_argument('--omega', type=parse_omega, default=2 ** 15,
                    help='connections per layer Ω of the width sweep (default 2^15: C* = S* = 32)')
     p.add_argument('--channels', type=int, nargs='+', default=[8, 16, 32, 64, 128],

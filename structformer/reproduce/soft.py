@@ -120,7 +120,7 @@ def model_name(attn: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('--data', default='../shared/data/mnist',
+    parser.add_argument('--data', default=None,
                         help='folder of MNIST IDX files (relative to the current directory)')
     parser.add_argument('--attn', nargs='+', default=None, choices=ATTENTIONS,
                         help='attentions to train (one model each; default: all, or soft softpp with --ablate)')

@@ -5,7 +5,7 @@ The paper converts an ImageNet-pretrained DeiT-S / LV-ViT-S and trains 5 epochs 
 alone on attention distillation) and 40 of stage 2 (everything, CE + token + logit distillation). Here:
 
   teacher     `vit_mnist` (d = 96, 6 blocks, 3 heads, patch 4: 49 + 1 tokens) trained on the real MNIST at
-              ../shared/data/mnist (the first 8,000 of its 10,000 images train, the last 2,000 are held out);
+              --data (e.g. the MNIST test set: the first 8,000 of its 10,000 images train, the last 2,000 are held out);
   sparsifiner `sparsifiner_mnist` (the same network plus the predictor, n_down = 16) started from the
               teacher's weights, stage 1 then stage 2, at each keep ratio (B = ⌈keep · 50⌉ keys per query);
   linformer   the same backbone with Linformer attention at rank k = B (Table 4: "the low-rank dimension of
@@ -41,7 +41,7 @@ SEQ_LEN = 50                     # 49 patches + cls of a 28 px image at patch 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument('--data', default='../shared/data/mnist', help='folder with the MNIST IDX files')
+    p.add_argument('--data', default=None, help='a folder of MNIST IDX files (required; see `structformer train --help` or docs/data.md for where to get them)')
     p.add_argument('--keep', type=float, nargs='+', default=[0.1, 0.25, 0.5], help='keep ratios (0, 1]')
     p.add_argument('--teacher-epochs', type=int, default=15, help='epochs of the dense teacher (15)')
     p.add_argument('--epochs', type=int, default=6, help='epochs of every student, both stages (6)')
