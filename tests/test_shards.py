@@ -4,6 +4,7 @@ resumed run equals a straight one; held-out shards are named; bad shards are one
 import io
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def test_shard_command_refuses_a_used_output_and_writes_nothing_on_failure(shard
 
 
 def test_hfds_reads_a_saved_dataset(tmp_path):
-    datasets = pytest.importorskip('datasets')
+    import datasets
     from PIL import Image
     images = [Image.fromarray(np.full((6, 6, 3), 10 * i, np.uint8)) for i in range(8)]
     features = datasets.Features({'image': datasets.Image(), 'label': datasets.ClassLabel(names=['x', 'y'])})
@@ -222,3 +223,13 @@ def test_hfds_reads_a_saved_dataset(tmp_path):
     assert (len(train), len(val), info.num_classes, info.extra['classes']) == (6, 2, 2, ['x', 'y'])
     x, y = val[0]
     assert x.shape == (3, 8, 8) and y == 1
+
+
+@pytest.mark.parametrize('form, package, extra', [('wds', 'webdataset', 'wds'), ('hfds', 'datasets', 'hf')])
+def test_without_the_optional_package_one_line_names_the_extra(form, package, extra, shards, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, package, None)                 # import fails as if not installed
+    rc = main(['train', '--model', 'crate_digits', '--data', f"{form}:{shards / 'wds'}", '--no-progress',
+               '--output', str(shards / 'never')])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"structformer[{extra}]" in err and len(err.strip().splitlines()) == 1, err
+    assert not (shards / 'never').exists()
