@@ -30,6 +30,16 @@ def commands(path: Path):
     return found
 
 
+def make_demo_commands():
+    """The structformer command lines of the Makefile's `demo` target, as `make demo` runs them (DEMO_OUT at
+    its default): README's commands are read by someone who has just run it."""
+    text = (ROOT / 'Makefile').read_text()
+    out = re.search(r'^DEMO_OUT \?= (\S+)', text, flags=re.M).group(1)
+    recipe = re.search(r'^demo:.*\n((?:\t.*\n)+)', text, flags=re.M).group(1)
+    return [shlex.split(line.strip().replace('$(DEMO_OUT)', out))[1:] for line in recipe.splitlines()
+            if line.strip().startswith('$(BIN)/structformer ')]
+
+
 def shorten(argv):
     """`train` runs a tenth of its epochs (rounded up) on 2 batches each; nothing else changes."""
     if not argv or argv[0] != 'train':
@@ -51,6 +61,11 @@ def _run(argv):
 @pytest.mark.parametrize('path', DOCUMENTS, ids=lambda p: p.name)
 def test_documented_commands_run_in_order(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)             # outputs/... of the examples land here, in order
+    if path.name == 'README.md':            # a newcomer meets them after `make demo`
+        demo = make_demo_commands()
+        assert demo and demo[0][0] == 'train'
+        for argv in demo:
+            assert _run(shorten(argv)) == 0, f"make demo: structformer {shlex.join(argv)}"
     for argv in commands(path):
         assert _run(shorten(argv)) == 0, f"{path.name}: structformer {shlex.join(argv)}"
 

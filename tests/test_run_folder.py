@@ -236,3 +236,27 @@ def test_a_corrupt_latest_json_falls_back_to_the_newest_complete_checkpoint(two_
     (run / 'checkpoints' / 'latest.json').write_text('{"checkpoint": "epoch_0007"}')
     assert main(['eval', '--checkpoint', str(run)]) == 0
     assert 'epoch 2' in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- 6. the tile kernel's first build
+
+def test_tile_kernel_build_says_it_compiles_and_remembers_a_failure(tmp_path, monkeypatch, capsys):
+    """The first build says so (once); a failed build is not retried on every run, only once the compiler (or
+    the sources, which name the folder) change."""
+    from structformer.functional import tile_kernel
+    calls = tmp_path / 'calls'
+    compiler = tmp_path / 'fake-c++'
+    compiler.write_text(f"#!/bin/sh\necho run >> {calls}\necho 'x.cpp:1: error: no such compiler' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'kernels'))
+    with pytest.raises(RuntimeError, match='error: no such compiler'):
+        tile_kernel._build(str(compiler))
+    assert capsys.readouterr().err.count('compiling the Sparsifiner CPU tile kernel') == 1
+    runs = len(calls.read_text().splitlines())
+    with pytest.raises(RuntimeError, match='earlier build with this compiler failed.*no such compiler'):
+        tile_kernel._build(str(compiler))
+    assert len(calls.read_text().splitlines()) == runs and 'compiling' not in capsys.readouterr().err
+    compiler.write_text(compiler.read_text() + '# upgraded\n')          # another compiler: tried again
+    with pytest.raises(RuntimeError, match='error: no such compiler'):
+        tile_kernel._build(str(compiler))
+    assert len(calls.read_text().splitlines()) > runs

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..atomic import write_text_atomically
 from .precision import LOW_PRECISION, upcast
 
 CSRC = Path(__file__).resolve().parent.parent / 'csrc'
@@ -48,6 +49,7 @@ SOURCES = tuple(CSRC / name for name in ('block_tile_attention.cpp', 'block_tile
                                          'block_connectivity.cpp'))
 HEADERS = (CSRC / 'tile_common.h',)
 LIBRARY = 'block_tile_attention.so'
+FAILED = 'build-failed.txt'         # beside where the library would be: the compiler that failed and its error
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -123,13 +125,32 @@ def _build(compiler: str) -> Path:
         if library.exists():
             return library
         folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
-        partial = Path(scratch) / LIBRARY
-        compiles, link = _compile_commands(compiler, Path(scratch), partial)
-        _run_all(compiles, compiler)
-        _run_all([link], compiler)
-        os.replace(partial, library)
+    failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
+    if failed.exists():
+        failed_with, _, error = failed.read_text().partition('\n')
+        if failed_with == compiler_id:
+            raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the sources "
+                               f"or the compiler change (or {failed} is deleted)")
+    print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}", file=sys.stderr,
+          flush=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
+            partial = Path(scratch) / LIBRARY
+            compiles, link = _compile_commands(compiler, Path(scratch), partial)
+            _run_all(compiles, compiler)
+            _run_all([link], compiler)
+            os.replace(partial, library)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:   # remembered: not 20 s lost on every run
+        write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
+        raise
+    failed.unlink(missing_ok=True)
     return library
+
+
+def _compiler_identity(compiler: str) -> str:
+    """The compiler's path, size and modification time: an upgraded compiler retries a build that failed."""
+    stat = Path(compiler).resolve().stat()
+    return f"{Path(compiler).resolve()} {stat.st_size} {stat.st_mtime_ns}"
 
 
 @lru_cache(maxsize=None)
