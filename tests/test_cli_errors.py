@@ -40,6 +40,13 @@ def _write_images(root: Path, truncated=()):
         (root / rel).write_bytes(data[:len(data) // 2])
 
 
+class _RunsCode:
+    """A pickle that would run code when loaded (weights_only=True refuses it)."""
+
+    def __reduce__(self):
+        return (print, ('ran code',))
+
+
 @pytest.fixture(scope='module')
 def files(tmp_path_factory):
     """The inputs of the table, built once: a tiny valid run, broken configs, checkpoints and folders."""
@@ -63,6 +70,10 @@ def files(tmp_path_factory):
     (base / 'no_weights' / 'model.safetensors').unlink()
     (base / 'empty_text.txt').write_text('')
     (base / 'foreign').mkdir()
+    weights = run / 'checkpoints' / 'epoch_0001' / 'model.safetensors'
+    (base / 'truncated.safetensors').write_bytes(weights.read_bytes()[:200])      # issue 32: weights in
+    import torch
+    torch.save({'x': _RunsCode()}, base / 'pickle.pth')
     (base / 'foreign' / 'pytorch_model.bin').write_bytes(b'\x80\x02}q\x00.')
     shutil.copytree(ckpt, base / 'mismatch')           # a checkpoint whose recipe no longer fits its weights
     state = json.loads((base / 'mismatch' / 'state.json').read_text())
@@ -242,6 +253,34 @@ CASES = [
      ['--cka-batch-size', '>= 4']),
     ('analyze-cka-missing', ['analyze', '--checkpoint', '{run}', '--cka', '{base}/no_such_run'],
      ['--cka', 'no_such_run']),
+    # weights in (issue 32): converters, pretrained weights, teachers
+    ('convert-unknown-from', ['convert', '--from', 'caffe', '{run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                              'crate_digits', '--output', OUT], ['--from', "'caffe'", 'crate-official']),
+    ('convert-other-family', ['convert', '--from', 'soft-official', '{run}/checkpoints/epoch_0001/model.safetensors',
+                              '--model', 'soft_digits', '--output', OUT], ['--from soft-official', 'unknown']),
+    ('convert-truncated', ['convert', '--from', 'timm', '{truncated}', '--model', 'crate_digits', '--output', OUT],
+     ['convert FILE', 'truncated.safetensors', 'not a readable safetensors']),
+    ('convert-pickle', ['convert', '--from', 'crate-official', '{pickle}', '--model', 'crate_digits', '--output', OUT],
+     ['convert FILE', 'pickle.pth', 'not a weights-only']),
+    ('convert-output-not-empty', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
+                                  '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
+    ('pretrained-path-other-family', ['train', '--model', 'soft_digits', '--pretrained-path', '{run}', '--output', OUT],
+     ['--pretrained-path', 'do not fit --model soft_digits', 'missing']),
+    ('pretrained-path-truncated', ['train', '--pretrained-path', '{truncated}', '--output', OUT],
+     ['--pretrained-path', 'not a readable safetensors']),
+    ('pretrained-path-pickle', ['train', '--pretrained-path', '{pickle}', '--output', OUT],
+     ['--pretrained-path', 'not a weights-only']),
+    ('pretrained-none-offline', ['train', '--pretrained', '--output', OUT], ['--pretrained', '--pretrained-path FILE']),
+    ('pretrained-path-and-initial', ['train', '--pretrained-path', '{run}', '--initial-checkpoint', '{run}', '--output',
+                                     OUT], ['--initial-checkpoint and --pretrained-path', 'give one']),
+    ('teacher-name-untrained', ['train', '--model', 'sparsifiner_digits', '--teacher', 'vit_digits', '--output', OUT],
+     ['--teacher vit_digits', '--teacher-pretrained']),
+    ('teacher-name-no-weights', ['train', '--model', 'sparsifiner_digits', '--teacher', 'vit_digits',
+                                 '--teacher-pretrained', '--output', OUT], ['--teacher-pretrained', '--pretrained-path']),
+    ('teacher-pretrained-alone', ['train', '--teacher-pretrained', '--output', OUT], ['--teacher-pretrained', 'NAME']),
+    ('teacher-file-other-family', ['train', '--model', 'sparsifiner_digits', '--teacher',
+                                   '{run}/checkpoints/epoch_0001/model.safetensors', '--output', OUT],
+     ['--teacher', 'another architecture']),
     # checkpoints
     ('checkpoint-missing', ['eval', '--checkpoint', '{base}/no_such_run'], ['--checkpoint', 'no_such_run']),
     ('checkpoint-corrupt', ['eval', '--checkpoint', '{corrupt}'], ['--checkpoint', 'corrupt']),
@@ -307,6 +346,8 @@ CASES = [
      ['--json', 'is a file']),
 ]
 READ_ONLY_CASES = [
+    ('read-only-convert', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                           'crate_digits', '--output', '{ro}/converted'], ['--output', 'not writable']),
     ('read-only-new-run', ['train', '--output', '{ro}/new_run'], ['--output', 'not writable']),
     ('read-only-overwrite', ['train', '--output', '{ro}/run', '--overwrite'], ['--output', 'not writable']),
     ('read-only-resume', ['train', '--output', '{ro}/run', '--resume', '--epochs', '2'], ['--output', 'not writable']),

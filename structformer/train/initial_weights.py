@@ -159,7 +159,8 @@ def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
         teacher, _ = build_model(spec, {}, data_info)
         _, done = load_timm_pretrained(teacher, spec, '--teacher-pretrained')
     else:
-        raise UsageError(f"--teacher {spec}: not a run directory, weights file or folder, nor a registered model name")
+        raise UsageError(f"--teacher {spec}: does not exist, and is not a registered model name (expected a run "
+                         "directory, a weights file or folder, or a model name with --teacher-pretrained)")
     wrong = [line for line in done if 'number of classes' in line or 'classifier' in line]
     if wrong:
         raise UsageError(f"--teacher {spec}: its classifier does not fit the data ({wrong[0]}); a teacher must be "
