@@ -17,7 +17,8 @@ import time
 EXAMPLES = """examples:
   structformer bench data --images 2000 --workers 1 2 --output outputs/bench/data.json
   structformer bench data --images 64 --batch-size 16            # a quick check that it runs"""
-RECIPES = {'rrc_flip': {}, 'rrc_flip_ra_re': {'aa': 'rand-m9-mstd0.5-inc1', 'reprob': 0.25}}
+# Both through timm's create_transform on our side too (an Augmentation request), so the pipelines are equal.
+RECIPES = {'rrc_flip': {'hflip': 0.5}, 'rrc_flip_ra_re': {'hflip': 0.5, 'aa': 'rand-m9-mstd0.5-inc1', 'reprob': 0.25}}
 LOADERS = ('imagefolder', 'shards', 'timm')
 
 
@@ -30,6 +31,9 @@ def add_arguments(p):
     p.add_argument('--step-batch', type=int, default=8, help='batch of the timed training step (8)')
     p.add_argument('--folder', default=None, help='keep the generated images here (default: a temporary folder)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
+    p.add_argument('--up-front', type=int, default=0, metavar='N',
+                   help='instead: time the up-front check of an image folder of N small JPEGs (160x120): '
+                        'check=decode (the old default), header (first run, then cached) and none')
 
 
 def generate_jpegs(root: str, n: int, classes: int = 10, size=(500, 375), seed: int = 0) -> None:
@@ -50,7 +54,7 @@ def generate_jpegs(root: str, n: int, classes: int = 10, size=(500, 375), seed: 
 
 def _augmentation(recipe):
     from ..data.augment import Augmentation
-    return Augmentation(**RECIPES[recipe]) if RECIPES[recipe] else None
+    return Augmentation(**RECIPES[recipe])
 
 
 def _timed(loader, limit_batches=None) -> tuple:
@@ -69,7 +73,7 @@ def loader_rate(kind: str, folder: str, shards: str, recipe: str, workers: int, 
     aug = _augmentation(recipe)
     if kind == 'timm':
         from timm.data import create_dataset, create_loader
-        ds = create_dataset('', root=folder, split='', is_training=True)
+        ds = create_dataset('', root=os.path.join(folder, 'train'), split='', is_training=True)
         opts = RECIPES[recipe]
         loader = create_loader(ds, input_size=(3, img_size, img_size), batch_size=batch, is_training=True,
                                no_aug=False, scale=(0.08, 1.0), hflip=0.5, color_jitter=None,
@@ -82,14 +86,18 @@ def loader_rate(kind: str, folder: str, shards: str, recipe: str, workers: int, 
         options = dict(img_size=img_size, check='none') if kind == 'imagefolder' else dict(img_size=img_size)
         if kind == 'shards':
             options['shuffle_buffer'] = 256
-        train, _, _ = build_datasets(spec, augmentation=aug, val_fraction=0.01, **options)
+        train, _, _ = build_datasets(spec, augmentation=aug, **options)
         if kind == 'shards':
             from ..data.shards import stream_loader
             loader, order, _ = stream_loader(train, batch_size=batch, workers=workers, rank=0, world_size=1,
                                              drop_last=False)
             order.set_epoch(1)
-        else:
-            loader = DataLoader(train, batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True)
+        else:                       # as the engine loads it: per-sample seeded augmentation (train/seeding.py)
+            from ..train.seeding import EpochOrder, SeededSamples, ShuffledOrder
+            order = EpochOrder(ShuffledOrder(len(train), 0))
+            order.set_epoch(1)
+            loader = DataLoader(SeededSamples(train, 0), batch_size=batch, sampler=order, num_workers=workers,
+                                persistent_workers=True)
     it = iter(loader)
     next(it)                                    # workers up, first batch out: not counted
     n, seconds = 0, 0.0
@@ -126,11 +134,58 @@ def step_rate(model_name: str, batch: int, img_size: int, dtype: str, steps: int
     return batch * steps / (time.perf_counter() - start)
 
 
+def up_front(n: int, folder: str) -> dict:
+    """Seconds to build an imagefolder of n generated 160x120 JPEGs with each check (a fresh cache)."""
+    import shutil
+    import numpy as np
+    from PIL import Image
+
+    from ..data import build_datasets
+    if not os.path.isdir(folder) or not os.listdir(folder):
+        rng = np.random.default_rng(0)
+        base = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).resize((160, 120), Image.BILINEAR)
+                for _ in range(64)]
+        for i in range(n):
+            os.makedirs(os.path.join(folder, f'c{i % 100:03d}'), exist_ok=True)
+            base[i % 64].save(os.path.join(folder, f'c{i % 100:03d}', f'{i:06d}.jpg'), quality=85 + i % 10)
+    cache = os.path.join(os.path.dirname(folder), 'check-cache')
+    shutil.rmtree(cache, ignore_errors=True)
+    saved = os.environ.get('STRUCTFORMER_CACHE')
+    os.environ['STRUCTFORMER_CACHE'] = cache
+    out = {}
+    try:
+        build_datasets(f'imagefolder:{folder}', img_size=8, check='none')     # imports and listing warm, not timed
+        for label, check in (('decode (before)', 'decode'), ('header, first run', 'header'),
+                             ('header, cached', 'header'), ('none', 'none')):
+            start = time.perf_counter()
+            build_datasets(f'imagefolder:{folder}', img_size=8, check=check)
+            out[label] = time.perf_counter() - start
+            print(f'{label:18} {out[label]:7.2f} s', flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop('STRUCTFORMER_CACHE', None)
+        else:
+            os.environ['STRUCTFORMER_CACHE'] = saved
+    return out
+
+
 def run(args) -> int:
     from ..errors import UsageError
     from ..records import check_output_file
     if args.output:
         check_output_file(args.output, '--output')
+    if args.up_front:
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory() as tmp:
+            seconds = up_front(args.up_front, args.folder or os.path.join(tmp, 'images'))
+        result = {'up_front_seconds': seconds, 'images': args.up_front, 'size': '160x120 JPEG',
+                  'load_average_before': load_before, 'load_average_after': os.getloadavg(),
+                  'cpu_count': os.cpu_count()}
+        if args.output:
+            from ..records import write_json
+            write_json(args.output, result)
+            print(f'wrote {args.output}')
+        return 0
     if args.images < args.batch_size * 2:
         raise UsageError(f'--images {args.images}: give at least two batches (2 x --batch-size {args.batch_size})')
     if any(w < 1 for w in args.workers):
@@ -140,15 +195,16 @@ def run(args) -> int:
         folder = args.folder or os.path.join(tmp, 'images')
         if not os.path.isdir(folder) or not os.listdir(folder):
             start = time.perf_counter()
-            generate_jpegs(folder, args.images)
+            generate_jpegs(os.path.join(folder, 'train'), args.images)
+            generate_jpegs(os.path.join(folder, 'val'), 10, seed=1)          # a val/ split: all N images train
             print(f'generated {args.images} JPEGs in {time.perf_counter() - start:.1f} s', flush=True)
         from ..data.wds import write_shards
         shard_dir = os.path.join(tmp, 'shards')
         shard_size = max(1, -(-args.images // (2 * max(args.workers))))     # at least one shard per worker
         info = write_shards(folder, shard_dir, shard_size, check='none')
         names = info['splits']['train']['filenames']
-        # every shard trains; the first is named as the validation pattern too, so none is held out
-        shards = '::'.join(os.path.join(shard_dir, f) for f in names) + ',' + os.path.join(shard_dir, names[0])
+        shards = '::'.join(os.path.join(shard_dir, f) for f in names) + ',' + os.path.join(
+            shard_dir, info['splits']['validation']['filenames'][0])
         rows = []
         for recipe in RECIPES:
             for workers in args.workers:
