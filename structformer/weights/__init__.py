@@ -1,5 +1,13 @@
-"""Weights in: timm's pretrained loading for structformer models (per-family filters) and converters from the
-public code's checkpoints (`structformer convert`). docs/weights.md."""
-from .filters import WeightsMismatch, adapt_state_dict, filter_fn_for, pretrained_filter_fn
+"""Weights in: timm's pretrained loading for structformer models (per-family filters, `filters`) and converters from
+the public code's checkpoints (`convert`, `structformer convert`). docs/weights.md.
+
+Nothing heavy at import: `structformer --help` builds the convert parser from `weights.cli` without torch."""
+import importlib
 
 __all__ = ['WeightsMismatch', 'adapt_state_dict', 'filter_fn_for', 'pretrained_filter_fn']
+
+
+def __getattr__(name):
+    if name in __all__:
+        return getattr(importlib.import_module(f'{__name__}.filters'), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from ..errors import UsageError
 
+# the layouts `convert` reads (structformer.weights.convert has their key maps); here so that --help needs no torch
+SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
+
 EXAMPLES = """examples:
   structformer convert --from crate-official crate_small.pth --model crate_small_patch16_224 --output weights/crate_s
   structformer convert --from soft-official soft_tiny.pth.tar --model soft_tiny_official_224 --output weights/soft_t
@@ -22,7 +25,6 @@ docs/weights.md lists the key maps."""
 
 def add_arguments(parser) -> None:
     from ..cli import ParseKwargs
-    from .convert import SOURCES
     parser.add_argument('source_file', metavar='FILE', help='the checkpoint: .safetensors, or a weights-only .pth / '
                         '.pth.tar / .bin (read with weights_only=True: loading never runs code)')
     parser.add_argument('--from', dest='source', required=True, metavar='SOURCE',
@@ -78,7 +80,7 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
     --model-kwargs asks another size, classes or channels) and write `output`. Returns (model, notes)."""
     from ..models.factory import build_model
     from ..train.initial_weights import read_weights
-    from .convert import SOURCES, convert_state_dict, infer_model_kwargs
+    from .convert import convert_state_dict, infer_model_kwargs
     from .filters import WeightsMismatch, adapt_state_dict
     if source not in SOURCES:
         raise UsageError(f"--from {source!r}: accepted {', '.join(SOURCES)}")

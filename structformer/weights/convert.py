@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError
+from .cli import SOURCES
 
 __all__ = ['SOURCES', 'convert_state_dict', 'infer_model_kwargs']
 
@@ -178,5 +179,3 @@ def infer_model_kwargs(source: str, state: Dict[str, Tensor]) -> Dict[str, objec
             kwargs['predictor_dim'] = int(q.shape[0])
     return kwargs
 
-
-SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
