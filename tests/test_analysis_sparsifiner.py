@@ -63,7 +63,7 @@ def test_maps_reproduce_the_layer():
         with torch.no_grad():
             attn(x)
             maps = layer_maps(attn, x, attn.last_mask)
-            scores = connectivity_scores(maps['a_down'], attn.basis.w_up, attn.tau, attn.up_threshold)
+            scores = connectivity_scores(maps['a_down'], attn.scoring_basis(x)[1], attn.tau, attn.up_threshold)
             torch.testing.assert_close(scores, attn.last_scores)
             torch.testing.assert_close(attn.merge(maps['sparse'] @ attn.project(x)[2]), out)
             assert not torch.allclose(maps['sparse'], maps['dense'])

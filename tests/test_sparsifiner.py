@@ -126,7 +126,9 @@ def test_sparse_attention_is_softmax_over_the_kept_keys():
 
 
 def test_mask_is_detached_and_scores_carry_the_predictor_gradient():
-    _, sparse = _twin(keep=0.25, keep_scores=True, predictor_dim=4)
+    # the sparse path's thresholded scores (the trunc-normal(0.02) init puts every coefficient below τ at this size,
+    # the stall of issue 34: tests/test_sparsifiner_stage1.py)
+    _, sparse = _twin(keep=0.25, keep_scores=True, predictor_dim=4, basis_init='scaled')
     x = torch.randn(2, 12, 32, dtype=D)
     sparse(x).sum().backward(retain_graph=True)          # the scores share q, k with the attention
     predictor = [sparse.basis.w_down, sparse.basis.w_up, sparse.predictor_q.weight, sparse.predictor_k.weight]

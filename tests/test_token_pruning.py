@@ -159,6 +159,7 @@ def _slow_sparsifiner(layer, x, sources):
         cols = [sum(sources[b, i, m] * torch.stack([layer.basis.w_down[:, m], layer.basis.w_up[:, m]])
                     for m in range(sources.shape[-1]) if sources[b, i, m] != 0) for i in range(x.shape[1])]
         w_down, w_up = torch.stack([c[0] for c in cols], -1), torch.stack([c[1] for c in cols], -1)
+        w_up = w_up.abs() if layer.up_basis == 'abs' else w_up                  # the public code's |W_up| (default)
         qb, kb, vb = q[b], k[b], v[b]                                          # [H, n', d]
         a_down = torch.softmax(qb @ (w_down @ kb).transpose(-2, -1) / math.sqrt(qb.shape[-1]), dim=-1)
         scores = (a_down * (a_down > layer.tau)) @ (w_up * (w_up.abs() >= layer.up_threshold))

@@ -129,7 +129,7 @@ def _block_forward(layer, impl: str):
 
 def _block_core(layer, q, k, v, impl: str):
     from ..functional.sparsifiner import block_sparse_attention
-    return block_sparse_attention(q, k, v, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold,
+    return block_sparse_attention(q, k, v, *layer.scoring_basis(q), layer.tau, layer.up_threshold,
                                   layer.keep_ratio, layer.block_size, int(layer.dense_cls_row), impl=impl)
 
 
@@ -143,7 +143,7 @@ def _block_gather_flops(layer, x) -> dict:
     from .sparse_flops import layer_mhsa_flops
     with torch.no_grad():
         q, k, _ = layer.project(x)
-        indices = predicted_tiles(q, k, layer.basis.w_down, layer.basis.w_up, layer.tau, layer.up_threshold,
+        indices = predicted_tiles(q, k, *layer.scoring_basis(q), layer.tau, layer.up_threshold,
                                   layer.keep_ratio, layer.block_size)
         n = q.shape[-2]
         mask = block_indices_to_mask(indices, n, layer.block_size, int(layer.dense_cls_row))
@@ -204,7 +204,10 @@ def measure(args) -> list:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     for n in args.tokens:
         torch.manual_seed(0)
-        layer = SparsifinerAttention(args.dim, args.heads, qkv_bias=True, seq_len=n, block_size=args.block_size)
+        # the 'scaled' basis init: its tiles vary with the query as a trained predictor's do (the public code's
+        # trunc-normal(0.02) init scores every tile 0 before training, and every query would keep the first tiles)
+        layer = SparsifinerAttention(args.dim, args.heads, qkv_bias=True, seq_len=n, block_size=args.block_size,
+                                     basis_init='scaled')
         dense = _dense_twin(layer)
         layer, dense = layer.to(device, dtype), dense.to(device, dtype)
         x = torch.randn(args.batch, n, args.dim, device=device, dtype=dtype, requires_grad=args.train)

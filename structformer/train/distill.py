@@ -17,7 +17,9 @@ Loss terms registered in `LOSS_TERMS` (names used by a phase's `losses`):
   Eq. 11 (λ_spa Σ w_up²) is the optimiser's weight decay, as in the paper (W_up is a matrix, so timm decays it).
 
 Stages (§4, `distillation_phases`): (1) `predictor`: the backbone frozen, only the connectivity predictors
-train, on `distill_attn` alone (λ_tok = λ_cls = 0, λ_attn = 1); (2) `joint`: everything but the basis W_down,
+train, on `distill_attn` alone (λ_tok = λ_cls = 0, λ_attn = 1), each Sparsifiner layer in its `stage1` mode (by
+default the public code's: dense attention, scores without τ and the W_up threshold; `learning_predictor` is set
+for a phase whose only loss is distill_attn); (2) `joint`: everything but the basis W_down,
 W_up trains on ce + 0.5·distill_token + 0.5·distill_kl (λ_attn = 0; with it off the basis gets no gradient, so it
 is frozen, which also lets DDP run the stage). The teacher is a finished run of the dense model the
 student was converted from; the student starts from its weights (`init_from_teacher`).
@@ -191,13 +193,17 @@ class Distiller:
 
     def start_phase(self, phase) -> None:
         self._need_attn = bool(phase.losses.get('distill_attn'))
+        # stage 1 (the attention-distillation loss alone): each layer learns its predictor in its `stage1` mode,
+        # the public code's dense attention with the thresholds off by default (layers/attention/sparsifiner.py)
+        alone = self._need_attn and not any(w for t, w in phase.losses.items() if t != 'distill_attn')
         for layer in self.sparse_layers.values():
-            layer.keep_scores = self._need_attn
+            layer.keep_scores, layer.learning_predictor = self._need_attn, alone
 
     def stop(self) -> None:
         """Leave the student as it was: no score keeping, no hook."""
         for layer in self.sparse_layers.values():
             layer.keep_scores, layer.last_scores, layer.last_mask = False, None, None
+            layer.learning_predictor = False
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

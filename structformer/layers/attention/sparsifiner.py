@@ -13,6 +13,16 @@ Hyper-parameters (defaults = the paper's): `n_down` 32, `tau` 0.05, `up_threshol
 silent), `connectivity` 'token' (the paper) or 'block' (`block_size` tiles, ours). `keys_per_query` fixes
 the budget B as a count instead (the paper's "budget ≥ 40" rows); it must not exceed n.
 
+Where the public code (lim142857/Sparsifiner) differs from the paper's text, its choice is the default, as the
+code that produced the paper's tables (docs/sparsifiner.md lists them): `up_basis` 'abs' (scores use |W_up|
+thresholded at t, as its `basis_threshold(basis.abs())`; 'signed': W_up ⊙ 1[|W_up| ≥ t], the paper's Eq. 3);
+`stage1` 'dense' (while a distillation phase trains on the attention loss alone, `learning_predictor`, the layer
+attends densely and scores with τ and t off and W_up signed, as the public code's attention-reconstruction
+stage; 'sparse': the sparse path with the thresholds on, which stalls at DeiT size: a near-uniform A_down row,
+1/32 per coefficient, is all below τ = 0.05, its scores are zero and so is its gradient); `predictor_bias` True
+(its q/k channel reductions are nn.Linear with bias); `basis_init` 'trunc_normal' (W_down, W_up ~ trunc-normal
+std 0.02; 'scaled': N(0, 1/n) and N(0, 1/n_down), ours before).
+
 Execution (`impl`): 'masked' (dense logits, −∞ off the mask: the reference and a CPU training path),
 'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention on the kept tiles, compiled on CUDA,
 training included; on CPU eager it materialises the scores; no attention dropout), 'auto': on a CPU the
@@ -68,16 +78,21 @@ from .softmax import AttentionBase, check_no_mask
 
 IMPLS = ('auto', 'masked', 'gather', 'flex', 'kernel')
 CONNECTIVITY = ('token', 'block')
+UP_BASES = ('abs', 'signed')          # the basis the scores use outside stage 1: |W_up| (public code) or W_up (paper)
+STAGE1_MODES = ('dense', 'sparse')    # while the predictor learns: dense attention, no thresholds (public) or not
+BASIS_INITS = ('trunc_normal', 'scaled')
 
 
 class ConnectivityBasis(LazyModuleMixin, nn.Module):
     """W_down and W_up, both [n_down, n] (Eq. 1, 3), created at the first forward when n is not given."""
 
-    def __init__(self, n_down: int, seq_len: Optional[int] = None, device=None, dtype=None):
+    def __init__(self, n_down: int, seq_len: Optional[int] = None, device=None, dtype=None, init: str = 'trunc_normal'):
         super().__init__()
         if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
             raise ValueError(f"seq_len must be a positive integer (tokens per image) or None, got {seq_len!r}")
-        self.n_down = n_down
+        if init not in BASIS_INITS:
+            raise ValueError(f"basis_init={init!r}: accepted {', '.join(map(repr, BASIS_INITS))}")
+        self.n_down, self.init = n_down, init
         if seq_len is None:
             self.w_down = nn.UninitializedParameter(device=device, dtype=dtype)
             self.w_up = nn.UninitializedParameter(device=device, dtype=dtype)
@@ -94,8 +109,13 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
     def reset_parameters(self) -> None:
         if self.has_uninitialized_params():
             return
-        # W_down as Linformer's E (a token at the scale of one token); W_up's entries well above the
-        # 1e-2 threshold at init, so the first masks are not decided by ties at zero
+        if self.init == 'trunc_normal':
+            # the public code's (proj_n, proj_back_n): trunc-normal, std 0.02, cut at ±2 (absolute, as timm's)
+            nn.init.trunc_normal_(self.w_down, std=0.02)
+            nn.init.trunc_normal_(self.w_up, std=0.02)
+            return
+        # 'scaled' (ours before issue 34): W_down as Linformer's E (a token at the scale of one token); W_up's
+        # entries well above the 1e-2 threshold at init, so the first masks are not decided by ties at zero
         nn.init.normal_(self.w_down, std=self.w_down.shape[-1] ** -0.5)
         nn.init.normal_(self.w_up, std=self.n_down ** -0.5)
 
@@ -143,7 +163,8 @@ class SparsifinerAttention(AttentionBase):
                  up_threshold: float = 1e-2, predictor_dim: Optional[int] = None, dense_cls_row: bool = True,
                  connectivity: str = 'token', block_size: int = 64, impl: str = 'auto',
                  seq_len: Optional[int] = None, keep_scores: bool = False, attn_head_dim: Optional[int] = None,
-                 keys_per_query: Optional[int] = None, device=None, dtype=None):
+                 keys_per_query: Optional[int] = None, up_basis: str = 'abs', stage1: str = 'dense',
+                 predictor_bias: bool = True, basis_init: str = 'trunc_normal', device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         budget(1, keep_ratio)                                     # validates keep_ratio
@@ -173,14 +194,22 @@ class SparsifinerAttention(AttentionBase):
         if impl == 'kernel' and connectivity != 'block':
             raise ValueError("impl='kernel' (the CPU tile kernel) runs connectivity='block' only; "
                              "token connectivity takes 'auto', 'masked', 'gather' or 'flex'")
+        if up_basis not in UP_BASES:
+            raise ValueError(f"up_basis={up_basis!r}: accepted 'abs' (the public code) or 'signed' (the paper's text)")
+        if stage1 not in STAGE1_MODES:
+            raise ValueError(f"stage1={stage1!r}: accepted 'dense' (the public code) or 'sparse'")
+        self.up_basis, self.stage1 = up_basis, stage1
+        # set by the distillation while a phase trains on the attention-distillation loss alone (stage 1)
+        self.learning_predictor = False
         self.keep_ratio, self.tau, self.up_threshold = float(keep_ratio), float(tau), float(up_threshold)
         self.dense_cls_row, self.connectivity, self.block_size, self.impl = dense_cls_row, connectivity, block_size, impl
         self.keep_scores = keep_scores
-        self.basis = ConnectivityBasis(n_down, seq_len, device=device, dtype=dtype)
+        self.basis = ConnectivityBasis(n_down, seq_len, device=device, dtype=dtype, init=basis_init)
         self.predictor_q = self.predictor_k = None
         if predictor_dim is not None:
-            self.predictor_q = nn.Linear(self.head_dim, predictor_dim, bias=False, device=device, dtype=dtype)
-            self.predictor_k = nn.Linear(self.head_dim, predictor_dim, bias=False, device=device, dtype=dtype)
+            bias = bool(predictor_bias)
+            self.predictor_q = nn.Linear(self.head_dim, predictor_dim, bias=bias, device=device, dtype=dtype)
+            self.predictor_k = nn.Linear(self.head_dim, predictor_dim, bias=bias, device=device, dtype=dtype)
         self.last_scores: Optional[torch.Tensor] = None
         self.last_mask: Optional[torch.Tensor] = None
         # the fraction of (query, key) pairs the last forward attended to, dense rows included (0-dim tensor):
@@ -203,9 +232,33 @@ class SparsifinerAttention(AttentionBase):
         else:
             w_down, w_up = (source_columns(w, token_sources) for w in self.basis(k, token_sources.shape[-1]))
         q, k = self._predictor_inputs(q, k)
+        w_up = self._scoring_basis(w_up)
         if token_sources is None:
             return low_rank_attention(q, k, w_down.to(q.dtype)), w_up.to(q.dtype)
         return low_rank_attention_per_sample(q, k, w_down.to(q.dtype)), w_up.to(q.dtype).unsqueeze(1)
+
+    @property
+    def dense_stage1(self) -> bool:
+        """True while the predictor learns in the public code's way (stage1='dense', a distillation phase on the
+        attention loss alone, training): the layer attends densely and scores without thresholds."""
+        return self.training and self.learning_predictor and self.stage1 == 'dense'
+
+    def _scoring_basis(self, w_up: torch.Tensor) -> torch.Tensor:
+        """W_up as the scores use it: |W_up| with up_basis='abs' (the public code at inference and in its stage 2:
+        `basis_threshold(basis.abs())`), W_up itself with 'signed' (the paper's Eq. 3) and in dense stage 1 (the
+        public code distils W_up's signed product)."""
+        return w_up.abs() if self.up_basis == 'abs' and not self.dense_stage1 else w_up
+
+    def thresholds(self) -> Tuple[float, float]:
+        """(τ, t) of Eq. 2–3 as this forward applies them: off (0, 0) in dense stage 1, where the public code
+        reconstructs the teacher's attention from every coefficient and basis entry (with the paper's n_down 32
+        and τ 0.05, a near-uniform row of A_down, 1/32 each, is all below τ: zero scores, zero gradient)."""
+        return (0.0, 0.0) if self.dense_stage1 else (self.tau, self.up_threshold)
+
+    def scoring_basis(self, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(W_down, the W_up the scores use) in k's dtype: the bases as the predictor applies them."""
+        w_down, w_up = self.basis(k)
+        return w_down.to(k.dtype), self._scoring_basis(w_up).to(k.dtype)
 
     def _predictor_inputs(self, q: torch.Tensor, k: torch.Tensor):
         """q and k as the predictor sees them: float16/bfloat16 upcast to float32 (the predictor's dtype policy:
@@ -215,14 +268,15 @@ class SparsifinerAttention(AttentionBase):
         if self.predictor_q is None:
             return q, k
         with torch.autocast(device_type=q.device.type, enabled=False):
-            # linear_weight: the [out, in] matrix also after `factorize` swaps the maps (no bias: built without)
-            return (F.linear(q, linear_weight(self.predictor_q).to(q.dtype)),
-                    F.linear(k, linear_weight(self.predictor_k).to(k.dtype)))
+            # linear_weight: the [out, in] matrix also after `factorize` swaps the maps; the bias (public code's
+            # default, predictor_bias) where the map has one
+            return tuple(F.linear(x, linear_weight(m).to(x.dtype), _bias(m, x.dtype))
+                         for x, m in ((q, self.predictor_q), (k, self.predictor_k)))
 
     def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
         a_down, w_up = self.low_rank(q, k, token_sources)
-        return connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
+        return connectivity_scores(a_down, w_up, *self.thresholds())
 
     def _resolve_impl(self, q: torch.Tensor, dropout_p: float) -> str:
         if self.impl != 'auto':
@@ -266,6 +320,12 @@ class SparsifinerAttention(AttentionBase):
                              "set attn_drop.p=0 or impl='auto' / 'masked'")
         if impl == 'kernel' and self.connectivity != 'block':
             raise ValueError("impl='kernel' (the CPU tile kernel) runs connectivity='block' only")
+        if self.dense_stage1:
+            # the public code's stage 1: the student attends densely (its tokens are the teacher's when the backbone
+            # is frozen) while the predictor's unthresholded scores learn the teacher's attention
+            self.last_scores = self.predict(q, k, token_sources) if self.keep_scores else None
+            self.last_mask, self.last_density = None, torch.ones(())
+            return self.merge(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p))
         # block connectivity on tile means alone, no n×n tensor (flex only when the n×n scores are not asked for)
         if self.connectivity == 'block' and (impl in ('gather', 'kernel') or (impl == 'flex' and not self.keep_scores)):
             return self.merge(self._block_tiles(q, k, v, token_sources, dense_rows, dropout_p, impl))
@@ -299,13 +359,13 @@ class SparsifinerAttention(AttentionBase):
         if self.keep_scores or token_sources is not None:
             a_down, w_up = self.low_rank(q, k, token_sources)
             if self.keep_scores:
-                self.last_scores = connectivity_scores(a_down, w_up, self.tau, self.up_threshold)
+                self.last_scores = connectivity_scores(a_down, w_up, *self.thresholds())
             with torch.no_grad():
                 tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
                 block_indices = top_tiles(tiles, tile_budget(q.shape[-2], self.block_size, self.keep_ratio))
         else:                                  # no scores wanted: the tiles alone (in the kernel's pass on 'kernel')
-            w_down, w_up = self.basis(k)
-            block_indices = predicted_tiles(*self._predictor_inputs(q, k), w_down.to(q.dtype), w_up.to(q.dtype), self.tau,
+            w_down, w_up = self.scoring_basis(q)
+            block_indices = predicted_tiles(*self._predictor_inputs(q, k), w_down, w_up, self.tau,
                                             self.up_threshold, self.keep_ratio, self.block_size, impl == 'kernel')
         self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
                           if self.keep_scores else None)
@@ -316,4 +376,10 @@ class SparsifinerAttention(AttentionBase):
     def extra_repr(self) -> str:
         budget_text = f"keys_per_query={self.keys_per_query}" if self.keys_per_query else f"keep_ratio={self.keep_ratio}"
         return (f"{budget_text}, tau={self.tau}, up_threshold={self.up_threshold}, "
-                f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}")
+                f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}, "
+                f"up_basis={self.up_basis!r}, stage1={self.stage1!r}")
+
+
+def _bias(layer: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    bias = getattr(layer, 'bias', None)
+    return bias.to(dtype) if isinstance(bias, torch.Tensor) else None
