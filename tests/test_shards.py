@@ -233,3 +233,26 @@ def test_without_the_optional_package_one_line_names_the_extra(form, package, ex
     err = capsys.readouterr().err
     assert rc == 2 and f"structformer[{extra}]" in err and len(err.strip().splitlines()) == 1, err
     assert not (shards / 'never').exists()
+
+
+@pytest.mark.slow
+def test_shards_train_on_two_processes_with_two_workers_each(shards, tmp_path, capsys):
+    """torchrun, gloo: 4 shards over 2 processes x 2 workers; the processes take equal steps (else DDP hangs) and
+    end with the same weights; evaluation counts the 6 validation samples once."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = tmp_path / 'run'
+    data = f"wds:{shards / 'wds'}/train-{{000000..000003}}.tar,{shards / 'wds'}/train-000000.tar"
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           '-m', 'structformer', 'train', '--model', 'crate_digits', '--data', data, '--epochs', '1',
+                           '-b', '3', '--workers', '2', '--warmup-epochs', '0', '--no-progress', '--log-interval', '0',
+                           '--output', str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = [(out / f'final_params_rank{r}.sha256').read_text() for r in (0, 1)]
+    assert digests[0] == digests[1]
+    record = json.loads((out / 'metrics.jsonl').read_text().splitlines()[-1])
+    assert record['step'] == 4                    # 24 samples / 2 processes = 12 each; 2 workers x 6 -> 2 x 2 batches of 3
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(out), '--json']) == 0          # one process over all 6 samples
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record['val_top1'] == pytest.approx(alone['top1'], abs=1e-9) and alone['images'] == 6
