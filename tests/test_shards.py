@@ -256,3 +256,27 @@ def test_shards_train_on_two_processes_with_two_workers_each(shards, tmp_path, c
     assert main(['eval', '--checkpoint', str(out), '--json']) == 0          # one process over all 6 samples
     alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record['val_top1'] == pytest.approx(alone['top1'], abs=1e-9) and alone['images'] == 6
+
+
+def test_an_undecodable_image_in_a_shard_is_passed_over_under_skip(shards, tmp_path, capsys):
+    """bad_images=skip: the stream gives its quota, the next sample standing in for the broken one, named in the log;
+    without skip the error names the sample."""
+    samples = list(iter_shard(str(shards / 'wds' / 'train-000000.tar')))
+    members = []
+    for i, (key, ext, data, label) in enumerate(samples):
+        members += [(f'{key}.{ext}', b'\xff\xd8 not a jpeg' if i == 2 else data), (f'{key}.cls', str(label).encode())]
+    _tar(tmp_path / 'broken.tar', members)
+    spec = f"wds:{tmp_path / 'broken.tar'},{shards / 'wds' / 'train-000001.tar'}"
+    train, _, _ = build_datasets(spec, train_transform=pixel_id, bad_images='skip', train_samples=4)
+    train.configure(0, 1)
+    train.set_epoch(1)
+    ids = [int(x) for x, _ in train]
+    good = [int(pixel_id(__import__('PIL.Image', fromlist=['x']).open(io.BytesIO(d)))) for i, (_, _, d, _) in
+            enumerate(samples) if i != 2]
+    assert len(ids) == 4 and set(ids) <= set(good)
+    out = capsys.readouterr().out
+    assert f'{samples[2][0]}.png' in out and 'replaced by the next sample' in out
+    train, _, _ = build_datasets(spec, train_transform=pixel_id, train_samples=6)
+    train.configure(0, 1)
+    with pytest.raises(ValueError, match=f"{samples[2][0]}.png cannot be read.*bad_images=skip"):
+        list(train)
