@@ -32,16 +32,27 @@ def test_mixer_equals_timm_mlp_mixer_with_copied_weights():
 
 def _s_mixer_block_by_the_equations(block, X):
     """Eq. S.7–S.8 written out: U = X + φ(W LN(X)), Y = U + φ(LN(U) Vᵀ), with W, V the PK layers' weights."""
-    W, bW = block.mlp_tokens.fc1.weight, block.mlp_tokens.fc1.bias
-    V, bV = block.mlp_channels.fc1.weight, block.mlp_channels.fc1.bias
+    W, bW = block.mlp_tokens.fc1.weight, _bias(block.mlp_tokens.fc1)
+    V, bV = block.mlp_channels.fc1.weight, _bias(block.mlp_channels.fc1)
     U = X + F.gelu(W @ block.norm1(X) + bW[:, None])
     return U + F.gelu(block.norm2(U) @ V.t() + bV)
 
 
-def test_s_mixer_block_follows_equations_s7_s8():
+def _bias(layer):
+    """The layer's bias, or zeros where it has none (the S-Mixer's default: Eq. S.7–S.8 have no bias)."""
+    return layer.bias if layer.bias is not None else torch.zeros(layer.weight.shape[0], dtype=layer.weight.dtype)
+
+
+@pytest.mark.parametrize('mixing_bias', [None, True])
+def test_s_mixer_block_follows_equations_s7_s8(mixing_bias):
     torch.manual_seed(1)
-    model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=6, depth=1, mlp_ratio=None).double()
+    model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=6, depth=1, mlp_ratio=None,
+                        mixing_bias=mixing_bias).double()
     block = model.blocks[0]
+    if mixing_bias:
+        with torch.no_grad():                      # non-zero, so that the equations' bias terms are exercised
+            block.mlp_tokens.fc1.bias.normal_()
+            block.mlp_channels.fc1.bias.normal_()
     X = torch.randn(2, 16, 6, dtype=D)
     torch.testing.assert_close(block(X), _s_mixer_block_by_the_equations(block, X))
 
@@ -53,9 +64,10 @@ def test_first_block_maps_s0_to_s_with_the_skip_layer():
     block = model.blocks[0]
     assert block.skip is not None and model.blocks[1].skip is None
     X = torch.randn(2, 16, 6, dtype=D)
-    W, bW = block.mlp_tokens.fc1.weight, block.mlp_tokens.fc1.bias
+    assert block.mlp_tokens.fc1.bias is None and block.mlp_channels.fc1.bias is None      # S.7–S.8: no bias
+    W, bW = block.mlp_tokens.fc1.weight, _bias(block.mlp_tokens.fc1)
     U = block.skip_norm(block.skip.weight @ X) + F.gelu(W @ block.norm1(X) + bW[:, None])
-    V, bV = block.mlp_channels.fc1.weight, block.mlp_channels.fc1.bias
+    V, bV = block.mlp_channels.fc1.weight, _bias(block.mlp_channels.fc1)
     torch.testing.assert_close(block(X), U + F.gelu(block.norm2(U) @ V.t() + bV))
     assert model(torch.randn(2, 1, 8, 8, dtype=D)).shape == (2, 10)
     assert model.forward_features(torch.randn(2, 1, 8, 8, dtype=D)).shape == (2, 10, 6)

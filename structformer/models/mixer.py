@@ -35,14 +35,14 @@ class PKMixing(nn.Module):
     φ(J₂ (I⊗W) J₁ x) for S-Mixer (hidden None; Eq. S.3 puts φ on the single layer's output)."""
 
     def __init__(self, num_blocks: int, block_in: int, block_out: int, hidden: Optional[int], perm_in, perm_out,
-                 seed: int, act_layer=nn.GELU, drop: float = 0.):
+                 seed: int, act_layer=nn.GELU, drop: float = 0., bias: bool = True):
         super().__init__()
         if hidden is None:
-            self.fc1 = PKLinear(num_blocks, block_in, block_out, perm_in, perm_out, seed=seed)
+            self.fc1 = PKLinear(num_blocks, block_in, block_out, perm_in, perm_out, seed=seed, bias=bias)
             self.fc2 = None
         else:
-            self.fc1 = PKLinear(num_blocks, block_in, hidden, perm_in, 'identity', seed=seed)
-            self.fc2 = PKLinear(num_blocks, hidden, block_out, 'identity', perm_out, seed=seed + 2)
+            self.fc1 = PKLinear(num_blocks, block_in, hidden, perm_in, 'identity', seed=seed, bias=bias)
+            self.fc2 = PKLinear(num_blocks, hidden, block_out, 'identity', perm_out, seed=seed + 2, bias=bias)
         self.act = act_layer()
         self.drop = nn.Dropout(drop)
 
@@ -61,14 +61,14 @@ class SparseMixerBlock(nn.Module):
     def __init__(self, tokens_in: int, tokens: int, channels: int, token_hidden: Optional[int],
                  channel_hidden: Optional[int], permutation: str = 'mixer', rp_channels: bool = False,
                  skip_layer: bool = False, seed: int = 0, act_layer=nn.GELU, norm_layer=nn.LayerNorm,
-                 drop: float = 0., drop_path: float = 0.):
+                 drop: float = 0., drop_path: float = 0., bias: bool = True):
         super().__init__()
         self.tokens_in, self.tokens, self.channels = tokens_in, tokens, channels
         random = permutation == 'random'
         self.norm1 = norm_layer(channels)
         self.mlp_tokens = PKMixing(channels, tokens_in, tokens, token_hidden,
                                    'random' if random else 'transpose', 'random' if random else 'transpose',
-                                   seed=seed, act_layer=act_layer, drop=drop)
+                                   seed=seed, act_layer=act_layer, drop=drop, bias=bias)
         if skip_layer:
             # SkipLayer(X) = LN(W̃X), W̃ ∈ R^{S×S₀} (Eq. S.15), applied to every channel
             self.skip = PKLinear(channels, tokens_in, tokens, 'transpose', 'transpose', seed=seed, bias=False)
@@ -81,7 +81,7 @@ class SparseMixerBlock(nn.Module):
         self.norm2 = norm_layer(channels)
         channel_perm = 'random' if random and rp_channels else 'identity'
         self.mlp_channels = PKMixing(tokens, channels, channels, channel_hidden, channel_perm, channel_perm,
-                                     seed=seed + 4, act_layer=act_layer, drop=drop)
+                                     seed=seed + 4, act_layer=act_layer, drop=drop, bias=bias)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +133,8 @@ class SparseMixer(_PatchTableModel):
         permutation: 'mixer' (J_c) or 'random' (RP); rp_channels: also permute channel mixing;
         perm_seed: seeds every layer's permutations (layer ℓ draws its own from it).
         skip_layer: None = only when S ≠ S₀; True = always (as in the paper's S sweeps).
+        mixing_bias: biases on the mixing layers; None = none for S-Mixer blocks (Eq. S.3, S.7–S.8 have none),
+            as timm's MlpMixer for MLP-Mixer blocks (its Linear layers carry them).
     """
 
     def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, num_tokens: Optional[int] = None,
@@ -140,7 +142,8 @@ class SparseMixer(_PatchTableModel):
                  token_mlp_dim: Optional[int] = None, channel_mlp_dim: Optional[int] = None,
                  permutation: str = 'mixer', rp_channels: bool = False, perm_seed: int = 0,
                  skip_layer: Optional[bool] = None, norm_eps: float = 1e-5, drop_rate: float = 0.,
-                 proj_drop_rate: float = 0., drop_path_rate: float = 0., global_pool: str = 'avg'):
+                 proj_drop_rate: float = 0., drop_path_rate: float = 0., global_pool: str = 'avg',
+                 mixing_bias: Optional[bool] = None):
         super().__init__()
         if permutation not in PERMUTATIONS:
             raise ValueError(f"permutation={permutation!r}: accepted 'mixer' (J_c, the Mixer) or 'random' (RP-Mixer)")
@@ -152,6 +155,8 @@ class SparseMixer(_PatchTableModel):
         if tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
         ratios = mlp_ratio if isinstance(mlp_ratio, (tuple, list)) else (mlp_ratio, mlp_ratio)
+        smixer = ratios[0] is None and token_mlp_dim is None and ratios[1] is None and channel_mlp_dim is None
+        self.mixing_bias = (not smixer) if mixing_bias is None else bool(mixing_bias)
         self.num_tokens, self.permutation = tokens, permutation
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         skip_first = (tokens != self.patch_tokens) if skip_layer is None else bool(skip_layer)
@@ -162,7 +167,7 @@ class SparseMixer(_PatchTableModel):
                              _hidden(ratios[0], token_mlp_dim, tokens), _hidden(ratios[1], channel_mlp_dim, embed_dim),
                              permutation=permutation, rp_channels=rp_channels, skip_layer=skip_first and i == 0,
                              seed=int(perm_seed) * 1000 + 10 * i, norm_layer=norm_layer, drop=proj_drop_rate,
-                             drop_path=dpr[i])
+                             drop_path=dpr[i], bias=self.mixing_bias)
             for i in range(depth)])
         self.norm = norm_layer(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
