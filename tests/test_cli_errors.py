@@ -332,7 +332,7 @@ CASES = [
      ['--model-kwargs num_classes=5', 'predicts 5 classes', 'has 10']),
     ('design-gamma-overflow', ['design', '--omega', '2^64', '--gamma', '1e-300'], ['--gamma', 'out of range']),
     ('design-gamma-widths-zero', ['design', '--omega', '2^18', '--gamma', '1e300'], ['--gamma', 'out of range']),
-    ('design-channels-overflow', ['design', '--omega', '2^18', '--channels', '1' + '0' * 400], ['--channels', '[1, ']),
+    ('design-channels-overflow', ['design', '--omega', '2^18', '--channels', '1' + '0' * 400], ['--channels', '[1, 2^64]']),
     ('analyze-layers-on-crate', ['analyze', '--checkpoint', '{run}', '--layers', '0'], ['--layers', 'Sparsifiner']),
     ('analyze-query-patch-on-crate', ['analyze', '--checkpoint', '{run}', '--query-patch', '99,99'],
      ['--query-patch', 'Sparsifiner']),

@@ -149,8 +149,12 @@ def _build(compiler: str) -> Path:
 
 def _compiler_identity(compiler: str) -> str:
     """The compiler's path, size and modification time: an upgraded compiler retries a build that failed."""
-    stat = Path(compiler).resolve().stat()
-    return f"{Path(compiler).resolve()} {stat.st_size} {stat.st_mtime_ns}"
+    path = Path(shutil.which(compiler) or compiler).resolve()
+    try:
+        stat = path.stat()
+    except OSError:                              # not a file we can see: its name is all there is
+        return str(path)
+    return f"{path} {stat.st_size} {stat.st_mtime_ns}"
 
 
 @lru_cache(maxsize=None)

@@ -34,8 +34,8 @@ def run(args) -> int:
     if any(not sw_width(args.omega, p, args.gamma) < 2 ** OMEGA_MAX_LOG2 for p in args.sw_densities):
         raise ValueError(f"--sw-densities {min(args.sw_densities):g} is too small: the SW-MLP width √(Ω/(pγ)) would "
                          f"exceed 2^{OMEGA_MAX_LOG2}")
-    if args.channels is not None and any(not 1 <= c <= args.omega for c in args.channels):
-        raise ValueError(f"--channels must be integers in [1, Ω = {args.omega}], got {args.channels}")
+    if args.channels is not None and any(not 1 <= c <= 2 ** OMEGA_MAX_LOG2 for c in args.channels):
+        raise ValueError(f"--channels must be integers in [1, 2^{OMEGA_MAX_LOG2}], got {args.channels}")
     best = optimal_width(args.omega, args.gamma)
     channels = args.channels or sorted({16, 32, 48, 83, 113, 173, max(1, round(best['channels']))})
     pairs = fixed_omega_pairs(args.omega, channels, args.gamma)
