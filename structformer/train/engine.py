@@ -536,7 +536,9 @@ class Trainer:
         self._build()                            # data and model first: bad input fails before any write
         self.global_step = 0
         start_epoch = 0
-        with RunLock(self.output if self.is_main else None) as lock, sigterm_as_interrupt():
+        # SIGTERM as an interrupt on the process that owns the folder; other DDP processes keep the default end
+        with RunLock(self.output if self.is_main else None) as lock, \
+                sigterm_as_interrupt() if self.is_main else contextlib.nullcontext():
             if self.is_main:
                 self._check_no_run_here(' (written by another process while this one started)')
             # a new run that fails or is stopped (Ctrl-C, SIGTERM) before its first trained epoch commits leaves
