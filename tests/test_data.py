@@ -360,7 +360,7 @@ def test_parse_data_spec_and_forms():
     assert parse_data_spec('digits') == ('digits', None)
     assert parse_data_spec('MNIST:/a:b') == ('mnist', '/a:b')
     assert list(DATASET_FORMS) == ['digits', 'synthetic-subspaces', 'mnist:PATH', 'cifar10:PATH',
-                                   'imagefolder:PATH', 'pysource', 'text:PATH']
+                                   'imagefolder:PATH', 'wds:TRAIN[,VAL]', 'hfds:PATH', 'pysource', 'text:PATH']
 
 
 def test_unknown_dataset_lists_accepted_forms():
