@@ -280,7 +280,10 @@ def test_sparsifiner_official_converts_the_network_and_the_predictor(tmp_path):
     torch.testing.assert_close(ours['blocks.2.attn.basis.w_up'], state['blocks.2.attn.mask_predictor.proj_back_n'].t().float())
     torch.testing.assert_close(ours['blocks.0.attn.predictor_q.weight'],
                                state['blocks.0.attn.mask_predictor.proj_c_q.weight'].float())
-    assert any('proj_c_q.bias' in line and '8 in all' in line for line in notes), notes
+    for name in ('q', 'k'):                        # the reductions' biases carried over (predictor_bias, issue 34)
+        torch.testing.assert_close(ours[f'blocks.1.attn.predictor_{name}.bias'],
+                                   state[f'blocks.1.attn.mask_predictor.proj_c_{name}.bias'].float())
+    assert not any('proj_c_q.bias' in line for line in notes), notes
     dense = timm.create_model('vit_digits').double().eval()
     dense.load_state_dict({k: v for k, v in _as_loaded(state).items() if 'mask_predictor' not in k})
     x = torch.randn(2, 1, 8, 8, dtype=F64)

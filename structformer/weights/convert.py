@@ -95,16 +95,17 @@ def _soft_joined(state: Dict[str, Tensor], done: Dict[str, Tensor], used: set) -
 
 # ------------------------------------------------------------------ Sparsifiner (lim142857/Sparsifiner)
 # DeiT's timm names for everything but the MaskPredictor: proj_c_q / proj_c_k Linear(head_dim, reduced_c) (with
-# bias), proj_n and proj_back_n [N, n_down] (used as k @ proj_n and proj_back_nᵀ): ours [n_down, N], no bias.
+# bias, as ours by default: predictor_bias), proj_n and proj_back_n [N, n_down] (used as k @ proj_n and proj_back_nᵀ):
+# ours [n_down, N].
 _T = lambda w: w.t().contiguous()                 # noqa: E731
 SPARSIFINER_RULES: List[Rule] = [
     (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_c_q\.weight', r'blocks.\1.attn.predictor_q.weight', None),
     (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_c_k\.weight', r'blocks.\1.attn.predictor_k.weight', None),
+    (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_c_([qk])\.bias', r'blocks.\1.attn.predictor_\2.bias', None),
     (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_n', r'blocks.\1.attn.basis.w_down', _T),
     (r'blocks\.(\d+)\.attn\.mask_predictor\.proj_back_n', r'blocks.\1.attn.basis.w_up', _T),
     (r'(.*)', r'\1', None),                       # the ViT: timm's own names
 ]
-SPARSIFINER_DROPPED = r'blocks\.\d+\.attn\.mask_predictor\.proj_c_[qk]\.bias'
 
 
 def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Tensor], used: set) -> None:
@@ -130,12 +131,6 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
     notes: List[str] = []
     if source == 'soft-official':
         _soft_joined(state, done, used)
-    if source == 'sparsifiner-official':
-        dropped = sorted(k for k in state if re.fullmatch(SPARSIFINER_DROPPED, k))
-        if dropped:
-            notes.append(f"dropped {_names(dropped)}: our predictor's q/k reductions have no bias (the public code's "
-                         "do), so the predicted keys can differ from the public model's")
-            used |= set(dropped)
     rules = {'crate-official': CRATE_RULES, 'soft-official': SOFT_RULES, 'sparsifiner-official': SPARSIFINER_RULES,
              'timm': [(r'(.*)', r'\1', None)]}[source]
     _apply_rules(state, rules, done, used)
