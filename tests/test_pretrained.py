@@ -209,3 +209,27 @@ def test_teacher_weights_file_builds_the_dense_counterpart_and_starts_the_studen
     start = load_file(str(tmp_path / 'run' / 'checkpoints' / 'epoch_0000' / 'model.safetensors'))
     for key, value in teacher.state_dict().items():
         assert torch.equal(start[key], value), key
+
+
+def test_a_file_with_the_models_class_count_keeps_its_head(tmp_path):
+    """timm's loader drops the classifier when the model's class count differs from the config's; the config
+    describes the weights, so the filter takes the count from the file: a 5-class file into a 5-class model
+    keeps its head although crate_digits' registry config says 10."""
+    model, path = _saved(tmp_path, 'crate_digits', num_classes=5)
+    loaded = timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                               num_classes=5)
+    assert torch.equal(loaded.head.weight, model.head.weight) and loaded.pretrained_adaptations == []
+
+
+def test_public_checkpoint_given_straight_to_pretrained_is_converted(tmp_path):
+    """An official CRATE checkpoint as `file=` (or --pretrained-path): converted by convert's key map first."""
+    from test_convert import _as_loaded, _fill, crate_official_forward, crate_official_shapes
+    state = _fill(crate_official_shapes(1, 2, 64, 4, 4, 16, 16, 10))
+    torch.save({'state_dict': state}, tmp_path / 'official.pth')
+    model = timm.create_model('crate_digits', pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'official.pth'))).double().eval()
+    assert model.pretrained_adaptations == ['converted from the crate-official layout']
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), crate_official_forward(_as_loaded(state), x, 2, 4, 4), rtol=1e-10,
+                                   atol=1e-10)

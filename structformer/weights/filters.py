@@ -184,6 +184,24 @@ def vit_filter(state: dict, model: nn.Module, done: List[str]) -> dict:
     return state
 
 
+# a key only the public code's layout has, per `structformer convert --from` source
+_PUBLIC_MARKERS = {'crate-official': 'to_patch_embedding.2.weight', 'soft-official': 'patch_embed1.proj.0.weight',
+                   'sparsifiner-official': 'blocks.0.attn.mask_predictor.proj_n'}
+
+
+def _from_public_layout(state: dict, model: nn.Module) -> List[str]:
+    """A checkpoint of the papers' public code (CRATE, SOFT, Sparsifiner) given straight to `pretrained=True` is
+    converted first, by the key maps of `structformer convert` (as timm's ViT filter converts other layouts)."""
+    for source, marker in _PUBLIC_MARKERS.items():
+        if marker in state:
+            from .convert import convert_state_dict
+            converted, notes = convert_state_dict(source, state, model)
+            state.clear()
+            state.update(converted)
+            return [f"converted from the {source} layout"] + notes
+    return []
+
+
 def filter_fn_for(model: nn.Module) -> Callable[[dict, nn.Module, List[str]], dict]:
     """The family filter of `model` (by class, so features-only and timm's own models are covered too)."""
     from timm.models.vision_transformer import VisionTransformer
@@ -201,8 +219,9 @@ def adapt_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
                      where: str = 'pretrained weights') -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """`state_dict` adapted to `model` by its family filter, and the list of adaptations made. Raises
     `WeightsMismatch` (naming `where`) when anything else does not fit."""
-    done: List[str] = []
-    state = filter_fn_for(model)(dict(state_dict), model, done)
+    state = dict(state_dict)
+    done = _from_public_layout(state, model)
+    state = filter_fn_for(model)(state, model, done)
     _check(state, model, _own(model), where)
     return state, done
 
@@ -210,7 +229,17 @@ def adapt_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
 def pretrained_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
     """timm's `pretrained_filter_fn` for every structformer model (`models.base.create_model` passes it to
     `build_model_with_cfg`): the family filter, each adaptation logged, the rest checked."""
-    state, done = adapt_state_dict(state_dict, model)
+    state_dict = dict(state_dict)
+    done = _from_public_layout(state_dict, model)
+    cfg = getattr(model, 'pretrained_cfg', None)
+    head = (cfg or {}).get('classifier')
+    weight = state_dict.get(f'{head}.weight') if isinstance(head, str) else None
+    if isinstance(cfg, dict) and weight is not None and weight.dim() == 2:
+        # the config describes the weights (timm's rule): timm's loader discards a classifier whose class count
+        # differs from the config's, so the count is the file's, and a head that fits the model is kept
+        cfg['num_classes'] = int(weight.shape[0])
+    state, adapted = adapt_state_dict(state_dict, model)
+    done += adapted
     for line in done:
         _logger.info("pretrained weights adapted: %s", line)
     model.pretrained_adaptations = done                # for callers that report them
