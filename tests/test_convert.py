@@ -242,6 +242,21 @@ def test_soft_official_converts_to_equal_logits(tmp_path):
     torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-9)
 
 
+def test_softpp_official_keys_are_the_same_map():
+    """SoftmaxFreeNormVisionTransformer (SOFT++) keeps the SOFT module names: every key maps, every tensor of
+    softpp_tiny_official_224 is filled with the official value (its inverse differs, not its parameters)."""
+    from structformer.weights.convert import convert_state_dict
+    state = _fill(soft_official_shapes((64, 128, 320, 512), (2, 4, 10, 16), (1, 2, 3, 2)), seed=4)
+    model = timm.create_model('softpp_tiny_official_224')
+    converted, notes = convert_state_dict('soft-official', state, model)
+    model.load_state_dict(converted)
+    assert notes == []
+    torch.testing.assert_close(model.stages[2].blocks[1].attn.conv.weight,
+                               state['block3.1.att.mha.attn.Qlandmark_op.weight'].permute(0, 2, 3, 1).float())
+    torch.testing.assert_close(model.stages[3].blocks[0].attn.qkv.bias,
+                               torch.cat([state['block4.0.attn.q.bias'], state['block4.0.attn.kv.bias']]).float())
+
+
 # ------------------------------------------------------------------ Sparsifiner and timm's DeiT
 
 def sparsifiner_official_shapes(dim, depth, heads, patches, classes, c=1, p=2, reduce_n=8, reduce_c=2, hidden=4):
@@ -322,6 +337,8 @@ def test_converted_folder_loads_in_eval_timm_local_dir_and_training(crate_folder
     model = timm.create_model(f'local-dir:{out}', pretrained=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference, rtol=1e-4, atol=1e-5)      # float32 vs float32 reference
+    assert main(['eval', '--checkpoint', str(out)]) == 2                 # converted weights record no data set
+    assert 'error: --data:' in capsys.readouterr().err
     assert main(['eval', '--checkpoint', str(out), '--data', 'digits', '--json']) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['top1'] >= 0
     for flag in ('--pretrained-path', '--initial-checkpoint'):
