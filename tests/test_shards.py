@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from structformer.cli import main
 from structformer.data import build_datasets

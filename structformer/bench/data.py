@@ -9,7 +9,6 @@ crate_tiny_patch16_224 (float32 and bfloat16 autocast) and reports the images/s 
 what each loader gives. The load average before and after goes into the JSON: numbers from a busy machine
 are not measurements.
 """
-import json
 import os
 import tempfile
 import time
@@ -55,15 +54,6 @@ def generate_jpegs(root: str, n: int, classes: int = 10, size=(500, 375), seed: 
 def _augmentation(recipe):
     from ..data.augment import Augmentation
     return Augmentation(**RECIPES[recipe])
-
-
-def _timed(loader, limit_batches=None) -> tuple:
-    start, n = time.perf_counter(), 0
-    for i, (x, _) in enumerate(loader):
-        n += x.shape[0]
-        if limit_batches and i + 1 >= limit_batches:
-            break
-    return n, time.perf_counter() - start
 
 
 def loader_rate(kind: str, folder: str, shards: str, recipe: str, workers: int, batch: int, img_size: int) -> dict:
