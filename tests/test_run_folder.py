@@ -96,10 +96,11 @@ def _eval(run, capsys):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize('signal_name, status', [('SIGINT', 130), ('SIGTERM', 143)])
-@pytest.mark.parametrize('kill_at', ['epoch 1:step 1', 'epoch_0001:weights'])
-def test_overwrite_stopped_in_its_first_epoch_puts_the_old_run_back(two_runs, tmp_path, capsys, signal_name,
-                                                                    status, kill_at):
+@pytest.mark.parametrize('kill_at, signal_name, status', [
+    ('epoch 1:step 1', 'SIGINT', 130), ('epoch 1:step 1', 'SIGTERM', 143),     # in the first epoch's training
+    ('epoch_0001:weights', 'SIGTERM', 143)])                                   # in its checkpoint's commit
+def test_overwrite_stopped_in_its_first_epoch_puts_the_old_run_back(two_runs, tmp_path, capsys, kill_at, signal_name,
+                                                                    status):
     run = tmp_path / 'run'
     shutil.copytree(two_runs[0], run)
     before = _bytes(run)
