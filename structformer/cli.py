@@ -180,6 +180,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--factorize-include', nargs='+', default=S, metavar='PATTERN',
                    help='layers to factorise: a preset (vision, transformer, all) or module-name patterns; default: '
                         'every conv but the first, or QKV and both FFN matrices for a transformer')
+    g.add_argument('--factorize-lr-scale', type=float, default=S, metavar='S',
+                   help='multiply the lr by S while the network is factorised: the whole run from the start, or from '
+                        'the switch with --factorize-at (seed 004 App. A.2: 0.5 for transformers; default 1)')
     g.add_argument('--factor-decay', default=S, metavar='KIND',
                    help="regulariser of the factors: l2 (the optimiser's weight decay, default) or frobenius "
                         "(weight_decay/2 * ||U Vᵀ||²_F, factors taken out of the weight decay)")

@@ -89,6 +89,9 @@ class TrainConfig:
     # 'l2': the factors are in the optimiser's weight decay like any weight; 'frobenius': they leave it and
     # the loss gains weight_decay/2 * sum ||U V^T||_F^2 instead (Frobenius decay, §3.3)
     factor_decay: str = 'l2'
+    # the lr multiplier while the network is factorised (seed 004 App. A.2 halves the base lr of factorised
+    # transformer runs and again at the switch from dense pre-training: 0.5 in the LM recipes); 1 = unchanged
+    factorize_lr_scale: float = 1.0
     # distillation from a dense teacher (Sparsifiner §4, structformer.train.distill): the teacher's run directory
     # or checkpoint (recorded as the resolved checkpoint); without `phases`, the paper's two stages with
     # `predictor_epochs` of stage 1 (None: about the paper's 5 of 45, 0 when the student has no predictor)
@@ -235,6 +238,9 @@ class TrainConfig:
     def _validate_lowrank(self) -> None:
         if self.factor_decay not in ('l2', 'frobenius'):
             raise UsageError(f"--factor-decay={self.factor_decay!r}: accepted 'l2' or 'frobenius'")
+        scale = self.factorize_lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise UsageError(f"--factorize-lr-scale={scale!r} is out of range: accepted a factor in (0, 1]")
         inits = ('spectral', 'spectral_ones', 'he')          # structformer.layers.linear.factorized.INITS
         if self.factorize_init not in inits:
             raise UsageError(f"--init={self.factorize_init!r} is not a factor initialisation: accepted {', '.join(inits)}")

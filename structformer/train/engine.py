@@ -414,8 +414,11 @@ class Trainer:
         self.frobenius_weight = cfg.weight_decay if factors else 0.0
         if factors:
             params = self._param_groups_without(factors)
-        return create_optimizer_v2(params, opt=cfg.opt, lr=cfg.resolved_lr(self.world_size),
-                                   weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+        # --factorize-lr-scale while the network is factorised (seed 004 App. A.2): the schedule is rebuilt from
+        # this lr at the switch (`replace_model`) and on resume, so it holds from the switch on
+        factorised = any(hasattr(m, 'factors') for m in self.model.modules())
+        lr = cfg.resolved_lr(self.world_size) * (cfg.factorize_lr_scale if factorised else 1.0)
+        return create_optimizer_v2(params, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
 
     def _param_groups_without(self, names) -> List[Dict]:
         """The optimiser's parameter groups as timm makes them, with the parameters `names` moved to the
@@ -566,7 +569,9 @@ class Trainer:
                 + (' autocast' if self.precision.dtype is not None else '')
                 + (' (this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up)' if emulated else '')
                 + f"; effective batch {self.effective_batch()} ({cfg.batch_size} per process{accum}{procs}), "
-                f"{self.steps_per_epoch} optimiser steps per epoch, peak lr {cfg.resolved_lr(self.world_size):.3g}")
+                f"{self.steps_per_epoch} optimiser steps per epoch, peak lr {cfg.resolved_lr(self.world_size):.3g}"
+                + (f" (x {cfg.factorize_lr_scale:g} while factorised)" if cfg.factorize_rank is not None
+                   and cfg.factorize_lr_scale != 1 else ''))
 
     def _fit(self, start_epoch: int, aside: Optional[Path]) -> TrainResult:
         cfg = self.config

@@ -194,13 +194,16 @@ def _schedule(config: TrainConfig, world: int, steps_per_epoch: int) -> List[Tup
     points = [('end of warm-up' if warm else 'start (no warm-up)', warm), ('half-way', total // 2), ('end', total)]
     if config.sched != 'cosine':
         return [(label, step, peak) for label, step in points]
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-    scheduler, _ = create_scheduler_v2(
-        optimizer, sched='cosine', num_epochs=config.epochs, warmup_epochs=config.resolved_warmup_epochs(),
-        warmup_lr=config.resolved_warmup_lr(), min_lr=config.resolved_min_lr(), step_on_epochs=False,
-        updates_per_epoch=steps_per_epoch)
     out = []
     for label, step in points:
+        # --factorize-lr-scale from the switch on (the trainer rebuilds its schedule from the scaled lr there)
+        factorised = config.factorize_rank is not None and step >= (config.factorize_at or 0) * steps_per_epoch
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
+                                    lr=peak * (config.factorize_lr_scale if factorised else 1.0))
+        scheduler, _ = create_scheduler_v2(
+            optimizer, sched='cosine', num_epochs=config.epochs, warmup_epochs=config.resolved_warmup_epochs(),
+            warmup_lr=config.resolved_warmup_lr(), min_lr=config.resolved_min_lr(), step_on_epochs=False,
+            updates_per_epoch=steps_per_epoch)
         scheduler.step_update(num_updates=step)
         out.append((label, step, optimizer.param_groups[0]['lr']))
     return out

@@ -1,0 +1,83 @@
+"""Seed 004 App. A.2 halves the base lr of factorised transformer runs, and again at the switch from dense
+pre-training to factorised training (issue 34, item 4): --factorize-lr-scale, the LM recipes' and the
+reproduction's defaults."""
+import pytest
+
+from structformer.errors import UsageError
+from structformer.train import TrainConfig, Trainer
+
+VIT = dict(img_size=8, patch_size=2, depth=2, embed_dim=32, num_heads=2)
+
+
+def _trainer(tmp_path, **overrides):
+    values = dict(model='vit_tiny_patch16_224', model_kwargs=dict(VIT), data='digits', epochs=4, batch_size=64,
+                  lr=1e-3, warmup_epochs=0, min_lr=0.0, limit_train_batches=4, output=str(tmp_path / 'run'),
+                  factorize_rank=0.25, factorize_at=1, factorize_lr_scale=0.5)
+    values.update(overrides)
+    trainer = Trainer(TrainConfig(**values), progress=False)
+    trainer._build()
+    trainer.global_step = 0
+    return trainer
+
+
+def _lr(trainer, step):
+    trainer.scheduler.step_update(num_updates=step)
+    return trainer.optimizer.param_groups[0]['lr']
+
+
+def _cosine(peak, step, total):
+    import math
+    return peak * (1 + math.cos(math.pi * step / total)) / 2
+
+
+def test_the_lr_halves_at_the_switch_and_the_schedule_continues(tmp_path):
+    trainer = _trainer(tmp_path)
+    total = 4 * trainer.steps_per_epoch
+    step = trainer.steps_per_epoch                               # the switch, after the dense epoch
+    assert _lr(trainer, step) == pytest.approx(_cosine(1e-3, step, total))
+    trainer.lowrank.before_epoch(trainer, 2)                     # factorise, as the loop does before epoch 2
+    trainer.global_step = step
+    assert _lr(trainer, step) == pytest.approx(0.5 * _cosine(1e-3, step, total))
+    assert _lr(trainer, step + 3) == pytest.approx(0.5 * _cosine(1e-3, step + 3, total))
+
+
+def test_from_the_start_the_whole_run_is_scaled_and_one_keeps_the_dense_lr(tmp_path):
+    scaled = _trainer(tmp_path / 'a', factorize_at=0)
+    assert _lr(scaled, 0) == pytest.approx(0.5e-3)
+    plain = _trainer(tmp_path / 'b', factorize_at=0, factorize_lr_scale=1.0)
+    assert _lr(plain, 0) == pytest.approx(1e-3)
+    dense = _trainer(tmp_path / 'c', factorize_rank=None, factorize_at=None)   # no factorisation: no scaling
+    assert _lr(dense, 0) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize('bad', [0, 1.5, -0.5, True])
+def test_the_scale_is_a_factor_in_0_1(tmp_path, bad):
+    with pytest.raises(UsageError, match=r'--factorize-lr-scale'):
+        TrainConfig(model='vit_tiny_patch16_224', data='digits', factorize_rank=0.25, factorize_lr_scale=bad,
+                    output=str(tmp_path / 'x')).validate()
+
+
+def test_the_lm_recipes_halve_as_the_seed_does():
+    from structformer.train.recipes import load_recipe
+    (scratch, _), (pretrain, _) = load_recipe('gpt2_lowrank_lm1b'), load_recipe('gpt2_lowrank_pretrain_lm1b')
+    dense, _ = load_recipe('gpt2_lm1b')
+    lr = lambda r: r['lr'] if 'lr' in r else r['lr_base']        # noqa: E731
+    # factorised from the start: the dense run's lr, halved while factorised (the whole run)
+    assert scratch['factorize_lr_scale'] == 0.5 and lr(scratch) == lr(dense)
+    # pre-trained: the halved base lr for the dense part, halved again at the switch
+    assert pretrain['factorize_lr_scale'] == 0.5 and lr(pretrain) == lr(dense) / 2
+
+
+def test_the_reproduction_halves_the_lm_lr():
+    import argparse
+
+    from structformer.reproduce import lowrank
+    p = argparse.ArgumentParser()
+    lowrank.add_arguments(p)
+    args = p.parse_args(['--parts', 'lm'])
+    configs = {run['name']: lowrank._config(run, args, __import__('pathlib').Path('/tmp/unused'))
+               for run in lowrank._plan(args)}
+    assert configs['dense'].lr == lowrank.LM_LR and configs['dense'].factorize_lr_scale == 1.0
+    assert configs['r0.62_spectral'].lr == lowrank.LM_LR and configs['r0.62_spectral'].factorize_lr_scale == 0.5
+    pre = next(c for n, c in configs.items() if 'pretrain' in n)
+    assert pre.lr == lowrank.LM_LR / 2 and pre.factorize_lr_scale == 0.5
