@@ -636,6 +636,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cli.add_arguments(p)
     p.set_defaults(func=convert_cli.run)
 
+    from .export import cli as export_cli
+    p = sub.add_parser('export', help='a trained model as ONNX, a torch.export program or a timm Hugging Face folder',
+                       formatter_class=fmt, epilog=export_cli.EXAMPLES,
+                       description='Export a run or checkpoint: onnx and torch-export are checked against eager torch '
+                                   'before they are kept (docs/export.md).')
+    export_cli.add_arguments(p)
+    p.set_defaults(func=export_cli.run)
+
     p = sub.add_parser('recipes', help="the papers' training settings, for `structformer train --recipe NAME`",
                        formatter_class=fmt, epilog=RECIPES_EXAMPLES)
     p.add_argument('--json', action='store_true', help='one JSON list: name, paper, source, model, data, reported')

@@ -55,6 +55,8 @@ from typing import Tuple, Union
 import torch
 from torch.autograd.function import once_differentiable
 
+from .tracing import recording_graph
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -153,10 +155,15 @@ def _newton_schulz(a: torch.Tensor, num_iter: int) -> torch.Tensor:
     """Up to `num_iter` Newton–Schulz steps on [..., m, m]; each matrix freezes once its relative
     update ‖X_{k+1} − X_k‖_F ≤ √eps·‖X_{k+1}‖_F (module docstring: past convergence the iteration
     only doubles rounding noise in the null space). Eager calls stay plain tensor code, so
-    FlopCounterMode sees every step; under torch.compile the iteration is one opaque operator."""
+    FlopCounterMode sees every step; under torch.compile the iteration is one opaque operator. While a graph is
+    recorded (torch.export, ONNX, tracing: `tracing.recording_graph`) it is the device loop in plain tensor ops,
+    the same rule, with no custom op an exporter cannot translate and no host decision a tracer would freeze."""
     batch_shape, m = a.shape[:-2], a.shape[-1]
     flat = a.reshape(-1, m, m)
-    run = _newton_schulz_opaque if torch.compiler.is_compiling() else _newton_schulz_batched
+    if recording_graph():
+        run = _newton_schulz_device
+    else:
+        run = _newton_schulz_opaque if torch.compiler.is_compiling() else _newton_schulz_batched
     return run(flat, num_iter).reshape(*batch_shape, m, m)
 
 

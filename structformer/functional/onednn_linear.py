@@ -12,7 +12,7 @@ linear layers on CPU; it has no autograd formula, hence the Function below:
               ∂W = gᵀ x           torch.mm (as (xᵀ g)ᵀ for a transposed-view weight)
               ∂b = Σ_tokens g
 
-`linear` takes this path for float32 CPU tensors outside autocast and compilation, on x86-64 when torch has
+`linear` takes this path for float32 CPU tensors outside autocast, compilation and graph recording (export, tracing: `tracing.py`), on x86-64 when torch has
 the op and the product has at least `MIN_MULTIPLY_ADDS` multiply-adds; everything else (other dtypes, devices,
 autocast, `torch.compile`, small products, `torch_kernels()`) runs `F.linear`, the reference the tests
 compare against (outputs and gradients in float32; `gradcheck` of the Function in float64, where its
@@ -23,6 +23,8 @@ import platform
 
 import torch
 import torch.nn.functional as F
+
+from .tracing import recording_graph
 
 __all__ = ['linear', 'onednn_available', 'torch_kernels']
 
@@ -119,7 +121,7 @@ def _is_transposed(weight: torch.Tensor) -> bool:
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
-    if not onednn_available() or torch.compiler.is_compiling() or torch.is_autocast_enabled('cpu'):
+    if not onednn_available() or torch.compiler.is_compiling() or torch.is_autocast_enabled('cpu') or recording_graph():
         return False
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if not all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors) or weight.dim() != 2:

@@ -78,8 +78,24 @@ def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
 
 
 def topk_indices(scores: torch.Tensor, keys: int) -> torch.Tensor:
-    """The `keys` highest-scoring key indices of every query row, [B, H, n, keys] (exactly `keys` per row)."""
-    return scores.topk(keys, dim=-1, sorted=False).indices
+    """The `keys` highest-scoring key indices of every query row, [B, H, n, keys] (exactly `keys` per row, in
+    ascending index order), ties to the lower key index.
+
+    Why not `topk(...).indices`: exact ties are common (a row whose Eq. 2 coefficients all fall below τ scores
+    every key 0) and `topk` leaves their order to its algorithm, which differs between backends: an ONNX export
+    kept other keys than torch (8e-2 apart at keep 0.25). Here only tie-free quantities decide: the value of the
+    `keys`-th largest score v (the same whichever tied element topk returns), the keys scoring above v, and the
+    first keys (by index) scoring exactly v to fill the budget; their indices are then the top `keys` of the
+    distinct integers mask·n + (n − 1 − index). Plain TopK / CumSum / comparisons: the same keys in eager torch,
+    torch.export and ONNX Runtime (no `sort(stable=True)`, which has no ONNX translation)."""
+    n = scores.shape[-1]
+    kth = scores.topk(keys, dim=-1).values[..., -1:]
+    above = scores > kth
+    tied = scores == kth
+    room = keys - above.sum(-1, keepdim=True)                 # budget left for the tied keys (>= 1)
+    kept = above | (tied & (tied.to(torch.int32).cumsum(-1) <= room))
+    order = torch.arange(n - 1, -1, -1, device=scores.device, dtype=scores.dtype)   # distinct, exact below 2^24
+    return (kept.to(scores.dtype) * n + order).topk(keys, dim=-1).indices
 
 
 def top_tiles(tile_scores: torch.Tensor, kept: int) -> torch.Tensor:
@@ -93,7 +109,8 @@ def top_tiles(tile_scores: torch.Tensor, kept: int) -> torch.Tensor:
 def mask_from_indices(indices: torch.Tensor, num_keys: int, dense_rows: int = 0) -> torch.Tensor:
     """Bool [B, H, n, num_keys] with True at `indices`; the first `dense_rows` query rows keep every key."""
     mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.bool, device=indices.device)
-    mask.scatter_(-1, indices, True)
+    # out of place, from a tensor: TorchScript's tracer (the legacy ONNX exporter) has no in-place bool scatter
+    mask = mask.scatter(-1, indices, torch.ones_like(indices, dtype=torch.bool))
     if dense_rows:
         mask[..., :dense_rows, :] = True
     return mask

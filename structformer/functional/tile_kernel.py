@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from ..atomic import write_text_atomically
 from .precision import LOW_PRECISION, upcast
+from .tracing import recording_graph
 
 CSRC = Path(__file__).resolve().parent.parent / 'csrc'
 SOURCES = tuple(CSRC / name for name in ('block_tile_attention.cpp', 'block_tile_attention_backward.cpp',
@@ -182,10 +183,11 @@ def available() -> bool:
 
 def usable(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
     """Whether impl='auto' may run the kernel on q: a float32/64 CPU tensor, no CPU autocast (there the attention
-    runs in the autocast dtype, on the gathered path), no attention dropout, not inside torch.compile, and the
+    runs in the autocast dtype, on the gathered path), no attention dropout, not inside torch.compile or a graph
+    being exported or traced (`tracing.recording_graph`: an exporter cannot translate the kernel), and the
     library loads."""
     return (q.device.type == 'cpu' and q.dtype in DTYPES and not torch.is_autocast_enabled('cpu') and not dropout_p
-            and not torch.compiler.is_compiling() and available())
+            and not torch.compiler.is_compiling() and not recording_graph() and available())
 
 
 def _require_kernel() -> None:

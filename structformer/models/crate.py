@@ -16,12 +16,15 @@ from timm.models import generate_default_cfgs
 from torch import nn
 
 from ..layers.attention.mssa import MSSA
+from ..functional.tracing import checked_images
 from ..layers.mlp.ista import ISTA
 from ._registry import register_model
 from .base import (CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model,
                    model_cfg)
 
 __all__ = ['CRATE', 'CrateBlock']
+
+torch.fx.wrap('checked_images')                 # the input check is one node of an FX trace (functional/tracing.py)
 
 
 class CratePatchEmbed(nn.Module):
@@ -44,11 +47,7 @@ class CratePatchEmbed(nn.Module):
         self.norm_out = nn.LayerNorm(embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != self.img_size:
-            raise ValueError(
-                f"CRATE expects images of shape [B, {self.in_chans}, {self.img_size[0]}, {self.img_size[1]}] "
-                f"(in_chans={self.in_chans}, img_size={self.img_size}), got {list(x.shape)}; "
-                "build the model with matching img_size= / in_chans=")
+        x = checked_images(x, 'CRATE', self.in_chans, self.img_size)     # an FX leaf: traceable
         x = rearrange(x, 'b c (h p1) (w p2) -> b (h w) (p1 p2 c)', p1=self.patch_size[0], p2=self.patch_size[1])
         return self.norm_out(self.proj(self.norm_in(x)))
 

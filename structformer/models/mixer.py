@@ -21,11 +21,14 @@ from timm.layers import DropPath, PatchEmbed
 from timm.models import generate_default_cfgs
 from torch import nn
 
+from ..functional.tracing import checked_images
 from ..layers.linear import MaskedLinear, PKLinear
 from ._registry import register_model
 from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SparseMixer', 'SWMLP', 'PKMixing', 'SparseMixerBlock']
+
+torch.fx.wrap('checked_images')                 # the input check is one node of an FX trace (functional/tracing.py)
 
 PERMUTATIONS = ('mixer', 'random')
 
@@ -115,11 +118,8 @@ class _PatchTableModel(StructuredModel):
             raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__} has no cls token; accepted 'avg' or ''")
         super().reset_classifier(num_classes, global_pool)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        expected = (self.in_chans, *self.stem.img_size)
-        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
-            raise ValueError(f"{type(self).__name__} expects images [B, {expected[0]}, {expected[1]}, {expected[2]}] "
-                             f"(in_chans={expected[0]}, img_size={expected[1:]}), got {tuple(x.shape)}")
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        return checked_images(x, type(self).__name__, self.in_chans, self.stem.img_size)   # an FX leaf: traceable
 
 
 class SparseMixer(_PatchTableModel):
@@ -189,7 +189,7 @@ class SparseMixer(_PatchTableModel):
             nn.init.zeros_(self.head.bias)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        x = self._check_input(x)
         x = self.stem(x)
         for block in self.blocks:
             x = self.run_block(block, x)
@@ -211,7 +211,7 @@ class SparseMixer(_PatchTableModel):
         if output_fmt == 'NCHW' and self.num_tokens != self.patch_tokens:
             raise ValueError(f"output_fmt='NCHW' needs num_tokens == the patch count ({self.patch_tokens}); this "
                              f"model mixes {self.num_tokens} tokens, use output_fmt='NLC'")
-        self._check_input(x)
+        x = self._check_input(x)
         x, intermediates = self.run_blocks_keeping(self.stem(x), indices, norm, stop_early)
         if output_fmt == 'NCHW':
             h, w = self.stem.grid_size
@@ -256,7 +256,7 @@ class SWMLP(_PatchTableModel):
             nn.init.zeros_(self.head.bias)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        x = self._check_input(x)
         x = self.stem(x).flatten(1)
         for block in self.blocks:
             x = self.run_block(block, x)
@@ -271,7 +271,7 @@ class SWMLP(_PatchTableModel):
         """Block outputs, the flat m-vector read back as the [S₀, C] table: [B, C, H, W] or [B, S₀, C]."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
-        self._check_input(x)
+        x = self._check_input(x)
         x, intermediates = self.run_blocks_keeping(self.stem(x).flatten(1), indices, norm, stop_early)
         tables = [y.reshape(y.shape[0], self.patch_tokens, self.embed_dim) for y in intermediates]
         if output_fmt == 'NCHW':

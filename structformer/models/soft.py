@@ -38,11 +38,14 @@ from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices   # timm's own index rule for forward_intermediates
 from torch import nn
 
+from ..functional.tracing import checked_images
 from ..layers.attention.registry import check_options, get_attention, select_options
 from ._registry import register_model
 from .base import DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SoftNet', 'SoftBlock']
+
+torch.fx.wrap('checked_images')                 # the input check is one node of an FX trace (functional/tracing.py)
 
 
 def conv_bn_relu(in_chans: int, out_chans: int, stride: int, bias: bool = False) -> nn.Sequential:
@@ -237,9 +240,8 @@ class SoftNet(StructuredModel):
             tokens = self.run_block(block, tokens, (h, w))
         return tokens[:, prefix:].transpose(1, 2).reshape(b, c, h, w), tokens
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"SoftNet expects images [B, {self.in_chans}, H, W], got {list(x.shape)}")
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        return checked_images(x, 'SoftNet', self.in_chans)             # an FX leaf: traceable
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
@@ -251,7 +253,7 @@ class SoftNet(StructuredModel):
         intermediates), or only the intermediates."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
-        self._check_input(x)
+        x = self._check_input(x)
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         last = len(self.stages) - 1
         intermediates, tokens = [], None
@@ -271,7 +273,7 @@ class SoftNet(StructuredModel):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Final tokens [B, 1 + H₄W₄, C₄] after the LayerNorm."""
-        self._check_input(x)
+        x = self._check_input(x)
         for i in range(len(self.stages)):
             x, tokens = self._run_stage(i, x)
         return self.norm(tokens)

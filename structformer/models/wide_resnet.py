@@ -19,10 +19,13 @@ from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch import nn
 
+from ..functional.tracing import checked_images
 from ._registry import register_model
 from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, create_model, model_cfg
 
 __all__ = ['WideResNet', 'WideBasicBlock']
+
+torch.fx.wrap('checked_images')                 # the input check is one node of an FX trace (functional/tracing.py)
 
 
 class WideBasicBlock(nn.Module):
@@ -96,9 +99,8 @@ class WideResNet(StructuredModel):
             self.global_pool = global_pool
         self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"WideResNet expects images [B, {self.in_chans}, H, W], got {list(x.shape)}")
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        return checked_images(x, 'WideResNet', self.in_chans)          # an FX leaf: traceable
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
@@ -107,7 +109,7 @@ class WideResNet(StructuredModel):
         [B, C_i, H_i, W_i] ('NCHW') or tokens ('NLC'); `norm` applies the final BN-ReLU to the last."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
-        self._check_input(x)
+        x = self._check_input(x)
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         x = self.stem(x)
         last = len(self.stages) - 1
@@ -123,7 +125,7 @@ class WideResNet(StructuredModel):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The final map after BN-ReLU, [B, C, H, W] (NCHW, as timm's CNNs)."""
-        self._check_input(x)
+        x = self._check_input(x)
         x = self.stem(x)
         for stage in self.stages:
             x = self._run_stage(stage, x)

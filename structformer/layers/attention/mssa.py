@@ -11,6 +11,7 @@ from einops import rearrange
 from torch import nn
 
 from ...functional.shared_qkv_attention import shared_qkv_attention
+from ...functional.tracing import recording_graph
 from ..linear.base import linear_weight
 from .registry import register_attention
 from .softmax import check_head_sizes
@@ -84,6 +85,8 @@ class MSSA(nn.Module):
 
     def _shared_backward_applies(self, w: torch.Tensor, attn_mask, is_causal: bool) -> bool:
         if self.ssa_impl == 'sdpa' or attn_mask is not None or is_causal or not torch.is_grad_enabled():
+            return False
+        if recording_graph():            # export / ONNX / tracing: SDPA, the same function without the custom ops
             return False
         if not w.requires_grad or (self.training and self.attn_drop.p > 0):
             return False

@@ -1,0 +1,106 @@
+"""`structformer export SOURCE --format onnx|torch-export|hf --output OUT`: a trained model in a form other tools run.
+
+    onnx          one .onnx file (free batch dimension), checked against eager torch with ONNX Runtime
+    torch-export  one .pt2 file (`torch.export.save`, free batch dimension), checked against eager torch
+    hf            a folder in timm's Hugging Face layout (config.json, model.safetensors, README.md model card)
+
+SOURCE is a run folder from `structformer train` (its latest checkpoint), a checkpoint folder or its
+model.safetensors (`source.load_source`: safetensors and JSON only). The output is written to a temporary
+sibling and renamed into place once complete and checked, so an error or an interruption leaves nothing at OUT.
+TorchScript is not offered: our layers use Python control flow and custom autograd that `torch.jit.script`
+does not compile (docs/export.md).
+"""
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict
+
+from ..errors import UsageError
+
+__all__ = ['FORMATS', 'export', 'check_output']
+
+FORMATS = ('onnx', 'torch-export', 'hf')
+SUFFIX = {'onnx': '.onnx', 'torch-export': '.pt2', 'hf': ''}
+# float32 outputs of depth-12 models agree with eager torch to ~1e-6 relative; an export past this is wrong
+MAX_RELATIVE_ERROR = 1e-4
+
+
+def check_output(output, fmt: str, overwrite: bool) -> Path:
+    """OUT before any work: not there (or --overwrite), its folder writable; a file format's OUT not a folder."""
+    from ..records import check_writable
+    out = Path(output)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise UsageError(f"--output {output}: exists; give a new path or pass --overwrite")
+        if fmt != 'hf' and out.is_dir():
+            raise UsageError(f"--output {output}: is a folder; --format {fmt} writes one file")
+        if fmt == 'hf' and not out.is_dir():
+            raise UsageError(f"--output {output}: is a file; --format hf writes a folder")
+    check_writable(out.absolute().parent, '--output')
+    return out
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Move the finished temporary output over `out` (a folder replaced whole, a file by one rename)."""
+    if out.is_dir() and not out.is_symlink():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + '.old-'))
+        os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 2) -> Dict:
+    """Export SOURCE as `fmt` to `output`; returns what was written and checked (for the CLI's report)."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r}: accepted {', '.join(FORMATS)}")
+    out = check_output(output, fmt, overwrite)
+    if fmt == 'onnx':
+        from .graphs import require_onnx
+        require_onnx(runtime=True)                           # before loading anything
+    from ..atomic import permissions_from_umask
+    from .source import load_source
+    model, state = load_source(source)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    report = {'source': state['path'], 'model': state['model'], 'format': fmt, 'output': str(out.absolute())}
+    if fmt == 'hf':
+        tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=out.name + '.tmp-'))
+    else:
+        handle, name = tempfile.mkstemp(dir=out.absolute().parent, prefix=out.name + '.tmp-', suffix=SUFFIX[fmt])
+        os.close(handle)
+        tmp = Path(name)
+    try:
+        report.update(_write(model, state, fmt, tmp, batch_size))
+        for path in [tmp, *tmp.rglob('*')] if tmp.is_dir() else [tmp]:
+            permissions_from_umask(path, 0o777 if path.is_dir() else 0o666)
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise
+    return report
+
+
+def _write(model, state, fmt: str, tmp: Path, batch_size: int) -> Dict:
+    import torch
+
+    from .graphs import example_input, onnx_error, program_error, to_onnx, to_program
+    example = example_input(model, max(batch_size, 2))
+    checks = [example_input(model, 1, seed=1), example_input(model, 3, seed=2)]     # other batch sizes than traced
+    if fmt == 'hf':
+        from .hf import save_hf_folder
+        save_hf_folder(model, state, tmp)
+        return {'files': sorted(p.name for p in tmp.iterdir())}
+    with torch.no_grad():
+        if fmt == 'onnx':
+            to_onnx(model, example, tmp)
+            error = onnx_error(tmp, model, checks)
+        else:
+            program = to_program(model, example)
+            torch.export.save(program, str(tmp))
+            error = program_error(torch.export.load(str(tmp)), model, checks)
+    if not error <= MAX_RELATIVE_ERROR:
+        raise RuntimeError(f"the exported {fmt} graph of {state['model']} is {error:.2e} away from eager torch "
+                           f"(relative, bound {MAX_RELATIVE_ERROR:g}): an export bug; nothing was written")
+    return {'batch_sizes_checked': [int(x.shape[0]) for x in checks], 'max_relative_error': error}

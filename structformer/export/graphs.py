@@ -1,0 +1,102 @@
+"""ONNX and torch.export graphs of a model, with a batch dimension left free, and their checks against eager torch.
+
+Both go through `torch.export` (the ONNX file through `torch.onnx.export(dynamo=True)`, which writes it with
+onnxscript). While the graph is recorded the layers take their plain-torch paths (`functional/tracing.py`):
+MSSA's shared-QKV custom op becomes SDPA, SOFT's opaque Newton–Schulz operator its device loop, the Sparsifiner
+tile kernel its gathered tiles, the oneDNN linear `F.linear`; each computes the same function. Sparsifiner's
+top-k breaks ties by index (`functional.sparsifiner.topk_indices`), so ONNX Runtime keeps the same keys.
+
+The error measure is the one the tests bound: max |y − y_torch| / max |y_torch| over the batch (1e-4 for
+float32 outputs of depth-12 models; typical values are 1e-7 to 1e-5).
+"""
+import importlib.util
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import UsageError
+
+__all__ = ['example_input', 'to_onnx', 'onnx_error', 'to_program', 'program_error', 'relative_error',
+           'require_onnx']
+
+_EXTERNAL_DATA_BYTES = 1_800_000_000    # protobuf's 2 GiB limit: larger weights go beside the .onnx file
+
+
+def require_onnx(runtime: bool = False) -> None:
+    """One line naming the extra when the ONNX packages are missing."""
+    needed = ('onnx', 'onnxscript') + (('onnxruntime',) if runtime else ())
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"--format onnx needs {', '.join(missing)}: pip install 'structformer[onnx]'")
+
+
+def example_input(model: torch.nn.Module, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    """A batch at the model's default input size (`pretrained_cfg['input_size']`, which `load_model` sets to the
+    training data's): standard-normal images, or token ids for a language model (a model with `vocab_size`)."""
+    generator = torch.Generator().manual_seed(seed)
+    if hasattr(model, 'vocab_size') and hasattr(model, 'context'):
+        return torch.randint(0, model.vocab_size, (batch, model.context), generator=generator)
+    size = tuple((getattr(model, 'pretrained_cfg', None) or {}).get('input_size') or ())
+    if len(size) != 3:
+        raise UsageError(f"{type(model).__name__} has no input size in its pretrained_cfg; export needs one")
+    return torch.randn(batch, *size, generator=generator)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got − want| / max |want| (a scale-free bound on the whole output)."""
+    got, want = torch.as_tensor(got).double(), want.detach().double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(torch.finfo(torch.float64).tiny)).item()
+
+
+def _batch_dim(example: torch.Tensor):
+    # min 1: a free batch size; the example itself should have batch >= 2 (torch.export specialises 0 and 1)
+    return ({0: torch.export.Dim('batch', min=1, max=1 << 16)},)
+
+
+def to_onnx(model: torch.nn.Module, example: torch.Tensor, path, opset: Optional[int] = None) -> Path:
+    """Write `model` as an ONNX file at `path` (input 'input' with a free batch dimension, output 'output'),
+    through torch.export and onnxscript (`opset`: None = the exporter's default). Runs under the caller's grad
+mode: the recorded graph is the same."""
+    require_onnx()
+    path = Path(path)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')           # the exporter's deprecation and dynamic-shape chatter
+        program = torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=_batch_dim(example),
+                                    input_names=['input'], output_names=['output'], opset_version=opset,
+                                    external_data=weights > _EXTERNAL_DATA_BYTES, verbose=False)
+    program.save(str(path), external_data=weights > _EXTERNAL_DATA_BYTES)
+    return path
+
+
+def onnx_error(path, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> float:
+    """The largest `relative_error` of ONNX Runtime's output (CPU provider) against eager torch over `inputs`."""
+    require_onnx(runtime=True)
+    import onnxruntime
+    session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    worst = 0.0
+    for x in inputs:
+        with torch.no_grad():
+            want = model(x)
+        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+        worst = max(worst, relative_error(torch.from_numpy(got), want))
+    return worst
+
+
+def to_program(model: torch.nn.Module, example: torch.Tensor) -> 'torch.export.ExportedProgram':
+    """`torch.export.export` with a free batch dimension (the program holds only aten operators: none of this
+    package's custom ops, see the module docstring)."""
+    return torch.export.export(model, (example,), dynamic_shapes=_batch_dim(example))
+
+
+def program_error(program, model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+                  module: Optional[torch.nn.Module] = None) -> float:
+    """The largest `relative_error` of the exported program against eager torch over `inputs`."""
+    run = module or program.module()
+    worst = 0.0
+    with torch.no_grad():
+        for x in inputs:
+            worst = max(worst, relative_error(run(x), model(x)))
+    return worst

@@ -1,0 +1,46 @@
+"""Whether a graph is being recorded (export, ONNX, TorchScript tracing, FX), and input checks a graph keeps.
+
+The fast paths of this package are opaque to graph recorders: a custom operator with no ONNX translation
+(`structformer::newton_schulz`, the shared-QKV SSA ops), a host-side loop whose `.tolist()` a tracer would
+freeze into constants (Newton–Schulz's per-matrix freeze), a backward-only speed-up (shared-QKV SSA). While a
+graph is recorded they take their plain-torch reference instead, which computes the same function
+(`recording_graph`); under `torch.compile` (not an export) they stay as they are.
+
+Shape checks in `forward` are Python `if`s on the input's shape, which FX's symbolic tracing cannot evaluate.
+`checked_images` runs such a check and returns its input; each model file that calls it declares it
+`torch.fx.wrap('checked_images')`, so an FX trace (timm's `feature_cls='fx'`, torchvision's
+`create_feature_extractor`, `torch.fx.symbolic_trace`) records one call node that checks the real tensor when
+the traced module runs. (No timm import here: importing timm imports structformer.models, which imports this.)
+Modules whose forward FX cannot trace (einops patterns, autocast blocks on the input's device) are registered
+with timm's `register_notrace_module` where they are defined, and are leaves of timm's FX traces.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+__all__ = ['recording_graph', 'checked_images']
+
+
+def recording_graph() -> bool:
+    """True inside `torch.export.export` (and so `torch.onnx.export(dynamo=True)`), the TorchScript tracer
+    (`torch.onnx.export(dynamo=False)`, `torch.jit.trace`) and FX symbolic tracing; False in eager code and under
+    `torch.compile`."""
+    return (torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+            or is_fx_symbolic_tracing())
+
+
+def checked_images(x: torch.Tensor, owner: str, in_chans: int, img_size: Optional[Tuple[int, int]] = None
+                   ) -> torch.Tensor:
+    """`x` if it is a batch of images [B, in_chans, H, W] (of side `img_size` when given), else a ValueError
+    naming `owner`'s expected shape. An FX leaf: traced, it is one node that checks the real input."""
+    if x.ndim != 4 or x.shape[1] != in_chans or (img_size is not None and tuple(x.shape[2:]) != tuple(img_size)):
+        if img_size is None:
+            raise ValueError(f"{owner} expects images [B, {in_chans}, H, W], got {list(x.shape)}")
+        h, w = img_size
+        raise ValueError(f"{owner} expects images [B, {in_chans}, {h}, {w}] (in_chans={in_chans}, "
+                         f"img_size={(h, w)}), got {list(x.shape)}; build the model with matching img_size= / in_chans=")
+    return x
+
+
+torch.fx.wrap('checked_images')
