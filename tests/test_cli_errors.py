@@ -203,6 +203,8 @@ CASES = [
     ('factorize-at-without-rank', ['train', '--factorize-at', '1', '--output', OUT], ['--factorize-at', '--rank']),
     ('init-unknown', ['train', '--rank', '0.3', '--init', 'svd', '--output', OUT], ['--init', 'spectral_ones']),
     ('factor-decay-unknown', ['train', '--factor-decay', 'l1', '--output', OUT], ['--factor-decay', 'frobenius']),
+    ('factorize-lr-scale-above-one', ['train', '--rank', '0.3', '--factorize-lr-scale', '2', '--output', OUT],
+     ['--factorize-lr-scale', '(0, 1]']),
     ('factorize-include-nothing', ['train', '--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=8',
                                    'patch_size=2', 'depth=1', 'embed_dim=32', 'num_heads=2', '--rank', '0.3',
                                    '--factorize-include', 'blocks.*.nothing', '--output', OUT],
