@@ -166,7 +166,7 @@ def run(args) -> int:
         check_output_file(args.output, '--output')
     if args.up_front:
         load_before = os.getloadavg()
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(prefix='structformer-bench-data-') as tmp:
             seconds = up_front(args.up_front, args.folder or os.path.join(tmp, 'images'))
         result = {'up_front_seconds': seconds, 'images': args.up_front, 'size': '160x120 JPEG',
                   'load_average_before': load_before, 'load_average_after': os.getloadavg(),
@@ -181,7 +181,7 @@ def run(args) -> int:
     if any(w < 1 for w in args.workers):
         raise UsageError(f'--workers {args.workers}: each worker count must be >= 1')
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix='structformer-bench-data-') as tmp:
         folder = args.folder or os.path.join(tmp, 'images')
         if not os.path.isdir(folder) or not os.listdir(folder):
             start = time.perf_counter()
@@ -214,7 +214,14 @@ def run(args) -> int:
             for kind in ('imagefolder', 'shards'):
                 ratios[f'{recipe}/workers{workers}/{kind}_vs_timm'] = by[kind] / by['timm']
                 print(f'{recipe:14} workers {workers}  {kind} / timm = {by[kind] / by["timm"]:.2f}x', flush=True)
-    result = {'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
+    # can the loader feed the model: its images/s over what one training step consumes (>= 1: it keeps up)
+    feeds = {f"{r['recipe']}/workers{r['workers']}/{r['loader']}/{dtype}": r['images_per_s'] / needs[dtype]
+             for r in rows for dtype in needs}
+    best = max(rows, key=lambda r: r['images_per_s'])
+    for dtype, rate in needs.items():
+        print(f"{dtype}: the fastest loader row ({best['loader']}, {best['recipe']}, {best['workers']} workers) gives "
+              f"{best['images_per_s'] / rate:.1f}x the images/s a training step consumes", flush=True)
+    result = {'feeds_training_step': feeds, 'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
               'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
               'load_average_before': load_before, 'load_average_after': os.getloadavg(),
               'cpu_count': os.cpu_count(), 'goal': 'our loaders >= 1.0x timm images/s with equal transforms'}
