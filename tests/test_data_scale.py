@@ -170,3 +170,29 @@ def test_a_size_the_model_cannot_take_is_one_line_naming_both(tmp_path, cache, c
     assert rc == 2 and len(lines) == 1 and 'Traceback' not in err
     assert 'img_size=100' in lines[0] and 'input size 224' in lines[0] and 'divisible' in lines[0]
     assert not (tmp_path / 'run').exists()
+
+
+def test_bench_data_runs_and_records_what_it_measured(tmp_path, capsys):
+    """A tiny run of `structformer bench data`: every loader x recipe x worker row, the ratios to timm, the training
+    step's rate and the load average are in the JSON (the numbers themselves are for a quiet machine)."""
+    import json
+    out = tmp_path / 'data.json'
+    assert main(['bench', 'data', '--images', '16', '--batch-size', '8', '--workers', '1', '--img-size', '32',
+                 '--step-batch', '1', '--output', str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {(r['loader'], r['recipe'], r['workers']) for r in result['rows']} == {
+        (kind, recipe, 1) for kind in ('imagefolder', 'shards', 'timm') for recipe in ('rrc_flip', 'rrc_flip_ra_re')}
+    assert all(r['images'] == 8 for r in result['rows'])          # 16 images, the first batch of 8 untimed
+    assert set(result['training_step_images_per_s']) == {'float32', 'bfloat16'}
+    assert len(result['ratios_vs_timm']) == 4 and len(result['load_average_before']) == 3
+
+
+@pytest.mark.parametrize('argv, needle', [
+    (['--images', '8', '--batch-size', '8'], '--images 8'),
+    (['--workers', '0'], '--workers'),
+    (['--output', '{tmp}'], 'is a folder'),
+])
+def test_bench_data_refuses_bad_input_before_measuring(argv, needle, tmp_path, capsys):
+    rc = main(['bench', 'data'] + [a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len([line for line in err.splitlines() if 'error:' in line]) == 1, err
