@@ -1,0 +1,229 @@
+"""Export (issue 32.5): ONNX checked with ONNX Runtime and torch.export with a free batch, one model of every family
+(CRATE, SOFT, Sparsifiner, Mixer, low-rank), gradients on or off; the CLI's three formats and its bad input.
+
+Bound: max |y − y_torch| / max |y_torch| ≤ 1e-4 (float32 outputs after up to 12 blocks; the exported graphs
+measure 1e-7–2e-5). Before the fixes CRATE failed with grad (its SSA custom op), SOFT failed the dynamo exporter
+(`structformer::newton_schulz`), Sparsifiner at 224 px, keep 0.25 was 9e-2 off (top-k ties broken differently).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import structformer  # noqa: F401  (registers the models)
+from structformer.export import export
+from structformer.export.graphs import example_input, onnx_error, program_error, relative_error, to_onnx, to_program
+from structformer.functional.sparsifiner import topk_indices
+from structformer.lowrank.transform import factorize
+
+BOUND = 1e-4
+
+
+def _randomised(model: torch.nn.Module) -> torch.nn.Module:
+    """Constant parameters (zero-initialised heads, unit LayerNorm gains) get noise, so every output depends on
+    every weight and a zero head cannot hide a wrong graph."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    return model.eval()
+
+
+def build(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == 'lowrank-linear':                  # FactorizedLinear in a ViT's QKV and FFN
+        model = factorize(timm.create_model('vit_digits'), rank=0.5, include='transformer')
+    elif family == 'lowrank-conv':                  # FactorizedConv2d in a WRN
+        model = factorize(timm.create_model('wrn_10_2_digits'), rank=0.5)
+    elif family == 'sparsifiner-224':
+        model = timm.create_model('sparsifiner_deit_tiny_patch16_224', keep_ratio=0.25)
+    else:
+        model = timm.create_model(family)
+    return _randomised(model)
+
+
+FAMILIES = ['crate_digits', 'soft_digits', 'sparsifiner_digits', 'mixer_digits', 'lowrank-linear', 'lowrank-conv']
+
+
+@pytest.mark.parametrize('grad', [True, False], ids=['grad', 'no_grad'])
+@pytest.mark.parametrize('family', FAMILIES + ['sparsifiner-224'])
+def test_onnx_matches_torch(family, grad, tmp_path):
+    if family == 'sparsifiner-224' and grad:
+        pytest.skip('the 224-px Sparsifiner is exported once (no grad); its small sibling covers grad mode')
+    model = build(family)
+    with torch.set_grad_enabled(grad):
+        path = to_onnx(model, example_input(model), tmp_path / 'model.onnx')
+    inputs = [example_input(model, 1, seed=1), example_input(model, 3, seed=2)]      # the batch stays free
+    assert onnx_error(path, model, inputs) <= BOUND
+
+
+def test_sparsifiner_224_keeps_the_same_keys_in_onnx(tmp_path):
+    """Keep 0.25 at 224 px: the key selection as exported picks in ONNX Runtime the keys torch picks, on the layer's
+    real scores with the ties the predictor makes: rows all zero (every Eq. 2 coefficient below τ) and rows whose
+    top scores repeat. (Before: `topk` ties fell differently in each backend, 9e-2 apart in the logits.)"""
+    model = build('sparsifiner-224')
+    layer = model.blocks[0].attn
+    layer.keep_scores = True
+    with torch.no_grad():
+        model(example_input(model, 2))
+    scores = layer.last_scores.clone()
+    keys = layer.budget(scores.shape[-1])
+    assert layer.last_mask[..., 1:, :].sum(-1).eq(keys).all()
+    scores[:, :, 5:9] = 0.0                                                        # all-tied rows
+    scores[:, :, 20:24, 100:180] = scores[:, :, 20:24, :1]                         # 80 equal keys straddling B
+
+    class Selection(torch.nn.Module):
+        def forward(self, s):
+            return topk_indices(s, keys)
+    path = to_onnx(Selection(), scores, tmp_path / 'selection.onnx')
+    import onnxruntime
+    session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    got = torch.from_numpy(session.run(None, {'input': scores.numpy()})[0])
+    want = topk_indices(scores, keys)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert want[:, :, 5].eq(torch.arange(keys)).all()                             # ties to the lower index
+
+
+def test_topk_indices_ties_to_the_lower_index_and_equals_topk_without_ties():
+    tied = torch.tensor([[0., 0, 0, 0, 0], [1, 0, 1, 0, 1], [3, 2, 1, 2, 2]])
+    assert topk_indices(tied, 3).tolist() == [[0, 1, 2], [0, 2, 4], [0, 1, 3]]
+    scores = torch.randn(3, 40, 197, generator=torch.Generator().manual_seed(0))     # no ties
+    assert torch.equal(topk_indices(scores, 50).sort(-1).values, scores.topk(50).indices.sort(-1).values)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_torch_export_with_a_free_batch(family):
+    model = build(family)
+    program = to_program(model, example_input(model, 2))
+    module = program.module()
+    for batch, seed in ((1, 1), (5, 2)):
+        x = example_input(model, batch, seed=seed)
+        with torch.no_grad():
+            assert relative_error(module(x), model(x)) <= BOUND, batch
+    names = {str(node.target) for node in program.graph.nodes if node.op == 'call_function'}
+    assert not [n for n in names if 'structformer' in n], names         # no custom op a consumer cannot run
+
+
+def test_recording_takes_the_plain_paths():
+    """Under torch.export the opaque ops are gone (and are there in eager use)."""
+    model = build('crate_digits').train()
+    x = example_input(model, 2).requires_grad_()
+    program = torch.export.export(model, (x,))
+    assert not any('shared_qkv' in str(n.target) for n in program.graph.nodes)
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, '-m', 'structformer', *map(str, args)], capture_output=True, text=True,
+                          env={'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin'})
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('export') / 'run'
+    result = _cli('train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches', '2',
+                  '--no-progress', '--output', out)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_cli_onnx_and_torch_export(run, tmp_path):
+    from structformer.train import load_model
+    model, _ = load_model(run)
+    for fmt, name in (('onnx', 'model.onnx'), ('torch-export', 'model.pt2')):
+        result = _cli('export', run, '--format', fmt, '--output', tmp_path / name, '--json')
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report['max_relative_error'] <= BOUND and report['batch_sizes_checked'] == [1, 3]
+    x = example_input(model, 4, seed=7)
+    assert onnx_error(tmp_path / 'model.onnx', model, [x]) <= BOUND
+    assert program_error(torch.export.load(str(tmp_path / 'model.pt2')), model, [x]) <= BOUND
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['model.onnx', 'model.pt2']        # no temporaries left
+
+
+def test_cli_hf_folder_is_timm_layout_with_a_model_card(run, tmp_path):
+    out = tmp_path / 'hf'
+    result = _cli('export', run / 'checkpoints' / 'epoch_0001' / 'model.safetensors', '--format', 'hf', '--output', out)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ['README.md', 'config.json', 'model.safetensors']
+    config = json.loads((out / 'config.json').read_text())
+    assert config['architecture'] == 'crate_digits' and config['num_classes'] == 10
+    assert config['pretrained_cfg']['input_size'] == [1, 8, 8]
+    card = (out / 'README.md').read_text()
+    summary = json.loads((run / 'summary.json').read_text())
+    for needle in ('crate_digits', 'digits', 'final_val_top1', str(summary['final_val_top1']), 'epochs: 1',
+                   '2306.01129', '```bibtex'):
+        assert needle in card, needle
+    from safetensors.torch import load_file
+    from structformer.train import load_model
+    model, _ = load_model(run)
+    weights = load_file(str(out / 'model.safetensors'))
+    assert weights.keys() == model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_timm_local_dir_loads_the_hf_folder(run, tmp_path):
+    """The folder is what `timm.create_model('local-dir:...', pretrained=True)` reads: same logits as the run."""
+    from structformer.train import load_model
+    export(run, 'hf', tmp_path / 'hf')
+    model, _ = load_model(run)
+    try:
+        loaded = timm.create_model(f'local-dir:{tmp_path / "hf"}', pretrained=True).eval()
+    except ValueError as e:
+        if 'no pretrained weights are shipped' in str(e):
+            pytest.xfail("timm's pretrained path (issue 32.1, another change) has not landed: models/base.py "
+                         "still refuses pretrained=True")
+        raise
+    x = example_input(model, 2)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert loaded.pretrained_cfg['input_size'] == model.pretrained_cfg['input_size']
+
+
+def test_hf_refuses_transformed_models(tmp_path):
+    from structformer.export.hf import save_hf_folder
+    state = {'model': 'vit_digits', 'path': str(tmp_path), 'recipe': {'transforms': [{'name': 'factorize'}]}}
+    with pytest.raises(ValueError, match='factorize'):
+        save_hf_folder(build('lowrank-linear'), state, tmp_path / 'hf')
+    assert not (tmp_path / 'hf').exists()
+
+
+@pytest.mark.parametrize('case', ['unknown-format', 'missing-run', 'pickle', 'exists', 'read-only'])
+def test_cli_bad_input_is_one_line_and_writes_nothing(case, run, tmp_path, monkeypatch, capsys):
+    import os
+
+    from structformer.cli import main
+    source, fmt, out, needles = run, 'onnx', tmp_path / 'out.onnx', []
+    if case == 'unknown-format':
+        fmt, needles = 'tflite', ['--format', 'onnx, torch-export, hf']
+    elif case == 'missing-run':
+        source, needles = tmp_path / 'nothing', ['does not exist']
+    elif case == 'pickle':
+        source, needles = tmp_path / 'weights.pth', ['pickle']
+        torch.save({'w': torch.zeros(2)}, source)
+    elif case == 'exists':
+        out.write_text('keep me')
+        needles = ['exists', '--overwrite']
+    else:
+        ro = tmp_path / 'ro'
+        ro.mkdir()
+        out, needles = ro / 'out.onnx', ['--output', 'not writable']
+        real_access = os.access
+        monkeypatch.setattr(os, 'access', lambda p, mode, *a, **k: False if mode & os.W_OK and
+                            Path(os.path.abspath(p)).is_relative_to(ro) else real_access(p, mode, *a, **k))
+    before = sorted(p.name for p in tmp_path.rglob('*'))
+    capsys.readouterr()
+    assert main(['export', str(source), '--format', fmt, '--output', str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('structformer export: error: '), err
+    for needle in needles:
+        assert needle in err[0], (needle, err[0])
+    assert sorted(p.name for p in tmp_path.rglob('*')) == before
+    if case == 'exists':
+        assert out.read_text() == 'keep me'
