@@ -266,6 +266,13 @@ CASES = [
      ['convert FILE', 'pickle.pth', 'not a weights-only']),
     ('convert-output-not-empty', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
                                   '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
+    # weights out (issue 32.5): export
+    ('export-unknown-format', ['export', '{run}', '--format', 'tflite', '--output', OUT], ['--format', "'tflite'", 'onnx']),
+    ('export-missing-run', ['export', '{base}/no_such_run', '--format', 'onnx', '--output', OUT], ['no_such_run', 'does not exist']),
+    ('export-pickle', ['export', '{pickle}', '--format', 'hf', '--output', OUT], ['pickle.pth', 'is a pickle']),
+    ('export-truncated', ['export', '{truncated}', '--format', 'hf', '--output', OUT], ['truncated.safetensors']),
+    ('export-corrupt', ['export', '{corrupt}', '--format', 'torch-export', '--output', OUT], ['corrupt']),
+    ('export-output-exists', ['export', '{run}', '--format', 'hf', '--output', '{run}'], ['--output', 'exists']),
     ('pretrained-path-other-family', ['train', '--model', 'soft_digits', '--pretrained-path', '{run}', '--output', OUT],
      ['--pretrained-path', 'do not fit --model soft_digits', 'missing']),
     ('pretrained-path-truncated', ['train', '--pretrained-path', '{truncated}', '--output', OUT],
@@ -348,6 +355,7 @@ CASES = [
      ['--json', 'is a file']),
 ]
 READ_ONLY_CASES = [
+    ('read-only-export', ['export', '{run}', '--format', 'hf', '--output', '{ro}/hf'], ['--output', 'not writable']),
     ('read-only-convert', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors', '--model',
                            'crate_digits', '--output', '{ro}/converted'], ['--output', 'not writable']),
     ('read-only-new-run', ['train', '--output', '{ro}/new_run'], ['--output', 'not writable']),
