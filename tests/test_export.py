@@ -173,13 +173,7 @@ def test_timm_local_dir_loads_the_hf_folder(run, tmp_path):
     from structformer.train import load_model
     export(run, 'hf', tmp_path / 'hf')
     model, _ = load_model(run)
-    try:
-        loaded = timm.create_model(f'local-dir:{tmp_path / "hf"}', pretrained=True).eval()
-    except ValueError as e:
-        if 'no pretrained weights are shipped' in str(e):
-            pytest.xfail("timm's pretrained path (issue 32.1, another change) has not landed: models/base.py "
-                         "still refuses pretrained=True")
-        raise
+    loaded = timm.create_model(f'local-dir:{tmp_path / "hf"}', pretrained=True).eval()
     x = example_input(model, 2)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
