@@ -10,7 +10,7 @@ EXAMPLES = """examples:
 
 SOURCE: a run folder from `structformer train` (its latest checkpoint), a checkpoint folder or its
 model.safetensors. onnx and torch-export leave the batch dimension free and are checked against eager torch
-at two other batch sizes before they are kept; hf writes timm's Hugging Face layout (docs/export.md: uploading
+at two other batch sizes before they are kept; hf writes the timm Hugging Face layout (docs/export.md: uploading
 it, TorchScript)."""
 
 
