@@ -94,8 +94,8 @@ def topk_indices(scores: torch.Tensor, keys: int) -> torch.Tensor:
     tied = scores == kth
     room = keys - above.sum(-1, keepdim=True)                 # budget left for the tied keys (>= 1)
     kept = above | (tied & (tied.to(torch.int32).cumsum(-1) <= room))
-    order = torch.arange(n - 1, -1, -1, device=scores.device, dtype=scores.dtype)   # distinct, exact below 2^24
-    return (kept.to(scores.dtype) * n + order).topk(keys, dim=-1).indices
+    order = torch.arange(n - 1, -1, -1, device=scores.device, dtype=torch.float32)  # float32: exact for n < 2^23
+    return (kept.to(torch.float32) * n + order).topk(keys, dim=-1).indices
 
 
 def top_tiles(tile_scores: torch.Tensor, kept: int) -> torch.Tensor:
