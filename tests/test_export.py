@@ -62,6 +62,21 @@ def test_onnx_matches_torch(family, grad, tmp_path):
     assert onnx_error(path, model, inputs) <= BOUND
 
 
+@pytest.mark.parametrize('family', FAMILIES)
+def test_legacy_torchscript_onnx_exporter(family, tmp_path):
+    """`torch.onnx.export(dynamo=False)` (TorchScript tracing) too, with grad enabled: the tracer runs the plain
+    paths (before: CRATE's custom op, Sparsifiner's in-place bool scatter and non-zero threshold failed it, and
+    SOFT's host loop was frozen into the graph as constants of the traced input)."""
+    import warnings
+    model = build(family)
+    path = tmp_path / 'legacy.onnx'
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        torch.onnx.export(model, (example_input(model),), str(path), dynamo=False, input_names=['input'],
+                          dynamic_axes={'input': {0: 'batch'}})
+    assert onnx_error(path, model, [example_input(model, 1, seed=1), example_input(model, 3, seed=2)]) <= BOUND
+
+
 def test_sparsifiner_224_keeps_the_same_keys_in_onnx(tmp_path):
     """Keep 0.25 at 224 px: the key selection as exported picks in ONNX Runtime the keys torch picks, on the layer's
     real scores with the ties the predictor makes: rows all zero (every Eq. 2 coefficient below τ) and rows whose

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .precision import computes_in_float32
+from .tracing import recording_graph
 from .sparsifiner_flex import block_flex_attention, flex_attention_path  # noqa: F401  (re-exported)
 from .tile_kernel import block_connectivity, block_tile_attention
 
@@ -72,9 +73,18 @@ def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
 def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float) -> torch.Tensor:
     """Eq. 2–3 before the top-k: Ã_down · W̃_up with coefficients ≤ τ and basis entries |w| < t set to zero
     (the products keep their gradient through the entries that survive)."""
-    coefficients = F.threshold(a_down, tau, 0.0)          # a · 1[a > τ] in one pass; its gradient is 1[a > τ]
+    coefficients = _below_tau_zeroed(a_down, tau)
     basis = w_up * (w_up.abs() >= up_threshold)
     return coefficients @ basis
+
+
+def _below_tau_zeroed(a_down: torch.Tensor, tau: float) -> torch.Tensor:
+    """Ã_down = A_down · 1[A_down > τ] (Eq. 2): `F.threshold` in one pass (its gradient is 1[a > τ]); while a graph is
+    recorded the same product written out, which TorchScript's ONNX exporter can translate (it has no non-zero
+    threshold). A_down is a softmax, so both give +0 below τ and a itself above."""
+    if recording_graph():
+        return a_down * (a_down > tau).to(a_down.dtype)
+    return F.threshold(a_down, tau, 0.0)
 
 
 def topk_indices(scores: torch.Tensor, keys: int) -> torch.Tensor:
@@ -239,7 +249,7 @@ def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up
     exactly, by linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². Full
     tiles are means; a partial last key tile is shrunk to a full tile's spread (`_key_tile_pooling`), as in
     `block_mask_from_scores`. Two small GEMMs with the pooling matrices instead of pads and reshapes."""
-    coefficients = F.threshold(a_down, tau, 0.0)
+    coefficients = _below_tau_zeroed(a_down, tau)
     pool_queries = _tile_pooling(a_down.shape[-2], block_size, a_down)
     return (pool_queries @ coefficients) @ pooled_basis(w_up, up_threshold, block_size)
 
