@@ -15,11 +15,11 @@ import sys
 
 __version__ = '0.1.0'
 
-_SUBMODULES = ('analysis', 'bench', 'data', 'functional', 'hooks', 'layers', 'lowrank', 'models', 'reproduce',
+_SUBMODULES = ('analysis', 'bench', 'data', 'functional', 'hooks', 'layers', 'models', 'records', 'reproduce',
                'train')
 _EXPORTS = {'list_structformer_models': 'models', 'build_model': 'models.factory', 'rebuild': 'models.factory',
             'register_transform': 'models.transforms', 'capture': 'hooks',
-            'factorize': 'lowrank.transform', 'sparsify': 'models.sparsifiner',
+            'factorize': 'models.factorize', 'sparsify': 'models.sparsifiner',
             'swap_attention': 'models.attention_swap', 'prune_tokens': 'models.token_pruning'}
 __all__ = list(_SUBMODULES) + list(_EXPORTS)
 

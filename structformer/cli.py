@@ -170,7 +170,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "naming it) or bad_images=skip (left out, or replaced in training, and named in the log); "
                         "wds: train_samples=N, shuffle_buffer=N, holdout=shards|samples")
     g.add_argument('--val-fraction', type=float, default=S, help='held-out fraction where the data has no split (0.2)')
-    g = p.add_argument_group('low-rank training (W = U Vᵀ, structformer.lowrank)')
+    g = p.add_argument_group('low-rank training (W = U Vᵀ, structformer.factorize)')
     g.add_argument('--rank', dest='factorize_rank', type=_rank_value, default=S, metavar='R',
                    help='factorise linear / conv layers at this rank: an integer, or a fraction in (0, 1] of min(m, n)')
     g.add_argument('--factorize-at', type=int, default=S, metavar='K',
@@ -611,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help='up-front check of the images (header: open each file without decoding)')
     p.set_defaults(func=cmd_data)
 
-    from .mixer import cli as mixer_design
+    from . import design_cli as mixer_design
     p = sub.add_parser('design', help='Mixer widths at a fixed number of connections Ω (Mixer paper §4.2)',
                        formatter_class=fmt, epilog=mixer_design.EXAMPLES,
                        description='(S, C) pairs on a fixed-Ω curve, C* = S*, effective widths, SW-MLP widths.')

@@ -18,7 +18,7 @@ import structformer  # noqa: F401  (registers the models)
 from structformer.export import export
 from structformer.export.graphs import example_input, onnx_error, program_error, relative_error, to_onnx, to_program
 from structformer.functional.sparsifiner import topk_indices
-from structformer.lowrank.transform import factorize
+from structformer.models.factorize import factorize
 
 BOUND = 1e-4
 

@@ -8,7 +8,7 @@ import torch
 from timm.layers import create_feature_extractor, get_graph_node_names
 
 import structformer  # noqa: F401
-from structformer.lowrank.transform import factorize
+from structformer.models.factorize import factorize
 
 # family -> (model, the module whose output is taken as a feature)
 CASES = {

@@ -9,11 +9,12 @@ from torch import nn
 
 from structformer.layers.linear.factorized import (FactorizedConv2d, FactorizedLinear, resolve_rank,
                                                    saves_parameters, spectral_factors)
-from structformer.lowrank import effective_rank, factorize, plan_factorization
-from structformer.lowrank.regularizers import (factor_l2, factor_parameter_names, frobenius_decay,
+from structformer.models.lowrank_spectra import effective_rank
+from structformer.models.factorize import factorize, plan_factorization
+from structformer.train.lowrank_decay import (factor_l2, factor_parameter_names, frobenius_decay,
                                                frobenius_decay_reference)
-from structformer.lowrank.spectra import effective_ranks, singular_values
-from structformer.lowrank.transform import factorized_layers
+from structformer.models.lowrank_spectra import effective_ranks, singular_values
+from structformer.models.factorize import factorized_layers
 from structformer.models.factory import build_model, rebuild
 
 F64 = dict(dtype=torch.float64)
@@ -266,7 +267,7 @@ def test_factorize_is_a_recorded_transform_that_rebuilds():
                                                          'embed_dim': 32, 'num_heads': 2},
                                 transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25, 'init': 'he'}}])
     assert recipe.transforms[0]['name'] == 'factorize'
-    assert recipe.transforms[0]['module'] == 'structformer.lowrank.transform'
+    assert recipe.transforms[0]['module'] == 'structformer.models.factorize'
     again = rebuild(recipe)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     assert shapes == {k: v.shape for k, v in again.state_dict().items()}

@@ -7,8 +7,8 @@ import timm
 import torch
 
 from structformer.cli import main
-from structformer.lowrank import factorize
-from structformer.lowrank.interpolate import densify, interpolate_parameters, interpolation_curve
+from structformer.models.factorize import factorize
+from structformer.analysis.interpolate import densify, interpolate_parameters, interpolation_curve
 from structformer.train import evaluate
 
 

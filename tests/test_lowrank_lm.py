@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from structformer.cli import main
 from structformer.data import build_datasets
 from structformer.data.text import ByteWindows, stdlib_sources
-from structformer.lowrank import factorize
-from structformer.lowrank.transform import factorized_layers
+from structformer.models.factorize import factorize
+from structformer.models.factorize import factorized_layers
 from structformer.train import evaluate
 
 TINY = dict(embed_dim=32, depth=2, num_heads=2)

@@ -9,7 +9,7 @@ from torch import nn
 
 from structformer.data import build_datasets
 from structformer.layers.linear.factorized import spectral_factors
-from structformer.lowrank.regularizers import factor_parameter_names
+from structformer.train.lowrank_decay import factor_parameter_names
 from structformer.train import TrainConfig, Trainer, evaluate, load_model, train
 
 VIT = dict(img_size=8, patch_size=2, depth=2, embed_dim=32, num_heads=2)

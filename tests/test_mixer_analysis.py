@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from structformer.analysis.cka import MinibatchCKA, hsic_unbiased, hsic_unbiased_reference, linear_cka, minibatch_cka
 from structformer.cli import main
-from structformer.mixer import fixed_omega_pairs, omega, optimal_width, sw_density, sw_width, tokens_for_omega
-from structformer.mixer.spectra import (gaussian_weight, init_spectrum_sweep, largest_singular_value,
+from structformer.models.mixer_design import fixed_omega_pairs, omega, optimal_width, sw_density, sw_width, tokens_for_omega
+from structformer.analysis.mixer_spectra import (gaussian_weight, init_spectrum_sweep, largest_singular_value,
                                         sparse_masked_weight)
 from structformer.models.mixer import SparseMixer
 
@@ -98,7 +98,17 @@ def test_effective_weight_of_a_model_layer_is_the_wide_sparse_mlp():
     channel = block.mlp_channels.fc1.to_dense()
     assert token.shape == (96, 96) and (token != 0).double().mean().item() == pytest.approx(1 / 6)
     assert (channel != 0).double().mean().item() == pytest.approx(1 / 16)
+    # the paper's Eq. 4-5 have no mixing biases; `mixing_bias=True` adds them as a vector over the m units
+    assert block.mlp_tokens.fc1.dense_bias() is None and block.mlp_channels.fc1.dense_bias() is None
     X = torch.randn(2, 16, 6, dtype=torch.float64)
+    u = X.reshape(2, -1) + F.gelu(block.norm1(X).reshape(2, -1) @ token.t())
+    U = u.reshape(2, 16, 6)
+    y = u + F.gelu(block.norm2(U).reshape(2, -1) @ channel.t())
+    torch.testing.assert_close(block(X).reshape(2, -1), y)
+
+    biased = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=6, depth=1, mixing_bias=True).double()
+    block = biased.blocks[0]
+    token, channel = block.mlp_tokens.fc1.to_dense(), block.mlp_channels.fc1.to_dense()
     u = X.reshape(2, -1) + F.gelu(block.norm1(X).reshape(2, -1) @ token.t() + block.mlp_tokens.fc1.dense_bias())
     U = u.reshape(2, 16, 6)
     y = u + F.gelu(block.norm2(U).reshape(2, -1) @ channel.t() + block.mlp_channels.fc1.dense_bias())

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from structformer.cli import main
-from structformer.mixer import omega
+from structformer.models.mixer_design import omega
 from structformer.reproduce import mixer
 
 MNIST = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'mnist'

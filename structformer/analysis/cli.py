@@ -245,7 +245,7 @@ def run_analyze(args) -> int:
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
     if getattr(args, 'interpolate', None):
         refuse_unused_options(args, 'interpolate', str(main_path))
-        from ..lowrank.interpolate import run_interpolation
+        from .interpolate import run_interpolation
         return run_interpolation(args, main_path, out)
     if args.cka:
         refuse_unused_options(args, 'cka', str(main_path))
@@ -275,7 +275,7 @@ def run_analyze(args) -> int:
             check_crate(model)
         except ValueError as e:
             if p is main_path:
-                from ..lowrank.run_spectra import run_spectra_analysis, spectra_history
+                from .lowrank_runs import run_spectra_analysis, spectra_history
                 if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
                     refuse_unused_options(args, 'spectra', what)
                     return run_spectra_analysis(run, out)

@@ -82,8 +82,8 @@ def loader_rate(kind: str, folder: str, shards: str, recipe: str, workers: int, 
             loader, order, _ = stream_loader(train, batch_size=batch, workers=workers, rank=0, world_size=1,
                                              drop_last=False)
             order.set_epoch(1)
-        else:                       # as the engine loads it: per-sample seeded augmentation (train/seeding.py)
-            from ..train.seeding import EpochOrder, SeededSamples, ShuffledOrder
+        else:                       # as the engine loads it: per-sample seeded augmentation (data/seeding.py)
+            from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder
             order = EpochOrder(ShuffledOrder(len(train), 0))
             order.set_epoch(1)
             loader = DataLoader(SeededSamples(train, 0), batch_size=batch, sampler=order, num_workers=workers,

@@ -176,7 +176,7 @@ def _stack_candidates(args):
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..lowrank.transform import factorize
+    from ..models.factorize import factorize
 
     def count_macs(module, x):
         with FlopCounterMode(display=False) as counter:

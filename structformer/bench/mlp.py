@@ -139,7 +139,7 @@ def analytic_resources(tokens: int, channels: int, depth: int, gamma: float) -> 
     """Table S.3's memory, analytically, for an MLP-Mixer / RP-Mixer and the SW-MLP with the same
     connections (width m = SC, density p = Ω/(γm²)): weights, and training state = weights, gradients
     and AdamW's two moments (16 bytes per float32 weight); SW-MLP adds its 1-byte masks."""
-    from ..mixer.design import omega, sw_density
+    from ..models.mixer_design import omega, sw_density
     S, C, m = tokens, channels, tokens * channels
     hs, hc = int(round(gamma * S)), int(round(gamma * C))
     mixer_weights = depth * (2 * S * hs + hs + S + 2 * C * hc + hc + C + 4 * C)   # W's, biases, two LNs

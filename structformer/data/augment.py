@@ -6,7 +6,7 @@ each dataset builder turns it into transforms for its own image form. The random
 from Python's `random` (timm's crops, policies and erasing boxes), numpy's (AugMix's weights, RandAugment's op
 choice) and torch's (flips, colour jitter, erasing noise), all global; the engine seeds them per sample from
 (seed, epoch, position), so the augmentation of a sample does not depend on the worker that loads it
-(train/seeding.py).
+(data/seeding.py).
 """
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Tuple

@@ -229,7 +229,7 @@ def decode_rgb(data: bytes, name: str):
 
 @contextmanager
 def seeded(value: int):
-    """Python's, numpy's and torch's global RNGs seeded with `value` inside, restored after (train/seeding.py)."""
+    """Python's, numpy's and torch's global RNGs seeded with `value` inside, restored after (data/seeding.py)."""
     saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
     random.seed(value)
     np.random.seed(value % 2 ** 32)
@@ -243,7 +243,7 @@ def seeded(value: int):
 
 
 def _seed(*keys: int) -> int:
-    from ..train.seeding import sample_seed
+    from .seeding import sample_seed
     return sample_seed(*keys)
 
 

@@ -6,5 +6,5 @@ from .soft import SoftNet
 from . import gpt, wide_resnet
 from .factory import ModelRecipe, build_model, rebuild
 from .transforms import TRANSFORMS, register_transform
-from ..lowrank import transform as _lowrank_transform  # noqa: F401,E402  (registers the 'factorize' transform)
+from . import factorize as _factorize  # noqa: F401,E402  (registers the 'factorize' transform)
 from . import _fx  # noqa: F401,E402  (our layers as leaves of timm's FX tracing)

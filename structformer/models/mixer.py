@@ -398,8 +398,8 @@ def rp_mixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
 @register_model
 def swmlp_cifar(pretrained: bool = False, **kwargs) -> SWMLP:
     """SW-MLP with the connections of the Table S.3 RP-Mixer: m = 64·48 = 3072, γ = 2, L = 3, and p matched to
-    its Ω (see `structformer.mixer.design`): 3072² · 2 · p = Ω."""
-    from ..mixer.design import omega, sw_density
+    its Ω (see `structformer.models.mixer_design`): 3072² · 2 · p = Ω."""
+    from ..models.mixer_design import omega, sw_density
     density = sw_density(omega(64, 48, 2.0), 64 * 48, 2.0)
     return _swmlp('swmlp_cifar', pretrained, dict(_CIFAR_ARGS, embed_dim=48, depth=3, mlp_ratio=2.0,
                                                   density=density), kwargs)

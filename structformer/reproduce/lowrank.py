@@ -131,7 +131,7 @@ def _train(run: Dict, args, out: Path) -> Dict:
     last = history[-1]
     spectra = {}
     if run['rank'] is not None:                  # the factorised layers' singular values at the end
-        from ..lowrank.spectra import layer_spectra
+        from ..models.lowrank_spectra import layer_spectra
         from ..train.checkpoint import load_model
         model, _ = load_model(folder)
         spectra = {name: s.tolist() for name, s in layer_spectra(model, factorized_only=True).items()}
@@ -153,7 +153,7 @@ def _interpolations(results: List[Dict], args, out: Path) -> Dict:
     from torch.utils.data import DataLoader, Subset
 
     from ..data import build_datasets
-    from ..lowrank.interpolate import interpolation_curve
+    from ..analysis.interpolate import interpolation_curve
     from ..train.checkpoint import load_model
     curves = {}
     ts = [i / (args.interpolate_steps - 1) for i in range(args.interpolate_steps)]

@@ -31,23 +31,7 @@ EXAMPLES = """examples:
   structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
-
-OMEGA_MAX_LOG2 = 64          # far beyond any layer that fits in memory; keeps every width exact in float64
-
-
-def parse_omega(text: str) -> int:
-    """'32768', '2^15' or '2**15' -> 32768."""
-    m = re.fullmatch(r'\s*(\d+)\s*(?:(?:\^|\*\*)\s*(\d+))?\s*', text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"--omega expects an integer or a power like 2^15, got {text!r}")
-    base, exponent = int(m.group(1)), int(m.group(2) or 1)
-    # bounded before the power is computed: 9^99999999 would otherwise take minutes and gigabytes
-    if base > 1 and exponent * math.log2(base) > OMEGA_MAX_LOG2:
-        raise argparse.ArgumentTypeError(f"--omega must be at most 2^{OMEGA_MAX_LOG2} connections, got {text.strip()}")
-    value = base ** exponent
-    if value < 16:
-        raise argparse.ArgumentTypeError(f"--omega must be >= 16 connections, got {value}")
-    return value
+from ..design_cli import OMEGA_MAX_LOG2, parse_omega  # noqa: E402,F401  (the --omega type, shared with `design`)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +83,7 @@ def _check(args) -> None:
 
 def plan(args, patch_tokens: int = 49) -> List[Dict]:
     """Every run of the study: (group, label, model, model_kwargs, seed) plus its design numbers."""
-    from ..mixer.design import fixed_omega_pairs, optimal_width
+    from ..models.mixer_design import fixed_omega_pairs, optimal_width
     runs = []
     for seed in range(args.seeds):
         for pair in fixed_omega_pairs(args.omega, args.channels, 1.0):
@@ -142,7 +126,7 @@ def summarise(rows: List[Dict], group: str, key: str) -> Dict:
 
 
 def verdicts(rows: List[Dict], omega_: float) -> Dict[str, str]:
-    from ..mixer.design import optimal_width
+    from ..models.mixer_design import optimal_width
     c_star = optimal_width(omega_)['channels']
     out = {}
     by_c = summarise(rows, 'width', 'channels')
@@ -217,7 +201,7 @@ def spectra_verdict(spectra: List[Dict]) -> Dict[str, str]:
 
 
 def _plots(rows: List[Dict], spectra: List[Dict], args, out: Path) -> List[str]:
-    from ..mixer.spectra import plot_init_spectra
+    from ..analysis.mixer_spectra import plot_init_spectra
     written = []
     markers = {'S-Mixer': 'o-', 'RP S-Mixer': 's-', 'SW-MLP': '^-'}
 
@@ -295,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     import structformer  # noqa: F401  (registers the models)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ..mixer.spectra import init_spectrum_sweep
+    from ..analysis.mixer_spectra import init_spectrum_sweep
     from ..train import TrainConfig, train
     out = Path(args.output)
     recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import permissions_from_umask, write_text_atomically
+from ..weights.mismatch import describe_mismatch  # noqa: F401  (re-exported: the engine reads it here)
 
 FORMAT_VERSION = 1
 LATEST = 'latest.json'
@@ -271,26 +272,6 @@ def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> N
                input_size=(data_info['in_chans'], *((size, size) if isinstance(size, int) else size)))
     model.pretrained_cfg = cfg
     model.default_cfg = cfg                     # timm's older alias of the same dict
-
-
-def describe_mismatch(expected: Dict[str, torch.Tensor], weights: Dict[str, torch.Tensor], show: int = 3) -> str:
-    """'' if `weights` fit a model with state dict `expected`, else a short account: counts of missing,
-    unexpected and wrongly shaped tensors with the first few names (not thousands of keys)."""
-    def names(keys):
-        keys = sorted(keys)
-        return ', '.join(keys[:show]) + (f', ... ({len(keys)} in all)' if len(keys) > show else '')
-    missing = set(expected) - set(weights)
-    unexpected = set(weights) - set(expected)
-    shapes = {k for k in set(expected) & set(weights) if tuple(expected[k].shape) != tuple(weights[k].shape)}
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing ({names(missing)})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected ({names(unexpected)})")
-    if shapes:
-        k = sorted(shapes)[0]
-        parts.append(f"{len(shapes)} of another shape (e.g. {k}: {list(weights[k].shape)} vs {list(expected[k].shape)})")
-    return '; '.join(parts)
 
 
 def optimizer_state_from(train_tensors: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Dict[str, Any]:

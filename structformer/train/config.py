@@ -79,7 +79,7 @@ class TrainConfig:
     # torch.compile backend for training and evaluation, None = eager (timm's train script: --torchcompile);
     # checkpoints hold the plain module's weights, loadable without compile
     compile: Optional[str] = None
-    # low-rank training (seed 004, structformer.lowrank): factorise with `factorize_rank` (an int, or a fraction
+    # low-rank training (seed 004, models/factorize.py): factorise with `factorize_rank` (an int, or a fraction
     # of min(m, n)) after `factorize_at` epochs of dense pre-training (None or 0: from the start), by
     # `factorize_init`, over `factorize_include` (patterns or a preset; None: the paper's default)
     factorize_at: Optional[int] = None

@@ -5,7 +5,7 @@ from a teacher, low-rank factorisation and Frobenius decay, the weight average),
 (train/precision.py) and Mixup / CutMix (train/mixing.py).
 
 Determinism: data order comes from a generator seeded by (seed, epoch), independent of the global RNG;
-every sample's augmentation draws from RNGs seeded by (seed, epoch, rank, position) (train/seeding.py), so
+every sample's augmentation draws from RNGs seeded by (seed, epoch, rank, position) (data/seeding.py), so
 it does not depend on the loader's workers; dropout, drop path and Mixup draw from the training process's
 global RNGs, which every checkpoint saves and `resume` restores. So a run stopped after any epoch and resumed
 gives the same weights as an uninterrupted run, bit for bit, on the same machine and thread count.
@@ -45,7 +45,7 @@ from .mixing import build_mixup, hard_labels, mixing_active
 from .parts import LowRankPart, build_parts
 from .phases import LossContext, build_phases, phase_for_epoch
 from .precision import Precision, cpu_bfloat16_native
-from .seeding import EpochOrder, SeededSamples, ShuffledOrder
+from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder
 from .steplog import StepLog
 from ..errors import UsageError
 from .run_dir import (RunLock, committed_checkpoints, discard_aside, disk_full, holds_run, move_aside,
@@ -292,14 +292,14 @@ class Trainer:
         spec = self.config.factorize_spec()
         if spec is None or not self.config.factorize_at or any(t['name'] == 'factorize' for t in self.recipe.transforms):
             return
-        from ..lowrank.transform import check_factorization
+        from ..models.factorize import check_factorization
         kwargs = spec['kwargs']
         check_factorization(self.model, kwargs['rank'], kwargs['init'], kwargs.get('include'))
 
     def _make_loaders(self) -> None:
         """The training loader, made once for the run (persistent workers stay between epochs): an order per
         epoch (shuffled; DistributedSampler over processes; timm's RepeatAugSampler for --aug-repeats) whose
-        samples load with seeded augmentation (train/seeding.py). Evaluation splits the held-out set over the
+        samples load with seeded augmentation (data/seeding.py). Evaluation splits the held-out set over the
         processes without padding, so the summed counts are exact."""
         cfg = self.config
         workers = self._workers()

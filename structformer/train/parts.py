@@ -65,11 +65,11 @@ class Part:
 
 
 class LowRankPart(Part):
-    """Low-rank training's pieces (structformer.lowrank) as the loop sees them."""
+    """Low-rank training's pieces (models/factorize.py, train/lowrank_decay.py, models/lowrank_spectra.py) as the loop sees them."""
 
     def __init__(self, config):
-        from ..lowrank import regularizers        # registers the frobenius_decay / factor_l2 loss terms
-        self.config, self.regularizers = config, regularizers
+        from . import lowrank_decay        # registers the frobenius_decay / factor_l2 loss terms
+        self.config, self.regularizers = config, lowrank_decay
         self.switch_metrics: Dict[str, float] = {}
 
     def optimizer_exemptions(self, model) -> set:
@@ -112,7 +112,7 @@ class LowRankPart(Part):
     @staticmethod
     def _spectra(model) -> Dict:
         """Per-layer effective rank ‖W‖_*/‖W‖_op and singular values (seed 004 Table 1), dense or factorised."""
-        from ..lowrank.spectra import effective_rank, layer_spectra
+        from ..models.lowrank_spectra import effective_rank, layer_spectra
         spectra = layer_spectra(model)
         ranks = {name: effective_rank(s) for name, s in spectra.items()}
         factored = [ranks[n] for n, m in model.named_modules() if n in ranks and hasattr(m, 'factors')]

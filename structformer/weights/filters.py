@@ -98,7 +98,7 @@ def _pos_embed(state: dict, model: nn.Module, own: dict, done: List[str]) -> Non
 
 
 def _check(state: dict, model: nn.Module, own: dict, where: str) -> None:
-    from ..train.checkpoint import describe_mismatch
+    from .mismatch import describe_mismatch
     fixed = {k: v for k, v in own.items() if not _is_lazy(v)}
     lazy = {k for k, v in own.items() if _is_lazy(v)}
     mismatch = describe_mismatch(fixed, {k: v for k, v in state.items() if k not in lazy})

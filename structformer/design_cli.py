@@ -3,14 +3,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 
 EXAMPLES = """examples:
   structformer design --omega 2^18                              # App. C's (C, S) pairs, C* = S*, SW-MLP widths
   structformer design --omega 2^19 --gamma 2 --channels 4 16 64 --json"""
 
 
+OMEGA_MAX_LOG2 = 64          # far beyond any layer that fits in memory; keeps every width exact in float64
+
+
+def parse_omega(text: str) -> int:
+    """'32768', '2^15' or '2**15' -> 32768."""
+    m = re.fullmatch(r'\s*(\d+)\s*(?:(?:\^|\*\*)\s*(\d+))?\s*', text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--omega expects an integer or a power like 2^15, got {text!r}")
+    base, exponent = int(m.group(1)), int(m.group(2) or 1)
+    # bounded before the power is computed: 9^99999999 would otherwise take minutes and gigabytes
+    if base > 1 and exponent * math.log2(base) > OMEGA_MAX_LOG2:
+        raise argparse.ArgumentTypeError(f"--omega must be at most 2^{OMEGA_MAX_LOG2} connections, got {text.strip()}")
+    value = base ** exponent
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"--omega must be >= 16 connections, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..reproduce.mixer import parse_omega
     p.add_argument('--omega', type=parse_omega, required=True, help='connections per layer, e.g. 262144 or 2^18')
     p.add_argument('--gamma', type=float, default=1.0, help='expansion factor γ (1: S-Mixer; default 1)')
     p.add_argument('--channels', type=int, nargs='+', default=None,
@@ -21,8 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..reproduce.mixer import OMEGA_MAX_LOG2
-    from .design import fixed_omega_pairs, optimal_width, sw_width
+    from .models.mixer_design import fixed_omega_pairs, optimal_width, sw_width
     # Ω/γ is the layer's size before the expansion: between 16 and 2^64 connections, as --omega itself, every
     # width below (C* = (Ω/γ)^{1/3}, m = √(Ω/(pγ))) is >= 1 and finite (1e-300 overflows, 1e300 gives m = 0)
     low, high = args.omega / 2 ** OMEGA_MAX_LOG2, args.omega / 16

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, List
 
 import numpy as np
 
-from .design import sw_density, tokens_for_omega
+from ..models.mixer_design import sw_density, tokens_for_omega
 
 FIG4_CHANNELS = (4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 64)     # App. C.2, Ω = 2¹⁹, γ = 2
 
