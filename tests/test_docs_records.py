@@ -133,3 +133,52 @@ def test_mixer_width_table_is_the_committed_study():
             printed_equal(cell, statistics.mean(errors), 0)
             printed_equal(cell, min(errors), 1)
             printed_equal(cell, max(errors), 2)
+
+
+# ---- data.md ------------------------------------------------------------------------------------------
+
+def test_loader_table_is_the_committed_bench_data_run():
+    rows = {(r['recipe'], r['workers'], r['loader']): r['images_per_s'] for r in record('bench_data.json')['rows']}
+    recipes = {'RRC + flip': 'rrc_flip', 'RRC + flip + RandAugment + erasing': 'rrc_flip_ra_re'}
+    table = table_with('data.md', 'transform | workers | our ImageFolder img/s')
+    assert len(table) == 5
+    for cells in table[1:]:
+        recipe, workers = recipes[cells[0]], int(cells[1])
+        ours, shards, timm = (rows[recipe, workers, kind] for kind in ('imagefolder', 'shards', 'timm'))
+        for cell, value in zip(cells[2:], (ours, shards, timm, ours / timm, shards / timm)):
+            printed_equal(cell, value)
+
+
+# ---- the Sparsifiner CPU speed tables (benchmarks.md, sparsifiner.md) ----------------------------------
+
+def _sparse_row(rec, n, keep, path):
+    return next(r for r in rec['rows'] if r['tokens'] == n and r['keep'] == keep and r['path'] == path)
+
+
+def test_sparse_attention_sweep_table_is_its_records():
+    sweeps = {t: record(f'sparsifiner/cpu_sweep_t{t}.json') for t in (1, 2)}
+    table = table_with('benchmarks.md', 'n | keep | realised density')
+    assert len(table) == 13
+    paths = ('block-kernel', 'block-gather', 'block-kernel core', 'block-gather core')
+    for cells in table[1:]:
+        n, keep = int(cells[0]), float(cells[1])
+        printed_equal(cells[2], _sparse_row(sweeps[1], n, keep, 'block-kernel')['density'])
+        printed_equal(cells[3], _sparse_row(sweeps[1], n, keep, 'block-kernel')['flops_vs_dense'], 0)
+        printed_equal(cells[3], _sparse_row(sweeps[1], n, keep, 'block-kernel core')['flops_vs_dense'], 1)
+        for cell, path in zip(cells[4:8], paths):
+            for i, t in enumerate((1, 2)):
+                printed_equal(cell, _sparse_row(sweeps[t], n, keep, path)['vs_dense'], i)
+        for i, t in enumerate((1, 2)):
+            printed_equal(cells[8], _sparse_row(sweeps[t], n, keep, 'dense SDPA')['ms'], i)
+
+
+def test_sparsifiner_goal_table_is_its_records():
+    table = table_with('sparsifiner.md', 'threads | block-kernel attention alone')
+    assert [c[0] for c in table[1:]] == ['1', '2']
+    for cells in table[1:]:
+        runs = [record(f'sparsifiner/cpu_577_t{cells[0]}_run{r}.json') for r in (1, 2, 3)]
+        for cell, path in zip(cells[1:4], ('block-kernel core', 'block-kernel', 'block-gather core')):
+            for i, rec in enumerate(runs):
+                printed_equal(cell, _sparse_row(rec, 577, 0.25, path)['vs_dense'], i)
+        printed_equal(cells[4], _sparse_row(runs[0], 577, 0.25, 'block-kernel')['density'])
+        assert all(rec['machine_load'] and not rec['machine_load']['busy'] for rec in runs)

@@ -13,6 +13,8 @@ import os
 import tempfile
 import time
 
+from .load import run_record
+
 EXAMPLES = """examples:
   structformer bench data --images 2000 --workers 1 2 --output outputs/bench/data.json
   structformer bench data --images 64 --batch-size 16            # a quick check that it runs"""
@@ -70,6 +72,9 @@ def loader_rate(kind: str, folder: str, shards: str, recipe: str, workers: int, 
                                auto_augment=opts.get('aa'), re_prob=opts.get('reprob', 0.0), re_mode='pixel',
                                num_workers=workers, use_prefetcher=False, persistent_workers=True,
                                interpolation='bilinear')
+        # the same fix our pipeline carries: timm's 0-bit posterize raises on Pillow >= 13 (data/augment.py)
+        from ..data.augment import allow_zero_bit_posterize
+        allow_zero_bit_posterize(ds.transform)
     else:
         from ..data import build_datasets
         spec = f'imagefolder:{folder}' if kind == 'imagefolder' else f'wds:{shards}'
@@ -224,7 +229,8 @@ def run(args) -> int:
     result = {'feeds_training_step': feeds, 'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
               'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
               'load_average_before': load_before, 'load_average_after': os.getloadavg(),
-              'cpu_count': os.cpu_count(), 'goal': 'our loaders >= 1.0x timm images/s with equal transforms'}
+              'cpu_count': os.cpu_count(), 'goal': 'our loaders >= 1.0x timm images/s with equal transforms',
+              'machine_load': run_record()}
     if args.output:
         from ..records import write_json
         write_json(args.output, result)
