@@ -24,8 +24,11 @@ demo: $(STAMP)
 	@echo "metrics:    $(DEMO_OUT)/metrics.jsonl"
 	@echo "report:     $(DEMO_OUT)/analysis/report.md"
 
+# Two test processes with one torch thread each (pytest-xdist): on 2 cores that is what keeps the suite
+# inside its time, where two processes of two threads each oversubscribe the cores. Tests that need
+# several threads set them themselves; `$(BIN)/python -m pytest tests` runs it serially at torch's default.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --timeout=900 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --timeout=900 -n 2 tests
 
 bench: $(STAMP)
 	$(BIN)/structformer bench models

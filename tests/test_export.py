@@ -42,6 +42,10 @@ def build(family: str) -> torch.nn.Module:
         model = factorize(timm.create_model('wrn_10_2_digits'), rank=0.5)
     elif family == 'sparsifiner-224':
         model = timm.create_model('sparsifiner_deit_tiny_patch16_224', keep_ratio=0.25)
+    elif family == 'soft_digits':
+        # 4 Newton–Schulz steps instead of 20: a recorded graph unrolls every step (the same body each time), and
+        # 20 made this one model's exports take minutes of the suite
+        model = timm.create_model(family, attn_kwargs=dict(newton_iter=4))
     else:
         model = timm.create_model(family)
     return _randomised(model)
@@ -53,8 +57,10 @@ FAMILIES = ['crate_digits', 'soft_digits', 'sparsifiner_digits', 'mixer_digits',
 @pytest.mark.parametrize('grad', [True, False], ids=['grad', 'no_grad'])
 @pytest.mark.parametrize('family', FAMILIES + ['sparsifiner-224'])
 def test_onnx_matches_torch(family, grad, tmp_path):
-    if family == 'sparsifiner-224' and grad:
-        pytest.skip('the 224-px Sparsifiner is exported once (no grad); its small sibling covers grad mode')
+    if family in ('sparsifiner-224', 'soft_digits') and grad:
+        # exported once, without grad: grad mode mattered for custom ops with autograd (CRATE's SSA, covered with
+        # its siblings here); SOFT's export costs half a minute a time
+        pytest.skip('exported once (no grad); the other families cover grad mode')
     model = build(family)
     with torch.set_grad_enabled(grad):
         path = to_onnx(model, example_input(model), tmp_path / 'model.onnx')

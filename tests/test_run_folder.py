@@ -5,6 +5,7 @@ latest.json end in one line that says what is intact."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,8 +87,11 @@ def _interrupted(output, kill_at, signal_name=None, seed=5):
     env = dict(os.environ, STRUCTFORMER_TEST_KILL_AT=kill_at, OMP_NUM_THREADS='1')
     if signal_name:
         env['STRUCTFORMER_TEST_KILL_WITH'] = signal_name
+    # SIGINT back to its default in the child: a suite started in the background (`make test &`, CI runners)
+    # hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt for it
     return subprocess.run([sys.executable, '-m', 'structformer', 'train', *TINY, '--epochs', '2', '--seed', str(seed),
-                           '--output', str(output), '--overwrite'], env=env, capture_output=True, text=True)
+                           '--output', str(output), '--overwrite'], env=env, capture_output=True, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _eval(run, capsys):
