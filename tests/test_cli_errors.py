@@ -79,6 +79,15 @@ def files(tmp_path_factory):
     state = json.loads((base / 'mismatch' / 'state.json').read_text())
     state['recipe']['kwargs']['num_classes'] = state['model_kwargs']['num_classes'] = 7
     (base / 'mismatch' / 'state.json').write_text(json.dumps(state))
+    from safetensors.torch import save_file
+    from test_convert import _fill, sparsifiner_official_shapes
+    public = {k: v.float() for k, v in _fill(sparsifiner_official_shapes(64, 4, 4, 16, 10)).items()}
+    del public['blocks.2.attn.mask_predictor.proj_c_k.weight']       # issue 45: one predictor weight short
+    save_file(public, str(base / 'sparsifiner_partial.safetensors'))
+    import argparse
+    import datetime
+    torch.save({'state_dict': dict(public), 'args': argparse.Namespace(started=datetime.datetime(2024, 5, 1))},
+               base / 'datetime_args.pth')                            # a global outside the allow-list
     _write_images(base / 'images', truncated=['a/1.jpg'])
     read_only = base / 'read_only'
     read_only.mkdir()
@@ -263,7 +272,26 @@ CASES = [
     ('convert-truncated', ['convert', '--from', 'timm', '{truncated}', '--model', 'crate_digits', '--output', OUT],
      ['convert FILE', 'truncated.safetensors', 'not a readable safetensors']),
     ('convert-pickle', ['convert', '--from', 'crate-official', '{pickle}', '--model', 'crate_digits', '--output', OUT],
-     ['convert FILE', 'pickle.pth', 'not a weights-only']),
+     ['convert FILE', 'pickle.pth', 'refused', 'builtins.print']),
+    # issue 45: trainer checkpoints, converter edges
+    ('convert-disallowed-global', ['convert', '--from', 'sparsifiner-official', '{datetime_args}', '--model',
+                                   'sparsifiner_digits', '--output', OUT], ['convert FILE', 'refused', 'datetime.datetime']),
+    ('convert-ema-of-safetensors', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                    '--model', 'vit_digits', '--weights', 'ema', '--output', OUT], ['--weights ema']),
+    ('convert-weights-unknown', ['convert', '--from', 'timm', '{vit_run}', '--model', 'vit_digits', '--weights',
+                                 'best', '--output', OUT], ['--weights', "'best'"]),
+    ('convert-wrong-size-vit', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                '--model', 'sparsifiner_mnist', '--output', OUT],
+     ['does not fit --model sparsifiner_mnist: cls_token is [1, 1, 64] in the checkpoint and [1, 1, 96] in the model']),
+    ('convert-wrong-size-crate', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
+                                  '--model', 'crate_mnist', '--output', OUT], ['does not fit --model crate_mnist', ' is [']),
+    ('convert-partial-predictor', ['convert', '--from', 'sparsifiner-official', '{sparsifiner_partial}', '--model',
+                                   'sparsifiner_digits', '--output', OUT],
+     ['predictor is incomplete', '1 weight(s) missing: blocks.2.attn.predictor_k.weight', 'blocks.2.attn.mask_predictor.proj_c_k.weight']),
+    ('convert-official-from-plain-deit', ['convert', '--from', 'sparsifiner-official',
+                                          '{vit_run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                                          'sparsifiner_digits', '--output', OUT],
+     ['no Sparsifiner predictor', '--from timm']),
     ('convert-output-not-empty', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
                                   '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
     # weights out (issue 32.5): export

@@ -3,7 +3,6 @@ our state.json), written whole or not at all."""
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
@@ -25,8 +24,9 @@ docs/weights.md lists the key maps."""
 
 def add_arguments(parser) -> None:
     from ..cli import ParseKwargs
-    parser.add_argument('source_file', metavar='FILE', help='the checkpoint: .safetensors, or a weights-only .pth / '
-                        '.pth.tar / .bin (read with weights_only=True: loading never runs code)')
+    parser.add_argument('source_file', metavar='FILE', help='the checkpoint: .safetensors, or a .pth / .pth.tar / .bin '
+                        "as torch.save wrote it, a trainer's checkpoint included (read with weights_only=True and an "
+                        'allow-list of plain data such as argparse.Namespace: loading never runs code)')
     parser.add_argument('--from', dest='source', required=True, metavar='SOURCE',
                         help=f"the checkpoint's layout: {' | '.join(SOURCES)}")
     parser.add_argument('--model', required=True, help='the registered model to convert into (its architecture)')
@@ -34,14 +34,20 @@ def add_arguments(parser) -> None:
                         help='constructor arguments over what the checkpoint fixes (classes, predictor shapes), '
                              'e.g. keep_ratio=0.25 img_size=384 (the position embeddings are then resampled)')
     parser.add_argument('--output', required=True, metavar='OUT', help='a new (or empty) folder')
+    parser.add_argument('--weights', choices=('ema', 'model'), default=None,
+                        help="of a trainer's checkpoint holding both: the EMA weights or the model's (default: what "
+                             "the source's own evaluation takes: EMA for timm's CheckpointSaver files (SOFT), the "
+                             "model for DeiT / Sparsifiner save_model files); which was taken is printed")
 
 
 def _check_output(out: Path) -> None:
+    from ..records import check_writable
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--output {out}: exists and is not an empty folder; give a new one")
-    parent = out.absolute().parent
-    if parent.exists() and not os.access(parent, os.W_OK):
-        raise UsageError(f"--output {out}: {parent} is not writable")
+    try:
+        check_writable(out, '--output')
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def write_weights_folder(model, name: str, kwargs: dict, out: Path, record: dict) -> Path:
@@ -50,11 +56,13 @@ def write_weights_folder(model, name: str, kwargs: dict, out: Path, record: dict
     from safetensors.torch import save_file
     from timm.models._hub import save_config_for_hf
 
-    from ..atomic import permissions_from_umask
+    from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
     from ..models.factory import ModelRecipe, default_input_size
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + '.tmp-'))
+    for line in prepare_output(out, '--output'):      # what an interrupted earlier run left beside OUT
+        print(f"note: {line}")
+    tmp = temporary_sibling(out, directory=True)
     try:
         tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
@@ -75,24 +83,32 @@ def write_weights_folder(model, name: str, kwargs: dict, out: Path, record: dict
     return out
 
 
-def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=None):
+def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=None, weights=None):
     """Read `path` in `source`'s layout, build `name`, load the converted weights (adapted by the family filter where
-    --model-kwargs asks another size, classes or channels) and write `output`. Returns (model, notes)."""
+    --model-kwargs asks another size, classes or channels) and write `output`. `weights`: 'ema' or 'model' of a
+    trainer's checkpoint (None: what its source evaluates). Returns (model, notes): the settings chosen and why,
+    which weights were taken, what was converted or adapted."""
     from ..models.factory import build_model
     from ..train.initial_weights import read_weights
-    from .convert import convert_state_dict, infer_model_kwargs
+    from .convert import convert_state_dict, settings
     from .filters import WeightsMismatch, adapt_state_dict
     if source not in SOURCES:
         raise UsageError(f"--from {source!r}: accepted {', '.join(SOURCES)}")
     if output is not None:
         _check_output(Path(output))
-    state = read_weights(path, 'convert FILE')
-    fixed = infer_model_kwargs(source, state)
+    taken: list = []
+    state = read_weights(path, 'convert FILE', kind=weights, notes=taken)
     wanted = dict(model_kwargs or {})
+    chosen = settings(source, state)
+    fixed = {key: value for key, value, _ in chosen}
+    notes = [f"{key}={value!r}: {why}" if key not in wanted else
+             f"{key}={wanted[key]!r}: as --model-kwargs asked (the conversion's choice: {value!r}, {why})"
+             for key, value, why in chosen] + taken
     # the checkpoint's own architecture first (its classes, predictor shapes); --model-kwargs adapt it afterwards
     native, _ = build_model(name, fixed)
-    converted, notes = convert_state_dict(source, state, native)
+    converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
     native.load_state_dict(converted)
+    notes += converted_notes
     kwargs = dict(fixed, **wanted)
     model, recipe = build_model(name, kwargs) if wanted else (native, None)
     if wanted:
@@ -104,13 +120,15 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         notes += [f"adapted {line}" for line in done]
         kwargs = recipe.kwargs
     if output is not None:
-        record = {'from': source, 'file': str(Path(path).absolute()), 'notes': notes}
+        record = {'from': source, 'file': str(Path(path).absolute()), 'weights': taken[0] if taken else None,
+                  'notes': notes}
         write_weights_folder(model.eval(), name, kwargs, Path(output), record)
     return model, notes
 
 
 def run(args) -> int:
-    _, notes = convert_checkpoint(args.source, args.source_file, args.model, args.model_kwargs, args.output)
+    _, notes = convert_checkpoint(args.source, args.source_file, args.model, args.model_kwargs, args.output,
+                                  args.weights)
     print(f"converted {args.source_file} ({args.source}) into {args.model}: {args.output}")
     for line in notes:
         print(f"  {line}")
