@@ -429,6 +429,29 @@ def test_read_only_output_is_refused_before_any_work(argv, needles, files, read_
     _check_one_error(argv, needles, files, tmp_path, capsys)
 
 
+def test_read_only_errors_name_the_path_given_and_the_read_only_folder(files, read_only_folders, tmp_path, capsys):
+    """Issue 45: the message names OUT as given, then which folder above it cannot be written."""
+    ro = read_only_folders
+    for argv, shown, where in [
+            (['export', str(files['run']), '--format', 'onnx', '--output', f'{ro}/sub/m.onnx'], f'{ro}/sub/m.onnx',
+             f'its nearest existing folder {ro}'),
+            (['export', str(files['run']), '--format', 'hf', '--output', f'{ro}/hf'], f'{ro}/hf', f'its folder {ro}'),
+            (['convert', '--from', 'timm', f"{files['run']}/checkpoints/epoch_0001/model.safetensors", '--model',
+              'crate_digits', '--output', f'{ro}/converted'], f'{ro}/converted', f'its folder {ro}')]:
+        _check_one_error(argv, [f'--output {shown}: cannot be written: {where} is not writable'], files, tmp_path,
+                         capsys)
+
+
+def test_export_errors_name_source_not_a_flag_it_lacks(files, tmp_path, capsys):
+    """Issue 45: export has no --checkpoint; its errors about what it reads name SOURCE."""
+    for source in (files['folder'], files['corrupt'], files['no_weights'], files['mismatch']):
+        _check_one_error(['export', str(source), '--format', 'hf', '--output', OUT], [f'SOURCE {source}: '],
+                         files, tmp_path, capsys)
+    for source in (files['folder'], files['mismatch']):
+        main(['export', str(source), '--format', 'hf', '--output', str(tmp_path / 'out')])
+        assert '--checkpoint' not in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason='root reads a chmod 000 file anyway')
 def test_unreadable_config_file(files, tmp_path, capsys):
     config = tmp_path / 'secret.yaml'
