@@ -1,8 +1,5 @@
 """`structformer convert`: a public checkpoint -> a weights folder of ours (model.safetensors + timm's config.json +
 our state.json), written whole or not at all."""
-import json
-import os
-import shutil
 from pathlib import Path
 
 from ..errors import UsageError
@@ -50,39 +47,6 @@ def _check_output(out: Path) -> None:
         raise UsageError(str(e)) from None
 
 
-def write_weights_folder(model, name: str, kwargs: dict, out: Path, record: dict) -> Path:
-    """model.safetensors, timm's config.json (`save_config_for_hf`: what `local-dir:` reads) and our state.json
-    (what `eval --checkpoint` and `--initial-checkpoint` read), in a temporary sibling renamed to `out` at the end."""
-    from safetensors.torch import save_file
-    from timm.models._hub import save_config_for_hf
-
-    from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
-    from ..models.factory import ModelRecipe, default_input_size
-    out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for line in prepare_output(out, '--output'):      # what an interrupted earlier run left beside OUT
-        print(f"note: {line}")
-    tmp = temporary_sibling(out, directory=True)
-    try:
-        tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        save_file(tensors, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
-        save_config_for_hf(model, str(tmp / 'config.json'), model_args=dict(kwargs))
-        recipe = ModelRecipe(name, dict(kwargs), [], default_input_size(name, kwargs))
-        state = {'model': name, 'model_kwargs': dict(kwargs), 'recipe': recipe.to_dict(), 'epoch': 0, 'step': 0,
-                 'config': {}, 'converted_from': record}
-        (tmp / 'state.json').write_text(json.dumps(state, indent=1))
-        for written in tmp.iterdir():
-            permissions_from_umask(written, 0o666)
-        permissions_from_umask(tmp, 0o777)
-        if out.exists():
-            out.rmdir()                                  # empty, checked before
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
 def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=None, weights=None):
     """Read `path` in `source`'s layout, build `name`, load the converted weights (adapted by the family filter where
     --model-kwargs asks another size, classes or channels) and write `output`. `weights`: 'ema' or 'model' of a
@@ -120,9 +84,10 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         notes += [f"adapted {line}" for line in done]
         kwargs = recipe.kwargs
     if output is not None:
+        from .folder import save_weights_folder
         record = {'from': source, 'file': str(Path(path).absolute()), 'weights': taken[0] if taken else None,
                   'notes': notes}
-        write_weights_folder(model.eval(), name, kwargs, Path(output), record)
+        save_weights_folder(model.eval(), output, kwargs, name, record=record, flag='--output')
     return model, notes
 
 
