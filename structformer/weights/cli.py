@@ -10,13 +10,18 @@ SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
 EXAMPLES = """examples:
   structformer convert --from crate-official crate_small.pth --model crate_small_patch16_224 --output weights/crate_s
   structformer convert --from soft-official soft_tiny.pth.tar --model soft_tiny_official_224 --output weights/soft_t
+  structformer convert --from soft-official checkpoint-299.pth.tar --model soft_tiny_official_224 --weights model \
+      --output weights/soft_t_model       # a training checkpoint: the non-EMA weights (default: what SOFT scores, EMA)
+  structformer convert --from sparsifiner-official checkpoint-49.pth --model sparsifiner_deit_small_patch16_224 \
+      --output weights/spf_s              # the public code's top-8 coefficients, heads^-1/2 scale, |W_up| > 2e-2
   structformer convert --from timm deit_small.safetensors --model sparsifiner_deit_small_patch16_224 \\
       --output weights/sparsifiner_s      # the predictor freshly initialised: train it with --teacher
   structformer eval --checkpoint weights/crate_s --data imagefolder:/data/imagenet
   structformer train --model crate_small_patch16_224 --pretrained-path weights/crate_s --data cifar10:PATH
   python -c "import timm, structformer; timm.create_model('local-dir:weights/crate_s', pretrained=True)"
 
-docs/weights.md lists the key maps."""
+convert prints every setting it chose and why, and which weights of a training checkpoint it took.
+docs/weights.md lists the key maps and the layouts of training checkpoints."""
 
 
 def add_arguments(parser) -> None:
