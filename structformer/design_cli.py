@@ -6,6 +6,8 @@ import json
 import math
 import re
 
+DESCRIPTION = '(S, C) pairs on a fixed-Ω curve, C* = S*, effective widths, SW-MLP widths.'
+
 EXAMPLES = """examples:
   structformer design --omega 2^18                              # App. C's (C, S) pairs, C* = S*, SW-MLP widths
   structformer design --omega 2^19 --gamma 2 --channels 4 16 64 --json"""

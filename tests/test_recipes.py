@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from structformer.cli import _train_config, build_parser, main
+from structformer.cli import build_parser, main
+from structformer.commands.train import train_config
 from structformer.train.recipes import ABOUT_REQUIRED, list_recipes, load_recipe
 
 RECIPES = list_recipes()
@@ -274,14 +275,14 @@ def test_flags_override_config_file_override_recipe(tmp_path):
     config = tmp_path / 'c.yaml'
     config.write_text('epochs: 7\nweight_decay: 0.25\n')
     parser = build_parser()
-    cfg = _train_config(parser.parse_args(['train', '--recipe', 'crate_base_in1k', '-c', str(config),
+    cfg = train_config(parser.parse_args(['train', '--recipe', 'crate_base_in1k', '-c', str(config),
                                            '--weight-decay', '0.125', '--data', 'digits']))
     assert cfg.recipe == 'crate_base_in1k'
     assert (cfg.opt, cfg.lr_base, cfg.warmup_epochs) == ('lion', 2.4e-4, 5)     # the recipe's
     assert cfg.epochs == 7                                                       # -c over the recipe
     assert cfg.weight_decay == 0.125 and cfg.data == 'digits'                    # flags over both
     assert cfg.momentum == 0.9 and cfg.keep_last == 2                            # defaults where no one says
-    cfg = _train_config(parser.parse_args(['train', '--recipe', 'soft_tiny_in1k', '--no-model-ema', '--mixup', '0']))
+    cfg = train_config(parser.parse_args(['train', '--recipe', 'soft_tiny_in1k', '--no-model-ema', '--mixup', '0']))
     assert cfg.model_ema is False and cfg.mixup == 0 and cfg.cutmix == 1.0
 
 

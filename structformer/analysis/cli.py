@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ['ANALYZE_EXAMPLES', 'add_analyze_arguments', 'run_analyze', 'resolve_compare']
 
+DESCRIPTION = 'Per-layer coding rates, sparsity, subspace coherence and token maps (CRATE §3.1).'
+
 ANALYZE_EXAMPLES = """examples:
   # the newest checkpoint of a run against its random init (epoch_0000), on the run's own val split
   structformer analyze --checkpoint outputs/demo --compare init
@@ -336,3 +338,8 @@ def run_analyze(args) -> int:
     for name in pngs:
         print(f'figure:   {out / name}')
     return 0
+
+
+# the names the command table (structformer/commands) calls
+EXAMPLES = ANALYZE_EXAMPLES
+add_arguments, run = add_analyze_arguments, run_analyze
