@@ -1,8 +1,10 @@
 """argparse pieces shared by the command modules and the library modules that build parsers (the reproductions,
-`structformer convert`): KEY=VALUE lists, model transforms, counts. Import-light (argparse and ast only) and
-importing no command module, so any module may use it without an import circle."""
+`structformer convert`): KEY=VALUE lists, model transforms, counts, the Mixer's Ω. Import-light (the standard
+library only) and importing no command module, so any module may use it without an import circle."""
 import argparse
 import ast
+import math
+import re
 
 
 def parse_value(text: str):
@@ -68,3 +70,21 @@ def rank_value(text: str):
             return float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--rank must be an integer >= 1 or a fraction in (0, 1], got {text!r}")
+
+
+OMEGA_MAX_LOG2 = 64          # far beyond any layer that fits in memory; keeps every width exact in float64
+
+
+def parse_omega(text: str) -> int:
+    """'32768', '2^15' or '2**15' -> 32768."""
+    m = re.fullmatch(r'\s*(\d+)\s*(?:(?:\^|\*\*)\s*(\d+))?\s*', text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--omega expects an integer or a power like 2^15, got {text!r}")
+    base, exponent = int(m.group(1)), int(m.group(2) or 1)
+    # bounded before the power is computed: 9^99999999 would otherwise take minutes and gigabytes
+    if base > 1 and exponent * math.log2(base) > OMEGA_MAX_LOG2:
+        raise argparse.ArgumentTypeError(f"--omega must be at most 2^{OMEGA_MAX_LOG2} connections, got {text.strip()}")
+    value = base ** exponent
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"--omega must be >= 16 connections, got {value}")
+    return value

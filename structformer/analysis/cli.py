@@ -13,12 +13,10 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
 from ..errors import UsageError
-
-if TYPE_CHECKING:
-    import torch
+from .samples import load_samples
 
 # torch and the measurement modules are imported where they are used: the CLI builds this command's
 # parser for `structformer --help`, which must not pay for importing torch
@@ -156,29 +154,6 @@ def resolve_compare(spec: str, run: Optional[Path]) -> Path:
     except (FileNotFoundError, ValueError) as e:    # its message blames --checkpoint: this is --compare
         reason = str(e).split(f'{spec} ', 1)[-1] if str(e).startswith('--checkpoint: ') else str(e)
         raise type(e)(f"--compare {spec}: {reason}; accepted init, epoch:N, all, or a checkpoint path") from None
-
-
-def _build_datasets(spec, **kwargs):
-    from ..data import build_datasets            # imported late: the CLI's --help needs no data code
-    return build_datasets(spec, **kwargs)
-
-
-def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, num_samples: int,
-                 seed: int) -> Tuple[torch.Tensor, object, List[int]]:
-    """B validation images (a seeded subset when the split is larger) and the dataset info."""
-    import torch
-    _, val, info = _build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
-    n = len(val)
-    if n == 0:
-        raise ValueError(f"--data {spec}: the validation split is empty")
-    if n > num_samples:
-        idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:num_samples].sort().values.tolist()
-    else:
-        idx = list(range(n))
-    subspaces = getattr(val, 'token_subspaces', None)      # synthetic-subspaces: each token's subspace
-    if subspaces is not None and getattr(info, 'extra', None) is not None:
-        info.extra['val_token_subspaces'] = subspaces[idx]
-    return torch.stack([val[i][0] for i in idx]), info, idx
 
 
 def _label(state: Dict, path: Path) -> str:

@@ -10,7 +10,7 @@ def mnist_spec(data: str) -> str:
     or not given (the data belongs to the user: no default path)."""
     from ..errors import UsageError
     if not data:
-        from ..data.mnist import MNIST_HOWTO
+        from ..data.spec import MNIST_HOWTO
         raise UsageError(f'--data PATH is required: a folder of MNIST IDX files. {MNIST_HOWTO}')
     folder = Path(data)
     if not folder.is_dir():

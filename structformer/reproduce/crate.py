@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     import torch
     import structformer  # noqa: F401  (registers the models)
-    from ..analysis.cli import load_samples
+    from ..analysis.samples import load_samples
     from ..train import TrainConfig, train
 
     if args.threads:

@@ -75,7 +75,7 @@ def _check(args) -> None:
     if args.interpolate_steps < 2:
         raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
     if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
-        from ..data.mnist import MNIST_HOWTO
+        from ..data.spec import MNIST_HOWTO
         raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files; or run --parts lm)" if args.data
                          else f"--data PATH is required for the vision part (or run --parts lm). {MNIST_HOWTO}")
 

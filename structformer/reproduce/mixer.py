@@ -31,7 +31,7 @@ EXAMPLES = """examples:
   structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
-from ..design_cli import OMEGA_MAX_LOG2, parse_omega  # noqa: E402,F401  (the --omega type, shared with `design`)
+from ..cli_args import parse_omega  # noqa: E402  (the --omega type, shared with `design`)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
