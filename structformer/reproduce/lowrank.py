@@ -186,7 +186,8 @@ def _tables(results: List[Dict], curves: Dict, heading: str = '##') -> str:
             continue
         label = 'held-out top-1 (%)' if part == 'vision' else 'held-out perplexity (bytes)'
         base = by[(part, 'dense')]
-        lines += [f"{part}: `{base['model']}` on `{base['data']}`, {base['epochs']} epochs of "
+        data = base['data'].partition(':')[0]       # the data set, not the folder it was read from
+        lines += [f"{part}: `{base['model']}` on `{data}`, {base['epochs']} epochs of "
                   f"{base['limit_train_batches'] or 'all'} batches of {base['batch_size']}, one seed per row.", '']
         lines += [f'{heading} {part}: initialisation ({label}; dense baseline {fmt.format(base[metric])})', '',
                   '| rank | He | spectral | spectral ones |', '|---|---|---|---|']
