@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from ..errors import UsageError
-from .samples import load_samples
+from .samples import load_samples, recorded_data
 
 # torch and the measurement modules are imported where they are used: the CLI builds this command's
 # parser for `structformer --help`, which must not pay for importing torch
@@ -263,17 +263,7 @@ def run_analyze(args) -> int:
             refuse_unused_options(args, 'crate', what)
         loaded.append((model, state, p))
 
-    config = loaded[0][1].get('config') or {}
-    spec = args.data or config.get('data')
-    if not spec:
-        raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
-    if not args.data:
-        from ..train.data_paths import check_stored_data
-        check_stored_data(spec, config.get('data_as_given'), "the checkpoint's", '--data')
-    same = args.data is None or args.data == config.get('data')
-    options = dict(config.get('data_kwargs') or {}) if same else {}
-    data_seed = int(config.get('seed', 0))
-    val_fraction = float(config.get('val_fraction', 0.2))
+    spec, options, data_seed, val_fraction = recorded_data(loaded[0][1], args.data, main_path)
     images, info, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
     if len(idx) < args.num_samples:
         print(f"note: the validation split of {spec} has {len(idx)} samples; measuring all of them "

@@ -1,8 +1,9 @@
-"""The images an analysis measures: a seeded subset of a dataset's validation split (`structformer analyze`, the
-CRATE and Sparsifiner reproductions, CKA)."""
+"""What an analysis reads: the data a checkpoint is measured on (`recorded_data`), a seeded subset of its
+validation split (`load_samples`), and the second checkpoint of a comparison (`second_checkpoint`); used by
+`structformer analyze` (CRATE, Sparsifiner, CKA, interpolation) and the CRATE reproduction."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -29,3 +30,27 @@ def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, 
     if subspaces is not None and getattr(info, 'extra', None) is not None:
         info.extra['val_token_subspaces'] = subspaces[idx]
     return torch.stack([val[i][0] for i in idx]), info, idx
+
+
+def recorded_data(state: Dict, data: Optional[str], checkpoint) -> Tuple[str, Dict, int, float]:
+    """The data a checkpoint is measured on, as (spec, options, seed, val_fraction): --data when given, else the
+    run's own (refused by name if it has moved); the run's data options only on the run's own data; the run's
+    seed and held-out fraction, so the held-out split is the one training used."""
+    config = state.get('config') or {}
+    spec = data or config.get('data')
+    if not spec:
+        raise ValueError(f"--data: checkpoint {checkpoint} records no training data; pass --data SPEC")
+    if not data:
+        from ..train.data_paths import check_stored_data
+        check_stored_data(spec, config.get('data_as_given'), "the checkpoint's", '--data')
+    options = dict(config.get('data_kwargs') or {}) if data in (None, config.get('data')) else {}
+    return spec, options, int(config.get('seed', 0)), float(config.get('val_fraction', 0.2))
+
+
+def second_checkpoint(flag: str, value: str):
+    """The checkpoint a comparison reads beside --checkpoint (--cka, --interpolate), its errors naming `flag`."""
+    from ..train.checkpoint import resolve_checkpoint
+    try:
+        return resolve_checkpoint(value)
+    except (FileNotFoundError, ValueError) as e:          # CheckpointError is a ValueError
+        raise ValueError(f"{flag} {value}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
