@@ -5,6 +5,10 @@ as (`save_weights_folder`: what `export`, `eval --checkpoint` and `local-dir:` r
 Nothing heavy at import: `structformer --help` builds the convert parser from `weights.cli` without torch."""
 import importlib
 
+# the layouts `convert` reads (weights/convert.py has their key maps); here, import-light, so that the convert
+# command (weights/cli.py) builds its parser without torch and the converters need no command module
+SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
+
 __all__ = ['WeightsMismatch', 'adapt_state_dict', 'filter_fn_for', 'pretrained_filter_fn', 'save_weights_folder']
 
 

@@ -2,10 +2,12 @@
 our state.json), written whole or not at all."""
 from pathlib import Path
 
+from ..cli_args import ParseKwargs
 from ..errors import UsageError
+from . import SOURCES
 
-# the layouts `convert` reads (structformer.weights.convert has their key maps); here so that --help needs no torch
-SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
+DESCRIPTION = ('Convert a checkpoint to a weights folder that eval, train --pretrained-path / --initial-checkpoint '
+               "and timm's local-dir: load (docs/weights.md).")
 
 EXAMPLES = """examples:
   structformer convert --from crate-official crate_small.pth --model crate_small_patch16_224 --output weights/crate_s
@@ -25,7 +27,6 @@ docs/weights.md lists the key maps and the layouts of training checkpoints."""
 
 
 def add_arguments(parser) -> None:
-    from ..cli import ParseKwargs
     parser.add_argument('source_file', metavar='FILE', help='the checkpoint: .safetensors, or a .pth / .pth.tar / .bin '
                         "as torch.save wrote it, a trainer's checkpoint included (read with weights_only=True and an "
                         'allow-list of plain data such as argparse.Namespace: loading never runs code)')
