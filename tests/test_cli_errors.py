@@ -306,7 +306,7 @@ CASES = [
     ('pretrained-path-truncated', ['train', '--pretrained-path', '{truncated}', '--output', OUT],
      ['--pretrained-path', 'not a readable safetensors']),
     ('pretrained-path-pickle', ['train', '--pretrained-path', '{pickle}', '--output', OUT],
-     ['--pretrained-path', 'not a weights-only']),
+     ['--pretrained-path', 'refused', 'builtins.print']),
     ('pretrained-none-offline', ['train', '--pretrained', '--output', OUT], ['--pretrained', '--pretrained-path FILE']),
     ('pretrained-path-and-initial', ['train', '--pretrained-path', '{run}', '--initial-checkpoint', '{run}', '--output',
                                      OUT], ['--initial-checkpoint and --pretrained-path', 'give one']),

@@ -127,14 +127,16 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
 
 
 def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
+    """(the weights, the line saying which) of a trainer's checkpoint: `LAYOUTS` where an EMA is present, else the
+    model's weights under one of `_MODEL_KEYS`."""
     epoch = loaded.get('epoch')
     at = f", epoch {epoch}" if isinstance(epoch, int) else ''
     for model_key, ema_key, default, who in LAYOUTS:
         ema = loaded.get(ema_key)
         if not _is_tensor_mapping(ema):
             continue
-        model = next((loaded[k] for k in (model_key,) + _MODEL_KEYS if _is_tensor_mapping(loaded.get(k))), None)
-        model_name = next((k for k in (model_key,) + _MODEL_KEYS if _is_tensor_mapping(loaded.get(k))), model_key)
+        model_name = next((k for k in (model_key,) + _MODEL_KEYS if _is_tensor_mapping(loaded.get(k))), None)
+        model = loaded[model_name] if model_name else None
         take = kind or (default if model is not None else 'ema')
         if take == 'model' and model is None:
             raise UsageError(f"--weights model: {path} holds only EMA weights ({ema_key})")
