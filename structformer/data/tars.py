@@ -1,39 +1,33 @@
-"""webdataset tar shards: `--data wds:TRAIN_PATTERN[,VAL_PATTERN]` (image + class, keys `jpg`/`cls`).
+"""webdataset tar shards, read: names and patterns, `_info.json`, samples streamed or found by seek, and damage.
 
 A shard is a tar whose members are grouped into samples by name (webdataset's convention: `KEY.jpg`,
 `KEY.cls`); the class is the ASCII integer of `.cls`, the image any of `.jpg .jpeg .png .webp ...`.
 Patterns are brace-expanded as webdataset does (`train-{000000..000146}.tar`, `::` joins lists).
+The `webdataset` package gives the name expansion, the opening of remote shards (`pipe:`, http) and the
+key/extension split; the reading is Python's tarfile, for two reasons:
 
-What the package gives: shard-name expansion, opening (local files, `pipe:` and http URLs) and the
-tar-to-samples grouping (`webdataset.tariterators`). What is ours, and why not timm's ReaderWds (which
-uses the same package): timm seeds its sample shuffle once per worker, not per epoch, so a resumed run
-shuffles differently; it skips a broken shard silently (`log_and_continue`); and `with_epoch` can repeat
-some samples and miss others. Here (docs/data.md):
+- damage: tarfile ends an archive silently at the first block that is not a header (a garbage block
+  half-way, a file cut at a block boundary), so a damaged shard reads as a shorter one. Every read here
+  records why tarfile stopped and raises ShardError naming the shard unless it stopped at tar's
+  end-of-archive block (`_Watched`);
+- skipping: a sample that is not wanted (another worker's, held out) is passed over without reading its
+  bytes; for a local shard tarfile seeks over them.
 
-- an epoch is a stated number of samples N (`_info.json`'s shard lengths, else `train_samples=`, else a
-  header scan); each of P processes takes N // P, split over its W workers as evenly as whole samples
-  allow, so every process takes the same number of steps (DDP needs that);
-- the shard list is permuted per epoch from (seed, epoch) and dealt to the P*W (process, worker) slots;
-  with equal shards and N = all samples every sample is seen once per epoch; a slot that runs out of
-  shards before its quota reads them again (a fresh order), as webdataset's resampling does;
-- the sample shuffle buffer of each slot is seeded by (seed, epoch, slot), and every sample's
-  augmentation by (seed, epoch, shard, position in shard): an epoch depends on (seed, epoch, P, W)
-  alone, so resuming at an epoch boundary is exact;
-- validation is a map-style index of the validation shards (member offsets from the tar headers), so
-  evaluation splits over processes exactly as for folders.
+The training stream is shards.py; the map-style validation index is `IndexedShards` below.
 """
 import glob
 import io
 import json
 import os
 import random
+import re
 import tarfile
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset
 
 from ..errors import UsageError
 
@@ -136,6 +130,41 @@ def known_lengths(urls: Sequence[str], info: Dict) -> Optional[List[int]]:
 
 # ----------------------------------------------------------------------------- reading
 
+class _Watched(tarfile.TarInfo):
+    """tarfile's header parser, recording on the TarFile why it stopped (tarfile turns a header that does not parse
+    into a silent end of the archive once past the first member)."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.HeaderError as e:
+            tar.stopped_by = e
+            raise
+
+
+def end_problem(tar: tarfile.TarFile) -> Optional[str]:
+    """None if `tar` (iterated to its end) stopped at tar's end-of-archive block, else what stopped it, in words."""
+    stop = getattr(tar, 'stopped_by', None)
+    if stop is None or isinstance(stop, tarfile.EOFHeaderError):
+        return None
+    if isinstance(stop, tarfile.InvalidHeaderError):
+        return f'is damaged: the block at byte {tar.offset} is not a tar header ({stop})'
+    return f'ends early, at byte {tar.offset}, without the end-of-archive blocks (cut short?)'
+
+
+@contextmanager
+def open_tar(url: str, local_mode: str = 'r:*'):
+    """A TarFile over a shard that records why it stops: a local file opened for seeking (members passed over are
+    not read), anything else (`pipe:`, http) streamed through webdataset's gopen."""
+    if is_local(url):
+        with tarfile.open(_local(url), local_mode, tarinfo=_Watched) as tar:
+            yield tar
+        return
+    with webdataset().gopen(url, 'rb') as stream, tarfile.open(fileobj=stream, mode='r|*', tarinfo=_Watched) as tar:
+        yield tar
+
+
 def parse_label(data: bytes, url: str, key: str) -> int:
     try:
         return int(data.decode('ascii').strip())
@@ -143,31 +172,73 @@ def parse_label(data: bytes, url: str, key: str) -> int:
         raise ShardError(f'shard {url}: sample {key!r} has a class {data[:20]!r}, not an integer') from None
 
 
-def pick(sample: Dict, url: str) -> Tuple[str, bytes, int]:
-    """(image extension, image bytes, label) of a grouped sample; ShardError naming the missing key."""
+def _roles(sample: Dict, url: str) -> Tuple[str, str]:
+    """The image and the label member names of a grouped sample; ShardError naming what is missing."""
     image = next((k for k in IMAGE_KEYS if k in sample), None)
     label = next((k for k in LABEL_KEYS if k in sample), None)
     if image is None or label is None:
-        wanted = 'an image (' + '/'.join(IMAGE_KEYS) + ')' if image is None else 'a class (' + '/'.join(LABEL_KEYS) + ')'
+        wanted = ('an image member (' + '/'.join(IMAGE_KEYS) + ')' if image is None
+                  else 'a class member (' + '/'.join(LABEL_KEYS) + ')')
         keys = sorted(k for k in sample if not k.startswith('__'))
-        raise ShardError(f'shard {url}: sample {sample.get("__key__")!r} has no {wanted} member; it has {keys}')
-    return image, sample[image], parse_label(sample[label], url, sample.get('__key__'))
+        raise ShardError(f'shard {url}: sample {sample.get("__key__")!r} lacks {wanted}; it has {keys}')
+    return image, label
 
 
-def iter_shard(url: str) -> Iterator[Tuple[str, str, bytes, int]]:
-    """(key, image extension, image bytes, label) for each sample of one shard, streamed."""
-    wds = webdataset()
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
+def _is_meta(name: str) -> bool:
+    """webdataset's rule: members named __...__ (or under such a folder) are metadata, not samples."""
+    return re.match(r'__[^/]*__($|/)', name) is not None
+
+
+def read_shard(url: str, wanted=None) -> Iterator[Tuple[int, str, Optional[str], Optional[bytes], Optional[int]]]:
+    """(position, key, image extension, image bytes, label) for each sample of a shard, in member order.
+
+    `wanted(position)` is asked when a sample starts: True reads it; False passes over it without reading its
+    bytes (extension, bytes and label are then None); None stops the read there. A read that goes to the end
+    raises ShardError naming the shard if tar stopped anywhere but at its end-of-archive block (damage)."""
+    from webdataset.tariterators import base_plus_ext
+    position, sample, reading, stopped = -1, None, False, False
+
+    def finish(sample):
+        image, label = _roles(sample, url)
+        return sample[image][0], sample[image][1], parse_label(sample[label][1], url, sample['__key__'])
     try:
-        with wds.gopen(url, 'rb') as stream:
-            files = ({**f, '__url__': url} for f in tar_file_iterator(stream))
-            for sample in group_by_keys(files):
-                ext, data, label = pick(sample, url)
-                yield sample['__key__'], ext, data, label
+        with open_tar(url) as tar:
+            for member in tar:
+                if not member.isreg() or _is_meta(member.name):
+                    continue
+                key, ext = base_plus_ext(member.name)
+                if key is None:
+                    continue
+                if sample is None or key != sample['__key__']:
+                    if sample is not None:
+                        yield (position, sample['__key__'], *finish(sample)) if reading else \
+                            (position, sample['__key__'], None, None, None)
+                    position += 1
+                    choice = True if wanted is None else wanted(position)
+                    if choice is None:
+                        stopped, sample = True, None
+                        break
+                    sample, reading = {'__key__': key}, bool(choice)
+                ext = ext.lower()
+                if ext in sample:
+                    raise ShardError(f'shard {url}: sample {key!r} has two {ext!r} members')
+                sample[ext] = (ext, tar.extractfile(member).read()) if reading else (ext, None)
+            problem = None if stopped else end_problem(tar)
+        if sample is not None:
+            yield (position, sample['__key__'], *finish(sample)) if reading else \
+                (position, sample['__key__'], None, None, None)
+        if problem:
+            raise ShardError(f'shard {url} {problem}, after {position + 1} samples')
     except ShardError:
         raise
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise ShardError(f'shard {url} is not a readable tar ({type(e).__name__}: {str(e).splitlines()[0][:200]})') from None
+
+
+def iter_shard(url: str) -> Iterator[Tuple[str, str, bytes, int]]:
+    """(key, image extension, image bytes, label) for each sample of one shard, read to its end."""
+    for _, key, ext, data, label in read_shard(url):
+        yield key, ext, data, label
 
 
 def check_shard(url: str, spec: str) -> None:
@@ -179,7 +250,7 @@ def check_shard(url: str, spec: str) -> None:
         raise ShardError(f'--data {spec!r}: shard {url} is truncated or not a tar ({size} bytes, not a '
                          f'multiple of {TAR_BLOCK})')
     try:
-        next(iter_shard(url))
+        next(read_shard(url, lambda position: True if position == 0 else None))
     except StopIteration:
         raise ShardError(f'--data {spec!r}: shard {url} holds no sample') from None
     except ShardError as e:
@@ -188,30 +259,31 @@ def check_shard(url: str, spec: str) -> None:
 
 def scan_shard(url: str) -> List[Tuple[int, int, int]]:
     """[(image offset, image size, label)] of a local shard from its tar headers (a seek per member: the image
-    bytes are not read), in member order."""
+    bytes are not read), in member order; ShardError if the shard is damaged (end_problem)."""
     from webdataset.tariterators import base_plus_ext
-    path, out, current = _local(url), [], {}
+    samples: List[Dict] = []
     try:
-        with tarfile.open(path, 'r:') as tar:
-            members = [m for m in tar.getmembers() if m.isreg()]
-            samples: List[Dict] = []
-            for m in members:
-                key, ext = base_plus_ext(m.name)
-                if key is None or os.path.basename(key).startswith('__'):
+        with open_tar(url, 'r:') as tar:          # uncompressed: the offsets are the file's, for IndexedShards' seeks
+            for member in tar:
+                if not member.isreg() or _is_meta(member.name):
+                    continue
+                key, ext = base_plus_ext(member.name)
+                if key is None:
                     continue
                 if not samples or samples[-1]['__key__'] != key:
                     samples.append({'__key__': key})
-                samples[-1][ext.lower()] = m
+                samples[-1][ext.lower()] = member
+            problem = end_problem(tar)
+            if problem:
+                raise ShardError(f'shard {url} {problem}, after {len(samples)} samples')
+            out = []
             for sample in samples:
-                image = next((k for k in IMAGE_KEYS if k in sample), None)
-                label = next((k for k in LABEL_KEYS if k in sample), None)
-                if image is None or label is None:
-                    pick({k: b'' for k in sample} | {'__key__': sample['__key__']}, url)    # raises, naming the key
-                tar.fileobj.seek(sample[label].offset_data)
-                value = parse_label(tar.fileobj.read(sample[label].size), url, sample['__key__'])
-                current = sample[image]
-                out.append((current.offset_data, current.size, value))
-    except (tarfile.TarError, OSError, EOFError) as e:
+                image, label = _roles(sample, url)
+                value = parse_label(tar.extractfile(sample[label]).read(), url, sample['__key__'])
+                out.append((sample[image].offset_data, sample[image].size, value))
+    except ShardError:
+        raise
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise ShardError(f'shard {url} is not a readable tar ({type(e).__name__}: {e})') from None
     return out
 
@@ -245,167 +317,6 @@ def seeded(value: int):
 def _seed(*keys: int) -> int:
     from .seeding import sample_seed
     return sample_seed(*keys)
-
-
-# ----------------------------------------------------------------------------- training stream
-
-class ShardStream(IterableDataset):
-    """The training split: samples streamed from `urls`, `num_samples` an epoch over all processes.
-
-    `set_epoch` writes a shared counter that persistent workers read when the loader restarts them.
-    `held_out(shard, j)`, if given, drops samples that the validation split holds.
-    """
-    streaming = True
-
-    def __init__(self, urls: Sequence[str], num_samples: int, transform, seed: int, spec: str,
-                 shuffle_buffer: int = 2048, bad_images: str = 'error', held_out=None, shard_ids=None):
-        from timm.data.readers.shared_count import SharedCount
-        self.urls, self.num_samples, self.transform = list(urls), int(num_samples), transform
-        self.seed, self.spec, self.shuffle_buffer, self.bad_images = seed, spec, shuffle_buffer, bad_images
-        self.held_out = held_out
-        self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(self.urls)))
-        self.epoch = SharedCount()
-        self.rank, self.world_size, self.limit = 0, 1, 0
-        self.bad_seen: List[str] = []
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def configure(self, rank: int, world_size: int, limit: int = 0) -> None:
-        """This process's place (and --limit-train-batches in samples); called before the loader starts."""
-        self.rank, self.world_size, self.limit = rank, world_size, limit
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch.value = epoch
-
-    def per_process(self) -> int:
-        n = self.num_samples // self.world_size
-        return min(n, self.limit) if self.limit else n
-
-    def quota(self, worker: int, workers: int) -> int:
-        n = self.per_process()
-        return n // workers + (worker < n % workers)
-
-    def slot_shards(self, epoch: int, slot: int, slots: int) -> List[int]:
-        """Shard positions (into self.urls) dealt to `slot` this epoch: one permutation from (seed, epoch)."""
-        order = np.random.default_rng(_seed(self.seed, epoch, 0, 0)).permutation(len(self.urls))
-        return order[slot::slots].tolist()
-
-    def _rounds(self, mine: List[int], epoch: int, slot: int):
-        """Passes over this slot's shards, each an iterator of (shard id, position, name, bytes, label); a pass after
-        the first (the quota needs more than the slot's shards hold) takes the shards in a fresh order."""
-        for round_ in range(1 << 30):
-            order = mine if round_ == 0 else np.random.default_rng(_seed(self.seed, epoch, slot, round_)).permutation(mine).tolist()
-            yield self._pass(order)
-
-    def _pass(self, order: List[int]):
-        for k in order:
-            shard = self.shard_ids[k]
-            for j, (key, ext, data, label) in enumerate(iter_shard(self.urls[k])):
-                if self.held_out is None or not self.held_out(shard, j):
-                    yield shard, j, f'{self.urls[k]}:{key}.{ext}', data, label
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        epoch, slots, slot = int(self.epoch.value), self.world_size * workers, self.rank * workers + worker
-        if len(self.urls) < slots:
-            raise UsageError(f'--data {self.spec!r}: {len(self.urls)} training shard(s) for {self.world_size} '
-                             f'process(es) x {workers} worker(s); need at least one shard per worker')
-        quota = self.quota(worker, workers)
-        rng = random.Random(_seed(self.seed, epoch, 1 << 20, slot))
-        given = 0
-        for items in self._rounds(self.slot_shards(epoch, slot, slots), epoch, slot):
-            before = given
-            for item in self._shuffled(items, rng):     # the buffer drains at the end of each pass
-                if given >= quota:
-                    return
-                sample = self._load(item, epoch)
-                if sample is not None:      # None: undecodable under bad_images=skip, the next sample stands in
-                    given += 1
-                    yield sample
-            if given >= quota or given == before:      # done, or shards without a (readable) sample
-                return
-
-    def _shuffled(self, items, rng: random.Random):
-        """webdataset's shuffle buffer, with our generator: fill `shuffle_buffer`, then yield a random slot and refill it."""
-        buffer = []
-        for item in items:
-            if len(buffer) < self.shuffle_buffer:
-                buffer.append(item)
-                continue
-            i = rng.randrange(len(buffer))
-            buffer[i], item = item, buffer[i]
-            yield item
-        rng.shuffle(buffer)
-        yield from buffer
-
-    def _load(self, item, epoch: int):
-        from .imagefolder import UnreadableImage, report_replaced
-        shard, j, name, data, label = item
-        try:
-            image = decode_rgb(data, name)
-        except UnreadableImage as e:
-            if self.bad_images != 'skip':
-                raise UnreadableImage(f'--data {self.spec!r}: {e}; pass --data-kwargs bad_images=skip to train '
-                                      'past such images') from None
-            report_replaced(self, name, str(e), 'the next sample of the stream')
-            return None
-        with seeded(_seed(self.seed, epoch, shard, j)):
-            return (self.transform(image) if self.transform else image), label
-
-
-class StreamOrder:
-    """What the engine calls on its order object, for a stream: set_epoch, and len = samples per process."""
-
-    def __init__(self, stream: ShardStream):
-        self.stream = stream
-
-    def set_epoch(self, epoch: int) -> None:
-        self.stream.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return self.stream.per_process()
-
-
-class LimitedLoader:
-    """A DataLoader cut to `batches` per epoch (the iterator is dropped after; persistent workers restart)."""
-
-    def __init__(self, loader: DataLoader, batches: int):
-        self.loader, self.batches = loader, batches
-
-    def __len__(self) -> int:
-        return self.batches
-
-    def __iter__(self):
-        for i, batch in enumerate(self.loader):
-            if i >= self.batches:
-                return
-            yield batch
-
-
-def stream_batches(stream: ShardStream, batch_size: int, workers: int, drop_last: bool) -> int:
-    """Batches a process takes per epoch: each worker batches its own quota."""
-    w = max(1, workers)
-    sizes = [stream.quota(i, w) for i in range(w)]
-    return sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
-
-
-def stream_loader(stream: ShardStream, *, batch_size: int, workers: int, rank: int, world_size: int,
-                  drop_last: bool, limit_batches: int = 0, pin_memory: bool = False):
-    """(loader, order, batches per epoch) for a ShardStream: the engine's counterpart of its sampler path."""
-    stream.configure(rank, world_size, limit_batches * batch_size)
-    slots = world_size * max(1, workers)
-    if len(stream.urls) < slots:
-        raise UsageError(f'--data {stream.spec!r}: {len(stream.urls)} training shard(s) for {world_size} process(es) '
-                         f'x {max(1, workers)} loader worker(s); give at least one shard per worker (--workers, '
-                         'or write smaller shards: structformer data shard --shard-size)')
-    loader = DataLoader(stream, batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                        persistent_workers=workers > 0, drop_last=drop_last)
-    batches = stream_batches(stream, batch_size, workers, drop_last)
-    if limit_batches:
-        batches = min(batches, limit_batches)
-    return LimitedLoader(loader, batches), StreamOrder(stream), batches
 
 
 # ----------------------------------------------------------------------------- validation index
