@@ -191,3 +191,22 @@ def test_the_header_scan_refuses_a_damaged_shard(how, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and str(path) in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_an_epoch_resumed_after_k_batches_gives_the_rest_of_the_same_epoch(workers, tmp_path):
+    """A recovery point mid-epoch: each worker replays what it gave through its shuffle buffer (undecoded) and goes
+    on; the loader then yields exactly the batches a straight epoch yields after the first k."""
+    n = write_shards(tmp_path, (5, 2, 6))             # 13 samples: the workers give 4 and 3 batches of 2
+    write_shards(tmp_path, (2,), 'validation', start=n)
+    stream = _stream(tmp_path, 3)
+    loader, order, batches = shards_module.stream_loader(stream, batch_size=2, workers=workers, rank=0, world_size=1,
+                                                         drop_last=False)
+    order.set_epoch(3)
+    full = [x.tolist() for x, _ in loader]
+    assert len(full) == batches and sorted(i for b in full for i in b) == list(range(n))
+    for k in range(1, batches):
+        order.resume_at(k, 2)
+        assert [x.tolist() for x, _ in loader] == full[k:], k
+    order.resume_at(0, 2)
+    assert [x.tolist() for x, _ in loader] == full

@@ -52,15 +52,36 @@ class ShardStream(IterableDataset):
         self.lengths = [int(n) for n in lengths] if lengths is not None else None
         self.lengths_from = lengths_from
         self.epoch = SharedCount()
-        self.rank, self.world_size, self.limit = 0, 1, 0
+        self.resumed_batches = SharedCount()       # batches of this epoch taken before a resume mid-epoch
+        self.rank, self.world_size, self.limit, self.batch_size, self.drop_last = 0, 1, 0, 1, False
         self.bad_seen: List[str] = []
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def configure(self, rank: int, world_size: int, limit: int = 0) -> None:
-        """This process's place (and --limit-train-batches in samples); called before the loader starts."""
+    def configure(self, rank: int, world_size: int, limit: int = 0, batch_size: int = 1,
+                  drop_last: bool = False) -> None:
+        """This process's place (and --limit-train-batches in samples, the loader's batching); called before the
+        loader starts."""
         self.rank, self.world_size, self.limit = rank, world_size, limit
+        self.batch_size, self.drop_last = batch_size, drop_last
+
+    def worker_batches(self, worker: int, workers: int) -> int:
+        n = self.quota(worker, workers)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def resume_plan(self, workers: int, batches: int) -> Tuple[List[int], int]:
+        """(samples each worker gave, the worker asked next) after the first `batches` batches of an epoch: a
+        DataLoader over an iterable data set takes a batch from each worker in turn, passing over those done."""
+        left = [self.worker_batches(w, workers) for w in range(workers)]
+        taken, turn = [0] * workers, 0
+        while batches > 0 and any(left):
+            if left[turn]:
+                left[turn] -= 1
+                taken[turn] += 1
+                batches -= 1
+            turn = (turn + 1) % workers
+        return [min(t * self.batch_size, self.quota(w, workers)) for w, t in enumerate(taken)], turn
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch.value = epoch
@@ -109,6 +130,12 @@ class ShardStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # resumed mid-epoch: the loader asks its workers in turn from worker 0, so the worker the straight epoch
+        # would ask next plays worker 0's part; each replays what it gave through its shuffle buffer (so the rest
+        # comes in the same order) without decoding or transforming it, unless a decode may fail (bad_images=skip)
+        taken, turn = self.resume_plan(workers, int(self.resumed_batches.value))
+        worker = (worker + turn) % workers
+        replay = taken[worker]
         epoch, slots, slot = int(self.epoch.value), self.world_size * workers, self.rank * workers + worker
         quota = self.quota(worker, workers)
         rng = random.Random(_seed(self.seed, epoch, 1 << 20, slot))
@@ -120,7 +147,13 @@ class ShardStream(IterableDataset):
             for item in self._shuffled(items, rng):     # the buffer drains at the end of each pass
                 if given[0] >= quota:
                     return
+                if given[0] < replay and self.bad_images != 'skip':
+                    given[0] += 1
+                    continue
                 sample = self._load(item, epoch)
+                if sample is not None and given[0] < replay:
+                    given[0] += 1
+                    continue
                 if sample is not None:      # None: undecodable under bad_images=skip, the next sample stands in
                     given[0] += 1
                     yield sample
@@ -225,11 +258,17 @@ class ShardStream(IterableDataset):
 class StreamOrder:
     """What the engine calls on its order object, for a stream: set_epoch, and len = samples per process."""
 
-    def __init__(self, stream: ShardStream):
-        self.stream = stream
+    def __init__(self, stream: ShardStream, loader=None):
+        self.stream, self.loader = stream, loader
 
     def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)
+
+    def resume_at(self, batches: int, batch_size: int) -> None:
+        """The next epoch starts after its first `batches` batches (see ShardStream.taken_before)."""
+        self.stream.resumed_batches.value = batches
+        if self.loader is not None:
+            self.loader.skip = batches
 
     def __len__(self) -> int:
         return self.stream.per_process()
@@ -239,13 +278,13 @@ class LimitedLoader:
     """A DataLoader cut to `batches` per epoch (the iterator is dropped after; persistent workers restart)."""
 
     def __init__(self, loader: DataLoader, batches: int):
-        self.loader, self.batches = loader, batches
+        self.loader, self.batches, self.skip = loader, batches, 0
 
     def __len__(self) -> int:
         return self.batches
 
     def __iter__(self):
-        for i, batch in enumerate(self.loader):
+        for i, batch in enumerate(self.loader, start=self.skip):
             if i >= self.batches:
                 return
             yield batch
@@ -263,7 +302,7 @@ def stream_loader(stream: ShardStream, *, batch_size: int, workers: int, rank: i
     """(loader, order, batches per epoch) for a ShardStream: the engine's counterpart of its sampler path. The
     loader has its own generator (the seed it gives its workers then never draws from torch's global RNG, which
     a resumed run restores: with persistent workers a straight run makes the iterator once, a resumed one again)."""
-    stream.configure(rank, world_size, limit_batches * batch_size)
+    stream.configure(rank, world_size, limit_batches * batch_size, batch_size, drop_last)
     slots = world_size * max(1, workers)
     if not stream.deals_samples and len(stream.urls) < slots:
         raise UsageError(f'--data {stream.spec!r}: {len(stream.urls)} training shard(s) for {world_size} process(es) '
@@ -284,4 +323,5 @@ def stream_loader(stream: ShardStream, *, batch_size: int, workers: int, rank: i
     batches = stream_batches(stream, batch_size, workers, drop_last)
     if limit_batches:
         batches = min(batches, limit_batches)
-    return LimitedLoader(loader, batches), StreamOrder(stream), batches
+    limited = LimitedLoader(loader, batches)
+    return limited, StreamOrder(stream, limited), batches
