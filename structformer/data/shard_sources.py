@@ -155,8 +155,8 @@ def _folder_source(folder: str) -> Source:
             raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold different class folders')
         classes = ds.classes
         splits[split] = FileSplit([p for p, _ in ds.samples], [t for _, t in ds.samples])
-    return Source(f'image folder {os.path.abspath(folder)}', classes, splits,
-                  "torchvision's ImageFolder: folder names sorted by code point")
+    from .imagefolder import FOLDER_CLASS_ORDER
+    return Source(f'image folder {os.path.abspath(folder)}', classes, splits, FOLDER_CLASS_ORDER)
 
 
 def _hfds_source(path: str) -> Source:

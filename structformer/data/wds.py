@@ -121,7 +121,8 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         name='wds', num_classes=num_classes, in_chans=3, img_size=opts['img_size'], train_size=n_train,
         val_size=len(val), description=f'webdataset shards {path}: {num_classes} classes, {split}, '
                                        f'images at {opts["img_size"]}px',
-        extra={'path': path, 'classes': list(classes) if classes else None, 'mean': list(IMAGENET_DEFAULT_MEAN),
+        extra={'path': path, 'classes': list(classes) if classes else None, 'class_order': info.get('class_order'),
+               'class_descriptions': info.get('class_descriptions'), 'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'augmentation': applied, 'train_shards': len(urls), 'holdout': holdout,
                'shuffle_buffer': opts['shuffle_buffer']})
