@@ -1,5 +1,6 @@
-"""What `structformer data shard SOURCE OUT` reads: an image folder, `hfds:PATH`, `imagenet:PATH` or a timm
-`create_dataset` data set (`timm:NAME:ROOT`), each as splits of (encoded image, class index) items.
+"""What `structformer data shard SOURCE OUT` reads: an image folder, `hfds:PATH` or a timm `create_dataset` data
+set (`timm:NAME:ROOT`) here, ImageNet as downloaded in imagenet.py; each as splits of (encoded image, class index)
+items. `shard_writer.open_source` picks the form.
 
 A split lists its items cheaply up front (`label`, `name`); the bytes are read in the writer processes
 (`read`: the image file's own bytes where its format is one a shard holds, else re-encoded as PNG). Class
@@ -120,23 +121,7 @@ class Source:
 
 # ----------------------------------------------------------------------------- the forms
 
-def open_source(text: str) -> Source:
-    """SOURCE of `data shard`: PATH or imagefolder:PATH (an image folder), hfds:PATH, imagenet:PATH,
-    timm:NAME:ROOT (timm's create_dataset; NAME may be empty: timm:ROOT)."""
-    form, sep, rest = text.partition(':')
-    form = form.lower() if sep else ''
-    if form == 'hfds':
-        return _hfds_source(rest)
-    if form == 'imagenet':
-        from .imagenet import imagenet_source
-        return imagenet_source(rest, 'SOURCE imagenet:')
-    if form == 'timm':
-        name, sep, root = rest.partition(':')
-        return _timm_source(name if sep else '', root if sep else name)
-    return _folder_source(rest if form == 'imagefolder' else text)
-
-
-def _folder_source(folder: str) -> Source:
+def folder_source(folder: str) -> Source:
     from torchvision.datasets import ImageFolder
     folder = os.path.expanduser(folder)
     if not os.path.isdir(folder):
@@ -159,7 +144,7 @@ def _folder_source(folder: str) -> Source:
     return Source(f'image folder {os.path.abspath(folder)}', classes, splits, FOLDER_CLASS_ORDER)
 
 
-def _hfds_source(path: str) -> Source:
+def hfds_source(path: str) -> Source:
     from .hfds import VAL_SPLITS, _columns, _load
     from .spec import resolve_options
     from .hfds import OPTIONS
@@ -182,7 +167,7 @@ def _hfds_source(path: str) -> Source:
                   "the ClassLabel's names")
 
 
-def _timm_source(name: str, root: str) -> Source:
+def timm_source(name: str, root: str) -> Source:
     """timm's create_dataset(name, root, split) for 'train' and 'validation' (timm's split search: a folder's
     train/ and val/ sub-folders); a root without split folders is one 'train' split."""
     from timm.data import create_dataset

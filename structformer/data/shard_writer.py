@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import UsageError
-from .shard_sources import Source, open_source
+from .shard_sources import Source, folder_source, hfds_source, timm_source
 
 FORMAT = 1                      # bump when what a shard holds changes: a work folder of another format is not resumed
 _OWNER = '_owner.json'
@@ -40,6 +40,23 @@ def work_folder(out: str) -> str:
     """The work folder of OUT: a hidden sibling, so nothing reading OUT's parent takes it for a data set."""
     out = os.path.abspath(out)
     return os.path.join(os.path.dirname(out), '.' + os.path.basename(out) + WORK_SUFFIX)
+
+
+def open_source(text: str) -> Source:
+    """SOURCE of `data shard`: PATH or imagefolder:PATH (an image folder), hfds:PATH, imagenet:PATH,
+    timm:NAME:ROOT (timm's create_dataset; NAME may be empty: timm:ROOT)."""
+    form, sep, rest = text.partition(':')
+    form = form.lower() if sep else ''
+    if form == 'hfds':
+        return hfds_source(rest)
+    if form == 'imagenet':
+        from .imagenet import imagenet_source
+        return imagenet_source(rest, 'SOURCE imagenet:')
+    if form == 'timm':
+        name, sep, root = rest.partition(':')
+        return timm_source(name if sep else '', root if sep else name)
+    return folder_source(rest if form == 'imagefolder' else text)
+
 
 
 # ----------------------------------------------------------------------------- owning the work folder
