@@ -193,3 +193,35 @@ def test_shards_from_timm_readers_keep_timms_class_order(tmp_path, cache):
     got = sorted((d, label) for n in nested['splits']['train']['filenames']
                  for _, _, d, label in iter_shard(str(tmp_path / 'from-tar' / n)))
     assert got == expected
+
+
+def test_cli_lines_name_the_command_out_and_what_is_kept(tmp_path, cache, monkeypatch, capsys):
+    """Errors start `structformer data shard:` as argparse's do; Ctrl-C says what is kept (not checkpoints); a full
+    disk names OUT; each is one line."""
+    import errno
+
+    import structformer.data.shard_writer as writer
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    assert main(['data', 'shard', str(tmp_path / 'nowhere'), str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('structformer data shard: error: SOURCE') and len(err.strip().splitlines()) == 1, err
+    real, calls = writer.write_one, []
+
+    def stopped(job):
+        calls.append(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(job)
+    monkeypatch.setattr(writer, 'write_one', stopped)
+    assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--shard-size', '2']) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('structformer data shard: interrupted; OUT ') and \
+        '1 finished shard(s) are kept' in err[0] and 'checkpoint' not in err[0], err
+
+    def full(job):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(writer, 'write_one', full)
+    assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--shard-size', '2']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"OUT {tmp_path / 'out'}: the disk is full" in err[0], err

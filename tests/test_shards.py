@@ -15,7 +15,7 @@ import torch
 from structformer.cli import main
 from structformer.data import build_datasets
 from structformer.data.shards import ShardStream, iter_shard, stream_loader
-from structformer.data.wds import write_shards
+from structformer.data.shard_writer import write_shards
 
 CLASSES = ('ant', 'bee', 'cow')
 

@@ -103,7 +103,7 @@ def claim(work: str, out: str, plan: str, clean: bool) -> List[str]:
     """Make `work` ours; return the finished shards it already holds for this plan (resumed), else []."""
     if os.path.lexists(work):
         owner = _read_owner(work)
-        alive = owner_alive(owner) if owner else False
+        alive = owner_alive(owner) if owner and not owner.get('released') else False
         who = f"process {owner.get('pid')} on {owner.get('host')}" if owner else 'an unknown process'
         if clean:
             shutil.rmtree(work)
@@ -130,10 +130,18 @@ def claim(work: str, out: str, plan: str, clean: bool) -> List[str]:
     return []
 
 
-def _write_owner(work: str, plan: str) -> None:
+def _write_owner(work: str, plan: str, released: bool = False) -> None:
     from ..atomic import write_text_atomically
     write_text_atomically(os.path.join(work, _OWNER), json.dumps({**_me(), 'plan': plan, 'format': FORMAT,
-                                                                   'started': time.time()}))
+                                                                   'started': time.time(), 'released': released}))
+
+
+def _release(work: str, plan: str) -> None:
+    """Mark the kept work folder as no longer being written (this process may go on, e.g. a library caller)."""
+    try:
+        _write_owner(work, plan, released=True)
+    except OSError:
+        pass                          # a full disk: the owner's process id tells it once this process ends
 
 
 # ----------------------------------------------------------------------------- one shard (in a writer process)
@@ -265,7 +273,8 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
     jobs = plan_shards(source, shard_size, seed)
     work = work_folder(out)
     os.makedirs(os.path.dirname(work), exist_ok=True)
-    done = set(claim(work, out, plan_digest(source, shard_size, seed), clean))
+    plan = plan_digest(source, shard_size, seed)
+    done = set(claim(work, out, plan, clean))
     todo = [(work, split, name, positions, bad_images) for split, name, positions in jobs if name not in done]
     total = sum(len(p) for _, _, p in jobs)
     progress = Progress(total, total - sum(len(job[3]) for job in todo), progress_interval)
@@ -284,15 +293,19 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         if os.path.isdir(out):
             os.rmdir(out)                    # empty (checked above)
         os.rename(work, out)
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(f'OUT {out} is not written; the {finished} finished shard(s) are kept in {work}: the '
-                                'same command resumes from them (--clean removes them)') from None
+    except KeyboardInterrupt as e:        # what the CLI's interrupt line says (not its training wording)
+        _release(work, plan)
+        e.said = (f'OUT {out} is not written; the {finished} finished shard(s) are kept in {work}: the same command '
+                  'resumes from them (--clean removes them)')
+        raise
     except BaseException as e:
         kept = f'the {finished} finished shard(s) are kept in {work}: the same command resumes from them (--clean ' \
                'removes them)'
         if not finished:
             shutil.rmtree(work, ignore_errors=True)
             kept = 'nothing is kept'
+        else:
+            _release(work, plan)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise UsageError(f'OUT {out}: the disk is full ({e.strerror}); {kept}') from None
         if isinstance(e, UsageError):

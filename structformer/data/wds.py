@@ -154,6 +154,3 @@ class _HeldOut:
 
     def __call__(self, shard: int, j: int) -> bool:
         return _seed(self.seed, 1 << 30, shard, j) < self.threshold
-
-
-from .shard_writer import shard_patterns, write_shards  # noqa: E402,F401  (the writer's home is shard_writer.py)
