@@ -5,7 +5,6 @@ weights of the straight run, bit for bit. Recovery points do not pile up (train/
 
 Epoch 3 is what catches a loader that draws from torch's global RNG when it makes its iterator (the evaluation
 loader did): with persistent workers the straight run makes it once, a resumed run once more."""
-import io
 import os
 
 import numpy as np

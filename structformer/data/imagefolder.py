@@ -210,7 +210,8 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         name='imagefolder', num_classes=len(classes), in_chans=3, img_size=opts['img_size'],
         train_size=len(train), val_size=len(val),
         description=f'image folder {root}: {len(classes)} classes, {split}, images at {opts["img_size"]}px',
-        extra={'path': root, 'classes': list(classes), 'class_order': FOLDER_CLASS_ORDER, 'mean': list(IMAGENET_DEFAULT_MEAN),
+        extra={'path': root, 'classes': list(classes), 'class_order': FOLDER_CLASS_ORDER,
+               'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'skipped_images': skipped, 'augmentation': applied, 'check': check})
     if opts['bad_images'] == 'skip':
