@@ -21,7 +21,7 @@ EXAMPLES = """examples:
   structformer train --recipe crate_tiny_in1k --dry-run      # a paper's recipe, planned without its data
 
 --data accepts: digits | synthetic-subspaces | mnist:PATH | cifar10:PATH | imagefolder:PATH | wds:TRAIN[,VAL]
-| hfds:PATH | pysource | text:PATH (local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
+| hfds:PATH | imagenet:PATH | pysource | text:PATH (local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
 summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
 
 
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='a registered model transform applied after construction, with its arguments; '
                         'repeat for several (applied in order, recorded in every checkpoint)')
     g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | cifar10:PATH | imagefolder:PATH '
-                                              '| wds:TRAIN[,VAL] | hfds:PATH | pysource | text:PATH (docs/data.md)')
+                                              '| wds:TRAIN[,VAL] | hfds:PATH | imagenet:PATH | pysource | text:PATH (docs/data.md)')
     g.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
                    help="dataset options, e.g. augment=True or num_classes=4; imagefolder/wds/hfds/cifar10: img_size=N "
                         "(default: the model's input size); imagefolder: check=header (default: open every file's "
