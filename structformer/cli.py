@@ -644,6 +644,12 @@ def build_parser() -> argparse.ArgumentParser:
     export_cli.add_arguments(p)
     p.set_defaults(func=export_cli.run)
 
+    from .compare import cli as compare_cli
+    p = sub.add_parser('compare', help='one table across the families: every model by one recipe, seeds, cost',
+                       formatter_class=fmt, epilog=compare_cli.EXAMPLES, description=compare_cli.DESCRIPTION)
+    compare_cli.add_arguments(p)
+    p.set_defaults(func=compare_cli.run)
+
     p = sub.add_parser('recipes', help="the papers' training settings, for `structformer train --recipe NAME`",
                        formatter_class=fmt, epilog=RECIPES_EXAMPLES)
     p.add_argument('--json', action='store_true', help='one JSON list: name, paper, source, model, data, reported')
