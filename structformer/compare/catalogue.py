@@ -109,7 +109,7 @@ SETS: Dict[str, Dict] = {
                   recipe=dict(_COMMON, epochs=8, batch_size=64, lr=2e-3),
                   about='every family on the embedded digits, one seed: a few minutes'),
     'mnist': dict(data=None, seeds=3, budget=170_000, entries=[e.key for e in ENTRIES],
-                  recipe=dict(_COMMON, epochs=5, batch_size=128, lr=2e-3),
+                  recipe=dict(_COMMON, epochs=15, batch_size=128, lr=2e-3),
                   about='real MNIST at 28 px (8,000 train / 2,000 held out of a 10,000-image IDX pair), three seeds'),
     'in1k': dict(data='imagefolder:IMAGENET', seeds=1, budget=None, entries=None, recipe=None,
                  about="the paper-scale recipes' models at their own recipes, one torchrun job per cell (dry run)"),

@@ -243,10 +243,12 @@ def _dry_run(args, set_name, kind, rows, cells, shared, data, notes) -> int:
               f"{e['train_step_cpu_ms']:>8.1f} {e['epoch_s']:>8.1f} {e['remaining_epochs']:>6}  {states}")
     print("(step: one training step of the batch, wall and CPU time per thread; cells: n new, p partial, "
           "f finished, d diverged, c changed)")
-    print(f"estimated training time: {total / 3600:.2f} h ({total / 60:.0f} min) of wall time as this machine ran "
-          f"now; {total_cpu / 3600:.2f} h ({total_cpu / 60:.0f} min) from the CPU time, what it takes with the "
-          f"{load['threads']} thread(s) to itself (one measured step per row; steps and evaluations only, Sparsifiner "
-          "with its teacher's forward)")
+    jobs = f", over {args.jobs} jobs at once" if args.jobs > 1 else ''
+    print(f"estimated training time{jobs}: {total / 3600 / args.jobs:.2f} h ({total / 60 / args.jobs:.0f} min) of wall "
+          f"time as this machine ran now; {total_cpu / 3600 / args.jobs:.2f} h ({total_cpu / 60 / args.jobs:.0f} min) "
+          f"from the CPU time, what it takes with {load['threads']} thread(s) per job to itself (one measured step per "
+          "row; steps and evaluations only, Sparsifiner with its teacher's forward"
+          + (', the cells spread evenly over the jobs)' if args.jobs > 1 else ')'))
     print(summary_line(load))
     return 0
 

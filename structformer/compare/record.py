@@ -131,7 +131,7 @@ def plot_fronts(record: Dict, folder: Path) -> List[str]:
             for r in rows:
                 ax.errorbar(r[cost], r['top1_mean'], yerr=r.get('top1_se') or 0, fmt=markers[r['family']],
                             color='C3' if r.get(front) else 'C0', ms=7, capsize=3)
-                ax.annotate(r['label'], (r[cost], r['top1_mean']), fontsize=7, xytext=(4, 3), textcoords='offset points')
+                ax.annotate(r['key'], (r[cost], r['top1_mean']), fontsize=7, xytext=(4, 3), textcoords='offset points')
             line = sorted((r[cost], r['top1_mean']) for r in rows if r.get(front))
             if line:
                 ax.plot(*zip(*line), '--', color='C3', lw=1, label='Pareto front')
