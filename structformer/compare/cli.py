@@ -69,13 +69,14 @@ def _count(flag: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .catalogue import SETS
+    from .catalogue import ENTRIES, SETS
     p.add_argument('--set', default=None, metavar='NAME',
                    help='a predefined grid: ' + '; '.join(f"{name}: {s['about']}" for name, s in SETS.items())
                         + ' (default quick, unless --models names the rows)')
     p.add_argument('--models', nargs='+', default=None, metavar='NAME',
-                   help="rows of the grid (a subset of --set's); the rows they depend on are added (Sparsifiner's "
-                        "ViT teacher, the dense start of a pre-trained low-rank row)")
+                   help="rows of the grid (a subset of --set's): " + ', '.join(e.key for e in ENTRIES)
+                        + "; --set in1k: its recipes' rows. The rows they depend on are added (Sparsifiner's ViT "
+                          "teacher, the dense start of a pre-trained low-rank row)")
     p.add_argument('--data', default=None, help='digits | mnist:PATH (a folder of MNIST IDX files); --set in1k: '
                                                 'imagefolder:PATH')
     p.add_argument('--recipe', default=None, metavar='NAME',
@@ -111,8 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'the rate your cluster measures)')
     g = p.add_argument_group('the shared recipe: training settings every cell takes (`structformer train --help`)')
     for flag, key, kind, nargs in TRAIN_FLAGS:
+        name = flag.split('/')[-1].lstrip('-').upper().replace('-', '_')
         g.add_argument(*flag.split('/'), dest=key, type=kind, nargs=nargs, default=S,
-                       metavar=key.upper() if nargs is None else None)
+                       metavar=name if nargs != 2 else (name + '_MIN', name + '_MAX'))
     for flag, key in SWITCHES:
         g.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=S)
     g.add_argument('--data-kwargs', dest='data_kwargs', nargs='*', default=S, metavar='KEY=VALUE',
@@ -145,14 +147,6 @@ def _data(args, set_name) -> str:
     if form.strip().lower() == 'mnist' and path and not Path(path).is_dir():
         raise UsageError(f"--data {data}: no such folder; point it at a folder holding the MNIST IDX files")
     return data
-
-
-def _record_command(set_name, data) -> str:
-    """The one line that regenerates the committed record (the data's path written as PATH)."""
-    form = data.partition(':')[0]
-    spec = f"{form}:PATH" if ':' in data else data
-    return (f"structformer compare --set {set_name} --data {spec} --jobs 2 --threads 1 --output "
-            f"outputs/compare_{set_name} --publish docs")
 
 
 def _this_command(args, set_name, data: str) -> str:
@@ -310,13 +304,14 @@ def run(args) -> int:
             for cell in cells:
                 outcome = run_cell(cell, overwrite=args.overwrite)
                 trained = trained or outcome in ('trained', 'diverged')
+    from .leaderboard import record_command
     from .report import measure, write_record
     speed_path = output / SPEED
     speed = json.loads(speed_path.read_text()) if speed_path.is_file() else None
     if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows))):
         speed = measure(cells, rows, data, shared, args, output)
     record = write_record(output, set_name, kind, rows, cells, shared, speed, data, args,
-                          _this_command(args, set_name, data), _record_command(set_name or 'custom', data))
+                          _this_command(args, set_name, data), record_command(set_name or 'custom', data))
     print(f"wrote {output / RECORD}, {output / 'leaderboard.md'} and the plots in {output}")
     if args.publish:
         from .report import publish
