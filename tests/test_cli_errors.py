@@ -367,6 +367,8 @@ CASES = [
     ('compare-pretrained-one-epoch', ['compare', '--models', 'vit_lowrank_0.5_pretrained', '--epochs', '1',
                                       '--output', OUT], ['--epochs 1', 'at least 2']),
     ('compare-no-seeds', ['compare', '--seeds', '0', '--output', OUT], ['--seeds', '>= 1']),
+    ('compare-measure-only-overwrite', ['compare', '--measure-only', '--overwrite', '--output', OUT],
+     ['--measure-only', '--overwrite']),
     ('compare-jobs-without-threads', ['compare', '--jobs', '2', '--output', OUT], ['--jobs 2', '--threads']),
     ('compare-in1k-not-dry', ['compare', '--set', 'in1k', '--output', OUT], ['--set in1k', '--dry-run']),
     ('compare-in1k-shared-flag', ['compare', '--set', 'in1k', '--dry-run', '--lr', '0.1', '--output', OUT],

@@ -254,8 +254,9 @@ def run(args) -> int:
                          "--threads 1 on two cores): a resumed cell must run on as many threads as it started with")
     if args.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
-    if args.measure_only and (args.skip_speed or args.dry_run):
-        raise UsageError("--measure-only times trained rows: leave out --skip-speed and --dry-run")
+    if args.measure_only and (args.skip_speed or args.dry_run or args.overwrite):
+        raise UsageError("--measure-only times the rows already trained: leave out --skip-speed, --dry-run and "
+                         "--overwrite")
     args.train_flags = _train_flags(args)
     if args.set is not None and args.set not in SETS:
         raise UsageError(f"--set {args.set!r} is not a set: accepted {', '.join(SETS)}")
@@ -281,7 +282,7 @@ def run(args) -> int:
                          f"{pretrain_epochs(2)} epoch(s) and need at least 2; raise --epochs or leave them out")
     cells = plan_cells(rows, seeds, shared, data, output, args.device, args.recipe)
     wanted = manifest(set_name, kind, budget if not args.no_match else None, not args.no_match, shared)
-    check_manifest(output, wanted, args.overwrite)
+    recipe_changes = check_manifest(output, wanted, args.overwrite)
     check_cells(cells, args.overwrite)
     _preflight(cells, data)
     if args.dry_run:
@@ -293,6 +294,8 @@ def run(args) -> int:
     check_writable(output, '--output')
     trained = False
     if not args.measure_only:
+        if recipe_changes:                 # timings of the models trained with the old recipe
+            (output / SPEED).unlink(missing_ok=True)
         write_manifest(output, wanted)
         if args.jobs > 1:
             try:

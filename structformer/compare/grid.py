@@ -118,19 +118,23 @@ def _differences(saved: Dict, planned: Dict, skip=()) -> List[str]:
             if k not in skip and _plain(saved.get(k)) != _plain(planned.get(k))]
 
 
-def check_manifest(output: Path, wanted: Dict, overwrite: bool) -> None:
-    """Refuse another recipe, budget or matching in a folder that holds a grid, unless --overwrite."""
+def check_manifest(output: Path, wanted: Dict, overwrite: bool) -> bool:
+    """Refuse another recipe, budget or matching in a folder that holds a grid, unless --overwrite; returns
+    whether the grid's recipe changes (with --overwrite)."""
     path = output / MANIFEST
-    if not path.is_file() or overwrite:
-        return
+    if not path.is_file():
+        return False
     saved = json.loads(path.read_text())
     facts = ('data', 'budget', 'match')
     diff = (_differences({k: saved.get(k) for k in facts}, {k: wanted.get(k) for k in facts})
             + _differences(saved.get('recipe') or {}, wanted['recipe'], skip=NOT_COMPARED))
+    if diff and overwrite:
+        return True
     if diff:
         raise UsageError(f"--output {output} holds a comparison with another recipe ({'; '.join(diff[:3])}"
                          f"{'; ...' if len(diff) > 3 else ''}); pass --overwrite to retrain its cells with this one, "
                          "or give another --output")
+    return False
 
 
 def write_manifest(output: Path, wanted: Dict) -> None:
