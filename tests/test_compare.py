@@ -102,6 +102,7 @@ def quick(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quick_set_trains_every_family_and_writes_the_record(quick):
     record = _record(quick)
     assert [r['key'] for r in record['rows']] == SETS['quick']['entries']
@@ -115,6 +116,7 @@ def test_quick_set_trains_every_family_and_writes_the_record(quick):
         assert (quick / name).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_sparsifiner_distils_from_the_dense_cell_of_its_seed(quick):
     record = _record(quick)
     cell = next(r for r in record['rows'] if r['key'] == 'sparsifiner')['cells'][0]
@@ -124,6 +126,7 @@ def test_sparsifiner_distils_from_the_dense_cell_of_its_seed(quick):
     assert Path(config['teacher']).resolve().is_relative_to((quick / 'cells' / 'vit' / 'seed_0').resolve())
 
 
+@pytest.mark.slow
 def test_pretrained_low_rank_cell_starts_from_the_dense_cell(quick):
     """Its dense epochs are the dense cell's (copied, not retrained), and the whole run equals `--factorize-at`
     from scratch, bit for bit."""
@@ -143,6 +146,7 @@ def test_pretrained_low_rank_cell_starts_from_the_dense_cell(quick):
     assert parameter_digest(grid_model) == parameter_digest(scratch_model)
 
 
+@pytest.mark.slow
 def test_running_again_trains_nothing(quick, capsys):
     stamps = {p: p.stat().st_mtime_ns for p in quick.rglob('model.safetensors')}
     capsys.readouterr()
@@ -151,6 +155,7 @@ def test_running_again_trains_nothing(quick, capsys):
     assert {p: p.stat().st_mtime_ns for p in quick.rglob('model.safetensors')} == stamps
 
 
+@pytest.mark.slow
 def test_another_recipe_into_the_same_output_is_refused(quick, capsys):
     before = sorted(p.name for p in quick.rglob('*'))
     _one_error(['compare', '--set', 'quick', '--output', str(quick), '--skip-speed', *TINY, '--lr', '0.01'], capsys,
@@ -158,6 +163,7 @@ def test_another_recipe_into_the_same_output_is_refused(quick, capsys):
     assert sorted(p.name for p in quick.rglob('*')) == before
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_grid_and_its_time_and_writes_nothing(quick, tmp_path, capsys):
     out = tmp_path / 'never'
     capsys.readouterr()
@@ -170,6 +176,7 @@ def test_dry_run_prints_the_grid_and_its_time_and_writes_nothing(quick, tmp_path
 
 
 # ---- resumption and seeds -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_killed_grid_resumes_to_the_same_record(tmp_path):
     """Two rows (Sparsifiner and the ViT teacher it adds) × two seeds. One grid runs in this process, cell after
     cell; another runs two cells at a time in worker processes (--jobs 2), which are killed in the middle of their
@@ -196,6 +203,7 @@ def test_a_killed_grid_resumes_to_the_same_record(tmp_path):
             assert yaml.safe_load((killed / c['run'] / 'config.yaml').read_text())['seed'] == c['seed']
 
 
+@pytest.mark.slow
 def test_timing_phase_remeasures_without_training(tmp_path, capsys):
     out = tmp_path / 'grid'
     argv = ['compare', '--models', 'vit', 'swmlp', '--output', str(out), '--epochs', '1', '--limit-train-batches', '1',

@@ -8,7 +8,8 @@ trained by one recipe on one split with several seeds and timed on one machine (
                low-rank cell starts from the dense cell's checkpoint at the switch
     speed      FLOPs per image, training and inference images/s timed paired in one process, peak training memory
                in a process per model, and the one-step estimate of a dry run
-    record     mean and standard error over seeds, the Pareto fronts, the JSON record, the markdown table, plots
+    record     mean and standard error over seeds, the Pareto fronts, the markdown table, the plots
+    report     the timing phase (OUTPUT/speed.json) and the record files (compare.json, leaderboard.md, plots)
     leaderboard  docs/leaderboard.md rendered from a record, with each paper's headline claim checked against it
     in1k       the paper-scale set: one torchrun command per cell and its GPU-hours
     cli        the command line

@@ -98,6 +98,8 @@ def plan_cells(rows: List[Row], seeds: List[int], shared: Dict, data: str, outpu
                 values.update(factorize_rank=row.entry.rank, factorize_at=switch if row.entry.pretrained else None)
             if row.entry.teacher:
                 values['teacher'] = str(depends.folder)
+            else:                                     # the stages of a distilled cell only
+                values.pop('predictor_epochs', None)
             if row.key in needs_switch:               # the dense checkpoint a pre-trained low-rank cell starts from
                 values['save_every'] = switch
             config = TrainConfig.from_dict(values, source=f'cell {row.key}/seed_{seed}').validate()
