@@ -345,3 +345,35 @@ def test_every_choice_builds_and_runs_its_candidates(tuning, monkeypatch):
     expected = {'ssa_impl', 'newton_loop'} | ({'linear_kernel'} if onednn_linear.onednn_available() else set()) | (
         {'sparsifiner_tiles'} if tile_kernel.available() else set())
     assert timed == expected
+
+
+@pytest.mark.skipif(not onednn_linear.onednn_available(), reason='torch built without oneDNN')
+@pytest.mark.parametrize('bias', [True, False])
+def test_tuned_linear_and_ista_on_either_kernel_equal_their_references(tuning, monkeypatch, bias):
+    """CRATE's projections (TunedLinear) and fused ISTA step on either kernel: outputs and gradients against
+    F.linear and the term-by-term ISTA reference (float32, inputs away from the ReLU's kink)."""
+    from structformer.layers.linear import TunedLinear
+    from structformer.layers.mlp.ista import ISTA
+    monkeypatch.setattr(onednn_linear, 'MIN_MULTIPLY_ADDS', 0)
+    torch.manual_seed(0)
+    layer, ista = TunedLinear(24, 40, bias=bias), ISTA(24)
+    reference_ista = ISTA(24, fused=False)
+    reference_ista.load_state_dict(ista.state_dict())
+    x = torch.randn(3, 70, 24)
+
+    def run(modules=(layer, ista)):
+        results = []
+        for module in modules:
+            module.zero_grad()
+            xs = x.clone().requires_grad_()
+            out = module(xs)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), xs.grad, *(p.grad for p in module.parameters())))
+        return results
+
+    with onednn_linear.torch_kernels():                       # F.linear itself: the reference
+        expected_linear = run((layer,))[0]
+    expected_ista = run((reference_ista,))[0]
+    for got_linear, got_ista in _both(run, monkeypatch, 'linear_kernel', ('onednn', 'torch')).values():
+        for got, want in zip(got_linear + got_ista, expected_linear + expected_ista):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -42,7 +42,11 @@ _enabled = True
 # 64 tokens trained at 0.55x torch's speed on oneDNN); a rank-0.25 ViT-S block stack on 8 x 197 tokens (products
 # of 0.6e8-2.3e8) trained at the same speed on either (1.93x vs 2.00x dense, 20 paired rounds); a 1024 -> 4096
 # layer at rank 256 on 4096 tokens (products of 1.1e9-4.3e9) 8-11 % faster on oneDNN.
+# That is the default where nothing is timed; where the machine times the two (`autotune`), products from
+# MIN_TIMED_MULTIPLY_ADDS up are its choice too (on an AVX-512 AMD EPYC oneDNN's kernels ran CRATE-T's 3152 x 384 x
+# 384 products 1.4-1.7x faster than MKL's, a training step's worth below the old floor at batch 8).
 MIN_MULTIPLY_ADDS = 2 ** 28
+MIN_TIMED_MULTIPLY_ADDS = 2 ** 22
 
 
 def _has_op() -> bool:
@@ -133,7 +137,12 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if not all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors) or weight.dim() != 2:
         return False
-    return x.numel() * weight.shape[0] >= MIN_MULTIPLY_ADDS           # tokens · in · out
+    return x.numel() * weight.shape[0] >= min(MIN_MULTIPLY_ADDS, MIN_TIMED_MULTIPLY_ADDS)   # tokens · in · out
+
+
+def _default_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Where nothing is timed: oneDNN from MIN_MULTIPLY_ADDS multiply-adds (the AVX2 AMD EPYC's rule), else torch."""
+    return 'onednn' if x.numel() * weight.shape[0] >= MIN_MULTIPLY_ADDS else 'torch'
 
 
 # the stand-in products of a timing: at most this many multiply-adds each (rows cut down to fit), a few ms
@@ -194,7 +203,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """y = x Wᵀ + b, as `F.linear` (any leading dims of x; weight [out, in], possibly a strided view):
     on oneDNN for float32 CPU tensors where this machine chose it (`_OneDnnLinear`), `F.linear` otherwise."""
     if _eligible(x, weight, bias) and autotune.decide(
-            'linear_kernel', linear_shape_class(x, weight, bias), 'onednn',
+            'linear_kernel', linear_shape_class(x, weight, bias), _default_kernel(x, weight),
             lambda: linear_candidates(x, weight, bias)) == 'onednn':
         return _OneDnnLinear.apply(x, weight, bias)
     return _torch_linear(x, weight, bias)

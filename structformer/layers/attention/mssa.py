@@ -15,6 +15,7 @@ from ...functional.precision import autocast_dtype
 from ...functional.shared_qkv_attention import shared_qkv_attention
 from ...functional.tracing import recording_graph
 from ..linear.base import linear_weight
+from ..linear.tuned import TunedLinear
 from .registry import register_attention
 from .softmax import check_head_sizes
 
@@ -110,10 +111,10 @@ class MSSA(nn.Module):
         self.eps = eps
         inner = num_heads * attn_head_dim
         # one projection: its rows, per head, are U_kᵀ (CRATE's Q = K = V)
-        self.qkv = nn.Linear(dim, inner, bias=qkv_bias, **dd)
+        self.qkv = TunedLinear(dim, inner, bias=qkv_bias, **dd)     # nn.Linear on this machine's fastest GEMM
         self.attn_drop = nn.Dropout(attn_drop)
         # Eq. 12 maps back with U itself, so no separate output weight exists when tied
-        self.proj = None if tied_output else nn.Linear(inner, dim, bias=proj_bias, **dd)
+        self.proj = None if tied_output else TunedLinear(inner, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def subspace_bases(self) -> torch.Tensor:
