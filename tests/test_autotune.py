@@ -377,3 +377,12 @@ def test_tuned_linear_and_ista_on_either_kernel_equal_their_references(tuning, m
     for got_linear, got_ista in _both(run, monkeypatch, 'linear_kernel', ('onednn', 'torch')).values():
         for got, want in zip(got_linear + got_ista, expected_linear + expected_ista):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_algorithms_take_the_default(tuning):
+    torch.use_deterministic_algorithms(True)
+    try:
+        with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+            assert _decide() == 'shared'
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -15,8 +15,9 @@ A choice is `decide(name, shape_class, default, calls, isa=None)`. In order:
 2. `isa`, the caller's hardware rule, where the machine's features decide it outright;
 3. this process's earlier decision for (name, shape class, thread count);
 4. while a graph is recorded (export, ONNX, tracing, FX: `tracing.recording_graph`), under torch.compile, under
-   a dispatch mode (FlopCounterMode) or saved-tensor hooks, inside another choice's timing, or with timing off
-   (`STRUCTFORMER_AUTOTUNE=off`): `default`, the rule the code followed before, not remembered;
+   a dispatch mode (FlopCounterMode) or saved-tensor hooks, inside another choice's timing, with deterministic
+   algorithms on, or with timing off (`STRUCTFORMER_AUTOTUNE=off`): `default`, the rule the code followed
+   before, not remembered;
 5. the decision cached on disk for this machine;
 6. timing: the candidates (`calls()`, built only now) run back to back for a few rounds, about a tenth of a
    second in all; a candidate replaces `default` only when its median per-round speed-up over it exceeds
@@ -30,6 +31,13 @@ Delete the folder to time again.
 
 Every decision is recorded (`report()`), and `records.environment()` carries the report, so every benchmark
 JSON and every checkpoint's state.json says what ran. Tests inject a timer (`use_timer`).
+
+The hardware rules that decide outright are the availability checks at the call sites: oneDNN's op exists on
+x86-64 builds of torch only, the Sparsifiner tile kernel only where it builds (Linux x86-64, a compiler), and
+neither runs off the CPU; between candidates that all run, no flag predicted the faster one on the three kinds of
+CPU measured, so those are timed. A first run and a later one on the same machine take the same paths once a
+choice is cached; for paths fixed across machines, set `STRUCTFORMER_AUTOTUNE=off` (the defaults) or the
+overrides.
 """
 from __future__ import annotations
 
@@ -195,8 +203,11 @@ def _timing_setting() -> bool:
 def timing_allowed() -> bool:
     """Whether `decide` may time candidates now: not while a graph is recorded or compiled, not under a dispatch
     mode (FlopCounterMode would count the candidates) or saved-tensor hooks (they would pack the candidates'
-    tensors), not inside another timing, and not with STRUCTFORMER_AUTOTUNE=off."""
+    tensors), not inside another timing, not with `torch.use_deterministic_algorithms(True)` (a first run and a
+    rerun must take the same paths) and not with STRUCTFORMER_AUTOTUNE=off."""
     if not _timing_setting() or getattr(_state, 'timing', False):
+        return False
+    if torch.are_deterministic_algorithms_enabled():      # a run asked to repeat itself: no machine-timed paths
         return False
     if torch.compiler.is_compiling() or recording_graph() or torch.jit.is_scripting():
         return False
