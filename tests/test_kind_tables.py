@@ -116,3 +116,15 @@ def test_the_records_command_names_a_benchmark_per_goal():
     line = kind_tables.command_line(kind_tables.RECORDS[3][2], 1, 'docs/kinds/k/mlp/mlp.json')
     assert line[:3] == ['structformer', 'bench', 'mlp'] and line[-2:] == ['--threads', '1']
     assert 'docs/kinds/k/mlp' in line
+
+
+def test_the_readme_quotes_the_avx512_amd_record():
+    """README's headline numbers for the AVX-512 AMD EPYC are its record's (re-measured records: update the README)."""
+    goals = {g['goal']: g['value'] for g in json.loads((DOCS / 'kinds' / 'amd-avx512-bf16.json').read_text())['goals']}
+    readme = ' '.join((DOCS.parent / 'README.md').read_text().replace('**', '').split())
+    for goal, text in (('crate_vit', f"{goals['crate_vit']:.2f}× on AVX-512 AMD"),
+                       ('soft_sdpa', f"{goals['soft_sdpa']:.1f}× on AVX-512 AMD"),
+                       ('lowrank_layer', f"{goals['lowrank_layer']:.2f}× on AVX-512 AMD"),
+                       ('lowrank_stack', f"{goals['lowrank_stack']:.2f}× on AVX-512 AMD"),
+                       ('sparsifiner_sdpa', f"{goals['sparsifiner_sdpa']:.2f}× on AVX-512 AMD")):
+        assert text in readme, (goal, text)

@@ -13,7 +13,8 @@ table there equals its record's render.
 `python -m structformer.bench.kind_tables record` (`make bench-records`) runs the benchmarks behind every goal on
 this machine at their goal settings, one after the other, writes their records into `docs/kinds/<this kind>/`
 (a busy run's record is refused there: `kinds.write_record`), collects the kind record and updates the docs.
-It prints how long it took; about `kinds.RECORDS_MINUTES` minutes on a quiet 2-core machine.
+It prints how long it took: 21 minutes at 1 thread on the project's 2-core machine while other work shared it
+(`kinds.RECORDS_MINUTES`).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def collect(kind: str, folder: Path) -> dict:
     goals = [entries.get(goal) or {'goal': goal, 'what': GOALS[goal][1], 'value': None,
                                    'target': f"{GOALS[goal][2]} {GOALS[goal][3]:g}", 'record': None}
              for goal in GOALS]
-    return {'kind': kind, 'cpu': cpu, 'provenance': f"collected from docs/kinds/{kind}/ by `make bench-records`",
+    return {'kind': kind, 'cpu': cpu, 'provenance': f"Collected from docs/kinds/{kind}/ by `make bench-records`.",
             'goals': goals}
 
 
