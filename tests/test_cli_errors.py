@@ -79,6 +79,15 @@ def files(tmp_path_factory):
     state = json.loads((base / 'mismatch' / 'state.json').read_text())
     state['recipe']['kwargs']['num_classes'] = state['model_kwargs']['num_classes'] = 7
     (base / 'mismatch' / 'state.json').write_text(json.dumps(state))
+    from safetensors.torch import save_file
+    from test_convert import _fill, sparsifiner_official_shapes
+    public = {k: v.float() for k, v in _fill(sparsifiner_official_shapes(64, 4, 4, 16, 10)).items()}
+    del public['blocks.2.attn.mask_predictor.proj_c_k.weight']       # issue 45: one predictor weight short
+    save_file(public, str(base / 'sparsifiner_partial.safetensors'))
+    import argparse
+    import datetime
+    torch.save({'state_dict': dict(public), 'args': argparse.Namespace(started=datetime.datetime(2024, 5, 1))},
+               base / 'datetime_args.pth')                            # a global outside the allow-list
     _write_images(base / 'images', truncated=['a/1.jpg'])
     read_only = base / 'read_only'
     read_only.mkdir()
@@ -263,7 +272,26 @@ CASES = [
     ('convert-truncated', ['convert', '--from', 'timm', '{truncated}', '--model', 'crate_digits', '--output', OUT],
      ['convert FILE', 'truncated.safetensors', 'not a readable safetensors']),
     ('convert-pickle', ['convert', '--from', 'crate-official', '{pickle}', '--model', 'crate_digits', '--output', OUT],
-     ['convert FILE', 'pickle.pth', 'not a weights-only']),
+     ['convert FILE', 'pickle.pth', 'refused', 'builtins.print']),
+    # issue 45: trainer checkpoints, converter edges
+    ('convert-disallowed-global', ['convert', '--from', 'sparsifiner-official', '{datetime_args}', '--model',
+                                   'sparsifiner_digits', '--output', OUT], ['convert FILE', 'refused', 'datetime.datetime']),
+    ('convert-ema-of-safetensors', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                    '--model', 'vit_digits', '--weights', 'ema', '--output', OUT], ['--weights ema']),
+    ('convert-weights-unknown', ['convert', '--from', 'timm', '{vit_run}', '--model', 'vit_digits', '--weights',
+                                 'best', '--output', OUT], ['--weights', "'best'"]),
+    ('convert-wrong-size-vit', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                '--model', 'sparsifiner_mnist', '--output', OUT],
+     ['does not fit --model sparsifiner_mnist: cls_token is [1, 1, 64] in the checkpoint and [1, 1, 96] in the model']),
+    ('convert-wrong-size-crate', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
+                                  '--model', 'crate_mnist', '--output', OUT], ['does not fit --model crate_mnist', ' is [']),
+    ('convert-partial-predictor', ['convert', '--from', 'sparsifiner-official', '{sparsifiner_partial}', '--model',
+                                   'sparsifiner_digits', '--output', OUT],
+     ['predictor is incomplete', '1 weight(s) missing: blocks.2.attn.predictor_k.weight', 'blocks.2.attn.mask_predictor.proj_c_k.weight']),
+    ('convert-official-from-plain-deit', ['convert', '--from', 'sparsifiner-official',
+                                          '{vit_run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                                          'sparsifiner_digits', '--output', OUT],
+     ['no Sparsifiner predictor', '--from timm']),
     ('convert-output-not-empty', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
                                   '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
     # weights out (issue 32.5): export
@@ -278,7 +306,7 @@ CASES = [
     ('pretrained-path-truncated', ['train', '--pretrained-path', '{truncated}', '--output', OUT],
      ['--pretrained-path', 'not a readable safetensors']),
     ('pretrained-path-pickle', ['train', '--pretrained-path', '{pickle}', '--output', OUT],
-     ['--pretrained-path', 'not a weights-only']),
+     ['--pretrained-path', 'refused', 'builtins.print']),
     ('pretrained-none-offline', ['train', '--pretrained', '--output', OUT], ['--pretrained', '--pretrained-path FILE']),
     ('pretrained-path-and-initial', ['train', '--pretrained-path', '{run}', '--initial-checkpoint', '{run}', '--output',
                                      OUT], ['--initial-checkpoint and --pretrained-path', 'give one']),
@@ -401,6 +429,29 @@ def test_read_only_output_is_refused_before_any_work(argv, needles, files, read_
     _check_one_error(argv, needles, files, tmp_path, capsys)
 
 
+def test_read_only_errors_name_the_path_given_and_the_read_only_folder(files, read_only_folders, tmp_path, capsys):
+    """Issue 45: the message names OUT as given, then which folder above it cannot be written."""
+    ro = read_only_folders
+    for argv, shown, where in [
+            (['export', str(files['run']), '--format', 'onnx', '--output', f'{ro}/sub/m.onnx'], f'{ro}/sub/m.onnx',
+             f'its nearest existing folder {ro}'),
+            (['export', str(files['run']), '--format', 'hf', '--output', f'{ro}/hf'], f'{ro}/hf', f'its folder {ro}'),
+            (['convert', '--from', 'timm', f"{files['run']}/checkpoints/epoch_0001/model.safetensors", '--model',
+              'crate_digits', '--output', f'{ro}/converted'], f'{ro}/converted', f'its folder {ro}')]:
+        _check_one_error(argv, [f'--output {shown}: cannot be written: {where} is not writable'], files, tmp_path,
+                         capsys)
+
+
+def test_export_errors_name_source_not_a_flag_it_lacks(files, tmp_path, capsys):
+    """Issue 45: export has no --checkpoint; its errors about what it reads name SOURCE."""
+    for source in (files['folder'], files['corrupt'], files['no_weights'], files['mismatch']):
+        _check_one_error(['export', str(source), '--format', 'hf', '--output', OUT], [f'SOURCE {source}: '],
+                         files, tmp_path, capsys)
+    for source in (files['folder'], files['mismatch']):
+        main(['export', str(source), '--format', 'hf', '--output', str(tmp_path / 'out')])
+        assert '--checkpoint' not in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason='root reads a chmod 000 file anyway')
 def test_unreadable_config_file(files, tmp_path, capsys):
     config = tmp_path / 'secret.yaml'
@@ -426,15 +477,15 @@ def test_unreadable_images_can_be_skipped(files, tmp_path, capsys):
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """Only expected failures become one line: an exception from a bug propagates with its traceback."""
-    import structformer.cli as cli
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: {}['missing key'])
+    import structformer.commands.models as models_command
+    monkeypatch.setattr(models_command, 'run', lambda args: {}['missing key'])
     with pytest.raises(KeyError):
         main(['models'])
     import torch
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
+    monkeypatch.setattr(models_command, 'run', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
     with pytest.raises(RuntimeError):
         main(['models'])
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
+    monkeypatch.setattr(models_command, 'run', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
     with pytest.raises(ValueError):
         main(['models'])
 

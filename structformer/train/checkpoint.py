@@ -155,9 +155,13 @@ def mark_latest(run_checkpoints: Path, directory: Path) -> None:
 
 def resolve_checkpoint(path) -> Path:
     """Accept a checkpoint directory, its model.safetensors, a run directory or its checkpoints/ folder."""
+    from ..atomic import describe_temporary
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    unfinished = describe_temporary(path) or (describe_temporary(path.parent) if path.is_file() else '')
+    if unfinished:                                      # an interrupted writer's temporary is never an output
+        raise CheckpointError(f"--checkpoint: {path} {unfinished}")
     if path.is_file():
         if path.name not in ('model.safetensors', 'state.json'):
             raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "
@@ -270,8 +274,10 @@ def _load_average(directory: Path) -> Dict[str, torch.Tensor]:
 def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> None:
     """Put the input size and normalisation the model was trained with into its `pretrained_cfg` (timm's
     `resolve_data_config` reads them from there), replacing the registry's defaults: a timm model trained
-    on MNIST must not be fed ImageNet statistics by timm's transforms. Data without an image form
-    (synthetic subspaces, text) leaves the config as it is."""
+    on MNIST must not be fed ImageNet statistics by timm's transforms. The class names, where the data has
+    them, become timm's `label_names` (and `label_descriptions`), which `export --format hf` writes and
+    timm's `local-dir:` loading reads back. Data without an image form (synthetic subspaces, text) leaves the
+    config as it is."""
     from ..data.pixel_stats import eval_data_config
     data_cfg = eval_data_config(data_info.get('name', ''))
     if data_cfg is None or not data_info.get('img_size') or not data_info.get('in_chans'):
@@ -280,6 +286,15 @@ def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> N
     cfg = dict(getattr(model, 'pretrained_cfg', None) or {})
     cfg.update(data_cfg, num_classes=data_info.get('num_classes', cfg.get('num_classes')),
                input_size=(data_info['in_chans'], *((size, size) if isinstance(size, int) else size)))
+    classes = data_info.get('classes')
+    if classes and len(classes) == cfg.get('num_classes'):     # timm's names for the classifier's outputs
+        cfg['label_names'] = list(classes)
+        descriptions = data_info.get('class_descriptions')
+        if descriptions and len(descriptions) == len(classes):
+            cfg['label_descriptions'] = dict(zip(classes, descriptions))
+    else:
+        cfg.pop('label_names', None)
+        cfg.pop('label_descriptions', None)
     model.pretrained_cfg = cfg
     model.default_cfg = cfg                     # timm's older alias of the same dict
 

@@ -72,6 +72,8 @@ class TrainConfig:
     output: Optional[str] = None
     keep_last: int = 2
     save_every: int = 0
+    # a recovery point every N optimiser steps inside an epoch, the newest kept (train/recovery.py); 0: none
+    recovery_interval: int = 0
     phases: List[Dict[str, Any]] = field(default_factory=list)
     limit_train_batches: int = 0
     # data-loader worker processes; None: one per core (at most 8) for images decoded from files, 0 in memory
@@ -195,6 +197,7 @@ class TrainConfig:
             ('val_fraction', 0 < self.val_fraction < 1, 'in (0, 1)'),
             ('keep_last', self.keep_last >= 1, '>= 1'),
             ('save_every', self.save_every >= 0, '>= 0'),
+            ('recovery_interval', self.recovery_interval >= 0, '>= 0 (optimiser steps; 0 = none)'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
             ('num_workers', self.num_workers is None or 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
             ('sched', self.sched in ('cosine', 'none'), "'cosine' or 'none'"),
