@@ -57,6 +57,7 @@ import torch
 
 from ..atomic import write_text_atomically
 from ..errors import UsageError
+from ..machine import cpu_kind
 from .tracing import recording_graph
 
 __all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'use_timer', 'timing_allowed',
@@ -131,7 +132,6 @@ def _check_candidate(name: str, value: str, where: str) -> str:
 
 @lru_cache(maxsize=None)
 def _static_machine() -> tuple:
-    from ..records import cpu_kind
     kind = cpu_kind()
     return (('cpu', kind['model']), ('family_model', kind['family_model']), ('kind', kind['kind']),
             ('flags', tuple(kind['flags'])), ('aten_capability', torch.backends.cpu.get_cpu_capability()),
