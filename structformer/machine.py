@@ -1,20 +1,9 @@
-"""The CPU a number was measured on, and the kind of CPU it is (vendor, model, the ISA features that decide which
-kernels are fast). Only the standard library: `records`, `functional.autotune` (its cache key) and the
-benchmarks' parsers import it, and `structformer --help` must not pay for torch.
+"""The kind of CPU a number was measured on: vendor, model, the ISA features that decide which kernels are fast.
+A module of its own, below `records` (which re-exports `cpu_kind` beside `cpu_model`), because
+`functional.autotune` keys its cache on it and `records.environment` reports autotune's choices: both import this,
+neither the other. Only the standard library: `structformer --help` must not pay for torch.
 """
 import platform
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name ('model name' in /proc/cpuinfo), else what `platform` knows."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # /proc/cpuinfo flags that decide which kernels are fast, by the names a reader knows them by
@@ -69,7 +58,7 @@ def cpu_kind() -> dict:
     present = [name for flag, name in ISA_FLAGS.items() if flag in flags]
     numbers = ', '.join(f"{label} {fields[key]}" for key, label in (('cpu family', 'family'), ('model', 'model'))
                         if key in fields)
-    model = cpu_model()
+    model = fields.get('model name') or platform.processor() or platform.machine()   # as records.cpu_model
     kind = kind_id(vendor, flags) if flags else f"unknown-{platform.machine().lower() or 'cpu'}"
     isa = ', '.join(n for n in present if n not in ('FMA', 'AVX-512 BW', 'AVX-512 VL', 'AVX-512 DQ')) or 'no flags read'
     return {'kind': kind, 'vendor': vendor, 'model': model, 'family_model': numbers,

@@ -22,10 +22,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .atomic import write_atomically, write_text_atomically
-from .machine import ISA_FLAGS, cpu_kind, cpu_model, kind_id  # noqa: F401  (re-exported: records name the machine)
+from .machine import ISA_FLAGS, cpu_kind, kind_id  # noqa: F401  (re-exported: records name the machine)
 
 
 # ---- where a number was measured --------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's marketing name ('model name' in /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
 
 def environment(device='cpu') -> dict:
     """The record printed and saved beside every measurement: versions, threads, CPU (its kind and the kernel
