@@ -386,3 +386,16 @@ def test_deterministic_algorithms_take_the_default(tuning):
             assert _decide() == 'shared'
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_every_checkpoint_records_the_machine_and_its_choices(tuning, tmp_path):
+    """A run's record of what ran: each checkpoint's state.json carries records.environment(), with the CPU kind
+    and the kernel choices made in the process that wrote it."""
+    from structformer.records import cpu_kind
+    from structformer.train.checkpoint import save_checkpoint
+    with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+        _decide()
+    folder = save_checkpoint(tmp_path / 'epoch_0001', torch.nn.Linear(2, 3), {'epoch': 1}, with_rng=False)
+    env = json.loads((folder / 'state.json').read_text())['environment']
+    assert env['cpu_kind']['kind'] == cpu_kind()['kind'] and env['device'] == 'cpu'
+    assert env['choices']['cached'] == {'ssa_impl': {'197,64,float32': 'sdpa'}}
