@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.structformer-installed
 DEMO_OUT ?= outputs/demo
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench bench-records clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/structformer bench models
+
+# Re-measure every goal's record for this machine's CPU kind (docs/kinds/KIND/, KIND.json) and rewrite its table in
+# docs/benchmarks.md. Run it on a quiet machine: a benchmark refuses to write into docs/ from a busy run.
+THREADS ?= 1
+bench-records: $(STAMP)
+	$(BIN)/python -m structformer.bench.kind_tables record --threads $(THREADS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -4,7 +4,9 @@ take them from, so none of those packages imports another for a utility.
 
 - `write_text`, `write_json`, `write_png`: outputs written atomically (a temporary file in the same
   folder, then `os.replace`), so an interrupted or failed write never leaves half a file behind.
-- `environment`, `cpu_model`: the machine and library versions a number was measured with.
+- `environment`, `cpu_model`, `cpu_kind`: the machine and library versions a number was measured with, and the
+  kind of CPU (`machine.py`: vendor, model, the ISA features that decide which kernels are fast: AVX2, AVX-512,
+  VNNI, BF16, AMX), by which benchmark goals are judged and docs/benchmarks.md groups its tables.
 - `check_writable`: an output folder checked before any work, so a long job never dies at its first write.
 
 Only the standard library is imported at module level: `structformer --help` builds parsers that
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .atomic import write_atomically, write_text_atomically
+from .machine import ISA_FLAGS, cpu_kind, kind_id  # noqa: F401  (re-exported: records name the machine)
 
 
 # ---- where a number was measured --------------------------------------------------------------------
@@ -37,13 +40,18 @@ def cpu_model() -> str:
 
 
 def environment(device='cpu') -> dict:
-    """The record printed and saved beside every measurement: versions, threads, CPU, platform, device."""
+    """The record printed and saved beside every measurement: versions, threads, CPU (its kind and the kernel
+    level ATen dispatches to), platform, device, and the kernel choices this machine made
+    (`functional.autotune.report`)."""
     import torch
+
+    from .functional import autotune
     on_cuda = str(device).startswith('cuda') and torch.cuda.is_available()
     return {'torch': torch.__version__, 'python': platform.python_version(), 'threads': torch.get_num_threads(),
-            'cpu': cpu_model(), 'platform': platform.platform(),
+            'cpu': cpu_model(), 'cpu_kind': cpu_kind(), 'aten_cpu_capability': torch.backends.cpu.get_cpu_capability(),
+            'platform': platform.platform(),
             'device': torch.cuda.get_device_name(torch.device(device)) if on_cuda else 'cpu',
-            'cuda': torch.version.cuda if on_cuda else None}
+            'cuda': torch.version.cuda if on_cuda else None, 'choices': autotune.report()}
 
 
 # ---- output checks ----------------------------------------------------------------------------------

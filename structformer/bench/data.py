@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 
+from .kinds import add_record_arguments, print_header, write_record
 from .load import run_record
 
 EXAMPLES = """examples:
@@ -36,6 +37,7 @@ def add_arguments(p):
                         "loading (0: torch's default); each loader worker is a process of one thread")
     p.add_argument('--folder', default=None, help='keep the generated images here (default: a temporary folder)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
+    add_record_arguments(p)
     p.add_argument('--up-front', type=int, default=0, metavar='N',
                    help='instead: time the up-front check of an image folder of N small JPEGs (160x120): '
                         'check=decode (the old default), header (first run, then cached) and none')
@@ -235,13 +237,14 @@ def run(args) -> int:
     for dtype, rate in needs.items():
         print(f"{dtype}: the fastest loader row ({best['loader']}, {best['recipe']}, {best['workers']} workers) gives "
               f"{best['images_per_s'] / rate:.1f}x the images/s a training step consumes", flush=True)
-    result = {'feeds_training_step': feeds, 'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
+    from ..records import environment
+    env = environment('cpu')
+    print_header(env)
+    result = {'environment': env, 'feeds_training_step': feeds, 'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
               'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
               'load_average_before': load_before, 'load_average_after': os.getloadavg(),
               'cpu_count': os.cpu_count(), 'threads': args.threads or None, 'goal': 'our loaders >= 1.0x timm images/s with equal transforms',
               'machine_load': run_record()}
     if args.output:
-        from ..records import write_json
-        write_json(args.output, result)
-        print(f'wrote {args.output}')
+        print(f'wrote {write_record(args.output, result, args.allow_busy)}')
     return 0

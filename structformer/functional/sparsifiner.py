@@ -429,6 +429,37 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indi
     return block_gathered_attention(q, k, v, block_indices, block_size, dropout_p=dropout_p, dense_rows=dense_rows)
 
 
+def tile_shape_class(q: torch.Tensor, block_size: int, kept: int, dense_rows: int) -> tuple:
+    """What the tile kernel's and the gathered tiles' speeds depend on, for `autotune` (choice
+    'sparsifiner_tiles'): token class, tile size, kept tiles, heads, head width, dense rows, train / infer."""
+    from . import autotune
+    training = torch.is_grad_enabled() and q.requires_grad
+    return (autotune.size_class(q.shape[-2]), block_size, kept, q.shape[1], q.shape[-1], dense_rows,
+            'train' if training else 'infer')
+
+
+def tile_candidates(q: torch.Tensor, block_size: int, kept: int, dense_rows: int) -> dict:
+    """The tile kernel and the gathered tiles on one image's stand-in q, k, v (a qkv projection's head views, as
+    the layer has them) and random kept tiles, forward (+ backward where q needs a gradient); inputs from a
+    private generator."""
+    _, heads, n, d = q.shape
+    training = torch.is_grad_enabled() and q.requires_grad
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, n, 3, heads, d, generator=generator).to(q.dtype).requires_grad_(training)
+    q_s, k_s, v_s = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    tiles = -(-n // block_size)
+    indices = torch.rand(1, heads, tiles, tiles, generator=generator).argsort(-1)[..., :kept]
+
+    def run(attend):
+        def call():
+            out = attend(q_s, k_s, v_s, indices, block_size, dense_rows=dense_rows)
+            if training:
+                qkv.grad = None
+                out.sum().backward()
+        return call
+    return {'kernel': run(block_tile_attention), 'gather': run(block_gathered_attention)}
+
+
 # ---- pruned sequences (EViT token pruning combined, ours): per-sample bases for the tokens left ----
 
 @computes_in_float32

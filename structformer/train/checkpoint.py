@@ -3,7 +3,9 @@
 Layout of one checkpoint directory:
     model.safetensors        model weights
     train_state.safetensors  optimiser tensors and the torch RNG state (absent in weights-only saves)
-    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG
+    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, and the
+                             environment that wrote it (`records.environment`: torch, threads, CPU kind,
+                             the kernel choices made: `functional.autotune`)
 A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest.
 Loading never executes code: safetensors and JSON only.
 """
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import permissions_from_umask, write_text_atomically
+from ..records import environment
 from ..weights.mismatch import describe_mismatch  # noqa: F401  (re-exported: the engine reads it here)
 
 FORMAT_VERSION = 1
@@ -103,7 +106,7 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
         weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / 'model.safetensors'))
         crash_point(f'{directory.name}:weights')
-        state = dict(state, format_version=FORMAT_VERSION)
+        state = dict(state, format_version=FORMAT_VERSION, environment=environment(device_of(model)))
         train_tensors: Dict[str, torch.Tensor] = {}
         if optimizer is not None:
             opt_tensors, state['optimizer'] = _flatten_optimizer(optimizer.state_dict())
@@ -126,6 +129,13 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def device_of(model: torch.nn.Module) -> str:
+    """The device of the model's first parameter or buffer ('cpu' for a model with neither)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return str(tensor.device)
+    return 'cpu'
 
 
 def _json_default(value):

@@ -74,8 +74,9 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
                                        flex_attention_path, gathered_attention, low_rank_attention,
                                        low_rank_attention_per_sample, mask_from_indices, masked_attention,
                                        pooled_block_scores, predicted_tiles, realised_density, source_columns,
-                                       tile_attention, tile_budget, top_tiles, topk_indices)
-from ...functional import tile_kernel
+                                       tile_attention, tile_budget, tile_candidates, tile_shape_class, top_tiles,
+                                       topk_indices)
+from ...functional import autotune, tile_kernel
 from ...functional.precision import upcast
 from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -325,8 +326,15 @@ class SparsifinerAttention(AttentionBase):
             # not in float32 in the kernel (its dtype policy, module docstring). Otherwise:
             # the tile kernel, no K/V copies (bench sparse-attention at n = 577, keep 0.25: 0.4-0.6x SDPA alone with
             # its predictor against 0.7-1.1x gathered in inference; whole module 0.68-0.70x against 0.84-0.94x
-            # in training); under dropout or where it cannot load: gathered tiles
-            return 'kernel' if tile_kernel.usable(q, dropout_p) else 'gather'
+            # in training), where this machine runs it faster than the gathered tiles for the shape class (timed
+            # once, cached: `functional.autotune`, choice 'sparsifiner_tiles'); under dropout or where it cannot
+            # load: gathered tiles
+            if not tile_kernel.usable(q, dropout_p):
+                return 'gather'
+            dense_rows = 1 if self.dense_cls_row else 0
+            kept = tile_budget(q.shape[-2], self.block_size, self.keep_ratio)
+            return autotune.decide('sparsifiner_tiles', tile_shape_class(q, self.block_size, kept, dense_rows),
+                                   'kernel', lambda: tile_candidates(q, self.block_size, kept, dense_rows))
         return 'masked'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
