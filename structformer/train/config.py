@@ -16,7 +16,13 @@ from ..errors import UsageError
 # configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
 _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
           'batch_size': '-b/--batch-size', 'phases': None, 'recipe': '--recipe',
-          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None}
+          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None, 'phase_settings': None}
+
+# what a phase may set for itself (`phase_settings`): its own optimiser (fresh state) and its own schedule over
+# its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
+PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'min_lr',
+                      'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
+SCHEDULES = ('cosine', 'step', 'multistep', 'none')
 
 
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
@@ -60,7 +66,21 @@ class TrainConfig:
     # True decays every parameter, as the official CRATE recipe does
     decay_everything: bool = False
     momentum: float = 0.9
+    # timm train.py's --opt-betas / --opt-eps (None: the optimiser's own defaults) and --layer-decay (layer-wise lr
+    # decay over the model's group_matcher groups: timm's param_groups_layer_decay, lr x layer_decay^(depth - i))
+    opt_betas: Optional[List[float]] = None
+    opt_eps: Optional[float] = None
+    layer_decay: Optional[float] = None
+    # timm's schedulers (create_scheduler_v2), stepped per optimiser step: cosine, step (x decay_rate every
+    # decay_epochs), multistep (x decay_rate at each of decay_milestones) or none (constant); each after a linear
+    # warm-up of warmup_epochs from warmup_lr
     sched: str = 'cosine'
+    decay_epochs: float = 90.0
+    decay_milestones: List[int] = field(default_factory=lambda: [90, 180, 270])
+    decay_rate: float = 0.1
+    # the last cooldown_epochs of `epochs` at min_lr (timm train.py adds them after --epochs; here --epochs
+    # counts them, so phases, checkpoints and resume see one epoch count)
+    cooldown_epochs: int = 0
     # None: fitted to the run, min(2, epochs / 10), so a short run never fails on a default it did not set
     warmup_epochs: Optional[float] = None
     # None: 1e-6, or lr when that is lower (an explicit value above lr is refused)
@@ -72,7 +92,17 @@ class TrainConfig:
     output: Optional[str] = None
     keep_last: int = 2
     save_every: int = 0
+    # also keep the checkpoint with the best val top-1 (best/ in the run folder), whatever keep_last says
+    keep_best: bool = False
+    # at the end, average the weights of the last N epochs' checkpoints (timm's avg_checkpoints idea) into
+    # checkpoints/average_last_N, evaluated and recorded in summary.json; 0 = off
+    avg_last: int = 0
     phases: List[Dict[str, Any]] = field(default_factory=list)
+    # per-phase optimiser and schedule, by phase name (config files only; PHASE_SETTING_KEYS): a phase named here
+    # gets a fresh optimiser and its own schedule over its own epochs, e.g. Sparsifiner's public stages
+    # {predictor: {lr: 3.0e-4, min_lr: 2.0e-4, warmup_epochs: 3, warmup_lr: 0}, joint: {lr: 8.0e-5, ...}};
+    # a phase's lr scales with the effective batch as --lr-base does
+    phase_settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     limit_train_batches: int = 0
     # data-loader worker processes; None: one per core (at most 8) for images decoded from files, 0 in memory
     num_workers: Optional[int] = None
@@ -108,6 +138,13 @@ class TrainConfig:
     # where to train: auto (CUDA when present, the local rank's GPU under torchrun), cpu, cuda, cuda:N
     device: str = 'auto'
     channels_last: bool = False
+    # activation checkpointing in the model's blocks (its set_grad_checkpointing), SyncBatchNorm under DDP
+    grad_checkpointing: bool = False
+    sync_bn: bool = False
+    # timm's BinaryCrossEntropy in place of cross-entropy (with Mixup / CutMix's soft targets too), as timm's
+    # --bce-loss; bce_target_thresh binarises soft targets at that threshold
+    bce_loss: bool = False
+    bce_target_thresh: Optional[float] = None
     # data augmentation (timm's transforms, data/augment.py); None leaves a dataset's own default
     aa: Optional[str] = None
     reprob: float = 0.0
@@ -159,6 +196,9 @@ class TrainConfig:
     teacher_pretrained: bool = False
     # what the run was started from (`structformer train --recipe NAME`), for the record
     recipe: Optional[str] = None
+    # --recipe with a model that is neither the recipe's nor one its rows train (about.models) nor a registered
+    # shrink of its family (train/recipes.py): refused unless this is set
+    allow_other_model: bool = False
     # the data set's size where the data is not at hand (a recipe's dry run), e.g. ImageNet-1k's 1,281,167
     dataset_size: Optional[int] = None
 
@@ -197,7 +237,9 @@ class TrainConfig:
             ('save_every', self.save_every >= 0, '>= 0'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
             ('num_workers', self.num_workers is None or 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
-            ('sched', self.sched in ('cosine', 'none'), "'cosine' or 'none'"),
+            ('sched', self.sched in SCHEDULES, "'cosine', 'step', 'multistep' or 'none'"),
+            ('keep_best', isinstance(self.keep_best, bool), 'true or false'),
+            ('avg_last', 0 <= self.avg_last <= self.epochs, f'in [0, epochs={self.epochs}] (0 = off)'),
         ]
         for name, ok, accepted in checks:
             if not ok:
@@ -207,6 +249,9 @@ class TrainConfig:
         self._validate_lowrank()
         self._validate_distillation()
         self._validate_paper_scale()
+        self._validate_schedule(self.schedule_values(), '')
+        self._validate_controls()
+        self._validate_phase_settings()
         if self.compile is not None:
             import torch._dynamo        # only when asked: validating a config needs no torch otherwise
             backends = torch._dynamo.list_backends(exclude_tags=())
@@ -327,6 +372,111 @@ class TrainConfig:
         if not (device in ('auto', 'cpu', 'cuda') or (device.startswith('cuda:') and device[5:].isdigit())):
             raise UsageError(f"--device={device!r}: accepted auto, cpu, cuda or cuda:N")
 
+    def _validate_schedule(self, values: Dict[str, Any], where: str) -> None:
+        """The schedule's numbers (run-wide, or a phase's: `where` names it), before any work."""
+        def bad(key, accepted):
+            raise UsageError(f"{where}{flag_name(key) if not where else key}={values[key]!r} is out of range: "
+                             f"accepted {accepted}")
+        epochs = values['epochs']
+        if values['sched'] not in SCHEDULES:
+            bad('sched', "'cosine', 'step', 'multistep' or 'none'")
+        if not values['decay_epochs'] > 0:
+            bad('decay_epochs', '> 0')
+        if not 0 < values['decay_rate'] <= 1:
+            bad('decay_rate', 'in (0, 1]')
+        milestones = values['decay_milestones']
+        if not (isinstance(milestones, list) and milestones and all(isinstance(m, int) and not isinstance(m, bool)
+                                                                      and m > 0 for m in milestones)
+                and milestones == sorted(set(milestones))):
+            bad('decay_milestones', 'increasing whole epochs > 0, e.g. 60 120 160')
+        if not 0 <= values['cooldown_epochs'] < epochs:
+            bad('cooldown_epochs', f'in [0, epochs={epochs})')
+        if not 0 <= values['warmup_epochs'] < epochs - values['cooldown_epochs']:
+            bad('warmup_epochs', f"in [0, epochs - cooldown_epochs = {epochs - values['cooldown_epochs']})")
+
+    def _validate_controls(self) -> None:
+        """Betas, eps, layer decay, BCE: ranges and what they need."""
+        betas = self.opt_betas
+        if betas is not None and not (len(betas) in (2, 3) and all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                                                    and 0 <= b < 1 for b in betas)):
+            raise UsageError(f"--opt-betas={betas!r} is out of range: accepted two (or three) numbers in [0, 1), "
+                             "e.g. 0.9 0.999")
+        if self.opt_eps is not None and not self.opt_eps > 0:
+            raise UsageError(f"--opt-eps={self.opt_eps!r} is out of range: accepted > 0")
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise UsageError(f"--layer-decay={self.layer_decay!r} is out of range: accepted a factor in (0, 1]")
+        if self.bce_target_thresh is not None:
+            if not self.bce_loss:
+                raise UsageError("--bce-target-thresh needs --bce-loss")
+            if not 0 < self.bce_target_thresh < 1:
+                raise UsageError(f"--bce-target-thresh={self.bce_target_thresh!r} is out of range: accepted in (0, 1)")
+        from ..data.spec import parse_data_spec
+        try:
+            form = parse_data_spec(self.data)[0]
+        except ValueError:
+            return                      # the dataset builder names --data
+        tokens = form in ('pysource', 'text')
+        if self.channels_last and (tokens or _takes_token_ids(self.model)):
+            what = f"--data {self.data} is text" if tokens else f"--model {self.model} takes token ids"
+            raise UsageError(f"--channels-last: {what}, not images; channels-last is a memory format of image "
+                             "batches [B, C, H, W] and convolutions; leave it out")
+        if self.bce_loss and (tokens or _takes_token_ids(self.model)):
+            what = f"--data {self.data} is text" if tokens else f"--model {self.model} is a language model"
+            raise UsageError(f"--bce-loss: {what}; binary cross-entropy is for image classes (one output per "
+                             "class and image); leave it out")
+
+    def _validate_phase_settings(self) -> None:
+        """`phase_settings`: a mapping of phase name to PHASE_SETTING_KEYS, each value checked as the run-wide one."""
+        if not isinstance(self.phase_settings, dict):
+            raise UsageError(f"phase_settings must be a mapping of phase name to settings; got {self.phase_settings!r}")
+        for name, settings in self.phase_settings.items():
+            where = f"phase_settings.{name}."
+            if not isinstance(settings, dict):
+                raise UsageError(f"phase_settings.{name}: expected a mapping of key: value; got {settings!r}")
+            unknown = sorted(set(settings) - set(PHASE_SETTING_KEYS))
+            if unknown:
+                raise UsageError(f"{where}{unknown[0]}: not a phase setting; accepted {', '.join(PHASE_SETTING_KEYS)}")
+            hints = typing.get_type_hints(TrainConfig)
+            for key, value in settings.items():
+                kind, optional = _field_kind(hints[key])
+                try:
+                    settings[key] = None if value is None and optional else _coerce(value, kind)
+                except (TypeError, ValueError):
+                    raise UsageError(f"{where}{key} must be {_KIND_WORDS.get(kind, kind.__name__)}; got {value!r}") from None
+            if 'lr' in settings and not settings['lr'] > 0:
+                raise UsageError(f"{where}lr={settings['lr']!r} is out of range: accepted > 0")
+            if 'weight_decay' in settings and not settings['weight_decay'] >= 0:
+                raise UsageError(f"{where}weight_decay={settings['weight_decay']!r} is out of range: accepted >= 0")
+            for key in ('warmup_lr', 'min_lr'):
+                if settings.get(key) is not None and not settings[key] >= 0:
+                    raise UsageError(f"{where}{key}={settings[key]!r} is out of range: accepted >= 0")
+            if 'opt' in settings:
+                TrainConfig(opt=settings['opt'])._validate_optimizer()
+
+    def schedule_values(self, phase: Optional[str] = None, epochs: Optional[int] = None) -> Dict[str, Any]:
+        """The optimiser and schedule settings (PHASE_SETTING_KEYS, plus `epochs`) of the run, or of phase `phase`
+        over its `epochs`: its `phase_settings` over the run's values. `lr` is as written (lr_base where the run
+        gives that): the peak is lr x `lr_scale(world)`. Unset warm-up, warm-up start and floor are resolved as
+        the run's are (min(2, epochs / 10) epochs; 1e-6, or lr if lower)."""
+        own = dict(self.phase_settings.get(phase, {})) if phase is not None else {}
+        values = {key: getattr(self, key) for key in PHASE_SETTING_KEYS}
+        values['lr'] = self.lr if self.lr_base is None else self.lr_base
+        values.update(own)
+        values['epochs'] = self.epochs if epochs is None else epochs
+        if values['warmup_epochs'] is None:
+            values['warmup_epochs'] = min(2.0, values['epochs'] / 10)
+        for key in ('warmup_lr', 'min_lr'):
+            if values[key] is None:
+                values[key] = min(DEFAULT_FLOOR_LR, values['lr'])
+        return values
+
+    def lr_scale(self, world_size: int = 1) -> float:
+        """The factor --lr-base's scaling gives the written lr at this effective batch (1 without --lr-base): the
+        run's peak is lr_base x it, a phase's written lr is scaled by it too."""
+        if self.lr_base is None:
+            return 1.0
+        return self.resolved_lr(world_size) / self.lr_base
+
     def effective_batch(self, world_size: int = 1) -> int:
         """Images per optimiser step over every process: per-process batch x accumulation x processes."""
         return self.batch_size * self.grad_accum_steps * world_size
@@ -366,6 +516,12 @@ class TrainConfig:
         for an integer, 3 -> 3.0 for a float) and refused with the expected type otherwise. `source`
         starts every error message (e.g. '-c/--config run.yaml')."""
         return cls(**check_values(values, source))
+
+
+def _takes_token_ids(model: str) -> bool:
+    """True for a registered language model (its input is token ids [B, T], not images)."""
+    from ..models import list_structformer_language_models
+    return model in list_structformer_language_models()
 
 
 _KIND_WORDS = {int: 'an integer', float: 'a number', str: 'a string', bool: 'true or false',
