@@ -20,8 +20,8 @@ _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transfo
 
 # what a phase may set for itself (`phase_settings`): its own optimiser (fresh state) and its own schedule over
 # its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
-PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'min_lr',
-                      'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
+PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
+                      'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
 SCHEDULES = ('cosine', 'step', 'multistep', 'none')
 
 
@@ -85,6 +85,9 @@ class TrainConfig:
     warmup_epochs: Optional[float] = None
     # None: 1e-6, or lr when that is lower (an explicit value above lr is refused)
     warmup_lr: Optional[float] = None
+    # timm's --warmup-prefix: the warm-up comes before the schedule, which then runs over the epochs after it
+    # (default: the warm-up overlaps the schedule's first epochs, timm's default)
+    warmup_prefix: bool = False
     min_lr: Optional[float] = None
     label_smoothing: float = 0.1
     clip_grad: Optional[float] = None

@@ -4,7 +4,8 @@
                       param_groups_weight_decay / param_groups_layer_decay, over the model's group_matcher)
     make_optimizer    timm's create_optimizer_v2 on those groups, with --opt-betas / --opt-eps
     make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, step, multistep; 'none'
-                      is a constant lr), with --cooldown-epochs counted inside --epochs
+                      is a constant lr), with --cooldown-epochs and a --warmup-prefix warm-up counted inside
+                      --epochs
 
 `values` is `TrainConfig.schedule_values()`: the run's settings, or a phase's (`phase_settings`) over them.
 The trainer and `--dry-run` both call these, so the plan prints the learning rates training will use.
@@ -73,11 +74,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, values: Dict[str, Any], ste
     if values['sched'] == 'none':
         return None
     cooldown = values['cooldown_epochs']
+    # with --warmup-prefix timm runs the schedule proper after the warm-up: it gets the epochs left after it
+    prefix = values['warmup_epochs'] if values['warmup_prefix'] else 0
     scheduler, _ = create_scheduler_v2(
-        optimizer, sched=values['sched'], num_epochs=values['epochs'] - cooldown, decay_epochs=values['decay_epochs'],
-        decay_milestones=list(values['decay_milestones']), cooldown_epochs=cooldown, decay_rate=values['decay_rate'],
-        min_lr=values['min_lr'], warmup_lr=values['warmup_lr'], warmup_epochs=values['warmup_epochs'],
-        step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+        optimizer, sched=values['sched'], num_epochs=values['epochs'] - cooldown - prefix,
+        decay_epochs=values['decay_epochs'], decay_milestones=list(values['decay_milestones']), cooldown_epochs=cooldown,
+        decay_rate=values['decay_rate'], min_lr=values['min_lr'], warmup_lr=values['warmup_lr'],
+        warmup_epochs=values['warmup_epochs'], warmup_prefix=values['warmup_prefix'], step_on_epochs=False,
+        updates_per_epoch=steps_per_epoch)
     return scheduler
 
 
