@@ -103,3 +103,12 @@ def write_png(path, draw: Callable[[Any], Any], dpi: int = 110) -> bool:
     finally:
         plt.close(fig)
     return True
+
+
+def label_axes(ax, xlabel: str, ylabel: str, title: str, legend_size=None, title_size=None) -> None:
+    """A panel's axis labels and title (matplotlib's `Axes.set`), and its legend when `legend_size` is given:
+    what every figure of the reproductions and analyses sets on each panel."""
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, **({'fontsize': title_size} if title_size else {}))
+    if legend_size:
+        ax.legend(fontsize=legend_size)

@@ -426,15 +426,15 @@ def test_unreadable_images_can_be_skipped(files, tmp_path, capsys):
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """Only expected failures become one line: an exception from a bug propagates with its traceback."""
-    import structformer.cli as cli
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: {}['missing key'])
+    import structformer.commands.models as models_command
+    monkeypatch.setattr(models_command, 'run', lambda args: {}['missing key'])
     with pytest.raises(KeyError):
         main(['models'])
     import torch
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
+    monkeypatch.setattr(models_command, 'run', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
     with pytest.raises(RuntimeError):
         main(['models'])
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
+    monkeypatch.setattr(models_command, 'run', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
     with pytest.raises(ValueError):
         main(['models'])
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from structformer.cli import _train_config, build_parser, main
+from structformer.cli import build_parser, main
+from structformer.commands.train import train_config
 from structformer.train.recipes import ABOUT_REQUIRED, list_recipes, load_recipe
 
 RECIPES = list_recipes()
@@ -37,136 +38,101 @@ def _loaded(name):
     return out
 
 
+def _rows(recipe: str, *rows) -> list:
+    """(recipe, key, value, source) for each (key, value, source) the paper states for one recipe."""
+    return [(recipe, *row) for row in rows]
+
+
 # (recipe, key, value from the paper, where the paper / public code says it)
 CRATE_SIZES = ('tiny', 'small', 'base', 'large')
+CRATE_B12, CRATE_FT = 'App. B.1.2', 'App. B.1.2 fine-tuning'
+SOFT_MAIN = 'fudan-zvg/SOFT main.py'
+SPARSIFINER = 'lim142857/Sparsifiner'
 PAPER_VALUES = (
-    [row for s in CRATE_SIZES for row in (
-        (f'crate_{s}_in1k', 'model', f'crate_{s}_patch16_224', 'Table 1'),
-        (f'crate_{s}_in1k', 'opt', 'lion', 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'lr', 2.4e-4, 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'weight_decay', 0.5, 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'batch', 2048, 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'warmup_epochs', 5, 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'epochs', 150, 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'sched', 'cosine', 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'label_smoothing', 0.1, 'App. B.1.2'),
-        (f'crate_{s}_in1k', 'dataset_size', 1281167, 'ImageNet-1k train'),
-    )]
-    + [row for s in CRATE_SIZES for ds in ('cifar10', 'cifar100') for row in (
-        (f'crate_{s}_{ds}_ft', 'opt', 'adamw', 'App. B.1.2 fine-tuning'),
-        (f'crate_{s}_{ds}_ft', 'lr', 5e-5, 'App. B.1.2 fine-tuning'),
-        (f'crate_{s}_{ds}_ft', 'weight_decay', 0.01, 'App. B.1.2 fine-tuning'),
-        (f'crate_{s}_{ds}_ft', 'batch', 512, 'App. B.1.2 fine-tuning'),
-        (f'crate_{s}_{ds}_ft', 'aa', 'rand-m14-n2', 'App. B.1.2: RandAugment n = 2, m = 14'),
-        (f'crate_{s}_{ds}_ft', 'data_kwargs.img_size', 224, 'App. B.1.2: resized to 224'),
-    )]
-    + [row for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large') for row in (
-        (f'{fam}_{s}_in1k', 'model', f'{fam}_{s}_224', 'Table 1'),
-        (f'{fam}_{s}_in1k', 'opt', 'adamw', '§4.1'),
-        (f'{fam}_{s}_in1k', 'weight_decay', 0.05, '§4.1'),
-        (f'{fam}_{s}_in1k', 'warmup_epochs', 10, '§4.1'),
-        (f'{fam}_{s}_in1k', 'epochs', 300, '§4.1'),
-        (f'{fam}_{s}_in1k', 'batch', 1024, '§4.1: all variants at batch 1024'),
-        (f'{fam}_{s}_in1k', 'mixup', 0.8, '§4.1 mixup; 0.8 fudan-zvg/SOFT main.py'),
-        (f'{fam}_{s}_in1k', 'cutmix', 1.0, '§4.1 cutmix; 1.0 fudan-zvg/SOFT main.py'),
-        (f'{fam}_{s}_in1k', 'label_smoothing', 0.1, '§4.1 label smoothing; 0.1 fudan-zvg/SOFT main.py'),
-        (f'{fam}_{s}_in1k', 'min_lr', 5e-5, 'fudan-zvg/SOFT config/SOFT_*.yaml'),
-        (f'{fam}_{s}_in1k', 'clip_grad', 1.0, 'fudan-zvg/SOFT config/SOFT_*.yaml'),
-    )]
+    [row for s in CRATE_SIZES for row in _rows(
+        f'crate_{s}_in1k', ('model', f'crate_{s}_patch16_224', 'Table 1'), ('opt', 'lion', CRATE_B12),
+        ('lr', 2.4e-4, CRATE_B12), ('weight_decay', 0.5, CRATE_B12), ('batch', 2048, CRATE_B12),
+        ('warmup_epochs', 5, CRATE_B12), ('epochs', 150, CRATE_B12), ('sched', 'cosine', CRATE_B12),
+        ('label_smoothing', 0.1, CRATE_B12), ('dataset_size', 1281167, 'ImageNet-1k train'))]
+    + [row for s in CRATE_SIZES for ds in ('cifar10', 'cifar100') for row in _rows(
+        f'crate_{s}_{ds}_ft', ('opt', 'adamw', CRATE_FT), ('lr', 5e-5, CRATE_FT), ('weight_decay', 0.01, CRATE_FT),
+        ('batch', 512, CRATE_FT), ('aa', 'rand-m14-n2', 'App. B.1.2: RandAugment n = 2, m = 14'),
+        ('data_kwargs.img_size', 224, 'App. B.1.2: resized to 224'))]
+    + [row for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large') for row in _rows(
+        f'{fam}_{s}_in1k', ('model', f'{fam}_{s}_224', 'Table 1'), ('opt', 'adamw', '§4.1'),
+        ('weight_decay', 0.05, '§4.1'), ('warmup_epochs', 10, '§4.1'), ('epochs', 300, '§4.1'),
+        ('batch', 1024, '§4.1: all variants at batch 1024'), ('mixup', 0.8, f'§4.1 mixup; 0.8 {SOFT_MAIN}'),
+        ('cutmix', 1.0, f'§4.1 cutmix; 1.0 {SOFT_MAIN}'),
+        ('label_smoothing', 0.1, f'§4.1 label smoothing; 0.1 {SOFT_MAIN}'),
+        ('min_lr', 5e-5, 'fudan-zvg/SOFT config/SOFT_*.yaml'), ('clip_grad', 1.0, 'fudan-zvg/SOFT config/SOFT_*.yaml'))]
     + [('soft_tiny_in1k', 'lr', 1e-3, 'fudan-zvg/SOFT config/SOFT_Tiny.yaml (lr x batch / 1024)'),
        ('soft_small_in1k', 'lr', 1e-3, 'fudan-zvg/SOFT config/SOFT_Small.yaml'),
        ('soft_medium_in1k', 'lr', 3.5e-4, 'fudan-zvg/SOFT config/SOFT_Medium.yaml'),
        ('soft_large_in1k', 'lr', 3.3e-4, 'fudan-zvg/SOFT config/SOFT_Large.yaml'),
        ('softpp_medium_in1k', 'lr', 4e-4, 'fudan-zvg/SOFT config/SOFT_Medium_norm.yaml'),
        ('soft_tiny_official_in1k', 'model', 'soft_tiny_official_224', 'fudan-zvg/SOFT README SOFT-Tiny')]
-    + [row for s, lr in (('tiny', 1e-3), ('small', 1e-3), ('medium', 3.5e-4), ('large', 3.3e-4)) for row in (
-        (f'soft_{s}_official_in1k', 'model', f'soft_{s}_official_224', 'fudan-zvg/SOFT README'),
-        (f'soft_{s}_official_in1k', 'lr', lr, f'fudan-zvg/SOFT config/SOFT_{s.title()}.yaml'),
-        (f'soft_{s}_official_in1k', 'epochs', 300, f'fudan-zvg/SOFT config/SOFT_{s.title()}.yaml'),
-        (f'soft_{s}_official_in1k', 'warmup_epochs', 10, f'fudan-zvg/SOFT config/SOFT_{s.title()}.yaml'),
-    )]
-    + [row for attn in ('softmax', 'linformer', 'performer', 'nystrom') for row in (
-        (f'soft_tiny_{attn}_in1k', 'model', f'soft_tiny_{attn}_224', 'Table 2: attention swapped on Tiny'),
-        (f'soft_tiny_{attn}_in1k', 'epochs', 300, '§4.1'),
-        (f'soft_tiny_{attn}_in1k', 'batch', 1024, '§4.1'),
-        (f'soft_tiny_{attn}_in1k', 'lr', 1e-3, 'fudan-zvg/SOFT config/SOFT_Tiny.yaml'),
-    )]
-    + [('deit_small_in1k', 'model', 'deit_small_patch16_224', 'seed 002 §4: DeiT-S teacher'),
-       ('deit_small_in1k', 'lr', 1e-3, 'DeiT main.py: 5e-4 x 1024 / 512'),
-       ('deit_small_in1k', 'epochs', 300, 'DeiT main.py'),
-       ('deit_small_in1k', 'aug_repeats', 3, 'DeiT main.py --repeated-aug'),
-       ('deit_tiny_in1k', 'model', 'deit_tiny_patch16_224', 'DeiT-T, the dense model of Sparsifiner-T'),
-       ('deit_tiny_in1k', 'lr', 1e-3, 'DeiT main.py: 5e-4 x 1024 / 512'),
-       ('sparsifiner_deit_small_in1k', 'model', 'sparsifiner_deit_small_patch16_224', '§4: DeiT-S backbone'),
-       ('sparsifiner_deit_small_in1k', 'predictor_epochs', 5, '§4 stage 1: 5 epochs'),
-       ('sparsifiner_deit_small_in1k', 'epochs', 45, '§4: 5 + 40 epochs'),
-       ('sparsifiner_deit_small_in1k', 'weight_decay', 0.05, 'Eq. 12: weight decay 0.05'),
-       ('sparsifiner_deit_small_in1k', 'model_kwargs.keep_ratio', 0.25,
-        'lim142857/Sparsifiner sparsifiner_default_config.yaml ATTN_KEEP_RATE'),
-       ('sparsifiner_deit_small_in1k', 'batch', 1344, 'lim142857/Sparsifiner: 168 x 8 GPUs'),
-       ('sparsifiner_deit_small_in1k', 'lr', 8e-5, 'lim142857/Sparsifiner CLS_DISTILL.BASE_LR'),
-       ('sparsifiner_deit_tiny_384_in1k', 'model', 'sparsifiner_deit_tiny_patch16_224', '§4 Table 3: DeiT-T'),
-       ('sparsifiner_deit_tiny_384_in1k', 'model_kwargs.img_size', 384, '§4 Table 3: 384 x 384'),
-       ('sparsifiner_deit_tiny_384_in1k', 'predictor_epochs', 5, '§4'),
-       ('sparsifiner_deit_tiny_384_in1k', 'epochs', 45, '§4')]
-    + [row for m in ('smixer', 'rp_smixer') for ds in ('cifar10', 'cifar100') for row in (
-        (f'{m}_{ds}', 'model', f'{m}_cifar', 'App. C.4: S-Mixer / RP S-Mixer, 8 blocks, patch 4'),
-        (f'{m}_{ds}', 'opt', 'sgd', 'App. C.4: Nesterov SGD'),
-        (f'{m}_{ds}', 'momentum', 0.9, 'App. C.4'),
-        (f'{m}_{ds}', 'batch', 128, 'App. C.4'),
-        (f'{m}_{ds}', 'epochs', 200, 'App. C.4'),
-        (f'{m}_{ds}', 'lr', 0.02, 'App. C.4'),
-    )]
-    + [('rp_mixer_width_cifar10', 'lr', 0.1, 'App. C.5'), ('rp_mixer_width_cifar10', 'epochs', 200, 'App. C.5'),
-       ('rp_mixer_width_cifar100', 'lr', 0.1, 'App. C.5'), ('rp_mixer_width_cifar100', 'epochs', 600, 'App. C.5'),
-       ('smixer_depth_cifar10', 'model_kwargs.num_tokens', 128, 'App. C.6: S = C = 128'),
-       ('smixer_depth_cifar10', 'model_kwargs.embed_dim', 128, 'App. C.6: S = C = 128')]
+    + [row for s, lr in (('tiny', 1e-3), ('small', 1e-3), ('medium', 3.5e-4), ('large', 3.3e-4)) for row in _rows(
+        f'soft_{s}_official_in1k', ('model', f'soft_{s}_official_224', 'fudan-zvg/SOFT README'),
+        *((key, value, f'fudan-zvg/SOFT config/SOFT_{s.title()}.yaml')
+          for key, value in (('lr', lr), ('epochs', 300), ('warmup_epochs', 10))))]
+    + [row for attn in ('softmax', 'linformer', 'performer', 'nystrom') for row in _rows(
+        f'soft_tiny_{attn}_in1k', ('model', f'soft_tiny_{attn}_224', 'Table 2: attention swapped on Tiny'),
+        ('epochs', 300, '§4.1'), ('batch', 1024, '§4.1'), ('lr', 1e-3, 'fudan-zvg/SOFT config/SOFT_Tiny.yaml'))]
+    + _rows('deit_small_in1k', ('model', 'deit_small_patch16_224', 'seed 002 §4: DeiT-S teacher'),
+            ('lr', 1e-3, 'DeiT main.py: 5e-4 x 1024 / 512'), ('epochs', 300, 'DeiT main.py'),
+            ('aug_repeats', 3, 'DeiT main.py --repeated-aug'))
+    + _rows('deit_tiny_in1k', ('model', 'deit_tiny_patch16_224', 'DeiT-T, the dense model of Sparsifiner-T'),
+            ('lr', 1e-3, 'DeiT main.py: 5e-4 x 1024 / 512'))
+    + _rows('sparsifiner_deit_small_in1k', ('model', 'sparsifiner_deit_small_patch16_224', '§4: DeiT-S backbone'),
+            ('predictor_epochs', 5, '§4 stage 1: 5 epochs'), ('epochs', 45, '§4: 5 + 40 epochs'),
+            ('weight_decay', 0.05, 'Eq. 12: weight decay 0.05'),
+            ('model_kwargs.keep_ratio', 0.25, f'{SPARSIFINER} sparsifiner_default_config.yaml ATTN_KEEP_RATE'),
+            ('batch', 1344, f'{SPARSIFINER}: 168 x 8 GPUs'), ('lr', 8e-5, f'{SPARSIFINER} CLS_DISTILL.BASE_LR'))
+    + _rows('sparsifiner_deit_tiny_384_in1k', ('model', 'sparsifiner_deit_tiny_patch16_224', '§4 Table 3: DeiT-T'),
+            ('model_kwargs.img_size', 384, '§4 Table 3: 384 x 384'), ('predictor_epochs', 5, '§4'), ('epochs', 45, '§4'))
+    + [row for m in ('smixer', 'rp_smixer') for ds in ('cifar10', 'cifar100') for row in _rows(
+        f'{m}_{ds}', ('model', f'{m}_cifar', 'App. C.4: S-Mixer / RP S-Mixer, 8 blocks, patch 4'),
+        ('opt', 'sgd', 'App. C.4: Nesterov SGD'), ('momentum', 0.9, 'App. C.4'), ('batch', 128, 'App. C.4'),
+        ('epochs', 200, 'App. C.4'), ('lr', 0.02, 'App. C.4'))]
+    + _rows('rp_mixer_width_cifar10', ('lr', 0.1, 'App. C.5'), ('epochs', 200, 'App. C.5'))
+    + _rows('rp_mixer_width_cifar100', ('lr', 0.1, 'App. C.5'), ('epochs', 600, 'App. C.5'))
+    + _rows('smixer_depth_cifar10', ('model_kwargs.num_tokens', 128, 'App. C.6: S = C = 128'),
+            ('model_kwargs.embed_dim', 128, 'App. C.6: S = C = 128'))
     + [row for kind, ds, lr in (('ss8', 'cifar10', 0.04), ('ss8', 'cifar100', 0.06), ('ssw', 'cifar10', 0.04),
-                                ('ssw', 'cifar100', 0.04)) for row in (
-        (f'mixer_{kind}_{ds}', 'opt', 'adamw', 'App. C.3'),
-        (f'mixer_{kind}_{ds}', 'batch', 1024, 'App. C.3'),
-        (f'mixer_{kind}_{ds}', 'epochs', 4000, 'App. C.3'),
-        (f'mixer_{kind}_{ds}', 'lr', lr, 'App. C.3: 0.06 for Mixer-SS/8 on CIFAR-100, else 0.04'),
-        (f'mixer_{kind}_{ds}', 'model_kwargs.depth', 2, 'App. C.3: L = 2'),
-        (f'mixer_{kind}_{ds}', 'model_kwargs.mlp_ratio', 4.0, 'App. C.3: gamma = 4'),
-        (f'mixer_{kind}_{ds}', 'model_kwargs.patch_size', 8 if kind == 'ss8' else 4, 'App. C.3'),
-        (f'mixer_{kind}_{ds}', 'model_kwargs.num_tokens', 16 if kind == 'ss8' else 64, 'App. C.3'),
-        (f'mixer_{kind}_{ds}', 'model_kwargs.embed_dim', 986 if kind == 'ss8' else 487, 'App. C.3'),
-    )]
-    + [row for name in ('mixer_b16_in1k', 'mixer_b_w_in1k') for row in (
-        (name, 'opt', 'adamw', 'App. C.5'), (name, 'lr', 1e-3, 'App. C.5'), (name, 'epochs', 300, 'App. C.5'),
-        (name, 'batch', 4096, 'App. C.5'), (name, 'warmup_epochs', 5, 'App. C.5'), (name, 'warmup_lr', 1e-6, 'App. C.5'),
-        (name, 'min_lr', 1e-5, 'App. C.5'), (name, 'weight_decay', 0.05, 'App. C.5'), (name, 'reprob', 0.25, 'App. C.5'),
-        (name, 'aa', 'rand-m9-mstd0.5-inc1', 'App. C.5'), (name, 'mixup', 0.8, 'App. C.5'),
-        (name, 'cutmix', 1.0, 'App. C.5'), (name, 'mixup_switch_prob', 0.5, 'App. C.5'),
-        (name, 'label_smoothing', 0.1, 'App. C.5'),
-    )]
-    + [('mixer_b16_in1k', 'model_kwargs.num_tokens', 196, 'App. C.5: (S, C) = (196, 768), P = 16'),
-       ('mixer_b16_in1k', 'model_kwargs.embed_dim', 768, 'App. C.5'),
-       ('mixer_b_w_in1k', 'model_kwargs.depth', 8, 'App. C.3: Mixer-B-W L = 8'),
-       ('mixer_b_w_in1k', 'model_kwargs.patch_size', 14, 'App. C.3: p = 14'),
-       ('mixer_b_w_in1k', 'model_kwargs.num_tokens', 256, 'App. C.3: S = 256'),
-       ('mixer_b_w_in1k', 'model_kwargs.embed_dim', 588, 'App. C.3: C = 588'),
-       ('mixer_b_w_in1k', 'model_kwargs.mlp_ratio', 4.57, 'App. C.3: gamma = 4.57')]
+                                ('ssw', 'cifar100', 0.04)) for row in _rows(
+        f'mixer_{kind}_{ds}', ('opt', 'adamw', 'App. C.3'), ('batch', 1024, 'App. C.3'), ('epochs', 4000, 'App. C.3'),
+        ('lr', lr, 'App. C.3: 0.06 for Mixer-SS/8 on CIFAR-100, else 0.04'), ('model_kwargs.depth', 2, 'App. C.3: L = 2'),
+        ('model_kwargs.mlp_ratio', 4.0, 'App. C.3: gamma = 4'),
+        ('model_kwargs.patch_size', 8 if kind == 'ss8' else 4, 'App. C.3'),
+        ('model_kwargs.num_tokens', 16 if kind == 'ss8' else 64, 'App. C.3'),
+        ('model_kwargs.embed_dim', 986 if kind == 'ss8' else 487, 'App. C.3'))]
+    + [row for name in ('mixer_b16_in1k', 'mixer_b_w_in1k') for row in _rows(
+        name, *((key, value, 'App. C.5') for key, value in (
+            ('opt', 'adamw'), ('lr', 1e-3), ('epochs', 300), ('batch', 4096), ('warmup_epochs', 5), ('warmup_lr', 1e-6),
+            ('min_lr', 1e-5), ('weight_decay', 0.05), ('reprob', 0.25), ('aa', 'rand-m9-mstd0.5-inc1'), ('mixup', 0.8),
+            ('cutmix', 1.0), ('mixup_switch_prob', 0.5), ('label_smoothing', 0.1))))]
+    + _rows('mixer_b16_in1k', ('model_kwargs.num_tokens', 196, 'App. C.5: (S, C) = (196, 768), P = 16'),
+            ('model_kwargs.embed_dim', 768, 'App. C.5'))
+    + _rows('mixer_b_w_in1k', ('model_kwargs.depth', 8, 'App. C.3: Mixer-B-W L = 8'),
+            ('model_kwargs.patch_size', 14, 'App. C.3: p = 14'), ('model_kwargs.num_tokens', 256, 'App. C.3: S = 256'),
+            ('model_kwargs.embed_dim', 588, 'App. C.3: C = 588'), ('model_kwargs.mlp_ratio', 4.57, 'App. C.3: gamma = 4.57'))
     + [row for name in ('wrn28_10_cifar100', 'wrn28_10_lowrank_cifar100', 'wrn28_10_lowrank_pretrain_cifar100')
-       for row in ((name, 'model', 'wrn_28_10', 'App. A.2 / Table 2'), (name, 'epochs', 200, 'App. A.2'),
-                   (name, 'opt', 'momentum', 'App. A.2: SGD with momentum'), (name, 'momentum', 0.9, 'App. A.2'),
-                   (name, 'batch', 128, 'App. A.2'), (name, 'weight_decay', 5e-4, 'App. A.2'))]
-    + [('wrn28_10_lowrank_cifar100', 'factorize_rank', 0.2, 'Table 2 / 5 rank 0.2'),
-       ('wrn28_10_lowrank_cifar100', 'factorize_init', 'spectral', 'Table 2 spectral'),
-       ('wrn28_10_lowrank_cifar100', 'factor_decay', 'frobenius', 'Table 5 Frobenius decay'),
-       ('wrn28_10_lowrank_cifar100', 'factorize_include', ['vision'], 'App. A.2: every conv but the first'),
-       ('wrn28_10_lowrank_pretrain_cifar100', 'factorize_rank', 0.3, 'Table 8'),
-       ('wrn28_10_lowrank_pretrain_cifar100', 'factorize_at', 50, 'Table 8: 50 pre-training epochs'),
-       ('resnet50_in1k', 'model', 'resnet50', 'App. A.2: standard ResNet-50'),
-       ('resnet50_in1k', 'batch', 1024, 'App. A.2: TPU v2-8, 128 per core'),
-       ('resnet50_lowrank_in1k', 'factorize_rank', 0.5, 'Table 3 / 6 rank 0.5'),
-       ('resnet50_lowrank_in1k', 'factor_decay', 'frobenius', 'Table 6'),
-       ('resnet50_lowrank_pretrain_in1k', 'factorize_at', 45, 'Table 9: 45 pre-training epochs'),
-       ('gpt2_lm1b', 'data_kwargs.seq_len', 256, 'App. A.2: sequence length 256'),
-       ('gpt2_lowrank_lm1b', 'factorize_rank', 0.62, 'App. A.2: rank 62.5%'),
-       ('gpt2_lowrank_lm1b', 'factorize_include', ['lm'], 'App. A.2: QKV and both FFN matrices'),
-       ('gpt2_lowrank_pretrain_lm1b', 'factorize_rank', 0.62, 'App. A.2')]
+       for row in _rows(name, ('model', 'wrn_28_10', 'App. A.2 / Table 2'), ('epochs', 200, 'App. A.2'),
+                        ('opt', 'momentum', 'App. A.2: SGD with momentum'), ('momentum', 0.9, 'App. A.2'),
+                        ('batch', 128, 'App. A.2'), ('weight_decay', 5e-4, 'App. A.2'))]
+    + _rows('wrn28_10_lowrank_cifar100', ('factorize_rank', 0.2, 'Table 2 / 5 rank 0.2'),
+            ('factorize_init', 'spectral', 'Table 2 spectral'), ('factor_decay', 'frobenius', 'Table 5 Frobenius decay'),
+            ('factorize_include', ['vision'], 'App. A.2: every conv but the first'))
+    + _rows('wrn28_10_lowrank_pretrain_cifar100', ('factorize_rank', 0.3, 'Table 8'),
+            ('factorize_at', 50, 'Table 8: 50 pre-training epochs'))
+    + _rows('resnet50_in1k', ('model', 'resnet50', 'App. A.2: standard ResNet-50'),
+            ('batch', 1024, 'App. A.2: TPU v2-8, 128 per core'))
+    + _rows('resnet50_lowrank_in1k', ('factorize_rank', 0.5, 'Table 3 / 6 rank 0.5'), ('factor_decay', 'frobenius', 'Table 6'))
+    + _rows('resnet50_lowrank_pretrain_in1k', ('factorize_at', 45, 'Table 9: 45 pre-training epochs'))
+    + _rows('gpt2_lm1b', ('data_kwargs.seq_len', 256, 'App. A.2: sequence length 256'))
+    + _rows('gpt2_lowrank_lm1b', ('factorize_rank', 0.62, 'App. A.2: rank 62.5%'),
+            ('factorize_include', ['lm'], 'App. A.2: QKV and both FFN matrices'))
+    + _rows('gpt2_lowrank_pretrain_lm1b', ('factorize_rank', 0.62, 'App. A.2'))
 )
 
 
@@ -226,11 +192,24 @@ def _run(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize('name', RECIPES)
-def test_dry_run_resolves_every_recipe_without_data_or_writes(name, tmp_path, monkeypatch):
+@pytest.fixture
+def dry_run(tmp_path, monkeypatch):
+    """`_run` from an empty folder (a dry run must leave it empty) as one process, or under torchrun's
+    WORLD_SIZE."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv('WORLD_SIZE', raising=False)
-    rc, out, err = _run(['train', '--recipe', name, '--dry-run'])
+
+    def run(argv, world_size=None):
+        if world_size is None:
+            monkeypatch.delenv('WORLD_SIZE', raising=False)
+        else:
+            monkeypatch.setenv('WORLD_SIZE', str(world_size))
+        return _run(argv)
+    return run
+
+
+@pytest.mark.parametrize('name', RECIPES)
+def test_dry_run_resolves_every_recipe_without_data_or_writes(name, tmp_path, dry_run):
+    rc, out, err = dry_run(['train', '--recipe', name, '--dry-run'])
     assert rc == 0, err
     values, about = load_recipe(name)
     assert f"recipe        {name}" in out
@@ -241,12 +220,10 @@ def test_dry_run_resolves_every_recipe_without_data_or_writes(name, tmp_path, mo
     assert list(tmp_path.iterdir()) == [], 'a dry run wrote files'
 
 
-def test_dry_run_counts_steps_and_lr_at_the_recipes_world_size(monkeypatch, tmp_path):
+def test_dry_run_counts_steps_and_lr_at_the_recipes_world_size(dry_run):
     """crate_base_in1k under torchrun with 8 processes: 128 x 2 x 8 = 2,048 a step, ceil(ceil(1,281,167 / 8) /
     128) = 1,252 batches, 626 steps an epoch; peak lr 2.4e-4; warm-up ends at step 5 x 626."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv('WORLD_SIZE', '8')
-    rc, out, _ = _run(['train', '--recipe', 'crate_base_in1k', '--dry-run'])
+    rc, out, _ = dry_run(['train', '--recipe', 'crate_base_in1k', '--dry-run'], world_size=8)
     assert rc == 0
     assert '= 2,048 per optimiser step' in out
     assert '626 optimiser steps per epoch (1,252 batches per process)' in out and '93,900 in total' in out
@@ -255,15 +232,13 @@ def test_dry_run_counts_steps_and_lr_at_the_recipes_world_size(monkeypatch, tmp_
     assert 'the recipe is sized for' not in out
 
 
-def test_dry_run_reads_data_at_hand_and_shows_stages_and_factorisation(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv('WORLD_SIZE', raising=False)
-    rc, out, _ = _run(['train', '--recipe', 'wrn28_10_lowrank_pretrain_cifar100', '--data', 'digits',
-                       '--data-kwargs', '--dry-run'])
+def test_dry_run_reads_data_at_hand_and_shows_stages_and_factorisation(tmp_path, dry_run):
+    rc, out, _ = dry_run(['train', '--recipe', 'wrn28_10_lowrank_pretrain_cifar100', '--data', 'digits',
+                          '--data-kwargs', '--dry-run'])
     assert rc == 0
     assert 'read from the data: 10 classes, 1x8x8' in out and 'is not used: the data is at hand' in out
     assert 'after 50 dense epoch(s)' in out and 'after factorisation' in out
-    rc, out, _ = _run(['train', '--recipe', 'sparsifiner_deit_small_in1k', '--dry-run', '--teacher', 'some/run'])
+    rc, out, _ = dry_run(['train', '--recipe', 'sparsifiner_deit_small_in1k', '--dry-run', '--teacher', 'some/run'])
     assert rc == 0
     assert 'teacher: some/run' in out and 'stage predictor: 5 epochs' in out and 'stage joint: 40 epochs' in out
     assert list(tmp_path.iterdir()) == []
@@ -274,14 +249,14 @@ def test_flags_override_config_file_override_recipe(tmp_path):
     config = tmp_path / 'c.yaml'
     config.write_text('epochs: 7\nweight_decay: 0.25\n')
     parser = build_parser()
-    cfg = _train_config(parser.parse_args(['train', '--recipe', 'crate_base_in1k', '-c', str(config),
+    cfg = train_config(parser.parse_args(['train', '--recipe', 'crate_base_in1k', '-c', str(config),
                                            '--weight-decay', '0.125', '--data', 'digits']))
     assert cfg.recipe == 'crate_base_in1k'
     assert (cfg.opt, cfg.lr_base, cfg.warmup_epochs) == ('lion', 2.4e-4, 5)     # the recipe's
     assert cfg.epochs == 7                                                       # -c over the recipe
     assert cfg.weight_decay == 0.125 and cfg.data == 'digits'                    # flags over both
     assert cfg.momentum == 0.9 and cfg.keep_last == 2                            # defaults where no one says
-    cfg = _train_config(parser.parse_args(['train', '--recipe', 'soft_tiny_in1k', '--no-model-ema', '--mixup', '0']))
+    cfg = train_config(parser.parse_args(['train', '--recipe', 'soft_tiny_in1k', '--no-model-ema', '--mixup', '0']))
     assert cfg.model_ema is False and cfg.mixup == 0 and cfg.cutmix == 1.0
 
 
@@ -364,20 +339,21 @@ def _teacher_recipe(student: str) -> str:
     return 'deit_small_in1k' if 'small' in load_recipe(student)[0]['model'] else 'deit_tiny_in1k'
 
 
+def _trained(recipe: str, tmp_path: Path) -> str:
+    """The run folder of `recipe` trained at the tiny size: the teacher or pre-training run another recipe needs."""
+    rc, _, err = _run(_small_argv(recipe, load_recipe(recipe)[0], tmp_path / recipe))
+    assert rc == 0, err
+    return str(tmp_path / recipe)
+
+
 def _two_steps(name: str, tmp_path: Path):
     from structformer.train.checkpoint import load_checkpoint
     values, _ = load_recipe(name)
     argv = _small_argv(name, values, tmp_path / name)
     if values.get('teacher'):
-        teacher = _teacher_recipe(name)
-        rc, _, err = _run(_small_argv(teacher, load_recipe(teacher)[0], tmp_path / teacher))
-        assert rc == 0, err
-        argv += ['--teacher', str(tmp_path / teacher)]
+        argv += ['--teacher', _trained(_teacher_recipe(name), tmp_path)]
     if values.get('initial_checkpoint'):             # a fine-tuning recipe: its pre-training recipe's run first
-        source = Path(values['initial_checkpoint']).name
-        rc, _, err = _run(_small_argv(source, load_recipe(source)[0], tmp_path / source))
-        assert rc == 0, err
-        argv += ['--initial-checkpoint', str(tmp_path / source)]
+        argv += ['--initial-checkpoint', _trained(Path(values['initial_checkpoint']).name, tmp_path)]
     rc, out, err = _run(argv)
     assert rc == 0, err[-3000:]
     _, state, _ = load_checkpoint(tmp_path / name)

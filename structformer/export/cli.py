@@ -2,6 +2,9 @@
 import argparse
 import json
 
+DESCRIPTION = ('Export a run or checkpoint: onnx and torch-export are checked against eager torch before they are '
+               'kept (docs/export.md).')
+
 EXAMPLES = """examples:
   structformer export outputs/demo --format onnx --output demo.onnx            # checked with ONNX Runtime
   structformer export outputs/demo --format torch-export --output demo.pt2     # torch.export.load(...)

@@ -4,6 +4,10 @@ the public code's checkpoints (`convert`, `structformer convert`). docs/weights.
 Nothing heavy at import: `structformer --help` builds the convert parser from `weights.cli` without torch."""
 import importlib
 
+# the layouts `convert` reads (weights/convert.py has their key maps); here, import-light, so that the convert
+# command (weights/cli.py) builds its parser without torch and the converters need no command module
+SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
+
 __all__ = ['WeightsMismatch', 'adapt_state_dict', 'filter_fn_for', 'pretrained_filter_fn']
 
 

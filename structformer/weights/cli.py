@@ -6,10 +6,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..cli_args import ParseKwargs
 from ..errors import UsageError
+from . import SOURCES
 
-# the layouts `convert` reads (structformer.weights.convert has their key maps); here so that --help needs no torch
-SOURCES = ('crate-official', 'soft-official', 'sparsifiner-official', 'timm')
+DESCRIPTION = ('Convert a checkpoint to a weights folder that eval, train --pretrained-path / --initial-checkpoint '
+               "and timm's local-dir: load (docs/weights.md).")
 
 EXAMPLES = """examples:
   structformer convert --from crate-official crate_small.pth --model crate_small_patch16_224 --output weights/crate_s
@@ -24,7 +26,6 @@ docs/weights.md lists the key maps."""
 
 
 def add_arguments(parser) -> None:
-    from ..cli import ParseKwargs
     parser.add_argument('source_file', metavar='FILE', help='the checkpoint: .safetensors, or a weights-only .pth / '
                         '.pth.tar / .bin (read with weights_only=True: loading never runs code)')
     parser.add_argument('--from', dest='source', required=True, metavar='SOURCE',

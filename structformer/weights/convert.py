@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError
-from .cli import SOURCES
+from . import SOURCES
 
 __all__ = ['SOURCES', 'convert_state_dict', 'infer_model_kwargs']
 

@@ -1,0 +1,57 @@
+"""`structformer eval`: top-1 / top-5 / loss of a checkpoint on the held-out split of its data (or --data)."""
+import json
+
+from ..cli_args import ParseKwargs, positive_int
+from ..errors import UsageError
+
+DESCRIPTION = 'Evaluate a checkpoint on the held-out split of its data (or --data).'
+
+EXAMPLES = """examples:
+  structformer eval --checkpoint outputs/demo
+  structformer eval --checkpoint outputs/demo/checkpoints/epoch_0010 --data digits --split train"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument('--checkpoint', required=True, help='run directory or checkpoint directory')
+    p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
+    p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE',
+                   help="dataset options over the checkpoint's (see `structformer train --help`)")
+    p.add_argument('--split', choices=['val', 'train'], default='val')
+    p.add_argument('-b', '--batch-size', type=positive_int('--batch-size'), default=256)
+    p.add_argument('--json', action='store_true', help='print one JSON object')
+    p.add_argument('--ema', action='store_true', help='score the weight average of a run trained with --model-ema')
+
+
+def run(args) -> int:
+    from torch.utils.data import DataLoader
+
+    from ..data import build_datasets
+    from ..train import evaluate, load_model
+    model, state = load_model(args.checkpoint, ema=args.ema)
+    cfg = state.get('config') or {}
+    data = args.data or cfg.get('data')
+    if not data:                                   # converted weights (`structformer convert`) record no data set
+        raise UsageError(f"--data: {state['path']} records no data set (converted weights); pass --data")
+    if not args.data:
+        from ..train.data_paths import check_stored_data
+        check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
+    data_kwargs = dict(cfg.get('data_kwargs', {}), **(args.data_kwargs or {}))
+    train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
+                                            **data_kwargs)
+    if info.num_classes != model.num_classes:
+        raise ValueError(f"--data {data} has {info.num_classes} classes but the checkpoint's model predicts "
+                         f"{model.num_classes}")
+    dataset = val_ds if args.split == 'val' else train_ds
+    metrics = evaluate(model, DataLoader(dataset, batch_size=args.batch_size), 'cpu')
+    unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
+    metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
+                    unit: len(dataset), 'weights': 'ema' if args.ema else 'model'})
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
+              f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
+              + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else ''))
+    return 0
+
+

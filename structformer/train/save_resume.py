@@ -1,0 +1,82 @@
+"""Checkpoint save and resume glue (a mixin of `Trainer`): what a checkpoint of the run holds, writing it with
+the parts' files, keeping the last ones, a full disk as one line, and restoring a run from one."""
+import shutil
+from pathlib import Path
+from typing import Dict
+
+from .checkpoint import (CheckpointError, describe_mismatch, load_checkpoint, mark_latest, optimizer_state_from,
+                         resolve_checkpoint, restore_rng, save_checkpoint)
+from .run_dir import committed_checkpoints, disk_full
+
+
+class CheckpointGlue:
+    """`Trainer`'s checkpoints: `_save` after each epoch, `_restore` on --resume."""
+
+    def _state(self, epoch: int, metrics: Dict) -> Dict:
+        return {'model': self.recipe.name, 'model_kwargs': self.recipe.kwargs, 'recipe': self.recipe.to_dict(),
+                'epoch': epoch, 'global_step': self.global_step, 'world_size': self.world_size,
+                'effective_batch_size': self.effective_batch(), 'precision': self.precision.name,
+                'grad_scaler': self.precision.state(),
+                'config': self.config.to_dict(), 'metrics': metrics,
+                'data_info': {'name': self.info.name, 'num_classes': self.info.num_classes,
+                              'in_chans': self.info.in_chans, 'img_size': self.info.img_size}}
+
+    def _save(self, epoch: int, metrics: Dict) -> Path:
+        files = {}
+        for part in self.parts:
+            files.update(part.checkpoint_files())
+        try:
+            path = save_checkpoint(self.ckpt_dir / f'epoch_{epoch:04d}', self.model, self._state(epoch, metrics),
+                                   optimizer=self.optimizer, extra_files=files)
+            mark_latest(self.ckpt_dir, path)
+        except Exception as e:          # safetensors reports a full disk as SafetensorError, not OSError
+            if not disk_full(e):
+                raise
+            raise self._out_of_space(e, f'checkpoint epoch_{epoch:04d}') from None
+        self._prune(epoch)
+        return path
+
+    def _out_of_space(self, error: Exception, writing: str) -> CheckpointError:
+        """A full disk while committing an epoch, as one line: what is intact and how to go on. A checkpoint is
+        committed by rename, so a failed write leaves the previous ones as they were."""
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else 'no space left on device'
+        if self.uncommitted_new_run:
+            kept = "nothing of this new run was kept (it had not finished an epoch); free space and start it again"
+        else:
+            last = committed_checkpoints(self.ckpt_dir)[-1]
+            kept = (f"the last intact checkpoint is epoch {int(last.name.split('_')[1])} ({last}); free space, then "
+                    f"continue with `structformer train --output {self.output} --resume`")
+        return CheckpointError(f"--output {self.output}: the disk is full ({reason}) while writing {writing}; {kept}")
+
+    def _prune(self, epoch: int) -> None:
+        cfg = self.config
+        for path in sorted(self.ckpt_dir.glob('epoch_[0-9][0-9][0-9][0-9]')):
+            e = int(path.name.split('_')[1])
+            keep = e == 0 or e > epoch - cfg.keep_last or (cfg.save_every and e % cfg.save_every == 0)
+            if not keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _resume_source(self):
+        """`--resume` alone continues this run's latest checkpoint; `--resume PATH` a given one."""
+        return self.ckpt_dir if self.resume in (True, 'latest', '') else self.resume
+
+    def _restore(self) -> int:
+        source = resolve_checkpoint(self._resume_source())
+        weights, state, train_tensors = load_checkpoint(source, with_train_state=True)
+        mismatch = describe_mismatch(self.model.state_dict(), weights)
+        if mismatch:
+            raise CheckpointError(f"--resume: {source} is not a checkpoint of "
+                                  f"{self.recipe.name!r} as configured: {mismatch}")
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
+        self.precision.load_state(state.get('grad_scaler'))
+        for part in self.parts:
+            part.restore(source)
+        self.global_step = state['global_step']
+        if int(state.get('world_size', 1)) != self.world_size:     # allowed: the schedule follows the new count
+            self.global_step = state['epoch'] * self.steps_per_epoch
+        if self.scheduler is not None:
+            self.scheduler.step_update(num_updates=self.global_step)
+        restore_rng(train_tensors, state['rng'])
+        return state['epoch']
+
