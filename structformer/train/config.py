@@ -16,7 +16,7 @@ from ..errors import UsageError
 # configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
 _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
           'batch_size': '-b/--batch-size', 'phases': None, 'recipe': '--recipe',
-          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None, 'phase_settings': None}
+          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None}
 
 # what a phase may set for itself (`phase_settings`): its own optimiser (fresh state) and its own schedule over
 # its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
@@ -101,7 +101,7 @@ class TrainConfig:
     # checkpoints/average_last_N, evaluated and recorded in summary.json; 0 = off
     avg_last: int = 0
     phases: List[Dict[str, Any]] = field(default_factory=list)
-    # per-phase optimiser and schedule, by phase name (config files only; PHASE_SETTING_KEYS): a phase named here
+    # per-phase optimiser and schedule, by phase name (PHASE_SETTING_KEYS; --phase-settings NAME KEY=VALUE): a phase named here
     # gets a fresh optimiser and its own schedule over its own epochs, e.g. Sparsifiner's public stages
     # {predictor: {lr: 3.0e-4, min_lr: 2.0e-4, warmup_epochs: 3, warmup_lr: 0}, joint: {lr: 8.0e-5, ...}};
     # a phase's lr scales with the effective batch as --lr-base does
@@ -247,6 +247,10 @@ class TrainConfig:
         for name, ok, accepted in checks:
             if not ok:
                 raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
+        if self.avg_last > self.keep_last:
+            raise UsageError(f"--avg-last {self.avg_last} averages the last {self.avg_last} epochs' checkpoints, but "
+                             f"--keep-last {self.keep_last} keeps only {self.keep_last}: give --keep-last "
+                             f"{self.avg_last} or more")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
         self._validate_lowrank()

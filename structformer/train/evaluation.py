@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from .distributed import all_reduce_sum
-from .precision import Precision
+from .precision import Precision, low_precision_failure
 
 
 @torch.no_grad()
@@ -24,8 +24,14 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device, precision: Opti
     total, loss_sum, top1_hits, top5_hits, lm = 0, 0.0, 0, 0, False
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with precision.autocast() if precision is not None else contextlib.nullcontext():
-            logits = model(images)
+        try:
+            with precision.autocast() if precision is not None else contextlib.nullcontext():
+                logits = model(images)
+        except (RuntimeError, NotImplementedError) as e:      # no kernel in the autocast dtype: one line
+            low = low_precision_failure(e, precision)
+            if low is None:
+                raise
+            raise low from None
         logits = logits.float()
         if logits.dim() == 3:                        # next-token prediction: every position is a sample
             lm, logits, targets = True, logits.flatten(0, 1), targets.flatten()

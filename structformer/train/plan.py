@@ -156,6 +156,11 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
         if own:
             lines.append(f"  phase {name} (epochs {start + 1}-{start + epochs}): {values['opt']}, weight decay "
                          f"{values['weight_decay']:g}, peak {peak:.4g}; {shape}")
+            for key in ('warmup_lr', 'min_lr'):
+                if values['sched'] != 'none' and values[key] > peak:
+                    lines.append(f"    warning: {key} {values[key]:.3g} is above this phase's peak {peak:.4g} at this "
+                                 "batch (its lr scales with the batch, not its floors): training refuses it; run with "
+                                 f"the recipe's effective batch or --phase-settings {name} {key}=...")
         if steps:
             total = steps * epochs
             warm = round(values['warmup_epochs'] * steps) if values['sched'] != 'none' else 0
