@@ -515,7 +515,8 @@ def _small_argv(name: str, values: dict, output: Path) -> list:
     family = _family(values['model'])
     argv = ['train', '--recipe', name, '--output', str(output), '--no-progress', '--device', 'cpu', '--workers', '0',
             '-b', '8', '--grad-accum-steps', '1', '--warmup-epochs', '0', '--log-interval', '0',
-            '--min-lr', '0']       # batch 8 scales an --lr-base recipe's peak below its floor, which train refuses
+            '--min-lr', '0', '--warmup-lr', '0']   # batch 8 scales an --lr-base recipe's peak below its floors,
+                                                   # which train refuses
     kwargs = list(_SMALL[family])
     if 'keep_ratio' in values.get('model_kwargs', {}):
         kwargs.append(f"keep_ratio={values['model_kwargs']['keep_ratio']}")
@@ -527,7 +528,8 @@ def _small_argv(name: str, values: dict, output: Path) -> list:
         argv += ['--data', 'digits', '--data-kwargs']
     if values.get('factorize_at') or values.get('teacher'):       # two epochs of one step: dense then low rank,
         argv += ['--epochs', '2', '--limit-train-batches', '1']   # or stage 1 then stage 2
-        argv += ['--factorize-at', '1'] if values.get('factorize_at') else ['--predictor-epochs', '1']
+        stages = ['--predictor-epochs', '0' if values.get('predictor_epochs') == 0 else '1']   # Linformer: joint only
+        argv += ['--factorize-at', '1'] if values.get('factorize_at') else stages
     else:
         argv += ['--epochs', '1', '--limit-train-batches', '2']
     if values.get('mixup_off_epoch'):

@@ -60,6 +60,10 @@ def make_optimizer(model: torch.nn.Module, config, values: Dict[str, Any], lr: f
     except TypeError as e:                # e.g. --opt-betas for an optimiser without betas
         given = ' / '.join(f"--opt-{k}" for k in extra) or 'its settings'
         raise UsageError(f"--opt {values['opt']} does not take {given} ({str(e).splitlines()[0]})") from None
+    ignored = [f"--opt-{k}" for k in extra if k not in optimizer.defaults]     # timm drops what SGD has no use for
+    if ignored:
+        raise UsageError(f"--opt {values['opt']} does not take {' / '.join(ignored)} ({type(optimizer).__name__} has "
+                         "no such setting); leave it out or choose an optimiser that has it (adamw, lamb, ...)")
     if values['sched'] == 'none':       # no scheduler to apply the layer scales: apply them once
         for group in optimizer.param_groups:
             group['lr'] = lr * group.get('lr_scale', 1.0)
