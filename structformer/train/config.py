@@ -6,23 +6,12 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
-
-import yaml
+from typing import Any, Dict, List, Optional
 
 from ..errors import UsageError
+from .config_checks import PHASE_SETTING_KEYS, SCHEDULES, validate_controls, validate_phase_settings, validate_schedule
+from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name, read_yaml_mapping
 
-# configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
-_FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
-          'batch_size': '-b/--batch-size', 'phases': None, 'recipe': '--recipe',
-          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None}
-
-# what a phase may set for itself (`phase_settings`): its own optimiser (fresh state) and its own schedule over
-# its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
-PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
-                      'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
-SCHEDULES = ('cosine', 'step', 'multistep', 'none')
 
 
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
@@ -31,16 +20,6 @@ FLOAT32_MAX = 3.4028234663852886e38
 # data-loader worker processes: more than this only forks processes that wait on each other (and a typo such
 # as 100000 would fork until the machine stops); the ceiling grows with the machine
 MAX_WORKERS = max(32, 2 * (os.cpu_count() or 1))
-
-
-def flag_name(key: str) -> Optional[str]:
-    """The train flag that sets configuration key `key` (None where only a config file can)."""
-    return _FLAGS.get(key, '--' + key.replace('_', '-'))
-
-
-def _describe(key: str) -> str:
-    flag = flag_name(key)
-    return f"{key} ({flag})" if flag else key
 
 
 @dataclass
@@ -380,85 +359,13 @@ class TrainConfig:
             raise UsageError(f"--device={device!r}: accepted auto, cpu, cuda or cuda:N")
 
     def _validate_schedule(self, values: Dict[str, Any], where: str) -> None:
-        """The schedule's numbers (run-wide, or a phase's: `where` names it), before any work."""
-        def bad(key, accepted):
-            raise UsageError(f"{where}{flag_name(key) if not where else key}={values[key]!r} is out of range: "
-                             f"accepted {accepted}")
-        epochs = values['epochs']
-        if values['sched'] not in SCHEDULES:
-            bad('sched', "'cosine', 'step', 'multistep' or 'none'")
-        if not values['decay_epochs'] > 0:
-            bad('decay_epochs', '> 0')
-        if not 0 < values['decay_rate'] <= 1:
-            bad('decay_rate', 'in (0, 1]')
-        milestones = values['decay_milestones']
-        if not (isinstance(milestones, list) and milestones and all(isinstance(m, int) and not isinstance(m, bool)
-                                                                      and m > 0 for m in milestones)
-                and milestones == sorted(set(milestones))):
-            bad('decay_milestones', 'increasing whole epochs > 0, e.g. 60 120 160')
-        if not 0 <= values['cooldown_epochs'] < epochs:
-            bad('cooldown_epochs', f'in [0, epochs={epochs})')
-        if not 0 <= values['warmup_epochs'] < epochs - values['cooldown_epochs']:
-            bad('warmup_epochs', f"in [0, epochs - cooldown_epochs = {epochs - values['cooldown_epochs']})")
+        validate_schedule(values, where)
 
     def _validate_controls(self) -> None:
-        """Betas, eps, layer decay, BCE: ranges and what they need."""
-        betas = self.opt_betas
-        if betas is not None and not (len(betas) in (2, 3) and all(isinstance(b, (int, float)) and not isinstance(b, bool)
-                                                                    and 0 <= b < 1 for b in betas)):
-            raise UsageError(f"--opt-betas={betas!r} is out of range: accepted two (or three) numbers in [0, 1), "
-                             "e.g. 0.9 0.999")
-        if self.opt_eps is not None and not self.opt_eps > 0:
-            raise UsageError(f"--opt-eps={self.opt_eps!r} is out of range: accepted > 0")
-        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
-            raise UsageError(f"--layer-decay={self.layer_decay!r} is out of range: accepted a factor in (0, 1]")
-        if self.bce_target_thresh is not None:
-            if not self.bce_loss:
-                raise UsageError("--bce-target-thresh needs --bce-loss")
-            if not 0 < self.bce_target_thresh < 1:
-                raise UsageError(f"--bce-target-thresh={self.bce_target_thresh!r} is out of range: accepted in (0, 1)")
-        from ..data.spec import parse_data_spec
-        try:
-            form = parse_data_spec(self.data)[0]
-        except ValueError:
-            return                      # the dataset builder names --data
-        tokens = form in ('pysource', 'text')
-        if self.channels_last and (tokens or _takes_token_ids(self.model)):
-            what = f"--data {self.data} is text" if tokens else f"--model {self.model} takes token ids"
-            raise UsageError(f"--channels-last: {what}, not images; channels-last is a memory format of image "
-                             "batches [B, C, H, W] and convolutions; leave it out")
-        if self.bce_loss and (tokens or _takes_token_ids(self.model)):
-            what = f"--data {self.data} is text" if tokens else f"--model {self.model} is a language model"
-            raise UsageError(f"--bce-loss: {what}; binary cross-entropy is for image classes (one output per "
-                             "class and image); leave it out")
+        validate_controls(self)
 
     def _validate_phase_settings(self) -> None:
-        """`phase_settings`: a mapping of phase name to PHASE_SETTING_KEYS, each value checked as the run-wide one."""
-        if not isinstance(self.phase_settings, dict):
-            raise UsageError(f"phase_settings must be a mapping of phase name to settings; got {self.phase_settings!r}")
-        for name, settings in self.phase_settings.items():
-            where = f"phase_settings.{name}."
-            if not isinstance(settings, dict):
-                raise UsageError(f"phase_settings.{name}: expected a mapping of key: value; got {settings!r}")
-            unknown = sorted(set(settings) - set(PHASE_SETTING_KEYS))
-            if unknown:
-                raise UsageError(f"{where}{unknown[0]}: not a phase setting; accepted {', '.join(PHASE_SETTING_KEYS)}")
-            hints = typing.get_type_hints(TrainConfig)
-            for key, value in settings.items():
-                kind, optional = _field_kind(hints[key])
-                try:
-                    settings[key] = None if value is None and optional else _coerce(value, kind)
-                except (TypeError, ValueError):
-                    raise UsageError(f"{where}{key} must be {_KIND_WORDS.get(kind, kind.__name__)}; got {value!r}") from None
-            if 'lr' in settings and not settings['lr'] > 0:
-                raise UsageError(f"{where}lr={settings['lr']!r} is out of range: accepted > 0")
-            if 'weight_decay' in settings and not settings['weight_decay'] >= 0:
-                raise UsageError(f"{where}weight_decay={settings['weight_decay']!r} is out of range: accepted >= 0")
-            for key in ('warmup_lr', 'min_lr'):
-                if settings.get(key) is not None and not settings[key] >= 0:
-                    raise UsageError(f"{where}{key}={settings[key]!r} is out of range: accepted >= 0")
-            if 'opt' in settings:
-                TrainConfig(opt=settings['opt'])._validate_optimizer()
+        validate_phase_settings(self)
 
     def schedule_values(self, phase: Optional[str] = None, epochs: Optional[int] = None) -> Dict[str, Any]:
         """The optimiser and schedule settings (PHASE_SETTING_KEYS, plus `epochs`) of the run, or of phase `phase`
@@ -525,66 +432,6 @@ class TrainConfig:
         return cls(**check_values(values, source))
 
 
-def _takes_token_ids(model: str) -> bool:
-    """True for a registered language model (its input is token ids [B, T], not images)."""
-    from ..models import list_structformer_language_models
-    return model in list_structformer_language_models()
-
-
-_KIND_WORDS = {int: 'an integer', float: 'a number', str: 'a string', bool: 'true or false',
-               dict: 'a mapping of key: value', list: 'a list'}
-
-
-def _coerce(value, kind: type):
-    """`value` as `kind`, or raise TypeError where the conversion would be a guess."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError
-    if isinstance(value, bool):                    # True is an int in Python; never take it as a number
-        raise TypeError
-    if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            value = value.strip()
-            try:
-                return int(value)
-            except ValueError:
-                value = float(value)               # '1e3': ValueError (-> refused) unless a number
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise TypeError
-    if kind is float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):                 # YAML 1.1 reads `lr: 1e-3` as the string '1e-3'
-            number = float(value.strip())
-            if math.isnan(number):
-                raise TypeError
-            return number
-        raise TypeError
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError
-    if kind in (dict, list):
-        if isinstance(value, kind):
-            return value
-        raise TypeError
-    return value
-
-
-def _field_kind(annotation) -> Tuple[type, bool]:
-    """(the base type, whether None is allowed) of a dataclass field's annotation."""
-    optional = False
-    if typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        optional, annotation = True, args[0]
-    origin = typing.get_origin(annotation) or annotation
-    return origin, optional
-
-
 def check_values(values: Dict[str, Any], source: str = 'configuration') -> Dict[str, Any]:
     """Keys and types of configuration `values` checked against TrainConfig; see `TrainConfig.from_dict`."""
     if not isinstance(values, dict):
@@ -614,36 +461,14 @@ def load_config_file(path) -> Dict[str, Any]:
     problem -- a missing, unreadable or non-file path, bad YAML, an unknown key, a wrong type -- is a
     UsageError naming -c/--config, the file and the key."""
     where = f"-c/--config {path}"
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"{where}: no such file")
-    if path.is_dir():
-        raise UsageError(f"{where}: is a folder; expected a YAML file such as a run's config.yaml")
-    if not path.is_file():
-        raise UsageError(f"{where}: not a regular file")
-    try:
-        text = path.read_text(encoding='utf-8')
-    except PermissionError:
-        raise UsageError(f"{where}: cannot be read (permission denied)") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{where}: not a text file (expected YAML)") from None
-    except OSError as e:
-        raise UsageError(f"{where}: cannot be read ({e.strerror or e})") from None
-    try:
-        values = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, 'problem_mark', None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ''
-        problem = getattr(e, 'problem', None) or str(e).splitlines()[0]
-        raise UsageError(f"{where}: not valid YAML{at}: {problem}") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise UsageError(f"{where}: expected a mapping of key: value (e.g. 'epochs: 10'); "
-                         f"got a YAML {type(values).__name__}")
-    return check_values(values, where)
+    return check_values(read_yaml_mapping(path, where), where)
 
 
 def save_config(config: TrainConfig, path) -> None:
+    """`config` as YAML at `path`, atomically."""
+    from pathlib import Path
+
+    import yaml
+
     from ..atomic import write_text_atomically
     write_text_atomically(Path(path), yaml.safe_dump(config.to_dict(), sort_keys=False))

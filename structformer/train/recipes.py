@@ -173,9 +173,3 @@ def _a_shrink(model: str) -> str:
     small = [n for n in timm.list_models() + list(_VIT_SHRINKS)
              if model_family(n) == family and is_registered_shrink(n, model)] if family else []
     return ', '.join(sorted(small)[:3]) or f"{model} with smaller --model-kwargs"
-
-
-def dry_run(config: TrainConfig) -> str:
-    """The plan of `config` (`structformer train --dry-run`): see train/plan.py."""
-    from .plan import dry_run as plan
-    return plan(config)

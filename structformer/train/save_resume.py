@@ -74,8 +74,6 @@ class CheckpointGlue:
         if not n:
             return {}
         import copy
-
-        import torch
         epochs = [p for p in committed_checkpoints(self.ckpt_dir) if int(p.name.split('_')[1]) > 0][-n:]
         if len(epochs) < n:
             if self.is_main:
