@@ -32,11 +32,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     a bug and keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = args.command + (f" {args.target}" if getattr(args, 'target', None) else '')
+    # as argparse names it in its own errors: the verb and its target or action (`structformer data shard: ...`)
+    command = ' '.join([args.command] + [getattr(args, key) for key in ('target', 'action') if getattr(args, key, None)])
     try:
         return run_command(COMMANDS, args.command, args)
     except KeyboardInterrupt as e:              # Ctrl-C, or SIGTERM during training (exit status 143)
-        print(f"structformer {command}: interrupted; checkpoints already written are intact", file=sys.stderr)
+        said = getattr(e, 'said', None) or 'checkpoints already written are intact'   # a command may say what it kept
+        print(f"structformer {command}: interrupted; {said}", file=sys.stderr)
         return getattr(e, 'exit_status', 130)
     except Exception as e:
         step = sys.modules.get('structformer.train.step')       # only a loaded training step can diverge

@@ -29,6 +29,8 @@ def add_arguments(p) -> None:
                    help="float16 or bfloat16 (default: the run's; else bfloat16 on a CPU)")
     p.add_argument('--json', action='store_true', help='print one JSON object')
     p.add_argument('--ema', action='store_true', help='score the weight average of a run trained with --model-ema')
+    p.add_argument('--per-class', action='store_true',
+                   help="also each class's images and top-1, by the class names the run recorded")
 
 
 def run(args) -> int:
@@ -50,21 +52,40 @@ def run(args) -> int:
     if info.num_classes != model.num_classes:
         raise ValueError(f"--data {data} has {info.num_classes} classes but the checkpoint's model predicts "
                          f"{model.num_classes}")
+    from ..data.classes import class_mismatch
+    data_info = state.get('data_info') or {}
+    problem = class_mismatch(data_info.get('classes'), info.extra.get('classes'))
+    if problem:
+        order = data_info.get('class_order')
+        raise UsageError(f"--data {data} does not name the classes {state['path']} was trained on: {problem}"
+                         + (f" (the run's order: {order})" if order else ''))
+    if args.per_class and info.name in ('pysource', 'text'):
+        raise UsageError(f"--per-class: --data {data} is language modelling (its classes are bytes); leave it out")
     dataset = val_ds if args.split == 'val' else train_ds
     precision, how = _precision(args, cfg, state)
     batch_size = args.batch_size or cfg.get('eval_batch_size') or 256
-    metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision)
+    metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
     metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
                     unit: len(dataset), 'weights': 'ema' if args.ema else 'model', 'precision': precision.name,
                     'precision_from': how})
+    if args.per_class:
+        names = data_info.get('classes') or info.extra.get('classes') or [str(k) for k in range(model.num_classes)]
+        images, hits = metrics.pop('per_class_images'), metrics.pop('per_class_top1_hits')
+        metrics['per_class'] = [{'class': name, 'images': n, 'top1': 100.0 * h / n if n else None}
+                                for name, n, h in zip(names, images, hits)]
     if args.json:
         print(json.dumps(metrics))
-    else:
-        print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
-              f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
-              + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else '')
-              + f"  [{precision.name}{' autocast' if precision.dtype is not None else ''}: {how}]")
+        return 0
+    print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
+          f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
+          + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else '')
+          + f"  [{precision.name}{' autocast' if precision.dtype is not None else ''}: {how}]")
+    if args.per_class:
+        width = max(len(row['class']) for row in metrics['per_class'])
+        for row in metrics['per_class']:
+            top1 = f"{row['top1']:6.2f}%" if row['top1'] is not None else '     -'
+            print(f"  {row['class']:<{width}}  {row['images']:>6} images  top-1 {top1}")
     return 0
 
 

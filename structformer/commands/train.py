@@ -206,6 +206,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--output', default=S, help='run directory (default outputs/<model>_<data>)')
     g.add_argument('--keep-last', type=int, default=S, help='checkpoints kept besides epoch 0 (2)')
     g.add_argument('--save-every', type=int, default=S, help='also keep every N-th epoch (0 = none)')
+    g.add_argument('--recovery-interval', type=int, default=S, metavar='N',
+                   help="timm's flag: a recovery checkpoint every N optimiser steps inside an epoch, only the newest "
+                        'kept; --resume continues a crashed epoch from it, as an uninterrupted run would (0 = none)')
     g.add_argument('--keep-best', action=argparse.BooleanOptionalAction, default=S,
                    help='also keep the checkpoint of the best val top-1, whatever --keep-last says')
     g.add_argument('--avg-last', type=int, default=S, metavar='N',
@@ -213,7 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoints/average_last_N, evaluated and recorded in summary.json (needs --keep-last >= N)")
     g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
                    help='continue the run in --output (or from CHECKPOINT) with its saved configuration; '
-                        '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every and '
+                        '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every, '
+                        '--recovery-interval and '
                         '--compile may change, any other flag that differs from the saved value is refused')
     g.add_argument('--stop-after', type=positive_int('--stop-after'), default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
     g.add_argument('--overwrite', action='store_true', help='replace an existing run in --output')
@@ -222,8 +226,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
 # what a resumed run may change: where it writes and what it keeps, never what it trains
-_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'compile', 'num_workers', 'device',
-                      'log_interval', 'log_tb', 'allow_world_size_change', 'keep_best', 'avg_last')
+_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'recovery_interval', 'compile',
+                      'num_workers', 'device', 'log_interval', 'log_tb', 'allow_world_size_change', 'keep_best',
+                      'avg_last')
 
 
 def _flag(key: str) -> str:

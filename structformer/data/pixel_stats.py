@@ -32,11 +32,15 @@ PIXEL_STATS = {
     'cifar10': (tuple(CIFAR10_MEAN), tuple(CIFAR10_STD)),
     'imagefolder': (tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)),
 }
+# shards, Hugging Face image datasets and ImageNet as downloaded go through the image folder's transforms
+for _name in ('wds', 'hfds', 'imagenet'):
+    PIXEL_STATS[_name] = PIXEL_STATS['imagefolder']
 
 
 # how the eval images reach the model: the tensor datasets are used at their own size (no resize, no crop);
 # image folders go through timm's default eval transform (resize to img_size / 0.875, centre crop)
-EVAL_GEOMETRY = {'imagefolder': {'crop_pct': 0.875, 'interpolation': 'bilinear'}}
+EVAL_GEOMETRY = {name: {'crop_pct': 0.875, 'interpolation': 'bilinear'} for name in ('imagefolder', 'wds', 'hfds',
+                                                                                      'imagenet')}
 TENSOR_GEOMETRY = {'crop_pct': 1.0, 'interpolation': 'nearest'}
 
 

@@ -36,13 +36,14 @@ class RunBuild:
         self.train_ds, self.val_ds, self.info = build_datasets(
             cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, model=cfg.model, model_kwargs=cfg.model_kwargs,
             **extra, **cfg.data_kwargs)
-        if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in ('imagefolder', 'wds', 'hfds',
-                                                                                             'cifar10'):
+        from ..data.sizing import FOLLOWS_MODEL
+        if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in FOLLOWS_MODEL:
             cfg.data_kwargs['img_size'] = self.info.img_size     # it followed the model: recorded for eval and resume
         self.resumed_state = None
         if self.resume:                    # the recorded recipe: what was trained, whatever the config says now
             _, self.resumed_state, _ = load_checkpoint(self._resume_source())
             self._check_world_size(self.resumed_state)
+            self._check_classes(self.resumed_state, self.resumed_state['path'])
             self.recipe = ModelRecipe.from_state(self.resumed_state)
             self.model = rebuild(self.recipe)
         else:

@@ -260,8 +260,10 @@ def _load_average(directory: Path) -> Dict[str, torch.Tensor]:
 def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> None:
     """Put the input size and normalisation the model was trained with into its `pretrained_cfg` (timm's
     `resolve_data_config` reads them from there), replacing the registry's defaults: a timm model trained
-    on MNIST must not be fed ImageNet statistics by timm's transforms. Data without an image form
-    (synthetic subspaces, text) leaves the config as it is."""
+    on MNIST must not be fed ImageNet statistics by timm's transforms. The class names, where the data has
+    them, become timm's `label_names` (and `label_descriptions`), which `export --format hf` writes and
+    timm's `local-dir:` loading reads back. Data without an image form (synthetic subspaces, text) leaves the
+    config as it is."""
     from ..data.pixel_stats import eval_data_config
     data_cfg = eval_data_config(data_info.get('name', ''))
     if data_cfg is None or not data_info.get('img_size') or not data_info.get('in_chans'):
@@ -270,6 +272,15 @@ def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> N
     cfg = dict(getattr(model, 'pretrained_cfg', None) or {})
     cfg.update(data_cfg, num_classes=data_info.get('num_classes', cfg.get('num_classes')),
                input_size=(data_info['in_chans'], *((size, size) if isinstance(size, int) else size)))
+    classes = data_info.get('classes')
+    if classes and len(classes) == cfg.get('num_classes'):     # timm's names for the classifier's outputs
+        cfg['label_names'] = list(classes)
+        descriptions = data_info.get('class_descriptions')
+        if descriptions and len(descriptions) == len(classes):
+            cfg['label_descriptions'] = dict(zip(classes, descriptions))
+    else:
+        cfg.pop('label_names', None)
+        cfg.pop('label_descriptions', None)
     model.pretrained_cfg = cfg
     model.default_cfg = cfg                     # timm's older alias of the same dict
 

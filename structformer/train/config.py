@@ -74,11 +74,13 @@ class TrainConfig:
     output: Optional[str] = None
     keep_last: int = 2
     save_every: int = 0
-    # also keep the checkpoint with the best val top-1 (best/ in the run folder), whatever keep_last says
+    # also keep the checkpoint with the best val top-1 whatever keep_last says
     keep_best: bool = False
     # at the end, average the weights of the last N epochs' checkpoints (timm's avg_checkpoints idea) into
     # checkpoints/average_last_N, evaluated and recorded in summary.json; 0 = off
     avg_last: int = 0
+    # a recovery point every N optimiser steps inside an epoch, the newest kept (train/recovery.py); 0: none
+    recovery_interval: int = 0
     phases: List[Dict[str, Any]] = field(default_factory=list)
     # per-phase optimiser and schedule, by phase name (PHASE_SETTING_KEYS; --phase-settings NAME KEY=VALUE): a phase named here
     # gets a fresh optimiser and its own schedule over its own epochs, e.g. Sparsifiner's public stages
@@ -217,6 +219,7 @@ class TrainConfig:
             ('val_fraction', 0 < self.val_fraction < 1, 'in (0, 1)'),
             ('keep_last', self.keep_last >= 1, '>= 1'),
             ('save_every', self.save_every >= 0, '>= 0'),
+            ('recovery_interval', self.recovery_interval >= 0, '>= 0 (optimiser steps; 0 = none)'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
             ('num_workers', self.num_workers is None or 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
             ('sched', self.sched in SCHEDULES, "'cosine', 'step', 'multistep' or 'none'"),

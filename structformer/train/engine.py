@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..atomic import write_text_atomically
+from ..data.classes import class_record
 from ..records import check_writable
 from .build import RunBuild, seed_everything  # noqa: F401  (seed_everything: re-exported)
 from .checkpoint import crash_point, resolve_checkpoint
@@ -31,6 +32,7 @@ from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
 from .phases import phase_for_epoch
 from .precision import cpu_bfloat16_native
+from .recovery import prune as prune_recovery
 from .save_resume import CheckpointGlue
 from .step import TrainStep, TrainingDiverged  # noqa: F401  (TrainingDiverged: re-exported)
 from ..errors import UsageError
@@ -188,9 +190,14 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             start_epoch = self._restore()
             if self.is_main:
                 save_config(cfg, self.output / 'config.yaml')     # --epochs may have extended the run
-                print(f"resumed from epoch {start_epoch} of {cfg.epochs} ({resolve_checkpoint(self._resume_source())})")
+                source = resolve_checkpoint(self._resume_source())
+                within = self.resume_within
+                print(f"resumed inside epoch {within['epoch']} of {cfg.epochs}, after {within['batches']} of its "
+                      f"{self.batches_per_epoch} batches ({source})" if within else
+                      f"resumed from epoch {start_epoch} of {cfg.epochs} ({source})")
         elif self.is_main:
             save_config(cfg, self.output / 'config.yaml')
+            self._write_classes()
             self._save(0, {})                    # the random init, for white-box comparisons
         if self.is_main:
             print(self._describe_plan(), flush=True)
@@ -212,6 +219,7 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                     record.update(part.epoch_metrics(self, epoch))
                 if self.is_main:
                     last_path = self._save(epoch, record)     # the checkpoint first: it carries the record too
+                    prune_recovery(self.ckpt_dir, completed_epochs=epoch)     # overtaken by the epoch's checkpoint
                     if self.uncommitted_new_run:                # a trained epoch: the old run can go now
                         self.uncommitted_new_run = False
                         discard_aside(aside)
@@ -245,6 +253,20 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
         if self.is_main:
             self._print_summary(history)     # also on resuming a finished run: a kill may have cost its summary
         return TrainResult(self.output, last_path, history, final)
+
+    def _recovery_committed(self) -> None:
+        """A recovery point is a trained commit: from here an interrupted new run keeps its folder (to resume
+        from), and an --overwrite'n run's old records can go."""
+        if self.uncommitted_new_run:
+            self.uncommitted_new_run = False
+            discard_aside(self.aside)
+
+    def _write_classes(self) -> None:
+        """RUN/classes.json: the class names of the data, in the order of the model's outputs, and which order
+        that is (also in every checkpoint's state.json; `eval` and `--resume` check data against it)."""
+        record = dict(class_record(self.info.extra), num_classes=self.info.num_classes)
+        if record['classes']:
+            write_text_atomically(self.output / 'classes.json', json.dumps(record, indent=1))
 
     def _write_digest(self) -> None:
         if self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST'):

@@ -28,7 +28,7 @@ class LoaderSetup:
                 raise UsageError(f"--aug-repeats needs random access to the data; --data {cfg.data} is streamed")
             self.train_loader, self.train_order, self.batches_per_epoch = stream_loader(
                 self.train_ds, batch_size=cfg.batch_size, workers=workers, rank=self.rank, world_size=self.world_size,
-                drop_last=self.mixup is not None, limit_batches=cfg.limit_train_batches, pin_memory=pin)
+                drop_last=self.mixup is not None, limit_batches=cfg.limit_train_batches, pin_memory=pin, seed=cfg.seed)
             order = None
         elif cfg.aug_repeats:
             from timm.data.distributed_sampler import RepeatAugSampler
@@ -55,17 +55,21 @@ class LoaderSetup:
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.grad_accum_steps)
         val = self.val_ds if self.world_size == 1 else Subset(self.val_ds, range(self.rank, len(self.val_ds),
                                                                                  self.world_size))
-        self.eval_loader = DataLoader(val, batch_size=cfg.eval_batch_size, shuffle=False, **loader_options)
+        # its own generator too: making its iterator draws the workers' base seed, and from torch's global RNG
+        # without one; persistent workers make that iterator once in a straight run but again after a resume,
+        # which then drew one more number from the RNG that dropout, drop path and Mixup share
+        self.eval_loader = DataLoader(val, batch_size=cfg.eval_batch_size, shuffle=False,
+                                      generator=torch.Generator().manual_seed(cfg.seed), **loader_options)
 
     def _workers(self) -> int:
         """--workers, or a default by where the data lives: images decoded from files want worker processes
         (one per core, at most 8), in-memory tensors none (a worker would only copy them)."""
         if self.config.num_workers is not None:
             return self.config.num_workers
-        if self.info.name in ('imagefolder', 'wds', 'hfds'):
+        if self.info.name in ('imagefolder', 'wds', 'hfds', 'imagenet'):
             default = min(8, max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
-            if getattr(self.train_ds, 'streaming', False):          # a stream needs a shard per worker
-                default = min(default, len(self.train_ds.urls) // self.world_size)
+            if getattr(self.train_ds, 'streaming', False) and not self.train_ds.deals_samples:
+                default = min(default, len(self.train_ds.urls) // self.world_size)    # whole shards: one per worker
             return default
         return 0
 

@@ -73,8 +73,9 @@ def reconcile(output: Path) -> Optional[Path]:
     returned (None if there is none)."""
     output = Path(output)
     ckpt_dir = output / 'checkpoints'
+    from .recovery import prune as prune_recovery, recovery_points
     for aside in output.glob('.replaced-*'):           # an --overwrite that was interrupted
-        if any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)):
+        if any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)) or recovery_points(ckpt_dir):
             discard_aside(aside)                        # ... after the new run's first trained epoch
         else:
             restore_aside(output, aside)                # ... before it: the old run comes back
@@ -88,6 +89,8 @@ def reconcile(output: Path) -> Optional[Path]:
     newest = checkpoints[-1]
     mark_latest(ckpt_dir, newest)
     epoch = int(newest.name.split('_')[1])
+    points = recovery_points(ckpt_dir)                  # the newest inside a later epoch is kept, to resume from
+    prune_recovery(ckpt_dir, keep=points[-1] if points else None, completed_epochs=epoch)
     by_epoch: Dict[int, Dict] = {}
     for record in read_metrics(output / 'metrics.jsonl'):
         if 1 <= record['epoch'] <= epoch:

@@ -13,6 +13,7 @@ from .checkpoint import crash_point, resolve_checkpoint
 from .mixing import hard_labels, mixing_active
 from .phases import LossContext
 from .precision import low_precision_failure
+from .recovery import progress_state
 
 
 class TrainingDiverged(RuntimeError):
@@ -48,16 +49,22 @@ class TrainStep:
             extras.update(part.loss_extras())
         model = self._wrap()
         model.train()
+        # resumed from a recovery point inside this epoch: its first `skip` batches were taken (train/recovery.py)
+        within = getattr(self, 'resume_within', None)
+        within = within if within is not None and within['epoch'] == epoch else None
+        self.resume_within = None
+        skip = within['batches'] if within else 0
         self.train_order.set_epoch(epoch)
+        self.train_order.resume_at(skip, cfg.batch_size)
         if self.mixup is not None:
             self.mixup.mixup_enabled = mixing_active(self.mixup, cfg, epoch)
-        bar = tqdm(total=self.batches_per_epoch, desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
+        bar = tqdm(total=self.batches_per_epoch, initial=skip, desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
                    disable=not (self.progress and self.is_main and sys.stderr.isatty()), leave=False,
                    file=sys.stderr)   # no carriage-return updates in redirected logs: the epoch line says it all
         self.steplog.start_epoch()
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            return self._epoch_steps(epoch, phase, model, extras, bar)
+            return self._epoch_steps(epoch, phase, model, extras, bar, within, skip)
         except (RuntimeError, NotImplementedError) as e:   # an op without a kernel in the autocast dtype: one line
             bar.close()
             low = low_precision_failure(e, self.precision)
@@ -65,12 +72,13 @@ class TrainStep:
                 raise
             raise low from None
 
-    def _epoch_steps(self, epoch: int, phase, model, extras: Dict, bar) -> Dict:
+    def _epoch_steps(self, epoch: int, phase, model, extras: Dict, bar, within, skip: int) -> Dict:
         cfg = self.config
         batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
-        totals: Dict[str, float] = {}
-        seen, seen_targets, correct, start = 0, 0, 0, time.perf_counter()
-        for step, (images, targets) in enumerate(self.train_loader):
+        totals: Dict[str, float] = dict(within['totals']) if within else {}
+        seen, seen_targets, correct = (within['seen'], within['seen_targets'], within['correct']) if within else (0, 0, 0)
+        start = time.perf_counter() - (within['elapsed'] if within else 0.0)
+        for step, (images, targets) in enumerate(self.train_loader, start=skip):
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             if cfg.channels_last and images.dim() == 4:
@@ -121,6 +129,12 @@ class TrainStep:
                 self.steplog.count(n * self.world_size)
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._lr():.2e}")
             bar.update()
+            if update and cfg.recovery_interval and (step // accum + 1) % cfg.recovery_interval == 0 \
+                    and step + 1 < batches and self.is_main:
+                self._save_recovery(epoch, progress_state(step + 1, totals, seen, seen_targets, correct,
+                                                          time.perf_counter() - start))
+                self._recovery_committed()
+                crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
         bar.close()
         elapsed = time.perf_counter() - start
         record = {'epoch': epoch, 'phase': phase.name, 'step': self.global_step, 'lr': self._lr(),
