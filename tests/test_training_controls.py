@@ -209,6 +209,27 @@ def test_resume_at_a_phase_boundary_equals_the_uninterrupted_run(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), stop
 
 
+def test_a_recovery_point_inside_a_phase_reloads_that_phases_optimiser(tmp_path, monkeypatch):
+    """Ctrl-C inside phase b's first epoch, after a recovery point (--recovery-interval 1): the point holds phase
+    b's optimiser, which --resume reloads (not a fresh one, as at a phase boundary): the same weights as the
+    uninterrupted run, bit for bit."""
+    argv = ['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '4', '-b', '32', '--warmup-epochs',
+            '0', '--limit-train-batches', '3', '--recovery-interval', '1', '--no-progress', '--log-interval', '0']
+    phased = tmp_path / 'phases.yaml'
+    phased.write_text(json.dumps({'phases': [{'name': 'a', 'epochs': 2}, {'name': 'b', 'epochs': 2}],
+                                  'phase_settings': {'b': {'lr': 5e-3, 'warmup_epochs': 0}}}))
+    assert main([*argv, '-c', str(phased), '--output', str(tmp_path / 'straight')]) == 0
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_AT', 'epoch 3:step 2')
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_WITH', 'SIGINT')
+    assert main([*argv, '-c', str(phased), '--output', str(tmp_path / 'resumed')]) == 130
+    monkeypatch.delenv('STRUCTFORMER_TEST_KILL_AT')
+    assert list((tmp_path / 'resumed' / 'checkpoints').glob('recovery_0003_*'))
+    assert main(['train', '--resume', '--output', str(tmp_path / 'resumed'), '--no-progress']) == 0
+    a = load_file(str(tmp_path / 'straight' / 'checkpoints' / 'epoch_0004' / 'model.safetensors'))
+    b = load_file(str(tmp_path / 'resumed' / 'checkpoints' / 'epoch_0004' / 'model.safetensors'))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_phase_settings_are_checked_before_any_work(tmp_path):
     with pytest.raises(UsageError, match=r"phase_settings\.c: the run has no phase 'c'"):
         Trainer(_tiny(tmp_path, epochs=6, phases=PHASES, phase_settings={'c': {'lr': 1e-3}}))._build()
