@@ -48,16 +48,21 @@ def environment(device='cpu') -> dict:
 
 # ---- output checks ----------------------------------------------------------------------------------
 
-def check_writable(path, flag: str) -> None:
-    """Raise ValueError naming `flag` unless `path` (or the nearest folder that exists above it) can be
-    written: checked before any work, so a long run never dies at its first output."""
+def check_writable(path, flag: str, shown=None) -> None:
+    """Raise ValueError naming `flag` and the path the user gave (`shown`, default `path`) unless `path` (or the
+    nearest folder that exists above it) can be written, saying which folder is read-only: checked before any
+    work, so a long run never dies at its first output."""
+    shown = path if shown is None else shown
     probe = Path(path).absolute()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
+        raise ValueError(f"{flag} {shown}: {probe} is a file, not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {probe} is not writable (read-only file system or no permission)")
+        where = 'it' if probe == Path(shown).absolute() else (
+            f"its folder {probe}" if probe == Path(shown).absolute().parent else f"its nearest existing folder {probe}")
+        raise ValueError(f"{flag} {shown}: cannot be written: {where} is not writable (read-only file system or "
+                         "no permission)")
 
 
 def check_output_file(path, flag: str) -> None:
@@ -66,7 +71,7 @@ def check_output_file(path, flag: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{flag} {path}: is a folder; give a file name")
-    check_writable(target.absolute().parent, flag)
+    check_writable(target.absolute().parent, flag, shown=path)
 
 
 # ---- atomic writers ---------------------------------------------------------------------------------

@@ -79,6 +79,15 @@ def files(tmp_path_factory):
     state = json.loads((base / 'mismatch' / 'state.json').read_text())
     state['recipe']['kwargs']['num_classes'] = state['model_kwargs']['num_classes'] = 7
     (base / 'mismatch' / 'state.json').write_text(json.dumps(state))
+    from safetensors.torch import save_file
+    from test_convert import _fill, sparsifiner_official_shapes
+    public = {k: v.float() for k, v in _fill(sparsifiner_official_shapes(64, 4, 4, 16, 10)).items()}
+    del public['blocks.2.attn.mask_predictor.proj_c_k.weight']       # issue 45: one predictor weight short
+    save_file(public, str(base / 'sparsifiner_partial.safetensors'))
+    import argparse
+    import datetime
+    torch.save({'state_dict': dict(public), 'args': argparse.Namespace(started=datetime.datetime(2024, 5, 1))},
+               base / 'datetime_args.pth')                            # a global outside the allow-list
     _write_images(base / 'images', truncated=['a/1.jpg'])
     read_only = base / 'read_only'
     read_only.mkdir()
@@ -295,7 +304,26 @@ CASES = [
     ('convert-truncated', ['convert', '--from', 'timm', '{truncated}', '--model', 'crate_digits', '--output', OUT],
      ['convert FILE', 'truncated.safetensors', 'not a readable safetensors']),
     ('convert-pickle', ['convert', '--from', 'crate-official', '{pickle}', '--model', 'crate_digits', '--output', OUT],
-     ['convert FILE', 'pickle.pth', 'not a weights-only']),
+     ['convert FILE', 'pickle.pth', 'refused', 'builtins.print']),
+    # issue 45: trainer checkpoints, converter edges
+    ('convert-disallowed-global', ['convert', '--from', 'sparsifiner-official', '{datetime_args}', '--model',
+                                   'sparsifiner_digits', '--output', OUT], ['convert FILE', 'refused', 'datetime.datetime']),
+    ('convert-ema-of-safetensors', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                    '--model', 'vit_digits', '--weights', 'ema', '--output', OUT], ['--weights ema']),
+    ('convert-weights-unknown', ['convert', '--from', 'timm', '{vit_run}', '--model', 'vit_digits', '--weights',
+                                 'best', '--output', OUT], ['--weights', "'best'"]),
+    ('convert-wrong-size-vit', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                '--model', 'sparsifiner_mnist', '--output', OUT],
+     ['does not fit --model sparsifiner_mnist: cls_token is [1, 1, 64] in the checkpoint and [1, 1, 96] in the model']),
+    ('convert-wrong-size-crate', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
+                                  '--model', 'crate_mnist', '--output', OUT], ['does not fit --model crate_mnist', ' is [']),
+    ('convert-partial-predictor', ['convert', '--from', 'sparsifiner-official', '{sparsifiner_partial}', '--model',
+                                   'sparsifiner_digits', '--output', OUT],
+     ['predictor is incomplete', '1 weight(s) missing: blocks.2.attn.predictor_k.weight', 'blocks.2.attn.mask_predictor.proj_c_k.weight']),
+    ('convert-official-from-plain-deit', ['convert', '--from', 'sparsifiner-official',
+                                          '{vit_run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                                          'sparsifiner_digits', '--output', OUT],
+     ['no Sparsifiner predictor', '--from timm']),
     ('convert-output-not-empty', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
                                   '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
     # weights out (issue 32.5): export
@@ -310,7 +338,7 @@ CASES = [
     ('pretrained-path-truncated', ['train', '--pretrained-path', '{truncated}', '--output', OUT],
      ['--pretrained-path', 'not a readable safetensors']),
     ('pretrained-path-pickle', ['train', '--pretrained-path', '{pickle}', '--output', OUT],
-     ['--pretrained-path', 'not a weights-only']),
+     ['--pretrained-path', 'refused', 'builtins.print']),
     ('pretrained-none-offline', ['train', '--pretrained', '--output', OUT], ['--pretrained', '--pretrained-path FILE']),
     ('pretrained-path-and-initial', ['train', '--pretrained-path', '{run}', '--initial-checkpoint', '{run}', '--output',
                                      OUT], ['--initial-checkpoint and --pretrained-path', 'give one']),
@@ -385,6 +413,26 @@ CASES = [
     ('bench-lowrank-output-under-file', ['bench', 'lowrank', '--output', '{a_file}/x.json'], ['--output', 'is a file']),
     ('bench-sparse-attention-json-under-file', ['bench', 'sparse-attention', '--json', '{a_file}/x.json'],
      ['--json', 'is a file']),
+    # issue 46: structformer compare (another recipe into an existing grid: tests/test_compare.py)
+    ('compare-unknown-model', ['compare', '--models', 'resnet', '--output', OUT], ['--models', "'resnet'", 'vit']),
+    ('compare-unknown-set', ['compare', '--set', 'imagenet', '--output', OUT], ['--set', "'imagenet'", 'quick']),
+    ('compare-recipe-model-cannot-take', ['compare', '--models', 'wrn_lowrank_0.25', '--factorize-include',
+                                          'transformer', '--output', OUT], ['--models wrn_lowrank_0.25', 'cannot take']),
+    ('compare-unknown-recipe', ['compare', '--models', 'vit', '--recipe', 'no_such_recipe', '--output', OUT],
+     ['--recipe', 'no_such_recipe']),
+    ('compare-mnist-without-data', ['compare', '--set', 'mnist', '--output', OUT], ['--data mnist:PATH', 'required']),
+    ('compare-other-data', ['compare', '--data', 'cifar10:{folder}', '--output', OUT], ['--data', 'digits or mnist']),
+    ('compare-budget-out-of-reach', ['compare', '--models', 'wrn', '--budget', '20000', '--output', OUT],
+     ['--budget 20000', 'Wide-ResNet', '±15%']),
+    ('compare-pretrained-one-epoch', ['compare', '--models', 'vit_lowrank_0.5_pretrained', '--epochs', '1',
+                                      '--output', OUT], ['--epochs 1', 'at least 2']),
+    ('compare-no-seeds', ['compare', '--seeds', '0', '--output', OUT], ['--seeds', '>= 1']),
+    ('compare-measure-only-overwrite', ['compare', '--measure-only', '--overwrite', '--output', OUT],
+     ['--measure-only', '--overwrite']),
+    ('compare-jobs-without-threads', ['compare', '--jobs', '2', '--output', OUT], ['--jobs 2', '--threads']),
+    ('compare-in1k-not-dry', ['compare', '--set', 'in1k', '--output', OUT], ['--set in1k', '--dry-run']),
+    ('compare-in1k-shared-flag', ['compare', '--set', 'in1k', '--dry-run', '--lr', '0.1', '--output', OUT],
+     ['--set in1k', 'lr']),
 ]
 READ_ONLY_CASES = [
     ('read-only-export', ['export', '{run}', '--format', 'hf', '--output', '{ro}/hf'], ['--output', 'not writable']),
@@ -431,6 +479,29 @@ def test_bad_input_is_one_line_exit_2(argv, needles, files, tmp_path, capsys):
 @pytest.mark.parametrize('argv, needles', [c[1:] for c in READ_ONLY_CASES], ids=[c[0] for c in READ_ONLY_CASES])
 def test_read_only_output_is_refused_before_any_work(argv, needles, files, read_only_folders, tmp_path, capsys):
     _check_one_error(argv, needles, files, tmp_path, capsys)
+
+
+def test_read_only_errors_name_the_path_given_and_the_read_only_folder(files, read_only_folders, tmp_path, capsys):
+    """Issue 45: the message names OUT as given, then which folder above it cannot be written."""
+    ro = read_only_folders
+    for argv, shown, where in [
+            (['export', str(files['run']), '--format', 'onnx', '--output', f'{ro}/sub/m.onnx'], f'{ro}/sub/m.onnx',
+             f'its nearest existing folder {ro}'),
+            (['export', str(files['run']), '--format', 'hf', '--output', f'{ro}/hf'], f'{ro}/hf', f'its folder {ro}'),
+            (['convert', '--from', 'timm', f"{files['run']}/checkpoints/epoch_0001/model.safetensors", '--model',
+              'crate_digits', '--output', f'{ro}/converted'], f'{ro}/converted', f'its folder {ro}')]:
+        _check_one_error(argv, [f'--output {shown}: cannot be written: {where} is not writable'], files, tmp_path,
+                         capsys)
+
+
+def test_export_errors_name_source_not_a_flag_it_lacks(files, tmp_path, capsys):
+    """Issue 45: export has no --checkpoint; its errors about what it reads name SOURCE."""
+    for source in (files['folder'], files['corrupt'], files['no_weights'], files['mismatch']):
+        _check_one_error(['export', str(source), '--format', 'hf', '--output', OUT], [f'SOURCE {source}: '],
+                         files, tmp_path, capsys)
+    for source in (files['folder'], files['mismatch']):
+        main(['export', str(source), '--format', 'hf', '--output', str(tmp_path / 'out')])
+        assert '--checkpoint' not in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root reads a chmod 000 file anyway')

@@ -19,7 +19,8 @@ BELOW = {'functional': set(),
 # the named exceptions, each a bridge that a rule without it would have to route through a worse place
 BRIDGES = {'data/sizing.py': {'models'},        # the image size follows the model: its default input size
            'models/base.py': {'data', 'weights'}}  # pixel statistics for pretrained_cfg; timm's pretrained filter
-STACK = {'functional', 'layers', 'models', 'data', 'weights', 'train', 'analysis', 'bench', 'reproduce', 'export'}
+STACK = {'functional', 'layers', 'models', 'data', 'weights', 'train', 'analysis', 'bench', 'reproduce', 'export',
+         'compare'}
 
 
 def test_no_family_packages():

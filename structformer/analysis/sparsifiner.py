@@ -59,7 +59,7 @@ def layer_maps(attn: SparsifinerAttention, x: torch.Tensor, mask: torch.Tensor,
     w_down, _ = attn.basis(k)
     if attn.predictor_q is not None:
         q, k = attn.predictor_q(q), attn.predictor_k(k)
-    a_down = low_rank_attention(q, k, w_down.to(q.dtype))
+    a_down = low_rank_attention(q, k, w_down.to(q.dtype), attn.logit_scale(q))
     return {'dense': dense, 'sparse': sparse, 'a_down': a_down, 'mask': mask}
 
 

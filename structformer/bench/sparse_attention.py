@@ -130,7 +130,8 @@ def _block_forward(layer, impl: str):
 def _block_core(layer, q, k, v, impl: str):
     from ..functional.sparsifiner import block_sparse_attention
     return block_sparse_attention(q, k, v, *layer.scoring_basis(q), layer.tau, layer.up_threshold,
-                                  layer.keep_ratio, layer.block_size, int(layer.dense_cls_row), impl=impl)
+                                  layer.keep_ratio, layer.block_size, int(layer.dense_cls_row), impl=impl,
+                                  coef_topk=layer.coef_topk, scale=layer.logit_scale(q))
 
 
 def _block_gather_flops(layer, x) -> dict:
@@ -144,7 +145,8 @@ def _block_gather_flops(layer, x) -> dict:
     with torch.no_grad():
         q, k, _ = layer.project(x)
         indices = predicted_tiles(q, k, *layer.scoring_basis(q), layer.tau, layer.up_threshold,
-                                  layer.keep_ratio, layer.block_size)
+                                  layer.keep_ratio, layer.block_size, coef_topk=layer.coef_topk,
+                                  scale=layer.logit_scale(q))
         n = q.shape[-2]
         mask = block_indices_to_mask(indices, n, layer.block_size, int(layer.dense_cls_row))
         nnz = int(mask.sum()) // (mask.shape[0] * mask.shape[1])

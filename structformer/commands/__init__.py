@@ -20,6 +20,7 @@ COMMANDS: Table = {
     'analyze': ('structformer.analysis.cli', 'white-box analysis of a CRATE checkpoint'),
     'bench': ('structformer.commands.bench', 'speed / memory benchmarks (ratios measured in one run)'),
     'reproduce': ('structformer.commands.reproduce', "small-scale reproductions of the papers' tables"),
+    'compare': ('structformer.compare.cli', 'one table across the families: every model by one recipe, seeds, cost'),
     'data': ('structformer.commands.data', 'dataset tools: webdataset shards of an image folder, hfds, ImageNet, timm'),
     'design': ('structformer.design_cli', 'Mixer widths at a fixed number of connections Ω (Mixer paper §4.2)'),
     'models': ('structformer.commands.models', 'list registered models with parameter counts'),

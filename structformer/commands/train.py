@@ -20,8 +20,8 @@ EXAMPLES = """examples:
       --reprob 0.25 --model-ema --grad-accum-steps 2          # timm train.py's flags (docs/training.md)
   structformer train --recipe crate_tiny_in1k --dry-run      # a paper's recipe, planned without its data
 
---data accepts: digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH | wds:TRAIN[,VAL]
-| hfds:PATH (local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
+--data accepts: digits | synthetic-subspaces | mnist:PATH | cifar10:PATH | imagefolder:PATH | wds:TRAIN[,VAL]
+| hfds:PATH | imagenet:PATH | pysource | text:PATH (local files only; nothing is downloaded). Every run writes config.yaml, metrics.jsonl,
 summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
 
 
@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar=('NAME', 'KEY=VALUE'),
                    help='a registered model transform applied after construction, with its arguments; '
                         'repeat for several (applied in order, recorded in every checkpoint)')
-    g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | imagefolder:PATH | cifar10:PATH '
-                                              '| wds:TRAIN[,VAL] | hfds:PATH (docs/data.md)')
+    g.add_argument('--data', default=S, help='digits | synthetic-subspaces | mnist:PATH | cifar10:PATH | imagefolder:PATH '
+                                              '| wds:TRAIN[,VAL] | hfds:PATH | imagenet:PATH | pysource | text:PATH (docs/data.md)')
     g.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=S, metavar='KEY=VALUE',
                    help="dataset options, e.g. augment=True or num_classes=4; imagefolder/wds/hfds/cifar10: img_size=N "
                         "(default: the model's input size); imagefolder: check=header (default: open every file's "

@@ -34,6 +34,8 @@ def run(args) -> int:
         print(json.dumps(report))
         return 0
     print(f"{report['model']} ({report['source']}) -> {report['output']} [{report['format']}]")
+    for line in report.get('notes') or ():
+        print(f"  {line}")
     if 'max_relative_error' in report:
         print(f"checked against eager torch at batch sizes {report['batch_sizes_checked']}: max relative error "
               f"{report['max_relative_error']:.1e}")

@@ -91,11 +91,12 @@ class RunBuild:
         from ..models.transforms import TransformContext, apply_transforms, normalize_transforms
         from .initial_weights import load_initial_weights, load_timm_pretrained
         cfg = self.config
+        taken: List[str] = []                 # which weights of a trainer's checkpoint were read (model or EMA)
         if cfg.pretrained:
             source, done = load_timm_pretrained(self.model, cfg.model)
         else:
             flag = '--initial-checkpoint' if cfg.initial_checkpoint else '--pretrained-path'
-            done = load_initial_weights(self.model, cfg.initial_checkpoint or cfg.pretrained_path, flag)
+            done = load_initial_weights(self.model, cfg.initial_checkpoint or cfg.pretrained_path, flag, taken)
             path = str(Path(cfg.initial_checkpoint or cfg.pretrained_path).absolute())   # the record holds where it was read
             if cfg.initial_checkpoint:
                 cfg.initial_checkpoint = path
@@ -103,7 +104,7 @@ class RunBuild:
                 cfg.pretrained_path = path
             source = f"{flag} {path}"
         if self.is_main:
-            print(f"{source}: weights loaded"
+            print(f"{source}: weights loaded" + ''.join(f"\n  {line}" for line in taken)
                   + ''.join(f"\n  adapted {line}" for line in done), flush=True)
         if then_factorize:
             spec = normalize_transforms([cfg.factorize_spec()])[0]

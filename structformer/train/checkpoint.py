@@ -145,9 +145,13 @@ def mark_latest(run_checkpoints: Path, directory: Path) -> None:
 
 def resolve_checkpoint(path) -> Path:
     """Accept a checkpoint directory, its model.safetensors, a run directory or its checkpoints/ folder."""
+    from ..atomic import describe_temporary
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    unfinished = describe_temporary(path) or (describe_temporary(path.parent) if path.is_file() else '')
+    if unfinished:                                      # an interrupted writer's temporary is never an output
+        raise CheckpointError(f"--checkpoint: {path} {unfinished}")
     if path.is_file():
         if path.name not in ('model.safetensors', 'state.json'):
             raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "

@@ -272,3 +272,27 @@ class RunLock:
             # that is no longer the one the next process opens
             os.close(self.fd)
             self.fd = None
+
+
+def training_now(run: Path) -> Optional[bool]:
+    """Whether a `train` process holds RUN's lock now (it is still training into RUN): True / False, or None where
+    it cannot be told (no fcntl, no lock file that this process may open, a file system without locks). Reading
+    never blocks and never takes the lock from the trainer (a shared lock tried and released at once)."""
+    try:
+        import fcntl
+    except ImportError:                                  # pragma: no cover - not POSIX
+        return None
+    path = Path(run) / RunLock.NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None if path.exists() else False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)                                     # closing releases a lock taken here
+    return False
