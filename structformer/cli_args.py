@@ -48,6 +48,36 @@ class ParseTransform(argparse.Action):
         setattr(namespace, self.dest, transforms)
 
 
+class ParsePhaseSettings(argparse.Action):
+    """`--phase-settings NAME KEY=VALUE ...`, repeatable, into {NAME: {KEY: VALUE}} (merged over the recipe's and
+    the config file's settings of that phase by the train command)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name, items = values[0], values[1:]
+        if not name.isidentifier() or not items:
+            parser.error(f"{option_string} {' '.join(values)!r}: expected a phase name, then KEY=VALUE settings "
+                         "(e.g. predictor warmup_epochs=0 lr=3e-4)")
+        settings = {}
+        for item in items:
+            key, sep, value = item.partition('=')
+            if not sep or not key.isidentifier():
+                parser.error(f"{option_string} {name} {item!r}: expected KEY=VALUE")
+            settings[key] = parse_value(value)
+        out = {k: dict(v) for k, v in (getattr(namespace, self.dest, None) or {}).items()}
+        out[name] = {**out.get(name, {}), **settings}
+        setattr(namespace, self.dest, out)
+
+
+class StoreOnce(argparse.Action):
+    """A flag that may be given once: a second one (e.g. two --recipe) is refused by name, not silently taken."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given is not argparse.SUPPRESS:
+            parser.error(f"{option_string} given twice ({given!r}, then {values!r}): give it once")
+        setattr(namespace, self.dest, values)
+
+
 def positive_int(flag: str):
     """argparse type: an int >= 1, else a one-line error naming the flag and the accepted range."""
     def parse(value: str) -> int:

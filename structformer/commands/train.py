@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from ..cli_args import ParseKwargs, ParseTransform, positive_int, rank_value
+from ..cli_args import ParseKwargs, ParsePhaseSettings, ParseTransform, StoreOnce, positive_int, rank_value
 from ..errors import UsageError, one_line
 
 DESCRIPTION = 'Train a model; writes checkpoints, metrics and its configuration.'
@@ -28,9 +28,12 @@ summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
-    p.add_argument('--recipe', default=S, metavar='NAME',
+    p.add_argument('--recipe', default=S, metavar='NAME', action=StoreOnce,
                    help="a paper's training setting as the starting configuration (`structformer recipes` lists "
                         "them); -c FILE and the flags given override its values")
+    p.add_argument('--allow-other-model', action='store_const', const=True, default=S,
+                   help="train --model with --recipe NAME although it is neither the recipe's model, one its rows "
+                        "train, nor a registered shrink of it (refused otherwise)")
     p.add_argument('--dry-run', action='store_true',
                    help='print the resolved plan (model and parameters, data, batch, steps, learning rates, '
                         'augmentation, precision, EMA, stages) and exit without training or writing anything')
@@ -90,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'logit distillation')
     g.add_argument('--teacher-pretrained', action='store_const', const=True, default=S,
                    help="--teacher NAME with timm's pretrained weights (downloads where timm has them)")
+    g.add_argument('--phase-settings', nargs='+', action=ParsePhaseSettings, default=S, metavar=('PHASE', 'KEY=VALUE'),
+                   help='a phase\'s own optimiser and schedule (lr, min_lr, warmup_epochs, warmup_lr, warmup_prefix, '
+                        'sched, weight_decay, opt, ...): a fresh optimiser at its start, its schedule over its epochs; '
+                        'repeat per phase; merged over the recipe\'s (e.g. predictor warmup_epochs=0)')
     g.add_argument('--predictor-epochs', type=int, default=S, metavar='K',
                    help='epochs of stage 1 (default about 1/9 of --epochs, the paper\'s 5 of 45; 0 = none)')
     g = p.add_argument_group('optimisation (timm optimisers and schedulers)')
@@ -103,11 +110,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='decay every parameter, norms, biases and cls/pos embeddings included, as the official '
                         'CRATE recipe does (default: timm\'s exemptions)')
     g.add_argument('--momentum', type=float, default=S, help='for sgd (0.9)')
-    g.add_argument('--sched', choices=['cosine', 'none'], default=S, help='cosine with linear warm-up (default) or constant')
+    g.add_argument('--opt-betas', type=float, nargs='+', default=S, metavar='BETA',
+                   help="the optimiser's betas, e.g. 0.9 0.999 (default: its own)")
+    g.add_argument('--opt-eps', type=float, default=S, metavar='EPS', help="the optimiser's epsilon (default: its own)")
+    g.add_argument('--layer-decay', type=float, default=S, metavar='F',
+                   help="layer-wise lr decay: each of the model's group_matcher groups at lr x F^(groups after it), "
+                        "timm's param_groups_layer_decay (default: off)")
+    g.add_argument('--sched', choices=['cosine', 'step', 'multistep', 'none'], default=S,
+                   help='timm scheduler after the linear warm-up: cosine (default), step (x --decay-rate every '
+                        '--decay-epochs), multistep (x --decay-rate at each --decay-milestones) or none (constant)')
+    g.add_argument('--decay-epochs', type=float, default=S, metavar='N', help='step: epochs between decays (90)')
+    g.add_argument('--decay-milestones', type=int, nargs='+', default=S, metavar='EPOCH',
+                   help='multistep: the epochs to decay at (90 180 270)')
+    g.add_argument('--decay-rate', type=float, default=S, metavar='F', help='step / multistep factor (0.1)')
+    g.add_argument('--cooldown-epochs', type=int, default=S, metavar='N',
+                   help='the last N of --epochs at --min-lr (timm adds them after --epochs; here --epochs counts '
+                        'them) (0)')
     g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2)')
     g.add_argument('--warmup-lr', type=float, default=S, help='(1e-6, or lr if lower)')
+    g.add_argument('--warmup-prefix', action=argparse.BooleanOptionalAction, default=S,
+                   help="the schedule starts after the warm-up instead of under it (timm's --warmup-prefix)")
     g.add_argument('--min-lr', type=float, default=S, help='(1e-6, or lr if lower)')
     g.add_argument('--smoothing', dest='label_smoothing', type=float, default=S, help='label smoothing (0.1)')
+    g.add_argument('--bce-loss', action=argparse.BooleanOptionalAction, default=S,
+                   help="timm's BinaryCrossEntropy instead of cross-entropy (Mixup / CutMix targets included)")
+    g.add_argument('--bce-target-thresh', type=float, default=S, metavar='T',
+                   help='with --bce-loss: binarise soft targets at T (default: keep them soft)')
     g.add_argument('--clip-grad', type=float, default=S, help='clip the gradient norm to this value')
     g.add_argument('--seed', type=int, default=S, help='one seed for data split, init, order and augmentation (0)')
     g.add_argument('--limit-train-batches', type=int, default=S, help='at most this many batches per epoch (0 = all)')
@@ -121,7 +149,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='float16 or bfloat16 (default: float16 on CUDA as timm, bfloat16 on a CPU)')
     g.add_argument('--device', default=S, help='auto (default: CUDA if present), cpu, cuda or cuda:N')
     g.add_argument('--channels-last', action=argparse.BooleanOptionalAction, default=S,
-                   help='channels-last memory format for the model and its inputs')
+                   help='channels-last memory format for the model and its image inputs (not for token ids)')
+    g.add_argument('--grad-checkpointing', action=argparse.BooleanOptionalAction, default=S,
+                   help="activation checkpointing in the model's blocks (its set_grad_checkpointing): less memory, "
+                        "one more forward per block")
+    g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=S,
+                   help='BatchNorm statistics synchronised across processes every step (SyncBatchNorm; CUDA, '
+                        'several processes)')
     g.add_argument('--grad-accum-steps', type=int, default=S, metavar='N',
                    help='accumulate gradients over N batches per optimiser step (1)')
     g.add_argument('--lr-base', type=float, default=S, metavar='LR',
@@ -175,6 +209,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--recovery-interval', type=int, default=S, metavar='N',
                    help="timm's flag: a recovery checkpoint every N optimiser steps inside an epoch, only the newest "
                         'kept; --resume continues a crashed epoch from it, as an uninterrupted run would (0 = none)')
+    g.add_argument('--keep-best', action=argparse.BooleanOptionalAction, default=S,
+                   help='also keep the checkpoint of the best val top-1, whatever --keep-last says')
+    g.add_argument('--avg-last', type=int, default=S, metavar='N',
+                   help="at the end, average the weights of the last N epochs (timm's avg_checkpoints) into "
+                        "checkpoints/average_last_N, evaluated and recorded in summary.json (needs --keep-last >= N)")
     g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
                    help='continue the run in --output (or from CHECKPOINT) with its saved configuration; '
                         '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every, '
@@ -188,8 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
 # what a resumed run may change: where it writes and what it keeps, never what it trains
 _RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'recovery_interval', 'compile',
-                      'num_workers', 'device',
-                      'log_interval', 'log_tb', 'allow_world_size_change')
+                      'num_workers', 'device', 'log_interval', 'log_tb', 'allow_world_size_change', 'keep_best',
+                      'avg_last')
 
 
 def _flag(key: str) -> str:
@@ -279,14 +318,22 @@ def train_config(args):
             from ..train.recipes import load_recipe
             from_recipe, _ = load_recipe(given['recipe'])
         values = {**from_recipe, **from_file, **given}
+        if 'phase_settings' in given:              # per phase, over the recipe's and the file's settings
+            lower = {**from_recipe.get('phase_settings', {}), **from_file.get('phase_settings', {})}
+            values['phase_settings'] = {name: {**lower.get(name, {}), **given['phase_settings'].get(name, {})}
+                                        for name in {**lower, **given['phase_settings']}}
         if 'data' in given:                        # a data_as_given from -c FILE recorded the file's data
             values['data_as_given'] = None
-    return TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
+    config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
+    if 'recipe' in given:                          # another family's model with a recipe: refused by name
+        from ..train.recipes import check_recipe_model
+        check_recipe_model(config)
+    return config
 
 
 def run(args) -> int:
     if args.dry_run:                               # the plan only: nothing trained, nothing written
-        from ..train.recipes import dry_run
+        from ..train.plan import dry_run
         print(dry_run(train_config(args)))
         return 0
     from ..train import Trainer

@@ -6,8 +6,6 @@ from typing import Dict, List
 
 import numpy as np
 import torch
-from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
 
 from ..errors import UsageError
 from ..models.factory import ModelRecipe, build_model, rebuild
@@ -15,7 +13,7 @@ from .checkpoint import load_checkpoint
 from .mixing import build_mixup
 from .parts import LowRankPart, build_parts
 from .phases import build_phases
-from .precision import Precision
+from .precision import Precision, low_precision_failure
 from .steplog import StepLog
 
 
@@ -58,10 +56,14 @@ class RunBuild:
             if starting_weights:
                 self._load_initial_weights(factorize_now)
         self._check_planned_factorization()
+        # the precision first: the input check runs under the run's autocast, so an op without a kernel in its
+        # dtype fails there, before anything is written
+        self.precision = Precision.create(cfg.amp, cfg.amp_dtype, self.device)
         self._check_input_shapes()
         self._check_lr_floor()
-        self.precision = Precision.create(cfg.amp, cfg.amp_dtype, self.device)
         self.mixup = build_mixup(cfg, self.info.num_classes, language_model=self.info.name in ('pysource', 'text'))
+        self.bce = self._make_bce()
+        self._set_memory_options()
         self.model.to(self.device)
         if cfg.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -74,6 +76,10 @@ class RunBuild:
         self.phases = build_phases(self._phase_specs(), cfg.epochs)
         self._check_phases()
         self._make_loaders()
+        # one optimiser and schedule for the run, or (phase_settings) one per phase, made as each phase starts
+        self.optim_phase = self.phases[0] if cfg.phase_settings else None
+        if self.optim_phase is not None:     # a phase's optimiser holds the parameters it trains
+            self.optim_phase.apply(self.model)
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
         self.steplog = StepLog(cfg, self.is_main)
@@ -129,6 +135,13 @@ class RunBuild:
                 raise UsageError(f"--{key.replace('_', '-')} {value:g} is above the peak learning rate {peak:.3g} "
                                  f"(--lr-base {cfg.lr_base:g} scaled to the effective batch {self.effective_batch()}); "
                                  f"lower it or raise the batch (--grad-accum-steps)")
+        for name, settings in cfg.phase_settings.items():     # a phase's lr scales the same way, its floors do not
+            phase_peak = cfg.schedule_values(name)['lr'] * cfg.lr_scale(self.world_size)
+            for key in ('warmup_lr', 'min_lr'):
+                if settings.get(key) is not None and settings[key] > phase_peak:
+                    raise UsageError(f"--phase-settings {name} {key}={settings[key]:g} is above the phase's peak "
+                                     f"learning rate {phase_peak:.3g} at the effective batch {self.effective_batch()}; "
+                                     f"lower it or raise the batch (--grad-accum-steps)")
 
     def _check_world_size(self, state: Dict) -> None:
         """A resumed run keeps its process count: the data each process sees and the steps per epoch depend on
@@ -161,11 +174,14 @@ class RunBuild:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):  # and if a layer did draw: undone
-                logits = self.model(batch)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), self.precision.autocast():
+                logits = self.model(batch)                 # (and if a layer did draw: undone)
         except ValueError:
             raise
-        except RuntimeError as e:         # a shape torch found wrong: name the data and the model
+        except (RuntimeError, NotImplementedError) as e:  # a shape torch found wrong: name the data and the model
+            low = low_precision_failure(e, self.precision)
+            if low is not None:
+                raise low from None
             raise ValueError(f"--model {self.config.model} cannot take a batch of --data {self.config.data} "
                              f"(shape {list(batch.shape)}): {str(e).splitlines()[0]}") from None
         finally:
@@ -198,41 +214,79 @@ class RunBuild:
             used = [t for t in phase.losses if t in DISTILL_TERMS and phase.losses[t]]
             if used and 'distiller' not in extras:
                 raise ValueError(f"phase {phase.name!r} uses {', '.join(used)}, which need --teacher RUN_DIR")
+        if self.config.phase_settings:
+            from .plan import check_phase_settings
+            check_phase_settings(self.config, [(p.name, p.epochs) for p in self.phases])
+
+    def _schedule_values(self) -> Dict:
+        """The optimiser and schedule settings now: the run's, or the current phase's own (`optim_phase`)."""
+        phase = self.optim_phase
+        return (self.config.schedule_values(phase.name, phase.epochs) if phase is not None
+                else self.config.schedule_values())
 
     def _make_optimizer(self):
+        """timm's optimiser over the parameters that train now (train/optim.py: weight decay groups, --layer-decay,
+        --opt-betas / --opt-eps), at the peak lr of the run or of the current phase."""
+        from .optim import make_optimizer
         cfg = self.config
-        # given the model, timm exempts 1-d parameters and model.no_weight_decay(); given a plain parameter
-        # list it decays everything (the official CRATE recipe)
-        params = list(self.model.parameters()) if cfg.decay_everything else self.model
-        factors = self.lowrank.optimizer_exemptions(self.model)
+        values = self._schedule_values()
         # Frobenius decay (seed 004 §3.3) replaces the optimiser's decay of U and V by a loss term on U Vᵀ
-        self.frobenius_weight = cfg.weight_decay if factors else 0.0
-        if factors:
-            params = self._param_groups_without(factors)
+        factors = self.lowrank.optimizer_exemptions(self.model)
+        self.frobenius_weight = values['weight_decay'] if factors else 0.0
         # --factorize-lr-scale while the network is factorised (seed 004 App. A.2): the schedule is rebuilt from
         # this lr at the switch (`replace_model`) and on resume, so it holds from the switch on
         factorised = any(hasattr(m, 'factors') for m in self.model.modules())
-        lr = cfg.resolved_lr(self.world_size) * (cfg.factorize_lr_scale if factorised else 1.0)
-        return create_optimizer_v2(params, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
-
-    def _param_groups_without(self, names) -> List[Dict]:
-        """The optimiser's parameter groups as timm makes them, with the parameters `names` moved to the
-        group without weight decay."""
-        from timm.optim._param_groups import param_groups_weight_decay
-        cfg = self.config
-        if cfg.decay_everything:
-            named = list(self.model.named_parameters())
-            return [{'params': [p for n, p in named if n not in names]},
-                    {'params': [p for n, p in named if n in names], 'weight_decay': 0.0}]
-        exempt = set(self.model.no_weight_decay()) if hasattr(self.model, 'no_weight_decay') else set()
-        return param_groups_weight_decay(self.model, cfg.weight_decay, no_weight_decay_list=exempt | set(names))
+        lr = values['lr'] * cfg.lr_scale(self.world_size) * (cfg.factorize_lr_scale if factorised else 1.0)
+        return make_optimizer(self.model, cfg, values, lr, exempt=factors)
 
     def _make_scheduler(self):
-        cfg = self.config
-        if cfg.sched != 'cosine':
-            return None
-        scheduler, _ = create_scheduler_v2(
-            self.optimizer, sched='cosine', num_epochs=cfg.epochs, warmup_epochs=cfg.resolved_warmup_epochs(),
-            warmup_lr=cfg.resolved_warmup_lr(), min_lr=cfg.resolved_min_lr(), step_on_epochs=False,
-            updates_per_epoch=self.steps_per_epoch)
+        """timm's scheduler for the run or the current phase (None for sched none), at the step it has reached."""
+        from .optim import make_scheduler
+        scheduler = make_scheduler(self.optimizer, self._schedule_values(), self.steps_per_epoch)
+        if scheduler is not None:
+            scheduler.step_update(num_updates=self._schedule_step(getattr(self, 'global_step', 0)))
         return scheduler
+
+    def _schedule_step(self, global_step: int) -> int:
+        """Optimiser steps into the current schedule: the run's, or (phase_settings) the current phase's."""
+        if self.optim_phase is None:
+            return global_step
+        before = sum(p.epochs for p in self.phases[:self.phases.index(self.optim_phase)])
+        return max(0, global_step - before * self.steps_per_epoch)
+
+    def _enter_phase(self, phase) -> None:
+        """With phase_settings, a phase gets a fresh optimiser over the parameters it trains and its own schedule,
+        as the public Sparsifiner code gives each stage (called after the phase's freezing)."""
+        if not self.config.phase_settings or phase is self.optim_phase:
+            return
+        self.optim_phase = phase
+        self.optimizer = self._make_optimizer()
+        self.scheduler = self._make_scheduler()
+
+    def _make_bce(self):
+        """--bce-loss: timm's BinaryCrossEntropy, smoothing the labels itself unless Mixup / CutMix already do
+        (timm's train.py makes the same choice)."""
+        if not self.config.bce_loss:
+            return None
+        from timm.loss import BinaryCrossEntropy
+        smoothing = 0.0 if self.mixup is not None else self.config.label_smoothing
+        return BinaryCrossEntropy(smoothing=smoothing, target_threshold=self.config.bce_target_thresh)
+
+    def _set_memory_options(self) -> None:
+        """--grad-checkpointing (the model's set_grad_checkpointing) and --sync-bn (SyncBatchNorm under DDP)."""
+        cfg = self.config
+        if cfg.grad_checkpointing:
+            if not hasattr(self.model, 'set_grad_checkpointing'):
+                raise UsageError(f"--grad-checkpointing: --model {cfg.model} has no set_grad_checkpointing (timm's "
+                                 "activation-checkpointing switch); leave the flag out")
+            self.model.set_grad_checkpointing(True)
+        if cfg.sync_bn:
+            if self.world_size == 1:
+                if self.is_main:
+                    print("note: --sync-bn with one process: there is nothing to synchronise", flush=True)
+            elif self.device.type != 'cuda':
+                raise UsageError("--sync-bn: SyncBatchNorm runs on CUDA devices only (NCCL); on CPUs --dist-bn "
+                                 "reduce averages the statistics after each epoch instead")
+            else:
+                from timm.layers import convert_sync_batchnorm
+                self.model = convert_sync_batchnorm(self.model)

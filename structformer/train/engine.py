@@ -136,9 +136,7 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             for param in group['params']:
                 if param in old.state:
                     self.optimizer.state[param] = old.state[param]
-        self.scheduler = self._make_scheduler()
-        if self.scheduler is not None:
-            self.scheduler.step_update(num_updates=self.global_step)
+        self.scheduler = self._make_scheduler()          # at the step the run (or its phase) has reached
         for part in self.parts:
             part.model_replaced(self)
 
@@ -243,6 +241,8 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                         print(f"stopping after {epochs_this_run} epoch(s) as asked (--stop-after); "
                               f"continue with --resume")
                     break
+            finished = bool(history) and history[-1]['epoch'] == cfg.epochs
+            self.average_metrics = self._average_last() if cfg.avg_last and finished else {}
             self._write_digest()
         finally:
             for part in self.parts:
@@ -294,7 +294,8 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                    'best_epoch': best['epoch'],
                    'effective_batch_size': self.effective_batch(), 'world_size': self.world_size,
                    'precision': self.precision.name,
-                   'parameters': sum(p.numel() for p in self.model.parameters())}
+                   'parameters': sum(p.numel() for p in self.model.parameters()),
+                   **getattr(self, 'average_metrics', {})}
         write_text_atomically(self.output / 'summary.json', json.dumps(summary, indent=1))
         width = max(len(k) for k in summary)
         print('\n' + '\n'.join(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}"

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from .distributed import all_reduce_sum
-from .precision import Precision
+from .precision import Precision, low_precision_failure
 
 
 @torch.no_grad()
@@ -26,8 +26,14 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device, precision: Opti
     class_images = class_hits = None
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with precision.autocast() if precision is not None else contextlib.nullcontext():
-            logits = model(images)
+        try:
+            with precision.autocast() if precision is not None else contextlib.nullcontext():
+                logits = model(images)
+        except (RuntimeError, NotImplementedError) as e:      # no kernel in the autocast dtype: one line
+            low = low_precision_failure(e, precision)
+            if low is None:
+                raise
+            raise low from None
         logits = logits.float()
         if logits.dim() == 3:                        # next-token prediction: every position is a sample
             lm, logits, targets = True, logits.flatten(0, 1), targets.flatten()

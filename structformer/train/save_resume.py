@@ -2,14 +2,14 @@
 the parts' files, keeping the last ones, a full disk as one line, and restoring a run from one."""
 import shutil
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 from .checkpoint import (CheckpointError, describe_mismatch, load_checkpoint, mark_latest, optimizer_state_from,
                          resolve_checkpoint, restore_rng, save_checkpoint)
 from ..data.classes import class_mismatch, class_record
 from ..errors import UsageError
 from .recovery import newer_than, prune, recovery_name
-from .run_dir import committed_checkpoints, disk_full
+from .run_dir import committed_checkpoints, disk_full, read_metrics
 
 
 class CheckpointGlue:
@@ -38,7 +38,7 @@ class CheckpointGlue:
             if not disk_full(e):
                 raise
             raise self._out_of_space(e, f'checkpoint epoch_{epoch:04d}') from None
-        self._prune(epoch)
+        self._prune(epoch, metrics)
         return path
 
     def _save_recovery(self, epoch: int, progress: Dict) -> Path:
@@ -71,13 +71,72 @@ class CheckpointGlue:
                     f"continue with `structformer train --output {self.output} --resume`")
         return CheckpointError(f"--output {self.output}: the disk is full ({reason}) while writing {writing}; {kept}")
 
-    def _prune(self, epoch: int) -> None:
+    def _prune(self, epoch: int, metrics: Optional[Dict] = None) -> None:
         cfg = self.config
+        best = self._best_epoch(metrics) if cfg.keep_best else None
         for path in sorted(self.ckpt_dir.glob('epoch_[0-9][0-9][0-9][0-9]')):
             e = int(path.name.split('_')[1])
-            keep = e == 0 or e > epoch - cfg.keep_last or (cfg.save_every and e % cfg.save_every == 0)
+            keep = (e == 0 or e > epoch - cfg.keep_last or (cfg.save_every and e % cfg.save_every == 0)
+                    or e == best)
             if not keep:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _best_epoch(self, metrics: Optional[Dict]) -> Optional[int]:
+        """--keep-best: the epoch of the best val top-1 so far (the first of equals, as summary.json's best_epoch),
+        from metrics.jsonl and the epoch being committed (its line is appended after the checkpoint)."""
+        history = [r for r in read_metrics(self.output / 'metrics.jsonl') if 'val_top1' in r]
+        if metrics and 'val_top1' in metrics:
+            history = [r for r in history if r['epoch'] < metrics['epoch']] + [metrics]
+        return max(history, key=lambda r: r['val_top1'])['epoch'] if history else None
+
+    def _average_last(self) -> Dict:
+        """--avg-last N: the mean of the last N epochs' weights (timm's avg_checkpoints.py: parameters and float
+        buffers averaged in float64, integer buffers from the newest), saved as checkpoints/average_last_N,
+        evaluated; its metrics for summary.json (every process evaluates, the main one writes)."""
+        n = self.config.avg_last
+        if not n:
+            return {}
+        import copy
+        epochs = [p for p in committed_checkpoints(self.ckpt_dir) if int(p.name.split('_')[1]) > 0][-n:]
+        if len(epochs) < n:
+            if self.is_main:
+                print(f"note: --avg-last {n}: only {len(epochs)} trained epoch checkpoint(s) here; no average",
+                      flush=True)
+            return {}
+        states = [load_checkpoint(p)[0] for p in epochs]
+        averaged = {}
+        for key, newest in states[-1].items():
+            if newest.is_floating_point():
+                averaged[key] = (sum(s[key].double() for s in states) / n).to(newest.dtype)
+            else:
+                averaged[key] = newest
+        model = copy.deepcopy(getattr(self.model, '_orig_mod', self.model))
+        model.load_state_dict({k: v.to(self.device) for k, v in averaged.items()})
+        metrics = {f'average_last_{n}_val_{k}': v for k, v in self.evaluate_model(model).items()}
+        if self.is_main:
+            last = load_checkpoint(epochs[-1])[1]
+            state = dict(self._state(int(last['epoch']), metrics), averaged_epochs=[int(p.name.split('_')[1])
+                                                                                     for p in epochs])
+            path = save_checkpoint(self.ckpt_dir / f'average_last_{n}', model, state, with_rng=False)
+            print(f"average of epochs {state['averaged_epochs'][0]}-{state['averaged_epochs'][-1]}: val top1 "
+                  f"{metrics[f'average_last_{n}_val_top1']:.2f}% ({path})", flush=True)
+        return metrics
+
+    def _resume_phase_optimizer(self, done: int, recovering: bool = False) -> bool:
+        """With phase_settings, the optimiser and schedule of the phase the next epoch trains, made as it is made
+        at that phase's start; True when the checkpoint's optimiser state is that phase's (its epoch `done` lies in
+        the same phase, or it is a recovery point inside the next epoch), False at a phase boundary, where the
+        uninterrupted run starts a fresh optimiser too."""
+        if not self.config.phase_settings:
+            return True
+        from .phases import phase_for_epoch
+        following = phase_for_epoch(self.phases, min(done + 1, self.config.epochs))
+        same = recovering or (done >= 1 and phase_for_epoch(self.phases, done) is following)
+        following.apply(self.model)
+        self.optim_phase = following
+        self.optimizer = self._make_optimizer()
+        self.scheduler = self._make_scheduler()
+        return same or (done == 0 and following is self.phases[0])
 
     def _resume_source(self):
         """`--resume` alone continues this run's latest checkpoint, or a recovery point inside the epoch after it;
@@ -95,15 +154,16 @@ class CheckpointGlue:
             raise CheckpointError(f"--resume: {source} is not a checkpoint of "
                                   f"{self.recipe.name!r} as configured: {mismatch}")
         self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
-        self.precision.load_state(state.get('grad_scaler'))
-        for part in self.parts:
-            part.restore(source)
         self.global_step = state['global_step']
         if int(state.get('world_size', 1)) != self.world_size:     # allowed: the schedule follows the new count
             self.global_step = state['epoch'] * self.steps_per_epoch
+        if self._resume_phase_optimizer(int(state['epoch']), recovering=bool(state.get('recovery'))):
+            self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
+        self.precision.load_state(state.get('grad_scaler'))
+        for part in self.parts:
+            part.restore(source)
         if self.scheduler is not None:
-            self.scheduler.step_update(num_updates=self.global_step)
+            self.scheduler.step_update(num_updates=self._schedule_step(self.global_step))
         restore_rng(train_tensors, state['rng'])
         self.resume_within = self._recovery_of(state)
         return state['epoch']

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from .checkpoint import crash_point, resolve_checkpoint
 from .mixing import hard_labels, mixing_active
 from .phases import LossContext
+from .precision import low_precision_failure
 from .recovery import progress_state
 
 
@@ -41,7 +42,8 @@ class TrainStep:
     def _train_epoch(self, epoch: int, phase) -> Dict:
         cfg = self.config
         phase.apply(self.model)
-        extras: Dict[str, object] = {}
+        self._enter_phase(phase)              # phase_settings: the phase's own optimiser and schedule
+        extras: Dict[str, object] = {'bce': self.bce} if self.bce is not None else {}
         for part in self.parts:
             part.before_phase(self, phase)
             extras.update(part.loss_extras())
@@ -56,15 +58,26 @@ class TrainStep:
         self.train_order.resume_at(skip, cfg.batch_size)
         if self.mixup is not None:
             self.mixup.mixup_enabled = mixing_active(self.mixup, cfg, epoch)
-        batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
-        bar = tqdm(total=batches, initial=skip, desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
+        bar = tqdm(total=self.batches_per_epoch, initial=skip, desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
                    disable=not (self.progress and self.is_main and sys.stderr.isatty()), leave=False,
                    file=sys.stderr)   # no carriage-return updates in redirected logs: the epoch line says it all
+        self.steplog.start_epoch()
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            return self._epoch_steps(epoch, phase, model, extras, bar, within, skip)
+        except (RuntimeError, NotImplementedError) as e:   # an op without a kernel in the autocast dtype: one line
+            bar.close()
+            low = low_precision_failure(e, self.precision)
+            if low is None:
+                raise
+            raise low from None
+
+    def _epoch_steps(self, epoch: int, phase, model, extras: Dict, bar, within, skip: int) -> Dict:
+        cfg = self.config
+        batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
         totals: Dict[str, float] = dict(within['totals']) if within else {}
         seen, seen_targets, correct = (within['seen'], within['seen_targets'], within['correct']) if within else (0, 0, 0)
         start = time.perf_counter() - (within['elapsed'] if within else 0.0)
-        self.steplog.start_epoch()
-        self.optimizer.zero_grad(set_to_none=True)
         for step, (images, targets) in enumerate(self.train_loader, start=skip):
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
@@ -98,7 +111,7 @@ class TrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
                 if self.scheduler is not None:
-                    self.scheduler.step_update(num_updates=self.global_step)
+                    self.scheduler.step_update(num_updates=self._schedule_step(self.global_step))
                 for part in self.parts:
                     part.after_step(self)
                 crash_point(f'epoch {epoch}:step {step // accum + 1}')
@@ -131,5 +144,6 @@ class TrainStep:
         return record
 
     def _lr(self) -> float:
-        return self.optimizer.param_groups[0]['lr']
+        from .optim import lr_at
+        return lr_at(self.optimizer)
 
