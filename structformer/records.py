@@ -39,6 +39,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def code_version() -> dict:
+    """The structformer release and, in a git checkout, its commit (with `+dirty` when the tree has uncommitted
+    changes): the code a number was measured with, so a record can be traced to the commit that made it."""
+    import subprocess
+
+    from . import __version__
+    root = Path(__file__).resolve().parents[1]
+    commit = None
+    if (root / '.git').exists():
+        try:
+            commit = subprocess.run(['git', '-C', str(root), 'describe', '--always', '--dirty=+dirty', '--abbrev=12'],
+                                    capture_output=True, text=True, timeout=5).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {'structformer': __version__, 'commit': commit}
+
+
 def environment(device='cpu') -> dict:
     """The record printed and saved beside every measurement: versions, threads, CPU (its kind and the kernel
     level ATen dispatches to), platform, device, and the kernel choices this machine made
@@ -51,7 +68,7 @@ def environment(device='cpu') -> dict:
             'cpu': cpu_model(), 'cpu_kind': cpu_kind(), 'aten_cpu_capability': torch.backends.cpu.get_cpu_capability(),
             'platform': platform.platform(),
             'device': torch.cuda.get_device_name(torch.device(device)) if on_cuda else 'cpu',
-            'cuda': torch.version.cuda if on_cuda else None, 'choices': autotune.report()}
+            'cuda': torch.version.cuda if on_cuda else None, 'choices': autotune.report(), **code_version()}
 
 
 # ---- output checks ----------------------------------------------------------------------------------

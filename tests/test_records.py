@@ -35,3 +35,19 @@ def test_check_output_file(tmp_path):
     with pytest.raises(ValueError, match='--json .*is a file, not a folder'):
         check_output_file(tmp_path / 'file' / 'out.json', '--json')
     check_writable(tmp_path, '--output')
+
+
+def test_every_record_names_the_commit_that_made_it():
+    """environment() carries the release and, in a git checkout, the commit HEAD points at (a `+dirty` suffix when
+    the tree has changes), so a committed number can be traced to its code."""
+    import subprocess
+
+    import structformer
+    from structformer.records import environment
+    root = Path(structformer.__file__).resolve().parents[1]
+    env = environment()
+    assert env['structformer'] == structformer.__version__
+    if not (root / '.git').exists():
+        pytest.skip('not a git checkout')
+    head = subprocess.run(['git', '-C', str(root), 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
+    assert env['commit'] and head.startswith(env['commit'].removesuffix('+dirty'))
