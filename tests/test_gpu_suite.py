@@ -283,3 +283,58 @@ def test_bench_gpu_dry_path_on_the_cpu(tmp_path, capsys):
     page.write_text(f"# page\n\n{bench_gpu.BEGIN}\n{NO_RECORD}\n{bench_gpu.END}\n")
     assert main(['bench', 'gpu', '--render', str(out), '--doc', str(page)]) == 0
     assert section_of(page.read_text(), bench_gpu.BEGIN, bench_gpu.END) == render_markdown(record, str(out))
+
+
+# ---- CUDA hazards found by reading the training code, checked without a GPU ----------------------------------------
+
+def test_checkpoints_keep_the_cuda_generators(monkeypatch):
+    """Dropout, drop path and Mixup's masks on a GPU draw from the CUDA generators: a checkpoint saves each device's
+    state once CUDA is in use and a resume puts it back (devices this machine has; none on a CPU-only resume)."""
+    from structformer.train import checkpoint
+    states = [torch.arange(8, dtype=torch.uint8), torch.arange(8, 16, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_rng_state_all', lambda: states)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, device: restored.append((device, state)))
+    tensors, meta = checkpoint.capture_rng()
+    assert torch.equal(tensors['rng.cuda.0'], states[0]) and torch.equal(tensors['rng.cuda.1'], states[1])
+    checkpoint.restore_rng(tensors, json.loads(json.dumps(meta)))          # the meta goes through state.json
+    assert [d for d, _ in restored] == [0] and torch.equal(restored[0][1], states[0])   # one device here
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    restored.clear()
+    checkpoint.restore_rng(tensors, meta)                  # a CPU-only machine keeps its CPU streams
+    assert restored == []
+    assert not any(k.startswith('rng.cuda') for k in checkpoint.capture_rng()[0])   # no CUDA: nothing of it saved
+
+
+@pytest.mark.parametrize('variable, device, shared, backend', [
+    ('', 'cuda', False, 'nccl'), ('', 'cuda', True, 'gloo'), ('', 'cpu', False, 'gloo'),
+    ('gloo', 'cuda', False, 'gloo'), ('nccl', 'cuda', True, 'nccl'), (' NCCL ', 'cuda', False, 'nccl')])
+def test_process_group_backend(monkeypatch, variable, device, shared, backend):
+    """nccl for one GPU per process; gloo on CPUs and where torchrun's processes share one GPU (--device cuda:N),
+    which nccl refuses; $STRUCTFORMER_DIST_BACKEND overrides."""
+    from structformer.train.distributed import process_group_backend
+    monkeypatch.setenv('STRUCTFORMER_DIST_BACKEND', variable)
+    assert process_group_backend(torch.device(device), shared) == backend
+
+
+def test_process_group_backend_refuses_what_cannot_run(monkeypatch):
+    from structformer.errors import UsageError
+    from structformer.train.distributed import process_group_backend
+    monkeypatch.setenv('STRUCTFORMER_DIST_BACKEND', 'mpi')
+    with pytest.raises(UsageError, match='STRUCTFORMER_DIST_BACKEND.*nccl or gloo'):
+        process_group_backend(torch.device('cuda'), False)
+    monkeypatch.setenv('STRUCTFORMER_DIST_BACKEND', 'nccl')
+    with pytest.raises(UsageError, match='needs CUDA'):
+        process_group_backend(torch.device('cpu'), False)
+
+
+def test_export_errors_read_outputs_on_any_device():
+    """export/graphs.py's error measures take a CUDA model's outputs (moved to the CPU), as the GPU suite's export
+    test gives them; here a CPU tensor with a graph and a NumPy array, as ONNX Runtime returns."""
+    from structformer.export.graphs import relative_error
+    want = torch.tensor([1.0, -2.0, 4.0])
+    assert relative_error(want.numpy() * (1 + 1e-3), want) == pytest.approx(1e-3, rel=1e-3)
+    assert relative_error(want.clone(), want.requires_grad_()) == 0.0

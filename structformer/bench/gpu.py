@@ -44,7 +44,7 @@ from typing import List, Optional
 
 from ..errors import UsageError
 from .gpu_measure import ROW_PREFIX
-from .gpu_report import ATTENTIONS, goals, render_markdown, replace_section
+from .gpu_report import ATTENTIONS, BEGIN, END, goals, render_markdown, replace_section
 
 FACTORIZE = lambda rank: [{'name': 'factorize', 'kwargs': {'rank': rank}}]     # noqa: E731
 MODELS = [
@@ -77,8 +77,7 @@ SIZES = {
 # unused passes on
 SHARES = (('models', 'eager', 0.30), ('attention', 'eager', 0.10), ('sparse', 'eager', 0.25),
           ('models', 'compiled', 0.17), ('attention', 'compiled', 0.06), ('sparse', 'compiled', 0.12))
-RECORDS = Path(__file__).resolve().parents[2] / 'docs' / 'gpu'
-BEGIN, END = '<!-- bench gpu: begin -->', '<!-- bench gpu: end -->'
+RECORDS = Path('docs') / 'gpu'                 # under the folder it is run from: the repository's root
 
 EXAMPLES = """examples:
   structformer bench gpu                                   # everything, <= 230 s, record in docs/gpu/
@@ -251,7 +250,6 @@ def render(args) -> int:
         print(text)
         return 0
     from ..records import write_text
-    from .gpu_report import BEGIN, END
     page = Path(args.doc)
     try:
         updated = replace_section(page.read_text(), text, BEGIN, END)

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 ATTENTIONS = {'softmax': 'SDPA', 'soft': 'SOFT', 'softpp': 'SOFT++'}
 GOAL_CRATE, GOAL_SOFT_FROM, GOAL_SOFT_AT, GOAL_SOFT_SPEEDUP, GOAL_SPARSE_N, GOAL_LOWRANK = (0.9, 8192, 50176, 4.0,
                                                                                             4097, 1.5)
+BEGIN, END = '<!-- bench gpu: begin -->', '<!-- bench gpu: end -->'      # docs/benchmarks.md's generated section
 NO_RECORD = ("No GPU record exists yet: `structformer bench gpu` has not run on a GPU. [gpu.md](gpu.md) gives the "
              "one command that runs the GPU test suite and this benchmark on a lent GPU in under 8 minutes.")
 
