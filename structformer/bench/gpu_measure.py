@@ -180,10 +180,15 @@ def _measure_sparse_compiled(item: dict, settings: dict) -> dict:
     import torch
 
     from ..layers.attention.sparsifiner import SparsifinerAttention
-    from .sparse_attention import (BLOCK_TILE_PATHS, _block_forward, _configure, _dense_twin, _layer_flops,
+    from ..functional.sparsifiner import budget
+    from .sparse_attention import (BLOCK_TILE_PATHS, _block_forward, _configure, _dense_twin, _gib, _layer_flops,
                                    _timer)
     device, dtype = torch.device(settings['device']), getattr(torch, settings['dtype'])
     n, path, backend = item['tokens'], item['path'], settings['compile_backend']
+    need = _gib(path, n, budget(n, item['keep']), _sparse_args(item, settings))
+    if need > settings['sparse_max_gib']:       # as the eager rows: not attempted (a compile would be wasted)
+        return {'tokens': n, 'keep': item['keep'], 'path': path, 'ms': None,
+                'note': f"skipped: ~{need:.1f} GiB > {settings['sparse_max_gib']:g}"}
     torch.manual_seed(0)
     layer = SparsifinerAttention(384, 6, qkv_bias=True, seq_len=n, block_size=64, basis_init='scaled')
     dense = _dense_twin(layer)

@@ -166,7 +166,9 @@ def _sparse_table(rows, record, mode) -> List[str]:
         for path in paths:
             r = next((x for x in mine if x['tokens'] == n and x['path'] == path), None)
             value = (f"{r['ms']:.2f} ({r['vs_dense']:.2f}x, {r['density']:.3f})" if _ok(r, 'ms') and
-                     r.get('density') is not None else 'did not run' if r and r.get('status') == 'ok' else '')
+                     r.get('density') is not None else '')
+            if r and r.get('status') == 'ok' and not value:       # measure's own skip or failure note
+                value = 'skipped (memory)' if str(r.get('note', '')).startswith('skipped') else 'did not run'
             cells.append(_cell(r, value))
         lines.append(f"| {n} | " + ' | '.join(cells) + ' |')
     return lines

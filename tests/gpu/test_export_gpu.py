@@ -1,7 +1,11 @@
 """Export of weights trained on the GPU: the float32 family runs' checkpoints, loaded onto the GPU, exported from
 there with torch.export and to ONNX (export/graphs.py, the code `structformer export` runs), against the eager
 model on the GPU. The bound is export/graphs.py's: max |y − y_eager| / max |y_eager| ≤ 1e-4 for float32 outputs of
-depth-12 models (float32 reordered, TF32 off); ONNX Runtime computes on the CPU."""
+depth-12 models (float32 reordered, TF32 off); ONNX Runtime computes on the CPU.
+
+Not Sparsifiner: its trained predictor's scores agree across devices to float32 rounding, not bit for bit, and a
+near-tie at the top-k boundary then keeps another key (tens of rows in a batch of 224-px images), which moves that
+row's output by far more than 1e-4; its export is checked on one device by tests/test_export.py."""
 import pytest
 import torch
 
@@ -9,7 +13,7 @@ from structformer.export.graphs import onnx_error, program_error, to_onnx, to_pr
 
 from .runs import DEVICE
 
-EXPORTED = ['crate', 'soft', 'sparsifiner', 'wide_resnet']
+EXPORTED = ['crate', 'soft', 'lowrank', 'wide_resnet']
 BOUND = 1e-4
 
 

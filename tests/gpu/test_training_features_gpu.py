@@ -59,7 +59,7 @@ def test_training_step_compiles_to_one_graph_per_shape(family_runs, family):
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad and n not in distilled)
 
 
-def test_train_compiled_with_inductor(tmp_path, image_folder):
+def test_train_compiled_with_inductor(tmp_path, image_folder, no_tf32):
     """`structformer train --compile inductor` on the GPU (CRATE-T at depth 2, so the compile stays short): the
     training graph and the evaluation graph and nothing more, no graph break, and the checkpoint loads into a plain
     model that gives the compiled model's outputs."""
