@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 from ..errors import UsageError
 from .gpu_measure import ROW_PREFIX
@@ -158,7 +158,10 @@ def stream_rows(payload: dict, hard_deadline: float, echo=sys.stderr) -> tuple:
         try:
             tag, line = lines.get(timeout=max(remaining, 0.01))
         except queue.Empty:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:                     # it ended just now
+                pass
             note = 'the worker was stopped at its deadline (a row that had not finished is marked not timed)'
             break
         if line is None:

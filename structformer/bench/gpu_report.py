@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 ATTENTIONS = {'softmax': 'SDPA', 'soft': 'SOFT', 'softpp': 'SOFT++'}
 GOAL_CRATE, GOAL_SOFT_FROM, GOAL_SOFT_AT, GOAL_SOFT_SPEEDUP, GOAL_SPARSE_N, GOAL_LOWRANK = (0.9, 8192, 50176, 4.0,
