@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.structformer-installed
 DEMO_OUT ?= outputs/demo
 
-.PHONY: demo test test-gpu gpu-wheels gpu-check venv bench clean
+.PHONY: demo test test-gpu gpu-wheels gpu-check venv bench bench-records clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/structformer bench models
+
+# Re-measure every goal's record for this machine's CPU kind (docs/kinds/KIND/, KIND.json) and rewrite its table in
+# docs/benchmarks.md. Run it on a quiet machine: a benchmark refuses to write into docs/ from a busy run.
+THREADS ?= 1
+bench-records: $(STAMP)
+	$(BIN)/python -m structformer.bench.kind_tables record --threads $(THREADS)
 
 # The GPU suite (tests/gpu, skipped without CUDA; docs/gpu.md). On a lent GPU's image, with its own python and no
 # .venv: `python3 -m pip install -e . --no-deps --no-build-isolation && make test-gpu TEST_PYTHON=python3`.

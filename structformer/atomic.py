@@ -1,13 +1,36 @@
-"""Atomic file writes, shared by the run folder (train/) and the benchmarks (bench/). No torch here.
+"""Atomic writes and their temporaries, shared by every writer of the package (run folders, records,
+`convert`, `export`, `data shard`). No torch here.
 
-A file is written to a temporary sibling `NAME.tmp-XXXX` and moved over `NAME` in one rename (same
-folder, so one file system: atomic on POSIX), so a reader sees the old file or the whole new one and an
-interruption leaves at most a temporary that `train.run_dir.remove_stale_temporaries` recognises.
+An output is written to a temporary sibling and moved over its name in one rename (same folder, so one file
+system: atomic on POSIX), so a reader sees the old output or the whole new one. A writer killed before the
+rename (kill -9, power loss) leaves its temporary behind; these are named so that they are recognisably ours and
+say who wrote them:
+
+    OUT.tmp-PID-HOST-XXXXXXXX[SUFFIX]     the output being written (a file or a folder)
+    OUT.old-PID-HOST-XXXXXXXX/            the previous OUT, moved aside while a folder is replaced
+
+PID is the writing process, HOST eight hex digits of a hash of its host name (a writer on another machine
+sharing the folder is never judged dead from here), XXXXXXXX tempfile's random part. `prepare_output(OUT, flag)`,
+called by a writer before it writes OUT, removes the temporaries of OUT whose writer is no longer running (a
+moved-aside previous output is put back first when OUT itself is missing), says what it removed, and refuses with
+one line when another running process is writing OUT. Readers refuse a temporary given as input
+(`describe_temporary`), so a half-written folder is never taken for an output.
 """
+import hashlib
 import os
+import re
+import shutil
+import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, List, Optional, Tuple
+
+__all__ = ['permissions_from_umask', 'temporary_sibling', 'describe_temporary', 'prepare_output',
+           'stale_temporaries', 'write_atomically', 'write_text_atomically']
+
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+_KINDS = ('tmp', 'old')
+_NAME = re.compile(r'^(?P<target>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[a-z0-9_]{8}(\.[\w-]+)?$')
 
 
 def permissions_from_umask(path, mode: int) -> None:
@@ -17,14 +40,147 @@ def permissions_from_umask(path, mode: int) -> None:
     os.chmod(path, mode & ~umask)
 
 
+def temporary_sibling(target, directory: bool = False, suffix: str = '', kind: str = 'tmp') -> Path:
+    """Create and return an empty temporary file (or folder) beside `target`, named for it and this process
+    (module docstring). The caller renames it over `target` when complete and removes it on failure."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind={kind!r}: accepted {', '.join(_KINDS)}")
+    target = Path(target).absolute()
+    prefix = f"{target.name}.{kind}-{os.getpid()}-{_HOST}-"
+    if directory:
+        return Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=suffix))
+    handle, name = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=suffix)
+    os.close(handle)
+    return Path(name)
+
+
+def _owner(path: Path) -> Optional[Tuple[str, str, int, str]]:
+    """(target name, kind, pid, host) of a temporary named by `temporary_sibling`, else None."""
+    m = _NAME.match(Path(path).name)
+    return (m['target'], m['kind'], int(m['pid']), m['host']) if m else None
+
+
+def _process_start(pid: int) -> Optional[float]:
+    """When process `pid` started (seconds since the epoch), from /proc on Linux; None where unknown."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+        with open('/proc/stat') as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith('btime '))
+        return boot + float(fields[19]) / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _running(pid: int, host: str, path: Optional[Path] = None) -> bool:
+    """Whether the writer of temporary `path` may still be running: True unless it ran on this host and its PID
+    is gone, or the PID now belongs to a process that started after the temporary was last written (the PID was
+    reused)."""
+    if host != _HOST:
+        return True                                  # another machine's process: not ours to judge
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                          # a process of another user holds the PID
+        pass
+    started = _process_start(pid)
+    if started is not None and path is not None:
+        try:
+            written = os.lstat(path).st_mtime
+        except OSError:
+            return True
+        return started <= written + 2.0              # /proc's start time is in clock ticks: a little slack
+    return True
+
+
+def describe_temporary(path) -> str:
+    """'' unless `path` is a temporary of ours; else one sentence saying whose it is, for an error message."""
+    owner = _owner(Path(path))
+    if owner is None:
+        return ''
+    target, kind, pid, host = owner
+    what = 'an unfinished output' if kind == 'tmp' else 'a previous output moved aside'
+    if _running(pid, host, Path(path)):
+        return f"is {what} of {target} that process {pid} is writing now, not an output"
+    return (f"is {what} of {target}, left by process {pid}, which was interrupted; not an output (the next "
+            f"structformer command writing {target} removes it)")
+
+
+def stale_temporaries(target) -> List[Path]:
+    """The temporaries of `target` (beside it, named for it) whose writer is no longer running."""
+    target = Path(target).absolute()
+    found = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return []
+    for entry in entries:
+        owner = _owner(Path(entry.name))
+        if owner and owner[0] == target.name and not _running(owner[2], owner[3], target.parent / entry.name):
+            found.append(target.parent / entry.name)
+    return sorted(found)
+
+
+def _live_writers(target: Path) -> List[Tuple[Path, int]]:
+    found = []
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return []
+    for name in names:
+        owner = _owner(Path(name))
+        if owner and owner[0] == target.name and owner[2] != os.getpid() and \
+                _running(owner[2], owner[3], target.parent / name):
+            found.append((target.parent / name, owner[2]))
+    return sorted(found)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prepare_output(target, flag: str) -> List[str]:
+    """Before writing `target`: remove the temporaries that interrupted writers left beside it (a previous output
+    moved aside goes back to `target` first when `target` is missing, as it was before that writer started), and
+    refuse, naming `flag`, when another running process is writing `target`. Returns what was done, one line each."""
+    from .errors import UsageError
+    target = Path(target).absolute()
+    if not target.parent.is_dir():
+        return []
+    live = _live_writers(target)
+    if live:
+        path, pid = live[0]
+        raise UsageError(f"{flag} {target}: process {pid} is writing it now ({path.name}); wait for it to finish, "
+                         "or stop it, and run again")
+    done = []
+    for path in stale_temporaries(target):
+        _, kind, pid, _ = _owner(path)
+        inner = path / target.name
+        if kind == 'old' and not os.path.lexists(target) and os.path.lexists(inner):
+            os.replace(inner, target)
+            done.append(f"restored {target.name} from {path.name} (process {pid} was interrupted while replacing it)")
+        _remove(path)
+        done.append(f"removed {path.name}, left by process {pid}, which was interrupted while writing {target.name}")
+    return done
+
+
 def write_atomically(path, write: Callable[[Any], None], binary: bool = False) -> Path:
     """Call `write(file)` on a temporary file beside `path`, then rename it over `path`; the temporary is
-    removed if anything fails. Parent folders are created. Returns the absolute path."""
+    removed if anything fails (and by the next write of `path` if this process is killed). Parent folders are
+    created. Returns the absolute path."""
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + '.tmp-')
+    for stale in stale_temporaries(path):
+        _remove(stale)
+    tmp = temporary_sibling(path)
     try:
-        with os.fdopen(fd, 'wb' if binary else 'w') as f:
+        with open(tmp, 'wb' if binary else 'w') as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

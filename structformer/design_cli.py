@@ -3,30 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
+
+from .cli_args import OMEGA_MAX_LOG2, parse_omega
+
+DESCRIPTION = '(S, C) pairs on a fixed-Ω curve, C* = S*, effective widths, SW-MLP widths.'
 
 EXAMPLES = """examples:
   structformer design --omega 2^18                              # App. C's (C, S) pairs, C* = S*, SW-MLP widths
   structformer design --omega 2^19 --gamma 2 --channels 4 16 64 --json"""
-
-
-OMEGA_MAX_LOG2 = 64          # far beyond any layer that fits in memory; keeps every width exact in float64
-
-
-def parse_omega(text: str) -> int:
-    """'32768', '2^15' or '2**15' -> 32768."""
-    m = re.fullmatch(r'\s*(\d+)\s*(?:(?:\^|\*\*)\s*(\d+))?\s*', text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"--omega expects an integer or a power like 2^15, got {text!r}")
-    base, exponent = int(m.group(1)), int(m.group(2) or 1)
-    # bounded before the power is computed: 9^99999999 would otherwise take minutes and gigabytes
-    if base > 1 and exponent * math.log2(base) > OMEGA_MAX_LOG2:
-        raise argparse.ArgumentTypeError(f"--omega must be at most 2^{OMEGA_MAX_LOG2} connections, got {text.strip()}")
-    value = base ** exponent
-    if value < 16:
-        raise argparse.ArgumentTypeError(f"--omega must be >= 16 connections, got {value}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

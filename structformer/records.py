@@ -4,7 +4,9 @@ take them from, so none of those packages imports another for a utility.
 
 - `write_text`, `write_json`, `write_png`: outputs written atomically (a temporary file in the same
   folder, then `os.replace`), so an interrupted or failed write never leaves half a file behind.
-- `environment`, `cpu_model`: the machine and library versions a number was measured with.
+- `environment`, `cpu_model`, `cpu_kind`: the machine and library versions a number was measured with, and the
+  kind of CPU (`machine.py`: vendor, model, the ISA features that decide which kernels are fast: AVX2, AVX-512,
+  VNNI, BF16, AMX), by which benchmark goals are judged and docs/benchmarks.md groups its tables.
 - `check_writable`: an output folder checked before any work, so a long job never dies at its first write.
 
 Only the standard library is imported at module level: `structformer --help` builds parsers that
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .atomic import write_atomically, write_text_atomically
+from .machine import ISA_FLAGS, cpu_kind, kind_id  # noqa: F401  (re-exported: records name the machine)
 
 
 # ---- where a number was measured --------------------------------------------------------------------
@@ -37,27 +40,37 @@ def cpu_model() -> str:
 
 
 def environment(device='cpu') -> dict:
-    """The record printed and saved beside every measurement: versions, threads, CPU, platform, device."""
+    """The record printed and saved beside every measurement: versions, threads, CPU (its kind and the kernel
+    level ATen dispatches to), platform, device, and the kernel choices this machine made
+    (`functional.autotune.report`)."""
     import torch
+
+    from .functional import autotune
     on_cuda = str(device).startswith('cuda') and torch.cuda.is_available()
     return {'torch': torch.__version__, 'python': platform.python_version(), 'threads': torch.get_num_threads(),
-            'cpu': cpu_model(), 'platform': platform.platform(),
+            'cpu': cpu_model(), 'cpu_kind': cpu_kind(), 'aten_cpu_capability': torch.backends.cpu.get_cpu_capability(),
+            'platform': platform.platform(),
             'device': torch.cuda.get_device_name(torch.device(device)) if on_cuda else 'cpu',
-            'cuda': torch.version.cuda if on_cuda else None}
+            'cuda': torch.version.cuda if on_cuda else None, 'choices': autotune.report()}
 
 
 # ---- output checks ----------------------------------------------------------------------------------
 
-def check_writable(path, flag: str) -> None:
-    """Raise ValueError naming `flag` unless `path` (or the nearest folder that exists above it) can be
-    written: checked before any work, so a long run never dies at its first output."""
+def check_writable(path, flag: str, shown=None) -> None:
+    """Raise ValueError naming `flag` and the path the user gave (`shown`, default `path`) unless `path` (or the
+    nearest folder that exists above it) can be written, saying which folder is read-only: checked before any
+    work, so a long run never dies at its first output."""
+    shown = path if shown is None else shown
     probe = Path(path).absolute()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
+        raise ValueError(f"{flag} {shown}: {probe} is a file, not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {probe} is not writable (read-only file system or no permission)")
+        where = 'it' if probe == Path(shown).absolute() else (
+            f"its folder {probe}" if probe == Path(shown).absolute().parent else f"its nearest existing folder {probe}")
+        raise ValueError(f"{flag} {shown}: cannot be written: {where} is not writable (read-only file system or "
+                         "no permission)")
 
 
 def check_output_file(path, flag: str) -> None:
@@ -66,7 +79,7 @@ def check_output_file(path, flag: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{flag} {path}: is a folder; give a file name")
-    check_writable(target.absolute().parent, flag)
+    check_writable(target.absolute().parent, flag, shown=path)
 
 
 # ---- atomic writers ---------------------------------------------------------------------------------
@@ -103,3 +116,12 @@ def write_png(path, draw: Callable[[Any], Any], dpi: int = 110) -> bool:
     finally:
         plt.close(fig)
     return True
+
+
+def label_axes(ax, xlabel: str, ylabel: str, title: str, legend_size=None, title_size=None) -> None:
+    """A panel's axis labels and title (matplotlib's `Axes.set`), and its legend when `legend_size` is given:
+    what every figure of the reproductions and analyses sets on each panel."""
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, **({'fontsize': title_size} if title_size else {}))
+    if legend_size:
+        ax.legend(fontsize=legend_size)

@@ -9,6 +9,10 @@ import structformer  # noqa: F401  (registers models)
 # The image-folder check cache (data/imagecheck.py) of the test session: a fresh folder, not the user's ~/.cache.
 os.environ.setdefault('STRUCTFORMER_CACHE', __import__('tempfile').mkdtemp(prefix='structformer-test-cache-'))
 
+# Kernel choices (functional/autotune.py) without timing: each takes its rule's default, so a test sees the same
+# path on every run and machine; the chooser's own tests turn timing on with an injected timer.
+os.environ.setdefault('STRUCTFORMER_AUTOTUNE', 'off')
+
 # The real MNIST test set lives beside the project (never committed); tests that use it skip without it.
 SHARED_MNIST = Path(__file__).resolve().parents[1].parent / 'shared' / 'data' / 'mnist'
 

@@ -85,6 +85,28 @@ def assert_grads_close(got, want, tol):
         assert rel(got[name], want[name]) <= tol, (name, rel(got[name], want[name]), tol)
 
 
+def assert_autocast_close(layer, x, rounds: int, grad_rounds: int):
+    """layer(x) under autocast returns bf16 within rounds·U of the float32 layer, its weight gradients within
+    grad_rounds·U of the float32 ones."""
+    want, want_grads = run(layer, x, amp=False)
+    got, got_grads = run(layer, x, amp=True)
+    assert got.dtype == BF16 and want.dtype == torch.float32
+    assert rel(got, want) <= rounds * U
+    assert_grads_close(got_grads, want_grads, grad_rounds * U)
+
+
+def run_reference(layer, forward, x):
+    """`run` in float32 of forward(x), a reference computed with `layer`'s own parameters but taking a choice (a
+    mask, the ReLU's gates) from elsewhere; the gradients are named as the layer's."""
+    class Reference(torch.nn.Module):
+        def forward(self, x):
+            return forward(x)
+    reference = Reference()
+    reference.layer = layer
+    out, want_grads = run(reference, x, amp=False)
+    return out, {name.removeprefix('layer.'): g for name, g in want_grads.items()}
+
+
 class OpLog(TorchDispatchMode):
     """Every op the dispatcher runs (after autocast's casts): (op, dtypes, shapes) of its tensor arguments."""
 
@@ -253,12 +275,7 @@ def test_soft_layer_under_autocast(cls, kwargs):
     (proj: 2, Pᵀz: 2, P V: 2, the q/v projection and sampler: 3) and the bf16 activations they read (x, P, z, v:
     4): S = 14."""
     layer = cls(16, num_heads=2, qkv_bias=True, sampling_ratio=2, grid_size=(4, 4), **kwargs)
-    x = torch.randn(2, 17, 16)
-    want, want_grads = run(layer, x, amp=False)
-    got, got_grads = run(layer, x, amp=True)
-    assert got.dtype == BF16 and want.dtype == torch.float32
-    assert rel(got, want) <= 12 * U
-    assert_grads_close(got_grads, want_grads, 14 * U)
+    assert_autocast_close(layer, torch.randn(2, 17, 16), 12, 14)
 
 
 # ---------------------------------------------------------------- 2. CRATE: shared-QKV SSA and ISTA in bf16
@@ -290,12 +307,7 @@ def test_mssa_under_autocast(ssa_impl, tied_output):
     weight (9), the output weight and product (11): 11U; gradients: SSA's 10 plus the projections' backward
     products and the bf16 x and weights they read (4): 14U."""
     layer = MSSA(16, num_heads=2, ssa_impl=ssa_impl, tied_output=tied_output)
-    x = torch.randn(2, 9, 16)
-    want, want_grads = run(layer, x, amp=False)
-    got, got_grads = run(layer, x, amp=True)
-    assert got.dtype == BF16
-    assert rel(got, want) <= 11 * U
-    assert_grads_close(got_grads, want_grads, 14 * U)
+    assert_autocast_close(layer, torch.randn(2, 9, 16), 11, 14)
 
 
 def _ista_pre_activation(layer: ISTA, x: torch.Tensor) -> torch.Tensor:
@@ -328,14 +340,8 @@ def test_ista_under_autocast(kwargs, rounds):
     assert rel(got, want) <= rounds * U
     gates = got > 0
     assert (gates != (want > 0)).float().mean() <= 0.8 * rounds * U
-
-    class SameGates(torch.nn.Module):
-        def forward(self, x):
-            return torch.where(gates, _ista_pre_activation(layer, x), 0.0)
-    reference = SameGates()
-    reference.layer = layer
-    _, want_grads = run(reference, x, amp=False)
-    assert_grads_close(got_grads, {n.removeprefix('layer.'): g for n, g in want_grads.items()}, 2 * rounds * U)
+    _, want_grads = run_reference(layer, lambda x: torch.where(gates, _ista_pre_activation(layer, x), 0.0), x)
+    assert_grads_close(got_grads, want_grads, 2 * rounds * U)
 
 
 # ---------------------------------------------------------------- 3. Sparsifiner: float32 predictor, bf16 attention
@@ -385,16 +391,9 @@ def test_sparsifiner_token_attention_under_autocast(impl):
     mask = mask_from_indices(topk_indices(layer.last_scores, layer.budget(17)), 17, dense_rows=1)
     if layer.last_mask is not None:
         assert torch.equal(mask, layer.last_mask)
-
-    class Reference(torch.nn.Module):
-        def forward(self, x):
-            q, k, v = layer.project(x)
-            return layer.merge(masked_attention(q, k, v, mask))
-    reference = Reference()
-    reference.layer = layer
-    want, want_grads = run(reference, x, amp=False)
+    want, want_grads = run_reference(layer, lambda x: layer.merge(masked_attention(*layer.project(x), mask)), x)
     assert rel(got, want) <= 10 * U
-    assert_grads_close(got_grads, {name.removeprefix('layer.'): g for name, g in want_grads.items()}, 13 * U)
+    assert_grads_close(got_grads, want_grads, 13 * U)
 
 
 def test_sparsifiner_block_auto_takes_the_gathered_path_under_autocast(monkeypatch):
@@ -440,17 +439,9 @@ def test_sparsifiner_tile_kernel_runs_in_float32_under_autocast():
         chosen = predicted_tiles(q, k, w_down, layer._scoring_basis(w_up), layer.tau, layer.up_threshold,
                                  layer.keep_ratio, 16, kernel=True)              # |W_up| by default (up_basis)
     mask = block_indices_to_mask(chosen, 65, 16, dense_rows=1)
-
-    class Reference(torch.nn.Module):
-        def forward(self, x):
-            q, k, v = layer.project(x)
-            return layer.merge(masked_attention(q, k, v, mask))
-    reference = Reference()
-    reference.layer = layer
-    want, want_grads = run(reference, x, amp=False)
+    want, want_grads = run_reference(layer, lambda x: layer.merge(masked_attention(*layer.project(x), mask)), x)
     assert rel(got, want) <= 8 * U
-    assert_grads_close({n: g for n, g in got_grads.items() if not n.startswith('basis')},
-                       {n.removeprefix('layer.'): g for n, g in want_grads.items()}, 9 * U)
+    assert_grads_close({n: g for n, g in got_grads.items() if not n.startswith('basis')}, want_grads, 9 * U)
 
 
 # ---------------------------------------------------------------- 4. structured linear layers
@@ -475,12 +466,7 @@ def test_structured_linear_under_autocast(name):
     make, width, rounds = LINEARS[name]
     torch.manual_seed(0)
     layer = make()
-    x = torch.randn(3, 5, width)
-    want, want_grads = run(layer, x, amp=False)
-    got, got_grads = run(layer, x, amp=True)
-    assert got.dtype == BF16
-    assert rel(got, want) <= rounds * U
-    assert_grads_close(got_grads, want_grads, rounds * U)
+    assert_autocast_close(layer, torch.randn(3, 5, width), rounds, rounds)
     with autocast():
         dense = layer.to_dense()
     assert dense.dtype == torch.float32 and torch.equal(dense, layer.to_dense())
@@ -490,12 +476,7 @@ def test_factorized_conv_under_autocast():
     """Both convolutions in bf16 (x, V, the first conv, U, the second with its bias: S = 6, as a two-product
     linear); `to_dense()` stays float32."""
     layer = FactorizedConv2d(3, 8, 3, rank=2, padding=1)
-    x = torch.randn(2, 3, 8, 8)
-    want, want_grads = run(layer, x, amp=False)
-    got, got_grads = run(layer, x, amp=True)
-    assert got.dtype == BF16
-    assert rel(got, want) <= 6 * U
-    assert_grads_close(got_grads, want_grads, 6 * U)
+    assert_autocast_close(layer, torch.randn(2, 3, 8, 8), 6, 6)
     with autocast():
         assert layer.to_dense().dtype == torch.float32
 

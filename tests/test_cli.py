@@ -183,7 +183,7 @@ def test_config_file_values_are_coerced_or_refused(tmp_path):
 @pytest.mark.parametrize('count, text', [(0, '0'), (812, '812'), (4_100, '4.1K'), (999_999, '1.00M'),
                                          (3_600_000, '3.60M'), (6_090_856, '6.09M'), (1_200_000_000, '1.20G')])
 def test_parameter_counts_read_by_people(count, text):
-    from structformer.cli import human_count
+    from structformer.commands.models import human_count
     assert human_count(count) == text
 
 

@@ -79,6 +79,15 @@ def files(tmp_path_factory):
     state = json.loads((base / 'mismatch' / 'state.json').read_text())
     state['recipe']['kwargs']['num_classes'] = state['model_kwargs']['num_classes'] = 7
     (base / 'mismatch' / 'state.json').write_text(json.dumps(state))
+    from safetensors.torch import save_file
+    from test_convert import _fill, sparsifiner_official_shapes
+    public = {k: v.float() for k, v in _fill(sparsifiner_official_shapes(64, 4, 4, 16, 10)).items()}
+    del public['blocks.2.attn.mask_predictor.proj_c_k.weight']       # issue 45: one predictor weight short
+    save_file(public, str(base / 'sparsifiner_partial.safetensors'))
+    import argparse
+    import datetime
+    torch.save({'state_dict': dict(public), 'args': argparse.Namespace(started=datetime.datetime(2024, 5, 1))},
+               base / 'datetime_args.pth')                            # a global outside the allow-list
     _write_images(base / 'images', truncated=['a/1.jpg'])
     read_only = base / 'read_only'
     read_only.mkdir()
@@ -135,6 +144,39 @@ CASES = [
     ('config-yaml-syntax', ['train', '-c', '{syntax}', '--output', OUT], ['-c/--config', 'YAML', 'line']),
     ('config-not-mapping', ['train', '-c', '{list}', '--output', OUT], ['-c/--config', 'mapping']),
     ('config-binary', ['train', '-c', '{binary}', '--output', OUT], ['-c/--config', 'not a text file']),
+    # silent acceptances no more (issue 45.7) and the recipe's model (issue 42)
+    ('channels-last-token-ids', ['train', '--model', 'gpt2_byte_tiny', '--data', 'digits', '--channels-last',
+                                 '--output', OUT], ['--channels-last', 'gpt2_byte_tiny takes token ids']),
+    ('channels-last-text-data', ['train', '--data', 'pysource', '--channels-last', '--output', OUT],
+     ['--channels-last', '--data pysource is text']),
+    ('recipe-twice', ['train', '--recipe', 'crate_tiny_in1k', '--recipe', 'crate_base_in1k', '--output', OUT],
+     ['--recipe given twice', 'crate_base_in1k']),
+    ('dry-run-data-missing', ['train', '--recipe', 'wrn28_10_cifar100', '--data', 'imagefolder:{base}/no_such_data',
+                              '--dry-run'], ['--data imagefolder:', 'does not exist']),
+    ('dry-run-device-absent', ['train', '--device', 'cuda:99', '--dry-run'], ['--device cuda:99']),
+    ('recipe-other-family', ['train', '--recipe', 'crate_tiny_in1k', '--model', 'soft_digits', '--data', 'digits',
+                             '--output', OUT], ['--model soft_digits', '--recipe crate_tiny_in1k', '--allow-other-model']),
+    # the training controls (timm train.py's names)
+    ('sched-unknown', ['train', '--sched', 'plateau', '--output', OUT], ['--sched', 'multistep']),
+    ('decay-rate-range', ['train', '--sched', 'step', '--decay-rate', '2', '--output', OUT], ['--decay-rate', '(0, 1]']),
+    ('decay-milestones-order', ['train', '--sched', 'multistep', '--decay-milestones', '20', '10', '--output', OUT],
+     ['--decay-milestones', 'increasing']),
+    ('cooldown-too-long', ['train', '--epochs', '3', '--cooldown-epochs', '3', '--output', OUT], ['--cooldown-epochs']),
+    ('layer-decay-range', ['train', '--layer-decay', '1.5', '--output', OUT], ['--layer-decay', '(0, 1]']),
+    ('opt-betas-one', ['train', '--opt-betas', '0.9', '--output', OUT], ['--opt-betas']),
+    ('opt-betas-sgd', ['train', '--opt', 'sgd', '--opt-betas', '0.9', '0.99', '--output', OUT],
+     ['--opt sgd does not take --opt-betas']),
+    ('bce-thresh-without-bce', ['train', '--bce-target-thresh', '0.3', '--output', OUT], ['--bce-target-thresh',
+                                                                                          '--bce-loss']),
+    ('bce-language-model', ['train', '--model', 'gpt2_byte_tiny', '--data', 'digits', '--bce-loss', '--output', OUT],
+     ['--bce-loss', 'gpt2_byte_tiny is a language model']),
+    ('bce-text-data', ['train', '--data', 'pysource', '--bce-loss', '--output', OUT], ['--bce-loss', 'is text']),
+    ('avg-last-above-keep-last', ['train', '--avg-last', '3', '--output', OUT], ['--avg-last 3', '--keep-last']),
+    ('phase-settings-no-such-phase', ['train', '--phase-settings', 'nope', 'lr=1e-3', '--output', OUT],
+     ['phase_settings.nope', "no phase 'nope'"]),
+    ('phase-settings-no-setting', ['train', '--phase-settings', 'main', 'speed=3', '--output', OUT],
+     ['phase_settings.main.speed']),
+    ('phase-settings-no-equals', ['train', '--phase-settings', 'main', 'lr', '--output', OUT], ['--phase-settings']),
     # model and data
     ('unknown-model', ['train', '--model', 'no_such_model', '--output', OUT], ['--model']),
     ('model-kwargs-unknown', ['train', '--model-kwargs', 'no_such_option=3', '--output', OUT], ['--model-kwargs']),
@@ -170,7 +212,6 @@ CASES = [
     ('workers-negative', ['train', '--workers', '-1', '--output', OUT], ['--workers']),
     ('val-fraction', ['train', '--val-fraction', '1.5', '--output', OUT], ['--val-fraction']),
     ('warmup-too-long', ['train', '--epochs', '2', '--warmup-epochs', '5', '--output', OUT], ['--warmup-epochs']),
-    ('sched-unknown', ['train', '--sched', 'step', '--output', OUT], ['--sched']),
     ('opt-unknown', ['train', '--opt', 'adamx', '--output', OUT], ['--opt', "'adamx'", 'did you mean adamax']),
     ('momentum-negative', ['train', '--opt', 'sgd', '--momentum', '-1', '--output', OUT], ['--momentum', '[0, 1)']),
     ('momentum-above-one', ['train', '--momentum', '2', '--output', OUT], ['--momentum', '[0, 1)']),
@@ -267,7 +308,26 @@ CASES = [
     ('convert-truncated', ['convert', '--from', 'timm', '{truncated}', '--model', 'crate_digits', '--output', OUT],
      ['convert FILE', 'truncated.safetensors', 'not a readable safetensors']),
     ('convert-pickle', ['convert', '--from', 'crate-official', '{pickle}', '--model', 'crate_digits', '--output', OUT],
-     ['convert FILE', 'pickle.pth', 'not a weights-only']),
+     ['convert FILE', 'pickle.pth', 'refused', 'builtins.print']),
+    # issue 45: trainer checkpoints, converter edges
+    ('convert-disallowed-global', ['convert', '--from', 'sparsifiner-official', '{datetime_args}', '--model',
+                                   'sparsifiner_digits', '--output', OUT], ['convert FILE', 'refused', 'datetime.datetime']),
+    ('convert-ema-of-safetensors', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                    '--model', 'vit_digits', '--weights', 'ema', '--output', OUT], ['--weights ema']),
+    ('convert-weights-unknown', ['convert', '--from', 'timm', '{vit_run}', '--model', 'vit_digits', '--weights',
+                                 'best', '--output', OUT], ['--weights', "'best'"]),
+    ('convert-wrong-size-vit', ['convert', '--from', 'timm', '{vit_run}/checkpoints/epoch_0001/model.safetensors',
+                                '--model', 'sparsifiner_mnist', '--output', OUT],
+     ['does not fit --model sparsifiner_mnist: cls_token is [1, 1, 64] in the checkpoint and [1, 1, 96] in the model']),
+    ('convert-wrong-size-crate', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
+                                  '--model', 'crate_mnist', '--output', OUT], ['does not fit --model crate_mnist', ' is [']),
+    ('convert-partial-predictor', ['convert', '--from', 'sparsifiner-official', '{sparsifiner_partial}', '--model',
+                                   'sparsifiner_digits', '--output', OUT],
+     ['predictor is incomplete', '1 weight(s) missing: blocks.2.attn.predictor_k.weight', 'blocks.2.attn.mask_predictor.proj_c_k.weight']),
+    ('convert-official-from-plain-deit', ['convert', '--from', 'sparsifiner-official',
+                                          '{vit_run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                                          'sparsifiner_digits', '--output', OUT],
+     ['no Sparsifiner predictor', '--from timm']),
     ('convert-output-not-empty', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors',
                                   '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
     # weights out (issue 32.5): export
@@ -282,7 +342,7 @@ CASES = [
     ('pretrained-path-truncated', ['train', '--pretrained-path', '{truncated}', '--output', OUT],
      ['--pretrained-path', 'not a readable safetensors']),
     ('pretrained-path-pickle', ['train', '--pretrained-path', '{pickle}', '--output', OUT],
-     ['--pretrained-path', 'not a weights-only']),
+     ['--pretrained-path', 'refused', 'builtins.print']),
     ('pretrained-none-offline', ['train', '--pretrained', '--output', OUT], ['--pretrained', '--pretrained-path FILE']),
     ('pretrained-path-and-initial', ['train', '--pretrained-path', '{run}', '--initial-checkpoint', '{run}', '--output',
                                      OUT], ['--initial-checkpoint and --pretrained-path', 'give one']),
@@ -359,6 +419,26 @@ CASES = [
     ('bench-lowrank-output-under-file', ['bench', 'lowrank', '--output', '{a_file}/x.json'], ['--output', 'is a file']),
     ('bench-sparse-attention-json-under-file', ['bench', 'sparse-attention', '--json', '{a_file}/x.json'],
      ['--json', 'is a file']),
+    # issue 46: structformer compare (another recipe into an existing grid: tests/test_compare.py)
+    ('compare-unknown-model', ['compare', '--models', 'resnet', '--output', OUT], ['--models', "'resnet'", 'vit']),
+    ('compare-unknown-set', ['compare', '--set', 'imagenet', '--output', OUT], ['--set', "'imagenet'", 'quick']),
+    ('compare-recipe-model-cannot-take', ['compare', '--models', 'wrn_lowrank_0.25', '--factorize-include',
+                                          'transformer', '--output', OUT], ['--models wrn_lowrank_0.25', 'cannot take']),
+    ('compare-unknown-recipe', ['compare', '--models', 'vit', '--recipe', 'no_such_recipe', '--output', OUT],
+     ['--recipe', 'no_such_recipe']),
+    ('compare-mnist-without-data', ['compare', '--set', 'mnist', '--output', OUT], ['--data mnist:PATH', 'required']),
+    ('compare-other-data', ['compare', '--data', 'cifar10:{folder}', '--output', OUT], ['--data', 'digits or mnist']),
+    ('compare-budget-out-of-reach', ['compare', '--models', 'wrn', '--budget', '20000', '--output', OUT],
+     ['--budget 20000', 'Wide-ResNet', '±15%']),
+    ('compare-pretrained-one-epoch', ['compare', '--models', 'vit_lowrank_0.5_pretrained', '--epochs', '1',
+                                      '--output', OUT], ['--epochs 1', 'at least 2']),
+    ('compare-no-seeds', ['compare', '--seeds', '0', '--output', OUT], ['--seeds', '>= 1']),
+    ('compare-measure-only-overwrite', ['compare', '--measure-only', '--overwrite', '--output', OUT],
+     ['--measure-only', '--overwrite']),
+    ('compare-jobs-without-threads', ['compare', '--jobs', '2', '--output', OUT], ['--jobs 2', '--threads']),
+    ('compare-in1k-not-dry', ['compare', '--set', 'in1k', '--output', OUT], ['--set in1k', '--dry-run']),
+    ('compare-in1k-shared-flag', ['compare', '--set', 'in1k', '--dry-run', '--lr', '0.1', '--output', OUT],
+     ['--set in1k', 'lr']),
 ]
 READ_ONLY_CASES = [
     ('read-only-export', ['export', '{run}', '--format', 'hf', '--output', '{ro}/hf'], ['--output', 'not writable']),
@@ -407,6 +487,29 @@ def test_read_only_output_is_refused_before_any_work(argv, needles, files, read_
     _check_one_error(argv, needles, files, tmp_path, capsys)
 
 
+def test_read_only_errors_name_the_path_given_and_the_read_only_folder(files, read_only_folders, tmp_path, capsys):
+    """Issue 45: the message names OUT as given, then which folder above it cannot be written."""
+    ro = read_only_folders
+    for argv, shown, where in [
+            (['export', str(files['run']), '--format', 'onnx', '--output', f'{ro}/sub/m.onnx'], f'{ro}/sub/m.onnx',
+             f'its nearest existing folder {ro}'),
+            (['export', str(files['run']), '--format', 'hf', '--output', f'{ro}/hf'], f'{ro}/hf', f'its folder {ro}'),
+            (['convert', '--from', 'timm', f"{files['run']}/checkpoints/epoch_0001/model.safetensors", '--model',
+              'crate_digits', '--output', f'{ro}/converted'], f'{ro}/converted', f'its folder {ro}')]:
+        _check_one_error(argv, [f'--output {shown}: cannot be written: {where} is not writable'], files, tmp_path,
+                         capsys)
+
+
+def test_export_errors_name_source_not_a_flag_it_lacks(files, tmp_path, capsys):
+    """Issue 45: export has no --checkpoint; its errors about what it reads name SOURCE."""
+    for source in (files['folder'], files['corrupt'], files['no_weights'], files['mismatch']):
+        _check_one_error(['export', str(source), '--format', 'hf', '--output', OUT], [f'SOURCE {source}: '],
+                         files, tmp_path, capsys)
+    for source in (files['folder'], files['mismatch']):
+        main(['export', str(source), '--format', 'hf', '--output', str(tmp_path / 'out')])
+        assert '--checkpoint' not in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason='root reads a chmod 000 file anyway')
 def test_unreadable_config_file(files, tmp_path, capsys):
     config = tmp_path / 'secret.yaml'
@@ -432,15 +535,15 @@ def test_unreadable_images_can_be_skipped(files, tmp_path, capsys):
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """Only expected failures become one line: an exception from a bug propagates with its traceback."""
-    import structformer.cli as cli
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: {}['missing key'])
+    import structformer.commands.models as models_command
+    monkeypatch.setattr(models_command, 'run', lambda args: {}['missing key'])
     with pytest.raises(KeyError):
         main(['models'])
     import torch
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
+    monkeypatch.setattr(models_command, 'run', lambda args: torch.zeros(2) @ torch.zeros(3))   # RuntimeError
     with pytest.raises(RuntimeError):
         main(['models'])
-    monkeypatch.setattr(cli, 'cmd_models', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
+    monkeypatch.setattr(models_command, 'run', lambda args: np.zeros(2).reshape(3))            # ValueError in numpy
     with pytest.raises(ValueError):
         main(['models'])
 

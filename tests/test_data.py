@@ -360,12 +360,13 @@ def test_parse_data_spec_and_forms():
     assert parse_data_spec('digits') == ('digits', None)
     assert parse_data_spec('MNIST:/a:b') == ('mnist', '/a:b')
     assert list(DATASET_FORMS) == ['digits', 'synthetic-subspaces', 'mnist:PATH', 'cifar10:PATH',
-                                   'imagefolder:PATH', 'wds:TRAIN[,VAL]', 'hfds:PATH', 'pysource', 'text:PATH']
+                                   'imagefolder:PATH', 'wds:TRAIN[,VAL]', 'hfds:PATH', 'imagenet:PATH', 'pysource',
+                                   'text:PATH']
 
 
 def test_unknown_dataset_lists_accepted_forms():
-    with pytest.raises(ValueError, match='--data.*imagenet.*digits, synthetic-subspaces, mnist:PATH'):
-        build_datasets('imagenet')
+    with pytest.raises(ValueError, match='--data.*places365.*digits, synthetic-subspaces, mnist:PATH'):
+        build_datasets('places365')
     with pytest.raises(ValueError, match='needs a folder'):
         build_datasets('mnist')
     with pytest.raises(ValueError, match='takes no path'):

@@ -188,8 +188,21 @@ def test_bench_data_runs_and_records_what_it_measured(tmp_path, capsys):
     assert len(result['ratios_vs_timm']) == 4 and len(result['load_average_before']) == 3
 
 
+def test_bench_data_has_the_flag_its_busy_advice_names_and_helps_every_flag():
+    import argparse
+
+    from structformer.bench import data as bench_data
+    from structformer.bench.load import ADVICE
+    parser = argparse.ArgumentParser()
+    bench_data.add_arguments(parser)
+    flags = {flag: action for action in parser._actions for flag in action.option_strings}
+    assert '--threads 1' in ADVICE and '--threads' in flags
+    assert all(flags[f].help for f in ('--batch-size', '--img-size', '--step-batch', '--threads'))
+
+
 @pytest.mark.parametrize('argv, needle', [
     (['--images', '8', '--batch-size', '8'], '--images 8'),
+    (['--threads', '-1'], '--threads -1'),
     (['--workers', '0'], '--workers'),
     (['--output', '{tmp}'], 'is a folder'),
 ])

@@ -1,5 +1,7 @@
 """Every `structformer ...` command in a ```bash block of README.md and docs/*.md runs as written, in
-order, on the embedded data; README's ```python block runs too. Only the length of training is
+order, on the embedded data, all in one folder as a reader working through the pages meets them (README first,
+after `make demo`, then the docs pages): a page whose outputs collide with another's fails here. README's
+```python block runs too, and README's list of `--data` forms is the code's. Only the length of training is
 shortened (see `shorten`): what is checked is that the commands and the API calls work."""
 import math
 import re
@@ -58,16 +60,25 @@ def _run(argv):
         return e.code
 
 
-@pytest.mark.parametrize('path', DOCUMENTS, ids=lambda p: p.name)
-def test_documented_commands_run_in_order(path, tmp_path, monkeypatch):
+def test_documented_commands_run_in_order_in_one_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)             # outputs/... of the examples land here, in order
-    if path.name == 'README.md':            # a newcomer meets them after `make demo`
-        demo = make_demo_commands()
-        assert demo and demo[0][0] == 'train'
-        for argv in demo:
-            assert _run(shorten(argv)) == 0, f"make demo: structformer {shlex.join(argv)}"
-    for argv in commands(path):
-        assert _run(shorten(argv)) == 0, f"{path.name}: structformer {shlex.join(argv)}"
+    demo = make_demo_commands()             # a newcomer meets README's commands after `make demo`
+    assert demo and demo[0][0] == 'train'
+    for argv in demo:
+        assert _run(shorten(argv)) == 0, f"make demo: structformer {shlex.join(argv)}"
+    for path in DOCUMENTS:
+        for argv in commands(path):
+            assert _run(shorten(argv)) == 0, f"{path.name}: structformer {shlex.join(argv)}"
+
+
+def test_readme_lists_the_data_forms_of_the_code(capsys):
+    """One list: README's `--data` forms and `train --help`'s are the keys of data.spec.DATASET_FORMS, in order."""
+    from structformer.data.spec import DATASET_FORMS
+    forms = ' | '.join(DATASET_FORMS)
+    readme = re.search(r"`--data` takes `([^`]+)`", (ROOT / 'README.md').read_text()).group(1)
+    assert readme == forms
+    _run(['train', '--help'])
+    assert ' '.join(forms.split()) in ' '.join(capsys.readouterr().out.split())
 
 
 def test_readme_has_the_commands_it_promises():

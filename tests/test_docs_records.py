@@ -191,3 +191,21 @@ def test_sparsifiner_goal_table_is_its_records():
                 printed_equal(cell, _sparse_row(rec, 577, 0.25, path)['vs_dense'], i)
         printed_equal(cells[4], _sparse_row(runs[0], 577, 0.25, 'block-kernel')['density'])
         assert all(rec['machine_load'] and not rec['machine_load']['busy'] for rec in runs)
+
+
+# ---- crate.md -----------------------------------------------------------------------------------------
+
+def test_demo_spread_table_is_its_record():
+    """`make demo`'s top-1 across CPUs and threads (issue 45): the rows measured here, then the ones reported."""
+    rec = record('crate/demo_spread.json')
+    rows = rec['runs'] + rec['reported']
+    table = table_with('crate.md', 'CPU | threads | final top-1')[1:]
+    assert len(table) == len(rows)
+    for cells, row in zip(table, rows):
+        assert str(row['threads']) == cells[1]
+        printed_equal(cells[2], row['final_val_top1'])
+        printed_equal(cells[3], row['best_val_top1'])
+    low, high = min(r['final_val_top1'] for r in rows), max(r['final_val_top1'] for r in rows)
+    readme = (DOCS.parent / 'README.md').read_text()
+    assert f"{low:.1f}–{high:.1f} % top-1 on digits" in readme and f"**{low:.1f}–{high:.1f} %**" in \
+        (DOCS / 'crate.md').read_text()

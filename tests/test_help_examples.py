@@ -7,7 +7,8 @@ import shlex
 
 import pytest
 
-from structformer.cli import _train_config, build_parser
+from structformer.cli import build_parser
+from structformer.commands.train import train_config
 
 
 def _subparsers(parser: argparse.ArgumentParser, path=()):
@@ -47,4 +48,4 @@ def test_every_command_has_examples():
 def test_help_example_parses(argv):
     args = build_parser().parse_args(list(argv))     # argparse exits (SystemExit) on an unknown flag or value
     if argv[0] == 'train' and not args.resume and getattr(args, 'config', None) is None:
-        _train_config(args).validate()
+        train_config(args).validate()

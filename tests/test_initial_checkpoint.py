@@ -71,7 +71,7 @@ def test_bad_initial_checkpoints_are_one_line(tmp_path, digits_vit, capsys):
     torch.save({'x': Evil()}, tmp_path / 'pickle.pth')
     (tmp_path / 'notes.txt').write_text('hello')
     cases = [(str(tmp_path / 'missing.pth'), 'does not exist'),
-             (str(tmp_path / 'pickle.pth'), 'not a weights-only torch file'),
+             (str(tmp_path / 'pickle.pth'), 'refused: it needs the Python global builtins.print'),
              (str(tmp_path / 'notes.txt'), 'accepted a run or checkpoint folder'),
              (str(digits_vit), 'do not fit')]
     for path, words in cases:

@@ -15,7 +15,7 @@ import torch
 from structformer.cli import main
 from structformer.data import build_datasets
 from structformer.data.shards import ShardStream, iter_shard, stream_loader
-from structformer.data.wds import write_shards
+from structformer.data.shard_writer import write_shards
 
 CLASSES = ('ant', 'bee', 'cow')
 
@@ -176,7 +176,7 @@ def bad_shards(shards, tmp_path):
 @pytest.mark.parametrize('data, needles', [
     ('wds:{d}/none-*.tar', ['none-*.tar', 'names no shard']),
     ('wds:{d}/missing-{{0..1}}.tar', ['do not exist', 'missing-0.tar']),
-    ('wds:{d}/nocls.tar', ['nocls.tar', "'a'", 'no a class']),
+    ('wds:{d}/nocls.tar', ['nocls.tar', "'a'", 'lacks a class member']),
     ('wds:{d}/corrupt.tar', ['corrupt.tar', 'truncated']),
     ('wds:{d}/garbage.tar', ['garbage.tar', 'not a readable tar']),
     ('wds:{s}/train-000000.tar,', ['expected TRAIN_PATTERN']),

@@ -12,22 +12,14 @@ from ..records import write_json, write_png
 
 
 def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
-    from ..train.checkpoint import load_model, resolve_checkpoint
+    from ..train.checkpoint import load_model
     from .cka import minibatch_cka
-    try:
-        other_path = resolve_checkpoint(args.cka)
-    except (FileNotFoundError, ValueError) as e:          # CheckpointError is a ValueError
-        raise ValueError(f"--cka {args.cka}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+    from .samples import recorded_data, second_checkpoint
+    other_path = second_checkpoint('--cka', args.cka)
     model_a, state_a = load_model(main_path)
     model_b, state_b = load_model(other_path)
-    config = state_a.get('config') or {}
-    spec = args.data or config.get('data')
-    if not spec:
-        raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
-    same = args.data is None or args.data == config.get('data')
-    options = dict(config.get('data_kwargs') or {}) if same else {}
-    images, _, idx = load_samples(spec, options, int(config.get('seed', 0)), float(config.get('val_fraction', 0.2)),
-                                  args.num_samples, args.seed)
+    spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
+    images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
     if len(idx) < 4:
         raise ValueError(f"--num-samples: CKA's unbiased estimator needs at least 4 samples, the split has {len(idx)}")
     batch = max(4, min(args.cka_batch_size, len(idx)))

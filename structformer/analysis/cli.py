@@ -13,17 +13,17 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
 from ..errors import UsageError
-
-if TYPE_CHECKING:
-    import torch
+from .samples import load_samples, recorded_data
 
 # torch and the measurement modules are imported where they are used: the CLI builds this command's
 # parser for `structformer --help`, which must not pay for importing torch
 
 __all__ = ['ANALYZE_EXAMPLES', 'add_analyze_arguments', 'run_analyze', 'resolve_compare']
+
+DESCRIPTION = 'Per-layer coding rates, sparsity, subspace coherence and token maps (CRATE §3.1).'
 
 ANALYZE_EXAMPLES = """examples:
   # the newest checkpoint of a run against its random init (epoch_0000), on the run's own val split
@@ -156,29 +156,6 @@ def resolve_compare(spec: str, run: Optional[Path]) -> Path:
         raise type(e)(f"--compare {spec}: {reason}; accepted init, epoch:N, all, or a checkpoint path") from None
 
 
-def _build_datasets(spec, **kwargs):
-    from ..data import build_datasets            # imported late: the CLI's --help needs no data code
-    return build_datasets(spec, **kwargs)
-
-
-def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, num_samples: int,
-                 seed: int) -> Tuple[torch.Tensor, object, List[int]]:
-    """B validation images (a seeded subset when the split is larger) and the dataset info."""
-    import torch
-    _, val, info = _build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
-    n = len(val)
-    if n == 0:
-        raise ValueError(f"--data {spec}: the validation split is empty")
-    if n > num_samples:
-        idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:num_samples].sort().values.tolist()
-    else:
-        idx = list(range(n))
-    subspaces = getattr(val, 'token_subspaces', None)      # synthetic-subspaces: each token's subspace
-    if subspaces is not None and getattr(info, 'extra', None) is not None:
-        info.extra['val_token_subspaces'] = subspaces[idx]
-    return torch.stack([val[i][0] for i in idx]), info, idx
-
-
 def _label(state: Dict, path: Path) -> str:
     epoch = state.get('epoch')
     if epoch is None:
@@ -286,17 +263,7 @@ def run_analyze(args) -> int:
             refuse_unused_options(args, 'crate', what)
         loaded.append((model, state, p))
 
-    config = loaded[0][1].get('config') or {}
-    spec = args.data or config.get('data')
-    if not spec:
-        raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
-    if not args.data:
-        from ..train.data_paths import check_stored_data
-        check_stored_data(spec, config.get('data_as_given'), "the checkpoint's", '--data')
-    same = args.data is None or args.data == config.get('data')
-    options = dict(config.get('data_kwargs') or {}) if same else {}
-    data_seed = int(config.get('seed', 0))
-    val_fraction = float(config.get('val_fraction', 0.2))
+    spec, options, data_seed, val_fraction = recorded_data(loaded[0][1], args.data, main_path)
     images, info, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
     if len(idx) < args.num_samples:
         print(f"note: the validation split of {spec} has {len(idx)} samples; measuring all of them "
@@ -336,3 +303,8 @@ def run_analyze(args) -> int:
     for name in pngs:
         print(f'figure:   {out / name}')
     return 0
+
+
+# the names the command table (structformer/commands) calls
+EXAMPLES = ANALYZE_EXAMPLES
+add_arguments, run = add_analyze_arguments, run_analyze

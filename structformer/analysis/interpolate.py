@@ -81,22 +81,15 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
 
     from ..records import write_json, write_png
     from ..data import build_datasets
-    from ..train.checkpoint import load_model, resolve_checkpoint
-    try:
-        other = resolve_checkpoint(args.interpolate)
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"--interpolate {args.interpolate}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+    from ..train.checkpoint import load_model
+    from .samples import recorded_data, second_checkpoint
+    other = second_checkpoint('--interpolate', args.interpolate)
     if args.interpolate_steps < 2:
         raise ValueError(f"--interpolate-steps must be an integer >= 2; got {args.interpolate_steps}")
     model_a, state_a = load_model(main_path)
     model_b, state_b = load_model(other)
-    config = state_a.get('config') or {}
-    spec = args.data or config.get('data')
-    if not spec:
-        raise ValueError(f"--data: checkpoint {main_path} records no training data; pass --data SPEC")
-    options = dict(config.get('data_kwargs') or {}) if (args.data is None or args.data == config.get('data')) else {}
-    _, val, _ = build_datasets(spec, seed=int(config.get('seed', 0)), val_fraction=float(config.get('val_fraction', 0.2)),
-                               **options)
+    spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
+    _, val, _ = build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
     if len(val) > args.num_samples:
         val = torch.utils.data.Subset(val, torch.randperm(len(val), generator=torch.Generator().manual_seed(args.seed))
                                       [:args.num_samples].sort().values.tolist())

@@ -13,6 +13,7 @@ from typing import Dict, Iterable, List
 import numpy as np
 
 from ..models.mixer_design import sw_density, tokens_for_omega
+from ..records import label_axes
 
 FIG4_CHANNELS = (4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 64)     # App. C.2, Ω = 2¹⁹, γ = 2
 
@@ -75,9 +76,7 @@ def plot_init_spectra(rows: List[Dict[str, float]], plt, gamma: float, omega_: f
     ax.plot(width, [r['mixer_token'] for r in rows], 's-', label='Mixer / RP token W')
     ax.plot(width, [r['mixer_channel'] for r in rows], '^-', label='Mixer / RP channel V')
     ax.axhline(1 + gamma ** 0.5, color='k', ls='--', lw=1, label='1 + √γ')
-    ax.set_xlabel('hidden width γm')
-    ax.set_ylabel('largest singular value at init')
-    ax.set_title(f'Ω = 2^{np.log2(omega_):.0f}, γ = {gamma:g}')
-    ax.legend(fontsize=8)
+    label_axes(ax, 'hidden width γm', 'largest singular value at init', f'Ω = 2^{np.log2(omega_):.0f}, γ = {gamma:g}',
+               legend_size=8)
     fig.tight_layout()
     return fig

@@ -59,7 +59,7 @@ def layer_maps(attn: SparsifinerAttention, x: torch.Tensor, mask: torch.Tensor,
     w_down, _ = attn.basis(k)
     if attn.predictor_q is not None:
         q, k = attn.predictor_q(q), attn.predictor_k(k)
-    a_down = low_rank_attention(q, k, w_down.to(q.dtype))
+    a_down = low_rank_attention(q, k, w_down.to(q.dtype), attn.logit_scale(q))
     return {'dense': dense, 'sparse': sparse, 'a_down': a_down, 'mask': mask}
 
 
@@ -307,13 +307,9 @@ def run_sparsifiner_analysis(args, model, state: Dict, path: Path, out: Path, lo
     from ..records import write_json
     layers = sparsifiner_layers(model)
     chosen = parse_layers(getattr(args, 'layers', None), len(layers))
-    config = state.get('config') or {}
-    spec = args.data or config.get('data')
-    if not spec:
-        raise ValueError(f"--data: checkpoint {path} records no training data; pass --data SPEC")
-    options = dict(config.get('data_kwargs') or {}) if args.data in (None, config.get('data')) else {}
-    images, _, idx = load_samples(spec, options, int(config.get('seed', 0)), float(config.get('val_fraction', 0.2)),
-                                  args.num_samples, args.seed)
+    from .samples import recorded_data
+    spec, options, data_seed, val_fraction = recorded_data(state, args.data, path)
+    images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
     grid = patch_grid(model, next(iter(layers.values())).basis.seq_len)    # W_up has one column per token
     query = parse_query_patch(getattr(args, 'query_patch', None), grid[1], grid[2])
     token = grid[0] + query[0] * grid[2] + query[1]

@@ -40,7 +40,8 @@ from typing import List, Optional, Tuple
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from .load import run_record
-from ..records import check_output_file, environment, write_json, write_png
+from ..records import check_output_file, environment, write_png
+from .kinds import add_record_arguments, print_header, soft_goal_entries, verdict_line, write_record
 
 DEFAULT_ATTENTIONS = ('softmax', 'softmax_naive', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 QUADRATIC_BUFFERS = {'softmax_naive': 4}     # n×n float32 matrices per head alive at the fwd+bwd peak
@@ -87,6 +88,7 @@ def add_arguments(p):
     p.add_argument('--profile', action='store_true',
                    help='after the sweep, torch.profiler breakdown of the SOFT forward at the largest n')
     p.add_argument('--output', default=None, help='write JSON here (e.g. DIR/attention.json) and a PNG beside it')
+    add_record_arguments(p)
 
 
 def _check_args(args) -> None:
@@ -359,7 +361,9 @@ def _fmt(v, spec, width):
 
 def print_report(rows, goals, args, env: dict, paired: Optional[dict] = None) -> None:
     device = env['cpu'] if env['device'] == 'cpu' else f"{env['device']} (CPU {env['cpu']})"
-    print(f"\nbatch 1, dim {args.dim}, {args.heads} heads, m = {args.landmarks}, {args.device}, "
+    print()
+    print_header(env)
+    print(f"batch 1, dim {args.dim}, {args.heads} heads, m = {args.landmarks}, {args.device}, "
           f"{rows[0].get('threads', '?') if rows else '?'} threads, {device}, torch {env['torch']}")
     print("FLOPs (forward, G): counted = FlopCounterMode on the whole layer (matmul/conv only, multiply-add = 2); "
           "core = counted − qkv/proj Linear; analytic = closed-form core (softmax: 4n²d per head; "
@@ -472,6 +476,8 @@ def run(args) -> int:
     goals = goal_ratios(rows, args.attn, paired)
     env = environment(args.device)
     print_report(rows, goals, args, env, paired)
+    entries = soft_goal_entries(goals, env, run_record())
+    print('\n'.join(verdict_line(entry) for entry in entries))
     if args.profile:
         target = next((a for a in args.attn if a in ('soft', 'softpp')), args.attn[0])
         grid = grid_for(args.base_tokens, max(args.multipliers))
@@ -479,11 +485,12 @@ def run(args) -> int:
         print(profile_forward(target, grid, args))
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
-        write_json(args.output, {'settings': settings, 'torch': env['torch'], 'environment': env, 'goals': goals,
-                                 'rows': rows, 'paired': paired, 'machine_load': run_record()})
-        png = os.path.splitext(args.output)[0] + '.png'
+        record = {'settings': settings, 'torch': env['torch'], 'environment': env, 'goals': goals,
+                  'kind_goals': entries, 'rows': rows, 'paired': paired, 'machine_load': run_record()}
+        written = write_record(args.output, record, args.allow_busy)      # elsewhere if busy and bound for docs/
+        png = os.path.splitext(written)[0] + '.png'
         drawn = write_png(png, lambda plt: plot(rows, plt))
-        print(f"\nwrote {args.output}" + (f" and {png}" if drawn else ''))
+        print(f"\nwrote {written}" + (f" and {png}" if drawn else ''))
     return 1 if any('error' in r for r in rows) else 0
 
 

@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 
+from .kinds import add_record_arguments, print_header, write_record
 from .load import run_record
 
 EXAMPLES = """examples:
@@ -26,12 +27,17 @@ LOADERS = ('imagefolder', 'shards', 'timm')
 def add_arguments(p):
     p.add_argument('--images', type=int, default=2000, help='generated JPEGs (2000)')
     p.add_argument('--workers', type=int, nargs='+', default=[1, 2], help='loader worker counts (1 2)')
-    p.add_argument('--batch-size', type=int, default=64)
-    p.add_argument('--img-size', type=int, default=224)
+    p.add_argument('--batch-size', type=int, default=64, help='images per loader batch (64)')
+    p.add_argument('--img-size', type=int, default=224,
+                   help="side of the training crops, and of the timed training step's input (224)")
     p.add_argument('--model', default='crate_tiny_patch16_224', help='the model whose training step is timed')
     p.add_argument('--step-batch', type=int, default=8, help='batch of the timed training step (8)')
+    p.add_argument('--threads', type=int, default=0,
+                   help="torch threads of this process: the timed training step and the main process's part of "
+                        "loading (0: torch's default); each loader worker is a process of one thread")
     p.add_argument('--folder', default=None, help='keep the generated images here (default: a temporary folder)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
+    add_record_arguments(p)
     p.add_argument('--up-front', type=int, default=0, metavar='N',
                    help='instead: time the up-front check of an image folder of N small JPEGs (160x120): '
                         'check=decode (the old default), header (first run, then cached) and none')
@@ -169,6 +175,11 @@ def run(args) -> int:
     from ..records import check_output_file
     if args.output:
         check_output_file(args.output, '--output')
+    if args.threads < 0:
+        raise UsageError(f'--threads {args.threads}: expected an integer >= 0 (0: torch\'s default)')
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.up_front:
         load_before = os.getloadavg()
         with tempfile.TemporaryDirectory(prefix='structformer-bench-data-') as tmp:
@@ -193,7 +204,7 @@ def run(args) -> int:
             generate_jpegs(os.path.join(folder, 'train'), args.images)
             generate_jpegs(os.path.join(folder, 'val'), 10, seed=1)          # a val/ split: all N images train
             print(f'generated {args.images} JPEGs in {time.perf_counter() - start:.1f} s', flush=True)
-        from ..data.wds import write_shards
+        from ..data.shard_writer import write_shards
         shard_dir = os.path.join(tmp, 'shards')
         shard_size = max(1, -(-args.images // (2 * max(args.workers))))     # at least one shard per worker
         info = write_shards(folder, shard_dir, shard_size, check='none')
@@ -226,13 +237,14 @@ def run(args) -> int:
     for dtype, rate in needs.items():
         print(f"{dtype}: the fastest loader row ({best['loader']}, {best['recipe']}, {best['workers']} workers) gives "
               f"{best['images_per_s'] / rate:.1f}x the images/s a training step consumes", flush=True)
-    result = {'feeds_training_step': feeds, 'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
+    from ..records import environment
+    env = environment('cpu')
+    print_header(env)
+    result = {'environment': env, 'feeds_training_step': feeds, 'images': args.images, 'batch_size': args.batch_size, 'img_size': args.img_size, 'rows': rows,
               'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
               'load_average_before': load_before, 'load_average_after': os.getloadavg(),
-              'cpu_count': os.cpu_count(), 'goal': 'our loaders >= 1.0x timm images/s with equal transforms',
+              'cpu_count': os.cpu_count(), 'threads': args.threads or None, 'goal': 'our loaders >= 1.0x timm images/s with equal transforms',
               'machine_load': run_record()}
     if args.output:
-        from ..records import write_json
-        write_json(args.output, result)
-        print(f'wrote {args.output}')
+        print(f'wrote {write_record(args.output, result, args.allow_busy)}')
     return 0

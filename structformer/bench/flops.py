@@ -76,6 +76,29 @@ def _component(path: str) -> Optional[str]:
     return None
 
 
+def forward_flops(model: nn.Module, sample: torch.Tensor):
+    """(FLOPs, the FlopCounterMode) of one forward of `sample` through a built `model` in eval mode, without
+    gradients. Fused softmax attention (SDPA) is invisible to FlopCounterMode on CPU, so attention layers are
+    switched to their explicit, mathematically identical path while counting (`fused` / timm's `fused_attn`)
+    and switched back afterwards; the model's train / eval mode is restored too."""
+    switched = []
+    for mod in model.modules():
+        for flag in ('fused', 'fused_attn'):
+            if getattr(mod, flag, None) is True:
+                setattr(mod, flag, False)
+                switched.append((mod, flag))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(sample)
+    finally:
+        for mod, flag in switched:
+            setattr(mod, flag, True)
+        model.train(was_training)
+    return counter.get_total_flops(), counter
+
+
 def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
     """Parameters and forward FLOPs of one image (a language model: one sequence of its context length)
     through a registered model (eval mode, CPU).
@@ -89,10 +112,6 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
     """
     import timm
     model = timm.create_model(name, **({'img_size': img_size} if img_size else {}), **kwargs).eval()
-    for mod in model.modules():
-        for flag in ('fused', 'fused_attn'):
-            if isinstance(getattr(mod, flag, None), bool):
-                setattr(mod, flag, False)
     cfg = timm.get_pretrained_cfg(name)
     chans, height, width = cfg.input_size if cfg else (3, 224, 224)
     chans = getattr(model, 'in_chans', chans)
@@ -104,9 +123,7 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
         sample = torch.zeros(1, width, dtype=torch.long)
     else:
         sample = torch.randn(1, chans, height, width)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(sample)
-    total = counter.get_total_flops()
+    total, counter = forward_flops(model, sample)
     breakdown = dict.fromkeys(COMPONENTS, 0)
     for key, ops in counter.get_flop_counts().items():
         path = key.split('.', 1)[1] if '.' in key else ''

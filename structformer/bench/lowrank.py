@@ -29,7 +29,8 @@ import sys
 
 from .harness import paired_ratios
 from .load import run_record
-from ..records import check_output_file, environment, write_json
+from ..records import check_output_file, environment
+from .kinds import add_record_arguments, goal_entry, print_header, verdict_line, write_record
 
 EXAMPLES = """examples:
   structformer bench lowrank                                   # the goals: 1024x4096 layer, ViT-S stack
@@ -93,6 +94,7 @@ def add_arguments(p):
     p.add_argument('--rounds', type=int, default=3, help='see --steps (3)')
     p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
+    add_record_arguments(p)
 
 
 def _check(args) -> None:
@@ -256,7 +258,9 @@ def run(args) -> int:
     env = environment('cpu')
     layer_rows = _measure(_layer_candidates(args), args, 'layer')
     stack_rows = _measure(_stack_candidates(args), args, 'stack') if args.depth else []
-    print(f"\n{env['cpu']}, {env['threads']} threads, torch {env['torch']}; training step = forward + backward "
+    print()
+    print_header(env)
+    print(f"{env['cpu']}, {env['threads']} threads, torch {env['torch']}; training step = forward + backward "
           f"(input grad included) + SGD momentum; speed-up: median of {args.rounds * args.steps} back-to-back rounds")
     _print(f"one layer {args.in_features} -> {args.out_features}, {args.tokens} tokens", layer_rows)
     if stack_rows:
@@ -270,8 +274,39 @@ def run(args) -> int:
             share = f" (over the dense {g['part']} on the same oneDNN kernels: {same:.2f}x)" if same else ''
             print(f"goal {g['part']}: rank {g['rank']} at least {g['target_speedup']:.1f}x faster than dense: "
                   f"measured {g['measured_speedup']:.2f}x, {'met' if g['met'] else 'NOT met'}{share}")
+    entries = kind_goals(layer_rows, stack_rows, args, env, run_record())
+    print('\n'.join(verdict_line(entry) for entry in entries))
     if args.output:
-        write_json(args.output, {'environment': env, 'args': {k: v for k, v in vars(args).items() if k != 'func'},
-                                 'layer': layer_rows, 'stack': stack_rows, 'goals': goals,
-                                 'machine_load': run_record()})
+        write_record(args.output, {'environment': env, 'args': {k: v for k, v in vars(args).items() if k != 'func'},
+                                   'layer': layer_rows, 'stack': stack_rows, 'goals': goals, 'kind_goals': entries,
+                                   'machine_load': run_record()}, args.allow_busy)
     return 0
+
+
+def kind_goals(layer_rows, stack_rows, args, env: dict, load) -> list:
+    """The two goals as `kinds.goal_entry`s (at the goal's 1024 -> 4096 layer on 4096 tokens; [] otherwise). Where
+    one is not met, `bound` says what the hardware leaves: the speed-up is the FLOP ratio × how fast the kernels
+    FactorizedLinear runs on are against nn.Linear's (the dense layer on them, measured here) × the factorised
+    products' efficiency against the dense GEMM's, and the last cannot exceed about 1."""
+    if (args.tokens, args.in_features, args.out_features) != (4096, 1024, 4096):
+        return []
+    entries = []
+    for part, rows in (('layer', layer_rows), ('stack', stack_rows)):
+        rank, target = GOALS[part]
+        match = [r for r in rows if r['rank'] == rank and not r['label'].startswith('two')
+                 and not r['label'].endswith('torch kernels')]
+        same = [r for r in rows if r['label'] == SAME_KERNELS[part]]
+        if not match:
+            continue
+        row, bound = match[0], ''
+        if same and row['speedup'] < target:
+            kernels = 1 / same[0]['step_s'] * rows[0]['step_s']          # dense on those kernels over nn.Linear
+            needed = target / (row['flop_ratio'] * kernels)
+            bound = (f"{row['flop_ratio']:.2f}× fewer FLOPs on kernels {kernels:.2f}× nn.Linear's: the goal needs the "
+                     f"factorised products at {needed:.0%} of the dense GEMM's efficiency"
+                     + (" (more than 100 %: it cannot hold here)" if needed > 1 else ''))
+        entries.append(goal_entry(f'lowrank_{part}', row['speedup'], [row['speedup_q1'], row['speedup_q3']],
+                                  env.get('threads'), f"rank {rank}, over the same kernels "
+                                  f"{row.get('speedup_same_kernels', float('nan')):.2f}×", bound,
+                                  busy=bool(load and load.get('busy'))))
+    return entries

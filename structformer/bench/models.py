@@ -22,7 +22,8 @@ import sys
 import time
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
-from ..records import check_output_file, environment, write_json
+from ..records import check_output_file, environment
+from .kinds import add_record_arguments, goal_entry, print_header, verdict_line, write_record
 from .load import row_flag, row_mark, row_record, run_record
 
 CANDIDATES = [
@@ -76,6 +77,7 @@ def add_arguments(p):
                    help='add one 224-px model per family (SOFT, Sparsifiner, factorised ViT-T; CRATE is CRATE-T) '
                         f'and, with --amp, judge each family\'s speed-up over float32 (goal >= {GOAL_AMP_SPEEDUP}x)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
+    add_record_arguments(p)
 
 
 def _key(label: str, dtype: str) -> str:
@@ -325,7 +327,9 @@ def run(args) -> int:
         paired_load = row_record(mark)
         print(f"paired: {args.pairs} rounds measured", file=sys.stderr, flush=True)
     env = environment('cpu')
-    print(f"\nbatch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
+    print()
+    print_header(env)
+    print(f"batch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
           f"{env['cpu']}, torch {env['torch']}")
     print("ratios: to ViT-T in the same mode and dtype (eager rows to eager ViT-T, compiled rows to compiled ViT-T)")
     width = max(24, *(len(r['label']) for r in rows))
@@ -358,6 +362,9 @@ def run(args) -> int:
     verdict = goal(rows)
     if verdict:
         print(verdict)
+    entries = kind_goals(rows, paired_load or run_record(), args.batch_size)
+    for entry in entries:
+        print(verdict_line(entry))
     families = _families(args)
     verdicts = amp_goals(rows, families, args.amp) if args.amp else []
     for v in verdicts:
@@ -365,13 +372,13 @@ def run(args) -> int:
     if args.families and not any(f[0] == 'mixer' for f in families):
         print("  (mixer family: no mixer is registered at 224 px (`structformer models`), so none was measured)")
     if args.output:
-        write_json(args.output, {'batch_size': args.batch_size, 'img_size': args.img_size, 'environment': env,
+        write_record(args.output, {'batch_size': args.batch_size, 'img_size': args.img_size, 'environment': env,
                                  'pairs': args.pairs, 'amp': args.amp, 'dtypes': dtypes,
                                  'families': [{'family': f, 'label': label, 'model': name, 'kwargs': kwargs,
                                                'transforms': transforms}
                                               for f, label, name, kwargs, transforms in families],
-                                 'rows': rows, 'goal': verdict, 'amp_goals': verdicts,
-                                 'paired_machine_load': paired_load, 'machine_load': run_record()})
+                                 'rows': rows, 'goal': verdict, 'amp_goals': verdicts, 'kind_goals': entries,
+                                 'paired_machine_load': paired_load, 'machine_load': run_record()}, args.allow_busy)
     return 0
 
 
@@ -410,6 +417,22 @@ def goal(rows) -> str:
     found = ", ".join(f"{value:.3f}× {mode}" for mode, value in measured.items())   # 0.896 is not 0.90
     return (f"goal: CRATE-T trains at >= {GOAL_RATIO}x ViT-T's speed (eager or compiled): "
             f"{'met' if best >= GOAL_RATIO else 'not met'} ({source}: {found})")
+
+
+def kind_goals(rows, load, batch_size: int) -> list:
+    """The CRATE-T goal as a `kinds.goal_entry` (float32; the best mode, paired where measured), [] where CRATE-T
+    or ViT-T was not measured."""
+    crate = [r for r in rows if r.get('dtype', 'float32') == 'float32' and r['model'] == CANDIDATES[1][1]
+             and r['kwargs'] == CANDIDATES[1][2] and not r.get('transforms')]
+    if not crate or not any(r['model'] == CANDIDATES[0][1] for r in rows):
+        return []
+    paired = all(r.get('paired_train') for r in crate)
+    value = lambda r: r['paired_train']['ratio'] if paired else r['train_ratio']       # noqa: E731
+    best = max(crate, key=value)
+    quartiles = [best['paired_train']['ratio_q1'], best['paired_train']['ratio_q3']] if paired else None
+    detail = f"{best['mode']}, {'paired' if paired else 'best-of-rounds'}, batch {batch_size}"
+    return [goal_entry('crate_vit', value(best), quartiles, best.get('threads'), detail,
+                       busy=bool(load and load.get('busy')))]
 
 
 def cpu_capability(dtype: str) -> dict:

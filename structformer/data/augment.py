@@ -4,9 +4,9 @@ random-resized-crop scale and ratio, flips and random erasing (timm.data.create_
 `Augmentation` is what `structformer train` asks of a dataset (its fields carry timm train.py's flag names);
 each dataset builder turns it into transforms for its own image form. The randomness of these transforms comes
 from Python's `random` (timm's crops, policies and erasing boxes), numpy's (AugMix's weights, RandAugment's op
-choice) and torch's (flips, colour jitter, erasing noise), all global; the engine seeds them per sample from
-(seed, epoch, position), so the augmentation of a sample does not depend on the worker that loads it
-(data/seeding.py).
+choice) and torch's (flips, colour jitter, erasing noise, torchvision's RandAugment for --aa tv-rand-...), all
+global; the engine seeds them per sample from (seed, epoch, position), so the augmentation of a sample does not
+depend on the worker that loads it (data/seeding.py).
 """
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Tuple
@@ -40,11 +40,46 @@ class Augmentation:
         return self != Augmentation()
 
 
+# torchvision's RandAugment, as the public CRATE finetune.py applies it (`transforms.RandAugment(2, 14)`):
+# 'tv-rand-n<N>-m<M>[-b<BINS>]', magnitude bin M of BINS (default 31, bins 0..30). timm's RandAugment scales
+# magnitudes to 10 and clamps above it, so timm's rand-m14-n2 is full strength where torchvision's bin 14 of 30
+# is 14/30 of each op's range; the public code's strength needs torchvision's transform itself.
+TORCHVISION_RAND = 'tv-rand'
+
+
+def torchvision_rand_augment_args(policy: str) -> Dict[str, int]:
+    """num_ops, magnitude, num_magnitude_bins of a 'tv-rand-n2-m14[-b31]' policy; ValueError otherwise."""
+    values = {'n': 2, 'm': 9, 'b': 31}
+    for part in policy[len(TORCHVISION_RAND):].split('-')[1:]:
+        key, number = part[:1], part[1:]
+        if key not in values or not number.isdigit():
+            raise ValueError(f'unknown section {part!r}')
+        values[key] = int(number)
+    if values['b'] < 2 or not 0 <= values['m'] < values['b'] or values['n'] < 1:
+        raise ValueError(f"needs n >= 1, b >= 2 and m in [0, b-1]; got n={values['n']}, m={values['m']}, "
+                         f"b={values['b']}")
+    return {'num_ops': values['n'], 'magnitude': values['m'], 'num_magnitude_bins': values['b']}
+
+
+def torchvision_rand_augment(policy: str):
+    """torchvision.transforms.RandAugment for a 'tv-rand-...' policy, with torchvision's defaults (nearest
+    interpolation, black fill), as `transforms.RandAugment(n, m)` in the public CRATE code."""
+    from torchvision import transforms as T
+    return T.RandAugment(**torchvision_rand_augment_args(policy))
+
+
 def check_auto_augment(policy: str) -> None:
-    """Refuse an auto-augment string timm cannot parse, naming --aa and the accepted forms (timm asserts
-    deep inside its parser otherwise)."""
+    """Refuse an auto-augment string timm (or, for 'tv-rand-...', torchvision's RandAugment) cannot take, naming
+    --aa and the accepted forms (timm asserts deep inside its parser otherwise)."""
     from timm.data.auto_augment import (augment_and_mix_transform, auto_augment_transform,
                                         rand_augment_transform)
+    if policy.startswith(TORCHVISION_RAND):
+        try:
+            torchvision_rand_augment_args(policy)
+        except ValueError as e:
+            raise UsageError(f"--aa={policy!r} is not a torchvision RandAugment policy ({e}): accepted "
+                             "tv-rand-n<N>-m<M>[-b<BINS>] (magnitude bin M of BINS, default 31)") from None
+        return
     hparams = {'translate_const': 10, 'img_mean': (124, 116, 104)}
     # timm skips a section without a number (e.g. the typo 'rand-m9-x'); every section it reads has one,
     # except RandAugment's transform list 't<NAME>'
@@ -63,7 +98,8 @@ def check_auto_augment(policy: str) -> None:
         reason = str(e) or type(e).__name__
         raise UsageError(f"--aa={policy!r} is not a timm augmentation policy ({reason}): accepted "
                          "rand-m<M>[-n<N>][-mstd<S>][-inc1] (RandAugment), original, originalr, v0, v0r, 3a "
-                         "(AutoAugment) or augmix-m<M>-w<W>-d<D>") from None
+                         "(AutoAugment), augmix-m<M>-w<W>-d<D> or tv-rand-n<N>-m<M> (torchvision's "
+                         "RandAugment)") from None
 
 
 # --data forms whose images the flags can augment, for the refusal of the others
@@ -148,6 +184,8 @@ def auto_augment_policy(policy: str, size: int, img_mean: Tuple[int, ...]):
                                         rand_augment_transform)
     hparams = {'translate_const': int(size * 0.45), 'img_mean': tuple(img_mean),
                'interpolation': Image.BILINEAR}
+    if policy.startswith(TORCHVISION_RAND):
+        return torchvision_rand_augment(policy)
     if policy.startswith('rand'):
         transform = rand_augment_transform(policy, hparams)
     elif policy.startswith('augmix'):
@@ -259,11 +297,21 @@ def timm_train_transform(img_size: int, aug: Augmentation, mean, std):
     """(transform, record): timm's create_transform training pipeline for PIL images with `aug`'s settings."""
     from timm.data import create_transform
     hflip = 0.5 if aug.hflip is None else aug.hflip
+    torchvision_policy = bool(aug.aa) and aug.aa.startswith(TORCHVISION_RAND)
     transform = create_transform(
-        img_size, is_training=True, auto_augment=aug.aa, re_prob=aug.reprob, re_mode=aug.remode,
-        re_count=aug.recount, scale=aug.scale, ratio=aug.ratio, hflip=hflip, mean=mean, std=std,
-        # timm jitters colour by 0.4 unless told otherwise; our --color-jitter default (None) means no jitter
-        color_jitter=aug.color_jitter)
+        img_size, is_training=True, auto_augment=None if torchvision_policy else aug.aa, re_prob=aug.reprob,
+        re_mode=aug.remode, re_count=aug.recount, scale=aug.scale, ratio=aug.ratio, hflip=hflip, mean=mean,
+        std=std,
+        # timm jitters colour by 0.4 unless told otherwise; our --color-jitter default (None) means no jitter;
+        # with a policy timm leaves colour jitter out, and so do we with torchvision's
+        color_jitter=None if torchvision_policy else aug.color_jitter)
+    if torchvision_policy:
+        # where timm puts its policy: after the crop and flip, before the tensor conversion (the public CRATE
+        # finetune.py's order: RandomResizedCrop, RandomHorizontalFlip, RandAugment, ToTensor, Normalize)
+        steps = list(transform.transforms)
+        at = next(i for i, t in enumerate(steps) if 'ToTensor' in type(t).__name__)
+        steps.insert(at, torchvision_rand_augment(aug.aa))
+        transform.transforms = steps
     allow_zero_bit_posterize(transform)
     return transform, record(aug, scale=aug.scale or (0.08, 1.0), ratio=aug.ratio or (3 / 4, 4 / 3), hflip=hflip,
                              color_jitter=_jitter_strength(aug),

@@ -15,7 +15,7 @@ from .text import build_pysource, build_text
 
 _BUILDERS = {'digits': build_digits, 'synthetic-subspaces': build_synthetic, 'pysource': build_pysource}
 _FOLDER_BUILDERS = {'mnist': build_mnist, 'cifar10': build_cifar10, 'imagefolder': build_imagefolder,
-                    'text': build_text, 'wds': 'wds', 'hfds': 'hfds'}
+                    'text': build_text, 'wds': 'wds', 'hfds': 'hfds', 'imagenet': 'imagenet'}
 
 
 def _builder(name: str):
@@ -26,6 +26,9 @@ def _builder(name: str):
     if name == 'hfds':
         from .hfds import build_hfds
         return build_hfds
+    if name == 'imagenet':
+        from .imagenet import build_imagenet
+        return build_imagenet
     return _FOLDER_BUILDERS[name]
 
 

@@ -9,12 +9,10 @@ import pickle
 import numpy as np
 import torch
 
+from .pixel_stats import CIFAR10_MEAN, CIFAR10_STD
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import split_datasets
 
-# Per-channel mean and std of the 50,000 training images, for pixels scaled to [0, 1].
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 TRAIN_FILES = tuple(f'data_batch_{i}' for i in range(1, 6))
 VAL_FILE = 'test_batch'
 CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')

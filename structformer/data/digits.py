@@ -6,12 +6,9 @@ no download: the project's demo and quick tests train on it.
 import numpy as np
 import torch
 
+from .pixel_stats import DIGITS_MEAN, DIGITS_STD
 from .spec import DatasetInfo, Option, resolve_options
 from .tensor import split_datasets, stratified_split
-
-# Mean and std of all 1,797 x 64 pixel values, in raw units (0..16): normalised pixels have mean 0, std 1.
-DIGITS_MEAN = 4.884164579855314
-DIGITS_STD = 6.016787548672236
 
 OPTIONS = {'augment': Option(bool, False, 'true or false')}
 

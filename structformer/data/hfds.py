@@ -114,6 +114,7 @@ def build_hfds(path, *, spec, seed, val_fraction, train_transform, eval_transfor
         name='hfds', num_classes=num_classes, in_chans=3, img_size=opts['img_size'], train_size=len(train),
         val_size=len(val), description=f'Hugging Face dataset {os.path.abspath(path)}: {num_classes} classes, '
                                        f'{split}, images at {opts["img_size"]}px',
-        extra={'path': path, 'classes': classes, 'mean': list(IMAGENET_DEFAULT_MEAN),
+        extra={'path': path, 'classes': classes, 'class_order': "the ClassLabel's names" if classes else None,
+               'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'augmentation': applied})

@@ -33,6 +33,10 @@ OPTIONS = {
                     "or 'none'", lambda v: v in ('header', 'decode', 'none')),
 }
 _SHOWN = 3        # unreadable files named in a message; the rest are counted
+# The class index of an image folder: torchvision's ImageFolder sorts the folder names by code point ('Bee', 'Zebra',
+# 'ant'); timm's folder reader sorts them without case ('ant', 'Bee', 'Zebra'). We keep torchvision's (earlier runs
+# used it) and record it with the names, so a run, its checkpoints and its exports say which index is which class.
+FOLDER_CLASS_ORDER = "torchvision's ImageFolder: folder names sorted by code point"
 
 
 class UnreadableImage(UsageError):
@@ -206,7 +210,8 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         name='imagefolder', num_classes=len(classes), in_chans=3, img_size=opts['img_size'],
         train_size=len(train), val_size=len(val),
         description=f'image folder {root}: {len(classes)} classes, {split}, images at {opts["img_size"]}px',
-        extra={'path': root, 'classes': list(classes), 'mean': list(IMAGENET_DEFAULT_MEAN),
+        extra={'path': root, 'classes': list(classes), 'class_order': FOLDER_CLASS_ORDER,
+               'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'skipped_images': skipped, 'augmentation': applied, 'check': check})
     if opts['bad_images'] == 'skip':

@@ -13,20 +13,14 @@ import zlib
 import numpy as np
 import torch
 
-from .spec import DatasetInfo, Option, check_folder, resolve_options
+from .pixel_stats import MNIST_MEAN, MNIST_STD
+from .spec import MNIST_HOWTO, DatasetInfo, Option, check_folder, resolve_options
 from .tensor import contiguous_split, split_datasets
 
-# The usual MNIST constants, for pixels scaled to [0, 1] (mean and std of the 60,000 training images).
-MNIST_MEAN = 0.1307
-MNIST_STD = 0.3081
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049
 _IDX_DTYPES = {0x08: '>u1', 0x09: '>i1', 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
 
 OPTIONS = {'augment': Option(bool, True, 'true or false')}
-# Said wherever an MNIST folder is missing: the data belongs to the user, nothing downloads at run time.
-MNIST_HOWTO = ('MNIST in IDX format is four files, train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, '
-               't10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz (yann.lecun.com/exdb/mnist or a mirror); or run '
-               'python -c "import torchvision; torchvision.datasets.MNIST(\'DIR\', download=True)" once and pass DIR')
 
 
 def _read_bytes(path: str) -> bytes:

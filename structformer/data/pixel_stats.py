@@ -9,9 +9,17 @@ has no 8-bit image form and no entry.
 """
 from typing import Any, Dict, Optional, Tuple
 
-from .cifar import CIFAR10_MEAN, CIFAR10_STD
-from .digits import DIGITS_MEAN, DIGITS_STD
-from .mnist import MNIST_MEAN, MNIST_STD
+# The datasets' own statistics live here, imported by their loaders (cifar, digits, mnist): this module imports
+# nothing of the package, so the models (models/base.py: pretrained_cfg) read it without reaching the loaders.
+# Per-channel mean and std of CIFAR-10's 50,000 training images, for pixels scaled to [0, 1].
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+# Mean and std of all 1,797 x 64 digits pixel values, in raw units (0..16): normalised pixels have mean 0, std 1.
+DIGITS_MEAN = 4.884164579855314
+DIGITS_STD = 6.016787548672236
+# The usual MNIST constants, for pixels scaled to [0, 1] (mean and std of the 60,000 training images).
+MNIST_MEAN = 0.1307
+MNIST_STD = 0.3081
 
 # timm's IMAGENET_DEFAULT_MEAN / _STD, written out: importing timm here would re-enter structformer.models (which
 # imports this module) through timm's model-registration hook when this module is the first one imported
@@ -24,11 +32,15 @@ PIXEL_STATS = {
     'cifar10': (tuple(CIFAR10_MEAN), tuple(CIFAR10_STD)),
     'imagefolder': (tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD)),
 }
+# shards, Hugging Face image datasets and ImageNet as downloaded go through the image folder's transforms
+for _name in ('wds', 'hfds', 'imagenet'):
+    PIXEL_STATS[_name] = PIXEL_STATS['imagefolder']
 
 
 # how the eval images reach the model: the tensor datasets are used at their own size (no resize, no crop);
 # image folders go through timm's default eval transform (resize to img_size / 0.875, centre crop)
-EVAL_GEOMETRY = {'imagefolder': {'crop_pct': 0.875, 'interpolation': 'bilinear'}}
+EVAL_GEOMETRY = {name: {'crop_pct': 0.875, 'interpolation': 'bilinear'} for name in ('imagefolder', 'wds', 'hfds',
+                                                                                      'imagenet')}
 TENSOR_GEOMETRY = {'crop_pct': 1.0, 'interpolation': 'nearest'}
 
 

@@ -28,18 +28,24 @@ class EpochOrder(Sampler):
     to the next one (and is passed on to a sampler that has it, e.g. DistributedSampler)."""
 
     def __init__(self, order: Sampler, limit: int = 0):
-        self.order, self.epoch, self.limit = order, 0, limit
+        self.order, self.epoch, self.limit, self.start = order, 0, limit, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         if hasattr(self.order, 'set_epoch'):
             self.order.set_epoch(epoch)
 
+    def resume_at(self, batches: int, batch_size: int) -> None:
+        """The next epoch starts after its first `batches` batches (a recovery point mid-epoch); 0: from the start.
+        The order and every sample's augmentation are those of the whole epoch, so the rest is as it was."""
+        self.start = batches * batch_size
+
     def __iter__(self) -> Iterator[Tuple[int, int, int]]:
         for position, index in enumerate(self.order):
             if self.limit and position >= self.limit:      # --limit-train-batches: no sample loaded in vain
                 return
-            yield self.epoch, position, int(index)
+            if position >= self.start:
+                yield self.epoch, position, int(index)
 
     def __len__(self) -> int:
         return min(len(self.order), self.limit) if self.limit else len(self.order)

@@ -10,7 +10,7 @@ from typing import Dict
 
 from ..errors import UsageError
 
-FOLLOWS_MODEL = ('imagefolder', 'wds', 'hfds', 'cifar10')
+FOLLOWS_MODEL = ('imagefolder', 'wds', 'hfds', 'imagenet', 'cifar10')
 
 
 def model_input_size(model: str, model_kwargs: Dict):

@@ -16,11 +16,17 @@ DATASET_FORMS: Dict[str, str] = {
                        'DIR/train-{000000..000146}.tar,DIR/validation-000000.tar, or DIR with _info.json; '
                        'streamed (docs/data.md)',
     'hfds:PATH': "a Hugging Face dataset written by datasets' save_to_disk (image + ClassLabel columns; extra 'hf')",
+    'imagenet:PATH': 'ILSVRC-2012 as downloaded: ILSVRC2012_img_train.tar (tar of class tars) or train/, the flat '
+                     "val/ (or ILSVRC2012_img_val.tar) labelled by the devkit or Kaggle's LOC_val_solution.csv",
     'pysource': "byte-level language modelling on the Python standard library's own .py files (offline); "
                 'options seq_len, max_bytes',
     'text:PATH': 'byte-level language modelling on a text file or a folder of .txt/.md/.rst/.py files',
 }
-_NEEDS_PATH = {'mnist', 'cifar10', 'imagefolder', 'text', 'wds', 'hfds'}
+# Said wherever an MNIST folder is missing: the data belongs to the user, nothing downloads at run time.
+MNIST_HOWTO = ('MNIST in IDX format is four files, train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, '
+               't10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz (yann.lecun.com/exdb/mnist or a mirror); or run '
+               'python -c "import torchvision; torchvision.datasets.MNIST(\'DIR\', download=True)" once and pass DIR')
+_NEEDS_PATH = {'mnist', 'cifar10', 'imagefolder', 'text', 'wds', 'hfds', 'imagenet'}
 _NO_PATH = {'digits', 'synthetic-subspaces', 'pysource'}
 
 
@@ -63,10 +69,7 @@ def parse_data_spec(spec: str) -> Tuple[str, Optional[str]]:
         return name, None
     if name in _NEEDS_PATH:
         if not path.strip():
-            hint = ''
-            if name == 'mnist':
-                from .mnist import MNIST_HOWTO
-                hint = f'. {MNIST_HOWTO}'
+            hint = f'. {MNIST_HOWTO}' if name == 'mnist' else ''
             raise ValueError(f'--data {spec!r}: {name!r} needs a folder, as {name}:PATH; '
                              f'accepted forms: {accepted_forms()}{hint}')
         return name, os.path.expanduser(path.strip())

@@ -1,18 +1,13 @@
-"""`--data wds:TRAIN_PATTERN[,VAL_PATTERN]` (or `wds:FOLDER` holding `_info.json`), and the shard writer
-behind `structformer data shard IMAGEFOLDER OUT --shard-size N`. Reading: shards.py; docs/data.md."""
-import json
+"""`--data wds:TRAIN_PATTERN[,VAL_PATTERN]` (or `wds:FOLDER` holding `_info.json`): the training stream
+(shards.py), the validation index (tars.py) and the hold-out. The writer is shard_writer.py; docs/data.md."""
 import os
-import shutil
-import tarfile
-import tempfile
-from typing import Dict, List, Optional
-
-import numpy as np
+from typing import List
 
 from ..errors import UsageError
 from .imagefolder import ReplaceUnreadable, image_transforms
-from .shards import (IMAGE_KEYS, IndexedShards, ShardStream, _local, _seed, check_shard, expand_shards, is_local,
-                     known_lengths, read_info, scan_shard, split_patterns)
+from .shards import ShardStream
+from .tars import (IndexedShards, ShardError, _local, _seed, check_shard, expand_shards, is_local, known_lengths,
+                   read_info, scan_shard, split_patterns)
 from .spec import DatasetInfo, Option, resolve_options
 
 OPTIONS = {
@@ -78,24 +73,33 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         print(f'--data {spec}: no validation pattern; {holdout}', flush=True)
     if any(not is_local(u) for u in (val_urls or urls)):
         raise UsageError(f'--data {spec!r}: validation shards must be local files (they are read by seeking)')
-    entries = []
+    entries, scans = [], {}
+    stated_val = known_lengths(val_urls, info) if val_urls else None
     for shard, url in enumerate(val_urls or urls):
-        for j, (offset, size, label) in enumerate(scan_shard(url)):
+        scans[url] = _scan(url, spec, opts['bad_images'], 'validation')
+        if stated_val and scans[url] is not None and len(scans[url]) != stated_val[shard]:
+            _damaged(spec, opts['bad_images'], f'validation shard {url} holds {len(scans[url])} samples; _info.json '
+                                               f'says {stated_val[shard]}')
+        for j, (offset, size, label) in enumerate(scans[url] or ()):
             if held_out is None or held_out(shard, j):
                 entries.append((url, offset, size, label))
     labels = [e[3] for e in entries]
     n_train = opts['train_samples']
-    lengths = known_lengths(urls, info) if held_out is None else None
+    lengths, lengths_from = (known_lengths(urls, info), '_info.json') if held_out is None else (None, '')
+    if held_out is not None:           # the scan above read every training shard's headers already
+        lengths = [sum(1 for j in range(len(scans[u] or ())) if not held_out(s, j)) for s, u in enumerate(urls)]
+        lengths_from = 'the header scan'
+        labels += [e[2] for s, u in enumerate(urls) for j, e in enumerate(scans[u] or ()) if not held_out(s, j)]
     if not n_train and lengths is not None:
         n_train = sum(lengths)
     if not n_train:
         if not all(is_local(u) for u in urls):
             raise UsageError(f'--data {spec!r}: remote training shards need --data-kwargs train_samples=N '
                              '(samples per epoch) or an _info.json beside them')
-        scanned = [[e[2] for j, e in enumerate(scan_shard(u)) if held_out is None or not held_out(s, j)]
-                   for s, u in enumerate(urls)]
-        n_train = sum(len(s) for s in scanned)
-        labels += [label for s in scanned for label in s]
+        scanned = [_scan(u, spec, opts['bad_images'], 'training') or [] for u in urls]
+        lengths, lengths_from = [len(s) for s in scanned], 'the header scan'
+        n_train = sum(lengths)
+        labels += [e[2] for s in scanned for e in s]
         print(f'--data {spec}: counted {n_train} training samples in the headers of {len(urls)} shards (pass '
               '--data-kwargs train_samples=N, or keep an _info.json beside the shards, to skip this)', flush=True)
     classes = info.get('classes')
@@ -107,7 +111,8 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         raise UsageError(f'--data {spec!r}: the validation split holds no sample')
     if n_train < 1:
         raise UsageError(f'--data {spec!r}: the training split holds no sample')
-    train = ShardStream(urls, n_train, train_tf, seed, spec, opts['shuffle_buffer'], opts['bad_images'], held_out)
+    train = ShardStream(urls, n_train, train_tf, seed, spec, opts['shuffle_buffer'], opts['bad_images'], held_out,
+                        lengths=lengths, lengths_from=lengths_from)
     val = IndexedShards(entries, eval_tf, spec)
     if opts['bad_images'] == 'skip':
         val = ReplaceUnreadable(val, spec)
@@ -116,10 +121,28 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         name='wds', num_classes=num_classes, in_chans=3, img_size=opts['img_size'], train_size=n_train,
         val_size=len(val), description=f'webdataset shards {path}: {num_classes} classes, {split}, '
                                        f'images at {opts["img_size"]}px',
-        extra={'path': path, 'classes': list(classes) if classes else None, 'mean': list(IMAGENET_DEFAULT_MEAN),
+        extra={'path': path, 'classes': list(classes) if classes else None, 'class_order': info.get('class_order'),
+               'class_descriptions': info.get('class_descriptions'), 'mean': list(IMAGENET_DEFAULT_MEAN),
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'augmentation': applied, 'train_shards': len(urls), 'holdout': holdout,
                'shuffle_buffer': opts['shuffle_buffer']})
+
+
+def _damaged(spec: str, bad_images: str, problem: str) -> None:
+    """A damaged shard found before training: one line (exit 2), or under bad_images=skip a line in the log."""
+    if bad_images != 'skip':
+        raise ShardError(f'--data {spec!r}: {problem}; pass --data-kwargs bad_images=skip to go on without what '
+                         'it lacks')
+    print(f'--data {spec}: {problem}; bad_images=skip: going on without what it lacks', flush=True)
+
+
+def _scan(url: str, spec: str, bad_images: str, role: str):
+    """scan_shard, or None for a damaged shard under bad_images=skip (named in the log)."""
+    try:
+        return scan_shard(url)
+    except ShardError as e:
+        _damaged(spec, bad_images, f'{role} {e}')
+        return None
 
 
 class _HeldOut:
@@ -131,111 +154,3 @@ class _HeldOut:
 
     def __call__(self, shard: int, j: int) -> bool:
         return _seed(self.seed, 1 << 30, shard, j) < self.threshold
-
-
-# ----------------------------------------------------------------------------- writing
-
-def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    """A regular file with fixed metadata, so the same folder gives the same bytes."""
-    import io
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = len(data), 0, 0o444, 0, 0, '', ''
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _image_bytes(path: str):
-    """(extension, bytes): the file as it is when its extension is an image key, else re-encoded as PNG."""
-    ext = os.path.splitext(path)[1].lower().lstrip('.')
-    if ext in IMAGE_KEYS:
-        with open(path, 'rb') as f:
-            return ext, f.read()
-    import io
-
-    from PIL import Image
-    with Image.open(path) as im:
-        out = io.BytesIO()
-        im.convert('RGB').save(out, 'PNG')
-    return 'png', out.getvalue()
-
-
-def _key(position: int, path: str) -> str:
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return f'{position:08d}_' + ''.join(c if c.isalnum() or c in '-_' else '_' for c in stem)
-
-
-def write_shards(folder: str, out: str, shard_size: int, seed: int = 0, check: str = 'header') -> Dict:
-    """Write the ImageFolder at `folder` as tar shards in `out` (which must not exist or be empty): a split per
-    train/ and val/ (or test/) folder, else one 'train' split; samples in a seeded random order (a shard then
-    holds many classes, which the stream's shard-level shuffle needs); images as their files' bytes; labels
-    ImageFolder's class indices; `_info.json` (timm's format, plus 'classes'). All or nothing: written into a
-    temporary sibling folder that is renamed at the end. Returns the info dict."""
-    from torchvision.datasets import ImageFolder
-
-    from .imagecheck import cached_check
-    from .imagefolder import _name_files
-    if not isinstance(shard_size, int) or shard_size < 1:
-        raise UsageError(f'--shard-size {shard_size!r}: expected an integer >= 1')
-    if not os.path.isdir(folder):
-        raise UsageError(f'IMAGEFOLDER {folder}: not a folder')
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UsageError(f'OUT {out}: exists and is not an empty folder; give a new folder')
-    val_dir = next((d for d in ('val', 'test') if os.path.isdir(os.path.join(folder, d))), None)
-    roots = ({'train': os.path.join(folder, 'train'), 'validation': os.path.join(folder, val_dir)}
-             if val_dir and os.path.isdir(os.path.join(folder, 'train')) else {'train': folder})
-    datasets = {}
-    for split, root in roots.items():
-        try:
-            datasets[split] = ImageFolder(root)
-        except FileNotFoundError as e:
-            raise UsageError(f'IMAGEFOLDER {root}: not an image folder: expected {root}/<class>/<image> ({e})') from None
-    classes = datasets['train'].classes
-    for split, ds in datasets.items():
-        if ds.classes != classes:
-            raise UsageError(f'IMAGEFOLDER {folder}: train/ and {val_dir}/ hold different class folders')
-        bad = cached_check([p for p, _ in ds.samples], check, f'IMAGEFOLDER {roots[split]}')
-        if bad:
-            raise UsageError(f'IMAGEFOLDER {roots[split]}: {len(bad)} of {len(ds.samples)} images cannot be read: '
-                             f'{_name_files(bad)}; fix or remove them')
-    from ..records import check_writable
-    check_writable(out, 'OUT')
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.shards-', dir=parent)
-    try:
-        info = {'name': os.path.basename(os.path.abspath(folder)), 'classes': list(classes), 'splits': {}}
-        for split, ds in datasets.items():
-            order = np.random.default_rng(seed).permutation(len(ds.samples)) if split == 'train' \
-                else np.arange(len(ds.samples))
-            names, lengths = [], []
-            for start in range(0, len(order), shard_size):
-                name = f'{split}-{len(names):06d}.tar'
-                with tarfile.open(os.path.join(tmp, name), 'w', format=tarfile.USTAR_FORMAT) as tar:
-                    for position in order[start:start + shard_size]:
-                        path, label = ds.samples[int(position)]
-                        key = _key(int(position), path)
-                        ext, data = _image_bytes(path)
-                        _member(tar, f'{key}.{ext}', data)
-                        _member(tar, f'{key}.cls', str(label).encode())
-                names.append(name)
-                lengths.append(len(order[start:start + shard_size]))
-            info['splits'][split] = {'name': split, 'num_samples': len(order), 'filenames': names,
-                                     'shard_lengths': lengths}
-        with open(os.path.join(tmp, '_info.json'), 'w') as f:
-            json.dump(info, f, indent=1)
-        if os.path.isdir(out):
-            os.rmdir(out)                   # empty (checked above)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return info
-
-
-def shard_patterns(out: str, info: Dict) -> str:
-    """The --data argument that reads what write_shards wrote."""
-    def pattern(split: Optional[Dict]):
-        n = len(split['filenames'])
-        name = split['name']
-        return os.path.join(out, f'{name}-000000.tar' if n == 1 else f'{name}-{{000000..{n - 1:06d}}}.tar')
-    val = next((info['splits'][s] for s in VAL_SPLITS if s in info['splits']), None)
-    return 'wds:' + pattern(info['splits']['train']) + (',' + pattern(val) if val else '')

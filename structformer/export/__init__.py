@@ -12,7 +12,6 @@ does not compile (docs/export.md).
 """
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict
 
@@ -37,14 +36,17 @@ def check_output(output, fmt: str, overwrite: bool) -> Path:
             raise UsageError(f"--output {output}: is a folder; --format {fmt} writes one file")
         if fmt == 'hf' and not out.is_dir():
             raise UsageError(f"--output {output}: is a file; --format hf writes a folder")
-    check_writable(out.absolute().parent, '--output')
+    check_writable(out.absolute().parent, '--output', shown=output)
     return out
 
 
 def _commit(tmp: Path, out: Path) -> None:
-    """Move the finished temporary output over `out` (a folder replaced whole, a file by one rename)."""
+    """Move the finished temporary output over `out` (a folder replaced whole, a file by one rename). A folder is
+    moved aside first (`OUT.old-PID-...`): if this process dies in between, the next run puts it back
+    (`atomic.prepare_output`)."""
+    from ..atomic import temporary_sibling
     if out.is_dir() and not out.is_symlink():
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + '.old-'))
+        old = temporary_sibling(out, directory=True, kind='old')
         os.replace(out, old / out.name)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
@@ -60,17 +62,13 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
     if fmt == 'onnx':
         from .graphs import require_onnx
         require_onnx(runtime=True)                           # before loading anything
-    from ..atomic import permissions_from_umask
+    from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
     from .source import load_source
     model, state = load_source(source)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    report = {'source': state['path'], 'model': state['model'], 'format': fmt, 'output': str(out.absolute())}
-    if fmt == 'hf':
-        tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=out.name + '.tmp-'))
-    else:
-        handle, name = tempfile.mkstemp(dir=out.absolute().parent, prefix=out.name + '.tmp-', suffix=SUFFIX[fmt])
-        os.close(handle)
-        tmp = Path(name)
+    report = {'source': state['path'], 'model': state['model'], 'format': fmt, 'output': str(out.absolute()),
+              'epoch': state.get('epoch'), 'notes': prepare_output(out, '--output') + state.get('notes', [])}
+    tmp = temporary_sibling(out, directory=fmt == 'hf', suffix=SUFFIX[fmt])
     try:
         report.update(_write(model, state, fmt, tmp, batch_size))
         for path in [tmp, *tmp.rglob('*')] if tmp.is_dir() else [tmp]:

@@ -2,6 +2,9 @@
 import argparse
 import json
 
+DESCRIPTION = ('Export a run or checkpoint: onnx and torch-export are checked against eager torch before they are '
+               'kept (docs/export.md).')
+
 EXAMPLES = """examples:
   structformer export outputs/demo --format onnx --output demo.onnx            # checked with ONNX Runtime
   structformer export outputs/demo --format torch-export --output demo.pt2     # torch.export.load(...)
@@ -31,6 +34,8 @@ def run(args) -> int:
         print(json.dumps(report))
         return 0
     print(f"{report['model']} ({report['source']}) -> {report['output']} [{report['format']}]")
+    for line in report.get('notes') or ():
+        print(f"  {line}")
     if 'max_relative_error' in report:
         print(f"checked against eager torch at batch sizes {report['batch_sizes_checked']}: max relative error "
               f"{report['max_relative_error']:.1e}")

@@ -1,7 +1,8 @@
 """`--format hf`: a folder in timm's Hugging Face layout, as `timm.models.push_to_hf_hub` uploads it.
 
     config.json         architecture, num_classes, num_features, global_pool, model_args, pretrained_cfg (timm's
-                        `save_config_for_hf`: the input size and normalisation the run trained with)
+                        `save_config_for_hf`: the input size and normalisation the run trained with), and
+                        label_names / label_descriptions: the class names of the run's data, in its order
     model.safetensors   the weights (timm's `save_for_hf`, safe serialisation only: no pickle)
     README.md           model card: model, data, recipe, metrics (the run's summary.json), paper (timm's
                         `generate_readme` layout)
@@ -135,6 +136,8 @@ def save_hf_folder(model: torch.nn.Module, state: Dict[str, Any], folder) -> Pat
                          "which timm's config.json cannot express (timm.create_model('local-dir:...') would build "
                          "the untransformed model); use --format onnx or --format torch-export")
     folder = Path(folder)
-    save_for_hf(model, folder, safe_serialization=True)
+    cfg = getattr(model, 'pretrained_cfg', None) or {}
+    labels = {key: cfg[key] for key in ('label_names', 'label_descriptions') if cfg.get(key)}
+    save_for_hf(model, folder, safe_serialization=True, model_config=labels or None)
     (folder / 'README.md').write_text(model_card(model, state, state['model']))
     return folder

@@ -1,10 +1,11 @@
 """What `structformer export` reads: a trained run, one of its checkpoints, or that checkpoint's files.
 
 Only safetensors and JSON are read (`train.checkpoint.load_model`); a pickle (`torch.save`'s .pth / .pt / .bin)
-is refused by its first bytes, whatever its name, because unpickling can run code.
+is refused by its first bytes, whatever its name, because unpickling can run code. The state returned carries
+`notes`: which epoch was taken, and whether the run is still training (its latest committed checkpoint then).
 """
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ..errors import UsageError
 
@@ -18,14 +19,38 @@ def _looks_pickled(path: Path) -> bool:
     return any(head.startswith(magic) for magic in _PICKLE_MAGIC)
 
 
+def _epoch_notes(source, state: Dict[str, Any]) -> List[str]:
+    """Which epoch of which run the checkpoint is, and whether that run is training now."""
+    from ..train.run_dir import training_now
+    checkpoint = Path(state['path'])
+    epoch = state.get('epoch')
+    total = (state.get('config') or {}).get('epochs')
+    of = f" of {total}" if isinstance(total, int) and total else ''
+    if checkpoint.parent.name != 'checkpoints':
+        return [f"took {checkpoint.name} (epoch {epoch}{of})"] if epoch is not None else []
+    run = checkpoint.parent.parent
+    if training_now(run):
+        return [f"SOURCE {source}: the run is still training (a train process holds {run}/.lock): took its latest "
+                f"committed checkpoint, {checkpoint.name} (epoch {epoch}{of}); export again when it has finished "
+                "for the final weights"]
+    finished = (run / 'summary.json').is_file()
+    return [f"took {checkpoint.name} (epoch {epoch}{of}" + ('' if finished or not of else
+                                                           ', the run stopped before its last epoch') + ')']
+
+
 def load_source(source) -> Tuple[Any, Dict[str, Any]]:
-    """(model in eval mode on the CPU, its checkpoint's state.json) from RUN (a `structformer train` output
-    folder: its latest checkpoint), a checkpoint folder, or its model.safetensors / state.json."""
-    from ..train.checkpoint import load_model
+    """(model in eval mode on the CPU, its checkpoint's state.json with `notes`) from RUN (a `structformer train`
+    output folder: its latest checkpoint), a checkpoint folder, or its model.safetensors / state.json."""
+    from ..atomic import describe_temporary
+    from ..train.checkpoint import CheckpointError, load_model
     path = Path(source)
     if not path.exists():
         raise UsageError(f"SOURCE {source}: does not exist; give a run folder from `structformer train`, a "
                          "checkpoint folder or its model.safetensors")
+    for part in (path, path.parent):
+        unfinished = describe_temporary(part)
+        if unfinished:
+            raise UsageError(f"SOURCE {source}: {unfinished}")
     if path.is_file() and path.name not in ('model.safetensors', 'state.json'):
         if _looks_pickled(path):
             raise UsageError(f"SOURCE {source}: is a pickle (torch.save); export reads safetensors checkpoints "
@@ -33,5 +58,13 @@ def load_source(source) -> Tuple[Any, Dict[str, Any]]:
                              "model.safetensors")
         raise UsageError(f"SOURCE {source}: is not a checkpoint file; give a run folder, a checkpoint folder or "
                          "its model.safetensors / state.json")
-    model, state = load_model(path)
+    try:
+        model, state = load_model(path)
+    except (CheckpointError, FileNotFoundError) as e:
+        # the loader's messages name eval's --checkpoint; export has SOURCE
+        message = str(e)
+        for flag in ('--checkpoint: ', '--checkpoint '):
+            message = message.replace(flag, '', 1) if message.startswith(flag) else message
+        raise UsageError(f"SOURCE {source}: {message}") from None
+    state['notes'] = _epoch_notes(source, state)
     return model.eval(), state

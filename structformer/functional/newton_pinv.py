@@ -55,6 +55,7 @@ from typing import Tuple, Union
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import autotune
 from .tracing import recording_graph
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -124,9 +125,20 @@ def _newton_schulz_host(a: torch.Tensor, num_iter: int) -> torch.Tensor:
     return out
 
 
+LOOPS = {'host': _newton_schulz_host, 'device': _newton_schulz_device}
+
+
 def _newton_schulz_batched(a: torch.Tensor, num_iter: int) -> torch.Tensor:
-    run = _newton_schulz_host if a.device.type == 'cpu' else _newton_schulz_device
-    return run(a, num_iter)
+    """The device loop off the CPU (a host sync would stall a GPU); on a CPU the loop this machine runs faster for
+    (matrix size, batch class, steps, dtype), timed once on these very matrices and cached (`autotune`, choice
+    'newton_loop'; both loops give the same X up to rounding, tested). Where nothing may be timed: the host loop,
+    which stops once every matrix has converged."""
+    if a.device.type != 'cpu':
+        return _newton_schulz_device(a, num_iter)
+    shape_class = (a.shape[-1], autotune.power_class(a.shape[0]), num_iter, str(a.dtype).replace('torch.', ''))
+    choice = autotune.decide('newton_loop', shape_class, 'host',
+                             lambda: {name: (lambda loop=loop: loop(a, num_iter)) for name, loop in LOOPS.items()})
+    return LOOPS[choice](a, num_iter)
 
 
 @torch.library.custom_op('structformer::newton_schulz', mutates_args=())

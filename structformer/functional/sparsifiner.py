@@ -3,7 +3,7 @@
 Shapes: q, k, v [B, H, n, d]; W_down, W_up [n_down, n] (one pair per layer, shared by the heads).
 
     A_down = softmax(Q (W_down K)ᵀ / √d)              Eq. 1   low-rank attention, [B, H, n, n_down]
-    Ã_down = A_down ⊙ 1[A_down > τ]                    Eq. 2   sparse coefficients
+    Ã_down = A_down ⊙ 1[A_down > τ]                    Eq. 2   sparse coefficients (or each row's top k: `coef_topk`)
     S      = Ã_down · (W_up ⊙ 1[|W_up| ≥ t])           Eq. 3   connectivity scores (the distillation target's shape)
     M      = 1[Top-B(S)] per query row                 Eq. 3   B = ⌈keep · n⌉ keys per query
     Ã      = softmax(QKᵀ/√d) restricted to M, X' = ÃV  Eq. 4–6
@@ -70,12 +70,25 @@ def low_rank_attention(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor,
 
 
 @computes_in_float32
-def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float) -> torch.Tensor:
-    """Eq. 2–3 before the top-k: Ã_down · W̃_up with coefficients ≤ τ and basis entries |w| < t set to zero
-    (the products keep their gradient through the entries that survive)."""
-    coefficients = _below_tau_zeroed(a_down, tau)
+def connectivity_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float,
+                        coef_topk: Optional[int] = None) -> torch.Tensor:
+    """Eq. 2–3 before the top-k: Ã_down · W̃_up with coefficients ≤ τ (or outside each row's `coef_topk` largest,
+    `sparse_coefficients`) and basis entries |w| < t set to zero (the products keep their gradient through the
+    entries that survive)."""
+    coefficients = sparse_coefficients(a_down, tau, coef_topk)
     basis = w_up * (w_up.abs() >= up_threshold)
     return coefficients @ basis
+
+
+def sparse_coefficients(a_down: torch.Tensor, tau: float, coef_topk: Optional[int] = None) -> torch.Tensor:
+    """Ã_down of Eq. 2: A_down's coefficients above τ, or with `coef_topk` each row's `coef_topk` largest (the
+    public code's `BASIS_COEF.USE_TOPK`, top 8 in its default config; τ is then not applied). The top k are those
+    at least the row's k-th largest value, so an exact tie at the k-th value keeps every tied coefficient (the
+    public code's `topk` keeps k of them, whichever its kernel returns); the gradient flows through the kept ones."""
+    if coef_topk is None:
+        return _below_tau_zeroed(a_down, tau)
+    kth = a_down.topk(min(coef_topk, a_down.shape[-1]), dim=-1).values[..., -1:]
+    return a_down * (a_down >= kth).to(a_down.dtype)
 
 
 def _below_tau_zeroed(a_down: torch.Tensor, tau: float) -> torch.Tensor:
@@ -243,30 +256,35 @@ def pooled_basis(w_up: torch.Tensor, up_threshold: float, block_size: int) -> to
 
 @computes_in_float32
 def pooled_block_scores(a_down: torch.Tensor, w_up: torch.Tensor, tau: float, up_threshold: float,
-                        block_size: int) -> torch.Tensor:
+                        block_size: int, coef_topk: Optional[int] = None) -> torch.Tensor:
     """Tile scores of the connectivity scores S = Ã_down · W̃_up (Eq. 2–3) without forming S: P_q S P_kᵀ over
     query tile I × key tile J is (mean over I of Ã_down's rows) · (P_k-pooling over J of W̃_up's columns),
     exactly, by linearity. [B, H, ⌈n/bs⌉, ⌈n/bs⌉] for 2·n_down·(n/bs)² multiply-adds instead of n_down·n². Full
     tiles are means; a partial last key tile is shrunk to a full tile's spread (`_key_tile_pooling`), as in
-    `block_mask_from_scores`. Two small GEMMs with the pooling matrices instead of pads and reshapes."""
-    coefficients = _below_tau_zeroed(a_down, tau)
+    `block_mask_from_scores`. Two small GEMMs with the pooling matrices instead of pads and reshapes. `coef_topk`:
+    `sparse_coefficients`."""
+    coefficients = sparse_coefficients(a_down, tau, coef_topk)
     pool_queries = _tile_pooling(a_down.shape[-2], block_size, a_down)
     return (pool_queries @ coefficients) @ pooled_basis(w_up, up_threshold, block_size)
 
 
 @computes_in_float32
 def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, tau: float,
-                    up_threshold: float, keep_ratio: float, block_size: int, kernel: bool = False) -> torch.Tensor:
+                    up_threshold: float, keep_ratio: float, block_size: int, kernel: bool = False,
+                    coef_topk: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
     """The block connectivity, without gradient: Eq. 1–3 on tile scores, then the top `tile_budget` key tiles of
     each query tile, [B, H, ⌈n/bs⌉, kept]. In torch ops (`pooled_block_scores`, `top_tiles`), or with
     `kernel=True` in one pass of the CPU kernel over the n × n_down coefficients (`tile_kernel.
-    block_connectivity`, inference; the same tiles, exact ties included, up to the rounding of near ties; tested)."""
+    block_connectivity`, inference; the same tiles, exact ties included, up to the rounding of near ties; tested).
+    The kernel thresholds the coefficients at τ: with `coef_topk` (`sparse_coefficients`) the torch ops run.
+    `scale`: of Eq. 1's logits (default 1/√d)."""
     with torch.no_grad():
-        if kernel:
+        if kernel and coef_topk is None:
             basis = pooled_basis(w_up, up_threshold, block_size)
-            return block_connectivity(q, down_projected_keys(k, w_down), basis, tau, block_size,
+            return block_connectivity(q, down_projected_keys(k, w_down, scale), basis, tau, block_size,
                                       tile_budget(k.shape[-2], block_size, keep_ratio))
-        tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, up_threshold, block_size)
+        tiles = pooled_block_scores(low_rank_attention(q, k, w_down, scale), w_up, tau, up_threshold, block_size,
+                                    coef_topk)
         return top_tiles(tiles, tile_budget(k.shape[-2], block_size, keep_ratio))
 
 
@@ -381,13 +399,15 @@ def _block_gathered_chunk(q, k, v, block_indices, block_size: int, scale: Option
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_down: torch.Tensor,
                            w_up: torch.Tensor, tau: float, up_threshold: float, keep_ratio: float,
                            block_size: int, dense_rows: int = 0, dropout_p: float = 0.0,
-                           impl: str = 'gather') -> torch.Tensor:
+                           impl: str = 'gather', coef_topk: Optional[int] = None,
+                           scale: Optional[float] = None) -> torch.Tensor:
     """Eq. 1–6 with block connectivity and no n×n tensor: low-rank attention (Eq. 1), tile-mean scores
     (Eq. 2–3, `pooled_block_scores`), the top `tile_budget` key tiles per query tile (detached, as the token
     mask is), then Eq. 4–6 on those tiles (`tile_attention`): `block_gathered_attention` (impl='gather', CPU and
     GPU), the CPU tile kernel (impl='kernel'; no dropout) or `block_flex_attention` (impl='flex', GPU;
-    no dropout). q, k here are the predictor's inputs too."""
-    block_indices = predicted_tiles(q, k, w_down, w_up, tau, up_threshold, keep_ratio, block_size, impl == 'kernel')
+    no dropout). q, k here are the predictor's inputs too; `coef_topk`, `scale`: the predictor's (`predicted_tiles`)."""
+    block_indices = predicted_tiles(q, k, w_down, w_up, tau, up_threshold, keep_ratio, block_size, impl == 'kernel',
+                                    coef_topk, scale)
     return tile_attention(q, k, v, block_indices, block_size, dense_rows, dropout_p, impl)
 
 
@@ -407,6 +427,37 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indi
     if impl != 'gather':
         raise ValueError(f"impl={impl!r}: accepted 'gather', 'flex' or 'kernel'")
     return block_gathered_attention(q, k, v, block_indices, block_size, dropout_p=dropout_p, dense_rows=dense_rows)
+
+
+def tile_shape_class(q: torch.Tensor, block_size: int, kept: int, dense_rows: int) -> tuple:
+    """What the tile kernel's and the gathered tiles' speeds depend on, for `autotune` (choice
+    'sparsifiner_tiles'): token class, tile size, kept tiles, heads, head width, dense rows, train / infer."""
+    from . import autotune
+    training = torch.is_grad_enabled() and q.requires_grad
+    return (autotune.size_class(q.shape[-2]), block_size, kept, q.shape[1], q.shape[-1], dense_rows,
+            'train' if training else 'infer')
+
+
+def tile_candidates(q: torch.Tensor, block_size: int, kept: int, dense_rows: int) -> dict:
+    """The tile kernel and the gathered tiles on one image's stand-in q, k, v (a qkv projection's head views, as
+    the layer has them) and random kept tiles, forward (+ backward where q needs a gradient); inputs from a
+    private generator."""
+    _, heads, n, d = q.shape
+    training = torch.is_grad_enabled() and q.requires_grad
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, n, 3, heads, d, generator=generator).to(q.dtype).requires_grad_(training)
+    q_s, k_s, v_s = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    tiles = -(-n // block_size)
+    indices = torch.rand(1, heads, tiles, tiles, generator=generator).argsort(-1)[..., :kept]
+
+    def run(attend):
+        def call():
+            out = attend(q_s, k_s, v_s, indices, block_size, dense_rows=dense_rows)
+            if training:
+                qkv.grad = None
+                out.sum().backward()
+        return call
+    return {'kernel': run(block_tile_attention), 'gather': run(block_gathered_attention)}
 
 
 # ---- pruned sequences (EViT token pruning combined, ours): per-sample bases for the tokens left ----

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..layers.attention.mssa import MSSA
 from ..functional.tracing import checked_images
+from ..layers.linear.tuned import TunedLinear
 from ..layers.mlp.ista import ISTA
 from ._registry import register_model
 from .base import (CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model,
@@ -43,7 +44,7 @@ class CratePatchEmbed(nn.Module):
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         patch_dim = in_chans * ph * pw
         self.norm_in = nn.LayerNorm(patch_dim)
-        self.proj = nn.Linear(patch_dim, embed_dim)
+        self.proj = TunedLinear(patch_dim, embed_dim)          # nn.Linear on this machine's fastest GEMM
         self.norm_out = nn.LayerNorm(embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,7 @@ class ModelRecipe:
 
 
 def _registered(name: str) -> None:
-    import timm
-
-    import structformer.models  # noqa: F401  (registers our models)
+    import timm          # our models are registered: this module's package (models/__init__.py) ran first
     if not isinstance(name, str) or not timm.is_model(name):
         close = timm.list_models(f'*{str(name).split("_")[0]}*')[:8]
         raise ValueError(f"--model {name!r} is not a registered model"

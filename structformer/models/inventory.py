@@ -14,3 +14,22 @@ def model_inventory(names: List[str]) -> List[Dict]:
         rows.append({'name': name, 'params': sum(p.numel() for p in model.parameters()),
                      'input_size': list(cfg.input_size) if cfg else None})
     return rows
+
+
+def effective_parameter_count(model: torch.nn.Module) -> int:
+    """Trainable weights a model really has: every parameter once, except that a masked layer (a module with a
+    boolean `mask` buffer the shape of its `weight`, such as SW-MLP's MaskedLinear) counts only the weights its
+    mask keeps; entries off the mask are zero and get no gradient. On the meta device the mask has no values, so
+    its expected share (`density`) is counted instead."""
+    seen, total = set(), 0.0
+    for module in model.modules():
+        mask = getattr(module, 'mask', None)
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if name == 'weight' and isinstance(mask, torch.Tensor) and mask.shape == param.shape:
+                total += param.numel() * float(module.density) if mask.is_meta else int(mask.sum())
+            else:
+                total += param.numel()
+    return int(round(total))

@@ -42,7 +42,7 @@ def sparsify(model: nn.Module, keep_ratio: float = 0.25, **options) -> nn.Module
     (the modules themselves move across, so the dense weights are kept exactly) and a fresh
     connectivity predictor (`swap_attention`). `options` are SparsifinerAttention's (n_down, tau,
     up_threshold, predictor_dim, dense_cls_row, connectivity, block_size, impl, up_basis, stage1,
-    predictor_bias, basis_init). At keep_ratio=1 every key
+    predictor_bias, basis_init, coef_topk, predictor_scale). At keep_ratio=1 every key
     is kept and the model computes what it computed before."""
     try:
         return swap_attention(model, 'sparsifiner', keep_ratio=keep_ratio, **options)
@@ -88,7 +88,8 @@ default_cfgs = generate_default_cfgs({
 })
 
 _LAYER_OPTIONS = ('keep_ratio', 'keys_per_query', 'n_down', 'tau', 'up_threshold', 'predictor_dim', 'dense_cls_row',
-                  'connectivity', 'block_size', 'impl', 'up_basis', 'stage1', 'predictor_bias', 'basis_init')
+                  'connectivity', 'block_size', 'impl', 'up_basis', 'stage1', 'predictor_bias', 'basis_init',
+                  'coef_topk', 'predictor_scale')
 
 
 _DIGITS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4)

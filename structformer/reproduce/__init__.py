@@ -3,6 +3,7 @@
 Each module offers `add_arguments(parser)` and `run(args) -> int` for `structformer reproduce NAME`.
 """
 from pathlib import Path
+from typing import Tuple
 
 
 def mnist_spec(data: str) -> str:
@@ -10,10 +11,21 @@ def mnist_spec(data: str) -> str:
     or not given (the data belongs to the user: no default path)."""
     from ..errors import UsageError
     if not data:
-        from ..data.mnist import MNIST_HOWTO
+        from ..data.spec import MNIST_HOWTO
         raise UsageError(f'--data PATH is required: a folder of MNIST IDX files. {MNIST_HOWTO}')
     folder = Path(data)
     if not folder.is_dir():
         raise FileNotFoundError(f"--data {data}: no such folder (resolved to {folder.resolve()}); "
                                 "point it at a folder holding the MNIST IDX files, e.g. t10k-images-idx3-ubyte.gz")
     return f'mnist:{folder}'
+
+
+def start(args) -> Tuple[str, Path]:
+    """A reproduction's first steps once its arguments are checked: our models registered with timm, torch's
+    thread count from --threads (0: torch's own), and its data (`mnist_spec`) and output folder."""
+    import torch
+
+    import structformer  # noqa: F401  (registers the models)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return mnist_spec(args.data), Path(args.output)

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-from . import mnist_spec
+from . import start
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -107,15 +107,11 @@ def _verdict(layers_trained: List[Dict], layers_init: List[Dict]) -> Dict:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    spec, output = start(args)
     import torch
-    import structformer  # noqa: F401  (registers the models)
-    from ..analysis.cli import load_samples
-    from ..train import TrainConfig, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = mnist_spec(args.data)
-    output = Path(args.output)
+    from ..analysis.samples import load_samples
+    from ..train import TrainConfig, train
     run_dir = output / 'run'
     recipe = _recipe(args)
     if _finished(run_dir, recipe):

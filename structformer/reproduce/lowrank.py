@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-from ..records import environment, write_json, write_png, write_text
+from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
 
 EXAMPLES = """examples:
@@ -75,7 +75,7 @@ def _check(args) -> None:
     if args.interpolate_steps < 2:
         raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
     if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
-        from ..data.mnist import MNIST_HOWTO
+        from ..data.spec import MNIST_HOWTO
         raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files; or run --parts lm)" if args.data
                          else f"--data PATH is required for the vision part (or run --parts lm). {MNIST_HOWTO}")
 
@@ -186,7 +186,8 @@ def _tables(results: List[Dict], curves: Dict, heading: str = '##') -> str:
             continue
         label = 'held-out top-1 (%)' if part == 'vision' else 'held-out perplexity (bytes)'
         base = by[(part, 'dense')]
-        lines += [f"{part}: `{base['model']}` on `{base['data']}`, {base['epochs']} epochs of "
+        data = base['data'].partition(':')[0]       # the data set, not the folder it was read from
+        lines += [f"{part}: `{base['model']}` on `{data}`, {base['epochs']} epochs of "
                   f"{base['limit_train_batches'] or 'all'} batches of {base['batch_size']}, one seed per row.", '']
         lines += [f'{heading} {part}: initialisation ({label}; dense baseline {fmt.format(base[metric])})', '',
                   '| rank | He | spectral | spectral ones |', '|---|---|---|---|']
@@ -229,20 +230,14 @@ def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
                 pts = sorted((r['rank'], r[metric]) for r in rows if r['group'] == 'init' and r['init'] == init)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=init)
             ax.axhline(base[metric], color='k', ls='--', label='dense')
-            ax.set_xlabel('rank (fraction)')
-            ax.set_ylabel(metric)
-            ax.set_title(f'{part}: initialisation')
-            ax.legend(fontsize=7)
+            label_axes(ax, 'rank (fraction)', metric, f'{part}: initialisation', legend_size=7)
             ax = axes[row][1]
             for r in rows:
                 if r['group'] in ('decay', 'init') and r.get('init') == 'spectral' and \
                         any(d['rank'] == r['rank'] for d in rows if d['group'] == 'decay'):
                     ax.plot([c['epoch'] for c in r['curve']], [c['effective_rank_mean'] for c in r['curve']],
                             marker='o', label=f"r={r['rank']:g} {r.get('decay', 'l2')}")
-            ax.set_xlabel('epoch')
-            ax.set_ylabel('mean effective rank')
-            ax.set_title(f'{part}: Frobenius decay vs L2')
-            ax.legend(fontsize=7)
+            label_axes(ax, 'epoch', 'mean effective rank', f'{part}: Frobenius decay vs L2', legend_size=7)
             ax = axes[row][2]
             for r in rows:
                 if r['group'] == 'baseline' or (r['group'] == 'pretrain') or \
@@ -251,10 +246,7 @@ def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
                         continue
                     ax.plot([c['epoch'] for c in r['curve']], [c['val_loss'] for c in r['curve']], marker='o',
                             label=r['name'])
-            ax.set_xlabel('epoch')
-            ax.set_ylabel('held-out loss')
-            ax.set_title(f'{part}: pre-training (Fig. 1)')
-            ax.legend(fontsize=7)
+            label_axes(ax, 'epoch', 'held-out loss', f'{part}: pre-training (Fig. 1)', legend_size=7)
         fig.tight_layout()
         return fig
     write_png(out / 'lowrank.png', draw)
@@ -269,10 +261,8 @@ def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
                 for label, run in (('L2', l2), ('Frobenius decay', fd)):
                     s = run['spectra'][layer]
                     ax.semilogy(range(1, len(s) + 1), [v / s[0] for v in s], label=label)
-                ax.set_xlabel('index')
-                ax.set_ylabel('σ_i / σ_1')
-                ax.set_title(f"{fd['part']} r={fd['rank']:g}: {layer}", fontsize=8)
-                ax.legend(fontsize=7)
+                label_axes(ax, 'index', 'σ_i / σ_1', f"{fd['part']} r={fd['rank']:g}: {layer}", legend_size=7,
+                           title_size=8)
             fig.tight_layout()
             return fig
         write_png(out / 'spectra.png', draw_spectra)
@@ -282,10 +272,8 @@ def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
             for ax, (part, c) in zip(axes[0], sorted(curves.items())):
                 for label in ('pretrained', 'from scratch'):
                     ax.plot([p['t'] for p in c[label]], [p['loss'] for p in c[label]], marker='o', label=label)
-                ax.set_xlabel('t (0: dense baseline, 1: low-rank run)')
-                ax.set_ylabel('held-out loss')
-                ax.set_title(f"{part}: interpolation at rank {c['rank']:g} (Fig. 2)")
-                ax.legend(fontsize=7)
+                label_axes(ax, 't (0: dense baseline, 1: low-rank run)', 'held-out loss',
+                           f"{part}: interpolation at rank {c['rank']:g} (Fig. 2)", legend_size=7)
             fig.tight_layout()
             return fig
         write_png(out / 'interpolation.png', draw_interp)

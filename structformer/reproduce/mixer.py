@@ -18,20 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from . import mnist_spec
-from ..records import environment, write_json, write_png, write_text
+from . import mnist_spec, start
+from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
   structformer reproduce mixer --data /data/mnist                                # the whole study (~15 min)
   structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
-from ..design_cli import OMEGA_MAX_LOG2, parse_omega  # noqa: E402,F401  (the --omega type, shared with `design`)
+from ..cli_args import parse_omega  # noqa: E402  (the --omega type, shared with `design`)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -216,11 +215,10 @@ def _plots(rows: List[Dict], spectra: List[Dict], args, out: Path) -> List[str]:
                 ax.fill_between(xs, [table[x][1] for x in xs], [table[x][2] for x in xs], alpha=0.15)
             if key != 'depth':
                 ax.set_xscale('log', base=2)
-            ax.set_xlabel({'width': 'effective width m', 'channels': 'C (S from fixed Ω)', 'depth': 'blocks L'}[key])
-            ax.set_ylabel('held-out error %')
-            ax.set_title({'width': f'Fig. 5 analogue, Ω = {args.omega}', 'channels': f'Fig. 6 analogue, Ω = {args.omega}',
-                          'depth': 'Fig. 7 analogue, S = C = C*'}[key])
-            ax.legend(fontsize=8)
+            label_axes(ax, {'width': 'effective width m', 'channels': 'C (S from fixed Ω)', 'depth': 'blocks L'}[key],
+                       'held-out error %',
+                       {'width': f'Fig. 5 analogue, Ω = {args.omega}', 'channels': f'Fig. 6 analogue, Ω = {args.omega}',
+                        'depth': 'Fig. 7 analogue, S = C = C*'}[key], legend_size=8)
             fig.tight_layout()
             return fig
         return draw
@@ -274,14 +272,9 @@ def run(args: argparse.Namespace) -> int:
         args.omega = saved['omega']
         return _finish(saved, args, Path(args.output))
     _check(args)
-    import torch
-
-    import structformer  # noqa: F401  (registers the models)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    spec, out = start(args)
     from ..analysis.mixer_spectra import init_spectrum_sweep
     from ..train import TrainConfig, train
-    out = Path(args.output)
     recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
                   weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 5),
                   label_smoothing=0.0, val_fraction=0.2, limit_train_batches=args.limit_train_batches)
@@ -294,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     runs = plan(args)
     for i, r in enumerate(runs):
         run_dir = out / 'runs' / _run_name(r)
-        result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=f'mnist:{args.data}',
+        result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=spec,
                                    output=str(run_dir), seed=r['seed'], keep_last=1, **recipe),
                        progress=False, overwrite=True)
         summary = json.loads((Path(result.output) / 'summary.json').read_text())

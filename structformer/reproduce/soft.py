@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Dict, List
 from . import mnist_spec
 from ..bench.harness import PeakMemory, median_seconds, saved_tensor_bytes
 from ..records import environment, write_json, write_text
-from ..cli import ParseKwargs
+from ..cli_args import ParseKwargs
 from ..errors import UsageError
 
 if TYPE_CHECKING:

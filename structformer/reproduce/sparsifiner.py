@@ -30,8 +30,8 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import mnist_spec
-from ..records import environment, write_json, write_png, write_text
+from . import start
+from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
   structformer reproduce sparsifiner --threads 1                        # the study (about 65 min at 1 thread)
@@ -188,9 +188,8 @@ def _plot(rows: List[Dict], path: Path) -> bool:
             pts = sorted((r['mhsa_mflops'], r['top1']) for r in rows if r['kind'] == kind)
             if pts:
                 ax.plot(*zip(*pts), marker=marker, label=kind, linestyle='-' if len(pts) > 1 else 'none')
-        ax.set_xlabel('MHSA MFLOPs per image (sparse count)')
-        ax.set_ylabel('held-out top-1 (%)')
-        ax.set_title('Sparsifiner vs Linformer on MNIST (vit_mnist backbone)')
+        label_axes(ax, 'MHSA MFLOPs per image (sparse count)', 'held-out top-1 (%)',
+                   'Sparsifiner vs Linformer on MNIST (vit_mnist backbone)')
         ax.grid(alpha=0.3)
         ax.legend()
         return fig
@@ -199,14 +198,10 @@ def _plot(rows: List[Dict], path: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    spec, output = start(args)
     import torch
-    import structformer  # noqa: F401  (registers the models)
-    from ..train.checkpoint import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = mnist_spec(args.data)
-    output = Path(args.output)
+    from ..train.checkpoint import load_model
     teacher_dir = output / 'teacher'
     teacher_config = dict(_common(args), model='vit_mnist', epochs=args.teacher_epochs, lr=args.lr)
     teacher_summary = _train(teacher_config, teacher_dir, spec)

@@ -3,7 +3,9 @@
 Layout of one checkpoint directory:
     model.safetensors        model weights
     train_state.safetensors  optimiser tensors and the torch RNG state (absent in weights-only saves)
-    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG
+    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, and the
+                             environment that wrote it (`records.environment`: torch, threads, CPU kind,
+                             the kernel choices made: `functional.autotune`)
 A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest.
 Loading never executes code: safetensors and JSON only.
 """
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import permissions_from_umask, write_text_atomically
+from ..records import environment
 from ..weights.mismatch import describe_mismatch  # noqa: F401  (re-exported: the engine reads it here)
 
 FORMAT_VERSION = 1
@@ -115,7 +118,7 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
         weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / 'model.safetensors'))
         crash_point(f'{directory.name}:weights')
-        state = dict(state, format_version=FORMAT_VERSION)
+        state = dict(state, format_version=FORMAT_VERSION, environment=environment(device_of(model)))
         train_tensors: Dict[str, torch.Tensor] = {}
         if optimizer is not None:
             opt_tensors, state['optimizer'] = _flatten_optimizer(optimizer.state_dict())
@@ -140,6 +143,13 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
     return directory
 
 
+def device_of(model: torch.nn.Module) -> str:
+    """The device of the model's first parameter or buffer ('cpu' for a model with neither)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return str(tensor.device)
+    return 'cpu'
+
+
 def _json_default(value):
     if isinstance(value, (np.integer, np.floating)):
         return value.item()
@@ -157,9 +167,13 @@ def mark_latest(run_checkpoints: Path, directory: Path) -> None:
 
 def resolve_checkpoint(path) -> Path:
     """Accept a checkpoint directory, its model.safetensors, a run directory or its checkpoints/ folder."""
+    from ..atomic import describe_temporary
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    unfinished = describe_temporary(path) or (describe_temporary(path.parent) if path.is_file() else '')
+    if unfinished:                                      # an interrupted writer's temporary is never an output
+        raise CheckpointError(f"--checkpoint: {path} {unfinished}")
     if path.is_file():
         if path.name not in ('model.safetensors', 'state.json'):
             raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "
@@ -272,8 +286,10 @@ def _load_average(directory: Path) -> Dict[str, torch.Tensor]:
 def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> None:
     """Put the input size and normalisation the model was trained with into its `pretrained_cfg` (timm's
     `resolve_data_config` reads them from there), replacing the registry's defaults: a timm model trained
-    on MNIST must not be fed ImageNet statistics by timm's transforms. Data without an image form
-    (synthetic subspaces, text) leaves the config as it is."""
+    on MNIST must not be fed ImageNet statistics by timm's transforms. The class names, where the data has
+    them, become timm's `label_names` (and `label_descriptions`), which `export --format hf` writes and
+    timm's `local-dir:` loading reads back. Data without an image form (synthetic subspaces, text) leaves the
+    config as it is."""
     from ..data.pixel_stats import eval_data_config
     data_cfg = eval_data_config(data_info.get('name', ''))
     if data_cfg is None or not data_info.get('img_size') or not data_info.get('in_chans'):
@@ -282,6 +298,15 @@ def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> N
     cfg = dict(getattr(model, 'pretrained_cfg', None) or {})
     cfg.update(data_cfg, num_classes=data_info.get('num_classes', cfg.get('num_classes')),
                input_size=(data_info['in_chans'], *((size, size) if isinstance(size, int) else size)))
+    classes = data_info.get('classes')
+    if classes and len(classes) == cfg.get('num_classes'):     # timm's names for the classifier's outputs
+        cfg['label_names'] = list(classes)
+        descriptions = data_info.get('class_descriptions')
+        if descriptions and len(descriptions) == len(classes):
+            cfg['label_descriptions'] = dict(zip(classes, descriptions))
+    else:
+        cfg.pop('label_names', None)
+        cfg.pop('label_descriptions', None)
     model.pretrained_cfg = cfg
     model.default_cfg = cfg                     # timm's older alias of the same dict
 

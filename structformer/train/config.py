@@ -6,17 +6,12 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
-
-import yaml
+from typing import Any, Dict, List, Optional
 
 from ..errors import UsageError
+from .config_checks import PHASE_SETTING_KEYS, SCHEDULES, validate_controls, validate_phase_settings, validate_schedule
+from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name, read_yaml_mapping
 
-# configuration keys whose command-line flag is not --key-with-dashes; 'phases' exists only in config files
-_FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transforms': '--transform',
-          'batch_size': '-b/--batch-size', 'phases': None, 'recipe': '--recipe',
-          'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None}
 
 
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
@@ -25,16 +20,6 @@ FLOAT32_MAX = 3.4028234663852886e38
 # data-loader worker processes: more than this only forks processes that wait on each other (and a typo such
 # as 100000 would fork until the machine stops); the ceiling grows with the machine
 MAX_WORKERS = max(32, 2 * (os.cpu_count() or 1))
-
-
-def flag_name(key: str) -> Optional[str]:
-    """The train flag that sets configuration key `key` (None where only a config file can)."""
-    return _FLAGS.get(key, '--' + key.replace('_', '-'))
-
-
-def _describe(key: str) -> str:
-    flag = flag_name(key)
-    return f"{key} ({flag})" if flag else key
 
 
 @dataclass
@@ -60,11 +45,28 @@ class TrainConfig:
     # True decays every parameter, as the official CRATE recipe does
     decay_everything: bool = False
     momentum: float = 0.9
+    # timm train.py's --opt-betas / --opt-eps (None: the optimiser's own defaults) and --layer-decay (layer-wise lr
+    # decay over the model's group_matcher groups: timm's param_groups_layer_decay, lr x layer_decay^(depth - i))
+    opt_betas: Optional[List[float]] = None
+    opt_eps: Optional[float] = None
+    layer_decay: Optional[float] = None
+    # timm's schedulers (create_scheduler_v2), stepped per optimiser step: cosine, step (x decay_rate every
+    # decay_epochs), multistep (x decay_rate at each of decay_milestones) or none (constant); each after a linear
+    # warm-up of warmup_epochs from warmup_lr
     sched: str = 'cosine'
+    decay_epochs: float = 90.0
+    decay_milestones: List[int] = field(default_factory=lambda: [90, 180, 270])
+    decay_rate: float = 0.1
+    # the last cooldown_epochs of `epochs` at min_lr (timm train.py adds them after --epochs; here --epochs
+    # counts them, so phases, checkpoints and resume see one epoch count)
+    cooldown_epochs: int = 0
     # None: fitted to the run, min(2, epochs / 10), so a short run never fails on a default it did not set
     warmup_epochs: Optional[float] = None
     # None: 1e-6, or lr when that is lower (an explicit value above lr is refused)
     warmup_lr: Optional[float] = None
+    # timm's --warmup-prefix: the warm-up comes before the schedule, which then runs over the epochs after it
+    # (default: the warm-up overlaps the schedule's first epochs, timm's default)
+    warmup_prefix: bool = False
     min_lr: Optional[float] = None
     label_smoothing: float = 0.1
     clip_grad: Optional[float] = None
@@ -72,7 +74,19 @@ class TrainConfig:
     output: Optional[str] = None
     keep_last: int = 2
     save_every: int = 0
+    # also keep the checkpoint with the best val top-1 whatever keep_last says
+    keep_best: bool = False
+    # at the end, average the weights of the last N epochs' checkpoints (timm's avg_checkpoints idea) into
+    # checkpoints/average_last_N, evaluated and recorded in summary.json; 0 = off
+    avg_last: int = 0
+    # a recovery point every N optimiser steps inside an epoch, the newest kept (train/recovery.py); 0: none
+    recovery_interval: int = 0
     phases: List[Dict[str, Any]] = field(default_factory=list)
+    # per-phase optimiser and schedule, by phase name (PHASE_SETTING_KEYS; --phase-settings NAME KEY=VALUE): a phase named here
+    # gets a fresh optimiser and its own schedule over its own epochs, e.g. Sparsifiner's public stages
+    # {predictor: {lr: 3.0e-4, min_lr: 2.0e-4, warmup_epochs: 3, warmup_lr: 0}, joint: {lr: 8.0e-5, ...}};
+    # a phase's lr scales with the effective batch as --lr-base does
+    phase_settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     limit_train_batches: int = 0
     # data-loader worker processes; None: one per core (at most 8) for images decoded from files, 0 in memory
     num_workers: Optional[int] = None
@@ -108,6 +122,13 @@ class TrainConfig:
     # where to train: auto (CUDA when present, the local rank's GPU under torchrun), cpu, cuda, cuda:N
     device: str = 'auto'
     channels_last: bool = False
+    # activation checkpointing in the model's blocks (its set_grad_checkpointing), SyncBatchNorm under DDP
+    grad_checkpointing: bool = False
+    sync_bn: bool = False
+    # timm's BinaryCrossEntropy in place of cross-entropy (with Mixup / CutMix's soft targets too), as timm's
+    # --bce-loss; bce_target_thresh binarises soft targets at that threshold
+    bce_loss: bool = False
+    bce_target_thresh: Optional[float] = None
     # data augmentation (timm's transforms, data/augment.py); None leaves a dataset's own default
     aa: Optional[str] = None
     reprob: float = 0.0
@@ -159,6 +180,9 @@ class TrainConfig:
     teacher_pretrained: bool = False
     # what the run was started from (`structformer train --recipe NAME`), for the record
     recipe: Optional[str] = None
+    # --recipe with a model that is neither the recipe's nor one its rows train (about.models) nor a registered
+    # shrink of its family (train/recipes.py): refused unless this is set
+    allow_other_model: bool = False
     # the data set's size where the data is not at hand (a recipe's dry run), e.g. ImageNet-1k's 1,281,167
     dataset_size: Optional[int] = None
 
@@ -195,18 +219,28 @@ class TrainConfig:
             ('val_fraction', 0 < self.val_fraction < 1, 'in (0, 1)'),
             ('keep_last', self.keep_last >= 1, '>= 1'),
             ('save_every', self.save_every >= 0, '>= 0'),
+            ('recovery_interval', self.recovery_interval >= 0, '>= 0 (optimiser steps; 0 = none)'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
             ('num_workers', self.num_workers is None or 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
-            ('sched', self.sched in ('cosine', 'none'), "'cosine' or 'none'"),
+            ('sched', self.sched in SCHEDULES, "'cosine', 'step', 'multistep' or 'none'"),
+            ('keep_best', isinstance(self.keep_best, bool), 'true or false'),
+            ('avg_last', 0 <= self.avg_last <= self.epochs, f'in [0, epochs={self.epochs}] (0 = off)'),
         ]
         for name, ok, accepted in checks:
             if not ok:
                 raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
+        if self.avg_last > self.keep_last:
+            raise UsageError(f"--avg-last {self.avg_last} averages the last {self.avg_last} epochs' checkpoints, but "
+                             f"--keep-last {self.keep_last} keeps only {self.keep_last}: give --keep-last "
+                             f"{self.avg_last} or more")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
         self._validate_lowrank()
         self._validate_distillation()
         self._validate_paper_scale()
+        self._validate_schedule(self.schedule_values(), '')
+        self._validate_controls()
+        self._validate_phase_settings()
         if self.compile is not None:
             import torch._dynamo        # only when asked: validating a config needs no torch otherwise
             backends = torch._dynamo.list_backends(exclude_tags=())
@@ -327,6 +361,39 @@ class TrainConfig:
         if not (device in ('auto', 'cpu', 'cuda') or (device.startswith('cuda:') and device[5:].isdigit())):
             raise UsageError(f"--device={device!r}: accepted auto, cpu, cuda or cuda:N")
 
+    def _validate_schedule(self, values: Dict[str, Any], where: str) -> None:
+        validate_schedule(values, where)
+
+    def _validate_controls(self) -> None:
+        validate_controls(self)
+
+    def _validate_phase_settings(self) -> None:
+        validate_phase_settings(self)
+
+    def schedule_values(self, phase: Optional[str] = None, epochs: Optional[int] = None) -> Dict[str, Any]:
+        """The optimiser and schedule settings (PHASE_SETTING_KEYS, plus `epochs`) of the run, or of phase `phase`
+        over its `epochs`: its `phase_settings` over the run's values. `lr` is as written (lr_base where the run
+        gives that): the peak is lr x `lr_scale(world)`. Unset warm-up, warm-up start and floor are resolved as
+        the run's are (min(2, epochs / 10) epochs; 1e-6, or lr if lower)."""
+        own = dict(self.phase_settings.get(phase, {})) if phase is not None else {}
+        values = {key: getattr(self, key) for key in PHASE_SETTING_KEYS}
+        values['lr'] = self.lr if self.lr_base is None else self.lr_base
+        values.update(own)
+        values['epochs'] = self.epochs if epochs is None else epochs
+        if values['warmup_epochs'] is None:
+            values['warmup_epochs'] = min(2.0, values['epochs'] / 10)
+        for key in ('warmup_lr', 'min_lr'):
+            if values[key] is None:
+                values[key] = min(DEFAULT_FLOOR_LR, values['lr'])
+        return values
+
+    def lr_scale(self, world_size: int = 1) -> float:
+        """The factor --lr-base's scaling gives the written lr at this effective batch (1 without --lr-base): the
+        run's peak is lr_base x it, a phase's written lr is scaled by it too."""
+        if self.lr_base is None:
+            return 1.0
+        return self.resolved_lr(world_size) / self.lr_base
+
     def effective_batch(self, world_size: int = 1) -> int:
         """Images per optimiser step over every process: per-process batch x accumulation x processes."""
         return self.batch_size * self.grad_accum_steps * world_size
@@ -368,60 +435,6 @@ class TrainConfig:
         return cls(**check_values(values, source))
 
 
-_KIND_WORDS = {int: 'an integer', float: 'a number', str: 'a string', bool: 'true or false',
-               dict: 'a mapping of key: value', list: 'a list'}
-
-
-def _coerce(value, kind: type):
-    """`value` as `kind`, or raise TypeError where the conversion would be a guess."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError
-    if isinstance(value, bool):                    # True is an int in Python; never take it as a number
-        raise TypeError
-    if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            value = value.strip()
-            try:
-                return int(value)
-            except ValueError:
-                value = float(value)               # '1e3': ValueError (-> refused) unless a number
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise TypeError
-    if kind is float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):                 # YAML 1.1 reads `lr: 1e-3` as the string '1e-3'
-            number = float(value.strip())
-            if math.isnan(number):
-                raise TypeError
-            return number
-        raise TypeError
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError
-    if kind in (dict, list):
-        if isinstance(value, kind):
-            return value
-        raise TypeError
-    return value
-
-
-def _field_kind(annotation) -> Tuple[type, bool]:
-    """(the base type, whether None is allowed) of a dataclass field's annotation."""
-    optional = False
-    if typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        optional, annotation = True, args[0]
-    origin = typing.get_origin(annotation) or annotation
-    return origin, optional
-
-
 def check_values(values: Dict[str, Any], source: str = 'configuration') -> Dict[str, Any]:
     """Keys and types of configuration `values` checked against TrainConfig; see `TrainConfig.from_dict`."""
     if not isinstance(values, dict):
@@ -451,36 +464,14 @@ def load_config_file(path) -> Dict[str, Any]:
     problem -- a missing, unreadable or non-file path, bad YAML, an unknown key, a wrong type -- is a
     UsageError naming -c/--config, the file and the key."""
     where = f"-c/--config {path}"
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"{where}: no such file")
-    if path.is_dir():
-        raise UsageError(f"{where}: is a folder; expected a YAML file such as a run's config.yaml")
-    if not path.is_file():
-        raise UsageError(f"{where}: not a regular file")
-    try:
-        text = path.read_text(encoding='utf-8')
-    except PermissionError:
-        raise UsageError(f"{where}: cannot be read (permission denied)") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{where}: not a text file (expected YAML)") from None
-    except OSError as e:
-        raise UsageError(f"{where}: cannot be read ({e.strerror or e})") from None
-    try:
-        values = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, 'problem_mark', None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ''
-        problem = getattr(e, 'problem', None) or str(e).splitlines()[0]
-        raise UsageError(f"{where}: not valid YAML{at}: {problem}") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise UsageError(f"{where}: expected a mapping of key: value (e.g. 'epochs: 10'); "
-                         f"got a YAML {type(values).__name__}")
-    return check_values(values, where)
+    return check_values(read_yaml_mapping(path, where), where)
 
 
 def save_config(config: TrainConfig, path) -> None:
+    """`config` as YAML at `path`, atomically."""
+    from pathlib import Path
+
+    import yaml
+
     from ..atomic import write_text_atomically
     write_text_atomically(Path(path), yaml.safe_dump(config.to_dict(), sort_keys=False))

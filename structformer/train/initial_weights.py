@@ -3,15 +3,16 @@ optimiser and schedule.
 
 Accepted: a structformer run or checkpoint folder, a folder in timm's local-dir layout (`structformer convert`,
 `export --format hf`: config.json + model.safetensors), a `.safetensors` file, or a weights-only `.pth` / `.pt` / `.bin`
-(read with `torch.load(weights_only=True)`: loading never runs code). The weights are adapted to the model as timm
-adapts pretrained weights: a classifier of another size is left at its fresh initialisation, the first layer's
+(read by `structformer.weights.torch_file`: `torch.load(weights_only=True)` with an allow-list of plain data, so
+loading never runs code; a trainer's checkpoint gives its model or EMA weights, as its own evaluation takes them).
+The weights are adapted to the model as timm adapts pretrained weights: a classifier of another size is left at its fresh initialisation, the first layer's
 input channels are folded or repeated (`timm.models._manipulate.adapt_input_conv`), an absolute position
 embedding of another grid is resampled (`timm.layers.resample_abs_pos_embed`): the family filters of
 `structformer.weights.filters`, which timm's `pretrained=True` uses too. Every adaptation is reported;
 any other key that is missing, unexpected or of another shape is refused by name, never silently dropped.
 """
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -20,14 +21,24 @@ from ..errors import UsageError
 FLAG = '--initial-checkpoint'
 
 
-def read_weights(path, flag: str = FLAG) -> Dict[str, torch.Tensor]:
-    """The tensors of a run / checkpoint folder, a safetensors file or a weights-only torch file."""
+def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
+                 notes: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
+    """The tensors of a run / checkpoint folder, a safetensors file or a weights-only torch file (a trainer's
+    checkpoint: its model or EMA weights, `kind` 'model' / 'ema' or the source's default; which were taken is
+    appended to `notes`). A temporary of an interrupted writer is refused, never read as weights."""
+    from ..atomic import describe_temporary
     from .checkpoint import CheckpointError, load_checkpoint
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{flag} {path}: does not exist")
+    unfinished = describe_temporary(path)
+    if unfinished:
+        raise UsageError(f"{flag} {path}: {unfinished}")
     if path.is_dir() and not (path / 'state.json').exists() and (path / 'model.safetensors').is_file():
         path = path / 'model.safetensors'           # timm's local-dir layout (config.json + model.safetensors)
+    if kind == 'ema' and (path.is_dir() or path.suffix == '.safetensors'):
+        raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
+                         "chosen in a trainer's torch checkpoint")
     if path.is_dir() or (path.name in ('model.safetensors', 'state.json') and (path.parent / 'state.json').exists()):
         try:
             weights, _, _ = load_checkpoint(path)
@@ -41,18 +52,11 @@ def read_weights(path, flag: str = FLAG) -> Dict[str, torch.Tensor]:
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     if path.suffix in ('.pth', '.pt', '.bin', '.tar'):                # .pth.tar: timm's train.py
-        try:
-            loaded = torch.load(str(path), map_location='cpu', weights_only=True)
-        except Exception as e:                      # a pickle with code in it, or a damaged file
-            raise UsageError(f"{flag} {path}: not a weights-only torch file ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        for key in ('state_dict', 'model', 'state_dict_ema'):       # common wrappers of training scripts
-            if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
-                loaded = loaded[key]
-                break
-        if not isinstance(loaded, dict) or not all(torch.is_tensor(v) for v in loaded.values()):
-            raise UsageError(f"{flag} {path}: holds no mapping of names to tensors")
-        return {k[len('module.'):] if k.startswith('module.') else k: v for k, v in loaded.items()}
+        from ..weights.torch_file import load_torch_file, trainer_weights
+        weights, note = trainer_weights(load_torch_file(path, flag), flag, path, kind)
+        if note and notes is not None:
+            notes.append(note)
+        return weights
     raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
                      ".pth / .pt / .bin / .pth.tar")
 
@@ -70,9 +74,10 @@ def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag
     return done
 
 
-def load_initial_weights(model: torch.nn.Module, path, flag: str = FLAG) -> List[str]:
-    """Load `path` into `model` as --initial-checkpoint / --pretrained-path do; returns the adaptations made."""
-    weights = read_weights(path, flag)
+def load_initial_weights(model: torch.nn.Module, path, flag: str = FLAG, notes: Optional[List[str]] = None) -> List[str]:
+    """Load `path` into `model` as --initial-checkpoint / --pretrained-path do; returns the adaptations made (and
+    appends to `notes` which weights of a trainer's checkpoint were taken)."""
+    weights = read_weights(path, flag, notes=notes)
     done = adapt_weights(model, weights, flag, path)
     model.load_state_dict(weights, strict=False)      # complete but for a lazy basis left to its own shape
     return done
@@ -135,7 +140,7 @@ def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
     import timm
 
     from ..models.factory import build_model
-    kwargs = {}
+    kwargs, taken = {}, []
     if Path(spec).exists():
         folder_cfg = Path(spec) / 'config.json'
         if folder_cfg.is_file():
@@ -151,7 +156,7 @@ def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
                              "teacher's run directory or a registered model name with --teacher-pretrained")
         teacher, _ = build_model(name, {k: v for k, v in kwargs.items() if k not in ('num_classes', 'in_chans')},
                                  data_info)
-        done = load_initial_weights(teacher, spec, '--teacher')
+        done = load_initial_weights(teacher, spec, '--teacher', taken)
     elif timm.is_model(spec):
         if not config.teacher_pretrained:
             raise UsageError(f"--teacher {spec}: an untrained teacher teaches nothing; add --teacher-pretrained "
@@ -165,8 +170,9 @@ def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
     if wrong:
         raise UsageError(f"--teacher {spec}: its classifier does not fit the data ({wrong[0]}); a teacher must be "
                          "trained for the same classes")
-    if done:
-        print(f"--teacher {spec}: weights loaded" + ''.join(f"\n  adapted {line}" for line in done), flush=True)
+    if done or taken:
+        print(f"--teacher {spec}: weights loaded" + ''.join(f"\n  {line}" for line in taken)
+              + ''.join(f"\n  adapted {line}" for line in done), flush=True)
     for param in teacher.parameters():
         param.requires_grad_(False)
     return teacher.eval()

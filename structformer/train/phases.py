@@ -41,7 +41,10 @@ def cross_entropy_term(ctx: LossContext) -> torch.Tensor:
     """Cross-entropy with label smoothing (the recipes of CRATE and SOFT both smooth by 0.1); per token
     for a language model's logits [B, T, V] with targets [B, T]. Soft targets [B, classes] (Mixup / CutMix,
     train/mixing.py) already hold the smoothing, as timm's Mixup folds it in: they take timm's
-    SoftTargetCrossEntropy."""
+    SoftTargetCrossEntropy. With --bce-loss (`extras['bce']`), timm's BinaryCrossEntropy on either kind of target."""
+    bce = ctx.extras.get('bce')
+    if bce is not None:               # --bce-loss: timm's BinaryCrossEntropy (hard or mixed targets; smoothing its own)
+        return bce(ctx.logits, ctx.targets)
     if ctx.targets.is_floating_point():
         from timm.loss import SoftTargetCrossEntropy
         return SoftTargetCrossEntropy()(ctx.logits, ctx.targets)

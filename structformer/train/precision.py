@@ -7,6 +7,7 @@ saved with the checkpoint so a resumed run scales as the uninterrupted one); bfl
 range and needs none, as in timm's train.py.
 """
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional
 
@@ -92,3 +93,31 @@ class Precision:
     def load_state(self, state: Optional[Dict]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+# torch's ways of saying an op has no kernel for a low-precision dtype: '"cholesky_cpu" not implemented for
+# 'BFloat16'', 'logdet: Low precision dtypes not supported. Got BFloat16', 'linalg.pinv(BFloat16{[4, 4]}): expected
+# a tensor with 2 or more dimensions of float, double, cfloat or cdouble types'
+_LOW_PRECISION = (re.compile(r'"(?P<op>[\w.]+)" not implemented for \'(?P<dtype>BFloat16|Half)\''),
+                  re.compile(r'(?P<op>[\w.]+): Low precision dtypes not supported\. Got (?P<dtype>BFloat16|Half)'),
+                  re.compile(r'(?P<op>[\w.]+)\((?P<dtype>BFloat16|Half)\{.*expected a tensor .*of float, double'))
+
+
+def low_precision_failure(error: BaseException, precision: Optional[Precision]):
+    """A UsageError of one line for `error` when it is torch refusing an op in autocast's low precision (no
+    bfloat16 / float16 kernel: linear algebra such as logdet, cholesky, svd, qr, eigh, inv, pinv); else None.
+    The fix belongs to the op's caller: run that op in float32 (autocast off, inputs .float()), as structformer's
+    own ops do (docs/precision.md), or train without --amp."""
+    if precision is None or precision.dtype is None:
+        return None
+    text = str(error)
+    for pattern in _LOW_PRECISION:
+        match = pattern.search(text)
+        if match:
+            dtype = 'bfloat16' if match.group('dtype') == 'BFloat16' else 'float16'
+            op = re.sub(r'_(cpu|cuda)$', '', match.group('op'))        # cholesky_cpu: the kernel of cholesky
+            return UsageError(f"--amp: torch has no {dtype} kernel for {op} on {precision.device.type}, "
+                              f"and the model runs it under autocast in {dtype}; run that op in float32 (inside "
+                              f"torch.autocast('{precision.device.type}', enabled=False), inputs .float(); see "
+                              "docs/precision.md) or train without --amp")
+    return None

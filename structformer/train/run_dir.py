@@ -73,8 +73,9 @@ def reconcile(output: Path) -> Optional[Path]:
     returned (None if there is none)."""
     output = Path(output)
     ckpt_dir = output / 'checkpoints'
+    from .recovery import prune as prune_recovery, recovery_points
     for aside in output.glob('.replaced-*'):           # an --overwrite that was interrupted
-        if any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)):
+        if any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)) or recovery_points(ckpt_dir):
             discard_aside(aside)                        # ... after the new run's first trained epoch
         else:
             restore_aside(output, aside)                # ... before it: the old run comes back
@@ -88,6 +89,8 @@ def reconcile(output: Path) -> Optional[Path]:
     newest = checkpoints[-1]
     mark_latest(ckpt_dir, newest)
     epoch = int(newest.name.split('_')[1])
+    points = recovery_points(ckpt_dir)                  # the newest inside a later epoch is kept, to resume from
+    prune_recovery(ckpt_dir, keep=points[-1] if points else None, completed_epochs=epoch)
     by_epoch: Dict[int, Dict] = {}
     for record in read_metrics(output / 'metrics.jsonl'):
         if 1 <= record['epoch'] <= epoch:
@@ -269,3 +272,27 @@ class RunLock:
             # that is no longer the one the next process opens
             os.close(self.fd)
             self.fd = None
+
+
+def training_now(run: Path) -> Optional[bool]:
+    """Whether a `train` process holds RUN's lock now (it is still training into RUN): True / False, or None where
+    it cannot be told (no fcntl, no lock file that this process may open, a file system without locks). Reading
+    never blocks and never takes the lock from the trainer (a shared lock tried and released at once)."""
+    try:
+        import fcntl
+    except ImportError:                                  # pragma: no cover - not POSIX
+        return None
+    path = Path(run) / RunLock.NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None if path.exists() else False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)                                     # closing releases a lock taken here
+    return False

@@ -5,9 +5,15 @@ timm's ViT / DeiT weights) into our models, written as a folder that `eval --che
 Each source is a table of key rules (regex -> our key, and how the tensor changes), written from the public code's
 module structure (Ma-Lab-Berkeley/CRATE `model/crate.py`, fudan-zvg/SOFT `models/softmax_free_*.py`,
 lim142857/Sparsifiner `src/models/sparsifiner.py`); no code of theirs is imported. A key no rule takes, or one of
-ours no key fills, is named (the first few and the count) and refused; the only exceptions are said in the report:
-Sparsifiner's predictor when the source has none (timm's DeiT: freshly initialised), and the biases of the public
-Sparsifiner's predictor projections, which our predictor does not have.
+ours no key fills, is named (the first few and the count) and refused; the only exception is said in the report:
+Sparsifiner's predictor when a timm ViT / DeiT (`--from timm`) has none (freshly initialised). A Sparsifiner
+checkpoint whose predictor lacks a weight is refused by name, and so is a `--from sparsifiner-official` file
+with no predictor at all (a plain DeiT: `--from timm`).
+
+`settings(source, state)` lists the constructor arguments a conversion fixes, each with its reason: those the
+checkpoint's shapes fix (classes, the predictor's n_down and channels) and, for the public Sparsifiner, the three
+choices of its code that are options of ours (`PUBLIC_SETTINGS`), so the converted model keeps the keys the public
+code keeps.
 """
 import re
 from typing import Callable, Dict, List, Optional, Tuple
@@ -15,9 +21,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError
-from .cli import SOURCES
+from . import SOURCES
 
-__all__ = ['SOURCES', 'convert_state_dict', 'infer_model_kwargs']
+__all__ = ['SOURCES', 'PUBLIC_SETTINGS', 'convert_state_dict', 'infer_model_kwargs', 'settings']
 
 Tensor = torch.Tensor
 Rule = Tuple[str, str, Optional[Callable[[Tensor], Tensor]]]
@@ -108,7 +114,28 @@ SPARSIFINER_RULES: List[Rule] = [
 ]
 
 
-def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Tensor], used: set) -> None:
+# the public code's choices that are options of ours: its src/models/sparsifiner.py (MaskPredictor) and the config
+# its README trains with (experiments-results-analysis/experiments/sparsifiner_default_config.yaml)
+PUBLIC_SETTINGS = {'sparsifiner-official': (
+    ('coef_topk', 8, "the public config keeps each row's top 8 coefficients (BASIS_COEF.USE_TOPK, TOPK 8) instead of "
+                     "Eq. 2's threshold tau"),
+    ('predictor_scale', 'heads', "the public MaskPredictor scales its logits by num_heads^-1/2 "
+                                 "(qk_scale or num_heads ** -0.5), not 1/sqrt(d)"),
+    ('up_threshold', 0.02, "the public config's BASIS_THRESHOLD 2e-2 on |W_up| (ours 1e-2)"),
+    ('keep_ratio', 0.25, "the public config's ATTN_KEEP_RATE 0.25 (the checkpoint does not record it)"),
+)}
+
+
+def _public_predictor_name(key: str) -> str:
+    """Our predictor key -> the public checkpoint's (SPARSIFINER_RULES backwards), for messages."""
+    for ours, theirs in (('predictor_q.', 'mask_predictor.proj_c_q.'), ('predictor_k.', 'mask_predictor.proj_c_k.')):
+        if ours in key:
+            return key.replace(ours, theirs)
+    return key.replace('basis.w_down', 'mask_predictor.proj_n').replace('basis.w_up', 'mask_predictor.proj_back_n')
+
+
+def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Tensor], used: set,
+                 origins: Optional[Dict[str, str]] = None) -> None:
     for key, value in state.items():
         if key in used:
             continue
@@ -118,14 +145,23 @@ def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Te
                 name = target(m) if callable(target) else m.expand(target)
                 done[name] = change(value) if change else value
                 used.add(key)
+                if origins is not None:
+                    origins[name] = key
                 break
 
 
-def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Module) -> Tuple[Dict[str, Tensor], List[str]]:
+def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Module,
+                       shapes_must_fit: bool = False) -> Tuple[Dict[str, Tensor], List[str]]:
     """`state` in `source`'s layout -> our keys for `model`, and the notes of what was not a plain copy. Unknown keys
-    and keys of ours left unfilled are a UsageError naming them."""
+    and keys of ours left unfilled are a UsageError naming them. `shapes_must_fit` (convert, which builds the
+    checkpoint's own architecture; timm's loader adapts shapes afterwards instead): a tensor of another shape than
+    the model's is refused first, naming the first one in the model's order and both shapes."""
     if source not in SOURCES:
         raise UsageError(f"--from {source!r}: accepted {', '.join(SOURCES)}")
+    if source == 'sparsifiner-official' and not any('.mask_predictor.' in k for k in state):
+        raise UsageError("--from sparsifiner-official: the checkpoint has no Sparsifiner predictor (no "
+                         "blocks.N.attn.mask_predictor.* weights): a plain ViT / DeiT; convert it with --from timm, "
+                         "which initialises the predictor afresh and says so")
     done: Dict[str, Tensor] = {}
     used: set = set()
     notes: List[str] = []
@@ -133,11 +169,14 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
         _soft_joined(state, done, used)
     rules = {'crate-official': CRATE_RULES, 'soft-official': SOFT_RULES, 'sparsifiner-official': SPARSIFINER_RULES,
              'timm': [(r'(.*)', r'\1', None)]}[source]
-    _apply_rules(state, rules, done, used)
+    origins: Dict[str, str] = {}
+    _apply_rules(state, rules, done, used, origins)
     unknown = set(state) - used
     ours = model.state_dict()
     if source == 'soft-official':          # BatchNorm counters exist in ours only when tracked
         unknown -= {k for k in unknown if k.endswith('num_batches_tracked')}
+    if shapes_must_fit and not unknown:        # the right layout (every key has a rule): a size first, if any
+        _first_shape_mismatch(done, ours, origins, source, model)
     unexpected = set(done) - set(ours)
     if unknown or unexpected:
         what = [f"{len(unknown)} unknown ({_names(unknown)})"] if unknown else []
@@ -145,7 +184,15 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
         raise UsageError(f"--from {source}: the checkpoint does not fit this converter and --model: {'; '.join(what)}")
     missing = set(ours) - set(done)
     from ..models.sparsifiner import predictor_parameter_names
-    fresh = missing & (predictor_parameter_names(model) | {k for k in ours if k.endswith('num_batches_tracked')})
+    predictor = predictor_parameter_names(model)
+    if missing & predictor and (source != 'timm' or predictor - missing):
+        # a checkpoint with a predictor must hold all of it: a missing tensor is not made up at random
+        lacking = missing & predictor
+        public = f" (the public code's {_public_predictor_name(min(lacking))})" if source == 'sparsifiner-official' else ''
+        shown = ', '.join(sorted(lacking)[:3]) + (', ...' if len(lacking) > 3 else '')
+        raise UsageError(f"--from {source}: the checkpoint's Sparsifiner predictor is incomplete, {len(lacking)} "
+                         f"weight(s) missing: {shown}{public}; refused rather than filled at random")
+    fresh = missing & (predictor | {k for k in ours if k.endswith('num_batches_tracked')})
     if missing - fresh:
         raise UsageError(f"--from {source}: {len(missing - fresh)} weights of the model are not in the checkpoint "
                          f"({_names(missing - fresh)}); is --model the checkpoint's architecture?")
@@ -158,19 +205,42 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
     return done, notes
 
 
-def infer_model_kwargs(source: str, state: Dict[str, Tensor]) -> Dict[str, object]:
-    """Constructor arguments the checkpoint fixes: classes (from the classifier), and for the public Sparsifiner
-    the predictor's shapes (n_down, predictor_dim)."""
-    kwargs: Dict[str, object] = {}
+def settings(source: str, state: Dict[str, Tensor]) -> List[Tuple[str, object, str]]:
+    """(constructor argument, value, why) of what a conversion from `source` fixes: the classes (from the
+    classifier), for the public Sparsifiner the predictor's shapes (n_down, predictor_dim) and `PUBLIC_SETTINGS`."""
+    chosen: List[Tuple[str, object, str]] = []
     head = {'crate-official': 'mlp_head.1.weight'}.get(source, 'head.weight')
     if head in state:
-        kwargs['num_classes'] = int(state[head].shape[0])
+        chosen.append(('num_classes', int(state[head].shape[0]),
+                       f"the checkpoint's classifier {head} is {list(state[head].shape)}"))
     if source == 'sparsifiner-official':
-        down = next((v for k, v in state.items() if k.endswith('mask_predictor.proj_n')), None)
-        q = next((v for k, v in state.items() if k.endswith('mask_predictor.proj_c_q.weight')), None)
+        down = next((k for k in state if k.endswith('mask_predictor.proj_n')), None)
+        q = next((k for k in state if k.endswith('mask_predictor.proj_c_q.weight')), None)
         if down is not None:
-            kwargs['n_down'] = int(down.shape[1])
+            chosen.append(('n_down', int(state[down].shape[1]), f"the checkpoint's {down} is {list(state[down].shape)}"))
         if q is not None:
-            kwargs['predictor_dim'] = int(q.shape[0])
-    return kwargs
+            chosen.append(('predictor_dim', int(state[q].shape[0]), f"the checkpoint's {q} is {list(state[q].shape)}"))
+    chosen += list(PUBLIC_SETTINGS.get(source, ()))
+    return chosen
+
+
+def _first_shape_mismatch(done: Dict[str, Tensor], ours: Dict[str, Tensor], origins: Dict[str, str], source: str,
+                          model: torch.nn.Module) -> None:
+    """One line naming the first tensor (in the model's order) whose shape differs from the model's: a checkpoint of
+    the right family and another size (DeiT-T into DeiT-S, CRATE-S into CRATE-T)."""
+    wrong = [k for k in ours if k in done and tuple(done[k].shape) != tuple(ours[k].shape)]
+    if not wrong:
+        return
+    key = wrong[0]
+    name = (getattr(model, 'pretrained_cfg', None) or {}).get('architecture') or type(model).__name__
+    theirs = f"{key} (the checkpoint's {origins[key]})" if origins.get(key, key) != key else key
+    more = f" (and {len(wrong) - 1} more of another shape)" if len(wrong) > 1 else ''
+    raise UsageError(f"--from {source}: the checkpoint does not fit --model {name}: {theirs} is "
+                     f"{list(done[key].shape)} in the checkpoint and {list(ours[key].shape)} in the model{more}; "
+                     "is --model the checkpoint's size?")
+
+
+def infer_model_kwargs(source: str, state: Dict[str, Tensor]) -> Dict[str, object]:
+    """The constructor arguments of `settings` as a dict."""
+    return {key: value for key, value, _ in settings(source, state)}
 

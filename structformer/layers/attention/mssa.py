@@ -10,19 +10,57 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ...functional import autotune
+from ...functional.precision import autocast_dtype
 from ...functional.shared_qkv_attention import shared_qkv_attention
 from ...functional.tracing import recording_graph
 from ..linear.base import linear_weight
+from ..linear.tuned import TunedLinear
 from .registry import register_attention
 from .softmax import check_head_sizes
 
 # how SSA runs when a backward follows (see MSSA)
 SSA_IMPLS = ('auto', 'shared', 'sdpa')
-# 'auto' on a CPU: the shared-QKV backward below this many tokens, SDPA from it, measured crossovers
-# (docs/benchmarks.md): at head width 16 between N = 145 and 197, at 32–64 between 257 and 321
+# 'auto' on a CPU where nothing may be timed (`functional.autotune`: under torch.compile, with
+# STRUCTFORMER_AUTOTUNE=off): the shared-QKV backward below this many tokens, SDPA from it, the crossovers
+# measured on an AVX2 AMD EPYC (docs/benchmarks.md): at head width 16 between N = 145 and 197, at 32–64
+# between 257 and 321. Elsewhere the machine times both once per shape class (`ssa_candidates`).
 SHARED_BACKWARD_MAX_TOKENS = 128
 SHARED_BACKWARD_WIDE_HEAD_DIM = 32
 SHARED_BACKWARD_MAX_TOKENS_WIDE = 300
+
+
+def default_ssa_impl(tokens: int, head_dim: int) -> str:
+    """The rule 'auto' follows where it cannot time: 'shared' below the measured crossovers, else 'sdpa'."""
+    wide = head_dim >= SHARED_BACKWARD_WIDE_HEAD_DIM
+    return 'shared' if tokens < (SHARED_BACKWARD_MAX_TOKENS_WIDE if wide else SHARED_BACKWARD_MAX_TOKENS) else 'sdpa'
+
+
+def ssa_shape_class(w: torch.Tensor) -> tuple:
+    """(token class, head width, compute dtype) of w [images, heads, N, p]: what the speed of the two paths
+    depends on per (image, head) pair (both run the pairs alike, so the batch does not enter)."""
+    return (autotune.size_class(w.shape[-2]), w.shape[-1], str(autocast_dtype(w.device.type, w.dtype)).replace('torch.', ''))
+
+
+def ssa_candidates(w: torch.Tensor, scale: float) -> dict:
+    """Both paths' forward + backward on a stand-in for w (same N, p, heads, layout, device and dtype; at most
+    as many images as give each thread four (image, head) pairs), for `autotune.decide`. Inputs drawn from a
+    private generator: the global random stream is not touched."""
+    images, heads, n, p = w.shape
+    images = max(1, min(images, -(-4 * torch.get_num_threads() // heads)))
+    generator = torch.Generator().manual_seed(0)
+    flat = torch.randn(images, n, heads * p, generator=generator).to(w.dtype).requires_grad_()
+    stand_in = flat.view(images, n, heads, p).transpose(1, 2)          # MSSA's rearranged qkv layout
+    grad = torch.randn(images, heads, n, p, generator=generator).to(w.dtype)
+
+    def run(attend):
+        def call():
+            flat.grad = None
+            with torch.enable_grad():
+                attend().backward(grad)
+        return call
+    return {'shared': run(lambda: shared_qkv_attention(stand_in, scale)),
+            'sdpa': run(lambda: F.scaled_dot_product_attention(stand_in, stand_in, stand_in, scale=scale))}
 
 
 @register_attention('mssa')
@@ -37,16 +75,17 @@ class MSSA(nn.Module):
 
     `ssa_impl` picks how SSA runs when a backward will follow: 'sdpa' torch's fused attention,
     'shared' the backward that knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p
-    products instead of five, at the cost of keeping the N×N weights), 'auto' (default) the shared
-    backward on a CPU for sequences shorter than `SHARED_BACKWARD_MAX_TOKENS` (128), or
-    `SHARED_BACKWARD_MAX_TOKENS_WIDE` (300) at head widths of 32 and more, and SDPA otherwise.
-    Why the cut: timed back to back on a 2-core CPU (MSSA forward + backward, 6 heads), the shared
-    backward, run in cache-sized chunks, is 1.05–1.9× faster than SDPA up to N = 145 at every head
-    width and 3–10 % faster at widths 32–64 up to N = 257 (CRATE-T's N = 197 included); SDPA is
-    faster from N = 197 at width 16 and from N ≈ 320 at 32–64, where its fused kernel's savings on the
-    N×N elementwise passes outweigh the two products the shared backward saves; see
-    docs/benchmarks.md. Without grad, with a mask, causal or with attention dropout, SDPA runs
-    whatever `ssa_impl` says.
+    products instead of five, at the cost of keeping the N×N weights), 'auto' (default) on a CPU
+    whichever of the two this machine runs faster for the shape class (token class, head width, dtype):
+    timed once on first use and cached (`functional.autotune`, choice 'ssa_impl'; overridden by
+    STRUCTFORMER_CHOICE_SSA_IMPL), SDPA on GPUs. Where nothing may be timed (torch.compile,
+    STRUCTFORMER_AUTOTUNE=off) 'auto' follows `default_ssa_impl`: the shared backward below
+    `SHARED_BACKWARD_MAX_TOKENS` (128) tokens, or `SHARED_BACKWARD_MAX_TOKENS_WIDE` (300) at head widths
+    of 32 and more, the crossovers of an AVX2 AMD EPYC (MSSA forward + backward, 6 heads, back to back:
+    the shared backward 1.05–1.9× faster than SDPA up to N = 145 at every head width and 3–10 % faster
+    at widths 32–64 up to N = 257). They move with the CPU: on an AVX-512 AMD EPYC the shared backward
+    lost at N = 65 and won at N = 577 (width 64); see docs/benchmarks.md. Without grad, with a mask,
+    causal or with attention dropout, SDPA runs whatever `ssa_impl` says.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, attn_head_dim: Optional[int] = None,
@@ -72,10 +111,10 @@ class MSSA(nn.Module):
         self.eps = eps
         inner = num_heads * attn_head_dim
         # one projection: its rows, per head, are U_kᵀ (CRATE's Q = K = V)
-        self.qkv = nn.Linear(dim, inner, bias=qkv_bias, **dd)
+        self.qkv = TunedLinear(dim, inner, bias=qkv_bias, **dd)     # nn.Linear on this machine's fastest GEMM
         self.attn_drop = nn.Dropout(attn_drop)
         # Eq. 12 maps back with U itself, so no separate output weight exists when tied
-        self.proj = None if tied_output else nn.Linear(inner, dim, bias=proj_bias, **dd)
+        self.proj = None if tied_output else TunedLinear(inner, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def subspace_bases(self) -> torch.Tensor:
@@ -94,8 +133,9 @@ class MSSA(nn.Module):
             return True
         if w.device.type != 'cpu':
             return False
-        wide = w.shape[-1] >= SHARED_BACKWARD_WIDE_HEAD_DIM
-        return w.shape[-2] < (SHARED_BACKWARD_MAX_TOKENS_WIDE if wide else SHARED_BACKWARD_MAX_TOKENS)
+        choice = autotune.decide('ssa_impl', ssa_shape_class(w), default_ssa_impl(w.shape[-2], w.shape[-1]),
+                                 lambda: ssa_candidates(w, self.scale))
+        return choice == 'shared'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False, grid_size=None) -> torch.Tensor:

@@ -23,6 +23,13 @@ stage; 'sparse': the sparse path with the thresholds on, which stalls at DeiT si
 (its q/k channel reductions are nn.Linear with bias); `basis_init` 'trunc_normal' (W_down, W_up ~ trunc-normal
 std 0.02; 'scaled': N(0, 1/n) and N(0, 1/n_down), ours before).
 
+Three more choices of the public code are options, off by default here (the paper's text) and set by `structformer
+convert --from sparsifiner-official` to the public values, so a converted public checkpoint keeps the keys the
+public code keeps (tested against a forward written from its equations): `coef_topk` (None: Eq. 2's threshold τ;
+8: each row's top 8 coefficients, its default config's `BASIS_COEF.USE_TOPK`, τ then unused), `predictor_scale`
+('dim': Eq. 1's 1/√d of the predictor's channels; 'heads': num_heads^-½, its MaskPredictor's scale), and
+`up_threshold` (ours 1e-2; its default config's `BASIS_THRESHOLD` 2e-2).
+
 Execution (`impl`): 'masked' (dense logits, −∞ off the mask: the reference and a CPU training path),
 'gather' (each query's B keys gathered, ∝ n·B), 'flex' (FlexAttention on the kept tiles, compiled on CUDA,
 training included; on CPU eager it materialises the scores; no attention dropout), 'auto': on a CPU the
@@ -67,8 +74,9 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
                                        flex_attention_path, gathered_attention, low_rank_attention,
                                        low_rank_attention_per_sample, mask_from_indices, masked_attention,
                                        pooled_block_scores, predicted_tiles, realised_density, source_columns,
-                                       tile_attention, tile_budget, top_tiles, topk_indices)
-from ...functional import tile_kernel
+                                       tile_attention, tile_budget, tile_candidates, tile_shape_class, top_tiles,
+                                       topk_indices)
+from ...functional import autotune, tile_kernel
 from ...functional.precision import upcast
 from ...functional.sparsifiner_flex import flex_attention_available
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -81,6 +89,7 @@ CONNECTIVITY = ('token', 'block')
 UP_BASES = ('abs', 'signed')          # the basis the scores use outside stage 1: |W_up| (public code) or W_up (paper)
 STAGE1_MODES = ('dense', 'sparse')    # while the predictor learns: dense attention, no thresholds (public) or not
 BASIS_INITS = ('trunc_normal', 'scaled')
+PREDICTOR_SCALES = ('dim', 'heads')   # Eq. 1's logits · 1/√d (paper), or · num_heads^-½ (public MaskPredictor)
 
 
 class ConnectivityBasis(LazyModuleMixin, nn.Module):
@@ -164,7 +173,8 @@ class SparsifinerAttention(AttentionBase):
                  connectivity: str = 'token', block_size: int = 64, impl: str = 'auto',
                  seq_len: Optional[int] = None, keep_scores: bool = False, attn_head_dim: Optional[int] = None,
                  keys_per_query: Optional[int] = None, up_basis: str = 'abs', stage1: str = 'dense',
-                 predictor_bias: bool = True, basis_init: str = 'trunc_normal', device=None, dtype=None):
+                 predictor_bias: bool = True, basis_init: str = 'trunc_normal', coef_topk: Optional[int] = None,
+                 predictor_scale: str = 'dim', device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         budget(1, keep_ratio)                                     # validates keep_ratio
@@ -180,6 +190,13 @@ class SparsifinerAttention(AttentionBase):
         for name, value in (('n_down', n_down), ('block_size', block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if coef_topk is not None and (isinstance(coef_topk, bool) or not isinstance(coef_topk, int) or coef_topk < 1):
+            raise ValueError(f"coef_topk must be None (Eq. 2's threshold tau) or a positive integer (coefficients "
+                             f"kept per row; n_down={n_down} or more keeps them all), got {coef_topk!r}")
+        if predictor_scale not in PREDICTOR_SCALES:
+            raise ValueError(f"predictor_scale={predictor_scale!r}: accepted 'dim' (1/sqrt(d), Eq. 1) or 'heads' "
+                             "(num_heads^-1/2, the public code)")
+        self.coef_topk, self.predictor_scale = coef_topk, predictor_scale
         if not 0 <= tau < 1:
             raise ValueError(f"tau must be in [0, 1) (a threshold on softmax coefficients), got {tau!r}")
         if up_threshold < 0:
@@ -232,10 +249,20 @@ class SparsifinerAttention(AttentionBase):
         else:
             w_down, w_up = (source_columns(w, token_sources) for w in self.basis(k, token_sources.shape[-1]))
         q, k = self._predictor_inputs(q, k)
-        w_up = self._scoring_basis(w_up)
+        w_up, scale = self._scoring_basis(w_up), self.logit_scale(q)
         if token_sources is None:
-            return low_rank_attention(q, k, w_down.to(q.dtype)), w_up.to(q.dtype)
-        return low_rank_attention_per_sample(q, k, w_down.to(q.dtype)), w_up.to(q.dtype).unsqueeze(1)
+            return low_rank_attention(q, k, w_down.to(q.dtype), scale), w_up.to(q.dtype)
+        return low_rank_attention_per_sample(q, k, w_down.to(q.dtype), scale), w_up.to(q.dtype).unsqueeze(1)
+
+    def logit_scale(self, q: torch.Tensor) -> float:
+        """The scale of Eq. 1's logits for the predictor's queries q [..., d']: 1/√d' ('dim'), or num_heads^-½
+        ('heads', the public MaskPredictor's `qk_scale or num_heads ** -0.5`)."""
+        return self.num_heads ** -0.5 if self.predictor_scale == 'heads' else q.shape[-1] ** -0.5
+
+    def active_coef_topk(self) -> Optional[int]:
+        """`coef_topk` as this forward applies it: off in dense stage 1 (the public code reconstructs the teacher's
+        attention from every coefficient there, `thresholds`)."""
+        return None if self.dense_stage1 else self.coef_topk
 
     @property
     def dense_stage1(self) -> bool:
@@ -276,7 +303,7 @@ class SparsifinerAttention(AttentionBase):
     def predict(self, q: torch.Tensor, k: torch.Tensor, token_sources: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1–3 up to the top-k: the connectivity scores [B, H, n, n] (differentiable in the predictor)."""
         a_down, w_up = self.low_rank(q, k, token_sources)
-        return connectivity_scores(a_down, w_up, *self.thresholds())
+        return connectivity_scores(a_down, w_up, *self.thresholds(), self.active_coef_topk())
 
     def _resolve_impl(self, q: torch.Tensor, dropout_p: float) -> str:
         if self.impl != 'auto':
@@ -299,8 +326,15 @@ class SparsifinerAttention(AttentionBase):
             # not in float32 in the kernel (its dtype policy, module docstring). Otherwise:
             # the tile kernel, no K/V copies (bench sparse-attention at n = 577, keep 0.25: 0.4-0.6x SDPA alone with
             # its predictor against 0.7-1.1x gathered in inference; whole module 0.68-0.70x against 0.84-0.94x
-            # in training); under dropout or where it cannot load: gathered tiles
-            return 'kernel' if tile_kernel.usable(q, dropout_p) else 'gather'
+            # in training), where this machine runs it faster than the gathered tiles for the shape class (timed
+            # once, cached: `functional.autotune`, choice 'sparsifiner_tiles'); under dropout or where it cannot
+            # load: gathered tiles
+            if not tile_kernel.usable(q, dropout_p):
+                return 'gather'
+            dense_rows = 1 if self.dense_cls_row else 0
+            kept = tile_budget(q.shape[-2], self.block_size, self.keep_ratio)
+            return autotune.decide('sparsifiner_tiles', tile_shape_class(q, self.block_size, kept, dense_rows),
+                                   'kernel', lambda: tile_candidates(q, self.block_size, kept, dense_rows))
         return 'masked'
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
@@ -359,14 +393,16 @@ class SparsifinerAttention(AttentionBase):
         if self.keep_scores or token_sources is not None:
             a_down, w_up = self.low_rank(q, k, token_sources)
             if self.keep_scores:
-                self.last_scores = connectivity_scores(a_down, w_up, *self.thresholds())
+                self.last_scores = connectivity_scores(a_down, w_up, *self.thresholds(), self.active_coef_topk())
             with torch.no_grad():
-                tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size)
+                tiles = pooled_block_scores(a_down, w_up, self.tau, self.up_threshold, self.block_size,
+                                            self.coef_topk)
                 block_indices = top_tiles(tiles, tile_budget(q.shape[-2], self.block_size, self.keep_ratio))
         else:                                  # no scores wanted: the tiles alone (in the kernel's pass on 'kernel')
             w_down, w_up = self.scoring_basis(q)
-            block_indices = predicted_tiles(*self._predictor_inputs(q, k), w_down, w_up, self.tau,
-                                            self.up_threshold, self.keep_ratio, self.block_size, impl == 'kernel')
+            q_p, k_p = self._predictor_inputs(q, k)
+            block_indices = predicted_tiles(q_p, k_p, w_down, w_up, self.tau, self.up_threshold, self.keep_ratio,
+                                            self.block_size, impl == 'kernel', self.coef_topk, self.logit_scale(q_p))
         self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
                           if self.keep_scores else None)
         self.last_density = realised_density(q.shape[-2], dense_rows, block_indices=block_indices,
@@ -375,7 +411,9 @@ class SparsifinerAttention(AttentionBase):
 
     def extra_repr(self) -> str:
         budget_text = f"keys_per_query={self.keys_per_query}" if self.keys_per_query else f"keep_ratio={self.keep_ratio}"
-        return (f"{budget_text}, tau={self.tau}, up_threshold={self.up_threshold}, "
+        coefficients = f"coef_topk={self.coef_topk}" if self.coef_topk else f"tau={self.tau}"
+        scale = f", predictor_scale={self.predictor_scale!r}" if self.predictor_scale != 'dim' else ''
+        return (f"{budget_text}, {coefficients}{scale}, up_threshold={self.up_threshold}, "
                 f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}, "
                 f"up_basis={self.up_basis!r}, stage1={self.stage1!r}")
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
+from ...functional.onednn_linear import linear
 from ...functional.precision import autocast_dtype
 
 
@@ -75,10 +76,11 @@ class ISTA(nn.Module):
         if not self.fused:
             out = ista_reference(x, self.weight, self.eta, self.lambd)
             return self.drop(out.to(autocast_dtype(x.device.type, out.dtype)))
-        # one GEMM with the threshold folded in as its bias (addmm), then an in-place ReLU:
-        # no pass over the B×N×d activations besides the product itself. The ReLU runs on the
+        # one GEMM with the threshold folded in as its bias (addmm: x M + b = F.linear(x, Mᵀ, b)), then an in-place
+        # ReLU: no pass over the B×N×d activations besides the product itself. The ReLU runs on the
         # product's own 2-D result, not on a view of it: an in-place op on a view makes autograd
-        # copy the whole gradient three times in the backward (CopySlices).
+        # copy the whole gradient three times in the backward (CopySlices). The GEMM runs on the kernels this
+        # machine chose for its shape (`functional.onednn_linear.linear`: oneDNN's or torch's, float32 on a CPU).
         threshold = x.new_full((self.dim,), -self.eta * self.lambd)
-        codes = torch.addmm(threshold, x.reshape(-1, self.dim), self.effective_matrix()).relu_()
+        codes = linear(x.reshape(-1, self.dim), self.effective_matrix().t(), threshold).relu_()
         return self.drop(codes.view(x.shape))

@@ -1,0 +1,177 @@
+"""One goals table per kind of CPU in docs/benchmarks.md, each rendered from a committed record, and the command
+that re-measures a kind's records on a quiet machine.
+
+A kind record is `docs/kinds/<kind>.json`: the kind (`records.kind_id`), a line on the CPU, and one entry per goal
+of `kinds.GOALS` (`kinds.goal_entry` fields plus `record`, the JSON it comes from, and `command`). For a kind
+measured by `record_kind` the entries are collected from the benchmarks' own records in `docs/kinds/<kind>/`
+(their 'kind_goals'), so the table equals what the benchmarks wrote; records from before the kind existed are
+transcribed by hand into their kind's record, each entry naming the file it was read from (or, where none was
+committed, saying so). `render` turns a kind record into its table; `update_docs` writes every table into
+docs/benchmarks.md between `<!-- kind-table KIND -->` and `<!-- /kind-table -->`; the tests check that each
+table there equals its record's render.
+
+`python -m structformer.bench.kind_tables record` (`make bench-records`) runs the benchmarks behind every goal on
+this machine at their goal settings, one after the other, writes their records into `docs/kinds/<this kind>/`
+(a busy run's record is refused there: `kinds.write_record`), collects the kind record and updates the docs.
+It prints how long it took: 21 minutes at 1 thread on the project's 2-core machine while other work shared it
+(`kinds.RECORDS_MINUTES`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from .kinds import DOCS_DIR, GOALS
+
+KINDS_DIR = DOCS_DIR / 'kinds'
+BENCHMARKS_MD = DOCS_DIR / 'benchmarks.md'
+# (record file in docs/kinds/<kind>/, the goals it judges, the benchmark's arguments at the goal settings)
+RECORDS = [
+    ('sparse_attention.json', ('sparsifiner_sdpa',),
+     ['sparse-attention', '--tokens', '577', '--keep', '0.25', '--paths', 'block-gather', 'block-kernel',
+      '--repeats', '30', '--json', '{out}']),
+    ('attention.json', ('soft_sdpa',),
+     ['attention', '--attn', 'softmax', 'soft', 'softpp', '--multipliers', '1', '16', '--repeats', '3',
+      '--pairs', '20', '--output', '{out}']),
+    ('lowrank.json', ('lowrank_layer', 'lowrank_stack'), ['lowrank', '--ranks', '0.25', '--output', '{out}']),
+    ('mlp/mlp.json', ('rp_mixer_step', 'monarch_step'), ['mlp', '--rounds', '1', '--pairs', '10', '--output', '{dir}']),
+    ('models.json', ('crate_vit',),
+     ['models', '--pairs', '20', '--rounds', '1', '--steps', '3', '--modes', 'eager', '--output', '{out}']),
+]
+START, END = '<!-- kind-table {kind} -->', '<!-- /kind-table -->'
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(DOCS_DIR.parent.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def command_line(arguments: List[str], threads: int, out) -> List[str]:
+    """`structformer bench ...` writing to `out` (its folder for a benchmark that takes one)."""
+    out = str(out)
+    filled = [a.replace('{out}', out).replace('{dir}', os.path.dirname(out)) for a in arguments]
+    return ['structformer', 'bench', *filled, '--threads', str(threads)]
+
+
+def collect(kind: str, folder: Path) -> dict:
+    """The kind record of `kind` from the benchmark records in `folder` (their 'kind_goals' and environment), one
+    entry per goal in `GOALS` order; a goal with no record yet is an entry without a value."""
+    entries: Dict[str, dict] = {}
+    cpu = None
+    for name, goals, arguments in RECORDS:
+        path = folder / name
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        env = record.get('environment') or {}
+        found = (env.get('cpu_kind') or {}).get('kind')
+        if found != kind:
+            raise ValueError(f"{path} was measured on a {found!r} CPU, not {kind!r}: it belongs in docs/kinds/{found}/")
+        cpu = cpu or (env.get('cpu_kind') or {}).get('summary')
+        for entry in record.get('kind_goals') or []:
+            if entry['goal'] in goals:
+                shown = ' '.join(command_line(arguments, env.get('threads', 1), f'docs/kinds/{kind}/{name}'))
+                entries[entry['goal']] = dict(entry, record=_display(path), command=shown)
+    goals = [entries.get(goal) or {'goal': goal, 'what': GOALS[goal][1], 'value': None,
+                                   'target': f"{GOALS[goal][2]} {GOALS[goal][3]:g}", 'record': None}
+             for goal in GOALS]
+    return {'kind': kind, 'cpu': cpu, 'provenance': f"Collected from docs/kinds/{kind}/ by `make bench-records`.",
+            'goals': goals}
+
+
+def _cell(entry: dict) -> str:
+    if entry.get('value') is None:
+        return '—'
+    q = entry.get('quartiles')
+    return f"{entry['value']:.3f}" + (f" ({q[0]:.3f}–{q[1]:.3f})" if q else '')
+
+
+def render(record: dict) -> str:
+    """The Markdown of one kind record: a heading line, then one table row per goal."""
+    lines = [f"**{record['kind']}**: {record.get('cpu') or 'CPU not recorded'}. {record.get('provenance', '')}".rstrip(),
+             '',
+             '| goal | target | measured (quartiles) | threads | verdict | machine | notes | record |',
+             '|---|---|---|---|---|---|---|---|']
+    for entry in record['goals']:
+        verdict = ('—' if entry.get('value') is None else 'met' if entry.get('met') else 'not met')
+        machine = {True: 'BUSY', False: 'quiet'}.get(entry.get('busy'), '—')
+        notes = '; '.join(part for part in (entry.get('detail'), entry.get('bound') and f"on this kind: {entry['bound']}",
+                                            entry.get('source')) if part)
+        record_cell = f"`{entry['record']}`" if entry.get('record') else 'none committed'
+        lines.append(f"| {entry['what']} | {entry['target'].replace('>=', '≥').replace('<=', '≤')} | {_cell(entry)} "
+                     f"| {entry.get('threads') or '—'} | {verdict} | {machine} | {notes or ''} | {record_cell} |")
+    return '\n'.join(lines)
+
+
+def kind_records() -> Dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(KINDS_DIR.glob('*.json'))}
+
+
+def update_docs(text: str, records: Dict[str, dict]) -> str:
+    """`text` with each kind's table between its markers replaced by the render of its record (a kind with no
+    markers yet is left out: where its table goes is the page's choice)."""
+    for kind, record in records.items():
+        pattern = re.compile(re.escape(START.format(kind=kind)) + r'\n.*?' + re.escape(END), re.S)
+        text = pattern.sub(lambda _: f"{START.format(kind=kind)}\n{render(record)}\n{END}", text)
+    return text
+
+
+def table_in_docs(text: str, kind: str) -> str:
+    """The rendered table of `kind` as docs/benchmarks.md holds it ('' where it has no markers for it)."""
+    match = re.search(re.escape(START.format(kind=kind)) + r'\n(.*?)\n' + re.escape(END), text, re.S)
+    return match.group(1) if match else ''
+
+
+def record_kind(threads: int, allow_busy: bool = False) -> int:
+    """Run every benchmark of `RECORDS` on this machine into docs/kinds/<kind>/, then collect and update the docs."""
+    from ..records import cpu_kind, write_json
+    kind = cpu_kind()['kind']
+    folder = KINDS_DIR / kind
+    began = time.monotonic()
+    failed = []
+    for name, _, arguments in RECORDS:
+        out = folder / name
+        argv = command_line(arguments, threads, out) + (['--allow-busy'] if allow_busy else [])
+        print(f"[{(time.monotonic() - began) / 60:5.1f} min] {' '.join(argv)}", flush=True)
+        before = out.stat().st_mtime_ns if out.exists() else None
+        code = subprocess.call([sys.executable, '-m', 'structformer', *argv[1:]])
+        if code or not out.exists() or out.stat().st_mtime_ns == before:      # failed, or refused as busy
+            failed.append(name)
+    record = collect(kind, folder)
+    write_json(KINDS_DIR / f'{kind}.json', record)
+    text = BENCHMARKS_MD.read_text()
+    if START.format(kind=kind) not in text:
+        text = text.rstrip() + f"\n\n{START.format(kind=kind)}\n{END}\n"
+    BENCHMARKS_MD.write_text(update_docs(text, kind_records()))
+    minutes = (time.monotonic() - began) / 60
+    print(f"\nrecords of {kind} in {_display(folder)}, table in {_display(BENCHMARKS_MD)}: {minutes:.1f} min"
+          + (f"; not updated (failed, or refused because the machine was busy): {', '.join(failed)}" if failed else ''))
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m structformer.bench.kind_tables', description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest='action', required=True)
+    rec = sub.add_parser('record', help="re-measure this CPU kind's records (quiet machine) and update the docs")
+    rec.add_argument('--threads', type=int, default=1, help='torch threads for every benchmark (1)')
+    rec.add_argument('--allow-busy', action='store_true',
+                     help='write the records even from a busy run (their tables then say BUSY per goal)')
+    sub.add_parser('render', help='rewrite every kind table in docs/benchmarks.md from docs/kinds/*.json')
+    args = parser.parse_args(argv)
+    if args.action == 'record':
+        return record_kind(args.threads, args.allow_busy)
+    BENCHMARKS_MD.write_text(update_docs(BENCHMARKS_MD.read_text(), kind_records()))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Benchmarks judged per kind of CPU: the kind printed with every result, each goal's verdict in one standard
+form, the hardware facts that bound a goal on this kind, and the rule that keeps busy runs out of docs/.
+
+The same commit gives different speed ratios on different CPUs (issue 44): which GEMM library is fastest, whether
+bfloat16 is computed in hardware, how much a second core gives a compute-bound kernel against a memory-bound
+one. So a verdict is only meaningful beside the kind it was measured on (`records.cpu_kind`: vendor, model,
+AVX2 / AVX-512 / VNNI / BF16 / AMX), and docs/benchmarks.md keeps one goals table per kind met
+(`bench/kind_tables.py` renders them from the committed records).
+
+- `GOALS`: the speed goals, each measured by one benchmark; `goal_entry` is the standard record of a verdict
+  that every benchmark JSON carries under 'kind_goals' (the tables are rendered from these).
+- `header_lines(env)`: the CPU kind, its hardware facts and the kernel choices, printed by every benchmark.
+- `add_record_arguments` / `write_record`: `--allow-busy`; a record bound for the project's docs/ is written
+  only from a quiet run unless `--allow-busy` says otherwise, and a refused one goes to a temporary file with
+  the time a quiet rerun takes.
+
+Only the standard library at import: `structformer --help` imports the benchmarks' parsers.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+# goal id: (benchmark, what is measured, comparison, target)
+GOALS = {
+    'crate_vit': ('models', "CRATE-T / ViT-T training speed, float32, paired", '>=', 0.9),
+    'soft_sdpa': ('attention', "SDPA / SOFT forward time at 12,544 tokens, 1 thread, paired", '>=', 40.0),
+    'sparsifiner_sdpa': ('sparse-attention', "Sparsifiner attention / SDPA time at n 577, keep 0.25", '<=', 0.6),
+    'lowrank_layer': ('lowrank', "nn.Linear / rank-0.25 FactorizedLinear step, 1024 -> 4096 on 4096 tokens", '>=', 3.0),
+    'lowrank_stack': ('lowrank', "dense / rank-0.25 ViT-S block stack step", '>=', 2.0),
+    'rp_mixer_step': ('mlp', "RP-Mixer / Mixer training step (CIFAR setting), paired", '<=', 1.15),
+    'monarch_step': ('mlp', "nn.Linear / MonarchLinear training step at n 4096, paired", '>=', 4.0),
+}
+# the project's docs folder: records written here must come from a quiet run (tests point it elsewhere)
+DOCS_DIR = Path(__file__).resolve().parents[2] / 'docs'
+RECORDS_COMMAND = 'make bench-records'
+RECORDS_MINUTES = 21            # what `make bench-records` took at 1 thread on the 2-core machine, busy (docs/benchmarks.md)
+
+
+def met(goal: str, value: Optional[float]) -> Optional[bool]:
+    if value is None:
+        return None
+    _, _, comparison, target = GOALS[goal]
+    return value >= target if comparison == '>=' else value <= target
+
+
+def goal_entry(goal: str, value: Optional[float], quartiles=None, threads: Optional[int] = None,
+               detail: str = '', bound: str = '', busy: Optional[bool] = None) -> dict:
+    """The standard verdict of one goal: its id, what it measures, the target, the measured value (a paired median
+    where the benchmark pairs) with its quartiles, the threads, met or not (None: not measured), a detail (e.g.
+    the realised density), `bound`: why the goal cannot hold on this kind, from the hardware, where it cannot,
+    and whether the machine was busy."""
+    bench, what, comparison, target = GOALS[goal]
+    return {'goal': goal, 'bench': bench, 'what': what, 'target': f"{comparison} {target:g}", 'value': value,
+            'quartiles': list(quartiles) if quartiles else None, 'threads': threads, 'met': met(goal, value),
+            'detail': detail, 'bound': bound, 'busy': busy}
+
+
+def soft_goal_entries(goals: dict, env: dict, load) -> list:
+    """`bench attention`'s goal (b), SDPA / SOFT forward time, as a `goal_entry` ([] where not measured). Measured
+    at other than 12,544 tokens, off the CPU or at more than one thread it is recorded with that said, since the
+    goal is stated at 12,544 tokens and 1 thread (a second core speeds SDPA's compute-bound kernel more than
+    SOFT's memory-bound passes)."""
+    found = goals.get('sdpa_over_soft_forward_time')
+    if not found:
+        return []
+    stated = []
+    if found['tokens'] != 12544:
+        stated.append(f"measured at {found['tokens']} tokens, the goal is stated at 12,544")
+    if env.get('threads') != 1:
+        stated.append(f"measured at {env.get('threads')} threads, the goal is stated at 1")
+    if env.get('device', 'cpu') != 'cpu':
+        stated.append(f"measured on {env['device']}, the goal is stated for a CPU")
+    detail = f"{found['source']}" + (f"; {'; '.join(stated)}" if stated else '')
+    return [goal_entry('soft_sdpa', found['ratio'], found.get('quartiles'), env.get('threads'), detail,
+                       busy=bool(load and load.get('busy')))]
+
+
+def verdict_line(entry: dict) -> str:
+    """'goal crate_vit (CRATE-T / ViT-T ..., >= 0.9): met (0.931×, quartiles 0.91–0.95, 1 thread)'."""
+    if entry['value'] is None:
+        state = 'not measured'
+    else:
+        q = entry.get('quartiles')
+        numbers = f"{entry['value']:.3f}×" + (f", quartiles {q[0]:.3f}–{q[1]:.3f}" if q else '')
+        numbers += f", {entry['threads']} thread{'s' if entry['threads'] != 1 else ''}" if entry.get('threads') else ''
+        state = f"{'met' if entry['met'] else 'not met'} ({numbers}{'; ' + entry['detail'] if entry['detail'] else ''})"
+    bound = f"; on this kind: {entry['bound']}" if entry.get('bound') else ''
+    busy = ' [BUSY machine: re-measure quietly before judging]' if entry.get('busy') else ''
+    return f"goal {entry['goal']} ({entry['what']}, {entry['target']}): {state}{bound}{busy}"
+
+
+# ---- the kind, printed by every benchmark ----------------------------------------------------------------------
+
+def hardware_facts(kind: dict) -> list:
+    """What this kind's hardware means for the goals, one sentence each, from its flags alone."""
+    flags = set(kind.get('flags') or ())
+    facts = []
+    if kind.get('bf16_native'):
+        facts.append('bfloat16 dot products in hardware (' + ('AMX' if kind.get('amx') else 'AVX-512 BF16') +
+                     '): bfloat16 matmuls can beat float32')
+    elif flags:
+        facts.append('no AVX-512 BF16 or AMX: a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
+    if 'avx512f' in flags and 'amd' in kind.get('kind', ''):
+        facts.append("AVX-512 on an AMD CPU: torch's MKL GEMMs (nn.Linear, bmm) run their non-Intel code, oneDNN's "
+                     "JIT kernels use AVX-512, so which is faster is measured, not assumed (functional/autotune.py)")
+    elif 'avx512f' in flags:
+        facts.append("AVX-512 on an Intel CPU: MKL's GEMMs (nn.Linear) run AVX-512 code, so a dense baseline is on "
+                     "the fastest GEMM available and a structured layer gains at most its FLOP ratio")
+    elif 'avx2' in flags:
+        facts.append('AVX2 only: MKL and oneDNN both run 256-bit kernels')
+    return facts
+
+
+def header_lines(env: dict) -> list:
+    """The CPU kind, its hardware facts and this run's kernel choices, for the top of a benchmark's report."""
+    kind = env.get('cpu_kind') or {}
+    lines = [f"CPU kind {kind.get('kind', '?')}: {kind.get('summary', env.get('cpu', '?'))}; ATen kernels "
+             f"{env.get('aten_cpu_capability', '?')}, {env.get('threads')} thread(s), torch {env.get('torch')}"]
+    lines += [f"  {fact}" for fact in hardware_facts(kind)]
+    choices = env.get('choices') or {}
+    chosen = [f"{name} [{cls}] {choice}" for name, entries in sorted((choices.get('cached') or {}).items())
+              for cls, choice in sorted(entries.items())]
+    overrides = choices.get('overrides') or {}
+    if overrides:
+        lines.append('  kernel overrides: ' + ', '.join(f"{k}={v}" for k, v in sorted(overrides.items())))
+    if chosen:
+        lines.append('  kernel choices cached for this machine: ' + '; '.join(chosen))
+    if choices.get('timing') == 'off':
+        lines.append('  kernel choices: timing off (STRUCTFORMER_AUTOTUNE=off): every choice takes its default rule')
+    return lines
+
+
+def print_header(env: dict) -> None:
+    print('\n'.join(header_lines(env)))
+
+
+# ---- records: quiet runs only into docs/ ----------------------------------------------------------------------
+
+def add_record_arguments(p) -> None:
+    p.add_argument('--allow-busy', action='store_true',
+                   help="write the record into the project's docs/ even when the machine was busy while measuring "
+                        "(by default a busy run's record goes to a temporary file instead)")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def write_record(path, obj: dict, allow_busy: bool = False) -> str:
+    """Write a benchmark's JSON record to `path` (atomically), unless `path` is inside the project's docs/ and the
+    run was busy (`obj['machine_load']['busy']`) without `allow_busy`: then it goes to a temporary file, and the
+    message says where, why and how long a quiet rerun takes. Returns the path written."""
+    from ..records import write_json
+    load = obj.get('machine_load') or {}
+    target = Path(path)
+    if load.get('busy') and not allow_busy and _inside(target, DOCS_DIR):
+        elapsed = load['wall_s'] / 60 if load.get('wall_s') else None
+        folder = Path(tempfile.gettempdir()) / 'structformer-busy-records'
+        written = write_json(folder / target.name, obj)
+        took = f"this run took {elapsed:.1f} min, a quiet rerun about as long; " if elapsed else ''
+        print(f"not written to {path}: the machine was BUSY while this was measured (other processes used "
+              f"{load.get('other_cores')} cores); the record is in {written}. Re-run on a quiet machine ({took}"
+              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min), or "
+              f"pass --allow-busy to write it anyway", file=sys.stderr)
+        return written
+    return write_json(path, obj)
+
+
+def docs_path(*parts) -> str:
+    return os.path.join(str(DOCS_DIR), *parts)

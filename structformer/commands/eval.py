@@ -1,0 +1,111 @@
+"""`structformer eval`: top-1 / top-5 / loss of a checkpoint on the held-out split of its data (or --data), in the
+precision the run evaluated in (its config's --amp / --amp-dtype) unless --amp / --no-amp / --amp-dtype say
+otherwise, and with the run's evaluation batch size."""
+import argparse
+import json
+
+from ..cli_args import ParseKwargs, positive_int
+from ..errors import UsageError
+
+DESCRIPTION = 'Evaluate a checkpoint on the held-out split of its data (or --data).'
+
+EXAMPLES = """examples:
+  structformer eval --checkpoint outputs/demo
+  structformer eval --checkpoint outputs/demo/checkpoints/epoch_0010 --data digits --split train"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument('--checkpoint', required=True, help='run directory or checkpoint directory')
+    p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
+    p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE',
+                   help="dataset options over the checkpoint's (see `structformer train --help`)")
+    p.add_argument('--split', choices=['val', 'train'], default='val')
+    p.add_argument('-b', '--batch-size', type=positive_int('--batch-size'), default=None,
+                   help="(default: the run's --eval-batch-size, else 256)")
+    p.add_argument('--amp', action=argparse.BooleanOptionalAction, default=None,
+                   help='evaluate under autocast (--amp) or in float32 (--no-amp); default: as the run evaluated '
+                        '(its config), float32 for converted weights')
+    p.add_argument('--amp-dtype', default=None, metavar='DTYPE',
+                   help="float16 or bfloat16 (default: the run's; else bfloat16 on a CPU)")
+    p.add_argument('--json', action='store_true', help='print one JSON object')
+    p.add_argument('--ema', action='store_true', help='score the weight average of a run trained with --model-ema')
+    p.add_argument('--per-class', action='store_true',
+                   help="also each class's images and top-1, by the class names the run recorded")
+
+
+def run(args) -> int:
+    from torch.utils.data import DataLoader
+
+    from ..data import build_datasets
+    from ..train import evaluate, load_model
+    model, state = load_model(args.checkpoint, ema=args.ema)
+    cfg = state.get('config') or {}
+    data = args.data or cfg.get('data')
+    if not data:                                   # converted weights (`structformer convert`) record no data set
+        raise UsageError(f"--data: {state['path']} records no data set (converted weights); pass --data")
+    if not args.data:
+        from ..train.data_paths import check_stored_data
+        check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
+    data_kwargs = dict(cfg.get('data_kwargs', {}), **(args.data_kwargs or {}))
+    train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
+                                            **data_kwargs)
+    if info.num_classes != model.num_classes:
+        raise ValueError(f"--data {data} has {info.num_classes} classes but the checkpoint's model predicts "
+                         f"{model.num_classes}")
+    from ..data.classes import class_mismatch
+    data_info = state.get('data_info') or {}
+    problem = class_mismatch(data_info.get('classes'), info.extra.get('classes'))
+    if problem:
+        order = data_info.get('class_order')
+        raise UsageError(f"--data {data} does not name the classes {state['path']} was trained on: {problem}"
+                         + (f" (the run's order: {order})" if order else ''))
+    if args.per_class and info.name in ('pysource', 'text'):
+        raise UsageError(f"--per-class: --data {data} is language modelling (its classes are bytes); leave it out")
+    dataset = val_ds if args.split == 'val' else train_ds
+    precision, how = _precision(args, cfg, state)
+    batch_size = args.batch_size or cfg.get('eval_batch_size') or 256
+    metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
+    unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
+    metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
+                    unit: len(dataset), 'weights': 'ema' if args.ema else 'model', 'precision': precision.name,
+                    'precision_from': how})
+    if args.per_class:
+        names = data_info.get('classes') or info.extra.get('classes') or [str(k) for k in range(model.num_classes)]
+        images, hits = metrics.pop('per_class_images'), metrics.pop('per_class_top1_hits')
+        metrics['per_class'] = [{'class': name, 'images': n, 'top1': 100.0 * h / n if n else None}
+                                for name, n, h in zip(names, images, hits)]
+    if args.json:
+        print(json.dumps(metrics))
+        return 0
+    print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} ({args.split}, {len(dataset)} {unit}): "
+          f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
+          + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else '')
+          + f"  [{precision.name}{' autocast' if precision.dtype is not None else ''}: {how}]")
+    if args.per_class:
+        width = max(len(row['class']) for row in metrics['per_class'])
+        for row in metrics['per_class']:
+            top1 = f"{row['top1']:6.2f}%" if row['top1'] is not None else '     -'
+            print(f"  {row['class']:<{width}}  {row['images']:>6} images  top-1 {top1}")
+    return 0
+
+
+def _precision(args, cfg: dict, state: dict):
+    """(Precision on the CPU, why): --amp / --no-amp / --amp-dtype where given, else the run's own precision (the
+    checkpoint's record, else its config), else float32. A run that evaluated in float16 on CUDA is evaluated in
+    float32 on a CPU without float16 arithmetic, and says so."""
+    import torch
+
+    from ..train.precision import Precision, cpu_float16_supported
+    cpu = torch.device('cpu')
+    if args.amp is not None or args.amp_dtype is not None:
+        amp = args.amp if args.amp is not None else True
+        return Precision.create(amp, args.amp_dtype if amp else None, cpu), 'as asked'
+    recorded = state.get('precision') or ('float32' if not cfg.get('amp') else cfg.get('amp_dtype') or 'float16')
+    if recorded == 'float32':
+        return Precision(cpu), "the run's (float32)" if cfg else 'float32 (no run configuration)'
+    if recorded == 'float16' and not cpu_float16_supported():
+        return Precision(cpu), ("float32: the run evaluated in float16 autocast, which this CPU cannot run; "
+                                "--amp-dtype bfloat16 for bfloat16")
+    return Precision.create(True, recorded, cpu), f"the run's ({recorded} autocast)"
+
+

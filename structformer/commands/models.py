@@ -1,0 +1,70 @@
+"""`structformer models`: the registered models with parameter counts (and, with --flops, multiply-adds by
+component)."""
+import json
+
+from ..cli_args import positive_int
+
+EXAMPLES = """examples:
+  structformer models                 # every structformer model with its parameter count
+  structformer models --filter crate  # only names containing 'crate'
+  structformer models --json
+  structformer models --filter soft_tiny --flops   # + multiply-adds per image, by component"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument('--filter', default='', help='substring of the name')
+    p.add_argument('--json', action='store_true')
+    p.add_argument('--flops', action='store_true',
+                   help='also count forward multiply-adds of one image, split by component (builds each model)')
+    p.add_argument('--img-size', type=positive_int('--img-size'), default=None,
+                   help='input side for --flops (default: the model\'s own)')
+
+
+def human_count(n: int) -> str:
+    """A parameter count people can read: 812, 4.1K, 3.60M, 1.20G."""
+    n = int(n)
+    if abs(n) < 1000:
+        return str(n)
+    for scale, unit, digits in ((1e9, 'G', 2), (1e6, 'M', 2), (1e3, 'K', 1)):
+        if round(abs(n) / scale, digits) >= 1:        # 999,999 is 1.00M, not 1000.0K
+            return f"{n / scale:.{digits}f}{unit}"
+    return str(n)
+
+
+def run(args) -> int:
+    from ..models import list_structformer_language_models, list_structformer_models
+    from ..models.inventory import model_inventory
+    language = set(list_structformer_language_models())
+    names = [n for n in list_structformer_models() + sorted(language) if args.filter in n]
+    rows = model_inventory(names)
+    for row in rows:
+        row['task'] = 'language model' if row['name'] in language else 'image classification'
+    if args.flops:
+        from ..bench.flops import COMPONENTS, model_flops
+        for row in rows:
+            row.update(model_flops(row['name'], img_size=args.img_size))    # params of the model at that size
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    width = max(len(r['name']) for r in rows) if rows else 10
+    header = f"{'model':<{width}}  {'params':>12}  input"
+    if args.flops:
+        columns = COMPONENTS + ('other',)
+        col = max(9, *(len(c) for c in columns))            # whole component names: no truncated headers
+        parts = ''.join(f"  {c:>{col}}" for c in columns)
+        header = f"{'model':<{width}}  {'params':>12}  {'input':>10}  {'GMACs':>7}{parts}"
+    print(header)
+    for r in rows:
+        # a language model reads token ids [B, T]: its "input" is the context length
+        size = f"T={r['input_size'][-1]}" if r['task'] == 'language model' else 'x'.join(map(str, r['input_size']))
+        if args.flops:
+            parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>{col}.3f}" for c in columns)
+            print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
+        else:
+            print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")
+    if args.flops:
+        print("GMACs: multiply-adds of one image's forward (a language model: one sequence of T tokens; "
+              "FlopCounterMode, matmul/conv only; papers quote these as FLOPs), split by component")
+    return 0
+
+

@@ -1,0 +1,181 @@
+"""docs/leaderboard.md, rendered from a comparison's record (`render`), and each paper's headline claim checked
+against the table (`claims`). tests/test_compare.py checks that the committed page is exactly the render of the
+committed record.
+
+A difference of two rows' top-1 is read against two standard errors of the difference: with several seeds,
+√(SE_a² + SE_b²) from the seeds; with one seed, the binomial standard error of each accuracy on the held-out images.
+Beyond that margin the claim agrees or disagrees; inside it the table cannot tell at this scale.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+from .record import markdown_table
+
+# the papers' headline claims that the table can check, with the paper's own numbers
+PAPER = {
+    'soft': 'SOFT Table 2 (ImageNet, Tiny backbone, equal parameters): SOFT 80.9 % vs softmax 80.0 % top-1, and '
+            'faster training (1,730 vs 1,073 img/s) in less memory',
+    'sparsifiner': 'Sparsifiner Table 4 (ImageNet, DeiT-S): at an equal attention budget, learned sparse connectivity '
+                   'beats Linformer\'s low-rank projection',
+    'lowrank': 'Low-rank training (seed 004): a factorised network keeps near-dense accuracy with fewer parameters and '
+               'less compute; pre-training dense and then factorising helps the LM, not the WRN (Tables 2, 8-9)',
+    'crate': 'CRATE (Table 1): a white-box transformer close to ViT accuracy at comparable parameters',
+    'mixer': 'MLP-Mixer as a wide sparse MLP (§5): random permutations (RP-Mixer) keep the Mixer\'s accuracy at the '
+             'same connections, and a wider sparse MLP does better',
+}
+
+
+def record_command(set_name: str, data: str) -> str:
+    """The one line that makes a set's record and publishes it (the data's path written as PATH)."""
+    spec = data.partition(':')[0] + ':PATH' if ':' in data else data
+    return (f"structformer compare --set {set_name} --data {spec} --jobs 2 --threads 1 --output "
+            f"outputs/compare_{set_name} --publish docs")
+
+
+def _row(record: Dict, key: str) -> Optional[Dict]:
+    return next((r for r in record['rows'] if r['key'] == key and r.get('top1_mean') is not None), None)
+
+
+def difference(a: Dict, b: Dict, held_out: int) -> Dict:
+    """a's top-1 minus b's, its standard error and the reading: 'higher', 'lower' or 'no clear difference'."""
+    delta = a['top1_mean'] - b['top1_mean']
+    if a.get('top1_se') is not None and b.get('top1_se') is not None:
+        se, basis = math.sqrt(a['top1_se'] ** 2 + b['top1_se'] ** 2), 'seeds'
+    else:
+        p, q = a['top1_mean'] / 100, b['top1_mean'] / 100
+        se, basis = 100 * math.sqrt((p * (1 - p) + q * (1 - q)) / max(held_out, 1)), f'binomial, {held_out} images'
+    reading = 'higher' if delta > 2 * se else 'lower' if delta < -2 * se else 'no clear difference'
+    return {'delta': delta, 'se': se, 'basis': basis, 'reading': reading}
+
+
+def _vs(a: Dict, b: Dict, held_out: int) -> str:
+    d = difference(a, b, held_out)
+    return (f"{a['label']} {a['top1_mean']:.2f} % vs {b['label']} {b['top1_mean']:.2f} % "
+            f"({d['delta']:+.2f} ± {d['se']:.2f}, {d['basis']}: {d['reading']})")
+
+
+def _speed(a: Dict, b: Dict) -> str:
+    if not (a.get('train_ms_per_image') and b.get('train_ms_per_image')):
+        return 'not timed'
+    return f"trains at {b['train_ms_per_image'] / a['train_ms_per_image']:.2f}× the speed of {b['label']}"
+
+
+def _verdict(readings: List[str], want: str) -> str:
+    if all(r == want for r in readings):
+        return 'agrees'
+    if any(r not in (want, 'no clear difference') for r in readings):
+        return 'disagrees'
+    return 'cannot tell at this scale' if all(r == 'no clear difference' for r in readings) else 'partly agrees'
+
+
+def claims(record: Dict) -> List[Dict]:
+    """Each paper's headline claim against the rows present: {'claim', 'paper', 'verdict', 'text'}."""
+    held_out = int(record.get('data', {}).get('val_images') or 0)
+    out = []
+    vit = _row(record, 'vit')
+    soft = [r for r in (_row(record, 'soft'), _row(record, 'softpp')) if r]
+    if vit and soft:
+        readings = [difference(r, vit, held_out)['reading'] for r in soft]
+        text = '; '.join(f"{_vs(r, vit, held_out)}, {_speed(r, vit)}" for r in soft)
+        out.append({'claim': 'SOFT vs softmax at equal parameters', 'paper': PAPER['soft'],
+                    'verdict': _verdict(readings, 'higher'),
+                    'text': text + ". Here SOFT is its own pyramid backbone and softmax timm's ViT, both at the "
+                                   "budget; the paper swaps the attention inside one backbone (`reproduce soft`)."})
+    sparse, linformer = _row(record, 'sparsifiner'), _row(record, 'vit_linformer')
+    if sparse and linformer:
+        d = difference(sparse, linformer, held_out)
+        out.append({'claim': 'Sparsifiner vs Linformer at equal budget', 'paper': PAPER['sparsifiner'],
+                    'verdict': _verdict([d['reading']], 'higher'),
+                    'text': f"{_vs(sparse, linformer, held_out)}; k = B keys per query. Sparsifiner starts from the "
+                            "trained ViT of its seed and trains as many epochs again, so it has had twice the training "
+                            f"of every other row; {_speed(sparse, linformer)} (teacher excluded)."})
+    lowrank = [r for r in record['rows'] if r['family'] == 'low-rank' and r.get('top1_mean') is not None]
+    dense = [r for r in record['rows'] if r['family'] != 'low-rank' and r.get('top1_mean') is not None]
+    if lowrank:
+        parts, readings = [], []
+        for r in lowrank:
+            base = _row(record, r['role'].split()[-1])          # the dense row it is the factorisation of
+            if r.get('train_ms_per_image') is None or base is None or base.get('train_ms_per_image') is None:
+                continue
+            better = [d for d in dense if d.get('train_ms_per_image') is not None
+                      and d['train_ms_per_image'] <= r['train_ms_per_image'] and d['top1_mean'] >= r['top1_mean']]
+            readings.append('higher' if not better else 'lower')
+            parts.append(f"{r['label']}: {r['top1_mean']:.2f} % at {r['train_ms_per_image']:.3f} ms/image "
+                         f"({r['train_ms_per_image'] / base['train_ms_per_image']:.2f}× the time of {base['label']}, "
+                         f"{r['params'] / base['params']:.2f}× its parameters, {r['top1_mean'] - base['top1_mean']:+.2f} "
+                         "points), " + ('on the accuracy-time front' if not better else
+                                        'dominated by ' + ', '.join(d['label'] for d in better[:3])))
+        for r in (r for r in lowrank if r.get('pretrained')):
+            scratch = next((s for s in lowrank if not s.get('pretrained') and s['rank'] == r['rank']
+                            and s['role'] == r['role']), None)
+            if scratch:
+                parts.append(f"pre-trained vs from the start at rank {r['rank']:g}: {_vs(r, scratch, held_out)}")
+        if parts:
+            out.append({'claim': 'low-rank at equal time rather than equal rank', 'paper': PAPER['lowrank'],
+                        'verdict': _verdict(readings, 'higher'),
+                        'text': '; '.join(parts) + '. "Dominated": a dense row is at least as accurate and no '
+                                                   'slower per image.'})
+    crate = _row(record, 'crate')
+    if crate and vit:
+        d = difference(crate, vit, held_out)
+        out.append({'claim': 'CRATE vs ViT at equal parameters', 'paper': PAPER['crate'],
+                    'verdict': 'agrees' if d['reading'] != 'lower' else 'disagrees',
+                    'text': f"{_vs(crate, vit, held_out)}, {_speed(crate, vit)}."})
+    mixer = _row(record, 'mixer')
+    structured = [r for r in (_row(record, 'rp_mixer'), _row(record, 'swmlp')) if r]
+    if mixer and structured:
+        # the paper: RP-Mixer no worse than the Mixer at the same connections; the wider sparse MLP better
+        wanted = {'rp_mixer': ('higher', 'no clear difference'), 'swmlp': ('higher',)}
+        met = [difference(r, mixer, held_out)['reading'] in wanted[r['key']] for r in structured]
+        out.append({'claim': 'RP-Mixer and SW-MLP vs MLP-Mixer at equal parameters', 'paper': PAPER['mixer'],
+                    'verdict': 'agrees' if all(met) else 'partly agrees' if any(met) else 'disagrees',
+                    'text': '; '.join(_vs(r, mixer, held_out) for r in structured) + '.'})
+    return out
+
+
+def render(record: Dict, figures: str = 'leaderboard') -> str:
+    """The leaderboard page of `record` (figures under the folder `figures`, relative to the page)."""
+    recipe = record['recipe']
+    data = record.get('data', {})
+    placeholder = record.get('set') != 'mnist'
+    lines = ['# Leaderboard: one table across the families', '']
+    if placeholder:
+        lines += [f"> **Placeholder.** This page is rendered from a `{record.get('set')}` record, a smoke-scale run, "
+                  "not the MNIST comparison: its numbers say that the pipeline works, not which model is better. "
+                  "The MNIST record (18 rows x 3 seeds, about 1.2 hours on two quiet cores by the dry run's CPU-time "
+                  "estimate) and this page from it:", '', '```text', record_command('mnist', 'mnist:PATH'), '```',
+                  '']
+    lines += ['Every structured model beside its dense baselines, trained by one recipe on one split with the same '
+              'seeds, sized to one parameter budget, and timed on one machine (`structformer compare`, '
+              '[design](design.md)). Regenerate the record, its plots and this page with:', '',
+              '```text', record['record_command'], '```', '',
+              f"This record: `{record.get('command')}`.", '',
+              f"- data: {data.get('kind')} ({data.get('train_images')} training / {data.get('val_images')} held-out "
+              f"images{', the split follows the seed' if data.get('kind') == 'digits' else ''}); seeds "
+              f"{', '.join(map(str, record['seeds']))}, shared by every row",
+              f"- budget: {record['budget']:,} parameters, matched within ±15 % per row (a masked layer counts the "
+              "weights its mask keeps); the low-rank rows are the matched ViT / WRN factorised, and say so"
+              if record.get('budget') else '- sizes: the registry\'s (`--no-match`)',
+              '- recipe (every cell): ' + ', '.join(f"{k} {v}" for k, v in sorted(recipe.items())),
+              f"- trained on: {record['environment'].get('cpu')}, {record['environment'].get('threads')} thread(s), "
+              f"torch {record['environment'].get('torch')}", '',
+              '## Table', '',
+              'Top-1 on the held-out images after the last epoch: mean ± standard error over seeds, then each seed\'s. '
+              'Speeds: one batch of training images, the row\'s own training step (forward, backward, optimiser) and '
+              'inference forward, every row timed back to back in one process (paired rounds; ratio to the ViT with '
+              'its interquartile range). Memory: growth of the process\'s peak memory over three training steps, one '
+              'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; Sparsifiner\'s '
+              'masked path computes the dense products). Front: on the Pareto front of accuracy against training time '
+              'per image (T) or parameters (P).', '',
+              markdown_table(record).rstrip('\n'), '']
+    for name in record.get('figures', []):
+        lines.append(f"![{name.rsplit('.', 1)[0].replace('_', ' ')}]({figures}/{name})")
+    lines += ['', '## The papers\' claims against this table', '']
+    for c in claims(record):
+        lines += [f"- **{c['claim']}: {c['verdict']}.** {c['text']} *Paper:* {c['paper']}."]
+    lines += ['', 'Cells that did not finish: ' + (', '.join(
+        f"{r['key']}/seed_{c['seed']} ({c['state']})" for r in record['rows'] for c in r['cells']
+        if c['state'] != 'finished') or 'none') + '.', '']
+    return '\n'.join(lines)

@@ -1,0 +1,145 @@
+"""The comparison's outputs: the timing phase (`measure`), the record with its table and plots (`write_record`) and
+the published page (`publish`). Timings go to OUTPUT/speed.json, apart from the cells, so that they can be taken
+again without training (`compare --measure-only`); the record OUTPUT/compare.json is rebuilt from the cells and
+the last timings each time.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..errors import UsageError
+from .record import mark_fronts, plot_fronts, summarise_row
+
+RECORD, SPEED, PAGE = 'compare.json', 'speed.json', 'leaderboard.md'
+
+
+def _first_finished(cells, key):
+    from .grid import cell_state
+    return next((c for c in cells if c.row.key == key and cell_state(c) == 'finished'), None)
+
+
+def _relative(path, output: Path):
+    if not path:
+        return path
+    try:
+        return str(Path(path).resolve().relative_to(output.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def measure(cells, rows, data: str, shared: Dict, args, output: Path) -> Dict:
+    """Time every row with a finished cell (its first seed's): paired training and inference in one fresh process,
+    then peak training memory in a fresh process per row, each phase with its machine-load record. Written to
+    OUTPUT/speed.json and returned."""
+    from ..bench.harness import MeasurementFailed, measure_in_subprocess
+    from ..bench.load import LoadWatch, summary_line
+    from ..records import write_json
+    from ..train.data_paths import absolute_data
+    from .speed import RECIPE_KEYS
+    runs = {}
+    for row in rows:
+        cell = _first_finished(cells, row.key)
+        if cell is not None:
+            runs[row.key] = str(cell.folder)
+    missing = [r.key for r in rows if r.key not in runs]
+    if args.measure_only and missing:
+        raise UsageError(f"--measure-only: no finished cell to time for {', '.join(missing)}; train them first "
+                         "(the same command without --measure-only)")
+    if not runs:
+        return {}
+    data = absolute_data(data)[0]
+    recipe = {k: shared[k] for k in RECIPE_KEYS if k in shared}
+    recipe['val_fraction'] = shared.get('val_fraction', 0.2)
+    batch = int(shared.get('batch_size', 64))
+    print(f"timing {len(runs)} row(s): {args.speed_rounds} paired rounds of batch {batch}, then peak memory", flush=True)
+    watch = LoadWatch(args.threads or None)
+    try:
+        paired = measure_in_subprocess('structformer.compare.speed:measure_paired', runs, data, batch,
+                                       args.speed_rounds, recipe, args.threads, args.device, 'vit')
+    except MeasurementFailed as e:
+        raise RuntimeError(f"the paired timing failed: {e}") from None
+    load = watch.record()
+    memory = {}
+    for key, run in runs.items():
+        mark = watch.mark()
+        try:
+            memory[key] = measure_in_subprocess('structformer.compare.speed:measure_memory', run, data, batch, recipe,
+                                                args.threads, args.device)
+        except MeasurementFailed as e:
+            raise RuntimeError(f"measuring the memory of {key} failed: {e}") from None
+        memory[key]['machine_load'] = watch.since(mark)
+    speed = dict(paired, memory=memory, machine_load=load, runs={k: _relative(v, output) for k, v in runs.items()})
+    write_json(output / SPEED, speed)
+    print(summary_line(load))
+    return speed
+
+
+def write_record(output: Path, set_name: Optional[str], kind: str, rows, cells, shared: Dict, speed: Optional[Dict],
+                 data: str, args, command: str, record_command: str) -> Dict:
+    """OUTPUT/compare.json, accuracy_vs_time.png, accuracy_vs_params.png and leaderboard.md from the cells and the
+    last timings; returns the record."""
+    import torch
+
+    from ..data import build_datasets
+    from ..records import environment, write_json, write_text
+    from ..train.checkpoint import load_model
+    from .grid import cell_result
+    from .leaderboard import render
+    from .speed import costs, data_batch
+    train_set, val_set, _ = build_datasets(data, seed=0, val_fraction=shared.get('val_fraction', 0.2))
+    sample, _, _ = data_batch(data, 1, val_fraction=shared.get('val_fraction', 0.2))
+    speed = speed or {}
+    out_rows = []
+    for row in rows:
+        results = []
+        for cell in (c for c in cells if c.row.key == row.key):
+            result = cell_result(cell)
+            result['run'] = _relative(result['run'], output)
+            if result.get('teacher'):
+                result['teacher'] = _relative(result['teacher'], output)
+            results.append(result)
+        first = next((c for c in cells if c.row.key == row.key), None)
+        facts = {'key': row.key, 'label': row.entry.label, 'family': row.entry.family, 'model': row.model,
+                 'model_kwargs': json.loads(json.dumps(row.kwargs_for(first.seed))), 'transforms': row.transforms,
+                 'role': row.role, 'budget': row.budget, 'rank': row.entry.rank, 'pretrained': row.entry.pretrained,
+                 'teacher': row.entry.depends if row.entry.teacher else None, 'baseline': row.entry.baseline,
+                 'switch_epoch': first.config.factorize_at if row.entry.pretrained else None,
+                 'params': None, 'flops_per_image': None}
+        finished = _first_finished(cells, row.key)
+        if finished is not None:
+            model, _ = load_model(finished.folder)
+            with torch.random.fork_rng(devices=[]):
+                facts.update(costs(model, sample))
+        timing = None
+        if row.key in speed.get('train', {}):
+            timing = {'train': speed['train'][row.key], 'infer': speed['infer'][row.key]}
+        out_rows.append(summarise_row(facts, results, timing, speed.get('memory', {}).get(row.key)))
+    mark_fronts(out_rows)
+    title = f"compare {set_name or 'custom'} on {kind}: {len(rows)} rows x {len(set(c.seed for c in cells))} seed(s)"
+    record = {'title': title, 'set': set_name, 'data': {'kind': kind, 'train_images': len(train_set),
+                                                        'val_images': len(val_set)},
+              'seeds': sorted({c.seed for c in cells}), 'budget': rows[0].budget, 'match': not args.no_match,
+              'recipe': json.loads(json.dumps(shared)), 'rows': out_rows,
+              'speed': {k: speed.get(k) for k in ('environment', 'machine_load', 'batch_size', 'rounds', 'reference')}
+              if speed else None,
+              'environment': environment(torch.device('cpu')), 'command': command, 'record_command': record_command}
+    record['figures'] = plot_fronts(record, output)
+    write_json(output / RECORD, record)
+    write_text(output / PAGE, render(record, figures='.'))
+    return record
+
+
+def publish(record: Dict, output: Path, docs: Path) -> Path:
+    """DOCS/leaderboard.md and DOCS/leaderboard/ (record.json and the plots) from the record in OUTPUT."""
+    from ..records import write_json, write_text
+    from .leaderboard import render
+    folder = docs / 'leaderboard'
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in record.get('figures', []):
+        shutil.copyfile(output / name, folder / name)
+    write_json(folder / 'record.json', record)
+    write_text(docs / PAGE, render(record, figures='leaderboard'))
+    return docs / PAGE

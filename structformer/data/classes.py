@@ -1,0 +1,31 @@
+"""The class names a run was trained on: recorded with the run and in every checkpoint (train/), compared with the
+data a run is resumed or evaluated on. A model's output k means the run's class k; data that names its classes
+in another order (an image folder read by timm's reader instead of torchvision's, a re-sorted synset list)
+would be scored against the wrong names without a word, so a difference is refused, naming the first one."""
+from typing import Any, Dict, List, Optional
+
+
+def class_record(extra: Dict[str, Any]) -> Dict[str, Any]:
+    """{'classes', 'class_order', 'class_descriptions'} of a DatasetInfo's extra (None where the data has none)."""
+    classes = extra.get('classes')
+    return {'classes': list(classes) if classes else None, 'class_order': extra.get('class_order'),
+            'class_descriptions': list(extra['class_descriptions']) if extra.get('class_descriptions') else None}
+
+
+def class_mismatch(stored: Optional[List[str]], found: Optional[List[str]]) -> Optional[str]:
+    """None when the two name lists agree (or either is unknown), else the first difference in words."""
+    if not stored or not found or list(stored) == list(found):
+        return None
+    if sorted(stored) == sorted(found):
+        k = next(i for i, (a, b) in enumerate(zip(stored, found)) if a != b)
+        return (f'the same {len(stored)} class names in another order: class {k} is {stored[k]!r} for the run, '
+                f'{found[k]!r} in the data')
+    only_run = [c for c in stored if c not in set(found)]
+    only_data = [c for c in found if c not in set(stored)]
+    return (f'other classes: {len(stored)} for the run, {len(found)} in the data'
+            + (f"; only the run's: {_few(only_run)}" if only_run else '')
+            + (f"; only the data's: {_few(only_data)}" if only_data else ''))
+
+
+def _few(names: List[str]) -> str:
+    return ', '.join(repr(n) for n in names[:3]) + (f' and {len(names) - 3} more' if len(names) > 3 else '')

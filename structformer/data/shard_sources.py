@@ -1,0 +1,215 @@
+"""What `structformer data shard SOURCE OUT` reads: an image folder, `hfds:PATH` or a timm `create_dataset` data
+set (`timm:NAME:ROOT`) here, ImageNet as downloaded in imagenet.py; each as splits of (encoded image, class index)
+items. `shard_writer.open_source` picks the form.
+
+A split lists its items cheaply up front (`label`, `name`); the bytes are read in the writer processes
+(`read`: the image file's own bytes where its format is one a shard holds, else re-encoded as PNG). Class
+indices are the source's own: torchvision's sorted folder names for an image folder, the ClassLabel's for
+hfds, the synset order for ImageNet, the reader's `class_to_idx` for timm (timm sorts folder names without
+case, torchvision by code point: for `Zebra`, `ant`, `Bee` the two differ; `_info.json` records the names
+in the order used).
+"""
+import io
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..errors import UsageError
+from .tars import IMAGE_KEYS
+
+_FORMAT_KEYS = {'JPEG': 'jpg', 'PNG': 'png', 'WEBP': 'webp', 'PPM': 'ppm', 'BMP': 'bmp', 'TIFF': 'tiff'}
+
+
+def as_shard_image(data: bytes, ext: Optional[str]) -> Tuple[str, bytes]:
+    """(extension, bytes) to store: the bytes as they are when their format is one a shard holds, else PNG."""
+    ext = (ext or '').lower().lstrip('.')
+    if ext in IMAGE_KEYS:
+        return ext, data
+    from PIL import Image
+    with Image.open(io.BytesIO(data)) as im:
+        key = _FORMAT_KEYS.get(im.format or '')
+        if key:
+            return key, data
+        out = io.BytesIO()
+        im.convert('RGB').save(out, 'PNG')
+    return 'png', out.getvalue()
+
+
+class Split:
+    """Items of one split: `labels[i]`, `names[i]` (for keys and messages); `read(i)` -> (extension, bytes)."""
+
+    def __init__(self, names: Sequence[str], labels: Sequence[int]):
+        self.names, self.labels = list(names), [int(v) for v in labels]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, i: int) -> Tuple[str, bytes]:
+        raise NotImplementedError
+
+
+class FileSplit(Split):
+    """Image files, read whole."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int]):
+        super().__init__(paths, labels)
+
+    def read(self, i: int) -> Tuple[str, bytes]:
+        path = self.names[i]
+        with open(path, 'rb') as f:
+            return as_shard_image(f.read(), os.path.splitext(path)[1])
+
+
+class RangeSplit(Split):
+    """Byte ranges of files (images inside uncompressed tars): [(file, offset, size)]."""
+
+    def __init__(self, names: Sequence[str], labels: Sequence[int], ranges: Sequence[Tuple[str, int, int]]):
+        super().__init__(names, labels)
+        self.ranges = list(ranges)
+
+    def read(self, i: int) -> Tuple[str, bytes]:
+        path, offset, size = self.ranges[i]
+        with open(path, 'rb') as f:
+            f.seek(offset)
+            return as_shard_image(f.read(size), os.path.splitext(self.names[i])[1])
+
+
+class HFSplit(Split):
+    """Rows of a Hugging Face Dataset whose image column is read undecoded ({'bytes', 'path'})."""
+
+    def __init__(self, ds, image: str, labels: Sequence[int], where: str):
+        super().__init__([f'{where} row {i}' for i in range(len(labels))], labels)
+        self.ds, self.image = ds, image
+
+    def read(self, i: int) -> Tuple[str, bytes]:
+        cell = self.ds[i][self.image]
+        data, path = (cell.get('bytes'), cell.get('path')) if isinstance(cell, dict) else (None, cell)
+        if data is None:
+            with open(path, 'rb') as f:
+                data = f.read()
+        return as_shard_image(data, os.path.splitext(path)[1] if path else None)
+
+
+class TimmSplit(Split):
+    """A map-style timm data set: its reader's open file where it has one (folder, tar readers), else the
+    image it returns, encoded as PNG."""
+
+    def __init__(self, ds, names: Sequence[str], labels: Sequence[int]):
+        super().__init__(names, labels)
+        self.ds = ds
+
+    def read(self, i: int) -> Tuple[str, bytes]:
+        reader = getattr(self.ds, 'reader', None)
+        if reader is not None:
+            handle = reader[i][0]
+            try:
+                return as_shard_image(handle.read(), os.path.splitext(self.names[i])[1])
+            finally:
+                handle.close()
+        image = self.ds[i][0]
+        out = io.BytesIO()
+        image.convert('RGB').save(out, 'PNG')
+        return 'png', out.getvalue()
+
+
+class Source:
+    """Splits ('train' and, where the source has one, 'validation') with their class names."""
+
+    def __init__(self, description: str, classes: Optional[List[str]], splits: Dict[str, Split],
+                 class_order: str = ''):
+        self.description, self.classes, self.splits, self.class_order = description, classes, splits, class_order
+
+
+# ----------------------------------------------------------------------------- the forms
+
+def folder_source(folder: str) -> Source:
+    from torchvision.datasets import ImageFolder
+    folder = os.path.expanduser(folder)
+    if not os.path.isdir(folder):
+        raise UsageError(f'SOURCE {folder}: not a folder (accepted: an image folder, imagefolder:PATH, hfds:PATH, '
+                         'imagenet:PATH, timm:NAME:ROOT)')
+    val_dir = next((d for d in ('val', 'test') if os.path.isdir(os.path.join(folder, d))), None)
+    roots = ({'train': os.path.join(folder, 'train'), 'validation': os.path.join(folder, val_dir)}
+             if val_dir and os.path.isdir(os.path.join(folder, 'train')) else {'train': folder})
+    splits, classes = {}, None
+    for split, root in roots.items():
+        try:
+            ds = ImageFolder(root)
+        except FileNotFoundError as e:
+            raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})') from None
+        if classes is not None and ds.classes != classes:
+            raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold different class folders')
+        classes = ds.classes
+        splits[split] = FileSplit([p for p, _ in ds.samples], [t for _, t in ds.samples])
+    from .imagefolder import FOLDER_CLASS_ORDER
+    return Source(f'image folder {os.path.abspath(folder)}', classes, splits, FOLDER_CLASS_ORDER)
+
+
+def hfds_source(path: str) -> Source:
+    from .hfds import VAL_SPLITS, _columns, _load
+    from .spec import resolve_options
+    from .hfds import OPTIONS
+    spec = f'hfds:{path}'
+    loaded = _load(os.path.expanduser(path), spec)
+    import datasets
+    parts = ({'train': loaded['train'], **next(({'validation': loaded[s]} for s in VAL_SPLITS if s in loaded), {})}
+             if isinstance(loaded, datasets.DatasetDict) else {'train': loaded})
+    if isinstance(loaded, datasets.DatasetDict) and 'train' not in loaded:
+        raise UsageError(f'SOURCE {spec}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
+    image, label = _columns(parts['train'], resolve_options('hfds', OPTIONS, {}), f'SOURCE {spec}')
+    feature = parts['train'].features[label]
+    classes = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    splits = {}
+    for name, ds in parts.items():
+        raw = ds.cast_column(image, datasets.Image(decode=False)) if isinstance(ds.features[image], datasets.Image) \
+            else ds
+        splits[name] = HFSplit(raw, image, ds[label], f'{spec} {name}')
+    return Source(f'Hugging Face dataset {os.path.abspath(os.path.expanduser(path))}', classes, splits,
+                  "the ClassLabel's names")
+
+
+def timm_source(name: str, root: str) -> Source:
+    """timm's create_dataset(name, root, split) for 'train' and 'validation' (timm's split search: a folder's
+    train/ and val/ sub-folders); a root without split folders is one 'train' split."""
+    from timm.data import create_dataset
+    spec = f'timm:{name}:{root}'
+    if not os.path.exists(os.path.expanduser(root)):
+        raise UsageError(f'SOURCE {spec}: {root} does not exist')
+    splits, classes, seen = {}, None, {}
+    for split in ('train', 'validation'):
+        try:
+            ds = create_dataset(name, root=os.path.expanduser(root), split=split, load_bytes=True)
+        except (AssertionError, RuntimeError, ValueError, FileNotFoundError) as e:
+            if split == 'validation':
+                continue
+            raise UsageError(f'SOURCE {spec}: timm.data.create_dataset refused it: {e}') from None
+        if not hasattr(ds, '__getitem__') or not hasattr(ds, '__len__'):
+            raise UsageError(f'SOURCE {spec}: an iterable timm data set; data shard reads map-style ones (folder, '
+                             'tar, hfds/, torch/)')
+        reader = getattr(ds, 'reader', None)
+        where = getattr(reader, 'root', None) or getattr(ds, 'root', None)
+        if where is not None and where in seen.values():
+            continue                       # no split folders: timm gave the same data for both splits
+        seen[split] = where
+        mapping = getattr(reader, 'class_to_idx', None) or getattr(reader, 'class_name_to_idx', None) \
+            or getattr(ds, 'class_to_idx', None)
+        names = [reader._filename(i, absolute=True) if hasattr(reader, '_filename') else f'{spec} {split} {i}'
+                 for i in range(len(ds))] if reader is not None else [f'{spec} {split} {i}' for i in range(len(ds))]
+        labels = _timm_labels(ds, reader)
+        split_classes = [c for c, _ in sorted(mapping.items(), key=lambda kv: kv[1])] if mapping else None
+        if classes is not None and split_classes != classes:
+            raise UsageError(f'SOURCE {spec}: its train and validation splits have different classes')
+        classes = split_classes
+        splits[split] = TimmSplit(ds, names, labels)
+    return Source(f'timm create_dataset({name!r}, {os.path.abspath(os.path.expanduser(root))!r})', classes, splits,
+                  "timm's reader: folder names in natural order, case ignored")
+
+
+def _timm_labels(ds, reader) -> List[int]:
+    if reader is not None and hasattr(reader, 'samples') and hasattr(reader, 'targets'):
+        return [int(t) for t in reader.targets]                # ReaderImageInTar
+    if reader is not None and hasattr(reader, 'samples'):
+        return [int(t) for _, t in reader.samples]             # ReaderImageFolder
+    targets = getattr(ds, 'targets', None)
+    if targets is not None:
+        return [int(t) for t in targets]
+    return [int(ds[i][1]) for i in range(len(ds))]

@@ -1,0 +1,104 @@
+"""The checks of the schedule, the training controls and the per-phase settings of a `TrainConfig` (timm train.py's
+names): ranges, and what each needs, as one-line UsageErrors naming the flag (or `phase_settings.NAME.KEY`)."""
+import typing
+from typing import Any, Dict
+
+from ..errors import UsageError
+from .config_file import _KIND_WORDS, _coerce, _field_kind, flag_name
+
+# what a phase may set for itself (`phase_settings`): its own optimiser (fresh state) and its own schedule over
+# its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
+PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
+                      'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
+SCHEDULES = ('cosine', 'step', 'multistep', 'none')
+
+
+def validate_schedule(values: Dict[str, Any], where: str) -> None:
+    """The schedule's numbers (run-wide, or a phase's: `where` names it), before any work."""
+    def bad(key, accepted):
+        raise UsageError(f"{where}{flag_name(key) if not where else key}={values[key]!r} is out of range: "
+                         f"accepted {accepted}")
+    epochs = values['epochs']
+    if values['sched'] not in SCHEDULES:
+        bad('sched', "'cosine', 'step', 'multistep' or 'none'")
+    if not values['decay_epochs'] > 0:
+        bad('decay_epochs', '> 0')
+    if not 0 < values['decay_rate'] <= 1:
+        bad('decay_rate', 'in (0, 1]')
+    milestones = values['decay_milestones']
+    if not (isinstance(milestones, list) and milestones and all(isinstance(m, int) and not isinstance(m, bool)
+                                                                  and m > 0 for m in milestones)
+            and milestones == sorted(set(milestones))):
+        bad('decay_milestones', 'increasing whole epochs > 0, e.g. 60 120 160')
+    if not 0 <= values['cooldown_epochs'] < epochs:
+        bad('cooldown_epochs', f'in [0, epochs={epochs})')
+    if not 0 <= values['warmup_epochs'] < epochs - values['cooldown_epochs']:
+        bad('warmup_epochs', f"in [0, epochs - cooldown_epochs = {epochs - values['cooldown_epochs']})")
+
+def validate_controls(config) -> None:
+    """Betas, eps, layer decay, BCE: ranges and what they need."""
+    betas = config.opt_betas
+    if betas is not None and not (len(betas) in (2, 3) and all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                                                and 0 <= b < 1 for b in betas)):
+        raise UsageError(f"--opt-betas={betas!r} is out of range: accepted two (or three) numbers in [0, 1), "
+                         "e.g. 0.9 0.999")
+    if config.opt_eps is not None and not config.opt_eps > 0:
+        raise UsageError(f"--opt-eps={config.opt_eps!r} is out of range: accepted > 0")
+    if config.layer_decay is not None and not 0 < config.layer_decay <= 1:
+        raise UsageError(f"--layer-decay={config.layer_decay!r} is out of range: accepted a factor in (0, 1]")
+    if config.bce_target_thresh is not None:
+        if not config.bce_loss:
+            raise UsageError("--bce-target-thresh needs --bce-loss")
+        if not 0 < config.bce_target_thresh < 1:
+            raise UsageError(f"--bce-target-thresh={config.bce_target_thresh!r} is out of range: accepted in (0, 1)")
+    from ..data.spec import parse_data_spec
+    try:
+        form = parse_data_spec(config.data)[0]
+    except ValueError:
+        return                      # the dataset builder names --data
+    tokens = form in ('pysource', 'text')
+    if config.channels_last and (tokens or _takes_token_ids(config.model)):
+        what = f"--data {config.data} is text" if tokens else f"--model {config.model} takes token ids"
+        raise UsageError(f"--channels-last: {what}, not images; channels-last is a memory format of image "
+                         "batches [B, C, H, W] and convolutions; leave it out")
+    if config.bce_loss and (tokens or _takes_token_ids(config.model)):
+        what = f"--data {config.data} is text" if tokens else f"--model {config.model} is a language model"
+        raise UsageError(f"--bce-loss: {what}; binary cross-entropy is for image classes (one output per "
+                         "class and image); leave it out")
+
+def validate_phase_settings(config) -> None:
+    """`phase_settings`: a mapping of phase name to PHASE_SETTING_KEYS, each value checked as the run-wide one."""
+    if not isinstance(config.phase_settings, dict):
+        raise UsageError(f"phase_settings must be a mapping of phase name to settings; got {config.phase_settings!r}")
+    for name, settings in config.phase_settings.items():
+        where = f"phase_settings.{name}."
+        if not isinstance(settings, dict):
+            raise UsageError(f"phase_settings.{name}: expected a mapping of key: value; got {settings!r}")
+        unknown = sorted(set(settings) - set(PHASE_SETTING_KEYS))
+        if unknown:
+            raise UsageError(f"{where}{unknown[0]}: not a phase setting; accepted {', '.join(PHASE_SETTING_KEYS)}")
+        hints = typing.get_type_hints(type(config))
+        for key, value in settings.items():
+            kind, optional = _field_kind(hints[key])
+            try:
+                settings[key] = None if value is None and optional else _coerce(value, kind)
+            except (TypeError, ValueError):
+                raise UsageError(f"{where}{key} must be {_KIND_WORDS.get(kind, kind.__name__)}; got {value!r}") from None
+        if 'lr' in settings and not settings['lr'] > 0:
+            raise UsageError(f"{where}lr={settings['lr']!r} is out of range: accepted > 0")
+        if 'weight_decay' in settings and not settings['weight_decay'] >= 0:
+            raise UsageError(f"{where}weight_decay={settings['weight_decay']!r} is out of range: accepted >= 0")
+        for key in ('warmup_lr', 'min_lr'):
+            if settings.get(key) is not None and not settings[key] >= 0:
+                raise UsageError(f"{where}{key}={settings[key]!r} is out of range: accepted >= 0")
+        if 'opt' in settings:
+            try:
+                type(config)(opt=settings['opt'])._validate_optimizer()
+            except UsageError as e:
+                raise UsageError(f"{where}opt: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _takes_token_ids(model: str) -> bool:
+    """True for a registered language model (its input is token ids [B, T], not images)."""
+    from ..models import list_structformer_language_models
+    return model in list_structformer_language_models()

@@ -1,0 +1,108 @@
+"""The optimiser and the learning-rate schedule of a run, or of one phase, from timm's factories.
+
+    param_groups      which parameters decay, and each group's lr_scale under --layer-decay (timm's
+                      param_groups_weight_decay / param_groups_layer_decay, over the model's group_matcher)
+    make_optimizer    timm's create_optimizer_v2 on those groups, with --opt-betas / --opt-eps
+    make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, step, multistep; 'none'
+                      is a constant lr), with --cooldown-epochs and a --warmup-prefix warm-up counted inside
+                      --epochs
+
+`values` is `TrainConfig.schedule_values()`: the run's settings, or a phase's (`phase_settings`) over them.
+The trainer and `--dry-run` both call these, so the plan prints the learning rates training will use.
+"""
+from typing import Any, Collection, Dict, List, Optional
+
+import torch
+
+from ..errors import UsageError
+
+__all__ = ['param_groups', 'make_optimizer', 'make_scheduler', 'scheduled_lr']
+
+
+def param_groups(model: torch.nn.Module, config, weight_decay: float, exempt: Collection[str] = ()) -> List[Dict]:
+    """The optimiser's parameter groups. Default (timm's): 1-d parameters, biases and `model.no_weight_decay()`
+    are not decayed; `decay_everything` decays every parameter (the public CRATE code); `exempt` names leave the
+    decay in either case (Frobenius decay's factors). With `layer_decay`, timm's param_groups_layer_decay over the
+    model's `group_matcher`: each group carries lr_scale = layer_decay^(last group - its group), which timm's
+    schedulers multiply into the lr."""
+    from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
+    exempt = set(exempt)
+    own = set(model.no_weight_decay()) if hasattr(model, 'no_weight_decay') and not config.decay_everything else set()
+    if config.layer_decay is not None:
+        if not hasattr(model, 'group_matcher'):
+            raise UsageError(f"--layer-decay: --model {config.model} defines no group_matcher (timm's stem / blocks "
+                             "/ head grouping), so it has no layers to decay the lr over; leave --layer-decay out")
+        return param_groups_layer_decay(model, weight_decay, no_weight_decay_list=own | exempt,
+                                        weight_decay_exclude_1d=not config.decay_everything,
+                                        layer_decay=config.layer_decay)
+    if config.decay_everything:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{'params': [p for n, p in named if n not in exempt], 'weight_decay': weight_decay},
+                  {'params': [p for n, p in named if n in exempt], 'weight_decay': 0.0}]
+        return [g for g in groups if g['params']]
+    return param_groups_weight_decay(model, weight_decay, no_weight_decay_list=own | exempt)
+
+
+def make_optimizer(model: torch.nn.Module, config, values: Dict[str, Any], lr: float,
+                   exempt: Collection[str] = ()) -> torch.optim.Optimizer:
+    """timm's create_optimizer_v2 with `values`' optimiser and weight decay at peak `lr`, over the parameters that
+    require a gradient now, with --opt-betas / --opt-eps passed to the optimiser as timm's train.py does."""
+    from timm.optim import create_optimizer_v2
+    groups = param_groups(model, config, values['weight_decay'], exempt)
+    extra = {}
+    if config.opt_betas is not None:
+        extra['betas'] = tuple(config.opt_betas)
+    if config.opt_eps is not None:
+        extra['eps'] = config.opt_eps
+    try:
+        optimizer = create_optimizer_v2(groups, opt=values['opt'], lr=lr, weight_decay=values['weight_decay'],
+                                        momentum=values['momentum'], **extra)
+    except TypeError as e:                # e.g. --opt-betas for an optimiser without betas
+        given = ' / '.join(f"--opt-{k}" for k in extra) or 'its settings'
+        raise UsageError(f"--opt {values['opt']} does not take {given} ({str(e).splitlines()[0]})") from None
+    ignored = [f"--opt-{k}" for k in extra if k not in optimizer.defaults]     # timm drops what SGD has no use for
+    if ignored:
+        raise UsageError(f"--opt {values['opt']} does not take {' / '.join(ignored)} ({type(optimizer).__name__} has "
+                         "no such setting); leave it out or choose an optimiser that has it (adamw, lamb, ...)")
+    if values['sched'] == 'none':       # no scheduler to apply the layer scales: apply them once
+        for group in optimizer.param_groups:
+            group['lr'] = lr * group.get('lr_scale', 1.0)
+    return optimizer
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, values: Dict[str, Any], steps_per_epoch: int):
+    """timm's create_scheduler_v2 for `values` (None for sched 'none': the optimiser's lr stays), stepped per
+    optimiser step. --cooldown-epochs C holds the last C of `epochs` at min_lr: the schedule proper runs over
+    epochs - C (timm's train.py runs --epochs, then C more; here `epochs` counts them)."""
+    from timm.scheduler import create_scheduler_v2
+    if values['sched'] == 'none':
+        return None
+    cooldown = values['cooldown_epochs']
+    # with --warmup-prefix timm runs the schedule proper after the warm-up: it gets the epochs left after it
+    prefix = values['warmup_epochs'] if values['warmup_prefix'] else 0
+    scheduler, _ = create_scheduler_v2(
+        optimizer, sched=values['sched'], num_epochs=values['epochs'] - cooldown - prefix,
+        decay_epochs=values['decay_epochs'], decay_milestones=list(values['decay_milestones']), cooldown_epochs=cooldown,
+        decay_rate=values['decay_rate'], min_lr=values['min_lr'], warmup_lr=values['warmup_lr'],
+        warmup_epochs=values['warmup_epochs'], warmup_prefix=values['warmup_prefix'], step_on_epochs=False,
+        updates_per_epoch=steps_per_epoch)
+    return scheduler
+
+
+def scheduled_lr(values: Dict[str, Any], lr: float, steps_per_epoch: int, steps: List[int]) -> List[float]:
+    """The lr of `make_scheduler` after each of `steps` optimiser steps (of this schedule), on a dummy optimiser:
+    what `--dry-run` prints."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = make_scheduler(optimizer, values, steps_per_epoch)
+    out = []
+    for step in steps:
+        if scheduler is not None:
+            scheduler.step_update(num_updates=step)
+        out.append(optimizer.param_groups[0]['lr'])
+    return out
+
+
+def lr_at(optimizer: Optional[torch.optim.Optimizer]) -> float:
+    """The lr of the optimiser's unscaled group (lr_scale 1: the head under --layer-decay), for logs."""
+    groups = optimizer.param_groups
+    return max(groups, key=lambda g: g.get('lr_scale', 1.0))['lr']

@@ -1,0 +1,57 @@
+"""Recovery points: a checkpoint every `--recovery-interval` optimiser steps inside an epoch (timm's flag), so a
+crash in a multi-hour ImageNet epoch loses minutes, not the epoch.
+
+A recovery point is a full checkpoint (weights, optimiser, RNG, the parts' files) in
+`RUN/checkpoints/recovery_EEEE_SSSSSSSS/` (epoch E under way, global step S), plus where the epoch stood: the
+batches it had taken and its running sums for the epoch record. It commits by rename like an epoch checkpoint,
+then the older recovery points are removed, so there is one (two for the moment between). Once epoch E's own
+checkpoint commits, its recovery points go; `reconcile` removes any that an epoch checkpoint has overtaken.
+
+`--resume` takes the newest of the two kinds. From a recovery point the epoch goes on after its first k batches:
+the training order and every sample's augmentation depend on (seed, epoch, position) alone, the RNGs that
+dropout, drop path and Mixup draw from are restored, and a shard stream's workers replay their shuffle
+buffers (data/shards.py), so the weights equal an uninterrupted run's, bit for bit, for folders, Hugging Face
+data sets and shards alike (tested).
+"""
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional
+
+PREFIX = 'recovery_'
+
+
+def recovery_name(epoch: int, global_step: int) -> str:
+    return f'{PREFIX}{epoch:04d}_{global_step:08d}'
+
+
+def recovery_points(ckpt_dir: Path) -> List[Path]:
+    """Committed recovery points (weights and state present), oldest first."""
+    found = [p for p in Path(ckpt_dir).glob(f'{PREFIX}[0-9][0-9][0-9][0-9]_[0-9]*')
+             if p.is_dir() and '.tmp-' not in p.name and (p / 'state.json').is_file()
+             and (p / 'model.safetensors').is_file()]
+    return sorted(found, key=lambda p: (int(p.name.split('_')[1]), int(p.name.split('_')[2])))
+
+
+def epoch_of(point: Path) -> int:
+    """The epoch under way at a recovery point."""
+    return int(point.name.split('_')[1])
+
+
+def newer_than(ckpt_dir: Path, completed_epochs: int) -> Optional[Path]:
+    """The newest recovery point inside an epoch after `completed_epochs`, or None."""
+    points = [p for p in recovery_points(ckpt_dir) if epoch_of(p) > completed_epochs]
+    return points[-1] if points else None
+
+
+def prune(ckpt_dir: Path, keep: Optional[Path] = None, completed_epochs: int = -1) -> None:
+    """Remove every recovery point but `keep`, and those of epochs up to `completed_epochs` (overtaken)."""
+    for point in recovery_points(ckpt_dir):
+        if point != keep or epoch_of(point) <= completed_epochs:
+            shutil.rmtree(point, ignore_errors=True)
+
+
+def progress_state(batches: int, totals: Dict[str, float], seen: int, seen_targets: int, correct: int,
+                   elapsed: float) -> Dict:
+    """Where an epoch stands, for its record after a resume (the sums of the batches already taken)."""
+    return {'batches': batches, 'totals': dict(totals), 'seen': seen, 'seen_targets': seen_targets,
+            'correct': correct, 'elapsed': elapsed}

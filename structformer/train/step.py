@@ -1,0 +1,149 @@
+"""One training epoch (a mixin of `Trainer`): the step body with gradient accumulation, precision, the parts'
+hooks and loss terms, and the module DDP wraps for it."""
+import contextlib
+import sys
+import time
+from typing import Dict
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from .checkpoint import crash_point, resolve_checkpoint
+from .mixing import hard_labels, mixing_active
+from .phases import LossContext
+from .precision import low_precision_failure
+from .recovery import progress_state
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; training stopped without saving the bad state."""
+
+
+class TrainStep:
+    """`Trainer`'s epoch: reads the run built by `RunBuild` and `LoaderSetup`; advances `global_step`."""
+
+    def _distribute_batch_norm(self) -> None:
+        """DDP gives every process rank 0's buffers at the start of each forward, so after an epoch the BatchNorm
+        running statistics differ by the last batch each process saw; timm's distribute_bn makes them one again
+        (--dist-bn), before the shared evaluation and the checkpoint."""
+        if self.world_size > 1 and self.config.dist_bn:
+            from timm.utils import distribute_bn
+            distribute_bn(self.model, self.world_size, reduce=self.config.dist_bn == 'reduce')
+
+    def _wrap(self) -> torch.nn.Module:
+        """The module the step runs: under torchrun, DDP over the parameters this phase trains (DDP registers
+        the ones that require a gradient when it is made, so it is made again after each phase's freezing)."""
+        if self.world_size == 1:
+            return self.model
+        ids = [self.device.index] if self.device.type == 'cuda' else None
+        return DistributedDataParallel(self.model, device_ids=ids, find_unused_parameters=False)
+
+    def _train_epoch(self, epoch: int, phase) -> Dict:
+        cfg = self.config
+        phase.apply(self.model)
+        self._enter_phase(phase)              # phase_settings: the phase's own optimiser and schedule
+        extras: Dict[str, object] = {'bce': self.bce} if self.bce is not None else {}
+        for part in self.parts:
+            part.before_phase(self, phase)
+            extras.update(part.loss_extras())
+        model = self._wrap()
+        model.train()
+        # resumed from a recovery point inside this epoch: its first `skip` batches were taken (train/recovery.py)
+        within = getattr(self, 'resume_within', None)
+        within = within if within is not None and within['epoch'] == epoch else None
+        self.resume_within = None
+        skip = within['batches'] if within else 0
+        self.train_order.set_epoch(epoch)
+        self.train_order.resume_at(skip, cfg.batch_size)
+        if self.mixup is not None:
+            self.mixup.mixup_enabled = mixing_active(self.mixup, cfg, epoch)
+        bar = tqdm(total=self.batches_per_epoch, initial=skip, desc=f"epoch {epoch}/{cfg.epochs} [{phase.name}]",
+                   disable=not (self.progress and self.is_main and sys.stderr.isatty()), leave=False,
+                   file=sys.stderr)   # no carriage-return updates in redirected logs: the epoch line says it all
+        self.steplog.start_epoch()
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            return self._epoch_steps(epoch, phase, model, extras, bar, within, skip)
+        except (RuntimeError, NotImplementedError) as e:   # an op without a kernel in the autocast dtype: one line
+            bar.close()
+            low = low_precision_failure(e, self.precision)
+            if low is None:
+                raise
+            raise low from None
+
+    def _epoch_steps(self, epoch: int, phase, model, extras: Dict, bar, within, skip: int) -> Dict:
+        cfg = self.config
+        batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
+        totals: Dict[str, float] = dict(within['totals']) if within else {}
+        seen, seen_targets, correct = (within['seen'], within['seen_targets'], within['correct']) if within else (0, 0, 0)
+        start = time.perf_counter() - (within['elapsed'] if within else 0.0)
+        for step, (images, targets) in enumerate(self.train_loader, start=skip):
+            images = images.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            if cfg.channels_last and images.dim() == 4:
+                images = images.contiguous(memory_format=torch.channels_last)
+            if self.mixup is not None:
+                images, targets = self.mixup(images, targets)
+            # accumulation: the optimiser steps after every `accum` batches and after the epoch's last one; each
+            # batch's loss is divided by the size of its group, so a group's gradient is the mean over its images
+            group = min(accum, batches - (step - step % accum))
+            update = step % accum == group - 1
+            with contextlib.nullcontext() if update or self.world_size == 1 else model.no_sync():
+                with self.precision.autocast():
+                    for part in self.parts:          # the teacher sees the (mixed) batch first
+                        part.before_batch(self, images)
+                    logits = model(images)
+                    terms = phase.loss(LossContext(self.model, images, targets, logits, cfg.label_smoothing, extras))
+                for part in self.parts:          # regularisers of the weights: float32, outside autocast
+                    terms.update(part.loss_terms(self))
+                loss = sum(terms.values())
+                if not torch.isfinite(loss):
+                    bar.close()
+                    kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
+                            else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
+                    raise TrainingDiverged(
+                        f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
+                        f"without saving this state: {kept}. Try a lower --lr or --clip-grad.")
+                self.precision.backward(loss / group)
+            if update:
+                self.precision.step(self.optimizer, self.model.parameters(), cfg.clip_grad)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                if self.scheduler is not None:
+                    self.scheduler.step_update(num_updates=self._schedule_step(self.global_step))
+                for part in self.parts:
+                    part.after_step(self)
+                crash_point(f'epoch {epoch}:step {step // accum + 1}')
+            n = targets.shape[0]
+            seen += n
+            seen_targets += hard_labels(targets).numel()           # tokens for a language model
+            correct += (logits.argmax(-1) == hard_labels(targets)).sum().item()
+            for name, value in terms.items():
+                totals[name] = totals.get(name, 0.0) + value.item() * n
+            totals['loss'] = totals.get('loss', 0.0) + loss.item() * n
+            if update:
+                self.steplog.step(epoch, step + 1, batches, self.global_step, loss.item(), self._lr(),
+                                  n * self.world_size)
+            else:
+                self.steplog.count(n * self.world_size)
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._lr():.2e}")
+            bar.update()
+            if update and cfg.recovery_interval and (step // accum + 1) % cfg.recovery_interval == 0 \
+                    and step + 1 < batches and self.is_main:
+                self._save_recovery(epoch, progress_state(step + 1, totals, seen, seen_targets, correct,
+                                                          time.perf_counter() - start))
+                self._recovery_committed()
+                crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
+        bar.close()
+        elapsed = time.perf_counter() - start
+        record = {'epoch': epoch, 'phase': phase.name, 'step': self.global_step, 'lr': self._lr(),
+                  'train_top1': 100.0 * correct / max(seen_targets, 1), 'epoch_time_s': elapsed,
+                  'train_img_per_s': seen * self.world_size / max(elapsed, 1e-9)}
+        record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
+        return record
+
+    def _lr(self) -> float:
+        from .optim import lr_at
+        return lr_at(self.optimizer)
+

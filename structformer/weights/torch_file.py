@@ -1,0 +1,155 @@
+"""Reading torch files (`torch.save`'s .pth / .pth.tar / .pt / .bin) without running code, and taking the weights
+out of the checkpoints that training scripts write. The one torch-file reader of the package (docs/weights.md).
+
+**No code runs.** `torch.load(weights_only=True)` rebuilds tensors, containers and numbers only; a file that names
+any other Python global is refused, with one line naming the first global refused (torch's own message is a
+paragraph that the CLI would cut mid-sentence). On top of torch's list, the plain data types that public trainers
+store beside the weights are allowed (`ALLOWED_GLOBALS`), each a value with no behaviour on construction:
+
+* `argparse.Namespace`: the parsed command line as `args`, saved by timm's `CheckpointSaver` (SOFT's and timm's
+  `train.py`), DeiT's and Sparsifiner's `utils.save_model`;
+* `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace;
+* numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`).
+
+The rest of those files (optimizer and scheduler states, the AMP scaler's state, epochs, metrics) is plain data
+that torch's list already covers; this was checked by writing the files with the real classes (timm's
+`CheckpointSaver`, `ModelEmaV3`, `NativeScaler`, `create_scheduler_v2`: tests/test_trainer_checkpoints.py).
+
+**Which weights.** A trainer's checkpoint holds the model's weights and often an exponential moving average of them.
+`trainer_weights` takes what the source's own evaluation takes by default, says which, and takes the other kind
+when asked (`convert --weights ema|model`):
+
+| layout | keys | default | because |
+|---|---|---|---|
+| timm's `CheckpointSaver` (SOFT, timm `train.py`) | `state_dict`, `state_dict_ema` | EMA | SOFT's `--eval` loads `state_dict_ema` (its `--model-ema` defaults on), and its training loop scores the EMA and ranks checkpoints by that score |
+| DeiT / Sparsifiner `utils.save_model` | `model`, `model_ema` | model | their `--eval` / `--finetune` load `model` (Sparsifiner's `--model_key model\\|module`) |
+| CRATE `main.py` | `state_dict` | — | one kind |
+"""
+import argparse
+import pathlib
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import UsageError
+
+__all__ = ['ALLOWED_GLOBALS', 'WEIGHT_KINDS', 'load_torch_file', 'trainer_weights']
+
+WEIGHT_KINDS = ('ema', 'model')
+# (key of the model's weights, key of their EMA, the kind the source evaluates by default, who writes it)
+LAYOUTS = (('state_dict', 'state_dict_ema', 'ema', "timm's CheckpointSaver (SOFT, timm train.py), whose "
+            "evaluation scores the EMA"),
+           ('model', 'model_ema', 'model', "DeiT / Sparsifiner utils.save_model, whose --eval and --finetune load "
+            "'model'"))
+_MODEL_KEYS = ('state_dict', 'model', 'module')
+
+
+def _numpy_globals() -> List[Any]:
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    found = [np.dtype]
+    core = getattr(np, '_core', None) or getattr(np, 'core', None)
+    scalar = getattr(getattr(core, 'multiarray', None), 'scalar', None)
+    if scalar is not None:
+        found.append(scalar)
+    # the dtype classes numpy >= 1.25 pickles a dtype as (np.dtypes.Float64DType, ...)
+    dtypes = getattr(np, 'dtypes', None)
+    if dtypes is not None:
+        found += [getattr(dtypes, name) for name in dir(dtypes) if name.endswith('DType')
+                  and isinstance(getattr(dtypes, name), type)]
+    return found
+
+
+ALLOWED_GLOBALS = [argparse.Namespace, pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+                   pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath] + _numpy_globals()
+
+_GLOBAL_IN_MESSAGE = re.compile(r'GLOBAL ([\w.]+) was not an allowed global')
+
+
+def _refused_globals(path: Path, error: Exception) -> List[str]:
+    """The globals in `path` that the allow-list refuses (torch reads the pickle's opcodes, runs nothing)."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in ALLOWED_GLOBALS}
+    try:
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:                               # an old torch, or a file too damaged to list
+        named = _GLOBAL_IN_MESSAGE.findall(str(error))
+    return [name for name in named if name not in allowed]
+
+
+def load_torch_file(path, flag: str) -> Any:
+    """`torch.load(path, map_location='cpu', weights_only=True)` with `ALLOWED_GLOBALS` allowed. A file needing any
+    other global, or not a torch file, is a UsageError naming `flag` and the first global refused."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            return torch.load(str(path), map_location='cpu', weights_only=True)
+    except Exception as e:                          # UnpicklingError, RuntimeError (not a zip), EOFError, ...
+        text = str(e)
+        refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
+            raise UsageError(f"{flag} {path}: refused: it needs the Python global {refused[0]}{more}, which loading "
+                             "would have to run; only tensors, containers, numbers and plain trainer data "
+                             "(argparse.Namespace, paths, numpy scalars) are read") from None
+        # torch's weights-only message is a paragraph: its cause is the line after 'WeightsUnpickler error:'
+        cause = re.search(r'WeightsUnpickler error: (.*)', text)
+        first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
+        raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
+
+
+def _is_tensor_mapping(value) -> bool:
+    return isinstance(value, dict) and bool(value) and all(torch.is_tensor(v) for v in value.values())
+
+
+def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The state dict in what `load_torch_file` returned, and a line saying which weights were taken (or '' for a
+    bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). DDP's `module.`
+    prefix is removed."""
+    if kind is not None and kind not in WEIGHT_KINDS:
+        raise UsageError(f"--weights {kind!r}: accepted {', '.join(WEIGHT_KINDS)}")
+    if not isinstance(loaded, dict):
+        raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (a {type(loaded).__name__})")
+    note = ''
+    if _is_tensor_mapping(loaded):
+        if kind == 'ema':
+            raise UsageError(f"--weights ema: {path} is one state dict, with no EMA weights beside it")
+        state = loaded
+    else:
+        state, note = _choose(loaded, path, kind)
+    if not _is_tensor_mapping(state):
+        raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (keys: "
+                         f"{', '.join(map(str, list(loaded)[:6]))})")
+    return {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()}, note
+
+
+def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
+    """(the weights, the line saying which) of a trainer's checkpoint: `LAYOUTS` where an EMA is present, else the
+    model's weights under one of `_MODEL_KEYS`."""
+    epoch = loaded.get('epoch')
+    at = f", epoch {epoch}" if isinstance(epoch, int) else ''
+    for model_key, ema_key, default, who in LAYOUTS:
+        ema = loaded.get(ema_key)
+        if not _is_tensor_mapping(ema):
+            continue
+        model_name = next((k for k in (model_key,) + _MODEL_KEYS if _is_tensor_mapping(loaded.get(k))), None)
+        model = loaded[model_name] if model_name else None
+        take = kind or (default if model is not None else 'ema')
+        if take == 'model' and model is None:
+            raise UsageError(f"--weights model: {path} holds only EMA weights ({ema_key})")
+        other = 'model' if take == 'ema' else 'ema'
+        why = f"the default of {who}" if kind is None else 'as --weights asked'
+        key = ema_key if take == 'ema' else model_name
+        label = 'the EMA weights' if take == 'ema' else "the model's weights (not the EMA)"
+        switch = f"; --weights {other} takes the other" if model is not None else ''
+        return (ema if take == 'ema' else model), f"took {key}{at}: {label}, {why}{switch}"
+    if kind == 'ema':
+        raise UsageError(f"--weights ema: {path} holds no EMA weights (no state_dict_ema or model_ema; keys: "
+                         f"{', '.join(map(str, list(loaded)[:6]))})")
+    for key in _MODEL_KEYS:
+        if _is_tensor_mapping(loaded.get(key)):
+            return loaded[key], f"took {key}{at}" if len(loaded) > 1 else ''
+    return loaded, ''

@@ -1,0 +1,252 @@
+"""`structformer compare` (issue 46): the quick set end to end at tiny size, grid resumption after a kill, the
+statistics against hand examples, the parameter matching, the dependencies inside the grid, the timing phase,
+the in1k plan, and the leaderboard page against its record."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from structformer.cli import main
+from structformer.compare.catalogue import BY_KEY, SETS, TOLERANCE, match_rows, within
+from structformer.compare.record import mean_se, pareto_front
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ['--epochs', '2', '--limit-train-batches', '1', '--threads', '1']
+
+
+def _one_error(argv, capsys, *needles):
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if 'error:' in line]
+    assert rc == 2 and 'Traceback' not in err, err
+    assert len(errors) == 1 and errors[0].startswith('structformer compare: error: '), err
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def _record(folder):
+    return json.loads((Path(folder) / 'compare.json').read_text())
+
+
+def _accuracies(record):
+    return {r['key']: [(c['seed'], c.get('top1'), c.get('best_top1')) for c in r['cells']] for r in record['rows']}
+
+
+# ---- statistics -------------------------------------------------------------------------------------------------
+def test_mean_and_standard_error_against_a_hand_example():
+    # 97.0, 98.0, 99.5: mean 98.1667; deviations -1.1667, -0.1667, 1.3333; s^2 = (1.3611 + 0.0278 + 1.7778) / 2
+    # = 1.58333; SE = sqrt(1.58333 / 3) = 0.72648
+    mean, se = mean_se([97.0, 98.0, 99.5])
+    assert mean == pytest.approx(98.16667, abs=1e-5)
+    assert se == pytest.approx(0.72648, abs=1e-5)
+    assert mean_se([93.5]) == (93.5, None)               # one seed: no error bar
+    assert mean_se([]) == (None, None)
+
+
+def test_pareto_front_against_a_hand_example():
+    # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
+    # (equal accuracy, higher cost); e has no timing
+    points = [(2.0, 90.0), (1.0, 95.0), (3.0, 97.0), (1.5, 95.0), (None, 99.0)]
+    assert pareto_front(points) == [False, True, True, False, False]
+
+
+# ---- matching ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('set_name, kind', [('quick', 'digits'), ('mnist', 'mnist')])
+def test_matched_rows_are_within_15_percent_of_the_budget(set_name, kind):
+    import torch
+
+    from structformer.models.factory import build_model
+    from structformer.models.inventory import effective_parameter_count
+    budget = SETS[set_name]['budget']
+    rows = match_rows(SETS[set_name]['entries'], kind, budget)
+    assert {e for e in ('vit', 'vit_linformer', 'vit_performer', 'vit_nystrom', 'mixer', 'wrn')} <= \
+        {r.key for r in rows if r.entry.baseline}          # the dense baselines of every set
+    for row in rows:
+        transforms = row.transforms + ([{'name': 'factorize', 'kwargs': {'rank': row.entry.rank}}] if row.entry.rank
+                                       else [])
+        with torch.random.fork_rng(devices=[]):
+            model, _ = build_model(row.model, row.kwargs_for(0), None, transforms)
+        count = effective_parameter_count(model)
+        if row.entry.rank:                                 # the matched dense row, factorised: fewer on purpose
+            assert row.role == f"factorised {row.entry.follows}" and count < 0.8 * budget, (row.key, count)
+        else:
+            assert within(count, budget), (row.key, count, budget)
+            assert abs(count / budget - 1) <= TOLERANCE
+
+
+def test_a_masked_layer_counts_the_weights_its_mask_keeps():
+    from torch import nn
+
+    from structformer.layers.linear import MaskedLinear
+    from structformer.models.inventory import effective_parameter_count
+    model = nn.Sequential(MaskedLinear(40, 30, density=0.25, seed=3), nn.Linear(30, 2))
+    kept = int(model[0].mask.sum())
+    assert 0 < kept < 1200
+    assert effective_parameter_count(model) == kept + 30 + 30 * 2 + 2
+
+
+# ---- the quick set, end to end at tiny size -----------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp('compare') / 'quick'
+    assert main(['compare', '--set', 'quick', '--output', str(out), '--skip-speed', *TINY]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_quick_set_trains_every_family_and_writes_the_record(quick):
+    record = _record(quick)
+    assert [r['key'] for r in record['rows']] == SETS['quick']['entries']
+    assert {r['family'] for r in record['rows']} == {'ViT', 'CRATE', 'SOFT', 'Sparsifiner', 'Mixer', 'low-rank', 'WRN'}
+    for row in record['rows']:
+        assert row['finished'] == 1 and row['cells'][0]['state'] == 'finished', row['key']
+        assert 0 <= row['top1_mean'] <= 100 and row['top1_se'] is None          # one seed: no error bar
+        assert row['params'] > 0 and row['flops_per_image'] > 0
+    assert (quick / 'leaderboard.md').read_text().startswith('# Leaderboard')
+    for name in record['figures']:
+        assert (quick / name).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_sparsifiner_distils_from_the_dense_cell_of_its_seed(quick):
+    record = _record(quick)
+    cell = next(r for r in record['rows'] if r['key'] == 'sparsifiner')['cells'][0]
+    assert cell['teacher'].startswith('cells/vit/seed_0/checkpoints/epoch_')
+    import yaml
+    config = yaml.safe_load((quick / 'cells' / 'sparsifiner' / 'seed_0' / 'config.yaml').read_text())
+    assert Path(config['teacher']).resolve().is_relative_to((quick / 'cells' / 'vit' / 'seed_0').resolve())
+
+
+@pytest.mark.slow
+def test_pretrained_low_rank_cell_starts_from_the_dense_cell(quick):
+    """Its dense epochs are the dense cell's (copied, not retrained), and the whole run equals `--factorize-at`
+    from scratch, bit for bit."""
+    from structformer.train import TrainConfig, load_model, train
+    from structformer.train.engine import parameter_digest
+    from structformer.train.run_dir import read_metrics
+    cell = quick / 'cells' / 'vit_lowrank_0.5_pretrained' / 'seed_0'
+    dense = read_metrics(quick / 'cells' / 'vit' / 'seed_0' / 'metrics.jsonl')
+    mine = read_metrics(cell / 'metrics.jsonl')
+    assert mine[0] == dense[0] and len(mine) == 2 and 'factorized_val_top1' in mine[1]
+    import yaml
+    values = yaml.safe_load((cell / 'config.yaml').read_text())
+    values.update(output=str(quick.parent / 'scratch'), save_every=0)
+    train(TrainConfig.from_dict(values), progress=False)
+    grid_model, _ = load_model(cell)
+    scratch_model, _ = load_model(quick.parent / 'scratch')
+    assert parameter_digest(grid_model) == parameter_digest(scratch_model)
+
+
+@pytest.mark.slow
+def test_running_again_trains_nothing(quick, capsys):
+    stamps = {p: p.stat().st_mtime_ns for p in quick.rglob('model.safetensors')}
+    capsys.readouterr()
+    assert main(['compare', '--set', 'quick', '--output', str(quick), '--skip-speed', *TINY]) == 0
+    assert '== ' not in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in quick.rglob('model.safetensors')} == stamps
+
+
+@pytest.mark.slow
+def test_another_recipe_into_the_same_output_is_refused(quick, capsys):
+    before = sorted(p.name for p in quick.rglob('*'))
+    _one_error(['compare', '--set', 'quick', '--output', str(quick), '--skip-speed', *TINY, '--lr', '0.01'], capsys,
+               '--output', 'another recipe', 'lr', '--overwrite')
+    assert sorted(p.name for p in quick.rglob('*')) == before
+
+
+@pytest.mark.slow
+def test_dry_run_prints_the_grid_and_its_time_and_writes_nothing(quick, tmp_path, capsys):
+    out = tmp_path / 'never'
+    capsys.readouterr()
+    assert main(['compare', '--models', 'vit', 'swmlp', '--output', str(out), '--dry-run', *TINY]) == 0
+    text = capsys.readouterr().out
+    assert 'estimated training time' in text and 'machine:' in text and 'swmlp' in text
+    assert not out.exists()
+    assert main(['compare', '--set', 'quick', '--output', str(quick), '--dry-run', *TINY]) == 0
+    assert ' 0  f' in capsys.readouterr().out          # finished cells: nothing to go
+
+
+# ---- resumption and seeds -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_killed_grid_resumes_to_the_same_record(tmp_path):
+    """Two rows (Sparsifiner and the ViT teacher it adds) × two seeds. One grid runs in this process, cell after
+    cell; another runs two cells at a time in worker processes (--jobs 2), which are killed in the middle of their
+    second epoch (as kill -9 would); run again, it ends with every cell's accuracy equal to the first grid's."""
+    argv = ['--models', 'sparsifiner', '--seeds', '2', '--skip-speed', '--epochs', '2', '--limit-train-batches', '2',
+            '--threads', '1']
+    assert main(['compare', '--output', str(tmp_path / 'straight'), *argv]) == 0
+    killed = tmp_path / 'killed'
+    env = dict(os.environ, STRUCTFORMER_TEST_KILL_AT='epoch 2:step 1', PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, '-m', 'structformer', 'compare', '--output', str(killed), *argv,
+                           '--jobs', '2'], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and 'vit/seed_0 (exit status 137' in done.stderr, done.stderr[-2000:]
+    assert 'run the command again' in done.stderr
+    assert not (killed / 'compare.json').exists()
+    assert (killed / 'cells' / 'vit' / 'seed_0' / 'checkpoints' / 'epoch_0001').is_dir()
+    assert main(['compare', '--output', str(killed), *argv]) == 0
+    straight, resumed = _record(tmp_path / 'straight'), _record(killed)
+    assert _accuracies(resumed) == _accuracies(straight)
+    assert resumed['seeds'] == [0, 1]
+    for row in resumed['rows']:                    # seeds distinct, recorded in the record and in each cell
+        assert [c['seed'] for c in row['cells']] == [0, 1]
+        for c in row['cells']:
+            import yaml
+            assert yaml.safe_load((killed / c['run'] / 'config.yaml').read_text())['seed'] == c['seed']
+
+
+@pytest.mark.slow
+def test_timing_phase_remeasures_without_training(tmp_path, capsys):
+    out = tmp_path / 'grid'
+    argv = ['compare', '--models', 'vit', 'swmlp', '--output', str(out), '--epochs', '1', '--limit-train-batches', '1',
+            '--threads', '1', '--skip-speed']
+    assert main(argv) == 0
+    assert _record(out)['rows'][0]['train_img_per_s'] is None and not (out / 'speed.json').exists()
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob('model.safetensors')}
+    argv = [a for a in argv if a != '--skip-speed'] + ['--measure-only', '--speed-rounds', '2']
+    assert main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob('model.safetensors')} == stamps     # nothing trained
+    speed, record = json.loads((out / 'speed.json').read_text()), _record(out)
+    assert set(speed['train']) == set(speed['infer']) == {'vit', 'swmlp'} and speed['reference'] == 'vit'
+    assert speed['environment']['cpu'] and speed['environment']['device'] == 'cpu'
+    assert isinstance(speed['machine_load']['busy'], bool)
+    for row in record['rows']:
+        assert row['train_img_per_s'] > 0 and row['infer_img_per_s'] > 0 and row['peak_train_mib'] is not None
+        assert row['train_ms_per_image'] == pytest.approx(1e3 / row['train_img_per_s'])
+    assert record['rows'][0]['train_ratio']['ratio'] == 1.0                # the ViT against itself
+    assert 'machine' in (out / 'leaderboard.md').read_text()
+
+
+# ---- in1k and the page --------------------------------------------------------------------------------------------
+def test_in1k_dry_run_prints_torchrun_commands_and_gpu_hours(capsys):
+    capsys.readouterr()
+    assert main(['compare', '--set', 'in1k', '--models', 'sparsifiner_deit_small', '--dry-run', '--output', 'grid',
+                 '--data', 'imagefolder:/data/imagenet']) == 0
+    out = capsys.readouterr().out
+    commands = [line for line in out.splitlines() if line.startswith('torchrun')]
+    assert len(commands) == 2 and 'deit_small_in1k' in commands[0]
+    assert '--recipe sparsifiner_deit_small_in1k' in commands[1]
+    assert '--teacher grid/cells/deit_small/seed_0' in commands[1]
+    assert '--nproc_per_node 8' in commands[0] and 'GPU-hours' in out
+    row = next(line.split() for line in out.splitlines() if line.startswith('deit_small '))
+    gflops, epochs, hours = float(row[2]), int(row[3]), float(row[5])
+    assert 4 < gflops / 2 < 5                # DeiT-S: 4.6 GMACs per 224-px image
+    expected = (3 * 1_281_167 + 50_000) * epochs * gflops * 1e9 / 30e12 / 3600     # at the default 30 TFLOP/s
+    assert hours == pytest.approx(expected, rel=0.01)
+
+
+def test_leaderboard_page_is_the_render_of_its_record():
+    from structformer.compare.leaderboard import render
+    record = json.loads((ROOT / 'docs' / 'leaderboard' / 'record.json').read_text())
+    assert (ROOT / 'docs' / 'leaderboard.md').read_text() == render(record, figures='leaderboard')
+    for name in record['figures']:
+        assert (ROOT / 'docs' / 'leaderboard' / name).is_file()
+    assert record['record_command'] in (ROOT / 'docs' / 'leaderboard.md').read_text()

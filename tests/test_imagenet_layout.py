@@ -1,0 +1,146 @@
+"""ImageNet as downloaded (data/imagenet.py), on generated data laid out exactly so: ILSVRC2012_img_train.tar holding
+one tar per class, the flat val/ folder, the devkit's meta.mat (written with scipy.io.savemat in the devkit's
+structure, its ILSVRC2012_ID order unlike the sorted WNIDs) and ground truth, or Kaggle's LOC_val_solution.csv and
+LOC_synset_mapping.txt. Read in place (no unpacking): the classes follow the sorted synsets, the same for train and
+val; `data shard imagenet:PATH` writes the same samples as shards."""
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from structformer.data import build_datasets
+
+WNIDS = ['n01440764', 'n01443537', 'n01484850']          # sorted; the devkit numbers them in another order
+DEVKIT_ORDER = ['n01484850', 'n01440764', 'n01443537']   # ILSVRC2012_ID 1, 2, 3
+
+
+def _jpeg(value: int) -> bytes:
+    from PIL import Image
+    out = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(out, 'JPEG', quality=95)
+    return out.getvalue()
+
+
+def _tar_bytes(members) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode='w') as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _meta_mat(path: Path) -> None:
+    """The devkit's meta.mat: a 'synsets' struct array, leaves (num_children 0) first, then a parent synset."""
+    import scipy.io
+    fields = ['ILSVRC2012_ID', 'WNID', 'words', 'gloss', 'num_children', 'children', 'wordnet_height',
+              'num_train_images']
+    rows = np.zeros((len(DEVKIT_ORDER) + 1, 1), dtype=[(f, 'O') for f in fields])
+    for i, wnid in enumerate(DEVKIT_ORDER):
+        rows[i, 0] = (i + 1, wnid, f'words of {wnid}', 'a gloss', 0, np.zeros((1, 0)), 0, 3)
+    rows[-1, 0] = (len(DEVKIT_ORDER) + 1, 'n00001740', 'entity', 'a parent', 3, np.arange(1, 4).reshape(1, -1), 9, 0)
+    scipy.io.savemat(str(path), {'synsets': rows})
+
+
+def download(root: Path, labels: str = 'devkit', per_class: int = 3, val_per_class: int = 2) -> dict:
+    """The layout as downloaded; returns {'val': {file name: wnid}, 'train': {member: wnid}}."""
+    root.mkdir(parents=True, exist_ok=True)
+    truth, train, value = {}, {}, 1
+    inner = []
+    for wnid in WNIDS:
+        members = []
+        for i in range(per_class):
+            members.append((f'{wnid}_{i}.JPEG', _jpeg(value)))
+            train[f'{wnid}/{wnid}_{i}.JPEG'] = (wnid, value)
+            value += 1
+        inner.append((f'{wnid}.tar', _tar_bytes(members)))
+    (root / 'ILSVRC2012_img_train.tar').write_bytes(_tar_bytes(inner))
+    (root / 'val').mkdir()
+    rng = np.random.default_rng(0)
+    order = [w for w in WNIDS for _ in range(val_per_class)]
+    rng.shuffle(order)
+    for k, wnid in enumerate(order, start=1):
+        name = f'ILSVRC2012_val_{k:08d}.JPEG'
+        (root / 'val' / name).write_bytes(_jpeg(100 + k))
+        truth[name] = wnid
+    if labels == 'devkit':
+        data = root / 'ILSVRC2012_devkit_t12' / 'data'
+        data.mkdir(parents=True)
+        _meta_mat(data / 'meta.mat')
+        ids = {w: i + 1 for i, w in enumerate(DEVKIT_ORDER)}
+        (data / 'ILSVRC2012_validation_ground_truth.txt').write_text(
+            ''.join(f'{ids[truth[f"ILSVRC2012_val_{k:08d}.JPEG"]]}\n' for k in range(1, len(order) + 1)))
+    else:
+        (root / 'LOC_synset_mapping.txt').write_text(''.join(f'{w} words of {w}\n' for w in WNIDS))
+        (root / 'LOC_val_solution.csv').write_text('ImageId,PredictionString\n' + ''.join(
+            f'{name[:-5]},{wnid} 1 2 3 4 {wnid} 5 6 7 8 \n' for name, wnid in sorted(truth.items(), reverse=True)))
+    return {'val': truth, 'train': train}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+
+
+@pytest.mark.parametrize('labels', ['devkit', 'kaggle'])
+def test_imagenet_as_downloaded_reads_in_place_in_the_synset_order(labels, tmp_path, cache):
+    truth = download(tmp_path / 'in', labels)
+    files = sorted((tmp_path / 'in').rglob('*'))
+    train, val, info = build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8, augment=False)
+    assert sorted((tmp_path / 'in').rglob('*')) == files               # read in place: nothing unpacked or added
+    assert info.extra['classes'] == WNIDS and info.num_classes == 3
+    assert info.extra['class_descriptions'] == [f'words of {w}' for w in WNIDS]
+    assert (len(train), len(val)) == (9, 6)
+    # training: the class of each image is its class tar, indexed in the sorted synset order
+    split = train.split
+    for name, label in zip(split.names, split.labels):
+        assert WNIDS[label] == truth['train'][name][0]
+        assert split.read(split.names.index(name))[1] == _jpeg(truth['train'][name][1])    # the image's own bytes
+    # validation: the label file's class for each flat file, in the same order as training
+    got = {Path(name).name: WNIDS[label] for name, label in zip(val.split.names, val.split.labels)}
+    assert got == truth['val']
+    x, y = val[0]
+    assert x.shape == (3, 8, 8) and 0 <= y < 3
+
+
+def test_the_nested_tar_is_indexed_once_then_cached(tmp_path, cache, monkeypatch):
+    download(tmp_path / 'in')
+    build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8)
+    import structformer.data.imagenet as imagenet
+    monkeypatch.setattr(imagenet, '_members', lambda *a: pytest.fail('indexed the tar again'))
+    train, _, _ = build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8)
+    assert len(train) == 9
+
+
+@pytest.mark.parametrize('damage, needle', [
+    (lambda root: (root / 'val' / 'ILSVRC2012_val_00000002.JPEG').unlink(), 'labels 6 validation images'),
+    (lambda root: (root / 'ILSVRC2012_devkit_t12' / 'data' / 'meta.mat').unlink(), 'needs its meta.mat'),
+    (lambda root: [p.unlink() for p in (root / 'ILSVRC2012_devkit_t12' / 'data').iterdir()], 'need their labels'),
+])
+def test_an_incomplete_download_is_one_line(damage, needle, tmp_path, cache, capsys):
+    from structformer.cli import main
+    download(tmp_path / 'in')
+    damage(tmp_path / 'in')
+    rc = main(['train', '--model', 'crate_digits', '--data', f"imagenet:{tmp_path / 'in'}", '--output',
+               str(tmp_path / 'run'), '--no-progress'])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_data_shard_writes_imagenet_as_downloaded(tmp_path, cache):
+    from structformer.data.shard_writer import write_shards
+    from structformer.data.tars import iter_shard
+    truth = download(tmp_path / 'in')
+    info = write_shards(f"imagenet:{tmp_path / 'in'}", str(tmp_path / 'wds'), 4)
+    assert info['classes'] == WNIDS and info['class_descriptions'][0] == 'words of n01440764'
+    got = sorted((data, label) for name in info['splits']['train']['filenames']
+                 for _, _, data, label in iter_shard(str(tmp_path / 'wds' / name)))
+    assert got == sorted((_jpeg(v), WNIDS.index(w)) for w, v in truth['train'].values())
+    val = [label for name in info['splits']['validation']['filenames']
+           for _, _, _, label in iter_shard(str(tmp_path / 'wds' / name))]
+    assert [WNIDS[v] for v in val] == [truth['val'][n] for n in sorted(truth['val'])]
+    assert json.loads((tmp_path / 'wds' / '_info.json').read_text())['class_order'].startswith('the synset list')

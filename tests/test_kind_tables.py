@@ -1,0 +1,130 @@
+"""Goals judged per kind of CPU (`bench/kinds.py`, `bench/kind_tables.py`): every benchmark JSON carries the CPU
+kind and the kernel choices, a busy run's record stays out of docs/, and each kind's table in docs/benchmarks.md
+equals the render of its committed record, which equals the benchmark records it was collected from."""
+import json
+from pathlib import Path
+
+import pytest
+
+from structformer.bench import kind_tables, kinds
+from structformer.cli import main
+from structformer.records import cpu_kind
+
+DOCS = Path(__file__).resolve().parents[1] / 'docs'
+
+
+@pytest.mark.parametrize('kind', sorted(p.stem for p in (DOCS / 'kinds').glob('*.json')))
+def test_each_kind_table_in_the_docs_is_its_records_render(kind):
+    record = json.loads((DOCS / 'kinds' / f'{kind}.json').read_text())
+    assert record['kind'] == kind and [g['goal'] for g in record['goals']] == list(kinds.GOALS)
+    assert kind_tables.table_in_docs((DOCS / 'benchmarks.md').read_text(), kind) == kind_tables.render(record)
+
+
+@pytest.mark.parametrize('kind', sorted(p.name for p in (DOCS / 'kinds').iterdir() if p.is_dir()))
+def test_a_measured_kinds_record_is_what_its_benchmarks_wrote(kind):
+    """The kind record equals `collect` over its folder: no number retyped, none left from an older run."""
+    record = json.loads((DOCS / 'kinds' / f'{kind}.json').read_text())
+    assert record == json.loads(json.dumps(kind_tables.collect(kind, DOCS / 'kinds' / kind)))
+    for entry in record['goals']:
+        if entry.get('record'):
+            source = json.loads((DOCS.parent / entry['record']).read_text())
+            assert source['environment']['cpu_kind']['kind'] == kind
+            assert 'choices' in source['environment']
+
+
+def test_the_earlier_records_are_transcribed_under_their_kind():
+    """amd-avx2: each value read from the committed record it names (records from before the kind field)."""
+    record = {g['goal']: g for g in json.loads((DOCS / 'kinds' / 'amd-avx2.json').read_text())['goals']}
+    bf16 = json.loads((DOCS / 'bench_models_bf16.json').read_text())
+    crate = next(r for r in bf16['rows'] if r['label'] == 'CRATE-T' and r['dtype'] == 'float32')['paired_train']
+    assert record['crate_vit']['value'] == crate['ratio'] and record['crate_vit']['record'] == 'docs/bench_models_bf16.json'
+    soft = json.loads((DOCS / 'soft_attention_fig1b.json').read_text())['goals']['sdpa_over_soft_forward_time']
+    assert record['soft_sdpa']['value'] == soft['ratio']
+    sparse = json.loads((DOCS / 'sparsifiner' / 'cpu_577_t1_run1.json').read_text())
+    assert record['sparsifiner_sdpa']['value'] == sparse['goal']['core_ratio']
+    assert sparse['environment']['threads'] == record['sparsifiner_sdpa']['threads'] == 1
+    for goal in ('lowrank_layer', 'lowrank_stack', 'rp_mixer_step', 'monarch_step'):
+        assert record[goal]['value'] is None and record[goal]['record'] is None    # none was committed
+
+
+def test_collect_refuses_a_record_of_another_kind(tmp_path):
+    (tmp_path / 'lowrank.json').write_text(json.dumps({'environment': {'cpu_kind': {'kind': 'intel-amx'}},
+                                                       'kind_goals': []}))
+    with pytest.raises(ValueError, match="measured on a 'intel-amx' CPU, not 'amd-avx2'"):
+        kind_tables.collect('amd-avx2', tmp_path)
+
+
+def test_update_docs_replaces_only_the_marked_tables():
+    record = json.loads((DOCS / 'kinds' / 'intel-avx512-vnni.json').read_text())
+    text = "before\n<!-- kind-table intel-avx512-vnni -->\nstale\n<!-- /kind-table -->\nafter\n"
+    updated = kind_tables.update_docs(text, {'intel-avx512-vnni': record})
+    assert updated.startswith('before\n') and updated.endswith('after\n') and 'stale' not in updated
+    assert kind_tables.table_in_docs(updated, 'intel-avx512-vnni') == kind_tables.render(record)
+
+
+def test_a_goal_that_cannot_hold_says_why_and_verdicts_read_the_target():
+    entry = kinds.goal_entry('lowrank_layer', 2.2, [2.1, 2.3], 1, 'rank 0.25', bound='the GEMM is already the fastest')
+    assert entry['met'] is False and entry['target'] == '>= 3'
+    line = kinds.verdict_line(entry)
+    assert 'not met (2.200×, quartiles 2.100–2.300, 1 thread; rank 0.25)' in line
+    assert line.endswith('on this kind: the GEMM is already the fastest')
+    assert kinds.goal_entry('sparsifiner_sdpa', 0.59)['met'] is True
+    assert kinds.goal_entry('rp_mixer_step', 1.2)['met'] is False
+    facts = kinds.hardware_facts({'kind': 'intel-avx512-vnni', 'flags': ['avx2', 'avx512f', 'avx512_vnni'],
+                                  'bf16_native': False})
+    assert any('no bfloat16 speed-up is possible' in f for f in facts)
+    assert any('MKL' in f and 'FLOP ratio' in f for f in facts)
+
+
+def _load(busy: bool) -> dict:
+    return {'busy': busy, 'other_cores': 1.4 if busy else 0.0, 'wall_s': 90.0}
+
+
+def test_a_busy_run_is_not_written_into_docs_unless_allowed(tmp_path, monkeypatch, capsys):
+    docs = tmp_path / 'docs'
+    monkeypatch.setattr(kinds, 'DOCS_DIR', docs)
+    monkeypatch.setattr(kinds.tempfile, 'gettempdir', lambda: str(tmp_path / 'tmp'))
+    target = docs / 'kinds' / 'x' / 'lowrank.json'
+    written = kinds.write_record(target, {'machine_load': _load(True)})
+    assert not target.exists() and Path(written) == tmp_path / 'tmp' / 'structformer-busy-records' / 'lowrank.json'
+    message = capsys.readouterr().err
+    assert 'BUSY' in message and '--allow-busy' in message and 'this run took 1.5 min' in message
+    assert kinds.RECORDS_COMMAND in message
+    assert kinds.write_record(target, {'machine_load': _load(True)}, allow_busy=True) == str(target)
+    target.unlink()
+    assert kinds.write_record(target, {'machine_load': _load(False)}) == str(target)       # quiet: written
+    outside = tmp_path / 'outputs' / 'lowrank.json'
+    assert kinds.write_record(outside, {'machine_load': _load(True)}) == str(outside)       # not docs/: written
+
+
+def test_a_bench_json_carries_the_cpu_kind_and_the_choices(tmp_path, capsys):
+    out = tmp_path / 'sparse.json'
+    assert main(['bench', 'sparse-attention', '--tokens', '65', '--keep', '0.5', '--paths', 'block-gather',
+                 '--repeats', '1', '--warmup', '0', '--threads', '1', '--json', str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    env = record['environment']
+    assert env['cpu_kind'] == cpu_kind() and env['aten_cpu_capability']
+    assert set(env['choices']) >= {'timing', 'overrides', 'decisions', 'cached'}
+    assert record['kind_goals'] == []                        # the goal is stated at n 577, keep 0.25
+    assert f"CPU kind {cpu_kind()['kind']}" in printed
+
+
+def test_the_records_command_names_a_benchmark_per_goal():
+    judged = [goal for _, goals, _ in kind_tables.RECORDS for goal in goals]
+    assert sorted(judged) == sorted(kinds.GOALS)
+    line = kind_tables.command_line(kind_tables.RECORDS[3][2], 1, 'docs/kinds/k/mlp/mlp.json')
+    assert line[:3] == ['structformer', 'bench', 'mlp'] and line[-2:] == ['--threads', '1']
+    assert 'docs/kinds/k/mlp' in line
+
+
+def test_the_readme_quotes_the_avx512_amd_record():
+    """README's headline numbers for the AVX-512 AMD EPYC are its record's (re-measured records: update the README)."""
+    goals = {g['goal']: g['value'] for g in json.loads((DOCS / 'kinds' / 'amd-avx512-bf16.json').read_text())['goals']}
+    readme = ' '.join((DOCS.parent / 'README.md').read_text().replace('**', '').split())
+    for goal, text in (('crate_vit', f"{goals['crate_vit']:.2f}× on AVX-512 AMD"),
+                       ('soft_sdpa', f"{goals['soft_sdpa']:.1f}× on AVX-512 AMD"),
+                       ('lowrank_layer', f"{goals['lowrank_layer']:.2f}× on AVX-512 AMD"),
+                       ('lowrank_stack', f"{goals['lowrank_stack']:.2f}× on AVX-512 AMD"),
+                       ('sparsifiner_sdpa', f"{goals['sparsifiner_sdpa']:.2f}× on AVX-512 AMD")):
+        assert text in readme, (goal, text)

@@ -1,0 +1,227 @@
+"""`structformer data shard` (data/shard_writer.py, data/shard_sources.py): what it writes is readable by others
+(the umask's permissions), it shows progress and an ETA, decodes what goes in (a JPEG cut after its header is
+refused, or left out under --bad-images skip, named), several writer processes write the same bytes as one, a
+killed run (kill -9) leaves a work folder the next run resumes from or removes, and shards can be written from an
+hfds: data set and from timm's create_dataset readers (their class order recorded)."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from structformer.data.shard_writer import work_folder, write_shards
+from structformer.data.tars import iter_shard
+
+CLASSES = ('Zebra', 'ant', 'Bee')           # torchvision sorts by code point, timm without case
+
+
+def _folder(root: Path, per_class: int = 3, side: int = 8, seed: int = 0) -> Path:
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for c in CLASSES:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(root / c / f'{i}.jpg')
+    return root
+
+
+def _truncated_jpeg(path: Path) -> None:
+    """A JPEG cut in its entropy-coded data: the header parses, the pixels do not."""
+    from PIL import Image
+    big = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(big, 'JPEG')
+    data = big.getvalue()
+    path.write_bytes(data[:int(len(data) * 0.7)])
+    with Image.open(path) as im:
+        assert im.size == (64, 64)                  # the header check passes it
+
+
+def _shard_bytes(out: Path):
+    return {p.name: p.read_bytes() for p in sorted(out.glob('*.tar'))}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+
+
+def test_output_follows_the_umask_and_progress_shows_an_eta(tmp_path, cache, capsys):
+    src = _folder(tmp_path / 'src')
+    old = os.umask(0o027)
+    try:
+        write_shards(str(src), str(tmp_path / 'out'), 2)
+    finally:
+        os.umask(old)
+    out = tmp_path / 'out'
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)                   # not mkdtemp's 0700
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o640)}
+    text = capsys.readouterr().out
+    assert 'data shard: 9/9 images (100.0 %)' in text and 'img/s, ETA ' in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['cache', 'out', 'src']     # no work folder left
+
+
+def test_a_jpeg_cut_after_its_header_is_refused_or_left_out_named(tmp_path, cache, capsys):
+    from structformer.data import build_datasets
+    src = _folder(tmp_path / 'src')
+    _truncated_jpeg(src / 'ant' / 'cut.jpg')
+    with pytest.raises(ValueError, match=r"ant/cut\.jpg cannot be read .*--bad-images skip"):
+        write_shards(str(src), str(tmp_path / 'out'), 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['cache', 'src']             # nothing written, nothing kept
+    info = write_shards(str(src), str(tmp_path / 'out'), 20, bad_images='skip')
+    left_out = info['splits']['train']['left_out']
+    assert [Path(p).name for p, _ in left_out] == ['cut.jpg'] and info['splits']['train']['num_samples'] == 9
+    assert len(list(iter_shard(str(tmp_path / 'out' / 'train-000000.tar')))) == 9
+    train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}", img_size=8, holdout='samples')
+    assert len(train) + len(val) == 9
+
+
+def test_several_writer_processes_write_the_same_bytes_as_one(tmp_path, cache):
+    src = _folder(tmp_path / 'src', per_class=4)
+    one = write_shards(str(src), str(tmp_path / 'one'), 3, workers=1)
+    two = write_shards(str(src), str(tmp_path / 'two'), 3, workers=2)
+    assert one == two and _shard_bytes(tmp_path / 'one') == _shard_bytes(tmp_path / 'two')
+    assert len(one['splits']['train']['filenames']) == 4
+
+
+_SLOW_WRITER = """
+import sys, time
+import structformer.data.shard_writer as writer
+real = writer.write_one
+def slow(job):
+    time.sleep(0.4)
+    return real(job)
+writer.write_one = slow
+from structformer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_run_is_resumed_by_the_next_or_cleaned(tmp_path, cache, capsys):
+    """kill -9 mid-run: the work folder beside OUT is recognisably ours (owner file, finished shards), OUT does not
+    exist; the next run with the same input resumes from the finished shards and gives the same bytes as a
+    straight run; with other settings it removes them; a live owner is refused naming --clean."""
+    src = _folder(tmp_path / 'src', per_class=4)
+    out, work = tmp_path / 'out', Path(work_folder(str(tmp_path / 'out')))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS='1')
+    child = subprocess.Popen([sys.executable, '-c', _SLOW_WRITER, 'data', 'shard', str(src), str(out),
+                              '--shard-size', '1'], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(work.glob('*.tar'))) < 2:
+        assert child.poll() is None, child.stderr.read()
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    finished = sorted(p.name for p in work.glob('*.tar'))
+    assert 2 <= len(finished) < 12 and not out.exists()
+    assert json.loads((work / '_owner.json').read_text())['pid'] == child.pid
+    write_shards(str(src), str(tmp_path / 'straight'), 1)
+    capsys.readouterr()
+    write_shards(str(src), str(out), 1)                                   # the same command: resumed
+    assert f'{len(finished)} finished shard(s)' in capsys.readouterr().out
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / 'straight') and not work.exists()
+    assert (out / '_info.json').read_text() == (tmp_path / 'straight' / '_info.json').read_text()
+
+    other, work_other = tmp_path / 'other', Path(work_folder(str(tmp_path / 'other')))
+    work_other.mkdir()                                                    # leftovers of a dead run of other settings
+    (work_other / '_owner.json').write_text(json.dumps({'host': os.uname().nodename, 'pid': child.pid,
+                                                        'plan': 'another plan', 'format': 1}))
+    (work_other / 'train-000000.tar').write_bytes(b'stale')
+    write_shards(str(src), str(other), 5)
+    assert 'removed' in capsys.readouterr().out and not work_other.exists()
+    assert _shard_bytes(other)['train-000000.tar'] != b'stale'
+    import shutil
+    shutil.rmtree(other)
+    work_other.mkdir()                                                    # a live owner: refused, naming --clean
+    (work_other / '_owner.json').write_text(json.dumps({'host': os.uname().nodename, 'pid': os.getpid()}))
+    with pytest.raises(ValueError, match='is still running.*--clean'):
+        write_shards(str(src), str(other), 5)
+    assert work_other.exists() and not other.exists()
+    write_shards(str(src), str(other), 5, clean=True)
+    assert 'removed' in capsys.readouterr().out and not work_other.exists() and other.is_dir()
+
+
+def test_shards_from_an_hfds_dataset(tmp_path, cache):
+    import datasets
+    from PIL import Image
+    images = [Image.fromarray(np.full((6, 6, 3), 10 * i, np.uint8)) for i in range(6)]
+    features = datasets.Features({'image': datasets.Image(), 'label': datasets.ClassLabel(names=['x', 'y'])})
+    datasets.DatasetDict({
+        'train': datasets.Dataset.from_dict({'image': images[:4], 'label': [0, 1, 1, 0]}, features=features),
+        'validation': datasets.Dataset.from_dict({'image': images[4:], 'label': [1, 0]}, features=features),
+    }).save_to_disk(str(tmp_path / 'hf'))
+    info = write_shards(f"hfds:{tmp_path / 'hf'}", str(tmp_path / 'out'), 3)
+    assert info['classes'] == ['x', 'y'] and info['splits']['validation']['num_samples'] == 2
+    got = sorted((int(np.asarray(Image.open(io.BytesIO(d)))[0, 0, 0]), label) for n in info['splits']['train']['filenames']
+                 for _, _, d, label in iter_shard(str(tmp_path / 'out' / n)))
+    assert got == [(0, 0), (10, 1), (20, 1), (30, 0)]
+
+
+def test_shards_from_timm_readers_keep_timms_class_order(tmp_path, cache):
+    src = _folder(tmp_path / 'src' / 'train')
+    _folder(tmp_path / 'src' / 'val', per_class=1, seed=2)
+    info = write_shards(f"timm::{tmp_path / 'src'}", str(tmp_path / 'out'), 5)
+    assert info['classes'] == ['ant', 'Bee', 'Zebra'] and 'case ignored' in info['class_order']
+    assert (info['splits']['train']['num_samples'], info['splits']['validation']['num_samples']) == (9, 3)
+    expected = sorted(((src / c / f'{i}.jpg').read_bytes(), ['ant', 'Bee', 'Zebra'].index(c))
+                      for c in CLASSES for i in range(3))
+    got = sorted((d, label) for n in info['splits']['train']['filenames']
+                 for _, _, d, label in iter_shard(str(tmp_path / 'out' / n)))
+    assert got == expected
+    folder_info = write_shards(str(tmp_path / 'src'), str(tmp_path / 'tv'), 5)       # torchvision's order differs
+    assert folder_info['classes'] == ['Bee', 'Zebra', 'ant'] and 'code point' in folder_info['class_order']
+    # timm's tar-of-tars reader (ReaderImageInTar): one tar per class inside one tar
+    outer = io.BytesIO()
+    with tarfile.open(fileobj=outer, mode='w') as tar:
+        for c in CLASSES:
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode='w') as t:
+                for i in range(3):
+                    t.add(str(src / c / f'{i}.jpg'), arcname=f'{i}.jpg')
+            member = tarfile.TarInfo(f'{c}.tar')
+            member.size = len(inner.getvalue())
+            tar.addfile(member, io.BytesIO(inner.getvalue()))
+    (tmp_path / 'nested.tar').write_bytes(outer.getvalue())
+    nested = write_shards(f"timm::{tmp_path / 'nested.tar'}", str(tmp_path / 'from-tar'), 20)
+    assert nested['classes'] == ['ant', 'Bee', 'Zebra']
+    got = sorted((d, label) for n in nested['splits']['train']['filenames']
+                 for _, _, d, label in iter_shard(str(tmp_path / 'from-tar' / n)))
+    assert got == expected
+
+
+def test_cli_lines_name_the_command_out_and_what_is_kept(tmp_path, cache, monkeypatch, capsys):
+    """Errors start `structformer data shard:` as argparse's do; Ctrl-C says what is kept (not checkpoints); a full
+    disk names OUT; each is one line."""
+    import errno
+
+    import structformer.data.shard_writer as writer
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    assert main(['data', 'shard', str(tmp_path / 'nowhere'), str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('structformer data shard: error: SOURCE') and len(err.strip().splitlines()) == 1, err
+    real, calls = writer.write_one, []
+
+    def stopped(job):
+        calls.append(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(job)
+    monkeypatch.setattr(writer, 'write_one', stopped)
+    assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--shard-size', '2']) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('structformer data shard: interrupted; OUT ') and \
+        '1 finished shard(s) are kept' in err[0] and 'checkpoint' not in err[0], err
+
+    def full(job):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(writer, 'write_one', full)
+    assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--shard-size', '2']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"OUT {tmp_path / 'out'}: the disk is full" in err[0], err

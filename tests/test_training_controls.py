@@ -1,0 +1,321 @@
+"""The training controls of timm's train.py (issue 42): step / multistep schedules, cooldown, warm-up prefix, layer
+decay, betas / eps, activation checkpointing, SyncBatchNorm, BCE, --keep-best, --avg-last; per-phase optimisers
+and schedules (phase_settings); --amp at an op without a low-precision kernel; `eval` in the run's precision;
+torchvision's RandAugment policy (--aa tv-rand-...).
+
+Each control is checked against timm's (or torchvision's) own implementation called directly: the schedules step
+by step against timm's create_scheduler_v2 as timm's train.py calls it, the layer-decay groups against timm's
+param_groups_layer_decay, the loss against timm's BinaryCrossEntropy.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from structformer.cli import main
+from structformer.errors import UsageError
+from structformer.train import TrainConfig, Trainer, train
+
+
+def _tiny(tmp_path, **overrides):
+    """crate_digits on digits, one optimiser step per epoch (so a per-step and a per-epoch schedule coincide)."""
+    values = dict(model='crate_digits', data='digits', epochs=4, batch_size=32, lr=1e-2, warmup_epochs=0,
+                  limit_train_batches=1, log_interval=0, output=str(tmp_path / 'run'))
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _timm_lrs(peak, steps, **kwargs):
+    """The lr after each of `steps` updates of timm's create_scheduler_v2 on its own SGD, one update an epoch."""
+    from timm.scheduler import create_scheduler_v2
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    scheduler, _ = create_scheduler_v2(optimizer, step_on_epochs=False, updates_per_epoch=1, **kwargs)
+    out = []
+    for step in range(1, steps + 1):
+        scheduler.step_update(num_updates=step)
+        out.append(optimizer.param_groups[0]['lr'])
+    return out
+
+
+# (our configuration, timm's create_scheduler_v2 arguments as timm's train.py passes them for the same run: its
+# --epochs E then --cooldown-epochs C runs E + C epochs, here --epochs E + C with C of them the cooldown)
+SCHEDULES = {
+    'step': (dict(epochs=7, sched='step', decay_epochs=2, decay_rate=0.5, warmup_epochs=1, warmup_lr=1e-3),
+             dict(sched='step', num_epochs=7, decay_epochs=2, decay_rate=0.5, warmup_epochs=1, warmup_lr=1e-3)),
+    'multistep': (dict(epochs=7, sched='multistep', decay_milestones=[2, 5], decay_rate=0.2),
+                  dict(sched='multistep', num_epochs=7, decay_milestones=[2, 5], decay_rate=0.2, warmup_epochs=0)),
+    'cosine-cooldown': (dict(epochs=8, cooldown_epochs=3, min_lr=1e-4),
+                        dict(sched='cosine', num_epochs=5, cooldown_epochs=3, min_lr=1e-4, warmup_epochs=0)),
+    'cosine-warmup-prefix': (dict(epochs=7, warmup_epochs=2, warmup_prefix=True, warmup_lr=0.0, min_lr=1e-3),
+                             dict(sched='cosine', num_epochs=5, warmup_epochs=2, warmup_prefix=True, warmup_lr=0.0,
+                                  min_lr=1e-3)),
+}
+
+
+@pytest.mark.parametrize('name', list(SCHEDULES))
+def test_schedules_equal_timms_step_by_step(name, tmp_path):
+    ours, theirs = SCHEDULES[name]
+    result = train(_tiny(tmp_path, **ours), progress=False)
+    trained = [r['lr'] for r in result.history]
+    assert len(trained) == ours['epochs']
+    assert trained == pytest.approx(_timm_lrs(1e-2, ours['epochs'], **theirs), rel=1e-12, abs=0)
+
+
+def test_layer_decay_groups_are_timms(tmp_path):
+    """--layer-decay 0.7: the optimiser's groups are timm's param_groups_layer_decay over the model's group_matcher
+    (same parameters, weight decay and lr_scale per group), and after a step each group's lr is peak x lr_scale."""
+    from timm.optim._param_groups import param_groups_layer_decay
+    trainer = Trainer(_tiny(tmp_path, layer_decay=0.7, epochs=2, sched='cosine', warmup_epochs=0))
+    trainer._build()
+    model = trainer.model
+    theirs = param_groups_layer_decay(model, weight_decay=0.05, no_weight_decay_list=model.no_weight_decay(),
+                                      layer_decay=0.7)
+    ours = trainer.optimizer.param_groups
+    assert len(ours) == len(theirs) > 3
+    for mine, timms in zip(ours, theirs):
+        assert [id(p) for p in mine['params']] == [id(p) for p in timms['params']]
+        assert mine['lr_scale'] == timms['lr_scale'] and mine['weight_decay'] == timms['weight_decay']
+    scales = sorted({g['lr_scale'] for g in ours})
+    assert scales[-1] == 1.0 and scales[0] == pytest.approx(0.7 ** (len(scales) - 1))
+    trainer.scheduler.step_update(num_updates=0)
+    for group in ours:
+        assert group['lr'] == pytest.approx(1e-2 * group['lr_scale'])
+
+
+def test_betas_and_eps_reach_the_optimiser(tmp_path):
+    trainer = Trainer(_tiny(tmp_path, opt_betas=[0.8, 0.95], opt_eps=1e-6))
+    trainer._build()
+    assert trainer.optimizer.defaults['betas'] == (0.8, 0.95) and trainer.optimizer.defaults['eps'] == 1e-6
+    with pytest.raises(UsageError, match='--opt sgd does not take --opt-betas'):
+        Trainer(_tiny(tmp_path, opt='sgd', opt_betas=[0.9, 0.99]))._build()
+
+
+def test_grad_checkpointing_trains_the_same_weights(tmp_path):
+    """Activation checkpointing recomputes the blocks in the backward: the same step, to float32 rounding."""
+    plain = train(_tiny(tmp_path / 'a', epochs=1), progress=False)
+    checkpointed = train(_tiny(tmp_path / 'b', epochs=1, grad_checkpointing=True), progress=False)
+    a = load_file(str(plain.last_checkpoint / 'model.safetensors'))
+    b = load_file(str(checkpointed.last_checkpoint / 'model.safetensors'))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+    trainer = Trainer(_tiny(tmp_path / 'c', grad_checkpointing=True))
+    trainer._build()
+    assert trainer.model.grad_checkpointing is True
+
+
+def test_sync_bn_with_one_process_says_there_is_nothing_to_sync(tmp_path, capsys):
+    trainer = Trainer(_tiny(tmp_path, model='wrn_10_2_digits', sync_bn=True))
+    trainer._build()
+    assert 'nothing to synchronise' in capsys.readouterr().out
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in trainer.model.modules())
+
+
+def test_bce_loss_is_timms_binary_cross_entropy(tmp_path):
+    """--bce-loss: the 'ce' term is timm's BinaryCrossEntropy (smoothing its own without Mixup, none with it, where
+    Mixup folds it into the targets); the first step's loss equals timm's loss of the same logits."""
+    from timm.loss import BinaryCrossEntropy
+
+    from structformer.train.phases import LossContext, cross_entropy_term
+    logits, targets = torch.randn(6, 10, dtype=torch.float64), torch.tensor([0, 3, 9, 2, 2, 7])
+    ours = cross_entropy_term(LossContext(None, None, targets, logits, 0.1,
+                                          {'bce': BinaryCrossEntropy(smoothing=0.1, target_threshold=0.2)}))
+    assert ours == BinaryCrossEntropy(smoothing=0.1, target_threshold=0.2)(logits, targets)
+    trainer = Trainer(_tiny(tmp_path, bce_loss=True, label_smoothing=0.1, bce_target_thresh=0.3))
+    trainer._build()
+    assert isinstance(trainer.bce, BinaryCrossEntropy)
+    assert (trainer.bce.smoothing, trainer.bce.target_threshold) == (0.1, 0.3)
+    trainer = Trainer(_tiny(tmp_path, bce_loss=True, label_smoothing=0.1, mixup=0.8))
+    trainer._build()
+    assert trainer.bce.smoothing == 0.0
+    with pytest.raises(UsageError, match='--bce-loss'):
+        TrainConfig(model='gpt2_byte_tiny', data='pysource', bce_loss=True).validate()
+
+
+def test_keep_best_keeps_the_best_epoch_whatever_keep_last_says(tmp_path):
+    """_prune with --keep-last 1: epoch 0 and the newest stay; with --keep-best also the best val top-1 so far."""
+    from structformer.train.save_resume import CheckpointGlue
+
+    def prune(keep_best):
+        run = tmp_path / f'run_{keep_best}'
+        for e in range(5):
+            (run / 'checkpoints' / f'epoch_{e:04d}').mkdir(parents=True)
+        (run / 'metrics.jsonl').write_text(''.join(json.dumps({'epoch': e, 'val_top1': top1}) + '\n'
+                                                   for e, top1 in ((1, 50.0), (2, 90.0), (3, 70.0))))
+        glue = CheckpointGlue()
+        glue.config = TrainConfig(keep_last=1, keep_best=keep_best)
+        glue.output, glue.ckpt_dir = run, run / 'checkpoints'
+        glue._prune(4, {'epoch': 4, 'val_top1': 60.0})
+        return sorted(p.name for p in glue.ckpt_dir.iterdir())
+    assert prune(True) == ['epoch_0000', 'epoch_0002', 'epoch_0004']
+    assert prune(False) == ['epoch_0000', 'epoch_0004']
+
+
+def test_avg_last_averages_the_last_epochs(tmp_path, capsys):
+    """--avg-last 2: checkpoints/average_last_2 holds the mean of epochs 2 and 3 (timm's avg_checkpoints: float64
+    sum, then the tensor's dtype), and its metrics in summary.json are what `structformer eval` gives it."""
+    result = train(_tiny(tmp_path, epochs=3, keep_last=2, avg_last=2), progress=False)
+    ckpt = Path(result.output) / 'checkpoints'
+    two, three = (load_file(str(ckpt / f'epoch_{e:04d}' / 'model.safetensors')) for e in (2, 3))
+    average = load_file(str(ckpt / 'average_last_2' / 'model.safetensors'))
+    assert not torch.equal(two['head.weight'], three['head.weight'])
+    for key in average:
+        expected = ((two[key].double() + three[key].double()) / 2).to(two[key].dtype) \
+            if two[key].is_floating_point() else three[key]
+        assert torch.equal(average[key], expected), key
+    summary = json.loads((Path(result.output) / 'summary.json').read_text())
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(ckpt / 'average_last_2'), '--json']) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored['top1'] == summary['average_last_2_val_top1'] and scored['loss'] == summary['average_last_2_val_loss']
+    with pytest.raises(UsageError, match='--keep-last'):
+        TrainConfig(avg_last=3, keep_last=2).validate()
+
+
+# ------------------------------------------------------------------------------------- phase settings
+PHASES = [{'name': 'a', 'epochs': 3}, {'name': 'b', 'epochs': 3}]
+PHASE_SETTINGS = {'a': {'lr': 2e-2, 'warmup_epochs': 1, 'warmup_lr': 0.0, 'warmup_prefix': True, 'min_lr': 1e-2},
+                  'b': {'lr': 5e-3, 'sched': 'step', 'decay_epochs': 1, 'decay_rate': 0.5, 'weight_decay': 0.0}}
+
+
+def test_each_phase_has_its_own_optimiser_and_timms_schedule(tmp_path):
+    """Two phases, each a fresh optimiser and its own timm schedule over its own epochs (Sparsifiner's public
+    stages): the lr of every step equals timm's create_scheduler_v2 for that phase, counted from its start."""
+    seen = []
+    result = train(_tiny(tmp_path, epochs=6, phases=PHASES, phase_settings=PHASE_SETTINGS), progress=False,
+                   callbacks=[lambda trainer, epoch, record: seen.append(trainer.optimizer)])
+    lrs = [r['lr'] for r in result.history]
+    first = _timm_lrs(2e-2, 3, sched='cosine', num_epochs=2, warmup_epochs=1, warmup_lr=0.0, warmup_prefix=True,
+                      min_lr=1e-2)
+    second = _timm_lrs(5e-3, 3, sched='step', num_epochs=3, decay_epochs=1, decay_rate=0.5, warmup_epochs=0)
+    assert lrs == pytest.approx(first + second, rel=1e-12, abs=0)
+    assert seen[0] is seen[2] and seen[3] is not seen[2] and seen[3] is seen[5]    # a fresh optimiser for phase b
+    assert max(g['weight_decay'] for g in seen[0].param_groups) == 0.05            # the run's decay in phase a,
+    assert all(g['weight_decay'] == 0.0 for g in seen[3].param_groups)              # phase b's own (0)
+
+
+def test_resume_at_a_phase_boundary_equals_the_uninterrupted_run(tmp_path):
+    """Stopped after phase a's last epoch (its checkpoint holds phase a's optimiser) and resumed: phase b starts
+    its fresh optimiser as the uninterrupted run does; and stopped inside a phase, its optimiser state is reloaded."""
+    config = dict(epochs=6, phases=PHASES, phase_settings=PHASE_SETTINGS, limit_train_batches=2)
+    whole = train(_tiny(tmp_path / 'whole', **config), progress=False)
+    for stop in (3, 2):
+        part = tmp_path / f'part{stop}'
+        train(_tiny(part, **config), progress=False, stop_after=stop)
+        resumed = Trainer(_tiny(part, **config), resume=True, progress=False).fit()
+        a = load_file(str(whole.last_checkpoint / 'model.safetensors'))
+        b = load_file(str(resumed.last_checkpoint / 'model.safetensors'))
+        assert all(torch.equal(a[k], b[k]) for k in a), stop
+
+
+def test_a_recovery_point_inside_a_phase_reloads_that_phases_optimiser(tmp_path, monkeypatch):
+    """Ctrl-C inside phase b's first epoch, after a recovery point (--recovery-interval 1): the point holds phase
+    b's optimiser, which --resume reloads (not a fresh one, as at a phase boundary): the same weights as the
+    uninterrupted run, bit for bit."""
+    argv = ['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '4', '-b', '32', '--warmup-epochs',
+            '0', '--limit-train-batches', '3', '--recovery-interval', '1', '--no-progress', '--log-interval', '0']
+    phased = tmp_path / 'phases.yaml'
+    phased.write_text(json.dumps({'phases': [{'name': 'a', 'epochs': 2}, {'name': 'b', 'epochs': 2}],
+                                  'phase_settings': {'b': {'lr': 5e-3, 'warmup_epochs': 0}}}))
+    assert main([*argv, '-c', str(phased), '--output', str(tmp_path / 'straight')]) == 0
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_AT', 'epoch 3:step 2')
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_WITH', 'SIGINT')
+    assert main([*argv, '-c', str(phased), '--output', str(tmp_path / 'resumed')]) == 130
+    monkeypatch.delenv('STRUCTFORMER_TEST_KILL_AT')
+    assert list((tmp_path / 'resumed' / 'checkpoints').glob('recovery_0003_*'))
+    assert main(['train', '--resume', '--output', str(tmp_path / 'resumed'), '--no-progress']) == 0
+    a = load_file(str(tmp_path / 'straight' / 'checkpoints' / 'epoch_0004' / 'model.safetensors'))
+    b = load_file(str(tmp_path / 'resumed' / 'checkpoints' / 'epoch_0004' / 'model.safetensors'))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_phase_settings_are_checked_before_any_work(tmp_path):
+    with pytest.raises(UsageError, match=r"phase_settings\.c: the run has no phase 'c'"):
+        Trainer(_tiny(tmp_path, epochs=6, phases=PHASES, phase_settings={'c': {'lr': 1e-3}}))._build()
+    with pytest.raises(UsageError, match=r'phase_settings\.a\.warmup_epochs=3'):
+        Trainer(_tiny(tmp_path, epochs=6, phases=PHASES, phase_settings={'a': {'warmup_epochs': 3}}))._build()
+    with pytest.raises(UsageError, match=r'phase_settings\.a\.nope: not a phase setting'):
+        _tiny(tmp_path, phase_settings={'a': {'nope': 1}}).validate()
+    assert not (tmp_path / 'run').exists()
+
+
+# ------------------------------------------------------------------------------------- precision at the edges
+class _LogdetHead(torch.nn.Module):
+    """A model with an op torch has no bfloat16 kernel for, and that CPU autocast does not cast to float32 (it
+    does cast cholesky, svd, qr, eigh): the logdet of its logits' Gram matrix, which autocast computes in bfloat16."""
+
+    def __init__(self, inner, num_classes):
+        super().__init__()
+        self.inner, self.num_classes = inner, num_classes
+
+    def forward(self, x):
+        logits = self.inner(x)
+        gram = logits.T @ logits
+        gram = gram + torch.eye(gram.shape[0], dtype=gram.dtype)
+        return logits + torch.logdet(gram).to(logits.dtype) * 0
+
+
+def test_an_op_without_a_bfloat16_kernel_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import structformer.train.build as build
+    real = build.build_model
+
+    def with_logdet(*args, **kwargs):
+        model, recipe = real(*args, **kwargs)
+        return _LogdetHead(model, model.num_classes), recipe
+    monkeypatch.setattr(build, 'build_model', with_logdet)
+    output = tmp_path / 'run'
+    rc = main(['train', '--model', 'crate_digits', '--data', 'digits', '--amp', '--amp-dtype', 'bfloat16',
+               '--device', 'cpu', '--output', str(output), '--no-progress', '--limit-train-batches', '1'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert 'no bfloat16 kernel for logdet on cpu' in err[0] and 'float32' in err[0] and '--amp' in err[0]
+    assert not output.exists()
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from structformer.train import evaluate
+    from structformer.train.precision import Precision
+    model = _LogdetHead(torch.nn.Linear(4, 3), 3)
+    loader = DataLoader(TensorDataset(torch.randn(4, 4), torch.tensor([0, 1, 2, 0])), batch_size=4)
+    with pytest.raises(UsageError, match='no bfloat16 kernel for logdet'):
+        evaluate(model, loader, 'cpu', Precision.create(True, 'bfloat16', torch.device('cpu')))
+    assert evaluate(model, loader, 'cpu')['top1'] >= 0        # float32: the op runs
+
+
+def test_eval_scores_as_the_run_evaluated(tmp_path, capsys):
+    """A bfloat16 run: `structformer eval` evaluates under bfloat16 autocast by default (the run's precision, its
+    evaluation batch size) and gives exactly the metric the run recorded; --no-amp says it scores in float32."""
+    result = train(_tiny(tmp_path, epochs=1, amp=True, amp_dtype='bfloat16', device='cpu', limit_train_batches=3),
+                   progress=False)
+    recorded = result.history[-1]
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(result.output), '--json']) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored['precision'] == 'bfloat16' and "the run's" in scored['precision_from']
+    assert scored['top1'] == recorded['val_top1'] and scored['loss'] == recorded['val_loss']
+    assert main(['eval', '--checkpoint', str(result.output), '--no-amp']) == 0
+    assert '[float32: as asked]' in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------- torchvision's RandAugment
+def test_tv_rand_is_torchvisions_randaugment_where_timm_puts_its_policy():
+    """--aa tv-rand-n2-m14 (the public CRATE finetune.py's RandAugment(2, 14)): torchvision's transform with those
+    settings, after the crop and the flip and before the tensor conversion; the same draws give the same image."""
+    import numpy as np
+    from PIL import Image
+    from torchvision import transforms as T
+
+    from structformer.data.augment import Augmentation, check_auto_augment, timm_train_transform
+    transform, record = timm_train_transform(32, Augmentation(aa='tv-rand-n2-m14'), (0.5,) * 3, (0.5,) * 3)
+    names = [type(t).__name__ for t in transform.transforms]
+    assert names[:4] == ['RandomResizedCropAndInterpolation', 'RandomHorizontalFlip', 'RandAugment', 'MaybeToTensor']
+    ours = transform.transforms[2]
+    assert (ours.num_ops, ours.magnitude, ours.num_magnitude_bins) == (2, 14, 31)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    torch.manual_seed(5)
+    a = np.asarray(ours(image))
+    torch.manual_seed(5)
+    b = np.asarray(T.RandAugment(2, 14)(image))
+    assert np.array_equal(a, b)
+    with pytest.raises(UsageError, match=r"--aa='tv-rand-n2-m31'"):     # bins 0..30
+        check_auto_augment('tv-rand-n2-m31')
