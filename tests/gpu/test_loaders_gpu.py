@@ -30,7 +30,7 @@ def test_image_folder_with_workers_and_pinned_memory(tmp_path, image_folder):
 
 def test_shards_with_workers_and_pinned_memory(tmp_path, image_folder):
     pytest.importorskip('webdataset')
-    from structformer.data.wds import shard_patterns, write_shards
+    from structformer.data.shard_writer import shard_patterns, write_shards
     from structformer.train.engine import Trainer
     info = write_shards(str(image_folder), str(tmp_path / 'shards'), shard_size=16)
     data = shard_patterns(str(tmp_path / 'shards'), info)
