@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.structformer-installed
 DEMO_OUT ?= outputs/demo
 
-.PHONY: demo test venv bench bench-records clean
+.PHONY: demo test test-gpu gpu-wheels gpu-check venv bench bench-records clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,27 @@ bench: $(STAMP)
 THREADS ?= 1
 bench-records: $(STAMP)
 	$(BIN)/python -m structformer.bench.kind_tables record --threads $(THREADS)
+
+# The GPU suite (tests/gpu, skipped without CUDA; docs/gpu.md). On a lent GPU's image, with its own python and no
+# .venv: `python3 -m pip install -e . --no-deps --no-build-isolation && make test-gpu TEST_PYTHON=python3`.
+# Four test processes share the GPU; the tests that share a family's runs stay in one (--dist loadgroup).
+TEST_PYTHON ?= $(BIN)/python
+GPU_TEST_FLAGS ?= -q -rs -n 4 --dist loadgroup --timeout=300 -p no:cacheprovider
+test-gpu: $(if $(filter $(BIN)/python,$(TEST_PYTHON)),$(STAMP))
+	OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 $(TEST_PYTHON) -m pytest $(GPU_TEST_FLAGS) tests/gpu
+
+# Python 3.12 wheels of what the GPU image lacks or holds at another version (docs/gpu.md: KINDS.md's list),
+# carried to the GPU machine in .whl/ (git-ignored) and installed there by tools/gpu_check.sh.
+GPU_WHEELS := timm==1.0.31 webdataset==1.0.2 braceexpand==0.1.7 setuptools==84.2.1
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
+
+# The prepared device check: the GPU suite, then `structformer bench gpu`, in under 8 minutes (docs/gpu.md).
+gpu-check:
+	bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

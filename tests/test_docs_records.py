@@ -118,6 +118,15 @@ def test_gpu_tables_are_their_records(name):
     assert checked >= 3 * len(table[1:])
 
 
+def test_gpu_section_is_the_render_of_the_newest_gpu_record():
+    """benchmarks.md's `bench gpu` section is exactly `render_markdown` of the newest record in docs/gpu/ (by the
+    date in its name), or the sentence saying there is none yet (`structformer bench gpu --render RECORD --doc`)."""
+    from structformer.bench.gpu_report import BEGIN, END, latest_record, render_markdown, section_of
+    name, newest = latest_record(DOCS / 'gpu')
+    rendered = render_markdown(newest, f'docs/gpu/{name}' if name else None)
+    assert section_of((DOCS / 'benchmarks.md').read_text(), BEGIN, END) == rendered
+
+
 # ---- mixer.md -----------------------------------------------------------------------------------------
 
 def test_mixer_width_table_is_the_committed_study():

@@ -19,6 +19,7 @@ BENCH_TARGETS = {
     'sparse-attention': ('structformer.bench.sparse_attention', 'Sparsifiner MHSA paths vs dense SDPA: time and FLOPs vs n, keep'),
     'data': ('structformer.bench.data', 'loader images/s (decode + train transform): our folder and shards vs timm, '
              'against what a training step needs'),
+    'gpu': ('structformer.bench.gpu', 'one GPU in one command: 224-px training img/s, SOFT and Sparsifiner vs SDPA, compiled'),
 }
 
 

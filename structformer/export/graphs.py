@@ -45,8 +45,9 @@ def example_input(model: torch.nn.Module, batch: int = 2, seed: int = 0) -> torc
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got − want| / max |want| (a scale-free bound on the whole output)."""
-    got, want = torch.as_tensor(got).double(), want.detach().double()
+    """max |got − want| / max |want| (a scale-free bound on the whole output), on the CPU whichever device
+    either was computed on."""
+    got, want = torch.as_tensor(got).detach().cpu().double(), want.detach().cpu().double()
     return ((got - want).abs().max() / want.abs().max().clamp_min(torch.finfo(torch.float64).tiny)).item()
 
 
@@ -72,7 +73,8 @@ mode: the recorded graph is the same."""
 
 
 def onnx_error(path, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> float:
-    """The largest `relative_error` of ONNX Runtime's output (CPU provider) against eager torch over `inputs`."""
+    """The largest `relative_error` of ONNX Runtime's output (CPU provider) against eager torch over `inputs` (the
+    model and `inputs` on any device: ONNX Runtime reads a CPU copy)."""
     require_onnx(runtime=True)
     import onnxruntime
     session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
@@ -80,7 +82,7 @@ def onnx_error(path, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> 
     for x in inputs:
         with torch.no_grad():
             want = model(x)
-        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+        got = session.run(None, {session.get_inputs()[0].name: x.detach().cpu().numpy()})[0]
         worst = max(worst, relative_error(torch.from_numpy(got), want))
     return worst
 

@@ -314,6 +314,7 @@ default_cfgs = generate_default_cfgs({
     'smixer_cifar.untrained': _cfg(**_CIFAR), 'rp_smixer_cifar.untrained': _cfg(**_CIFAR),
     'mixer_cifar.untrained': _cfg(**_CIFAR), 'rp_mixer_cifar.untrained': _cfg(**_CIFAR),
     'swmlp_cifar.untrained': _cfg(**_CIFAR),
+    'sparse_mixer_b16_224.untrained': _cfg(), 'rp_mixer_b16_224.untrained': _cfg(),
 })
 
 
@@ -328,6 +329,9 @@ def _swmlp(variant, pretrained, defaults, kwargs):
 _DIGITS_ARGS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10)      # S₀ = 16, C₀ = 4
 _MNIST_ARGS = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10)      # S₀ = 49, C₀ = 16
 _CIFAR_ARGS = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10)      # S₀ = 64, C₀ = 48 (App. C)
+# Mixer-B/16 at the paper's ImageNet setting (App. C.5): P = 16, S = S₀ = 196, C = 768, 12 blocks, γ = 4 for both
+# MLPs (so the token MLP is 4·S = 784 wide, not the original Mixer-B/16's 384)
+_B16_ARGS = dict(img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=768, depth=12, mlp_ratio=4.0)
 
 
 @register_model
@@ -403,3 +407,18 @@ def swmlp_cifar(pretrained: bool = False, **kwargs) -> SWMLP:
     density = sw_density(omega(64, 48, 2.0), 64 * 48, 2.0)
     return _swmlp('swmlp_cifar', pretrained, dict(_CIFAR_ARGS, embed_dim=48, depth=3, mlp_ratio=2.0,
                                                   density=density), kwargs)
+
+
+# ImageNet size. timm's own `mixer_b16_224` is the original MLP-Mixer (token MLP 384 wide, dense layers); these are
+# the paper's Mixer-B/16 built from PK layers, hence `sparse_` in the first name.
+@register_model
+def sparse_mixer_b16_224(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """Mixer-B/16 as the paper trains it on ImageNet-1k (App. C.5, Table 1): S = 196, C = 768, L = 12, γ = 4."""
+    return _mixer('sparse_mixer_b16_224', pretrained, dict(_B16_ARGS), kwargs)
+
+
+@register_model
+def rp_mixer_b16_224(pretrained: bool = False, **kwargs) -> SparseMixer:
+    """RP-Mixer at the Mixer-B/16 shapes (Eq. S.13; the paper's ImageNet RP-Mixer, Fig. 6): as
+    sparse_mixer_b16_224, token mixing between fresh random permutations per layer."""
+    return _mixer('rp_mixer_b16_224', pretrained, dict(_B16_ARGS, permutation='random'), kwargs)

@@ -75,21 +75,33 @@ def _unflatten_optimizer(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any])
 
 
 def capture_rng() -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Every RNG the training loop draws from (python, numpy, torch CPU)."""
+    """Every RNG the training loop draws from (python, numpy, torch CPU and, once CUDA is in use, each CUDA
+    device's generator: dropout, drop path and Mixup's masks on a GPU draw from those, not from the CPU's)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     tensors = {'rng.torch': torch.get_rng_state(), 'rng.numpy': torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f'rng.cuda.{index}'] = state
     meta = {'numpy': [kind, int(pos), int(has_gauss), float(cached)],
             'python': [version, list(internal), gauss_next]}
     return tensors, meta
 
 
 def restore_rng(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    """Put back what `capture_rng` saved. CUDA generators are restored where this machine has the device (a run
+    checkpointed on a GPU and resumed on a CPU keeps its CPU streams; its GPU draws then cannot repeat anyway)."""
     torch.set_rng_state(tensors['rng.torch'])
     kind, pos, has_gauss, cached = meta['numpy']
     np.random.set_state((kind, tensors['rng.numpy'].numpy().astype(np.uint32), pos, has_gauss, cached))
     version, internal, gauss_next = meta['python']
     random.setstate((version, tuple(internal), gauss_next))
+    cuda = sorted((int(name.rsplit('.', 1)[1]), state) for name, state in tensors.items()
+                  if name.startswith('rng.cuda.'))
+    if cuda and torch.cuda.is_available():
+        for index, state in cuda:
+            if index < torch.cuda.device_count():
+                torch.cuda.set_rng_state(state, index)
 
 
 def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, Any],

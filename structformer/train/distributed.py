@@ -1,5 +1,5 @@
 """Devices and DDP: the same code path at 1 process; under `torchrun` it joins the process group
-(gloo on CPU, nccl on CUDA)."""
+(gloo on CPU, nccl on CUDA, gloo where several processes share one GPU)."""
 import os
 from typing import List, Sequence
 
@@ -26,6 +26,23 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device('cuda', index)
 
 
+BACKEND_VARIABLE = 'STRUCTFORMER_DIST_BACKEND'       # nccl | gloo: overrides the choice below
+
+
+def process_group_backend(device: torch.device, shared_device: bool) -> str:
+    """The process group's backend: nccl where each process has a GPU of its own; gloo on CPUs and where the
+    processes share one GPU (`--device cuda:N` under torchrun with several local processes), which nccl refuses
+    ("Duplicate GPU detected"). $STRUCTFORMER_DIST_BACKEND (nccl or gloo) overrides it."""
+    chosen = os.environ.get(BACKEND_VARIABLE, '').strip().lower()
+    if chosen:
+        if chosen not in ('nccl', 'gloo'):
+            raise UsageError(f"${BACKEND_VARIABLE}={chosen!r}: accepted nccl or gloo")
+        if chosen == 'nccl' and device.type != 'cuda':
+            raise UsageError(f"${BACKEND_VARIABLE}=nccl needs CUDA devices; this process runs on {device}")
+        return chosen
+    return 'nccl' if device.type == 'cuda' and not shared_device else 'gloo'
+
+
 def init_distributed(device: str = 'auto'):
     """Returns (rank, world_size, device). Reads torchrun's environment variables."""
     world_size = int(os.environ.get('WORLD_SIZE', '1'))
@@ -35,7 +52,9 @@ def init_distributed(device: str = 'auto'):
     if resolved.type == 'cuda':
         torch.cuda.set_device(resolved)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group('nccl' if resolved.type == 'cuda' else 'gloo')
+        # an explicit cuda:N puts every local process on that one GPU
+        shared = device.startswith('cuda:') and int(os.environ.get('LOCAL_WORLD_SIZE', '1')) > 1
+        dist.init_process_group(process_group_backend(resolved, shared))
     return rank, world_size, resolved
 
 

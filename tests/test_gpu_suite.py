@@ -1,0 +1,340 @@
+"""The GPU suite's own tools and the GPU benchmark's code, on the CPU (issue: a GPU suite and benchmark ready to
+run in a few GPU minutes): the suite collects and skips without CUDA; its loss tolerance and loss-parity harness on
+CPU bfloat16, including a broken cast it must catch; its op / module log; `structformer bench gpu`'s dry path at a
+tiny size, its goals and its markdown."""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu.checks import (OpLog, custom_op_violations, forward_band, loss_sensitivity, loss_tolerance,
+                        module_dtype_violations, parity_failures, recorded_step_losses, skipped_steps, step_tolerance,
+                        unit_roundoff)
+from structformer.bench import gpu as bench_gpu
+from structformer.bench.gpu_report import NO_RECORD, goals, render_markdown, replace_section, section_of
+from structformer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the suite collects and skips -------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is present: the suite runs instead of skipping')
+def test_gpu_suite_collects_and_skips_without_cuda():
+    env = {k: v for k, v in os.environ.items() if k != 'STRUCTFORMER_GPU_SUITE_DEVICE'}
+    proc = subprocess.run([sys.executable, '-m', 'pytest', 'tests/gpu', '-q', '-rs', '-p', 'no:cacheprovider',
+                           '-p', 'no:randomly'], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=dict(env, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    skipped = int(summary.split(' skipped')[0].split()[-1])
+    assert skipped >= 50 and 'passed' not in summary and 'error' not in summary, summary
+    assert 'needs a CUDA device' in proc.stdout
+
+
+# ---- tolerances ----------------------------------------------------------------------------------------------
+
+def test_unit_roundoff_is_half_the_spacing_above_one():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert unit_roundoff(dtype) == torch.finfo(dtype).eps / 2
+
+
+def test_loss_tolerance_is_three_random_walks_of_the_roundings():
+    """3·√(3P)·u: CRATE-T's P ≈ 62 gives 16 % in bfloat16 and 2 % in float16 (the docstring's examples); the
+    forward band scales it by the loss's sensitivity and the batch's √B; a step adds the loss's own rounding."""
+    assert loss_tolerance(torch.bfloat16, 62) == pytest.approx(3 * math.sqrt(186) / 256)
+    assert loss_tolerance(torch.bfloat16, 62) == pytest.approx(0.16, abs=0.005)
+    assert loss_tolerance(torch.float16, 62) == pytest.approx(0.02, abs=0.001)
+    assert loss_tolerance(torch.float16, 62) * 8 == pytest.approx(loss_tolerance(torch.bfloat16, 62))
+    with pytest.raises(ValueError, match='products'):
+        loss_tolerance(torch.bfloat16, 0)
+    assert forward_band(torch.bfloat16, 62, 0.5, 16) == pytest.approx(loss_tolerance(torch.bfloat16, 62) * 0.5 / 4)
+    # after the first step float32's own movement widens the band by the updates' rounding (or all of it after a
+    # skipped float16 step); at the first step the forward's band alone
+    reference = [2.0, 1.8, 1.9]
+    band = forward_band(torch.bfloat16, 62, 0.5, 16)
+    assert step_tolerance(torch.bfloat16, 62, 0.5, 16, reference, 0) == pytest.approx(band + 2.0 / 256)
+    assert step_tolerance(torch.bfloat16, 62, 0.5, 16, reference, 1) == pytest.approx(
+        band + 1.8 / 256 + 3 * math.sqrt(6 * 62) / 256 * 0.2)
+    assert step_tolerance(torch.float16, 62, 0.5, 16, reference, 2, skipped=True) == pytest.approx(
+        forward_band(torch.float16, 62, 0.5, 16) + 1.9 / 2048 + 0.1)
+    assert [skipped_steps(s) for s in (65536.0, 32768.0, 4096.0)] == [0, 1, 4]
+
+
+def test_loss_sensitivity_is_zero_at_zero_logits_and_grows_with_them():
+    targets = torch.tensor([0, 1, 2, 3])
+    assert loss_sensitivity(torch.zeros(4, 10), targets) == 0
+    small, large = torch.randn(4, 10, generator=torch.Generator().manual_seed(0)) * 0.1, None
+    large = small * 10
+    assert 0 < loss_sensitivity(small, targets) < loss_sensitivity(large, targets)
+
+
+def test_parity_failures_name_the_step():
+    reference = [1.0, 1.0]
+    assert parity_failures(reference, [1.001, 0.999], torch.float16, 10, 1.0, 1) == []
+    failures = parity_failures(reference, [1.0, 1.5], torch.float16, 10, 1.0, 1)
+    assert len(failures) == 1 and failures[0].startswith('step 2')
+    assert parity_failures(reference, [1.0, float('nan')], torch.bfloat16, 10, 1.0, 1)
+    assert parity_failures(reference, [1.0], torch.bfloat16, 10, 1.0, 1)
+
+
+# ---- the loss-parity harness on CPU bfloat16 --------------------------------------------------------------------
+
+def _digits_run(tmp_path, name, **extra):
+    from structformer.train import TrainConfig, train
+    config = TrainConfig(model='crate_digits', data='digits', epochs=1, batch_size=32, lr=1e-3, warmup_epochs=0,
+                         sched='none', limit_train_batches=6, grad_accum_steps=2, mixup=0.8, cutmix=1.0,
+                         model_ema=True, val_fraction=0.1, log_interval=0, output=str(tmp_path / name), **extra)
+    with recorded_step_losses() as losses:
+        result = train(config, progress=False)
+    return result, losses
+
+
+@pytest.fixture(scope='module')
+def float32_digits(tmp_path_factory):
+    return _digits_run(tmp_path_factory.mktemp('parity'), 'float32')
+
+
+def _measured(result) -> tuple:
+    """The products of a bfloat16 forward and the loss's sensitivity, on held-out digits through float32's model."""
+    from structformer.data import build_datasets
+    from structformer.train import load_model
+    model, _ = load_model(result.last_checkpoint)
+    _, val, _ = build_datasets('digits', seed=0, val_fraction=0.1)
+    images, labels = torch.utils.data.default_collate([val[i] for i in range(64)])
+    _, log = module_dtype_violations(model.eval(), images, torch.bfloat16, 'cpu')
+    with torch.no_grad():
+        return log.products(torch.bfloat16), loss_sensitivity(model(images), labels)
+
+
+def test_parity_harness_passes_bfloat16_on_the_cpu(tmp_path, float32_digits):
+    reference_run, reference = float32_digits
+    result, losses = _digits_run(tmp_path, 'bf16', amp=True, amp_dtype='bfloat16')
+    products, sensitivity = _measured(reference_run)
+    assert products >= 10 and sensitivity > 0 and len(losses) == len(reference) == 3
+    assert parity_failures(reference, losses, torch.bfloat16, products, sensitivity, 32) == []
+
+
+def test_parity_harness_catches_a_broken_cast(tmp_path, float32_digits, monkeypatch):
+    """An attention that under autocast returns its output 25 % too large (as a lost float32 island or a custom op
+    in the wrong dtype would move it): the first step's loss already leaves the band."""
+    from structformer.layers import MSSA
+    reference_run, reference = float32_digits
+    forward = MSSA.forward
+
+    def broken(self, x, *args, **kwargs):
+        out = forward(self, x, *args, **kwargs)
+        return out * 1.25 if torch.is_autocast_enabled('cpu') else out
+    monkeypatch.setattr(MSSA, 'forward', broken)
+    _, losses = _digits_run(tmp_path, 'broken', amp=True, amp_dtype='bfloat16')
+    failures = parity_failures(reference, losses, torch.bfloat16, *_measured(reference_run), 32)
+    assert failures and failures[0].startswith('step 1'), failures
+
+
+def test_recorded_step_losses_puts_the_step_log_back():
+    from structformer.train.steplog import StepLog
+    original = StepLog.step
+    with recorded_step_losses() as losses:
+        assert StepLog.step is not original
+    assert StepLog.step is original and losses == []
+
+
+# ---- the op / module log ------------------------------------------------------------------------------------------
+
+class _Islands(torch.nn.Module):
+    """A linear layer that leaves autocast (returns float32: against the policy) and an op on another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        with torch.autocast('cpu', enabled=False):
+            y = self.inner(x.float())
+        torch.ones(5, device='meta')                        # computed somewhere else than the model's device
+        return self.head(y)
+
+
+def test_module_log_flags_a_layer_out_of_policy_and_an_op_off_the_device():
+    model = _Islands()
+    wrong, log = module_dtype_violations(model, torch.randn(2, 4), torch.bfloat16, 'cpu')
+    assert any(w.startswith('inner (Linear) returned torch.float32') for w in wrong), wrong
+    assert any('aten.ones.default computed off cpu' in w for w in wrong), wrong
+    assert not any(w.startswith('head') for w in wrong) and log.products(torch.bfloat16) == 1
+    ok, _ = module_dtype_violations(torch.nn.Linear(4, 3), torch.randn(2, 4), torch.bfloat16, 'cpu', backward=True)
+    assert ok == []
+
+
+def test_custom_op_policy_is_docs_precision():
+    log = OpLog()
+    log.calls = [('structformer.newton_schulz.default', [torch.bfloat16], [('cuda', torch.bfloat16, 16)]),
+                 ('structformer.shared_qkv_attention_forward.default', [torch.float16], [('cuda', torch.float16, 8)]),
+                 ('structformer.mystery.default', [torch.float32], [('cuda', torch.float32, 8)])]
+    wrong = custom_op_violations(log, torch.float16)
+    assert len(wrong) == 2
+    assert wrong[0].startswith('structformer.newton_schulz.default: computed in') and 'float32' in wrong[0]
+    assert 'no policy' in wrong[1]
+
+
+# ---- bench gpu ---------------------------------------------------------------------------------------------------
+
+def _row(section, mode, status='ok', **values):
+    return dict(section=section, mode=mode, status=status, **values)
+
+
+def _synthetic_rows(crate=900.0, sdpa_oom=True):
+    rows = [_row('models', m, label=label, train_img_per_s=v, params=5e6, peak_gib=1.0, compile_s=3.0)
+            for m in ('eager', 'compiled') for label, v in (('ViT-T', 1000.0), ('CRATE-T', crate), ('ViT-S', 400.0),
+                                                            ('ViT-S factorised rank 0.25', 500.0))]
+    for n, grid in ((8192, [64, 128]), (50176, [224, 224])):
+        rows.append(_row('attention', 'eager', attention='soft', grid=grid, forward_ms=1.0, forward_backward_ms=3.0,
+                         peak_mib=10.0))
+        rows.append(_row('attention', 'eager', attention='softmax', grid=grid, forward_ms=2.0,
+                         forward_backward_ms=6.0, peak_mib=20.0) if n == 8192 or not sdpa_oom else
+                    _row('attention', 'eager', 'oom', attention='softmax', grid=grid, note='CUDA out of memory'))
+    rows += [_row('sparse', 'eager', tokens=4097, keep=0.25, path='block-gather', ms=1.0, vs_dense=0.9, density=0.3),
+             _row('sparse', 'eager', tokens=4097, keep=0.25, path='dense SDPA', ms=1.1, vs_dense=1.0, density=1.0),
+             _row('sparse', 'compiled', 'not timed', tokens=4097, keep=0.25, path='masked')]
+    return rows
+
+
+def test_goals_are_judged_from_the_rows():
+    verdicts = {g['goal']: g for g in goals(_synthetic_rows())}
+    assert verdicts['crate_over_vit']['met'] and verdicts['crate_over_vit']['measured']['eager'] == pytest.approx(0.9)
+    assert verdicts['soft_over_sdpa']['met']                 # 2x at 8,192; SDPA out of memory at 50,176
+    assert verdicts['sparsifiner_at_4097']['met'] and verdicts['sparsifiner_at_4097']['measured'] == {
+        'block-gather (eager)': 0.9}
+    assert not verdicts['lowrank_over_dense']['met']         # 1.25x < 1.5x
+    slow = {g['goal']: g for g in goals(_synthetic_rows(crate=800.0, sdpa_oom=False))}
+    assert slow['crate_over_vit']['met'] is False and slow['soft_over_sdpa']['met'] is False   # 2x < 4x at 50,176
+    assert all(g['met'] is None for g in goals([]))
+
+
+def test_markdown_of_a_record_and_the_doc_section():
+    rows = _synthetic_rows()
+    record = {'environment': {'device': 'NVIDIA H100 80GB HBM3', 'torch': '2.11.0', 'cuda': '13.0'}, 'rows': rows,
+              'goals': goals(rows), 'date': '2026-12-01', 'command': 'structformer bench gpu', 'wall_s': 200.0,
+              'budget_s': 230.0, 'notes': [],
+              'settings': dict(bench_gpu.SIZES['gpu'], dtype='bfloat16')}
+    text = render_markdown(record, 'docs/gpu/h100-80gb-hbm3_2026-12-01.json')
+    assert text.startswith('Record: `docs/gpu/h100-80gb-hbm3_2026-12-01.json`. NVIDIA H100 80GB HBM3')
+    assert '| CRATE-T | 5.00 | 900 | 1.0 | 900 | 1.0 | 3 |' in text
+    assert '| SDPA | 2.00 (6.00, 20) | OOM |' in text and '| SOFT | 1.00 (3.00, 10) | 1.00 (3.00, 10) |' in text
+    assert '| 4097 | 1.10 | 1.00 (0.90x, 0.300) |' in text and '| 4097 | - | not timed |' in text
+    assert '**met**' in text and '**not met**' in text
+    page = 'intro\n<!-- bench gpu: begin -->\nold\n<!-- bench gpu: end -->\nafter\n'
+    updated = replace_section(page, text, bench_gpu.BEGIN, bench_gpu.END)
+    assert section_of(updated, bench_gpu.BEGIN, bench_gpu.END) == text and updated.endswith('after\n')
+    with pytest.raises(ValueError, match='one'):
+        replace_section('no markers', text, bench_gpu.BEGIN, bench_gpu.END)
+    assert render_markdown(None) == NO_RECORD
+
+
+def test_plan_deadlines_and_names():
+    plan = bench_gpu.make_plan(bench_gpu.SIZES['gpu'], compiled=True)
+    eager = [p for p in plan if p['mode'] == 'eager' and p['section'] == 'models']
+    compiled = [p for p in plan if p['mode'] == 'compiled' and p['section'] == 'models']
+    assert [p['label'] for p in eager] == [m[0] for m in bench_gpu.MODELS]
+    assert [p['label'] for p in compiled][:4] == ['ViT-T', 'CRATE-T', 'ViT-S', 'ViT-S factorised rank 0.25']
+    grids = [p['grid'] for p in plan if p['section'] == 'attention' and p['mode'] == 'eager']
+    assert {g[0] * g[1] for g in grids} == {784, 3136, 8192, 12544, 50176}
+    assert {p['tokens'] for p in plan if p['section'] == 'sparse'} == {577, 1025, 4097}
+    ends = bench_gpu.deadlines(100.0, 200.0, compiled=True)
+    assert ends['models', 'eager'] == pytest.approx(170.0) and ends['sparse', 'compiled'] == pytest.approx(300.0)
+    assert bench_gpu.deadlines(0.0, 100.0, compiled=False)['sparse', 'eager'] == pytest.approx(100.0)
+    assert bench_gpu.device_slug('NVIDIA H100 80GB HBM3') == 'h100-80gb-hbm3'
+    assert bench_gpu.device_slug('NVIDIA H200') == 'h200'
+
+
+def test_a_worker_is_stopped_at_its_deadline():
+    """A worker that has not finished by its deadline is killed: its rows so far are kept (none here: it is
+    stopped while it imports torch), and the note says why."""
+    start = time.time()
+    rows, note = bench_gpu.stream_rows({'settings': {'device': 'cpu'}, 'items': []}, time.time() + 0.2)
+    assert rows == [] and 'deadline' in note and time.time() - start < 10
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_path_on_the_cpu(tmp_path, capsys):
+    """`structformer bench gpu --device cpu`: every planned row is measured or marked not timed, the record holds
+    the goals and renders, and `--render ... --doc` writes a page's section from it."""
+    out = tmp_path / 'dry.json'
+    assert main(['bench', 'gpu', '--device', 'cpu', '--budget-s', '100', '--output', str(out)]) == 0
+    record = json.loads(out.read_text())
+    planned = bench_gpu.make_plan(bench_gpu.SIZES['tiny'], compiled=True)
+    keys = {bench_gpu._key(r) for r in record['rows']}
+    assert all(bench_gpu._key(p) in keys for p in planned)
+    assert {r['status'] for r in record['rows']} <= {'ok', 'not timed'}, [r for r in record['rows']
+                                                                          if r['status'] not in ('ok', 'not timed')]
+    vit = next(r for r in record['rows'] if r['section'] == 'models' and r['label'] == 'ViT-T' and r['mode'] == 'eager')
+    assert vit['status'] == 'ok' and vit['train_img_per_s'] > 0 and vit['params'] > 5e6
+    sparse = [r for r in record['rows'] if r['section'] == 'sparse' and r['status'] == 'ok' and r['mode'] == 'eager']
+    assert any(r['path'] == 'block-gather' and 0 < r['density'] <= 1 for r in sparse)
+    assert len(record['goals']) == 4 and record['environment']['device'] == 'cpu'
+    assert 'the dry path' in capsys.readouterr().out
+    page = tmp_path / 'page.md'
+    page.write_text(f"# page\n\n{bench_gpu.BEGIN}\n{NO_RECORD}\n{bench_gpu.END}\n")
+    assert main(['bench', 'gpu', '--render', str(out), '--doc', str(page)]) == 0
+    assert section_of(page.read_text(), bench_gpu.BEGIN, bench_gpu.END) == render_markdown(record, str(out))
+
+
+# ---- CUDA hazards found by reading the training code, checked without a GPU ----------------------------------------
+
+def test_checkpoints_keep_the_cuda_generators(monkeypatch):
+    """Dropout, drop path and Mixup's masks on a GPU draw from the CUDA generators: a checkpoint saves each device's
+    state once CUDA is in use and a resume puts it back (devices this machine has; none on a CPU-only resume)."""
+    from structformer.train import checkpoint
+    states = [torch.arange(8, dtype=torch.uint8), torch.arange(8, 16, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_rng_state_all', lambda: states)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, device: restored.append((device, state)))
+    tensors, meta = checkpoint.capture_rng()
+    assert torch.equal(tensors['rng.cuda.0'], states[0]) and torch.equal(tensors['rng.cuda.1'], states[1])
+    checkpoint.restore_rng(tensors, json.loads(json.dumps(meta)))          # the meta goes through state.json
+    assert [d for d, _ in restored] == [0] and torch.equal(restored[0][1], states[0])   # one device here
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    restored.clear()
+    checkpoint.restore_rng(tensors, meta)                  # a CPU-only machine keeps its CPU streams
+    assert restored == []
+    assert not any(k.startswith('rng.cuda') for k in checkpoint.capture_rng()[0])   # no CUDA: nothing of it saved
+
+
+@pytest.mark.parametrize('variable, device, shared, backend', [
+    ('', 'cuda', False, 'nccl'), ('', 'cuda', True, 'gloo'), ('', 'cpu', False, 'gloo'),
+    ('gloo', 'cuda', False, 'gloo'), ('nccl', 'cuda', True, 'nccl'), (' NCCL ', 'cuda', False, 'nccl')])
+def test_process_group_backend(monkeypatch, variable, device, shared, backend):
+    """nccl for one GPU per process; gloo on CPUs and where torchrun's processes share one GPU (--device cuda:N),
+    which nccl refuses; $STRUCTFORMER_DIST_BACKEND overrides."""
+    from structformer.train.distributed import process_group_backend
+    monkeypatch.setenv('STRUCTFORMER_DIST_BACKEND', variable)
+    assert process_group_backend(torch.device(device), shared) == backend
+
+
+def test_process_group_backend_refuses_what_cannot_run(monkeypatch):
+    from structformer.errors import UsageError
+    from structformer.train.distributed import process_group_backend
+    monkeypatch.setenv('STRUCTFORMER_DIST_BACKEND', 'mpi')
+    with pytest.raises(UsageError, match='STRUCTFORMER_DIST_BACKEND.*nccl or gloo'):
+        process_group_backend(torch.device('cuda'), False)
+    monkeypatch.setenv('STRUCTFORMER_DIST_BACKEND', 'nccl')
+    with pytest.raises(UsageError, match='needs CUDA'):
+        process_group_backend(torch.device('cpu'), False)
+
+
+def test_export_errors_read_outputs_on_any_device():
+    """export/graphs.py's error measures take a CUDA model's outputs (moved to the CPU), as the GPU suite's export
+    test gives them; here a CPU tensor with a graph and a NumPy array, as ONNX Runtime returns."""
+    from structformer.export.graphs import relative_error
+    want = torch.tensor([1.0, -2.0, 4.0])
+    assert relative_error(want.numpy() * (1 + 1e-3), want) == pytest.approx(1e-3, rel=1e-3)
+    assert relative_error(want.clone(), want.requires_grad_()) == 0.0

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The prepared device check (docs/gpu.md): on a lent GPU's image, from a fresh copy of the repository, in under
+# 8 minutes: install what the image lacks from the carried wheels (.whl/, `make gpu-wheels`), install the package,
+# run the GPU suite (tests/gpu, at most 4 minutes), then `structformer bench gpu` (at most ~3.7 minutes), and leave
+# in $OUT (flat, at most 8 files): env.txt, suite.log, junit.xml, bench.log, the bench's JSON record and its
+# markdown. Every step runs whatever the one before it did; the exit status is the suite's, else the bench's.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-outputs/gpu_check}"
+mkdir -p "$OUT"
+PY="${PY:-python3}"
+INSTALL="${INSTALL:-1}"            # 0: install nothing (a dry run of this script on a machine whose python is shared)
+SUITE_S="${SUITE_S:-240}"          # the suite's wall-clock limit
+BENCH_S="${BENCH_S:-200}"          # the bench's measuring budget; its process gets 25 s more to write and exit
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+start=$(date +%s)
+say() { echo "[gpu-check +$(( $(date +%s) - start ))s] $*"; }
+
+if [ "$INSTALL" = 0 ]; then
+    say "INSTALL=0: nothing installed"
+elif ls .whl/*.whl >/dev/null 2>&1; then
+    say "installing the carried wheels: $(ls .whl | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    say "no .whl/ carried: webdataset's tests skip, and the image's timm is used (make gpu-wheels; docs/gpu.md)"
+fi
+# the editable install; the source tree first on the path either way, so the code run is this copy's
+if [ "$INSTALL" != 0 ]; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.txt" 2>&1 \
+        || say "pip install -e . failed (see env.txt): running from the source tree"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+
+{
+    nvidia-smi -L 2>&1
+    "$PY" - <<'EOF'
+import importlib, platform, torch
+print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda,
+      '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ('structformer', 'timm', 'webdataset', 'onnx', 'onnxscript', 'onnxruntime', 'safetensors', 'einops',
+             'xdist', 'pytest_timeout', 'setuptools'):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')} {getattr(module, '__file__', '')}")
+    except Exception as e:
+        print(f"{name}: {type(e).__name__}: {e}")
+EOF
+    cat "$OUT/install.txt" 2>/dev/null
+} >"$OUT/env.txt" 2>&1
+rm -f "$OUT/install.txt"
+say "environment: $(head -2 "$OUT/env.txt" | tr '\n' ' ')"
+
+say "GPU suite (at most ${SUITE_S} s)"
+# SIGINT at the limit: pytest then stops, reports what ran and still writes the junit file
+timeout -s INT -k 20 "$SUITE_S" "$PY" -m pytest tests/gpu -q -rs -n 4 --dist loadgroup --timeout=200 \
+    -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/suite.log" 2>&1
+suite=$?
+tail -n 40 "$OUT/suite.log"
+say "suite exit status $suite"
+
+say "bench gpu (budget ${BENCH_S} s)"
+before=$(ls docs/gpu/*.json 2>/dev/null)
+timeout -k 10 $(( BENCH_S + 25 )) "$PY" -m structformer bench gpu --budget-s "$BENCH_S" >"$OUT/bench.log" 2>&1
+bench=$?
+record=$(ls -t docs/gpu/*.json 2>/dev/null | head -1)
+if [ -n "$record" ] && ! grep -qxF "$record" <<<"$before"; then
+    cp "$record" "$OUT/"
+    "$PY" -m structformer bench gpu --render "$record" >"$OUT/bench_gpu.md" 2>&1
+fi
+tail -n 60 "$OUT/bench.log"
+say "bench exit status $bench; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+[ "$suite" -ne 0 ] && exit "$suite"
+exit "$bench"
