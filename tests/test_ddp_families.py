@@ -27,12 +27,9 @@ def _torchrun(*args, nproc=2):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
-@pytest.fixture(scope='module')
-def teacher(tmp_path_factory):
-    out = tmp_path_factory.mktemp('teacher') / 'vit'
-    assert main(['train', '--model', 'vit_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches', '3',
-                 '--output', str(out), '--no-progress', '--log-interval', '0']) == 0
-    return out
+@pytest.fixture
+def teacher(vit_digits_teacher):
+    return vit_digits_teacher              # conftest: trained once per session, read-only
 
 
 FAMILIES = {   # CRATE: test_crate_stops_resumes_and_is_refused_on_one_process
