@@ -32,3 +32,36 @@ def shared_mnist():
     if not SHARED_MNIST.exists():
         pytest.skip('needs ../shared/data/mnist (the real MNIST test set, not part of the repository)')
     return SHARED_MNIST
+
+
+# ---- runs shared by the whole session ----------------------------------------------------------------------
+# Built once per test process (make test has two) and shared by every test that only reads a finished run:
+# never write into one. A test that needs to change a run copies it (shutil.copytree) first; the teardown
+# fails the session if a test changed a shared run. See docs/design.md, "Keeping the suite cheap".
+
+def _contents(folder: Path):
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob('*'))}
+
+
+def _shared_run(tmp_path_factory, name, **config):
+    from structformer.train import TrainConfig, train
+    out = tmp_path_factory.mktemp(f'shared_{name}') / 'run'
+    train(TrainConfig(data='digits', epochs=1, warmup_epochs=0, log_interval=0, output=str(out), **config),
+          progress=False)
+    before = _contents(out)
+    yield out
+    assert _contents(out) == before, f'a test changed the shared run {name} ({out}): copy it before writing'
+
+
+@pytest.fixture(scope='session')
+def crate_digits_run(tmp_path_factory):
+    """crate_digits, one epoch of two batches on the embedded digits (checkpoints epoch_0000 and epoch_0001)."""
+    yield from _shared_run(tmp_path_factory, 'crate_digits', model='crate_digits', limit_train_batches=2)
+
+
+@pytest.fixture(scope='session')
+def vit_digits_teacher(tmp_path_factory):
+    """vit_digits, one epoch of four batches at lr 3e-3: a trained teacher for Sparsifiner's distillation (and
+    any finished run of a plain ViT)."""
+    yield from _shared_run(tmp_path_factory, 'vit_digits', model='vit_digits', lr=3e-3, limit_train_batches=4)
+

@@ -145,13 +145,10 @@ def _cli(*args):
                           env={'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin'})
 
 
-@pytest.fixture(scope='module')
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp('export') / 'run'
-    result = _cli('train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches', '2',
-                  '--no-progress', '--output', out)
-    assert result.returncode == 0, result.stderr
-    return out
+@pytest.fixture
+def run(crate_digits_run):
+    """A finished crate_digits run of one epoch (conftest: trained in-process once per session, read-only)."""
+    return crate_digits_run
 
 
 def test_cli_onnx_and_torch_export(run, tmp_path):

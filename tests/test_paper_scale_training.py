@@ -209,12 +209,10 @@ def test_bfloat16_training_follows_float32(tmp_path, family):
         assert abs(x - y) <= 0.03 * x, (a, b)
 
 
-def test_distillation_takes_mixed_batches(tmp_path):
+def test_distillation_takes_mixed_batches(tmp_path, vit_digits_teacher):
     """With Mixup, the teacher scores the same mixed images the student sees, and the ce term takes the soft
     targets: a two-stage Sparsifiner run with Mixup / CutMix trains, finite, through both stages."""
-    teacher = tmp_path / 'teacher'
-    train(_config(tmp_path, 'teacher', model='vit_digits', epochs=1, limit_train_batches=2), progress=False)
-    result = train(_config(tmp_path, 'student', model='sparsifiner_digits', teacher=str(teacher), epochs=2,
+    result = train(_config(tmp_path, 'student', model='sparsifiner_digits', teacher=str(vit_digits_teacher), epochs=2,
                            predictor_epochs=1, mixup=0.8, cutmix=1.0, limit_train_batches=2), progress=False)
     assert [r['phase'] for r in result.history] == ['predictor', 'joint']
     joint = result.history[1]

@@ -69,7 +69,6 @@ def test_pretrained_is_refused():
 
 
 def test_mnist_forward_backward_and_training_reduces_loss():
-    torch.set_num_threads(2)
     model = timm.create_model('soft_tiny_mnist')
     x, y = torch.randn(2, 1, 28, 28), torch.tensor([3, 7])
     loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -116,7 +115,6 @@ def _val_top1(checkpoint, data, val_fraction):
 
 
 def test_reproduce_pipeline_tiny(tmp_path, shared_mnist):
-    torch.set_num_threads(2)
     # 1 epoch of 2 batches; val_fraction 0.01 keeps evaluation to the last 100 images (the default 0.2
     # gives the documented 8,000 / 2,000 split)
     args = _args(tmp_path, shared_mnist, attn=['softmax', 'soft'], epochs='1', limit_train_batches='2',
@@ -173,7 +171,6 @@ def test_digits_variant_learns_the_embedded_data(tmp_path, name):
     """The embedded-data variants through the engine: 6 epochs on scikit-learn digits, the same ≥ 90 %
     held-out bar as CRATE's digits test (chance is 10 %). Every stage's attention is the Nyström one."""
     from structformer.train import TrainConfig, train
-    torch.set_num_threads(2)
     result = train(TrainConfig(model=name, data='digits', epochs=6, batch_size=64, lr=3e-3, warmup_epochs=1,
                                output=str(tmp_path / 'run')), progress=False)
     assert result.final['val_top1'] >= 90.0, result.final

@@ -316,7 +316,6 @@ def test_reproduce_ablate_pipeline_tiny(tmp_path, shared_mnist):
     import argparse
     import json
     from structformer.reproduce import soft as reproduce_soft
-    torch.set_num_threads(2)
     parser = argparse.ArgumentParser()
     reproduce_soft.add_arguments(parser)
     args = parser.parse_args(['--data', str(shared_mnist), '--output', str(tmp_path / 'out'), '--ablate',

@@ -16,12 +16,10 @@ from structformer.train.distill import (Distiller, PREDICTOR_PATTERNS, attention
 from structformer.train.phases import LOSS_TERMS, LossContext, Phase
 
 
-@pytest.fixture(scope='module')
-def teacher_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp('teacher') / 'run'
-    train(TrainConfig(model='vit_digits', data='digits', epochs=1, lr=3e-3, limit_train_batches=4,
-                      output=str(out)), progress=False)
-    return out
+@pytest.fixture
+def teacher_run(vit_digits_teacher):
+    """vit_digits trained one epoch (conftest: once per session, read-only)."""
+    return vit_digits_teacher
 
 
 def _weights(run: Path, epoch: int):

@@ -148,12 +148,29 @@ def test_without_the_kernel_auto_gathers_and_says_why(monkeypatch):
 
 def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, monkeypatch):
     """The library is compiled under a temporary name and renamed into place, once; a compile error names the
-    compiler and the first error line and leaves no library behind."""
+    compiler and the first error line and leaves no library behind.
+
+    The real compiler runs `_build`'s real commands (side-by-side compiles against torch's headers, the link
+    against torch's libraries) on two small sources and a header: what is tested is the build and its cache, and
+    the kernel's own sources are built by the `kernel` fixture (in the cache, keyed by their contents: once per
+    change of sources, torch or compiler) -- compiling them a second time here cost half a minute of the suite."""
+    (tmp_path / 'src').mkdir()
+    header = tmp_path / 'src' / 'probe.h'
+    header.write_text('inline int probe_value() { return 42; }\n')
+    sources = (tmp_path / 'src' / 'probe.cpp', tmp_path / 'src' / 'probe_torch.cpp')
+    sources[0].write_text('#include "probe.h"\nextern "C" int structformer_probe() { return probe_value(); }\n')
+    sources[1].write_text('#include <c10/core/ScalarType.h>\n'
+                          'extern "C" int structformer_probe_dtype() { return int(c10::ScalarType::Double); }\n')
+    monkeypatch.setattr(tile_kernel, 'SOURCES', sources)
+    monkeypatch.setattr(tile_kernel, 'HEADERS', (header,))
     monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
     compiler = tile_kernel._compiler()
     library = tile_kernel._build(compiler)
     assert library.exists() and library.parent.parent == tmp_path / 'cache'
     assert [p.name for p in library.parent.iterdir()] == [tile_kernel.LIBRARY]      # no scratch left over
+    import ctypes
+    loaded = ctypes.CDLL(str(library))                                                # a linked, loadable library
+    assert loaded.structformer_probe() == 42 and loaded.structformer_probe_dtype() == 7      # c10's kDouble
     stamp = library.stat().st_mtime_ns
     assert tile_kernel._build(compiler) == library and library.stat().st_mtime_ns == stamp
     broken = tmp_path / 'broken.cpp'
