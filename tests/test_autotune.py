@@ -3,6 +3,7 @@ invalidated, override obeyed, a bad override one line, the choice recorded), and
 equal to its reference within the dtype's rounding on each shape class the chooser distinguishes. No speed is
 asserted here: speed lives in the benchmarks."""
 import json
+import os
 
 import pytest
 import torch
@@ -197,6 +198,16 @@ def test_the_environment_record_carries_the_cpu_kind_and_the_choices(tuning):
     assert kind_id('AuthenticAMD', {'avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16'}) == 'amd-avx512-bf16'
     assert kind_id('GenuineIntel', {'avx2', 'avx512f', 'avx512_vnni'}) == 'intel-avx512-vnni'
     assert kind_id('GenuineIntel', {'avx2', 'avx512f', 'amx_tile'}) == 'intel-amx'
+
+
+def test_the_recorded_cache_file_writes_the_home_folder_as_a_tilde(tuning, monkeypatch):
+    """Records are committed: the cache's path names no user's home folder."""
+    monkeypatch.setenv('HOME', str(tuning))
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tuning / 'cache'))
+    from structformer.records import environment
+    recorded = environment('cpu')['choices']['cache_file']
+    assert recorded.startswith('~' + os.sep + 'cache' + os.sep) and str(tuning) not in recorded
+    assert recorded[1:] == str(autotune.cache_file())[len(str(tuning)):]
 
 
 # ---- every candidate equals the reference on every shape class the chooser distinguishes --------------------

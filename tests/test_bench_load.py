@@ -23,6 +23,12 @@ def test_others_cpu_is_busy_time_minus_ours():
     assert record['busy'] and 'threads 1' in record['advice']
 
 
+def test_a_one_thread_run_is_not_advised_to_use_one_thread():
+    record = between(_snap(0, 0, 0), _snap(10, 10, 30 * HZ), threads=1, cpus=2)   # others took 2 cores
+    assert record['busy'] and 'threads' not in record['advice'] and 'quiet machine' in record['advice']
+    assert '--threads' not in summary_line(record)
+
+
 def test_quiet_interval_is_not_flagged():
     record = between(_snap(0, 0, 0), _snap(10, 19.5, 20 * HZ), threads=2, cpus=2)   # 0.05 cores of daemons
     assert not record['busy'] and 'advice' not in record

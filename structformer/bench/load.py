@@ -28,6 +28,12 @@ from typing import Optional
 BUSY_MARGIN = 0.3            # cores: background daemons on an idle machine take ~0.05
 STEAL_LIMIT = 0.10
 ADVICE = "the machine was busy while this was measured: re-run on a quiet machine, or with --threads 1"
+ADVICE_ONE_THREAD = "the machine was busy while this was measured: re-run on a quiet machine"
+
+
+def advice(threads: int) -> str:
+    """What to do about a busy run; fewer threads is advice only to a run that used more than one."""
+    return ADVICE if threads > 1 else ADVICE_ONE_THREAD
 
 
 def _proc_stat_ticks() -> Optional[tuple]:
@@ -102,7 +108,7 @@ def between(start: Snapshot, end: Snapshot, threads: int, cpus: Optional[int] = 
               'steal_share': None if steal_share is None else round(steal_share, 4),
               'load_average': [start.load_average, end.load_average], 'busy': busy}
     if busy:
-        record['advice'] = ADVICE
+        record['advice'] = advice(threads)
     return record
 
 
@@ -159,7 +165,7 @@ def summary_line(record: dict) -> str:
         return f"machine load: unknown (no /proc/stat){load_text}"
     numbers = (f"other processes used {record['other_cores']:.2f} of {record['cpus']} cores beside our "
                f"{record['threads']} thread(s), steal {100 * record['steal_share']:.0f} %{load_text}")
-    return f"machine: BUSY ({numbers}): {ADVICE}" if record['busy'] else f"machine: quiet ({numbers})"
+    return f"machine: BUSY ({numbers}): {advice(record['threads'])}" if record['busy'] else f"machine: quiet ({numbers})"
 
 
 def row_flag(record: Optional[dict]) -> str:

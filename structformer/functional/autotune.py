@@ -363,4 +363,11 @@ def report() -> dict:
     cached = {name: {k: e['choice'] for k, e in entries.items()} for name, entries in _read_cache(record).items()}
     return {'timing': 'on' if _timing_setting() else 'off', 'overrides': overrides,
             'decisions': sorted(_log.values(), key=lambda r: (r['name'], r['class'], r['threads'], r['source'])),
-            'cached': cached, 'cache_file': str(cache_file(record))}
+            'cached': cached, 'cache_file': _home_relative(cache_file(record))}
+
+
+def _home_relative(path: Path) -> str:
+    """`path` with the user's home written as ~ (records are committed; the home folder is the user's)."""
+    home = os.path.expanduser('~')
+    text = str(path)
+    return '~' + text[len(home):] if home not in ('', '/') and text.startswith(home + os.sep) else text
