@@ -250,3 +250,39 @@ def test_leaderboard_page_is_the_render_of_its_record():
     for name in record['figures']:
         assert (ROOT / 'docs' / 'leaderboard' / name).is_file()
     assert record['record_command'] in (ROOT / 'docs' / 'leaderboard.md').read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_grid_stops_its_workers(tmp_path):
+    """`kill` of `compare --jobs 2` (a scheduler's stop): the workers are stopped with it, their checkpoints intact,
+    and none is left training as an orphan that holds its cell's run lock; exit status 143 and one line."""
+    import signal
+    import time
+    out = tmp_path / 'grid'
+    argv = ['--models', 'vit', 'swmlp', '--seeds', '1', '--skip-speed', '--epochs', '40', '--limit-train-batches', '2',
+            '--threads', '1', '--jobs', '2', '--output', str(out)]
+    grid = subprocess.Popen([sys.executable, '-m', 'structformer', 'compare', *argv], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+    def workers():
+        found = []
+        for entry in Path('/proc').iterdir():
+            try:
+                line = (entry / 'cmdline').read_bytes().decode(errors='replace')
+            except OSError:
+                continue
+            if entry.name.isdigit() and 'train_planned' in line and str(out) in line:
+                found.append(int(entry.name))
+        return found
+
+    deadline = time.monotonic() + 120
+    while not any((out / 'cells').glob('*/seed_0/checkpoints/epoch_0001')):
+        assert grid.poll() is None and time.monotonic() < deadline, grid.stderr.read()[-2000:]
+        time.sleep(0.2)
+    assert workers()
+    grid.send_signal(signal.SIGTERM)
+    status = grid.wait(timeout=120)
+    stderr = grid.stderr.read()
+    assert status == 143 and stderr.strip().endswith('interrupted; checkpoints already written are intact'), stderr
+    assert workers() == []
+    assert any((out / 'cells').glob('*/seed_0/checkpoints/epoch_*/model.safetensors'))   # kept (keep_last 1)

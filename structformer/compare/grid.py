@@ -291,48 +291,52 @@ def run_parallel(cells: List[Cell], jobs: int, threads: int, overwrite: bool, lo
     import subprocess
     import sys
     import time
+    from ..train.run_dir import sigterm_as_interrupt
     pending, running, trained, failed = list(cells), {}, False, []
     logs.mkdir(parents=True, exist_ok=True)
-    try:
-        while pending or running:
-            for cell in list(pending):
-                if len(running) >= jobs or failed:
+    # SIGTERM (kill, a scheduler's stop) must reach the except below: Python's default ends this process on the
+    # spot and leaves the workers training on as orphans, holding their cells' run locks
+    with sigterm_as_interrupt():
+        try:
+            while pending or running:
+                for cell in list(pending):
+                    if len(running) >= jobs or failed:
+                        break
+                    if cell.depends is not None and (cell.depends in pending or cell.depends in running.values()):
+                        continue
+                    pending.remove(cell)
+                    plan = prepare_cell(cell, overwrite)
+                    if plan is None:
+                        continue
+                    payload = json.dumps([json.loads(json.dumps(cell.config.to_dict())), plan[0], plan[1], threads])
+                    code = ("import json, sys\nfrom structformer.compare.grid import train_planned\n"
+                            f"train_planned(*json.loads({payload!r}))")
+                    log = open(logs / f"{cell.row.key}-seed_{cell.seed}.log", 'a')
+                    env = dict(__import__('os').environ)
+                    if threads:
+                        env['OMP_NUM_THREADS'] = str(threads)
+                    running[subprocess.Popen([sys.executable, '-c', code], stdout=log, stderr=subprocess.STDOUT,
+                                             env=env)] = cell
+                    log.close()
+                if not running and failed:
                     break
-                if cell.depends is not None and (cell.depends in pending or cell.depends in running.values()):
-                    continue
-                pending.remove(cell)
-                plan = prepare_cell(cell, overwrite)
-                if plan is None:
-                    continue
-                payload = json.dumps([json.loads(json.dumps(cell.config.to_dict())), plan[0], plan[1], threads])
-                code = ("import json, sys\nfrom structformer.compare.grid import train_planned\n"
-                        f"train_planned(*json.loads({payload!r}))")
-                log = open(logs / f"{cell.row.key}-seed_{cell.seed}.log", 'a')
-                env = dict(__import__('os').environ)
-                if threads:
-                    env['OMP_NUM_THREADS'] = str(threads)
-                running[subprocess.Popen([sys.executable, '-c', code], stdout=log, stderr=subprocess.STDOUT,
-                                         env=env)] = cell
-                log.close()
-            if not running and failed:
-                break
-            time.sleep(0.2)
-            for process in [p for p in running if p.poll() is not None]:
-                cell = running.pop(process)
-                if process.returncode == 0:
-                    trained = True
-                    print(f"== {cell.name}: {cell_state(cell)}", flush=True)
-                else:
-                    failed.append(f"{cell.name} (exit status {process.returncode}; log "
-                                  f"{logs / f'{cell.row.key}-seed_{cell.seed}.log'})")
-            if failed and not running:
-                break
-    except BaseException:
-        for process in running:
-            process.terminate()              # SIGTERM: the engine stops like Ctrl-C, its checkpoints intact
-        for process in running:
-            process.wait()
-        raise
+                time.sleep(0.2)
+                for process in [p for p in running if p.poll() is not None]:
+                    cell = running.pop(process)
+                    if process.returncode == 0:
+                        trained = True
+                        print(f"== {cell.name}: {cell_state(cell)}", flush=True)
+                    else:
+                        failed.append(f"{cell.name} (exit status {process.returncode}; log "
+                                      f"{logs / f'{cell.row.key}-seed_{cell.seed}.log'})")
+                if failed and not running:
+                    break
+        except BaseException:
+            for process in running:
+                process.terminate()              # SIGTERM: the engine stops like Ctrl-C, its checkpoints intact
+            for process in running:
+                process.wait()
+            raise
     if failed:
         raise CellFailed(f"stopped: {', '.join(failed)}; checkpoints already written are intact: run the command "
                          "again to continue")
