@@ -1,4 +1,6 @@
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,29 @@ def _seed_and_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+@pytest.fixture(autouse=True)
+def _signals_as_found():
+    """A test that leaves Ctrl-C or SIGTERM ignored, handled elsewhere or blocked would silently change every
+    later test in its process that interrupts a run (they would train to the end instead): it fails itself,
+    and the signals are put back."""
+    before = {s: signal.getsignal(s) for s in _INTERRUPTS}
+    main = threading.current_thread() is threading.main_thread()
+    yield
+    if not main:
+        return
+    after = {s: signal.getsignal(s) for s in _INTERRUPTS}
+    blocked = _INTERRUPTS & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    for number, handler in before.items():
+        signal.signal(number, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
+    changed = [signal.Signals(s).name for s in _INTERRUPTS if after[s] is not before[s]]
+    assert not changed and not blocked, (f"the test left {', '.join(changed)} with another handler" if changed else
+                                         f"the test left {', '.join(signal.Signals(s).name for s in blocked)} blocked")
 
 
 @pytest.fixture
