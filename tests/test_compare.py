@@ -164,6 +164,33 @@ def test_another_recipe_into_the_same_output_is_refused(quick, capsys):
 
 
 @pytest.mark.slow
+def test_a_grid_begun_on_an_older_release_goes_on(quick, tmp_path, capsys):
+    """Cells whose config.yaml lacks options a later release added (it trained with their defaults, as `train
+    --resume` reads the file) are finished cells, not 'another configuration'; a missing key whose default is not
+    the plan's value is still a change."""
+    import shutil
+
+    import yaml
+    grid = tmp_path / 'quick'
+    shutil.copytree(quick, grid)
+    added = ('avg_last', 'bce_loss', 'allow_other_model', 'keep_best', 'recovery_interval')
+    for path in grid.glob('cells/*/seed_0/config.yaml'):
+        values = yaml.safe_load(path.read_text().replace(str(quick), str(grid)))     # the copy's own teacher
+        assert all(key in values for key in added)
+        path.write_text(yaml.safe_dump({k: v for k, v in values.items() if k not in added}))
+    stamps = {p: p.stat().st_mtime_ns for p in grid.rglob('model.safetensors')}
+    capsys.readouterr()
+    assert main(['compare', '--set', 'quick', '--output', str(grid), '--skip-speed', *TINY]) == 0
+    assert '== ' not in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in grid.rglob('model.safetensors')} == stamps
+    # a missing key is read as its default, not skipped: without `lr` the cell ran at TrainConfig's 1e-3, not 2e-3
+    path = grid / 'cells' / 'vit' / 'seed_0' / 'config.yaml'
+    path.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(path.read_text()).items() if k != 'lr'}))
+    _one_error(['compare', '--set', 'quick', '--output', str(grid), '--skip-speed', *TINY], capsys,
+               'cell vit/seed_0', 'lr: 0.001 -> 0.002', '--overwrite')
+
+
+@pytest.mark.slow
 def test_dry_run_prints_the_grid_and_its_time_and_writes_nothing(quick, tmp_path, capsys):
     out = tmp_path / 'never'
     capsys.readouterr()

@@ -159,6 +159,9 @@ def config_differences(cell: Cell) -> List[str]:
         return []
     saved = yaml.safe_load(path.read_text()) or {}
     planned = _plain(cell.config.to_dict())
+    # a key the cell's config.yaml lacks is an option added by a later release: the cell trained with its default
+    # (as `train --resume` reads that file), so a grid begun on an older release goes on after an upgrade
+    saved = {**{k: v for k, v in _config_defaults().items() if k not in saved}, **saved}
     diff = _differences(saved, planned, skip=NOT_COMPARED)
     if [(t['name'], t.get('kwargs')) for t in saved.get('transforms') or []] != \
             [(t['name'], t.get('kwargs')) for t in planned['transforms']]:
@@ -168,6 +171,14 @@ def config_differences(cell: Cell) -> List[str]:
     if planned.get('teacher') and not _inside(saved.get('teacher'), planned['teacher']):
         diff.append(f"teacher: {saved.get('teacher')!r} -> {planned['teacher']!r}")
     return diff
+
+
+def _config_defaults() -> Dict:
+    import dataclasses
+    from ..train.config import TrainConfig
+    return _plain({f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                   for f in dataclasses.fields(TrainConfig)
+                   if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING})
 
 
 def _inside(path, folder) -> bool:
