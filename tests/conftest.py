@@ -11,6 +11,12 @@ import structformer  # noqa: F401  (registers models)
 # The image-folder check cache (data/imagecheck.py) of the test session: a fresh folder, not the user's ~/.cache.
 os.environ.setdefault('STRUCTFORMER_CACHE', __import__('tempfile').mkdtemp(prefix='structformer-test-cache-'))
 
+# Tests stand in for Ctrl-C by sending SIGINT (train/checkpoint.py crash_point). A suite started in the background
+# (`make test &`, nohup, some CI runners) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+# handler: those runs would train to the end. Give the process Python's own Ctrl-C back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Kernel choices (functional/autotune.py) without timing: each takes its rule's default, so a test sees the same
 # path on every run and machine; the chooser's own tests turn timing on with an injected timer.
 os.environ.setdefault('STRUCTFORMER_AUTOTUNE', 'off')
