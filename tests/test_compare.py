@@ -52,6 +52,28 @@ def test_mean_and_standard_error_against_a_hand_example():
     assert mean_se([]) == (None, None)
 
 
+def _hand_row(key, label, top1s):
+    mean, se = mean_se(top1s)
+    return dict(key=key, label=label, family='ViT', top1_mean=mean, top1_se=se,
+                cells=[{'seed': i, 'top1': t} for i, t in enumerate(top1s)])
+
+
+def test_a_difference_is_read_against_two_standard_errors_and_an_under_trained_vit_is_said():
+    from structformer.compare.leaderboard import difference, readings
+    # 94, 92, 93 and 97, 96, 98: means 93 and 97, each SE 1/√3; the difference's SE √(2/3) = 0.8165, 4 > 2 SE
+    vit, linformer = _hand_row('vit', 'ViT', [94.0, 92.0, 93.0]), _hand_row('vit_linformer', 'Lin', [97.0, 96.0, 98.0])
+    d = difference(linformer, vit, 2000)
+    assert d['delta'] == pytest.approx(4.0) and d['se'] == pytest.approx(math.sqrt(2 / 3)) and d['reading'] == 'higher'
+    said = readings({'data': {'val_images': 2000}, 'rows': [vit, linformer]})
+    assert len(said) == 1 and 'Lin 97.00 % vs ViT 93.00 %' in said[0] and '94.00, 92.00, 93.00' in said[0]
+    close = _hand_row('vit_linformer', 'Lin', [93.5, 92.5, 94.5])          # +0.5 ± 1.0: nothing to say
+    assert readings({'data': {'val_images': 2000}, 'rows': [vit, close]}) == []
+    # one seed each: the binomial SE on the held-out images, √((.91·.09 + .90·.10) / 1000) = 1.3115 points
+    d = difference(_hand_row('b', 'B', [91.0]), _hand_row('a', 'A', [90.0]), 1000)
+    assert d['se'] == pytest.approx(100 * math.sqrt((0.91 * 0.09 + 0.90 * 0.10) / 1000))
+    assert d['reading'] == 'no clear difference'
+
+
 def test_pareto_front_against_a_hand_example():
     # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
     # (equal accuracy, higher cost); e has no timing

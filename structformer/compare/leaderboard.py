@@ -135,6 +135,23 @@ def claims(record: Dict) -> List[Dict]:
     return out
 
 
+def readings(record: Dict) -> List[str]:
+    """What the table says about itself, beyond the papers' claims: lines for 'Reading this table'."""
+    held_out = int(record.get('data', {}).get('val_images') or 0)
+    out = []
+    vit, linformer = _row(record, 'vit'), _row(record, 'vit_linformer')
+    if vit and linformer and difference(linformer, vit, held_out)['reading'] == 'higher':
+        # the same backbone, width and recipe with cheaper attention learns more: the softmax ViT is under-trained
+        # here, which says more about the recipe than about its capacity
+        seeds = ', '.join(f"{c['top1']:.2f}" for c in vit.get('cells', []) if c.get('top1') is not None)
+        out.append(f"timm's softmax ViT trails the same ViT with Linformer attention ({_vs(linformer, vit, held_out)}"
+                   f"{'; its seeds ' + seeds if seeds else ''}): at this size and under this one recipe softmax "
+                   "attention has not finished learning, so a row compared with the ViT, and the rows built from it "
+                   "(the attention swaps, Sparsifiner's teacher, the factorised ViTs), measure how each trains under "
+                   "this recipe as much as what it can reach. The recipe is shared by design, not tuned per row.")
+    return out
+
+
 def render(record: Dict, figures: str = 'leaderboard') -> str:
     """The leaderboard page of `record` (figures under the folder `figures`, relative to the page)."""
     recipe = record['recipe']
@@ -175,6 +192,9 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
     lines += ['', '## The papers\' claims against this table', '']
     for c in claims(record):
         lines += [f"- **{c['claim']}: {c['verdict']}.** {c['text']} *Paper:* {c['paper']}."]
+    notes = readings(record)
+    if notes:
+        lines += ['', '## Reading this table', ''] + [f"- {n}" for n in notes]
     lines += ['', 'Cells that did not finish: ' + (', '.join(
         f"{r['key']}/seed_{c['seed']} ({c['state']})" for r in record['rows'] for c in r['cells']
         if c['state'] != 'finished') or 'none') + '.', '']
