@@ -335,3 +335,19 @@ def test_sigterm_to_the_grid_stops_its_workers(tmp_path):
     assert status == 143 and stderr.strip().endswith('interrupted; checkpoints already written are intact'), stderr
     assert workers() == []
     assert any((out / 'cells').glob('*/seed_0/checkpoints/epoch_*/model.safetensors'))   # kept (keep_last 1)
+
+
+def test_the_readme_quotes_the_committed_leaderboard():
+    """README's leaderboard summary is the committed record's (a new record: update the README), and its plot is
+    the one published beside the page."""
+    record = json.loads((ROOT / 'docs' / 'leaderboard' / 'record.json').read_text())
+    rows = {r['key']: r for r in record['rows']}
+    readme = ' '.join((ROOT / 'README.md').read_text().replace('**', '').split())
+    assert record['set'] == 'mnist' and record['seeds'] == [0, 1, 2] and f"{record['budget'] // 1000}K" in readme
+    for key in ('softpp', 'wrn', 'wrn_lowrank_0.25', 'rp_mixer', 'swmlp', 'mixer', 'crate', 'vit_linformer',
+                'sparsifiner', 'vit'):
+        text = f"{rows[key]['top1_mean']:.2f} ± {rows[key]['top1_se']:.2f} %"
+        assert text in readme, (key, text)
+    assert f"{rows['wrn_lowrank_0.25']['params'] / rows['wrn']['params']:.2f}× its parameters" in readme
+    assert f"{rows['swmlp']['train_ratio']['ratio']:.2f}× the ViT's speed" in readme
+    assert 'docs/leaderboard/accuracy_vs_time.png' in readme and 'accuracy_vs_time.png' in record['figures']
