@@ -165,7 +165,9 @@ def summary_line(record: dict) -> str:
         return f"machine load: unknown (no /proc/stat){load_text}"
     numbers = (f"other processes used {record['other_cores']:.2f} of {record['cpus']} cores beside our "
                f"{record['threads']} thread(s), steal {100 * record['steal_share']:.0f} %{load_text}")
-    return f"machine: BUSY ({numbers}): {advice(record['threads'])}" if record['busy'] else f"machine: quiet ({numbers})"
+    if record['busy']:
+        return f"machine: BUSY ({numbers}): {advice(record['threads'])}"
+    return f"machine: quiet ({numbers})"
 
 
 def row_flag(record: Optional[dict]) -> str:
