@@ -146,10 +146,12 @@ def test_mixer_width_table_is_the_committed_study():
 
 # ---- data.md ------------------------------------------------------------------------------------------
 
-def test_loader_table_is_the_committed_bench_data_run():
-    rows = {(r['recipe'], r['workers'], r['loader']): r['images_per_s'] for r in record('bench_data.json')['rows']}
+@pytest.mark.parametrize('name, header', [('bench_data.json', 'transform | workers | our ImageFolder img/s'),
+                                          ('bench_data_amd_avx512.json', 'transform | workers | ImageFolder img/s')])
+def test_loader_table_is_the_committed_bench_data_run(name, header):
+    rows = {(r['recipe'], r['workers'], r['loader']): r['images_per_s'] for r in record(name)['rows']}
     recipes = {'RRC + flip': 'rrc_flip', 'RRC + flip + RandAugment + erasing': 'rrc_flip_ra_re'}
-    table = table_with('data.md', 'transform | workers | our ImageFolder img/s')
+    table = table_with('data.md', header)
     assert len(table) == 5
     for cells in table[1:]:
         recipe, workers = recipes[cells[0]], int(cells[1])
