@@ -74,6 +74,16 @@ def test_a_difference_is_read_against_two_standard_errors_and_an_under_trained_v
     assert d['reading'] == 'no clear difference'
 
 
+def test_plot_labels_do_not_overlap_a_hand_example():
+    from structformer.compare.record import label_offsets
+    # a and b sit 2 points apart (their labels would overlap): b, the lower, moves down a line (3 - 9 = -6);
+    # c is far to the right and keeps its place; d is 20 points under a: free
+    points = [(100.0, 200.0), (110.0, 198.0), (300.0, 199.0), (100.0, 180.0)]
+    assert label_offsets(points) == [3.0, -6.0, 3.0, 3.0]
+    # three on one spot stack a line apart
+    assert label_offsets([(0.0, 0.0)] * 3) == [3.0, -6.0, -15.0]
+
+
 def test_pareto_front_against_a_hand_example():
     # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
     # (equal accuracy, higher cost); e has no timing

@@ -113,6 +113,21 @@ def markdown_table(record: Dict) -> str:
     return '\n'.join(lines) + '\n'
 
 
+def label_offsets(points: Sequence[Tuple[float, float]], width: float = 70.0, height: float = 9.0,
+                  start: float = 3.0) -> List[float]:
+    """Vertical offsets (points) for labels written to the right of `points` (positions in points), so that
+    no two labels overlap: from the highest point down, a label that would fall on one already placed (closer
+    than `width` across and `height` up or down) moves down a line at a time."""
+    offsets: List[float] = [start] * len(points)
+    placed: List[Tuple[float, float]] = []
+    for i in sorted(range(len(points)), key=lambda i: -points[i][1]):
+        x, y = points[i]
+        while any(abs(x - px) < width and abs(y + offsets[i] - py) < height for px, py in placed):
+            offsets[i] -= height
+        placed.append((x, y + offsets[i]))
+    return offsets
+
+
 def plot_fronts(record: Dict, folder: Path) -> List[str]:
     """accuracy_vs_time.png and accuracy_vs_params.png, the Pareto front drawn as a line through its rows."""
     from ..records import write_png
@@ -131,14 +146,19 @@ def plot_fronts(record: Dict, folder: Path) -> List[str]:
             for r in rows:
                 ax.errorbar(r[cost], r['top1_mean'], yerr=r.get('top1_se') or 0, fmt=markers[r['family']],
                             color='C3' if r.get(front) else 'C0', ms=7, capsize=3)
-                ax.annotate(r['key'], (r[cost], r['top1_mean']), fontsize=7, xytext=(4, 3), textcoords='offset points')
+            if log:
+                ax.set_xscale('log')
+            ax.autoscale_view()
+            to_points = 72 / fig.dpi                    # display pixels -> typographic points, as offsets are given
+            at = [tuple(v * to_points for v in ax.transData.transform((r[cost], r['top1_mean']))) for r in rows]
+            for r, offset in zip(rows, label_offsets(at)):
+                ax.annotate(r['key'], (r[cost], r['top1_mean']), fontsize=7, xytext=(4, offset),
+                            textcoords='offset points')
             line = sorted((r[cost], r['top1_mean']) for r in rows if r.get(front))
             if line:
                 ax.plot(*zip(*line), '--', color='C3', lw=1, label='Pareto front')
             for family in families:
                 ax.plot([], [], markers[family], color='gray', label=family)
-            if log:
-                ax.set_xscale('log')
             ax.set_xlabel(xlabel)
             ax.set_ylabel('held-out top-1 % (mean ± SE over seeds)')
             ax.set_title(f"{record.get('title', 'compare')}", fontsize=9)
