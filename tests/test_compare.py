@@ -76,12 +76,14 @@ def test_a_difference_is_read_against_two_standard_errors_and_an_under_trained_v
 
 def test_plot_labels_do_not_overlap_a_hand_example():
     from structformer.compare.record import label_offsets
-    # a and b sit 2 points apart (their labels would overlap): b, the lower, moves down a line (3 - 9 = -6);
-    # c is far to the right and keeps its place; d is 20 points under a: free
-    points = [(100.0, 200.0), (110.0, 198.0), (300.0, 199.0), (100.0, 180.0)]
-    assert label_offsets(points) == [3.0, -6.0, 3.0, 3.0]
-    # three on one spot stack a line apart
-    assert label_offsets([(0.0, 0.0)] * 3) == [3.0, -6.0, -15.0]
+    # a and b 2 points apart, labels 40 wide and 8 high: a keeps right-above (4, 3); b's right-above box would
+    # overlap a's, so b takes right-below (4, -11); c far to the right keeps its place
+    points, widths = [(100.0, 200.0), (110.0, 198.0), (300.0, 199.0)], [40.0, 40.0, 40.0]
+    assert label_offsets(points, widths) == [(4.0, 3.0), (4.0, -11.0), (4.0, 3.0)]
+    # four on one spot: right-above, right-below, left-above, left-below; the fifth a line further down, where
+    # right-above (4, -5) still meets the second's box (-11..-3) and right-below (4, -19) is the first free place
+    spots = label_offsets([(0.0, 0.0)] * 5, [20.0] * 5)
+    assert spots == [(4.0, 3.0), (4.0, -11.0), (-24.0, 3.0), (-24.0, -11.0), (4.0, -19.0)]
 
 
 def test_pareto_front_against_a_hand_example():

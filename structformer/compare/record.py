@@ -113,19 +113,28 @@ def markdown_table(record: Dict) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def label_offsets(points: Sequence[Tuple[float, float]], width: float = 70.0, height: float = 9.0,
-                  start: float = 3.0) -> List[float]:
-    """Vertical offsets (points) for labels written to the right of `points` (positions in points), so that
-    no two labels overlap: from the highest point down, a label that would fall on one already placed (closer
-    than `width` across and `height` up or down) moves down a line at a time."""
-    offsets: List[float] = [start] * len(points)
-    placed: List[Tuple[float, float]] = []
+def label_offsets(points: Sequence[Tuple[float, float]], widths: Sequence[float], height: float = 8.0
+                  ) -> List[Tuple[float, float]]:
+    """Offsets (dx, dy) in points for labels beside `points` (positions in points; each label `widths[i]` wide
+    and `height` high), so that no two labels overlap: from the highest point down, each label takes the first
+    free place of right-above, right-below, left-above, left-below, then the same a line further down, and so on."""
+    boxes: List[Tuple[float, float, float, float]] = []
+    out: List[Tuple[float, float]] = [(4.0, 3.0)] * len(points)
     for i in sorted(range(len(points)), key=lambda i: -points[i][1]):
-        x, y = points[i]
-        while any(abs(x - px) < width and abs(y + offsets[i] - py) < height for px, py in placed):
-            offsets[i] -= height
-        placed.append((x, y + offsets[i]))
-    return offsets
+        (x, y), w = points[i], widths[i]
+        for line in range(len(points) + 1):
+            down = line * height
+            for dx, dy in ((4.0, 3.0 - down), (4.0, -height - 3.0 - down), (-w - 4.0, 3.0 - down),
+                           (-w - 4.0, -height - 3.0 - down)):
+                box = (x + dx, y + dy, x + dx + w, y + dy + height)
+                if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
+                    break
+            else:
+                continue
+            break
+        boxes.append(box)
+        out[i] = (dx, dy)
+    return out
 
 
 def plot_fronts(record: Dict, folder: Path) -> List[str]:
@@ -151,8 +160,9 @@ def plot_fronts(record: Dict, folder: Path) -> List[str]:
             ax.autoscale_view()
             to_points = 72 / fig.dpi                    # display pixels -> typographic points, as offsets are given
             at = [tuple(v * to_points for v in ax.transData.transform((r[cost], r['top1_mean']))) for r in rows]
-            for r, offset in zip(rows, label_offsets(at)):
-                ax.annotate(r['key'], (r[cost], r['top1_mean']), fontsize=7, xytext=(4, offset),
+            widths = [4.0 * len(r['key']) for r in rows]        # 7-point text: about 4 points a character
+            for r, offset in zip(rows, label_offsets(at, widths)):
+                ax.annotate(r['key'], (r[cost], r['top1_mean']), fontsize=7, xytext=offset,
                             textcoords='offset points')
             line = sorted((r[cost], r['top1_mean']) for r in rows if r.get(front))
             if line:
