@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Dict
 
+from ..cli_args import positive_int
 from ..errors import UsageError
 
 DESCRIPTION = ('Train every (model, seed) cell of a grid with one shared recipe (each an ordinary run folder: '
@@ -56,18 +57,6 @@ RECORD = 'compare.json'
 SPEED = 'speed.json'
 
 
-def _count(flag: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}")
-        return value
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .catalogue import ENTRIES, SETS
     p.add_argument('--set', default=None, metavar='NAME',
@@ -83,14 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a shipped training recipe (`structformer recipes`) as the shared recipe, over the set's; its "
                         'model, data and other per-cell keys are left out')
     p.add_argument('-c', '--config', default=None, metavar='FILE', help='a YAML configuration over the recipe')
-    p.add_argument('--seeds', type=_count('--seeds'), default=None, metavar='N',
+    p.add_argument('--seeds', type=positive_int('--seeds'), default=None, metavar='N',
                    help="seeds 0 .. N-1, the same for every row (default: the set's)")
-    p.add_argument('--budget', type=_count('--budget'), default=None, metavar='PARAMS',
+    p.add_argument('--budget', type=positive_int('--budget'), default=None, metavar='PARAMS',
                    help="the parameter count every matched row is sized to, within ±15 %% (default: the set's)")
     p.add_argument('--no-match', action='store_true', help="keep the registry's sizes instead of matching them")
     p.add_argument('--output', default=None, metavar='DIR', help='the grid folder (default outputs/compare_<set>)')
     p.add_argument('--threads', type=int, default=0, help="torch threads for training and timing (0: torch's own)")
-    p.add_argument('--jobs', type=_count('--jobs'), default=1, metavar='N',
+    p.add_argument('--jobs', type=positive_int('--jobs'), default=1, metavar='N',
                    help='train up to N cells at a time, each in its own process with --threads threads (1: one '
                         'after the other in this process); e.g. --jobs 2 --threads 1 on two cores')
     p.add_argument('--device', default='auto', help='auto (default: CUDA if present), cpu, cuda or cuda:N')
@@ -103,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='train nothing: time the trained rows again (e.g. in a quiet window) and rewrite the record')
     p.add_argument('--skip-speed', action='store_true',
                    help='train and record accuracy only; time later with --measure-only')
-    p.add_argument('--speed-rounds', type=_count('--speed-rounds'), default=10, metavar='N',
+    p.add_argument('--speed-rounds', type=positive_int('--speed-rounds'), default=10, metavar='N',
                    help='paired timing rounds of every row (10)')
     p.add_argument('--publish', default=None, metavar='DOCS',
                    help='also write DOCS/leaderboard.md and DOCS/leaderboard/ (the record and its plots)')
