@@ -189,13 +189,24 @@ def _is_meta(name: str) -> bool:
     return re.match(r'__[^/]*__($|/)', name) is not None
 
 
+def _sample_members(tar) -> Iterator[Tuple[str, str, tarfile.TarInfo]]:
+    """(sample key, lower-case extension, member) for each member of `tar` that belongs to a sample, in member
+    order: regular files, not metadata, with a key (webdataset's base_plus_ext split)."""
+    from webdataset.tariterators import base_plus_ext
+    for member in tar:
+        if not member.isreg() or _is_meta(member.name):
+            continue
+        key, ext = base_plus_ext(member.name)
+        if key is not None:
+            yield key, ext.lower(), member
+
+
 def read_shard(url: str, wanted=None) -> Iterator[Tuple[int, str, Optional[str], Optional[bytes], Optional[int]]]:
     """(position, key, image extension, image bytes, label) for each sample of a shard, in member order.
 
     `wanted(position)` is asked when a sample starts: True reads it; False passes over it without reading its
     bytes (extension, bytes and label are then None); None stops the read there. A read that goes to the end
     raises ShardError naming the shard if tar stopped anywhere but at its end-of-archive block (damage)."""
-    from webdataset.tariterators import base_plus_ext
     position, sample, reading, stopped = -1, None, False, False
 
     def finish(sample):
@@ -203,12 +214,7 @@ def read_shard(url: str, wanted=None) -> Iterator[Tuple[int, str, Optional[str],
         return sample[image][0], sample[image][1], parse_label(sample[label][1], url, sample['__key__'])
     try:
         with open_tar(url) as tar:
-            for member in tar:
-                if not member.isreg() or _is_meta(member.name):
-                    continue
-                key, ext = base_plus_ext(member.name)
-                if key is None:
-                    continue
+            for key, ext, member in _sample_members(tar):
                 if sample is None or key != sample['__key__']:
                     if sample is not None:
                         yield (position, sample['__key__'], *finish(sample)) if reading else \
@@ -219,7 +225,6 @@ def read_shard(url: str, wanted=None) -> Iterator[Tuple[int, str, Optional[str],
                         stopped, sample = True, None
                         break
                     sample, reading = {'__key__': key}, bool(choice)
-                ext = ext.lower()
                 if ext in sample:
                     raise ShardError(f'shard {url}: sample {key!r} has two {ext!r} members')
                 sample[ext] = (ext, tar.extractfile(member).read()) if reading else (ext, None)
@@ -260,19 +265,13 @@ def check_shard(url: str, spec: str) -> None:
 def scan_shard(url: str) -> List[Tuple[int, int, int]]:
     """[(image offset, image size, label)] of a local shard from its tar headers (a seek per member: the image
     bytes are not read), in member order; ShardError if the shard is damaged (end_problem)."""
-    from webdataset.tariterators import base_plus_ext
     samples: List[Dict] = []
     try:
         with open_tar(url, 'r:') as tar:          # uncompressed: the offsets are the file's, for IndexedShards' seeks
-            for member in tar:
-                if not member.isreg() or _is_meta(member.name):
-                    continue
-                key, ext = base_plus_ext(member.name)
-                if key is None:
-                    continue
+            for key, ext, member in _sample_members(tar):
                 if not samples or samples[-1]['__key__'] != key:
                     samples.append({'__key__': key})
-                samples[-1][ext.lower()] = member
+                samples[-1][ext] = member
             problem = end_problem(tar)
             if problem:
                 raise ShardError(f'shard {url} {problem}, after {len(samples)} samples')
