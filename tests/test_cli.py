@@ -191,3 +191,28 @@ def test_models_table_shows_small_counts(capsys):
     assert main(['models', '--filter', 'crate_digits']) == 0
     row = capsys.readouterr().out.splitlines()[1]
     assert '0.00M' not in row and re.search(r'\s\d+(\.\d)?K\s', row), row
+
+
+@pytest.mark.slow
+def test_runs_with_a_model_transform_are_scored_by_eval_in_a_fresh_process(tmp_path):
+    """An attention swap, sparsify and a mid-run factorisation are rebuilt from the checkpoint's record alone: a new
+    interpreter's `structformer eval` scores each run exactly as its last epoch recorded (same weights, same data)."""
+    base = ['train', '--model', 'vit_digits', '--data', 'digits', '--limit-train-batches', '2', '--no-progress',
+            '--log-interval', '0']
+    runs = {'swap': ['--epochs', '1', '--transform', 'swap_attention', 'attn=linformer', 'num_landmarks=8'],
+            'sparse': ['--epochs', '1', '--transform', 'sparsify', 'keep_ratio=0.5'],
+            'factorised': ['--epochs', '2', '--rank', '0.5', '--factorize-at', '1']}
+    for name, extra in runs.items():
+        assert main(base + extra + ['--output', str(tmp_path / name)]) == 0
+    code = ("import json, sys\nfrom structformer.cli import main\n"
+            "for run in sys.argv[1:]:\n    assert main(['eval', '--checkpoint', run, '--json']) == 0\n")
+    done = subprocess.run([sys.executable, '-c', code, *(str(tmp_path / n) for n in runs)], capture_output=True,
+                          text=True, cwd=tmp_path, env={**__import__('os').environ, 'PYTHONPATH': str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    scores = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{')]
+    assert len(scores) == 3
+    for name, score in zip(runs, scores):
+        last = [json.loads(line) for line in (tmp_path / name / 'metrics.jsonl').read_text().splitlines()][-1]
+        assert score['epoch'] == last['epoch'] and score['images'] == 360
+        assert score['top1'] == pytest.approx(last['val_top1'], abs=1e-9)
+        assert score['loss'] == pytest.approx(last['val_loss'], rel=1e-5), name
