@@ -52,8 +52,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _batch_dim(example: torch.Tensor):
-    # min 1: a free batch size; the example itself should have batch >= 2 (torch.export specialises 0 and 1)
-    return ({0: torch.export.Dim('batch', min=1, max=1 << 16)},)
+    # min 1: a free batch size; the example itself should have batch >= 2 (torch.export specialises 0 and 1).
+    # max 65,535, not 65,536: traced on a CUDA device, convolution and batch-norm kernels guard the batch below
+    # CUDA's 2**16 grid-dimension limit, and a range past it fails the export (found on an H200, docs/gpu.md)
+    return ({0: torch.export.Dim('batch', min=1, max=(1 << 16) - 1)},)
 
 
 def to_onnx(model: torch.nn.Module, example: torch.Tensor, path, opset: Optional[int] = None) -> Path:
