@@ -3,6 +3,7 @@ A module of its own, below `records` (which re-exports `cpu_kind` beside `cpu_mo
 `functional.autotune` keys its cache on it and `records.environment` reports autotune's choices: both import this,
 neither the other. Only the standard library: `structformer --help` must not pay for torch.
 """
+import os
 import platform
 
 
@@ -11,6 +12,22 @@ ISA_FLAGS = {'avx2': 'AVX2', 'fma': 'FMA', 'avx512f': 'AVX-512', 'avx512bw': 'AV
              'avx512dq': 'AVX-512 DQ', 'avx512_vnni': 'AVX-512 VNNI', 'avx_vnni': 'AVX-VNNI',
              'avx512_bf16': 'AVX-512 BF16', 'avx512_fp16': 'AVX-512 FP16', 'amx_tile': 'AMX',
              'amx_bf16': 'AMX-BF16', 'amx_int8': 'AMX-INT8', 'amx_fp16': 'AMX-FP16'}
+
+
+# environment variables that make the kernels use less of the ISA than the CPU has (ATen's dispatch, oneDNN's JIT,
+# MKL's code path): a run under them takes other kernels than the CPU's own kind, so it is a kind of its own
+ISA_CAPS = ('ATEN_CPU_CAPABILITY', 'ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA', 'MKL_ENABLE_INSTRUCTIONS')
+
+
+def isa_caps() -> dict:
+    """The ISA caps set in this process's environment ({} for none): {variable: value}."""
+    return {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name, '').strip()}
+
+
+def _below_avx512(value: str) -> bool:
+    """Whether a cap's value (ATen 'default'/'avx2', oneDNN 'AVX2'/'AVX512_CORE_BF16'/'ALL', MKL 'AVX2'/'AVX512')
+    keeps the kernels off AVX-512."""
+    return not value.strip().lower().startswith(('avx512', 'avx10', 'amx', 'all'))
 
 
 def _cpuinfo_fields() -> dict:
@@ -61,7 +78,15 @@ def cpu_kind() -> dict:
     model = fields.get('model name') or platform.processor() or platform.machine()   # as records.cpu_model
     kind = kind_id(vendor, flags) if flags else f"unknown-{platform.machine().lower() or 'cpu'}"
     isa = ', '.join(n for n in present if n not in ('FMA', 'AVX-512 BW', 'AVX-512 VL', 'AVX-512 DQ')) or 'no flags read'
+    caps = isa_caps()
+    capped_below_avx512 = any(_below_avx512(v) for v in caps.values())
+    summary = f"{model}{f' ({numbers})' if numbers else ''}: {isa}"
+    if caps:
+        # the CPU's kind with what was capped: 'amd-avx512-bf16+cap-avx2' runs AVX2 kernels on an AVX-512 core,
+        # which is neither this kind nor an AVX2 CPU (caches, FMA units and clocks stay this CPU's)
+        kind += '+cap-' + '-'.join(sorted({v.strip().lower() for v in caps.values()}))
+        summary += '; kernels capped by ' + ', '.join(f"{k}={v}" for k, v in sorted(caps.items()))
     return {'kind': kind, 'vendor': vendor, 'model': model, 'family_model': numbers,
-            'flags': sorted(flag for flag in ISA_FLAGS if flag in flags),
-            'bf16_native': bool(flags & {'avx512_bf16', 'amx_bf16'}), 'amx': 'amx_tile' in flags,
-            'summary': f"{model}{f' ({numbers})' if numbers else ''}: {isa}"}
+            'flags': sorted(flag for flag in ISA_FLAGS if flag in flags), 'isa_caps': caps,
+            'bf16_native': bool(flags & {'avx512_bf16', 'amx_bf16'}) and not capped_below_avx512,
+            'amx': 'amx_tile' in flags and not capped_below_avx512, 'summary': summary}

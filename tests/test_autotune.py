@@ -410,3 +410,47 @@ def test_every_checkpoint_records_the_machine_and_its_choices(tuning, tmp_path):
     env = json.loads((folder / 'state.json').read_text())['environment']
     assert env['cpu_kind']['kind'] == cpu_kind()['kind'] and env['device'] == 'cpu'
     assert env['choices']['cached'] == {'ssa_impl': {'197,64,float32': 'sdpa'}}
+
+
+def test_an_isa_cap_in_the_environment_is_another_machine(tuning, monkeypatch):
+    """ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS change which kernels run without
+    changing the CPU: a decision timed under a cap is not reused without it, the kind says so, and the capped file
+    is read back (its machine record survives the JSON round trip)."""
+    from structformer import machine as machine_module
+    base = autotune.machine()
+    with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+        assert _decide() == 'sdpa'
+    autotune.forget()
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
+    monkeypatch.setenv('MKL_ENABLE_INSTRUCTIONS', 'AVX2')
+    autotune._static_machine.cache_clear()
+    try:
+        kind = machine_module.cpu_kind()
+        assert 'avx2' in kind['kind'].split('+cap-')[1].split('-')       # (ATEN_CPU_CAPABILITY may be set too)
+        assert {k: kind['isa_caps'][k] for k in ('ONEDNN_MAX_CPU_ISA', 'MKL_ENABLE_INSTRUCTIONS')} == {
+            'ONEDNN_MAX_CPU_ISA': 'AVX2', 'MKL_ENABLE_INSTRUCTIONS': 'AVX2'}
+        assert not kind['bf16_native'] and not kind['amx']             # bfloat16 dot products need AVX-512 BF16 / AMX
+        from structformer.bench.kinds import hardware_facts
+        assert any('kernels capped by' in fact and 'ONEDNN_MAX_CPU_ISA=AVX2' in fact for fact in hardware_facts(kind))
+        assert not any('bfloat16 dot products in hardware' in fact for fact in hardware_facts(kind))
+        assert autotune.machine() != base
+        timer = FakeTimer({'shared': [0.5] * 3, 'sdpa': [1.0] * 3})
+        with autotune.use_timer(timer):
+            assert _decide() == 'shared'
+        assert timer.calls == 1
+        autotune.forget()
+        again = FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})
+        with autotune.use_timer(again):
+            assert _decide() == 'shared'                                 # from the capped machine's file
+        assert again.calls == 0
+        assert len(list((tuning / 'choices').glob('*.json'))) == 2
+    finally:
+        monkeypatch.delenv('ONEDNN_MAX_CPU_ISA')
+        monkeypatch.delenv('MKL_ENABLE_INSTRUCTIONS')
+        autotune._static_machine.cache_clear()
+
+
+def test_isa_caps_below_avx512():
+    from structformer.machine import _below_avx512
+    assert [_below_avx512(v) for v in ('default', 'avx2', 'AVX2_VNNI', 'SSE41')] == [True] * 4
+    assert [_below_avx512(v) for v in ('avx512', 'AVX512_CORE_BF16', 'AVX10_1_512', 'ALL', 'AVX512_E4')] == [False] * 5

@@ -112,6 +112,11 @@ def hardware_facts(kind: dict) -> list:
                      "the fastest GEMM available and a structured layer gains at most its FLOP ratio")
     elif 'avx2' in flags:
         facts.append('AVX2 only: MKL and oneDNN both run 256-bit kernels')
+    caps = kind.get('isa_caps') or {}
+    if caps:
+        facts.append('kernels capped by ' + ', '.join(f"{k}={v}" for k, v in sorted(caps.items())) +
+                     ': these ratios are those of the capped kernels on this CPU (its caches, FMA units and clocks), '
+                     'not those of a CPU whose widest ISA is the cap')
     return facts
 
 

@@ -25,7 +25,8 @@ A choice is `decide(name, shape_class, default, calls, isa=None)`. In order:
 
 The disk cache is JSON (read without executing anything) at `$STRUCTFORMER_CACHE/choices/` (else
 `$XDG_CACHE_HOME/structformer/choices/`, default `~/.cache/...`), one file per machine key: CPU model, family /
-model numbers, ISA flags, ATen's CPU capability, torch version and thread count. A new torch, another CPU or
+model numbers, ISA flags, ATen's CPU capability, the ISA caps set in the environment (`machine.ISA_CAPS`: oneDNN's
+and MKL's too, which ATen's capability does not show), torch version and thread count. A new torch, another CPU or
 another thread count reads another file; a corrupt or foreign file is ignored and rewritten; writes are atomic.
 Delete the folder to time again.
 
@@ -135,12 +136,13 @@ def _static_machine() -> tuple:
     kind = cpu_kind()
     return (('cpu', kind['model']), ('family_model', kind['family_model']), ('kind', kind['kind']),
             ('flags', tuple(kind['flags'])), ('aten_capability', torch.backends.cpu.get_cpu_capability()),
+            ('isa_caps', ' '.join(f'{k}={v}' for k, v in sorted(kind['isa_caps'].items()))),   # str: JSON-stable
             ('torch', torch.__version__))
 
 
 def machine() -> dict:
-    """What a cached decision is valid for: the CPU (model, family / model, ISA flags, ATen's capability), torch's
-    version and the thread count."""
+    """What a cached decision is valid for: the CPU (model, family / model, ISA flags, ATen's capability, the ISA
+    caps in the environment), torch's version and the thread count."""
     record = {k: (list(v) if isinstance(v, tuple) else v) for k, v in _static_machine()}
     record['threads'] = torch.get_num_threads()
     return record
