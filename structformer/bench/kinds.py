@@ -98,6 +98,9 @@ def verdict_line(entry: dict) -> str:
 def hardware_facts(kind: dict) -> list:
     """What this kind's hardware means for the goals, one sentence each, from its flags alone."""
     flags = set(kind.get('flags') or ())
+    caps = kind.get('isa_caps') or {}
+    if any(not v.strip().lower().startswith(('avx512', 'avx10', 'amx', 'all')) for v in caps.values()):
+        flags = {f for f in flags if not f.startswith(('avx512', 'amx'))}     # capped below AVX-512: its kernels idle
     facts = []
     if kind.get('bf16_native'):
         facts.append('bfloat16 dot products in hardware (' + ('AMX' if kind.get('amx') else 'AVX-512 BF16') +
@@ -112,7 +115,6 @@ def hardware_facts(kind: dict) -> list:
                      "the fastest GEMM available and a structured layer gains at most its FLOP ratio")
     elif 'avx2' in flags:
         facts.append('AVX2 only: MKL and oneDNN both run 256-bit kernels')
-    caps = kind.get('isa_caps') or {}
     if caps:
         facts.append('kernels capped by ' + ', '.join(f"{k}={v}" for k, v in sorted(caps.items())) +
                      ': these ratios are those of the capped kernels on this CPU (its caches, FMA units and clocks), '
