@@ -333,3 +333,22 @@ def test_auto_on_cuda_without_flex_attention_trains_on_the_masked_path(monkeypat
     monkeypatch.setattr(module, 'flex_attention_available', lambda: False)      # torch 2.4: no FlexAttention
     cuda_like = type('CudaLike', (), {'is_cuda': True})()
     assert SparsifinerAttention(32, 4).train()._resolve_impl(cuda_like, 0.0) == 'masked'
+
+
+def test_flex_attention_availability_traces_as_a_constant():
+    """`_resolve_impl` asks `flex_attention_available()` inside compiled layers; as an lru_cache-wrapped function
+    dynamo warned that it ignores the cache and traces the function (seen on an H200). A constant traces silently."""
+    import warnings
+
+    from structformer.functional.sparsifiner_flex import flex_attention_available
+    torch._dynamo.reset()
+
+    def step(x):
+        return x + 1 if flex_attention_available() else x - 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        out = torch.compile(step, backend='eager', fullgraph=True)(torch.zeros(2))
+    assert torch.equal(out, step(torch.zeros(2)))
+    assert not [w for w in caught if 'lru_cache' in str(w.message)], [str(w.message) for w in caught]
+    torch._dynamo.reset()

@@ -17,6 +17,7 @@ entry kept: no mask work). Tiles in neither list are skipped, which is where a s
 FlexAttention has no attention dropout: the layer refuses impl='flex' with attn_drop > 0, and 'auto'
 falls back to the masked path when dropout is active.
 """
+import importlib.util
 from functools import lru_cache
 from typing import Optional
 
@@ -24,14 +25,21 @@ import torch
 import torch.nn.functional as F
 
 
-@lru_cache(maxsize=None)
+def _find_flex_attention() -> bool:
+    try:
+        return importlib.util.find_spec('torch.nn.attention.flex_attention') is not None
+    except ImportError:                         # no torch.nn.attention at all (older torch)
+        return False
+
+
+# decided once at import, a plain constant: `flex_attention_available` is called inside layers that torch.compile
+# traces, and dynamo does not honour an lru_cache there (it warned on an H200: it traces the wrapped function)
+_FLEX_ATTENTION = _find_flex_attention()
+
+
 def flex_attention_available() -> bool:
     """FlexAttention arrived in torch 2.5; the package accepts torch >= 2.4."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _FLEX_ATTENTION
 
 
 @lru_cache(maxsize=None)
