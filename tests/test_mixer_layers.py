@@ -112,6 +112,43 @@ def test_fast_path_equals_dense_reference_outputs_and_gradients(name, make):
     assert y1.shape == (2, 3, layer.out_features)
 
 
+@pytest.mark.parametrize('shape', [(16, 16, 4), (12, 18, 3), (24, 8, 2)], ids=['square', 'rect', 'wide-blocks'])
+def test_monarch_gradcheck_float64(shape):
+    """The forward's `_ContiguousGrad` (identity forward, contiguous gradient) is custom autograd: gradcheck
+    through the whole layer, input and both factors."""
+    torch.manual_seed(6)
+    layer = MonarchLinear(shape[0], shape[1], nblocks=shape[2]).double()
+    x = torch.randn(3, shape[0], dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t, r, l: torch.func.functional_call(
+        layer, {'weight_right': r, 'weight_left': l, 'bias': layer.bias}, (t,)),
+        (x, layer.weight_right.detach().clone().requires_grad_(), layer.weight_left.detach().clone().requires_grad_()))
+
+
+def test_monarch_bmm_operands_are_blas_layouts_forward_and_backward():
+    """Every bmm of a Monarch training step gets matrices with a unit stride in one of their two dims: a CPU bmm
+    whose matrices have none (the batch innermost, as the permuted middle and the gradients coming back through the
+    permutations had) copies them one batch entry at a time (12 % of the step at n 4096, b 64)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class BmmLayouts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bad = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.bmm.out):
+                for t in args[:2]:
+                    if t.stride(-1) != 1 and t.stride(-2) != 1:
+                        self.bad.append((tuple(t.shape), t.stride()))
+            return func(*args, **(kwargs or {}))
+
+    layer = MonarchLinear(64, 64, nblocks=8)                  # square: p = q = s = b, where the reshape is a view
+    x = torch.randn(5, 64, requires_grad=True)
+    with BmmLayouts() as spy:
+        layer(x).square().sum().backward()
+    assert spy.bad == []
+
+
 def test_permute_features_gradcheck_and_reference():
     torch.manual_seed(5)
     perm = random_permutation(7, seed=3)
