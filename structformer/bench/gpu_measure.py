@@ -52,12 +52,22 @@ def _precision(dtype: str, device):
     return Precision.create(dtype != 'float32', None if dtype == 'float32' else dtype, device)
 
 
-def _compile(module, backend: str):
+def _compile(module, backend: str, mode=None):
     """torch.compile from a clean cache: the models of one worker share forward code (every timm ViT's), and
-    their graphs must not count towards dynamo's recompile limit."""
+    their graphs must not count towards dynamo's recompile limit. `mode` only with inductor (other backends
+    take none)."""
     import torch
     torch._dynamo.reset()
+    if mode and backend == 'inductor':
+        return torch.compile(module, backend=backend, mode=mode)
     return torch.compile(module, backend=backend)
+
+
+def attention_compile_mode(device_type: str, backend: str):
+    """The compiled attention rows on a GPU replay CUDA graphs ('reduce-overhead'): SOFT's eager forward is bound by
+    its ~220 kernel launches (the Newton–Schulz loop stays one opaque op under plain compile, launching as before),
+    and a graph replay is what removes them. Elsewhere none."""
+    return 'reduce-overhead' if device_type == 'cuda' and backend == 'inductor' else None
 
 
 # ---- models ---------------------------------------------------------------------------------------------
@@ -118,7 +128,8 @@ def measure_attention(item: dict, settings: dict) -> dict:
     layer = build_layer(item['attention'], settings['attention_dim'], settings['attention_heads'],
                         settings['attention_landmarks'], grid, device)
     x = torch.randn(settings['attention_batch'], n, settings['attention_dim'], device=device, requires_grad=True)
-    runner = _compile(layer, settings['compile_backend']) if item['mode'] == 'compiled' else layer
+    mode = attention_compile_mode(device.type, settings['compile_backend'])
+    runner = _compile(layer, settings['compile_backend'], mode) if item['mode'] == 'compiled' else layer
 
     def forward():
         with torch.no_grad(), precision.autocast():
@@ -132,6 +143,8 @@ def measure_attention(item: dict, settings: dict) -> dict:
         x.grad = None
 
     row = {'tokens': n}
+    if item['mode'] == 'compiled' and mode:
+        row['compile_mode'] = mode
     compile_s = None
     start = time.perf_counter()
     layer.eval()

@@ -138,11 +138,13 @@ def _attention_table(rows, record) -> List[str]:
              f"m = {s['attention_landmarks']}; batch {s['attention_batch']}, {s['dtype']} autocast): forward ms "
              "(forward + backward ms, its peak MiB):", '',
              '| attention | ' + ' | '.join(f"n = {n:,}" for n in tokens) + ' |', '|---|' + '---|' * len(tokens)]
+    graphs = any(r.get('compile_mode') == 'reduce-overhead' for r in rows if r['section'] == 'attention')
+    compiled_label = ', compiled (CUDA graphs)' if graphs else ', compiled'
     for mode in ('eager', 'compiled'):
         for name, label in ATTENTIONS.items():
             cells = [_attention_cell(_attention(rows, name, n, mode)) for n in tokens]
             if any(c != '-' for c in cells):
-                lines.append(f"| {label}{', compiled' if mode == 'compiled' else ''} | " + ' | '.join(cells) + ' |')
+                lines.append(f"| {label}{compiled_label if mode == 'compiled' else ''} | " + ' | '.join(cells) + ' |')
     return lines
 
 
