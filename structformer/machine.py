@@ -30,6 +30,11 @@ def _below_avx512(value: str) -> bool:
     return not value.strip().lower().startswith(('avx512', 'avx10', 'amx', 'all'))
 
 
+def capped_below_avx512(caps: dict) -> bool:
+    """Whether any of `isa_caps()`'s values keeps some kernel library off AVX-512 (and so off AVX-512 BF16 / AMX)."""
+    return any(_below_avx512(v) for v in caps.values())
+
+
 def _cpuinfo_fields() -> dict:
     """The first processor's fields of /proc/cpuinfo ({} off Linux)."""
     fields = {}
@@ -79,7 +84,7 @@ def cpu_kind() -> dict:
     kind = kind_id(vendor, flags) if flags else f"unknown-{platform.machine().lower() or 'cpu'}"
     isa = ', '.join(n for n in present if n not in ('FMA', 'AVX-512 BW', 'AVX-512 VL', 'AVX-512 DQ')) or 'no flags read'
     caps = isa_caps()
-    capped_below_avx512 = any(_below_avx512(v) for v in caps.values())
+    capped = capped_below_avx512(caps)
     summary = f"{model}{f' ({numbers})' if numbers else ''}: {isa}"
     if caps:
         # the CPU's kind with what was capped: 'amd-avx512-bf16+cap-avx2' runs AVX2 kernels on an AVX-512 core,
@@ -88,5 +93,5 @@ def cpu_kind() -> dict:
         summary += '; kernels capped by ' + ', '.join(f"{k}={v}" for k, v in sorted(caps.items()))
     return {'kind': kind, 'vendor': vendor, 'model': model, 'family_model': numbers,
             'flags': sorted(flag for flag in ISA_FLAGS if flag in flags), 'isa_caps': caps,
-            'bf16_native': bool(flags & {'avx512_bf16', 'amx_bf16'}) and not capped_below_avx512,
-            'amx': 'amx_tile' in flags and not capped_below_avx512, 'summary': summary}
+            'bf16_native': bool(flags & {'avx512_bf16', 'amx_bf16'}) and not capped,
+            'amx': 'amx_tile' in flags and not capped, 'summary': summary}

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from ..machine import capped_below_avx512
+
 # goal id: (benchmark, what is measured, comparison, target)
 GOALS = {
     'crate_vit': ('models', "CRATE-T / ViT-T training speed, float32, paired", '>=', 0.9),
@@ -99,7 +101,7 @@ def hardware_facts(kind: dict) -> list:
     """What this kind's hardware means for the goals, one sentence each, from its flags alone."""
     flags = set(kind.get('flags') or ())
     caps = kind.get('isa_caps') or {}
-    if any(not v.strip().lower().startswith(('avx512', 'avx10', 'amx', 'all')) for v in caps.values()):
+    if capped_below_avx512(caps):
         flags = {f for f in flags if not f.startswith(('avx512', 'amx'))}     # capped below AVX-512: its kernels idle
     facts = []
     if kind.get('bf16_native'):
