@@ -455,3 +455,17 @@ def test_isa_caps_below_avx512():
     from structformer.machine import _below_avx512
     assert [_below_avx512(v) for v in ('default', 'avx2', 'AVX2_VNNI', 'SSE41')] == [True] * 4
     assert [_below_avx512(v) for v in ('avx512', 'AVX512_CORE_BF16', 'AVX10_1_512', 'ALL', 'AVX512_E4')] == [False] * 5
+
+
+def test_an_isa_cap_below_avx512_makes_bfloat16_not_native(monkeypatch):
+    """The bench's bfloat16 verdict and the trainer's warning read `cpu_bfloat16_native`: under
+    ONEDNN_MAX_CPU_ISA=AVX2 the kernels cannot use AVX-512 BF16 or AMX even where the CPU has them."""
+    from structformer.bench.models import cpu_capability
+    from structformer.train.precision import cpu_bfloat16_native
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
+    assert cpu_bfloat16_native() is False
+    assert 'emulated' in cpu_capability('bfloat16')['text']
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_AMX')      # a cap above BF16 changes nothing
+    monkeypatch.delenv('ATEN_CPU_CAPABILITY', raising=False)
+    assert cpu_bfloat16_native() == any(getattr(torch.cpu, n, lambda: False)()
+                                        for n in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
