@@ -235,6 +235,11 @@ def test_markdown_of_a_record_and_the_doc_section():
     with pytest.raises(ValueError, match='one'):
         replace_section('no markers', text, bench_gpu.BEGIN, bench_gpu.END)
     assert render_markdown(None) == NO_RECORD
+    # compiled attention rows taken with CUDA graphs say so in their label
+    graphs = rows + [dict(r, mode='compiled', compile_mode='reduce-overhead') for r in rows
+                     if r['section'] == 'attention' and r['status'] == 'ok']
+    text = render_markdown(dict(record, rows=graphs), None)
+    assert '| SOFT, compiled (CUDA graphs) | 1.00 (3.00, 10) |' in text and '| SOFT |' in text
 
 
 def test_plan_deadlines_and_names():
