@@ -54,13 +54,11 @@ def _precision(dtype: str, device):
 
 def _compile(module, backend: str, mode=None):
     """torch.compile from a clean cache: the models of one worker share forward code (every timm ViT's), and
-    their graphs must not count towards dynamo's recompile limit. `mode` only with inductor (other backends
-    take none)."""
+    their graphs must not count towards dynamo's recompile limit. `mode` (inductor's; None for other backends)
+    as `attention_compile_mode` gives it."""
     import torch
     torch._dynamo.reset()
-    if mode and backend == 'inductor':
-        return torch.compile(module, backend=backend, mode=mode)
-    return torch.compile(module, backend=backend)
+    return torch.compile(module, backend=backend, mode=mode)
 
 
 def attention_compile_mode(device_type: str, backend: str):
