@@ -265,3 +265,19 @@ def test_tile_kernel_build_says_it_compiles_and_remembers_a_failure(tmp_path, mo
     with pytest.raises(RuntimeError, match='error: no such compiler'):
         tile_kernel._build(str(compiler))
     assert len(calls.read_text().splitlines()) > runs
+
+
+@pytest.mark.parametrize('kill_at', ['epoch_0001:renamed', 'epoch_0001:latest'])
+def test_a_stop_right_after_the_first_epoch_commits_keeps_that_epoch(two_runs, tmp_path, capsys, kill_at):
+    """Ctrl-C in the window between the first trained checkpoint's commit (its rename) and the run noting it: the
+    epoch is on disk, so the new run is kept to --resume (not undone), and the run it replaced is gone."""
+    run = tmp_path / 'run'
+    shutil.copytree(two_runs[0], run)
+    done = _interrupted(run, kill_at, 'SIGINT', seed=11)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert 'Traceback' not in done.stderr and 'is back' not in done.stderr
+    assert not list(run.glob('.replaced-*'))
+    assert _eval(run, capsys)['epoch'] == 1
+    assert main(['train', '--resume', '--output', str(run), '--no-progress']) == 0
+    assert 'resumed from epoch 1 of 2' in capsys.readouterr().out
+    assert [json.loads(line)['epoch'] for line in (run / 'metrics.jsonl').read_text().splitlines()] == [1, 2]
