@@ -25,10 +25,38 @@ def test_soft_digits_components_match_closed_forms():
 
 
 def test_fused_softmax_attention_is_counted():
-    """timm's ViT uses SDPA, which FlopCounterMode cannot see on CPU; model_flops switches it off."""
+    """timm's ViT uses SDPA; model_flops counts it on its explicit path (its `fused_attn` switch)."""
     out = model_flops('vit_tiny_patch16_224', img_size=32, patch_size=16, depth=2)
     n, c = 1 + 4, 192
     assert out['breakdown_macs']['attention'] == 2 * (4 * n * c * c + 2 * n * n * c)   # qkv + proj, QKᵀ and AV
+
+
+def test_crate_attention_products_are_counted():
+    """CRATE's MSSA (Eq. 5–6) calls SDPA with q = k = v = U x and has no `fused` switch: its QKᵀ and AV products
+    count through the formula given for SDPA's CPU kernel (before it they counted 0, and CRATE-T was 1.45 GMACs
+    instead of 1.81)."""
+    out = model_flops('crate_tiny_patch16_224', img_size=32, depth=2)
+    n, c = 1 + 4, 384                                   # heads 6 × head width 64 = 384
+    assert out['breakdown_macs']['attention'] == 2 * (2 * n * c * c + 2 * n * n * c)   # U and output, QKᵀ and AV
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_the_counter_sees_sdpa_on_the_cpu_forward_and_backward(causal):
+    """The fused CPU kernel counts as its explicit products do (torch's convention: a causal mask in full), and
+    its backward as torch counts SDPA's backward on CUDA: five products of that size against the forward's two."""
+    import torch
+    import torch.nn.functional as F
+
+    from structformer.bench.flops import flop_counter
+    b, h, n, m, d = 2, 3, 7, 5, 8
+    q = torch.randn(b, h, n, d, requires_grad=True)
+    k, v = torch.randn(b, h, m, d, requires_grad=True), torch.randn(b, h, m, d, requires_grad=True)
+    with flop_counter() as forward:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and n == m)
+    assert forward.get_total_flops() == 2 * (b * h * n * m * d) * 2          # QKᵀ and AV, 2 FLOPs a multiply-add
+    with flop_counter() as backward:
+        out.sum().backward()
+    assert 2 * backward.get_total_flops() == 5 * forward.get_total_flops()
 
 
 def test_models_cli_prints_macs(capsys):

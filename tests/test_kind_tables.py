@@ -128,3 +128,21 @@ def test_the_readme_quotes_the_avx512_amd_record():
                        ('lowrank_stack', f"{goals['lowrank_stack']:.2f}× on AVX-512 AMD"),
                        ('sparsifiner_sdpa', f"{goals['sparsifiner_sdpa']:.2f}× on AVX-512 AMD")):
         assert text in readme, (goal, text)
+
+
+@pytest.mark.parametrize('kind', ['amd-avx2', 'intel-avx512-vnni'])
+def test_the_transcribed_kinds_carry_the_splits_their_numbers_give(kind):
+    """A transcribed miss says why as a measured one does: its ratio split into FLOPs (counted from the measured
+    kind's records) and FLOP rates; the record equals that split recomputed, so no bound is retyped."""
+    record = json.loads((DOCS / 'kinds' / f'{kind}.json').read_text())
+    assert record == kind_tables.with_splits(record, kind_tables.goal_flop_ratios())
+    entries = {g['goal']: g for g in record['goals']}
+    soft = entries['soft_sdpa']
+    assert soft['met'] is False and "SOFT at 56% of SDPA's FLOP rate" in soft['bound']
+    assert soft['rates']['flop_ratio'] * soft['rates']['rate'] == pytest.approx(soft['value'])
+
+
+def test_the_flop_ratios_are_the_goals_arithmetic():
+    """Monarch at n 4096 with 64 blocks: n² / (2·n·64) = 32; RP-Mixer permutes the Mixer's own products: 1."""
+    ratios = kind_tables.goal_flop_ratios()
+    assert ratios['monarch_step'] == 32 and ratios['rp_mixer_step'] == 1

@@ -348,8 +348,11 @@ def goal_ratios(rows, attentions, paired: Optional[dict] = None) -> dict:
         if a and b:
             sweep = a['forward_ms'] / b['forward_ms']
             ratio = pair['ratio'] if pair else sweep
+            from .flops import row_forward_flops
+            fa, fb = row_forward_flops(a), row_forward_flops(b)
             out['sdpa_over_soft_forward_time'] = {
                 'ratio': ratio, 'source': 'paired' if pair else 'sweep medians', 'sweep_ratio': sweep,
+                'flop_ratio': fa / fb if fa and fb else None,
                 'quartiles': [pair['ratio_q1'], pair['ratio_q3']] if pair else None,
                 'goal_min': GOAL_SPEEDUP, 'tokens': hi, 'pass': ratio >= GOAL_SPEEDUP}
     return out

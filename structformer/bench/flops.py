@@ -17,10 +17,35 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils import flop_counter as torch_flops
 from torch.utils.flop_counter import FlopCounterMode
 
 SOFT_FORMULA = '2·h·[(d_e + 4·m·d_e + m²)·n + T·m³ + d_e·m²]  (SOFT §3 complexity, unit constants)'
 SOFTMAX_FORMULA = '2·h·(2·n²·d_e)  (QKᵀ and AV, n²·d_e multiply-adds each)'
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return torch_flops.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                             **kwargs) -> int:
+    return torch_flops.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# torch's counter has formulas for SDPA's CUDA kernels (flash, efficient, cuDNN) but none for its CPU kernel, so a
+# fused attention on the CPU counted as 0 (CRATE's MSSA, which has no `fused` switch, lost QKᵀ and AV): the same
+# formulas, given for the CPU kernel (causal masks are counted in full, as torch counts them on CUDA)
+CPU_SDPA_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """torch's FlopCounterMode (matmul / conv FLOPs, multiply-add = 2), silent, with SDPA's CPU kernel counted.
+    Every count in the benchmarks, `models --flops` and `compare` goes through it."""
+    return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FORMULAS)
 
 
 def linear_flops(layer: nn.Module, tokens: int, batch: int = 1) -> int:
@@ -52,7 +77,7 @@ def analytic_core_flops(name: str, tokens: int, landmarks: int, head_dim: int, h
 
 def counted_flops(layer: nn.Module, x: torch.Tensor, grid_size, backward: bool = False) -> int:
     """Total FLOPs that FlopCounterMode sees for one forward (and backward of out.sum() if asked)."""
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         if backward:
             layer(x, grid_size=grid_size).sum().backward()
         else:
@@ -78,9 +103,10 @@ def _component(path: str) -> Optional[str]:
 
 def forward_flops(model: nn.Module, sample: torch.Tensor):
     """(FLOPs, the FlopCounterMode) of one forward of `sample` through a built `model` in eval mode, without
-    gradients. Fused softmax attention (SDPA) is invisible to FlopCounterMode on CPU, so attention layers are
-    switched to their explicit, mathematically identical path while counting (`fused` / timm's `fused_attn`)
-    and switched back afterwards; the model's train / eval mode is restored too."""
+    gradients (`flop_counter`: SDPA's CPU kernel counted by torch's SDPA formula). Attention layers with a switch
+    (`fused` / timm's `fused_attn`) are counted on their explicit, mathematically identical path, which has the
+    same products, whichever SDPA backend would run, and switched back afterwards; the model's train / eval mode
+    is restored too."""
     switched = []
     for mod in model.modules():
         for flag in ('fused', 'fused_attn'):
@@ -90,7 +116,7 @@ def forward_flops(model: nn.Module, sample: torch.Tensor):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), flop_counter() as counter:
             model(sample)
     finally:
         for mod, flag in switched:
@@ -107,8 +133,7 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
     components stem / downsampling / attention / mlp / head / other (the rest: norms' matmul-free
     ops count 0, cls-token concat etc.). Papers, SOFT Table 1–2 included, quote multiply-adds as
     "FLOPs", so compare their numbers with `macs` = flops / 2 (module docstring). Fused softmax
-    attention (SDPA) is invisible to FlopCounterMode on CPU, so attention layers are switched to
-    their explicit, mathematically identical path while counting (`fused` / timm's `fused_attn`).
+    attention (SDPA) is counted as its QKᵀ and AV products (`forward_flops`).
     """
     import timm
     model = timm.create_model(name, **({'img_size': img_size} if img_size else {}), **kwargs).eval()
@@ -133,3 +158,16 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
     breakdown['other'] = total / 2 - sum(breakdown.values())
     return {'params': sum(p.numel() for p in model.parameters()), 'input_size': [chans, height, width],
             'flops': total, 'macs': total / 2, 'breakdown_macs': breakdown}
+
+
+def row_forward_flops(row: dict) -> Optional[int]:
+    """A sweep row's whole-layer forward FLOPs: as counted, or, where the counter missed the core (no
+    FlopCounterMode formula for the attention kernel this device ran, e.g. SDPA's CPU kernel), its counted
+    projections plus the analytic core. None where neither is known."""
+    counted = row.get('flops_counted_forward')
+    if counted is None:
+        return None
+    if row.get('flops_counter_missed'):
+        analytic = row.get('flops_analytic_core_forward')
+        return None if analytic is None else row.get('flops_linear_forward', 0) + analytic
+    return counted

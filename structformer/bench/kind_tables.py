@@ -88,6 +88,42 @@ def collect(kind: str, folder: Path) -> dict:
             'goals': goals}
 
 
+# the measured kind whose benchmark records give each goal's FLOP ratio to the kinds transcribed by hand
+COUNTS_FROM = 'amd-avx512-bf16'
+
+
+def goal_flop_ratios(folder: Path = KINDS_DIR / COUNTS_FROM) -> Dict[str, float]:
+    """The baseline's FLOPs over the structured path's at each goal of `kinds.SPLITS`, at the goal's settings: read
+    from a measured kind's benchmark records (a FLOP count is arithmetic, the same on every CPU), CRATE-T / ViT-T
+    counted here (`bench models` records no FLOPs)."""
+    from .flops import row_forward_flops
+    from .models import _vit_over_crate_flops
+    read = lambda name: json.loads((folder / name).read_text())          # noqa: E731
+    sweep = {r['attention']: r for r in read('attention.json')['rows'] if r['tokens'] == 12544}
+    core = next(r for r in read('sparse_attention.json')['rows'] if r['tokens'] == 577 and r['keep'] == 0.25
+                and r['path'].endswith(' core') and r['path'] != 'dense SDPA core')
+    mlp = read('mlp/mlp.json')
+    models = {m['model']: m for m in mlp['models']}
+    return {'crate_vit': _vit_over_crate_flops(224),
+            'soft_sdpa': row_forward_flops(sweep['softmax']) / row_forward_flops(sweep['soft']),
+            'sparsifiner_sdpa': 1 / core['flops_vs_dense'],
+            'rp_mixer_step': models['mixer_cifar']['macs_per_image'] / models['rp_mixer_cifar']['macs_per_image'],
+            'monarch_step': next(r for r in mlp['layers'] if r['layer'] == 'monarch')['flop_ratio']}
+
+
+def with_splits(record: dict, ratios: Dict[str, float]) -> dict:
+    """A transcribed kind record with each measured goal of `kinds.SPLITS` split into FLOPs and FLOP rates
+    (`kinds.flop_rate_split`, as the benchmarks now record it): `rates` and, where missed, the `bound`."""
+    from .kinds import SPLITS, flop_rate_split
+    goals = []
+    for entry in record['goals']:
+        entry = dict(entry)
+        if entry['goal'] in SPLITS and entry.get('value') is not None:
+            entry['rates'], entry['bound'] = flop_rate_split(entry['goal'], entry['value'], ratios[entry['goal']])
+        goals.append(entry)
+    return dict(record, goals=goals)
+
+
 def _cell(entry: dict) -> str:
     if entry.get('value') is None:
         return '—'

@@ -50,15 +50,73 @@ def met(goal: str, value: Optional[float]) -> Optional[bool]:
 
 
 def goal_entry(goal: str, value: Optional[float], quartiles=None, threads: Optional[int] = None,
-               detail: str = '', bound: str = '', busy: Optional[bool] = None) -> dict:
+               detail: str = '', bound: str = '', busy: Optional[bool] = None,
+               rates: Optional[dict] = None) -> dict:
     """The standard verdict of one goal: its id, what it measures, the target, the measured value (a paired median
     where the benchmark pairs) with its quartiles, the threads, met or not (None: not measured), a detail (e.g.
     the realised density), `bound`: why the goal cannot hold on this kind, from the hardware, where it cannot,
-    and whether the machine was busy."""
+    whether the machine was busy, and `rates` (`flop_rate_split`) where the benchmark counted both sides' FLOPs."""
     bench, what, comparison, target = GOALS[goal]
-    return {'goal': goal, 'bench': bench, 'what': what, 'target': f"{comparison} {target:g}", 'value': value,
-            'quartiles': list(quartiles) if quartiles else None, 'threads': threads, 'met': met(goal, value),
-            'detail': detail, 'bound': bound, 'busy': busy}
+    entry = {'goal': goal, 'bench': bench, 'what': what, 'target': f"{comparison} {target:g}", 'value': value,
+             'quartiles': list(quartiles) if quartiles else None, 'threads': threads, 'met': met(goal, value),
+             'detail': detail, 'bound': bound, 'busy': busy}
+    if rates is not None:
+        entry['rates'] = rates
+    return entry
+
+
+# goal id: (the structured path, its baseline, how both were counted, what bounds the structured path's FLOP rate)
+SPLITS = {
+    'crate_vit': ('CRATE-T', 'ViT-T', 'forward matmul FLOPs per image, FlopCounterMode',
+                  "CRATE-T's layers run on the kernels chosen for this machine (functional/autotune.py), ViT-T's on "
+                  "nn.Linear and SDPA"),
+    'soft_sdpa': ('SOFT', 'SDPA', "matmul FLOPs, FlopCounterMode",
+                  "SOFT's thin products against m landmarks and its element-wise passes over n × m, which the count "
+                  "leaves out, are bound by memory bandwidth; SDPA's n × n tiles by the FMA units"),
+    'sparsifiner_sdpa': ('the sparse attention', 'SDPA',
+                         "analytic matmul FLOPs at the measured nnz of its mask, predictor included: "
+                         "bench/sparse_flops.py",
+                         "its kept key tiles are gathered and multiplied a few rows at a time, with the predictor and "
+                         "the top-k beside them, where SDPA streams dense tiles through one fused kernel"),
+    'rp_mixer_step': ('RP-Mixer', 'the Mixer', 'forward matmul FLOPs per image, FlopCounterMode',
+                      "its random permutations move every activation through memory once more per mixing layer and "
+                      "do no arithmetic"),
+    'monarch_step': ('MonarchLinear', 'nn.Linear', 'forward matmul FLOPs per row, FlopCounterMode',
+                     "its 64 × 64 block products are small batched GEMMs with two permutations between them, where "
+                     "nn.Linear is one large GEMM near the FMA units' peak"),
+}
+
+
+def flop_rate_split(goal: str, value: Optional[float], flop_ratio: Optional[float]) -> tuple:
+    """A speed goal split into what the arithmetic fixes and what this machine's kernels give: ``(rates, bound)``.
+
+    Every goal times a structured path against a baseline doing the same job. With `flop_ratio` = the baseline's
+    FLOPs / the structured path's (one counter for both, named in `SPLITS`), a speed-up goal (time of the baseline
+    / time of the structured path) is ``flop_ratio × rate`` and a time-fraction goal (structured / baseline) is
+    ``1 / (flop_ratio × rate)``, where ``rate`` is the structured path's FLOPs per second over the baseline's: the
+    hardware's verdict on the two sets of kernels (a large dense GEMM or attention tile runs near the FMA units'
+    peak; thin products, gathers and passes over memory do not). `rates` records ``flop_ratio``, ``rate`` and
+    ``rate_needed`` (the rate at which the goal would just hold); `bound` is the sentence a missed goal carries:
+    the FLOPs, the rate it needed against the rate it got, and what bounds the structured path's rate (`SPLITS`);
+    '' where the goal is met or either number is missing. (The low-rank goals carry their own, finer split:
+    bench/lowrank.py measures the dense layer on the factorised layer's kernels too.)"""
+    if value is None or not flop_ratio or flop_ratio <= 0 or value <= 0:
+        return None, ''
+    fast, base, counted, why = SPLITS[goal]
+    _, _, comparison, target = GOALS[goal]
+    if comparison == '>=':                       # value = time(base) / time(fast)
+        rate, needed = value / flop_ratio, target / flop_ratio
+    else:                                        # value = time(fast) / time(base)
+        rate, needed = 1 / (flop_ratio * value), 1 / (flop_ratio * target)
+    rates = {'flop_ratio': flop_ratio, 'rate': rate, 'rate_needed': needed}
+    if met(goal, value):
+        return rates, ''
+    work = (f"{flop_ratio:.3g}× fewer FLOPs than {base}" if flop_ratio >= 1
+            else f"{1 / flop_ratio:.3g}× the FLOPs of {base}")
+    bound = (f"{fast} does {work} ({counted}): the goal needs {fast} at {needed:.0%} of {base}'s FLOP rate"
+             + (" (above the baseline's own: only kernels faster than the baseline's can meet it)" if needed > 1 else '')
+             + f", it ran at {rate:.0%} ({why})")
+    return rates, bound
 
 
 def soft_goal_entries(goals: dict, env: dict, load) -> list:
@@ -77,8 +135,9 @@ def soft_goal_entries(goals: dict, env: dict, load) -> list:
     if env.get('device', 'cpu') != 'cpu':
         stated.append(f"measured on {env['device']}, the goal is stated for a CPU")
     detail = f"{found['source']}" + (f"; {'; '.join(stated)}" if stated else '')
-    return [goal_entry('soft_sdpa', found['ratio'], found.get('quartiles'), env.get('threads'), detail,
-                       busy=bool(load and load.get('busy')))]
+    rates, bound = flop_rate_split('soft_sdpa', found['ratio'], found.get('flop_ratio'))
+    return [goal_entry('soft_sdpa', found['ratio'], found.get('quartiles'), env.get('threads'), detail, bound,
+                       busy=bool(load and load.get('busy')), rates=rates)]
 
 
 def verdict_line(entry: dict) -> str:

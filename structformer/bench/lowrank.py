@@ -176,12 +176,11 @@ def _stack_candidates(args):
     from timm.models.vision_transformer import Block
     from torch import nn
 
-    from torch.utils.flop_counter import FlopCounterMode
-
     from ..models.factorize import factorize
+    from .flops import flop_counter
 
     def count_macs(module, x):
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:
             module(x)
         return counter.get_total_flops() // 2
     dense = nn.Sequential(*[Block(384, 6, mlp_ratio=4.0, qkv_bias=True) for _ in range(args.depth)])

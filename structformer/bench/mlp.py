@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
-from .kinds import add_record_arguments, goal_entry, print_header, verdict_line, write_record
+from .kinds import add_record_arguments, flop_rate_split, goal_entry, print_header, verdict_line, write_record
 from .load import run_record
 from ..records import environment, write_png
 
@@ -79,8 +79,8 @@ def build_layer(kind: str, side: int):
 
 def _macs(module, inputs) -> float:
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    from .flops import flop_counter
+    with torch.no_grad(), flop_counter() as counter:
         module(inputs)
     return counter.get_total_flops() / 2 / inputs.shape[0]
 
@@ -305,6 +305,8 @@ def run(args) -> int:
         'rp_step_ratio': paired['rp_mixer']['ratio'] if paired else models['rp_mixer_cifar']['step_s'] / models['mixer_cifar']['step_s'],
         'monarch_step_speedup': paired['monarch']['ratio'] if paired else layers['monarch']['step_speedup'],
         'monarch_forward_speedup': layers['monarch']['forward_speedup'],
+        'monarch_flop_ratio': layers['monarch']['flop_ratio'],
+        'rp_flop_ratio': models['mixer_cifar']['macs_per_image'] / models['rp_mixer_cifar']['macs_per_image'],
         'source': f"paired, {args.pairs} rounds" if paired else 'best-of-rounds medians', 'paired': paired,
     }
     verdict = lambda ok: 'MET' if ok else 'NOT MET'                         # noqa: E731
@@ -343,12 +345,15 @@ def kind_goals(goals: dict, paired, args, env: dict, load) -> list:
     entries, busy = [], bool(load and load.get('busy'))
     if args.img_size == 32:
         q = [paired['rp_mixer']['ratio_q1'], paired['rp_mixer']['ratio_q3']] if paired else None
+        rates, bound = flop_rate_split('rp_mixer_step', goals['rp_step_ratio'], goals.get('rp_flop_ratio'))
         entries.append(goal_entry('rp_mixer_step', goals['rp_step_ratio'], q, env.get('threads'),
-                                  f"{goals['source']}, batch {args.model_batch_size}", busy=busy))
+                                  f"{goals['source']}, batch {args.model_batch_size}", bound, busy=busy, rates=rates))
     if args.side == 64 and args.batch_size == 1024:
         q = [paired['monarch']['ratio_q1'], paired['monarch']['ratio_q3']] if paired else None
+        rates, bound = flop_rate_split('monarch_step', goals['monarch_step_speedup'], goals.get('monarch_flop_ratio'))
         entries.append(goal_entry('monarch_step', goals['monarch_step_speedup'], q, env.get('threads'),
-                                  f"{goals['source']}; forward {goals['monarch_forward_speedup']:.2f}×", busy=busy))
+                                  f"{goals['source']}; forward {goals['monarch_forward_speedup']:.2f}×", bound,
+                                  busy=busy, rates=rates))
     return entries
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from typing import Optional
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from ..records import check_output_file, environment
-from .kinds import add_record_arguments, goal_entry, print_header, verdict_line, write_record
+from .kinds import add_record_arguments, flop_rate_split, goal_entry, print_header, verdict_line, write_record
 from .load import row_flag, row_mark, row_record, run_record
 
 CANDIDATES = [
@@ -362,7 +363,7 @@ def run(args) -> int:
     verdict = goal(rows)
     if verdict:
         print(verdict)
-    entries = kind_goals(rows, paired_load or run_record(), args.batch_size)
+    entries = kind_goals(rows, paired_load or run_record(), args.batch_size, args.img_size)
     for entry in entries:
         print(verdict_line(entry))
     families = _families(args)
@@ -419,9 +420,16 @@ def goal(rows) -> str:
             f"{'met' if best >= GOAL_RATIO else 'not met'} ({source}: {found})")
 
 
-def kind_goals(rows, load, batch_size: int) -> list:
+def _vit_over_crate_flops(img_size: int) -> Optional[float]:
+    """ViT-T's forward FLOPs per image over CRATE-T's (a training step is about three forwards for both)."""
+    from .flops import model_flops
+    vit, crate = (model_flops(CANDIDATES[i][1], img_size=img_size, **CANDIDATES[i][2])['flops'] for i in (0, 1))
+    return vit / crate if crate else None
+
+
+def kind_goals(rows, load, batch_size: int, img_size: int = 224) -> list:
     """The CRATE-T goal as a `kinds.goal_entry` (float32; the best mode, paired where measured), [] where CRATE-T
-    or ViT-T was not measured."""
+    or ViT-T was not measured. Missed, it carries the FLOP / FLOP-rate split (`kinds.flop_rate_split`)."""
     crate = [r for r in rows if r.get('dtype', 'float32') == 'float32' and r['model'] == CANDIDATES[1][1]
              and r['kwargs'] == CANDIDATES[1][2] and not r.get('transforms')]
     if not crate or not any(r['model'] == CANDIDATES[0][1] for r in rows):
@@ -431,8 +439,9 @@ def kind_goals(rows, load, batch_size: int) -> list:
     best = max(crate, key=value)
     quartiles = [best['paired_train']['ratio_q1'], best['paired_train']['ratio_q3']] if paired else None
     detail = f"{best['mode']}, {'paired' if paired else 'best-of-rounds'}, batch {batch_size}"
-    return [goal_entry('crate_vit', value(best), quartiles, best.get('threads'), detail,
-                       busy=bool(load and load.get('busy')))]
+    rates, bound = flop_rate_split('crate_vit', value(best), _vit_over_crate_flops(img_size))
+    return [goal_entry('crate_vit', value(best), quartiles, best.get('threads'), detail, bound,
+                       busy=bool(load and load.get('busy')), rates=rates)]
 
 
 def cpu_capability(dtype: str) -> dict:

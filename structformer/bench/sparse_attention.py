@@ -32,7 +32,7 @@ from ..errors import UsageError
 from .harness import median_seconds, paired_ratios
 from .load import run_record
 from ..records import check_output_file, environment
-from .kinds import add_record_arguments, goal_entry, print_header, verdict_line, write_record
+from .kinds import add_record_arguments, flop_rate_split, goal_entry, print_header, verdict_line, write_record
 
 PATHS = ('masked', 'gather', 'flex', 'block', 'block-gather', 'block-kernel', 'block-flex')
 DTYPES = ('float32', 'bfloat16')
@@ -343,8 +343,10 @@ def kind_goals(rows, args, env: dict, load) -> list:
     detail = (f"{best['path'][:-5]}, realised key density {best['density']:.3f}"
               + (f"; whole module {whole[0]['vs_dense']:.2f}×" if whole else ''))
     quartiles = [best['vs_dense_q1'], best['vs_dense_q3']] if 'vs_dense_q1' in best else None
-    return [goal_entry('sparsifiner_sdpa', best['vs_dense'], quartiles, env.get('threads'), detail,
-                       busy=bool(load and load.get('busy')))]
+    share = best.get('flops_vs_dense')
+    rates, bound = flop_rate_split('sparsifiner_sdpa', best['vs_dense'], 1 / share if share else None)
+    return [goal_entry('sparsifiner_sdpa', best['vs_dense'], quartiles, env.get('threads'), detail, bound,
+                       busy=bool(load and load.get('busy')), rates=rates)]
 
 
 def _density_text(row: dict) -> str:

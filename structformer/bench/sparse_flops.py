@@ -88,9 +88,9 @@ def model_mhsa_flops(model, seq_len: Optional[int] = None) -> Dict[str, float]:
     counted FLOPs of the attention layers on their configured paths; 'total': the counted model total with
     'mhsa' in place of 'mhsa_executed'; 'dense_mhsa' / 'dense_total': the same network with dense MHSA."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
     from ..layers.attention.sparsifiner import SparsifinerAttention
+    from .flops import flop_counter
     n = _tokens(model)
     if seq_len is not None and seq_len != n:
         raise ValueError(f"seq_len={seq_len} but the model makes {n} tokens of an image")
@@ -104,7 +104,7 @@ def model_mhsa_flops(model, seq_len: Optional[int] = None) -> Dict[str, float]:
     for m, f in flags:
         setattr(m, f, False)
     try:
-        with torch.no_grad(), counting_context(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), counting_context(), flop_counter() as counter:
             model(image)
     finally:
         for (m, f), value in zip(flags, saved):

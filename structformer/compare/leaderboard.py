@@ -183,10 +183,12 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               'Speeds: one batch of training images, the row\'s own training step (forward, backward, optimiser) and '
               'inference forward, every row timed back to back in one process (paired rounds; ratio to the ViT with '
               'its interquartile range). Memory: growth of the process\'s peak memory over three training steps, one '
-              'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; Sparsifiner\'s '
-              'masked path computes the dense products). Front: on the Pareto front of accuracy against training time '
-              'per image (T) or parameters (P).', '',
+              'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; SDPA\'s CPU '
+              'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products). Front: on the '
+              'Pareto front of accuracy against training time per image (T) or parameters (P).', '',
               markdown_table(record).rstrip('\n'), '']
+    for fix in record.get('corrections', []):              # a count fixed after the run, said where it is shown
+        lines += [f"Corrected on {fix['date']}: {fix['text']}", '']
     for name in record.get('figures', []):
         lines.append(f"![{name.rsplit('.', 1)[0].replace('_', ' ')}]({figures}/{name})")
     lines += ['', '## The papers\' claims against this table', '']

@@ -30,7 +30,7 @@ __all__ = ['GPT', 'CausalSelfAttention', 'GPTBlock']
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask: PyTorch's SDPA (is_causal=True), or with
     `fused = False` the explicit softmax(QKᵀ/√d + causal mask)·V it computes (the reference the tests
-    compare against, and the path FLOP counting takes: SDPA's fused kernel is invisible to it on CPU)."""
+    compare against, and the path FLOP counting takes, with the same products as the fused kernel)."""
 
     def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0):
         super().__init__()
