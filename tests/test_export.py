@@ -142,6 +142,23 @@ def test_recording_takes_the_plain_paths():
     assert not any('shared_qkv' in str(n.target) for n in program.graph.nodes)
 
 
+def test_sparsifiner_keeps_its_diagnostics_out_of_an_export():
+    """Eager forwards note the realised density; an export writes no module attribute (torch warned 'assigned
+    during export' for every layer's last_density, and the value would be the trace's)."""
+    import warnings
+    model = build('sparsifiner_digits')
+    x = example_input(model, 2)
+    attn = [m for m in model.modules() if hasattr(m, 'last_density')]
+    assert attn
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        to_program(model, x)
+    assert not [w for w in caught if 'during export' in str(w.message)], [str(w.message) for w in caught]
+    with torch.no_grad():
+        model(x)
+    assert all(0 < float(m.last_density) <= 1 for m in attn)
+
+
 # ---- the command -----------------------------------------------------------------------------------------------
 
 def _cli(*args):

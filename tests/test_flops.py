@@ -59,6 +59,28 @@ def test_the_counter_sees_sdpa_on_the_cpu_forward_and_backward(causal):
     assert 2 * backward.get_total_flops() == 5 * forward.get_total_flops()
 
 
+def test_crate_shared_qkv_attention_counts_its_products_forward_and_backward():
+    """The shared-QKV custom ops are opaque to FlopCounterMode; their registered formulas count what they run: two
+    N×N×p products forward (S, O) and three backward (G Wᵀ, Pᵀ G, (dS + dSᵀ) W: module docstring); the explicit
+    reference differentiated by autograd runs four backward (dS W and dSᵀ W apart: W enters the scores twice)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from structformer.functional.shared_qkv_attention import shared_qkv_attention, shared_qkv_attention_reference
+    images, heads, n, p = 2, 3, 10, 4
+    product = 2 * images * heads * n * n * p
+    counts = {}
+    for name, fn in (('shared', shared_qkv_attention), ('reference', shared_qkv_attention_reference)):
+        w = torch.randn(images, heads, n, p, requires_grad=True)
+        with FlopCounterMode(display=False) as forward:
+            out = fn(w, 0.5)
+        with FlopCounterMode(display=False) as backward:
+            out.sum().backward()
+        counts[name] = forward.get_total_flops(), backward.get_total_flops()
+    assert counts['shared'] == (2 * product, 3 * product)
+    assert counts['reference'] == (2 * product, 4 * product)
+
+
 def test_models_cli_prints_macs(capsys):
     assert main(['models', '--filter', 'softpp_tiny_mnist', '--flops']) == 0
     lines = capsys.readouterr().out.splitlines()

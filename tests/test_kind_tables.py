@@ -11,6 +11,9 @@ from structformer.cli import main
 from structformer.records import cpu_kind
 
 DOCS = Path(__file__).resolve().parents[1] / 'docs'
+# kinds whose record was transcribed by hand (no folder of benchmark records measured on that kind yet): once
+# `make bench-records` runs on one, its folder appears and the tests of measured kinds take it over
+TRANSCRIBED = sorted(p.stem for p in (DOCS / 'kinds').glob('*.json') if not (DOCS / 'kinds' / p.stem).is_dir())
 
 
 @pytest.mark.parametrize('kind', sorted(p.stem for p in (DOCS / 'kinds').glob('*.json')))
@@ -32,6 +35,7 @@ def test_a_measured_kinds_record_is_what_its_benchmarks_wrote(kind):
             assert 'choices' in source['environment']
 
 
+@pytest.mark.skipif('amd-avx2' not in TRANSCRIBED, reason='the AVX2 EPYC has been measured by make bench-records')
 def test_the_earlier_records_are_transcribed_under_their_kind():
     """amd-avx2: each value read from the committed record it names (records from before the kind field)."""
     record = {g['goal']: g for g in json.loads((DOCS / 'kinds' / 'amd-avx2.json').read_text())['goals']}
@@ -130,7 +134,7 @@ def test_the_readme_quotes_the_avx512_amd_record():
         assert text in readme, (goal, text)
 
 
-@pytest.mark.parametrize('kind', ['amd-avx2', 'intel-avx512-vnni'])
+@pytest.mark.parametrize('kind', TRANSCRIBED)
 def test_the_transcribed_kinds_carry_the_splits_their_numbers_give(kind):
     """A transcribed miss says why as a measured one does: its ratio split into FLOPs (counted from the measured
     kind's records) and FLOP rates; the record equals that split recomputed, so no bound is retyped."""

@@ -35,7 +35,9 @@ def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape
 
 # torch's counter has formulas for SDPA's CUDA kernels (flash, efficient, cuDNN) but none for its CPU kernel, so a
 # fused attention on the CPU counted as 0 (CRATE's MSSA, which has no `fused` switch, lost QKᵀ and AV): the same
-# formulas, given for the CPU kernel (causal masks are counted in full, as torch counts them on CUDA)
+# formulas, given for the CPU kernel here rather than in torch's global registry (causal masks are counted in full,
+# as torch counts them on CUDA). The project's own custom ops register their formulas where they are defined
+# (functional/shared_qkv_attention.py, functional/onednn_linear.py).
 CPU_SDPA_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
@@ -43,8 +45,8 @@ CPU_SDPA_FORMULAS = {
 
 
 def flop_counter() -> FlopCounterMode:
-    """torch's FlopCounterMode (matmul / conv FLOPs, multiply-add = 2), silent, with SDPA's CPU kernel counted.
-    Every count in the benchmarks, `models --flops` and `compare` goes through it."""
+    """torch's FlopCounterMode (matmul / conv FLOPs, multiply-add = 2), silent, with SDPA's CPU kernel counted. Every
+    count in the benchmarks, `models --flops` and `compare` goes through it."""
     return FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FORMULAS)
 
 

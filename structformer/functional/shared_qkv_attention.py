@@ -23,6 +23,7 @@ picks it or SDPA (`ssa_impl`).
 from typing import Tuple
 
 import torch
+from torch.utils import flop_counter
 
 from .precision import autocast_dtype
 
@@ -134,6 +135,23 @@ def _backward(grad_out: torch.Tensor, w: torch.Tensor, probs: torch.Tensor, out:
 @_backward.register_fake
 def _(grad_out, w, probs, out, scale, per_chunk):
     return torch.empty_like(grad_out)
+
+
+# FlopCounterMode cannot look inside a custom op: without these, CRATE's attention counted 0 in a training step
+def _forward_flops(w_shape, *args, **kwargs) -> int:
+    images, heads, n, p = w_shape
+    return 2 * 2 * images * heads * n * n * p                   # S = s·W Wᵀ, O = P W
+
+
+def _backward_flops(grad_shape, *args, **kwargs) -> int:
+    images, heads, n, p = grad_shape
+    return 3 * 2 * images * heads * n * n * p                   # G Wᵀ, Pᵀ G, (dS + dSᵀ) W
+
+
+for _op, _formula in ((torch.ops.structformer.shared_qkv_attention_forward, _forward_flops),
+                      (torch.ops.structformer.shared_qkv_attention_backward, _backward_flops)):
+    if _op not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(_op)(_formula)
 
 
 def _setup_context(ctx, inputs, output):

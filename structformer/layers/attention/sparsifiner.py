@@ -79,6 +79,7 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
 from ...functional import autotune, tile_kernel
 from ...functional.precision import upcast
 from ...functional.sparsifiner_flex import flex_attention_available
+from ...functional.tracing import recording_graph
 from ..lazy import drop_lazy_hooks, is_uninitialized
 from ..linear.base import linear_weight
 from .registry import register_attention
@@ -358,7 +359,7 @@ class SparsifinerAttention(AttentionBase):
             # the public code's stage 1: the student attends densely (its tokens are the teacher's when the backbone
             # is frozen) while the predictor's unthresholded scores learn the teacher's attention
             self.last_scores = self.predict(q, k, token_sources) if self.keep_scores else None
-            self.last_mask, self.last_density = None, torch.ones(())
+            self._remember(torch.ones(()), None)
             return self.merge(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p))
         # block connectivity on tile means alone, no n×n tensor (flex only when the n×n scores are not asked for)
         if self.connectivity == 'block' and (impl in ('gather', 'kernel') or (impl == 'flex' and not self.keep_scores)):
@@ -370,12 +371,12 @@ class SparsifinerAttention(AttentionBase):
                 mask, indices = block_mask_from_scores(scores, self.block_size, self.keep_ratio), None
                 if dense_rows:
                     mask[..., :dense_rows, :] = True
-                self.last_density = mask.float().mean((-2, -1)).mean()
+                density = mask.float().mean((-2, -1)).mean()
             else:
                 indices = topk_indices(scores, keys)
                 mask = mask_from_indices(indices, n, dense_rows) if impl != 'gather' else None
-                self.last_density = realised_density(n, dense_rows, keys=keys)
-        self.last_mask = mask if self.keep_scores else None
+                density = realised_density(n, dense_rows, keys=keys)
+        self._remember(density, mask if self.keep_scores else None)
         if impl == 'gather':
             out = gathered_attention(q, k, v, indices, dropout_p=dropout_p, dense_rows=dense_rows)
         elif impl == 'flex':
@@ -383,6 +384,13 @@ class SparsifinerAttention(AttentionBase):
         else:
             out = masked_attention(q, k, v, mask, dropout_p=dropout_p)
         return self.merge(out)
+
+    def _remember(self, density: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+        """Keep the forward's realised density and (with `keep_scores`) its mask for diagnostics. Not while a
+        graph is recorded: an exported program cannot write module attributes (torch.export warns, and the values
+        would be the trace's, not a run's)."""
+        if not recording_graph():
+            self.last_density, self.last_mask = density, mask
 
     def _block_tiles(self, q, k, v, token_sources, dense_rows: int, dropout_p: float, impl: str) -> torch.Tensor:
         """Block connectivity without an n×n tensor: tile-mean scores by linearity (`pooled_block_scores`), the
@@ -403,10 +411,10 @@ class SparsifinerAttention(AttentionBase):
             q_p, k_p = self._predictor_inputs(q, k)
             block_indices = predicted_tiles(q_p, k_p, w_down, w_up, self.tau, self.up_threshold, self.keep_ratio,
                                             self.block_size, impl == 'kernel', self.coef_topk, self.logit_scale(q_p))
-        self.last_mask = (block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
-                          if self.keep_scores else None)
-        self.last_density = realised_density(q.shape[-2], dense_rows, block_indices=block_indices,
-                                             block_size=self.block_size)
+        self._remember(realised_density(q.shape[-2], dense_rows, block_indices=block_indices,
+                                        block_size=self.block_size),
+                       block_indices_to_mask(block_indices, q.shape[-2], self.block_size, dense_rows)
+                       if self.keep_scores else None)
         return tile_attention(q, k, v, block_indices, self.block_size, dense_rows, dropout_p, impl)
 
     def extra_repr(self) -> str:
