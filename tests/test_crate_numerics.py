@@ -121,6 +121,36 @@ def test_fused_ista_equals_reference(eta, lambd):
         torch.testing.assert_close(ga, gb)
 
 
+@pytest.mark.parametrize('rows', [(1, 4), (2, 5), (1, 10), (1, 11), (3, 7)])
+def test_fused_ista_takes_the_cheaper_product_for_the_rows_and_equals_the_reference(rows, monkeypatch):
+    """R = B·N rows at most d = 10: the three products of Eq. 17 (the d³ effective matrix would cost more); more:
+    the fused product. Both give the reference's output and gradients."""
+    fused = ISTA(10, eta=0.2, lambd=0.05)
+    formed = []
+    original = ISTA.effective_matrix
+    monkeypatch.setattr(ISTA, 'effective_matrix', lambda self: formed.append(1) or original(self))
+    x = torch.randn(*rows, 10, requires_grad=True)
+    out = fused(x)
+    assert bool(formed) == (rows[0] * rows[1] > 10)
+    expected = ista_reference(x, fused.weight, 0.2, 0.05)
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(out)
+    for ga, gb in zip(torch.autograd.grad(out, [x, fused.weight], g),
+                      torch.autograd.grad(expected, [x, fused.weight], g)):
+        torch.testing.assert_close(ga, gb)
+
+
+def test_an_exported_ista_keeps_one_path_for_every_batch():
+    """Exported with a free batch (1 image of 4 tokens is 4 rows < d, 8 images are 32 > d): no branch on the rows
+    constrains the range, and each batch size gives the reference's output."""
+    layer = ISTA(10, eta=0.2, lambd=0.05)
+    batch = torch.export.Dim('batch', min=1, max=64)
+    program = torch.export.export(layer, (torch.randn(2, 4, 10),), dynamic_shapes=({0: batch},))
+    for b in (1, 8):
+        x = torch.randn(b, 4, 10)
+        torch.testing.assert_close(program.module()(x), ista_reference(x, layer.weight, 0.2, 0.05))
+
+
 def test_mm_step_is_eq92():
     layer = ISTA(6, lambd=0.3, step='mm', eps=0.5)
     x = torch.randn(2, 5, 6)

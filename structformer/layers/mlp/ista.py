@@ -10,6 +10,7 @@ from torch import nn
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
 from ...functional.onednn_linear import linear
 from ...functional.precision import autocast_dtype
+from ...functional.tracing import recording_graph
 
 
 class ISTA(nn.Module):
@@ -20,7 +21,8 @@ class ISTA(nn.Module):
     d×d effective matrix formed once per forward (d³ flops, independent of batch and tokens).
     `step='mm'`: the majorisation-minimisation step of Eq. 92, ReLU((1 + 4/(9(1+α))) DᵀZ − 4λ/(9α)),
     α = d/(Nε²), with no skip (App. B.4).
-    `fused=False` runs the reference written term by term (`structformer.functional.ista_reference`).
+    `fused=False` runs the reference written term by term (`structformer.functional.ista_reference`), and so does
+    `fused=True` on inputs of at most d rows, where the three products are less work (`fusing_pays`).
 
     In CRATE the block has no residual around it (Eq. 18); inside timm's `Block` it is used as
     `x + ISTA(LN(x))`, which is a different layer — see docs/crate.md.
@@ -69,11 +71,21 @@ class ISTA(nn.Module):
             eye = torch.eye(self.dim, dtype=d.dtype, device=d.device)
             return eye + self.eta * (d - d.t() @ d)
 
+    def fusing_pays(self, x: torch.Tensor) -> bool:
+        """Whether the fused product does less work than the three of Eq. 17 on `x`'s R = B·N rows. Fused: R·d² for
+        the product plus d³ for the effective matrix (its backward 2R·d² + 2d³); the reference: 2R·d² (backward
+        4R·d²). So fusing pays when R > d, on every machine: at a small batch (inference on one image of CRATE-B,
+        197 rows against d = 768; a training step on 2 images of 17 tokens) the d³ would cost more than the product
+        it saves. While a graph is recorded (export) the fused path stays: R is the free batch there, and a branch
+        on it would constrain the exported batch range."""
+        rows = x.numel() // self.dim
+        return recording_graph() or rows > self.dim
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step == 'mm':
             alpha = self.dim / (x.shape[-2] * self.eps ** 2)
             return self.drop(mm_sparsify_reference(x, self.weight, self.lambd, alpha))
-        if not self.fused:
+        if not self.fused or not self.fusing_pays(x):
             out = ista_reference(x, self.weight, self.eta, self.lambd)
             return self.drop(out.to(autocast_dtype(x.device.type, out.dtype)))
         # one GEMM with the threshold folded in as its bias (addmm: x M + b = F.linear(x, Mᵀ, b)), then an in-place
