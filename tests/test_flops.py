@@ -81,6 +81,75 @@ def test_crate_shared_qkv_attention_counts_its_products_forward_and_backward():
     assert counts['reference'] == (2 * product, 4 * product)
 
 
+def test_the_tile_kernel_counts_what_the_gathered_tiles_count():
+    """Sparsifiner's CPU tile kernel is opaque to FlopCounterMode; its formulas count the products it runs: with
+    whole tiles and no dense row, the gathered path's count (SDPA over the kept tiles), a backward of five such
+    products, and the predictor's Q K_downᵀ plus the tile means' product."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from structformer.functional import tile_kernel
+    from structformer.functional.sparsifiner import block_gathered_attention
+    from structformer.bench.flops import flop_counter
+    if not tile_kernel.available():
+        pytest.skip(f"no tile kernel here: {tile_kernel.unavailable_reason()}")
+    b, h, n, d, bs, kept = 1, 2, 16, 8, 4, 2
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    indices = torch.stack([torch.randperm(n // bs)[:kept] for _ in range(b * h * (n // bs))]).view(b, h, n // bs, kept)
+    with flop_counter() as gathered:
+        block_gathered_attention(q, k, v, indices, bs)
+    with FlopCounterMode(display=False) as forward:
+        out = tile_kernel.block_tile_attention(q, k, v, indices, bs)
+    assert forward.get_total_flops() == gathered.get_total_flops() == 2 * 2 * b * h * n * kept * bs * d
+    with FlopCounterMode(display=False) as backward:
+        out.sum().backward()
+    assert 2 * backward.get_total_flops() == 5 * forward.get_total_flops()
+    p = 3
+    with FlopCounterMode(display=False) as predictor:
+        tile_kernel.block_connectivity(q.detach(), torch.randn(b, h, p, d), torch.randn(p, n // bs), 0.0, bs, kept)
+    assert predictor.get_total_flops() == 2 * b * h * (n * p * d + (n // bs) * p * (n // bs))
+
+
+@pytest.mark.parametrize('name, kwargs', [
+    ('crate_digits', {}), ('soft_digits', {}), ('softpp_digits', {}), ('sparsifiner_digits', {}),
+    ('sparsifiner_digits', {'connectivity': 'block'}), ('vit_digits', {}), ('mixer_digits', {}),
+    ('rp_mixer_digits', {}), ('swmlp_digits', {}), ('wrn_10_2_digits', {}), ('soft_tiny_linformer_mnist', {}),
+    ('soft_tiny_nystrom_mnist', {}), ('soft_tiny_performer_mnist', {})])
+def test_every_family_counts_its_products(name, kwargs):
+    """Forward and training step of each family under a dispatch spy: every product-like op (matmul, convolution,
+    attention) and every op outside aten has a FLOP formula, so no count silently drops work (SDPA's CPU kernel,
+    the shared-QKV ops and the tile kernel each did)."""
+    import timm
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    from structformer.bench.flops import CPU_SDPA_FORMULAS
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func)
+            return func(*args, **(kwargs or {}))
+
+    products = ('mm', 'conv', 'linear', 'attention', 'einsum', 'matmul', 'dot')
+    model = timm.create_model(name, **kwargs)
+    x = torch.randn(2, *model.pretrained_cfg['input_size'])
+    for train in (False, True):
+        model.train(train)
+        with Ops() as ops, torch.set_grad_enabled(train):
+            out = model(x)
+            if train:
+                out.sum().backward()
+        missing = sorted(str(op) for op in ops.seen
+                         if op.overloadpacket not in flop_registry and op.overloadpacket not in CPU_SDPA_FORMULAS
+                         and (op.namespace != 'aten' or any(word in op.__name__ for word in products)))
+        assert not missing, (train, missing)
+
+
 def test_models_cli_prints_macs(capsys):
     assert main(['models', '--filter', 'softpp_tiny_mnist', '--flops']) == 0
     lines = capsys.readouterr().out.splitlines()

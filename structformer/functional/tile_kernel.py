@@ -174,7 +174,40 @@ def unavailable_reason() -> Optional[str]:
         warnings.warn(f"structformer: the Sparsifiner CPU tile kernel is unavailable ({reason}); "
                       "block connectivity runs the gathered path", RuntimeWarning, stacklevel=3)
         return reason
+    _register_flop_formulas()
     return None
+
+
+def _tile_attention_flops(q_shape, k_shape, v_shape, indices_shape, block_size, scale, dense_rows, **kwargs) -> int:
+    """QKᵀ and PV on whole kept key tiles for the sparse rows (a partial last key tile counted in full, as
+    bench/sparse_flops.py counts 'whole padded tiles'), on every key for the `dense_rows`."""
+    batch, heads, n_q, d = q_shape
+    keys = (n_q - dense_rows) * indices_shape[-1] * block_size + dense_rows * k_shape[2]
+    return 2 * 2 * batch * heads * d * keys
+
+
+def _tile_attention_backward_flops(q_shape, k_shape, v_shape, out_shape_, grad_shape, indices_shape, block_size,
+                                   scale, dense_rows, **kwargs) -> int:
+    """Five products of the forward's size (P recomputed, dO Vᵀ, Pᵀ dO, dS K, dSᵀ Q), as torch counts SDPA's."""
+    return 5 * _tile_attention_flops(q_shape, k_shape, v_shape, indices_shape, block_size, scale, dense_rows) // 2
+
+
+def _connectivity_flops(q_shape, k_down_shape, basis_shape, tau, block_size, kept, **kwargs) -> int:
+    """A_down = Q K_downᵀ on every query, then the query tiles' mean rows times the key tiles' basis means."""
+    batch, heads, n, d = q_shape
+    p, key_tiles = basis_shape
+    return 2 * batch * heads * (n * p * d + -(-n // block_size) * p * key_tiles)
+
+
+def _register_flop_formulas() -> None:
+    """FlopCounterMode cannot look inside the library's ops; without these a model on the kernel counted 0 for
+    its attention (`structformer models --flops`, the benchmarks)."""
+    from torch.utils import flop_counter
+    for op, formula in ((torch.ops.structformer.block_tile_attention, _tile_attention_flops),
+                        (torch.ops.structformer.block_tile_attention_backward, _tile_attention_backward_flops),
+                        (torch.ops.structformer.block_connectivity, _connectivity_flops)):
+        if op not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op)(formula)
 
 
 def available() -> bool:
