@@ -183,3 +183,28 @@ def test_ista_output_is_sparse_and_nonnegative():
 def test_ista_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         ISTA(8, **kwargs)
+
+
+def test_the_ista_paths_script_times_both_paths(capsys):
+    """tools/ista_paths.py (the numbers docs/crate.md quotes) runs each case both ways and reports the ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    import timm
+
+    import structformer  # noqa: F401  (registers the models)
+    spec = importlib.util.spec_from_file_location('ista_paths', Path(__file__).resolve().parents[1] / 'tools' / 'ista_paths.py')
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as bad:
+        script.main(['--rounds', '0'])
+    assert bad.value.code == 2 and '--rounds' in capsys.readouterr().err
+    formed = []
+    model = script._always_fused(timm.create_model('crate_digits'))
+    original = ISTA.effective_matrix
+    for module in model.modules():
+        if isinstance(module, ISTA):
+            module.effective_matrix = lambda module=module: formed.append(1) or original(module)
+    with torch.no_grad():
+        model(torch.randn(1, *model.pretrained_cfg['input_size']))
+    assert formed                                       # forced onto the fused path at one image
