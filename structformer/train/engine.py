@@ -32,12 +32,12 @@ from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
 from .phases import phase_for_epoch
 from .precision import cpu_bfloat16_native
-from .recovery import prune as prune_recovery, recovery_points
+from .recovery import prune as prune_recovery
 from .save_resume import CheckpointGlue
 from .step import TrainStep, TrainingDiverged  # noqa: F401  (TrainingDiverged: re-exported)
 from ..errors import UsageError
-from .run_dir import (RunLock, committed_checkpoints, discard_aside, disk_full, holds_run, move_aside,
-                      read_metrics, reconcile, signals_deferred, sigterm_as_interrupt, undo_new_run)
+from .run_dir import (RunLock, committed_checkpoints, discard_aside, disk_full, holds_run, holds_trained_commit,
+                      move_aside, read_metrics, reconcile, signals_deferred, sigterm_as_interrupt, undo_new_run)
 
 
 @dataclass
@@ -163,9 +163,10 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                 self._start_output()
                 return self._fit(start_epoch, self.aside)
             except BaseException:
-                if self.is_main and self.uncommitted_new_run and self.started and self._trained_commit_on_disk():
-                    # stopped between a trained commit's rename and its flag: the epoch is kept, and the run's
-                    # records (latest.json, metrics.jsonl) are brought to it as the next start would
+                if self.is_main and self.uncommitted_new_run and self.started and holds_trained_commit(self.ckpt_dir):
+                    # stopped between a trained commit's rename and its flag: the disk, not the flag, decides (as
+                    # `reconcile` does); the epoch is kept and the run's records (latest.json, metrics.jsonl) are
+                    # brought to it as the next start would
                     with signals_deferred():
                         self._recovery_committed()
                         with contextlib.suppress(OSError):      # a full disk: the next start reconciles
@@ -260,13 +261,6 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
         if self.is_main:
             self._print_summary(history)     # also on resuming a finished run: a kill may have cost its summary
         return TrainResult(self.output, last_path, history, final)
-
-    def _trained_commit_on_disk(self) -> bool:
-        """Whether this new run has committed a trained state (an epoch's checkpoint or a recovery point): a
-        signal can land after the rename that commits it and before `uncommitted_new_run` is cleared, and the
-        disk, not the flag, says whether there is an epoch to keep."""
-        return (any(int(path.name.split('_')[1]) >= 1 for path in committed_checkpoints(self.ckpt_dir))
-                or bool(recovery_points(self.ckpt_dir)))
 
     def _recovery_committed(self) -> None:
         """A recovery point is a trained commit: from here an interrupted new run keeps its folder (to resume

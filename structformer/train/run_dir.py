@@ -68,6 +68,13 @@ def read_metrics(path: Path) -> List[Dict]:
     return records
 
 
+def holds_trained_commit(ckpt_dir: Path) -> bool:
+    """Whether a run has committed a trained state: an epoch's checkpoint past the init one, or a recovery point.
+    From there an interrupted new run is kept (to resume) and the run an --overwrite replaced can go."""
+    from .recovery import recovery_points
+    return any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)) or bool(recovery_points(ckpt_dir))
+
+
 def reconcile(output: Path) -> Optional[Path]:
     """Make the records of the run in `output` agree with its newest committed checkpoint, which is
     returned (None if there is none)."""
@@ -75,7 +82,7 @@ def reconcile(output: Path) -> Optional[Path]:
     ckpt_dir = output / 'checkpoints'
     from .recovery import prune as prune_recovery, recovery_points
     for aside in output.glob('.replaced-*'):           # an --overwrite that was interrupted
-        if any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)) or recovery_points(ckpt_dir):
+        if holds_trained_commit(ckpt_dir):
             discard_aside(aside)                        # ... after the new run's first trained epoch
         else:
             restore_aside(output, aside)                # ... before it: the old run comes back
