@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune
+from .flop_formulas import register_flop_formulas
 from .tracing import recording_graph
 
 __all__ = ['linear', 'onednn_available', 'torch_kernels']
@@ -71,10 +72,7 @@ def _linear_pointwise_flops(x_shape, w_shape, *args, **kwargs) -> int:
 
 
 if _HAS_OP:    # without this FlopCounterMode would see no work in a FactorizedLinear (model_flops, benches)
-    from torch.utils import flop_counter
-
-    if torch.ops.mkldnn._linear_pointwise not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_linear_pointwise_flops)
+    register_flop_formulas(((torch.ops.mkldnn._linear_pointwise, _linear_pointwise_flops),))
 
 
 def onednn_available() -> bool:

@@ -23,8 +23,8 @@ picks it or SDPA (`ssa_impl`).
 from typing import Tuple
 
 import torch
-from torch.utils import flop_counter
 
+from .flop_formulas import register_flop_formulas
 from .precision import autocast_dtype
 
 # One chunk's N×N weights take about this many bytes per thread: a chunk's scores, dP and dS then stay in
@@ -148,10 +148,8 @@ def _backward_flops(grad_shape, *args, **kwargs) -> int:
     return 3 * 2 * images * heads * n * n * p                   # G Wᵀ, Pᵀ G, (dS + dSᵀ) W
 
 
-for _op, _formula in ((torch.ops.structformer.shared_qkv_attention_forward, _forward_flops),
-                      (torch.ops.structformer.shared_qkv_attention_backward, _backward_flops)):
-    if _op not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(_op)(_formula)
+register_flop_formulas(((torch.ops.structformer.shared_qkv_attention_forward, _forward_flops),
+                        (torch.ops.structformer.shared_qkv_attention_backward, _backward_flops)))
 
 
 def _setup_context(ctx, inputs, output):

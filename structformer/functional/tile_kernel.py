@@ -42,6 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..atomic import write_text_atomically
+from .flop_formulas import register_flop_formulas
 from .precision import LOW_PRECISION, upcast
 from .tracing import recording_graph
 
@@ -174,7 +175,11 @@ def unavailable_reason() -> Optional[str]:
         warnings.warn(f"structformer: the Sparsifiner CPU tile kernel is unavailable ({reason}); "
                       "block connectivity runs the gathered path", RuntimeWarning, stacklevel=3)
         return reason
-    _register_flop_formulas()
+    # FlopCounterMode cannot look inside the library's ops: without these a model on the kernel counted 0 for its
+    # attention (`structformer models --flops`, the benchmarks)
+    register_flop_formulas(((torch.ops.structformer.block_tile_attention, _tile_attention_flops),
+                            (torch.ops.structformer.block_tile_attention_backward, _tile_attention_backward_flops),
+                            (torch.ops.structformer.block_connectivity, _connectivity_flops)))
     return None
 
 
@@ -197,17 +202,6 @@ def _connectivity_flops(q_shape, k_down_shape, basis_shape, tau, block_size, kep
     batch, heads, n, d = q_shape
     p, key_tiles = basis_shape
     return 2 * batch * heads * (n * p * d + -(-n // block_size) * p * key_tiles)
-
-
-def _register_flop_formulas() -> None:
-    """FlopCounterMode cannot look inside the library's ops; without these a model on the kernel counted 0 for
-    its attention (`structformer models --flops`, the benchmarks)."""
-    from torch.utils import flop_counter
-    for op, formula in ((torch.ops.structformer.block_tile_attention, _tile_attention_flops),
-                        (torch.ops.structformer.block_tile_attention_backward, _tile_attention_backward_flops),
-                        (torch.ops.structformer.block_connectivity, _connectivity_flops)):
-        if op not in flop_counter.flop_registry:
-            flop_counter.register_flop_formula(op)(formula)
 
 
 def available() -> bool:
