@@ -97,14 +97,14 @@ def goal_flop_ratios(folder: Path = KINDS_DIR / COUNTS_FROM) -> Dict[str, float]
     from a measured kind's benchmark records (a FLOP count is arithmetic, the same on every CPU), CRATE-T / ViT-T
     counted here (`bench models` records no FLOPs)."""
     from .flops import row_forward_flops
-    from .models import _vit_over_crate_flops
+    from .models import vit_over_crate_flops
     read = lambda name: json.loads((folder / name).read_text())          # noqa: E731
     sweep = {r['attention']: r for r in read('attention.json')['rows'] if r['tokens'] == 12544}
     core = next(r for r in read('sparse_attention.json')['rows'] if r['tokens'] == 577 and r['keep'] == 0.25
                 and r['path'].endswith(' core') and r['path'] != 'dense SDPA core')
     mlp = read('mlp/mlp.json')
     models = {m['model']: m for m in mlp['models']}
-    return {'crate_vit': _vit_over_crate_flops(224),
+    return {'crate_vit': vit_over_crate_flops(224),
             'soft_sdpa': row_forward_flops(sweep['softmax']) / row_forward_flops(sweep['soft']),
             'sparsifiner_sdpa': 1 / core['flops_vs_dense'],
             'rp_mixer_step': models['mixer_cifar']['macs_per_image'] / models['rp_mixer_cifar']['macs_per_image'],

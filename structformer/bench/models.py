@@ -420,7 +420,7 @@ def goal(rows) -> str:
             f"{'met' if best >= GOAL_RATIO else 'not met'} ({source}: {found})")
 
 
-def _vit_over_crate_flops(img_size: int) -> Optional[float]:
+def vit_over_crate_flops(img_size: int) -> Optional[float]:
     """ViT-T's forward FLOPs per image over CRATE-T's. (A training step's ratio depends on CRATE's attention path:
     1/1.37 with the shared backward, 1/1.46 with SDPA, against 1/1.44 forward at 224 px; docs/crate.md.)"""
     from .flops import model_flops
@@ -440,7 +440,7 @@ def kind_goals(rows, load, batch_size: int, img_size: int = 224) -> list:
     best = max(crate, key=value)
     quartiles = [best['paired_train']['ratio_q1'], best['paired_train']['ratio_q3']] if paired else None
     detail = f"{best['mode']}, {'paired' if paired else 'best-of-rounds'}, batch {batch_size}"
-    rates, bound = flop_rate_split('crate_vit', value(best), _vit_over_crate_flops(img_size))
+    rates, bound = flop_rate_split('crate_vit', value(best), vit_over_crate_flops(img_size))
     return [goal_entry('crate_vit', value(best), quartiles, best.get('threads'), detail, bound,
                        busy=bool(load and load.get('busy')), rates=rates)]
 
