@@ -253,12 +253,16 @@ def test_plan_deadlines_and_names():
     assert {p['tokens'] for p in plan if p['section'] == 'sparse'} == {577, 1025, 4097}
     ends = bench_gpu.deadlines(100.0, 200.0, compiled=True)
     assert ends['models', 'eager'] == pytest.approx(170.0) and ends['models', 'compiled'] == pytest.approx(300.0)
-    # compiled: attention (largest grid first), Sparsifiner, then the models, in the order of their cumulative shares
+    # compiled: attention (the SOFT goal's sizes first, smallest first), Sparsifiner, then the models, in the order
+    # of their cumulative shares
     sections = [p['section'] for p in plan if p['mode'] == 'compiled']
     assert sections == sorted(sections, key=bench_gpu.COMPILED_ORDER.index)
     assert [s for s, m, _ in bench_gpu.SHARES if m == 'compiled'] == list(bench_gpu.COMPILED_ORDER)
     first = next(p for p in plan if p['mode'] == 'compiled')
-    assert first['section'] == 'attention' and first['grid'][0] * first['grid'][1] == 50176
+    assert first['section'] == 'attention' and first['grid'][0] * first['grid'][1] == 8192
+    compiled_sizes = [p['grid'][0] * p['grid'][1] for p in plan
+                      if p['mode'] == 'compiled' and p['section'] == 'attention']
+    assert list(dict.fromkeys(compiled_sizes)) == [8192, 12544, 50176, 3136, 784]
     assert ends['attention', 'compiled'] < ends['sparse', 'compiled'] < ends['models', 'compiled']
     from structformer.bench.gpu_measure import attention_compile_mode
     assert attention_compile_mode('cuda', 'inductor') == 'reduce-overhead'         # CUDA graphs on a GPU

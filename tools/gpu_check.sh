@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The prepared device check (docs/gpu.md): on a lent GPU's image, from a fresh copy of the repository, in under
 # 8 minutes: install what the image lacks from the carried wheels (.whl/, `make gpu-wheels`), install the package,
-# run the GPU suite (tests/gpu, at most 4 minutes), then `structformer bench gpu` (at most ~3.7 minutes), and leave
-# in $OUT (flat, at most 8 files): env.txt, suite.log, junit.xml, bench.log, the bench's JSON record and its
-# markdown. Every step runs whatever the one before it did; the exit status is the suite's, else the bench's.
+# run the GPU suite (tests/gpu, at most 4 minutes), then `structformer bench gpu` (at most ~3.7 minutes), then the
+# TF32 probe (tools/gpu_tf32.py, at most 1.5 minutes), and leave in $OUT (flat, at most 8 files): env.txt, suite.log,
+# junit.xml, bench.log, the bench's JSON record and its markdown, tf32.json. Every step runs whatever the one before
+# it did; the exit status is the suite's, else the bench's.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-outputs/gpu_check}"
@@ -12,6 +13,7 @@ PY="${PY:-python3}"
 INSTALL="${INSTALL:-1}"            # 0: install nothing (a dry run of this script on a machine whose python is shared)
 SUITE_S="${SUITE_S:-240}"          # the suite's wall-clock limit
 BENCH_S="${BENCH_S:-200}"          # the bench's measuring budget; its process gets 25 s more to write and exit
+TF32_S="${TF32_S:-90}"             # tools/gpu_tf32.py's limit (what TF32 would change; docs/training.md)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 start=$(date +%s)
 say() { echo "[gpu-check +$(( $(date +%s) - start ))s] $*"; }
@@ -69,6 +71,10 @@ if [ -n "$record" ] && ! grep -qxF "$record" <<<"$before"; then
     "$PY" -m structformer bench gpu --render "$record" >"$OUT/bench_gpu.md" 2>&1
 fi
 tail -n 60 "$OUT/bench.log"
-say "bench exit status $bench; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+say "bench exit status $bench"
+
+say "TF32 probe (at most ${TF32_S} s; its exit status is reported, not returned)"
+timeout -k 10 "$TF32_S" "$PY" tools/gpu_tf32.py --output "$OUT/tf32.json" --budget-s $(( TF32_S - 20 ))
+say "TF32 probe exit status $?; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 [ "$suite" -ne 0 ] && exit "$suite"
 exit "$bench"
