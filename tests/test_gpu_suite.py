@@ -252,7 +252,7 @@ def test_plan_deadlines_and_names():
     assert {g[0] * g[1] for g in grids} == {784, 3136, 8192, 12544, 50176}
     assert {p['tokens'] for p in plan if p['section'] == 'sparse'} == {577, 1025, 4097}
     ends = bench_gpu.deadlines(100.0, 200.0, compiled=True)
-    assert ends['models', 'eager'] == pytest.approx(170.0) and ends['models', 'compiled'] == pytest.approx(300.0)
+    assert ends['models', 'eager'] == pytest.approx(164.0) and ends['models', 'compiled'] == pytest.approx(300.0)
     # compiled: attention (the SOFT goal's sizes first, smallest first), Sparsifiner, then the models, in the order
     # of their cumulative shares
     sections = [p['section'] for p in plan if p['mode'] == 'compiled']
