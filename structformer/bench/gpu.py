@@ -79,9 +79,9 @@ SIZES = {
 # unused passes on
 # (compiled: the attention rows first, then Sparsifiner's, then the models: on an H200 the compiled models took 25,
 # 18 and 18 s of compiling each and, first, left the others no time; SOFT's launch-bound eager rows make its compiled
-# rows the ones that answer a question. On 2026-11-27 (H200, budgets 150 and 180 s) the eager rows used their whole
-# shares and the compiled attention rows got ~15 s: SDPA and SOFT at 8,192 tokens (3.6 and 8-11 s of compiling with
-# CUDA graphs) and no more. So the eager shares give up 0.08 to the compiled attention rows: about 40 s at 200 s.)
+# rows the ones that answer a question. On 2026-11-27 (H200, budgets 150 and 180 s) the compiled attention rows
+# were stopped at their deadline after SDPA and SOFT at 8,192 tokens (3.6 and 8-11 s of compiling each with CUDA
+# graphs). So the eager shares give up 0.08 to the compiled attention rows: about 40 s at 200 s.)
 SHARES = (('models', 'eager', 0.32), ('attention', 'eager', 0.09), ('sparse', 'eager', 0.21),
           ('attention', 'compiled', 0.17), ('sparse', 'compiled', 0.09), ('models', 'compiled', 0.12))
 COMPILED_ORDER = ('attention', 'sparse', 'models')
