@@ -140,14 +140,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--seed', type=int, default=S, help='one seed for data split, init, order and augmentation (0)')
     g.add_argument('--limit-train-batches', type=int, default=S, help='at most this many batches per epoch (0 = all)')
     g.add_argument('--workers', dest='num_workers', type=int, default=S, help='data loader workers (0)')
-    g.add_argument('--compile', nargs='?', const='inductor', default=S, metavar='BACKEND',
+    g.add_argument('--compile', '--torchcompile', dest='compile', nargs='?', const='inductor', default=S,
+                   metavar='BACKEND',
                    help='torch.compile the model for training and evaluation (alone: inductor); default eager')
+    g.add_argument('--compile-mode', '--torchcompile-mode', dest='compile_mode', default=S, metavar='MODE',
+                   help="with --compile: inductor's mode (default, reduce-overhead: CUDA graphs, max-autotune, "
+                        "max-autotune-no-cudagraphs)")
     g = p.add_argument_group("precision, device and throughput (timm train.py's flags)")
     g.add_argument('--amp', action=argparse.BooleanOptionalAction, default=S,
                    help='mixed precision: autocast, float32 master weights (a gradient scaler for float16)')
     g.add_argument('--amp-dtype', default=S, metavar='DTYPE',
                    help='float16 or bfloat16 (default: float16 on CUDA as timm, bfloat16 on a CPU)')
     g.add_argument('--device', default=S, help='auto (default: CUDA if present), cpu, cuda or cuda:N')
+    g.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=S,
+                   help="on CUDA: TF32 matmuls and convolutions and cudnn.benchmark, as timm's train.py sets them "
+                        "(default off: float32 products in float32)")
     g.add_argument('--channels-last', action=argparse.BooleanOptionalAction, default=S,
                    help='channels-last memory format for the model and its image inputs (not for token ids)')
     g.add_argument('--grad-checkpointing', action=argparse.BooleanOptionalAction, default=S,
@@ -217,8 +224,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
                    help='continue the run in --output (or from CHECKPOINT) with its saved configuration; '
                         '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every, '
-                        '--recovery-interval and '
-                        '--compile may change, any other flag that differs from the saved value is refused')
+                        '--recovery-interval, --compile, --compile-mode and --tf32 may change, any other flag that '
+                        'differs from the saved value is refused')
     g.add_argument('--stop-after', type=positive_int('--stop-after'), default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
     g.add_argument('--overwrite', action='store_true', help='replace an existing run in --output')
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
@@ -227,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
 # what a resumed run may change: where it writes and what it keeps, never what it trains
 _RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'recovery_interval', 'compile',
-                      'num_workers', 'device', 'log_interval', 'log_tb', 'allow_world_size_change', 'keep_best',
+                      'compile_mode', 'tf32', 'num_workers', 'device', 'log_interval', 'log_tb', 'allow_world_size_change', 'keep_best',
                       'avg_last')
 
 

@@ -72,7 +72,7 @@ class RunBuild:
         if cfg.compile:
             # in place (nn.Module.compile): parameter names and state_dict keys stay those of the plain
             # model, so checkpoints load without compile, and DDP / phases wrap the same module
-            self.model.compile(backend=cfg.compile)
+            self.model.compile(backend=cfg.compile, mode=cfg.compile_mode)
         self.phases = build_phases(self._phase_specs(), cfg.epochs)
         self._check_phases()
         self._make_loaders()

@@ -93,6 +93,13 @@ class TrainConfig:
     # torch.compile backend for training and evaluation, None = eager (timm's train script: --torchcompile);
     # checkpoints hold the plain module's weights, loadable without compile
     compile: Optional[str] = None
+    # inductor's mode for it (timm: --torchcompile-mode): None = inductor's default; 'reduce-overhead' replays CUDA
+    # graphs, which is what launch-bound small models want on a GPU (docs/gpu.md: SOFT's attention 10x faster)
+    compile_mode: Optional[str] = None
+    # TF32 matmuls and convolutions and cudnn.benchmark on CUDA, as timm's train.py always sets them; off by default
+    # (float32 is the reference the precision bands of the GPU suite are derived against; on an H200 TF32 trained
+    # float32 ViT-T / CRATE-T / SOFT-T 1.4x faster with logits 1e-3 apart, docs/gpu.md). No effect off CUDA.
+    tf32: bool = False
     # low-rank training (seed 004, models/factorize.py): factorise with `factorize_rank` (an int, or a fraction
     # of min(m, n)) after `factorize_at` epochs of dense pre-training (None or 0: from the start), by
     # `factorize_init`, over `factorize_include` (patterns or a preset; None: the paper's default)
@@ -247,7 +254,21 @@ class TrainConfig:
             if self.compile not in backends:
                 raise UsageError(f"--compile={self.compile!r} is not a torch.compile backend: accepted "
                                  f"{', '.join(backends)}")
+        self._validate_compile_mode()
         return self
+
+    def _validate_compile_mode(self) -> None:
+        if self.compile_mode is None:
+            return
+        if self.compile != 'inductor':
+            given = 'eager training' if self.compile is None else f'--compile={self.compile!r}'
+            raise UsageError(f"--compile-mode={self.compile_mode!r} is a mode of the inductor backend: give it with "
+                             f"--compile (inductor), not with {given}")
+        import torch._inductor
+        modes = sorted(torch._inductor.list_mode_options())
+        if self.compile_mode not in modes:
+            raise UsageError(f"--compile-mode={self.compile_mode!r} is not an inductor mode: accepted "
+                             f"{', '.join(modes)}")
 
     def _validate_numbers(self) -> None:
         """Every real-valued setting finite and within float32's range: the optimiser and the schedule

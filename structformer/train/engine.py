@@ -31,7 +31,7 @@ from .distributed import barrier, cleanup_distributed, init_distributed
 from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
 from .phases import phase_for_epoch
-from .precision import cpu_bfloat16_native
+from .precision import cpu_bfloat16_native, tf32_switches
 from .recovery import prune as prune_recovery
 from .save_resume import CheckpointGlue
 from .step import TrainStep, TrainingDiverged  # noqa: F401  (TrainingDiverged: re-exported)
@@ -147,6 +147,10 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
     # ----------------------------------------------------------------- checkpoints
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
+        with tf32_switches(self.device, self.config.tf32):      # --tf32: for the run, restored after it
+            return self._fit_here()
+
+    def _fit_here(self) -> TrainResult:
         self._build()                            # data and model first: bad input fails before any write
         self.global_step = 0
         start_epoch = 0
@@ -187,6 +191,8 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
         return (f"{cfg.model} on {self.device}, {self.precision.name}"
                 + (' autocast' if self.precision.dtype is not None else '')
                 + (' (this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up)' if emulated else '')
+                + ((', TF32 matmuls' if self.device.type == 'cuda' else ', --tf32 ignored (a CUDA switch)')
+                   if cfg.tf32 else '')
                 + f"; effective batch {self.effective_batch()} ({cfg.batch_size} per process{accum}{procs}), "
                 f"{self.steps_per_epoch} optimiser steps per epoch, peak lr {cfg.resolved_lr(self.world_size):.3g}"
                 + (f" (x {cfg.factorize_lr_scale:g} while factorised)" if cfg.factorize_rank is not None

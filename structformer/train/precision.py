@@ -127,3 +127,21 @@ def low_precision_failure(error: BaseException, precision: Optional[Precision]):
                               f"torch.autocast('{precision.device.type}', enabled=False), inputs .float(); see "
                               "docs/precision.md) or train without --amp")
     return None
+
+
+@contextlib.contextmanager
+def tf32_switches(device: torch.device, on: bool):
+    """--tf32: TF32 matmuls and convolutions and cudnn.benchmark while a run trains on CUDA, as timm's train.py sets
+    them for the whole process; restored afterwards, so that `train()` called in a process leaves torch as it found it.
+    Off CUDA, or without --tf32, nothing changes (torch's defaults: float32 matmuls in float32, cuDNN's convolutions
+    free to take TF32, no benchmark)."""
+    if not on or device.type != 'cuda':
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = saved
