@@ -260,3 +260,28 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(case, run, tmp_path, monke
     assert sorted(p.name for p in tmp_path.rglob('*')) == before
     if case == 'exists':
         assert out.read_text() == 'keep me'
+
+
+def test_the_onnx_cost_script_exports_both_ways(tmp_path, capsys):
+    """tools/onnx_export_cost.py (the numbers docs/export.md quotes): both graphs exported, timed and checked; bad
+    arguments end in one line and exit 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    pytest.importorskip('onnxruntime')
+    pytest.importorskip('onnxscript')
+    spec = importlib.util.spec_from_file_location(
+        'onnx_export_cost', Path(__file__).resolve().parents[1] / 'tools' / 'onnx_export_cost.py')
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for bad, flag in ((['--rounds', '0'], '--rounds'), (['--model', 'no_such_model'], '--model')):
+        with pytest.raises(SystemExit) as stopped:
+            script.main(bad)
+        assert stopped.value.code == 2 and flag in capsys.readouterr().err
+    out = tmp_path / 'cost.json'
+    assert script.main(['--model', 'crate_digits', '--rounds', '2', '--batch', '2', '--output', str(out)]) == 0
+    rows = json.loads(out.read_text())['rows']
+    assert [r['optimize'] for r in rows] == [False, True]
+    for r in rows:
+        assert r['nodes'] > 0 and r['export_s'] > 0 and r['ort_ms'] > 0 and r['error'] <= 1e-4
+    assert rows[1]['nodes'] <= rows[0]['nodes']             # the optimiser never adds nodes
