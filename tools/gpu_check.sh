@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared device check (docs/gpu.md): on a lent GPU's image, from a fresh copy of the repository, in at most
-# 8.5 minutes: install what the image lacks from the carried wheels (.whl/, `make gpu-wheels`), install the package,
-# run the GPU suite (tests/gpu, at most 200 s), then `structformer bench gpu` (a 180-s budget, at most 205 s), then
+# 9 minutes: install what the image lacks from the carried wheels (.whl/, `make gpu-wheels`), install the package,
+# run the GPU suite (tests/gpu, at most 240 s), then `structformer bench gpu` (a 180-s budget, at most 205 s), then
 # the TF32 probe (tools/gpu_tf32.py, at most 70 s), and leave in $OUT (flat, at most 8 files): env.txt, suite.log,
 # junit.xml, bench.log, the bench's JSON record and its markdown, tf32.json. Every step runs whatever the one before
 # it did; the exit status is the suite's, else the bench's.
@@ -11,7 +11,7 @@ OUT="${OUT:-outputs/gpu_check}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"
 INSTALL="${INSTALL:-1}"            # 0: install nothing (a dry run of this script on a machine whose python is shared)
-SUITE_S="${SUITE_S:-200}"          # the suite's wall-clock limit
+SUITE_S="${SUITE_S:-240}"          # the suite's wall-clock limit (its longest test, SOFT-T's export, took 173 s)
 BENCH_S="${BENCH_S:-180}"          # the bench's measuring budget; its process gets 25 s more to write and exit
 TF32_S="${TF32_S:-70}"             # tools/gpu_tf32.py's limit (what TF32 would change; docs/training.md)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -55,7 +55,7 @@ say "environment: $(head -2 "$OUT/env.txt" | tr '\n' ' ')"
 
 say "GPU suite (at most ${SUITE_S} s)"
 # SIGINT at the limit: pytest then stops, reports what ran and still writes the junit file
-timeout -s INT -k 20 "$SUITE_S" "$PY" -m pytest tests/gpu -q -rs -n 4 --dist loadgroup --timeout=200 \
+timeout -s INT -k 20 "$SUITE_S" "$PY" -m pytest tests/gpu -q -rs -n 4 --dist loadgroup --timeout=230 \
     -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/suite.log" 2>&1
 suite=$?
 tail -n 40 "$OUT/suite.log"
