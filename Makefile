@@ -68,7 +68,8 @@ gpu-wheels:
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl $(GPU_WHEELS)
 
-# The prepared device check: the GPU suite, `structformer bench gpu` and the TF32 probe, in at most 9 minutes
+# The prepared device check: the GPU suite, `structformer bench gpu`, the TF32 probe and a profile, in under
+# 10 minutes
 # (docs/gpu.md).
 gpu-check:
 	bash tools/gpu_check.sh

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The prepared device check (docs/gpu.md): on a lent GPU's image, from a fresh copy of the repository, in at most
-# 9 minutes: install what the image lacks from the carried wheels (.whl/, `make gpu-wheels`), install the package,
+# 10 minutes: install what the image lacks from the carried wheels (.whl/, `make gpu-wheels`), install the package,
 # run the GPU suite (tests/gpu, at most 240 s), then `structformer bench gpu` (a 180-s budget, at most 205 s), then
-# the TF32 probe (tools/gpu_tf32.py, at most 70 s), and leave in $OUT (flat, at most 8 files): env.txt, suite.log,
-# junit.xml, bench.log, the bench's JSON record and its markdown, tf32.json. Every step runs whatever the one before
+# the TF32 probe (tools/gpu_tf32.py, at most 60 s) and a profile of eager training steps (tools/gpu_profile.py, at
+# most 45 s), and leave in $OUT (flat, 8 files): env.txt, suite.log, junit.xml, bench.log, the bench's JSON record
+# and its markdown, tf32.json, profile.json. Every step runs whatever the one before
 # it did; the exit status is the suite's, else the bench's.
 set -u
 cd "$(dirname "$0")/.."
@@ -13,7 +14,8 @@ PY="${PY:-python3}"
 INSTALL="${INSTALL:-1}"            # 0: install nothing (a dry run of this script on a machine whose python is shared)
 SUITE_S="${SUITE_S:-240}"          # the suite's wall-clock limit (its longest test, SOFT-T's export, took 173 s)
 BENCH_S="${BENCH_S:-180}"          # the bench's measuring budget; its process gets 25 s more to write and exit
-TF32_S="${TF32_S:-70}"             # tools/gpu_tf32.py's limit (what TF32 would change; docs/training.md)
+TF32_S="${TF32_S:-60}"             # tools/gpu_tf32.py's limit (what TF32 would change; docs/training.md)
+PROFILE_S="${PROFILE_S:-45}"       # tools/gpu_profile.py's limit (where an eager step's time goes; docs/gpu.md)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 start=$(date +%s)
 say() { echo "[gpu-check +$(( $(date +%s) - start ))s] $*"; }
@@ -75,6 +77,11 @@ say "bench exit status $bench"
 
 say "TF32 probe (at most ${TF32_S} s; its exit status is reported, not returned)"
 timeout -k 10 "$TF32_S" "$PY" tools/gpu_tf32.py --output "$OUT/tf32.json" --budget-s $(( TF32_S - 20 ))
-say "TF32 probe exit status $?; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+say "TF32 probe exit status $?"
+
+say "profile of eager training steps (at most ${PROFILE_S} s; its exit status is reported, not returned)"
+timeout -k 10 "$PROFILE_S" "$PY" tools/gpu_profile.py --output "$OUT/profile.json" --budget-s $(( PROFILE_S - 20 )) \
+    2>&1 | grep -v '^USDT:'
+say "profile exit status ${PIPESTATUS[0]}; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 [ "$suite" -ne 0 ] && exit "$suite"
 exit "$bench"

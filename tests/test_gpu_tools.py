@@ -1,6 +1,6 @@
-"""tools/gpu_tf32.py, the GPU check's TF32 probe, run through its CPU path (TF32 is a CUDA switch: off and on
-coincide here, which is itself checked, so a probe that forgot to switch anything would still be caught on a GPU by
-its equal columns)."""
+"""The GPU check's two probes run through their CPU paths: tools/gpu_tf32.py (TF32 is a CUDA switch: off and on
+coincide here, which is itself checked; a probe that forgot to switch anything would show equal columns on a GPU)
+and tools/gpu_profile.py (CPU activities only: the device columns are 0 here)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        'gpu_tf32', Path(__file__).resolve().parents[1] / 'tools' / 'gpu_tf32.py')
+def _script(name: str = 'gpu_tf32'):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / 'tools' / f'{name}.py')
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
@@ -39,3 +38,19 @@ def test_the_tf32_probe_measures_every_part(tmp_path, capsys):
     conds = [pinv[f'spread {s}']['cond_median'] for s in (1.0, 0.3, 0.1)]
     assert conds == sorted(conds)                         # tighter landmarks, worse conditioned
     assert not list(tmp_path.glob('*.tmp*'))              # written by rename, nothing left behind
+
+
+def test_the_profile_probe_profiles_every_model(tmp_path, capsys):
+    script = _script('gpu_profile')
+    with pytest.raises(SystemExit) as bad:
+        script.main(['--output', str(tmp_path / 'p.json'), '--budget-s', '0'])
+    assert bad.value.code == 2 and '--budget-s' in capsys.readouterr().err
+    out = tmp_path / 'profile.json'
+    assert script.main(['--output', str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record['errors'] == [] and set(record['models']) == {label for label, _ in script.MODELS}
+    for row in record['models'].values():
+        assert row['wall_ms'] > 0 and row['device_ops'] == 0 and row['gpu_busy_share'] == 0   # no GPU here
+        ops = [r['op'] for r in row['top_ops']]
+        assert len(ops) == script.TOP and any('mm' in op for op in ops)                         # the products show
+    assert not list(tmp_path.glob('*.tmp*'))
