@@ -234,8 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
 # what a resumed run may change: where it writes and what it keeps, never what it trains
 _RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'recovery_interval', 'compile',
-                      'compile_mode', 'tf32', 'num_workers', 'device', 'log_interval', 'log_tb', 'allow_world_size_change', 'keep_best',
-                      'avg_last')
+                      'compile_mode', 'tf32', 'num_workers', 'device', 'log_interval', 'log_tb',
+                      'allow_world_size_change', 'keep_best', 'avg_last')
 
 
 def _flag(key: str) -> str:
