@@ -348,7 +348,8 @@ def test_sigterm_to_the_grid_stops_its_workers(tmp_path):
     stderr = grid.stderr.read()
     assert status == 143 and stderr.strip().endswith('interrupted; checkpoints already written are intact'), stderr
     assert workers() == []
-    assert any((out / 'cells').glob('*/seed_0/checkpoints/epoch_*/model.safetensors'))   # kept (keep_last 1)
+    assert any((out / 'cells').glob('*/seed_0/checkpoints/epoch_*/model.safetensors')), \
+        sorted(str(p.relative_to(out)) for p in (out / 'cells').rglob('*'))   # kept (keep_last 1)
 
 
 def test_the_readme_quotes_the_committed_leaderboard():

@@ -281,3 +281,27 @@ def test_a_stop_right_after_the_first_epoch_commits_keeps_that_epoch(two_runs, t
     assert main(['train', '--resume', '--output', str(run), '--no-progress']) == 0
     assert 'resumed from epoch 1 of 2' in capsys.readouterr().out
     assert [json.loads(line)['epoch'] for line in (run / 'metrics.jsonl').read_text().splitlines()] == [1, 2]
+
+
+def test_undoing_a_new_run_spares_a_sibling_run_under_the_folders_both_made(tmp_path):
+    """Two runs started together into siblings under a folder that did not exist (`compare --jobs 2` starts its
+    cells so; or two `train` commands into outputs/a/x and outputs/a/y) may both count that folder as made by their
+    lock. One of them then fails before its first epoch: its undo removes its own run folder and the shared folders
+    only while empty, never the other run's committed checkpoint (it took the whole tree before; found as a flaky
+    `compare` SIGTERM test that lost every cell)."""
+    from structformer.train.run_dir import RunLock, undo_new_run
+    shared = tmp_path / 'grid' / 'cells'
+    committed, failed = shared / 'vit' / 'seed_0', shared / 'swmlp' / 'seed_0'
+    with RunLock(committed) as first, RunLock(failed) as second:
+        assert first.created and second.created
+        second.created_root = first.created_root         # the race: both saw `grid` missing
+        assert second.created_root == (tmp_path / 'grid').absolute()
+        (committed / 'checkpoints' / 'epoch_0001').mkdir(parents=True)
+        (committed / 'checkpoints' / 'epoch_0001' / 'model.safetensors').write_bytes(b'weights')
+        (failed / 'config.yaml').write_text('model: x\n')
+        undo_new_run(failed, None, second)
+    assert not (shared / 'swmlp').exists()               # its own folder and the empty one above it: gone
+    assert (committed / 'checkpoints' / 'epoch_0001' / 'model.safetensors').read_bytes() == b'weights'
+    # the first run failing as well leaves the tree as it found it: nothing above tmp_path
+    undo_new_run(committed, None, first)
+    assert not (tmp_path / 'grid').exists() and tmp_path.exists()

@@ -214,9 +214,28 @@ def undo_new_run(output: Path, aside: Optional[Path], lock: 'RunLock') -> None:
         _remove(output / name, ignore_errors=True)       # already on a failure path: keep its error
     restore_aside(output, aside)
     if lock.created:
-        shutil.rmtree(lock.created_root, ignore_errors=True)
+        shutil.rmtree(output, ignore_errors=True)        # made by this lock: nothing in it is anyone else's
+        remove_empty_parents(output, lock.created_root)
     elif lock.created_file:
         (output / RunLock.NAME).unlink(missing_ok=True)
+
+
+def remove_empty_parents(path: Path, root: Path) -> None:
+    """Remove the folders above `path` up to and including `root` while they are empty (`rmdir`, never a tree).
+    The folders a run's lock made on the way to its --output may have been made at the same moment by another run
+    into a sibling (`compare --jobs` starts its cells together; two `train` commands into outputs/a/x and
+    outputs/a/y): each run counts them as its own, so removing them as a tree would take the other run's committed
+    checkpoints with them."""
+    path, root = Path(path).absolute(), Path(root).absolute()
+    if path == root or root not in path.parents:
+        return
+    for folder in path.parents:
+        try:
+            folder.rmdir()
+        except OSError:                                  # not empty (another run's), or gone: stop here
+            return
+        if folder == root:
+            return
 
 
 class RunLock:
