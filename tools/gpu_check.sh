@@ -4,8 +4,8 @@
 # run the GPU suite (tests/gpu, at most 240 s), then `structformer bench gpu` (a 180-s budget, at most 205 s), then
 # the TF32 probe (tools/gpu_tf32.py, at most 60 s) and a profile of eager training steps (tools/gpu_profile.py, at
 # most 45 s), and leave in $OUT (flat, 8 files): env.txt, suite.log, junit.xml, bench.log, the bench's JSON record
-# and its markdown, tf32.json, profile.json. Every step runs whatever the one before
-# it did; the exit status is the suite's, else the bench's.
+# and its markdown, tf32.json, profile.json. Every step runs whatever the one before it did; the exit status is the
+# suite's, else the bench's (the two probes' are printed, not returned).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-outputs/gpu_check}"
