@@ -20,6 +20,9 @@ def test_the_tf32_probe_measures_every_part(tmp_path, capsys):
     with pytest.raises(SystemExit) as bad:
         script.main([])
     assert bad.value.code == 2 and '--output' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        script.main(['--output', str(tmp_path / 'x.json'), '--budget-s', '-1'])
+    assert bad.value.code == 2 and '--budget-s' in capsys.readouterr().err
     out = tmp_path / 'tf32.json'
     assert script.main(['--output', str(out)]) == 0
     record = json.loads(out.read_text())

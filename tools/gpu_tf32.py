@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument('--output', required=True)
     p.add_argument('--budget-s', type=float, default=80.0, help='stop starting new parts after this many seconds')
     args = p.parse_args(argv)
+    if not args.budget_s > 0:
+        p.error(f'--budget-s must be > 0, got {args.budget_s}')
     cuda = torch.cuda.is_available()
     device = torch.device('cuda' if cuda else 'cpu')
     side, batch, steps = (224, 128, 10) if cuda else (32, 2, 1)
