@@ -1,6 +1,7 @@
-"""The GPU check's two probes run through their CPU paths: tools/gpu_tf32.py (TF32 is a CUDA switch: off and on
-coincide here, which is itself checked; a probe that forgot to switch anything would show equal columns on a GPU)
-and tools/gpu_profile.py (CPU activities only: the device columns are 0 here)."""
+"""The GPU check's two probes (and their shared plumbing, bench/probes.py) run through their CPU paths:
+tools/gpu_tf32.py (TF32 is a CUDA switch: off and on coincide here, which is itself checked; a probe that forgot to
+switch anything would show equal columns on a GPU) and tools/gpu_profile.py (CPU activities only: the device columns
+are 0 here)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -15,14 +16,50 @@ def _script(name: str = 'gpu_tf32'):
     return script
 
 
-def test_the_tf32_probe_measures_every_part(tmp_path, capsys):
+@pytest.mark.parametrize('name', ['gpu_tf32', 'gpu_profile'])
+def test_the_probes_refuse_bad_arguments_in_one_line(name, tmp_path, capsys):
+    script = _script(name)
+    for argv, flag in (([], '--output'), (['--budget-s', '0'], '--budget-s'), (['--budget-s', '-1'], '--budget-s')):
+        with pytest.raises(SystemExit) as bad:
+            script.main(argv + (['--output', str(tmp_path / 'x.json')] if argv else []))
+        err = capsys.readouterr().err
+        assert bad.value.code == 2 and flag in err.strip().splitlines()[-1]
+    assert not list(tmp_path.iterdir())
+
+
+def test_parts_run_under_the_budget_and_a_failure_is_recorded(tmp_path, capsys):
+    """bench/probes.run_parts: each part's result in its section, a failing part's error beside the others' results,
+    the parts after the budget recorded as not run, the record on disk after every part."""
+    import time
+
+    import torch
+
+    from structformer.bench.probes import probe_record, run_parts
+    out = tmp_path / 'r.json'
+
+    def slow():
+        time.sleep(0.2)
+        assert json.loads(out.read_text())['a']['fine'] == {'x': 1}     # written after the first part already
+        return {'x': 3}
+
+    def broken():
+        raise ValueError('no such kernel')
+
+    record = probe_record('tools/x.py', ['--output', str(out)], torch.device('cpu'), ['a', 'b'], batch_size=2)
+    parts = [('a', 'fine', lambda: {'x': 1}, lambda row: f"fine {row['x']}"), ('b', 'broken', broken, None),
+             ('b', 'slow', slow, None), ('a', 'late', lambda: {'x': 4}, None)]
+    assert run_parts(record, parts, 0.1, out, torch.device('cpu')) == 0
+    saved = json.loads(out.read_text())
+    assert saved['command'] == f'python3 tools/x.py --output {out}' and saved['batch_size'] == 2
+    assert saved['a'] == {'fine': {'x': 1}} and saved['b'] == {'slow': {'x': 3}}
+    assert saved['errors'] == ['b broken: ValueError: no such kernel', 'a late: not run (budget)']
+    assert 'fine 1' in capsys.readouterr().out
+    nothing = probe_record('tools/x.py', [], torch.device('cpu'), ['a'])
+    assert run_parts(nothing, [('a', 'broken', broken, None)], 1.0, tmp_path / 'n.json', torch.device('cpu')) == 1
+
+
+def test_the_tf32_probe_measures_every_part(tmp_path):
     script = _script()
-    with pytest.raises(SystemExit) as bad:
-        script.main([])
-    assert bad.value.code == 2 and '--output' in capsys.readouterr().err
-    with pytest.raises(SystemExit) as bad:
-        script.main(['--output', str(tmp_path / 'x.json'), '--budget-s', '-1'])
-    assert bad.value.code == 2 and '--budget-s' in capsys.readouterr().err
     out = tmp_path / 'tf32.json'
     assert script.main(['--output', str(out)]) == 0
     record = json.loads(out.read_text())
@@ -43,11 +80,8 @@ def test_the_tf32_probe_measures_every_part(tmp_path, capsys):
     assert not list(tmp_path.glob('*.tmp*'))              # written by rename, nothing left behind
 
 
-def test_the_profile_probe_profiles_every_model(tmp_path, capsys):
+def test_the_profile_probe_profiles_every_model(tmp_path):
     script = _script('gpu_profile')
-    with pytest.raises(SystemExit) as bad:
-        script.main(['--output', str(tmp_path / 'p.json'), '--budget-s', '0'])
-    assert bad.value.code == 2 and '--budget-s' in capsys.readouterr().err
     out = tmp_path / 'profile.json'
     assert script.main(['--output', str(out)]) == 0
     record = json.loads(out.read_text())

@@ -10,8 +10,6 @@ activities only (no kernels: the GPU columns are 0), which is how the default su
 
     python3 tools/gpu_profile.py --output $OUT/profile.json
 """
-import argparse
-import platform
 import sys
 import time
 
@@ -19,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import structformer  # noqa: F401  (registers the models)
-from structformer.models.factory import build_model
-from structformer.records import write_json
+from structformer.bench.gpu_measure import training_setup
+from structformer.bench.probes import probe_arguments, probe_device, probe_record, run_parts
 
 MODELS = [('ViT-T', 'vit_tiny_patch16_224'), ('CRATE-T', 'crate_tiny_patch16_224'), ('SOFT-T', 'soft_tiny_224')]
 TOP = 12
@@ -33,14 +31,8 @@ def _device_events(profile) -> list:
 
 
 def profile_step(name: str, side: int, batch: int, device) -> dict:
-    from timm.optim import create_optimizer_v2
     from torch.profiler import ProfilerActivity, profile
-    torch.manual_seed(0)
-    model, _ = build_model(name, dict(img_size=side, num_classes=1000), None, [])
-    model.to(device).train()
-    optimizer = create_optimizer_v2(model, opt='adamw', lr=1e-4, weight_decay=0.05)
-    images = torch.randn(batch, 3, side, side, device=device)
-    targets = torch.randint(0, 1000, (batch,), device=device)
+    model, optimizer, images, targets = training_setup(name, side, batch, device)
     cuda = device.type == 'cuda'
     dtype = torch.bfloat16
 
@@ -74,39 +66,20 @@ def profile_step(name: str, side: int, batch: int, device) -> dict:
             'top_ops': [{'op': a.key, 'calls': a.count, 'self_ms': getattr(a, key, 0) / 1e3} for a in table]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--output', required=True)
-    p.add_argument('--budget-s', type=float, default=40.0, help='start no new model after this many seconds')
-    args = p.parse_args(argv)
-    if not args.budget_s > 0:
-        p.error(f'--budget-s must be > 0, got {args.budget_s}')
-    cuda = torch.cuda.is_available()
-    device = torch.device('cuda' if cuda else 'cpu')
-    side, batch = (224, 128) if cuda else (32, 2)
-    start = time.perf_counter()
-    record = {'command': 'python3 tools/gpu_profile.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
-              'device': torch.cuda.get_device_name() if cuda else platform.processor() or 'cpu',
-              'torch': torch.__version__, 'batch_size': batch, 'img_size': side, 'dtype': 'bfloat16',
-              'models': {}, 'errors': []}
-    for label, name in MODELS:
-        if time.perf_counter() - start > args.budget_s:
-            record['errors'].append(f'{label}: not run (budget)')
-            continue
-        try:
-            row = profile_step(name, side, batch, device)
-            record['models'][label] = row
-            print(f"{label}: step {row['wall_ms']:.1f} ms, kernels busy {row['gpu_busy_ms']:.1f} ms "
-                  f"({row['gpu_busy_share']:.0%}), {row['device_ops']} device operations", flush=True)
-        except Exception as e:                                  # one model's failure must not lose the rest
-            record['errors'].append(f'{label}: {type(e).__name__}: {str(e)[:200]}')
-        if cuda:
-            torch.cuda.empty_cache()
-        write_json(args.output, record)
-    record['wall_s'] = time.perf_counter() - start
-    write_json(args.output, record)
-    return 0 if record['models'] else 1
+def _line(label: str):
+    return lambda row: (f"{label}: step {row['wall_ms']:.1f} ms, kernels busy {row['gpu_busy_ms']:.1f} ms "
+                        f"({row['gpu_busy_share']:.0%}), {row['device_ops']} device operations")
 
+
+def main(argv=None) -> int:
+    args = probe_arguments(__doc__.splitlines()[0], 40.0, argv)
+    device = probe_device()
+    side, batch = (224, 128) if device.type == 'cuda' else (32, 2)
+    record = probe_record('tools/gpu_profile.py', argv, device, ['models'], batch_size=batch, img_size=side,
+                          dtype='bfloat16')
+    parts = [('models', label, lambda n=name: profile_step(n, side, batch, device), _line(label))
+             for label, name in MODELS]
+    return run_parts(record, parts, args.budget_s, args.output, device)
 
 if __name__ == '__main__':
     sys.exit(main())

@@ -12,21 +12,19 @@ at a tiny size (TF32 is a CUDA switch, so off and on coincide there), which is h
 
     python3 tools/gpu_tf32.py --output $OUT/tf32.json
 """
-import argparse
 import math
-import platform
 import sys
-import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 import structformer  # noqa: F401  (registers the models)
+from structformer.bench.gpu_measure import training_setup
 from structformer.bench.harness import median_seconds
+from structformer.bench.probes import probe_arguments, probe_device, probe_record, run_parts
 from structformer.functional.newton_pinv import newton_pinv, newton_pinv_reference
 from structformer.models.factory import build_model
-from structformer.records import write_json
 
 MODELS = [('ViT-T', 'vit_tiny_patch16_224'), ('CRATE-T', 'crate_tiny_patch16_224'), ('SOFT-T', 'soft_tiny_224')]
 
@@ -86,13 +84,7 @@ def pinv_accuracy(device, batch: int = 16, landmarks: int = 49, dim: int = 64) -
 
 
 def training_speed(name: str, side: int, batch: int, steps: int, device) -> dict:
-    from timm.optim import create_optimizer_v2
-    torch.manual_seed(0)
-    model, _ = build_model(name, dict(img_size=side, num_classes=1000), None, [])
-    model.to(device).train()
-    optimizer = create_optimizer_v2(model, opt='adamw', lr=1e-4, weight_decay=0.05)
-    images = torch.randn(batch, 3, side, side, device=device)
-    targets = torch.randint(0, 1000, (batch,), device=device)
+    model, optimizer, images, targets = training_setup(name, side, batch, device)
 
     def step():
         loss = F.cross_entropy(model(images), targets)
@@ -110,45 +102,18 @@ def training_speed(name: str, side: int, batch: int, steps: int, device) -> dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--output', required=True)
-    p.add_argument('--budget-s', type=float, default=80.0, help='stop starting new parts after this many seconds')
-    args = p.parse_args(argv)
-    if not args.budget_s > 0:
-        p.error(f'--budget-s must be > 0, got {args.budget_s}')
-    cuda = torch.cuda.is_available()
-    device = torch.device('cuda' if cuda else 'cpu')
+    args = probe_arguments(__doc__.splitlines()[0], 80.0, argv)
+    device = probe_device()
+    cuda = device.type == 'cuda'
     side, batch, steps = (224, 128, 10) if cuda else (32, 2, 1)
-    start = time.perf_counter()
-    record = {'command': 'python3 tools/gpu_tf32.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
-              'device': torch.cuda.get_device_name() if cuda else platform.processor() or 'cpu',
-              'torch': torch.__version__, 'batch_size': batch, 'img_size': side,
-              'accuracy': {}, 'train_img_per_s': {}, 'errors': []}
-
-    def save():
-        write_json(args.output, record)                    # atomically: a run stopped at its limit keeps the last
-
-    parts = [('accuracy', 'Newton-Schulz pinv', lambda: pinv_accuracy(device))]
-    parts += [('accuracy', label, lambda n=name: model_accuracy(n, side, 8 if cuda else 1, device))
+    record = probe_record('tools/gpu_tf32.py', argv, device, ['accuracy', 'train_img_per_s'], batch_size=batch,
+                          img_size=side)
+    parts = [('accuracy', 'Newton-Schulz pinv', lambda: pinv_accuracy(device), None)]
+    parts += [('accuracy', label, lambda n=name: model_accuracy(n, side, 8 if cuda else 1, device), None)
               for label, name in MODELS]
-    parts += [('train_img_per_s', label, lambda n=name: training_speed(n, side, batch, steps, device))
+    parts += [('train_img_per_s', label, lambda n=name: training_speed(n, side, batch, steps, device), None)
               for label, name in MODELS]
-    for section, label, run in parts:
-        if time.perf_counter() - start > args.budget_s:
-            record['errors'].append(f'{section} {label}: not run (budget)')
-            continue
-        try:
-            record[section][label] = run()
-            print(section, label, record[section][label], flush=True)
-        except Exception as e:                                      # one part's failure must not lose the rest
-            record['errors'].append(f'{section} {label}: {type(e).__name__}: {str(e)[:200]}')
-        if cuda:
-            torch.cuda.empty_cache()
-        save()
-    record['wall_s'] = time.perf_counter() - start
-    save()
-    return 1 if record['errors'] and not (record['accuracy'] or record['train_img_per_s']) else 0
-
+    return run_parts(record, parts, args.budget_s, args.output, device)
 
 if __name__ == '__main__':
     sys.exit(main())

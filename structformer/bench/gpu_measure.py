@@ -70,25 +70,36 @@ def attention_compile_mode(device_type: str, backend: str):
 
 # ---- models ---------------------------------------------------------------------------------------------
 
+def training_setup(name: str, side: int, batch: int, device, kwargs=None, transforms=()) -> tuple:
+    """(model, optimizer, images, targets) of one training step as every GPU measurement takes it (this bench, the
+    check's probes tools/gpu_tf32.py and tools/gpu_profile.py): seed 0, the model built by `build_model` with
+    1,000 classes (transforms applied) in train mode on `device`, timm's AdamW as the engine makes it, and a
+    random batch of `batch` images of `side` px with their labels."""
+    import torch
+    from timm.optim import create_optimizer_v2
+
+    from ..models.factory import build_model
+    torch.manual_seed(0)
+    model, _ = build_model(name, dict(kwargs or {}, img_size=side, num_classes=1000), None, list(transforms))
+    model.to(device).train()
+    optimizer = create_optimizer_v2(model, opt='adamw', lr=1e-4, weight_decay=0.05)
+    images = torch.randn(batch, 3, side, side, device=device)
+    targets = torch.randint(0, 1000, (batch,), device=device)
+    return model, optimizer, images, targets
+
+
 def measure_model(item: dict, settings: dict) -> dict:
     """images/s and peak memory of one model's training step (eager, or compiled: the first step's time,
     compiling included, is `compile_s`)."""
     import torch
     import torch.nn.functional as F
-    from timm.optim import create_optimizer_v2
 
-    from ..models.factory import build_model
     device = torch.device(settings['device'])
     batch, side = settings['batch_size'], settings['img_size']
     precision = _precision(settings['dtype'], device)
     memory = PeakMemory(device)
-    torch.manual_seed(0)
-    model, _ = build_model(item['model'], dict(item['kwargs'], img_size=side, num_classes=1000), None,
-                           list(item['transforms']))
-    model.to(device).train()
-    optimizer = create_optimizer_v2(model, opt='adamw', lr=1e-4, weight_decay=0.05)   # as the engine makes it
-    images = torch.randn(batch, 3, side, side, device=device)
-    targets = torch.randint(0, 1000, (batch,), device=device)
+    model, optimizer, images, targets = training_setup(item['model'], side, batch, device, item['kwargs'],
+                                                       item['transforms'])
     runner = _compile(model, settings['compile_backend']) if item['mode'] == 'compiled' else model
 
     def step():
