@@ -4,6 +4,8 @@ A GPU is lent to this project for minutes at a time, so this command measures ev
 docs/benchmarks.md shows in one run of at most `--budget-s` seconds (default 230: with the GPU test suite it fits
 8 minutes, docs/gpu.md) and writes one JSON record, `docs/gpu/<device>_<date>.json`:
 
+- the goals' model pairs (CRATE-T / ViT-T, factorised / dense ViT-S), eager training steps timed back to back
+  round by round in one process: the ratios the two training goals are judged on;
 - training images/s and peak memory, 224 px, batch 128, bfloat16 autocast, timm's AdamW: ViT-T, CRATE-T, ViT-S,
   SOFT-T, Sparsifiner DeiT-S (keep 0.25), ViT-S factorised at rank 0.25 and 0.5, Mixer-B/16 and RP-Mixer-B/16;
 - attention alone: SDPA (flash under bfloat16) against SOFT and SOFT++ from 784 to 50,176 tokens (forward time,
@@ -60,6 +62,8 @@ MODELS = [
     ('RP-Mixer-B/16', 'rp_mixer_b16_224', {}, []),
     ('Sparsifiner DeiT-S keep 0.25', 'sparsifiner_deit_small_patch16_224', {'keep_ratio': 0.25}, []),
 ]
+# the goals' model pairs (subject, reference), timed back to back in one process (`gpu_measure.measure_pair`)
+PAIRS = (('CRATE-T', 'ViT-T'), ('ViT-S factorised rank 0.25', 'ViT-S'))
 # the paths that compile FlexAttention kernels (seconds each) last
 SPARSE_PATHS = ('masked', 'gather', 'block', 'block-gather', 'flex', 'block-flex')
 SPARSE_KEEP = 0.25
@@ -67,13 +71,14 @@ SIZES = {
     'gpu': dict(batch_size=128, img_size=224, steps=10, warmup=3, repeats=20, attention_batch=8, attention_dim=64,
                 attention_heads=2, attention_landmarks=49, sparse_batch=8, sparse_max_gib=20.0,
                 grids=[[28, 28], [56, 56], [64, 128], [112, 112], [224, 224]], sparse_tokens=[577, 1025, 4097],
-                sparse_paths=list(SPARSE_PATHS), models=[m[0] for m in MODELS]),
+                sparse_paths=list(SPARSE_PATHS), models=[m[0] for m in MODELS], pairs=[list(p) for p in PAIRS],
+                pair_rounds=20),
     # the dry path: every section's code at a size a 2-core CPU runs in seconds (no flex: eager flex on a CPU
     # materialises the scores and takes seconds per call)
     'tiny': dict(batch_size=2, img_size=32, steps=1, warmup=1, repeats=2, attention_batch=1, attention_dim=16,
                  attention_heads=2, attention_landmarks=4, sparse_batch=1, sparse_max_gib=1.0,
                  grids=[[4, 4]], sparse_tokens=[65], sparse_paths=['masked', 'block-gather'],
-                 models=['ViT-T', 'ViT-S factorised rank 0.25']),
+                 models=['ViT-T', 'ViT-S factorised rank 0.25'], pairs=[['CRATE-T', 'ViT-T']], pair_rounds=2),
 }
 # each section's share of the budget; a section's deadline is the sum of the shares up to it, so time one leaves
 # unused passes on
@@ -83,8 +88,9 @@ SIZES = {
 # Sparsifiner's, whose compiled masked path was 46x SDPA's time at n = 4097 and whose flex paths compile in eager
 # rows too. On 2026-11-27 (H200, budgets 150 and 180 s) the compiled attention rows were stopped at their deadline
 # after SDPA and SOFT at 8,192 tokens (3.6 and 8-11 s of compiling each with CUDA graphs); so the eager shares give
-# up 0.08 to the compiled attention rows, about 40 s at 200 s.)
-SHARES = (('models', 'eager', 0.32), ('attention', 'eager', 0.09), ('sparse', 'eager', 0.21),
+# up 0.08 to the compiled attention rows, about 40 s at 200 s. The eager pairs come first, as they decide two
+# goals: on that H200 a ViT-T and a CRATE-T step took ~20 ms, so 20 rounds of a pair are about 2 s after setup.)
+SHARES = (('pairs', 'eager', 0.04), ('models', 'eager', 0.28), ('attention', 'eager', 0.09), ('sparse', 'eager', 0.21),
           ('attention', 'compiled', 0.17), ('models', 'compiled', 0.14), ('sparse', 'compiled', 0.07))
 COMPILED_ORDER = ('attention', 'models', 'sparse')
 RECORDS = Path('docs') / 'gpu'                 # under the folder it is run from: the repository's root
@@ -119,13 +125,18 @@ def _compiled_grid_order(grid) -> tuple:
     return (0, n) if n >= GOAL_SOFT_FROM else (1, -n)
 
 
+def _spec(model: tuple) -> dict:
+    label, name, kwargs, transforms = model
+    return dict(label=label, model=name, kwargs=kwargs, transforms=transforms)
+
+
 def make_plan(size: dict, compiled: bool) -> List[dict]:
-    """Every item to measure, in order: eager (models, attention, Sparsifiner), then the compiled ones in
+    """Every item to measure, in order: eager (the goals' model pairs, models, attention, Sparsifiner), then the compiled ones in
     `COMPILED_ORDER`, the same order as their `SHARES` (a section's deadline is cumulative)."""
     models = {m[0]: m for m in MODELS}
     items = []
     for mode in ('eager', 'compiled') if compiled else ('eager',):
-        sections = {'models': [], 'attention': [], 'sparse': []}
+        sections = {'pairs': [], 'models': [], 'attention': [], 'sparse': []}
         model_labels = size['models']
         if mode == 'compiled':        # the goals' models first: the rest only if time is left
             first = ['ViT-T', 'CRATE-T', 'ViT-S', 'ViT-S factorised rank 0.25']
@@ -134,6 +145,10 @@ def make_plan(size: dict, compiled: bool) -> List[dict]:
             _, name, kwargs, transforms = models[label]
             sections['models'].append(dict(section='models', mode=mode, label=label, model=name, kwargs=kwargs,
                                            transforms=transforms))
+        if mode == 'eager':          # compiled pairs would compile both models again: the compiled rows are each
+            for subject, reference in size.get('pairs', []):      # model's own graph, steady from step to step
+                sections['pairs'].append(dict(section='pairs', mode=mode, label=f"{subject} / {reference}",
+                                              subject=_spec(models[subject]), reference=_spec(models[reference])))
         grids = size['grids'] if mode == 'eager' else sorted(size['grids'], key=_compiled_grid_order)
         for grid in grids:
             for attention in ATTENTIONS:
@@ -141,7 +156,7 @@ def make_plan(size: dict, compiled: bool) -> List[dict]:
         for n in sorted(size['sparse_tokens'], reverse=True):       # the goal's n = 4097 first
             for path in size['sparse_paths']:
                 sections['sparse'].append(dict(section='sparse', mode=mode, tokens=n, keep=SPARSE_KEEP, path=path))
-        for section in (('models', 'attention', 'sparse') if mode == 'eager' else COMPILED_ORDER):
+        for section in (('pairs', 'models', 'attention', 'sparse') if mode == 'eager' else COMPILED_ORDER):
             items += sections[section]
     return items
 
@@ -199,6 +214,8 @@ def stream_rows(payload: dict, hard_deadline: float, echo=sys.stderr) -> tuple:
 
 
 def describe(row: dict) -> str:
+    if row['section'] == 'pairs':
+        return f"{row['label']} paired ({row['mode']})"
     if row['section'] == 'models':
         return f"{row['label']} ({row['mode']})"
     if row['section'] == 'attention':

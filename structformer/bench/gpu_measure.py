@@ -6,7 +6,9 @@ budget ran out or a compile hung (it kills the worker then). An item whose soft 
 started: its row says `not timed` and why. A CUDA out-of-memory error is a row (`oom`), any other failure a row
 with its first line (`error`); the worker goes on with the next item.
 
-Three sections, every one under the autocast `dtype` with float32 weights (as `structformer train --amp` runs):
+Four sections, every one under the autocast `dtype` with float32 weights (as `structformer train --amp` runs):
+- `pairs`: a goal's two models (CRATE-T and ViT-T; factorised and dense ViT-S), their training steps timed back to
+  back round by round in one process, the median per-round speed ratio and its quartiles;
 - `models`: a training step (forward, cross-entropy, backward, timm's AdamW step) of a model built by
   `models.factory.build_model` (transforms applied), images/s = batch / median step time, and the peak memory
   allocated over the whole step (weights, optimiser state and activations);
@@ -88,11 +90,23 @@ def training_setup(name: str, side: int, batch: int, device, kwargs=None, transf
     return model, optimizer, images, targets
 
 
+def _training_step(runner, model, optimizer, images, targets, precision):
+    """One training step as the engine takes it: autocast forward, cross-entropy, backward, the optimiser's step."""
+    import torch.nn.functional as F
+
+    def step():
+        with precision.autocast():
+            loss = F.cross_entropy(runner(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        precision.backward(loss)
+        precision.step(optimizer, model.parameters(), None)
+    return step
+
+
 def measure_model(item: dict, settings: dict) -> dict:
     """images/s and peak memory of one model's training step (eager, or compiled: the first step's time,
     compiling included, is `compile_s`)."""
     import torch
-    import torch.nn.functional as F
 
     device = torch.device(settings['device'])
     batch, side = settings['batch_size'], settings['img_size']
@@ -101,14 +115,7 @@ def measure_model(item: dict, settings: dict) -> dict:
     model, optimizer, images, targets = training_setup(item['model'], side, batch, device, item['kwargs'],
                                                        item['transforms'])
     runner = _compile(model, settings['compile_backend']) if item['mode'] == 'compiled' else model
-
-    def step():
-        with precision.autocast():
-            loss = F.cross_entropy(runner(images), targets)
-        optimizer.zero_grad(set_to_none=True)
-        precision.backward(loss)
-        precision.step(optimizer, model.parameters(), None)
-
+    step = _training_step(runner, model, optimizer, images, targets, precision)
     compile_s = None
     if item['mode'] == 'compiled':
         start = time.perf_counter()
@@ -119,6 +126,30 @@ def measure_model(item: dict, settings: dict) -> dict:
     seconds = median_seconds(step, settings['steps'], settings['warmup'], device)
     return {'params': sum(p.numel() for p in model.parameters()), 'step_ms': seconds * 1e3,
             'train_img_per_s': batch / seconds, 'peak_gib': memory.peak_mib() / 1024, 'compile_s': compile_s}
+
+
+def measure_pair(item: dict, settings: dict) -> dict:
+    """A goal's two models (eager) in one process, their training steps timed back to back round by round
+    (`harness.paired_ratios`, order rotated): `ratio` is the median per-round time(reference) / time(subject),
+    i.e. the subject's images/s over the reference's, with its quartiles. The `models` rows time each model in turn
+    over a few steps, so a host whose speed moves between them moves their ratio (two H200 hosts gave CRATE-T /
+    ViT-T 0.87x and 1.04x on 2026-11-27); a pair sees the same host within each round."""
+    import torch
+
+    device = torch.device(settings['device'])
+    precision = _precision(settings['dtype'], device)
+    steps = {}
+    for role in ('subject', 'reference'):
+        spec = item[role]
+        model, optimizer, images, targets = training_setup(spec['model'], settings['img_size'],
+                                                           settings['batch_size'], device, spec['kwargs'],
+                                                           spec['transforms'])
+        steps[role] = _training_step(model, model, optimizer, images, targets, precision)
+    paired = paired_ratios(steps, 'reference', settings['pair_rounds'], settings['warmup'], device)
+    got = paired['subject']
+    return {'ratio': got['ratio'], 'ratio_q1': got['ratio_q1'], 'ratio_q3': got['ratio_q3'],
+            'rounds': got['rounds'], 'subject_ms': got['median_s'] * 1e3,
+            'reference_ms': paired['reference']['median_s'] * 1e3}
 
 
 # ---- attention alone: SOFT / SOFT++ against SDPA ------------------------------------------------------------
@@ -235,7 +266,8 @@ def _measure_sparse_compiled(item: dict, settings: dict) -> dict:
 
 # ---- the worker ---------------------------------------------------------------------------------------------
 
-MEASURE = {'models': measure_model, 'attention': measure_attention, 'sparse': measure_sparse}
+MEASURE = {'pairs': measure_pair, 'models': measure_model, 'attention': measure_attention,
+           'sparse': measure_sparse}
 
 
 def _rows_of(item: dict, settings: dict) -> list:

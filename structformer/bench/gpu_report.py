@@ -33,9 +33,20 @@ def _attention(rows, name, tokens, mode) -> Optional[dict]:
                  and r['grid'][0] * r['grid'][1] == tokens), None)
 
 
+def _pair(rows, label, reference) -> Optional[dict]:
+    return next((r for r in rows if r['section'] == 'pairs' and r['subject']['label'] == label
+                 and r['reference']['label'] == reference), None)
+
+
 def _ratio_goal(rows, label, reference, target, name, text) -> dict:
+    """A training-speed goal: images/s of `label` over `reference`'s, per mode. Eager, the paired row (both steps
+    timed back to back in each round) is the measurement when it was taken; the `models` rows' ratio (each model
+    timed in turn) only without it, as a host's drift between them moves it."""
     measured = {}
-    for mode in ('eager', 'compiled'):
+    pair = _pair(rows, label, reference)
+    if _ok(pair, 'ratio'):
+        measured['eager, paired'] = pair['ratio']
+    for mode in ('eager', 'compiled') if 'eager, paired' not in measured else ('compiled',):
         a, b = _model(rows, label, mode), _model(rows, reference, mode)
         if _ok(a, 'train_img_per_s') and _ok(b, 'train_img_per_s'):
             measured[mode] = a['train_img_per_s'] / b['train_img_per_s']
@@ -123,6 +134,23 @@ def _model_table(rows, record) -> List[str]:
     return lines
 
 
+def _pair_table(rows) -> List[str]:
+    pairs = [r for r in rows if r['section'] == 'pairs']
+    if not pairs:
+        return []
+    lines = ["The goals' pairs, eager, the two training steps timed back to back in each round (one process): "
+             "images/s of the first over the second's, median of the rounds (quartiles), and each step's median ms:",
+             '', '| pair | speed ratio | rounds | ms | reference ms |', '|---|---|---|---|---|']
+    for r in pairs:
+        if _ok(r, 'ratio'):
+            cells = [f"{r['ratio']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})", str(r['rounds']),
+                     f"{r['subject_ms']:.1f}", f"{r['reference_ms']:.1f}"]
+        else:
+            cells = [_cell(r, '')] + ['-'] * 3
+        lines.append(f"| {r['label']} | " + ' | '.join(cells) + ' |')
+    return lines
+
+
 def _attention_cell(r: Optional[dict]) -> str:
     if not _forward(r):
         return _cell(r, '')
@@ -185,7 +213,9 @@ def render_markdown(record: Optional[dict], where: Optional[str] = None) -> str:
     head = (f"Record: `{where}`. " if where else '') + (
         f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, {record['date']}: `{record['command']}`, "
         f"{record['wall_s']:.0f} s of its {record['budget_s']:.0f} s budget.")
-    parts = [head, '', *_model_table(rows, record), '', *_attention_table(rows, record)]
+    pairs = _pair_table(rows)
+    parts = [head, '', *_model_table(rows, record), *([''] + pairs if pairs else []), '',
+             *_attention_table(rows, record)]
     for mode in ('eager', 'compiled'):
         table = _sparse_table(rows, record, mode)
         if table:
