@@ -298,9 +298,12 @@ def test_plan_deadlines_and_names():
     assert [s for s, m, _ in bench_gpu.SHARES if m == 'compiled'] == list(bench_gpu.COMPILED_ORDER)
     first = next(p for p in plan if p['mode'] == 'compiled')
     assert first['section'] == 'attention' and first['grid'][0] * first['grid'][1] == 8192
-    compiled_sizes = [p['grid'][0] * p['grid'][1] for p in plan
-                      if p['mode'] == 'compiled' and p['section'] == 'attention']
-    assert list(dict.fromkeys(compiled_sizes)) == [8192, 12544, 50176, 3136, 784]
+    compiled = [(p['attention'], p['grid'][0] * p['grid'][1]) for p in plan
+                if p['mode'] == 'compiled' and p['section'] == 'attention']
+    # SDPA and SOFT at the goal's sizes (smallest first), then SOFT++ there, then the rest largest first
+    assert compiled[:6] == [(a, n) for n in (8192, 12544, 50176) for a in ('softmax', 'soft')]
+    assert compiled[6:9] == [('softpp', n) for n in (8192, 12544, 50176)]
+    assert list(dict.fromkeys(n for _, n in compiled[9:])) == [3136, 784] and len(compiled) == 15
     assert ends['attention', 'compiled'] < ends['models', 'compiled'] < ends['sparse', 'compiled']
     from structformer.bench.gpu_measure import attention_compile_mode
     assert attention_compile_mode('cuda', 'inductor') == 'reduce-overhead'         # CUDA graphs on a GPU

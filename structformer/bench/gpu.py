@@ -117,12 +117,18 @@ def add_arguments(p):
 
 # ---- the plan ------------------------------------------------------------------------------------------------
 
-def _compiled_grid_order(grid) -> tuple:
-    """The compiled attention rows' order: the SOFT goal's sizes (from GOAL_SOFT_FROM tokens) first, smallest
-    first, as the goal's crossover is where the launch-bound eager forward lost (0.17x at 8,192 on an H200); then
-    the rest, largest first. Each compile with CUDA graphs takes seconds, so the budget may end part-way."""
-    n = grid[0] * grid[1]
-    return (0, n) if n >= GOAL_SOFT_FROM else (1, -n)
+GOAL_ATTENTIONS = ('softmax', 'soft')          # the two the SOFT goal compares
+
+
+def _compiled_attention_order(item: dict) -> tuple:
+    """The compiled attention rows' order: first SDPA and SOFT at the SOFT goal's sizes (from GOAL_SOFT_FROM
+    tokens), smallest first, as the goal's crossover is where the launch-bound eager forward lost (0.17x at 8,192 on
+    an H200); then SOFT++ at those sizes; then the rest, largest first. Each compile with CUDA graphs took 3.6-11 s
+    there, so the budget may end part-way, and on 2026-11-27 it ended after 8,192 tokens with SOFT++ in between."""
+    n = item['grid'][0] * item['grid'][1]
+    if n >= GOAL_SOFT_FROM:
+        return (0 if item['attention'] in GOAL_ATTENTIONS else 1, n, list(ATTENTIONS).index(item['attention']))
+    return (2, -n, list(ATTENTIONS).index(item['attention']))
 
 
 def _spec(model: tuple) -> dict:
@@ -149,10 +155,11 @@ def make_plan(size: dict, compiled: bool) -> List[dict]:
             for subject, reference in size.get('pairs', []):      # model's own graph, steady from step to step
                 sections['pairs'].append(dict(section='pairs', mode=mode, label=f"{subject} / {reference}",
                                               subject=_spec(models[subject]), reference=_spec(models[reference])))
-        grids = size['grids'] if mode == 'eager' else sorted(size['grids'], key=_compiled_grid_order)
-        for grid in grids:
+        for grid in size['grids']:
             for attention in ATTENTIONS:
                 sections['attention'].append(dict(section='attention', mode=mode, attention=attention, grid=grid))
+        if mode == 'compiled':
+            sections['attention'].sort(key=_compiled_attention_order)
         for n in sorted(size['sparse_tokens'], reverse=True):       # the goal's n = 4097 first
             for path in size['sparse_paths']:
                 sections['sparse'].append(dict(section='sparse', mode=mode, tokens=n, keep=SPARSE_KEEP, path=path))
