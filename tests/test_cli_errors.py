@@ -159,6 +159,8 @@ CASES = [
     # the training controls (timm train.py's names)
     ('sched-unknown', ['train', '--sched', 'plateau', '--output', OUT], ['--sched', 'multistep']),
     ('decay-rate-range', ['train', '--sched', 'step', '--decay-rate', '2', '--output', OUT], ['--decay-rate', '(0, 1]']),
+    ('poly-power-range', ['train', '--sched', 'poly', '--decay-rate', '0', '--output', OUT],
+     ['--decay-rate', '(0, 10]', 'power']),
     ('decay-milestones-order', ['train', '--sched', 'multistep', '--decay-milestones', '20', '10', '--output', OUT],
      ['--decay-milestones', 'increasing']),
     ('cooldown-too-long', ['train', '--epochs', '3', '--cooldown-epochs', '3', '--output', OUT], ['--cooldown-epochs']),

@@ -51,7 +51,37 @@ SCHEDULES = {
     'cosine-warmup-prefix': (dict(epochs=7, warmup_epochs=2, warmup_prefix=True, warmup_lr=0.0, min_lr=1e-3),
                              dict(sched='cosine', num_epochs=5, warmup_epochs=2, warmup_prefix=True, warmup_lr=0.0,
                                   min_lr=1e-3)),
+    'tanh-warmup-cooldown': (dict(epochs=9, sched='tanh', warmup_epochs=2, warmup_lr=1e-3, cooldown_epochs=2,
+                                  min_lr=1e-4),
+                             dict(sched='tanh', num_epochs=7, warmup_epochs=2, warmup_lr=1e-3, cooldown_epochs=2,
+                                  min_lr=1e-4)),
+    # poly's power is --decay-rate (here 2, above the (0, 1] a step factor may take)
+    'poly-power': (dict(epochs=7, sched='poly', decay_rate=2.0, min_lr=1e-4, warmup_epochs=1, warmup_lr=1e-3),
+                   dict(sched='poly', num_epochs=7, decay_rate=2.0, min_lr=1e-4, warmup_epochs=1, warmup_lr=1e-3)),
 }
+
+
+def test_every_accepted_schedule_is_a_timm_schedule_and_the_cli_offers_it():
+    """Each name the config accepts builds a timm scheduler (timm returns None for a name it does not know, which
+    would silently train at a constant lr), and `--sched`'s choices are exactly those names."""
+    from timm.scheduler import create_scheduler_v2
+
+    from structformer.cli import build_parser
+    from structformer.train.config_checks import SCHEDULES
+    for name in SCHEDULES:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler, _ = create_scheduler_v2(optimizer, sched=name, num_epochs=4, step_on_epochs=False,
+                                           updates_per_epoch=2)
+        assert (scheduler is None) == (name == 'none'), name
+    train_parser = build_parser()._subparsers._group_actions[0].choices['train']
+    sched = next(a for a in train_parser._actions if '--sched' in a.option_strings)
+    assert tuple(sched.choices) == SCHEDULES
+
+
+def test_the_plan_names_a_poly_schedule_with_its_power(capsys):
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '3', '--sched', 'poly',
+                 '--decay-rate', '2', '--min-lr', '1e-5', '--dry-run']) == 0
+    assert 'poly, warm-up 0.3 epochs from 1e-06, power 2, floor 1e-05' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('name', list(SCHEDULES))
@@ -61,6 +91,7 @@ def test_schedules_equal_timms_step_by_step(name, tmp_path):
     trained = [r['lr'] for r in result.history]
     assert len(trained) == ours['epochs']
     assert trained == pytest.approx(_timm_lrs(1e-2, ours['epochs'], **theirs), rel=1e-12, abs=0)
+    assert len(set(trained)) > 1                             # the schedule moved the lr
 
 
 def test_layer_decay_groups_are_timms(tmp_path):

@@ -116,13 +116,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--layer-decay', type=float, default=S, metavar='F',
                    help="layer-wise lr decay: each of the model's group_matcher groups at lr x F^(groups after it), "
                         "timm's param_groups_layer_decay (default: off)")
-    g.add_argument('--sched', choices=['cosine', 'step', 'multistep', 'none'], default=S,
-                   help='timm scheduler after the linear warm-up: cosine (default), step (x --decay-rate every '
-                        '--decay-epochs), multistep (x --decay-rate at each --decay-milestones) or none (constant)')
+    g.add_argument('--sched', choices=['cosine', 'tanh', 'poly', 'step', 'multistep', 'none'], default=S,
+                   help='timm scheduler after the linear warm-up: cosine (default) or tanh to --min-lr, poly to '
+                        '--min-lr with power --decay-rate, step (x --decay-rate every --decay-epochs), multistep '
+                        '(x --decay-rate at each --decay-milestones) or none (constant)')
     g.add_argument('--decay-epochs', type=float, default=S, metavar='N', help='step: epochs between decays (90)')
     g.add_argument('--decay-milestones', type=int, nargs='+', default=S, metavar='EPOCH',
                    help='multistep: the epochs to decay at (90 180 270)')
-    g.add_argument('--decay-rate', type=float, default=S, metavar='F', help='step / multistep factor (0.1)')
+    g.add_argument('--decay-rate', type=float, default=S, metavar='F',
+                   help="step / multistep factor; poly's power, as timm's train.py passes it (0.1)")
     g.add_argument('--cooldown-epochs', type=int, default=S, metavar='N',
                    help='the last N of --epochs at --min-lr (timm adds them after --epochs; here --epochs counts '
                         'them) (0)')

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..errors import UsageError
-from .config_checks import PHASE_SETTING_KEYS, SCHEDULES, validate_controls, validate_phase_settings, validate_schedule
+from .config_checks import (PHASE_SETTING_KEYS, SCHEDULES, SCHEDULES_ACCEPTED, validate_controls,
+                            validate_phase_settings, validate_schedule)
 from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name, read_yaml_mapping
 
 
@@ -50,9 +51,9 @@ class TrainConfig:
     opt_betas: Optional[List[float]] = None
     opt_eps: Optional[float] = None
     layer_decay: Optional[float] = None
-    # timm's schedulers (create_scheduler_v2), stepped per optimiser step: cosine, step (x decay_rate every
-    # decay_epochs), multistep (x decay_rate at each of decay_milestones) or none (constant); each after a linear
-    # warm-up of warmup_epochs from warmup_lr
+    # timm's schedulers (create_scheduler_v2), stepped per optimiser step: cosine, tanh, poly (power decay_rate),
+    # step (x decay_rate every decay_epochs), multistep (x decay_rate at each of decay_milestones) or none
+    # (constant); each after a linear warm-up of warmup_epochs from warmup_lr
     sched: str = 'cosine'
     decay_epochs: float = 90.0
     decay_milestones: List[int] = field(default_factory=lambda: [90, 180, 270])
@@ -230,7 +231,7 @@ class TrainConfig:
             ('recovery_interval', self.recovery_interval >= 0, '>= 0 (optimiser steps; 0 = none)'),
             ('limit_train_batches', self.limit_train_batches >= 0, '>= 0 (0 = all)'),
             ('num_workers', self.num_workers is None or 0 <= self.num_workers <= MAX_WORKERS, f'in [0, {MAX_WORKERS}]'),
-            ('sched', self.sched in SCHEDULES, "'cosine', 'step', 'multistep' or 'none'"),
+            ('sched', self.sched in SCHEDULES, SCHEDULES_ACCEPTED),
             ('keep_best', isinstance(self.keep_best, bool), 'true or false'),
             ('avg_last', 0 <= self.avg_last <= self.epochs, f'in [0, epochs={self.epochs}] (0 = off)'),
         ]

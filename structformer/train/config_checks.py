@@ -10,7 +10,11 @@ from .config_file import _KIND_WORDS, _coerce, _field_kind, flag_name
 # its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
 PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
                       'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
-SCHEDULES = ('cosine', 'step', 'multistep', 'none')
+# timm's schedules stepped per optimiser step (create_scheduler_v2 with step_on_epochs=False): cosine and tanh to
+# min_lr, poly to min_lr with power decay_rate (timm's train.py passes --decay-rate as poly's power), step, multistep;
+# 'none' keeps the optimiser's lr. Not 'plateau': it steps once an epoch on an eval metric (deprecated in timm)
+SCHEDULES = ('cosine', 'tanh', 'poly', 'step', 'multistep', 'none')
+SCHEDULES_ACCEPTED = "'cosine', 'tanh', 'poly', 'step', 'multistep' or 'none'"
 
 
 def validate_schedule(values: Dict[str, Any], where: str) -> None:
@@ -20,10 +24,13 @@ def validate_schedule(values: Dict[str, Any], where: str) -> None:
                          f"accepted {accepted}")
     epochs = values['epochs']
     if values['sched'] not in SCHEDULES:
-        bad('sched', "'cosine', 'step', 'multistep' or 'none'")
+        bad('sched', SCHEDULES_ACCEPTED)
     if not values['decay_epochs'] > 0:
         bad('decay_epochs', '> 0')
-    if not 0 < values['decay_rate'] <= 1:
+    if values['sched'] == 'poly':            # the polynomial's power, (1 - t/T)^decay_rate
+        if not 0 < values['decay_rate'] <= 10:
+            bad('decay_rate', 'in (0, 10] with --sched poly (its power)')
+    elif not 0 < values['decay_rate'] <= 1:
         bad('decay_rate', 'in (0, 1]')
     milestones = values['decay_milestones']
     if not (isinstance(milestones, list) and milestones and all(isinstance(m, int) and not isinstance(m, bool)

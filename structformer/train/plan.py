@@ -134,6 +134,20 @@ def check_phase_settings(config: TrainConfig, phases: List[Tuple[str, int]]) -> 
             config._validate_schedule(config.schedule_values(name, epochs), f"phase_settings.{name}.")
 
 
+def schedule_shape(values: dict) -> str:
+    """The schedule of `values` (TrainConfig.schedule_values) in words: its name, warm-up, and what it decays to."""
+    sched = values['sched']
+    shape = sched + (f", warm-up {values['warmup_epochs']:g} epochs from {values['warmup_lr']:.3g}"
+                     if sched != 'none' else '')
+    floor = f", floor {values['min_lr']:.3g}"
+    shape += {'cosine': floor, 'tanh': floor, 'poly': f", power {values['decay_rate']:g}{floor}",
+              'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
+              'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(sched, '')
+    if values['cooldown_epochs']:
+        shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
+    return shape
+
+
 def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str]:
     from .optim import scheduled_lr
     scale = config.lr_scale(world)
@@ -146,13 +160,7 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
     for name, epochs in phases:
         values = config.schedule_values(name, epochs if own else None)
         peak = values['lr'] * scale
-        shape = values['sched'] + (f", warm-up {values['warmup_epochs']:g} epochs from {values['warmup_lr']:.3g}"
-                                   if values['sched'] != 'none' else '')
-        shape += {'cosine': f", floor {values['min_lr']:.3g}",
-                  'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
-                  'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(values['sched'], '')
-        if values['cooldown_epochs']:
-            shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
+        shape = schedule_shape(values)
         if own:
             lines.append(f"  phase {name} (epochs {start + 1}-{start + epochs}): {values['opt']}, weight decay "
                          f"{values['weight_decay']:g}, peak {peak:.4g}; {shape}")
@@ -391,9 +399,7 @@ def dry_run(config: TrainConfig) -> str:
         when = f"from epoch {config.factorize_at + 1} on" if config.factorize_at else 'the whole run'
         factorised = (f"; x {config.factorize_lr_scale:g} while factorised ({when}): peak "
                       f"{peak * config.factorize_lr_scale:.4g}")
-    lines.append(f"lr            peak {peak:.4g} ({how}){factorised}; {values['sched']}"
-                 + (f", warm-up {values['warmup_epochs']:g} epochs from {values['warmup_lr']:.3g}, floor "
-                    f"{values['min_lr']:.3g}" if values['sched'] != 'none' else ''))
+    lines.append(f"lr            peak {peak:.4g} ({how}){factorised}; {schedule_shape(values)}")
     for key in ('min_lr', 'warmup_lr'):
         value = values[key]
         if values['sched'] != 'none' and value > peak:
