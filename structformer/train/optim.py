@@ -3,7 +3,7 @@
     param_groups      which parameters decay, and each group's lr_scale under --layer-decay (timm's
                       param_groups_weight_decay / param_groups_layer_decay, over the model's group_matcher)
     make_optimizer    timm's create_optimizer_v2 on those groups, with --opt-betas / --opt-eps
-    make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, step, multistep; 'none'
+    make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, tanh, poly, step, multistep; 'none'
                       is a constant lr), with --cooldown-epochs and a --warmup-prefix warm-up counted inside
                       --epochs
 
