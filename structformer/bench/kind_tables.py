@@ -7,8 +7,8 @@ measured by `record_kind` the entries are collected from the benchmarks' own rec
 (their 'kind_goals'), so the table equals what the benchmarks wrote; records from before the kind existed are
 transcribed by hand into their kind's record, each entry naming the file it was read from (or, where none was
 committed, saying so). `render` turns a kind record into its table; `update_docs` writes every table into
-docs/benchmarks.md between `<!-- kind-table KIND -->` and `<!-- /kind-table -->`; the tests check that each
-table there equals its record's render.
+docs/benchmarks.md between `<!-- kind-table KIND -->` and `<!-- /kind-table -->`, and `update_readme` README's
+table of every kind's verdicts side by side (`render_summary`); the tests check that each equals its render.
 
 `python -m structformer.bench.kind_tables record` (`make bench-records`) runs the benchmarks behind every goal on
 this machine at their goal settings, one after the other, writes their records into `docs/kinds/<this kind>/`
@@ -46,6 +46,13 @@ RECORDS = [
      ['models', '--pairs', '20', '--rounds', '1', '--steps', '3', '--modes', 'eager', '--output', '{out}']),
 ]
 START, END = '<!-- kind-table {kind} -->', '<!-- /kind-table -->'
+README_MD = DOCS_DIR.parent / 'README.md'
+# README's speed table: every kind's verdicts side by side (`render_summary`), between these markers
+SUMMARY_START, SUMMARY_END = '<!-- kind-summary -->', '<!-- /kind-summary -->'
+# the README's column names of the kinds met so far (a kind not named here is headed by its id), in this order
+KIND_LABELS = {'amd-avx2': 'AMD EPYC, AVX2 only', 'amd-avx512-bf16': 'AMD EPYC, AVX-512 + BF16 (Zen 5)',
+               'amd-avx512-bf16+cap-avx2': 'the same Zen 5, kernels capped to AVX2',
+               'intel-avx512-vnni': 'Intel Xeon, AVX-512 VNNI'}
 
 
 def _display(path: Path) -> str:
@@ -148,6 +155,61 @@ def render(record: dict) -> str:
     return '\n'.join(lines)
 
 
+def _provenance(folder_exists: bool, record: dict) -> str:
+    if folder_exists:
+        return 'measured by `make bench-records`'
+    if any(entry.get('record') for entry in record['goals']):
+        return 'transcribed from older records'
+    return 'transcribed, no record committed'
+
+
+def _summary_cell(entry: dict) -> str:
+    if entry.get('value') is None:
+        return '— (none committed)' if not entry.get('record') else '—'
+    value = entry['value']
+    text = f"{value:.2f}×" if value < 10 else f"{value:.1f}×"
+    threads = entry.get('threads')
+    notes = [note for note, on in ((f"{threads} threads", bool(threads) and threads != 1),
+                                   ('BUSY', entry.get('busy') is True), ('no record', not entry.get('record'))) if on]
+    return f"{text} {'met' if entry.get('met') else '**not met**'}" + (f" ({', '.join(notes)})" if notes else '')
+
+
+def render_summary(records: Dict[str, dict]) -> str:
+    """README's speed table: one row per goal of `kinds.GOALS`, one column per kind record (KIND_LABELS' order,
+    then any other), each cell the record's ratio and verdict, marked BUSY for a busy run's record and 'no record'
+    where the number was transcribed without a committed JSON; each column says how its numbers were obtained."""
+    order = [k for k in KIND_LABELS if k in records] + sorted(k for k in records if k not in KIND_LABELS)
+    head = ['goal (1 thread unless said)', 'target'] + [KIND_LABELS.get(k, k) for k in order]
+    lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head),
+             '| how measured | | ' + ' | '.join(_provenance((KINDS_DIR / k).is_dir(), records[k]) for k in order) + ' |']
+    for goal in GOALS:
+        entries = [next(e for e in records[k]['goals'] if e['goal'] == goal) for k in order]
+        target = entries[0]['target'].replace('>=', '≥').replace('<=', '≤') if entries else ''
+        lines.append(f"| {entries[0]['what'] if entries else goal} | {target} | "
+                     + ' | '.join(_summary_cell(e) for e in entries) + ' |')
+    return '\n'.join(lines)
+
+
+def update_readme(text: str, records: Dict[str, dict]) -> str:
+    """`text` (README.md) with its speed table between SUMMARY_START and SUMMARY_END rendered from `records`."""
+    pattern = re.compile(re.escape(SUMMARY_START) + r'\n.*?' + re.escape(SUMMARY_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"README has no {SUMMARY_START} ... {SUMMARY_END} section")
+    return pattern.sub(lambda _: f"{SUMMARY_START}\n{render_summary(records)}\n{SUMMARY_END}", text)
+
+
+def summary_in_readme(text: str) -> str:
+    match = re.search(re.escape(SUMMARY_START) + r'\n(.*?)\n' + re.escape(SUMMARY_END), text, re.S)
+    return match.group(1) if match else ''
+
+
+def write_docs() -> None:
+    """Every kind table in docs/benchmarks.md and README's speed table, from docs/kinds/*.json."""
+    records = kind_records()
+    BENCHMARKS_MD.write_text(update_docs(BENCHMARKS_MD.read_text(), records))
+    README_MD.write_text(update_readme(README_MD.read_text(), records))
+
+
 def kind_records() -> Dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(KINDS_DIR.glob('*.json'))}
 
@@ -187,9 +249,11 @@ def record_kind(threads: int, allow_busy: bool = False) -> int:
     text = BENCHMARKS_MD.read_text()
     if START.format(kind=kind) not in text:
         text = text.rstrip() + f"\n\n{START.format(kind=kind)}\n{END}\n"
-    BENCHMARKS_MD.write_text(update_docs(text, kind_records()))
+    BENCHMARKS_MD.write_text(text)
+    write_docs()
     minutes = (time.monotonic() - began) / 60
-    print(f"\nrecords of {kind} in {_display(folder)}, table in {_display(BENCHMARKS_MD)}: {minutes:.1f} min"
+    print(f"\nrecords of {kind} in {_display(folder)}, tables in {_display(BENCHMARKS_MD)} and "
+          f"{_display(README_MD)}: {minutes:.1f} min"
           + (f"; not updated (failed, or refused because the machine was busy): {', '.join(failed)}" if failed else ''))
     return 1 if failed else 0
 
@@ -201,11 +265,12 @@ def main(argv=None) -> int:
     rec.add_argument('--threads', type=int, default=1, help='torch threads for every benchmark (1)')
     rec.add_argument('--allow-busy', action='store_true',
                      help='write the records even from a busy run (their tables then say BUSY per goal)')
-    sub.add_parser('render', help='rewrite every kind table in docs/benchmarks.md from docs/kinds/*.json')
+    sub.add_parser('render', help="rewrite every kind table in docs/benchmarks.md and README's speed table from "
+                                  "docs/kinds/*.json")
     args = parser.parse_args(argv)
     if args.action == 'record':
         return record_kind(args.threads, args.allow_busy)
-    BENCHMARKS_MD.write_text(update_docs(BENCHMARKS_MD.read_text(), kind_records()))
+    write_docs()
     return 0
 
 
