@@ -149,6 +149,31 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     for r in (rows[2], rows[3], rows[5]):
         assert (19 * 4 + 20) / 400 <= r['density'] <= (19 * 8 + 20) / 400 and r['density'] == r['nnz'] / 400
     assert rows[4]['density'] == 1.0
+    # the attention alone split into its two parts, each timed against SDPA in the same rounds
+    core_row = rows[5]
+    assert core_row['predictor_ms'] > 0 and core_row['tiles_ms'] > 0
+    assert core_row['predictor_vs_dense'] > 0 and core_row['tiles_vs_dense'] > 0
+    assert f"predictor {core_row['predictor_vs_dense']:.2f}× + tiles {core_row['tiles_vs_dense']:.2f}×" in core_row['note']
+
+
+@pytest.mark.parametrize('impl', ['gather', 'kernel'])
+def test_the_timed_parts_of_the_attention_compose_to_it(impl):
+    """`core_parts`: the predictor's tiles, then the attention on them, is the core the goal times (the same function
+    of q, k, v), so the two parts' times split that core."""
+    from structformer.bench.sparse_attention import _block_core, _configure, core_parts
+    from structformer.functional import tile_kernel
+    from structformer.layers.attention.sparsifiner import SparsifinerAttention
+    if impl == 'kernel' and not tile_kernel.available():
+        pytest.skip(f'the tile kernel does not exist here: {tile_kernel.unavailable_reason()}')
+    torch.manual_seed(0)
+    layer = SparsifinerAttention(32, 2, qkv_bias=True, seq_len=37, block_size=8, basis_init='scaled').eval()
+    _configure(layer, f'block-{impl}', 0.3)
+    with torch.no_grad():
+        q, k, v = layer.project(torch.randn(2, 37, 32))
+        predict, attend = core_parts(layer, q, k, v)
+        tiles = predict()
+        assert tiles.shape[-1] == 2 and tiles.dtype == torch.long        # ⌈⌈0.3 · 37⌉ / 8⌉ = 2 of 5 key tiles
+        torch.testing.assert_close(attend(tiles), _block_core(layer, q, k, v, layer.impl))
 
 
 def test_every_module_row_is_paired_with_dense_sdpa(tmp_path, monkeypatch):

@@ -269,25 +269,49 @@ def _failure(e: Exception) -> str:
     return f"did not run: {type(e).__name__}: {first[:80]}"
 
 
+def core_parts(layer, q, k, v) -> tuple:
+    """(predict, attend): `_block_core`'s two parts on the layer's current path, `predict()` the kept tiles
+    (`predicted_tiles`) and `attend(tiles)` the attention on them (`tile_attention`); attend(predict()) is the core."""
+    from ..functional.sparsifiner import predicted_tiles, tile_attention
+
+    def predict():
+        return predicted_tiles(q, k, *layer.scoring_basis(q), layer.tau, layer.up_threshold, layer.keep_ratio,
+                               layer.block_size, layer.impl == 'kernel', layer.coef_topk, layer.logit_scale(q))
+
+    def attend(indices):
+        return tile_attention(q, k, v, indices, layer.block_size, int(layer.dense_cls_row), 0.0, layer.impl)
+    return predict, attend
+
+
 def _core_rows(layer, x, base: dict, args, block_path: str) -> list:
     """The attention operation alone, projections excluded: `block_sparse_attention` (predictor included; on
     `block_path`'s executor) against `F.scaled_dot_product_attention` on the same q, k, v, timed back to back
     (`harness.paired_ratios`, `--repeats` rounds). The projections are the same dense GEMMs in both
-    modules (at n = 577 they are 0.57 of dense MHSA FLOPs), so this is the part a sparse path can shorten."""
+    modules (at n = 577 they are 0.57 of dense MHSA FLOPs), so this is the part a sparse path can shorten.
+    Its two parts are timed in the same rounds, each against SDPA: the predictor (`predicted_tiles`, Eq. 1-3 on
+    tile means and the top tiles) and the attention on the tiles it picked (`tile_attention`, Eq. 4-6), so a
+    kind of CPU where the goal is missed shows which part misses it ('predictor_vs_dense', 'tiles_vs_dense')."""
     import torch
     import torch.nn.functional as F
+
     with torch.no_grad():
         q, k, v = layer.project(x)
+        predict, attend = core_parts(layer, q, k, v)
+        indices = predict()
     label = f'{block_path} core'
     calls = {'dense SDPA core': lambda: F.scaled_dot_product_attention(q, k, v),
-             label: lambda: _block_core(layer, q, k, v, layer.impl)}
+             label: lambda: _block_core(layer, q, k, v, layer.impl),
+             'predictor': predict, 'tiles': lambda: attend(indices)}
     with torch.no_grad():
         paired = paired_ratios(calls, 'dense SDPA core', args.repeats, args.warmup, x.device)
+    parts = {f'{part}_ms': paired[part]['median_s'] * 1e3 for part in ('predictor', 'tiles')}
+    parts.update({f'{part}_vs_dense': 1 / paired[part]['ratio'] for part in ('predictor', 'tiles')})
     counts = _block_gather_flops(layer, x[:1].detach())
     core_flops = (counts['sparse'] - counts['projections']) / (counts['dense'] - counts['projections'])
-    note = 'attention alone (projections excluded), paired with SDPA alone'
+    note = (f"attention alone (projections excluded), paired with SDPA alone: predictor "
+            f"{parts['predictor_vs_dense']:.2f}× + tiles {parts['tiles_vs_dense']:.2f}× SDPA's time")
     n = x.shape[1]
-    return [dict(base, path=label, ms=paired[label]['median_s'] * 1e3,
+    return [dict(base, path=label, ms=paired[label]['median_s'] * 1e3, **parts,
                  vs_dense=1 / paired[label]['ratio'], flops_vs_dense=core_flops, nnz=counts['nnz'],
                  vs_dense_q1=1 / paired[label]['ratio_q3'], vs_dense_q3=1 / paired[label]['ratio_q1'],
                  density=counts['nnz'] / (n * n), note=note),
@@ -341,6 +365,8 @@ def kind_goals(rows, args, env: dict, load) -> list:
     best = min(core, key=lambda r: r['vs_dense'])
     whole = [r for r in rows if r['tokens'] == n and r['keep'] == keep and r['path'] == best['path'][:-5]]
     detail = (f"{best['path'][:-5]}, realised key density {best['density']:.3f}"
+              + (f"; predictor {best['predictor_vs_dense']:.2f}× + tiles {best['tiles_vs_dense']:.2f}× SDPA's time"
+                 if 'tiles_vs_dense' in best else '')
               + (f"; whole module {whole[0]['vs_dense']:.2f}×" if whole else ''))
     quartiles = [best['vs_dense_q1'], best['vs_dense_q3']] if 'vs_dense_q1' in best else None
     share = best.get('flops_vs_dense')
