@@ -279,3 +279,15 @@ def test_block_kernel_rows_in_inference_and_training(tmp_path):
     assert run_bench(_args('--train', *common)) == 0
     rows = {r['path']: r for r in json.loads(out.read_text())['rows']}
     assert rows['block-gather']['ms'] > 0 and rows['block-kernel']['ms'] > 0 and rows['dense SDPA']['ms'] > 0
+
+
+def test_the_docs_quote_the_committed_split_of_the_attention_time():
+    """docs/sparsifiner.md's predictor / tiles split is its record's (docs/sparsifiner/cpu_577_t1_parts.json)."""
+    from pathlib import Path
+    docs = Path(__file__).resolve().parents[1] / 'docs'
+    record = json.loads((docs / 'sparsifiner' / 'cpu_577_t1_parts.json').read_text())
+    row = next(r for r in record['rows'] if r['path'] == 'block-kernel core')
+    assert record['machine_load']['busy'] is False and record['environment']['threads'] == 1
+    page = ' '.join((docs / 'sparsifiner.md').read_text().split())
+    assert (f"predictor took {row['predictor_vs_dense']:.2f}× and the tiles {row['tiles_vs_dense']:.2f}× SDPA's time "
+            f"({row['vs_dense']:.2f}× together" in page)
