@@ -262,6 +262,12 @@ def test_markdown_of_a_record_and_the_doc_section():
         replace_section('no markers', text, bench_gpu.BEGIN, bench_gpu.END)
     assert render_markdown(None) == NO_RECORD
     assert 'paired' not in text                        # no pairs measured, no pair table
+    # a core row with its predictor / tiles split shows both
+    core = _row('sparse', 'eager', tokens=4097, keep=0.25, path='block-gather core', ms=0.8, vs_dense=0.7, density=0.3,
+                predictor_vs_dense=0.5, tiles_vs_dense=0.25)
+    split = render_markdown(dict(record, rows=rows + [core]))
+    assert '0.80 (0.70x, 0.300; predictor 0.50x + tiles 0.25x)' in split and "its tiles' times over SDPA's" in split
+    assert "its tiles' times" not in text
     paired = render_markdown(dict(record, rows=rows + [_pair_row('CRATE-T', 'ViT-T', 0.95),
                                                          _pair_row('ViT-S factorised rank 0.25', 'ViT-S', 0, 'oom')]))
     assert '| CRATE-T / ViT-T | 0.950 (0.930–0.960) | 20 | 22.0 | 20.0 |' in paired

@@ -176,6 +176,13 @@ def _attention_table(rows, record) -> List[str]:
     return lines
 
 
+def _parts(row: dict) -> str:
+    """'; predictor 0.50x + tiles 0.40x': a core row's two parts, each against SDPA's time (bench sparse-attention)."""
+    if row.get('predictor_vs_dense') is None or row.get('tiles_vs_dense') is None:
+        return ''
+    return f"; predictor {row['predictor_vs_dense']:.2f}x + tiles {row['tiles_vs_dense']:.2f}x"
+
+
 def _sparse_table(rows, record, mode) -> List[str]:
     s = record['settings']
     mine = [r for r in rows if r['section'] == 'sparse' and r['mode'] == mode]
@@ -183,11 +190,13 @@ def _sparse_table(rows, record, mode) -> List[str]:
         return []
     tokens = sorted({r['tokens'] for r in mine})
     paths = list(dict.fromkeys(r['path'] for r in mine if not r['path'].startswith('dense SDPA')))
+    split = ("; in `core` rows also its predictor's and its tiles' times over SDPA's" if any(_parts(r) for r in mine)
+             else '')
     title = ('eager (flex paths compile their kernel in any case)' if mode == 'eager'
              else 'the layer and the dense module both under torch.compile')
     lines = [f"Sparsifiner MHSA (DeiT-S layer: d 384, 6 heads, predictor included; batch {s['sparse_batch']}, "
              f"{s['dtype']}, inference), keep {mine[0]['keep']:g}, {title}: ms (time over dense SDPA's, realised key "
-             "density); `core` rows: the attention alone against SDPA alone:", '',
+             f"density{split}); `core` rows: the attention alone against SDPA alone:", '',
              '| n | dense SDPA ms | ' + ' | '.join(paths) + ' |', '|---|---|' + '---|' * len(paths)]
     for n in tokens:
         dense = [r['ms'] if 'ms' in r and r['path'] == 'dense SDPA' else r.get('dense_ms')
@@ -195,7 +204,7 @@ def _sparse_table(rows, record, mode) -> List[str]:
         cells = [f"{statistics.median(dense):.2f}" if dense else '-']
         for path in paths:
             r = next((x for x in mine if x['tokens'] == n and x['path'] == path), None)
-            value = (f"{r['ms']:.2f} ({r['vs_dense']:.2f}x, {r['density']:.3f})" if _ok(r, 'ms') and
+            value = (f"{r['ms']:.2f} ({r['vs_dense']:.2f}x, {r['density']:.3f}{_parts(r)})" if _ok(r, 'ms') and
                      r.get('density') is not None else '')
             if r and r.get('status') == 'ok' and not value:       # measure's own skip or failure note
                 value = 'skipped (memory)' if str(r.get('note', '')).startswith('skipped') else 'did not run'
