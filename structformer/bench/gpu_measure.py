@@ -137,13 +137,13 @@ def measure_pair(item: dict, settings: dict) -> dict:
     import torch
 
     device = torch.device(settings['device'])
-    precision = _precision(settings['dtype'], device)
     steps = {}
     for role in ('subject', 'reference'):
         spec = item[role]
         model, optimizer, images, targets = training_setup(spec['model'], settings['img_size'],
                                                            settings['batch_size'], device, spec['kwargs'],
                                                            spec['transforms'])
+        precision = _precision(settings['dtype'], device)        # each model its own (a float16 loss scaler)
         steps[role] = _training_step(model, model, optimizer, images, targets, precision)
     paired = paired_ratios(steps, 'reference', settings['pair_rounds'], settings['warmup'], device)
     got = paired['subject']
