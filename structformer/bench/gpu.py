@@ -91,8 +91,9 @@ SIZES = {
 # up 0.08 to the compiled attention rows, about 40 s at 200 s. The eager pairs come first, as they decide two
 # goals: on that H200 a ViT-T and a CRATE-T step took ~20 ms, so 20 rounds of a pair are about 2 s after setup, but
 # the worker's first item also pays CUDA's start (seconds); the models' cumulative deadline is as before.)
-SHARES = (('pairs', 'eager', 0.08), ('models', 'eager', 0.24), ('attention', 'eager', 0.09), ('sparse', 'eager', 0.21),
-          ('attention', 'compiled', 0.17), ('models', 'compiled', 0.14), ('sparse', 'compiled', 0.07))
+SHARES = (('pairs', 'eager', 0.08), ('models', 'eager', 0.24), ('attention', 'eager', 0.09),
+          ('sparse', 'eager', 0.21), ('attention', 'compiled', 0.17), ('models', 'compiled', 0.14),
+          ('sparse', 'compiled', 0.07))
 COMPILED_ORDER = ('attention', 'models', 'sparse')
 RECORDS = Path('docs') / 'gpu'                 # under the folder it is run from: the repository's root
 
@@ -138,8 +139,8 @@ def _spec(model: tuple) -> dict:
 
 
 def make_plan(size: dict, compiled: bool) -> List[dict]:
-    """Every item to measure, in order: eager (the goals' model pairs, models, attention, Sparsifiner), then the compiled ones in
-    `COMPILED_ORDER`, the same order as their `SHARES` (a section's deadline is cumulative)."""
+    """Every item to measure, in order: eager (the goals' model pairs, models, attention, Sparsifiner), then the
+    compiled ones in `COMPILED_ORDER`, the same order as their `SHARES` (a section's deadline is cumulative)."""
     models = {m[0]: m for m in MODELS}
     items = []
     for mode in ('eager', 'compiled') if compiled else ('eager',):
