@@ -58,6 +58,21 @@ SCHEDULES = {
     # poly's power is --decay-rate (here 2, above the (0, 1] a step factor may take)
     'poly-power': (dict(epochs=7, sched='poly', decay_rate=2.0, min_lr=1e-4, warmup_epochs=1, warmup_lr=1e-3),
                    dict(sched='poly', num_epochs=7, decay_rate=2.0, min_lr=1e-4, warmup_epochs=1, warmup_lr=1e-3)),
+    # restarts: our --epochs holds every cycle (and the cooldown); timm's num_epochs is one cycle (its train.py runs
+    # --epochs per cycle): 2 equal cycles of 4 in 8 + 1 epochs, then cycles of 3 and 6 (mul 2) in 9
+    'cosine-two-cycles': (dict(epochs=9, lr_cycle_limit=2, lr_cycle_decay=0.5, cooldown_epochs=1, min_lr=1e-4),
+                          dict(sched='cosine', num_epochs=4, cycle_limit=2, cycle_decay=0.5, cooldown_epochs=1,
+                               min_lr=1e-4, warmup_epochs=0)),
+    'tanh-growing-cycles': (dict(epochs=9, sched='tanh', lr_cycle_limit=2, lr_cycle_mul=2.0, lr_cycle_decay=0.8,
+                                 min_lr=1e-4),
+                            dict(sched='tanh', num_epochs=3, cycle_limit=2, cycle_mul=2.0, cycle_decay=0.8,
+                                 min_lr=1e-4, warmup_epochs=0)),
+    'poly-k-decay': (dict(epochs=6, sched='poly', decay_rate=0.5, lr_k_decay=2.0, min_lr=1e-4),
+                     dict(sched='poly', num_epochs=6, decay_rate=0.5, k_decay=2.0, min_lr=1e-4, warmup_epochs=0)),
+    # the noise's seed is the run's --seed, as timm's train.py passes it
+    'cosine-noise': (dict(epochs=8, seed=3, lr_noise=[0.25, 0.75], lr_noise_pct=0.4, lr_noise_std=0.5, min_lr=1e-4),
+                     dict(sched='cosine', num_epochs=8, noise=[0.25, 0.75], noise_pct=0.4, noise_std=0.5,
+                          noise_seed=3, min_lr=1e-4, warmup_epochs=0)),
 }
 
 
@@ -78,10 +93,24 @@ def test_every_accepted_schedule_is_a_timm_schedule_and_the_cli_offers_it():
     assert tuple(sched.choices) == SCHEDULES
 
 
+def test_noise_moves_the_lr_only_inside_its_span(tmp_path):
+    """--lr-noise 0.25 0.75 over 8 epochs: the lr equals the noiseless cosine outside epochs 2-5 and not inside."""
+    from structformer.train.optim import scheduled_lr
+    values = TrainConfig(**dict(vars(_tiny(tmp_path, epochs=8)), lr_noise=[0.25, 0.75])).schedule_values()
+    plain = scheduled_lr(dict(values, lr_noise=None), 1e-2, 1, list(range(1, 9)))
+    noisy = scheduled_lr(values, 1e-2, 1, list(range(1, 9)))
+    moved = [a != b for a, b in zip(plain, noisy)]
+    assert moved == [False, True, True, True, True, False, False, False]
+
+
 def test_the_plan_names_a_poly_schedule_with_its_power(capsys):
     assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '3', '--sched', 'poly',
                  '--decay-rate', '2', '--min-lr', '1e-5', '--dry-run']) == 0
     assert 'poly, warm-up 0.3 epochs from 1e-06, power 2, floor 1e-05' in capsys.readouterr().out
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '6', '--lr-cycle-limit', '3',
+                 '--lr-k-decay', '2', '--lr-noise', '0.5', '--seed', '4', '--dry-run']) == 0
+    assert ('cosine, warm-up 0.6 epochs from 1e-06, floor 1e-06, 3 cycles (each x1 as long, its peak x0.5), '
+            'k-decay 2, lr noise over 0.5 of a cycle (std 1, within 0.67 of the lr, seed 4)') in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('name', list(SCHEDULES))

@@ -125,6 +125,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='multistep: the epochs to decay at (90 180 270)')
     g.add_argument('--decay-rate', type=float, default=S, metavar='F',
                    help="step / multistep factor; poly's power, as timm's train.py passes it (0.1)")
+    g.add_argument('--lr-cycle-limit', type=int, default=S, metavar='N',
+                   help="cosine / tanh / poly restarts: N cycles, all inside --epochs (timm's train.py runs --epochs "
+                        "per cycle) (1)")
+    g.add_argument('--lr-cycle-mul', type=float, default=S, metavar='F', help='each cycle F x the last one (1)')
+    g.add_argument('--lr-cycle-decay', type=float, default=S, metavar='F', help="each cycle's peak x F (0.5)")
+    g.add_argument('--lr-k-decay', type=float, default=S, metavar='K', help="timm's k-decay of cosine / poly (1)")
+    g.add_argument('--lr-noise', type=float, nargs='+', default=S, metavar='FRACTION',
+                   help="timm's lr noise from (and to) these fractions of a cycle, e.g. 0.4 0.9 (off)")
+    g.add_argument('--lr-noise-pct', type=float, default=S, metavar='P', help='the noise kept within P of the lr (0.67)')
+    g.add_argument('--lr-noise-std', type=float, default=S, metavar='S', help="the noise's std (1)")
     g.add_argument('--cooldown-epochs', type=int, default=S, metavar='N',
                    help='the last N of --epochs at --min-lr (timm adds them after --epochs; here --epochs counts '
                         'them) (0)')

@@ -58,6 +58,16 @@ class TrainConfig:
     decay_epochs: float = 90.0
     decay_milestones: List[int] = field(default_factory=lambda: [90, 180, 270])
     decay_rate: float = 0.1
+    # timm train.py's restarts (cosine, tanh, poly: the schedule's epochs split into lr_cycle_limit cycles, each
+    # lr_cycle_mul x as long as the one before, its peak x lr_cycle_decay; timm runs --epochs per cycle instead),
+    # --lr-k-decay (cosine, poly) and --lr-noise (on / off points as fractions of a cycle) with its pct and std
+    lr_cycle_mul: float = 1.0
+    lr_cycle_decay: float = 0.5
+    lr_cycle_limit: int = 1
+    lr_k_decay: float = 1.0
+    lr_noise: Optional[List[float]] = None
+    lr_noise_pct: float = 0.67
+    lr_noise_std: float = 1.0
     # the last cooldown_epochs of `epochs` at min_lr (timm train.py adds them after --epochs; here --epochs
     # counts them, so phases, checkpoints and resume see one epoch count)
     cooldown_epochs: int = 0
@@ -403,6 +413,7 @@ class TrainConfig:
         values['lr'] = self.lr if self.lr_base is None else self.lr_base
         values.update(own)
         values['epochs'] = self.epochs if epochs is None else epochs
+        values['seed'] = self.seed                     # --lr-noise's seed, as timm's train.py passes --seed
         if values['warmup_epochs'] is None:
             values['warmup_epochs'] = min(2.0, values['epochs'] / 10)
         for key in ('warmup_lr', 'min_lr'):

@@ -9,7 +9,10 @@ from .config_file import _KIND_WORDS, _coerce, _field_kind, flag_name
 # what a phase may set for itself (`phase_settings`): its own optimiser (fresh state) and its own schedule over
 # its epochs, as Sparsifiner's public code gives each stage; keys and meanings as the run-wide ones
 PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
-                      'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs')
+                      'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs', 'lr_cycle_mul',
+                      'lr_cycle_decay', 'lr_cycle_limit', 'lr_k_decay', 'lr_noise', 'lr_noise_pct', 'lr_noise_std')
+CYCLING = ('cosine', 'tanh', 'poly')             # the schedules timm restarts (cycle_mul / decay / limit)
+K_DECAYING = ('cosine', 'poly')                  # the schedules with timm's k-decay
 # timm's schedules stepped per optimiser step (create_scheduler_v2 with step_on_epochs=False): cosine and tanh to
 # min_lr, poly to min_lr with power decay_rate (timm's train.py passes --decay-rate as poly's power), step, multistep;
 # 'none' keeps the optimiser's lr. Not 'plateau': it steps once an epoch on an eval metric (deprecated in timm)
@@ -41,6 +44,38 @@ def validate_schedule(values: Dict[str, Any], where: str) -> None:
         bad('cooldown_epochs', f'in [0, epochs={epochs})')
     if not 0 <= values['warmup_epochs'] < epochs - values['cooldown_epochs']:
         bad('warmup_epochs', f"in [0, epochs - cooldown_epochs = {epochs - values['cooldown_epochs']})")
+    _validate_shape(values, bad)
+
+
+def _validate_shape(values: Dict[str, Any], bad) -> None:
+    """Restarts, k-decay and noise: their ranges, and only on the schedules timm applies them to."""
+    sched = values['sched']
+    limit = values['lr_cycle_limit']
+    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
+        bad('lr_cycle_limit', 'a whole number of cycles >= 1')
+    if not values['lr_cycle_mul'] > 0:
+        bad('lr_cycle_mul', '> 0')
+    if not 0 < values['lr_cycle_decay'] <= 1:
+        bad('lr_cycle_decay', 'in (0, 1]')
+    if limit > 1 and sched not in CYCLING:
+        bad('lr_cycle_limit', f"1 with --sched {sched}: restarts apply to {', '.join(CYCLING)}")
+    if not values['lr_k_decay'] > 0:
+        bad('lr_k_decay', '> 0')
+    if values['lr_k_decay'] != 1 and sched not in K_DECAYING:
+        bad('lr_k_decay', f"1 with --sched {sched}: k-decay applies to {', '.join(K_DECAYING)}")
+    noise = values['lr_noise']
+    if noise is not None:
+        if not (isinstance(noise, list) and len(noise) in (1, 2) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in noise)
+                and noise == sorted(noise)):
+            bad('lr_noise', 'one or two increasing fractions of a cycle in [0, 1], e.g. 0.4 0.9')
+        if sched == 'none':
+            bad('lr_noise', "unset with --sched none (no schedule to add noise to)")
+    if not values['lr_noise_pct'] > 0:        # timm redraws until |noise| < pct: 0 would never end
+        bad('lr_noise_pct', '> 0')
+    if not values['lr_noise_std'] > 0:
+        bad('lr_noise_std', '> 0')
+
 
 def validate_controls(config) -> None:
     """Betas, eps, layer decay, BCE: ranges and what they need."""

@@ -3,9 +3,9 @@
     param_groups      which parameters decay, and each group's lr_scale under --layer-decay (timm's
                       param_groups_weight_decay / param_groups_layer_decay, over the model's group_matcher)
     make_optimizer    timm's create_optimizer_v2 on those groups, with --opt-betas / --opt-eps
-    make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, tanh, poly, step, multistep; 'none'
-                      is a constant lr), with --cooldown-epochs and a --warmup-prefix warm-up counted inside
-                      --epochs
+    make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, tanh, poly, step, multistep;
+                      'none' is a constant lr), with --cooldown-epochs, a --warmup-prefix warm-up and every
+                      restart (--lr-cycle-*) counted inside --epochs; --lr-k-decay, --lr-noise as timm's
 
 `values` is `TrainConfig.schedule_values()`: the run's settings, or a phase's (`phase_settings`) over them.
 The trainer and `--dry-run` both call these, so the plan prints the learning rates training will use.
@@ -80,12 +80,18 @@ def make_scheduler(optimizer: torch.optim.Optimizer, values: Dict[str, Any], ste
     cooldown = values['cooldown_epochs']
     # with --warmup-prefix timm runs the schedule proper after the warm-up: it gets the epochs left after it
     prefix = values['warmup_epochs'] if values['warmup_prefix'] else 0
+    # restarts: the schedule's epochs hold every cycle, the first of length T with T·Σ mul^i = those epochs (timm's
+    # train.py runs --epochs per cycle and adds them; here --epochs counts them all, as it counts the cooldown)
+    cycles = values['lr_cycle_limit'] if values['sched'] in ('cosine', 'tanh', 'poly') else 1
+    first_cycle = (values['epochs'] - cooldown - prefix) / sum(values['lr_cycle_mul'] ** i for i in range(cycles))
     scheduler, _ = create_scheduler_v2(
-        optimizer, sched=values['sched'], num_epochs=values['epochs'] - cooldown - prefix,
+        optimizer, sched=values['sched'], num_epochs=first_cycle,
         decay_epochs=values['decay_epochs'], decay_milestones=list(values['decay_milestones']), cooldown_epochs=cooldown,
         decay_rate=values['decay_rate'], min_lr=values['min_lr'], warmup_lr=values['warmup_lr'],
         warmup_epochs=values['warmup_epochs'], warmup_prefix=values['warmup_prefix'], step_on_epochs=False,
-        updates_per_epoch=steps_per_epoch)
+        updates_per_epoch=steps_per_epoch, cycle_mul=values['lr_cycle_mul'], cycle_decay=values['lr_cycle_decay'],
+        cycle_limit=cycles, k_decay=values['lr_k_decay'], noise=values['lr_noise'], noise_pct=values['lr_noise_pct'],
+        noise_std=values['lr_noise_std'], noise_seed=values['seed'])
     return scheduler
 
 

@@ -143,6 +143,15 @@ def schedule_shape(values: dict) -> str:
     shape += {'cosine': floor, 'tanh': floor, 'poly': f", power {values['decay_rate']:g}{floor}",
               'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
               'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(sched, '')
+    if sched in ('cosine', 'tanh', 'poly') and values['lr_cycle_limit'] > 1:
+        shape += (f", {values['lr_cycle_limit']} cycles (each x{values['lr_cycle_mul']:g} as long, its peak "
+                  f"x{values['lr_cycle_decay']:g})")
+    if values['lr_k_decay'] != 1:
+        shape += f", k-decay {values['lr_k_decay']:g}"
+    if values['lr_noise'] is not None:
+        span = '-'.join(f"{x:g}" for x in values['lr_noise'])
+        shape += (f", lr noise over {span} of a cycle (std {values['lr_noise_std']:g}, within "
+                  f"{values['lr_noise_pct']:g} of the lr, seed {values['seed']})")
     if values['cooldown_epochs']:
         shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
     return shape
