@@ -110,7 +110,7 @@ def test_the_plan_names_a_poly_schedule_with_its_power(capsys):
     assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '6', '--lr-cycle-limit', '3',
                  '--lr-k-decay', '2', '--lr-noise', '0.5', '--seed', '4', '--dry-run']) == 0
     assert ('cosine, warm-up 0.6 epochs from 1e-06, floor 1e-06, 3 cycles (each x1 as long, its peak x0.5), '
-            'k-decay 2, lr noise over 0.5 of a cycle (std 1, within 0.67 of the lr, seed 4)') in capsys.readouterr().out
+            'k-decay 2, lr noise from 0.5 of a cycle on (std 1, |noise| < 0.67 of the lr, seed 4)') in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('name', list(SCHEDULES))

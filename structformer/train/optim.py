@@ -15,6 +15,7 @@ from typing import Any, Collection, Dict, List, Optional
 import torch
 
 from ..errors import UsageError
+from .config_checks import CYCLING
 
 __all__ = ['param_groups', 'make_optimizer', 'make_scheduler', 'scheduled_lr']
 
@@ -82,7 +83,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, values: Dict[str, Any], ste
     prefix = values['warmup_epochs'] if values['warmup_prefix'] else 0
     # restarts: the schedule's epochs hold every cycle, the first of length T with T·Σ mul^i = those epochs (timm's
     # train.py runs --epochs per cycle and adds them; here --epochs counts them all, as it counts the cooldown)
-    cycles = values['lr_cycle_limit'] if values['sched'] in ('cosine', 'tanh', 'poly') else 1
+    cycles = values['lr_cycle_limit'] if values['sched'] in CYCLING else 1
     first_cycle = (values['epochs'] - cooldown - prefix) / sum(values['lr_cycle_mul'] ** i for i in range(cycles))
     scheduler, _ = create_scheduler_v2(
         optimizer, sched=values['sched'], num_epochs=first_cycle,

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 from .config import TrainConfig
+from .config_checks import CYCLING
 from .recipes import load_recipe, recipe_model_relation
 
 # --data forms a dry run reads: bundled or small, in memory (imagefolder decodes every image once and text
@@ -143,15 +144,16 @@ def schedule_shape(values: dict) -> str:
     shape += {'cosine': floor, 'tanh': floor, 'poly': f", power {values['decay_rate']:g}{floor}",
               'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
               'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(sched, '')
-    if sched in ('cosine', 'tanh', 'poly') and values['lr_cycle_limit'] > 1:
+    if sched in CYCLING and values['lr_cycle_limit'] > 1:
         shape += (f", {values['lr_cycle_limit']} cycles (each x{values['lr_cycle_mul']:g} as long, its peak "
                   f"x{values['lr_cycle_decay']:g})")
     if values['lr_k_decay'] != 1:
         shape += f", k-decay {values['lr_k_decay']:g}"
-    if values['lr_noise'] is not None:
-        span = '-'.join(f"{x:g}" for x in values['lr_noise'])
-        shape += (f", lr noise over {span} of a cycle (std {values['lr_noise_std']:g}, within "
-                  f"{values['lr_noise_pct']:g} of the lr, seed {values['seed']})")
+    noise = values['lr_noise']
+    if noise is not None:
+        span = f"from {noise[0]:g} of a cycle on" if len(noise) == 1 else f"over {noise[0]:g}-{noise[1]:g} of a cycle"
+        shape += (f", lr noise {span} (std {values['lr_noise_std']:g}, |noise| < {values['lr_noise_pct']:g} of the "
+                  f"lr, seed {values['seed']})")
     if values['cooldown_epochs']:
         shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
     return shape
