@@ -113,6 +113,21 @@ def test_goal_b_is_judged_on_the_paired_ratio(tmp_path, capsys):
     assert 'paired forward at 256 tokens' in capsys.readouterr().out
 
 
+def test_the_profile_is_kept_in_the_record(tmp_path, capsys):
+    """--profile (as `make bench-records` runs the SOFT goal's benchmark): the profiler's table of SOFT's forward at
+    the largest n is printed and kept in the JSON, so a kind that misses the goal has its breakdown on record."""
+    out = tmp_path / 'attention.json'
+    args = _args('--base-tokens', '64', '--multipliers', '1', '4', '--attn', 'softmax', 'soft', '--landmarks', '16',
+                 '--repeats', '2', '--warmup', '0', '--in-process', '--profile', '--output', str(out))
+    assert run_attention_bench(args) == 0
+    profiled = json.loads(out.read_text())['profile']
+    assert profiled['attention'] == 'soft' and profiled['tokens'] == 256
+    assert 'aten::' in profiled['table'] and profiled['table'] in capsys.readouterr().out
+    args = _args('--base-tokens', '64', '--multipliers', '1', '--attn', 'soft', '--landmarks', '16', '--repeats', '1',
+                 '--warmup', '0', '--in-process', '--output', str(out))
+    assert run_attention_bench(args) == 0 and json.loads(out.read_text())['profile'] is None
+
+
 def test_goal_b_falls_back_to_sweep_medians_without_pairs():
     rows = [{'attention': a, 'tokens': 12544, 'forward_ms': ms, 'skipped': False} for a, ms in
             (('softmax', 400.0), ('soft', 8.0))]

@@ -192,3 +192,12 @@ def test_the_flop_ratios_are_the_goals_arithmetic():
     """Monarch at n 4096 with 64 blocks: n² / (2·n·64) = 32; RP-Mixer permutes the Mixer's own products: 1."""
     ratios = kind_tables.goal_flop_ratios()
     assert ratios['monarch_step'] == 32 and ratios['rp_mixer_step'] == 1
+
+
+def test_a_records_command_is_the_one_that_made_it():
+    """RECORDS' attention command gained --profile; records made without it show their command without it."""
+    arguments = next(a for name, _, a in kind_tables.RECORDS if name == 'attention.json')
+    assert '--profile' in arguments
+    assert '--profile' not in kind_tables._as_run(arguments, {'profile': False, 'pairs': 20})
+    assert kind_tables._as_run(arguments, {'profile': True}) == arguments == kind_tables._as_run(arguments, {})
+    assert kind_tables._as_run(['x', '--pairs', '20'], {'pairs': 0}) == ['x', '--pairs', '20']    # a value, kept

@@ -481,15 +481,18 @@ def run(args) -> int:
     print_report(rows, goals, args, env, paired)
     entries = soft_goal_entries(goals, env, run_record())
     print('\n'.join(verdict_line(entry) for entry in entries))
-    if args.profile:
+    profiled = None
+    if args.profile:                # kept in the record: on a kind that misses the SOFT goal, where the time went
         target = next((a for a in args.attn if a in ('soft', 'softpp')), args.attn[0])
         grid = grid_for(args.base_tokens, max(args.multipliers))
         print(f"\nprofile: {target} forward at {grid[0] * grid[1]} tokens ({args.repeats} runs)")
-        print(profile_forward(target, grid, args))
+        profiled = {'attention': target, 'tokens': grid[0] * grid[1], 'table': profile_forward(target, grid, args)}
+        print(profiled['table'])
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
         record = {'settings': settings, 'torch': env['torch'], 'environment': env, 'goals': goals,
-                  'kind_goals': entries, 'rows': rows, 'paired': paired, 'machine_load': run_record()}
+                  'kind_goals': entries, 'rows': rows, 'paired': paired, 'profile': profiled,
+                  'machine_load': run_record()}
         written = write_record(args.output, record, args.allow_busy)      # elsewhere if busy and bound for docs/
         png = os.path.splitext(written)[0] + '.png'
         drawn = write_png(png, lambda plt: plot(rows, plt))

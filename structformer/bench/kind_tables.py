@@ -39,7 +39,7 @@ RECORDS = [
       '--repeats', '30', '--json', '{out}']),
     ('attention.json', ('soft_sdpa',),
      ['attention', '--attn', 'softmax', 'soft', 'softpp', '--multipliers', '1', '16', '--repeats', '3',
-      '--pairs', '20', '--output', '{out}']),
+      '--pairs', '20', '--profile', '--output', '{out}']),
     ('lowrank.json', ('lowrank_layer', 'lowrank_stack'), ['lowrank', '--ranks', '0.25', '--output', '{out}']),
     ('mlp/mlp.json', ('rp_mixer_step', 'monarch_step'), ['mlp', '--rounds', '1', '--pairs', '10', '--output', '{dir}']),
     ('models.json', ('crate_vit',),
@@ -69,6 +69,19 @@ def command_line(arguments: List[str], threads: int, out) -> List[str]:
     return ['structformer', 'bench', *filled, '--threads', str(threads)]
 
 
+def _as_run(arguments: List[str], settings: dict) -> List[str]:
+    """`arguments` without the switches (a flag with no value after it) the record's `settings` say were off: the
+    command shown beside a record is the one that made it, also where RECORDS has gained a switch since."""
+    out = []
+    for i, token in enumerate(arguments):
+        switch = token.startswith('--') and (i + 1 == len(arguments) or arguments[i + 1].startswith('--'))
+        key = token[2:].replace('-', '_')
+        if switch and key in settings and not settings[key]:
+            continue
+        out.append(token)
+    return out
+
+
 def collect(kind: str, folder: Path) -> dict:
     """The kind record of `kind` from the benchmark records in `folder` (their 'kind_goals' and environment), one
     entry per goal in `GOALS` order; a goal with no record yet is an entry without a value."""
@@ -86,7 +99,8 @@ def collect(kind: str, folder: Path) -> dict:
         cpu = cpu or (env.get('cpu_kind') or {}).get('summary')
         for entry in record.get('kind_goals') or []:
             if entry['goal'] in goals:
-                shown = ' '.join(command_line(arguments, env.get('threads', 1), f'docs/kinds/{kind}/{name}'))
+                shown = ' '.join(command_line(_as_run(arguments, record.get('settings') or {}), env.get('threads', 1),
+                                              f'docs/kinds/{kind}/{name}'))
                 entries[entry['goal']] = dict(entry, record=_display(path), command=shown)
     goals = [entries.get(goal) or {'goal': goal, 'what': GOALS[goal][1], 'value': None,
                                    'target': f"{GOALS[goal][2]} {GOALS[goal][3]:g}", 'record': None}
