@@ -297,7 +297,24 @@ def test_phase_settings_are_checked_before_any_work(tmp_path):
         Trainer(_tiny(tmp_path, epochs=6, phases=PHASES, phase_settings={'a': {'warmup_epochs': 3}}))._build()
     with pytest.raises(UsageError, match=r'phase_settings\.a\.nope: not a phase setting'):
         _tiny(tmp_path, phase_settings={'a': {'nope': 1}}).validate()
+    # a restart on phase b's step schedule, which timm would ignore, is refused by its phase key
+    with pytest.raises(UsageError, match=r'phase_settings\.b\.lr_cycle_limit=2 .*cosine, tanh, poly'):
+        Trainer(_tiny(tmp_path, epochs=6, phases=PHASES,
+                      phase_settings={'b': dict(PHASE_SETTINGS['b'], lr_cycle_limit=2)}))._build()
     assert not (tmp_path / 'run').exists()
+
+
+def test_a_phase_restarts_its_own_schedule(tmp_path):
+    """Phase a with two cosine cycles of its own (lr_cycle_limit 2 over its 4 epochs), phase b the run's schedule:
+    phase a's lrs are timm's two cycles of 2 epochs, counted from its start."""
+    phases = [{'name': 'a', 'epochs': 4}, {'name': 'b', 'epochs': 2}]
+    settings = {'a': {'lr': 2e-2, 'lr_cycle_limit': 2, 'lr_cycle_decay': 0.5, 'min_lr': 1e-3, 'warmup_epochs': 0}}
+    lrs = [r['lr'] for r in train(_tiny(tmp_path, epochs=6, phases=phases, phase_settings=settings),
+                                  progress=False).history]
+    first = _timm_lrs(2e-2, 4, sched='cosine', num_epochs=2, cycle_limit=2, cycle_decay=0.5, min_lr=1e-3,
+                      warmup_epochs=0)
+    assert lrs[:4] == pytest.approx(first, rel=1e-12, abs=0)
+    assert lrs[1] == pytest.approx(0.5 * 2e-2) and lrs[2] < lrs[1]      # after epoch 2: cycle 2 at its halved peak
 
 
 # ------------------------------------------------------------------------------------- precision at the edges
