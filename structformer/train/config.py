@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import UsageError
 from .config_checks import (PHASE_SETTING_KEYS, SCHEDULES, SCHEDULES_ACCEPTED, validate_controls,
-                            validate_phase_settings, validate_schedule)
+                            validate_paper_scale, validate_phase_settings, validate_schedule)
 from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name, read_yaml_mapping
 
 
@@ -351,48 +351,7 @@ class TrainConfig:
                              f"epochs={self.epochs}]")
 
     def _validate_paper_scale(self) -> None:
-        """Precision, augmentation, EMA, accumulation and logging settings: ranges and names, before any work."""
-        checks = [
-            ('drop', self.drop is None or 0 <= self.drop < 1, 'in [0, 1)'),
-            ('drop_path', self.drop_path is None or 0 <= self.drop_path < 1, 'in [0, 1)'),
-            ('amp_dtype', self.amp_dtype in (None, 'float16', 'bfloat16'), "'float16' or 'bfloat16'"),
-            ('reprob', 0 <= self.reprob <= 1, 'in [0, 1]'),
-            ('remode', self.remode in ('const', 'rand', 'pixel'), "'const', 'rand' or 'pixel'"),
-            ('recount', self.recount >= 1, '>= 1'),
-            ('color_jitter', self.color_jitter is None or 0 <= self.color_jitter <= 1, 'in [0, 1]'),
-            ('hflip', self.hflip is None or 0 <= self.hflip <= 1, 'in [0, 1]'),
-            ('aug_repeats', self.aug_repeats == 0 or self.aug_repeats >= 2, '0 (off) or >= 2'),
-            ('mixup', self.mixup >= 0, '>= 0 (0 = off)'),
-            ('cutmix', self.cutmix >= 0, '>= 0 (0 = off)'),
-            ('mixup_prob', 0 <= self.mixup_prob <= 1, 'in [0, 1]'),
-            ('mixup_switch_prob', 0 <= self.mixup_switch_prob <= 1, 'in [0, 1]'),
-            ('mixup_mode', self.mixup_mode in ('batch', 'pair', 'elem'), "'batch', 'pair' or 'elem'"),
-            ('mixup_off_epoch', 0 <= self.mixup_off_epoch <= self.epochs, f'in [0, epochs={self.epochs}]'),
-            ('model_ema_decay', 0 < self.model_ema_decay < 1, 'in (0, 1)'),
-            ('grad_accum_steps', 1 <= self.grad_accum_steps <= 65536, 'an integer in [1, 65536]'),
-            ('lr_base', self.lr_base is None or self.lr_base > 0, '> 0'),
-            ('lr_base_size', self.lr_base_size >= 1, '>= 1'),
-            ('lr_base_scale', self.lr_base_scale in ('', 'linear', 'sqrt'), "'linear', 'sqrt' or '' (by optimiser)"),
-            ('log_interval', self.log_interval >= 0, '>= 0 (0 = epoch lines only)'),
-            ('dist_bn', self.dist_bn in ('reduce', 'broadcast', ''), "'reduce', 'broadcast' or ''"),
-            ('dataset_size', self.dataset_size is None or self.dataset_size >= 1, '>= 1'),
-        ]
-        for name, ok, accepted in checks:
-            if not ok:
-                raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
-        for name, low, high in (('scale', 0.0, 1.0), ('ratio', 0.0, float('inf')), ('cutmix_minmax', 0.0, 1.0)):
-            value = getattr(self, name)
-            if value is not None and not (len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
-                                          and low < value[0] <= value[1] <= high):
-                span = f"({low:g}, {high:g}]" if high != float('inf') else '(0, inf)'
-                raise UsageError(f"{flag_name(name)}={value!r} is out of range: accepted two numbers MIN MAX with "
-                                 f"MIN <= MAX in {span}")
-        if self.aa is not None:
-            from ..data.augment import check_auto_augment     # timm's parser, with the flag named
-            check_auto_augment(self.aa)
-        device = self.device
-        if not (device in ('auto', 'cpu', 'cuda') or (device.startswith('cuda:') and device[5:].isdigit())):
-            raise UsageError(f"--device={device!r}: accepted auto, cpu, cuda or cuda:N")
+        validate_paper_scale(self)
 
     def _validate_schedule(self, values: Dict[str, Any], where: str) -> None:
         validate_schedule(values, where)

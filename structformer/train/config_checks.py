@@ -1,5 +1,6 @@
-"""The checks of the schedule, the training controls and the per-phase settings of a `TrainConfig` (timm train.py's
-names): ranges, and what each needs, as one-line UsageErrors naming the flag (or `phase_settings.NAME.KEY`)."""
+"""The checks of the schedule, the paper-scale settings (precision, augmentation, EMA, accumulation), the training
+controls and the per-phase settings of a `TrainConfig` (timm train.py's names): ranges, and what each needs, as
+one-line UsageErrors naming the flag (or `phase_settings.NAME.KEY`)."""
 import typing
 from typing import Any, Dict
 
@@ -75,6 +76,51 @@ def _validate_shape(values: Dict[str, Any], bad) -> None:
         bad('lr_noise_pct', '> 0')
     if not values['lr_noise_std'] > 0:
         bad('lr_noise_std', '> 0')
+
+
+def validate_paper_scale(config) -> None:
+    """Precision, augmentation, EMA, accumulation and logging settings: ranges and names, before any work."""
+    checks = [
+        ('drop', config.drop is None or 0 <= config.drop < 1, 'in [0, 1)'),
+        ('drop_path', config.drop_path is None or 0 <= config.drop_path < 1, 'in [0, 1)'),
+        ('amp_dtype', config.amp_dtype in (None, 'float16', 'bfloat16'), "'float16' or 'bfloat16'"),
+        ('reprob', 0 <= config.reprob <= 1, 'in [0, 1]'),
+        ('remode', config.remode in ('const', 'rand', 'pixel'), "'const', 'rand' or 'pixel'"),
+        ('recount', config.recount >= 1, '>= 1'),
+        ('color_jitter', config.color_jitter is None or 0 <= config.color_jitter <= 1, 'in [0, 1]'),
+        ('hflip', config.hflip is None or 0 <= config.hflip <= 1, 'in [0, 1]'),
+        ('aug_repeats', config.aug_repeats == 0 or config.aug_repeats >= 2, '0 (off) or >= 2'),
+        ('mixup', config.mixup >= 0, '>= 0 (0 = off)'),
+        ('cutmix', config.cutmix >= 0, '>= 0 (0 = off)'),
+        ('mixup_prob', 0 <= config.mixup_prob <= 1, 'in [0, 1]'),
+        ('mixup_switch_prob', 0 <= config.mixup_switch_prob <= 1, 'in [0, 1]'),
+        ('mixup_mode', config.mixup_mode in ('batch', 'pair', 'elem'), "'batch', 'pair' or 'elem'"),
+        ('mixup_off_epoch', 0 <= config.mixup_off_epoch <= config.epochs, f'in [0, epochs={config.epochs}]'),
+        ('model_ema_decay', 0 < config.model_ema_decay < 1, 'in (0, 1)'),
+        ('grad_accum_steps', 1 <= config.grad_accum_steps <= 65536, 'an integer in [1, 65536]'),
+        ('lr_base', config.lr_base is None or config.lr_base > 0, '> 0'),
+        ('lr_base_size', config.lr_base_size >= 1, '>= 1'),
+        ('lr_base_scale', config.lr_base_scale in ('', 'linear', 'sqrt'), "'linear', 'sqrt' or '' (by optimiser)"),
+        ('log_interval', config.log_interval >= 0, '>= 0 (0 = epoch lines only)'),
+        ('dist_bn', config.dist_bn in ('reduce', 'broadcast', ''), "'reduce', 'broadcast' or ''"),
+        ('dataset_size', config.dataset_size is None or config.dataset_size >= 1, '>= 1'),
+    ]
+    for name, ok, accepted in checks:
+        if not ok:
+            raise UsageError(f"{flag_name(name)}={getattr(config, name)!r} is out of range: accepted {accepted}")
+    for name, low, high in (('scale', 0.0, 1.0), ('ratio', 0.0, float('inf')), ('cutmix_minmax', 0.0, 1.0)):
+        value = getattr(config, name)
+        if value is not None and not (len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+                                      and low < value[0] <= value[1] <= high):
+            span = f"({low:g}, {high:g}]" if high != float('inf') else '(0, inf)'
+            raise UsageError(f"{flag_name(name)}={value!r} is out of range: accepted two numbers MIN MAX with "
+                             f"MIN <= MAX in {span}")
+    if config.aa is not None:
+        from ..data.augment import check_auto_augment     # timm's parser, with the flag named
+        check_auto_augment(config.aa)
+    device = config.device
+    if not (device in ('auto', 'cpu', 'cuda') or (device.startswith('cuda:') and device[5:].isdigit())):
+        raise UsageError(f"--device={device!r}: accepted auto, cpu, cuda or cuda:N")
 
 
 def validate_controls(config) -> None:
