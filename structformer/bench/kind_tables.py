@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from .gpu_report import replace_section, section_of
 from .kinds import DOCS_DIR, GOALS
 
 KINDS_DIR = DOCS_DIR / 'kinds'
@@ -205,16 +206,13 @@ def render_summary(records: Dict[str, dict]) -> str:
 
 
 def update_readme(text: str, records: Dict[str, dict]) -> str:
-    """`text` (README.md) with its speed table between SUMMARY_START and SUMMARY_END rendered from `records`."""
-    pattern = re.compile(re.escape(SUMMARY_START) + r'\n.*?' + re.escape(SUMMARY_END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"README has no {SUMMARY_START} ... {SUMMARY_END} section")
-    return pattern.sub(lambda _: f"{SUMMARY_START}\n{render_summary(records)}\n{SUMMARY_END}", text)
+    """`text` (README.md) with its speed table between SUMMARY_START and SUMMARY_END rendered from `records` (the
+    marker helpers `bench gpu` uses for its section of docs/benchmarks.md; ValueError without the markers)."""
+    return replace_section(text, render_summary(records), SUMMARY_START, SUMMARY_END)
 
 
 def summary_in_readme(text: str) -> str:
-    match = re.search(re.escape(SUMMARY_START) + r'\n(.*?)\n' + re.escape(SUMMARY_END), text, re.S)
-    return match.group(1) if match else ''
+    return section_of(text, SUMMARY_START, SUMMARY_END) if SUMMARY_START in text else ''
 
 
 def write_docs() -> None:
