@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.checks import (OpLog, custom_op_violations, forward_band, loss_sensitivity, loss_tolerance,
+from gpu.checks import (DEADLINE_ENV, OpLog, custom_op_violations, deadline_skip_reason, forward_band, loss_sensitivity, loss_tolerance,
                         module_dtype_violations, parity_failures, recorded_step_losses, skipped_steps, step_tolerance,
                         unit_roundoff)
 from structformer.bench import gpu as bench_gpu
@@ -36,6 +36,37 @@ def test_gpu_suite_collects_and_skips_without_cuda():
     skipped = int(summary.split(' skipped')[0].split()[-1])
     assert skipped >= 50 and 'passed' not in summary and 'error' not in summary, summary
     assert 'needs a CUDA device' in proc.stdout
+
+
+def test_the_suite_deadline_skips_what_has_not_started():
+    """No deadline, or one ahead: tests run. One passed: a test is skipped, naming the budget. A malformed one
+    is refused (the suite's conftest turns that into one usage line at its start)."""
+    assert deadline_skip_reason(None, 1000.0) is None and deadline_skip_reason(' ', 1000.0) is None
+    assert deadline_skip_reason('1000.5', 1000.0) is None
+    reason = deadline_skip_reason('990', 1000.0)
+    assert reason and 'time budget' in reason and '10 s' in reason
+    for bad in ('soon', 'nan', 'inf'):
+        with pytest.raises(ValueError, match=DEADLINE_ENV):
+            deadline_skip_reason(bad, 1000.0)
+
+
+def test_the_suite_past_its_deadline_skips_every_test_before_its_fixtures():
+    """The suite's code run on the CPU (every test would otherwise train) with a deadline already passed: all are
+    skipped within seconds, for the budget, and none errors (its session fixtures are never built); a malformed
+    deadline ends the run at its start with one line, exit status 4 (pytest's usage error)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), STRUCTFORMER_GPU_SUITE_DEVICE='cpu')
+    args = [sys.executable, '-m', 'pytest', 'tests/gpu', '-q', '-rs', '-p', 'no:cacheprovider', '-p', 'no:randomly']
+    start = time.time()
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=dict(env, **{DEADLINE_ENV: str(int(time.time()) - 1)}))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert 'skipped' in summary and 'passed' not in summary and 'error' not in summary, summary
+    assert int(summary.split(' skipped')[0].split()[-1]) >= 50 and "time budget was spent" in proc.stdout
+    assert time.time() - start < 60
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=dict(env, **{DEADLINE_ENV: 'soon'}))
+    assert proc.returncode == 4 and f"{DEADLINE_ENV} must be a Unix time" in proc.stderr + proc.stdout
 
 
 # ---- tolerances ----------------------------------------------------------------------------------------------

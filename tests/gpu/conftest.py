@@ -7,6 +7,7 @@ $STRUCTFORMER_GPU_SUITE_DEVICE=cpu runs the suite's code on a CPU instead (a reh
 and every CUDA-only check skips); it is no part of any make target.
 """
 import os
+import time
 from pathlib import Path
 
 # before cuBLAS starts in this process: the workspace setting that makes its GEMMs deterministic, which
@@ -17,6 +18,7 @@ import numpy as np   # noqa: E402
 import pytest        # noqa: E402
 import torch         # noqa: E402
 
+from .checks import DEADLINE_ENV, deadline_skip_reason                   # noqa: E402
 from .runs import DEVICE, FamilyRuns, image_folder_at, train_teacher   # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +32,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if missing:
                 item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """A malformed $STRUCTFORMER_GPU_SUITE_DEADLINE stops the run at its start, in one line."""
+    try:
+        deadline_skip_reason(os.environ.get(DEADLINE_ENV), 0.0)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Past $STRUCTFORMER_GPU_SUITE_DEADLINE no test starts (skipped, before its fixtures are built): the suite
+    ends on its own before tools/gpu_check.sh's hard limit interrupts it (`checks.deadline_skip_reason`)."""
+    reason = deadline_skip_reason(os.environ.get(DEADLINE_ENV), time.time())
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(autouse=True)
