@@ -352,3 +352,18 @@ def test_flex_attention_availability_traces_as_a_constant():
     assert torch.equal(out, step(torch.zeros(2)))
     assert not [w for w in caught if 'lru_cache' in str(w.message)], [str(w.message) for w in caught]
     torch._dynamo.reset()
+
+
+def test_converting_twice_is_refused_by_saying_so():
+    """A second `sparsify` / `swap_attention` to the same class (or `sparsify` on a registered Sparsifiner model)
+    was refused with "has no timm Attention module to replace", as if the model had no attention."""
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=2)
+    sparsify(model, keep_ratio=0.5)
+    with pytest.raises(ValueError, match=r'^sparsify: every attention of VisionTransformer is already '
+                                         r'SparsifinerAttention \(2 layer'):
+        sparsify(model, keep_ratio=0.25)
+    with pytest.raises(ValueError, match='is already SparsifinerAttention'):
+        sparsify(timm.create_model('sparsifiner_digits', depth=1))
+    swap_attention(model, 'linformer', num_landmarks=4)                 # another class still converts
+    with pytest.raises(ValueError, match=r'^swap_attention: every attention .* already LinformerAttention'):
+        swap_attention(model, 'linformer', num_landmarks=8)

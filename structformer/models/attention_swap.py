@@ -78,6 +78,13 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
             setattr(parent, name, new)
             replaced += 1
     if not replaced:
+        # a second call (or sparsify on a Sparsifiner model) finds only layers of the class asked for: say so,
+        # rather than that the model has no attention (as it said before)
+        already = sum(isinstance(m, cls) for m in model.modules())
+        if already:
+            raise ValueError(f"swap_attention: every attention of {type(model).__name__} is already {cls.__name__} "
+                             f"({already} layer(s)); it converts timm Attention, once (to change the new layers' "
+                             "options, convert the dense model again)")
         raise ValueError(f"swap_attention: {type(model).__name__} has no timm Attention module to replace "
                          "(it converts timm VisionTransformer-style models)")
     return model
