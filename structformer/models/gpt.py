@@ -156,7 +156,8 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> GPT:
-    return create_model(GPT, variant, pretrained, **kwargs)
+    # features_only: hidden states [B, T, D] (timm's getter asked for NCHW, which a sequence has not)
+    return create_model(GPT, variant, pretrained, feature_output_fmt='NLC', **kwargs)
 
 
 @register_language_model
