@@ -367,3 +367,21 @@ def test_converting_twice_is_refused_by_saying_so():
     swap_attention(model, 'linformer', num_landmarks=4)                 # another class still converts
     with pytest.raises(ValueError, match=r'^swap_attention: every attention .* already LinformerAttention'):
         swap_attention(model, 'linformer', num_landmarks=8)
+
+
+def test_sparsify_takes_a_factorised_model():
+    """`factorize` then `sparsify` (low-rank projections, sparse attention): the swap read `qkv.weight`, which a
+    FactorizedLinear has not (AttributeError). The factorised projection moves across; at keep 1 the logits stay."""
+    from structformer.models.factorize import factorize
+    torch.manual_seed(4)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=2,
+                              num_classes=5).double().eval()
+    factorize(model, rank=0.5, verbose=False)
+    x = torch.randn(2, 3, 16, 16, dtype=D)
+    with torch.no_grad():
+        before = model(x)
+        sparsify(model, keep_ratio=1.0)
+        after = model(x)
+    assert isinstance(model.blocks[0].attn, SparsifinerAttention) and not hasattr(model.blocks[0].attn.qkv, 'weight')
+    assert model.blocks[0].attn.basis.w_down.dtype == D
+    torch.testing.assert_close(after, before)

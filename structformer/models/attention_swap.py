@@ -43,12 +43,21 @@ def _swappable(module: nn.Module) -> bool:
 def _check_same_projection(attn: str, new: nn.Module, child: nn.Module) -> None:
     """The moved q/k/v projection must fit the new layer: shared-QK attentions (SOFT's Q = K, CRATE's
     Q = K = V) have fewer rows than timm's [3·inner, dim] and would fail at the first forward."""
-    want = getattr(getattr(new, 'qkv', None), 'weight', None)
-    if want is None or want.shape != child.qkv.weight.shape:
-        shape = 'no qkv projection' if want is None else f"a {list(want.shape)} qkv projection"
+    want = _shape(getattr(new, 'qkv', None))
+    have = _shape(child.qkv)
+    if want is None or want != have:
+        shape = 'no qkv projection' if want is None else f"a {want} qkv projection"
         raise ValueError(f"swap_attention: attn={attn!r} has {shape}, so it cannot take the "
-                         f"{list(child.qkv.weight.shape)} q/k/v weights of this model's attention (it shares Q and "
+                         f"{have} q/k/v weights of this model's attention (it shares Q and "
                          f"K); build the model with attn_layer={attn!r} instead of converting it")
+
+
+def _shape(linear: Optional[nn.Module]) -> Optional[list]:
+    """[out, in] of a linear layer, dense or structured: after `factorize` the q/k/v projection is a
+    FactorizedLinear, which has no `.weight` (reading it failed with AttributeError) and moves across all the same."""
+    if linear is None or not hasattr(linear, 'out_features'):
+        return None
+    return [linear.out_features, linear.in_features]
 
 
 def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
@@ -67,7 +76,7 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
                 continue
             if abs(getattr(child, 'scale', child.head_dim ** -0.5) - child.head_dim ** -0.5) > 1e-12:
                 raise ValueError(f"swap_attention: {name} uses a non-standard attention scale {child.scale}")
-            weight = child.qkv.weight
+            weight = next(child.qkv.parameters())             # dense or factorised (`_shape`)
             new = cls(child.qkv.in_features, child.num_heads, attn_drop=child.attn_drop.p,
                       proj_drop=child.proj_drop.p, attn_head_dim=child.head_dim, device=weight.device,
                       dtype=weight.dtype, **options)
