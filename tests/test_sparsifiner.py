@@ -385,3 +385,19 @@ def test_sparsify_takes_a_factorised_model():
     assert isinstance(model.blocks[0].attn, SparsifinerAttention) and not hasattr(model.blocks[0].attn.qkv, 'weight')
     assert model.blocks[0].attn.basis.w_down.dtype == D
     torch.testing.assert_close(after, before)
+
+
+def test_patch_dropout_is_refused_where_attention_has_per_token_parameters():
+    """timm's patch_drop_rate drops patch tokens in training; Sparsifiner's W_down / W_up and Linformer's E / F are
+    built for the fixed token count, so the first training step failed with "built for seq_len=17 tokens, got n=9",
+    not naming the cause. Now building or converting such a model names patch_drop_rate; other layers still take it."""
+    from structformer.models.factory import build_model
+    with pytest.raises(ValueError, match='patch_drop_rate=0.5'):
+        timm.create_model('sparsifiner_digits', depth=1, patch_drop_rate=0.5)
+    vit = dict(img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=1, patch_drop_rate=0.5)
+    with pytest.raises(ValueError, match="^sparsify: attn='sparsifiner' has parameters per token position"):
+        sparsify(timm.create_model('vit_tiny_patch16_224', **vit))
+    with pytest.raises(ValueError, match='LinformerAttention has parameters per token position'):
+        build_model('vit_tiny_patch16_224', dict(vit, attn_layer='linformer', attn_kwargs={'num_landmarks': 4}))
+    model = swap_attention(timm.create_model('vit_tiny_patch16_224', **vit), 'nystrom', num_landmarks=4).train()
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 1000)

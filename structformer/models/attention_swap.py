@@ -13,11 +13,11 @@ from typing import Optional
 from timm.layers import Attention as TimmAttention
 from torch import nn
 
-from ..layers.attention.registry import accepted_options, check_options, get_attention
+from ..layers.attention.registry import ATTENTION_LAYERS, accepted_options, check_options, get_attention
 from ..layers.attention.softmax import AttentionBase
 from .transforms import TransformContext, register_transform
 
-__all__ = ['swap_attention', 'token_count', 'SHARED_PARTS']
+__all__ = ['swap_attention', 'token_count', 'check_patch_dropout', 'SHARED_PARTS']
 
 SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
 
@@ -31,6 +31,28 @@ def token_count(model: nn.Module) -> Optional[int]:
     if patches is None or getattr(model, 'dynamic_img_size', False) or getattr(embed, 'dynamic_img_size', False):
         return None
     return patches + getattr(model, 'num_prefix_tokens', 0)
+
+
+def _patch_drop_prob(model: nn.Module) -> float:
+    return float(getattr(getattr(model, 'patch_drop', None), 'prob', 0.0) or 0.0)
+
+
+def _refuse_patch_dropout(prob: float, layer: str) -> None:
+    raise ValueError(f"{layer} has parameters per token position (built for the model's fixed token count), but the "
+                     f"model drops patches in training (patch_drop_rate={prob}), so its first training step would "
+                     "fail on the token count; build the model with patch_drop_rate=0")
+
+
+def check_patch_dropout(model: nn.Module) -> nn.Module:
+    """Refuse timm's patch dropout (`patch_drop_rate`, training drops a random share of the patch tokens) in a model
+    whose attention has per-token parameters (a `seq_len` option: Linformer's E, F; Sparsifiner's W_down, W_up):
+    before, the first training forward failed on the token count, in a message that did not name the cause."""
+    prob = _patch_drop_prob(model)
+    if prob:
+        for module in model.modules():
+            if type(module) in ATTENTION_LAYERS.values() and 'seq_len' in accepted_options(type(module)):
+                _refuse_patch_dropout(prob, type(module).__name__)
+    return model
 
 
 def _swappable(module: nn.Module) -> bool:
@@ -67,6 +89,8 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
     cls = get_attention(attn)
     check_options(cls, options)
     seq_len = token_count(model)
+    if 'seq_len' in accepted_options(cls) and _patch_drop_prob(model):
+        _refuse_patch_dropout(_patch_drop_prob(model), f"swap_attention: attn={attn!r}")
     if 'seq_len' in accepted_options(cls) and 'seq_len' not in options:
         options = dict(options, seq_len=seq_len)
     replaced = 0

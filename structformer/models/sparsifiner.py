@@ -16,7 +16,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import swap_attention, token_count
+from .attention_swap import check_patch_dropout, swap_attention, token_count
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -101,6 +101,7 @@ def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> Spa
     layer = {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}
     args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # timm's Block does not pass n
     model = create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
+    check_patch_dropout(getattr(model, 'model', model))        # features_only: timm's wrapper holds the ViT
     materialize_predictors(model)
     return model
 
