@@ -401,3 +401,16 @@ def test_patch_dropout_is_refused_where_attention_has_per_token_parameters():
         build_model('vit_tiny_patch16_224', dict(vit, attn_layer='linformer', attn_kwargs={'num_landmarks': 4}))
     model = swap_attention(timm.create_model('vit_tiny_patch16_224', **vit), 'nystrom', num_landmarks=4).train()
     assert model(torch.randn(2, 3, 16, 16)).shape == (2, 1000)
+
+
+def test_set_input_size_refuses_a_token_count_the_predictors_do_not_fit():
+    """timm's `set_input_size` resampled the position embeddings and left W_down / W_up at 17 columns: the next
+    forward failed with "built for seq_len=17 tokens, got n=65". It is refused before anything changes; a size with
+    the same token count (patch size scaled along) is still taken."""
+    model = timm.create_model('sparsifiner_digits', depth=1).eval()
+    pos = model.pos_embed.detach().clone()
+    with pytest.raises(ValueError, match=r'set_input_size: .* shaped for 17 tokens .* gives 65'):
+        model.set_input_size(img_size=16)
+    assert torch.equal(model.pos_embed, pos) and model.patch_embed.img_size == (8, 8)
+    model.set_input_size(img_size=16, patch_size=4)
+    assert model(torch.randn(1, 1, 16, 16)).shape == (1, 10)

@@ -8,6 +8,8 @@ are the same modules); it is also the registered model transform 'sparsify', so 
 embedded data; `vit_digits`, `vit_mnist` are their dense counterparts (same weights but the predictors),
 the teachers of the two-stage distillation (`structformer train --teacher`, structformer.train.distill).
 """
+import copy
+
 import torch
 from timm.models import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer
@@ -72,6 +74,21 @@ class ContractViT(VisionTransformer):
 
 class SparsifinerViT(ContractViT):
     """A ContractViT whose attention layers are `SparsifinerAttention`."""
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's change of resolution (position embeddings resampled), refused, changing nothing, where it would
+        change the token count the predictors' W_down, W_up are shaped for (one column per token): the next
+        forward failed with "built for seq_len=17 tokens, got n=65". Build the model at the new size and load
+        the weights with pretrained=True instead (the filter keeps all but W_down, W_up, which start fresh)."""
+        probe = copy.deepcopy(self.patch_embed)
+        probe.set_input_size(img_size=img_size, patch_size=patch_size)
+        tokens = probe.num_patches + self.num_prefix_tokens
+        shaped = {m.basis.seq_len for m in self.modules() if isinstance(m, SparsifinerAttention)} - {None}
+        if shaped and shaped != {tokens}:
+            raise ValueError(f"set_input_size: the Sparsifiner predictors are shaped for {sorted(shaped)[0]} tokens "
+                             f"and img_size={img_size}, patch_size={patch_size} gives {tokens}; build the model with "
+                             "that img_size and load these weights with pretrained=True (W_down, W_up start fresh)")
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
 
 
 def _cfg(**kwargs):
