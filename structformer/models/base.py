@@ -187,9 +187,10 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     """timm's `build_model_with_cfg` with feature extraction through `forward_intermediates`
     (`features_only=True`, `out_indices` default `default_out_indices`: an int takes the last n, at most
     `depth` of them; the maps in `feature_output_fmt`, timm's getter default NCHW, 'NLC' for a model with no
-    grid, whose forward_intermediates refuses NCHW, so that features_only works for it). `pretrained=True` goes through timm's `load_pretrained` with the family's filter
-    (`structformer.weights.filters`: classifier, input channels, position embeddings adapted, anything else that
-    does not fit refused by name); with no weights configured it fails in one line naming what to pass."""
+    grid, whose forward_intermediates refuses NCHW, so that features_only works for it). `pretrained=True` goes
+    through timm's `load_pretrained` with the family's filter (`structformer.weights.filters`: classifier, input
+    channels, position embeddings adapted, anything else that does not fit refused by name); with no weights
+    configured it fails in one line naming what to pass."""
     if pretrained:
         check_pretrained_source(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
     depth = kwargs.get('depth')

@@ -104,7 +104,8 @@ def _already_factorized(already: Dict[str, nn.Module], patterns: Sequence[str] =
             f"{', ...' if len(hit) > 4 else ''}); factorize replaces a dense nn.Linear / nn.Conv2d once")
 
 
-def _select(layers: Dict[str, nn.Module], include, exclude, already: Optional[Dict[str, nn.Module]] = None) -> List[str]:
+def _select(layers: Dict[str, nn.Module], include, exclude,
+            already: Optional[Dict[str, nn.Module]] = None) -> List[str]:
     """The names of `layers` (dense, still eligible) chosen by `include` / `exclude`. `already`: the layers an
     earlier `factorize` replaced; the default preset counts their convs too (a factorised WRN is still a
     vision model), and an include that matches only them is refused by saying so."""

@@ -36,10 +36,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import Attention as TimmAttention
+from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block
 from torch import nn
-
-from timm.models._features import feature_take_indices
 
 from ..functional.sparsifiner import budget
 from ..layers.attention.sparsifiner import SparsifinerAttention
@@ -218,8 +217,9 @@ def _grid_checked_intermediates(model: nn.Module, x: torch.Tensor, indices=None,
         pruned = [i for i in take if counts[i + 1] != counts[0]]
         if pruned:
             raise ValueError(f"forward_intermediates: output_fmt='NCHW' needs the {h}x{w} patch grid, but after "
-                             f"token pruning block(s) {pruned} leave {[counts[i + 1] for i in pruned]} tokens (prefix included), not "
-                             f"{counts[0]}; ask for output_fmt='NLC', or for blocks before the first pruning one")
+                             f"token pruning block(s) {pruned} leave {[counts[i + 1] for i in pruned]} tokens "
+                             f"(prefix included), not {counts[0]}; ask for output_fmt='NLC', or for blocks before the "
+                             "first pruning one")
     return type(model).forward_intermediates(model, x, indices, *args, output_fmt=output_fmt, **kwargs)
 
 
