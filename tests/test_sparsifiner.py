@@ -414,3 +414,23 @@ def test_set_input_size_refuses_a_token_count_the_predictors_do_not_fit():
     assert torch.equal(model.pos_embed, pos) and model.patch_embed.img_size == (8, 8)
     model.set_input_size(img_size=16, patch_size=4)
     assert model(torch.randn(1, 1, 16, 16)).shape == (1, 10)
+
+
+@pytest.mark.parametrize('feature_cls', ['getter', 'hook', 'fx'])
+def test_predictors_are_shaped_inside_every_feature_wrapper(feature_cls):
+    """The predictors were shaped after `create_model` returned, through the wrapper's `.model`: timm's 'hook' and
+    'fx' extractors have none, so W_down / W_up stayed lazy (not in `parameters()`, a warning at the first forward).
+    Shaped at construction now, with the values a plain model of the same seed gets."""
+    from torch.nn.parameter import UninitializedParameter
+    torch.manual_seed(5)
+    plain = timm.create_model('sparsifiner_digits', depth=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        torch.manual_seed(5)
+        features = timm.create_model('sparsifiner_digits', depth=2, features_only=True, out_indices=(0, 1),
+                                     feature_cls=feature_cls).eval()
+        assert not any(isinstance(p, UninitializedParameter) for p in features.parameters())
+        with torch.no_grad():
+            assert len(features(torch.randn(2, 1, 8, 8))) == 2
+    w_down = [p for n, p in features.named_parameters() if n.endswith('blocks.1.attn.basis.w_down')]
+    torch.testing.assert_close(w_down[0], plain.blocks[1].attn.basis.w_down)

@@ -73,7 +73,15 @@ class ContractViT(VisionTransformer):
 
 
 class SparsifinerViT(ContractViT):
-    """A ContractViT whose attention layers are `SparsifinerAttention`."""
+    """A ContractViT whose attention layers are `SparsifinerAttention`, their predictors shaped at construction
+    (`materialize_predictors`), so inside any of timm's feature wrappers too: shaped after `create_model` returned,
+    they stayed lazy in the 'hook' and 'fx' extractors (neither holds the ViT as `.model`), out of
+    `parameters()` until a first forward that warned. Patch dropout is refused here too (`check_patch_dropout`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_patch_dropout(self)
+        materialize_predictors(self)
 
     def set_input_size(self, img_size=None, patch_size=None) -> None:
         """timm's change of resolution (position embeddings resampled), refused, changing nothing, where it would
@@ -117,10 +125,7 @@ def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> Spa
     args = dict(defaults, **kwargs)
     layer = {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}
     args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # timm's Block does not pass n
-    model = create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
-    check_patch_dropout(getattr(model, 'model', model))        # features_only: timm's wrapper holds the ViT
-    materialize_predictors(model)
-    return model
+    return create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
 
 
 def materialize_predictors(model: nn.Module) -> nn.Module:
