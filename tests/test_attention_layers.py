@@ -357,3 +357,22 @@ def test_timm_vit_drop_in(name):
     grads = [p.grad for p in model.blocks[0].attn.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize('fold', [True, False])
+def test_soft_attention_runs_after_its_projections_are_factorised(fold):
+    """`factorize(soft_model, include='transformer')` replaced qkv by a FactorizedLinear, which has no `.weight`;
+    SOFT's forward sliced `qkv.weight` and the first forward raised AttributeError. At full rank the factorised
+    layer computes what the dense one did, on the folded and the textbook path alike (float64)."""
+    from structformer.models.factorize import factorize
+    torch.manual_seed(0)
+    layer = SoftAttention(16, num_heads=2, num_landmarks=4, sampler='avgpool', fold_projections=fold).double().eval()
+    x = torch.randn(2, 16, 16, dtype=torch.float64)
+    before, kernel = layer(x), layer.landmark_kernel(x)
+    factorize(torch.nn.ModuleDict({'attn': layer}), rank=1.0, include=['*qkv', '*proj'], skip_no_saving=False,
+              verbose=False)
+    assert not isinstance(layer.qkv, torch.nn.Linear) and not layer.folding_pays(4)
+    torch.testing.assert_close(layer(x), before, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(layer.landmark_kernel(x), kernel, rtol=1e-9, atol=1e-9)
+    layer(x).sum().backward()
+    assert all(p.grad is not None for p in layer.qkv.parameters())

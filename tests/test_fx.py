@@ -84,3 +84,24 @@ def test_traced_graph_keeps_the_input_check(family):
     c, h, w = model.pretrained_cfg['input_size']
     with pytest.raises(ValueError, match='expects images'):
         traced(torch.randn(2, c + 1, h, w))
+
+
+def test_language_model_traces_and_keeps_its_input_check():
+    """The GPT (the low-rank LM family) failed FX tracing (`features_only=True, feature_cls='fx'`: TraceError on
+    its token-id checks, then on its attention unpacking x.shape). Its checks are an FX leaf now and its attention a
+    traced leaf; the traced hidden states are the eager ones, at any length up to the context."""
+    torch.manual_seed(0)
+    model = timm.create_model('gpt2_byte_tiny', embed_dim=32, depth=2, num_heads=2).eval()
+    features = timm.create_model('gpt2_byte_tiny', embed_dim=32, depth=2, num_heads=2, features_only=True,
+                                 feature_cls='fx').eval()
+    features.load_state_dict({f'graph_module.{k}': v for k, v in model.state_dict().items()
+                              if f'graph_module.{k}' in features.state_dict()})
+    for length in (8, 20):
+        x = torch.randint(0, 256, (2, length))
+        with torch.no_grad():
+            got, want = features(x), model.forward_intermediates(x, intermediates_only=True)
+        assert len(got) == 2
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    with pytest.raises(ValueError, match='longer than the context img_size=128'):
+        features(torch.randint(0, 256, (1, 129)))

@@ -292,3 +292,19 @@ def test_wide_resnet_sizes_and_vision_preset():
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
     with pytest.raises(ValueError, match='depth=12'):
         timm.create_model('wrn_28_10', depth=12)
+
+
+def test_factorizing_twice_is_refused_by_naming_the_factorised_layers():
+    """A second `factorize` finds no dense layer where the first replaced them. It said the preset "matches no
+    layer" and, for a WRN (whose factorised convs no longer counted as convs), that the *transformer* preset
+    matched nothing, suggesting `stem, head`; now it names the factorised layers and changes nothing."""
+    model = timm.create_model('wrn_10_2_digits')
+    factorize(model, rank=0.25, verbose=False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"include='vision': the model is already factorised there \(9 layer"):
+        factorize(model, rank=0.25, verbose=False)
+    with pytest.raises(ValueError, match=r"include pattern 'stages.0.\*': the model is already factorised there"):
+        factorize(model, rank=0.25, include=['stages.0.*'], verbose=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    factorize(model, rank=2, include=['head'], verbose=False)          # a layer still dense is still taken
+    assert 'head' in factorized_layers(model)

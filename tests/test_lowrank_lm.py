@@ -114,6 +114,23 @@ def test_gpt_forward_intermediates_and_cka():
     torch.testing.assert_close(cka['cka'].diagonal(), torch.ones(2, dtype=cka['cka'].dtype))   # a model with itself
 
 
+def test_gpt_features_only_gives_the_hidden_states():
+    """`timm.create_model(..., features_only=True)` on the LM: timm's getter asked forward_intermediates for NCHW,
+    which the LM refuses, and `output_fmt='NLC'` could not be passed (it went to GPT.__init__), so features_only
+    could not be built at all; the LM's extractor now asks for NLC."""
+    torch.manual_seed(0)
+    model = timm.create_model('gpt2_byte_tiny', **TINY).eval()
+    features = timm.create_model('gpt2_byte_tiny', features_only=True, **TINY).eval()
+    features.model.load_state_dict({k: v for k, v in model.state_dict().items() if k in features.model.state_dict()})
+    x = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        got = features(x)
+        want = model.forward_intermediates(x, intermediates_only=True)
+    assert features.feature_info.channels() == [32, 32] and len(got) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 def test_evaluate_reports_per_token_loss_and_perplexity():
     torch.manual_seed(0)
     model = timm.create_model('gpt2_byte_tiny', **TINY)

@@ -302,3 +302,23 @@ def test_prune_intermediate_layers_keeps_what_the_features_need(name, modules):
     assert model.num_classes == 0 and isinstance(model.head, torch.nn.Identity) and isinstance(model.norm, torch.nn.Identity)
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize('name', ['soft_digits', 'wrn_10_2_digits'])
+def test_hook_feature_extractor_hooks_modules_that_run(name):
+    """timm's `feature_cls='hook'` hooks `feature_info[i]['module']`. SOFT and WRN named their stages, which their
+    forward never calls (it runs a stage's parts through run_block), so the extractor returned an empty list. It now
+    hooks each stage's last block: WRN's stage maps, SOFT's stage tokens (stage 4 with its cls token first)."""
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    features = timm.create_model(name, features_only=True, feature_cls='hook').eval()
+    features.load_state_dict({f'body.{k}': v for k, v in model.state_dict().items()
+                              if f'body.{k}' in features.state_dict()})
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        got = features(x)
+        want = model.forward_intermediates(x, output_fmt='NCHW' if name.startswith('wrn') else 'NLC',
+                                           intermediates_only=True)
+    assert len(got) == len(want) == len(model.feature_info)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[:, -w.shape[1]:] if g.dim() == 3 else g, w)

@@ -352,3 +352,85 @@ def test_flex_attention_availability_traces_as_a_constant():
     assert torch.equal(out, step(torch.zeros(2)))
     assert not [w for w in caught if 'lru_cache' in str(w.message)], [str(w.message) for w in caught]
     torch._dynamo.reset()
+
+
+def test_converting_twice_is_refused_by_saying_so():
+    """A second `sparsify` / `swap_attention` to the same class (or `sparsify` on a registered Sparsifiner model)
+    was refused with "has no timm Attention module to replace", as if the model had no attention."""
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=2)
+    sparsify(model, keep_ratio=0.5)
+    with pytest.raises(ValueError, match=r'^sparsify: every attention of VisionTransformer is already '
+                                         r'SparsifinerAttention \(2 layer'):
+        sparsify(model, keep_ratio=0.25)
+    with pytest.raises(ValueError, match='is already SparsifinerAttention'):
+        sparsify(timm.create_model('sparsifiner_digits', depth=1))
+    swap_attention(model, 'linformer', num_landmarks=4)                 # another class still converts
+    with pytest.raises(ValueError, match=r'^swap_attention: every attention .* already LinformerAttention'):
+        swap_attention(model, 'linformer', num_landmarks=8)
+
+
+def test_sparsify_takes_a_factorised_model():
+    """`factorize` then `sparsify` (low-rank projections, sparse attention): the swap read `qkv.weight`, which a
+    FactorizedLinear has not (AttributeError). The factorised projection moves across; at keep 1 the logits stay."""
+    from structformer.models.factorize import factorize
+    torch.manual_seed(4)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=2,
+                              num_classes=5).double().eval()
+    factorize(model, rank=0.5, verbose=False)
+    x = torch.randn(2, 3, 16, 16, dtype=D)
+    with torch.no_grad():
+        before = model(x)
+        sparsify(model, keep_ratio=1.0)
+        after = model(x)
+    assert isinstance(model.blocks[0].attn, SparsifinerAttention) and not hasattr(model.blocks[0].attn.qkv, 'weight')
+    assert model.blocks[0].attn.basis.w_down.dtype == D
+    torch.testing.assert_close(after, before)
+
+
+def test_patch_dropout_is_refused_where_attention_has_per_token_parameters():
+    """timm's patch_drop_rate drops patch tokens in training; Sparsifiner's W_down / W_up and Linformer's E / F are
+    built for the fixed token count, so the first training step failed with "built for seq_len=17 tokens, got n=9",
+    not naming the cause. Now building or converting such a model names patch_drop_rate; other layers still take it."""
+    from structformer.models.factory import build_model
+    with pytest.raises(ValueError, match='patch_drop_rate=0.5'):
+        timm.create_model('sparsifiner_digits', depth=1, patch_drop_rate=0.5)
+    vit = dict(img_size=16, patch_size=4, embed_dim=16, num_heads=2, depth=1, patch_drop_rate=0.5)
+    with pytest.raises(ValueError, match="^sparsify: attn='sparsifiner' has parameters per token position"):
+        sparsify(timm.create_model('vit_tiny_patch16_224', **vit))
+    with pytest.raises(ValueError, match='LinformerAttention has parameters per token position'):
+        build_model('vit_tiny_patch16_224', dict(vit, attn_layer='linformer', attn_kwargs={'num_landmarks': 4}))
+    model = swap_attention(timm.create_model('vit_tiny_patch16_224', **vit), 'nystrom', num_landmarks=4).train()
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 1000)
+
+
+def test_set_input_size_refuses_a_token_count_the_predictors_do_not_fit():
+    """timm's `set_input_size` resampled the position embeddings and left W_down / W_up at 17 columns: the next
+    forward failed with "built for seq_len=17 tokens, got n=65". It is refused before anything changes; a size with
+    the same token count (patch size scaled along) is still taken."""
+    model = timm.create_model('sparsifiner_digits', depth=1).eval()
+    pos = model.pos_embed.detach().clone()
+    with pytest.raises(ValueError, match=r'set_input_size: .* shaped for 17 tokens .* gives 65'):
+        model.set_input_size(img_size=16)
+    assert torch.equal(model.pos_embed, pos) and model.patch_embed.img_size == (8, 8)
+    model.set_input_size(img_size=16, patch_size=4)
+    assert model(torch.randn(1, 1, 16, 16)).shape == (1, 10)
+
+
+@pytest.mark.parametrize('feature_cls', ['getter', 'hook', 'fx'])
+def test_predictors_are_shaped_inside_every_feature_wrapper(feature_cls):
+    """The predictors were shaped after `create_model` returned, through the wrapper's `.model`: timm's 'hook' and
+    'fx' extractors have none, so W_down / W_up stayed lazy (not in `parameters()`, a warning at the first forward).
+    Shaped at construction now, with the values a plain model of the same seed gets."""
+    from torch.nn.parameter import UninitializedParameter
+    torch.manual_seed(5)
+    plain = timm.create_model('sparsifiner_digits', depth=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        torch.manual_seed(5)
+        features = timm.create_model('sparsifiner_digits', depth=2, features_only=True, out_indices=(0, 1),
+                                     feature_cls=feature_cls).eval()
+        assert not any(isinstance(p, UninitializedParameter) for p in features.parameters())
+        with torch.no_grad():
+            assert len(features(torch.randn(2, 1, 8, 8))) == 2
+    w_down = [p for n, p in features.named_parameters() if n.endswith('blocks.1.attn.basis.w_down')]
+    torch.testing.assert_close(w_down[0], plain.blocks[1].attn.basis.w_down)

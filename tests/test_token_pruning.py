@@ -271,3 +271,30 @@ def test_refusals_name_the_problem():
                                global_pool='avg')
     with pytest.raises(ValueError, match='no cls token'):
         prune_tokens(no_cls, layers=[1])
+
+
+def test_forward_intermediates_refuses_a_grid_the_pruned_tokens_do_not_fill():
+    """timm's NCHW reshape does not check the token count: after pruning, a block's 8 kept + 1 fused tokens of width
+    192 came back as a [B, 108, 4, 4] map. Now NCHW is refused for such blocks, naming them; blocks before the first
+    pruning one, NLC, and copies of the model (EMA's deepcopy) behave as before."""
+    import copy
+    torch.manual_seed(0)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, depth=4, num_classes=10).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        dense = model.forward_intermediates(x, intermediates_only=True)
+        prune_tokens(model, keep_rate=0.5, layers=[1, 2])
+        with pytest.raises(ValueError, match=r"output_fmt='NCHW' needs the 4x4 patch grid, .*block\(s\) \[1, 2, 3\]"):
+            model.forward_intermediates(x)
+        first, = model.forward_intermediates(x, indices=[0], intermediates_only=True)
+        torch.testing.assert_close(first, dense[0])
+        nlc = model.forward_intermediates(x, output_fmt='NLC', intermediates_only=True)
+        assert [t.shape[1] for t in nlc] == [16, 9, 6, 6] and all(t.shape[2] == 192 for t in nlc)
+        twin = copy.deepcopy(model)
+        assert twin.forward_intermediates.args[0] is twin
+        with pytest.raises(ValueError, match='patch grid'):
+            twin.forward_intermediates(x, indices=[-1])
+        torch.testing.assert_close(twin.forward_intermediates(x, indices=[0], intermediates_only=True)[0], first)
+    unpruned = prune_tokens(timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, depth=2).eval(),
+                            keep_rate=1.0, layers=[1])                 # keeps every token: still a grid
+    assert unpruned.forward_intermediates(x, intermediates_only=True)[-1].shape == (2, 192, 4, 4)

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-__all__ = ['recording_graph', 'checked_images']
+__all__ = ['recording_graph', 'checked_images', 'checked_token_ids']
 
 
 def recording_graph() -> bool:
@@ -44,3 +44,16 @@ def checked_images(x: torch.Tensor, owner: str, in_chans: int, img_size: Optiona
 
 
 torch.fx.wrap('checked_images')
+
+
+def checked_token_ids(tokens: torch.Tensor, owner: str, context: int) -> torch.Tensor:
+    """`tokens` if it is a batch of token ids [B, T] (int64 or int32) with T <= `context`, else a ValueError
+    naming `owner`. An FX leaf, as `checked_images` (the language model's input check)."""
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{owner} expects token ids [B, T] (int64), got {tuple(tokens.shape)} {tokens.dtype}")
+    if tokens.shape[1] > context:
+        raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the context img_size={context}")
+    return tokens
+
+
+torch.fx.wrap('checked_token_ids')

@@ -14,8 +14,10 @@ from ..layers.attention.registry import ATTENTION_LAYERS
 from ..layers.linear.base import StructuredLinear
 from ..layers.mlp.ista import ISTA
 from .crate import CratePatchEmbed
+from .gpt import CausalSelfAttention
 
-FX_LEAVES = (*ATTENTION_LAYERS.values(), StructuredLinear, ISTA, CratePatchEmbed)
+# CausalSelfAttention: its forward unpacks x.shape, which a symbolic trace cannot (the LM's fx features failed)
+FX_LEAVES = (*ATTENTION_LAYERS.values(), StructuredLinear, ISTA, CratePatchEmbed, CausalSelfAttention)
 
 for _leaf in FX_LEAVES:
     register_notrace_module(_leaf)

@@ -13,11 +13,11 @@ from typing import Optional
 from timm.layers import Attention as TimmAttention
 from torch import nn
 
-from ..layers.attention.registry import accepted_options, check_options, get_attention
+from ..layers.attention.registry import ATTENTION_LAYERS, accepted_options, check_options, get_attention
 from ..layers.attention.softmax import AttentionBase
 from .transforms import TransformContext, register_transform
 
-__all__ = ['swap_attention', 'token_count', 'SHARED_PARTS']
+__all__ = ['swap_attention', 'token_count', 'check_patch_dropout', 'SHARED_PARTS']
 
 SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
 
@@ -33,6 +33,28 @@ def token_count(model: nn.Module) -> Optional[int]:
     return patches + getattr(model, 'num_prefix_tokens', 0)
 
 
+def _patch_drop_prob(model: nn.Module) -> float:
+    return float(getattr(getattr(model, 'patch_drop', None), 'prob', 0.0) or 0.0)
+
+
+def _refuse_patch_dropout(prob: float, layer: str) -> None:
+    raise ValueError(f"{layer} has parameters per token position (built for the model's fixed token count), but the "
+                     f"model drops patches in training (patch_drop_rate={prob}), so its first training step would "
+                     "fail on the token count; build the model with patch_drop_rate=0")
+
+
+def check_patch_dropout(model: nn.Module) -> nn.Module:
+    """Refuse timm's patch dropout (`patch_drop_rate`, training drops a random share of the patch tokens) in a model
+    whose attention has per-token parameters (a `seq_len` option: Linformer's E, F; Sparsifiner's W_down, W_up):
+    before, the first training forward failed on the token count, in a message that did not name the cause."""
+    prob = _patch_drop_prob(model)
+    if prob:
+        for module in model.modules():
+            if type(module) in ATTENTION_LAYERS.values() and 'seq_len' in accepted_options(type(module)):
+                _refuse_patch_dropout(prob, type(module).__name__)
+    return model
+
+
 def _swappable(module: nn.Module) -> bool:
     if isinstance(module, TimmAttention):
         return True
@@ -43,12 +65,21 @@ def _swappable(module: nn.Module) -> bool:
 def _check_same_projection(attn: str, new: nn.Module, child: nn.Module) -> None:
     """The moved q/k/v projection must fit the new layer: shared-QK attentions (SOFT's Q = K, CRATE's
     Q = K = V) have fewer rows than timm's [3·inner, dim] and would fail at the first forward."""
-    want = getattr(getattr(new, 'qkv', None), 'weight', None)
-    if want is None or want.shape != child.qkv.weight.shape:
-        shape = 'no qkv projection' if want is None else f"a {list(want.shape)} qkv projection"
+    want = _shape(getattr(new, 'qkv', None))
+    have = _shape(child.qkv)
+    if want is None or want != have:
+        shape = 'no qkv projection' if want is None else f"a {want} qkv projection"
         raise ValueError(f"swap_attention: attn={attn!r} has {shape}, so it cannot take the "
-                         f"{list(child.qkv.weight.shape)} q/k/v weights of this model's attention (it shares Q and "
+                         f"{have} q/k/v weights of this model's attention (it shares Q and "
                          f"K); build the model with attn_layer={attn!r} instead of converting it")
+
+
+def _shape(linear: Optional[nn.Module]) -> Optional[list]:
+    """[out, in] of a linear layer, dense or structured: after `factorize` the q/k/v projection is a
+    FactorizedLinear, which has no `.weight` (reading it failed with AttributeError) and moves across all the same."""
+    if linear is None or not hasattr(linear, 'out_features'):
+        return None
+    return [linear.out_features, linear.in_features]
 
 
 def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
@@ -58,6 +89,8 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
     cls = get_attention(attn)
     check_options(cls, options)
     seq_len = token_count(model)
+    if 'seq_len' in accepted_options(cls) and _patch_drop_prob(model):
+        _refuse_patch_dropout(_patch_drop_prob(model), f"swap_attention: attn={attn!r}")
     if 'seq_len' in accepted_options(cls) and 'seq_len' not in options:
         options = dict(options, seq_len=seq_len)
     replaced = 0
@@ -67,7 +100,7 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
                 continue
             if abs(getattr(child, 'scale', child.head_dim ** -0.5) - child.head_dim ** -0.5) > 1e-12:
                 raise ValueError(f"swap_attention: {name} uses a non-standard attention scale {child.scale}")
-            weight = child.qkv.weight
+            weight = next(child.qkv.parameters())             # dense or factorised (`_shape`)
             new = cls(child.qkv.in_features, child.num_heads, attn_drop=child.attn_drop.p,
                       proj_drop=child.proj_drop.p, attn_head_dim=child.head_dim, device=weight.device,
                       dtype=weight.dtype, **options)
@@ -78,6 +111,13 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
             setattr(parent, name, new)
             replaced += 1
     if not replaced:
+        # a second call (or sparsify on a Sparsifiner model) finds only layers of the class asked for: say so,
+        # rather than that the model has no attention (as it said before)
+        already = sum(isinstance(m, cls) for m in model.modules())
+        if already:
+            raise ValueError(f"swap_attention: every attention of {type(model).__name__} is already {cls.__name__} "
+                             f"({already} layer(s)); it converts timm Attention, once (to change the new layers' "
+                             "options, convert the dense model again)")
         raise ValueError(f"swap_attention: {type(model).__name__} has no timm Attention module to replace "
                          "(it converts timm VisionTransformer-style models)")
     return model

@@ -183,19 +183,22 @@ def check_pretrained_source(variant: str, pretrained_cfg=None, pretrained_cfg_ov
 
 
 def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,
-                 **kwargs) -> nn.Module:
+                 feature_output_fmt: str = 'NCHW', **kwargs) -> nn.Module:
     """timm's `build_model_with_cfg` with feature extraction through `forward_intermediates`
     (`features_only=True`, `out_indices` default `default_out_indices`: an int takes the last n, at most
-    `depth` of them). `pretrained=True` goes through timm's `load_pretrained` with the family's filter
-    (`structformer.weights.filters`: classifier, input channels, position embeddings adapted, anything else that
-    does not fit refused by name); with no weights configured it fails in one line naming what to pass."""
+    `depth` of them; the maps in `feature_output_fmt`, timm's getter default NCHW, 'NLC' for a model with no
+    grid, whose forward_intermediates refuses NCHW, so that features_only works for it). `pretrained=True` goes
+    through timm's `load_pretrained` with the family's filter (`structformer.weights.filters`: classifier, input
+    channels, position embeddings adapted, anything else that does not fit refused by name); with no weights
+    configured it fails in one line naming what to pass."""
     if pretrained:
         check_pretrained_source(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
     depth = kwargs.get('depth')
     if isinstance(default_out_indices, int) and isinstance(depth, int) and depth >= 1:
         # "the last n blocks" cannot ask for more blocks than a shallow variant has (timm asserts)
         default_out_indices = min(default_out_indices, depth)
-    feature_cfg = dict(feature_cls='getter', out_indices=kwargs.pop('out_indices', default_out_indices))
+    feature_cfg = dict(feature_cls='getter', out_indices=kwargs.pop('out_indices', default_out_indices),
+                       output_fmt=feature_output_fmt)
     from ..weights.filters import pretrained_filter_fn
     # strictness is the filter's: it refuses by name whatever it does not adapt, and leaves out on purpose what
     # stays freshly initialised (a lazy Sparsifiner basis of another token count, shaped after loading)

@@ -94,12 +94,30 @@ def _preset_names(preset: str, layers: Dict[str, nn.Module]) -> List[str]:
     return [n for n in layers if any(fnmatch.fnmatchcase(n, p) for p in PRESETS[preset])]
 
 
-def _select(layers: Dict[str, nn.Module], include, exclude) -> List[str]:
+def _already_factorized(already: Dict[str, nn.Module], patterns: Sequence[str] = ('*',)) -> str:
+    """'' or the sentence naming the layers an earlier `factorize` replaced that `patterns` match: a second call
+    finds no nn.Linear / nn.Conv2d there, and without it the error read as if the model had no such layer."""
+    hit = [n for n in already if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if not hit:
+        return ''
+    return (f"the model is already factorised there ({len(hit)} layer(s): {', '.join(hit[:4])}"
+            f"{', ...' if len(hit) > 4 else ''}); factorize replaces a dense nn.Linear / nn.Conv2d once")
+
+
+def _select(layers: Dict[str, nn.Module], include, exclude,
+            already: Optional[Dict[str, nn.Module]] = None) -> List[str]:
+    """The names of `layers` (dense, still eligible) chosen by `include` / `exclude`. `already`: the layers an
+    earlier `factorize` replaced; the default preset counts their convs too (a factorised WRN is still a
+    vision model), and an include that matches only them is refused by saying so."""
+    already = already or {}
     if include is None:
-        convs = [n for n, m in layers.items() if isinstance(m, nn.Conv2d)]
+        convs = [n for n, m in {**layers, **already}.items() if isinstance(m, (nn.Conv2d, FactorizedConv2d))]
         include = 'vision' if len(convs) > 1 else 'transformer'
     if isinstance(include, str) and include in PRESETS:
         chosen = _preset_names(include, layers)
+        if not chosen and _already_factorized(already):
+            raise ValueError(f"include={include!r}: {_already_factorized(already)}, and no layer the preset "
+                             "takes is still dense")
         if not chosen:
             raise ValueError(f"include={include!r}: the preset matches no layer of this model; give patterns "
                              f"over its layer names, e.g. {', '.join(list(layers)[:4]) or '(no linear or conv layers)'}")
@@ -109,6 +127,8 @@ def _select(layers: Dict[str, nn.Module], include, exclude) -> List[str]:
             raise ValueError(f"include={include!r}: expected a preset ({', '.join(PRESETS)}) or a list of "
                              "fnmatch patterns over module names")
         for p in patterns:
+            if not any(fnmatch.fnmatchcase(n, p) for n in layers) and _already_factorized(already, [p]):
+                raise ValueError(f"include pattern {p!r}: {_already_factorized(already, [p])}")
             if not any(fnmatch.fnmatchcase(n, p) for n in layers):
                 raise ValueError(f"include pattern {p!r} matches no nn.Linear or nn.Conv2d of the model; "
                                  f"presets: {', '.join(PRESETS)}; layer names look like "
@@ -132,7 +152,7 @@ def plan_factorization(model: nn.Module, rank: Union[int, float], include=None, 
                          "give an integer for a count")
     layers = eligible_layers(model)
     plans = []
-    for name in _select(layers, include, exclude):
+    for name in _select(layers, include, exclude, factorized_layers(model)):
         module = layers[name]
         kind, m, n = _shape(module)
         r = resolve_rank(rank, m, n, name=f'rank (layer {name}, {m}x{n})')

@@ -21,10 +21,13 @@ from timm.layers import Mlp, trunc_normal_
 from timm.models import generate_default_cfgs
 from torch import nn
 
+from ..functional.tracing import checked_token_ids
 from ._registry import register_language_model
 from .base import TOKEN_IDS_NOTE, StructuredModel, create_model, model_cfg
 
 __all__ = ['GPT', 'CausalSelfAttention', 'GPTBlock']
+
+torch.fx.wrap('checked_token_ids')               # the input check is one node of an FX trace (functional/tracing.py)
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,10 +112,7 @@ class GPT(StructuredModel):
         self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"GPT expects token ids [B, T] (int64), got {tuple(tokens.shape)} {tokens.dtype}")
-        if tokens.shape[1] > self.context:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the context img_size={self.context}")
+        tokens = checked_token_ids(tokens, 'GPT', self.context)     # an FX leaf: the checks' `if`s stopped FX traces
         return self.drop(self.tok_embed(tokens) + self.pos_embed[:, :tokens.shape[1]])
 
     def forward_features(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,8 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> GPT:
-    return create_model(GPT, variant, pretrained, **kwargs)
+    # features_only: hidden states [B, T, D] (timm's getter asked for NCHW, which a sequence has not)
+    return create_model(GPT, variant, pretrained, feature_output_fmt='NLC', **kwargs)
 
 
 @register_language_model

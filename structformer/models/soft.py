@@ -207,8 +207,10 @@ class SoftNet(StructuredModel):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.no_weight_decay_names = frozenset({'cls_token'} | {f'pos_embeds.{i}' for i in range(4) if pos_embed})
-        self.feature_info = [dict(num_chs=d, reduction=2 ** (sum(s > 1 for s in stem_strides) + i), module=f'stages.{i}')
-                             for i, d in enumerate(dims)]
+        # `module`: a module that runs (timm's hook extractor hooks it; 'stages.i' is never called: hooks got nothing)
+        self.feature_info = [dict(num_chs=d, reduction=2 ** (sum(s > 1 for s in stem_strides) + i),
+                                  module=f'stages.{i}.blocks.{len(stage.blocks) - 1}' if len(stage.blocks) else
+                                  f'stages.{i}.downsample') for i, (d, stage) in enumerate(zip(dims, self.stages))]
         self._init_weights()
 
     def _init_weights(self) -> None:

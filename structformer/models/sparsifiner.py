@@ -8,6 +8,8 @@ are the same modules); it is also the registered model transform 'sparsify', so 
 embedded data; `vit_digits`, `vit_mnist` are their dense counterparts (same weights but the predictors),
 the teachers of the two-stage distillation (`structformer train --teacher`, structformer.train.distill).
 """
+import copy
+
 import torch
 from timm.models import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer
@@ -16,7 +18,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import swap_attention, token_count
+from .attention_swap import check_patch_dropout, swap_attention, token_count
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -71,7 +73,30 @@ class ContractViT(VisionTransformer):
 
 
 class SparsifinerViT(ContractViT):
-    """A ContractViT whose attention layers are `SparsifinerAttention`."""
+    """A ContractViT whose attention layers are `SparsifinerAttention`, their predictors shaped at construction
+    (`materialize_predictors`), so inside any of timm's feature wrappers too: shaped after `create_model` returned,
+    they stayed lazy in the 'hook' and 'fx' extractors (neither holds the ViT as `.model`), out of
+    `parameters()` until a first forward that warned. Patch dropout is refused here too (`check_patch_dropout`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_patch_dropout(self)
+        materialize_predictors(self)
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's change of resolution (position embeddings resampled), refused, changing nothing, where it would
+        change the token count the predictors' W_down, W_up are shaped for (one column per token): the next
+        forward failed with "built for seq_len=17 tokens, got n=65". Build the model at the new size and load
+        the weights with pretrained=True instead (the filter keeps all but W_down, W_up, which start fresh)."""
+        probe = copy.deepcopy(self.patch_embed)
+        probe.set_input_size(img_size=img_size, patch_size=patch_size)
+        tokens = probe.num_patches + self.num_prefix_tokens
+        shaped = {m.basis.seq_len for m in self.modules() if isinstance(m, SparsifinerAttention)} - {None}
+        if shaped and shaped != {tokens}:
+            raise ValueError(f"set_input_size: the Sparsifiner predictors are shaped for {sorted(shaped)[0]} tokens "
+                             f"and img_size={img_size}, patch_size={patch_size} gives {tokens}; build the model with "
+                             "that img_size and load these weights with pretrained=True (W_down, W_up start fresh)")
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
 
 
 def _cfg(**kwargs):
@@ -100,9 +125,7 @@ def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> Spa
     args = dict(defaults, **kwargs)
     layer = {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}
     args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # timm's Block does not pass n
-    model = create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
-    materialize_predictors(model)
-    return model
+    return create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
 
 
 def materialize_predictors(model: nn.Module) -> nn.Module:

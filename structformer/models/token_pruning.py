@@ -25,11 +25,18 @@ Token bookkeeping, per forward, in `model.token_pruning` (a `TokenPruningState`)
                token i stands for. Blocks pass theirs to a SparsifinerAttention (`token_sources=`), which
                takes its W_down, W_up columns from it (a fused token: the same mix of its tokens' columns).
 `tokens_per_block(model)` gives the token counts without a forward (for MHSA FLOPs).
+
+`forward_intermediates` (timm's feature interface): in 'NLC' every block's tokens come back as they are; in the
+default 'NCHW' only those of blocks before the first that drops tokens, and asking for a later one is a ValueError
+naming it (timm's reshape to the H×W grid does not check the count: 8 kept + 1 fused tokens of width 192 on a 4×4
+grid came back as a [B, 108, 4, 4] map).
 """
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import Attention as TimmAttention
+from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import Block
 from torch import nn
 
@@ -192,7 +199,28 @@ def prune_tokens(model: nn.Module, keep_rate: float = 0.7, layers: Sequence[int]
         blocks[i] = TokenPruningBlock(blocks[i], state, i, keep_rate if i in layers else None, num_prefix,
                                       fuse, starts=i == layers[0])
     model.token_pruning = state
+    if hasattr(type(model), 'forward_intermediates'):
+        # an attribute of this model, not of its class (timm's or ours, shared with unpruned models); a partial
+        # of a module-level function, so that deepcopy (EMA) and pickle carry it, bound to the copy
+        model.forward_intermediates = functools.partial(_grid_checked_intermediates, model)
     return model
+
+
+def _grid_checked_intermediates(model: nn.Module, x: torch.Tensor, indices=None, *args, output_fmt: str = 'NCHW',
+                                **kwargs):
+    """The model class's `forward_intermediates`, refusing 'NCHW' for the output of a block whose tokens no longer
+    fill the patch grid (module docstring), before anything runs."""
+    if output_fmt == 'NCHW' and hasattr(getattr(model, 'patch_embed', None), 'dynamic_feat_size'):
+        h, w = model.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
+        counts = tokens_per_block(model, h * w + model.num_prefix_tokens)
+        take, _ = feature_take_indices(len(model.blocks), indices)
+        pruned = [i for i in take if counts[i + 1] != counts[0]]
+        if pruned:
+            raise ValueError(f"forward_intermediates: output_fmt='NCHW' needs the {h}x{w} patch grid, but after "
+                             f"token pruning block(s) {pruned} leave {[counts[i + 1] for i in pruned]} tokens "
+                             f"(prefix included), not {counts[0]}; ask for output_fmt='NLC', or for blocks before the "
+                             "first pruning one")
+    return type(model).forward_intermediates(model, x, indices, *args, output_fmt=output_fmt, **kwargs)
 
 
 @register_transform('prune_tokens')

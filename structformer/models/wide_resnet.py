@@ -84,7 +84,10 @@ class WideResNet(StructuredModel):
         self.norm = nn.Sequential(nn.BatchNorm2d(in_chs), nn.ReLU())
         self.num_features = self.head_hidden_size = in_chs
         self.head = nn.Linear(in_chs, num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_info = [dict(num_chs=w, reduction=2 ** i, module=f'stages.{i}') for i, w in enumerate(widths)]
+        # `module`: the stage's last block, whose output is the stage's (timm's hook extractor hooks it; the stage
+        # itself is never called, blocks run one by one through run_block, so hooking 'stages.i' gave nothing)
+        self.feature_info = [dict(num_chs=w, reduction=2 ** i, module=f'stages.{i}.{len(stage) - 1}')
+                             for i, (w, stage) in enumerate(zip(widths, self.stages))]
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')

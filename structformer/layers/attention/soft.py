@@ -449,6 +449,8 @@ class SoftAttention(AttentionBase):
         """
         if not isinstance(self.norm, nn.Identity):
             return False                                           # scale_norm sits between merge and proj
+        if not (isinstance(self.qkv, nn.Linear) and isinstance(self.proj, nn.Linear)):
+            return False              # folding reads W_v, W_proj: not after `factorize` (no `.weight`, see _project_q)
         if self.value_conv is not None:
             return False                                           # the V conv needs V itself
         if self.fold_projections is not None:
@@ -457,21 +459,37 @@ class SoftAttention(AttentionBase):
         widths = self.qkv.in_features + self.proj.out_features
         return hm * widths < inner * widths + 2 * hm * self.head_dim
 
+    def _project_q(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(q [B, h, n, d] after q_norm, the V rows' output [B, n, h·d] or None). Dense: Q's rows of the weight
+        alone (V is computed later, or folded away); structured (after `factorize`: a StructuredLinear has no
+        `.weight`, so slicing it failed): the module on x, which keeps its cheaper product, split into Q and V."""
+        inner = self.num_heads * self.head_dim
+        if isinstance(self.qkv, nn.Linear):
+            b_q = None if self.qkv.bias is None else self.qkv.bias[:inner]
+            q, v = F.linear(x, self.qkv.weight[:inner], b_q), None
+        else:
+            qv = self.qkv(x)
+            q, v = qv[..., :inner], qv[..., inner:]
+        return self.q_norm(rearrange(q, 'b n (h d) -> b h n d', h=self.num_heads)), v
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
         dropout = self.attn_drop if self.training and self.attn_drop.p > 0 else None
         inner = self.num_heads * self.head_dim
-        w_q, w_v = self.qkv.weight[:inner], self.qkv.weight[inner:]
-        b_q, b_v = (None, None) if self.qkv.bias is None else (self.qkv.bias[:inner], self.qkv.bias[inner:])
-        q = self.q_norm(rearrange(F.linear(x, w_q, b_q), 'b n (h d) -> b h n d', h=self.num_heads))
+        q, v_rows = self._project_q(x)
         landmarks = self.landmarks(q, grid_size)
         options = dict(normalize=self.normalize, newton_iter=self.newton_iter, ridge=self.ridge, scale=self.scale,
                        dropout=dropout, newton_rule=self.newton_rule, newton_backward=self.newton_backward)
-        if self.folding_pays(landmarks.shape[-2]):
-            out = soft_attention_projected(x, q, landmarks, w_v, b_v, self.proj.weight, self.proj.bias, **options)
+        if self.folding_pays(landmarks.shape[-2]):                  # dense qkv and proj only
+            b_v = None if self.qkv.bias is None else self.qkv.bias[inner:]
+            out = soft_attention_projected(x, q, landmarks, self.qkv.weight[inner:], b_v, self.proj.weight,
+                                           self.proj.bias, **options)
             return self.proj_drop(out)
-        v = rearrange(F.linear(x, w_v, b_v), 'b n (h d) -> b h n d', h=self.num_heads)
+        if v_rows is None:
+            b_v = None if self.qkv.bias is None else self.qkv.bias[inner:]
+            v_rows = F.linear(x, self.qkv.weight[inner:], b_v)
+        v = rearrange(v_rows, 'b n (h d) -> b h n d', h=self.num_heads)
         out = soft_attention(q, v, landmarks, **options)
         if self.value_conv is not None:
             out = out + self.value_conv_term(v, self.resolve_grid(x.shape[1], grid_size)[1]).to(out.dtype)
@@ -479,10 +497,7 @@ class SoftAttention(AttentionBase):
 
     def landmark_kernel(self, x: torch.Tensor, grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         """A = exp(Q̃ ⊖ Q̃) [B, h, m, m] for the layer input x (for analysis: its conditioning)."""
-        inner = self.num_heads * self.head_dim
-        b_q = None if self.qkv.bias is None else self.qkv.bias[:inner]
-        q = self.q_norm(rearrange(F.linear(x, self.qkv.weight[:inner], b_q), 'b n (h d) -> b h n d',
-                                  h=self.num_heads))
+        q, _ = self._project_q(x)
         landmarks = _upcast(self.landmarks(q, grid_size))
         return gaussian_kernel(landmarks, landmarks, self.scale)
 
