@@ -51,26 +51,22 @@ unrolled backward, sampler init) so it can be ablated. docs/soft.md has the tabl
 public attention written from its equations is in tests/test_soft_official.py.
 """
 import math
-import warnings
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.nn.modules.lazy import LazyModuleMixin
-
-from ..lazy import drop_lazy_hooks, is_uninitialized
 
 from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_reference
 from ...functional.newton_pinv import check_rule, newton_pinv
 from ...functional.precision import autocast_dtype
 from ...functional.precision import upcast as _upcast
 from .registry import register_attention
+from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
 from .softmax import AttentionBase, check_no_mask
 
 SAMPLERS = ('conv', 'avgpool', 'random')
-SAMPLER_INITS = ('avgpool', 'kaiming')
 
 
 def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, normalize: bool = False,
@@ -177,99 +173,6 @@ def soft_attention_reference(q: torch.Tensor, v: torch.Tensor, landmarks: torch.
 def exact_gaussian_attention(q: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """S V with the exact n×n Gaussian kernel S = exp(Q ⊖ Q) (Eq. 5); O(n²), for tests and analysis."""
     return gaussian_kernel(q, q, scale) @ v
-
-
-def sampling_ratio_for(height: int, width: int, num_landmarks: int) -> int:
-    """k = ⌈√(HW / num_landmarks)⌉: the smallest pooling ratio whose ⌈H/k⌉·⌈W/k⌉ grid is ≈ num_landmarks."""
-    return max(1, math.ceil(math.sqrt(height * width / num_landmarks)))
-
-
-class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
-    """Conv2d with kernel = stride = k over the token grid (SOFT §3.2), initialised as average pooling.
-
-    The weight is stored channels-last, [C_out, k, k, C_in] (`F.conv2d`'s layout is
-    `weight.permute(0, 3, 1, 2)`), because tokens are channels-last: a flattened k×k window of tokens
-    is then ordered like a weight row, and the matmul reads the weight as a free view instead of
-    rearranging it on every forward (and its gradient on every backward).
-    With `kernel_size=None` the k×k weight is created at the first call from the k passed then.
-    """
-
-    def __init__(self, channels: int, kernel_size: Optional[int] = None, device=None, dtype=None,
-                 init: str = 'avgpool'):
-        super().__init__()
-        if init not in SAMPLER_INITS:
-            raise ValueError(f"sampler_init must be one of {SAMPLER_INITS}, got {init!r}")
-        self.channels = channels
-        self.init = init
-        if kernel_size is None:
-            self.weight = nn.UninitializedParameter(device=device, dtype=dtype)
-        else:
-            self.weight = nn.Parameter(torch.empty(channels, kernel_size, kernel_size, channels,
-                                                   device=device, dtype=dtype))
-            self.reset_parameters()
-            drop_lazy_hooks(self)
-
-    @property
-    def kernel_size(self) -> Optional[int]:
-        return None if is_uninitialized(self.weight) else self.weight.shape[1]
-
-    def reset_parameters(self) -> None:
-        if self.has_uninitialized_params():
-            return
-        k = self.kernel_size
-        if self.init == 'kaiming':
-            # nn.Conv2d's default (the public code's): fan_in = C·k·k in either weight layout
-            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-            return
-        eye = torch.eye(self.channels, dtype=self.weight.dtype, device=self.weight.device)
-        with torch.no_grad():
-            # identity over channels, uniform over the window = average pooling
-            self.weight.copy_(eye[:, None, None, :].expand_as(self.weight) / (k * k))
-
-    def initialize_parameters(self, tokens: torch.Tensor, grid_size: Tuple[int, int],
-                              kernel_size: Optional[int] = None) -> None:
-        """Create the k×k weight (the owning attention calls this with its k before the first forward;
-        LazyModuleMixin's own pre-forward call, which cannot know k, is then a no-op)."""
-        if not self.has_uninitialized_params():
-            return
-        if kernel_size is None:
-            raise RuntimeError("ConvLandmarkSampler: kernel_size must be given before the first forward")
-        with torch.no_grad():
-            self.weight.materialize((self.channels, kernel_size, kernel_size, self.channels), device=tokens.device)
-        self.reset_parameters()
-        drop_lazy_hooks(self)
-        warnings.warn(f"SOFT conv sampler: k={kernel_size} weights created at the first forward; build the "
-                      "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
-
-    def forward(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
-        """Landmarks [..., m, C] from grid tokens [..., H·W, C] (row-major grid), m = ⌈H/k⌉·⌈W/k⌉.
-
-        Kernel = stride = k, so the windows do not overlap and the conv is one matmul: each k×k
-        window flattened to k²C values, times the weight viewed as [C, k²C]. This skips the
-        [B, C, H, W] layout copy and the generic convolution that `forward_reference` pays.
-        """
-        k = self.kernel_size                                       # fixed once built
-        h, w = grid_size
-        lead = tokens.shape[:-2]
-        if -h % k or -w % k:                                       # replicate-pad to whole windows
-            planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
-            planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
-            tokens, h, w = rearrange(planes, 'b c y x -> b (y x) c'), planes.shape[-2], planes.shape[-1]
-        windows = rearrange(tokens, '... (gy ky gx kx) c -> ... (gy gx) (ky kx c)', ky=k, kx=k, gy=h // k, gx=w // k)
-        weight = self.weight.reshape(self.channels, -1)          # (ky kx c) rows: a view, no copy
-        return (windows @ weight.t()).reshape(*lead, -1, self.channels)
-
-    def forward_reference(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
-        """The same map as `forward`, written as padding + `F.conv2d` on [B, C, H, W] planes. For tests."""
-        k = self.kernel_size
-        h, w = grid_size
-        planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
-        planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
-        pooled = F.conv2d(planes, self.weight.permute(0, 3, 1, 2), stride=k)
-        return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
-
-    def extra_repr(self) -> str:
-        return f"channels={self.channels}, kernel_size=stride={self.kernel_size}"
 
 
 @register_attention('soft')
