@@ -140,7 +140,8 @@ def test_sw_mlp_width_and_density():
 
 @pytest.mark.parametrize('kwargs,match', [
     (dict(permutation='shuffle'), "permutation='shuffle': accepted 'mixer'"),
-    (dict(global_pool='token'), "a Mixer has no cls token"),
+    (dict(global_pool='token'), "a Mixer: its head pools by the token mean .*no cls token"),
+    (dict(global_pool='max'), "no max pooling; accepted 'avg' or ''"),
     (dict(num_tokens=0), 'num_tokens must be >= 1'),
 ])
 def test_mixer_bad_arguments(kwargs, match):
@@ -154,6 +155,16 @@ def test_reset_classifier_refuses_a_cls_pool():
         model.reset_classifier(5, 'token')
     model.reset_classifier(5, 'avg')
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 5)
+
+
+def test_sw_mlp_refuses_a_pool_by_saying_it_pools_nothing():
+    """SW-MLP's head reads the whole flat vector: a refused pool says that, not the Mixers' 'no cls token'."""
+    model = timm.create_model('swmlp_digits')
+    for pool in ('token', 'max'):
+        with pytest.raises(ValueError, match="SWMLP: its head classifies the whole flat vector"):
+            model.reset_classifier(5, pool)
+    with pytest.raises(ValueError, match="SW-MLP: its head classifies the whole flat vector"):
+        SWMLP(img_size=8, patch_size=2, in_chans=1, embed_dim=8, depth=1, global_pool='max')
 
 
 def test_wrong_image_names_the_expected_shape():

@@ -107,6 +107,7 @@ class _PatchTableModel(StructuredModel):
     """What Mixer and SW-MLP share: the per-patch FC stem (Eq. S.1) and the grid checks."""
     num_prefix_tokens = 0
     feature_modules = 'blocks'
+    pooling = 'its head pools by the token mean (the paper\'s); no cls token, no max pooling'   # why only 'avg' / ''
 
     def _stem(self, img_size, patch_size, in_chans, embed_dim):
         # timm's PatchEmbed: a P×P stride-P conv is the per-patch FC C₀ = in_chans·P² → C
@@ -115,7 +116,7 @@ class _PatchTableModel(StructuredModel):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None and global_pool not in ('avg', ''):
-            raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__} has no cls token; accepted 'avg' or ''")
+            raise ValueError(f"global_pool={global_pool!r}: {type(self).__name__}: {self.pooling}; accepted 'avg' or ''")
         super().reset_classifier(num_classes, global_pool)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +149,7 @@ class SparseMixer(_PatchTableModel):
         if permutation not in PERMUTATIONS:
             raise ValueError(f"permutation={permutation!r}: accepted 'mixer' (J_c, the Mixer) or 'random' (RP-Mixer)")
         if global_pool not in ('avg', ''):
-            raise ValueError(f"global_pool={global_pool!r}: a Mixer has no cls token; accepted 'avg' or ''")
+            raise ValueError(f"global_pool={global_pool!r}: a Mixer: {self.pooling}; accepted 'avg' or ''")
         self.num_classes, self.global_pool = num_classes, check_global_pool(global_pool)
         self._stem(img_size, patch_size, in_chans, embed_dim)
         tokens = self.patch_tokens if num_tokens is None else int(num_tokens)
@@ -227,6 +228,7 @@ class SWMLP(_PatchTableModel):
     Args: density p ∈ (0, 1] of every mask; mask_seed seeds them (layer ℓ its own); drop_path_rate:
     stochastic depth on the residual branches, growing linearly over the blocks as in timm (0, as the paper).
     """
+    pooling = "its head classifies the whole flat vector (the paper's): nothing is pooled"
 
     def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=16, depth=3,
                  density: float = 0.1, mlp_ratio: Optional[float] = None, mask_seed: int = 0, norm_eps: float = 1e-5,
@@ -235,7 +237,7 @@ class SWMLP(_PatchTableModel):
         if not 0 <= drop_path_rate < 1:
             raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
         if global_pool not in ('avg', ''):
-            raise ValueError(f"global_pool={global_pool!r}: SW-MLP classifies its flat vector; accepted 'avg' or ''")
+            raise ValueError(f"global_pool={global_pool!r}: SW-MLP: {self.pooling}; accepted 'avg' or ''")
         self.num_classes, self.global_pool = num_classes, global_pool
         self._stem(img_size, patch_size, in_chans, embed_dim)
         self.embed_dim = embed_dim
