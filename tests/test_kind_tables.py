@@ -114,6 +114,21 @@ def test_a_bench_json_carries_the_cpu_kind_and_the_choices(tmp_path, capsys):
     assert f"CPU kind {cpu_kind()['kind']}" in printed
 
 
+def test_the_header_counts_the_cached_choices_instead_of_listing_every_class():
+    """A machine's cache holds every shape class any process met (the test suite leaves hundreds): the header says
+    per choice how many classes took each candidate, the most taken first; the record keeps each class."""
+    cached = {'linear_kernel': {f'[{i},64,64]': 'onednn' for i in range(78)} | {'[1,2,3]': 'torch', '[4,5,6]': 'torch'},
+              'ssa_impl': {'[16,16]': 'sdpa', '[181,64]': 'shared'}, 'newton_loop': {}}
+    assert kinds.cache_summary(cached) == 'linear_kernel 78 onednn, 2 torch; ssa_impl 1 sdpa, 1 shared'
+    env = {'cpu_kind': {'kind': 'k', 'summary': 's'}, 'threads': 1, 'torch': 't',
+           'choices': {'cached': cached, 'cache_file': '~/.cache/structformer/choices/x.json', 'overrides': {}}}
+    lines = kinds.header_lines(env)
+    line = next(line for line in lines if 'cached' in line)
+    assert line.endswith('linear_kernel 78 onednn, 2 torch; ssa_impl 1 sdpa, 1 shared') and len(line) < 300
+    assert '~/.cache/structformer/choices/x.json' in line
+    assert not any('cached' in line for line in kinds.header_lines(dict(env, choices={'cached': {}})))
+
+
 def test_the_records_command_names_a_benchmark_per_goal():
     judged = [goal for _, goals, _ in kind_tables.RECORDS for goal in goals]
     assert sorted(judged) == sorted(kinds.GOALS)

@@ -9,6 +9,7 @@ from timm.layers import Attention as TimmAttention
 
 from structformer.functional.sparsifiner import (block_mask_from_scores, budget, flex_attention_path, gathered_attention,
                                                  mask_from_indices, masked_attention, topk_indices)
+from structformer.functional.sparsifiner_flex import flex_attention_available
 from structformer.layers import SparsifinerAttention
 from structformer.layers.attention.softmax import softmax_attention_reference
 from structformer.models.attention_swap import swap_attention
@@ -315,6 +316,19 @@ def test_flex_refuses_attention_dropout():
     layer.attn_drop.p = 0.1
     with pytest.raises(ValueError, match=r"impl='flex' has no attention dropout"):
         layer(torch.randn(2, 9, 32))
+
+
+@pytest.mark.skipif(not flex_attention_available(), reason='this torch has no FlexAttention')
+@pytest.mark.parametrize('connectivity', ['token', 'block'])
+def test_flex_refuses_to_train_on_a_cpu_by_its_argument(connectivity):
+    """torch's FlexAttention has no CPU backward; the layer says so by impl='flex' before any work (torch's own
+    NotImplementedError came from inside its kernel). Without a gradient it still runs on a CPU."""
+    layer = SparsifinerAttention(32, 4, impl='flex', seq_len=9, connectivity=connectivity, block_size=4)
+    x = torch.randn(2, 9, 32)
+    with pytest.raises(ValueError, match=r"impl='flex' cannot train on a CPU.*'masked'"):
+        layer(x)
+    with torch.no_grad():
+        assert layer(x).shape == (2, 9, 32)
 
 
 def test_auto_on_cuda_follows_the_gpu_measurements():

@@ -190,16 +190,31 @@ def header_lines(env: dict) -> list:
              f"{env.get('aten_cpu_capability', '?')}, {env.get('threads')} thread(s), torch {env.get('torch')}"]
     lines += [f"  {fact}" for fact in hardware_facts(kind)]
     choices = env.get('choices') or {}
-    chosen = [f"{name} [{cls}] {choice}" for name, entries in sorted((choices.get('cached') or {}).items())
-              for cls, choice in sorted(entries.items())]
     overrides = choices.get('overrides') or {}
     if overrides:
         lines.append('  kernel overrides: ' + ', '.join(f"{k}={v}" for k, v in sorted(overrides.items())))
-    if chosen:
-        lines.append('  kernel choices cached for this machine: ' + '; '.join(chosen))
+    cached = cache_summary(choices.get('cached') or {})
+    if cached:
+        lines.append(f"  kernel choices cached for this machine (shape classes per choice; every class in the "
+                     f"record's environment.choices, file {choices.get('cache_file', '?')}): {cached}")
     if choices.get('timing') == 'off':
         lines.append('  kernel choices: timing off (STRUCTFORMER_AUTOTUNE=off): every choice takes its default rule')
     return lines
+
+
+def cache_summary(cached: dict) -> str:
+    """The cached kernel choices in one short line: per choice, how many shape classes took each candidate
+    (`linear_kernel 78 onednn, 2 torch; ssa_impl 19 sdpa, 2 shared`). The cache grows with every shape a process on
+    this machine met (tests, other runs), so listing each class would bury the header; the record keeps them all."""
+    parts = []
+    for name, entries in sorted(cached.items()):
+        counts = {}
+        for choice in entries.values():
+            counts[choice] = counts.get(choice, 0) + 1
+        if counts:
+            parts.append(f"{name} " + ', '.join(f"{n} {choice}" for choice, n in
+                                                 sorted(counts.items(), key=lambda item: (-item[1], item[0]))))
+    return '; '.join(parts)
 
 
 def print_header(env: dict) -> None:

@@ -353,6 +353,11 @@ class SparsifinerAttention(AttentionBase):
         if impl in ('flex', 'kernel') and dropout_p:
             raise ValueError(f"impl={impl!r} has no attention dropout, and attn_drop.p={dropout_p} in training; "
                              "set attn_drop.p=0 or impl='auto' / 'masked'")
+        if impl == 'flex' and not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
+            # torch's FlexAttention has no CPU backward (eager or compiled): say so by our argument, before the
+            # predictor's work, not from inside torch
+            raise ValueError("impl='flex' cannot train on a CPU (torch's FlexAttention has no CPU backward); use "
+                             "impl='auto', 'masked', 'gather' or 'kernel' there, or run it under torch.no_grad()")
         if impl == 'kernel' and self.connectivity != 'block':
             raise ValueError("impl='kernel' (the CPU tile kernel) runs connectivity='block' only")
         if self.dense_stage1:
