@@ -376,3 +376,86 @@ def test_soft_attention_runs_after_its_projections_are_factorised(fold):
     torch.testing.assert_close(layer.landmark_kernel(x), kernel, rtol=1e-9, atol=1e-9)
     layer(x).sum().backward()
     assert all(p.grad is not None for p in layer.qkv.parameters())
+
+
+# ---------------------------------------------------------------- baselines: gradients of the fast paths
+
+def _values_and_grads(fn, inputs, probe):
+    """fn(*inputs) and the gradients of <fn(*inputs), probe> with respect to every input."""
+    out = fn(*inputs)
+    return (out.detach(), *torch.autograd.grad((out * probe).sum(), inputs))
+
+
+def _assert_same_values_and_grads(fast, reference, inputs, rtol):
+    """Every output and gradient entry within rtol of the reference's largest entry of that tensor (some gradient
+    entries are exactly 0 in one path and ~1e-17 in the other, so an entry-wise relative test would be noise)."""
+    probe = _randn(*reference(*inputs).shape, seed=99)
+    got, want = _values_and_grads(fast, inputs, probe), _values_and_grads(reference, inputs, probe)
+    for name, a, b in zip(('output',) + tuple(f'grad[{i}]' for i in range(len(inputs))), got, want):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize('shape, proj_len', [((2, 3, 12, 4), 5), ((1, 1, 13, 3), 1), ((1, 2, 9, 4), 9)])
+def test_linformer_fast_path_gradients_equal_the_reference(shape, proj_len):
+    """SDPA on the projected keys and values against Eq. 7 head by head: outputs and the gradients of q, k, v, E
+    and F, float64, batch 1 and k = 1 (one projected key: the softmax is constant) and k = n included. A few
+    products of length ≤ n in another order: ~1e-15 relative; 1e-12 leaves room and still fails any wrong term."""
+    inputs = tuple(_randn(*shape, seed=s, grad=True) for s in range(3)) + tuple(
+        _randn(proj_len, shape[-2], scale=0.3, seed=s, grad=True) for s in (4, 5))
+    _assert_same_values_and_grads(linformer_attention, linformer_attention_reference, inputs, rtol=1e-12)
+
+
+@pytest.mark.parametrize('scale', [0.5, 2.0])                        # 2.0: the stabilisers shift exp by ~10
+@pytest.mark.parametrize('shape', [(2, 3, 16, 8), (1, 1, 5, 8)])
+def test_performer_fast_path_gradients_equal_the_reference(shape, scale):
+    """FAVOR+ in linear order, with its row / head maxima detached, against the n×n Â written out: the stabilisers
+    cancel in D̂⁻¹Â, so the detached maxima must not change the gradients either (q, k, v; float64)."""
+    omega = orthogonal_random_features(64, shape[-1], torch.Generator().manual_seed(0), dtype=F64)
+    inputs = tuple(_randn(*shape, scale=scale, seed=s, grad=True) for s in range(3))
+    _assert_same_values_and_grads(lambda q, k, v: performer_attention(q, k, v, omega),
+                                  lambda q, k, v: performer_attention_reference(q, k, v, omega), inputs, rtol=1e-12)
+
+
+@pytest.mark.parametrize('shape, landmarks', [((2, 2, 14, 4), 1), ((2, 2, 14, 4), 5), ((1, 1, 11, 3), 4),
+                                              ((2, 2, 14, 4), 14)])
+def test_nystrom_fast_path_gradients_equal_the_reference(shape, landmarks):
+    """F̃ (Ã⁺ (B̃ V)) with Newton–Schulz and its Eq. 12 backward (Ã row-stochastic, not symmetric) against the n×n
+    product with an SVD pseudo-inverse differentiated by autograd: outputs and the gradients of q, k, v, float64,
+    at m = 1, m not dividing n (uneven segments), batch 1, and m = n. Ã is invertible here, so Eq. 12 is its exact
+    derivative; the error is eps·cond(Ã)² at most (the inverse and its derivative), and the tolerance is that bound."""
+    inputs = tuple(_randn(*shape, seed=s, grad=True) for s in range(3))
+    q, k = inputs[0].detach(), inputs[1].detach()
+    from structformer.layers.attention.nystrom import segment_means
+    kernel_a = torch.softmax(segment_means(q, landmarks) @ segment_means(k, landmarks).transpose(-2, -1)
+                             * shape[-1] ** -0.5, dim=-1)
+    cond = torch.linalg.cond(kernel_a).max().item()
+    rtol = max(1e-12, 10 * torch.finfo(F64).eps * cond ** 2)
+    assert rtol < 1e-6, cond                                       # the case tests something
+    _assert_same_values_and_grads(lambda q, k, v: nystrom_attention(q, k, v, landmarks, newton_iter=80),
+                                  lambda q, k, v: nystrom_attention_reference(q, k, v, landmarks), inputs, rtol=rtol)
+
+
+@pytest.mark.parametrize('mask', ['none', 'causal', 'bool', 'float'])
+@pytest.mark.parametrize('tokens', [1, 9])
+def test_softmax_fused_gradients_equal_the_naive_layer(mask, tokens):
+    """SoftmaxAttention (SDPA) against NaiveSoftmaxAttention (the softmax written out) on the same weights: the
+    output and the gradients of the input and every parameter, float64, with each kind of mask and one token."""
+    torch.manual_seed(0)
+    fused = SoftmaxAttention(16, num_heads=2, qkv_bias=True).double()
+    naive = NaiveSoftmaxAttention(16, num_heads=2, qkv_bias=True).double()
+    naive.load_state_dict(fused.state_dict())
+    x = _randn(2, tokens, 16, seed=8, grad=True)
+    kwargs = {}
+    if mask == 'causal':
+        kwargs['is_causal'] = True
+    elif mask != 'none':
+        keep = torch.rand(tokens, tokens, generator=torch.Generator().manual_seed(1)) > 0.3
+        keep.fill_diagonal_(True)
+        kwargs['attn_mask'] = keep if mask == 'bool' else torch.zeros(tokens, tokens, dtype=F64).masked_fill(~keep, -3.0)
+    probe = _randn(2, tokens, 16, seed=9)
+    results = []
+    for layer in (fused, naive):
+        out = layer(x, **kwargs)
+        results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), [x, *layer.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
