@@ -294,3 +294,45 @@ def test_layer_trains_on_the_kernel_as_on_the_gathered_path(kernel):
         results[impl] = (out, *torch.autograd.grad(out.square().sum(), [x, layer.qkv.weight, layer.proj.weight]))
     for a, b in zip(results['kernel'], results['gather']):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _tile_mask(chosen, n_q, n_k, block_size, dense_rows):
+    """The [B, H, n_q, n_k] mask of kept key tiles written out tile by tile (block_indices_to_mask is square)."""
+    b, h, tiles, _ = chosen.shape
+    mask = torch.zeros(b, h, n_q, n_k, dtype=torch.bool)
+    for i in range(b):
+        for j in range(h):
+            for t in range(tiles):
+                for key_tile in chosen[i, j, t].tolist():
+                    mask[i, j, t * block_size:(t + 1) * block_size, key_tile * block_size:(key_tile + 1) * block_size] = True
+    mask[:, :, :dense_rows] = True
+    return mask
+
+
+@pytest.mark.parametrize('n_q, n_k, block_size, kept, dense_rows', [
+    (13, 22, 4, 2, 1),                  # more keys than queries, partial last tiles on both sides
+    (22, 13, 4, 3, 2),                  # fewer keys than queries, every key tile kept
+    (5, 9, 8, 1, 0),                    # one query tile, two key tiles
+])
+def test_kernel_with_an_explicit_scale_and_another_key_count(kernel, n_q, n_k, block_size, kept, dense_rows):
+    """The ops take k, v of m ≠ n tokens and any scale (the backward multiplies dQ and dK by it): gradcheck in float64,
+    and outputs and q, k, v gradients against autograd through masked_attention on the tile mask written out and
+    against the gathered tiles. Every other test runs m = n, where a swapped n_q / n_k or a missing scale in the
+    backward would not show."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, n_q, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, n_k, 3, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    key_tiles = -(-n_k // block_size)
+    chosen = torch.stack([torch.randperm(key_tiles, generator=g)[:kept] for _ in range(2 * 2 * -(-n_q // block_size))])
+    chosen = chosen.reshape(2, 2, -1, kept)
+    run = lambda q, k, v: kernel(q, k, v, chosen, block_size, scale=0.3, dense_rows=dense_rows)   # noqa: E731
+    assert torch.autograd.gradcheck(run, (q, k, v))
+    mask = _tile_mask(chosen, n_q, n_k, block_size, dense_rows)
+    upstream = torch.randn(2, 2, n_q, 3, dtype=torch.float64, generator=g)
+    got = (run(q, k, v), *torch.autograd.grad(run(q, k, v), (q, k, v), upstream))
+    for reference in (lambda q, k, v: masked_attention(q, k, v, mask, scale=0.3),
+                      lambda q, k, v: block_gathered_attention(q, k, v, chosen, block_size, scale=0.3,
+                                                               dense_rows=dense_rows)):
+        want = (reference(q, k, v), *torch.autograd.grad(reference(q, k, v), (q, k, v), upstream))
+        for a, b in zip(got, want):       # float64, softmax and sums over <= 22 keys: ~1e-15
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
