@@ -157,6 +157,29 @@ def test_newton_pinv_gradcheck():
     assert torch.autograd.gradcheck(lambda m: newton_pinv(m, num_iter=40), (a,), eps=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize('rule', ['ours', 'soft', 'softpp'])
+def test_newton_pinv_gradcheck_batched_at_float64_tolerances(rule):
+    """The custom backward (Eq. 12) of every rule on a batch whose matrices freeze at different steps, at float64's
+    tolerances. Once X has converged (to ~eps·cond), gradcheck's central difference with step 1e-6 is good to
+    ~1e-10 (truncation ~1e-12 times the third derivative, cancellation ~1e-16 / 1e-6 times ‖X‖²), so atol 1e-8 and
+    rtol 1e-6 fail any wrong term, where the default atol 1e-5 of the single-matrix test above could not tell a
+    gradient off by 1e-6. The public rules' X_0 steps need more iterations than ours: num_iter 80."""
+    a = torch.stack([_spd(5, 11) / 5 + torch.eye(5, dtype=F64),
+                     _spd(5, 12, shift=0.1) / 5 + 0.2 * torch.eye(5, dtype=F64),
+                     3.0 * torch.eye(5, dtype=F64) + _spd(5, 13) / 50]).requires_grad_()
+    assert torch.autograd.gradcheck(lambda m: newton_pinv(m, num_iter=80, rule=rule), (a,), eps=1e-6, atol=1e-8,
+                                    rtol=1e-6)
+
+
+def test_newton_pinv_gradcheck_non_symmetric():
+    """Nyströmformer inverts a row-stochastic, non-symmetric Ã: Eq. 12 with its transposes, −Yᵀ G Yᵀ, is the
+    derivative of A⁻¹ for any invertible A; a backward that dropped a transpose would pass on symmetric A only."""
+    g = torch.Generator().manual_seed(14)
+    a = (torch.softmax(torch.randn(2, 6, 6, generator=g, dtype=F64), -1) + torch.eye(6, dtype=F64)).requires_grad_()
+    assert not torch.allclose(a, a.transpose(-2, -1))
+    assert torch.autograd.gradcheck(lambda m: newton_pinv(m, num_iter=80), (a,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
 def test_newton_pinv_backward_is_eq12():
     a = (_spd(6, 5) / 6 + torch.eye(6, dtype=F64)).requires_grad_()
     g = torch.randn(6, 6, dtype=F64)
