@@ -105,10 +105,9 @@ def test_fast_path_equals_dense_reference_outputs_and_gradients(name, make):
         y.backward(grad_out)
         results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
     (y1, gx1, gp1), (y2, gx2, gp2) = results
-    torch.testing.assert_close(y1, y2)
-    torch.testing.assert_close(gx1, gx2)
-    for a, b in zip(gp1, gp2):
-        torch.testing.assert_close(a, b)
+    # float64, sums of <= 24 products in another order: 1e-12 of the largest entry (the default 1e-7 is float32's)
+    for a, b in zip([y1, gx1, *gp1], [y2, gx2, *gp2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
     assert y1.shape == (2, 3, layer.out_features)
 
 
@@ -257,3 +256,41 @@ def test_wrong_input_width_is_named():
 
 def test_check_permutation_accepts_lists():
     assert check_permutation([2, 0, 1], 3).tolist() == [2, 0, 1]
+
+
+def _edge_layers():
+    return [
+        ('pk-transpose-rect', lambda: PKLinear(3, 4, 5, 'transpose', 'transpose')),     # [4, 3] in, [3, 5] out grids
+        ('pk-transpose-in-only', lambda: PKLinear(3, 4, 5, 'transpose', 'identity')),
+        ('pk-transpose-out-no-bias', lambda: PKLinear(3, 4, 5, 'identity', 'transpose', bias=False)),
+        ('pk-random-rect', lambda: PKLinear(5, 2, 3, 'random', 'transpose', seed=3)),
+        ('kronecker-no-bias-unit-dims', lambda: KroneckerLinear((1, 4), (3, 1), bias=False)),
+        ('monarch-one-block', lambda: MonarchLinear(6, 10, nblocks=1)),
+        ('monarch-no-bias-narrow', lambda: MonarchLinear(12, 6, nblocks=6, bias=False)),
+        ('masked-no-bias', lambda: MaskedLinear(9, 4, density=0.5, seed=1, bias=False)),
+    ]
+
+
+@pytest.mark.parametrize('lead', [(), (1,), (1, 1), (2, 3, 4)], ids=['vector', 'batch-1', 'batch-1x1', 'batch-2x3x4'])
+@pytest.mark.parametrize('name,make', _edge_layers(), ids=[n for n, _ in _edge_layers()])
+def test_fast_path_equals_dense_reference_on_edge_shapes(name, make, lead):
+    """The shapes the test above does not take: rectangular grids under the transpose shuffle (in and out grids
+    differ), no bias, unit factor dimensions, one Monarch block, and inputs that are one vector, one row, or four
+    leading dims. Outputs and the input and parameter gradients in float64; sums of <= 12 products in another
+    order, so 1e-12 of each tensor's largest entry (the default float64 tolerance, 1e-7, would pass a wrong term
+    of that size)."""
+    torch.manual_seed(7)
+    layer = make().double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(*lead, layer.in_features, dtype=D)
+    grad_out = torch.randn(*lead, layer.out_features, dtype=D)
+    results = []
+    for forward in (layer.forward, layer.forward_reference):
+        xs = x.clone().requires_grad_()
+        y = forward(xs)
+        assert y.shape == (*lead, layer.out_features)
+        results.append((y.detach(), *torch.autograd.grad(y, [xs, *layer.parameters()], grad_out)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
