@@ -143,3 +143,53 @@ def test_flop_counter_sees_the_onednn_products(every_size):
     with FlopCounterMode(display=False) as counter:
         layer(x).sum().backward()
     assert counter.get_total_flops() == 3 * 2 * (3 * 32) * 4 * (16 + 64)
+
+
+def _rounding_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|fl(a b) − a b| ≤ γ_K |a| |b| entry-wise for any summation order in float32, γ_K ≈ K·eps (K the inner
+    length; Higham, Accuracy and Stability, §3.5), plus one rounding of the result itself."""
+    eps = torch.finfo(torch.float32).eps
+    exact = a.double() @ b.double()
+    return (a.shape[-1] + 1) * eps * (a.double().abs() @ b.double().abs()) + eps * exact.abs()
+
+
+_LAYOUTS_X = {
+    'one-row': lambda: torch.randn(1, 24),
+    'batch-1x1': lambda: torch.randn(1, 1, 24),
+    'transposed': lambda: torch.randn(24, 37).t(),
+    'permuted-3d': lambda: torch.randn(11, 3, 24).transpose(0, 1),
+    'strided-channels': lambda: torch.randn(37, 48)[:, ::2],
+    'expanded': lambda: torch.randn(1, 24).expand(5, 24),
+}
+_LAYOUTS_W = {
+    'rows': lambda: torch.randn(40, 24),
+    'transposed': lambda: torch.randn(24, 40).t(),
+    'strided': lambda: torch.randn(40, 48)[:, 1::2],
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('w_layout', list(_LAYOUTS_W))
+@pytest.mark.parametrize('x_layout', list(_LAYOUTS_X))
+def test_onednn_linear_on_every_input_layout_is_within_float32_rounding(every_size, x_layout, w_layout, bias):
+    """One row, a 1×1 batch, and x / W views that are not row-major (transposed, permuted, strided, expanded rows
+    sharing memory): the Function's output and x, W, b gradients against the float64 product, each entry within
+    the float32 rounding bound of its own product (so the tolerance follows from the dtype and the inner length,
+    and a wrong layout, off by O(1), cannot pass). The tests above take contiguous x of 37 and 33 rows only."""
+    torch.manual_seed(0)
+    x, w = _LAYOUTS_X[x_layout](), _LAYOUTS_W[w_layout]()
+    b = torch.randn(40) if bias else None
+    upstream = torch.randn(*x.shape[:-1], 40)
+    out, grads = _run(linear, x, w, b, upstream)
+    assert _took_onednn(out)
+    rows, g = x.reshape(-1, 24), upstream.reshape(-1, 40)
+    exact = rows.double() @ w.double().t() + (b.double() if bias else 0)
+    bound = _rounding_bound(rows, w.t()) + (2 * torch.finfo(torch.float32).eps * b.double().abs() if bias else 0)
+    assert ((out.reshape(-1, 40).double() - exact).abs() <= bound).all()
+    checks = [(grads[0].reshape(-1, 24), g, w), (grads[1], g.t(), rows)]
+    if bias:
+        checks.append((grads[2][None], torch.ones(1, g.shape[0]), g))
+    for got, left, right in checks:
+        assert ((got.double() - left.double() @ right.double()).abs() <= _rounding_bound(left, right)).all()
+    assert grads[1].shape == w.shape and grads[0].shape == x.shape
