@@ -32,6 +32,33 @@ def test_gaussian_kernel_matches_reference_values_and_grads():
     torch.testing.assert_close(gaussian_kernel(q, k, scale=0.3), gaussian_kernel_reference(q, k, scale=0.3))
 
 
+@pytest.mark.parametrize('q_shape, k_shape', [((2, 3, 7, 5), (4, 5)), ((7, 5), (2, 3, 4, 5)),
+                                              ((2, 1, 7, 5), (1, 3, 4, 5)), ((7, 5), (4, 5)), ((1, 1, 1, 5), (1, 1, 1, 5)),
+                                              ('self', (2, 6, 5))])
+def test_gaussian_kernel_every_branch_matches_the_reference_with_gradients(q_shape, k_shape):
+    """The in-place baddbmm branch (same leading dims, 2-D inputs, one token) and the broadcasting branch (leading
+    dims that differ), and q and k one tensor (SOFT's A = exp(Q̃ ⊖ Q̃), where both gradient paths add up and the
+    clamp sits on the diagonal): outputs and both gradients against the pairwise differences, float64. The
+    expansion ‖q‖² + ‖k‖² − 2qkᵀ cancels to ~eps·‖q‖², so 1e-12 of the largest entry; the test above takes only
+    the first branch."""
+    g = torch.Generator().manual_seed(3)
+    if q_shape == 'self':
+        k = torch.randn(*k_shape, dtype=F64, generator=g, requires_grad=True)
+        inputs, fn = (k,), lambda f: (lambda t: f(t, t, 0.3))
+    else:
+        inputs = (torch.randn(*q_shape, dtype=F64, generator=g, requires_grad=True),
+                  torch.randn(*k_shape, dtype=F64, generator=g, requires_grad=True))
+        fn = lambda f: (lambda q, k: f(q, k, 0.3))                                      # noqa: E731
+    results = []
+    for f in (gaussian_kernel, gaussian_kernel_reference):
+        out = fn(f)(*inputs)
+        probe = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(4))
+        results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), inputs)))
+    assert results[0][0].shape == results[1][0].shape
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
 def test_gaussian_kernel_bounded_and_finite():
     torch.manual_seed(0)
     far = gaussian_kernel(1e4 * torch.randn(6, 4), -1e4 * torch.randn(5, 4))
