@@ -34,21 +34,25 @@ def test_bad_keep_ratio_is_refused(keep):
         SparsifinerAttention(32, 4, keep_ratio=keep)
 
 
-@pytest.mark.parametrize('dense_rows', [0, 1])
-def test_masked_and_gathered_paths_agree_with_gradients(dense_rows):
-    q, k, v = _qkv()
-    scores = torch.randn(2, 3, 17, 17, dtype=D)
-    idx = topk_indices(scores, budget(17, 0.25))
-    mask = mask_from_indices(idx, 17, dense_rows)
-    grad = torch.randn(2, 3, 17, 8, dtype=D)
+@pytest.mark.parametrize('b, h, n, keys, dense_rows', [(2, 3, 17, 5, 0), (2, 3, 17, 5, 1), (1, 1, 5, 1, 0),
+                                                       (1, 2, 6, 6, 2), (1, 1, 1, 1, 1)])
+def test_masked_and_gathered_paths_agree_with_gradients(b, h, n, keys, dense_rows):
+    """Token connectivity, gathered keys against the masked n×n softmax: outputs and q, k, v gradients in float64,
+    also at batch 1, one key per query, every key, two dense rows and one token. Softmax and sums over <= n keys in
+    another order: ~1e-15, so 1e-12 (the default float64 tolerance, 1e-7, would pass a wrong term of that size)."""
+    q, k, v = _qkv(b, h, n)
+    scores = torch.randn(b, h, n, n, dtype=D)
+    idx = topk_indices(scores, keys)
+    mask = mask_from_indices(idx, n, dense_rows)
+    grad = torch.randn(b, h, n, 8, dtype=D)
     outs, grads = [], []
     for path in (lambda: masked_attention(q, k, v, mask), lambda: gathered_attention(q, k, v, idx, dense_rows=dense_rows)):
         out = path()
         outs.append(out.detach())
         grads.append(torch.autograd.grad(out, (q, k, v), grad))
-    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_exactly_budget_keys_per_query_row():
