@@ -192,6 +192,41 @@ def test_sparsifiner_after_pruning_uses_its_tokens_columns_and_the_reduced_budge
         layer(x, token_sources=sources[..., :11])
 
 
+def _pruned_sources():
+    """token_sources of 7 tokens pruned from 12: six kept ones (one-hot rows) and a fused token (a weighted mean)."""
+    sources = torch.zeros(2, 7, 12, dtype=D)
+    for b, kept in enumerate([[0, 2, 3, 7, 9, 11], [0, 1, 4, 5, 6, 10]]):
+        sources[b, range(6), kept] = 1
+        rest = sorted(set(range(1, 12)) - set(kept))
+        w = torch.rand(len(rest), dtype=D, generator=torch.Generator().manual_seed(b))
+        sources[b, 6, rest] = w / w.sum()
+    return sources
+
+
+@pytest.mark.parametrize('impl', ['gather', 'kernel'])
+def test_block_connectivity_after_pruning_equals_the_masked_block_path(impl):
+    """A pruned sequence with block connectivity takes its own branch of the tile paths (the predictor on the
+    tokens' W columns, `_block_tiles` with token_sources, never the kernel's predictor): the same output and
+    input, qkv and proj gradients as impl='masked' on the same weights, float64, 7 tokens in tiles of 2 (a partial
+    last tile). Softmax and sums over <= 7 keys in another order: 1e-12."""
+    from structformer.functional import tile_kernel
+    if impl == 'kernel' and tile_kernel.unavailable_reason():
+        pytest.skip(f'no tile kernel here: {tile_kernel.unavailable_reason()}')
+    torch.manual_seed(3)
+    options = dict(keep_ratio=0.4, seq_len=12, n_down=6, connectivity='block', block_size=2)
+    layers = {name: SparsifinerAttention(32, 4, impl=name, **options).double() for name in ('masked', impl)}
+    layers[impl].load_state_dict(layers['masked'].state_dict())
+    x, sources = torch.randn(2, 7, 32, dtype=D), _pruned_sources()
+    results = {}
+    for name, layer in layers.items():
+        xs = x.clone().requires_grad_()
+        out = layer(xs, token_sources=sources)
+        results[name] = (out.detach(), *torch.autograd.grad(out.square().sum(),
+                                                             [xs, layer.qkv.weight, layer.proj.weight]))
+    for a, b in zip(results[impl], results['masked']):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_sparsifiner_model_prunes_with_the_reduced_budget_and_gradients_flow():
     model, x = _digits()
     prune_tokens(model, keep_rate=0.5, layers=[1, 2])
