@@ -336,3 +336,23 @@ def test_kernel_with_an_explicit_scale_and_another_key_count(kernel, n_q, n_k, b
         want = (reference(q, k, v), *torch.autograd.grad(reference(q, k, v), (q, k, v), upstream))
         for a, b in zip(got, want):       # float64, softmax and sums over <= 22 keys: ~1e-15
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('n, d', [(1, 4), (6, 1)], ids=['one-token', 'one-channel'])
+def test_kernel_takes_size_one_dims_with_any_stride(kernel, n, d):
+    """torch counts a tensor whose size-1 dims carry any stride as contiguous (`contiguous()` returns it unchanged):
+    one token, or one channel, read from transposed storage has a token stride 1 < d, or a channel stride != 1. The
+    ops need BLAS rows (lda >= d), so the wrapper copies such inputs into row-major strides; they were refused
+    ("need contiguous channels and a token stride >= d"), and so was such an upstream gradient in the backward.
+    Outputs and q, k, v gradients against masked_attention, float64."""
+    g = torch.Generator().manual_seed(9)
+    odd = lambda: torch.randn(1, 2, d, n, dtype=torch.float64, generator=g).transpose(-1, -2)  # noqa: E731
+    q, k, v = (odd().requires_grad_() for _ in range(3))
+    assert q.is_contiguous() and (q.stride(-2) < d or q.stride(-1) != 1)
+    chosen = torch.zeros(1, 2, -(-n // 4), 1, dtype=torch.int64)
+    upstream = odd()
+    got = kernel(q, k, v, chosen, 4, dense_rows=0)
+    want = masked_attention(q, k, v, block_indices_to_mask(chosen, n, 4, 0))
+    for a, b in zip((got, *torch.autograd.grad(got, (q, k, v), upstream)),
+                    (want, *torch.autograd.grad(want, (q, k, v), upstream))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -234,8 +234,11 @@ def _argument_errors():
 
 def _blas_rows(x: torch.Tensor) -> torch.Tensor:
     """x itself when BLAS can read its rows in place (contiguous channels, rows at least d apart; the head views
-    of a qkv projection are), else a contiguous copy (e.g. an expanded tensor, whose rows share memory)."""
-    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+    of a qkv projection are), else a copy with row-major strides (e.g. of an expanded tensor, whose rows share
+    memory). The copy is `clone(memory_format=contiguous_format)`, not `contiguous()`: torch counts a tensor whose
+    size-1 dims carry any stride as contiguous, and `contiguous()` returns it as it is, so one token (or one channel)
+    read from transposed storage, token stride 1 < d, reached the ops' checks (lda >= d) and was refused."""
+    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.clone(memory_format=torch.contiguous_format)
 
 
 class _TileAttention(torch.autograd.Function):
