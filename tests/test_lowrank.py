@@ -103,6 +103,28 @@ def test_factorized_linear_forward_and_gradients_match_dense_reference():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize('lead', [(), (1,), (2, 1, 3)], ids=['vector', 'one-row', 'batch-2x1x3'])
+@pytest.mark.parametrize('bias, rank', [(False, 2), (True, 1), (True, 7)], ids=['no-bias', 'rank-1', 'full-rank'])
+def test_factorized_linear_matches_dense_reference_on_edge_shapes(lead, bias, rank):
+    """The test above takes one [3, 7, 16] input with a bias at rank 5: here no bias (the first product's
+    transposed-weight path, then F.linear without bias), rank 1 and full rank, and a vector, one row and a 3-D
+    batch. Outputs and x, U, V (and b) gradients, float64, 1e-12 of each tensor's largest entry (sums of <= 9
+    products in another order)."""
+    torch.manual_seed(1)
+    layer = FactorizedLinear(9, 7, rank=rank, bias=bias, **F64)
+    x = torch.randn(*lead, 9, **F64)
+    probe = torch.randn(*lead, 7, **F64)
+    params = [layer.U, layer.V] + ([layer.bias] if bias else [])
+    results = []
+    for forward in (layer, layer.forward_reference):
+        xs = x.clone().requires_grad_()
+        out = forward(xs)
+        assert out.shape == (*lead, 7)
+        results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), [xs, *params])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
 @pytest.mark.parametrize('kwargs', [dict(kernel_size=3, stride=1, padding=1), dict(kernel_size=3, stride=2, padding=1),
                                     dict(kernel_size=(3, 5), stride=(2, 1), padding=(0, 2), dilation=2),
                                     dict(kernel_size=1, stride=2, padding=0, bias=False)])
