@@ -112,8 +112,9 @@ def test_rp_mixer_run_reloads_to_identical_outputs_in_a_fresh_process(tmp_path):
     x = torch.rand(4, 1, 8, 8)
     with torch.no_grad():
         here = model(x)
-    # the same code path on the same weights and permutations: bit-identical
-    assert torch.equal(torch.tensor(json.loads(fresh.stdout)), here)
+    # the same weights and permutations in another process: equal within float32 rounding (its kernel choices could
+    # differ, so not bitwise); a permutation drawn again would change the logits entirely
+    torch.testing.assert_close(torch.tensor(json.loads(fresh.stdout)), here, rtol=1e-5, atol=1e-6)
     assert model.blocks[0].mlp_tokens.fc1.perm_in.tolist() != list(range(32 * 16))
 
 

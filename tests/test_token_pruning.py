@@ -52,7 +52,9 @@ def test_keep_rate_one_is_the_unpruned_model(make):
         after = model(x)
     assert list(model.state_dict()) == keys
     assert isinstance(model.blocks[1], TokenPruningBlock) and not isinstance(model.blocks[0], TokenPruningBlock)
-    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    # another code path (the pruning block gathers every token back in order): equal within float32 rounding, not
+    # bitwise; a token out of place would move the logits by far more
+    torch.testing.assert_close(after, before)
     assert torch.equal(model.token_pruning.positions, torch.arange(17).expand(3, -1))
 
 
