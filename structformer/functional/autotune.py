@@ -12,6 +12,7 @@ A choice is `decide(name, shape_class, default, calls, isa=None)`. In order:
 
 1. an override, `STRUCTFORMER_CHOICE_<NAME>=candidate` in the environment (or the caller's `override=`,
    e.g. a layer's own option), checked against the candidates (a bad one is one line naming the accepted);
+   inside `twice_differentiable()`, the candidate a second derivative can go through (`TWICE_DIFFERENTIABLE`);
 2. `isa`, the caller's hardware rule, where the machine's features decide it outright;
 3. this process's earlier decision for (name, shape class, thread count);
 4. while a graph is recorded (export, ONNX, tracing, FX: `tracing.recording_graph`), under torch.compile, under
@@ -62,7 +63,8 @@ from ..machine import cpu_kind
 from .tracing import recording_graph
 
 __all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'use_timer', 'timing_allowed',
-           'cache_file', 'forget', 'size_class', 'power_class', 'ENV_PREFIX', 'ENV_TIMING', 'MARGIN']
+           'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
+           'ENV_PREFIX', 'ENV_TIMING', 'MARGIN']
 
 # Every choice, its candidates and what it picks between. A name here is what STRUCTFORMER_CHOICE_<NAME> takes.
 CHOICES: Dict[str, tuple] = {
@@ -78,6 +80,9 @@ CHOICES: Dict[str, tuple] = {
                           "Sparsifiner's block attention on a CPU: the C++ tile kernel or gathered tiles "
                           "(layers/attention/sparsifiner.py)"),
 }
+# the choices whose fast candidate has no second derivative (CRATE's shared-QKV backward is a custom op without one),
+# and the candidate taken inside `twice_differentiable()`; the other fast paths differentiate twice themselves
+TWICE_DIFFERENTIABLE = {'ssa_impl': 'sdpa'}
 ENV_PREFIX = 'STRUCTFORMER_CHOICE_'
 ENV_TIMING = 'STRUCTFORMER_AUTOTUNE'          # 'off' (or 0, no, false): no timing, defaults and hardware rules only
 MARGIN = 0.05                                 # a candidate must beat the default by 5 % per round (median)
@@ -253,6 +258,22 @@ def _pick(times: Dict[str, List[float]], default: str) -> str:
 
 
 @contextlib.contextmanager
+def twice_differentiable() -> Iterator[None]:
+    """Inside: forwards whose graph will be differentiated twice (a gradient penalty, a Hessian-vector product,
+    timm's AdaHessian; `structformer train` enters it for a second-order optimiser). Each choice in
+    `TWICE_DIFFERENTIABLE` takes its differentiable candidate (an explicit argument or STRUCTFORMER_CHOICE_*
+    still wins), and SDPA runs its math kernel: torch's fused SDPA kernels have no double backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    previous = getattr(_state, 'twice', False)
+    _state.twice = True
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        _state.twice = previous
+
+
+@contextlib.contextmanager
 def use_timer(timer: Callable[[Mapping[str, Callable[[], object]]], Dict[str, List[float]]]) -> Iterator[None]:
     """Within this block `decide` times with `timer(calls) -> {candidate: [seconds per round]}` (tests: a fake
     that returns set times without running anything)."""
@@ -312,6 +333,8 @@ def decide(name: str, shape_class: Sequence, default: str,
         fixed, source = _check_candidate(name, override, name), 'argument'
     elif override_of(name) is not None:
         fixed, source = override_of(name), 'override'
+    elif getattr(_state, 'twice', False) and name in TWICE_DIFFERENTIABLE:
+        fixed, source = TWICE_DIFFERENTIABLE[name], 'twice-differentiable'
     elif isa is not None:
         fixed, source = isa, 'isa'
     if fixed is not None or compiling:

@@ -53,7 +53,6 @@ the finite-step map actually computed, so it differs from Eq. 12 wherever X has 
 from typing import Tuple, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import autotune
 from .tracing import recording_graph
@@ -246,8 +245,10 @@ class _NewtonPinv(torch.autograd.Function):
         return x
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_x: torch.Tensor):
+        # no once_differentiable: with create_graph=True (a second derivative) these are differentiable ops, and the
+        # saved X is this function's output, so autograd differentiates Eq. 12 again through X's own backward, Eq. 12
+        # (once_differentiable had dropped X's dependence on A silently when grad_x did not require grad)
         (x,) = ctx.saved_tensors
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x.transpose(-2, -1)

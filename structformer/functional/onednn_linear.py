@@ -108,9 +108,12 @@ class _OneDnnLinear(torch.autograd.Function):
         return _product(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True (a gradient penalty, a Hessian-vector product, timm's AdaHessian): the same three
+            # products in torch's own ops, which autograd differentiates again (oneDNN's op has no derivative)
+            return _differentiable_backward(ctx, grad_out, x, weight)
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -123,6 +126,15 @@ class _OneDnnLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b
+
+
+def _differentiable_backward(ctx, grad_out, x, weight):
+    """F.linear's gradients written in differentiable torch ops, for a backward that builds a graph."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_x = (g @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
 
 
 def _is_transposed(weight: torch.Tensor) -> bool:

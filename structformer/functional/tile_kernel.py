@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..atomic import write_text_atomically
 from .flop_formulas import register_flop_formulas
@@ -254,12 +253,35 @@ class _TileAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, block_indices = ctx.saved_tensors
-        grads = torch.ops.structformer.block_tile_attention_backward(q, k, v, out, _blas_rows(grad_out), block_indices,
-                                                                    *ctx.settings)
+        if torch.is_grad_enabled():
+            # create_graph=True (a second derivative): the kernel's backward has no derivative of its own, so the
+            # gradients come from autograd through the same attention in torch's ops, which it differentiates again
+            # (n×m scores: this path is for second-order work, not for speed)
+            with torch.enable_grad():
+                again = _tile_attention_in_torch_ops(q, k, v, block_indices, *ctx.settings)
+            grads = torch.autograd.grad(again, (q, k, v), grad_out, create_graph=True, allow_unused=True)
+            return (*grads, None, None, None, None)
+        with torch.no_grad():
+            grads = torch.ops.structformer.block_tile_attention_backward(q, k, v, out, _blas_rows(grad_out),
+                                                                        block_indices, *ctx.settings)
         return (*grads, None, None, None, None)
+
+
+def _tile_attention_in_torch_ops(q, k, v, block_indices, block_size: int, scale: float, dense_rows: int):
+    """The kernel's function written out: softmax over the kept key tiles (every key for the first `dense_rows`
+    queries), one n×m masked product. Differentiable any number of times; the kernel's tests hold it to the same
+    references as the kernel."""
+    n, m = q.shape[-2], k.shape[-2]
+    tiles = -(-m // block_size)
+    kept_tiles = torch.zeros(*block_indices.shape[:-1], tiles, dtype=torch.bool, device=q.device)
+    kept_tiles.scatter_(-1, block_indices, True)                          # [B, H, query tiles, key tiles]
+    mask = kept_tiles.repeat_interleave(block_size, -2)[..., :n, :].repeat_interleave(block_size, -1)[..., :m]
+    if dense_rows:
+        mask[..., :dense_rows, :] = True
+    scores = (q @ k.transpose(-2, -1)) * scale
+    return torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1) @ v
 
 
 def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,

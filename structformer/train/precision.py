@@ -8,6 +8,7 @@ range and needs none, as in timm's train.py.
 """
 import contextlib
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional
 
@@ -72,8 +73,15 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, create_graph: bool = False) -> None:
+        """`create_graph` for a second-order optimiser (timm's AdaHessian differentiates the gradients again in
+        its step, as timm's train.py passes `create_graph=optimizer.is_second_order`)."""
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        with warnings.catch_warnings():
+            # torch warns that create_graph ties each parameter to its .grad in a cycle: the step loop sets every
+            # .grad to None after the update (zero_grad(set_to_none=True)), which breaks it
+            warnings.filterwarnings('ignore', message='Using backward\\(\\) with create_graph=True')
+            scaled.backward(create_graph=create_graph)
 
     def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
              clip_grad: Optional[float]) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from ..functional import autotune
 from .checkpoint import crash_point, resolve_checkpoint
 from .mixing import hard_labels, mixing_active
 from .phases import LossContext
@@ -78,6 +79,9 @@ class TrainStep:
         totals: Dict[str, float] = dict(within['totals']) if within else {}
         seen, seen_targets, correct = (within['seen'], within['seen_targets'], within['correct']) if within else (0, 0, 0)
         start = time.perf_counter() - (within['elapsed'] if within else 0.0)
+        # a second-order optimiser (timm's AdaHessian) differentiates the gradients again in its step: the backward
+        # keeps its graph, and the forward takes paths autograd can differentiate twice (autotune.twice_differentiable)
+        second_order = bool(getattr(self.optimizer, 'is_second_order', False))
         for step, (images, targets) in enumerate(self.train_loader, start=skip):
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
@@ -89,7 +93,8 @@ class TrainStep:
             # batch's loss is divided by the size of its group, so a group's gradient is the mean over its images
             group = min(accum, batches - (step - step % accum))
             update = step % accum == group - 1
-            with contextlib.nullcontext() if update or self.world_size == 1 else model.no_sync():
+            with contextlib.nullcontext() if update or self.world_size == 1 else model.no_sync(), \
+                    autotune.twice_differentiable() if second_order else contextlib.nullcontext():
                 with self.precision.autocast():
                     for part in self.parts:          # the teacher sees the (mixed) batch first
                         part.before_batch(self, images)
@@ -105,7 +110,7 @@ class TrainStep:
                     raise TrainingDiverged(
                         f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
                         f"without saving this state: {kept}. Try a lower --lr or --clip-grad.")
-                self.precision.backward(loss / group)
+                self.precision.backward(loss / group, create_graph=second_order)
             if update:
                 self.precision.step(self.optimizer, self.model.parameters(), cfg.clip_grad)
                 self.optimizer.zero_grad(set_to_none=True)
