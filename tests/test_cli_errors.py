@@ -89,6 +89,11 @@ def files(tmp_path_factory):
     torch.save({'state_dict': dict(public), 'args': argparse.Namespace(started=datetime.datetime(2024, 5, 1))},
                base / 'datetime_args.pth')                            # a global outside the allow-list
     _write_images(base / 'images', truncated=['a/1.jpg'])
+    from PIL import Image
+    for split in ('train', 'val'):                    # ten classes of RGB images: the digits runs' class count
+        for c in range(10):
+            (base / 'rgb10' / split / str(c)).mkdir(parents=True)
+            Image.new('RGB', (8, 8), (c, 0, 0)).save(base / 'rgb10' / split / str(c) / '0.png')
     read_only = base / 'read_only'
     read_only.mkdir()
     shutil.copytree(run, read_only / 'run')
@@ -240,6 +245,15 @@ CASES = [
      ['expects images', '[2, 1, 8, 8]']),
     ('image-model-on-text', ['train', '--data', 'pysource', '--data-kwargs', 'max_bytes=20000', '--output', OUT],
      ['expects images']),
+    # timm's own checks: an AssertionError (patch embedding's _assert) and a ValueError from unpacking the shape
+    ('timm-model-for-other-images', ['train', '--model', 'vit_digits', '--model-kwargs', 'img_size=16',
+                                     '--output', OUT], ['--model vit_digits', '[2, 1, 8, 8]', 'Input height (8)']),
+    ('timm-image-model-on-text', ['train', '--model', 'vit_digits', '--data', 'pysource', '--data-kwargs',
+                                  'max_bytes=20000', '--output', OUT], ['--model vit_digits', 'pysource', '[2, 128]']),
+    ('eval-on-other-channels', ['eval', '--checkpoint', '{vit_run}', '--data', 'imagefolder:{rgb10}'],
+     ['--data imagefolder:', 'vit_digits', 'inputs [1, 8, 8]', '[2, 3, 8, 8]']),
+    ('eval-cnn-on-other-channels', ['eval', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}'],
+     ['--data imagefolder:', 'crate_digits', 'expects images [B, 1, 8, 8]']),
     # low-rank training (seed 004)
     ('rank-zero', ['train', '--rank', '0', '--output', OUT], ['--rank', 'out of range']),
     ('rank-fraction-above-one', ['train', '--rank', '1.5', '--output', OUT], ['--rank', '(0, 1]']),
