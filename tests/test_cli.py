@@ -75,6 +75,14 @@ def test_models_lists_parameter_counts(capsys):
                      'task': 'image classification'}]
 
 
+def test_models_filter_takes_timms_wildcards(capsys):
+    """`--filter 'crate*_224'` as timm.list_models takes it: the whole name against the pattern, not a substring
+    (which matched nothing and printed an empty table, exit 0)."""
+    assert main(['models', '--filter', 'crate_*_patch16_224', '--json']) == 0
+    names = [row['name'] for row in json.loads(capsys.readouterr().out)]
+    assert names == [f'crate_{size}_patch16_224' for size in ('tiny', 'small', 'base', 'large')]
+
+
 def test_models_lists_language_models_apart_and_counts_at_the_asked_size(capsys):
     assert main(['models', '--filter', 'gpt2_byte', '--json']) == 0
     rows = json.loads(capsys.readouterr().out)

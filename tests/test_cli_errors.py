@@ -285,6 +285,7 @@ CASES = [
     ('reproduce-crate-no-data', ['reproduce', 'crate', '--data', '{base}/nothing', '--output', OUT],
      ['--data', 'no such folder']),
     ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
+    ('models-filter-matches-nothing', ['models', '--filter', 'crate_huge'], ['--filter', "'crate_huge'", 'matches no']),
     # the Mixer family (seed 003)
     ('bench-mlp-side', ['bench', 'mlp', '--side', '1'], ['--side', '>= 2']),
     ('bench-mlp-img-size', ['bench', 'mlp', '--img-size', '30'], ['--img-size', 'multiple of the patch size']),

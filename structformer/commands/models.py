@@ -1,18 +1,22 @@
 """`structformer models`: the registered models with parameter counts (and, with --flops, multiply-adds by
 component)."""
+import fnmatch
 import json
 
 from ..cli_args import positive_int
+from ..errors import UsageError
 
 EXAMPLES = """examples:
   structformer models                 # every structformer model with its parameter count
   structformer models --filter crate  # only names containing 'crate'
+  structformer models --filter 'soft*_mnist'   # timm's wildcards, as timm.list_models takes them
   structformer models --json
   structformer models --filter soft_tiny --flops   # + multiply-adds per image, by component"""
 
 
 def add_arguments(p) -> None:
-    p.add_argument('--filter', default='', help='substring of the name')
+    p.add_argument('--filter', default='', help="substring of the name, or a pattern with timm's wildcards "
+                                                "(* ? [...]) matched against the whole name, as timm.list_models")
     p.add_argument('--json', action='store_true')
     p.add_argument('--flops', action='store_true',
                    help='also count forward multiply-adds of one image, split by component (builds each model)')
@@ -31,11 +35,23 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def matches(name: str, pattern: str) -> bool:
+    """--filter: a substring ('crate'), or with a wildcard a pattern for the whole name ('crate_*_224'), as a timm
+    user writes it for timm.list_models; a pattern read as a substring would match nothing, silently."""
+    if any(c in pattern for c in '*?['):
+        return fnmatch.fnmatchcase(name, pattern)
+    return pattern in name
+
+
 def run(args) -> int:
     from ..models import list_structformer_language_models, list_structformer_models
     from ..models.inventory import model_inventory
     language = set(list_structformer_language_models())
-    names = [n for n in list_structformer_models() + sorted(language) if args.filter in n]
+    names = [n for n in list_structformer_models() + sorted(language) if matches(n, args.filter)]
+    if not names:        # an empty table reads as "no such models" without saying the filter caused it
+        raise UsageError(f"--filter {args.filter!r} matches no structformer model (a substring of the name, or a "
+                         "pattern with * ? [...] for the whole name); `structformer models` lists them all, and "
+                         "timm's own models are in timm.list_models()")
     rows = model_inventory(names)
     for row in rows:
         row['task'] = 'language model' if row['name'] in language else 'image classification'
