@@ -218,6 +218,15 @@ CASES = [
                          '--output', OUT], ['--data', '1.jpg', 'bad_images=skip']),
     ('eval-class-mismatch', ['eval', '--checkpoint', '{run}', '--data', 'synthetic-subspaces',
                              '--data-kwargs', 'num_classes=4'], ['--data', 'classes']),
+    # flags that are not ours: timm train.py's names point to where their setting is; no flag is abbreviated (timm's
+    # --dataset was read as --dataset-size); a typo is named with the closest flag
+    ('timm-experiment', ['train', '--experiment', 'e1', '--output', OUT], ['--experiment', '--output DIR/NAME']),
+    ('timm-dataset-not-dataset-size', ['train', '--dataset', '100', '--output', OUT], ['--dataset', '--data FORM:PATH']),
+    ('timm-num-classes', ['train', '--num-classes=10', '--output', OUT], ['--num-classes', 'follow --data']),
+    ('timm-short-workers', ['train', '-j', '4', '--output', OUT], ['-j', '--workers N']),
+    ('abbreviated-flag', ['train', '--epoch', '3', '--output', OUT], ['--epoch', 'did you mean --epochs?']),
+    ('eval-flag-typo', ['eval', '--checkpoint', '{run}', '--jsn'], ['--jsn', 'did you mean --json?']),
+    ('recipes-stray-word', ['recipes', 'crate'], ["unexpected argument(s) 'crate'"]),
     # out-of-range flags
     ('epochs-zero', ['train', '--epochs', '0', '--output', OUT], ['--epochs']),
     ('epochs-not-int', ['train', '--epochs', 'ten', '--output', OUT], ['--epochs']),

@@ -25,6 +25,33 @@ EXAMPLES = """examples:
 summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
 
 
+# timm train.py's flags that are not flags here, and where their setting is (the CLI names it for an unknown flag)
+_FOLLOWS_DATA = 'classes and channels follow --data (or --model-kwargs num_classes=N in_chans=C)'
+_FOLLOWS_MODEL = "the image size follows the model (--data-kwargs img_size=N, or --model-kwargs img_size=N)"
+FLAG_HINTS = {
+    '--experiment': "--output is the run folder itself (timm's --output DIR --experiment NAME is --output DIR/NAME)",
+    '--data-dir': 'give the data as --data FORM:PATH (e.g. --data imagefolder:/data/imagenet; docs/data.md)',
+    '--dataset': 'give the data as --data FORM:PATH (e.g. --data imagefolder:/data/imagenet, wds:..., hfds:...; '
+                 'docs/data.md)',
+    '--train-split': "the splits are read from the data (train/ and val/ or test/; else --val-fraction)",
+    '--val-split': "the splits are read from the data (train/ and val/ or test/; else --val-fraction)",
+    '--num-classes': _FOLLOWS_DATA, '--in-chans': _FOLLOWS_DATA,
+    '--img-size': _FOLLOWS_MODEL, '--input-size': _FOLLOWS_MODEL,
+    '-j': 'use --workers N', '-vb': 'use --eval-batch-size N', '--validation-batch-size': 'use --eval-batch-size N',
+    '--checkpoint-hist': 'use --keep-last N (and --keep-best for the best val top-1)',
+    '--eval-metric': 'the runs rank by val top-1 (--keep-best)',
+    '--no-aug': 'use --data-kwargs augment=false',
+    '--pin-mem': 'the loaders pin memory whenever training runs on CUDA',
+    '--start-epoch': '--resume continues a run from its last checkpoint; --initial-checkpoint starts from weights '
+                     'with a fresh optimiser and schedule',
+    '--no-resume-opt': '--initial-checkpoint RUN starts from its weights with a fresh optimiser and schedule',
+    '--sched-on-updates': 'the schedule already steps after every optimiser step',
+    '--torchscript': 'TorchScript is not supported (docs/export.md); --compile for torch.compile',
+    '--drop-connect': 'use --drop-path',
+    '--log-wandb': 'use --log-tb DIR (TensorBoard)',
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
