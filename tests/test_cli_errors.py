@@ -286,6 +286,11 @@ CASES = [
     ('stop-after-zero', ['train', '--stop-after', '0', '--output', OUT], ['--stop-after']),
     ('eval-batch-size-zero', ['eval', '--checkpoint', '{run}', '-b', '0'], ['--batch-size']),
     ('analyze-num-samples', ['analyze', '--checkpoint', '{run}', '--num-samples', '0'], ['--num-samples']),
+    # the measurement fails on data the model cannot take: no output folder left behind (the table checks the tree)
+    ('analyze-other-channels', ['analyze', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}', '--output',
+                                '{tmp}/analysis/deep'], ['expects images [B, 1, 8, 8]']),
+    ('analyze-other-channels-default-output', ['analyze', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}'],
+     ['expects images [B, 1, 8, 8]']),
     ('analyze-eps', ['analyze', '--checkpoint', '{run}', '--eps', '-1'], ['--eps']),
     ('analyze-compare-missing', ['analyze', '--checkpoint', '{run}', '--compare', 'epoch:7'], ['--compare']),
     ('analyze-estimator', ['analyze', '--checkpoint', '{run}', '--estimator', 'raw'], ['--estimator', 'official']),
