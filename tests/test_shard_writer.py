@@ -163,6 +163,26 @@ def test_shards_from_an_hfds_dataset(tmp_path, cache):
     assert got == [(0, 0), (10, 1), (20, 1), (30, 0)]
 
 
+def test_an_hfds_source_without_columns_names_source_and_how_to_fix_it(tmp_path, capsys):
+    """`data shard hfds:PATH`: its errors name SOURCE (not `--data`, a flag data shard lacks) and, for a dataset
+    without a label column, what data shard reads instead of `--data-kwargs label_column=`, which it does not take."""
+    import datasets
+    from PIL import Image
+
+    from structformer.cli import main
+    images = [Image.fromarray(np.full((6, 6, 3), 10 * i, np.uint8)) for i in range(2)]
+    datasets.Dataset.from_dict({'image': images, 'target': [0, 1]}).save_to_disk(str(tmp_path / 'hf'))
+    (tmp_path / 'empty').mkdir()
+    capsys.readouterr()                                    # datasets' progress bar
+    for source, needle in ((f"hfds:{tmp_path / 'hf'}", "no label column among ['image', 'target']; data shard "
+                            "takes the first Image and ClassLabel columns"),
+                           (f"hfds:{tmp_path / 'empty'}", 'save_to_disk')):
+        assert main(['data', 'shard', source, str(tmp_path / 'out')]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f'structformer data shard: error: SOURCE {source}: ') and needle in err, err
+        assert '--data' not in err and not (tmp_path / 'out').exists()
+
+
 def test_shards_from_timm_readers_keep_timms_class_order(tmp_path, cache):
     src = _folder(tmp_path / 'src' / 'train')
     _folder(tmp_path / 'src' / 'val', per_class=1, seed=2)
