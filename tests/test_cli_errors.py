@@ -227,6 +227,12 @@ CASES = [
     ('abbreviated-flag', ['train', '--epoch', '3', '--output', OUT], ['--epoch', 'did you mean --epochs?']),
     ('eval-flag-typo', ['eval', '--checkpoint', '{run}', '--jsn'], ['--jsn', 'did you mean --json?']),
     ('recipes-stray-word', ['recipes', 'crate'], ["unexpected argument(s) 'crate'"]),
+    # a run written into its own image folder would be read back as a class folder; '' is the current folder
+    ('output-inside-image-folder', ['train', '--data', 'imagefolder:{images}', '--output', '{images}/a/run'],
+     ['--output', 'inside the data folder', 'imagefolder:']),
+    ('output-is-image-folder', ['train', '--data', 'imagefolder:{images}', '--output', '{images}'],
+     ['--output', 'inside the data folder']),
+    ('output-empty', ['train', '--output', ''], ["--output '': empty"]),
     # out-of-range flags
     ('epochs-zero', ['train', '--epochs', '0', '--output', OUT], ['--epochs']),
     ('epochs-not-int', ['train', '--epochs', 'ten', '--output', OUT], ['--epochs']),

@@ -26,7 +26,7 @@ from ..records import check_writable
 from .build import RunBuild, seed_everything  # noqa: F401  (seed_everything: re-exported)
 from .checkpoint import crash_point, resolve_checkpoint
 from .config import TrainConfig, save_config
-from .data_paths import absolute_data, check_stored_data
+from .data_paths import absolute_data, check_output_outside_data, check_stored_data
 from .distributed import barrier, cleanup_distributed, init_distributed
 from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
@@ -83,6 +83,7 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             raise UsageError("--resume and --overwrite together: --resume continues the run in --output, --overwrite "
                              "replaces it with a new one; give one of them")
         self.overwrite = overwrite
+        check_output_outside_data(self.config.output, self.config.data)
         self._check_no_run_here()
         self._check_resume_into_own_run()
         check_writable(self.output, '--output')
