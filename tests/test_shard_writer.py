@@ -183,6 +183,22 @@ def test_an_hfds_source_without_columns_names_source_and_how_to_fix_it(tmp_path,
         assert '--data' not in err and not (tmp_path / 'out').exists()
 
 
+@pytest.mark.parametrize('form', ['', 'imagefolder:', 'timm::', 'timm:'])
+def test_out_inside_the_source_folder_or_empty_is_refused_before_any_work(form, tmp_path, capsys, monkeypatch):
+    """OUT inside SOURCE would add a class folder without images to it (the next read of SOURCE fails); OUT '' was
+    the current folder: the shards were written into a work folder beside it and the final rename failed."""
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    (tmp_path / 'cwd').mkdir()
+    monkeypatch.chdir(tmp_path / 'cwd')                # '' is this folder: its work folder would go beside it
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*'))
+    for out, needle in ((src / 'ant' / 'shards', f'inside SOURCE {form}{src}'), ('', "OUT '': empty")):
+        assert main(['data', 'shard', f'{form}{src}', str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith('structformer data shard: error: ') and needle in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*')) == before
+
+
 def test_shards_from_timm_readers_keep_timms_class_order(tmp_path, cache):
     src = _folder(tmp_path / 'src' / 'train')
     _folder(tmp_path / 'src' / 'val', per_class=1, seed=2)
