@@ -262,6 +262,37 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(case, run, tmp_path, monke
         assert out.read_text() == 'keep me'
 
 
+def test_overwrite_replaces_an_earlier_export_only(run, tmp_path, monkeypatch, capsys):
+    """--overwrite replaced OUT whole, whatever it was: `--format hf --output DIR --overwrite` emptied a folder of
+    other files, the run folder SOURCE itself or the current folder ('.', '' : a traceback, EBUSY), and
+    `--format onnx --output SOURCE/model.safetensors --overwrite` replaced the checkpoint's weights. Each is one line
+    now and nothing changes; an earlier hf export is still replaced."""
+    import shutil
+
+    from structformer.cli import main
+    from structformer.export import HF_FILES
+    source = tmp_path / 'run'
+    shutil.copytree(run, source)
+    mine = tmp_path / 'mine'
+    (mine / 'sub').mkdir(parents=True)
+    (mine / 'notes.txt').write_text('keep me')
+    (tmp_path / 'here').mkdir()
+    monkeypatch.chdir(tmp_path / 'here')
+    weights = source / 'checkpoints' / 'epoch_0001' / 'model.safetensors'
+    cases = [('hf', mine, 'holds files an export does not write (notes.txt, sub)'),
+             ('hf', source, 'is SOURCE'), ('hf', tmp_path, 'is SOURCE'), ('onnx', weights, 'replaces an earlier .onnx export only'),
+             ('hf', '.', 'is the current folder'), ('hf', '', "--output '': empty")]
+    before = sorted((str(p), p.stat().st_size) for p in tmp_path.rglob('*'))
+    for fmt, out, needle in cases:
+        capsys.readouterr()
+        assert main(['export', str(source), '--format', fmt, '--output', str(out), '--overwrite']) == 2, out
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith('structformer export: error: ') and needle in err[0], err
+    assert sorted((str(p), p.stat().st_size) for p in tmp_path.rglob('*')) == before
+    export(source, 'hf', tmp_path / 'hf')
+    assert export(source, 'hf', tmp_path / 'hf', overwrite=True)['files'] == sorted(HF_FILES)
+
+
 def test_the_onnx_cost_script_exports_both_ways(tmp_path, capsys):
     """tools/onnx_export_cost.py (the numbers docs/export.md quotes): both graphs exported, timed and checked; bad
     arguments end in one line and exit 2."""
