@@ -317,7 +317,17 @@ def test_dry_run_resolves_every_recipe_without_data_or_writes(name, tmp_path, dr
     assert 'optimiser steps per epoch' in out and 'in total over' in out
     assert 'parameters' in out and 'built on the meta device' in out
     assert about['reported'] in out and f"covers      {about['covers']}" in out
+    assert "the recipe's own notes" not in out           # as shipped: its notes describe the plan
     assert list(tmp_path.iterdir()) == [], 'a dry run wrote files'
+
+
+def test_dry_run_says_which_settings_the_recipes_notes_no_longer_describe(dry_run):
+    """The notes say 'no RandAugment, Mixup ...'; with --mixup given (or -c a run's config.yaml) the plan printed
+    them unchanged under a line showing mixup 0.8: it now names the settings changed."""
+    rc, out, _ = dry_run(['train', '--recipe', 'crate_tiny_in1k', '--dry-run', '--mixup', '0.8', '--model-ema',
+                          '--data-kwargs', 'check=decode'])
+    assert rc == 0 and 'no RandAugment, Mixup' in out
+    assert "(the recipe's own notes: -c / the flags given changed data_kwargs, mixup, model_ema)" in out
 
 
 def test_dry_run_counts_steps_and_lr_at_the_recipes_world_size(dry_run):
