@@ -98,6 +98,19 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             raise UsageError(f"--output {self.output} already holds another run than --resume {self.resume}; "
                              "continue a run from its checkpoint into a new (or empty) --output, or into its own "
                              "run folder")
+        # an older checkpoint of this run: the epochs after it are another timeline (their checkpoints, their
+        # metrics lines); continued here, metrics.jsonl held the next epoch twice and an early stop left the old
+        # epochs as the newest checkpoint
+        newest = committed_checkpoints(self.ckpt_dir)
+        try:
+            epoch = int(json.loads((source / 'state.json').read_text()).get('epoch', 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return                                           # load_checkpoint names a broken checkpoint
+        trained = int(newest[-1].name.split('_')[1]) if newest else 0
+        if trained > epoch:
+            raise UsageError(f"--resume {self.resume}: the run in --output {self.output} has trained to epoch "
+                             f"{trained} since that checkpoint (epoch {epoch}); continue from it into a new --output "
+                             "(its records start there), or --resume the run itself")
 
     def _check_no_run_here(self, since: str = '') -> None:
         """Refuse a new run (not --resume, not --overwrite) into a folder that holds one. Checked before the
