@@ -227,6 +227,21 @@ def test_hf_refuses_transformed_models(tmp_path):
     assert not (tmp_path / 'hf').exists()
 
 
+def test_hf_refuses_an_attention_swapped_by_name_in_one_line(tmp_path, capsys):
+    """README's `--model vit_tiny_patch16_224 --model-kwargs attn_layer=soft ...`: timm cannot build that from
+    config.json (it does not know 'soft'), and its writer failed on the resolved class with a traceback."""
+    from structformer.cli import main
+    run = tmp_path / 'vit_soft'
+    assert main(['train', '--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=8', 'patch_size=2', 'depth=1',
+                 'embed_dim=32', 'num_heads=2', 'attn_layer=soft', "attn_kwargs={'num_landmarks': 4}", '--data',
+                 'digits', '--epochs', '1', '--limit-train-batches', '1', '--no-progress', '--output', str(run)]) == 0
+    capsys.readouterr()
+    assert main(['export', str(run), '--format', 'hf', '--output', str(tmp_path / 'hf')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "attn_layer='soft'" in err[0] and '--format onnx' in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['vit_soft']
+
+
 @pytest.mark.parametrize('case', ['unknown-format', 'missing-run', 'pickle', 'exists', 'read-only'])
 def test_cli_bad_input_is_one_line_and_writes_nothing(case, run, tmp_path, monkeypatch, capsys):
     import os
