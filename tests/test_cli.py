@@ -162,6 +162,21 @@ def test_range_errors_name_the_flag_as_typed(tmp_path, capsys):
     assert 'error: --smoothing=1.5 is out of range: accepted in [0, 1)' in capsys.readouterr().err
 
 
+def test_resume_help_names_every_flag_a_resume_may_change():
+    """--resume's help said any flag but eight was refused; --workers, --device, --log-interval, --keep-best ...
+    were taken too. The help is now written from the one list the resume check reads, by each key's own flag."""
+    import argparse
+
+    from structformer.cli import build_parser
+    from structformer.commands.train import _RESUME_MAY_CHANGE
+    from structformer.train.config import flag_name
+    train = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices['train']
+    text = next(a.help for a in train._actions if '--resume' in a.option_strings)
+    listed = text.split('--epochs may extend it, ', 1)[1].split(' may change', 1)[0].split(', ')
+    assert listed == list(_RESUME_MAY_CHANGE.values())
+    assert all(flag_name(key) == flag for key, flag in _RESUME_MAY_CHANGE.items())
+
+
 def test_every_config_key_names_its_train_flag():
     """Error messages name a configuration key by its flag (flag_name): each of those flags exists."""
     import dataclasses

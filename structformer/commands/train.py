@@ -52,6 +52,16 @@ FLAG_HINTS = {
 }
 
 
+# what a resumed run may change: where it writes and what it keeps, never what it trains (config key -> its flag,
+# spelled here so --resume's help lists exactly these without importing the config module: --help loads no torch)
+_RESUME_MAY_CHANGE = {
+    'output': '--output', 'eval_batch_size': '--eval-batch-size', 'keep_last': '--keep-last',
+    'save_every': '--save-every', 'recovery_interval': '--recovery-interval', 'compile': '--compile',
+    'compile_mode': '--compile-mode', 'tf32': '--tf32', 'num_workers': '--workers', 'device': '--device',
+    'log_interval': '--log-interval', 'log_tb': '--log-tb', 'allow_world_size_change': '--allow-world-size-change',
+    'keep_best': '--keep-best', 'avg_last': '--avg-last'}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
@@ -262,19 +272,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoints/average_last_N, evaluated and recorded in summary.json (needs --keep-last >= N)")
     g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
                    help='continue the run in --output (or from CHECKPOINT) with its saved configuration; '
-                        '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every, '
-                        '--recovery-interval, --compile, --compile-mode and --tf32 may change, any other flag that '
-                        'differs from the saved value is refused')
+                        f"--epochs may extend it, {', '.join(_RESUME_MAY_CHANGE.values())} may change, any other "
+                        'flag that differs from the saved value is refused')
     g.add_argument('--stop-after', type=positive_int('--stop-after'), default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
     g.add_argument('--overwrite', action='store_true', help='replace an existing run in --output')
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
 
 
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
-# what a resumed run may change: where it writes and what it keeps, never what it trains
-_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'recovery_interval', 'compile',
-                      'compile_mode', 'tf32', 'num_workers', 'device', 'log_interval', 'log_tb',
-                      'allow_world_size_change', 'keep_best', 'avg_last')
 
 
 def _flag(key: str) -> str:
