@@ -162,6 +162,22 @@ def test_range_errors_name_the_flag_as_typed(tmp_path, capsys):
     assert 'error: --smoothing=1.5 is out of range: accepted in [0, 1)' in capsys.readouterr().err
 
 
+def test_scoring_options_are_the_runs_on_its_own_data_only(tmp_path, monkeypatch):
+    """eval / analyze: a run's data options on its own data (also spelled relative), only the model's trained image
+    size on other data whose size follows the model, nothing of the run's on data with a size of its own."""
+    from structformer.train.scoring_data import checkpoint_data_options
+    (tmp_path / 'imgs').mkdir()
+    monkeypatch.chdir(tmp_path)
+    own = {'check': 'decode', 'img_size': 8}
+    state = {'config': {'data': f"imagefolder:{tmp_path / 'imgs'}", 'data_kwargs': own},
+             'recipe': {'input_size': [3, 8, 8]}}
+    assert checkpoint_data_options(state, None) == own
+    assert checkpoint_data_options(state, 'imagefolder:imgs') == own
+    assert checkpoint_data_options(state, 'wds:/data/shards', {'holdout': 'samples'}) == {'holdout': 'samples',
+                                                                                           'img_size': 8}
+    assert checkpoint_data_options(state, 'digits') == {}
+
+
 def test_resume_help_names_every_flag_a_resume_may_change():
     """--resume's help said any flag but eight was refused; --workers, --device, --log-interval, --keep-best ...
     were taken too. The help is now written from the one list the resume check reads, by each key's own flag."""

@@ -40,8 +40,9 @@ def checkpoint_data_options(state: Dict[str, Any], data: Optional[str], given: O
     was trained on unless given."""
     from ..data.sizing import FOLLOWS_MODEL
     from ..data.spec import parse_data_spec
+    from .data_paths import absolute_data
     config = state.get('config') or {}
-    own = data in (None, config.get('data'))
+    own = data is None or data == config.get('data') or absolute_data(data)[0] == config.get('data')
     options = dict(config.get('data_kwargs') or {}) if own else {}
     options.update(given or {})
     try:
