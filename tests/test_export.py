@@ -219,6 +219,18 @@ def test_timm_local_dir_loads_the_hf_folder(run, tmp_path):
     assert loaded.pretrained_cfg['input_size'] == model.pretrained_cfg['input_size']
 
 
+def test_an_hf_folder_given_as_a_checkpoint_is_named_as_such(run, tmp_path, capsys):
+    """eval / export / --resume of an `export --format hf` folder said 'is incomplete: state.json is missing'; it is
+    complete, in timm's layout: the error says so and how to make a checkpoint of it."""
+    from structformer.cli import main
+    export(run, 'hf', tmp_path / 'hf')
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'hf'), '--data', 'digits']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'timm Hugging Face folder' in err[0] and 'convert --from timm' in err[0], err
+    assert 'incomplete' not in err[0]
+
+
 def test_hf_refuses_transformed_models(tmp_path):
     from structformer.export.hf import save_hf_folder
     state = {'model': 'vit_digits', 'path': str(tmp_path), 'recipe': {'transforms': [{'name': 'factorize'}]}}

@@ -228,6 +228,12 @@ def replaced_run(run: Path) -> Optional[Path]:
 def load_checkpoint(path, with_train_state: bool = False):
     """Return (weights, state, train_tensors) from a checkpoint, with clear errors when damaged."""
     directory = resolve_checkpoint(path)
+    if not (directory / 'state.json').exists() and (directory / 'config.json').is_file():
+        # complete, but another format: not 'incomplete', and what to give instead
+        raise CheckpointError(f"--checkpoint: {directory} is a timm Hugging Face folder (config.json + "
+                              "model.safetensors, as `export --format hf` writes), not a structformer checkpoint; give "
+                              "the run it came from, or make one: structformer convert --from timm "
+                              f"{directory / 'model.safetensors'} --model NAME --output NEW_FOLDER")
     for name in ('state.json', 'model.safetensors'):
         if not (directory / name).is_file():
             raise CheckpointError(f"--checkpoint: {directory} is incomplete: {name} is missing")
