@@ -307,7 +307,8 @@ def test_overwrite_replaces_an_earlier_export_only(run, tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path / 'here')
     weights = source / 'checkpoints' / 'epoch_0001' / 'model.safetensors'
     cases = [('hf', mine, 'holds files an export does not write (notes.txt, sub)'),
-             ('hf', source, 'is SOURCE'), ('hf', tmp_path, 'is SOURCE'), ('onnx', weights, 'replaces an earlier .onnx export only'),
+             ('hf', source, 'exists, and is SOURCE'), ('hf', tmp_path, 'exists, and is SOURCE'),
+             ('onnx', weights, 'replaces an earlier .onnx export only'),
              ('hf', '.', 'is the current folder'), ('hf', '', "--output '': empty")]
     before = sorted((str(p), p.stat().st_size) for p in tmp_path.rglob('*'))
     for fmt, out, needle in cases:

@@ -451,6 +451,15 @@ def test_phase_settings_flag_merges_over_the_recipes(tmp_path):
     assert cfg.phase_settings['joint']['lr'] == 8e-5                 # the other phase as the recipe has it
 
 
+def test_lr_given_over_a_recipes_lr_base_is_the_peak_lr(dry_run):
+    """`--recipe crate_base_in1k --lr 0.01` trained at the recipe's scaled lr_base, the --lr given silently ignored
+    (timm's train.py takes --lr when it is given); --lr with --lr-base both as flags is refused."""
+    rc, out, _ = dry_run(['train', '--recipe', 'crate_base_in1k', '--lr', '0.01', '--dry-run'])
+    assert rc == 0 and 'peak 0.01 (--lr as given)' in out
+    rc, _, err = dry_run(['train', '--lr', '0.01', '--lr-base', '0.001', '--dry-run'])
+    assert rc == 2 and '--lr 0.01 and --lr-base 0.001' in err
+
+
 def test_flags_override_config_file_override_recipe(tmp_path):
     """Priority: defaults < recipe < -c FILE < flags; the run records the recipe's name."""
     config = tmp_path / 'c.yaml'

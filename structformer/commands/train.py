@@ -216,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='accumulate gradients over N batches per optimiser step (1)')
     g.add_argument('--lr-base', type=float, default=S, metavar='LR',
                    help='scale this lr to the effective batch (timm: lr = lr_base * batch / lr_base_size); '
-                        'replaces --lr')
+                        "instead of --lr (--lr given over a recipe's or config file's --lr-base replaces it)")
     g.add_argument('--lr-base-size', type=int, default=S, metavar='N', help='batch size of --lr-base (256)')
     g.add_argument('--lr-base-scale', default=S, metavar='RULE', help="linear or sqrt (default: sqrt for ada*/lamb)")
     g.add_argument('--log-interval', type=int, default=S, metavar='N',
@@ -354,6 +354,21 @@ def _same_checkpoint(given: str, saved: str) -> bool:
         return False
 
 
+def _peak_lr(from_recipe: dict, from_file: dict, given: dict) -> dict:
+    """--lr and --lr-base set one thing, the peak lr, and --lr-base wins whenever it is set; so the layer of highest
+    priority that sets either decides: `--recipe R --lr 0.01` (R scaling an lr_base) trains at 0.01, as timm's
+    train.py uses --lr when given, instead of R's lr_base silently. Both as flags is refused."""
+    if 'lr' in given and given.get('lr_base') is not None:
+        raise UsageError(f"--lr {given['lr']:g} and --lr-base {given['lr_base']:g}: both set the peak lr (--lr-base "
+                         "scales it to the effective batch); give one")
+    for layer in (given, from_file, from_recipe):
+        if layer.get('lr_base') is not None:
+            return {}
+        if 'lr' in layer:
+            return {'lr_base': None}
+    return {}
+
+
 def train_config(args):
     """TrainConfig from (in increasing priority) the defaults, --recipe NAME, -c FILE and the flags given
     explicitly; with --resume, the saved configuration (see `_resume_config`)."""
@@ -375,6 +390,7 @@ def train_config(args):
                                         for name in {**lower, **given['phase_settings']}}
         if 'data' in given:                        # a data_as_given from -c FILE recorded the file's data
             values['data_as_given'] = None
+        values.update(_peak_lr(from_recipe, from_file, given))
     config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
     if 'recipe' in given:                          # another family's model with a recipe: refused by name
         from ..train.recipes import check_recipe_model

@@ -41,7 +41,8 @@ def check_output(output, fmt: str, overwrite: bool, source=None) -> Path:
     out = Path(output)
     target = out.absolute().resolve()
     if source is not None and Path(source).exists() and Path(source).resolve().is_relative_to(target):
-        raise UsageError(f"--output {output}: is SOURCE {source} or holds it; the export would replace it")
+        raise UsageError(f"--output {output}: exists, and is SOURCE {source} or holds it, which the export would "
+                         "replace; give a new path")
     if Path.cwd().resolve().is_relative_to(target):
         raise UsageError(f"--output {output}: is the current folder or holds it; give a new folder")
     if out.exists() or out.is_symlink():
