@@ -451,6 +451,18 @@ def test_phase_settings_flag_merges_over_the_recipes(tmp_path):
     assert cfg.phase_settings['joint']['lr'] == 8e-5                 # the other phase as the recipe has it
 
 
+@pytest.mark.parametrize('flags, needle', [
+    (['--opt', 'sgd', '--opt-betas', '0.9', '0.99'], '--opt sgd does not take --opt-betas'),
+    (['--opt', 'lion', '--opt-eps', '1e-8'], '--opt lion does not take --opt-eps'),
+    (['--mixup', '0.8', '--data', 'pysource'], 'language-modelling'),
+    (['--mixup', '0.8', '-b', '7'], 'even -b/--batch-size')])
+def test_dry_run_refuses_what_training_refuses(flags, needle, dry_run):
+    """The plan printed 'sgd ... betas (0.9, 0.99)' and exit 0 for settings the run then refused: it now makes the
+    run's optimiser (on the meta model) and Mixup, and stops on their refusals."""
+    rc, _, err = dry_run(['train', *flags, '--dry-run'])
+    assert rc == 2 and needle in err, err
+
+
 def test_lr_given_over_a_recipes_lr_base_is_the_peak_lr(dry_run):
     """`--recipe crate_base_in1k --lr 0.01` trained at the recipe's scaled lr_base, the --lr given silently ignored
     (timm's train.py takes --lr when it is given); --lr with --lr-base both as flags is refused."""

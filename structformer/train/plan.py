@@ -409,6 +409,12 @@ def dry_run(config: TrainConfig) -> str:
                  + (", binary cross-entropy (--bce-loss)" if config.bce_loss else
                     f", label smoothing {config.label_smoothing:g}"))
     values = config.schedule_values()
+    # the optimiser the run would make, over the meta model: a setting it refuses (--opt sgd with --opt-betas) is
+    # refused by the plan too, not printed as if it would train
+    from .mixing import build_mixup
+    from .optim import make_optimizer
+    make_optimizer(model, config, values, peak)
+    build_mixup(config, 2, language_model=form in _TEXT_FORMS)     # Mixup's own refusals (text, an odd batch)
     factorised = ''
     if config.factorize_rank is not None and config.factorize_lr_scale != 1:
         when = f"from epoch {config.factorize_at + 1} on" if config.factorize_at else 'the whole run'
