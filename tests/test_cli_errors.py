@@ -242,6 +242,8 @@ CASES = [
     ('workers-negative', ['train', '--workers', '-1', '--output', OUT], ['--workers']),
     ('val-fraction', ['train', '--val-fraction', '1.5', '--output', OUT], ['--val-fraction']),
     ('warmup-too-long', ['train', '--epochs', '2', '--warmup-epochs', '5', '--output', OUT], ['--warmup-epochs']),
+    ('warmup-with-constant-schedule', ['train', '--sched', 'none', '--warmup-epochs', '1', '--epochs', '3',
+                                       '--output', OUT], ['--warmup-epochs=1.0', '--sched none']),
     ('opt-unknown', ['train', '--opt', 'adamx', '--output', OUT], ['--opt', "'adamx'", 'did you mean adamax']),
     ('momentum-negative', ['train', '--opt', 'sgd', '--momentum', '-1', '--output', OUT], ['--momentum', '[0, 1)']),
     ('momentum-above-one', ['train', '--momentum', '2', '--output', OUT], ['--momentum', '[0, 1)']),

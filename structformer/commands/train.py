@@ -315,7 +315,8 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
             if value < done:
                 raise UsageError(f"{flag} {value}: this run has already trained {done} epochs; --resume can "
                                  f"extend it (--epochs >= {done}), not shorten it")
-            if value != saved_config.get('epochs') and saved_config.get('warmup_epochs') is None:
+            if (value != saved_config.get('epochs') and saved_config.get('warmup_epochs') is None
+                    and saved_config.get('sched') != 'none'):
                 # keep the warm-up the run was trained with: the default is fitted to the epoch count
                 values['warmup_epochs'] = TrainConfig.from_dict(saved_config).resolved_warmup_epochs()
             values['epochs'] = value
