@@ -183,6 +183,17 @@ def test_an_hfds_source_without_columns_names_source_and_how_to_fix_it(tmp_path,
         assert '--data' not in err and not (tmp_path / 'out').exists()
 
 
+@pytest.mark.parametrize('seed', ['-1', str(2 ** 32)])
+def test_a_seed_numpy_cannot_take_is_one_line(seed, tmp_path, capsys):
+    """--seed -1 ended in numpy's traceback ('expected non-negative integer') after the source was read."""
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--seed', seed]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f'structformer data shard: error: --seed {seed}: ') and '[0, 2**32)' in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['src']
+
+
 @pytest.mark.parametrize('form', ['', 'imagefolder:', 'timm::', 'timm:'])
 def test_out_inside_the_source_folder_or_empty_is_refused_before_any_work(form, tmp_path, capsys, monkeypatch):
     """OUT inside SOURCE would add a class folder without images to it (the next read of SOURCE fails); OUT '' was

@@ -280,6 +280,8 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         raise UsageError(f'--shard-size {shard_size!r}: expected an integer >= 1')
     if not isinstance(workers, int) or workers < 1:
         raise UsageError(f'--workers {workers!r}: expected an integer >= 1')
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32:   # numpy's generator: >= 0
+        raise UsageError(f'--seed {seed!r}: expected an integer in [0, 2**32)')
     if bad_images not in ('error', 'skip'):
         raise UsageError(f"--bad-images {bad_images!r}: expected 'error' or 'skip'")
     if not str(out).strip():
