@@ -307,6 +307,10 @@ CASES = [
     ('reproduce-crate-no-data', ['reproduce', 'crate', '--data', '{base}/nothing', '--output', OUT],
      ['--data', 'no such folder']),
     ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
+    ('models-flops-size-out-of-memory', ['models', '--filter', 'crate_digits', '--flops', '--img-size', '10000000'],
+     ['--img-size 10000000', 'does not fit in memory']),
+    ('models-flops-size-not-a-patch-multiple', ['models', '--filter', 'crate_tiny', '--flops', '--img-size', '7'],
+     ['--img-size 7', 'divisible']),
     ('models-filter-matches-nothing', ['models', '--filter', 'crate_huge'], ['--filter', "'crate_huge'", 'matches no']),
     # the Mixer family (seed 003)
     ('bench-mlp-side', ['bench', 'mlp', '--side', '1'], ['--side', '>= 2']),

@@ -43,6 +43,22 @@ def matches(name: str, pattern: str) -> bool:
     return pattern in name
 
 
+def _flops(model_flops, name: str, img_size) -> dict:
+    """model_flops of `name` at --img-size, its failures for that size named by the flag: a size the model cannot
+    take (not a multiple of its patch) or cannot hold in memory (--img-size 100000 allocated 640 GB: a traceback)."""
+    try:
+        return model_flops(name, img_size=img_size)
+    except (ValueError, AssertionError) as e:
+        if img_size is None:
+            raise
+        raise UsageError(f"--img-size {img_size}: {name} cannot be built for it ({str(e).splitlines()[0]})") from None
+    except (MemoryError, RuntimeError) as e:
+        if img_size is None or not (isinstance(e, MemoryError) or 'alloc' in str(e)):
+            raise
+        raise UsageError(f"--img-size {img_size}: {name} at {img_size} px does not fit in memory "
+                         f"({str(e).splitlines()[0][:120]})") from None
+
+
 def run(args) -> int:
     from ..models import list_structformer_language_models, list_structformer_models
     from ..models.inventory import model_inventory
@@ -58,7 +74,7 @@ def run(args) -> int:
     if args.flops:
         from ..bench.flops import COMPONENTS, model_flops
         for row in rows:
-            row.update(model_flops(row['name'], img_size=args.img_size))    # params of the model at that size
+            row.update(_flops(model_flops, row['name'], args.img_size))    # params of the model at that size
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
