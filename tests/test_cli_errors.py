@@ -233,6 +233,8 @@ CASES = [
     ('output-is-image-folder', ['train', '--data', 'imagefolder:{images}', '--output', '{images}'],
      ['--output', 'inside the data folder']),
     ('output-empty', ['train', '--output', ''], ["--output '': empty"]),
+    ('val-fraction-cannot-split-the-classes', ['train', '--data', 'imagefolder:{rgb10}/train', '--output', OUT],
+     ['--val-fraction 0.2', 'at least two samples of every class', 'val/']),
     # out-of-range flags
     ('epochs-zero', ['train', '--epochs', '0', '--output', OUT], ['--epochs']),
     ('epochs-not-int', ['train', '--epochs', 'ten', '--output', OUT], ['--epochs']),
