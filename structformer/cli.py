@@ -14,7 +14,7 @@ from .errors import expected_failure, one_line
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog='structformer', formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog='structformer', formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description='Structured deep networks (CRATE, SOFT, ...) as timm models: train, evaluate, analyse, benchmark.',
         epilog='run `structformer COMMAND --help` for the options and examples of each command')
     from . import __version__
@@ -25,13 +25,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command `args` ran: down the sub-parsers by the verb, target or action chosen."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def unrecognized(extra: List[str], parser: argparse.ArgumentParser) -> str:
+    """One line for the arguments `parser` did not take: each unknown flag named, with where its setting is here
+    (the command's FLAG_HINTS: timm train.py's flags that are not ours) or the closest flag of the command;
+    argparse's own 'unrecognized arguments: ...' names neither."""
+    import difflib
+    ours = [o for o in parser._option_string_actions if o.startswith('--')]
+    hints = getattr(parser, 'flag_hints', {})
+    said = []
+    for item in extra:
+        flag = item.split('=', 1)[0]
+        if not flag.startswith('-') or flag == '-' or _is_number(flag):
+            continue                           # the value of an unknown flag just named
+        if flag in hints:
+            said.append(f"{flag} is not a flag here: {hints[flag]}")
+            continue
+        close = difflib.get_close_matches(flag, ours, n=2, cutoff=0.75)
+        said.append(f"{flag} is not a flag of `{parser.prog}`" + (f" (did you mean {' or '.join(close)}?)" if close else ''))
+    if not said:                               # only stray words: a positional argument too many
+        return f"unexpected argument(s) {' '.join(extra)!r}; `{parser.prog} --help` lists what it takes"
+    return '; '.join(said) + f"; `{parser.prog} --help` lists its flags"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command. Expected failures -- bad input (UsageError and the project's other validation
     errors), unusable checkpoints, user paths that are missing, not folders or not writable -- end as one
     line, `structformer CMD: error: ...`, and exit status 2, as argparse's own errors do. Anything else is
     a bug and keeps its traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:                                  # argparse's error, from the command's parser, saying where to look
+        _command_parser(parser, args).error(unrecognized(extra, _command_parser(parser, args)))
     # as argparse names it in its own errors: the verb and its target or action (`structformer data shard: ...`)
     command = ' '.join([args.command] + [getattr(args, key) for key in ('target', 'action') if getattr(args, key, None)])
     try:

@@ -7,16 +7,19 @@ take them from, so none of those packages imports another for a utility.
 - `environment`, `cpu_model`, `cpu_kind`: the machine and library versions a number was measured with, and the
   kind of CPU (`machine.py`: vendor, model, the ISA features that decide which kernels are fast: AVX2, AVX-512,
   VNNI, BF16, AMX), by which benchmark goals are judged and docs/benchmarks.md groups its tables.
-- `check_writable`: an output folder checked before any work, so a long job never dies at its first write.
+- `check_writable`: an output folder checked before any work, so a long job never dies at its first write;
+  `removed_on_failure`: the output folder a failed command created is removed again.
 
 Only the standard library is imported at module level: `structformer --help` builds parsers that
 import this module and must not pay for torch, numpy or matplotlib.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -88,6 +91,24 @@ def check_writable(path, flag: str, shown=None) -> None:
             f"its folder {probe}" if probe == Path(shown).absolute().parent else f"its nearest existing folder {probe}")
         raise ValueError(f"{flag} {shown}: cannot be written: {where} is not writable (read-only file system or "
                          "no permission)")
+
+
+@contextlib.contextmanager
+def removed_on_failure(path):
+    """Run the block that writes into the folder `path`; if it fails, the folders it created are removed again
+    (from the first of `path` and its parents that did not exist), so a command that stops with an error leaves
+    no empty or half-filled output folder behind. A folder that existed before is left as it was found, apart
+    from the files the block replaced (each written atomically)."""
+    first_new = None
+    probe = Path(path).absolute()
+    while not probe.exists():
+        first_new, probe = probe, probe.parent
+    try:
+        yield
+    except BaseException:
+        if first_new is not None and first_new.is_dir():
+            shutil.rmtree(first_new, ignore_errors=True)
+        raise
 
 
 def check_output_file(path, flag: str) -> None:

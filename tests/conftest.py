@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from pathlib import Path
 
@@ -8,8 +11,12 @@ import torch
 
 import structformer  # noqa: F401  (registers models)
 
-# The image-folder check cache (data/imagecheck.py) of the test session: a fresh folder, not the user's ~/.cache.
-os.environ.setdefault('STRUCTFORMER_CACHE', __import__('tempfile').mkdtemp(prefix='structformer-test-cache-'))
+# The image-folder check cache (data/imagecheck.py) of the test session: a fresh folder, not the user's ~/.cache,
+# removed when the session ends. Made only where the environment names none: pytest-xdist's workers and the CLI
+# subprocesses inherit the session's (setdefault's argument was made, and left in /tmp, by every one of them).
+if 'STRUCTFORMER_CACHE' not in os.environ:
+    os.environ['STRUCTFORMER_CACHE'] = tempfile.mkdtemp(prefix='structformer-test-cache-')
+    atexit.register(shutil.rmtree, os.environ['STRUCTFORMER_CACHE'], ignore_errors=True)
 
 # Tests stand in for Ctrl-C by sending SIGINT (train/checkpoint.py crash_point). A suite started in the background
 # (`make test &`, nohup, some CI runners) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt

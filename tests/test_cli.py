@@ -75,6 +75,14 @@ def test_models_lists_parameter_counts(capsys):
                      'task': 'image classification'}]
 
 
+def test_models_filter_takes_timms_wildcards(capsys):
+    """`--filter 'crate*_224'` as timm.list_models takes it: the whole name against the pattern, not a substring
+    (which matched nothing and printed an empty table, exit 0)."""
+    assert main(['models', '--filter', 'crate_*_patch16_224', '--json']) == 0
+    names = [row['name'] for row in json.loads(capsys.readouterr().out)]
+    assert names == [f'crate_{size}_patch16_224' for size in ('tiny', 'small', 'base', 'large')]
+
+
 def test_models_lists_language_models_apart_and_counts_at_the_asked_size(capsys):
     assert main(['models', '--filter', 'gpt2_byte', '--json']) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -152,6 +160,37 @@ def test_resume_with_more_epochs_extends_the_run(tmp_path, capsys):
 def test_range_errors_name_the_flag_as_typed(tmp_path, capsys):
     assert main(['train', '--smoothing', '1.5', '--output', str(tmp_path / 'x'), '--no-progress']) == 2
     assert 'error: --smoothing=1.5 is out of range: accepted in [0, 1)' in capsys.readouterr().err
+
+
+def test_scoring_options_are_the_runs_on_its_own_data_only(tmp_path, monkeypatch):
+    """eval / analyze: a run's data options on its own data (also spelled relative), only the model's trained image
+    size on other data whose size follows the model, nothing of the run's on data with a size of its own."""
+    from structformer.train.scoring_data import checkpoint_data_options
+    (tmp_path / 'imgs').mkdir()
+    monkeypatch.chdir(tmp_path)
+    own = {'check': 'decode', 'img_size': 8}
+    state = {'config': {'data': f"imagefolder:{tmp_path / 'imgs'}", 'data_kwargs': own},
+             'recipe': {'input_size': [3, 8, 8]}}
+    assert checkpoint_data_options(state, None) == own
+    assert checkpoint_data_options(state, 'imagefolder:imgs') == own
+    assert checkpoint_data_options(state, 'wds:/data/shards', {'holdout': 'samples'}) == {'holdout': 'samples',
+                                                                                           'img_size': 8}
+    assert checkpoint_data_options(state, 'digits') == {}
+
+
+def test_resume_help_names_every_flag_a_resume_may_change():
+    """--resume's help said any flag but eight was refused; --workers, --device, --log-interval, --keep-best ...
+    were taken too. The help is now written from the one list the resume check reads, by each key's own flag."""
+    import argparse
+
+    from structformer.cli import build_parser
+    from structformer.commands.train import _RESUME_MAY_CHANGE
+    from structformer.train.config import flag_name
+    train = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices['train']
+    text = next(a.help for a in train._actions if '--resume' in a.option_strings)
+    listed = text.split('--epochs may extend it, ', 1)[1].split(' may change', 1)[0].split(', ')
+    assert listed == list(_RESUME_MAY_CHANGE.values())
+    assert all(flag_name(key) == flag for key, flag in _RESUME_MAY_CHANGE.items())
 
 
 def test_every_config_key_names_its_train_flag():

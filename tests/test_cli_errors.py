@@ -89,6 +89,11 @@ def files(tmp_path_factory):
     torch.save({'state_dict': dict(public), 'args': argparse.Namespace(started=datetime.datetime(2024, 5, 1))},
                base / 'datetime_args.pth')                            # a global outside the allow-list
     _write_images(base / 'images', truncated=['a/1.jpg'])
+    from PIL import Image
+    for split in ('train', 'val'):                    # ten classes of RGB images: the digits runs' class count
+        for c in range(10):
+            (base / 'rgb10' / split / str(c)).mkdir(parents=True)
+            Image.new('RGB', (8, 8), (c, 0, 0)).save(base / 'rgb10' / split / str(c) / '0.png')
     read_only = base / 'read_only'
     read_only.mkdir()
     shutil.copytree(run, read_only / 'run')
@@ -213,6 +218,23 @@ CASES = [
                          '--output', OUT], ['--data', '1.jpg', 'bad_images=skip']),
     ('eval-class-mismatch', ['eval', '--checkpoint', '{run}', '--data', 'synthetic-subspaces',
                              '--data-kwargs', 'num_classes=4'], ['--data', 'classes']),
+    # flags that are not ours: timm train.py's names point to where their setting is; no flag is abbreviated (timm's
+    # --dataset was read as --dataset-size); a typo is named with the closest flag
+    ('timm-experiment', ['train', '--experiment', 'e1', '--output', OUT], ['--experiment', '--output DIR/NAME']),
+    ('timm-dataset-not-dataset-size', ['train', '--dataset', '100', '--output', OUT], ['--dataset', '--data FORM:PATH']),
+    ('timm-num-classes', ['train', '--num-classes=10', '--output', OUT], ['--num-classes', 'follow --data']),
+    ('timm-short-workers', ['train', '-j', '4', '--output', OUT], ['-j', '--workers N']),
+    ('abbreviated-flag', ['train', '--epoch', '3', '--output', OUT], ['--epoch', 'did you mean --epochs?']),
+    ('eval-flag-typo', ['eval', '--checkpoint', '{run}', '--jsn'], ['--jsn', 'did you mean --json?']),
+    ('recipes-stray-word', ['recipes', 'crate'], ["unexpected argument(s) 'crate'"]),
+    # a run written into its own image folder would be read back as a class folder; '' is the current folder
+    ('output-inside-image-folder', ['train', '--data', 'imagefolder:{images}', '--output', '{images}/a/run'],
+     ['--output', 'inside the data folder', 'imagefolder:']),
+    ('output-is-image-folder', ['train', '--data', 'imagefolder:{images}', '--output', '{images}'],
+     ['--output', 'inside the data folder']),
+    ('output-empty', ['train', '--output', ''], ["--output '': empty"]),
+    ('val-fraction-cannot-split-the-classes', ['train', '--data', 'imagefolder:{rgb10}/train', '--output', OUT],
+     ['--val-fraction 0.2', 'at least two samples of every class', 'val/']),
     # out-of-range flags
     ('epochs-zero', ['train', '--epochs', '0', '--output', OUT], ['--epochs']),
     ('epochs-not-int', ['train', '--epochs', 'ten', '--output', OUT], ['--epochs']),
@@ -222,6 +244,8 @@ CASES = [
     ('workers-negative', ['train', '--workers', '-1', '--output', OUT], ['--workers']),
     ('val-fraction', ['train', '--val-fraction', '1.5', '--output', OUT], ['--val-fraction']),
     ('warmup-too-long', ['train', '--epochs', '2', '--warmup-epochs', '5', '--output', OUT], ['--warmup-epochs']),
+    ('warmup-with-constant-schedule', ['train', '--sched', 'none', '--warmup-epochs', '1', '--epochs', '3',
+                                       '--output', OUT], ['--warmup-epochs=1.0', '--sched none']),
     ('opt-unknown', ['train', '--opt', 'adamx', '--output', OUT], ['--opt', "'adamx'", 'did you mean adamax']),
     ('momentum-negative', ['train', '--opt', 'sgd', '--momentum', '-1', '--output', OUT], ['--momentum', '[0, 1)']),
     ('momentum-above-one', ['train', '--momentum', '2', '--output', OUT], ['--momentum', '[0, 1)']),
@@ -240,6 +264,15 @@ CASES = [
      ['expects images', '[2, 1, 8, 8]']),
     ('image-model-on-text', ['train', '--data', 'pysource', '--data-kwargs', 'max_bytes=20000', '--output', OUT],
      ['expects images']),
+    # timm's own checks: an AssertionError (patch embedding's _assert) and a ValueError from unpacking the shape
+    ('timm-model-for-other-images', ['train', '--model', 'vit_digits', '--model-kwargs', 'img_size=16',
+                                     '--output', OUT], ['--model vit_digits', '[2, 1, 8, 8]', 'Input height (8)']),
+    ('timm-image-model-on-text', ['train', '--model', 'vit_digits', '--data', 'pysource', '--data-kwargs',
+                                  'max_bytes=20000', '--output', OUT], ['--model vit_digits', 'pysource', '[2, 128]']),
+    ('eval-on-other-channels', ['eval', '--checkpoint', '{vit_run}', '--data', 'imagefolder:{rgb10}'],
+     ['--data imagefolder:', 'vit_digits', 'inputs [1, 8, 8]', '[2, 3, 8, 8]']),
+    ('eval-cnn-on-other-channels', ['eval', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}'],
+     ['--data imagefolder:', 'crate_digits', 'expects images [B, 1, 8, 8]']),
     # low-rank training (seed 004)
     ('rank-zero', ['train', '--rank', '0', '--output', OUT], ['--rank', 'out of range']),
     ('rank-fraction-above-one', ['train', '--rank', '1.5', '--output', OUT], ['--rank', '(0, 1]']),
@@ -263,6 +296,11 @@ CASES = [
     ('stop-after-zero', ['train', '--stop-after', '0', '--output', OUT], ['--stop-after']),
     ('eval-batch-size-zero', ['eval', '--checkpoint', '{run}', '-b', '0'], ['--batch-size']),
     ('analyze-num-samples', ['analyze', '--checkpoint', '{run}', '--num-samples', '0'], ['--num-samples']),
+    # the measurement fails on data the model cannot take: no output folder left behind (the table checks the tree)
+    ('analyze-other-channels', ['analyze', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}', '--output',
+                                '{tmp}/analysis/deep'], ['expects images [B, 1, 8, 8]']),
+    ('analyze-other-channels-default-output', ['analyze', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}'],
+     ['expects images [B, 1, 8, 8]']),
     ('analyze-eps', ['analyze', '--checkpoint', '{run}', '--eps', '-1'], ['--eps']),
     ('analyze-compare-missing', ['analyze', '--checkpoint', '{run}', '--compare', 'epoch:7'], ['--compare']),
     ('analyze-estimator', ['analyze', '--checkpoint', '{run}', '--estimator', 'raw'], ['--estimator', 'official']),
@@ -271,6 +309,11 @@ CASES = [
     ('reproduce-crate-no-data', ['reproduce', 'crate', '--data', '{base}/nothing', '--output', OUT],
      ['--data', 'no such folder']),
     ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
+    ('models-flops-size-out-of-memory', ['models', '--filter', 'crate_digits', '--flops', '--img-size', '10000000'],
+     ['--img-size 10000000', 'does not fit in memory']),
+    ('models-flops-size-not-a-patch-multiple', ['models', '--filter', 'crate_tiny', '--flops', '--img-size', '7'],
+     ['--img-size 7', 'divisible']),
+    ('models-filter-matches-nothing', ['models', '--filter', 'crate_huge'], ['--filter', "'crate_huge'", 'matches no']),
     # the Mixer family (seed 003)
     ('bench-mlp-side', ['bench', 'mlp', '--side', '1'], ['--side', '>= 2']),
     ('bench-mlp-img-size', ['bench', 'mlp', '--img-size', '30'], ['--img-size', 'multiple of the patch size']),

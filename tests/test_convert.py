@@ -355,6 +355,25 @@ def test_converted_folder_loads_in_eval_timm_local_dir_and_training(crate_folder
                                rtol=0, atol=0)
 
 
+def test_model_kwargs_name_the_checkpoints_own_channels_and_the_folder_exports_at_them(tmp_path):
+    """A checkpoint trained with another channel count than the model's default (timm's --in-chans 3 on an 8-px
+    model): --model-kwargs in_chans=3 says what it is (the conversion had refused it, shapes checked against the
+    default build first), and the weights folder is loaded, scored and exported at [3, 8, 8], not at the
+    registry's [1, 8, 8] (export had traced the registry's input and failed inside the model)."""
+    from structformer.export.graphs import example_input
+    from structformer.train import load_model
+    trained = timm.create_model('crate_digits', in_chans=3, num_classes=3).eval()
+    save_file(trained.state_dict(), str(tmp_path / 'rgb.safetensors'))
+    model, notes = convert_checkpoint('timm', tmp_path / 'rgb.safetensors', 'crate_digits', {'in_chans': 3},
+                                      tmp_path / 'o')
+    assert any(line.startswith("in_chans=3: as --model-kwargs asked, the checkpoint's own") for line in notes)
+    assert not any('input channels' in line for line in notes)                 # nothing adapted
+    loaded, _ = load_model(tmp_path / 'o')
+    x = example_input(loaded)
+    assert loaded.pretrained_cfg['input_size'] == (3, 8, 8) and x.shape == (2, 3, 8, 8)
+    torch.testing.assert_close(loaded(x), trained(x), rtol=0, atol=0)
+
+
 def test_model_kwargs_adapt_the_converted_weights(tmp_path):
     state = _fill(crate_official_shapes(1, 2, 64, 4, 4, 16, 16, 10))
     torch.save(state, tmp_path / 'c.pth')

@@ -406,3 +406,18 @@ def test_string_options_are_coerced():
     assert info.extra['subspace_bases'].shape == (3, 9, 2)
     with pytest.raises(ValueError, match='augment.*true or false'):
         build_datasets('digits', augment='maybe')
+
+
+def test_a_stratified_split_too_small_for_the_classes_names_the_fractions_that_fit():
+    """30 samples of 10 classes at 0.2 hold out 6: one line naming --val-fraction and the range where every class has
+    a sample on both sides (sklearn's message alone named neither)."""
+    import numpy as np
+
+    from structformer.data.tensor import stratified_split
+    from structformer.errors import UsageError
+    labels = np.repeat(np.arange(10), 3)
+    with pytest.raises(UsageError, match=r'--val-fraction 0\.2: .*in \[0\.34, 0\.66\]'):
+        stratified_split(labels, 0.2, 0)
+    for fraction in (0.34, 0.66):
+        train, val = stratified_split(labels, fraction, 0)
+        assert set(labels[train]) == set(labels[val]) == set(range(10))

@@ -219,12 +219,39 @@ def test_timm_local_dir_loads_the_hf_folder(run, tmp_path):
     assert loaded.pretrained_cfg['input_size'] == model.pretrained_cfg['input_size']
 
 
+def test_an_hf_folder_given_as_a_checkpoint_is_named_as_such(run, tmp_path, capsys):
+    """eval / export / --resume of an `export --format hf` folder said 'is incomplete: state.json is missing'; it is
+    complete, in timm's layout: the error says so and how to make a checkpoint of it."""
+    from structformer.cli import main
+    export(run, 'hf', tmp_path / 'hf')
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'hf'), '--data', 'digits']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'timm Hugging Face folder' in err[0] and 'convert --from timm' in err[0], err
+    assert 'incomplete' not in err[0]
+
+
 def test_hf_refuses_transformed_models(tmp_path):
     from structformer.export.hf import save_hf_folder
     state = {'model': 'vit_digits', 'path': str(tmp_path), 'recipe': {'transforms': [{'name': 'factorize'}]}}
     with pytest.raises(ValueError, match='factorize'):
         save_hf_folder(build('lowrank-linear'), state, tmp_path / 'hf')
     assert not (tmp_path / 'hf').exists()
+
+
+def test_hf_refuses_an_attention_swapped_by_name_in_one_line(tmp_path, capsys):
+    """README's `--model vit_tiny_patch16_224 --model-kwargs attn_layer=soft ...`: timm cannot build that from
+    config.json (it does not know 'soft'), and its writer failed on the resolved class with a traceback."""
+    from structformer.cli import main
+    run = tmp_path / 'vit_soft'
+    assert main(['train', '--model', 'vit_tiny_patch16_224', '--model-kwargs', 'img_size=8', 'patch_size=2', 'depth=1',
+                 'embed_dim=32', 'num_heads=2', 'attn_layer=soft', "attn_kwargs={'num_landmarks': 4}", '--data',
+                 'digits', '--epochs', '1', '--limit-train-batches', '1', '--no-progress', '--output', str(run)]) == 0
+    capsys.readouterr()
+    assert main(['export', str(run), '--format', 'hf', '--output', str(tmp_path / 'hf')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "attn_layer='soft'" in err[0] and '--format onnx' in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['vit_soft']
 
 
 @pytest.mark.parametrize('case', ['unknown-format', 'missing-run', 'pickle', 'exists', 'read-only'])
@@ -260,6 +287,38 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(case, run, tmp_path, monke
     assert sorted(p.name for p in tmp_path.rglob('*')) == before
     if case == 'exists':
         assert out.read_text() == 'keep me'
+
+
+def test_overwrite_replaces_an_earlier_export_only(run, tmp_path, monkeypatch, capsys):
+    """--overwrite replaced OUT whole, whatever it was: `--format hf --output DIR --overwrite` emptied a folder of
+    other files, the run folder SOURCE itself or the current folder ('.', '' : a traceback, EBUSY), and
+    `--format onnx --output SOURCE/model.safetensors --overwrite` replaced the checkpoint's weights. Each is one line
+    now and nothing changes; an earlier hf export is still replaced."""
+    import shutil
+
+    from structformer.cli import main
+    from structformer.export import HF_FILES
+    source = tmp_path / 'run'
+    shutil.copytree(run, source)
+    mine = tmp_path / 'mine'
+    (mine / 'sub').mkdir(parents=True)
+    (mine / 'notes.txt').write_text('keep me')
+    (tmp_path / 'here').mkdir()
+    monkeypatch.chdir(tmp_path / 'here')
+    weights = source / 'checkpoints' / 'epoch_0001' / 'model.safetensors'
+    cases = [('hf', mine, 'holds files an export does not write (notes.txt, sub)'),
+             ('hf', source, 'exists, and is SOURCE'), ('hf', tmp_path, 'exists, and is SOURCE'),
+             ('onnx', weights, 'replaces an earlier .onnx export only'),
+             ('hf', '.', 'is the current folder'), ('hf', '', "--output '': empty")]
+    before = sorted((str(p), p.stat().st_size) for p in tmp_path.rglob('*'))
+    for fmt, out, needle in cases:
+        capsys.readouterr()
+        assert main(['export', str(source), '--format', fmt, '--output', str(out), '--overwrite']) == 2, out
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith('structformer export: error: ') and needle in err[0], err
+    assert sorted((str(p), p.stat().st_size) for p in tmp_path.rglob('*')) == before
+    export(source, 'hf', tmp_path / 'hf')
+    assert export(source, 'hf', tmp_path / 'hf', overwrite=True)['files'] == sorted(HF_FILES)
 
 
 def test_the_onnx_cost_script_exports_both_ways(tmp_path, capsys):

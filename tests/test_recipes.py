@@ -317,7 +317,17 @@ def test_dry_run_resolves_every_recipe_without_data_or_writes(name, tmp_path, dr
     assert 'optimiser steps per epoch' in out and 'in total over' in out
     assert 'parameters' in out and 'built on the meta device' in out
     assert about['reported'] in out and f"covers      {about['covers']}" in out
+    assert "the recipe's own notes" not in out           # as shipped: its notes describe the plan
     assert list(tmp_path.iterdir()) == [], 'a dry run wrote files'
+
+
+def test_dry_run_says_which_settings_the_recipes_notes_no_longer_describe(dry_run):
+    """The notes say 'no RandAugment, Mixup ...'; with --mixup given (or -c a run's config.yaml) the plan printed
+    them unchanged under a line showing mixup 0.8: it now names the settings changed."""
+    rc, out, _ = dry_run(['train', '--recipe', 'crate_tiny_in1k', '--dry-run', '--mixup', '0.8', '--model-ema',
+                          '--data-kwargs', 'check=decode'])
+    assert rc == 0 and 'no RandAugment, Mixup' in out
+    assert "(the recipe's own notes: -c / the flags given changed data_kwargs, mixup, model_ema)" in out
 
 
 def test_dry_run_counts_steps_and_lr_at_the_recipes_world_size(dry_run):
@@ -439,6 +449,27 @@ def test_phase_settings_flag_merges_over_the_recipes(tmp_path):
     assert cfg.phase_settings['predictor'] == {'lr': 1e-4, 'min_lr': 2e-4, 'warmup_epochs': 0, 'warmup_lr': 0.0,
                                                'warmup_prefix': True}
     assert cfg.phase_settings['joint']['lr'] == 8e-5                 # the other phase as the recipe has it
+
+
+@pytest.mark.parametrize('flags, needle', [
+    (['--opt', 'sgd', '--opt-betas', '0.9', '0.99'], '--opt sgd does not take --opt-betas'),
+    (['--opt', 'lion', '--opt-eps', '1e-8'], '--opt lion does not take --opt-eps'),
+    (['--mixup', '0.8', '--data', 'pysource'], 'language-modelling'),
+    (['--mixup', '0.8', '-b', '7'], 'even -b/--batch-size')])
+def test_dry_run_refuses_what_training_refuses(flags, needle, dry_run):
+    """The plan printed 'sgd ... betas (0.9, 0.99)' and exit 0 for settings the run then refused: it now makes the
+    run's optimiser (on the meta model) and Mixup, and stops on their refusals."""
+    rc, _, err = dry_run(['train', *flags, '--dry-run'])
+    assert rc == 2 and needle in err, err
+
+
+def test_lr_given_over_a_recipes_lr_base_is_the_peak_lr(dry_run):
+    """`--recipe crate_base_in1k --lr 0.01` trained at the recipe's scaled lr_base, the --lr given silently ignored
+    (timm's train.py takes --lr when it is given); --lr with --lr-base both as flags is refused."""
+    rc, out, _ = dry_run(['train', '--recipe', 'crate_base_in1k', '--lr', '0.01', '--dry-run'])
+    assert rc == 0 and 'peak 0.01 (--lr as given)' in out
+    rc, _, err = dry_run(['train', '--lr', '0.01', '--lr-base', '0.001', '--dry-run'])
+    assert rc == 2 and '--lr 0.01 and --lr-base 0.001' in err
 
 
 def test_flags_override_config_file_override_recipe(tmp_path):

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from structformer.records import check_output_file, check_writable
+from structformer.records import check_output_file, check_writable, removed_on_failure
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'structformer'
 SHARED = ('write_json', 'write_png', 'write_text', 'environment', 'cpu_model', 'check_writable',
-          'check_output_file')
+          'check_output_file', 'removed_on_failure')
 
 
 @pytest.mark.parametrize('name', SHARED)
@@ -35,6 +35,26 @@ def test_check_output_file(tmp_path):
     with pytest.raises(ValueError, match='--json .*is a file, not a folder'):
         check_output_file(tmp_path / 'file' / 'out.json', '--json')
     check_writable(tmp_path, '--output')
+
+
+def test_a_failed_command_leaves_no_output_folder_it_made(tmp_path):
+    """The folders a failing block created are removed (the first new one and all below it); a folder that was
+    there before stays, and nothing is removed when the block succeeds."""
+    out = tmp_path / 'new' / 'analysis'
+    with pytest.raises(ValueError):
+        with removed_on_failure(out):
+            out.mkdir(parents=True)
+            (out / 'figure.png').write_bytes(b'x')
+            raise ValueError('the measurement failed')
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / 'kept').mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        with removed_on_failure(tmp_path / 'kept'):
+            raise KeyboardInterrupt
+    assert (tmp_path / 'kept').is_dir()
+    with removed_on_failure(out):
+        out.mkdir(parents=True)
+    assert out.is_dir()
 
 
 def test_every_record_names_the_commit_that_made_it():

@@ -79,6 +79,23 @@ def test_resume_from_another_run_goes_into_a_new_folder_or_its_own(two_runs, tmp
     assert [json.loads(line)['epoch'] for line in lines] == [3]          # only what this folder trained
 
 
+def test_resume_from_an_older_checkpoint_of_the_run_into_its_own_folder_is_refused(two_runs, tmp_path, capsys):
+    """Continuing from epoch 1 inside a run that has trained epoch 2 mixed two timelines: metrics.jsonl held
+    epoch 2 twice (the old line and the new one), and a stop before the old epochs were passed left them as the
+    newest checkpoint. Refused by name; into a new folder it goes on from there."""
+    a, _ = two_runs
+    copy = tmp_path / 'a_copy'
+    shutil.copytree(a, copy)
+    before = _tree(copy)
+    _one_error(capsys, ['train', '--resume', str(copy / 'checkpoints' / 'epoch_0001'), '--output', str(copy),
+                        '--epochs', '3', '--no-progress'], '--resume', 'trained to epoch 2', '(epoch 1)', 'new --output')
+    assert _tree(copy) == before
+    assert main(['train', '--resume', str(copy / 'checkpoints' / 'epoch_0001'), '--output', str(tmp_path / 'new'),
+                 '--epochs', '3', '--no-progress']) == 0
+    lines = (tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()
+    assert [json.loads(line)['epoch'] for line in lines] == [2, 3]
+
+
 # ---------------------------------------------------------------- 2. an interrupted --overwrite
 
 def _interrupted(output, kill_at, signal_name=None, seed=5):

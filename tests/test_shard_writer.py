@@ -163,6 +163,53 @@ def test_shards_from_an_hfds_dataset(tmp_path, cache):
     assert got == [(0, 0), (10, 1), (20, 1), (30, 0)]
 
 
+def test_an_hfds_source_without_columns_names_source_and_how_to_fix_it(tmp_path, capsys):
+    """`data shard hfds:PATH`: its errors name SOURCE (not `--data`, a flag data shard lacks) and, for a dataset
+    without a label column, what data shard reads instead of `--data-kwargs label_column=`, which it does not take."""
+    import datasets
+    from PIL import Image
+
+    from structformer.cli import main
+    images = [Image.fromarray(np.full((6, 6, 3), 10 * i, np.uint8)) for i in range(2)]
+    datasets.Dataset.from_dict({'image': images, 'target': [0, 1]}).save_to_disk(str(tmp_path / 'hf'))
+    (tmp_path / 'empty').mkdir()
+    capsys.readouterr()                                    # datasets' progress bar
+    for source, needle in ((f"hfds:{tmp_path / 'hf'}", "no label column among ['image', 'target']; data shard "
+                            "takes the first Image and ClassLabel columns"),
+                           (f"hfds:{tmp_path / 'empty'}", 'save_to_disk')):
+        assert main(['data', 'shard', source, str(tmp_path / 'out')]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f'structformer data shard: error: SOURCE {source}: ') and needle in err, err
+        assert '--data' not in err and not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('seed', ['-1', str(2 ** 32)])
+def test_a_seed_numpy_cannot_take_is_one_line(seed, tmp_path, capsys):
+    """--seed -1 ended in numpy's traceback ('expected non-negative integer') after the source was read."""
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--seed', seed]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f'structformer data shard: error: --seed {seed}: ') and '[0, 2**32)' in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['src']
+
+
+@pytest.mark.parametrize('form', ['', 'imagefolder:', 'timm::', 'timm:'])
+def test_out_inside_the_source_folder_or_empty_is_refused_before_any_work(form, tmp_path, capsys, monkeypatch):
+    """OUT inside SOURCE would add a class folder without images to it (the next read of SOURCE fails); OUT '' was
+    the current folder: the shards were written into a work folder beside it and the final rename failed."""
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    (tmp_path / 'cwd').mkdir()
+    monkeypatch.chdir(tmp_path / 'cwd')                # '' is this folder: its work folder would go beside it
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*'))
+    for out, needle in ((src / 'ant' / 'shards', f'inside SOURCE {form}{src}'), ('', "OUT '': empty")):
+        assert main(['data', 'shard', f'{form}{src}', str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith('structformer data shard: error: ') and needle in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*')) == before
+
+
 def test_shards_from_timm_readers_keep_timms_class_order(tmp_path, cache):
     src = _folder(tmp_path / 'src' / 'train')
     _folder(tmp_path / 'src' / 'val', per_class=1, seed=2)

@@ -279,3 +279,16 @@ def test_an_undecodable_image_in_a_shard_is_passed_over_under_skip(shards, tmp_p
     train.configure(0, 1)
     with pytest.raises(ValueError, match=f"{samples[2][0]}.png cannot be read.*bad_images=skip"):
         list(train)
+
+
+def test_a_folder_run_is_scored_on_its_shards(shards, tmp_path, capsys):
+    """`eval --data wds:...` of a run trained on the image folder: the folder's own options (check=, bad_images=)
+    are not options of shards and are not carried over; the images are read at the size the model was trained on."""
+    run = tmp_path / 'run'
+    assert main(['train', '--model', 'crate_digits', '--data', f"imagefolder:{shards / 'images'}", '--data-kwargs',
+                 'check=decode', '--epochs', '1', '--limit-train-batches', '1', '--no-progress',
+                 '--output', str(run)]) == 0
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(run), '--data', f"wds:{shards / 'wds'}", '--json']) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result['data'] == f"wds:{shards / 'wds'}" and result['images'] > 0

@@ -93,6 +93,16 @@ def test_every_accepted_schedule_is_a_timm_schedule_and_the_cli_offers_it():
     assert tuple(sched.choices) == SCHEDULES
 
 
+def test_a_constant_schedule_run_extends_on_resume(tmp_path):
+    """--sched none has no warm-up, so a given one is refused; --resume --epochs N of such a run must not pin the
+    warm-up fitted to the old length (it pins it for the other schedules)."""
+    out = tmp_path / 'run'
+    common = ['--data', 'digits', '--limit-train-batches', '1', '--no-progress', '--output', str(out)]
+    assert main(['train', '--sched', 'none', '--epochs', '1', *common]) == 0
+    assert main(['train', '--resume', '--epochs', '2', *common]) == 0
+    assert [json.loads(line)['epoch'] for line in (out / 'metrics.jsonl').read_text().splitlines()] == [1, 2]
+
+
 def test_noise_moves_the_lr_only_inside_its_span(tmp_path):
     """--lr-noise 0.25 0.75 over 8 epochs: the lr equals the noiseless cosine outside epochs 2-5 and not inside."""
     from structformer.train.optim import scheduled_lr

@@ -9,7 +9,6 @@ attention gets its mask accounting and pictures instead (analysis/sparsifiner.py
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
@@ -209,17 +208,26 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
 
 
 def run_analyze(args) -> int:
-    from ..train.checkpoint import load_model, resolve_checkpoint
-    from ..records import check_writable
-    from .plots import plot_layer_curves
-    from .report import write_report
-    from .sparsifiner import run_sparsifiner_analysis, sparsifiner_layers
-    from .whitebox import check_crate
+    """`structformer analyze`; an analysis that fails (bad data for the model, an unreadable second checkpoint)
+    leaves no output folder it created behind."""
+    from ..records import check_writable, removed_on_failure
+    from ..train.checkpoint import resolve_checkpoint
     _check_args(args)
     main_path = resolve_checkpoint(args.checkpoint)
     run = _run_dir(main_path)
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
+    with removed_on_failure(out):
+        return _analyze(args, main_path, run, out)
+
+
+def _analyze(args, main_path: Path, run, out: Path) -> int:
+    from ..records import write_json
+    from ..train.checkpoint import load_model
+    from .plots import plot_layer_curves
+    from .report import write_report
+    from .sparsifiner import run_sparsifiner_analysis, sparsifiner_layers
+    from .whitebox import check_crate
     if getattr(args, 'interpolate', None):
         refuse_unused_options(args, 'interpolate', str(main_path))
         from .interpolate import run_interpolation
@@ -268,6 +276,9 @@ def run_analyze(args) -> int:
     if len(idx) < args.num_samples:
         print(f"note: the validation split of {spec} has {len(idx)} samples; measuring all of them "
               f"instead of --num-samples {args.num_samples}")
+    from ..train.scoring_data import check_model_input
+    for model, state, p in loaded:      # data the models cannot take: one line before the output folder is made
+        check_model_input(model, images[:2], None, f"--data {spec}: {p} ({state.get('model')}) cannot take its images")
 
     out.mkdir(parents=True, exist_ok=True)
     taken: set = set()
@@ -295,7 +306,7 @@ def run_analyze(args) -> int:
             [dict(r['measure'], epoch=r['epoch']) for r in by_epoch], out / 'training_curves.png',
             'R_c and sparsity per layer over training').name
     json_path = out / 'analysis.json'
-    json_path.write_text(json.dumps(analysis, indent=1))
+    write_json(json_path, analysis)                        # atomically, as every record
     report = write_report(analysis, out / 'report.md')
     pngs = list(analysis['figures'].values()) + [f for r in results for f in r['figures'].values()]
     print(f'analysis: {json_path}')

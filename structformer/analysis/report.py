@@ -128,6 +128,7 @@ def render_report(analysis: Dict) -> str:
 
 
 def write_report(analysis: Dict, path) -> Path:
+    from ..records import write_text
     path = Path(path)
-    path.write_text(render_report(analysis))
+    write_text(path, render_report(analysis))         # atomically: never half a report
     return path

@@ -34,8 +34,9 @@ def load_samples(spec: str, options: Dict, data_seed: int, val_fraction: float, 
 
 def recorded_data(state: Dict, data: Optional[str], checkpoint) -> Tuple[str, Dict, int, float]:
     """The data a checkpoint is measured on, as (spec, options, seed, val_fraction): --data when given, else the
-    run's own (refused by name if it has moved); the run's data options only on the run's own data; the run's
-    seed and held-out fraction, so the held-out split is the one training used."""
+    run's own (refused by name if it has moved); the run's data options only on the run's own data, images at the
+    size the model was trained on; the run's seed and held-out fraction, so the held-out split is the one
+    training used."""
     config = state.get('config') or {}
     spec = data or config.get('data')
     if not spec:
@@ -43,7 +44,8 @@ def recorded_data(state: Dict, data: Optional[str], checkpoint) -> Tuple[str, Di
     if not data:
         from ..train.data_paths import check_stored_data
         check_stored_data(spec, config.get('data_as_given'), "the checkpoint's", '--data')
-    options = dict(config.get('data_kwargs') or {}) if data in (None, config.get('data')) else {}
+    from ..train.scoring_data import checkpoint_data_options
+    options = checkpoint_data_options(state, data)     # the run's options on its own data; the model's image size
     return spec, options, int(config.get('seed', 0)), float(config.get('val_fraction', 0.2))
 
 

@@ -2,7 +2,9 @@
 
 A row names a module (by import path, so `structformer --help` imports only what builds parsers) and the verb's
 one-line help. The module defines `add_arguments(parser)`, `run(args) -> int` and, optionally, `EXAMPLES` (the
-epilog) and `DESCRIPTION`. `structformer bench TARGET` and `structformer reproduce PAPER` are tables of the same
+epilog), `DESCRIPTION` and `FLAG_HINTS` (a flag of another tool, timm's `train.py`, that is not one of ours -> where
+its setting is here). Flags are never abbreviated (`allow_abbrev=False`): timm's `--dataset` would otherwise be
+read as our `--dataset-size`. `structformer bench TARGET` and `structformer reproduce PAPER` are tables of the same
 shape (commands/bench.py, commands/reproduce.py), built and dispatched by the same two functions here.
 
 Command modules sit on top of everything: no library module imports one (tests/test_layout.py). None of them
@@ -37,7 +39,8 @@ def add_commands(sub: argparse._SubParsersAction, table: Table, epilog: Optional
         module = importlib.import_module(module_name)
         parser = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description=getattr(module, 'DESCRIPTION', None),
-                                epilog=getattr(module, 'EXAMPLES', epilog))
+                                epilog=getattr(module, 'EXAMPLES', epilog), allow_abbrev=False)
+        parser.flag_hints = getattr(module, 'FLAG_HINTS', {})      # the CLI's net reads them (cli.unrecognized)
         module.add_arguments(parser)
 
 

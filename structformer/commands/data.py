@@ -18,7 +18,8 @@ def add_arguments(p) -> None:
     actions = p.add_subparsers(dest='action', metavar='ACTION')
     actions.required = True
     s = actions.add_parser('shard', help='write a data set as webdataset tar shards (KEY.jpg + KEY.cls, _info.json)',
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+                           allow_abbrev=False)
     s.add_argument('source', metavar='SOURCE',
                    help='an image folder (class sub-folders; train/ and val/ or test/ become two splits), '
                         'hfds:PATH, imagenet:PATH (ILSVRC-2012 as downloaded), or timm:NAME:ROOT (timm\'s '

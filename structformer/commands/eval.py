@@ -46,7 +46,8 @@ def run(args) -> int:
     if not args.data:
         from ..train.data_paths import check_stored_data
         check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
-    data_kwargs = dict(cfg.get('data_kwargs', {}), **(args.data_kwargs or {}))
+    from ..train.scoring_data import check_model_input, checkpoint_data_options, trained_input_size
+    data_kwargs = checkpoint_data_options(state, args.data, args.data_kwargs)   # the run's on its own data only
     train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
                                             **data_kwargs)
     if info.num_classes != model.num_classes:
@@ -63,6 +64,12 @@ def run(args) -> int:
         raise UsageError(f"--per-class: --data {data} is language modelling (its classes are bytes); leave it out")
     dataset = val_ds if args.split == 'val' else train_ds
     precision, how = _precision(args, cfg, state)
+    if len(dataset):           # other images (size, channels) or text: one line before the whole split is read
+        from torch.utils.data import default_collate
+        size = trained_input_size(state)
+        check_model_input(model, default_collate([dataset[i] for i in range(min(2, len(dataset)))])[0], precision,
+                          f"--data {data}: {state['path']} ({state['model']}"
+                          + (f", trained on inputs {list(size)}" if size else '') + ') cannot take its batch')
     batch_size = args.batch_size or cfg.get('eval_batch_size') or 256
     metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows

@@ -1,18 +1,22 @@
 """`structformer models`: the registered models with parameter counts (and, with --flops, multiply-adds by
 component)."""
+import fnmatch
 import json
 
 from ..cli_args import positive_int
+from ..errors import UsageError
 
 EXAMPLES = """examples:
   structformer models                 # every structformer model with its parameter count
   structformer models --filter crate  # only names containing 'crate'
+  structformer models --filter 'soft*_mnist'   # timm's wildcards, as timm.list_models takes them
   structformer models --json
   structformer models --filter soft_tiny --flops   # + multiply-adds per image, by component"""
 
 
 def add_arguments(p) -> None:
-    p.add_argument('--filter', default='', help='substring of the name')
+    p.add_argument('--filter', default='', help="substring of the name, or a pattern with timm's wildcards "
+                                                "(* ? [...]) matched against the whole name, as timm.list_models")
     p.add_argument('--json', action='store_true')
     p.add_argument('--flops', action='store_true',
                    help='also count forward multiply-adds of one image, split by component (builds each model)')
@@ -31,18 +35,46 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def matches(name: str, pattern: str) -> bool:
+    """--filter: a substring ('crate'), or with a wildcard a pattern for the whole name ('crate_*_224'), as a timm
+    user writes it for timm.list_models; a pattern read as a substring would match nothing, silently."""
+    if any(c in pattern for c in '*?['):
+        return fnmatch.fnmatchcase(name, pattern)
+    return pattern in name
+
+
+def _flops(model_flops, name: str, img_size) -> dict:
+    """model_flops of `name` at --img-size, its failures for that size named by the flag: a size the model cannot
+    take (not a multiple of its patch) or cannot hold in memory (--img-size 100000 allocated 640 GB: a traceback)."""
+    try:
+        return model_flops(name, img_size=img_size)
+    except (ValueError, AssertionError) as e:
+        if img_size is None:
+            raise
+        raise UsageError(f"--img-size {img_size}: {name} cannot be built for it ({str(e).splitlines()[0]})") from None
+    except (MemoryError, RuntimeError) as e:
+        if img_size is None or not (isinstance(e, MemoryError) or 'alloc' in str(e)):
+            raise
+        raise UsageError(f"--img-size {img_size}: {name} at {img_size} px does not fit in memory "
+                         f"({str(e).splitlines()[0][:120]})") from None
+
+
 def run(args) -> int:
     from ..models import list_structformer_language_models, list_structformer_models
     from ..models.inventory import model_inventory
     language = set(list_structformer_language_models())
-    names = [n for n in list_structformer_models() + sorted(language) if args.filter in n]
+    names = [n for n in list_structformer_models() + sorted(language) if matches(n, args.filter)]
+    if not names:        # an empty table reads as "no such models" without saying the filter caused it
+        raise UsageError(f"--filter {args.filter!r} matches no structformer model (a substring of the name, or a "
+                         "pattern with * ? [...] for the whole name); `structformer models` lists them all, and "
+                         "timm's own models are in timm.list_models()")
     rows = model_inventory(names)
     for row in rows:
         row['task'] = 'language model' if row['name'] in language else 'image classification'
     if args.flops:
         from ..bench.flops import COMPONENTS, model_flops
         for row in rows:
-            row.update(model_flops(row['name'], img_size=args.img_size))    # params of the model at that size
+            row.update(_flops(model_flops, row['name'], args.img_size))    # params of the model at that size
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -25,6 +25,43 @@ EXAMPLES = """examples:
 summary.json and checkpoints/epoch_NNNN/ (safetensors + JSON) under --output."""
 
 
+# timm train.py's flags that are not flags here, and where their setting is (the CLI names it for an unknown flag)
+_FOLLOWS_DATA = 'classes and channels follow --data (or --model-kwargs num_classes=N in_chans=C)'
+_FOLLOWS_MODEL = "the image size follows the model (--data-kwargs img_size=N, or --model-kwargs img_size=N)"
+FLAG_HINTS = {
+    '--experiment': "--output is the run folder itself (timm's --output DIR --experiment NAME is --output DIR/NAME)",
+    '--data-dir': 'give the data as --data FORM:PATH (e.g. --data imagefolder:/data/imagenet; docs/data.md)',
+    '--dataset': 'give the data as --data FORM:PATH (e.g. --data imagefolder:/data/imagenet, wds:..., hfds:...; '
+                 'docs/data.md)',
+    '--train-split': "the splits are read from the data (train/ and val/ or test/; else --val-fraction)",
+    '--val-split': "the splits are read from the data (train/ and val/ or test/; else --val-fraction)",
+    '--num-classes': _FOLLOWS_DATA, '--in-chans': _FOLLOWS_DATA,
+    '--img-size': _FOLLOWS_MODEL, '--input-size': _FOLLOWS_MODEL,
+    '-j': 'use --workers N', '-vb': 'use --eval-batch-size N', '--validation-batch-size': 'use --eval-batch-size N',
+    '--checkpoint-hist': 'use --keep-last N (and --keep-best for the best val top-1)',
+    '--eval-metric': 'the runs rank by val top-1 (--keep-best)',
+    '--no-aug': 'use --data-kwargs augment=false',
+    '--pin-mem': 'the loaders pin memory whenever training runs on CUDA',
+    '--start-epoch': '--resume continues a run from its last checkpoint; --initial-checkpoint starts from weights '
+                     'with a fresh optimiser and schedule',
+    '--no-resume-opt': '--initial-checkpoint RUN starts from its weights with a fresh optimiser and schedule',
+    '--sched-on-updates': 'the schedule already steps after every optimiser step',
+    '--torchscript': 'TorchScript is not supported (docs/export.md); --compile for torch.compile',
+    '--drop-connect': 'use --drop-path',
+    '--log-wandb': 'use --log-tb DIR (TensorBoard)',
+}
+
+
+# what a resumed run may change: where it writes and what it keeps, never what it trains (config key -> its flag,
+# spelled here so --resume's help lists exactly these without importing the config module: --help loads no torch)
+_RESUME_MAY_CHANGE = {
+    'output': '--output', 'eval_batch_size': '--eval-batch-size', 'keep_last': '--keep-last',
+    'save_every': '--save-every', 'recovery_interval': '--recovery-interval', 'compile': '--compile',
+    'compile_mode': '--compile-mode', 'tf32': '--tf32', 'num_workers': '--workers', 'device': '--device',
+    'log_interval': '--log-interval', 'log_tb': '--log-tb', 'allow_world_size_change': '--allow-world-size-change',
+    'keep_best': '--keep-best', 'avg_last': '--avg-last'}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # only flags given explicitly override -c / the defaults
     p.add_argument('-c', '--config', default=S, help='YAML configuration (e.g. a run\'s config.yaml); flags given override it')
@@ -179,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='accumulate gradients over N batches per optimiser step (1)')
     g.add_argument('--lr-base', type=float, default=S, metavar='LR',
                    help='scale this lr to the effective batch (timm: lr = lr_base * batch / lr_base_size); '
-                        'replaces --lr')
+                        "instead of --lr (--lr given over a recipe's or config file's --lr-base replaces it)")
     g.add_argument('--lr-base-size', type=int, default=S, metavar='N', help='batch size of --lr-base (256)')
     g.add_argument('--lr-base-scale', default=S, metavar='RULE', help="linear or sqrt (default: sqrt for ada*/lamb)")
     g.add_argument('--log-interval', type=int, default=S, metavar='N',
@@ -235,19 +272,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoints/average_last_N, evaluated and recorded in summary.json (needs --keep-last >= N)")
     g.add_argument('--resume', nargs='?', const=True, default=None, metavar='CHECKPOINT',
                    help='continue the run in --output (or from CHECKPOINT) with its saved configuration; '
-                        '--epochs may extend it, --output, --eval-batch-size, --keep-last, --save-every, '
-                        '--recovery-interval, --compile, --compile-mode and --tf32 may change, any other flag that '
-                        'differs from the saved value is refused')
+                        f"--epochs may extend it, {', '.join(_RESUME_MAY_CHANGE.values())} may change, any other "
+                        'flag that differs from the saved value is refused')
     g.add_argument('--stop-after', type=positive_int('--stop-after'), default=None, metavar='N', help='stop after N epochs of this invocation (resume later)')
     g.add_argument('--overwrite', action='store_true', help='replace an existing run in --output')
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
 
 
 _NOT_CONFIG = ('command', 'config', 'resume', 'stop_after', 'overwrite', 'no_progress', 'func', 'dry_run')
-# what a resumed run may change: where it writes and what it keeps, never what it trains
-_RESUME_MAY_CHANGE = ('output', 'eval_batch_size', 'keep_last', 'save_every', 'recovery_interval', 'compile',
-                      'compile_mode', 'tf32', 'num_workers', 'device', 'log_interval', 'log_tb',
-                      'allow_world_size_change', 'keep_best', 'avg_last')
 
 
 def _flag(key: str) -> str:
@@ -283,7 +315,8 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
             if value < done:
                 raise UsageError(f"{flag} {value}: this run has already trained {done} epochs; --resume can "
                                  f"extend it (--epochs >= {done}), not shorten it")
-            if value != saved_config.get('epochs') and saved_config.get('warmup_epochs') is None:
+            if (value != saved_config.get('epochs') and saved_config.get('warmup_epochs') is None
+                    and saved_config.get('sched') != 'none'):
                 # keep the warm-up the run was trained with: the default is fitted to the epoch count
                 values['warmup_epochs'] = TrainConfig.from_dict(saved_config).resolved_warmup_epochs()
             values['epochs'] = value
@@ -322,6 +355,21 @@ def _same_checkpoint(given: str, saved: str) -> bool:
         return False
 
 
+def _peak_lr(from_recipe: dict, from_file: dict, given: dict) -> dict:
+    """--lr and --lr-base set one thing, the peak lr, and --lr-base wins whenever it is set; so the layer of highest
+    priority that sets either decides: `--recipe R --lr 0.01` (R scaling an lr_base) trains at 0.01, as timm's
+    train.py uses --lr when given, instead of R's lr_base silently. Both as flags is refused."""
+    if 'lr' in given and given.get('lr_base') is not None:
+        raise UsageError(f"--lr {given['lr']:g} and --lr-base {given['lr_base']:g}: both set the peak lr (--lr-base "
+                         "scales it to the effective batch); give one")
+    for layer in (given, from_file, from_recipe):
+        if layer.get('lr_base') is not None:
+            return {}
+        if 'lr' in layer:
+            return {'lr_base': None}
+    return {}
+
+
 def train_config(args):
     """TrainConfig from (in increasing priority) the defaults, --recipe NAME, -c FILE and the flags given
     explicitly; with --resume, the saved configuration (see `_resume_config`)."""
@@ -343,6 +391,7 @@ def train_config(args):
                                         for name in {**lower, **given['phase_settings']}}
         if 'data' in given:                        # a data_as_given from -c FILE recorded the file's data
             values['data_as_given'] = None
+        values.update(_peak_lr(from_recipe, from_file, given))
     config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
     if 'recipe' in given:                          # another family's model with a recipe: refused by name
         from ..train.recipes import check_recipe_model

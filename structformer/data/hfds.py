@@ -27,19 +27,23 @@ OPTIONS = {
 VAL_SPLITS = ('validation', 'val', 'test')
 
 
-def _load(path: str, spec: str):
+def _load(path: str, what: str):
+    """The saved dataset at `path`; errors begin with `what`, the argument that named it (`--data 'hfds:...'`, or
+    `SOURCE hfds:...` for `structformer data shard`)."""
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"--data {spec!r}: needs the 'datasets' package: pip install 'structformer[hf]'") from None
+        raise UsageError(f"{what}: needs the 'datasets' package: pip install 'structformer[hf]'") from None
     try:
         return datasets.load_from_disk(path)
     except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f'--data {spec!r}: {path} is not a dataset saved with datasets.save_to_disk '
+        raise UsageError(f'{what}: {path} is not a dataset saved with datasets.save_to_disk '
                          f'({str(e).splitlines()[0][:200]})') from None
 
 
-def _columns(ds, opts, spec: str):
+def _columns(ds, opts, what: str, naming: str = '--data-kwargs {role}_column=NAME'):
+    """(image column, label column) of `ds`: the options', else the first Image / ClassLabel feature, else the
+    usual names. A missing one is named, with how the caller's command names a column (`naming`)."""
     import datasets
     features = ds.features
     image = opts['image_column'] or next((k for k, f in features.items() if isinstance(f, datasets.Image)), None) \
@@ -48,8 +52,8 @@ def _columns(ds, opts, spec: str):
                                          None) or next((k for k in ('label', 'labels') if k in features), None)
     for role, name in (('image', image), ('label', label)):
         if name is None or name not in features:
-            raise UsageError(f'--data {spec!r}: no {role} column among {sorted(features)}; name it with '
-                             f'--data-kwargs {role}_column=NAME')
+            raise UsageError(f'{what}: no {role} column among {sorted(features)}; '
+                             + naming.format(role=role))
     return image, label
 
 
@@ -83,7 +87,7 @@ def build_hfds(path, *, spec, seed, val_fraction, train_transform, eval_transfor
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     opts = resolve_options('hfds', OPTIONS, options)
     train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
-    loaded = _load(check_folder(path, spec), spec)
+    loaded = _load(check_folder(path, spec), f'--data {spec!r}')
     import datasets
     if isinstance(loaded, datasets.DatasetDict):
         if 'train' not in loaded:
@@ -92,7 +96,7 @@ def build_hfds(path, *, spec, seed, val_fraction, train_transform, eval_transfor
         train_ds = loaded['train']
     else:
         train_ds, val_name = loaded, None
-    image, label = _columns(train_ds, opts, spec)
+    image, label = _columns(train_ds, opts, f'--data {spec!r}')
     feature = train_ds.features[label]
     classes = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
     targets = np.asarray(train_ds[label])

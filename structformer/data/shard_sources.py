@@ -149,13 +149,15 @@ def hfds_source(path: str) -> Source:
     from .spec import resolve_options
     from .hfds import OPTIONS
     spec = f'hfds:{path}'
-    loaded = _load(os.path.expanduser(path), spec)
+    loaded = _load(os.path.expanduser(path), f'SOURCE {spec}')
     import datasets
     parts = ({'train': loaded['train'], **next(({'validation': loaded[s]} for s in VAL_SPLITS if s in loaded), {})}
              if isinstance(loaded, datasets.DatasetDict) else {'train': loaded})
     if isinstance(loaded, datasets.DatasetDict) and 'train' not in loaded:
         raise UsageError(f'SOURCE {spec}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
-    image, label = _columns(parts['train'], resolve_options('hfds', OPTIONS, {}), f'SOURCE {spec}')
+    image, label = _columns(parts['train'], resolve_options('hfds', OPTIONS, {}), f'SOURCE {spec}',
+                            "data shard takes the first Image and ClassLabel columns (else 'image' / 'img' and "
+                            "'label' / 'labels'): name the {role} column so with datasets' rename_column")
     feature = parts['train'].features[label]
     classes = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
     splits = {}

@@ -59,6 +59,27 @@ def open_source(text: str) -> Source:
 
 
 
+def _check_out_outside_source(text: str, out: str) -> None:
+    """Refuse an OUT inside a folder SOURCE (an image folder, imagenet:, timm:NAME:ROOT): OUT and its work folder
+    beside it would become class folders of that source, without images, which breaks its next read (torchvision's
+    ImageFolder: 'Found no valid file for the classes ...')."""
+    form, sep, rest = text.partition(':')
+    form = form.lower() if sep else ''
+    if form == 'hfds':
+        return
+    if form == 'timm':                           # timm:NAME:ROOT, or timm:ROOT
+        name, sep, root = rest.partition(':')
+        root = root if sep else name
+    else:
+        root = rest if form else text
+    if not root or not os.path.isdir(root):
+        return                                   # open_source names a missing SOURCE
+    source, target = os.path.realpath(root), os.path.realpath(os.path.abspath(out))
+    if target == source or target.startswith(source.rstrip(os.sep) + os.sep):
+        raise UsageError(f'OUT {out}: inside SOURCE {text}; the shards and their work folder would be read as '
+                         'part of it (a class folder without images); give a folder outside it')
+
+
 # ----------------------------------------------------------------------------- owning the work folder
 
 def _start_ticks(pid: int) -> Optional[str]:
@@ -259,10 +280,15 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         raise UsageError(f'--shard-size {shard_size!r}: expected an integer >= 1')
     if not isinstance(workers, int) or workers < 1:
         raise UsageError(f'--workers {workers!r}: expected an integer >= 1')
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32:   # numpy's generator: >= 0
+        raise UsageError(f'--seed {seed!r}: expected an integer in [0, 2**32)')
     if bad_images not in ('error', 'skip'):
         raise UsageError(f"--bad-images {bad_images!r}: expected 'error' or 'skip'")
+    if not str(out).strip():
+        raise UsageError("OUT '': empty; give a new folder")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f'OUT {out}: exists and is not an empty folder; give a new folder')
+    _check_out_outside_source(source_text, out)
     from ..records import check_writable
     check_writable(out, 'OUT')
     source = open_source(source_text)

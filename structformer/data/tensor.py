@@ -1,4 +1,5 @@
 """In-memory image datasets (digits, synthetic, MNIST, CIFAR-10): normalisation, light augmentation, splits."""
+import math
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ..errors import UsageError
 from .augment import Augmentation, raw_image_augmentation, wanted
 
 AUGMENTATIONS = ('shift1', 'crop4_flip')
@@ -105,8 +107,14 @@ def stratified_split(labels, val_fraction: float, seed: int) -> Tuple[np.ndarray
         train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=val_fraction,
                                               random_state=seed, stratify=labels)
     except ValueError as e:     # e.g. too few samples for every class to appear on both sides
-        raise ValueError(f'cannot make a stratified split of {len(labels)} samples of '
-                         f'{len(np.unique(labels))} classes with val_fraction={val_fraction}: {e}') from None
+        n, (_, counts) = len(labels), np.unique(labels, return_counts=True)
+        k = len(counts)
+        # every class needs a sample on each side: k <= round(n f) and k <= n - round(n f), about f in [k/n, 1 - k/n]
+        fits = (f"--val-fraction in [{math.ceil(100 * k / n) / 100:g}, {math.floor(100 * (1 - k / n)) / 100:g}]"
+                if 2 * k <= n and counts.min() >= 2 else 'at least two samples of every class')
+        raise UsageError(f'--val-fraction {val_fraction}: cannot hold out a stratified split of {n} samples of {k} '
+                         f'classes ({e}); every class needs a sample on both sides: give {fits}, or data with its '
+                         'own held-out split (an image folder: train/ and val/)') from None
     return np.sort(train_idx), np.sort(val_idx)
 
 

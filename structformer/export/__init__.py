@@ -25,10 +25,26 @@ SUFFIX = {'onnx': '.onnx', 'torch-export': '.pt2', 'hf': ''}
 MAX_RELATIVE_ERROR = 1e-4
 
 
-def check_output(output, fmt: str, overwrite: bool) -> Path:
-    """OUT before any work: not there (or --overwrite), its folder writable; a file format's OUT not a folder."""
+# what `--format hf` writes (hf.save_hf_folder: timm's save_for_hf and the model card): the only files of a folder
+# that --overwrite replaces whole
+HF_FILES = frozenset({'README.md', 'config.json', 'model.safetensors'})
+
+
+def check_output(output, fmt: str, overwrite: bool, source=None) -> Path:
+    """OUT before any work: not there (or --overwrite), its folder writable; a file format's OUT not a folder.
+    --overwrite replaces an earlier export, nothing else: not a folder holding other files (`--output . --overwrite`
+    would have emptied the current folder), not a file without the format's suffix (a checkpoint's weights), not
+    SOURCE or a folder holding it, not the current folder."""
     from ..records import check_writable
+    if not str(output).strip():
+        raise UsageError("--output '': empty; give a new file (onnx, torch-export) or folder (hf)")
     out = Path(output)
+    target = out.absolute().resolve()
+    if source is not None and Path(source).exists() and Path(source).resolve().is_relative_to(target):
+        raise UsageError(f"--output {output}: exists, and is SOURCE {source} or holds it, which the export would "
+                         "replace; give a new path")
+    if Path.cwd().resolve().is_relative_to(target):
+        raise UsageError(f"--output {output}: is the current folder or holds it; give a new folder")
     if out.exists() or out.is_symlink():
         if not overwrite:
             raise UsageError(f"--output {output}: exists; give a new path or pass --overwrite")
@@ -36,6 +52,14 @@ def check_output(output, fmt: str, overwrite: bool) -> Path:
             raise UsageError(f"--output {output}: is a folder; --format {fmt} writes one file")
         if fmt == 'hf' and not out.is_dir():
             raise UsageError(f"--output {output}: is a file; --format hf writes a folder")
+        if fmt != 'hf' and out.suffix != SUFFIX[fmt]:       # e.g. a checkpoint's model.safetensors
+            raise UsageError(f"--output {output}: --overwrite replaces an earlier {SUFFIX[fmt]} export only, and "
+                             f"this file is not one; give a new path")
+        others = sorted(p.name for p in out.iterdir() if p.name not in HF_FILES) if fmt == 'hf' else []
+        if others:
+            shown = ', '.join(others[:3]) + (f' and {len(others) - 3} more' if len(others) > 3 else '')
+            raise UsageError(f"--output {output}: holds files an export does not write ({shown}); --overwrite "
+                             "replaces an earlier --format hf folder only: give a new folder")
     check_writable(out.absolute().parent, '--output', shown=output)
     return out
 
@@ -58,7 +82,7 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
     """Export SOURCE as `fmt` to `output`; returns what was written and checked (for the CLI's report)."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r}: accepted {', '.join(FORMATS)}")
-    out = check_output(output, fmt, overwrite)
+    out = check_output(output, fmt, overwrite, source)
     if fmt == 'onnx':
         from .graphs import require_onnx
         require_onnx(runtime=True)                           # before loading anything

@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--format', required=True, metavar='FORMAT', dest='export_format',
                    help=f"one of {', '.join(FORMATS)}")
     p.add_argument('--output', required=True, metavar='OUT', help='file (onnx, torch-export) or folder (hf) to write')
-    p.add_argument('--overwrite', action='store_true', help='replace OUT if it exists')
+    p.add_argument('--overwrite', action='store_true',
+                   help='replace OUT if it is an earlier export (a .onnx / .pt2 file, or a folder of only the files '
+                        'an hf export writes)')
     p.add_argument('--json', action='store_true', help='print one JSON object')
 
 

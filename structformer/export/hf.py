@@ -125,6 +125,20 @@ def model_card(model: torch.nn.Module, state: Dict[str, Any], name: str) -> str:
     return generate_readme(card, state['model'])
 
 
+def _check_timm_can_rebuild(state: Dict[str, Any]) -> None:
+    """Refuse a model whose construction timm alone cannot repeat from config.json: `attn_layer='soft'` names a
+    structformer layer that our factory resolves to its class (layers/attention/registry.py) and timm's ViT does not
+    know ('Unknown attn_layer'); timm's writer then failed on the class ('Model argument attn_layer is not
+    serializable', a traceback)."""
+    from ..layers.attention.registry import ATTENTION_LAYERS
+    kwargs = (state.get('recipe') or {}).get('kwargs') or state.get('model_kwargs') or {}
+    name = kwargs.get('attn_layer')
+    if isinstance(name, str) and name in ATTENTION_LAYERS:
+        raise UsageError(f"--format hf: {state['model']} was built with attn_layer={name!r}, a structformer layer "
+                         "that timm.create_model('local-dir:...') cannot build from config.json; use --format onnx "
+                         "or --format torch-export")
+
+
 def save_hf_folder(model: torch.nn.Module, state: Dict[str, Any], folder) -> Path:
     """Write config.json, model.safetensors and README.md into `folder` (an existing, empty folder: the caller
     writes into a temporary one and renames it into place)."""
@@ -135,9 +149,16 @@ def save_hf_folder(model: torch.nn.Module, state: Dict[str, Any], folder) -> Pat
         raise UsageError(f"--format hf: {state['model']} was built with the model transform(s) {', '.join(transforms)}, "
                          "which timm's config.json cannot express (timm.create_model('local-dir:...') would build "
                          "the untransformed model); use --format onnx or --format torch-export")
+    _check_timm_can_rebuild(state)
     folder = Path(folder)
     cfg = getattr(model, 'pretrained_cfg', None) or {}
     labels = {key: cfg[key] for key in ('label_names', 'label_descriptions') if cfg.get(key)}
-    save_for_hf(model, folder, safe_serialization=True, model_config=labels or None)
+    try:
+        save_for_hf(model, folder, safe_serialization=True, model_config=labels or None)
+    except ValueError as e:          # timm: 'Model argument X is not serializable' (a class or function given)
+        if 'not serializable' not in str(e):
+            raise
+        raise UsageError(f"--format hf: {state['model']} was built with an argument timm's config.json cannot hold "
+                         f"({e}); use --format onnx or --format torch-export") from None
     (folder / 'README.md').write_text(model_card(model, state, state['model']))
     return folder

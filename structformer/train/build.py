@@ -13,7 +13,7 @@ from .checkpoint import load_checkpoint
 from .mixing import build_mixup
 from .parts import LowRankPart, build_parts
 from .phases import build_phases
-from .precision import Precision, low_precision_failure
+from .precision import Precision
 from .steplog import StepLog
 
 
@@ -165,27 +165,16 @@ class RunBuild:
     def _check_input_shapes(self) -> None:
         """One forward of two validation samples, in eval mode and without gradients, before anything is
         written: a model built for other images (img_size=, in_chans=) or other data (images into a
-        language model) is refused by its own check here, not after the run folder exists. The RNG state
-        is restored afterwards, so the run itself is unchanged."""
+        language model) is refused in one line naming both (scoring_data.check_model_input), not after the
+        run folder exists. The RNG state is restored afterwards, so the run itself is unchanged."""
         from torch.utils.data import default_collate      # not a DataLoader: its iterator draws a seed
+
+        from .scoring_data import check_model_input
         if len(self.val_ds) == 0:
             return
         batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), self.precision.autocast():
-                logits = self.model(batch)                 # (and if a layer did draw: undone)
-        except ValueError:
-            raise
-        except (RuntimeError, NotImplementedError) as e:  # a shape torch found wrong: name the data and the model
-            low = low_precision_failure(e, self.precision)
-            if low is not None:
-                raise low from None
-            raise ValueError(f"--model {self.config.model} cannot take a batch of --data {self.config.data} "
-                             f"(shape {list(batch.shape)}): {str(e).splitlines()[0]}") from None
-        finally:
-            self.model.train(was_training)
+        logits = check_model_input(self.model, batch, self.precision,
+                                   f"--model {self.config.model} cannot take a batch of --data {self.config.data}")
         predicts = logits.shape[-1] if torch.is_tensor(logits) else None
         if predicts is not None and predicts != self.info.num_classes:   # else: cross-entropy's IndexError later
             given = self.config.model_kwargs.get('num_classes')

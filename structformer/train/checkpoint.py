@@ -228,6 +228,12 @@ def replaced_run(run: Path) -> Optional[Path]:
 def load_checkpoint(path, with_train_state: bool = False):
     """Return (weights, state, train_tensors) from a checkpoint, with clear errors when damaged."""
     directory = resolve_checkpoint(path)
+    if not (directory / 'state.json').exists() and (directory / 'config.json').is_file():
+        # complete, but another format: not 'incomplete', and what to give instead
+        raise CheckpointError(f"--checkpoint: {directory} is a timm Hugging Face folder (config.json + "
+                              "model.safetensors, as `export --format hf` writes), not a structformer checkpoint; give "
+                              "the run it came from, or make one: structformer convert --from timm "
+                              f"{directory / 'model.safetensors'} --model NAME --output NEW_FOLDER")
     for name in ('state.json', 'model.safetensors'):
         if not (directory / name).is_file():
             raise CheckpointError(f"--checkpoint: {directory} is incomplete: {name} is missing")
@@ -267,8 +273,24 @@ def load_model(path, map_location='cpu', ema: bool = False):
     if mismatch:
         raise CheckpointError(f"--checkpoint: weights do not fit model {recipe.name!r}: {mismatch}")
     model.load_state_dict(weights)
+    _record_built_input_size(model, recipe.input_size)
     record_training_data(model, state.get('data_info') or {})
     return model.to(map_location).eval(), state
+
+
+def _record_built_input_size(model: torch.nn.Module, input_size) -> None:
+    """The (C, H, W) the model was built for into its `pretrained_cfg`: timm leaves the registry's there whatever
+    in_chans= / img_size= built the model, so converted weights of another size or channel count (`structformer
+    convert --model-kwargs in_chans=3`, which records no data) were exported with the registry's example input.
+    A run's training data then overrides it (record_training_data)."""
+    if not input_size or len(input_size) != 3 or hasattr(model, 'vocab_size'):
+        return
+    cfg = getattr(model, 'pretrained_cfg', None)
+    if cfg is None or tuple(cfg.get('input_size') or ()) == tuple(input_size):
+        return
+    cfg = dict(cfg, input_size=tuple(int(v) for v in input_size))
+    model.pretrained_cfg = cfg
+    model.default_cfg = cfg
 
 
 def _load_average(directory: Path) -> Dict[str, torch.Tensor]:

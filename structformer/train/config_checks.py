@@ -124,7 +124,10 @@ def validate_paper_scale(config) -> None:
 
 
 def validate_controls(config) -> None:
-    """Betas, eps, layer decay, BCE: ranges and what they need."""
+    """Betas, eps, layer decay, BCE: ranges and what they need; a warm-up given to the constant schedule."""
+    if config.sched == 'none' and config.warmup_epochs:     # unset is None: only a given warm-up is refused
+        raise UsageError(f"--warmup-epochs={config.warmup_epochs!r} with --sched none: the constant schedule has no "
+                         "warm-up (it would be ignored); leave it out or choose a schedule, e.g. --sched cosine")
     betas = config.opt_betas
     if betas is not None and not (len(betas) in (2, 3) and all(isinstance(b, (int, float)) and not isinstance(b, bool)
                                                                 and 0 <= b < 1 for b in betas)):

@@ -44,3 +44,23 @@ def check_stored_data(spec: str, as_given: Optional[str], whose: str, override: 
             f"; it is relative, so it was read from the folder the run was started in, not {os.getcwd()}")
     raise UsageError(f"--data {spec}: {whose} data path {path}{typed} does not exist{hint}; "
                      f"pass {override} to read the data from where it is now")
+
+
+# the --data forms whose every sub-folder is data: a folder a run writes there is read as a class the next time
+_FOLDERS_ARE_CLASSES = ('imagefolder', 'imagenet')
+
+
+def check_output_outside_data(output, spec: str) -> None:
+    """Refuse an --output that is empty (the current folder, by accident) or is an image folder's own folder or
+    inside it: a run writes checkpoints/, config.yaml ... there, and `checkpoints/` reads as one more class folder the
+    next time the data is built (or breaks the class list of train/ against val/)."""
+    if not str(output).strip():
+        raise UsageError("--output '': empty; give the run's folder (default: outputs/MODEL_DATA)")
+    from ..data.spec import parse_data_spec
+    path = data_path(spec)
+    if path is None or not os.path.isdir(path) or parse_data_spec(spec)[0] not in _FOLDERS_ARE_CLASSES:
+        return
+    run, data = os.path.realpath(os.path.abspath(output)), os.path.realpath(path)
+    if run == data or run.startswith(data.rstrip(os.sep) + os.sep):
+        raise UsageError(f"--output {output}: inside the data folder of --data {spec}; a run's checkpoints there "
+                         "would be read as data (a class folder) the next time; give a folder outside it")

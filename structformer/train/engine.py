@@ -26,7 +26,7 @@ from ..records import check_writable
 from .build import RunBuild, seed_everything  # noqa: F401  (seed_everything: re-exported)
 from .checkpoint import crash_point, resolve_checkpoint
 from .config import TrainConfig, save_config
-from .data_paths import absolute_data, check_stored_data
+from .data_paths import absolute_data, check_output_outside_data, check_stored_data
 from .distributed import barrier, cleanup_distributed, init_distributed
 from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
@@ -83,6 +83,7 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             raise UsageError("--resume and --overwrite together: --resume continues the run in --output, --overwrite "
                              "replaces it with a new one; give one of them")
         self.overwrite = overwrite
+        check_output_outside_data(self.config.output, self.config.data)
         self._check_no_run_here()
         self._check_resume_into_own_run()
         check_writable(self.output, '--output')
@@ -97,6 +98,19 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             raise UsageError(f"--output {self.output} already holds another run than --resume {self.resume}; "
                              "continue a run from its checkpoint into a new (or empty) --output, or into its own "
                              "run folder")
+        # an older checkpoint of this run: the epochs after it are another timeline (their checkpoints, their
+        # metrics lines); continued here, metrics.jsonl held the next epoch twice and an early stop left the old
+        # epochs as the newest checkpoint
+        newest = committed_checkpoints(self.ckpt_dir)
+        try:
+            epoch = int(json.loads((source / 'state.json').read_text()).get('epoch', 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return                                           # load_checkpoint names a broken checkpoint
+        trained = int(newest[-1].name.split('_')[1]) if newest else 0
+        if trained > epoch:
+            raise UsageError(f"--resume {self.resume}: the run in --output {self.output} has trained to epoch "
+                             f"{trained} since that checkpoint (epoch {epoch}); continue from it into a new --output "
+                             "(its records start there), or --resume the run itself")
 
     def _check_no_run_here(self, since: str = '') -> None:
         """Refuse a new run (not --resume, not --overwrite) into a folder that holds one. Checked before the

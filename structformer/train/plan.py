@@ -203,6 +203,10 @@ def _factorised_scale(config: TrainConfig, step: int, steps_per_epoch: int) -> f
 
 
 # ------------------------------------------------------------------------------------------ what is where
+# where the data and the run are, not how it trains: a recipe's notes say nothing of them
+_WHERE_NOT_HOW = ('output', 'data', 'data_as_given', 'dataset_size', 'recipe')
+
+
 def _placeholder(config: TrainConfig, key: str, recipe_values: Dict[str, Any]) -> bool:
     """The value of `key` is the recipe's own placeholder (IMAGENET, TEACHER_RUN_DIR), not a path given."""
     return bool(config.recipe) and recipe_values.get(key) is not None and getattr(config, key) == recipe_values[key]
@@ -405,6 +409,12 @@ def dry_run(config: TrainConfig) -> str:
                  + (", binary cross-entropy (--bce-loss)" if config.bce_loss else
                     f", label smoothing {config.label_smoothing:g}"))
     values = config.schedule_values()
+    # the optimiser the run would make, over the meta model: a setting it refuses (--opt sgd with --opt-betas) is
+    # refused by the plan too, not printed as if it would train
+    from .mixing import build_mixup
+    from .optim import make_optimizer
+    make_optimizer(model, config, values, peak)
+    build_mixup(config, 2, language_model=form in _TEXT_FORMS)     # Mixup's own refusals (text, an odd batch)
     factorised = ''
     if config.factorize_rank is not None and config.factorize_lr_scale != 1:
         when = f"from epoch {config.factorize_at + 1} on" if config.factorize_at else 'the whole run'
@@ -467,4 +477,11 @@ def dry_run(config: TrainConfig) -> str:
         lines.extend(f"  {line}" for line in printed)
     if about.get('notes'):
         lines.append(f"notes         {' '.join(str(about['notes']).split())}")
+        # the notes describe the recipe as it ships: say which of its settings this plan no longer has
+        import dataclasses
+        shipped = {f.name: recipe_values.get(f.name, f.default if f.default is not dataclasses.MISSING
+                                             else f.default_factory()) for f in dataclasses.fields(TrainConfig)}
+        changed = sorted(k for k, v in shipped.items() if getattr(config, k) != v and k not in _WHERE_NOT_HOW)
+        if changed:
+            lines.append(f"  (the recipe's own notes: -c / the flags given changed {', '.join(changed)})")
     return '\n'.join(lines)

@@ -76,7 +76,22 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
              for key, value, why in chosen] + taken
     # the checkpoint's own architecture first (its classes, predictor shapes); --model-kwargs adapt it afterwards
     native, _ = build_model(name, fixed)
-    converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
+    try:
+        converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
+    except UsageError as first:
+        # a checkpoint trained with another architecture than the model's default (timm's --in-chans 1, a depth):
+        # --model-kwargs then say what it is, not what to adapt it to; taken as its own when the weights fit them
+        if not wanted:
+            raise
+        fixed = dict(fixed, **wanted)
+        native, _ = build_model(name, fixed)
+        try:
+            converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
+        except UsageError:
+            raise first from None
+        notes = [f"{key}={value!r}: as --model-kwargs asked, the checkpoint's own (its weights fit the model built "
+                 "with them)" for key, value in wanted.items()] + [n for n in notes if n.split('=')[0] not in wanted]
+        wanted = {}
     native.load_state_dict(converted)
     notes += converted_notes
     kwargs = dict(fixed, **wanted)

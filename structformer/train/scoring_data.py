@@ -1,0 +1,78 @@
+"""The data a trained model is scored on, and the one forward that checks the model can take it.
+
+`structformer eval` and `analyze` score a checkpoint on its run's own data or on `--data` given. The run's data
+options (`data_kwargs`) belong to its own data: an image folder's `check=` or `bad_images=` is not an option of
+shards or of digits, so on other data only the options given now apply (`checkpoint_data_options`). An image
+folder, shards, a Hugging Face dataset or CIFAR-10 has no size of its own (data/sizing.py): on those the images
+are read at the size the model was trained on, as training read them, not at the form's 224 px default.
+
+`check_model_input` runs one forward of a small batch before the real work (the trainer's pre-flight, eval's),
+so a model built for other images (size, channels) or for other data (images into a language model) is refused
+in one line naming both, whichever library's check caught it: torch's convolutions raise RuntimeError, timm's
+patch embedding an AssertionError (`_assert`) or a ValueError from unpacking the shape, our models a ValueError.
+"""
+import contextlib
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..errors import UsageError
+from .precision import Precision, low_precision_failure
+
+# what a model raises on an input it was not built for (see the module docstring)
+_SHAPE_ERRORS = (RuntimeError, NotImplementedError, ValueError, AssertionError)
+
+
+def trained_input_size(state: Dict[str, Any]) -> Optional[Tuple[int, int, int]]:
+    """(C, H, W) the checkpoint's model was built for: its recipe's input size, else its data's; None if unknown."""
+    size = (state.get('recipe') or {}).get('input_size')
+    if size and len(size) == 3:
+        return tuple(int(v) for v in size)
+    info = state.get('data_info') or {}
+    if info.get('in_chans') and isinstance(info.get('img_size'), int):
+        return int(info['in_chans']), info['img_size'], info['img_size']
+    return None
+
+
+def checkpoint_data_options(state: Dict[str, Any], data: Optional[str], given: Optional[Dict] = None) -> Dict:
+    """The dataset options to score `state`'s model on `data` (None: the run's own): the run's options on its own
+    data, only `given` on other data; and on a form whose size follows the model, img_size = the size the model
+    was trained on unless given."""
+    from ..data.sizing import FOLLOWS_MODEL
+    from ..data.spec import parse_data_spec
+    from .data_paths import absolute_data
+    config = state.get('config') or {}
+    own = data is None or data == config.get('data') or absolute_data(data)[0] == config.get('data')
+    options = dict(config.get('data_kwargs') or {}) if own else {}
+    options.update(given or {})
+    try:
+        name, _ = parse_data_spec(data or config.get('data') or '')
+    except ValueError:               # the dataset builder names a bad spec
+        return options
+    size = trained_input_size(state)
+    if name in FOLLOWS_MODEL and 'img_size' not in options and size is not None and size[1] == size[2]:
+        options['img_size'] = size[1]
+    return options
+
+
+def check_model_input(model: torch.nn.Module, batch: torch.Tensor, precision: Optional[Precision],
+                      refusal: str) -> torch.Tensor:
+    """Logits of one forward of `batch` in eval mode, without gradients and with torch's RNG restored afterwards
+    (the caller's run is unchanged). A failure that is the input's shape becomes one UsageError line,
+    '`refusal` (shape [...]): <the model's own first line>'; one that is autocast's low precision, its own line."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                (precision.autocast() if precision is not None else contextlib.nullcontext()):
+            return model(batch)
+    except UsageError:
+        raise
+    except _SHAPE_ERRORS as e:
+        low = low_precision_failure(e, precision)
+        if low is not None:
+            raise low from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"{refusal} (shape {list(batch.shape)}): {first}") from None
+    finally:
+        model.train(was_training)
