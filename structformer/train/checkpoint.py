@@ -3,7 +3,8 @@
 Layout of one checkpoint directory:
     model.safetensors        model weights
     train_state.safetensors  optimiser tensors and the torch RNG state (absent in weights-only saves)
-    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, and the
+    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, the files
+                             written beside it (`files`: a lost one is named on loading), and the
                              environment that wrote it (`records.environment`: torch, threads, CPU kind,
                              the kernel choices made: `functional.autotune`)
 A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest.
@@ -130,6 +131,9 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
             save_file(train_tensors, str(tmp / 'train_state.safetensors'))
         for name, tensors in (extra_files or {}).items():
             save_file(tensors, str(tmp / name))
+        # the files it holds, so a reader tells a folder that lost one (a copy cut short, a file removed by hand)
+        # from a checkpoint written without it, in one line instead of a KeyError deep in a resume
+        state['files'] = sorted(p.name for p in tmp.iterdir())
         (tmp / 'state.json').write_text(json.dumps(state, indent=1, default=_json_default))
         for written in tmp.iterdir():               # safetensors writes 0600 whatever the umask
             permissions_from_umask(written, 0o666)
@@ -243,6 +247,12 @@ def load_checkpoint(path, with_train_state: bool = False):
         raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or 'model' not in state:
         raise CheckpointError(f"--checkpoint: {directory}/state.json does not describe a model")
+    missing = [name for name in state.get('files', ()) if not (directory / name).is_file()]
+    if with_train_state and 'files' not in state and ('rng' in state or 'optimizer' in state):   # older checkpoints
+        missing += [] if (directory / 'train_state.safetensors').is_file() else ['train_state.safetensors']
+    if missing:         # written with it, gone now: not a checkpoint that never had it
+        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} missing")
     state['path'] = str(directory)
     return weights, state, train_tensors
 

@@ -151,7 +151,11 @@ class WeightAveragePart(Part):
         path = Path(checkpoint) / EMA_FILE
         if not path.is_file():
             raise CheckpointError(f"--resume: {checkpoint} has no {EMA_FILE}: it was trained without --model-ema")
-        self.average.load_state_dict(load_file(str(path)))
+        try:        # a damaged average is one line, as a damaged model.safetensors is (checkpoint.load_checkpoint)
+            average = load_file(str(path))
+        except Exception as e:
+            raise CheckpointError(f"--resume: {path} is corrupt ({type(e).__name__}: {e})") from None
+        self.average.load_state_dict(average)
 
 
 class DistillationPart(Part):

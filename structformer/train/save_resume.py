@@ -149,6 +149,10 @@ class CheckpointGlue:
     def _restore(self) -> int:
         source = resolve_checkpoint(self._resume_source())
         weights, state, train_tensors = load_checkpoint(source, with_train_state=True)
+        if 'rng' not in state or 'optimizer' not in state:     # average_last_N, an exported or weights-only save
+            raise CheckpointError(f"--resume: {source} holds weights only (no optimiser or RNG state), so a run "
+                                  "cannot continue from it; start a new run from its weights with "
+                                  f"--initial-checkpoint {source}")
         mismatch = describe_mismatch(self.model.state_dict(), weights)
         if mismatch:
             raise CheckpointError(f"--resume: {source} is not a checkpoint of "
