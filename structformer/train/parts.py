@@ -60,6 +60,14 @@ class Part:
     def restore(self, checkpoint: Path) -> None:
         pass
 
+    def pending_metrics(self) -> Dict:
+        """Metrics this part has for the epoch under way, not yet in a record: a recovery point keeps them, so
+        the epoch's record after a resume from it is the straight run's."""
+        return {}
+
+    def resume_pending(self, metrics: Dict) -> None:
+        """Take back `pending_metrics` from a recovery point."""
+
     def model_replaced(self, trainer) -> None:
         """The trainer's model was rebuilt (factorised mid-run): drop anything tied to the old one."""
 
@@ -102,6 +110,12 @@ class LowRankPart(Part):
         trainer.replace_model(model)
         after = trainer.evaluate_model(trainer.model)     # what the switch cost, before any factorised step
         self.switch_metrics = {f'factorized_val_{k}': v for k, v in after.items()}
+
+    def pending_metrics(self) -> Dict:
+        return dict(self.switch_metrics)        # the switch's cost, measured before the epoch's first step
+
+    def resume_pending(self, metrics: Dict) -> None:
+        self.switch_metrics = dict(metrics)
 
     def epoch_metrics(self, trainer, epoch: int) -> Dict:
         record, self.switch_metrics = dict(self.switch_metrics), {}

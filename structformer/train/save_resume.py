@@ -47,8 +47,11 @@ class CheckpointGlue:
         files = {}
         for part in self.parts:
             files.update(part.checkpoint_files())
+        pending = {type(part).__name__: part.pending_metrics() for part in self.parts}
         state = dict(self._state(epoch - 1, {}), recovery=dict(progress, epoch=epoch, workers=self._workers(),
-                                                               batches_per_epoch=self.batches_per_epoch))
+                                                               batches_per_epoch=self.batches_per_epoch,
+                                                               pending_metrics={k: v for k, v in pending.items()
+                                                                                if v}))
         try:
             path = save_checkpoint(self.ckpt_dir / recovery_name(epoch, self.global_step), self.model, state,
                                    optimizer=self.optimizer, extra_files=files)
@@ -164,8 +167,10 @@ class CheckpointGlue:
         if self._resume_phase_optimizer(int(state['epoch']), recovering=bool(state.get('recovery'))):
             self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
         self.precision.load_state(state.get('grad_scaler'))
+        pending = (state.get('recovery') or {}).get('pending_metrics') or {}
         for part in self.parts:
             part.restore(source)
+            part.resume_pending(pending.get(type(part).__name__, {}))
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self._schedule_step(self.global_step))
         restore_rng(train_tensors, state['rng'])
