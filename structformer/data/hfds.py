@@ -109,7 +109,7 @@ def build_hfds(path, *, spec, seed, val_fraction, train_transform, eval_transfor
         split = f'stratified split {len(train)} train / {len(val)} val (val_fraction={val_fraction}, seed={seed})'
     num_classes = len(classes) if classes else int(targets.max()) + 1
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     return train, val, DatasetInfo(
         name='hfds', num_classes=num_classes, in_chans=3, img_size=opts['img_size'], train_size=len(train),
         val_size=len(val), description=f'Hugging Face dataset {os.path.abspath(path)}: {num_classes} classes, '

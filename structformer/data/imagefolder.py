@@ -55,27 +55,34 @@ def find_unreadable(paths: Sequence[str], mode: str = 'decode') -> List[Tuple[st
     return run_check(list(paths), mode)
 
 
+LEFT_OUT = -1       # the target of a held-out item that could not be read: evaluation counts it nowhere
+
+
 def report_replaced(holder, name: str, why: str, replacement_name: str) -> None:
-    """One log line per unreadable file a loader process meets in training (bad_images=skip), with its count."""
+    """One log line per unreadable file a loader process meets (bad_images=skip), with its count."""
     seen = holder.__dict__.setdefault('bad_seen', [])
     if name not in seen:
         seen.append(name)
-        print(f'--data {getattr(holder, "spec", "")}: {why}; replaced by {replacement_name} (bad_images=skip; '
+        done = ('left out of the evaluation' if getattr(holder, 'held_out', False)
+                else f'replaced by {replacement_name}')
+        print(f'--data {getattr(holder, "spec", "")}: {why}; {done} (bad_images=skip; '
               f'{len(seen)} unreadable image(s) met by this loader process)', flush=True)
 
 
 class ReplaceUnreadable(Dataset):
     """`dataset` whose items that fail to decode (UnreadableImage) are replaced by the next readable item, each
-    failure named in the log once: bad_images=skip never stops a run mid-epoch."""
+    failure named in the log once: bad_images=skip never stops a run mid-epoch. `held_out` (a validation split):
+    the replacement keeps the batch's shape but carries the target LEFT_OUT, so `train.evaluate` leaves it out
+    (standing in with the next item's label, that item was counted twice and the unreadable one not at all)."""
 
-    def __init__(self, dataset, spec: str):
-        self.dataset, self.spec = dataset, spec
+    def __init__(self, dataset, spec: str, held_out: bool = False):
+        self.dataset, self.spec, self.held_out = dataset, spec, held_out
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getattr__(self, name):           # classes, targets, transform ... of the wrapped dataset
-        if name in ('dataset', 'spec', '__setstate__'):
+        if name in ('dataset', 'spec', 'held_out', '__setstate__'):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -83,7 +90,8 @@ class ReplaceUnreadable(Dataset):
         n = len(self.dataset)
         for k in range(min(n, 100)):
             try:
-                return self.dataset[(index + k) % n]
+                image, target = self.dataset[(index + k) % n]
+                return image, (LEFT_OUT if self.held_out and k else target)
             except UnreadableImage as e:
                 report_replaced(self, str(e).split(' cannot be read')[0].removeprefix('image '), str(e),
                                 f'item {(index + k + 1) % n}')
@@ -215,5 +223,5 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'skipped_images': skipped, 'augmentation': applied, 'check': check})
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     return train, val, info

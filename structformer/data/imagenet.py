@@ -322,7 +322,7 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
         split = (f'no validation images found: stratified split {len(train)} train / {len(val)} val '
                  f'(val_fraction={val_fraction}, seed={seed})')
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     classes = source.classes
     return train, val, DatasetInfo(
         name='imagenet', num_classes=len(classes), in_chans=3, img_size=opts['img_size'], train_size=len(train),
