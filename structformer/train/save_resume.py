@@ -107,6 +107,12 @@ class CheckpointGlue:
                       flush=True)
             return {}
         states = [load_checkpoint(p)[0] for p in epochs]
+        shapes = [{k: v.shape for k, v in s.items()} for s in states]
+        if any(s != shapes[-1] for s in shapes):    # another network (factorised since): no average of the two
+            if self.is_main:
+                print(f"note: --avg-last {n}: the last {n} checkpoints do not hold the same network "
+                      f"({', '.join(p.name for p in epochs)}); no average", flush=True)
+            return {}
         averaged = {}
         for key, newest in states[-1].items():
             if newest.is_floating_point():
