@@ -264,6 +264,25 @@ def test_a_checkpoint_that_lost_or_damaged_a_file_is_one_line_on_resume(tmp_path
                         str(run / 'checkpoints' / 'average_last_2')], 'weights only', '--initial-checkpoint')
     _train(run, '--model-ema', '--keep-last', '2', '--resume', epochs=3)
 
+
+def test_a_run_stopped_after_its_last_epoch_makes_its_average_on_resume(tmp_path, monkeypatch, capsys):
+    """Stopped after the last epoch's checkpoint and metrics line, before --avg-last's average: --resume found no
+    epoch to train, took the run as unfinished, never made checkpoints/average_last_2 and wrote a summary.json
+    without its metrics; now the resume makes the average as the uninterrupted run does."""
+    straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
+    flags = ['--keep-last', '2', '--avg-last', '2']
+    _train(straight, *flags)
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_AT', 'epoch 2:metrics')
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_WITH', 'SIGINT')
+    assert main(['train', *TINY, '--epochs', '2', '--output', str(stopped), *flags]) == 130
+    monkeypatch.delenv('STRUCTFORMER_TEST_KILL_AT')
+    assert not (stopped / 'checkpoints' / 'average_last_2').exists()
+    _train(stopped, *flags, '--resume')
+    assert _bytes(stopped / 'checkpoints' / 'average_last_2')['model.safetensors'] == \
+        _bytes(straight / 'checkpoints' / 'average_last_2')['model.safetensors']
+    summary = json.loads((stopped / 'summary.json').read_text())
+    assert summary['average_last_2_val_top1'] == json.loads((straight / 'summary.json').read_text())['average_last_2_val_top1']
+
 # ---------------------------------------------------------------- 6. the tile kernel's first build
 
 def test_tile_kernel_build_says_it_compiles_and_remembers_a_failure(tmp_path, monkeypatch, capsys):
