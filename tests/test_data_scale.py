@@ -129,6 +129,21 @@ def test_an_unreadable_held_out_image_is_left_out_of_the_evaluation_not_counted_
     assert '(val, 3 images, 1 unreadable left out)' in capsys.readouterr().out
 
 
+def test_a_symlink_loop_in_a_class_folder_is_one_line_and_other_links_are_read(tmp_path, cache):
+    """`b/up -> ..` made the listing (os.walk following links) go round until the path was too long: 8 images
+    became ~300, every class's images labelled 'b'. Now refused naming the link; a link to an image or to a folder
+    elsewhere is read as before."""
+    root = _images(tmp_path / 'imgs')
+    (root / 'a' / 'linked.jpg').symlink_to(root / 'b' / '0.jpg')
+    elsewhere = _images(tmp_path / 'more')
+    (root / 'b' / 'more').symlink_to(elsewhere / 'a')
+    train, _, _ = build_datasets(f'imagefolder:{root}', img_size=8, val_fraction=0.25)
+    assert len(train.dataset.samples) == 8 + 1 + 4
+    (root / 'b' / 'up').symlink_to('..')
+    with pytest.raises(ValueError, match=r"b/up is a link to .*imgs, a folder above it.*remove the link"):
+        build_datasets(f'imagefolder:{root}', img_size=8, val_fraction=0.25)
+
+
 def test_decode_check_is_the_option_and_finds_what_the_header_misses(tmp_path, cache):
     root = _images(tmp_path / 'imgs', side=64)
     data = (root / 'a' / '1.jpg').read_bytes()

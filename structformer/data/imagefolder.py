@@ -171,6 +171,27 @@ def image_transforms(spec: str, opts, augmentation, train_transform, eval_transf
     return train_transform or default_train, eval_transform or default_eval, applied
 
 
+def symlink_loop(root: str, samples) -> Optional[str]:
+    """What is wrong, if a folder among the samples' is reached through a symlink to a folder above it. The listing
+    (torchvision's, as timm's: os.walk following links) goes round such a loop until the path is too long: a
+    class folder holding `up -> ..` read every class's images again some 40 times, all labelled as that class.
+    Checked on the samples' distinct folders, a few per class."""
+    checked = set()
+    for directory in sorted({os.path.dirname(path) for path, _ in samples}):
+        parts = os.path.relpath(directory, root).split(os.sep)
+        for i in range(1, len(parts) + 1):
+            sub = os.path.join(root, *parts[:i])
+            if sub in checked:
+                continue
+            checked.add(sub)
+            if os.path.islink(sub):
+                target, above = os.path.realpath(sub), os.path.realpath(os.path.dirname(sub))
+                if above == target or above.startswith(target.rstrip(os.sep) + os.sep):
+                    return (f'{sub} is a link to {target}, a folder above it: the listing goes round it and reads '
+                            'the same images again and again under the wrong class; remove the link')
+    return None
+
+
 def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
     from torchvision.datasets import ImageFolder
     try:
@@ -178,6 +199,9 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
                                 f'{root}/<class name>/<image file> ({e})') from None
+    loop = symlink_loop(root, folder.samples)
+    if loop:
+        raise UsageError(f'--data {spec!r}: {loop}')
     if len(folder.classes) < 2:         # one class trains to loss 0 and 100 %, which measures nothing
         raise UsageError(f'--data {spec!r}: {root!r} holds one class ({folder.classes[0]!r}); a classifier needs '
                          f'at least two class folders, {root}/<class name>/<image file>')
