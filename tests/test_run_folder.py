@@ -248,7 +248,7 @@ def test_a_checkpoint_that_lost_or_damaged_a_file_is_one_line_on_resume(tmp_path
     """A checkpoint folder cut short after it committed (a partial copy, a file removed by hand): a missing
     train_state.safetensors or ema.safetensors and a truncated ema.safetensors are one line naming the folder and
     the file (they were a KeyError and a SafetensorError traceback), and so is --resume from a weights-only
-    save (average_last_N); an intact copy still resumes."""
+    save (average_last_N), naming the run's checkpoint before it; an intact copy still resumes."""
     run = tmp_path / 'run'
     _train(run, '--model-ema', '--keep-last', '2', '--avg-last', '2')
     for name, damage, needle in [('train_state.safetensors', 'remove', 'train_state.safetensors is missing'),
@@ -259,7 +259,7 @@ def test_a_checkpoint_that_lost_or_damaged_a_file_is_one_line_on_resume(tmp_path
         target = copy / 'checkpoints' / 'epoch_0002' / name
         target.unlink() if damage == 'remove' else target.write_bytes(target.read_bytes()[:100])
         _one_error(capsys, ['train', *TINY, '--model-ema', '--epochs', '3', '--output', str(copy), '--resume'],
-                   'epoch_0002', needle)
+                   'epoch_0002', needle, 'the checkpoint before it, ' + str(copy / 'checkpoints' / 'epoch_0001'))
     _one_error(capsys, ['train', *TINY, '--epochs', '3', '--output', str(tmp_path / 'fresh'), '--resume',
                         str(run / 'checkpoints' / 'average_last_2')], 'weights only', '--initial-checkpoint')
     _train(run, '--model-ema', '--keep-last', '2', '--resume', epochs=3)

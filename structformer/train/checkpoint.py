@@ -242,9 +242,11 @@ def load_checkpoint(path, with_train_state: bool = False):
         if with_train_state and (directory / 'train_state.safetensors').exists():
             train_tensors = load_file(str(directory / 'train_state.safetensors'))
     except FileNotFoundError as e:
-        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {e.filename} is missing") from None
+        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {e.filename} is missing"
+                              f"{_before_it(directory)}") from None
     except Exception as e:  # safetensors / json raise several types on damaged files
-        raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})"
+                              f"{_before_it(directory)}") from None
     if not isinstance(state, dict) or 'model' not in state:
         raise CheckpointError(f"--checkpoint: {directory}/state.json does not describe a model")
     missing = [name for name in state.get('files', ()) if not (directory / name).is_file()]
@@ -252,9 +254,20 @@ def load_checkpoint(path, with_train_state: bool = False):
         missing += [] if (directory / 'train_state.safetensors').is_file() else ['train_state.safetensors']
     if missing:         # written with it, gone now: not a checkpoint that never had it
         raise CheckpointError(f"--checkpoint: {directory} is incomplete: {', '.join(missing)} "
-                              f"{'is' if len(missing) == 1 else 'are'} missing")
+                              f"{'is' if len(missing) == 1 else 'are'} missing{_before_it(directory)}")
     state['path'] = str(directory)
     return weights, state, train_tensors
+
+
+def _before_it(directory: Path) -> str:
+    """For the line about a damaged checkpoint of a run: the run's newest complete epoch checkpoint before it, which
+    may be given instead (`train --resume` of it continues the run in its own folder), or ''."""
+    name = Path(directory).name             # epoch_NNNN, or recovery_EEEE_SSSSSSSS inside epoch E
+    if not name.startswith(('epoch_', 'recovery_')) or not name.split('_')[1].isdigit():
+        return ''
+    epoch = int(name.split('_')[1])
+    earlier = [p for p in _committed(Path(directory).parent) if int(p.name.split('_')[1]) < epoch]
+    return f"; the checkpoint before it, {earlier[-1]}, may be given instead" if earlier else ''
 
 
 def load_model(path, map_location='cpu', ema: bool = False):
