@@ -243,10 +243,10 @@ def load_checkpoint(path, with_train_state: bool = False):
             train_tensors = load_file(str(directory / 'train_state.safetensors'))
     except FileNotFoundError as e:
         raise CheckpointError(f"--checkpoint: {directory} is incomplete: {e.filename} is missing"
-                              f"{_before_it(directory)}") from None
+                              f"{earlier_checkpoint_hint(directory)}") from None
     except Exception as e:  # safetensors / json raise several types on damaged files
         raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})"
-                              f"{_before_it(directory)}") from None
+                              f"{earlier_checkpoint_hint(directory)}") from None
     if not isinstance(state, dict) or 'model' not in state:
         raise CheckpointError(f"--checkpoint: {directory}/state.json does not describe a model")
     missing = [name for name in state.get('files', ()) if not (directory / name).is_file()]
@@ -254,12 +254,12 @@ def load_checkpoint(path, with_train_state: bool = False):
         missing += [] if (directory / 'train_state.safetensors').is_file() else ['train_state.safetensors']
     if missing:         # written with it, gone now: not a checkpoint that never had it
         raise CheckpointError(f"--checkpoint: {directory} is incomplete: {', '.join(missing)} "
-                              f"{'is' if len(missing) == 1 else 'are'} missing{_before_it(directory)}")
+                              f"{'is' if len(missing) == 1 else 'are'} missing{earlier_checkpoint_hint(directory)}")
     state['path'] = str(directory)
     return weights, state, train_tensors
 
 
-def _before_it(directory: Path) -> str:
+def earlier_checkpoint_hint(directory: Path) -> str:
     """For the line about a damaged checkpoint of a run: the run's newest complete epoch checkpoint before it, which
     may be given instead (`train --resume` of it continues the run in its own folder), or ''."""
     name = Path(directory).name             # epoch_NNNN, or recovery_EEEE_SSSSSSSS inside epoch E

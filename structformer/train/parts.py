@@ -160,7 +160,7 @@ class WeightAveragePart(Part):
     def restore(self, checkpoint: Path) -> None:
         from safetensors.torch import load_file
 
-        from .checkpoint import CheckpointError
+        from .checkpoint import CheckpointError, earlier_checkpoint_hint
         from .ema import EMA_FILE
         path = Path(checkpoint) / EMA_FILE
         if not path.is_file():
@@ -168,7 +168,8 @@ class WeightAveragePart(Part):
         try:        # a damaged average is one line, as a damaged model.safetensors is (checkpoint.load_checkpoint)
             average = load_file(str(path))
         except Exception as e:
-            raise CheckpointError(f"--resume: {path} is corrupt ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"--resume: {path} is corrupt ({type(e).__name__}: {e})"
+                                  f"{earlier_checkpoint_hint(Path(checkpoint))}") from None
         self.average.load_state_dict(average)
 
 
