@@ -144,6 +144,25 @@ def test_a_symlink_loop_in_a_class_folder_is_one_line_and_other_links_are_read(t
         build_datasets(f'imagefolder:{root}', img_size=8, val_fraction=0.25)
 
 
+def test_a_16_bit_greyscale_png_is_read_at_its_top_8_bits_not_clipped_white(tmp_path, cache):
+    """PIL's convert('RGB') clips a 16-bit PNG's values at 255 (torchvision's and timm's loaders read a ramp over
+    0..65535 as 98 % white); the folder loader, shards written from it and the shard decoder take its top 8 bits."""
+    from PIL import Image
+
+    from structformer.data.imagefolder import load_rgb
+    from structformer.data.tars import decode_rgb
+    ramp = np.linspace(0, 65535, 64).reshape(8, 8).astype(np.uint16)
+    path = tmp_path / 'sixteen.png'
+    Image.fromarray(ramp).save(path)
+    assert Image.open(path).mode in ('I;16', 'I')
+    want = (ramp >> 8).astype(np.uint8)
+    for image in (load_rgb(str(path)), decode_rgb(path.read_bytes(), 'sixteen.png')):
+        got = np.asarray(image)
+        assert got.shape == (8, 8, 3) and (got == want[..., None]).all()
+    rgb = np.asarray(load_rgb(str(_images(tmp_path / 'eight') / 'a' / '0.jpg')))       # 8-bit images as before
+    assert rgb.dtype == np.uint8 and rgb.shape == (40, 40, 3)
+
+
 def test_decode_check_is_the_option_and_finds_what_the_header_misses(tmp_path, cache):
     root = _images(tmp_path / 'imgs', side=64)
     data = (root / 'a' / '1.jpg').read_bytes()

@@ -12,7 +12,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import UsageError
-from .imagefolder import ReplaceUnreadable, UnreadableImage, image_transforms
+from .imagefolder import ReplaceUnreadable, UnreadableImage, as_rgb, image_transforms
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
@@ -71,7 +71,7 @@ class HFImages(Dataset):
             if not hasattr(picture, 'convert'):          # a path or bytes column without the Image feature
                 from PIL import Image
                 picture = Image.open(picture)
-            picture = picture.convert('RGB')
+            picture = as_rgb(picture)
         except UnreadableImage:
             raise
         except Exception as e:

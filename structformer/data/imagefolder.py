@@ -104,12 +104,28 @@ def _name_files(bad: List[Tuple[str, str]]) -> str:
     return shown + (f'; and {len(bad) - _SHOWN} more' if len(bad) > _SHOWN else '')
 
 
+_WIDE_GREY = ('I;16', 'I;16L', 'I;16B', 'I;16N', 'I')
+
+
+def as_rgb(image):
+    """`image.convert('RGB')`, except for 16-bit greyscale (a 16-bit PNG opens as 'I;16' or 'I'): PIL's convert
+    clips those values at 255, so such an image read ~98 % white (torchvision's and timm's loaders alike); their
+    top 8 bits are taken instead."""
+    if image.mode not in _WIDE_GREY:
+        return image.convert('RGB')
+    import numpy as np
+    from PIL import Image
+    values = np.asarray(image).astype(np.int64) >> 8
+    return Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), 'L').convert('RGB')
+
+
 def load_rgb(path: str):
-    """torchvision's PIL loader, naming the file if it fails (e.g. changed after the check)."""
+    """torchvision's PIL loader (16-bit greyscale scaled: `as_rgb`), naming the file if it fails (e.g. changed after
+    the check)."""
     from PIL import Image
     try:
         with open(path, 'rb') as f:
-            return Image.open(f).convert('RGB')
+            return as_rgb(Image.open(f))
     except (OSError, SyntaxError, ValueError) as e:        # e.g. a JPEG cut after its header: 'image file is truncated'
         raise UnreadableImage(f'image {path} cannot be read: {e}') from None
 
