@@ -187,6 +187,9 @@ CASES = [
      ['--bce-loss', 'gpt2_byte_tiny is a language model']),
     ('bce-text-data', ['train', '--data', 'pysource', '--bce-loss', '--output', OUT], ['--bce-loss', 'is text']),
     ('avg-last-above-keep-last', ['train', '--avg-last', '3', '--output', OUT], ['--avg-last 3', '--keep-last']),
+    ('avg-last-across-factorize-at', ['train', '--epochs', '3', '--rank', '0.2', '--factorize-at', '2', '--keep-last',
+                                      '2', '--avg-last', '2', '--output', OUT],
+     ['--avg-last 2 averages epochs 2-3', '--factorize-at 2', 'give --avg-last 1 or less']),     # was a KeyError at the end
     ('phase-settings-no-such-phase', ['train', '--phase-settings', 'nope', 'lr=1e-3', '--output', OUT],
      ['phase_settings.nope', "no phase 'nope'"]),
     ('phase-settings-no-setting', ['train', '--phase-settings', 'main', 'speed=3', '--output', OUT],

@@ -78,7 +78,8 @@ def test_a_file_that_fails_to_decode_in_training_is_replaced_and_named(tmp_path,
     (ds, i), = both
     x, y = ds[i]
     n = len(ds)
-    assert torch.equal(x, ds[(i + 1) % n][0]) and y == ds[(i + 1) % n][1]      # the next readable item
+    assert torch.equal(x, ds[(i + 1) % n][0])                                  # the next readable item's image
+    assert y == (-1 if ds is val else ds[(i + 1) % n][1])          # its label in training; held out: counted nowhere
     out = capsys.readouterr().out
     assert str(bad) in out and 'bad_images=skip' in out and '1 unreadable image(s)' in out
     with pytest.raises(ValueError, match='2.jpg cannot be read'):
@@ -91,6 +92,75 @@ def test_a_file_that_fails_to_decode_in_training_is_replaced_and_named(tmp_path,
                  '--val-fraction', '0.25']) == 0
     assert str(bad) in capsys.readouterr().out
     assert (out_dir / 'checkpoints' / 'epoch_0001').is_dir()
+
+
+def test_an_unreadable_held_out_image_is_left_out_of_the_evaluation_not_counted_twice(tmp_path, cache, capsys):
+    """Under bad_images=skip an unreadable validation image stood in as the next item, which evaluation then counted
+    twice (and `eval` said 4 images for 3 read); now it is counted nowhere: the metrics equal those of the folder
+    without the file, the epoch record says `val_left_out`, `eval` says how many images it scored."""
+    from torch.utils.data import DataLoader
+
+    from structformer.train import evaluate
+    root = tmp_path / 'data'
+    _images(root / 'train', side=64)
+    _images(root / 'val', per_class=2, side=64)
+    bad = root / 'val' / 'b' / '0.jpg'
+    bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) * 2 // 3])
+    spec = f'imagefolder:{root}'
+    _, val, _ = build_datasets(spec, img_size=8, bad_images='skip', augment=False)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
+    torch.manual_seed(0)
+    got = evaluate(model, DataLoader(val, batch_size=4), 'cpu')
+    clean = root.parent / 'clean'
+    import shutil
+    shutil.copytree(root, clean)
+    (clean / 'val' / 'b' / '0.jpg').unlink()
+    _, val_clean, _ = build_datasets(f'imagefolder:{clean}', img_size=8, augment=False)
+    want = evaluate(model, DataLoader(val_clean, batch_size=4), 'cpu')
+    assert got.pop('left_out') == 1 and got == pytest.approx(want)
+    assert 'left out of the evaluation' in capsys.readouterr().out
+    assert main(['train', '--model', 'crate_digits', '--data', spec, '--data-kwargs', 'bad_images=skip', '--epochs',
+                 '1', '-b', '4', '--workers', '0', '--output', str(tmp_path / 'run'), '--no-progress']) == 0
+    import json
+    record = json.loads((tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()[-1])
+    assert record['val_left_out'] == 1
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'run')]) == 0
+    assert '(val, 3 images, 1 unreadable left out)' in capsys.readouterr().out
+
+
+def test_a_symlink_loop_in_a_class_folder_is_one_line_and_other_links_are_read(tmp_path, cache):
+    """`b/up -> ..` made the listing (os.walk following links) go round until the path was too long: 8 images
+    became ~300, every class's images labelled 'b'. Now refused naming the link; a link to an image or to a folder
+    elsewhere is read as before."""
+    root = _images(tmp_path / 'imgs')
+    (root / 'a' / 'linked.jpg').symlink_to(root / 'b' / '0.jpg')
+    elsewhere = _images(tmp_path / 'more')
+    (root / 'b' / 'more').symlink_to(elsewhere / 'a')
+    train, _, _ = build_datasets(f'imagefolder:{root}', img_size=8, val_fraction=0.25)
+    assert len(train.dataset.samples) == 8 + 1 + 4
+    (root / 'b' / 'up').symlink_to('..')
+    with pytest.raises(ValueError, match=r"b/up is a link to .*imgs, a folder above it.*remove the link"):
+        build_datasets(f'imagefolder:{root}', img_size=8, val_fraction=0.25)
+
+
+def test_a_16_bit_greyscale_png_is_read_at_its_top_8_bits_not_clipped_white(tmp_path, cache):
+    """PIL's convert('RGB') clips a 16-bit PNG's values at 255 (torchvision's and timm's loaders read a ramp over
+    0..65535 as 98 % white); the folder loader, shards written from it and the shard decoder take its top 8 bits."""
+    from PIL import Image
+
+    from structformer.data.imagefolder import load_rgb
+    from structformer.data.tars import decode_rgb
+    ramp = np.linspace(0, 65535, 64).reshape(8, 8).astype(np.uint16)
+    path = tmp_path / 'sixteen.png'
+    Image.fromarray(ramp).save(path)
+    assert Image.open(path).mode in ('I;16', 'I')
+    want = (ramp >> 8).astype(np.uint8)
+    for image in (load_rgb(str(path)), decode_rgb(path.read_bytes(), 'sixteen.png')):
+        got = np.asarray(image)
+        assert got.shape == (8, 8, 3) and (got == want[..., None]).all()
+    rgb = np.asarray(load_rgb(str(_images(tmp_path / 'eight') / 'a' / '0.jpg')))       # 8-bit images as before
+    assert rgb.dtype == np.uint8 and rgb.shape == (40, 40, 3)
 
 
 def test_decode_check_is_the_option_and_finds_what_the_header_misses(tmp_path, cache):

@@ -131,6 +131,36 @@ def test_an_incomplete_download_is_one_line(damage, needle, tmp_path, cache, cap
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def _cut(path: Path, fraction: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * fraction)])
+
+
+def _devkit_as_tgz(root: Path) -> None:
+    import shutil
+    with tarfile.open(root / 'ILSVRC2012_devkit_t12.tar.gz', 'w:gz') as tar:
+        tar.add(root / 'ILSVRC2012_devkit_t12', arcname='ILSVRC2012_devkit_t12')
+    shutil.rmtree(root / 'ILSVRC2012_devkit_t12')
+
+
+@pytest.mark.parametrize('damage, needle', [
+    (lambda root: _cut(root / 'ILSVRC2012_img_train.tar', 0.5), 'ILSVRC2012_img_train.tar is cut short or damaged'),
+    (lambda root: _cut(root / 'ILSVRC2012_img_train.tar', 0.1), 'ILSVRC2012_img_train.tar is cut short or damaged'),
+    (lambda root: (_devkit_as_tgz(root), _cut(root / 'ILSVRC2012_devkit_t12.tar.gz', 0.6)),
+     'ILSVRC2012_devkit_t12.tar.gz cannot be read'),
+])
+def test_a_download_cut_short_is_one_line(damage, needle, tmp_path, cache, capsys):
+    """The training tar cut inside a class tar's bytes (tarfile's ReadError 'unexpected end of data' as it seeks to
+    the next header) and the devkit's tar.gz cut (gzip's EOFError) were tracebacks; now one line naming the file."""
+    from structformer.cli import main
+    download(tmp_path / 'in')
+    damage(tmp_path / 'in')
+    rc = main(['train', '--model', 'crate_digits', '--data', f"imagenet:{tmp_path / 'in'}", '--output',
+               str(tmp_path / 'run'), '--no-progress'])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_data_shard_writes_imagenet_as_downloaded(tmp_path, cache):
     from structformer.data.shard_writer import write_shards
     from structformer.data.tars import iter_shard

@@ -135,3 +135,26 @@ def test_analyze_reads_back_the_logged_ranks_and_spectra(tmp_path):
     assert summary['singular_values'][layer] == logged[-1]['singular_values'][layer]
     assert len(summary['singular_values'][layer]) == 8                  # rank 0.25 of min(32, 128)
     assert (run / 'analysis' / 'spectra.png').stat().st_size > 0
+
+
+def test_a_recovery_point_in_the_switch_epoch_keeps_what_the_switch_cost(tmp_path, monkeypatch):
+    """Stopped inside the epoch that factorises (after a recovery point) and resumed from that point: the weights
+    and the epoch's record equal the straight run's, `factorized_val_*` (measured before the epoch's first step)
+    included; the resumed record lacked them, as the part's metrics of the epoch under way were not in the point."""
+    cfg = dict(factorize_at=1, epochs=2, recovery_interval=2)
+    straight = train(_config(tmp_path / 'a', **cfg), progress=False)
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_AT', 'epoch 2:step 5')
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_WITH', 'SIGINT')
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(tmp_path / 'b', **cfg), progress=False)
+    monkeypatch.delenv('STRUCTFORMER_TEST_KILL_AT')
+    assert list((tmp_path / 'b' / 'run' / 'checkpoints').glob('recovery_0002_*'))
+    resumed = train(_config(tmp_path / 'b', **cfg), progress=False, resume=True)
+    a = load_file(str(straight.last_checkpoint / 'model.safetensors'))
+    b = load_file(str(resumed.last_checkpoint / 'model.safetensors'))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first, second = _metrics(tmp_path / 'a' / 'run')[1], _metrics(tmp_path / 'b' / 'run')[1]
+    assert 'factorized_val_top1' in first
+    for key in first:
+        if not key.endswith(('_per_s', '_s')):
+            assert first[key] == second.get(key), key

@@ -260,6 +260,46 @@ def test_a_corrupt_latest_json_falls_back_to_the_newest_complete_checkpoint(two_
     assert 'epoch 2' in capsys.readouterr().out
 
 
+
+def test_a_checkpoint_that_lost_or_damaged_a_file_is_one_line_on_resume(tmp_path, capsys):
+    """A checkpoint folder cut short after it committed (a partial copy, a file removed by hand): a missing
+    train_state.safetensors or ema.safetensors and a truncated ema.safetensors are one line naming the folder and
+    the file (they were a KeyError and a SafetensorError traceback), and so is --resume from a weights-only
+    save (average_last_N), naming the run's checkpoint before it; an intact copy still resumes."""
+    run = tmp_path / 'run'
+    _train(run, '--model-ema', '--keep-last', '2', '--avg-last', '2')
+    for name, damage, needle in [('train_state.safetensors', 'remove', 'train_state.safetensors is missing'),
+                                 ('ema.safetensors', 'remove', 'ema.safetensors is missing'),
+                                 ('ema.safetensors', 'truncate', 'ema.safetensors is corrupt')]:
+        copy = tmp_path / f'{damage}_{name}'
+        shutil.copytree(run, copy)
+        target = copy / 'checkpoints' / 'epoch_0002' / name
+        target.unlink() if damage == 'remove' else target.write_bytes(target.read_bytes()[:100])
+        _one_error(capsys, ['train', *TINY, '--model-ema', '--epochs', '3', '--output', str(copy), '--resume'],
+                   'epoch_0002', needle, 'the checkpoint before it, ' + str(copy / 'checkpoints' / 'epoch_0001'))
+    _one_error(capsys, ['train', *TINY, '--epochs', '3', '--output', str(tmp_path / 'fresh'), '--resume',
+                        str(run / 'checkpoints' / 'average_last_2')], 'weights only', '--initial-checkpoint')
+    _train(run, '--model-ema', '--keep-last', '2', '--resume', epochs=3)
+
+
+def test_a_run_stopped_after_its_last_epoch_makes_its_average_on_resume(tmp_path, monkeypatch, capsys):
+    """Stopped after the last epoch's checkpoint and metrics line, before --avg-last's average: --resume found no
+    epoch to train, took the run as unfinished, never made checkpoints/average_last_2 and wrote a summary.json
+    without its metrics; now the resume makes the average as the uninterrupted run does."""
+    straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
+    flags = ['--keep-last', '2', '--avg-last', '2']
+    _train(straight, *flags)
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_AT', 'epoch 2:metrics')
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_WITH', 'SIGINT')
+    assert main(['train', *TINY, '--epochs', '2', '--output', str(stopped), *flags]) == 130
+    monkeypatch.delenv('STRUCTFORMER_TEST_KILL_AT')
+    assert not (stopped / 'checkpoints' / 'average_last_2').exists()
+    _train(stopped, *flags, '--resume')
+    assert _bytes(stopped / 'checkpoints' / 'average_last_2')['model.safetensors'] == \
+        _bytes(straight / 'checkpoints' / 'average_last_2')['model.safetensors']
+    summary = json.loads((stopped / 'summary.json').read_text())
+    assert summary['average_last_2_val_top1'] == json.loads((straight / 'summary.json').read_text())['average_last_2_val_top1']
+
 # ---------------------------------------------------------------- 6. the tile kernel's first build
 
 def test_tile_kernel_build_says_it_compiles_and_remembers_a_failure(tmp_path, monkeypatch, capsys):

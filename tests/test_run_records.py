@@ -212,6 +212,33 @@ def test_a_second_process_cannot_train_into_a_run_in_use(tmp_path):
     train(_config(output), progress=False)        # released: the folder is usable again
 
 
+def test_a_forked_child_that_outlives_the_trainer_does_not_hold_the_run(tmp_path):
+    """A trainer killed outright (kill -9) leaves its DataLoader workers running for seconds (they notice their
+    parent's end by polling; a stuck one never does). They are forked, so they shared the flock'ed file and kept
+    the run locked: an immediate --resume was refused as 'in use by another training process'."""
+    import signal
+    import time
+
+    from structformer.train.run_dir import RunLock, training_now
+    output = tmp_path / 'run'
+    code = ('import multiprocessing as mp, os, sys, time; from structformer.train.run_dir import RunLock\n'
+            'lock = RunLock(sys.argv[1]).__enter__()\n'
+            'child = mp.get_context("fork").Process(target=time.sleep, args=(60,)); child.start()\n'
+            'open(sys.argv[2], "w").write(str(child.pid)); os._exit(137)\n')
+    pid_file = tmp_path / 'child.pid'                      # not a pipe: the orphan would keep it open
+    subprocess.run([sys.executable, '-c', code, str(output), str(pid_file)], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=60)
+    child = int(pid_file.read_text())
+    try:
+        os.kill(child, 0)                                  # the orphan still runs ...
+        assert training_now(output) is False              # ... and holds nothing
+        with RunLock(output):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+        time.sleep(0.1)
+
+
 def test_a_run_finished_by_another_process_meanwhile_is_not_overwritten(tmp_path):
     """The 'already holds a run' check is made again under the lock: a process that started while the folder
     was empty must not write into the run another process completed in the meantime."""

@@ -243,6 +243,24 @@ def test_avg_last_averages_the_last_epochs(tmp_path, capsys):
         TrainConfig(avg_last=3, keep_last=2).validate()
 
 
+def test_avg_last_over_checkpoints_of_two_networks_says_so_instead_of_a_key_error(tmp_path, capsys):
+    """The last N checkpoints hold different networks (factorised between them, or a run resumed with another
+    --factorize-at): a note and no average, where it ended the run with KeyError 'blocks.0.attn.qkv.U'.
+    (The config refuses --avg-last across --factorize-at up front; this is the end's own guard.)"""
+    result = train(_tiny(tmp_path, epochs=3, keep_last=2), progress=False)
+    ckpt = Path(result.output) / 'checkpoints'
+    weights = load_file(str(ckpt / 'epoch_0002' / 'model.safetensors'))
+    weights['extra.U'] = torch.zeros(2)
+    from safetensors.torch import save_file
+    save_file(weights, str(ckpt / 'epoch_0002' / 'model.safetensors'))
+    trainer = Trainer(_tiny(tmp_path, epochs=3, keep_last=2, avg_last=2), resume=True)
+    trainer._build()
+    capsys.readouterr()
+    assert trainer._average_last() == {}
+    assert 'do not hold the same network' in capsys.readouterr().out
+    assert not (ckpt / 'average_last_2').exists()
+
+
 # ------------------------------------------------------------------------------------- phase settings
 PHASES = [{'name': 'a', 'epochs': 3}, {'name': 'b', 'epochs': 3}]
 PHASE_SETTINGS = {'a': {'lr': 2e-2, 'warmup_epochs': 1, 'warmup_lr': 0.0, 'warmup_prefix': True, 'min_lr': 1e-2},

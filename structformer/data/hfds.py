@@ -12,7 +12,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import UsageError
-from .imagefolder import ReplaceUnreadable, UnreadableImage, image_transforms
+from .imagefolder import ReplaceUnreadable, UnreadableImage, as_rgb, image_transforms
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
@@ -75,7 +75,7 @@ class HFImages(Dataset):
             if not hasattr(picture, 'convert'):          # a path or bytes column without the Image feature
                 from PIL import Image
                 picture = Image.open(picture)
-            picture = picture.convert('RGB')
+            picture = as_rgb(picture)
         except UnreadableImage:
             raise
         except Exception as e:
@@ -113,7 +113,7 @@ def build_hfds(path, *, spec, seed, val_fraction, train_transform, eval_transfor
         split = f'stratified split {len(train)} train / {len(val)} val (val_fraction={val_fraction}, seed={seed})'
     num_classes = len(classes) if classes else int(targets.max()) + 1
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     return train, val, DatasetInfo(
         name='hfds', num_classes=num_classes, in_chans=3, img_size=opts['img_size'], train_size=len(train),
         val_size=len(val), description=f'Hugging Face dataset {os.path.abspath(path)}: {num_classes} classes, '

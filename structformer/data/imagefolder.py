@@ -55,27 +55,34 @@ def find_unreadable(paths: Sequence[str], mode: str = 'decode') -> List[Tuple[st
     return run_check(list(paths), mode)
 
 
+LEFT_OUT = -1       # the target of a held-out item that could not be read: evaluation counts it nowhere
+
+
 def report_replaced(holder, name: str, why: str, replacement_name: str) -> None:
-    """One log line per unreadable file a loader process meets in training (bad_images=skip), with its count."""
+    """One log line per unreadable file a loader process meets (bad_images=skip), with its count."""
     seen = holder.__dict__.setdefault('bad_seen', [])
     if name not in seen:
         seen.append(name)
-        print(f'--data {getattr(holder, "spec", "")}: {why}; replaced by {replacement_name} (bad_images=skip; '
+        done = ('left out of the evaluation' if getattr(holder, 'held_out', False)
+                else f'replaced by {replacement_name}')
+        print(f'--data {getattr(holder, "spec", "")}: {why}; {done} (bad_images=skip; '
               f'{len(seen)} unreadable image(s) met by this loader process)', flush=True)
 
 
 class ReplaceUnreadable(Dataset):
     """`dataset` whose items that fail to decode (UnreadableImage) are replaced by the next readable item, each
-    failure named in the log once: bad_images=skip never stops a run mid-epoch."""
+    failure named in the log once: bad_images=skip never stops a run mid-epoch. `held_out` (a validation split):
+    the replacement keeps the batch's shape but carries the target LEFT_OUT, so `train.evaluate` leaves it out
+    (standing in with the next item's label, that item was counted twice and the unreadable one not at all)."""
 
-    def __init__(self, dataset, spec: str):
-        self.dataset, self.spec = dataset, spec
+    def __init__(self, dataset, spec: str, held_out: bool = False):
+        self.dataset, self.spec, self.held_out = dataset, spec, held_out
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getattr__(self, name):           # classes, targets, transform ... of the wrapped dataset
-        if name in ('dataset', 'spec', '__setstate__'):
+        if name in ('dataset', 'spec', 'held_out', '__setstate__'):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -83,7 +90,8 @@ class ReplaceUnreadable(Dataset):
         n = len(self.dataset)
         for k in range(min(n, 100)):
             try:
-                return self.dataset[(index + k) % n]
+                image, target = self.dataset[(index + k) % n]
+                return image, (LEFT_OUT if self.held_out and k else target)
             except UnreadableImage as e:
                 report_replaced(self, str(e).split(' cannot be read')[0].removeprefix('image '), str(e),
                                 f'item {(index + k + 1) % n}')
@@ -96,12 +104,28 @@ def _name_files(bad: List[Tuple[str, str]]) -> str:
     return shown + (f'; and {len(bad) - _SHOWN} more' if len(bad) > _SHOWN else '')
 
 
+_WIDE_GREY = ('I;16', 'I;16L', 'I;16B', 'I;16N', 'I')
+
+
+def as_rgb(image):
+    """`image.convert('RGB')`, except for 16-bit greyscale (a 16-bit PNG opens as 'I;16' or 'I'): PIL's convert
+    clips those values at 255, so such an image read ~98 % white (torchvision's and timm's loaders alike); their
+    top 8 bits are taken instead."""
+    if image.mode not in _WIDE_GREY:
+        return image.convert('RGB')
+    import numpy as np
+    from PIL import Image
+    values = np.asarray(image).astype(np.int64) >> 8
+    return Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), 'L').convert('RGB')
+
+
 def load_rgb(path: str):
-    """torchvision's PIL loader, naming the file if it fails (e.g. changed after the check)."""
+    """torchvision's PIL loader (16-bit greyscale scaled: `as_rgb`), naming the file if it fails (e.g. changed after
+    the check)."""
     from PIL import Image
     try:
         with open(path, 'rb') as f:
-            return Image.open(f).convert('RGB')
+            return as_rgb(Image.open(f))
     except (OSError, SyntaxError, ValueError) as e:        # e.g. a JPEG cut after its header: 'image file is truncated'
         raise UnreadableImage(f'image {path} cannot be read: {e}') from None
 
@@ -163,6 +187,27 @@ def image_transforms(spec: str, opts, augmentation, train_transform, eval_transf
     return train_transform or default_train, eval_transform or default_eval, applied
 
 
+def symlink_loop(root: str, samples) -> Optional[str]:
+    """What is wrong, if a folder among the samples' is reached through a symlink to a folder above it. The listing
+    (torchvision's, as timm's: os.walk following links) goes round such a loop until the path is too long: a
+    class folder holding `up -> ..` read every class's images again some 40 times, all labelled as that class.
+    Checked on the samples' distinct folders, a few per class."""
+    checked = set()
+    for directory in sorted({os.path.dirname(path) for path, _ in samples}):
+        parts = os.path.relpath(directory, root).split(os.sep)
+        for i in range(1, len(parts) + 1):
+            sub = os.path.join(root, *parts[:i])
+            if sub in checked:
+                continue
+            checked.add(sub)
+            if os.path.islink(sub):
+                target, above = os.path.realpath(sub), os.path.realpath(os.path.dirname(sub))
+                if above == target or above.startswith(target.rstrip(os.sep) + os.sep):
+                    return (f'{sub} is a link to {target}, a folder above it: the listing goes round it and reads '
+                            'the same images again and again under the wrong class; remove the link')
+    return None
+
+
 def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
     from torchvision.datasets import ImageFolder
     try:
@@ -170,6 +215,9 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
                                 f'{root}/<class name>/<image file> ({e})') from None
+    loop = symlink_loop(root, folder.samples)
+    if loop:
+        raise UsageError(f'--data {spec!r}: {loop}')
     if len(folder.classes) < 2:         # one class trains to loss 0 and 100 %, which measures nothing
         raise UsageError(f'--data {spec!r}: {root!r} holds one class ({folder.classes[0]!r}); a classifier needs '
                          f'at least two class folders, {root}/<class name>/<image file>')
@@ -215,5 +263,5 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'skipped_images': skipped, 'augmentation': applied, 'check': check})
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     return train, val, info

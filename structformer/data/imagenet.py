@@ -72,11 +72,15 @@ class Layout:
                     return f.read()
         archive = os.path.join(self.root, DEVKIT + '.tar.gz')
         if os.path.isfile(archive):
-            with tarfile.open(archive, 'r:gz') as tar:
-                try:
-                    return tar.extractfile(f'{DEVKIT}/data/{name}').read()
-                except KeyError:
-                    return None
+            try:
+                with tarfile.open(archive, 'r:gz') as tar:
+                    try:
+                        return tar.extractfile(f'{DEVKIT}/data/{name}').read()
+                    except KeyError:
+                        return None
+            except (tarfile.TarError, EOFError, OSError) as e:     # a cut download: gzip's EOFError was a traceback
+                raise UsageError(f'{self.what}: {archive} cannot be read ({type(e).__name__}: {e}); the file holds '
+                                 f'{os.path.getsize(archive):,} bytes (an incomplete download?)') from None
         return None
 
 
@@ -161,19 +165,28 @@ def index_tars(paths: List[str], nested: bool, what: str) -> Tuple[List[str], Li
         pass
     names, ranges = [], []
     for path in paths:
-        with tarfile.open(path, 'r:', tarinfo=_Watched) as outer:
-            for member in _members(outer, f'{what}: {path}'):
-                if nested and member.name.lower().endswith('.tar'):
-                    wnid = os.path.splitext(os.path.basename(member.name))[0]
-                    with tarfile.open(fileobj=outer.extractfile(member), mode='r:', tarinfo=_Watched) as inner:
-                        for m in _members(inner, f'{what}: {path}: {member.name}'):
-                            if m.name.lower().endswith(IMAGE_SUFFIXES):
-                                names.append(f'{wnid}/{os.path.basename(m.name)}')
-                                ranges.append((path, member.offset_data + m.offset_data, m.size))
-                elif member.name.lower().endswith(IMAGE_SUFFIXES):
-                    prefix = os.path.splitext(os.path.basename(path))[0] + '/' if len(paths) > 1 else ''
-                    names.append(prefix + os.path.basename(member.name))
-                    ranges.append((path, member.offset_data, member.size))
+        member = None
+        try:
+            with tarfile.open(path, 'r:', tarinfo=_Watched) as outer:
+                for member in _members(outer, f'{what}: {path}'):
+                    if nested and member.name.lower().endswith('.tar'):
+                        wnid = os.path.splitext(os.path.basename(member.name))[0]
+                        with tarfile.open(fileobj=outer.extractfile(member), mode='r:', tarinfo=_Watched) as inner:
+                            for m in _members(inner, f'{what}: {path}: {member.name}'):
+                                if m.name.lower().endswith(IMAGE_SUFFIXES):
+                                    names.append(f'{wnid}/{os.path.basename(m.name)}')
+                                    ranges.append((path, member.offset_data + m.offset_data, m.size))
+                    elif member.name.lower().endswith(IMAGE_SUFFIXES):
+                        prefix = os.path.splitext(os.path.basename(path))[0] + '/' if len(paths) > 1 else ''
+                        names.append(prefix + os.path.basename(member.name))
+                        ranges.append((path, member.offset_data, member.size))
+        except tarfile.ReadError as e:
+            # a member whose bytes run past the end of the file (a download cut mid-way): tarfile raises ReadError
+            # ('unexpected end of data', 'empty file') as it seeks to the next header; was a traceback
+            inside = f' (in or after {member.name}, at byte {member.offset})' if member is not None else ''
+            size = os.path.getsize(path)
+            raise UsageError(f'{what}: {path} is cut short or damaged{inside}: {e}; the file holds {size:,} bytes '
+                             '(an incomplete download? compare its size and checksum with the published ones)') from None
     try:
         from ..atomic import write_atomically
         os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -322,7 +335,7 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
         split = (f'no validation images found: stratified split {len(train)} train / {len(val)} val '
                  f'(val_fraction={val_fraction}, seed={seed})')
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec)
+        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     classes = source.classes
     return train, val, DatasetInfo(
         name='imagenet', num_classes=len(classes), in_chans=3, img_size=opts['img_size'], train_size=len(train),

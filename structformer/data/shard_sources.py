@@ -14,6 +14,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
+from .imagefolder import as_rgb
 from .tars import IMAGE_KEYS
 
 _FORMAT_KEYS = {'JPEG': 'jpg', 'PNG': 'png', 'WEBP': 'webp', 'PPM': 'ppm', 'BMP': 'bmp', 'TIFF': 'tiff'}
@@ -30,7 +31,7 @@ def as_shard_image(data: bytes, ext: Optional[str]) -> Tuple[str, bytes]:
         if key:
             return key, data
         out = io.BytesIO()
-        im.convert('RGB').save(out, 'PNG')
+        as_rgb(im).save(out, 'PNG')
     return 'png', out.getvalue()
 
 
@@ -107,7 +108,7 @@ class TimmSplit(Split):
                 handle.close()
         image = self.ds[i][0]
         out = io.BytesIO()
-        image.convert('RGB').save(out, 'PNG')
+        as_rgb(image).save(out, 'PNG')
         return 'png', out.getvalue()
 
 

@@ -291,9 +291,9 @@ def decode_rgb(data: bytes, name: str):
     """PIL RGB image from encoded bytes; UnreadableImage naming the sample if it does not decode."""
     from PIL import Image
 
-    from .imagefolder import UnreadableImage
+    from .imagefolder import UnreadableImage, as_rgb
     try:
-        return Image.open(io.BytesIO(data)).convert('RGB')
+        return as_rgb(Image.open(io.BytesIO(data)))
     except Exception as e:           # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         raise UnreadableImage(f'image {name} cannot be read: {e}') from None
 

@@ -115,7 +115,7 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
                         lengths=lengths, lengths_from=lengths_from)
     val = IndexedShards(entries, eval_tf, spec)
     if opts['bad_images'] == 'skip':
-        val = ReplaceUnreadable(val, spec)
+        val = ReplaceUnreadable(val, spec, held_out=True)
     split = f'{len(urls)} training shards ({n_train} samples an epoch), {len(val)} validation samples; {holdout}'
     return train, val, DatasetInfo(
         name='wds', num_classes=num_classes, in_chans=3, img_size=opts['img_size'], train_size=n_train,

@@ -3,7 +3,8 @@
 Layout of one checkpoint directory:
     model.safetensors        model weights
     train_state.safetensors  optimiser tensors and the torch RNG state (absent in weights-only saves)
-    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, and the
+    state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, the files
+                             written beside it (`files`: a lost one is named on loading), and the
                              environment that wrote it (`records.environment`: torch, threads, CPU kind,
                              the kernel choices made: `functional.autotune`)
 A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest.
@@ -130,6 +131,9 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, state: Dict[str, An
             save_file(train_tensors, str(tmp / 'train_state.safetensors'))
         for name, tensors in (extra_files or {}).items():
             save_file(tensors, str(tmp / name))
+        # the files it holds, so a reader tells a folder that lost one (a copy cut short, a file removed by hand)
+        # from a checkpoint written without it, in one line instead of a KeyError deep in a resume
+        state['files'] = sorted(p.name for p in tmp.iterdir())
         (tmp / 'state.json').write_text(json.dumps(state, indent=1, default=_json_default))
         for written in tmp.iterdir():               # safetensors writes 0600 whatever the umask
             permissions_from_umask(written, 0o666)
@@ -244,13 +248,32 @@ def load_checkpoint(path, with_train_state: bool = False):
         if with_train_state and (directory / 'train_state.safetensors').exists():
             train_tensors = load_file(str(directory / 'train_state.safetensors'))
     except FileNotFoundError as e:
-        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {e.filename} is missing") from None
+        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {e.filename} is missing"
+                              f"{earlier_checkpoint_hint(directory)}") from None
     except Exception as e:  # safetensors / json raise several types on damaged files
-        raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"--checkpoint: {directory} is corrupt ({type(e).__name__}: {e})"
+                              f"{earlier_checkpoint_hint(directory)}") from None
     if not isinstance(state, dict) or 'model' not in state:
         raise CheckpointError(f"--checkpoint: {directory}/state.json does not describe a model")
+    missing = [name for name in state.get('files', ()) if not (directory / name).is_file()]
+    if with_train_state and 'files' not in state and ('rng' in state or 'optimizer' in state):   # older checkpoints
+        missing += [] if (directory / 'train_state.safetensors').is_file() else ['train_state.safetensors']
+    if missing:         # written with it, gone now: not a checkpoint that never had it
+        raise CheckpointError(f"--checkpoint: {directory} is incomplete: {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} missing{earlier_checkpoint_hint(directory)}")
     state['path'] = str(directory)
     return weights, state, train_tensors
+
+
+def earlier_checkpoint_hint(directory: Path) -> str:
+    """For the line about a damaged checkpoint of a run: the run's newest complete epoch checkpoint before it, which
+    may be given instead (`train --resume` of it continues the run in its own folder), or ''."""
+    name = Path(directory).name             # epoch_NNNN, or recovery_EEEE_SSSSSSSS inside epoch E
+    if not name.startswith(('epoch_', 'recovery_')) or not name.split('_')[1].isdigit():
+        return ''
+    epoch = int(name.split('_')[1])
+    earlier = [p for p in _committed(Path(directory).parent) if int(p.name.split('_')[1]) < epoch]
+    return f"; the checkpoint before it, {earlier[-1]}, may be given instead" if earlier else ''
 
 
 def load_model(path, map_location='cpu', ema: bool = False):

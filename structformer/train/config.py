@@ -323,6 +323,11 @@ class TrainConfig:
         if self.factorize_at is not None and not 0 <= self.factorize_at < self.epochs:
             raise UsageError(f"--factorize-at={self.factorize_at} is out of range: accepted an epoch in "
                              f"[0, epochs={self.epochs})")
+        if self.factorize_at and self.avg_last > self.epochs - self.factorize_at:     # was a KeyError at the end
+            raise UsageError(f"--avg-last {self.avg_last} averages epochs {self.epochs - self.avg_last + 1}-{self.epochs}, "
+                             f"but --factorize-at {self.factorize_at} changes the network's weights into factors after "
+                             f"epoch {self.factorize_at}; give --avg-last {self.epochs - self.factorize_at} or less "
+                             "(the factorised epochs)")
 
     def _validate_distillation(self) -> None:
         given = [flag for flag, value in (('--initial-checkpoint', self.initial_checkpoint), ('--pretrained', self.pretrained),

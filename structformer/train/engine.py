@@ -269,7 +269,9 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                         print(f"stopping after {epochs_this_run} epoch(s) as asked (--stop-after); "
                               f"continue with --resume")
                     break
-            finished = bool(history) and history[-1]['epoch'] == cfg.epochs
+            # a resumed run whose last epoch had committed is finished too: a kill between that checkpoint and the
+            # average cost the average, which the next start makes (it wrote a summary without it, for good)
+            finished = (history[-1]['epoch'] if history else start_epoch) == cfg.epochs
             self.average_metrics = self._average_last() if cfg.avg_last and finished else {}
             self._write_digest()
         finally:

@@ -60,6 +60,14 @@ class Part:
     def restore(self, checkpoint: Path) -> None:
         pass
 
+    def pending_metrics(self) -> Dict:
+        """Metrics this part has for the epoch under way, not yet in a record: a recovery point keeps them, so
+        the epoch's record after a resume from it is the straight run's."""
+        return {}
+
+    def resume_pending(self, metrics: Dict) -> None:
+        """Take back `pending_metrics` from a recovery point."""
+
     def model_replaced(self, trainer) -> None:
         """The trainer's model was rebuilt (factorised mid-run): drop anything tied to the old one."""
 
@@ -102,6 +110,12 @@ class LowRankPart(Part):
         trainer.replace_model(model)
         after = trainer.evaluate_model(trainer.model)     # what the switch cost, before any factorised step
         self.switch_metrics = {f'factorized_val_{k}': v for k, v in after.items()}
+
+    def pending_metrics(self) -> Dict:
+        return dict(self.switch_metrics)        # the switch's cost, measured before the epoch's first step
+
+    def resume_pending(self, metrics: Dict) -> None:
+        self.switch_metrics = dict(metrics)
 
     def epoch_metrics(self, trainer, epoch: int) -> Dict:
         record, self.switch_metrics = dict(self.switch_metrics), {}
@@ -146,12 +160,17 @@ class WeightAveragePart(Part):
     def restore(self, checkpoint: Path) -> None:
         from safetensors.torch import load_file
 
-        from .checkpoint import CheckpointError
+        from .checkpoint import CheckpointError, earlier_checkpoint_hint
         from .ema import EMA_FILE
         path = Path(checkpoint) / EMA_FILE
         if not path.is_file():
             raise CheckpointError(f"--resume: {checkpoint} has no {EMA_FILE}: it was trained without --model-ema")
-        self.average.load_state_dict(load_file(str(path)))
+        try:        # a damaged average is one line, as a damaged model.safetensors is (checkpoint.load_checkpoint)
+            average = load_file(str(path))
+        except Exception as e:
+            raise CheckpointError(f"--resume: {path} is corrupt ({type(e).__name__}: {e})"
+                                  f"{earlier_checkpoint_hint(Path(checkpoint))}") from None
+        self.average.load_state_dict(average)
 
 
 class DistillationPart(Part):

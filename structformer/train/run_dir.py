@@ -238,9 +238,30 @@ def remove_empty_parents(path: Path, root: Path) -> None:
             return
 
 
+_HELD_LOCKS: set = set()          # the descriptors of the RunLocks this process holds
+
+
+def _release_in_child() -> None:
+    """In a forked child (a DataLoader worker, a writer process): close its copies of the lock's descriptor. An
+    flock belongs to the open file, which a fork shares, so the loader workers that outlive a trainer killed
+    with kill -9 (they notice their parent's end seconds later, a stuck one never) kept the run locked and an
+    immediate --resume was refused as 'in use by another training process'. The parent's own copy holds it."""
+    for fd in list(_HELD_LOCKS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_release_in_child)
+
+
 class RunLock:
     """An exclusive lock on a run folder for the life of one training process (`flock` on RUN/.lock, which
-    the kernel releases when the process ends however it ends, so a killed run never leaves a stale lock).
+    the kernel releases when the process ends however it ends, so a killed run never leaves a stale lock;
+    forked children do not hold it: `_release_in_child`).
     A second `train` into the same --output while one runs is refused instead of interleaving its
     checkpoints and metrics with the first. `None` (a DDP worker that is not rank 0) locks nothing.
     Where `fcntl` does not exist (Windows) no lock is taken."""
@@ -290,12 +311,14 @@ class RunLock:
                   "other process trains into it", file=sys.stderr)
             return self
         self.fd = fd
+        _HELD_LOCKS.add(fd)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
             # the file stays: unlinking it would let a process that opened it a moment earlier lock a file
             # that is no longer the one the next process opens
+            _HELD_LOCKS.discard(self.fd)
             os.close(self.fd)
             self.fd = None
 

@@ -47,8 +47,11 @@ class CheckpointGlue:
         files = {}
         for part in self.parts:
             files.update(part.checkpoint_files())
+        pending = {type(part).__name__: part.pending_metrics() for part in self.parts}
         state = dict(self._state(epoch - 1, {}), recovery=dict(progress, epoch=epoch, workers=self._workers(),
-                                                               batches_per_epoch=self.batches_per_epoch))
+                                                               batches_per_epoch=self.batches_per_epoch,
+                                                               pending_metrics={k: v for k, v in pending.items()
+                                                                                if v}))
         try:
             path = save_checkpoint(self.ckpt_dir / recovery_name(epoch, self.global_step), self.model, state,
                                    optimizer=self.optimizer, extra_files=files)
@@ -104,6 +107,12 @@ class CheckpointGlue:
                       flush=True)
             return {}
         states = [load_checkpoint(p)[0] for p in epochs]
+        shapes = [{k: v.shape for k, v in s.items()} for s in states]
+        if any(s != shapes[-1] for s in shapes):    # another network (factorised since): no average of the two
+            if self.is_main:
+                print(f"note: --avg-last {n}: the last {n} checkpoints do not hold the same network "
+                      f"({', '.join(p.name for p in epochs)}); no average", flush=True)
+            return {}
         averaged = {}
         for key, newest in states[-1].items():
             if newest.is_floating_point():
@@ -149,6 +158,10 @@ class CheckpointGlue:
     def _restore(self) -> int:
         source = resolve_checkpoint(self._resume_source())
         weights, state, train_tensors = load_checkpoint(source, with_train_state=True)
+        if 'rng' not in state or 'optimizer' not in state:     # average_last_N, an exported or weights-only save
+            raise CheckpointError(f"--resume: {source} holds weights only (no optimiser or RNG state), so a run "
+                                  "cannot continue from it; start a new run from its weights with "
+                                  f"--initial-checkpoint {source}")
         mismatch = describe_mismatch(self.model.state_dict(), weights)
         if mismatch:
             raise CheckpointError(f"--resume: {source} is not a checkpoint of "
@@ -160,8 +173,10 @@ class CheckpointGlue:
         if self._resume_phase_optimizer(int(state['epoch']), recovering=bool(state.get('recovery'))):
             self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
         self.precision.load_state(state.get('grad_scaler'))
+        pending = (state.get('recovery') or {}).get('pending_metrics') or {}
         for part in self.parts:
             part.restore(source)
+            part.resume_pending(pending.get(type(part).__name__, {}))
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self._schedule_step(self.global_step))
         restore_rng(train_tensors, state['rng'])
