@@ -48,13 +48,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
             with torch.no_grad():
                 trainer.model.head.weight.fill_(float('nan'))
 
-    with pytest.raises(TrainingDiverged, match='last good checkpoint'):
+    with pytest.raises(TrainingDiverged, match='last good checkpoint.*Try a lower --lr or --clip-grad'):
         train(_tiny(tmp_path), progress=False, callbacks=[poison])
     latest = resolve_checkpoint(tmp_path / 'run')
     assert latest.name == 'epoch_0001'
     model, state = load_model(tmp_path / 'run')
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not list((tmp_path / 'run' / 'checkpoints').glob('*.tmp-*'))
+
+
+def test_a_resumed_run_that_diverges_points_to_a_new_run_for_a_lower_lr(tmp_path):
+    """--resume keeps the run's lr and clipping, so the advice for a resumed run is a new run from the checkpoint."""
+    train(_tiny(tmp_path, epochs=1, warmup_epochs=0, limit_train_batches=2), progress=False)
+
+    def poison(trainer, epoch, record):
+        with torch.no_grad():
+            trainer.model.head.weight.fill_(float('nan'))
+
+    with pytest.raises(TrainingDiverged, match='--resume keeps the run.*--initial-checkpoint'):
+        train(_tiny(tmp_path, epochs=3, warmup_epochs=0, limit_train_batches=2), resume=str(tmp_path / 'run'),
+              progress=False, callbacks=[poison])
 
 
 def test_existing_run_is_not_overwritten_by_accident(tmp_path):

@@ -107,9 +107,14 @@ class TrainStep:
                     bar.close()
                     kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
                             else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
+                    # a resumed run keeps its lr and clipping (it trains on as it started): a new run from the
+                    # last good weights is where a lower lr can go
+                    advice = ("Try a lower --lr or --clip-grad" if getattr(self, 'resumed_state', None) is None else
+                              "--resume keeps the run's --lr and --clip-grad: start a new run from that checkpoint "
+                              "(--initial-checkpoint) with a lower --lr or a --clip-grad")
                     raise TrainingDiverged(
                         f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
-                        f"without saving this state: {kept}. Try a lower --lr or --clip-grad.")
+                        f"without saving this state: {kept}. {advice}.")
                 self.precision.backward(loss / group, create_graph=second_order)
             if update:
                 self.precision.step(self.optimizer, self.model.parameters(), cfg.clip_grad)
