@@ -275,8 +275,11 @@ def test_a_checkpoint_that_lost_or_damaged_a_file_is_one_line_on_resume(tmp_path
         shutil.copytree(run, copy)
         target = copy / 'checkpoints' / 'epoch_0002' / name
         target.unlink() if damage == 'remove' else target.write_bytes(target.read_bytes()[:100])
+        earlier = copy / 'checkpoints' / 'epoch_0001'
         _one_error(capsys, ['train', *TINY, '--model-ema', '--epochs', '3', '--output', str(copy), '--resume'],
-                   'epoch_0002', needle, 'the checkpoint before it, ' + str(copy / 'checkpoints' / 'epoch_0001'))
+                   'epoch_0002', needle, f'the checkpoint before it, {earlier}', f'--resume {earlier} --output')
+    # the hint's command runs: the earlier checkpoint continues into a new folder
+    _train(tmp_path / 'continued', '--model-ema', '--resume', str(earlier), epochs=3)
     _one_error(capsys, ['train', *TINY, '--epochs', '3', '--output', str(tmp_path / 'fresh'), '--resume',
                         str(run / 'checkpoints' / 'average_last_2')], 'weights only', '--initial-checkpoint')
     _train(run, '--model-ema', '--keep-last', '2', '--resume', epochs=3)

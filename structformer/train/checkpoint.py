@@ -266,14 +266,16 @@ def load_checkpoint(path, with_train_state: bool = False):
 
 
 def earlier_checkpoint_hint(directory: Path) -> str:
-    """For the line about a damaged checkpoint of a run: the run's newest complete epoch checkpoint before it, which
-    may be given instead (`train --resume` of it continues the run in its own folder), or ''."""
+    """For the line about a damaged checkpoint of a run: the run's newest complete epoch checkpoint before it, from
+    which the run can go on in a new folder (`--resume EARLIER --output NEW`; into its own folder a resume from an
+    older checkpoint is refused, as the epochs after it are another timeline), or ''."""
     name = Path(directory).name             # epoch_NNNN, or recovery_EEEE_SSSSSSSS inside epoch E
     if not name.startswith(('epoch_', 'recovery_')) or not name.split('_')[1].isdigit():
         return ''
     epoch = int(name.split('_')[1])
     earlier = [p for p in _committed(Path(directory).parent) if int(p.name.split('_')[1]) < epoch]
-    return f"; the checkpoint before it, {earlier[-1]}, may be given instead" if earlier else ''
+    return (f"; the checkpoint before it, {earlier[-1]}, can continue the run into a new folder "
+            f"(--resume {earlier[-1]} --output NEW_FOLDER)") if earlier else ''
 
 
 def load_model(path, map_location='cpu', ema: bool = False):
