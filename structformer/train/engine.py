@@ -300,7 +300,8 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
 
     def _write_digest(self) -> None:
         if self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST'):
-            (self.output / f'final_params_rank{self.rank}.sha256').write_text(parameter_digest(self.model) + '\n')
+            write_text_atomically(self.output / f'final_params_rank{self.rank}.sha256',
+                                  parameter_digest(self.model) + '\n')
 
     def _print_epoch(self, r: Dict) -> None:
         phase = f"[{r['phase']}]  " if len(self.phases) > 1 else ''
