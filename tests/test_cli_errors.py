@@ -229,6 +229,10 @@ CASES = [
     ('timm-short-workers', ['train', '-j', '4', '--output', OUT], ['-j', '--workers N']),
     ('abbreviated-flag', ['train', '--epoch', '3', '--output', OUT], ['--epoch', 'did you mean --epochs?']),
     ('eval-flag-typo', ['eval', '--checkpoint', '{run}', '--jsn'], ['--jsn', 'did you mean --json?']),
+    ('eval-amp-dtype-with-no-amp', ['eval', '--checkpoint', '{run}', '--no-amp', '--amp-dtype', 'bfloat16'],
+     ['--amp-dtype bfloat16', 'needs --amp']),
+    ('train-amp-dtype-with-no-amp', ['train', '--no-amp', '--amp-dtype', 'bfloat16', '--output', OUT],
+     ['--amp-dtype bfloat16', 'needs --amp']),
     ('recipes-stray-word', ['recipes', 'crate'], ["unexpected argument(s) 'crate'"]),
     # a run written into its own image folder would be read back as a class folder; '' is the current folder
     ('output-inside-image-folder', ['train', '--data', 'imagefolder:{images}', '--output', '{images}/a/run'],

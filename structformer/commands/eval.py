@@ -107,7 +107,7 @@ def _precision(args, cfg: dict, state: dict):
     cpu = torch.device('cpu')
     if args.amp is not None or args.amp_dtype is not None:
         amp = args.amp if args.amp is not None else True
-        return Precision.create(amp, args.amp_dtype if amp else None, cpu), 'as asked'
+        return Precision.create(amp, args.amp_dtype, cpu), 'as asked'     # --no-amp --amp-dtype D: refused, as in train
     recorded = state.get('precision') or ('float32' if not cfg.get('amp') else cfg.get('amp_dtype') or 'float16')
     if recorded == 'float32':
         return Precision(cpu), "the run's (float32)" if cfg else 'float32 (no run configuration)'
