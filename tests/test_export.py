@@ -254,6 +254,29 @@ def test_hf_refuses_an_attention_swapped_by_name_in_one_line(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['vit_soft']
 
 
+def test_export_ema_writes_the_weight_average(run, tmp_path, capsys):
+    """--ema exports the --model-ema average (as eval --ema scores it); a run without one is one line."""
+    from safetensors.torch import load_file
+
+    from structformer.cli import main
+    from structformer.train import load_model
+    averaged = tmp_path / 'ema_run'
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches', '3',
+                 '--model-ema', '--model-ema-decay', '0.5', '--no-progress', '--output', str(averaged)]) == 0
+    for ema in (True, False):
+        out = tmp_path / f'hf_{ema}'
+        assert main(['export', str(averaged), '--format', 'hf', '--output', str(out)] + ['--ema'] * ema) == 0
+        model, _ = load_model(averaged, ema=ema)
+        written = load_file(str(out / 'model.safetensors'))
+        assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())     # the same tensors, saved
+    average, weights = (load_file(str(tmp_path / f'hf_{ema}' / 'model.safetensors')) for ema in (True, False))
+    assert not all(torch.equal(average[k], weights[k]) for k in weights)
+    capsys.readouterr()
+    assert main(['export', str(run), '--format', 'onnx', '--output', str(tmp_path / 'none.onnx'), '--ema']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'no weight average' in err[0] and not (tmp_path / 'none.onnx').exists(), err
+
+
 @pytest.mark.parametrize('case', ['unknown-format', 'missing-run', 'pickle', 'exists', 'read-only'])
 def test_cli_bad_input_is_one_line_and_writes_nothing(case, run, tmp_path, monkeypatch, capsys):
     import os

@@ -78,8 +78,9 @@ def _commit(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 2) -> Dict:
-    """Export SOURCE as `fmt` to `output`; returns what was written and checked (for the CLI's report)."""
+def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 2, ema: bool = False) -> Dict:
+    """Export SOURCE as `fmt` to `output` (`ema`: its --model-ema weight average); returns what was written and
+    checked (for the CLI's report)."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r}: accepted {', '.join(FORMATS)}")
     out = check_output(output, fmt, overwrite, source)
@@ -88,7 +89,7 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
         require_onnx(runtime=True)                           # before loading anything
     from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
     from .source import load_source
-    model, state = load_source(source)
+    model, state = load_source(source, ema=ema)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     report = {'source': state['path'], 'model': state['model'], 'format': fmt, 'output': str(out.absolute()),
               'epoch': state.get('epoch'), 'notes': prepare_output(out, '--output') + state.get('notes', [])}

@@ -26,12 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--overwrite', action='store_true',
                    help='replace OUT if it is an earlier export (a .onnx / .pt2 file, or a folder of only the files '
                         'an hf export writes)')
+    p.add_argument('--ema', action='store_true',
+                   help='export the weight average of a run trained with --model-ema instead of its weights')
     p.add_argument('--json', action='store_true', help='print one JSON object')
 
 
 def run(args) -> int:
     from . import export
-    report = export(args.source, args.export_format, args.output, overwrite=args.overwrite)
+    report = export(args.source, args.export_format, args.output, overwrite=args.overwrite, ema=args.ema)
     if args.json:
         print(json.dumps(report))
         return 0

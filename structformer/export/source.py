@@ -38,9 +38,10 @@ def _epoch_notes(source, state: Dict[str, Any]) -> List[str]:
                                                            ', the run stopped before its last epoch') + ')']
 
 
-def load_source(source) -> Tuple[Any, Dict[str, Any]]:
+def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
     """(model in eval mode on the CPU, its checkpoint's state.json with `notes`) from RUN (a `structformer train`
-    output folder: its latest checkpoint), a checkpoint folder, or its model.safetensors / state.json."""
+    output folder: its latest checkpoint), a checkpoint folder, or its model.safetensors / state.json; `ema`: the
+    weight average the run kept with --model-ema instead of its weights."""
     from ..atomic import describe_temporary
     from ..train.checkpoint import CheckpointError, load_model
     path = Path(source)
@@ -59,12 +60,13 @@ def load_source(source) -> Tuple[Any, Dict[str, Any]]:
         raise UsageError(f"SOURCE {source}: is not a checkpoint file; give a run folder, a checkpoint folder or "
                          "its model.safetensors / state.json")
     try:
-        model, state = load_model(path)
+        model, state = load_model(path, ema=ema)
     except (CheckpointError, FileNotFoundError) as e:
         # the loader's messages name eval's --checkpoint; export has SOURCE
         message = str(e)
         for flag in ('--checkpoint: ', '--checkpoint '):
             message = message.replace(flag, '', 1) if message.startswith(flag) else message
         raise UsageError(f"SOURCE {source}: {message}") from None
-    state['notes'] = _epoch_notes(source, state)
+    average = ['the weight average (--model-ema), not the weights'] if ema else []
+    state['notes'] = _epoch_notes(source, state) + average
     return model.eval(), state
