@@ -191,7 +191,7 @@ def resolve_checkpoint(path) -> Path:
     for candidate in (path, path / 'checkpoints'):
         if (candidate / 'model.safetensors').exists() or (candidate / 'state.json').exists():
             return candidate
-        committed = _committed(candidate)
+        committed = committed_checkpoints(candidate)
         latest = candidate / LATEST
         if latest.exists():
             try:
@@ -212,10 +212,15 @@ def resolve_checkpoint(path) -> Path:
                           "(expected model.safetensors + state.json, or checkpoints/latest.json)")
 
 
-def _committed(ckpt_dir: Path):
+def committed_checkpoints(ckpt_dir: Path):
     """Complete checkpoint folders (weights and state present) in `ckpt_dir`, oldest first."""
-    return sorted(p for p in Path(ckpt_dir).glob('epoch_[0-9][0-9][0-9][0-9]')
-                  if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file())
+    return sorted((p for p in Path(ckpt_dir).glob('epoch_[0-9][0-9][0-9][0-9]')
+                   if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file()), key=checkpoint_epoch)
+
+
+def checkpoint_epoch(checkpoint: Path) -> int:
+    """N of a checkpoint folder epoch_NNNN (and E of a recovery point recovery_EEEE_SSSSSSSS)."""
+    return int(Path(checkpoint).name.split('_')[1])
 
 
 def replaced_run(run: Path) -> Optional[Path]:
@@ -223,8 +228,8 @@ def replaced_run(run: Path) -> Optional[Path]:
     committed a trained epoch, else None. That old run is still the folder's run: the next start puts it back
     (`run_dir.reconcile`), so readers (eval, analyze, --resume) read it rather than the new run's init."""
     run = Path(run)
-    asides = [a for a in sorted(run.glob('.replaced-*')) if _committed(a / 'checkpoints')]
-    if not asides or any(int(p.name.split('_')[1]) >= 1 for p in _committed(run / 'checkpoints')):
+    asides = [a for a in sorted(run.glob('.replaced-*')) if committed_checkpoints(a / 'checkpoints')]
+    if not asides or any(checkpoint_epoch(p) >= 1 for p in committed_checkpoints(run / 'checkpoints')):
         return None
     return asides[-1]
 
@@ -272,8 +277,8 @@ def earlier_checkpoint_hint(directory: Path) -> str:
     name = Path(directory).name             # epoch_NNNN, or recovery_EEEE_SSSSSSSS inside epoch E
     if not name.startswith(('epoch_', 'recovery_')) or not name.split('_')[1].isdigit():
         return ''
-    epoch = int(name.split('_')[1])
-    earlier = [p for p in _committed(Path(directory).parent) if int(p.name.split('_')[1]) < epoch]
+    epoch = checkpoint_epoch(directory)
+    earlier = [p for p in committed_checkpoints(Path(directory).parent) if checkpoint_epoch(p) < epoch]
     return (f"; the checkpoint before it, {earlier[-1]}, can continue the run into a new folder "
             f"(--resume {earlier[-1]} --output NEW_FOLDER)") if earlier else ''
 

@@ -24,7 +24,7 @@ from ..atomic import write_text_atomically
 from ..data.classes import class_record
 from ..records import check_writable
 from .build import RunBuild, seed_everything  # noqa: F401  (seed_everything: re-exported)
-from .checkpoint import crash_point, resolve_checkpoint
+from .checkpoint import checkpoint_epoch, crash_point, resolve_checkpoint
 from .config import TrainConfig, save_config
 from .data_paths import absolute_data, check_output_outside_data, check_stored_data
 from .distributed import barrier, cleanup_distributed, init_distributed
@@ -106,7 +106,7 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             epoch = int(json.loads((source / 'state.json').read_text()).get('epoch', 0))
         except (OSError, ValueError, TypeError, AttributeError):
             return                                           # load_checkpoint names a broken checkpoint
-        trained = int(newest[-1].name.split('_')[1]) if newest else 0
+        trained = checkpoint_epoch(newest[-1]) if newest else 0
         if trained > epoch:
             raise UsageError(f"--resume {self.resume}: the run in --output {self.output} has trained to epoch "
                              f"{trained} since that checkpoint (epoch {epoch}); continue from it into a new --output "

@@ -23,22 +23,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..atomic import write_text_atomically
-from .checkpoint import LATEST, mark_latest
+from .checkpoint import LATEST, checkpoint_epoch, committed_checkpoints, mark_latest   # noqa: F401 (re-exported)
 
 RUN_FILES = ('config.yaml', 'metrics.jsonl', 'summary.json', 'checkpoints')
 
 
-def committed_checkpoints(ckpt_dir: Path) -> List[Path]:
-    """Complete checkpoint folders (weights and state present), oldest first."""
-    found = []
-    for path in Path(ckpt_dir).glob('epoch_[0-9][0-9][0-9][0-9]'):
-        if path.is_dir() and (path / 'state.json').is_file() and (path / 'model.safetensors').is_file():
-            found.append(path)
-    return sorted(found, key=lambda p: int(p.name.split('_')[1]))
-
-
-def _epoch(checkpoint: Path) -> int:
-    return int(checkpoint.name.split('_')[1])
 
 
 def remove_stale_temporaries(ckpt_dir: Path) -> List[str]:
@@ -72,7 +61,7 @@ def holds_trained_commit(ckpt_dir: Path) -> bool:
     """Whether a run has committed a trained state: an epoch's checkpoint past the init one, or a recovery point.
     From there an interrupted new run is kept (to resume) and the run an --overwrite replaced can go."""
     from .recovery import recovery_points
-    return any(_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)) or bool(recovery_points(ckpt_dir))
+    return any(checkpoint_epoch(p) >= 1 for p in committed_checkpoints(ckpt_dir)) or bool(recovery_points(ckpt_dir))
 
 
 def reconcile(output: Path) -> Optional[Path]:
@@ -95,7 +84,7 @@ def reconcile(output: Path) -> Optional[Path]:
         return None
     newest = checkpoints[-1]
     mark_latest(ckpt_dir, newest)
-    epoch = int(newest.name.split('_')[1])
+    epoch = checkpoint_epoch(newest)
     points = recovery_points(ckpt_dir)                  # the newest inside a later epoch is kept, to resume from
     prune_recovery(ckpt_dir, keep=points[-1] if points else None, completed_epochs=epoch)
     by_epoch: Dict[int, Dict] = {}

@@ -9,7 +9,7 @@ from .checkpoint import (CheckpointError, describe_mismatch, load_checkpoint, ma
 from ..data.classes import class_mismatch, class_record
 from ..errors import UsageError
 from .recovery import newer_than, prune, recovery_name
-from .run_dir import committed_checkpoints, disk_full, read_metrics
+from .run_dir import checkpoint_epoch, committed_checkpoints, disk_full, read_metrics
 
 
 class CheckpointGlue:
@@ -70,7 +70,7 @@ class CheckpointGlue:
             kept = "nothing of this new run was kept (it had not finished an epoch); free space and start it again"
         else:
             last = committed_checkpoints(self.ckpt_dir)[-1]
-            kept = (f"the last intact checkpoint is epoch {int(last.name.split('_')[1])} ({last}); free space, then "
+            kept = (f"the last intact checkpoint is epoch {checkpoint_epoch(last)} ({last}); free space, then "
                     f"continue with `structformer train --output {self.output} --resume`")
         return CheckpointError(f"--output {self.output}: the disk is full ({reason}) while writing {writing}; {kept}")
 
@@ -78,7 +78,7 @@ class CheckpointGlue:
         cfg = self.config
         best = self._best_epoch(metrics) if cfg.keep_best else None
         for path in sorted(self.ckpt_dir.glob('epoch_[0-9][0-9][0-9][0-9]')):
-            e = int(path.name.split('_')[1])
+            e = checkpoint_epoch(path)
             keep = (e == 0 or e > epoch - cfg.keep_last or (cfg.save_every and e % cfg.save_every == 0)
                     or e == best)
             if not keep:
@@ -100,7 +100,7 @@ class CheckpointGlue:
         if not n:
             return {}
         import copy
-        epochs = [p for p in committed_checkpoints(self.ckpt_dir) if int(p.name.split('_')[1]) > 0][-n:]
+        epochs = [p for p in committed_checkpoints(self.ckpt_dir) if checkpoint_epoch(p) > 0][-n:]
         if len(epochs) < n:
             if self.is_main:
                 print(f"note: --avg-last {n}: only {len(epochs)} trained epoch checkpoint(s) here; no average",
@@ -124,7 +124,7 @@ class CheckpointGlue:
         metrics = {f'average_last_{n}_val_{k}': v for k, v in self.evaluate_model(model).items()}
         if self.is_main:
             last = load_checkpoint(epochs[-1])[1]
-            state = dict(self._state(int(last['epoch']), metrics), averaged_epochs=[int(p.name.split('_')[1])
+            state = dict(self._state(int(last['epoch']), metrics), averaged_epochs=[checkpoint_epoch(p)
                                                                                      for p in epochs])
             path = save_checkpoint(self.ckpt_dir / f'average_last_{n}', model, state, with_rng=False)
             print(f"average of epochs {state['averaged_epochs'][0]}-{state['averaged_epochs'][-1]}: val top1 "
@@ -153,7 +153,7 @@ class CheckpointGlue:
         if self.resume not in (True, 'latest', ''):
             return self.resume
         done = committed_checkpoints(self.ckpt_dir)
-        return newer_than(self.ckpt_dir, int(done[-1].name.split('_')[1]) if done else -1) or self.ckpt_dir
+        return newer_than(self.ckpt_dir, checkpoint_epoch(done[-1]) if done else -1) or self.ckpt_dir
 
     def _restore(self) -> int:
         source = resolve_checkpoint(self._resume_source())
