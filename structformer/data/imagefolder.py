@@ -14,6 +14,7 @@ by the next readable sample and named in the log, never a crash mid-epoch.
 """
 import copy
 import os
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -201,8 +202,8 @@ def symlink_loop(root: str, samples) -> Optional[str]:
                 continue
             checked.add(sub)
             if os.path.islink(sub):
-                target, above = os.path.realpath(sub), os.path.realpath(os.path.dirname(sub))
-                if above == target or above.startswith(target.rstrip(os.sep) + os.sep):
+                target = os.path.realpath(sub)
+                if Path(os.path.realpath(os.path.dirname(sub))).is_relative_to(target):
                     return (f'{sub} is a link to {target}, a folder above it: the listing goes round it and reads '
                             'the same images again and again under the wrong class; remove the link')
     return None

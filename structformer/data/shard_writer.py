@@ -24,6 +24,7 @@ import shutil
 import socket
 import tarfile
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -45,17 +46,28 @@ def work_folder(out: str) -> str:
 def open_source(text: str) -> Source:
     """SOURCE of `data shard`: PATH or imagefolder:PATH (an image folder), hfds:PATH, imagenet:PATH,
     timm:NAME:ROOT (timm's create_dataset; NAME may be empty: timm:ROOT)."""
-    form, sep, rest = text.partition(':')
-    form = form.lower() if sep else ''
+    form, name, path = _split_source(text)
     if form == 'hfds':
-        return hfds_source(rest)
+        return hfds_source(path)
     if form == 'imagenet':
         from .imagenet import imagenet_source
-        return imagenet_source(rest, 'SOURCE imagenet:')
+        return imagenet_source(path, 'SOURCE imagenet:')
+    if form == 'timm':
+        return timm_source(name, path)
+    return folder_source(path)
+
+
+def _split_source(text: str):
+    """(form, timm's NAME or '', path) of SOURCE: hfds / imagenet / imagefolder:PATH, timm:NAME:ROOT or timm:ROOT,
+    and anything else an image folder's path as written."""
+    form, sep, rest = text.partition(':')
+    form = form.lower() if sep else ''
     if form == 'timm':
         name, sep, root = rest.partition(':')
-        return timm_source(name if sep else '', root if sep else name)
-    return folder_source(rest if form == 'imagefolder' else text)
+        return form, (name if sep else ''), (root if sep else name)
+    if form in ('hfds', 'imagenet', 'imagefolder'):
+        return form, '', rest
+    return 'imagefolder', '', text
 
 
 
@@ -63,19 +75,10 @@ def _check_out_outside_source(text: str, out: str) -> None:
     """Refuse an OUT inside a folder SOURCE (an image folder, imagenet:, timm:NAME:ROOT): OUT and its work folder
     beside it would become class folders of that source, without images, which breaks its next read (torchvision's
     ImageFolder: 'Found no valid file for the classes ...')."""
-    form, sep, rest = text.partition(':')
-    form = form.lower() if sep else ''
-    if form == 'hfds':
-        return
-    if form == 'timm':                           # timm:NAME:ROOT, or timm:ROOT
-        name, sep, root = rest.partition(':')
-        root = root if sep else name
-    else:
-        root = rest if form else text
-    if not root or not os.path.isdir(root):
+    form, _, root = _split_source(text)
+    if form == 'hfds' or not root or not os.path.isdir(root):
         return                                   # open_source names a missing SOURCE
-    source, target = os.path.realpath(root), os.path.realpath(os.path.abspath(out))
-    if target == source or target.startswith(source.rstrip(os.sep) + os.sep):
+    if Path(os.path.realpath(os.path.abspath(out))).is_relative_to(os.path.realpath(root)):
         raise UsageError(f'OUT {out}: inside SOURCE {text}; the shards and their work folder would be read as '
                          'part of it (a class folder without images); give a folder outside it')
 

@@ -6,6 +6,7 @@ so `eval`, `--resume` and `-c config.yaml` from another folder read the same fil
 is gone, the error names it and the flag that points elsewhere.
 """
 import os
+from pathlib import Path
 from typing import Optional, Tuple
 
 from ..errors import UsageError
@@ -60,7 +61,6 @@ def check_output_outside_data(output, spec: str) -> None:
     path = data_path(spec)
     if path is None or not os.path.isdir(path) or parse_data_spec(spec)[0] not in _FOLDERS_ARE_CLASSES:
         return
-    run, data = os.path.realpath(os.path.abspath(output)), os.path.realpath(path)
-    if run == data or run.startswith(data.rstrip(os.sep) + os.sep):
+    if Path(os.path.realpath(os.path.abspath(output))).is_relative_to(os.path.realpath(path)):
         raise UsageError(f"--output {output}: inside the data folder of --data {spec}; a run's checkpoints there "
                          "would be read as data (a class folder) the next time; give a folder outside it")
