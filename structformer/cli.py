@@ -58,7 +58,8 @@ def unrecognized(extra: List[str], parser: argparse.ArgumentParser) -> str:
             said.append(f"{flag} is not a flag here: {hints[flag]}")
             continue
         close = difflib.get_close_matches(flag, ours, n=2, cutoff=0.75)
-        said.append(f"{flag} is not a flag of `{parser.prog}`" + (f" (did you mean {' or '.join(close)}?)" if close else ''))
+        said.append(f"{flag} is not a flag of `{parser.prog}`"
+                    + (f" (did you mean {' or '.join(close)}?)" if close else ''))
     if not said:                               # only stray words: a positional argument too many
         return f"unexpected argument(s) {' '.join(extra)!r}; `{parser.prog} --help` lists what it takes"
     return '; '.join(said) + f"; `{parser.prog} --help` lists its flags"

@@ -74,7 +74,8 @@ def run(args) -> int:
     metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
     metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
-                    unit: len(dataset) - metrics.get('left_out', 0), 'weights': 'ema' if args.ema else 'model', 'precision': precision.name,
+                    unit: len(dataset) - metrics.get('left_out', 0), 'weights': 'ema' if args.ema else 'model',
+                    'precision': precision.name,
                     'precision_from': how})
     if args.per_class:
         names = data_info.get('classes') or info.extra.get('classes') or [str(k) for k in range(model.num_classes)]
@@ -84,7 +85,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(metrics))
         return 0
-    print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} ({args.split}, {metrics[unit]} {unit}"
+    print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} "
+          f"({args.split}, {metrics[unit]} {unit}"
           + (f", {metrics['left_out']} unreadable left out" if metrics.get('left_out') else '') + "): "
           f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
           + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else '')
