@@ -240,3 +240,35 @@ def test_checker_names_a_library_module_importing_a_command(tmp_path):
     })
     assert library_imports_of_commands(import_graph(root, 'fake'), 'fake') == [
         'fake.lib -> fake.cli', 'fake.lib -> fake.helper_cli', 'fake.tool.core -> fake.commands.train', 'fake.tool.core -> fake.tool.cli']
+
+
+# ----------------------------------------------------------------------------- the requirement floors
+
+def test_requirement_floors_agree_across_pyproject_readme_and_the_import_check():
+    """pyproject.toml's `torch>=` / `timm>=`, the README's sentence and `requirements.MINIMUM` name the same
+    floors, and each floor is at most the version constraints.txt pins (the one CI tests)."""
+    import re
+    from structformer.requirements import MINIMUM, release
+    root = PACKAGE.parent
+    pyproject, readme = (root / 'pyproject.toml').read_text(), (root / 'README.md').read_text()
+    constraints = (root / 'constraints.txt').read_text()
+    for package, floor in MINIMUM.items():
+        text = '.'.join(map(str, floor))
+        assert re.search(rf'"{package}>={re.escape(text)}"', pyproject), (package, text)
+        assert f'{package} ≥ {text}' in readme, (package, text)
+        pinned = re.search(rf'^{package}==(\S+)$', constraints, re.M)[1]
+        assert release(pinned) >= floor, (package, pinned, floor)
+
+
+def test_an_older_timm_or_torch_is_named_with_its_floor(monkeypatch):
+    from structformer import requirements
+    assert requirements.release('2.8.0+cu128') == (2, 8, 0) and requirements.release('1.0.32.dev0') == (1, 0, 32)
+    assert requirements.too_old('timm', '1.0.31') is None and requirements.too_old('torch', '2.14.1+cpu') is None
+    line = requirements.too_old('timm', '1.0.23')
+    assert line == ("structformer needs timm >= 1.0.31, found 1.0.23: models and commands may fail; "
+                    "pip install -U 'timm>=1.0.31'")
+    assert 'torch >= 2.8' in requirements.too_old('torch', '2.7.1+cu126')
+    monkeypatch.setattr(requirements.metadata, 'version', lambda name: {'timm': '1.0.20', 'torch': '2.14.1'}[name])
+    with pytest.warns(UserWarning, match=r"timm >= 1\.0\.31, found 1\.0\.20") as caught:
+        requirements.warn_if_too_old()
+    assert len(caught) == 1                            # torch is recent enough: no second warning
