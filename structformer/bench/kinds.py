@@ -39,7 +39,8 @@ GOALS = {
 # the project's docs folder: records written here must come from a quiet run (tests point it elsewhere)
 DOCS_DIR = Path(__file__).resolve().parents[2] / 'docs'
 RECORDS_COMMAND = 'make bench-records'
-RECORDS_MINUTES = 21            # what `make bench-records` took at 1 thread on the 2-core machine, busy (docs/benchmarks.md)
+RECORDS_MINUTES = 9             # what `make bench-records` took at 1 thread on the quiet 2-core Zen 5 machine: 7.7 min,
+                                # 9.1 min with its kernels capped to AVX2 (docs/benchmarks.md)
 
 
 def met(goal: str, value: Optional[float]) -> Optional[bool]:
@@ -251,7 +252,7 @@ def write_record(path, obj: dict, allow_busy: bool = False) -> str:
         took = f"this run took {elapsed:.1f} min, a quiet rerun about as long; " if elapsed else ''
         print(f"not written to {path}: the machine was BUSY while this was measured (other processes used "
               f"{load.get('other_cores')} cores); the record is in {written}. Re-run on a quiet machine ({took}"
-              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min), or "
+              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min on a quiet machine), or "
               f"pass --allow-busy to write it anyway", file=sys.stderr)
         return written
     return write_json(path, obj)
