@@ -469,3 +469,30 @@ def test_an_isa_cap_below_avx512_makes_bfloat16_not_native(monkeypatch):
     monkeypatch.delenv('ATEN_CPU_CAPABILITY', raising=False)
     assert cpu_bfloat16_native() == any(getattr(torch.cpu, n, lambda: False)()
                                         for n in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+
+
+@pytest.mark.parametrize('variable, value, message', [
+    ('STRUCTFORMER_AUTOTUNE', 'of', "STRUCTFORMER_AUTOTUNE='of': accepted on, off"),
+    ('STRUCTFORMER_CHOICE_SSA_IMP', 'sdpa', 'STRUCTFORMER_CHOICE_SSA_IMP: no such choice; accepted'),
+    ('STRUCTFORMER_CHOICE_NEWTON_LOOP', 'gpu', "STRUCTFORMER_CHOICE_NEWTON_LOOP='gpu': accepted 'host', 'device'"),
+])
+def test_a_bad_choice_setting_is_refused_before_any_command_runs(monkeypatch, capsys, variable, value, message):
+    """A typo in STRUCTFORMER_AUTOTUNE or a STRUCTFORMER_CHOICE_* name / value: one line and exit 2 before the
+    command does anything, also where the command never meets that choice (`structformer models` builds no SOFT
+    layer): a run must not go ahead with the setting silently ignored."""
+    from structformer.cli import main
+    monkeypatch.setenv(variable, value)
+    assert main(['models', '--filter', 'crate_tiny']) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith('structformer models: error: ')
+    with pytest.raises(UsageError, match=message.split(':')[0]):
+        autotune.check_environment()
+    assert autotune.report()['timing' if variable == 'STRUCTFORMER_AUTOTUNE' else 'overrides']    # recorded, no raise
+
+
+@pytest.mark.parametrize('value, on', [('off', False), ('0', False), ('FALSE', False), ('on', True), ('1', True),
+                                       ('', True), (' yes ', True)])
+def test_the_timing_setting_reads_its_accepted_values(monkeypatch, value, on):
+    monkeypatch.setenv('STRUCTFORMER_AUTOTUNE', value)
+    autotune.check_environment()
+    assert autotune.report()['timing'] == ('on' if on else 'off')

@@ -62,7 +62,7 @@ from ..errors import UsageError
 from ..machine import cpu_kind
 from .tracing import recording_graph
 
-__all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'use_timer', 'timing_allowed',
+__all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'check_environment', 'use_timer', 'timing_allowed',
            'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
            'ENV_PREFIX', 'ENV_TIMING', 'MARGIN']
 
@@ -84,7 +84,8 @@ CHOICES: Dict[str, tuple] = {
 # and the candidate taken inside `twice_differentiable()`; the other fast paths differentiate twice themselves
 TWICE_DIFFERENTIABLE = {'ssa_impl': 'sdpa'}
 ENV_PREFIX = 'STRUCTFORMER_CHOICE_'
-ENV_TIMING = 'STRUCTFORMER_AUTOTUNE'          # 'off' (or 0, no, false): no timing, defaults and hardware rules only
+ENV_TIMING = 'STRUCTFORMER_AUTOTUNE'          # 'off' (or 0, no, false): no timing, defaults and hardware rules only;
+                                              # 'on' (1, yes, true, unset); anything else is refused
 MARGIN = 0.05                                 # a candidate must beat the default by 5 % per round (median)
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 9, 0.1  # timing: at least 3 paired rounds, more while within budget
 FORMAT = 1
@@ -203,8 +204,26 @@ def _write_cache(record: dict, name: str, class_key: str, entry: dict) -> None:
 
 # ---- timing -------------------------------------------------------------------------------------------
 
+_TIMING_VALUES = {'': True, 'on': True, '1': True, 'yes': True, 'true': True,
+                  'off': False, '0': False, 'no': False, 'false': False}
+
+
 def _timing_setting() -> bool:
-    return os.environ.get(ENV_TIMING, '').strip().lower() not in ('off', '0', 'no', 'false')
+    """STRUCTFORMER_AUTOTUNE: on (unset, on / 1 / yes / true) or off (off / 0 / no / false); another value raises
+    UsageError naming the accepted ones (a typo such as 'of' must not leave timing on unnoticed)."""
+    value = os.environ.get(ENV_TIMING, '')
+    setting = _TIMING_VALUES.get(value.strip().lower())
+    if setting is None:
+        raise UsageError(f"{ENV_TIMING}={value!r}: accepted on, off (or 1 / 0, yes / no, true / false)")
+    return setting
+
+
+def check_environment() -> None:
+    """STRUCTFORMER_AUTOTUNE and every STRUCTFORMER_CHOICE_* checked at once, before a command does any work (the
+    CLI calls this): a misspelt choice name or value is one line naming what is accepted, not an override that a
+    run silently ignores or a refusal minutes in, at the first layer that consults it."""
+    _timing_setting()
+    check_overrides()
 
 
 def timing_allowed() -> bool:
@@ -384,9 +403,13 @@ def report() -> dict:
         overrides = check_overrides()
     except UsageError as e:
         overrides = {'error': str(e)}
+    try:
+        timing = 'on' if _timing_setting() else 'off'
+    except UsageError as e:
+        timing = f"error: {e}"
     record = machine()
     cached = {name: {k: e['choice'] for k, e in entries.items()} for name, entries in _read_cache(record).items()}
-    return {'timing': 'on' if _timing_setting() else 'off', 'overrides': overrides,
+    return {'timing': timing, 'overrides': overrides,
             'decisions': sorted(_log.values(), key=lambda r: (r['name'], r['class'], r['threads'], r['source'])),
             'cached': cached, 'cache_file': _home_relative(cache_file(record))}
 
