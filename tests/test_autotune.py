@@ -496,3 +496,39 @@ def test_the_timing_setting_reads_its_accepted_values(monkeypatch, value, on):
     monkeypatch.setenv('STRUCTFORMER_AUTOTUNE', value)
     autotune.check_environment()
     assert autotune.report()['timing'] == ('on' if on else 'off')
+
+
+@pytest.mark.skipif(os.name != 'posix', reason='the cache lock is POSIX flock')
+def test_processes_adding_decisions_at_once_take_turns_and_keep_both(tuning):
+    """Two processes (DDP ranks, two runs) timing at once each read, update and rewrite the machine's file: without
+    a lock one rewrite drops the other's decision (2 processes × 300 classes kept 431 of 600). Here another process
+    holds the lock mid-update (an flock on its own open file): our write waits for it, then keeps its entry too."""
+    import fcntl
+    import threading
+    with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+        assert _decide(shape=(1, 64, 'float32')) == 'sdpa'                 # the file exists, with one decision
+        path = autotune.cache_file()
+        with open(path.with_suffix('.lock'), 'a') as other:
+            fcntl.flock(other, fcntl.LOCK_EX)
+            ours = threading.Thread(target=_decide, kwargs={'shape': (2, 64, 'float32')})
+            ours.start()
+            ours.join(0.5)
+            assert ours.is_alive()                                          # waiting for the other writer
+            data = json.loads(path.read_text())                             # the other process's update lands
+            data['choices']['ssa_impl']['3,64,float32'] = {'choice': 'shared'}
+            path.write_text(json.dumps(data))
+            fcntl.flock(other, fcntl.LOCK_UN)
+        ours.join(10)
+    assert sorted(json.loads(path.read_text())['choices']['ssa_impl']) == ['1,64,float32', '2,64,float32',
+                                                                           '3,64,float32']
+
+
+def test_an_unwritable_cache_folder_keeps_the_decision_in_the_process(tuning, monkeypatch):
+    """A cache folder that cannot be made or written (a read-only home; here its parent is a file, which stops root
+    too): the decision is timed once and kept for this process, and the run goes on."""
+    (tuning / 'not-a-folder').write_text('')
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tuning / 'not-a-folder'))
+    timer = FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})
+    with autotune.use_timer(timer):
+        assert _decide() == 'sdpa' and _decide() == 'sdpa'
+    assert timer.calls == 1 and autotune.report()['cached'] == {}

@@ -28,7 +28,8 @@ The disk cache is JSON (read without executing anything) at `$STRUCTFORMER_CACHE
 `$XDG_CACHE_HOME/structformer/choices/`, default `~/.cache/...`), one file per machine key: CPU model, family /
 model numbers, ISA flags, ATen's CPU capability, the ISA caps set in the environment (`machine.ISA_CAPS`: oneDNN's
 and MKL's too, which ATen's capability does not show), torch version and thread count. A new torch, another CPU or
-another thread count reads another file; a corrupt or foreign file is ignored and rewritten; writes are atomic.
+another thread count reads another file; a corrupt or foreign file is ignored and rewritten; writes are atomic, and
+processes adding decisions at once take turns (a lock file beside it), so none loses another's.
 Delete the folder to time again.
 
 Every decision is recorded (`report()`), and `records.environment()` carries the report, so every benchmark
@@ -189,15 +190,35 @@ def _read_cache(record: dict) -> Dict[str, Dict[str, dict]]:
     return clean
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`.lock across processes (POSIX flock), so that two processes adding decisions to
+    one file at once (DDP ranks, loader workers, two runs) do not each rewrite it without the other's: read, update
+    and rewrite happen under it. OSError where the lock file cannot be made (a read-only cache)."""
+    try:
+        import fcntl
+    except ImportError:                               # not POSIX: rewrites may race, each is still atomic
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix('.lock'), 'a') as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _write_cache(record: dict, name: str, class_key: str, entry: dict) -> None:
-    """Add one decision to this machine's file (read, update, atomic rewrite); a read-only cache is skipped:
+    """Add one decision to this machine's file (locked read, update, atomic rewrite); a read-only cache is skipped:
     the decision still holds for this process."""
     with _lock:
-        choices = _read_cache(record)
-        choices.setdefault(name, {})[class_key] = entry
         try:
-            write_text_atomically(cache_file(record), json.dumps(
-                {'format': FORMAT, 'machine': record, 'choices': choices}, indent=1, sort_keys=True))
+            with _file_lock(cache_file(record)):
+                choices = _read_cache(record)
+                choices.setdefault(name, {})[class_key] = entry
+                write_text_atomically(cache_file(record), json.dumps(
+                    {'format': FORMAT, 'machine': record, 'choices': choices}, indent=1, sort_keys=True))
         except OSError:
             pass
 
