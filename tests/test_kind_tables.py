@@ -114,6 +114,33 @@ def test_a_bench_json_carries_the_cpu_kind_and_the_choices(tmp_path, capsys):
     assert f"CPU kind {cpu_kind()['kind']}" in printed
 
 
+def test_a_bench_json_lists_the_choices_its_measurements_made(tmp_path, monkeypatch):
+    """The record's `environment.choices.decisions` are the kernel choices the benchmark's own measurements made
+    (timed here, on a fresh cache): read after measuring, not before (it was empty in every committed record), and
+    from the measuring subprocesses too, through the run's shared log, which is gone after the run."""
+    import tempfile
+    from structformer.functional import autotune
+    monkeypatch.setenv('STRUCTFORMER_AUTOTUNE', 'on')
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    autotune.forget()
+    out = tmp_path / 'lowrank.json'
+    assert main(['bench', 'lowrank', '--tokens', '256', '--in-features', '512', '--out-features', '512', '--ranks',
+                 '0.25', '--depth', '0', '--steps', '1', '--rounds', '1', '--threads', '1', '--output', str(out)]) == 0
+    decisions = json.loads(out.read_text())['environment']['choices']['decisions']
+    assert {(d['name'], d['class'], d['source']) for d in decisions} >= {
+        ('linear_kernel', '256,512,128,transposed,nobias,train', 'timed'), ('linear_kernel', '256,128,512,rows,bias,train', 'timed')}
+    assert not list(tmp_path.glob('structformer-choices-*')) and autotune.ENV_LOG not in __import__('os').environ
+    autotune.forget()
+    from structformer.bench.harness import measure_in_subprocess
+    monkeypatch.setenv(autotune.ENV_LOG, str(tmp_path / 'log.jsonl'))
+    assert measure_in_subprocess('structformer.functional.autotune:decide', 'ssa_impl', [5, 16, 'float32'], 'shared',
+                                 None, 'sdpa') == 'sdpa'                     # decided in a child process
+    assert [(d['name'], d['class'], d['choice'], d['source']) for d in autotune.report()['decisions']] == [
+        ('ssa_impl', '5,16,float32', 'sdpa', 'isa')]
+    autotune.forget()
+
+
 def test_the_header_counts_the_cached_choices_instead_of_listing_every_class():
     """A machine's cache holds every shape class any process met (the test suite leaves hundreds): the header says
     per choice how many classes took each candidate, the most taken first; the record keeps each class."""

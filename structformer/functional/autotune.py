@@ -65,7 +65,7 @@ from .tracing import recording_graph
 
 __all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'check_environment', 'use_timer', 'timing_allowed',
            'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
-           'ENV_PREFIX', 'ENV_TIMING', 'MARGIN']
+           'ENV_PREFIX', 'ENV_TIMING', 'ENV_LOG', 'MARGIN']
 
 # Every choice, its candidates and what it picks between. A name here is what STRUCTFORMER_CHOICE_<NAME> takes.
 CHOICES: Dict[str, tuple] = {
@@ -85,6 +85,9 @@ CHOICES: Dict[str, tuple] = {
 # and the candidate taken inside `twice_differentiable()`; the other fast paths differentiate twice themselves
 TWICE_DIFFERENTIABLE = {'ssa_impl': 'sdpa'}
 ENV_PREFIX = 'STRUCTFORMER_CHOICE_'
+# a file every process of one run appends its decisions to (set by `structformer bench` around a benchmark, whose
+# measurements run in subprocesses), so the record made by the parent lists what the children chose
+ENV_LOG = 'STRUCTFORMER_CHOICES_LOG'
 ENV_TIMING = 'STRUCTFORMER_AUTOTUNE'          # 'off' (or 0, no, false): no timing, defaults and hardware rules only;
                                               # 'on' (1, yes, true, unset); anything else is refused
 MARGIN = 0.05                                 # a candidate must beat the default by 5 % per round (median)
@@ -353,10 +356,36 @@ def _class_key(shape_class: Sequence) -> str:
 
 def _note(name: str, class_key: str, threads: int, choice: str, source: str, **extra) -> None:
     key = (name, class_key, threads, source)
-    if key not in _log:
-        with _lock:
-            _log[key] = {'name': name, 'class': class_key, 'threads': threads, 'choice': choice, 'source': source,
-                         **extra}
+    if key in _log:
+        return
+    record = {'name': name, 'class': class_key, 'threads': threads, 'choice': choice, 'source': source, **extra}
+    with _lock:
+        _log[key] = record
+    log = os.environ.get(ENV_LOG)
+    if log:                                       # the run's shared log: a benchmark's measuring subprocesses too
+        try:
+            with open(log, 'a') as f:
+                f.write(json.dumps(record, sort_keys=True) + '\n')
+        except OSError:
+            pass
+
+
+def _logged() -> List[dict]:
+    """The decisions in the run's shared log (ENV_LOG), lines that are not a decision skipped."""
+    path = os.environ.get(ENV_LOG)
+    found = []
+    try:
+        with open(path or '') as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and {'name', 'class', 'threads', 'source', 'choice'} <= set(record):
+                    found.append(record)
+    except OSError:
+        pass
+    return found
 
 
 def decide(name: str, shape_class: Sequence, default: str,
@@ -417,7 +446,8 @@ def forget() -> None:
 
 def report() -> dict:
     """What this process chose and why, for records: the timing setting, the overrides in force, each decision
-    made here (name, shape class, threads, choice, source: argument / override / isa / timed / cache / default),
+    made here or, under a run's shared log (ENV_LOG), by any process of the run (name, shape class, threads,
+    choice, source: argument / override / isa / timed / cache / default),
     and the
     decisions cached on disk for this machine at the current thread count (those of benchmark subprocesses too)."""
     try:
@@ -430,8 +460,9 @@ def report() -> dict:
         timing = f"error: {e}"
     record = machine()
     cached = {name: {k: e['choice'] for k, e in entries.items()} for name, entries in _read_cache(record).items()}
+    decisions = {(r['name'], r['class'], r['threads'], r['source']): r for r in _logged() + list(_log.values())}
     return {'timing': timing, 'overrides': overrides,
-            'decisions': sorted(_log.values(), key=lambda r: (r['name'], r['class'], r['threads'], r['source'])),
+            'decisions': [decisions[key] for key in sorted(decisions, key=lambda k: tuple(map(str, k)))],
             'cached': cached, 'cache_file': _home_relative(cache_file(record))}
 
 
