@@ -370,3 +370,15 @@ def test_a_records_run_on_a_transcribed_kind_replaces_it_by_its_measured_records
     assert not (folder / 'stale.json').exists() and (folder / 'mlp' / 'mlp.json').exists()
     assert sorted(p.name for p in folder.parent.iterdir() if p.is_dir()) == sorted(
         [p.name for p in (DOCS / 'kinds').iterdir() if p.is_dir()] + ['amd-avx2'])
+
+
+def test_an_interrupted_bench_says_what_it_left(monkeypatch, capsys):
+    """Ctrl-C in a benchmark: exit 130 and a line about records (not the trainer's 'checkpoints ... intact')."""
+    from structformer.bench import lowrank
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lowrank, 'run', interrupted)
+    assert main(['bench', 'lowrank', '--depth', '0']) == 130
+    err = capsys.readouterr().err
+    assert 'interrupted; a record is written whole at the end of a run, or not at all' in err and 'checkpoint' not in err

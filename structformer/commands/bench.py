@@ -42,6 +42,9 @@ def run(args) -> int:
     previous, os.environ[ENV_LOG] = os.environ.get(ENV_LOG), log
     try:
         status = run_command(BENCH_TARGETS, args.target, args)
+    except KeyboardInterrupt as e:          # the CLI's line: a benchmark has records, not checkpoints
+        e.said = 'a record is written whole at the end of a run, or not at all'
+        raise
     finally:
         if previous is None:
             os.environ.pop(ENV_LOG, None)
