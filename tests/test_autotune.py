@@ -309,14 +309,16 @@ def test_newton_loop_candidates_equal_pinv(tuning, monkeypatch, batch, m, dtype)
                                                     @ reference.transpose(-2, -1)), **tol)
 
 
-@pytest.mark.parametrize('n, train', [(41, False), (41, True), (70, False)])
-def test_sparsifiner_tile_candidates_equal_the_masked_reference(tuning, monkeypatch, n, train):
+@pytest.mark.parametrize('n, train, dense_cls_row', [(41, False, True), (41, True, True), (70, False, True),
+                                                  (41, False, False), (41, True, False)])
+def test_sparsifiner_tile_candidates_equal_the_masked_reference(tuning, monkeypatch, n, train, dense_cls_row):
     """The layer's block attention on the kernel and on gathered tiles against impl='masked' on the same block
-    mask (float64), in inference and training (input gradient)."""
+    mask (float64), in inference and training (input gradient), with and without the dense cls row (the shape
+    class's `dense rows` 1 / 0)."""
     if tile_kernel.unavailable_reason():
         pytest.skip(f'no tile kernel here: {tile_kernel.unavailable_reason()}')
     torch.manual_seed(0)
-    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=n, n_down=6)
+    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=n, n_down=6, dense_cls_row=dense_cls_row)
     layer = SparsifinerAttention(32, 4, **options).double().train(train)
     masked = SparsifinerAttention(32, 4, impl='masked', **options).double().train(train)
     masked.load_state_dict(layer.state_dict())
