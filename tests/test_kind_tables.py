@@ -311,8 +311,7 @@ def test_a_records_run_that_cannot_publish_leaves_the_docs_as_they_were(docs_cop
         original = kind_tables.subprocess.call
         kind_tables.subprocess.call = lambda argv: original(argv) if 'models' not in argv else (
             docs_copy.__setattr__('kind', 'intel-amx'), original(argv), docs_copy.__setattr__('kind', 'amd-avx2'))[1]
-        with pytest.raises(ValueError, match="measured on a 'intel-amx' CPU, not 'amd-avx2'"):
-            kind_tables.record_kind(1)
+        assert kind_tables.record_kind(1) == 1
     else:
         assert kind_tables.record_kind(1) == (130 if case == 'interrupted' else 1)
     assert _docs_state(docs_copy) == before
@@ -321,11 +320,13 @@ def test_a_records_run_that_cannot_publish_leaves_the_docs_as_they_were(docs_cop
     message = capsys.readouterr().err
     if case == 'failed':
         assert 'failed: lowrank.json' in message and 'docs/ are as they were' in message
+    if case == 'foreign':                 # one line, not a traceback after the benchmarks' minutes
+        assert "measured on a 'intel-amx' CPU, not 'amd-avx2'" in message and 'docs/ are as they were' in message
     if case == 'busy':
         assert 'BUSY: models.json' in message and '--allow-busy' in message
         assert f"about {kinds.RECORDS_MINUTES} min" in message and kinds.RECORDS_COMMAND in message
-    if case in ('failed', 'busy'):        # the records made are kept where the message says
-        staged = Path(message.split('records are in ')[1].split('. ')[0])
+    if case in ('failed', 'busy', 'foreign'):        # the records made are kept where the message says
+        staged = Path(message.split('records are in ')[1].split('. ')[0].strip())
         assert (staged / 'sparse_attention.json').exists()
     if case == 'interrupted':
         assert docs_copy.ran[-1] == 'mlp/mlp.json' and 'nothing published' in message
