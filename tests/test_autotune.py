@@ -99,11 +99,13 @@ def test_a_new_torch_cpu_or_thread_count_times_again(tuning, monkeypatch, change
 
 
 @pytest.mark.parametrize('content', ['{not json', '[1, 2]', json.dumps({'format': 1, 'machine': {}, 'choices': {}}),
-                                     json.dumps({'format': 1, 'machine': None, 'choices': {'ssa_impl': 3}})])
+                                     json.dumps({'format': 1, 'machine': None, 'choices': {'ssa_impl': 3}}),
+                                     '', '{"format": 1, "machine": {"cpu": "AMD', b'\xff\xfe\x00garbage',
+                                     '[' * 100000])                  # empty, truncated, not UTF-8, too deep to parse
 def test_a_corrupt_or_foreign_cache_file_is_ignored_and_rewritten(tuning, content):
     path = autotune.cache_file()
     path.parent.mkdir(parents=True)
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     timer = FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})
     with autotune.use_timer(timer):
         assert _decide() == 'sdpa'

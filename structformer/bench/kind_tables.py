@@ -356,7 +356,12 @@ def record_kind(threads: int, allow_busy: bool = False) -> int:
               f"in docs/ are as they were, this run's records are in {staged}. Re-run `{RECORDS_COMMAND}` on a quiet "
               f"machine: about {RECORDS_MINUTES} min at 1 thread on the project's 2-core machine", file=sys.stderr)
         return 1
-    folder = publish(kind, staged)
+    try:
+        folder = publish(kind, staged)
+    except (ValueError, OSError) as e:         # a record of another kind, another run publishing, docs not writable
+        print(f"\nnothing published for {kind} after {minutes:.1f} min: {e}; the records and tables in docs/ are as "
+              f"they were, this run's records are in {staged}", file=sys.stderr)
+        return 1
     shutil.rmtree(staged, ignore_errors=True)
     print(f"\nrecords of {kind} in {_display(folder)}, tables in {_display(BENCHMARKS_MD)} and "
           f"{_display(README_MD)}: {minutes:.1f} min" + (f" (BUSY, published as asked: {', '.join(busy)})" if busy else ''))

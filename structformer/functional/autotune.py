@@ -176,7 +176,7 @@ def _read_cache(record: dict) -> Dict[str, Dict[str, dict]]:
     of another format or another machine, and entries naming no candidate are dropped."""
     try:
         data = json.loads(cache_file(record).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):        # RecursionError: nested too deep for the parser
         return {}
     if not isinstance(data, dict) or data.get('format') != FORMAT or data.get('machine') != record:
         return {}
@@ -379,7 +379,7 @@ def _logged() -> List[dict]:
             for line in f:
                 try:
                     record = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 if isinstance(record, dict) and {'name', 'class', 'threads', 'source', 'choice'} <= set(record):
                     found.append(record)
