@@ -323,7 +323,7 @@ def test_a_records_run_that_cannot_publish_leaves_the_docs_as_they_were(docs_cop
     if case == 'foreign':                 # one line, not a traceback after the benchmarks' minutes
         assert "measured on a 'intel-amx' CPU, not 'amd-avx2'" in message and 'docs/ are as they were' in message
     if case == 'busy':
-        assert 'BUSY: models.json' in message and '--allow-busy' in message
+        assert 'BUSY: models.json' in message and 'make bench-records RECORDS_FLAGS=--allow-busy' in message
         assert f"about {kinds.RECORDS_MINUTES} min" in message and kinds.RECORDS_COMMAND in message
     if case in ('failed', 'busy', 'foreign'):        # the records made are kept where the message says
         staged = Path(message.split('records are in ')[1].split('. ')[0].strip())
