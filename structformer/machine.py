@@ -5,6 +5,7 @@ neither the other. Only the standard library: `structformer --help` must not pay
 """
 import os
 import platform
+import re
 from typing import Optional
 
 
@@ -96,7 +97,9 @@ def kind_id(vendor: str, flags) -> str:
     else:
         isa = platform.machine().lower() or 'unknown'
     name = vendor.lower()
-    name = 'amd' if 'amd' in name else 'intel' if 'intel' in name else (name or 'unknown')
+    # a file-name-safe word: the kind names a folder of docs/kinds/ ('Arm implementer 0x6d' -> 'arm-implementer-0x6d')
+    name = 'amd' if 'amd' in name else 'intel' if 'intel' in name else (re.sub(r'[^a-z0-9]+', '-', name).strip('-')
+                                                                         or 'unknown')
     return f"{name}-{isa}"
 
 

@@ -108,3 +108,8 @@ def test_without_proc_cpuinfo_the_kind_says_it_read_nothing(monkeypatch):
     found = machine.cpu_kind()
     assert found['kind'].startswith('unknown-') and found['flags'] == [] and 'no flags read' in found['summary']
     assert found['bf16_native'] is False and hardware_facts(found) == []
+
+
+def test_an_unknown_arm_implementer_still_names_a_folder():
+    found = machine.cpu_kind(GRAVITON2.replace('0x41', '0x6d'))
+    assert found['kind'] == 'arm-implementer-0x6d-neon' and found['vendor'] == 'Arm implementer 0x6d'
