@@ -56,8 +56,8 @@ def bf16_capped(caps: dict) -> bool:
 
 def amx_capped(caps: dict) -> bool:
     """Whether the caps keep oneDNN off AMX: `bf16_capped`, or a oneDNN level that does not name AMX (or ALL)."""
-    return bf16_capped(caps) or any(name in caps and 'amx' not in caps[name].lower() and caps[name].strip().lower() != 'all'
-                                    for name in _ONEDNN_CAPS)
+    return bf16_capped(caps) or any(name in caps and 'amx' not in caps[name].lower()
+                                    and caps[name].strip().lower() != 'all' for name in _ONEDNN_CAPS)
 
 
 def _cpuinfo_fields(text: Optional[str] = None) -> dict:
@@ -81,7 +81,8 @@ def _cpuinfo_fields(text: Optional[str] = None) -> dict:
 
 def kind_id(vendor: str, flags) -> str:
     """A short name for a kind of CPU: the vendor and the widest vector ISA with its dot-product extensions,
-    e.g. 'amd-avx2', 'amd-avx512-bf16', 'intel-avx512-vnni', 'intel-amx', 'arm-sve' (Graviton 3). Two CPUs of one kind run the same
+    e.g. 'amd-avx2', 'amd-avx512-bf16', 'intel-avx512-vnni', 'intel-amx', 'arm-sve' (Graviton 3).
+    Two CPUs of one kind run the same
     kernels (MKL's, oneDNN's and ATen's dispatch on these features), so their speed ratios are comparable."""
     flags = set(flags)
     if 'amx_tile' in flags:
@@ -127,7 +128,8 @@ def cpu_kind(cpuinfo: Optional[str] = None) -> dict:
     if caps:
         # the CPU's kind with what was capped: 'amd-avx512-bf16+cap-avx2' runs AVX2 kernels on an AVX-512 core,
         # which is neither this kind nor an AVX2 CPU (caches, FMA units and clocks stay this CPU's)
-        kind += '+cap-' + '-'.join(sorted({v.strip().lower() for v in caps.values()}))
+        kind += '+cap-' + '-'.join(sorted({re.sub(r'[^a-z0-9_]+', '-', v.strip().lower())    # a folder name
+                                           for v in caps.values()}))
         summary += '; kernels capped by ' + ', '.join(f"{k}={v}" for k, v in sorted(caps.items()))
     return {'kind': kind, 'vendor': vendor, 'model': model, 'family_model': numbers,
             'flags': sorted(flag for flag in {**ISA_FLAGS, **ARM_FLAGS} if flag in flags), 'isa_caps': caps,

@@ -113,3 +113,8 @@ def test_without_proc_cpuinfo_the_kind_says_it_read_nothing(monkeypatch):
 def test_an_unknown_arm_implementer_still_names_a_folder():
     found = machine.cpu_kind(GRAVITON2.replace('0x41', '0x6d'))
     assert found['kind'] == 'arm-implementer-0x6d-neon' and found['vendor'] == 'Arm implementer 0x6d'
+
+
+def test_a_cap_value_cannot_lead_the_kind_out_of_its_folder(monkeypatch):
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', '../../x')
+    assert machine.cpu_kind(ROME)['kind'] == 'amd-avx2+cap--x'

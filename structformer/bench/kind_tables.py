@@ -350,7 +350,8 @@ def record_kind(threads: int, allow_busy: bool = False) -> int:
     minutes = (time.monotonic() - began) / 60
     if failed or (busy and not allow_busy):
         reasons = ([f"failed: {', '.join(failed)}"] if failed else []) + (
-            [f"measured while the machine was BUSY: {', '.join(busy)} (`make bench-records RECORDS_FLAGS=--allow-busy` publishes them anyway)"]
+            [f"measured while the machine was BUSY: {', '.join(busy)} "
+             f"(`make bench-records RECORDS_FLAGS=--allow-busy` publishes them anyway)"]
             if busy and not allow_busy else [])
         print(f"\nnothing published for {kind} after {minutes:.1f} min ({'; '.join(reasons)}); the records and tables "
               f"in docs/ are as they were, this run's records are in {staged}. Re-run `{RECORDS_COMMAND}` on a quiet "
@@ -364,7 +365,8 @@ def record_kind(threads: int, allow_busy: bool = False) -> int:
         return 1
     shutil.rmtree(staged, ignore_errors=True)
     print(f"\nrecords of {kind} in {_display(folder)}, tables in {_display(BENCHMARKS_MD)} and "
-          f"{_display(README_MD)}: {minutes:.1f} min" + (f" (BUSY, published as asked: {', '.join(busy)})" if busy else ''))
+          f"{_display(README_MD)}: {minutes:.1f} min"
+          + (f" (BUSY, published as asked: {', '.join(busy)})" if busy else ''))
     return 0
 
 

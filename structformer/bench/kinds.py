@@ -175,7 +175,8 @@ def hardware_facts(kind: dict) -> list:
         facts.append('bfloat16 dot products in hardware (' + ('AMX' if kind.get('amx') else 'AVX-512 BF16') +
                      '): bfloat16 matmuls can beat float32')
     elif set(kind.get('flags') or ()) & {'avx512_bf16', 'amx_bf16'}:
-        facts.append('AVX-512 BF16 / AMX present but capped off (' + ', '.join(f"{k}={v}" for k, v in sorted(caps.items()))
+        facts.append('AVX-512 BF16 / AMX present but capped off ('
+                     + ', '.join(f"{k}={v}" for k, v in sorted(caps.items()))
                      + '): a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
     elif flags:
         facts.append('no AVX-512 BF16 or AMX: a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
@@ -262,7 +263,8 @@ def write_record(path, obj: dict, allow_busy: bool = False) -> str:
         took = f"this run took {elapsed:.1f} min, a quiet rerun about as long; " if elapsed else ''
         print(f"not written to {path}: the machine was BUSY while this was measured (other processes used "
               f"{load.get('other_cores')} cores); the record is in {written}. Re-run on a quiet machine ({took}"
-              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min on a quiet machine), or "
+              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min on a "
+              f"quiet machine), or "
               f"pass --allow-busy to write it anyway", file=sys.stderr)
         return written
     return write_json(path, obj)

@@ -63,8 +63,8 @@ from ..errors import UsageError
 from ..machine import cpu_kind
 from .tracing import recording_graph
 
-__all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'check_environment', 'use_timer', 'timing_allowed',
-           'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
+__all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'check_environment', 'use_timer',
+           'timing_allowed', 'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
            'ENV_PREFIX', 'ENV_TIMING', 'ENV_LOG', 'MARGIN']
 
 # Every choice, its candidates and what it picks between. A name here is what STRUCTFORMER_CHOICE_<NAME> takes.
