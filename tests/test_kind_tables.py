@@ -383,3 +383,15 @@ def test_an_interrupted_bench_says_what_it_left(monkeypatch, capsys):
     assert main(['bench', 'lowrank', '--depth', '0']) == 130
     err = capsys.readouterr().err
     assert 'interrupted; a record is written whole at the end of a run, or not at all' in err and 'checkpoint' not in err
+
+
+def test_render_of_a_foreign_kind_record_is_one_line_and_writes_nothing(docs_copy, capsys):
+    """`python -m structformer.bench.kind_tables render` with a kind record that is not one (hand-edited, truncated):
+    one line, exit 2, neither page rewritten (the render is made whole before either is written)."""
+    before = _docs_state(docs_copy)
+    (docs_copy.docs / 'kinds' / 'amd-avx2.json').write_text('{"kind": "amd-avx2"}')
+    before['docs/kinds/amd-avx2.json'] = b'{"kind": "amd-avx2"}'
+    assert kind_tables.main(['render']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'render: error: KeyError' in err
+    assert _docs_state(docs_copy) == before

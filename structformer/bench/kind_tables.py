@@ -386,7 +386,11 @@ def main(argv=None) -> int:
         if SUMMARY_START not in README_MD.read_text():         # found now, not after the benchmarks' minutes
             rec.error(f"{_display(README_MD)} has no {SUMMARY_START} ... {SUMMARY_END} section for the speed table")
         return record_kind(args.threads, args.allow_busy)
-    write_docs()
+    try:
+        write_docs()
+    except (ValueError, KeyError, TypeError, OSError) as e:      # a page without its markers, a foreign kind record
+        print(f"{parser.prog} render: error: {type(e).__name__}: {e}; docs/ left as it was", file=sys.stderr)
+        return 2
     return 0
 
 
