@@ -536,3 +536,15 @@ def test_an_unwritable_cache_folder_keeps_the_decision_in_the_process(tuning, mo
     with autotune.use_timer(timer):
         assert _decide() == 'sdpa' and _decide() == 'sdpa'
     assert timer.calls == 1 and autotune.report()['cached'] == {}
+
+
+def test_a_file_system_without_locks_still_gets_the_decision_written(tuning, monkeypatch):
+    """flock refused (ENOLCK on some NFS homes): the decision is written unlocked rather than never cached."""
+    import fcntl
+
+    def refused(handle, operation):
+        raise OSError(37, 'No locks available')
+    monkeypatch.setattr(fcntl, 'flock', refused)
+    with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+        assert _decide() == 'sdpa'
+    assert autotune.report()['cached'] == {'ssa_impl': {'197,64,float32': 'sdpa'}}

@@ -197,7 +197,8 @@ def _read_cache(record: dict) -> Dict[str, Dict[str, dict]]:
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on `path`.lock across processes (POSIX flock), so that two processes adding decisions to
     one file at once (DDP ranks, loader workers, two runs) do not each rewrite it without the other's: read, update
-    and rewrite happen under it. OSError where the lock file cannot be made (a read-only cache)."""
+    and rewrite happen under it. OSError where the lock file cannot be made (a read-only cache); where the file
+    system refuses locks, the rewrite goes ahead unlocked, as atomic as ever."""
     try:
         import fcntl
     except ImportError:                               # not POSIX: rewrites may race, each is still atomic
@@ -205,7 +206,11 @@ def _file_lock(path: Path) -> Iterator[None]:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix('.lock'), 'a') as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:                               # a file system without locks (some NFS): write unlocked
+            yield
+            return
         try:
             yield
         finally:
