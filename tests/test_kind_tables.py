@@ -348,7 +348,10 @@ def test_a_records_run_publishes_a_new_kind_whole_and_leaves_the_other_kinds_alo
     assert all(entry['value'] == 1.0 for entry in record['goals'])
     assert {e['goal'] for e in record['goals'] if e['busy']} == {'soft_sdpa'}
     text = (docs_copy.docs / 'benchmarks.md').read_text()
-    assert text.startswith(old.rstrip()) and kind_tables.table_in_docs(text, 'intel-avx512-bf16') == kind_tables.render(record)
+    assert kind_tables.table_in_docs(text, 'intel-avx512-bf16') == kind_tables.render(record)
+    last = old.rindex(kind_tables.END) + len(kind_tables.END)       # the new kind's table right after the others'
+    assert text.startswith(old[:last] + '\n\n### intel-avx512-bf16\n\n<!-- kind-table intel-avx512-bf16 -->\n')
+    assert text.endswith(old[last:])
     for kind in kind_tables.kind_records():
         if kind != 'intel-avx512-bf16':
             assert kind_tables.table_in_docs(text, kind) == kind_tables.table_in_docs(old, kind)

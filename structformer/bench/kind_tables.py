@@ -280,8 +280,8 @@ def _uninterrupted():
 
 def publish(kind: str, staged: Path) -> Path:
     """Make the benchmark records in `staged` this kind's records: docs/kinds/<kind>/ (replacing the old folder), its
-    kind record docs/kinds/<kind>.json, its table in docs/benchmarks.md (markers appended for a kind met for the
-    first time) and README's speed table. Everything is read, checked, rendered and written to temporaries beside
+    kind record docs/kinds/<kind>.json, its table in docs/benchmarks.md (for a kind met for the first time, a
+    heading and the table's markers after the last kind's table) and README's speed table. Everything is read, checked, rendered and written to temporaries beside
     its target first; then, with signals held, the folder is swapped and each file renamed into place, so a failed
     or interrupted publish leaves the docs as they were. Returns the kind's folder."""
     from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
@@ -295,8 +295,9 @@ def publish(kind: str, staged: Path) -> Path:
         records = dict(kind_records(), **{kind: record})
         measured = {k for k in records if (KINDS_DIR / k).is_dir()} | {kind}
         text = BENCHMARKS_MD.read_text()
-        if START.format(kind=kind) not in text:
-            text = text.rstrip() + f"\n\n{START.format(kind=kind)}\n{END}\n"
+        if START.format(kind=kind) not in text:             # a kind met for the first time: after the other kinds
+            at = text.rfind(END) + len(END) if END in text else len(text.rstrip())
+            text = text[:at] + f"\n\n### {KIND_LABELS.get(kind, kind)}\n\n{START.format(kind=kind)}\n{END}" + text[at:]
         files = {KINDS_DIR / f'{kind}.json': json.dumps(record, indent=1), BENCHMARKS_MD: update_docs(text, records),
                  README_MD: replace_section(README_MD.read_text(), render_summary(records, measured),
                                             SUMMARY_START, SUMMARY_END)}
