@@ -399,3 +399,15 @@ def test_render_of_a_foreign_kind_record_is_one_line_and_writes_nothing(docs_cop
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'render: error: KeyError' in err
     assert _docs_state(docs_copy) == before
+
+
+@pytest.mark.parametrize('argv, env, message', [
+    (['record', '--threads', '0'], {}, '--threads: accepted integers >= 1, got 0'),
+    (['record'], {'STRUCTFORMER_CHOICE_SSA_IMPL': 'flash'}, "STRUCTFORMER_CHOICE_SSA_IMPL='flash': accepted"),
+])
+def test_make_bench_records_refuses_bad_settings_before_measuring(docs_copy, monkeypatch, capsys, argv, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        kind_tables.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err and docs_copy.ran == []

@@ -386,6 +386,11 @@ def main(argv=None) -> int:
             rec.error(f"--threads: accepted integers >= 1, got {args.threads}")
         if SUMMARY_START not in README_MD.read_text():         # found now, not after the benchmarks' minutes
             rec.error(f"{_display(README_MD)} has no {SUMMARY_START} ... {SUMMARY_END} section for the speed table")
+        from ..functional.autotune import check_environment
+        try:                                                    # each benchmark would refuse them, one by one
+            check_environment()
+        except ValueError as e:
+            rec.error(str(e))
         return record_kind(args.threads, args.allow_busy)
     try:
         write_docs()
