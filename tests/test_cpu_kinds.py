@@ -118,3 +118,11 @@ def test_an_unknown_arm_implementer_still_names_a_folder():
 def test_a_cap_value_cannot_lead_the_kind_out_of_its_folder(monkeypatch):
     monkeypatch.setenv('ATEN_CPU_CAPABILITY', '../../x')
     assert machine.cpu_kind(ROME)['kind'] == 'amd-avx2+cap--x'
+
+
+def test_the_trainers_bfloat16_verdict_follows_the_onednn_cap(monkeypatch):
+    """`cpu_bfloat16_native` (the bench's bfloat16 verdict, the trainer's warning) under a oneDNN cap at an AVX-512
+    level without BF16: not native, whatever this CPU has."""
+    from structformer.train.precision import cpu_bfloat16_native
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_VNNI')
+    assert cpu_bfloat16_native() is False
