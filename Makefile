@@ -46,10 +46,13 @@ bench: $(STAMP)
 	$(BIN)/structformer bench models
 
 # Re-measure every goal's record for this machine's CPU kind (docs/kinds/KIND/, KIND.json) and rewrite its table in
-# docs/benchmarks.md. Run it on a quiet machine: a benchmark refuses to write into docs/ from a busy run.
+# docs/benchmarks.md and README's; all of them or, when a benchmark failed or ran while the machine was busy, none.
+# Run it on a quiet machine, or publish a busy run's records anyway (their tables say BUSY):
+# make bench-records RECORDS_FLAGS=--allow-busy
 THREADS ?= 1
+RECORDS_FLAGS ?=
 bench-records: $(STAMP)
-	$(BIN)/python -m structformer.bench.kind_tables record --threads $(THREADS)
+	$(BIN)/python -m structformer.bench.kind_tables record --threads $(THREADS) $(RECORDS_FLAGS)
 
 # The GPU suite (tests/gpu, skipped without CUDA; docs/gpu.md). On a lent GPU's image, with its own python and no
 # .venv: `python3 -m pip install -e . --no-deps --no-build-isolation && make test-gpu TEST_PYTHON=python3`.

@@ -3,6 +3,7 @@ module per verb (structformer/commands/, and the kinds' own `analysis/cli.py`, `
 `design_cli.py`); this module builds the parser from that table and is the net that turns expected failures into
 one line."""
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -77,6 +78,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # as argparse names it in its own errors: the verb and its target or action (`structformer data shard: ...`)
     command = ' '.join([args.command] + [getattr(args, key) for key in ('target', 'action') if getattr(args, key, None)])
     try:
+        if any(k.startswith('STRUCTFORMER_CHOICE_') or k == 'STRUCTFORMER_AUTOTUNE' for k in os.environ):
+            from .functional.autotune import check_environment    # only then: torch stays unimported otherwise
+            check_environment()
         return run_command(COMMANDS, args.command, args)
     except KeyboardInterrupt as e:              # Ctrl-C, or SIGTERM during training (exit status 143)
         said = getattr(e, 'said', None) or 'checkpoints already written are intact'   # a command may say what it kept

@@ -99,11 +99,13 @@ def test_a_new_torch_cpu_or_thread_count_times_again(tuning, monkeypatch, change
 
 
 @pytest.mark.parametrize('content', ['{not json', '[1, 2]', json.dumps({'format': 1, 'machine': {}, 'choices': {}}),
-                                     json.dumps({'format': 1, 'machine': None, 'choices': {'ssa_impl': 3}})])
+                                     json.dumps({'format': 1, 'machine': None, 'choices': {'ssa_impl': 3}}),
+                                     '', '{"format": 1, "machine": {"cpu": "AMD', b'\xff\xfe\x00garbage',
+                                     '[' * 100000])                  # empty, truncated, not UTF-8, too deep to parse
 def test_a_corrupt_or_foreign_cache_file_is_ignored_and_rewritten(tuning, content):
     path = autotune.cache_file()
     path.parent.mkdir(parents=True)
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     timer = FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})
     with autotune.use_timer(timer):
         assert _decide() == 'sdpa'
@@ -309,14 +311,16 @@ def test_newton_loop_candidates_equal_pinv(tuning, monkeypatch, batch, m, dtype)
                                                     @ reference.transpose(-2, -1)), **tol)
 
 
-@pytest.mark.parametrize('n, train', [(41, False), (41, True), (70, False)])
-def test_sparsifiner_tile_candidates_equal_the_masked_reference(tuning, monkeypatch, n, train):
+@pytest.mark.parametrize('n, train, dense_cls_row', [(41, False, True), (41, True, True), (70, False, True),
+                                                  (41, False, False), (41, True, False)])
+def test_sparsifiner_tile_candidates_equal_the_masked_reference(tuning, monkeypatch, n, train, dense_cls_row):
     """The layer's block attention on the kernel and on gathered tiles against impl='masked' on the same block
-    mask (float64), in inference and training (input gradient)."""
+    mask (float64), in inference and training (input gradient), with and without the dense cls row (the shape
+    class's `dense rows` 1 / 0)."""
     if tile_kernel.unavailable_reason():
         pytest.skip(f'no tile kernel here: {tile_kernel.unavailable_reason()}')
     torch.manual_seed(0)
-    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=n, n_down=6)
+    options = dict(keep_ratio=0.3, connectivity='block', block_size=8, seq_len=n, n_down=6, dense_cls_row=dense_cls_row)
     layer = SparsifinerAttention(32, 4, **options).double().train(train)
     masked = SparsifinerAttention(32, 4, impl='masked', **options).double().train(train)
     masked.load_state_dict(layer.state_dict())
@@ -469,3 +473,78 @@ def test_an_isa_cap_below_avx512_makes_bfloat16_not_native(monkeypatch):
     monkeypatch.delenv('ATEN_CPU_CAPABILITY', raising=False)
     assert cpu_bfloat16_native() == any(getattr(torch.cpu, n, lambda: False)()
                                         for n in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+
+
+@pytest.mark.parametrize('variable, value, message', [
+    ('STRUCTFORMER_AUTOTUNE', 'of', "STRUCTFORMER_AUTOTUNE='of': accepted on, off"),
+    ('STRUCTFORMER_CHOICE_SSA_IMP', 'sdpa', 'STRUCTFORMER_CHOICE_SSA_IMP: no such choice; accepted'),
+    ('STRUCTFORMER_CHOICE_NEWTON_LOOP', 'gpu', "STRUCTFORMER_CHOICE_NEWTON_LOOP='gpu': accepted 'host', 'device'"),
+])
+def test_a_bad_choice_setting_is_refused_before_any_command_runs(monkeypatch, capsys, variable, value, message):
+    """A typo in STRUCTFORMER_AUTOTUNE or a STRUCTFORMER_CHOICE_* name / value: one line and exit 2 before the
+    command does anything, also where the command never meets that choice (`structformer models` builds no SOFT
+    layer): a run must not go ahead with the setting silently ignored."""
+    from structformer.cli import main
+    monkeypatch.setenv(variable, value)
+    assert main(['models', '--filter', 'crate_tiny']) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith('structformer models: error: ')
+    with pytest.raises(UsageError, match=message.split(':')[0]):
+        autotune.check_environment()
+    assert autotune.report()['timing' if variable == 'STRUCTFORMER_AUTOTUNE' else 'overrides']    # recorded, no raise
+
+
+@pytest.mark.parametrize('value, on', [('off', False), ('0', False), ('FALSE', False), ('on', True), ('1', True),
+                                       ('', True), (' yes ', True)])
+def test_the_timing_setting_reads_its_accepted_values(monkeypatch, value, on):
+    monkeypatch.setenv('STRUCTFORMER_AUTOTUNE', value)
+    autotune.check_environment()
+    assert autotune.report()['timing'] == ('on' if on else 'off')
+
+
+@pytest.mark.skipif(os.name != 'posix', reason='the cache lock is POSIX flock')
+def test_processes_adding_decisions_at_once_take_turns_and_keep_both(tuning):
+    """Two processes (DDP ranks, two runs) timing at once each read, update and rewrite the machine's file: without
+    a lock one rewrite drops the other's decision (2 processes × 300 classes kept 431 of 600). Here another process
+    holds the lock mid-update (an flock on its own open file): our write waits for it, then keeps its entry too."""
+    import fcntl
+    import threading
+    with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+        assert _decide(shape=(1, 64, 'float32')) == 'sdpa'                 # the file exists, with one decision
+        path = autotune.cache_file()
+        with open(path.with_suffix('.lock'), 'a') as other:
+            fcntl.flock(other, fcntl.LOCK_EX)
+            ours = threading.Thread(target=_decide, kwargs={'shape': (2, 64, 'float32')})
+            ours.start()
+            ours.join(0.5)
+            assert ours.is_alive()                                          # waiting for the other writer
+            data = json.loads(path.read_text())                             # the other process's update lands
+            data['choices']['ssa_impl']['3,64,float32'] = {'choice': 'shared'}
+            path.write_text(json.dumps(data))
+            fcntl.flock(other, fcntl.LOCK_UN)
+        ours.join(10)
+    assert sorted(json.loads(path.read_text())['choices']['ssa_impl']) == ['1,64,float32', '2,64,float32',
+                                                                           '3,64,float32']
+
+
+def test_an_unwritable_cache_folder_keeps_the_decision_in_the_process(tuning, monkeypatch):
+    """A cache folder that cannot be made or written (a read-only home; here its parent is a file, which stops root
+    too): the decision is timed once and kept for this process, and the run goes on."""
+    (tuning / 'not-a-folder').write_text('')
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tuning / 'not-a-folder'))
+    timer = FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})
+    with autotune.use_timer(timer):
+        assert _decide() == 'sdpa' and _decide() == 'sdpa'
+    assert timer.calls == 1 and autotune.report()['cached'] == {}
+
+
+def test_a_file_system_without_locks_still_gets_the_decision_written(tuning, monkeypatch):
+    """flock refused (ENOLCK on some NFS homes): the decision is written unlocked rather than never cached."""
+    import fcntl
+
+    def refused(handle, operation):
+        raise OSError(37, 'No locks available')
+    monkeypatch.setattr(fcntl, 'flock', refused)
+    with autotune.use_timer(FakeTimer({'shared': [1.0] * 3, 'sdpa': [0.5] * 3})):
+        assert _decide() == 'sdpa'
+    assert autotune.report()['cached'] == {'ssa_impl': {'197,64,float32': 'sdpa'}}

@@ -69,3 +69,23 @@ def test_bench_under_competing_load_flags_itself(tmp_path, capsys):
     assert record['busy'], record
     assert record['other_cores'] > 0.3
     assert 'machine: BUSY' in stdout and '--threads 1' in stdout
+
+
+STAT = """cpu  400 0 0 900 0 0 0 0 0 0
+cpu0 10 0 0 300 0 0 0 0 0 0
+cpu1 20 0 0 300 0 0 0 0 0 0
+cpu2 170 0 0 150 0 0 0 0 0 0
+cpu3 200 0 0 150 0 0 0 5 0 0
+intr 12345
+"""
+
+
+def test_only_the_cpus_we_may_run_on_are_counted():
+    """A container or job pinned to CPUs 0 and 1 of a 4-CPU host: /proc/stat shows the host, and the host's other
+    CPUs' work (cpu2, cpu3) never competed with ours. Summed over every CPU, a pinned run read BUSY whatever ran on
+    its own cores."""
+    assert load._proc_stat_ticks(frozenset({0, 1}), STAT) == (30, 0)
+    assert load._proc_stat_ticks(None, STAT) == (400, 0)                  # every CPU: the first line
+    assert load._proc_stat_ticks(frozenset({3}), STAT) == (200, 5)
+    assert load._proc_stat_ticks(frozenset({7}), STAT) == (400, 0)        # no such line: the whole machine
+    assert load._proc_stat_ticks(None, 'nothing') is None

@@ -114,6 +114,34 @@ def test_a_bench_json_carries_the_cpu_kind_and_the_choices(tmp_path, capsys):
     assert f"CPU kind {cpu_kind()['kind']}" in printed
 
 
+def test_a_bench_json_lists_the_choices_its_measurements_made(tmp_path, monkeypatch):
+    """The record's `environment.choices.decisions` are the kernel choices the benchmark's own measurements made
+    (timed here, on a fresh cache): read after measuring, not before (it was empty in every committed record), and
+    from the measuring subprocesses too, through the run's shared log, which is gone after the run."""
+    import tempfile
+    from structformer.functional import autotune
+    monkeypatch.setenv('STRUCTFORMER_AUTOTUNE', 'on')
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    autotune.forget()
+    out = tmp_path / 'lowrank.json'
+    with autotune.use_timer(lambda calls: {label: [1.0] * 3 for label in calls}):      # no real timing needed
+        assert main(['bench', 'lowrank', '--tokens', '256', '--in-features', '512', '--out-features', '512', '--ranks',
+                     '0.25', '--depth', '0', '--steps', '1', '--rounds', '1', '--threads', '1', '--output', str(out)]) == 0
+    decisions = json.loads(out.read_text())['environment']['choices']['decisions']
+    assert {(d['name'], d['class'], d['source']) for d in decisions} >= {
+        ('linear_kernel', '256,512,128,transposed,nobias,train', 'timed'), ('linear_kernel', '256,128,512,rows,bias,train', 'timed')}
+    assert not list(tmp_path.glob('structformer-choices-*')) and autotune.ENV_LOG not in __import__('os').environ
+    autotune.forget()
+    from structformer.bench.harness import measure_in_subprocess
+    monkeypatch.setenv(autotune.ENV_LOG, str(tmp_path / 'log.jsonl'))
+    assert measure_in_subprocess('structformer.functional.autotune:decide', 'ssa_impl', [5, 16, 'float32'], 'shared',
+                                 None, 'sdpa') == 'sdpa'                     # decided in a child process
+    assert [(d['name'], d['class'], d['choice'], d['source']) for d in autotune.report()['decisions']] == [
+        ('ssa_impl', '5,16,float32', 'sdpa', 'isa')]
+    autotune.forget()
+
+
 def test_the_header_counts_the_cached_choices_instead_of_listing_every_class():
     """A machine's cache holds every shape class any process met (the test suite leaves hundreds): the header says
     per choice how many classes took each candidate, the most taken first; the record keeps each class."""
@@ -216,3 +244,170 @@ def test_a_records_command_is_the_one_that_made_it():
     assert '--profile' not in kind_tables._as_run(arguments, {'profile': False, 'pairs': 20})
     assert kind_tables._as_run(arguments, {'profile': True}) == arguments == kind_tables._as_run(arguments, {})
     assert kind_tables._as_run(['x', '--pairs', '20'], {'pairs': 0}) == ['x', '--pairs', '20']    # a value, kept
+
+
+# ---- `make bench-records` on a kind: all records published together, or none ----------------------------------
+
+@pytest.fixture
+def docs_copy(tmp_path, monkeypatch):
+    """kind_tables pointed at a copy of docs/kinds, docs/benchmarks.md and README.md; the CPU kind faked as
+    `docs_copy.kind` (default amd-avx2, a kind transcribed by hand), and each benchmark a fake that writes its
+    record of that kind: `docs_copy.busy` / `docs_copy.fail` name the records measured busy / failing,
+    `docs_copy.interrupt_at` the one at which Ctrl-C arrives."""
+    import shutil
+    import tempfile
+    import types
+    docs = tmp_path / 'docs'
+    shutil.copytree(DOCS / 'kinds', docs / 'kinds')
+    shutil.copy(DOCS / 'benchmarks.md', docs / 'benchmarks.md')
+    shutil.copy(DOCS.parent / 'README.md', tmp_path / 'README.md')
+    monkeypatch.setattr(kind_tables, 'KINDS_DIR', docs / 'kinds')
+    monkeypatch.setattr(kind_tables, 'BENCHMARKS_MD', docs / 'benchmarks.md')
+    monkeypatch.setattr(kind_tables, 'README_MD', tmp_path / 'README.md')
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    (tmp_path / 'tmp').mkdir()
+    state = types.SimpleNamespace(kind='amd-avx2', busy=(), fail=(), interrupt_at=None, docs=docs, root=tmp_path,
+                                  ran=[])
+    monkeypatch.setattr('structformer.records.cpu_kind', lambda: {'kind': state.kind})
+
+    def fake_benchmark(argv):
+        name = next(n for n, _, arguments in kind_tables.RECORDS if arguments[0] == argv[4])
+        state.ran.append(name)
+        if name == state.interrupt_at:
+            raise KeyboardInterrupt
+        if name in state.fail:
+            return 1
+        out = Path(argv[argv.index('--json' if '--json' in argv else '--output') + 1])
+        out = out / 'mlp.json' if name.startswith('mlp/') else out
+        goals = next(g for n, g, _ in kind_tables.RECORDS if n == name)
+        record = {'environment': {'cpu_kind': {'kind': state.kind, 'summary': 'a CPU'}, 'threads': 1, 'choices': {}},
+                  'settings': {}, 'machine_load': {'busy': name in state.busy, 'other_cores': 0.0, 'wall_s': 60.0},
+                  'kind_goals': [kinds.goal_entry(g, 1.0, threads=1, busy=name in state.busy) for g in goals]}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record))
+        return 0
+
+    monkeypatch.setattr(kind_tables.subprocess, 'call', fake_benchmark)
+    return state
+
+
+def _docs_state(state) -> dict:
+    return {str(p.relative_to(state.root)): p.read_bytes() for p in sorted(state.root.rglob('*'))
+            if p.is_file() and 'tmp' not in p.relative_to(state.root).parts}
+
+
+@pytest.mark.parametrize('case', ['failed', 'busy', 'interrupted', 'foreign'])
+def test_a_records_run_that_cannot_publish_leaves_the_docs_as_they_were(docs_copy, case, capsys):
+    """A benchmark failing, one measured on a busy machine, Ctrl-C half-way, or a record of another kind: the
+    transcribed amd-avx2 record, both tables and every folder stay byte for byte; the run says why and where the
+    records it made are (a busy one: how long a quiet rerun takes)."""
+    before = _docs_state(docs_copy)
+    if case == 'failed':
+        docs_copy.fail = ('lowrank.json',)
+    elif case == 'busy':
+        docs_copy.busy = ('models.json',)
+    elif case == 'interrupted':
+        docs_copy.interrupt_at = 'mlp/mlp.json'
+    if case == 'foreign':
+        original = kind_tables.subprocess.call
+        kind_tables.subprocess.call = lambda argv: original(argv) if 'models' not in argv else (
+            docs_copy.__setattr__('kind', 'intel-amx'), original(argv), docs_copy.__setattr__('kind', 'amd-avx2'))[1]
+        assert kind_tables.record_kind(1) == 1
+    else:
+        assert kind_tables.record_kind(1) == (130 if case == 'interrupted' else 1)
+    assert _docs_state(docs_copy) == before
+    assert not (docs_copy.docs / 'kinds' / 'amd-avx2').exists()
+    assert [p.name for p in (docs_copy.docs / 'kinds').iterdir() if '.tmp-' in p.name or '.old-' in p.name] == []
+    message = capsys.readouterr().err
+    if case == 'failed':
+        assert 'failed: lowrank.json' in message and 'docs/ are as they were' in message
+    if case == 'foreign':                 # one line, not a traceback after the benchmarks' minutes
+        assert "measured on a 'intel-amx' CPU, not 'amd-avx2'" in message and 'docs/ are as they were' in message
+    if case == 'busy':
+        assert 'BUSY: models.json' in message and 'make bench-records RECORDS_FLAGS=--allow-busy' in message
+        assert f"about {kinds.RECORDS_MINUTES} min" in message and kinds.RECORDS_COMMAND in message
+    if case in ('failed', 'busy', 'foreign'):        # the records made are kept where the message says
+        staged = Path(message.split('records are in ')[1].split('. ')[0].strip())
+        assert (staged / 'sparse_attention.json').exists()
+    if case == 'interrupted':
+        assert docs_copy.ran[-1] == 'mlp/mlp.json' and 'nothing published' in message
+        assert list((docs_copy.root / 'tmp').iterdir()) == []
+
+
+def test_a_records_run_publishes_a_new_kind_whole_and_leaves_the_other_kinds_alone(docs_copy):
+    """A kind met for the first time: its folder, its kind record (= collect of the folder), its table appended to
+    docs/benchmarks.md, its column in README's table; every other kind's table is unchanged. A busy run publishes
+    only with allow_busy, and says BUSY in the table."""
+    docs_copy.kind = 'intel-avx512-bf16'
+    old = (docs_copy.docs / 'benchmarks.md').read_text()
+    docs_copy.busy = ('attention.json',)
+    assert kind_tables.record_kind(1, allow_busy=True) == 0
+    folder = docs_copy.docs / 'kinds' / 'intel-avx512-bf16'
+    record = json.loads((folder.parent / 'intel-avx512-bf16.json').read_text())
+    assert record == json.loads(json.dumps(kind_tables.collect('intel-avx512-bf16', folder)))
+    assert all(entry['value'] == 1.0 for entry in record['goals'])
+    assert {e['goal'] for e in record['goals'] if e['busy']} == {'soft_sdpa'}
+    text = (docs_copy.docs / 'benchmarks.md').read_text()
+    assert kind_tables.table_in_docs(text, 'intel-avx512-bf16') == kind_tables.render(record)
+    last = old.rindex(kind_tables.END) + len(kind_tables.END)       # the new kind's table right after the others'
+    assert text.startswith(old[:last] + '\n\n### intel-avx512-bf16\n\n<!-- kind-table intel-avx512-bf16 -->\n')
+    assert text.endswith(old[last:])
+    for kind in kind_tables.kind_records():
+        if kind != 'intel-avx512-bf16':
+            assert kind_tables.table_in_docs(text, kind) == kind_tables.table_in_docs(old, kind)
+    readme = (docs_copy.root / 'README.md').read_text()
+    assert kind_tables.summary_in_readme(readme) == kind_tables.render_summary(kind_tables.kind_records())
+    header = next(line for line in readme.splitlines() if line.startswith('| goal (1 thread'))
+    assert header.rstrip(' |').endswith('intel-avx512-bf16')
+    assert 'measured by `make bench-records`' in readme
+
+
+def test_a_records_run_on_a_transcribed_kind_replaces_it_by_its_measured_records(docs_copy):
+    """amd-avx2 measured at last: its folder appears, its record is collected from it (the transcription goes), and
+    the test of measured kinds then holds for it; a second run replaces the folder, no old file left in it."""
+    assert kind_tables.record_kind(1) == 0
+    folder = docs_copy.docs / 'kinds' / 'amd-avx2'
+    record = json.loads((folder.parent / 'amd-avx2.json').read_text())
+    assert record == json.loads(json.dumps(kind_tables.collect('amd-avx2', folder)))
+    assert 'Collected from docs/kinds/amd-avx2/' in record['provenance']
+    (folder / 'stale.json').write_text('{}')
+    assert kind_tables.record_kind(1) == 0
+    assert not (folder / 'stale.json').exists() and (folder / 'mlp' / 'mlp.json').exists()
+    assert sorted(p.name for p in folder.parent.iterdir() if p.is_dir()) == sorted(
+        [p.name for p in (DOCS / 'kinds').iterdir() if p.is_dir()] + ['amd-avx2'])
+
+
+def test_an_interrupted_bench_says_what_it_left(monkeypatch, capsys):
+    """Ctrl-C in a benchmark: exit 130 and a line about records (not the trainer's 'checkpoints ... intact')."""
+    from structformer.bench import lowrank
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lowrank, 'run', interrupted)
+    assert main(['bench', 'lowrank', '--depth', '0']) == 130
+    err = capsys.readouterr().err
+    assert 'interrupted; a record is written whole at the end of a run, or not at all' in err and 'checkpoint' not in err
+
+
+def test_render_of_a_foreign_kind_record_is_one_line_and_writes_nothing(docs_copy, capsys):
+    """`python -m structformer.bench.kind_tables render` with a kind record that is not one (hand-edited, truncated):
+    one line, exit 2, neither page rewritten (the render is made whole before either is written)."""
+    before = _docs_state(docs_copy)
+    (docs_copy.docs / 'kinds' / 'amd-avx2.json').write_text('{"kind": "amd-avx2"}')
+    before['docs/kinds/amd-avx2.json'] = b'{"kind": "amd-avx2"}'
+    assert kind_tables.main(['render']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'render: error: KeyError' in err
+    assert _docs_state(docs_copy) == before
+
+
+@pytest.mark.parametrize('argv, env, message', [
+    (['record', '--threads', '0'], {}, '--threads: accepted integers >= 1, got 0'),
+    (['record'], {'STRUCTFORMER_CHOICE_SSA_IMPL': 'flash'}, "STRUCTFORMER_CHOICE_SSA_IMPL='flash': accepted"),
+])
+def test_make_bench_records_refuses_bad_settings_before_measuring(docs_copy, monkeypatch, capsys, argv, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        kind_tables.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err and docs_copy.ran == []

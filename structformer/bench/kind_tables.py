@@ -11,22 +11,29 @@ docs/benchmarks.md between `<!-- kind-table KIND -->` and `<!-- /kind-table -->`
 table of every kind's verdicts side by side (`render_summary`); the tests check that each equals its render.
 
 `python -m structformer.bench.kind_tables record` (`make bench-records`) runs the benchmarks behind every goal on
-this machine at their goal settings, one after the other, writes their records into `docs/kinds/<this kind>/`
-(a busy run's record is refused there: `kinds.write_record`), collects the kind record and updates the docs.
-It prints how long it took: 21 minutes at 1 thread on the project's 2-core machine while other work shared it
-(`kinds.RECORDS_MINUTES`).
+this machine at their goal settings, one after the other, into a staging folder. Only when every one wrote its
+record and none was measured on a busy machine (unless `--allow-busy`) does it publish them (`publish`): the kind's
+folder `docs/kinds/<this kind>/`, its kind record and both tables, swapped in together with signals held. A failed,
+refused (busy) or interrupted run leaves docs/ as it was and names the staged records; a kind met for the first
+time gets its table's markers appended to docs/benchmarks.md and a column in README's table. It prints how long
+it took (quiet: `kinds.RECORDS_MINUTES`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .gpu_report import replace_section, section_of
 from .kinds import DOCS_DIR, GOALS
@@ -83,9 +90,11 @@ def _as_run(arguments: List[str], settings: dict) -> List[str]:
     return out
 
 
-def collect(kind: str, folder: Path) -> dict:
+def collect(kind: str, folder: Path, shown: Optional[Path] = None) -> dict:
     """The kind record of `kind` from the benchmark records in `folder` (their 'kind_goals' and environment), one
-    entry per goal in `GOALS` order; a goal with no record yet is an entry without a value."""
+    entry per goal in `GOALS` order; a goal with no record yet is an entry without a value. Each entry names its
+    record as in `shown` (default `folder`: the folder the records are read from before they are published)."""
+    shown = folder if shown is None else shown
     entries: Dict[str, dict] = {}
     cpu = None
     for name, goals, arguments in RECORDS:
@@ -100,9 +109,9 @@ def collect(kind: str, folder: Path) -> dict:
         cpu = cpu or (env.get('cpu_kind') or {}).get('summary')
         for entry in record.get('kind_goals') or []:
             if entry['goal'] in goals:
-                shown = ' '.join(command_line(_as_run(arguments, record.get('settings') or {}), env.get('threads', 1),
-                                              f'docs/kinds/{kind}/{name}'))
-                entries[entry['goal']] = dict(entry, record=_display(path), command=shown)
+                command = ' '.join(command_line(_as_run(arguments, record.get('settings') or {}),
+                                                env.get('threads', 1), f'docs/kinds/{kind}/{name}'))
+                entries[entry['goal']] = dict(entry, record=_display(shown / name), command=command)
     goals = [entries.get(goal) or {'goal': goal, 'what': GOALS[goal][1], 'value': None,
                                    'target': f"{GOALS[goal][2]} {GOALS[goal][3]:g}", 'record': None}
              for goal in GOALS]
@@ -189,14 +198,17 @@ def _summary_cell(entry: dict) -> str:
     return f"{text} {'met' if entry.get('met') else '**not met**'}" + (f" ({', '.join(notes)})" if notes else '')
 
 
-def render_summary(records: Dict[str, dict]) -> str:
+def render_summary(records: Dict[str, dict], measured: Optional[set] = None) -> str:
     """README's speed table: one row per goal of `kinds.GOALS`, one column per kind record (KIND_LABELS' order,
     then any other), each cell the record's ratio and verdict, marked BUSY for a busy run's record and 'no record'
-    where the number was transcribed without a committed JSON; each column says how its numbers were obtained."""
+    where the number was transcribed without a committed JSON; each column says how its numbers were obtained
+    (`measured`: the kinds with a folder of benchmark records, default those in docs/kinds/)."""
+    if measured is None:
+        measured = {k for k in records if (KINDS_DIR / k).is_dir()}
     order = [k for k in KIND_LABELS if k in records] + sorted(k for k in records if k not in KIND_LABELS)
     head = ['goal (1 thread unless said)', 'target'] + [KIND_LABELS.get(k, k) for k in order]
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head),
-             '| how measured | | ' + ' | '.join(_provenance((KINDS_DIR / k).is_dir(), records[k]) for k in order) + ' |']
+             '| how measured | | ' + ' | '.join(_provenance(k in measured, records[k]) for k in order) + ' |']
     for goal in GOALS:
         entries = [next(e for e in records[k]['goals'] if e['goal'] == goal) for k in order]
         target = entries[0]['target'].replace('>=', '≥').replace('<=', '≤') if entries else ''
@@ -217,9 +229,11 @@ def summary_in_readme(text: str) -> str:
 
 def write_docs() -> None:
     """Every kind table in docs/benchmarks.md and README's speed table, from docs/kinds/*.json."""
+    from ..atomic import write_text_atomically
     records = kind_records()
-    BENCHMARKS_MD.write_text(update_docs(BENCHMARKS_MD.read_text(), records))
-    README_MD.write_text(update_readme(README_MD.read_text(), records))
+    benchmarks, readme = update_docs(BENCHMARKS_MD.read_text(), records), update_readme(README_MD.read_text(), records)
+    write_text_atomically(BENCHMARKS_MD, benchmarks)
+    write_text_atomically(README_MD, readme)
 
 
 def kind_records() -> Dict[str, dict]:
@@ -241,48 +255,148 @@ def table_in_docs(text: str, kind: str) -> str:
     return match.group(1) if match else ''
 
 
-def record_kind(threads: int, allow_busy: bool = False) -> int:
-    """Run every benchmark of `RECORDS` on this machine into docs/kinds/<kind>/, then collect and update the docs."""
-    from ..records import cpu_kind, write_json
-    kind = cpu_kind()['kind']
+def _busy(path: Path) -> bool:
+    """Whether the benchmark record at `path` says the machine was busy while it measured."""
+    try:
+        return bool((json.loads(path.read_text()).get('machine_load') or {}).get('busy'))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _uninterrupted():
+    """Ctrl-C (SIGINT) and SIGTERM held until the block ends: the few renames that publish a kind's records and
+    tables happen all or none (a signal that arrives meanwhile is delivered after)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, 'pthread_sigmask'):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def publish(kind: str, staged: Path) -> Path:
+    """Make the benchmark records in `staged` this kind's records: docs/kinds/<kind>/ (replacing the old folder), its
+    kind record docs/kinds/<kind>.json, its table in docs/benchmarks.md (for a kind met for the first time, a
+    heading and the table's markers after the last kind's table) and README's speed table. Everything is read, checked, rendered and written to temporaries beside
+    its target first; then, with signals held, the folder is swapped and each file renamed into place, so a failed
+    or interrupted publish leaves the docs as they were. Returns the kind's folder."""
+    from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
     folder = KINDS_DIR / kind
+    KINDS_DIR.mkdir(parents=True, exist_ok=True)
+    prepare_output(folder, 'docs/kinds')                    # what an interrupted publish left (renames undone)
+    temporaries = [temporary_sibling(folder, directory=True)]
+    try:
+        shutil.copytree(staged, temporaries[0], dirs_exist_ok=True)
+        record = collect(kind, temporaries[0], shown=folder)   # a record of another kind raises here
+        records = dict(kind_records(), **{kind: record})
+        measured = {k for k in records if (KINDS_DIR / k).is_dir()} | {kind}
+        text = BENCHMARKS_MD.read_text()
+        if START.format(kind=kind) not in text:             # a kind met for the first time: after the other kinds
+            at = text.rfind(END) + len(END) if END in text else len(text.rstrip())
+            text = text[:at] + f"\n\n### {KIND_LABELS.get(kind, kind)}\n\n{START.format(kind=kind)}\n{END}" + text[at:]
+        files = {KINDS_DIR / f'{kind}.json': json.dumps(record, indent=1), BENCHMARKS_MD: update_docs(text, records),
+                 README_MD: replace_section(README_MD.read_text(), render_summary(records, measured),
+                                            SUMMARY_START, SUMMARY_END)}
+        for target, content in files.items():
+            temporaries.append(temporary_sibling(target))
+            temporaries[-1].write_text(content)
+            if target.exists():                                  # mkstemp's 0600 would stick to the renamed file
+                shutil.copymode(target, temporaries[-1])
+            else:
+                permissions_from_umask(temporaries[-1], 0o666)
+        with _uninterrupted():
+            if folder.exists():
+                temporaries.append(temporary_sibling(folder, directory=True, kind='old'))
+                os.replace(folder, temporaries[-1])
+            os.replace(temporaries[0], folder)
+            for target, temporary in zip(files, temporaries[1:]):
+                os.replace(temporary, target)
+    finally:
+        for path in temporaries:
+            if path.is_dir():                                    # not renamed into place: failed, or the old folder
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    return folder
+
+
+def record_kind(threads: int, allow_busy: bool = False) -> int:
+    """Run every benchmark of `RECORDS` on this machine into a staging folder; when all of them wrote their record
+    and none was busy (or `allow_busy`), publish them as this kind's records and tables (`publish`). Otherwise the
+    docs stay as they were, and the staged records are kept and named. Returns 0, or 1 when nothing was published."""
+    from ..records import cpu_kind
+    from .kinds import RECORDS_COMMAND, RECORDS_MINUTES
+    kind = cpu_kind()['kind']
     began = time.monotonic()
-    failed = []
-    for name, _, arguments in RECORDS:
-        out = folder / name
-        argv = command_line(arguments, threads, out) + (['--allow-busy'] if allow_busy else [])
-        print(f"[{(time.monotonic() - began) / 60:5.1f} min] {' '.join(argv)}", flush=True)
-        before = out.stat().st_mtime_ns if out.exists() else None
-        code = subprocess.call([sys.executable, '-m', 'structformer', *argv[1:]])
-        if code or not out.exists() or out.stat().st_mtime_ns == before:      # failed, or refused as busy
-            failed.append(name)
-    record = collect(kind, folder)
-    write_json(KINDS_DIR / f'{kind}.json', record)
-    text = BENCHMARKS_MD.read_text()
-    if START.format(kind=kind) not in text:
-        text = text.rstrip() + f"\n\n{START.format(kind=kind)}\n{END}\n"
-    BENCHMARKS_MD.write_text(text)
-    write_docs()
+    staged = Path(tempfile.mkdtemp(prefix=f'structformer-records-{kind}-'))
+    failed, busy = [], []
+    try:
+        for name, _, arguments in RECORDS:
+            out = staged / name
+            argv = command_line(arguments, threads, out)
+            print(f"[{(time.monotonic() - began) / 60:5.1f} min] {' '.join(argv)}", flush=True)
+            code = subprocess.call([sys.executable, '-m', 'structformer', *argv[1:]])
+            if code or not out.exists():
+                failed.append(name)
+            elif _busy(out):
+                busy.append(name)
+    except KeyboardInterrupt:
+        shutil.rmtree(staged, ignore_errors=True)
+        print(f"\ninterrupted: nothing published, the records and tables of {kind} are as they were", file=sys.stderr)
+        return 130
     minutes = (time.monotonic() - began) / 60
+    if failed or (busy and not allow_busy):
+        reasons = ([f"failed: {', '.join(failed)}"] if failed else []) + (
+            [f"measured while the machine was BUSY: {', '.join(busy)} "
+             f"(`make bench-records RECORDS_FLAGS=--allow-busy` publishes them anyway)"]
+            if busy and not allow_busy else [])
+        print(f"\nnothing published for {kind} after {minutes:.1f} min ({'; '.join(reasons)}); the records and tables "
+              f"in docs/ are as they were, this run's records are in {staged}. Re-run `{RECORDS_COMMAND}` on a quiet "
+              f"machine: about {RECORDS_MINUTES} min at 1 thread on the project's 2-core machine", file=sys.stderr)
+        return 1
+    try:
+        folder = publish(kind, staged)
+    except (ValueError, OSError) as e:         # a record of another kind, another run publishing, docs not writable
+        print(f"\nnothing published for {kind} after {minutes:.1f} min: {e}; the records and tables in docs/ are as "
+              f"they were, this run's records are in {staged}", file=sys.stderr)
+        return 1
+    shutil.rmtree(staged, ignore_errors=True)
     print(f"\nrecords of {kind} in {_display(folder)}, tables in {_display(BENCHMARKS_MD)} and "
           f"{_display(README_MD)}: {minutes:.1f} min"
-          + (f"; not updated (failed, or refused because the machine was busy): {', '.join(failed)}" if failed else ''))
-    return 1 if failed else 0
+          + (f" (BUSY, published as asked: {', '.join(busy)})" if busy else ''))
+    return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog='python -m structformer.bench.kind_tables', description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest='action', required=True)
     rec = sub.add_parser('record', help="re-measure this CPU kind's records (quiet machine) and update the docs")
-    rec.add_argument('--threads', type=int, default=1, help='torch threads for every benchmark (1)')
+    rec.add_argument('--threads', type=int, default=1, help='torch threads for every benchmark, >= 1 (1)')
     rec.add_argument('--allow-busy', action='store_true',
-                     help='write the records even from a busy run (their tables then say BUSY per goal)')
+                     help='publish the records even from a busy run (their tables then say BUSY per goal)')
     sub.add_parser('render', help="rewrite every kind table in docs/benchmarks.md and README's speed table from "
                                   "docs/kinds/*.json")
     args = parser.parse_args(argv)
     if args.action == 'record':
+        if args.threads < 1:
+            rec.error(f"--threads: accepted integers >= 1, got {args.threads}")
+        if SUMMARY_START not in README_MD.read_text():         # found now, not after the benchmarks' minutes
+            rec.error(f"{_display(README_MD)} has no {SUMMARY_START} ... {SUMMARY_END} section for the speed table")
+        from ..functional.autotune import check_environment
+        try:                                                    # each benchmark would refuse them, one by one
+            check_environment()
+        except ValueError as e:
+            rec.error(str(e))
         return record_kind(args.threads, args.allow_busy)
-    write_docs()
+    try:
+        write_docs()
+    except (ValueError, KeyError, TypeError, OSError) as e:      # a page without its markers, a foreign kind record
+        print(f"{parser.prog} render: error: {type(e).__name__}: {e}; docs/ left as it was", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ..machine import capped_below_avx512
+from ..machine import ISA_FLAGS, capped_below_avx512
 
 # goal id: (benchmark, what is measured, comparison, target)
 GOALS = {
@@ -39,7 +39,8 @@ GOALS = {
 # the project's docs folder: records written here must come from a quiet run (tests point it elsewhere)
 DOCS_DIR = Path(__file__).resolve().parents[2] / 'docs'
 RECORDS_COMMAND = 'make bench-records'
-RECORDS_MINUTES = 21            # what `make bench-records` took at 1 thread on the 2-core machine, busy (docs/benchmarks.md)
+RECORDS_MINUTES = 9             # what `make bench-records` took at 1 thread on the quiet 2-core Zen 5 machine: 7.7 min,
+                                # 9.1 min with its kernels capped to AVX2 (docs/benchmarks.md)
 
 
 def met(goal: str, value: Optional[float]) -> Optional[bool]:
@@ -163,9 +164,20 @@ def hardware_facts(kind: dict) -> list:
     if capped_below_avx512(caps):
         flags = {f for f in flags if not f.startswith(('avx512', 'amx'))}     # capped below AVX-512: its kernels idle
     facts = []
+    if flags and not flags & set(ISA_FLAGS):             # an Arm CPU: none of the x86 kernels' questions apply
+        facts.append("not an x86-64 CPU: oneDNN's linear kernel and the Sparsifiner tile kernel do not run here, "
+                     "torch's own kernels do")
+        if 'bf16' in flags:
+            facts.append("Arm BF16 instructions: whether torch's bfloat16 matmuls use them depends on its build; "
+                         "bfloat16 is judged not native here (its speed-ups were measured on AVX-512 BF16 / AMX only)")
+        return facts
     if kind.get('bf16_native'):
         facts.append('bfloat16 dot products in hardware (' + ('AMX' if kind.get('amx') else 'AVX-512 BF16') +
                      '): bfloat16 matmuls can beat float32')
+    elif set(kind.get('flags') or ()) & {'avx512_bf16', 'amx_bf16'}:
+        facts.append('AVX-512 BF16 / AMX present but capped off ('
+                     + ', '.join(f"{k}={v}" for k, v in sorted(caps.items()))
+                     + '): a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
     elif flags:
         facts.append('no AVX-512 BF16 or AMX: a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
     if 'avx512f' in flags and 'amd' in kind.get('kind', ''):
@@ -251,7 +263,8 @@ def write_record(path, obj: dict, allow_busy: bool = False) -> str:
         took = f"this run took {elapsed:.1f} min, a quiet rerun about as long; " if elapsed else ''
         print(f"not written to {path}: the machine was BUSY while this was measured (other processes used "
               f"{load.get('other_cores')} cores); the record is in {written}. Re-run on a quiet machine ({took}"
-              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min), or "
+              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min on a "
+              f"quiet machine), or "
               f"pass --allow-busy to write it anyway", file=sys.stderr)
         return written
     return write_json(path, obj)

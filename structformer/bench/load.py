@@ -4,7 +4,7 @@ On a 2-core machine shared with other work, a 2-thread step slowed by up to 25×
 `bench models` run, and the table looked like any other. So every benchmark records, for each interval
 it measures:
 
-- `other_cores`: CPU time used by everything else on the machine (all CPUs' busy time in /proc/stat,
+- `other_cores`: CPU time used by everything else on the CPUs we may run on (their busy time in /proc/stat,
   minus our process's and its waited-for children's CPU time), per second of wall time, in cores;
 - `steal_share`: the share of the interval a hypervisor gave our CPUs to other guests;
 - `cpu_share`: the CPU time our process (and its measured children) got against wall time × threads;
@@ -36,17 +36,38 @@ def advice(threads: int) -> str:
     return ADVICE if threads > 1 else ADVICE_ONE_THREAD
 
 
-def _proc_stat_ticks() -> Optional[tuple]:
-    """(busy, steal) jiffies summed over all CPUs from /proc/stat's first line, or None off Linux."""
+def _affinity() -> Optional[frozenset]:
+    """The CPUs this process may run on (its threads and its measuring subprocesses too), None where unknown."""
     try:
-        with open('/proc/stat') as f:
-            fields = f.readline().split()
-    except OSError:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
         return None
-    if not fields or fields[0] != 'cpu':
+
+
+def _proc_stat_ticks(cpus: Optional[frozenset] = None, text: Optional[str] = None) -> Optional[tuple]:
+    """(busy, steal) jiffies from /proc/stat (or `text`, its contents), summed over `cpus` (the per-CPU 'cpuN'
+    lines), or over every CPU (the first line) where `cpus` is None; None off Linux. Only our CPUs count: in a
+    container or job pinned to 2 of a host's 64 CPUs, /proc/stat still shows the host, and the other 62 CPUs' work
+    never competed with ours (summed over all of them, every run there read BUSY)."""
+    if text is None:
+        try:
+            with open('/proc/stat') as f:
+                text = f.read()
+        except OSError:
+            return None
+    lines = [line.split() for line in text.splitlines() if line.startswith('cpu')]
+    if not lines or lines[0][0] != 'cpu':
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in (fields[1:9] + ['0'] * 8)[:8])
-    return user + nice + system + irq + softirq, steal
+    if cpus is not None:
+        mine = [fields for fields in lines[1:] if fields[0][3:].isdigit() and int(fields[0][3:]) in cpus]
+        lines = mine if mine else lines[:1]
+    else:
+        lines = lines[:1]
+    busy = steal = 0
+    for fields in lines:
+        user, nice, system, idle, iowait, irq, softirq, stolen = (int(v) for v in (fields[1:9] + ['0'] * 8)[:8])
+        busy, steal = busy + user + nice + system + irq + softirq, steal + stolen
+    return busy, steal
 
 
 def _own_cpu_seconds() -> float:
@@ -71,7 +92,7 @@ class Snapshot:
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(time.monotonic(), _own_cpu_seconds(), _proc_stat_ticks(), _load_average())
+    return Snapshot(time.monotonic(), _own_cpu_seconds(), _proc_stat_ticks(_affinity()), _load_average())
 
 
 def cpu_count() -> int:

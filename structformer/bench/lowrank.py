@@ -254,9 +254,9 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    env = environment('cpu')
     layer_rows = _measure(_layer_candidates(args), args, 'layer')
     stack_rows = _measure(_stack_candidates(args), args, 'stack') if args.depth else []
+    env = environment('cpu')                       # after measuring: its kernel choices are made by now
     print()
     print_header(env)
     print(f"{env['cpu']}, {env['threads']} threads, torch {env['torch']}; training step = forward + backward "

@@ -404,8 +404,8 @@ def run(args) -> int:
         check_output_file(args.json, '--json')
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = environment(args.device)
     rows = measure(args)
+    env = environment(args.device)                 # after measuring: its kernel choices are made by now
     verdict = goal(rows, args.train, args.device)
     mode = 'forward + backward (train)' if args.train else 'inference (eval, no_grad)'
     where = (f"{env['device']}, CUDA {env['cuda']}" if args.device == 'cuda'

@@ -28,7 +28,8 @@ The disk cache is JSON (read without executing anything) at `$STRUCTFORMER_CACHE
 `$XDG_CACHE_HOME/structformer/choices/`, default `~/.cache/...`), one file per machine key: CPU model, family /
 model numbers, ISA flags, ATen's CPU capability, the ISA caps set in the environment (`machine.ISA_CAPS`: oneDNN's
 and MKL's too, which ATen's capability does not show), torch version and thread count. A new torch, another CPU or
-another thread count reads another file; a corrupt or foreign file is ignored and rewritten; writes are atomic.
+another thread count reads another file; a corrupt or foreign file is ignored and rewritten; writes are atomic, and
+processes adding decisions at once take turns (a lock file beside it), so none loses another's.
 Delete the folder to time again.
 
 Every decision is recorded (`report()`), and `records.environment()` carries the report, so every benchmark
@@ -62,9 +63,9 @@ from ..errors import UsageError
 from ..machine import cpu_kind
 from .tracing import recording_graph
 
-__all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'use_timer', 'timing_allowed',
-           'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
-           'ENV_PREFIX', 'ENV_TIMING', 'MARGIN']
+__all__ = ['CHOICES', 'decide', 'report', 'override_of', 'check_overrides', 'check_environment', 'use_timer',
+           'timing_allowed', 'cache_file', 'forget', 'size_class', 'power_class', 'twice_differentiable', 'TWICE_DIFFERENTIABLE',
+           'ENV_PREFIX', 'ENV_TIMING', 'ENV_LOG', 'MARGIN']
 
 # Every choice, its candidates and what it picks between. A name here is what STRUCTFORMER_CHOICE_<NAME> takes.
 CHOICES: Dict[str, tuple] = {
@@ -84,7 +85,11 @@ CHOICES: Dict[str, tuple] = {
 # and the candidate taken inside `twice_differentiable()`; the other fast paths differentiate twice themselves
 TWICE_DIFFERENTIABLE = {'ssa_impl': 'sdpa'}
 ENV_PREFIX = 'STRUCTFORMER_CHOICE_'
-ENV_TIMING = 'STRUCTFORMER_AUTOTUNE'          # 'off' (or 0, no, false): no timing, defaults and hardware rules only
+# a file every process of one run appends its decisions to (set by `structformer bench` around a benchmark, whose
+# measurements run in subprocesses), so the record made by the parent lists what the children chose
+ENV_LOG = 'STRUCTFORMER_CHOICES_LOG'
+ENV_TIMING = 'STRUCTFORMER_AUTOTUNE'          # 'off' (or 0, no, false): no timing, defaults and hardware rules only;
+                                              # 'on' (1, yes, true, unset); anything else is refused
 MARGIN = 0.05                                 # a candidate must beat the default by 5 % per round (median)
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 9, 0.1  # timing: at least 3 paired rounds, more while within budget
 FORMAT = 1
@@ -171,7 +176,7 @@ def _read_cache(record: dict) -> Dict[str, Dict[str, dict]]:
     of another format or another machine, and entries naming no candidate are dropped."""
     try:
         data = json.loads(cache_file(record).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):        # RecursionError: nested too deep for the parser
         return {}
     if not isinstance(data, dict) or data.get('format') != FORMAT or data.get('machine') != record:
         return {}
@@ -188,23 +193,66 @@ def _read_cache(record: dict) -> Dict[str, Dict[str, dict]]:
     return clean
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`.lock across processes (POSIX flock), so that two processes adding decisions to
+    one file at once (DDP ranks, loader workers, two runs) do not each rewrite it without the other's: read, update
+    and rewrite happen under it. OSError where the lock file cannot be made (a read-only cache); where the file
+    system refuses locks, the rewrite goes ahead unlocked, as atomic as ever."""
+    try:
+        import fcntl
+    except ImportError:                               # not POSIX: rewrites may race, each is still atomic
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix('.lock'), 'a') as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:                               # a file system without locks (some NFS): write unlocked
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _write_cache(record: dict, name: str, class_key: str, entry: dict) -> None:
-    """Add one decision to this machine's file (read, update, atomic rewrite); a read-only cache is skipped:
+    """Add one decision to this machine's file (locked read, update, atomic rewrite); a read-only cache is skipped:
     the decision still holds for this process."""
     with _lock:
-        choices = _read_cache(record)
-        choices.setdefault(name, {})[class_key] = entry
         try:
-            write_text_atomically(cache_file(record), json.dumps(
-                {'format': FORMAT, 'machine': record, 'choices': choices}, indent=1, sort_keys=True))
+            with _file_lock(cache_file(record)):
+                choices = _read_cache(record)
+                choices.setdefault(name, {})[class_key] = entry
+                write_text_atomically(cache_file(record), json.dumps(
+                    {'format': FORMAT, 'machine': record, 'choices': choices}, indent=1, sort_keys=True))
         except OSError:
             pass
 
 
 # ---- timing -------------------------------------------------------------------------------------------
 
+_TIMING_VALUES = {'': True, 'on': True, '1': True, 'yes': True, 'true': True,
+                  'off': False, '0': False, 'no': False, 'false': False}
+
+
 def _timing_setting() -> bool:
-    return os.environ.get(ENV_TIMING, '').strip().lower() not in ('off', '0', 'no', 'false')
+    """STRUCTFORMER_AUTOTUNE: on (unset, on / 1 / yes / true) or off (off / 0 / no / false); another value raises
+    UsageError naming the accepted ones (a typo such as 'of' must not leave timing on unnoticed)."""
+    value = os.environ.get(ENV_TIMING, '')
+    setting = _TIMING_VALUES.get(value.strip().lower())
+    if setting is None:
+        raise UsageError(f"{ENV_TIMING}={value!r}: accepted on, off (or 1 / 0, yes / no, true / false)")
+    return setting
+
+
+def check_environment() -> None:
+    """STRUCTFORMER_AUTOTUNE and every STRUCTFORMER_CHOICE_* checked at once, before a command does any work (the
+    CLI calls this): a misspelt choice name or value is one line naming what is accepted, not an override that a
+    run silently ignores or a refusal minutes in, at the first layer that consults it."""
+    _timing_setting()
+    check_overrides()
 
 
 def timing_allowed() -> bool:
@@ -313,10 +361,36 @@ def _class_key(shape_class: Sequence) -> str:
 
 def _note(name: str, class_key: str, threads: int, choice: str, source: str, **extra) -> None:
     key = (name, class_key, threads, source)
-    if key not in _log:
-        with _lock:
-            _log[key] = {'name': name, 'class': class_key, 'threads': threads, 'choice': choice, 'source': source,
-                         **extra}
+    if key in _log:
+        return
+    record = {'name': name, 'class': class_key, 'threads': threads, 'choice': choice, 'source': source, **extra}
+    with _lock:
+        _log[key] = record
+    log = os.environ.get(ENV_LOG)
+    if log:                                       # the run's shared log: a benchmark's measuring subprocesses too
+        try:
+            with open(log, 'a') as f:
+                f.write(json.dumps(record, sort_keys=True) + '\n')
+        except OSError:
+            pass
+
+
+def _logged() -> List[dict]:
+    """The decisions in the run's shared log (ENV_LOG), lines that are not a decision skipped."""
+    path = os.environ.get(ENV_LOG)
+    found = []
+    try:
+        with open(path or '') as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(record, dict) and {'name', 'class', 'threads', 'source', 'choice'} <= set(record):
+                    found.append(record)
+    except OSError:
+        pass
+    return found
 
 
 def decide(name: str, shape_class: Sequence, default: str,
@@ -377,17 +451,23 @@ def forget() -> None:
 
 def report() -> dict:
     """What this process chose and why, for records: the timing setting, the overrides in force, each decision
-    made here (name, shape class, threads, choice, source: argument / override / isa / timed / cache / default),
+    made here or, under a run's shared log (ENV_LOG), by any process of the run (name, shape class, threads,
+    choice, source: argument / override / isa / timed / cache / default),
     and the
     decisions cached on disk for this machine at the current thread count (those of benchmark subprocesses too)."""
     try:
         overrides = check_overrides()
     except UsageError as e:
         overrides = {'error': str(e)}
+    try:
+        timing = 'on' if _timing_setting() else 'off'
+    except UsageError as e:
+        timing = f"error: {e}"
     record = machine()
     cached = {name: {k: e['choice'] for k, e in entries.items()} for name, entries in _read_cache(record).items()}
-    return {'timing': 'on' if _timing_setting() else 'off', 'overrides': overrides,
-            'decisions': sorted(_log.values(), key=lambda r: (r['name'], r['class'], r['threads'], r['source'])),
+    decisions = {(r['name'], r['class'], r['threads'], r['source']): r for r in _logged() + list(_log.values())}
+    return {'timing': timing, 'overrides': overrides,
+            'decisions': [decisions[key] for key in sorted(decisions, key=lambda k: tuple(map(str, k)))],
             'cached': cached, 'cache_file': _home_relative(cache_file(record))}
 
 

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from ..errors import UsageError
-from ..machine import capped_below_avx512, isa_caps
+from ..machine import bf16_capped, isa_caps
 
 DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
@@ -32,10 +32,10 @@ def cpu_float16_supported() -> bool:
 
 def cpu_bfloat16_native() -> bool:
     """bfloat16 dot products in hardware (AVX512-BF16 or AMX) that the kernels may use; without them a bfloat16
-    matmul is no faster. An ISA cap below AVX-512 in the environment (`machine.ISA_CAPS`, e.g. ONEDNN_MAX_CPU_ISA=AVX2)
-    keeps the kernels off them: measured on an AVX-512 BF16 EPYC capped to AVX2, bfloat16 trained at 0.05-0.11x
-    float32 (docs/benchmarks.md)."""
-    if capped_below_avx512(isa_caps()):
+    matmul is no faster. An ISA cap in the environment below AVX-512 BF16 (`machine.bf16_capped`: e.g.
+    ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE_VNNI) keeps the kernels off them: measured on an AVX-512 BF16 EPYC capped
+    to AVX2, bfloat16 trained at 0.05-0.11x float32 (docs/benchmarks.md)."""
+    if bf16_capped(isa_caps()):
         return False
     return any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
 

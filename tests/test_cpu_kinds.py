@@ -1,0 +1,128 @@
+"""The CPU kind read from real /proc/cpuinfo text of the CPUs this project meets (`machine.cpu_kind(cpuinfo)`): the
+kind's name (the docs/kinds/ folder and the choice cache's key depend on it), whether bfloat16 is native (only
+AVX-512 BF16 or AMX-BF16, and not where an ISA cap keeps the kernels off them) and the hardware facts a benchmark
+prints. Flag lines as the kernel prints them on each CPU (public cpuinfo dumps), shortened to one processor."""
+import pytest
+
+from structformer import machine
+from structformer.bench.kinds import hardware_facts
+
+ROME = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 23
+model\t\t: 49
+model name\t: AMD EPYC 7742 64-Core Processor
+stepping\t: 0
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good nopl nonstop_tsc cpuid extd_apicid aperfmperf pni pclmulqdq monitor ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand lahf_lm cmp_legacy svm extapic cr8_legacy abm sse4a misalignsse 3dnowprefetch osvw ibs skinit wdt tce topoext perfctr_core perfctr_nb bpext perfctr_llc mwaitx cpb cat_l3 cdp_l3 hw_pstate sme ssbd mba sev ibrs ibpb stibp vmmcall fsgsbase bmi1 avx2 smep bmi2 cqm rdt_a rdseed adx smap clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves cqm_llc cqm_occup_llc cqm_mbm_total cqm_mbm_local clzero irperf xsaveerptr wbnoinvd arat npt lbrv svm_lock nrip_save tsc_scale vmcb_clean flushbyasid decodeassists pausefilter pfthreshold avic v_vmsave_vmload vgif umip rdpid overflow_recov succor smca
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+CASCADE_LAKE = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 85
+model name\t: Intel(R) Xeon(R) Silver 4210 CPU @ 2.20GHz
+stepping\t: 7
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush dts acpi mmx fxsr sse sse2 ss ht tm pbe syscall nx pdpe1gb rdtscp lm constant_tsc art arch_perfmon pebs bts rep_good nopl xtopology nonstop_tsc cpuid aperfmperf pni pclmulqdq dtes64 monitor ds_cpl vmx smx est tm2 ssse3 sdbg fma cx16 xtpr pdcm pcid dca sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand lahf_lm abm 3dnowprefetch cpuid_fault epb cat_l3 cdp_l3 invpcid_single intel_ppin ssbd mba ibrs ibpb stibp ibrs_enhanced tpr_shadow vnmi flexpriority ept vpid ept_ad fsgsbase tsc_adjust bmi1 hle avx2 smep bmi2 erms invpcid rtm cqm mpx rdt_a avx512f avx512dq rdseed adx smap clflushopt clwb intel_pt avx512cd avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves cqm_llc cqm_occup_llc cqm_mbm_total cqm_mbm_local dtherm ida arat pln pts pku ospke avx512_vnni md_clear flush_l1d arch_capabilities
+"""
+SAPPHIRE_RAPIDS = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Platinum 8488C
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc arch_perfmon rep_good nopl xtopology nonstop_tsc cpuid aperfmperf tsc_known_freq pni pclmulqdq monitor ssse3 fma cx16 pdcm pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch invpcid_single ssbd ibrs ibpb stibp ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep erms invpcid avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd ida arat avx512vbmi umip pku ospke waitpkg avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq rdpid cldemote movdiri movdir64b md_clear serialize amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities
+"""
+GRAVITON3 = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+CPU revision\t: 1
+
+processor\t: 1
+"""
+GRAVITON2 = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0xd0c
+CPU revision\t: 1
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_caps(monkeypatch):
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize('text, kind, bf16, amx, numbers, fact', [
+    (ROME, 'amd-avx2', False, False, 'family 23, model 49', 'AVX2 only'),
+    (CASCADE_LAKE, 'intel-avx512-vnni', False, False, 'family 6, model 85', "MKL's GEMMs"),
+    (SAPPHIRE_RAPIDS, 'intel-amx', True, True, 'family 6, model 143', 'bfloat16 dot products in hardware (AMX)'),
+    (GRAVITON3, 'arm-sve', False, False, 'implementer 0x41, variant 0x1, part 0xd40', 'Arm BF16 instructions'),
+    (GRAVITON2, 'arm-neon', False, False, 'implementer 0x41, variant 0x3, part 0xd0c', 'not an x86-64 CPU'),
+])
+def test_the_kind_of_each_cpu_met(text, kind, bf16, amx, numbers, fact):
+    found = machine.cpu_kind(text)
+    assert (found['kind'], found['bf16_native'], found['amx'], found['family_model']) == (kind, bf16, amx, numbers)
+    facts = hardware_facts(found)
+    assert any(fact in f for f in facts), facts
+    if not bf16:
+        assert not any('can beat float32' in f for f in facts)
+    if kind.startswith('arm'):                 # no x86 sentence about MKL, oneDNN's AVX-512 kernels or emulation
+        assert found['vendor'] == 'Arm' and found['model'] == 'Arm CPU' and 'NEON' in found['summary']
+        assert not any(x86 in f for f in facts for x86 in ('emulated', 'MKL', 'AVX-512 on', 'AVX2 only'))
+
+
+def test_two_arm_cpus_are_two_machines_for_the_choice_cache():
+    """The cache key holds the CPU's model and family / model numbers: on Arm the part number tells a Graviton 2 from
+    a Graviton 3 (both read model 'aarch64' and no numbers before, so a shared home folder mixed their choices)."""
+    g2, g3 = machine.cpu_kind(GRAVITON2), machine.cpu_kind(GRAVITON3)
+    assert (g2['model'], g2['family_model'], g2['flags']) != (g3['model'], g3['family_model'], g3['flags'])
+
+
+@pytest.mark.parametrize('cap, bf16, amx', [('AVX512_CORE_VNNI', False, False), ('avx512_core', False, False),
+                                            ('AVX512_CORE_BF16', True, False), ('AVX512_CORE_AMX', True, True),
+                                            ('ALL', True, True), ('AVX2', False, False)])
+def test_a_onednn_cap_below_bf16_or_amx_turns_them_off(monkeypatch, cap, bf16, amx):
+    """oneDNN runs torch's bfloat16 GEMMs: held at AVX512_CORE(_VNNI) it cannot use AVX-512 BF16, held below an AMX
+    level it cannot use AMX, though the CPU (Sapphire Rapids) has both."""
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', cap)
+    found = machine.cpu_kind(SAPPHIRE_RAPIDS)
+    assert (found['bf16_native'], found['amx']) == (bf16, amx)
+    assert found['kind'] == f'intel-amx+cap-{cap.lower()}'
+    if not bf16:
+        assert any('capped off' in f and 'emulated' in f for f in hardware_facts(found))
+
+
+def test_without_proc_cpuinfo_the_kind_says_it_read_nothing(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError('/proc/cpuinfo')
+    monkeypatch.setattr(machine, 'open', missing, raising=False)
+    found = machine.cpu_kind()
+    assert found['kind'].startswith('unknown-') and found['flags'] == [] and 'no flags read' in found['summary']
+    assert found['bf16_native'] is False and hardware_facts(found) == []
+
+
+def test_an_unknown_arm_implementer_still_names_a_folder():
+    found = machine.cpu_kind(GRAVITON2.replace('0x41', '0x6d'))
+    assert found['kind'] == 'arm-implementer-0x6d-neon' and found['vendor'] == 'Arm implementer 0x6d'
+
+
+def test_a_cap_value_cannot_lead_the_kind_out_of_its_folder(monkeypatch):
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', '../../x')
+    assert machine.cpu_kind(ROME)['kind'] == 'amd-avx2+cap--x'
+
+
+def test_the_trainers_bfloat16_verdict_follows_the_onednn_cap(monkeypatch):
+    """`cpu_bfloat16_native` (the bench's bfloat16 verdict, the trainer's warning) under a oneDNN cap at an AVX-512
+    level without BF16: not native, whatever this CPU has."""
+    from structformer.train.precision import cpu_bfloat16_native
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_VNNI')
+    assert cpu_bfloat16_native() is False
