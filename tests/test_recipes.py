@@ -77,6 +77,11 @@ PAPER_VALUES = (
         ('batch', 512, CRATE_FT),
         ('aa', 'tv-rand-n2-m14', f'App. B.1.2: RandAugment n = 2, m = 14; {CRATE_FT_PY}: torchvision RandAugment(2, 14)'),
         ('decay_everything', True, f'{CRATE_FT_PY}: AdamW(net.parameters(), weight_decay=0.01)'),
+        # finetune.py: CosineAnnealingLR(optimizer, n_epochs) has eta_min 0 and no warm-up; nn.CrossEntropyLoss()
+        ('min_lr', 0.0, f'{CRATE_FT_PY}: CosineAnnealingLR(optimizer, args.n_epochs), eta_min 0'),
+        ('warmup_epochs', 0, f'{CRATE_FT_PY}: CosineAnnealingLR, no warm-up'),
+        ('label_smoothing', 0.0, f'{CRATE_FT_PY}: nn.CrossEntropyLoss()'),
+        ('epochs', 200, 'Ma-Lab-Berkeley/CRATE README: finetune.py --n_epochs 200'),
         ('data_kwargs.img_size', 224, 'App. B.1.2: resized to 224'), ('dataset_size', FT_DATA[ds], 'data/dataset.py split'),
         ('model', f'crate_{s}_patch16_224' if not s.startswith('vit') else f'{s}_patch16_224', 'Table 1 column'),
         ('initial_checkpoint', f'outputs/crate_{s}_in1k', 'Table 1: fine-tuned from its ImageNet-1k weights'))]
@@ -277,6 +282,8 @@ def test_recipe_states_where_its_values_come_from(name):
     values, about = load_recipe(name)
     for key in ABOUT_REQUIRED:
         assert str(about[key]).strip(), (name, key)
+        # a YAML '''text''' keeps the quotes: the dry run printed "expects     'ImageNet-1k ...'"
+        assert not str(about[key]).startswith(("'", '"')) and not str(about[key]).endswith(("'", '"')), (name, key)
     assert values['dataset_size'] >= 1 and values['data'] and values['model']
     assert values.get('output') == f'outputs/{name}'
     assert isinstance(about.get('world_size', 1), int)
