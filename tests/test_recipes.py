@@ -82,6 +82,7 @@ PAPER_VALUES = (
         ('warmup_epochs', 0, f'{CRATE_FT_PY}: CosineAnnealingLR, no warm-up'),
         ('label_smoothing', 0.0, f'{CRATE_FT_PY}: nn.CrossEntropyLoss()'),
         ('epochs', 200, 'Ma-Lab-Berkeley/CRATE README: finetune.py --n_epochs 200'),
+        ('data_kwargs.crop_pct', 1.0, f'{CRATE_FT_PY}: transform_test = Resize((size, size)), no centre crop'),
         ('data_kwargs.img_size', 224, 'App. B.1.2: resized to 224'), ('dataset_size', FT_DATA[ds], 'data/dataset.py split'),
         ('model', f'crate_{s}_patch16_224' if not s.startswith('vit') else f'{s}_patch16_224', 'Table 1 column'),
         ('initial_checkpoint', f'outputs/crate_{s}_in1k', 'Table 1: fine-tuned from its ImageNet-1k weights'))]
@@ -203,6 +204,13 @@ PAPER_VALUES = (
             ('factorize_include', ['vision'], 'App. A.2: every conv but the first'))
     + _rows('wrn28_10_lowrank_pretrain_cifar100', ('factorize_rank', 0.3, 'Table 8'),
             ('factorize_at', 50, 'Table 8: 50 pre-training epochs'))
+    # the test images scored whole (timm's 0.875 centre crop upscaled a 32-px image to 36 px and cut its border)
+    + [(name, 'data_kwargs.crop_pct', 1.0, 'App. A.2: the standard CIFAR-100 test split') for name in (
+        'wrn28_10_cifar100', 'wrn28_10_lowrank_cifar100', 'wrn28_10_lowrank_pretrain_cifar100')]
+    + [(name, 'data_kwargs.crop_pct', 1.0, 'App. C.4: images resized to 32 x 32 x 3 (D.6: STL-10 to 90 x 90)')
+       for name in ('mixer_ss8_cifar100', 'mixer_ssw_cifar100', 'rp_mixer_width_cifar100', 'rp_mixer_width_stl10',
+                    'rp_smixer_cifar100', 'smixer_cifar100', 'smixer_depth_cifar100', 'smixer_depth_stl10',
+                    'smixer_patch_stl10', 'smixer_stl10')]
     + _rows('resnet50_in1k', ('model', 'resnet50', 'App. A.2: standard ResNet-50'),
             ('batch', 1024, 'App. A.2: TPU v2-8, 128 per core'))
     + _rows('resnet50_lowrank_in1k', ('factorize_rank', 0.5, 'Table 3 / 6 rank 0.5'), ('factor_decay', 'frobenius', 'Table 6'))

@@ -24,7 +24,12 @@ class CheckpointGlue:
                 'config': self.config.to_dict(), 'metrics': metrics,
                 'data_info': {'name': self.info.name, 'num_classes': self.info.num_classes,
                               'in_chans': self.info.in_chans, 'img_size': self.info.img_size,
-                              **class_record(self.info.extra)}}
+                              **class_record(self.info.extra), **self._eval_crop()}}
+
+    def _eval_crop(self) -> Dict:
+        """{'crop_pct': F} when --data-kwargs crop_pct set the held-out images' crop (export's pretrained_cfg)."""
+        crop = (self.config.data_kwargs or {}).get('crop_pct')
+        return {} if crop is None else {'crop_pct': float(crop)}
 
     def _save(self, epoch: int, metrics: Dict) -> Path:
         files = {}
