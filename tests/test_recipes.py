@@ -211,6 +211,15 @@ PAPER_VALUES = (
        for name in ('mixer_ss8_cifar100', 'mixer_ssw_cifar100', 'rp_mixer_width_cifar100', 'rp_mixer_width_stl10',
                     'rp_smixer_cifar100', 'smixer_cifar100', 'smixer_depth_cifar100', 'smixer_depth_stl10',
                     'smixer_patch_stl10', 'smixer_stl10')]
+    # the training transform's resampling (timm's --train-interpolation), as each public code sets it
+    + [(name, 'train_interpolation', 'bicubic', 'facebookresearch/deit main.py --train-interpolation bicubic; '
+        f'{SPARSIFINER} src/main.py --train_interpolation bicubic') for name in (
+        'deit_small_in1k', 'deit_tiny_in1k', 'deit_tiny_384_in1k_ft', 'sparsifiner_deit_small_in1k',
+        'sparsifiner_deit_tiny_384_in1k', 'linformer_deit_small_in1k')]
+    + [(f'{fam}_{s}_in1k', 'train_interpolation', 'random', f'{SOFT_MAIN} --train-interpolation random')
+       for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large')]
+    + [(name, 'train_interpolation', 'random', "App. C.5 trains with timm: train.py's --train-interpolation random")
+       for name in ('mixer_b16_in1k', 'mixer_b_w_in1k')]
     + _rows('resnet50_in1k', ('model', 'resnet50', 'App. A.2: standard ResNet-50'),
             ('batch', 1024, 'App. A.2: TPU v2-8, 128 per core'))
     + _rows('resnet50_lowrank_in1k', ('factorize_rank', 0.5, 'Table 3 / 6 rank 0.5'), ('factor_decay', 'frobenius', 'Table 6'))

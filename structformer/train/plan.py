@@ -434,7 +434,7 @@ def dry_run(config: TrainConfig) -> str:
         aug.append(f"mixup_prob {config.mixup_prob:g}, switch {config.mixup_switch_prob:g}, mode {config.mixup_mode}"
                    + (f", off after epoch {config.mixup_off_epoch}" if config.mixup_off_epoch else ''))
     aug.append(f"aug_repeats {config.aug_repeats}")
-    for key in ('color_jitter', 'scale', 'ratio', 'hflip'):
+    for key in ('color_jitter', 'scale', 'ratio', 'hflip', 'train_interpolation'):
         if getattr(config, key) is not None:
             aug.append(f"{key} {getattr(config, key)}")
     lines.append("augmentation  " + ', '.join(aug))
