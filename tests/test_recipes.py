@@ -650,3 +650,17 @@ def test_every_recipe_trains_two_steps(name, tmp_path):
     """The other recipes too (all 84 take about 45 s on 2 cores at this size); fine-tuning recipes start from
     their pre-training recipe's run."""
     _two_steps(name, tmp_path)
+
+
+def test_warmup_help_states_the_default_the_config_resolves():
+    """`train --help` said --warmup-epochs defaults to 2; a 5-epoch run warms up for 0.5 (min(2, epochs / 10))."""
+    from structformer.train.config import TrainConfig
+    text = ' '.join(_train_help().split())          # argparse wraps the help at the terminal's width
+    assert 'linear warm-up length in epochs (2, or a tenth of --epochs if less)' in text
+    assert TrainConfig(epochs=5).resolved_warmup_epochs() == 0.5 and TrainConfig(epochs=300).resolved_warmup_epochs() == 2
+
+
+def _train_help() -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == '_SubParsersAction')
+    return sub.choices['train'].format_help()

@@ -175,7 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--cooldown-epochs', type=int, default=S, metavar='N',
                    help='the last N of --epochs at --min-lr (timm adds them after --epochs; here --epochs counts '
                         'them) (0)')
-    g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2)')
+    g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2, or a tenth of --epochs if less)')
     g.add_argument('--warmup-lr', type=float, default=S, help='(1e-6, or lr if lower)')
     g.add_argument('--warmup-prefix', action=argparse.BooleanOptionalAction, default=S,
                    help="the schedule starts after the warm-up instead of under it (timm's --warmup-prefix)")
