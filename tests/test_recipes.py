@@ -193,7 +193,9 @@ PAPER_VALUES = (
                         ('lr', 0.1, 'not in the seed: Zagoruyko & Komodakis (WRN)'),
                         ('sched', 'multistep', 'not in the seed: WRN steps the lr'),
                         ('decay_milestones', [60, 120, 160], 'not in the seed: WRN x0.2 at 60, 120, 160'),
-                        ('decay_rate', 0.2, 'not in the seed: WRN x0.2'))]
+                        ('decay_rate', 0.2, 'not in the seed: WRN x0.2'),
+                        ('decay_everything', True, 'not in the seed: szagoruyko/wide-residual-networks pytorch/main.py '
+                         'SGD(every parameter, weight_decay=5e-4)'))]
     + [row for name in ('resnet50_in1k', 'resnet50_lowrank_in1k', 'resnet50_lowrank_pretrain_in1k') for row in _rows(
         name, ('lr', 0.4, 'App. A.2: He et al. lr 0.1 per 256, at 1,024'),
         ('sched', 'step', 'App. A.2: "the same learning-rate schedule as He et al.": step decay'),
@@ -664,3 +666,13 @@ def _train_help() -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == '_SubParsersAction')
     return sub.choices['train'].format_help()
+
+
+def test_dry_run_names_the_weight_decay_each_parameter_gets(dry_run):
+    """WRN's code decays every parameter (the WRN recipes' decay_everything); the factors of a Frobenius-decay run
+    leave the optimiser's decay (train/parts.py), which the plan's 'on every parameter' did not say."""
+    rc, out, _ = dry_run(['train', '--recipe', 'wrn28_10_lowrank_cifar100', '--dry-run'])
+    assert rc == 0
+    assert 'weight decay 0.0005 on every parameter; the factors by Frobenius decay instead' in out
+    rc, out, _ = dry_run(['train', '--recipe', 'wrn28_10_cifar100', '--dry-run'])
+    assert rc == 0 and 'weight decay 0.0005 on every parameter, momentum 0.9' in out

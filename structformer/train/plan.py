@@ -401,6 +401,7 @@ def dry_run(config: TrainConfig) -> str:
         how = '--lr as given'
     lines.append(f"optimiser     {config.opt}, weight decay {config.weight_decay:g}"
                  + (' on every parameter' if config.decay_everything else ' (norms, biases, cls/pos exempt)')
+                 + ('; the factors by Frobenius decay instead' if spec and config.factor_decay == 'frobenius' else '')
                  + (f", momentum {config.momentum:g}" if 'sgd' in config.opt or 'momentum' in config.opt else '')
                  + (f", betas {tuple(config.opt_betas)}" if config.opt_betas else '')
                  + (f", eps {config.opt_eps:g}" if config.opt_eps is not None else '')
