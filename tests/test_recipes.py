@@ -676,3 +676,47 @@ def test_dry_run_names_the_weight_decay_each_parameter_gets(dry_run):
     assert 'weight decay 0.0005 on every parameter; the factors by Frobenius decay instead' in out
     rc, out, _ = dry_run(['train', '--recipe', 'wrn28_10_cifar100', '--dry-run'])
     assert rc == 0 and 'weight decay 0.0005 on every parameter, momentum 0.9' in out
+
+
+def _docs_recipe_rows() -> dict:
+    """docs/recipes.md's table of recipes: name -> its cells (covers, number, single node, multi-node, verified)."""
+    import re
+    text = (Path(__file__).resolve().parents[1] / 'docs' / 'recipes.md').read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip('|').split(' | ')]
+        if line.startswith('| `') and len(cells) == 6:
+            rows[cells[0].strip('`')] = cells[1:] + [re.findall(r'`([^`]+)`', cells[3]), re.findall(r'`([^`]+)`', cells[4])]
+    return rows
+
+
+def test_docs_recipes_table_is_the_recipes():
+    """docs/recipes.md's table, row by row, against the recipe files: its cells, its reported number, and that
+    each command trains that recipe on the processes it names at the recipe's global batch (the multi-node
+    column's -b x --grad-accum-steps x nodes x GPUs). The table was written by hand and nothing checked it."""
+    import shlex
+
+    from structformer.train.config import TrainConfig
+    rows = _docs_recipe_rows()
+    assert set(rows) == set(RECIPES), set(rows) ^ set(RECIPES)
+    for name in RECIPES:
+        covers, number, _, _, verified, single, multi = rows[name]
+        values, about = load_recipe(name)
+        config = TrainConfig.from_dict(values)
+        world = int(about.get('world_size', 1))
+        assert (covers, number) == (about['covers'], about['reported']), name
+        assert verified.startswith('dry run; 2 CPU steps (' + ('default test' if name in REPRESENTATIVES
+                                                                else 'all-recipes run') + ')'), name
+        argv = shlex.split(single[0])
+        expected = ['torchrun', '--nproc_per_node', str(world)] if world > 1 else ['structformer', 'train', '--recipe']
+        assert argv[:3] == expected, (name, argv)
+        assert argv[argv.index('--recipe') + 1] == name and ('--teacher' in argv) == bool(values.get('teacher')), name
+        if world == 1:
+            assert not multi, name
+            continue
+        argv = shlex.split(multi[0])
+        flag = lambda f, default: int(argv[argv.index(f) + 1]) if f in argv else default       # noqa: E731
+        processes = flag('--nnodes', 1) * flag('--nproc_per_node', 1)
+        assert argv[argv.index('--recipe') + 1] == name and ('--teacher' in argv) == bool(values.get('teacher')), name
+        assert (flag('-b', config.batch_size) * flag('--grad-accum-steps', config.grad_accum_steps) * processes
+                == config.effective_batch(world)), name
