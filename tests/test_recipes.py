@@ -222,6 +222,17 @@ PAPER_VALUES = (
        for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large')]
     + [(name, 'train_interpolation', 'random', "App. C.5 trains with timm: train.py's --train-interpolation random")
        for name in ('mixer_b16_in1k', 'mixer_b_w_in1k')]
+    # the held-out images' resize and crop, as each public code evaluates
+    + [(name, 'data_kwargs.interpolation', 'bicubic', 'facebookresearch/deit datasets.py: Resize(size, interpolation=3); '
+        f'{SPARSIFINER} src/datasets.py the same') for name in (
+        'deit_small_in1k', 'deit_tiny_in1k', 'deit_tiny_384_in1k_ft', 'sparsifiner_deit_small_in1k',
+        'sparsifiner_deit_tiny_384_in1k', 'linformer_deit_small_in1k')]
+    + [('sparsifiner_deit_tiny_384_in1k', 'data_kwargs.crop_pct', 1.0,
+        f'{SPARSIFINER} src/datasets.py: at 384 px Resize((384, 384)), no crop')]
+    + [row for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large') for row in _rows(
+        f'{fam}_{s}_in1k', ('data_kwargs.crop_pct', 0.9, f"{SOFT_MAIN}: eval loader at the default_cfg's crop_pct "
+                                                          "(timm ViT _cfg() 0.9)"),
+        ('data_kwargs.interpolation', 'bicubic', f"{SOFT_MAIN}: the default_cfg's interpolation (bicubic)"))]
     + _rows('resnet50_in1k', ('model', 'resnet50', 'App. A.2: standard ResNet-50'),
             ('batch', 1024, 'App. A.2: TPU v2-8, 128 per core'))
     + _rows('resnet50_lowrank_in1k', ('factorize_rank', 0.5, 'Table 3 / 6 rank 0.5'), ('factor_decay', 'frobenius', 'Table 6'))

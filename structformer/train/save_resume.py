@@ -27,9 +27,11 @@ class CheckpointGlue:
                               **class_record(self.info.extra), **self._eval_crop()}}
 
     def _eval_crop(self) -> Dict:
-        """{'crop_pct': F} when --data-kwargs crop_pct set the held-out images' crop (export's pretrained_cfg)."""
-        crop = (self.config.data_kwargs or {}).get('crop_pct')
-        return {} if crop is None else {'crop_pct': float(crop)}
+        """--data-kwargs crop_pct / interpolation where given: the held-out images' geometry (export's
+        pretrained_cfg)."""
+        given = self.config.data_kwargs or {}
+        return {key: kind(given[key]) for key, kind in (('crop_pct', float), ('interpolation', str))
+                if given.get(key) is not None}
 
     def _save(self, epoch: int, metrics: Dict) -> Path:
         files = {}
