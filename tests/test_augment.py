@@ -215,6 +215,33 @@ def test_imagefolder_uses_timms_create_transform(tmp_path):
     assert not torch.equal(x, unaugmented)
 
 
+@pytest.mark.parametrize('given, crop, ops', [(None, 'bilinear', 'bilinear'), ('bicubic', 'bicubic', 'bicubic'),
+                                              ('random', 'random', 'random')])
+def test_train_interpolation_reaches_the_crop_and_the_policy(given, crop, ops, tmp_path):
+    """--train-interpolation (timm train.py's flag; DeiT's main.py trains with bicubic, timm's and SOFT's with
+    random): the random-resized crop and every RandAugment op resample with it, for files and in-memory images.
+    It was not a setting: every recipe cropped and rotated bilinear whatever its public code said."""
+    from PIL import Image
+    from timm.data.auto_augment import _RANDOM_INTERPOLATION
+    pil = {'bilinear': Image.BILINEAR, 'bicubic': Image.BICUBIC, 'random': _RANDOM_INTERPOLATION}
+    aug = Augmentation(aa='rand-m9-mstd0.5-inc1', scale=(0.5, 1.0), train_interpolation=given)
+    folder = _write_pngs(tmp_path / 'imgs')
+    train, _, info = build_datasets(f'imagefolder:{folder}', img_size=16, augmentation=aug)
+    steps = {type(t).__name__: t for t in train.dataset.transform.transforms}
+    from structformer.data.augment import check_augmentation, raw_image_augmentation
+    pixel, _, _ = raw_image_augmentation(check_augmentation(aug), channels=3, size=(16, 16), raw_max=255.0,
+                                         mean_pixel=(120.0, 110.0, 100.0))
+    memory = {type(t).__name__: t for t in pixel.steps.transforms}
+    for found in (steps, memory):
+        rrc = found['RandomResizedCropAndInterpolation']
+        if crop == 'random':                           # timm draws bilinear or bicubic per image
+            assert {m.value for m in rrc.interpolation} == {'bilinear', 'bicubic'}
+        else:
+            assert rrc.interpolation.value == crop
+        assert {op.kwargs['resample'] for op in found['RandAugment'].ops} == {pil[ops]}
+    assert info.extra['augmentation']['train_interpolation'] == given
+
+
 def test_imagefolder_colour_jitter_only_when_asked(tmp_path):
     folder = _write_pngs(tmp_path / 'imgs')
     names = lambda aug: [type(t).__name__ for t in                                   # noqa: E731
@@ -245,7 +272,7 @@ def test_imagefolder_augment_false_with_flags_is_refused(tmp_path):
     (dict(aa='rand-m9-zz'), '--aa'), (dict(aa='v9'), '--aa'), (dict(reprob=1.5), '--reprob'),
     (dict(remode='zero'), '--remode'), (dict(recount=0), '--recount'), (dict(color_jitter=-0.1), '--color-jitter'),
     (dict(scale=(0.9, 0.1)), '--scale'), (dict(scale=(0.5,)), '--scale'), (dict(ratio=(0.0, 1.0)), '--ratio'),
-    (dict(hflip=2.0), '--hflip'),
+    (dict(hflip=2.0), '--hflip'), (dict(train_interpolation='cubic'), '--train-interpolation'),
 ])
 def test_bad_settings_name_the_flag_and_accepted_values(settings, flag):
     with pytest.raises(UsageError, match=rf'^{flag}=.*accepted'):

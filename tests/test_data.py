@@ -354,6 +354,52 @@ def test_eval_data_config_reproduces_the_imagefolder_eval_transform(tmp_path):
     subprocess.run([sys.executable, '-c', 'import structformer.data.pixel_stats'], check=True)
 
 
+
+def test_crop_pct_and_interpolation_shape_the_held_out_images(tmp_path):
+    """--data-kwargs crop_pct: timm's eval geometry (resize to img_size / crop_pct, centre crop). 1.0 scores the
+    whole image, as CIFAR's and STL's test sets are scored and as the public CRATE finetune.py does; timm's 0.875
+    upscaled a 32-px CIFAR-100 image to 36 px and cut its border. Export's pretrained_cfg follows the run's."""
+    import torch.nn as nn
+    from PIL import Image
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    from structformer.data.pixel_stats import eval_data_config
+    from structformer.train.checkpoint import record_training_data
+    rng = np.random.default_rng(5)
+    for folder, side in (('sq', 8), ('big', 20)):              # 8 px read at 8; 20 px read at 8 (a resize)
+        for c in ('cat', 'dog'):
+            (tmp_path / folder / c).mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
+                    tmp_path / folder / c / f'{i}.png')
+    spec = f'imagefolder:{tmp_path / "sq"}'
+    _, val, info = build_datasets(spec, img_size=8, val_fraction=0.25, crop_pct=1.0)
+    _, val_timm, _ = build_datasets(spec, img_size=8, val_fraction=0.25)
+    path = val.dataset.samples[val.indices[0]][0]
+    image = np.asarray(Image.open(path).convert('RGB'))
+    whole = (torch.from_numpy(image.copy()).permute(2, 0, 1).float() / 255 - torch.tensor(IMAGENET_DEFAULT_MEAN)[:, None, None]
+             ) / torch.tensor(IMAGENET_DEFAULT_STD)[:, None, None]
+    torch.testing.assert_close(val[0][0], whole)
+    assert not torch.allclose(val_timm[0][0], whole, atol=1e-3)        # 0.875: resized to 9 px, centre-cropped
+    cfg = dict(eval_data_config('imagefolder', 1.0), input_size=(3, 8, 8))
+    torch.testing.assert_close(_timm_eval_input(cfg, image), val[0][0])
+    # --data-kwargs interpolation: the resize's resampling (DeiT and the public SOFT code evaluate bicubic)
+    big = f'imagefolder:{tmp_path / "big"}'
+    _, val_bicubic, _ = build_datasets(big, img_size=8, val_fraction=0.25, interpolation='bicubic')
+    _, val_bilinear, _ = build_datasets(big, img_size=8, val_fraction=0.25)
+    big_image = np.asarray(Image.open(val_bicubic.dataset.samples[val_bicubic.indices[0]][0]).convert('RGB'))
+    cfg = dict(eval_data_config('imagefolder', None, 'bicubic'), input_size=(3, 8, 8))
+    torch.testing.assert_close(_timm_eval_input(cfg, big_image), val_bicubic[0][0])
+    assert not torch.allclose(val_bicubic[0][0], val_bilinear[0][0], atol=1e-3)
+    model = nn.Linear(1, 1)
+    record_training_data(model, {'name': 'imagefolder', 'num_classes': 2, 'in_chans': 3, 'img_size': 8,
+                                 'crop_pct': 1.0, 'interpolation': 'bicubic'})
+    assert (model.pretrained_cfg['crop_pct'], model.pretrained_cfg['interpolation']) == (1.0, 'bicubic')
+    for key, bad in (('crop_pct', 0), ('crop_pct', 1.5), ('crop_pct', 'most'), ('interpolation', 'cubic')):
+        with pytest.raises(ValueError, match=f'--data-kwargs {key}: expected '):
+            build_datasets(spec, img_size=8, **{key: bad})
+
+
 # ----- the --data argument and its errors -----
 
 def test_parse_data_spec_and_forms():

@@ -77,6 +77,12 @@ PAPER_VALUES = (
         ('batch', 512, CRATE_FT),
         ('aa', 'tv-rand-n2-m14', f'App. B.1.2: RandAugment n = 2, m = 14; {CRATE_FT_PY}: torchvision RandAugment(2, 14)'),
         ('decay_everything', True, f'{CRATE_FT_PY}: AdamW(net.parameters(), weight_decay=0.01)'),
+        # finetune.py: CosineAnnealingLR(optimizer, n_epochs) has eta_min 0 and no warm-up; nn.CrossEntropyLoss()
+        ('min_lr', 0.0, f'{CRATE_FT_PY}: CosineAnnealingLR(optimizer, args.n_epochs), eta_min 0'),
+        ('warmup_epochs', 0, f'{CRATE_FT_PY}: CosineAnnealingLR, no warm-up'),
+        ('label_smoothing', 0.0, f'{CRATE_FT_PY}: nn.CrossEntropyLoss()'),
+        ('epochs', 200, 'Ma-Lab-Berkeley/CRATE README: finetune.py --n_epochs 200'),
+        ('data_kwargs.crop_pct', 1.0, f'{CRATE_FT_PY}: transform_test = Resize((size, size)), no centre crop'),
         ('data_kwargs.img_size', 224, 'App. B.1.2: resized to 224'), ('dataset_size', FT_DATA[ds], 'data/dataset.py split'),
         ('model', f'crate_{s}_patch16_224' if not s.startswith('vit') else f'{s}_patch16_224', 'Table 1 column'),
         ('initial_checkpoint', f'outputs/crate_{s}_in1k', 'Table 1: fine-tuned from its ImageNet-1k weights'))]
@@ -187,7 +193,9 @@ PAPER_VALUES = (
                         ('lr', 0.1, 'not in the seed: Zagoruyko & Komodakis (WRN)'),
                         ('sched', 'multistep', 'not in the seed: WRN steps the lr'),
                         ('decay_milestones', [60, 120, 160], 'not in the seed: WRN x0.2 at 60, 120, 160'),
-                        ('decay_rate', 0.2, 'not in the seed: WRN x0.2'))]
+                        ('decay_rate', 0.2, 'not in the seed: WRN x0.2'),
+                        ('decay_everything', True, 'not in the seed: szagoruyko/wide-residual-networks pytorch/main.py '
+                         'SGD(every parameter, weight_decay=5e-4)'))]
     + [row for name in ('resnet50_in1k', 'resnet50_lowrank_in1k', 'resnet50_lowrank_pretrain_in1k') for row in _rows(
         name, ('lr', 0.4, 'App. A.2: He et al. lr 0.1 per 256, at 1,024'),
         ('sched', 'step', 'App. A.2: "the same learning-rate schedule as He et al.": step decay'),
@@ -198,6 +206,33 @@ PAPER_VALUES = (
             ('factorize_include', ['vision'], 'App. A.2: every conv but the first'))
     + _rows('wrn28_10_lowrank_pretrain_cifar100', ('factorize_rank', 0.3, 'Table 8'),
             ('factorize_at', 50, 'Table 8: 50 pre-training epochs'))
+    # the test images scored whole (timm's 0.875 centre crop upscaled a 32-px image to 36 px and cut its border)
+    + [(name, 'data_kwargs.crop_pct', 1.0, 'App. A.2: the standard CIFAR-100 test split') for name in (
+        'wrn28_10_cifar100', 'wrn28_10_lowrank_cifar100', 'wrn28_10_lowrank_pretrain_cifar100')]
+    + [(name, 'data_kwargs.crop_pct', 1.0, 'App. C.4: images resized to 32 x 32 x 3 (D.6: STL-10 to 90 x 90)')
+       for name in ('mixer_ss8_cifar100', 'mixer_ssw_cifar100', 'rp_mixer_width_cifar100', 'rp_mixer_width_stl10',
+                    'rp_smixer_cifar100', 'smixer_cifar100', 'smixer_depth_cifar100', 'smixer_depth_stl10',
+                    'smixer_patch_stl10', 'smixer_stl10')]
+    # the training transform's resampling (timm's --train-interpolation), as each public code sets it
+    + [(name, 'train_interpolation', 'bicubic', 'facebookresearch/deit main.py --train-interpolation bicubic; '
+        f'{SPARSIFINER} src/main.py --train_interpolation bicubic') for name in (
+        'deit_small_in1k', 'deit_tiny_in1k', 'deit_tiny_384_in1k_ft', 'sparsifiner_deit_small_in1k',
+        'sparsifiner_deit_tiny_384_in1k', 'linformer_deit_small_in1k')]
+    + [(f'{fam}_{s}_in1k', 'train_interpolation', 'random', f'{SOFT_MAIN} --train-interpolation random')
+       for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large')]
+    + [(name, 'train_interpolation', 'random', "App. C.5 trains with timm: train.py's --train-interpolation random")
+       for name in ('mixer_b16_in1k', 'mixer_b_w_in1k')]
+    # the held-out images' resize and crop, as each public code evaluates
+    + [(name, 'data_kwargs.interpolation', 'bicubic', 'facebookresearch/deit datasets.py: Resize(size, interpolation=3); '
+        f'{SPARSIFINER} src/datasets.py the same') for name in (
+        'deit_small_in1k', 'deit_tiny_in1k', 'deit_tiny_384_in1k_ft', 'sparsifiner_deit_small_in1k',
+        'sparsifiner_deit_tiny_384_in1k', 'linformer_deit_small_in1k')]
+    + [('sparsifiner_deit_tiny_384_in1k', 'data_kwargs.crop_pct', 1.0,
+        f'{SPARSIFINER} src/datasets.py: at 384 px Resize((384, 384)), no crop')]
+    + [row for fam in ('soft', 'softpp') for s in ('tiny', 'small', 'medium', 'large') for row in _rows(
+        f'{fam}_{s}_in1k', ('data_kwargs.crop_pct', 0.9, f"{SOFT_MAIN}: eval loader at the default_cfg's crop_pct "
+                                                          "(timm ViT _cfg() 0.9)"),
+        ('data_kwargs.interpolation', 'bicubic', f"{SOFT_MAIN}: the default_cfg's interpolation (bicubic)"))]
     + _rows('resnet50_in1k', ('model', 'resnet50', 'App. A.2: standard ResNet-50'),
             ('batch', 1024, 'App. A.2: TPU v2-8, 128 per core'))
     + _rows('resnet50_lowrank_in1k', ('factorize_rank', 0.5, 'Table 3 / 6 rank 0.5'), ('factor_decay', 'frobenius', 'Table 6'))
@@ -277,6 +312,8 @@ def test_recipe_states_where_its_values_come_from(name):
     values, about = load_recipe(name)
     for key in ABOUT_REQUIRED:
         assert str(about[key]).strip(), (name, key)
+        # a YAML '''text''' keeps the quotes: the dry run printed "expects     'ImageNet-1k ...'"
+        assert not str(about[key]).startswith(("'", '"')) and not str(about[key]).endswith(("'", '"')), (name, key)
     assert values['dataset_size'] >= 1 and values['data'] and values['model']
     assert values.get('output') == f'outputs/{name}'
     assert isinstance(about.get('world_size', 1), int)
@@ -626,3 +663,71 @@ def test_every_recipe_trains_two_steps(name, tmp_path):
     """The other recipes too (all 84 take about 45 s on 2 cores at this size); fine-tuning recipes start from
     their pre-training recipe's run."""
     _two_steps(name, tmp_path)
+
+
+def test_warmup_help_states_the_default_the_config_resolves():
+    """`train --help` said --warmup-epochs defaults to 2; a 5-epoch run warms up for 0.5 (min(2, epochs / 10))."""
+    from structformer.train.config import TrainConfig
+    text = ' '.join(_train_help().split())          # argparse wraps the help at the terminal's width
+    assert 'linear warm-up length in epochs (2, or a tenth of --epochs if less)' in text
+    assert TrainConfig(epochs=5).resolved_warmup_epochs() == 0.5 and TrainConfig(epochs=300).resolved_warmup_epochs() == 2
+
+
+def _train_help() -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == '_SubParsersAction')
+    return sub.choices['train'].format_help()
+
+
+def test_dry_run_names_the_weight_decay_each_parameter_gets(dry_run):
+    """WRN's code decays every parameter (the WRN recipes' decay_everything); the factors of a Frobenius-decay run
+    leave the optimiser's decay (train/parts.py), which the plan's 'on every parameter' did not say."""
+    rc, out, _ = dry_run(['train', '--recipe', 'wrn28_10_lowrank_cifar100', '--dry-run'])
+    assert rc == 0
+    assert 'weight decay 0.0005 on every parameter; the factors by Frobenius decay instead' in out
+    rc, out, _ = dry_run(['train', '--recipe', 'wrn28_10_cifar100', '--dry-run'])
+    assert rc == 0 and 'weight decay 0.0005 on every parameter, momentum 0.9' in out
+
+
+def _docs_recipe_rows() -> dict:
+    """docs/recipes.md's table of recipes: name -> its cells (covers, number, single node, multi-node, verified)."""
+    import re
+    text = (Path(__file__).resolve().parents[1] / 'docs' / 'recipes.md').read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip('|').split(' | ')]
+        if line.startswith('| `') and len(cells) == 6:
+            rows[cells[0].strip('`')] = cells[1:] + [re.findall(r'`([^`]+)`', cells[3]), re.findall(r'`([^`]+)`', cells[4])]
+    return rows
+
+
+def test_docs_recipes_table_is_the_recipes():
+    """docs/recipes.md's table, row by row, against the recipe files: its cells, its reported number, and that
+    each command trains that recipe on the processes it names at the recipe's global batch (the multi-node
+    column's -b x --grad-accum-steps x nodes x GPUs). The table was written by hand and nothing checked it."""
+    import shlex
+
+    from structformer.train.config import TrainConfig
+    rows = _docs_recipe_rows()
+    assert set(rows) == set(RECIPES), set(rows) ^ set(RECIPES)
+    for name in RECIPES:
+        covers, number, _, _, verified, single, multi = rows[name]
+        values, about = load_recipe(name)
+        config = TrainConfig.from_dict(values)
+        world = int(about.get('world_size', 1))
+        assert (covers, number) == (about['covers'], about['reported']), name
+        assert verified.startswith('dry run; 2 CPU steps (' + ('default test' if name in REPRESENTATIVES
+                                                                else 'all-recipes run') + ')'), name
+        argv = shlex.split(single[0])
+        expected = ['torchrun', '--nproc_per_node', str(world)] if world > 1 else ['structformer', 'train', '--recipe']
+        assert argv[:3] == expected, (name, argv)
+        assert argv[argv.index('--recipe') + 1] == name and ('--teacher' in argv) == bool(values.get('teacher')), name
+        if world == 1:
+            assert not multi, name
+            continue
+        argv = shlex.split(multi[0])
+        flag = lambda f, default: int(argv[argv.index(f) + 1]) if f in argv else default       # noqa: E731
+        processes = flag('--nnodes', 1) * flag('--nproc_per_node', 1)
+        assert argv[argv.index('--recipe') + 1] == name and ('--teacher' in argv) == bool(values.get('teacher')), name
+        assert (flag('-b', config.batch_size) * flag('--grad-accum-steps', config.grad_accum_steps) * processes
+                == config.effective_batch(world)), name

@@ -175,7 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--cooldown-epochs', type=int, default=S, metavar='N',
                    help='the last N of --epochs at --min-lr (timm adds them after --epochs; here --epochs counts '
                         'them) (0)')
-    g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2)')
+    g.add_argument('--warmup-epochs', type=float, default=S, help='linear warm-up length in epochs (2, or a tenth of --epochs if less)')
     g.add_argument('--warmup-lr', type=float, default=S, help='(1e-6, or lr if lower)')
     g.add_argument('--warmup-prefix', action=argparse.BooleanOptionalAction, default=S,
                    help="the schedule starts after the warm-up instead of under it (timm's --warmup-prefix)")
@@ -241,6 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--ratio', type=float, nargs=2, default=S, metavar=('MIN', 'MAX'),
                    help='random-resized-crop aspect range (0.75 1.333)')
     g.add_argument('--hflip', type=float, default=S, help='horizontal flip probability (0.5 where the data flips)')
+    g.add_argument('--train-interpolation', default=S, metavar='NAME',
+                   help="resampling of the random-resized crop and the --aa policy: random (bilinear or bicubic per "
+                        "image, timm's train.py), bilinear (default), bicubic (DeiT), nearest, lanczos, box, hamming")
     g.add_argument('--aug-repeats', type=int, default=S, metavar='N',
                    help='repeated augmentation (DeiT): every image N times an epoch, 0 = off')
     g.add_argument('--mixup', type=float, default=S, metavar='ALPHA', help='Mixup alpha (0 = off)')

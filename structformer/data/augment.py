@@ -25,6 +25,7 @@ class Augmentation:
     scale: Optional[Tuple[float, float]] = None   # random-resized-crop area range
     ratio: Optional[Tuple[float, float]] = None   # random-resized-crop aspect range
     hflip: Optional[float] = None
+    train_interpolation: Optional[str] = None     # resampling of the crop and the policy ('random', 'bicubic', ...)
 
     @classmethod
     def from_config(cls, config) -> 'Augmentation':
@@ -45,6 +46,8 @@ class Augmentation:
 # magnitudes to 10 and clamps above it, so timm's rand-m14-n2 is full strength where torchvision's bin 14 of 30
 # is 14/30 of each op's range; the public code's strength needs torchvision's transform itself.
 TORCHVISION_RAND = 'tv-rand'
+# timm's interpolation names (timm.data.transforms.str_to_pil_interp) and 'random' (bilinear or bicubic per image)
+TRAIN_INTERPOLATIONS = ('random', 'bilinear', 'bicubic', 'nearest', 'lanczos', 'box', 'hamming')
 
 
 def torchvision_rand_augment_args(policy: str) -> Dict[str, int]:
@@ -134,6 +137,8 @@ def check_augmentation(aug: Augmentation) -> Augmentation:
         value = getattr(aug, name)
         if value is not None and not (_number(value) and 0 <= value <= 1):
             bad(name, 'a number in [0, 1]')
+    if aug.train_interpolation is not None and aug.train_interpolation not in TRAIN_INTERPOLATIONS:
+        bad('train_interpolation', ', '.join(TRAIN_INTERPOLATIONS))
     pairs = {}
     for name, high, span in (('scale', 1.0, '(0, 1]'), ('ratio', float('inf'), '(0, inf)')):
         value = getattr(aug, name)
@@ -176,14 +181,16 @@ def record(aug: Augmentation, **applied) -> Dict[str, Any]:
     return out
 
 
-def auto_augment_policy(policy: str, size: int, img_mean: Tuple[int, ...]):
+def auto_augment_policy(policy: str, size: int, img_mean: Tuple[int, ...], interpolation: Optional[str] = None):
     """timm's RandAugment / AutoAugment / AugMix transform for PIL images of side `size`, with the hparams
-    timm's transforms_factory gives it (bilinear, as create_transform's default interpolation)."""
-    from PIL import Image
+    timm's transforms_factory gives it: its ops resample with `interpolation` (None: bilinear, as
+    create_transform's default; 'random': timm's random bilinear / bicubic, as create_transform leaves it)."""
     from timm.data.auto_augment import (augment_and_mix_transform, auto_augment_transform,
                                         rand_augment_transform)
-    hparams = {'translate_const': int(size * 0.45), 'img_mean': tuple(img_mean),
-               'interpolation': Image.BILINEAR}
+    from timm.data.transforms import str_to_pil_interp
+    hparams = {'translate_const': int(size * 0.45), 'img_mean': tuple(img_mean)}
+    if interpolation != 'random':
+        hparams['interpolation'] = str_to_pil_interp(interpolation or 'bilinear')
     if policy.startswith(TORCHVISION_RAND):
         return torchvision_rand_augment(policy)
     if policy.startswith('rand'):
@@ -273,7 +280,7 @@ def raw_image_augmentation(aug: Augmentation, *, channels: int, size: Tuple[int,
     if aug.scale is not None or aug.ratio is not None:
         scale, ratio = aug.scale or (0.08, 1.0), aug.ratio or (3 / 4, 4 / 3)      # timm's defaults for the other
         steps.append(RandomResizedCropAndInterpolation(tuple(size), scale=scale, ratio=ratio,
-                                                       interpolation='bilinear'))
+                                                       interpolation=aug.train_interpolation or 'bilinear'))
         applied.update(scale=scale, ratio=ratio)
     if aug.hflip:
         steps.append(T.RandomHorizontalFlip(p=aug.hflip))
@@ -281,7 +288,7 @@ def raw_image_augmentation(aug: Augmentation, *, channels: int, size: Tuple[int,
         # Grey images get a one-element fill: PIL's geometric ops on an 'L' image refuse timm's RGB fill
         # tuple ("color must be int or single-element tuple"); with it every timm op works on 'L' as is.
         img_mean = tuple(min(255, int(round(m))) for m in mean_pixel)
-        steps.append(auto_augment_policy(aug.aa, min(size), img_mean))
+        steps.append(auto_augment_policy(aug.aa, min(size), img_mean, aug.train_interpolation))
         applied['img_mean'] = img_mean
     jitter = _jitter_strength(aug)
     if jitter:
@@ -301,7 +308,7 @@ def timm_train_transform(img_size: int, aug: Augmentation, mean, std):
     transform = create_transform(
         img_size, is_training=True, auto_augment=None if torchvision_policy else aug.aa, re_prob=aug.reprob,
         re_mode=aug.remode, re_count=aug.recount, scale=aug.scale, ratio=aug.ratio, hflip=hflip, mean=mean,
-        std=std,
+        std=std, interpolation=aug.train_interpolation or 'bilinear',
         # timm jitters colour by 0.4 unless told otherwise; our --color-jitter default (None) means no jitter;
         # with a policy timm leaves colour jitter out, and so do we with torchvision's
         color_jitter=None if torchvision_policy else aug.color_jitter)

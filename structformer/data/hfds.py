@@ -12,13 +12,15 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import UsageError
-from .imagefolder import ReplaceUnreadable, UnreadableImage, as_rgb, image_transforms
+from .imagefolder import CROP_PCT, INTERPOLATION, ReplaceUnreadable, UnreadableImage, as_rgb, image_transforms
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
 OPTIONS = {
     'img_size': Option(int, 224, "an integer >= 8 (default: the model's input size)", lambda v: v >= 8),
     'augment': Option(bool, True, 'true or false'),
+    'crop_pct': CROP_PCT,
+    'interpolation': INTERPOLATION,
     'bad_images': Option(str, 'error', "'error' or 'skip' (an undecodable image is replaced by the next one, "
                          "named in the log)", lambda v: v in ('error', 'skip')),
     'image_column': Option(str, '', 'a column name (default: the first Image column)'),

@@ -25,9 +25,20 @@ from .augment import given_flags, timm_train_transform, wanted
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
+# the held-out images' geometry, timm's crop_pct: resize to img_size / crop_pct, then centre-crop img_size; timm's
+# 0.875 unless given. 1.0 keeps the whole image, as the standard CIFAR / STL evaluation and the public CRATE
+# finetune.py (Resize((224, 224))) do; shared by every image form that goes through image_transforms
+CROP_PCT = Option(float, None, "a number in (0, 1] (held-out images resized to img_size / crop_pct, then centre-"
+                  "cropped; default timm's 0.875)", lambda v: v is None or 0 < v <= 1)
+# and the resampling of that resize (timm's --interpolation; DeiT and the public SOFT code evaluate bicubic)
+EVAL_INTERPOLATIONS = ('bilinear', 'bicubic', 'nearest', 'lanczos', 'box', 'hamming')
+INTERPOLATION = Option(str, None, "one of " + ', '.join(EVAL_INTERPOLATIONS) + " (the held-out images' resize; "
+                       "default bilinear)", lambda v: v is None or v in EVAL_INTERPOLATIONS)
 OPTIONS = {
     'img_size': Option(int, 224, "an integer >= 8 (default: the model's input size)", lambda v: v >= 8),
     'augment': Option(bool, True, 'true or false'),
+    'crop_pct': CROP_PCT,
+    'interpolation': INTERPOLATION,
     'bad_images': Option(str, 'error', "'error' (stop before training) or 'skip' (leave them out, counted in the log)",
                          lambda v: v in ('error', 'skip')),
     'check': Option(str, 'header', "'header' (open each file's header, default), 'decode' (decode every image) "
@@ -152,16 +163,19 @@ def _drop_unreadable(folder, spec: str, mode: str, check: str = 'header'):
     return folder
 
 
-def default_transforms(img_size: int, augment: bool):
+def default_transforms(img_size: int, augment: bool, crop_pct: Optional[float] = None,
+                       interpolation: Optional[str] = None):
     """(train, eval) PIL -> normalised tensor transforms, ImageNet mean/std.
 
-    Eval is timm's (resize to img_size/0.875, center crop). Train is random-resized-crop + flip built
+    Eval is timm's (resize to img_size / crop_pct with `interpolation`, centre crop; None: timm's 0.875 and
+    bilinear). Train is random-resized-crop + flip built
     from torchvision, drawing from torch's RNG; it is kept as it was so runs without augmentation flags
     are unchanged. The flags (--aa, --reprob, ...) replace it with timm's create_transform (augment.py).
     """
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
     from torchvision import transforms as T
-    eval_tf = create_transform(img_size, is_training=False)
+    eval_tf = create_transform(img_size, is_training=False, crop_pct=crop_pct,
+                               interpolation=interpolation or 'bilinear')
     if not augment:
         return eval_tf, eval_tf
     train_tf = T.Compose([T.RandomResizedCrop(img_size, antialias=True), T.RandomHorizontalFlip(),
@@ -180,7 +194,8 @@ def image_transforms(spec: str, opts, augmentation, train_transform, eval_transf
     if aug is not None and train_transform is not None:
         raise ValueError('train_transform replaces the training transform that augmentation configures; '
                          'give one or the other')
-    default_train, default_eval = default_transforms(opts['img_size'], opts['augment'])
+    default_train, default_eval = default_transforms(opts['img_size'], opts['augment'], opts.get('crop_pct'),
+                                                     opts.get('interpolation'))
     applied = None
     if aug is not None:
         default_train, applied = timm_train_transform(opts['img_size'], aug, IMAGENET_DEFAULT_MEAN,

@@ -285,10 +285,13 @@ def imagenet_source(path: str, what: str) -> Source:
 # ----------------------------------------------------------------------------- --data imagenet:PATH
 
 def _options():
+    from .imagefolder import CROP_PCT, INTERPOLATION
     from .spec import Option
     return {
         'img_size': Option(int, 224, "an integer >= 8 (default: the model's input size)", lambda v: v >= 8),
         'augment': Option(bool, True, 'true or false'),
+        'crop_pct': CROP_PCT,
+        'interpolation': INTERPOLATION,
         'bad_images': Option(str, 'error', "'error' or 'skip' (an undecodable image is replaced by the next one, "
                              "named in the log)", lambda v: v in ('error', 'skip')),
     }

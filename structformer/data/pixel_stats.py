@@ -50,10 +50,18 @@ def pixel_stats(dataset: str) -> Optional[Tuple[tuple, tuple]]:
     return PIXEL_STATS.get(dataset)
 
 
-def eval_data_config(dataset: str) -> Optional[Dict[str, Any]]:
+def eval_data_config(dataset: str, crop_pct: Optional[float] = None,
+                     interpolation: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """The `pretrained_cfg` entries (mean, std, crop_pct, interpolation) with which timm's eval transform
-    reproduces what `structformer train` fed the model on `dataset`, or None (no image form)."""
+    reproduces what `structformer train` fed the model on `dataset`, or None (no image form). `crop_pct`,
+    `interpolation`: the run's `--data-kwargs` of those names (image folders and the forms that share their
+    transforms), else the defaults."""
     stats = pixel_stats(dataset)
     if stats is None:
         return None
-    return dict(EVAL_GEOMETRY.get(dataset, TENSOR_GEOMETRY), mean=stats[0], std=stats[1])
+    geometry = dict(EVAL_GEOMETRY.get(dataset, TENSOR_GEOMETRY))
+    if crop_pct is not None and dataset in EVAL_GEOMETRY:
+        geometry['crop_pct'] = float(crop_pct)
+    if interpolation is not None and dataset in EVAL_GEOMETRY:
+        geometry['interpolation'] = str(interpolation)
+    return dict(geometry, mean=stats[0], std=stats[1])

@@ -157,6 +157,9 @@ class TrainConfig:
     scale: Optional[List[float]] = None
     ratio: Optional[List[float]] = None
     hflip: Optional[float] = None
+    # timm train.py's --train-interpolation: the random-resized crop's and the --aa policy's resampling ('random'
+    # draws bilinear or bicubic per image, timm's train.py default; DeiT's main.py says 'bicubic'); None: bilinear
+    train_interpolation: Optional[str] = None
     # DeiT's repeated augmentation: each image this many times per epoch (timm RepeatAugSampler); 0 = off
     aug_repeats: int = 0
     # Mixup / CutMix (timm.data.Mixup) with soft-target cross-entropy, label smoothing folded into the targets

@@ -80,6 +80,7 @@ def _validate_shape(values: Dict[str, Any], bad) -> None:
 
 def validate_paper_scale(config) -> None:
     """Precision, augmentation, EMA, accumulation and logging settings: ranges and names, before any work."""
+    from ..data.augment import TRAIN_INTERPOLATIONS
     checks = [
         ('drop', config.drop is None or 0 <= config.drop < 1, 'in [0, 1)'),
         ('drop_path', config.drop_path is None or 0 <= config.drop_path < 1, 'in [0, 1)'),
@@ -89,6 +90,8 @@ def validate_paper_scale(config) -> None:
         ('recount', config.recount >= 1, '>= 1'),
         ('color_jitter', config.color_jitter is None or 0 <= config.color_jitter <= 1, 'in [0, 1]'),
         ('hflip', config.hflip is None or 0 <= config.hflip <= 1, 'in [0, 1]'),
+        ('train_interpolation', config.train_interpolation in (None,) + TRAIN_INTERPOLATIONS,
+         ', '.join(TRAIN_INTERPOLATIONS[:-1]) + ' or ' + TRAIN_INTERPOLATIONS[-1]),
         ('aug_repeats', config.aug_repeats == 0 or config.aug_repeats >= 2, '0 (off) or >= 2'),
         ('mixup', config.mixup >= 0, '>= 0 (0 = off)'),
         ('cutmix', config.cutmix >= 0, '>= 0 (0 = off)'),

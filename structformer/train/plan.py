@@ -401,6 +401,7 @@ def dry_run(config: TrainConfig) -> str:
         how = '--lr as given'
     lines.append(f"optimiser     {config.opt}, weight decay {config.weight_decay:g}"
                  + (' on every parameter' if config.decay_everything else ' (norms, biases, cls/pos exempt)')
+                 + ('; the factors by Frobenius decay instead' if spec and config.factor_decay == 'frobenius' else '')
                  + (f", momentum {config.momentum:g}" if 'sgd' in config.opt or 'momentum' in config.opt else '')
                  + (f", betas {tuple(config.opt_betas)}" if config.opt_betas else '')
                  + (f", eps {config.opt_eps:g}" if config.opt_eps is not None else '')
@@ -434,7 +435,7 @@ def dry_run(config: TrainConfig) -> str:
         aug.append(f"mixup_prob {config.mixup_prob:g}, switch {config.mixup_switch_prob:g}, mode {config.mixup_mode}"
                    + (f", off after epoch {config.mixup_off_epoch}" if config.mixup_off_epoch else ''))
     aug.append(f"aug_repeats {config.aug_repeats}")
-    for key in ('color_jitter', 'scale', 'ratio', 'hflip'):
+    for key in ('color_jitter', 'scale', 'ratio', 'hflip', 'train_interpolation'):
         if getattr(config, key) is not None:
             aug.append(f"{key} {getattr(config, key)}")
     lines.append("augmentation  " + ', '.join(aug))

@@ -24,7 +24,14 @@ class CheckpointGlue:
                 'config': self.config.to_dict(), 'metrics': metrics,
                 'data_info': {'name': self.info.name, 'num_classes': self.info.num_classes,
                               'in_chans': self.info.in_chans, 'img_size': self.info.img_size,
-                              **class_record(self.info.extra)}}
+                              **class_record(self.info.extra), **self._eval_crop()}}
+
+    def _eval_crop(self) -> Dict:
+        """--data-kwargs crop_pct / interpolation where given: the held-out images' geometry (export's
+        pretrained_cfg)."""
+        given = self.config.data_kwargs or {}
+        return {key: kind(given[key]) for key, kind in (('crop_pct', float), ('interpolation', str))
+                if given.get(key) is not None}
 
     def _save(self, epoch: int, metrics: Dict) -> Path:
         files = {}
