@@ -224,6 +224,46 @@ def test_a_grid_begun_on_an_older_release_goes_on(quick, tmp_path, capsys):
                'cell vit/seed_0', 'lr: 0.001 -> 0.002', '--overwrite')
 
 
+def test_a_record_read_back_is_refused_by_name_when_torn_or_foreign(tmp_path):
+    from structformer.errors import UsageError
+    from structformer.records import read_record
+    path = tmp_path / 'grid.json'
+    for text, reason in (('{"recipe": {"lr"', 'not valid JSON'), ('[1, 2]', 'a JSON list, not an object'),
+                         ('{"set": "quick"}', "has no 'recipe'"), (b'\xff\xfe', 'not valid JSON')):
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(UsageError) as e:
+            read_record(path, 'a grid', ('recipe',), 'delete it')
+        assert str(e.value).startswith(f'{path}: should be a grid') and reason in str(e.value), str(e.value)
+        assert str(e.value).endswith('; delete it')
+    path.write_text('{"recipe": {}}')
+    assert read_record(path, 'a grid', ('recipe',)) == {'recipe': {}}
+
+
+@pytest.mark.slow
+def test_a_torn_or_foreign_file_in_the_grid_is_one_line(quick, tmp_path, capsys):
+    """A grid.json, a cell's summary.json or speed.json that is not the record it should be: one line naming the file
+    and what to do (was: a JSONDecodeError traceback), and no file in the folder changes."""
+    import shutil
+    grid = tmp_path / 'quick'
+    shutil.copytree(quick, grid)
+    for path in grid.glob('cells/*/seed_0/config.yaml'):       # the copy's own teacher
+        path.write_text(path.read_text().replace(str(quick), str(grid)))
+    argv = ['compare', '--set', 'quick', '--output', str(grid), *TINY]
+    for name, text, needles in (
+            ('grid.json', '{"recipe": ', ('grid.json: should be', 'not valid JSON', 'delete it')),
+            ('cells/vit/seed_0/summary.json', '', ('vit/seed_0/summary.json', 'delete the cell folder')),
+            ('speed.json', '[]', ('speed.json', 'not an object', 'time the rows again'))):
+        original = (grid / name).read_text() if (grid / name).is_file() else None
+        (grid / name).write_text(text)
+        before = {p: p.read_bytes() for p in grid.rglob('*') if p.is_file()}
+        _one_error(argv, capsys, *needles)
+        assert {p: p.read_bytes() for p in grid.rglob('*') if p.is_file()} == before
+        if original is None:
+            (grid / name).unlink()
+        else:
+            (grid / name).write_text(original)
+
+
 @pytest.mark.slow
 def test_dry_run_prints_the_grid_and_its_time_and_writes_nothing(quick, tmp_path, capsys):
     out = tmp_path / 'never'

@@ -138,3 +138,12 @@ def test_report_only_rebuilds_from_results(tmp_path):
     assert saved['environment'] == {'cpu': 'then'}
     assert 'one seed gives no standard error' in saved['verdicts']['best_near_c_equals_s_S-Mixer']   # refreshed
     assert '| S-Mixer | 32 |' in (tmp_path / 'report.md').read_text()
+
+
+def test_report_only_refuses_another_commands_results_in_one_line(tmp_path, capsys):
+    (tmp_path / 'results.json').write_text(json.dumps({'recipe': {}, 'curves': {}, 'verdict': {}}))   # crate's
+    assert main(['reproduce', 'mixer', '--report-only', '--output', str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err and err.count('error:') == 1
+    assert "results.json: should be the results.json of `reproduce mixer`, but it has no 'omega'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['results.json']

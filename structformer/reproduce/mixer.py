@@ -319,7 +319,9 @@ def run(args: argparse.Namespace) -> int:
         previous = Path(args.output) / 'results.json'
         if not previous.is_file():
             raise FileNotFoundError(f"--report-only: {previous} not found; run without --report-only first")
-        saved = json.loads(previous.read_text())
+        from ..records import read_record
+        saved = read_record(previous, 'the results.json of `reproduce mixer`', ('recipe', 'omega', 'rows', 'spectra'),
+                            'run without --report-only to make it')
         args.omega = saved['omega']
         return _finish(saved, args, Path(args.output))
     _check(args)
