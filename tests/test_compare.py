@@ -74,6 +74,21 @@ def test_a_difference_is_read_against_two_standard_errors_and_an_under_trained_v
     assert d['reading'] == 'no clear difference'
 
 
+def test_crate_close_to_vit_is_read_against_the_papers_gap_and_the_noise():
+    """'CRATE close to ViT' (the paper's CRATE-B is 1.6 points below ViT-S): one seed on 50 images (2 SE ≈ 14 points)
+    said 'agrees' for a 12-point deficit, because only a significant deficit could disagree; and three tight seeds
+    1.0 point below read 'disagrees' though the paper's own CRATE is further below."""
+    from structformer.compare.leaderboard import claims
+    def verdict(crate, vit, held_out):
+        record = {'data': {'val_images': held_out}, 'rows': [
+            dict(_hand_row('vit', 'ViT', vit), family='ViT'), dict(_hand_row('crate', 'CRATE', crate), family='CRATE')]}
+        return next(c['verdict'] for c in claims(record) if c['claim'] == 'CRATE vs ViT at equal parameters')
+    assert verdict([80.0], [92.0], 50) == 'cannot tell at this scale'
+    assert verdict([96.9, 97.0, 97.1], [97.9, 98.0, 98.1], 2000) == 'agrees'          # 1.0 below, ± 0.16
+    assert verdict([94.9, 95.0, 95.1], [97.9, 98.0, 98.1], 2000) == 'disagrees'       # 3.0 below, ± 0.16
+    assert verdict([98.0, 98.1, 97.9], [92.0, 93.0, 94.0], 2000) == 'agrees'          # above: closer than the paper
+
+
 def test_plot_labels_do_not_overlap_a_hand_example():
     from structformer.compare.record import label_offsets
     # a and b 2 points apart, labels 40 wide and 8 high: a keeps right-above (4, 3); b's right-above box would
