@@ -147,3 +147,21 @@ def test_report_only_refuses_another_commands_results_in_one_line(tmp_path, caps
     assert 'Traceback' not in err and err.count('error:') == 1
     assert "results.json: should be the results.json of `reproduce mixer`, but it has no 'omega'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ['results.json']
+
+
+def test_pairs_off_the_fixed_omega_curve_are_refused_before_training(tmp_path, capsys):
+    """--omega 16 with the default C = 8 … 128 planned S = 1 for every C (Ω of the pairs 36 … 8,256) and trained
+    them as points of a 'fixed-Ω' sweep; `design` flags such pairs, the reproduction now refuses them by name."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'mixer', '--data', str(tmp_path), '--omega', '2^10', '--channels', '8', '64',
+                 '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err
+    assert '--channels 64: off the fixed-Ω curve at --omega 1024' in err and 'accepted C up to 54' in err
+    assert not out.exists()
+    assert [r['channels'] for r in omega_pairs(2 ** 10, range(50, 60)) if not r['on_curve']] == [55, 56, 57, 58, 59]
+
+
+def omega_pairs(omega_, channels):
+    from structformer.models.mixer_design import fixed_omega_pairs
+    return fixed_omega_pairs(omega_, list(channels), 1.0)

@@ -73,6 +73,14 @@ def _check(args) -> None:
         raise ValueError("--channels and --depths must be integers >= 1")
     if any(not 0 < p <= 1 for p in args.sw_densities):
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
+    from ..models.mixer_design import OFF_CURVE, fixed_omega_pairs, optimal_width
+    off = [r['channels'] for r in fixed_omega_pairs(args.omega, args.channels, 1.0) if not r['on_curve']]
+    if off:                  # S = 1 already spends more than 1.5 × Ω: not a point of the fixed-Ω sweep
+        limit = int(math.sqrt(2 * OFF_CURVE * args.omega)) + 1          # (C + C²)/2 > 1.5 Ω beyond it
+        largest = max(r['channels'] for r in fixed_omega_pairs(args.omega, range(1, limit + 1), 1.0) if r['on_curve'])
+        raise ValueError(f"--channels {' '.join(map(str, off))}: off the fixed-Ω curve at --omega {args.omega} (even "
+                         f"S = 1 spends more than {OFF_CURVE} × Ω); accepted C up to {largest} here, or a larger "
+                         f"--omega (C* = S* = {optimal_width(args.omega)['channels']:.1f})")
     if args.limit_train_batches < 0:
         raise ValueError(f"--limit-train-batches must be >= 0, got {args.limit_train_batches}")
     if args.output:          # before any work: a long run never dies at its first write
