@@ -165,3 +165,17 @@ def test_pairs_off_the_fixed_omega_curve_are_refused_before_training(tmp_path, c
 def omega_pairs(omega_, channels):
     from structformer.models.mixer_design import fixed_omega_pairs
     return fixed_omega_pairs(omega_, list(channels), 1.0)
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
+def test_a_model_that_cannot_be_built_is_refused_before_anything_trains(tmp_path, capsys):
+    """--sw-densities 1e-9 asks for a width-5.7M SW-MLP (131 TB of dense weights): refused in one line before the
+    first run trains (it failed after the S-Mixer rows had trained), and no output folder is left."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'mixer', '--data', str(MNIST), '--channels', '32', '--depths', '2', '--seeds', '1',
+                 '--sw-densities', '1e-9', '--epochs', '1', '--limit-train-batches', '1', '--spectra-trials', '0',
+                 '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err
+    assert '--sw-densities: density 1e-09 at --omega 32768 is a width-5724327 SW-MLP' in err and '--model-kwargs' not in err
+    assert not out.exists()

@@ -117,6 +117,29 @@ def plan(args, patch_tokens: int = 49) -> List[Dict]:
     return runs
 
 
+def _preflight(runs: List[Dict], spec: str, omega_: int) -> None:
+    """Every distinct model of the plan built once for the data, before the first trains: one that cannot be
+    (an SW-MLP whose dense m×m weights do not fit, as a tiny --sw-densities asks) is refused by name rather than
+    after the runs before it have trained."""
+    from ..data import build_datasets
+    from ..models.factory import build_model
+    info = build_datasets(spec, seed=0, val_fraction=0.2)[2]
+    seen = set()
+    for r in runs:
+        key = (r['model'], json.dumps(r['kwargs'], sort_keys=True))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            build_model(r['model'], r['kwargs'], info)
+        except ValueError as e:
+            reason = str(e).split('; check --model-kwargs')[0]          # this command has no --model-kwargs
+            flag = (f"--sw-densities: density {r['density']:.3g} at --omega {omega_} is a width-{r['width']} SW-MLP"
+                    if r['kind'] == 'SW-MLP'
+                    else f"--channels {r['channels']}: C = {r['channels']}, S = {r['tokens']}")
+            raise ValueError(f"{flag}, which this machine cannot build: {reason}") from None
+
+
 def _run_name(r: Dict) -> str:
     depth = r['kwargs'].get('depth')
     return f"{r['group']}_{r['model']}_C{r['channels']}_S{r['tokens']}_L{depth}_seed{r['seed']}"
@@ -346,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  C={r['channels']:>3} m={r['width']:>5}  {r['mixer_token']:.3f}  {r['sw_mlp']:.3f}", flush=True)
     rows = []
     runs = plan(args)
+    _preflight(runs, spec, args.omega)
     for i, r in enumerate(runs):
         run_dir = out / 'runs' / _run_name(r)
         result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=spec,
