@@ -104,6 +104,18 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
     assert capsys.readouterr().out.count('reusing the finished run') == 4
 
 
+def test_a_finished_run_on_other_data_is_not_reused(tmp_path):
+    """A finished run was reused whatever --data said: its recipe was compared, its data never."""
+    import yaml
+    run = tmp_path / 'dense_1'
+    run.mkdir()
+    config = {'model': 'vit_mnist', 'epochs': 2}
+    (run / 'summary.json').write_text(json.dumps({'epochs': 2}))
+    (run / 'config.yaml').write_text(yaml.safe_dump(dict(config, data=f'mnist:{tmp_path / "a"}')))
+    assert repro._finished(run, config, f'mnist:{tmp_path / "a"}')
+    assert not repro._finished(run, config, f'mnist:{tmp_path / "b"}')
+
+
 def test_bad_keep_is_refused(tmp_path, capsys):
     assert main(['reproduce', 'sparsifiner', '--keep', '0', '--output', str(tmp_path / 'o')]) == 2
     assert '--keep' in capsys.readouterr().err

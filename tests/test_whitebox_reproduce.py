@@ -34,6 +34,12 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
     capsys.readouterr()
     assert crate.run(_args(*argv)) == 0                      # the finished run is reused, not retrained
     assert 'reusing the finished run' in capsys.readouterr().out
+    other = tmp_path / 'other_mnist'                         # another --data folder: never the old run's numbers
+    other.symlink_to(MNIST.resolve(), target_is_directory=True)
+    argv[argv.index('--data') + 1] = str(other)
+    assert crate.run(_args(*argv)) == 0
+    assert 'reusing the finished run' not in capsys.readouterr().out
+    assert f'data: mnist:{other}' in (out / 'run' / 'config.yaml').read_text()
 
 
 def _layers(rc, sp, rc_std=1.0, sp_std=0.01):

@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import start
+from . import start, trained_on
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -78,15 +78,15 @@ def _recipe(args) -> Dict:
                 limit_train_batches=args.limit_train_batches, keep_last=1, save_every=1)
 
 
-def _finished(run_dir: Path, recipe: Dict) -> bool:
-    """A run in `run_dir` that finished with this recipe (its summary and every epoch's checkpoint)."""
+def _finished(run_dir: Path, recipe: Dict, spec: str) -> bool:
+    """A run in `run_dir` that finished with this recipe on this data (its summary and every epoch's checkpoint)."""
     summary = run_dir / 'summary.json'
     if not summary.is_file():
         return False
     from ..train.checkpoint import load_model
     _, state = load_model(run_dir)
     config = state.get('config') or {}
-    return all(config.get(k) == v for k, v in recipe.items() if k != 'data')
+    return trained_on(config, spec) and all(config.get(k) == v for k, v in recipe.items() if k != 'data')
 
 
 def _below(a: Dict, b: Dict, num_samples: int) -> bool:
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train import TrainConfig, train
     run_dir = output / 'run'
     recipe = _recipe(args)
-    if _finished(run_dir, recipe):
+    if _finished(run_dir, recipe, spec):
         print(f'reusing the finished run in {run_dir}', flush=True)
     else:
         train(TrainConfig(data=spec, output=str(run_dir), **recipe), progress=False, overwrite=True)

@@ -33,7 +33,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import start
+from . import start, trained_on
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -99,12 +99,14 @@ def _rows(args, teacher_dir: Path) -> List[Dict]:
     return rows
 
 
-def _finished(run_dir: Path, config: Dict) -> bool:
+def _finished(run_dir: Path, config: Dict, spec: str) -> bool:
     summary = run_dir / 'summary.json'
     if not summary.is_file():
         return False
     import yaml
     saved = yaml.safe_load((run_dir / 'config.yaml').read_text()) or {}
+    if not trained_on(saved, spec):
+        return False
     for key, value in config.items():
         if key in ('data', 'teacher', 'output'):
             continue
@@ -118,7 +120,7 @@ def _finished(run_dir: Path, config: Dict) -> bool:
 
 def _train(config: Dict, run_dir: Path, spec: str) -> Dict:
     from ..train import TrainConfig, train
-    if _finished(run_dir, config):
+    if _finished(run_dir, config, spec):
         print(f'reusing the finished run in {run_dir}', flush=True)
     else:
         print(f'training {run_dir.name} ...', flush=True)
