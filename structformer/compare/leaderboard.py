@@ -199,7 +199,8 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               'inference forward, every row timed back to back in one process (paired rounds; ratio to the ViT with '
               'its interquartile range). Memory: growth of the process\'s peak memory over three training steps, one '
               'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; SDPA\'s CPU '
-              'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products). Front: on the '
+              'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products; SOFT\'s Newton '
+              'iterations stop at convergence, so its count is that of the first training image). Front: on the '
               'Pareto front of accuracy against training time per image (T) or parameters (P).', '',
               markdown_table(record).rstrip('\n'), '']
     for fix in record.get('corrections', []):              # a count fixed after the run, said where it is shown
