@@ -9,6 +9,8 @@ take them from, so none of those packages imports another for a utility.
   VNNI, BF16, AMX), by which benchmark goals are judged and docs/benchmarks.md groups its tables.
 - `check_writable`: an output folder checked before any work, so a long job never dies at its first write;
   `removed_on_failure`: the output folder a failed command created is removed again.
+- `read_record`: a JSON record a command reads back (a grid's manifest, a cell's summary, a results.json for
+  --report-only); one that is torn, foreign or lacks what is needed is refused in one line naming the file.
 
 Only the standard library is imported at module level: `structformer --help` builds parsers that
 import this module and must not pay for torch, numpy or matplotlib.
@@ -118,6 +120,28 @@ def check_output_file(path, flag: str) -> None:
     if target.is_dir():
         raise ValueError(f"{flag} {path}: is a folder; give a file name")
     check_writable(target.absolute().parent, flag, shown=path)
+
+
+# ---- reading a record back ---------------------------------------------------------------------------
+
+def read_record(path, what: str, keys=(), remedy: str = '') -> dict:
+    """The JSON object in `path`, which the command wrote earlier as `what`; a file that is not JSON, not an
+    object, or lacks one of `keys` (another command's record) raises UsageError naming the file, what it should
+    be, and `remedy` (what the user can do), instead of a JSONDecodeError or KeyError traceback."""
+    from .errors import UsageError
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        reason = f"is not valid JSON ({getattr(e, 'msg', e)}{f' at line {e.lineno}' if hasattr(e, 'lineno') else ''})"
+    else:
+        missing = [k for k in keys if k not in value] if isinstance(value, dict) else None
+        if missing == []:
+            return value
+        reason = (f"is a JSON {type(value).__name__}, not an object" if missing is None
+                  else f"has no {', '.join(repr(k) for k in missing)}")
+    raise UsageError(f"{path}: should be {what}, but it {reason} (torn by a kill, or another file)"
+                     + (f"; {remedy}" if remedy else ''))
 
 
 # ---- atomic writers ---------------------------------------------------------------------------------

@@ -297,3 +297,25 @@ def test_run_analyze_bad_input(tmp_path):
                     state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': 1, 'config': CONFIG}, with_rng=False)
     with pytest.raises(ValueError, match=r'not CRATE.*For other models: --cka CHECKPOINT, --interpolate CHECKPOINT'):
         run_analyze(_parse('--checkpoint', str(vit_dir)))
+
+
+def test_a_figure_that_fails_mid_write_leaves_the_previous_one(tmp_path, monkeypatch):
+    """analysis/plots saved straight into the target: re-running analyze into <run>/analysis (which it keeps, not
+    having made it) and failing or being killed mid-savefig left half a PNG in place of the previous figure."""
+    from matplotlib.figure import Figure
+
+    from structformer.analysis.plots import plot_layer_curves
+    measure = {'estimator': 'official', 'eps': 0.1, 'num_samples': 2, 'R_c_bounds': [1.0, 9.0],
+               'layers': [{'R_c': {'mean': 5.0 - i, 'std': 0.1}} for i in range(3)]}
+    path = tmp_path / 'compression_per_layer.png'
+    plot_layer_curves({'init': measure}, 'R_c', path)
+    previous = path.read_bytes()
+    assert previous[:4] == b'\x89PNG'
+
+    def torn(self, target, **kwargs):
+        target.write(b'\x89PNG half')
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(Figure, 'savefig', torn)
+    with pytest.raises(OSError):
+        plot_layer_curves({'trained': measure}, 'R_c', path)
+    assert path.read_bytes() == previous and sorted(p.name for p in tmp_path.iterdir()) == [path.name]

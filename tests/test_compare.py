@@ -74,6 +74,21 @@ def test_a_difference_is_read_against_two_standard_errors_and_an_under_trained_v
     assert d['reading'] == 'no clear difference'
 
 
+def test_crate_close_to_vit_is_read_against_the_papers_gap_and_the_noise():
+    """'CRATE close to ViT' (the paper's CRATE-B is 1.6 points below ViT-S): one seed on 50 images (2 SE ≈ 14 points)
+    said 'agrees' for a 12-point deficit, because only a significant deficit could disagree; and three tight seeds
+    1.0 point below read 'disagrees' though the paper's own CRATE is further below."""
+    from structformer.compare.leaderboard import claims
+    def verdict(crate, vit, held_out):
+        record = {'data': {'val_images': held_out}, 'rows': [
+            dict(_hand_row('vit', 'ViT', vit), family='ViT'), dict(_hand_row('crate', 'CRATE', crate), family='CRATE')]}
+        return next(c['verdict'] for c in claims(record) if c['claim'] == 'CRATE vs ViT at equal parameters')
+    assert verdict([80.0], [92.0], 50) == 'cannot tell at this scale'
+    assert verdict([96.9, 97.0, 97.1], [97.9, 98.0, 98.1], 2000) == 'agrees'          # 1.0 below, ± 0.16
+    assert verdict([94.9, 95.0, 95.1], [97.9, 98.0, 98.1], 2000) == 'disagrees'       # 3.0 below, ± 0.16
+    assert verdict([98.0, 98.1, 97.9], [92.0, 93.0, 94.0], 2000) == 'agrees'          # above: closer than the paper
+
+
 def test_plot_labels_do_not_overlap_a_hand_example():
     from structformer.compare.record import label_offsets
     # a and b 2 points apart, labels 40 wide and 8 high: a keeps right-above (4, 3); b's right-above box would
@@ -222,6 +237,46 @@ def test_a_grid_begun_on_an_older_release_goes_on(quick, tmp_path, capsys):
     path.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(path.read_text()).items() if k != 'lr'}))
     _one_error(['compare', '--set', 'quick', '--output', str(grid), '--skip-speed', *TINY], capsys,
                'cell vit/seed_0', 'lr: 0.001 -> 0.002', '--overwrite')
+
+
+def test_a_record_read_back_is_refused_by_name_when_torn_or_foreign(tmp_path):
+    from structformer.errors import UsageError
+    from structformer.records import read_record
+    path = tmp_path / 'grid.json'
+    for text, reason in (('{"recipe": {"lr"', 'not valid JSON'), ('[1, 2]', 'a JSON list, not an object'),
+                         ('{"set": "quick"}', "has no 'recipe'"), (b'\xff\xfe', 'not valid JSON')):
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(UsageError) as e:
+            read_record(path, 'a grid', ('recipe',), 'delete it')
+        assert str(e.value).startswith(f'{path}: should be a grid') and reason in str(e.value), str(e.value)
+        assert str(e.value).endswith('; delete it')
+    path.write_text('{"recipe": {}}')
+    assert read_record(path, 'a grid', ('recipe',)) == {'recipe': {}}
+
+
+@pytest.mark.slow
+def test_a_torn_or_foreign_file_in_the_grid_is_one_line(quick, tmp_path, capsys):
+    """A grid.json, a cell's summary.json or speed.json that is not the record it should be: one line naming the file
+    and what to do (was: a JSONDecodeError traceback), and no file in the folder changes."""
+    import shutil
+    grid = tmp_path / 'quick'
+    shutil.copytree(quick, grid)
+    for path in grid.glob('cells/*/seed_0/config.yaml'):       # the copy's own teacher
+        path.write_text(path.read_text().replace(str(quick), str(grid)))
+    argv = ['compare', '--set', 'quick', '--output', str(grid), *TINY]
+    for name, text, needles in (
+            ('grid.json', '{"recipe": ', ('grid.json: should be', 'not valid JSON', 'delete it')),
+            ('cells/vit/seed_0/summary.json', '', ('vit/seed_0/summary.json', 'delete the cell folder')),
+            ('speed.json', '[]', ('speed.json', 'not an object', 'time the rows again'))):
+        original = (grid / name).read_text() if (grid / name).is_file() else None
+        (grid / name).write_text(text)
+        before = {p: p.read_bytes() for p in grid.rglob('*') if p.is_file()}
+        _one_error(argv, capsys, *needles)
+        assert {p: p.read_bytes() for p in grid.rglob('*') if p.is_file()} == before
+        if original is None:
+            (grid / name).unlink()
+        else:
+            (grid / name).write_text(original)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 the right way round, bad arguments are one-line errors. (The runs themselves are the engine's, tested
 in test_lowrank_train.py; a full reproduction takes minutes and is documented in docs/lowrank.md.)"""
 import argparse
+import json
 
 import pytest
 
@@ -58,3 +59,26 @@ def test_reproduce_lowrank_bad_arguments(argv, message, capsys, tmp_path):
     assert main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_finished_run_is_reused_only_with_the_planned_settings(tmp_path, monkeypatch):
+    """Any folder with a summary.json was reused: `--seed 1` into the output of a seed-0 reproduction reported the
+    seed-0 runs under args seed 1. Now the saved config.yaml must be the planned one (data compared absolute)."""
+    import yaml
+
+    from structformer.reproduce.lowrank import reusable
+    from structformer.train import TrainConfig
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'mnist').mkdir()
+    folder = tmp_path / 'vision' / 'r0.2_spectral'
+    folder.mkdir(parents=True)
+    planned = TrainConfig(model='wrn_16_2_mnist', data='mnist:mnist', seed=0, epochs=2, factorize_rank=0.2,
+                          output=str(folder))
+    assert not reusable(folder, planned)                                 # nothing trained there yet
+    saved = dict(planned.to_dict(), data=f'mnist:{tmp_path / "mnist"}')  # as the engine writes it: absolute
+    (folder / 'config.yaml').write_text(yaml.safe_dump(json.loads(json.dumps(saved))))
+    assert not reusable(folder, planned)                                 # no summary: not finished
+    (folder / 'summary.json').write_text('{}')
+    assert reusable(folder, planned)
+    for change in ({'seed': 1}, {'epochs': 3}, {'factorize_rank': 0.3}, {'data': 'mnist:other'}, {'lr': 0.5}):
+        assert not reusable(folder, TrainConfig(**dict(planned.to_dict(), **change))), change

@@ -180,3 +180,12 @@ def test_design_command_prints_the_fixed_omega_table(capsys):
     assert main(['design', '--omega', '2^10']) == 0
     out = capsys.readouterr().out
     assert '!' not in out and '\n   173 ' not in out and '\n    16 ' in out
+
+
+def test_analyze_cka_with_too_few_samples_names_the_flag(tmp_path, capsys):
+    """--num-samples 3 with --cka said 'the split has 3', blaming the data for the flag's value."""
+    assert main(['analyze', '--checkpoint', str(tmp_path), '--cka', str(tmp_path), '--num-samples', '3',
+                 '--output', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and "--num-samples 3: --cka's unbiased HSIC needs at least 4 samples" in err
+    assert not (tmp_path / 'out').exists()

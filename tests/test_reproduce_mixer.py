@@ -45,21 +45,59 @@ def _row(group, kind, error, **kw):
     return dict(group=group, kind=kind, val_top1=100 - error, **kw)
 
 
+def _seeds(group, kind, error, spread=0.1, **kw):
+    """Two seeds at error ± spread: mean `error`, standard error `spread`."""
+    return [_row(group, kind, error - spread, **kw), _row(group, kind, error + spread, **kw)]
+
+
 def test_verdicts_follow_the_numbers():
-    rows = [_row('width', 'S-Mixer', e, channels=c, width=m) for c, m, e in ((8, 700, 5.0), (32, 1024, 3.0),
-                                                                             (128, 512, 6.0))]
-    rows += [_row('depth', 'S-Mixer', e, depth=d) for d, e in ((2, 4.0), (8, 3.0))]
-    rows += [_row('depth', 'RP S-Mixer', e, depth=d) for d, e in ((2, 6.0), (8, 3.2))]
+    rows = [r for c, m, e in ((8, 700, 5.0), (32, 1024, 3.0), (128, 512, 6.0))
+            for r in _seeds('width', 'S-Mixer', e, channels=c, width=m)]
+    rows += [r for d, e in ((2, 4.0), (8, 3.0)) for r in _seeds('depth', 'S-Mixer', e, depth=d)]
+    rows += [r for d, e in ((2, 6.0), (8, 3.2)) for r in _seeds('depth', 'RP S-Mixer', e, depth=d)]
     found = mixer.verdicts(rows, 2 ** 15)
-    assert 'HOLDS' in found['best_near_c_equals_s_S-Mixer'] and 'C = 32' in found['best_near_c_equals_s_S-Mixer']
+    assert "'Best near C = S' HOLDS" in found['best_near_c_equals_s_S-Mixer']
+    assert 'C = 32' in found['best_near_c_equals_s_S-Mixer']
     assert 'HOLDS here: the gap shrinks' in found['rp_catches_up_with_depth']
     assert "'Error falls as the width grows at fixed Ω' HOLDS" in found['wider_is_better_S-Mixer']
-    rows[1]['val_top1'] = 100 - 9.0          # best now at C = 8
-    rows[-1]['val_top1'] = 100 - 9.0         # RP falls further behind
+    for r in rows[2:4]:
+        r['val_top1'] -= 6.0                 # C = 32 now at 9 %: best at C = 8
+    for r in rows[-2:]:
+        r['val_top1'] -= 5.8                 # RP falls further behind at L = 8
     found = mixer.verdicts(rows, 2 ** 15)
-    assert 'DOES NOT HOLD' in found['best_near_c_equals_s_S-Mixer']
+    assert 'DOES NOT HOLD (C = 8, C = 128 lower' in found['best_near_c_equals_s_S-Mixer']
     assert "grows at fixed Ω' DOES NOT HOLD" in found['wider_is_better_S-Mixer']
-    assert 'DOES NOT HOLD here' in found['rp_catches_up_with_depth']
+    assert 'DOES NOT HOLD here: the gap grows' in found['rp_catches_up_with_depth']
+
+
+def test_verdicts_do_not_read_noise_or_one_seed_as_a_result():
+    """The committed record's S-Mixer: C = 32 at 3.12 % against 3.27 % at C = 16, seeds 0.45 points apart, was read
+    'HOLDS'; a 0.15-point lead inside two standard errors (±0.64) cannot tell. One seed has no standard error."""
+    rows = [_row('width', 'S-Mixer', e, channels=c, width=m) for c, m, e in
+            ((8, 696, 3.7), (8, 696, 3.9), (16, 896, 3.05), (16, 896, 3.5), (32, 1024, 2.9), (32, 1024, 3.35))]
+    rows += [r for d, e in ((2, 4.0), (8, 3.0)) for r in _seeds('depth', 'S-Mixer', e, spread=0.3, depth=d)]
+    rows += [r for d, e in ((2, 4.8), (8, 3.4)) for r in _seeds('depth', 'RP S-Mixer', e, spread=0.3, depth=d)]
+    found = mixer.verdicts(rows, 2 ** 15)
+    assert "'Best near C = S' CANNOT TELL at this scale (C = 16 within two standard errors" in \
+        found['best_near_c_equals_s_S-Mixer']
+    # RP behind by 0.8 ± 0.42 (2 SE 0.85): not behind beyond the noise, no gap to close
+    assert 'DOES NOT APPLY here' in found['rp_catches_up_with_depth']
+    for r in rows:
+        if r['group'] == 'depth' and r['kind'] == 'RP S-Mixer' and r['depth'] == 2:
+            r['val_top1'] -= 1.0             # behind by 1.8 at L = 2, 0.4 at L = 8: shrinks by 1.4 > 2 SE (±1.2)
+    found = mixer.verdicts(rows, 2 ** 15)
+    assert 'HOLDS here: the gap shrinks' in found['rp_catches_up_with_depth']
+    for r in rows:
+        if r['group'] == 'depth' and r['kind'] == 'RP S-Mixer' and r['depth'] == 8:
+            r['val_top1'] -= 1.0             # behind by 1.8 at L = 2 and 1.4 at L = 8: within 2 SE (±1.2)
+    found = mixer.verdicts(rows, 2 ** 15)
+    assert 'CANNOT TELL at this scale: the gap at L=8' in found['rp_catches_up_with_depth']
+    single = [r for r in rows if r['val_top1'] == max(q['val_top1'] for q in rows if q['group'] == r['group']
+                                                       and q['kind'] == r['kind'] and q.get('channels') ==
+                                                       r.get('channels') and q.get('depth') == r.get('depth'))]
+    found = mixer.verdicts(single, 2 ** 15)
+    assert 'one seed gives no standard error' in found['best_near_c_equals_s_S-Mixer']
+    assert 'one seed gives no standard error' in found['rp_catches_up_with_depth']
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
@@ -97,5 +135,48 @@ def test_report_only_rebuilds_from_results(tmp_path):
                                                        'spectra': [], 'environment': {'cpu': 'then'}}))
     assert main(['reproduce', 'mixer', '--report-only', '--output', str(tmp_path)]) == 0
     saved = json.loads((tmp_path / 'results.json').read_text())
-    assert saved['environment'] == {'cpu': 'then'} and 'HOLDS' in saved['verdicts']['best_near_c_equals_s_S-Mixer']
+    assert saved['environment'] == {'cpu': 'then'}
+    assert 'one seed gives no standard error' in saved['verdicts']['best_near_c_equals_s_S-Mixer']   # refreshed
     assert '| S-Mixer | 32 |' in (tmp_path / 'report.md').read_text()
+
+
+def test_report_only_refuses_another_commands_results_in_one_line(tmp_path, capsys):
+    (tmp_path / 'results.json').write_text(json.dumps({'recipe': {}, 'curves': {}, 'verdict': {}}))   # crate's
+    assert main(['reproduce', 'mixer', '--report-only', '--output', str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err and err.count('error:') == 1
+    assert "results.json: should be the results.json of `reproduce mixer`, but it has no 'omega'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['results.json']
+
+
+def test_pairs_off_the_fixed_omega_curve_are_refused_before_training(tmp_path, capsys):
+    """--omega 16 with the default C = 8 … 128 planned S = 1 for every C (Ω of the pairs 36 … 8,256) and trained
+    them as points of a 'fixed-Ω' sweep; `design` flags such pairs, the reproduction now refuses them by name."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'mixer', '--data', str(tmp_path), '--omega', '2^10', '--channels', '8', '64',
+                 '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err
+    assert '--channels 64: off the fixed-Ω curve at --omega 1024' in err and 'accepted C up to 54' in err
+    assert not out.exists()
+    assert [r['channels'] for r in omega_pairs(2 ** 10, range(50, 60)) if not r['on_curve']] == [55, 56, 57, 58, 59]
+
+
+def omega_pairs(omega_, channels):
+    from structformer.models.mixer_design import fixed_omega_pairs
+    return fixed_omega_pairs(omega_, list(channels), 1.0)
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
+def test_a_model_that_cannot_be_built_is_refused_before_anything_trains(tmp_path, capsys):
+    """--sw-densities 1e-9 asks for a width-5.7M SW-MLP (131 TB of dense weights): refused in one line before the
+    first run trains (it failed after the S-Mixer rows had trained), and no output folder is left."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'mixer', '--data', str(MNIST), '--channels', '32', '--depths', '2', '--seeds', '1',
+                 '--sw-densities', '1e-9', '--epochs', '1', '--limit-train-batches', '1', '--spectra-trials', '0',
+                 '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err
+    assert '--sw-densities: density 1e-09 at --omega 32768 is a width-5724327 SW-MLP' in err
+    assert '--model-kwargs' not in err                      # this command has no such flag
+    assert not out.exists()

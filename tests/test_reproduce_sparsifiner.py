@@ -47,18 +47,33 @@ def test_verdict_rule():
     rows = [_row('dense', 1.0, 98.0), _row('sparsifiner', 0.25, 97.7), _row('linformer', 0.25, 97.0),
             _row('sparsifiner', 0.5, 97.9), _row('linformer', 0.5, 98.1)]
     v = repro._verdicts(rows, 2000)
-    assert v['small_drop_at_0.25']['holds'] and abs(v['small_drop_at_0.25']['drop_points'] - 0.3) < 1e-9
-    assert not v['beats_linformer']['holds']
+    two_se = 200 * ((0.98 * 0.02 + 0.977 * 0.023) / 2000) ** 0.5        # 0.91 points
+    assert v['small_drop_at_0.25']['two_standard_errors'] == pytest.approx(two_se)
+    assert abs(v['small_drop_at_0.25']['drop_points'] - 0.3) < 1e-9
+    assert v['small_drop_at_0.25']['holds'] is None                      # 0.3 ± 0.91 straddles the 0.5 bar
     assert v['beats_linformer']['margins_points'][0.25] == pytest.approx(0.7)
-    rows[1]['top1'] = 96.0                                   # 2 points below: beyond 0.5 and beyond 2 SE
+    assert v['beats_linformer']['holds'] is None                         # +0.7 ± 0.99 and -0.2 ± 0.87: noise
+    v = repro._verdicts(rows, 200_000)                                   # 100× the images: 2 SE 0.09 points
+    assert v['small_drop_at_0.25']['holds'] is True and v['small_drop_at_0.25']['text'].startswith('holds')
+    assert v['beats_linformer']['holds'] is False                        # keep 0.5: -0.2 beyond ± 0.09
+    rows[1]['top1'] = 96.0                                               # 2 points below: beyond 0.5 + 2 SE
     rows[4]['top1'] = 97.0
     v = repro._verdicts(rows, 2000)
-    two_se = 200 * ((0.98 * 0.02 + 0.96 * 0.04) / 2000) ** 0.5   # 1.08 points
-    assert not v['small_drop_at_0.25']['holds']
-    assert v['small_drop_at_0.25']['two_standard_errors'] == pytest.approx(two_se)
-    assert not v['beats_linformer']['holds']                 # keep 0.25: 96.0 < 97.0
-    rows[2]['top1'] = 95.0
-    assert repro._verdicts(rows, 2000)['beats_linformer']['holds']
+    assert v['small_drop_at_0.25']['holds'] is False
+    assert v['small_drop_at_0.25']['text'].startswith('does not hold')
+    assert v['beats_linformer']['holds'] is None                         # keep 0.25: -1.0 ± 1.16, keep 0.5: -0.2
+    rows[2]['top1'] = 94.0
+    rows[4]['top1'] = 95.0
+    assert repro._verdicts(rows, 2000)['beats_linformer']['holds'] is True    # +2.0 and +2.9, both beyond 2 SE
+
+
+def test_verdicts_do_not_read_noise_as_a_result():
+    """On 100 held-out images a drop of 8 points sat inside the old widened bar max(0.5, 2 SE = 9.8) and read
+    'holds: small drop'; a lead of 0.1 points over Linformer read 'holds'. Both are noise: cannot tell."""
+    rows = [_row('dense', 1.0, 90.0), _row('sparsifiner', 0.25, 82.0), _row('linformer', 0.25, 81.9)]
+    v = repro._verdicts(rows, 100)
+    assert v['small_drop_at_0.25']['holds'] is None and 'cannot tell' in v['small_drop_at_0.25']['text']
+    assert v['beats_linformer']['holds'] is None and 'cannot tell' in v['beats_linformer']['text']
 
 
 def _subset(src: Path, dst: Path, count: int) -> None:
@@ -87,6 +102,18 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0                                   # every run is reused
     assert capsys.readouterr().out.count('reusing the finished run') == 4
+
+
+def test_a_finished_run_on_other_data_is_not_reused(tmp_path):
+    """A finished run was reused whatever --data said: its recipe was compared, its data never."""
+    import yaml
+    run = tmp_path / 'dense_1'
+    run.mkdir()
+    config = {'model': 'vit_mnist', 'epochs': 2}
+    (run / 'summary.json').write_text(json.dumps({'epochs': 2}))
+    (run / 'config.yaml').write_text(yaml.safe_dump(dict(config, data=f'mnist:{tmp_path / "a"}')))
+    assert repro._finished(run, config, f'mnist:{tmp_path / "a"}')
+    assert not repro._finished(run, config, f'mnist:{tmp_path / "b"}')
 
 
 def test_bad_keep_is_refused(tmp_path, capsys):

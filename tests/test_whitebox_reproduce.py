@@ -34,15 +34,37 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
     capsys.readouterr()
     assert crate.run(_args(*argv)) == 0                      # the finished run is reused, not retrained
     assert 'reusing the finished run' in capsys.readouterr().out
+    other = tmp_path / 'other_mnist'                         # another --data folder: never the old run's numbers
+    other.symlink_to(MNIST.resolve(), target_is_directory=True)
+    argv[argv.index('--data') + 1] = str(other)
+    assert crate.run(_args(*argv)) == 0
+    assert 'reusing the finished run' not in capsys.readouterr().out
+    assert f'data: mnist:{other}' in (out / 'run' / 'config.yaml').read_text()
 
 
-def _layers(rc, sp):
-    return [{'R_c': {'mean': r}, 'sparsity': {'mean': s}} for r, s in zip(rc, sp)]
+def _layers(rc, sp, rc_std=1.0, sp_std=0.01):
+    return [{'R_c': {'mean': r, 'std': rc_std}, 'sparsity': {'mean': s, 'std': sp_std}} for r, s in zip(rc, sp)]
 
 
 def test_verdict_rule():
     init = _layers([200, 200, 200], [0.5, 0.4, 0.4])
-    assert crate._verdict(_layers([195, 180, 170], [0.5, 0.3, 0.2]), init)['text'].startswith('reproduces')
-    v = crate._verdict(_layers([195, 180, 170], [0.5, 0.4, 0.45]), init)
+    assert crate._verdict(_layers([195, 180, 170], [0.5, 0.3, 0.2]), init, 100)['text'].startswith('reproduces')
+    v = crate._verdict(_layers([195, 180, 170], [0.5, 0.4, 0.45]), init, 100)
     assert v['R_c_falls'] and not v['sparsity_falls'] and v['text'].startswith('partly')
-    assert crate._verdict(_layers([195, 199, 201], [0.5, 0.5, 0.6]), init)['text'].startswith('does not')
+    assert crate._verdict(_layers([195, 199, 201], [0.5, 0.5, 0.6]), init, 100)['text'].startswith('does not')
+
+
+def test_verdict_does_not_read_noise_as_a_fall():
+    """A fall smaller than two standard errors of the difference of the means is no fall (seen: 1e-5 lr for 4 steps
+    moved the last layer's R_c 196.84 -> 196.84 below init's, and the verdict said 'partly reproduces')."""
+    init = _layers([199.2, 196.84], [0.49, 0.39], rc_std=2.0)
+    barely = _layers([199.2, 196.836], [0.49, 0.389], rc_std=2.0)
+    v = crate._verdict(barely, init, 64)
+    assert not v['R_c_falls'] and not v['sparsity_falls'] and v['text'].startswith('does not reproduce')
+    # 2 SE of the difference here: 2·√((2² + 2²)/63) = 0.713; a fall of 0.8 below init and layer 1 counts, 0.6 not
+    assert crate._verdict(_layers([199.2, 196.04], [0.49, 0.39], rc_std=2.0), init, 64)['R_c_falls']
+    assert not crate._verdict(_layers([199.2, 196.24], [0.49, 0.39], rc_std=2.0), init, 64)['R_c_falls']
+    # one measured image has no standard error: a fall of any size cannot be told from noise
+    big = _layers([195, 100], [0.5, 0.1], rc_std=0.0, sp_std=0.0)
+    assert crate._verdict(big, init, 1)['text'].startswith('does not reproduce')
+    assert crate._verdict(big, init, 2)['text'].startswith('reproduces')

@@ -21,7 +21,8 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
     if len(idx) < 4:
-        raise ValueError(f"--num-samples: CKA's unbiased estimator needs at least 4 samples, the split has {len(idx)}")
+        raise ValueError(f"--cka: CKA's unbiased estimator needs at least 4 samples, and the validation split of "
+                         f"{spec} has only {len(idx)}; pass --data with more held-out images")
     batch = max(4, min(args.cka_batch_size, len(idx)))
     batches = [images[i:i + batch] for i in range(0, len(idx), batch) if len(images[i:i + batch]) >= 4]
     try:

@@ -102,6 +102,8 @@ def _check_args(args) -> None:
     b = args.num_samples
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
         raise ValueError(f"--num-samples must be an integer >= 1; got {b!r}")
+    if getattr(args, 'cka', None) and b < 4:
+        raise ValueError(f"--num-samples {b}: --cka's unbiased HSIC needs at least 4 samples")
     if args.cka_batch_size < 4:
         raise ValueError(f"--cka-batch-size must be an integer >= 4 (the unbiased HSIC needs 4 samples); "
                          f"got {args.cka_batch_size}")

@@ -22,10 +22,13 @@ _CURVES = {
 
 
 def _save(fig: Figure, path) -> Path:
+    """Save atomically (a temporary beside it, then a rename), as every record: a failure or a kill mid-write
+    leaves the previous figure of a re-run analysis in place, never half a PNG."""
+    from ..atomic import write_atomically
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110, bbox_inches='tight')
+    write_atomically(path, lambda f: fig.savefig(f, format='png', dpi=110, bbox_inches='tight'), binary=True)
     return path
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -300,7 +299,9 @@ def run(args) -> int:
     from .leaderboard import record_command
     from .report import measure, write_record
     speed_path = output / SPEED
-    speed = json.loads(speed_path.read_text()) if speed_path.is_file() else None
+    from ..records import read_record
+    speed = read_record(speed_path, "the comparison's timings (speed.json)", (),
+                        'delete it to time the rows again') if speed_path.is_file() else None
     if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows))):
         speed = measure(cells, rows, data, shared, args, output)
     record = write_record(output, set_name, kind, rows, cells, shared, speed, data, args,

@@ -126,7 +126,9 @@ def check_manifest(output: Path, wanted: Dict, overwrite: bool) -> bool:
     path = output / MANIFEST
     if not path.is_file():
         return False
-    saved = json.loads(path.read_text())
+    from ..records import read_record
+    saved = read_record(path, "the grid's recipe (compare's grid.json)", ('recipe',),
+                        'delete it and run again: each cell is still checked against its own config.yaml')
     facts = ('data', 'budget', 'match')
     diff = (_differences({k: saved.get(k) for k in facts}, {k: wanted.get(k) for k in facts})
             + _differences(saved.get('recipe') or {}, wanted['recipe'], skip=NOT_COMPARED))
@@ -185,6 +187,15 @@ def _inside(path, folder) -> bool:
     return bool(path) and Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
+def _read_cell_record(cell: Cell, name: str, what: str, keys) -> Dict:
+    from ..records import read_record
+    return read_record(cell.folder / name, what, keys, f'delete the cell folder {cell.folder} to train it anew')
+
+
+def _summary(cell: Cell, keys) -> Dict:
+    return _read_cell_record(cell, 'summary.json', "a finished run's summary", keys)
+
+
 def cell_state(cell: Cell) -> str:
     """'new', 'partial', 'finished', 'diverged' or 'changed' (trained with another configuration)."""
     from ..train.run_dir import holds_run
@@ -196,7 +207,7 @@ def cell_state(cell: Cell) -> str:
         return 'changed'
     summary = cell.folder / 'summary.json'
     done = epochs_done(cell)
-    if summary.is_file() and json.loads(summary.read_text()).get('epochs') == cell.config.epochs == done:
+    if summary.is_file() and _summary(cell, ()).get('epochs') == cell.config.epochs == done:
         return 'finished'
     return 'partial'
 
@@ -363,10 +374,10 @@ def cell_result(cell: Cell) -> Dict:
     state = cell_state(cell)
     out = {'seed': cell.seed, 'run': str(cell.folder), 'state': state}
     if state == 'diverged':
-        out['message'] = json.loads((cell.folder / DIVERGED).read_text()).get('message')
+        out['message'] = _read_cell_record(cell, DIVERGED, 'the message of a diverged cell', ()).get('message')
     if state != 'finished':
         return out
-    summary = json.loads((cell.folder / 'summary.json').read_text())
+    summary = _summary(cell, ('final_val_top1', 'best_val_top1', 'epochs'))
     history = read_metrics(cell.folder / 'metrics.jsonl')
     saved = yaml.safe_load((cell.folder / 'config.yaml').read_text()) or {}
     out.update(top1=summary['final_val_top1'], best_top1=summary['best_val_top1'],

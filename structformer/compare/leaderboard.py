@@ -21,10 +21,16 @@ PAPER = {
                    'beats Linformer\'s low-rank projection',
     'lowrank': 'Low-rank training (seed 004): a factorised network keeps near-dense accuracy with fewer parameters and '
                'less compute; pre-training dense and then factorising helps the LM, not the WRN (Tables 2, 8-9)',
-    'crate': 'CRATE (Table 1): a white-box transformer close to ViT accuracy at comparable parameters',
+    'crate': 'CRATE (Table 1): a white-box transformer close to ViT accuracy at comparable parameters (CRATE-B 70.8 % '
+             'vs ViT-S 72.4 % top-1 on ImageNet at 22.8M vs 22.05M parameters: 1.6 points below)',
     'mixer': 'MLP-Mixer as a wide sparse MLP (§5): random permutations (RP-Mixer) keep the Mixer\'s accuracy at the '
              'same connections, and a wider sparse MLP does better',
 }
+
+
+# how far below ViT the paper's CRATE is at equal parameters, in points (Table 1: CRATE-B 70.8 vs ViT-S 72.4): what
+# "close to ViT accuracy" means in the paper's own numbers
+CRATE_PAPER_GAP = 72.4 - 70.8
 
 
 def record_command(set_name: str, data: str) -> str:
@@ -68,6 +74,15 @@ def _verdict(readings: List[str], want: str) -> str:
     if any(r not in (want, 'no clear difference') for r in readings):
         return 'disagrees'
     return 'cannot tell at this scale' if all(r == 'no clear difference' for r in readings) else 'partly agrees'
+
+
+def crate_verdict(crate: Dict, vit: Dict, held_out: int) -> str:
+    """'CRATE is close to ViT' against the paper's own gap: agrees when CRATE's top-1 is above ViT's minus the gap
+    by more than two standard errors of the difference, disagrees when it is below that by more than two, and
+    cannot tell in between (a difference with wide error bars is no evidence of closeness)."""
+    d = difference(crate, vit, held_out)
+    margin = d['delta'] + CRATE_PAPER_GAP
+    return 'agrees' if margin > 2 * d['se'] else 'disagrees' if margin < -2 * d['se'] else 'cannot tell at this scale'
 
 
 def claims(record: Dict) -> List[Dict]:
@@ -119,10 +134,10 @@ def claims(record: Dict) -> List[Dict]:
                                                    'slower per image.'})
     crate = _row(record, 'crate')
     if crate and vit:
-        d = difference(crate, vit, held_out)
         out.append({'claim': 'CRATE vs ViT at equal parameters', 'paper': PAPER['crate'],
-                    'verdict': 'agrees' if d['reading'] != 'lower' else 'disagrees',
-                    'text': f"{_vs(crate, vit, held_out)}, {_speed(crate, vit)}."})
+                    'verdict': crate_verdict(crate, vit, held_out),
+                    'text': f"{_vs(crate, vit, held_out)}, {_speed(crate, vit)}; 'close' read as no more than the "
+                            f"paper's own {CRATE_PAPER_GAP:.1f} points below, beyond two standard errors."})
     mixer = _row(record, 'mixer')
     structured = [r for r in (_row(record, 'rp_mixer'), _row(record, 'swmlp')) if r]
     if mixer and structured:
@@ -184,7 +199,8 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               'inference forward, every row timed back to back in one process (paired rounds; ratio to the ViT with '
               'its interquartile range). Memory: growth of the process\'s peak memory over three training steps, one '
               'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; SDPA\'s CPU '
-              'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products). Front: on the '
+              'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products; SOFT\'s Newton '
+              'iterations stop at convergence, so its count is that of the first training image). Front: on the '
               'Pareto front of accuracy against training time per image (T) or parameters (P).', '',
               markdown_table(record).rstrip('\n'), '']
     for fix in record.get('corrections', []):              # a count fixed after the run, said where it is shown

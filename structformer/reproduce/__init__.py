@@ -20,6 +20,13 @@ def mnist_spec(data: str) -> str:
     return f'mnist:{folder}'
 
 
+def trained_on(saved_config: dict, spec: str) -> bool:
+    """Whether a run's saved configuration trained on the data `spec` names (paths compared absolute, as the
+    engine stores them): a finished run is reused only for the same data, never for another --data folder."""
+    from ..train.data_paths import absolute_data
+    return saved_config.get('data') == absolute_data(spec)[0]
+
+
 def start(args) -> Tuple[str, Path]:
     """A reproduction's first steps once its arguments are checked: our models registered with timm, torch's
     thread count from --threads (0: torch's own), and its data (`mnist_spec`) and output folder."""

@@ -14,8 +14,10 @@ R_c before and after each MSSA step, sparsity before and after each ISTA step, t
 writes results.json, report.md (trained vs init, per-operator deltas, verdict) and curves.png
 (R_c and sparsity per layer, one line per epoch, as Fig. 4).
 
-The verdict is computed from the numbers: "reproduces" when the trained network's R_c (MSSA output)
-and sparsity at the last layer are below layer 1's AND below the init network's at the last layer.
+The verdict is computed from the numbers: "reproduces" when the trained network's R_c (measured at the
+MSSA input, as the official code's qkv hook) and sparsity at the last layer are below layer 1's AND below the
+init network's at the last layer, each by more than two standard errors of the difference of the two means
+over the measured images (a fall inside that is noise, and one measured image cannot show any).
 A finished training run in --output is reused (its recipe must match), so `--report-only`-style
 re-analysis costs only the measurement.
 """
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import start
+from . import start, trained_on
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -75,22 +78,33 @@ def _recipe(args) -> Dict:
                 limit_train_batches=args.limit_train_batches, keep_last=1, save_every=1)
 
 
-def _finished(run_dir: Path, recipe: Dict) -> bool:
-    """A run in `run_dir` that finished with this recipe (its summary and every epoch's checkpoint)."""
+def _finished(run_dir: Path, recipe: Dict, spec: str) -> bool:
+    """A run in `run_dir` that finished with this recipe on this data (its summary and every epoch's checkpoint)."""
     summary = run_dir / 'summary.json'
     if not summary.is_file():
         return False
     from ..train.checkpoint import load_model
     _, state = load_model(run_dir)
     config = state.get('config') or {}
-    return all(config.get(k) == v for k, v in recipe.items() if k != 'data')
+    return trained_on(config, spec) and all(config.get(k) == v for k, v in recipe.items() if k != 'data')
 
 
-def _verdict(layers_trained: List[Dict], layers_init: List[Dict]) -> Dict:
+def _below(a: Dict, b: Dict, num_samples: int) -> bool:
+    """Whether mean a is below mean b by more than two standard errors of their difference; a and b are
+    {'mean', 'std'} over the same `num_samples` images, std the population one (measure_layers), so the sample
+    standard deviation of the mean is std / √(n − 1). Fewer than two images give no standard error: never."""
+    if num_samples < 2:
+        return False
+    se = math.sqrt((a['std'] ** 2 + b['std'] ** 2) / (num_samples - 1))
+    return b['mean'] - a['mean'] > 2 * se
+
+
+def _verdict(layers_trained: List[Dict], layers_init: List[Dict], num_samples: int) -> Dict:
     first, last, init_last = layers_trained[0], layers_trained[-1], layers_init[-1]
-    rc_falls = last['R_c']['mean'] < first['R_c']['mean'] and last['R_c']['mean'] < init_last['R_c']['mean']
-    sp_falls = (last['sparsity']['mean'] < first['sparsity']['mean']
-                and last['sparsity']['mean'] < init_last['sparsity']['mean'])
+    falls = {m: _below(last[m], first[m], num_samples) and _below(last[m], init_last[m], num_samples)
+             for m in ('R_c', 'sparsity')}
+    rc_falls, sp_falls = falls['R_c'], falls['sparsity']
+    rule = (f'below: by more than two standard errors over the {num_samples} measured image(s)')
     if rc_falls and sp_falls:
         text = ('reproduces: after training, R_c and the sparsity ‖Z‖₀/(dN) at the last layer are below layer 1 '
                 'and below the random init at the last layer')
@@ -102,7 +116,7 @@ def _verdict(layers_trained: List[Dict], layers_init: List[Dict]) -> Dict:
                 '(last layer not below both layer 1 and init)')
     else:
         text = 'does not reproduce: neither R_c nor sparsity at the last layer is below both layer 1 and init'
-    return {'R_c_falls': rc_falls, 'sparsity_falls': sp_falls, 'text': text}
+    return {'R_c_falls': rc_falls, 'sparsity_falls': sp_falls, 'text': f'{text} ({rule})'}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train import TrainConfig, train
     run_dir = output / 'run'
     recipe = _recipe(args)
-    if _finished(run_dir, recipe):
+    if _finished(run_dir, recipe, spec):
         print(f'reusing the finished run in {run_dir}', flush=True)
     else:
         train(TrainConfig(data=spec, output=str(run_dir), **recipe), progress=False, overwrite=True)
@@ -125,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     figure = plot_curves(curves, output / 'curves.png',
                          f'CRATE depth {args.depth} on MNIST: per layer over training ({args.estimator} R_c)')
     epochs = curves['epochs']
-    verdict = _verdict(curves['per_epoch'][-1]['layers'], curves['per_epoch'][0]['layers'])
+    verdict = _verdict(curves['per_epoch'][-1]['layers'], curves['per_epoch'][0]['layers'], len(idx))
     results = {'recipe': recipe, 'data': info.description, 'num_samples': len(idx), 'estimator': args.estimator,
                'val_top1': summary.get('final_val_top1'), 'best_val_top1': summary.get('best_val_top1'),
                'epochs': epochs, 'curves': curves, 'verdict': verdict, 'figure': figure.name,

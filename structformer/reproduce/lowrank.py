@@ -17,7 +17,8 @@ and the interpolation of held-out loss between the dense baseline and the pre-tr
 run vs the from-scratch low-rank run (Fig. 2). Writes results.json, results.md, lowrank.png (inits,
 effective rank per epoch, held-out loss per epoch), spectra.png (final singular values, FD vs L2) and
 interpolation.png.
-A finished run (its summary.json present) is reused, so an interrupted reproduction continues.
+A finished run of the same settings (its summary.json present, its config.yaml the planned one: seed, epochs,
+data, lr, factorisation) is reused, so an interrupted reproduction continues; another setting trains anew.
 """
 from __future__ import annotations
 
@@ -124,11 +125,33 @@ def _config(run: Dict, args, out: Path):
                        factorize_lr_scale=scale, **common)
 
 
+# what makes a finished run the planned one: a run in --output that differs in any of these is trained anew
+_REUSE_KEYS = ('model', 'model_kwargs', 'data', 'data_kwargs', 'epochs', 'limit_train_batches', 'batch_size', 'opt',
+               'lr', 'momentum', 'weight_decay', 'seed', 'label_smoothing', 'warmup_epochs', 'factorize_rank',
+               'factorize_init', 'factorize_at', 'factor_decay', 'factorize_lr_scale')
+
+
+def reusable(folder: Path, config) -> bool:
+    """Whether `folder` holds a finished run of `config` (a TrainConfig): its summary, and its config.yaml equal in
+    every key of _REUSE_KEYS. Another --seed, --epochs or --data into the same --output trains anew instead of
+    reporting the old runs' numbers under the new arguments."""
+    import yaml
+    if not (folder / 'summary.json').is_file() or not (folder / 'config.yaml').is_file():
+        return False
+    saved = yaml.safe_load((folder / 'config.yaml').read_text()) or {}
+    from ..train.data_paths import absolute_data
+    planned = json.loads(json.dumps(config.to_dict()))
+    planned['data'] = absolute_data(planned['data'])[0]          # the engine stores the data's path absolute
+    saved['data'] = absolute_data(str(saved.get('data')))[0]
+    return all(json.loads(json.dumps(saved.get(k))) == planned.get(k) for k in _REUSE_KEYS)
+
+
 def _train(run: Dict, args, out: Path) -> Dict:
     from ..train import Trainer
     folder = out / run['part'] / run['name']
-    if not (folder / 'summary.json').exists():
-        Trainer(_config(run, args, out), overwrite=True, progress=False).fit()
+    config = _config(run, args, out)
+    if not reusable(folder, config):
+        Trainer(config, overwrite=True, progress=False).fit()
     history = [json.loads(line) for line in (folder / 'metrics.jsonl').read_text().splitlines()]
     last = history[-1]
     spectra = {}

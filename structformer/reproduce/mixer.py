@@ -11,7 +11,8 @@ so S₀ = 49 and C₀ = 16, no resizing) with one AdamW recipe for every row:
   spectra largest singular values at init at the paper's Ω = 2¹⁹, γ = 2 (Fig. 4 right), no training.
 
 It ends with the verdicts, computed from the numbers: is the best C the one nearest C = S, and does RP
-close its gap to the normal Mixer as depth grows.
+close its gap to the normal Mixer as depth grows; a difference of mean errors counts beyond two standard errors
+over seeds, and inside that (or with one seed) the verdict says it cannot tell.
 """
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def _check(args) -> None:
         raise ValueError("--channels and --depths must be integers >= 1")
     if any(not 0 < p <= 1 for p in args.sw_densities):
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
+    from ..models.mixer_design import OFF_CURVE, fixed_omega_pairs, optimal_width
+    off = [r['channels'] for r in fixed_omega_pairs(args.omega, args.channels, 1.0) if not r['on_curve']]
+    if off:                  # S = 1 already spends more than 1.5 × Ω: not a point of the fixed-Ω sweep
+        limit = int(math.sqrt(2 * OFF_CURVE * args.omega)) + 1          # (C + C²)/2 > 1.5 Ω beyond it
+        largest = max(r['channels'] for r in fixed_omega_pairs(args.omega, range(1, limit + 1), 1.0) if r['on_curve'])
+        raise ValueError(f"--channels {' '.join(map(str, off))}: off the fixed-Ω curve at --omega {args.omega} (even "
+                         f"S = 1 spends more than {OFF_CURVE} × Ω); accepted C up to {largest} here, or a larger "
+                         f"--omega (C* = S* = {optimal_width(args.omega)['channels']:.1f})")
     if args.limit_train_batches < 0:
         raise ValueError(f"--limit-train-batches must be >= 0, got {args.limit_train_batches}")
     if args.output:          # before any work: a long run never dies at its first write
@@ -108,6 +117,29 @@ def plan(args, patch_tokens: int = 49) -> List[Dict]:
     return runs
 
 
+def _preflight(runs: List[Dict], spec: str, omega_: int) -> None:
+    """Every distinct model of the plan built once for the data, before the first trains: one that cannot be
+    (an SW-MLP whose dense m×m weights do not fit, as a tiny --sw-densities asks) is refused by name rather than
+    after the runs before it have trained."""
+    from ..data import build_datasets
+    from ..models.factory import build_model
+    info = build_datasets(spec, seed=0, val_fraction=0.2)[2]
+    seen = set()
+    for r in runs:
+        key = (r['model'], json.dumps(r['kwargs'], sort_keys=True))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            build_model(r['model'], r['kwargs'], info)
+        except ValueError as e:
+            reason = str(e).split('; check --model-kwargs')[0]          # this command has no --model-kwargs
+            flag = (f"--sw-densities: density {r['density']:.3g} at --omega {omega_} is a width-{r['width']} SW-MLP"
+                    if r['kind'] == 'SW-MLP'
+                    else f"--channels {r['channels']}: C = {r['channels']}, S = {r['tokens']}")
+            raise ValueError(f"{flag}, which this machine cannot build: {reason}") from None
+
+
 def _run_name(r: Dict) -> str:
     depth = r['kwargs'].get('depth')
     return f"{r['group']}_{r['model']}_C{r['channels']}_S{r['tokens']}_L{depth}_seed{r['seed']}"
@@ -124,22 +156,62 @@ def summarise(rows: List[Dict], group: str, key: str) -> Dict:
             for kind, by in out.items()}
 
 
+def _errors(rows: List[Dict], group: str, key: str) -> Dict[str, Dict]:
+    """{kind: {key value: [error of each seed]}}."""
+    out: Dict[str, Dict] = {}
+    for r in rows:
+        if r['group'] == group:
+            out.setdefault(r['kind'], {}).setdefault(r[key], []).append(100 - r['val_top1'])
+    return out
+
+
+def _se(errors: List[float]):
+    """Standard error of the mean over seeds (sample standard deviation, n − 1); None for one seed."""
+    return statistics.stdev(errors) / math.sqrt(len(errors)) if len(errors) >= 2 else None
+
+
+def _apart(a: List[float], b: List[float]):
+    """Mean error a minus mean error b against two standard errors of the difference: 'lower', 'higher',
+    'no clear difference', or None where either has one seed only (no standard error to read it against)."""
+    se_a, se_b = _se(a), _se(b)
+    if se_a is None or se_b is None:
+        return None
+    delta, margin = statistics.mean(a) - statistics.mean(b), 2 * math.sqrt(se_a ** 2 + se_b ** 2)
+    return 'lower' if delta < -margin else 'higher' if delta > margin else 'no clear difference'
+
+
+CANNOT_TELL = 'CANNOT TELL at this scale'
+ONE_SEED = f'{CANNOT_TELL}: one seed gives no standard error (run --seeds 2 or more)'
+
+
 def verdicts(rows: List[Dict], omega_: float) -> Dict[str, str]:
+    """Each claim against the numbers. A difference of two mean errors counts only beyond two standard errors of
+    the difference over seeds (as the leaderboard reads its table); inside that, or with one seed, the verdict
+    says it cannot tell rather than read noise as a result."""
     from ..models.mixer_design import optimal_width
     c_star = optimal_width(omega_)['channels']
     out = {}
-    by_c = summarise(rows, 'width', 'channels')
+    by_c = _errors(rows, 'width', 'channels')
     for kind in ('S-Mixer', 'RP S-Mixer'):
-        table = by_c.get(kind, {})
+        table = {c: (statistics.mean(v), v) for c, v in sorted(by_c.get(kind, {}).items())}
         if len(table) < 2:
             continue
         best_c = min(table, key=lambda c: table[c][0])
         nearest = min(table, key=lambda c: abs(math.log(c / c_star)))
-        holds = best_c == nearest
+        against = {c: _apart(table[nearest][1], v[1]) for c, v in table.items() if c != nearest}
+        if any(r is None for r in against.values()):
+            verdict = ONE_SEED
+        elif all(r == 'lower' for r in against.values()):
+            verdict = 'HOLDS'
+        elif any(r == 'higher' for r in against.values()):
+            beaten = ', '.join(f'C = {c}' for c, r in against.items() if r == 'higher')
+            verdict = f'DOES NOT HOLD ({beaten} lower beyond two standard errors)'
+        else:
+            tied = ', '.join(f'C = {c}' for c, r in against.items() if r == 'no clear difference')
+            verdict = f'{CANNOT_TELL} ({tied} within two standard errors of C = {nearest})'
         out[f'best_near_c_equals_s_{kind}'] = (
             f"{kind}: lowest mean error {table[best_c][0]:.2f}% at C = {best_c}; the tried C nearest "
-            f"C* = S* = {c_star:.1f} is {nearest} ({table[nearest][0]:.2f}%). "
-            f"'Best near C = S' {'HOLDS' if holds else 'DOES NOT HOLD'} here.")
+            f"C* = S* = {c_star:.1f} is {nearest} ({table[nearest][0]:.2f}%). 'Best near C = S' {verdict} here.")
     from scipy.stats import spearmanr
     for kind in ('S-Mixer', 'RP S-Mixer', 'SW-MLP'):
         points = [(r['width'], 100 - r['val_top1']) for r in rows if r['group'] == 'width' and r['kind'] == kind]
@@ -150,19 +222,29 @@ def verdicts(rows: List[Dict], omega_: float) -> Dict[str, str]:
             f"{kind}: rank correlation of error with effective width m {test.correlation:+.2f} over {len(points)} runs "
             f"(one-sided p = {test.pvalue:.2g}). 'Error falls as the width grows at fixed Ω' "
             f"{'HOLDS' if test.pvalue < 0.05 else 'DOES NOT HOLD'} here.")
-    by_depth = summarise(rows, 'depth', 'depth')
+    by_depth = _errors(rows, 'depth', 'depth')
     normal, rp = by_depth.get('S-Mixer', {}), by_depth.get('RP S-Mixer', {})
     depths = sorted(set(normal) & set(rp))
     if len(depths) >= 2:
-        gaps = {d: rp[d][0] - normal[d][0] for d in depths}
+        gaps = {d: statistics.mean(rp[d]) - statistics.mean(normal[d]) for d in depths}
         shown = ', '.join(f"L={d}: {gaps[d]:+.2f}" for d in depths)
-        if gaps[depths[0]] <= 0:
-            verdict = (f"DOES NOT APPLY here: RP is not behind at the shallowest depth (L={depths[0]}), so there is "
-                       "no gap to close")
-        elif gaps[depths[-1]] < gaps[depths[0]]:
-            verdict = f"HOLDS here: the gap shrinks from L={depths[0]} to L={depths[-1]}"
+        ses = {d: (_se(rp[d]), _se(normal[d])) for d in depths}
+        first, last = depths[0], depths[-1]
+        if any(None in pair for pair in ses.values()):
+            verdict = ONE_SEED
         else:
-            verdict = f"DOES NOT HOLD here: the gap does not shrink from L={depths[0]} to L={depths[-1]}"
+            se_gap = {d: math.sqrt(a ** 2 + b ** 2) for d, (a, b) in ses.items()}
+            shrink_margin = 2 * math.sqrt(se_gap[first] ** 2 + se_gap[last] ** 2)
+            if gaps[first] <= 2 * se_gap[first]:
+                verdict = (f"DOES NOT APPLY here: RP is not behind beyond two standard errors at the shallowest depth "
+                           f"(L={first}), so there is no gap to close")
+            elif gaps[first] - gaps[last] > shrink_margin:
+                verdict = f"HOLDS here: the gap shrinks from L={first} to L={last} beyond two standard errors"
+            elif gaps[last] - gaps[first] > shrink_margin:
+                verdict = f"DOES NOT HOLD here: the gap grows from L={first} to L={last} beyond two standard errors"
+            else:
+                verdict = (f"{CANNOT_TELL}: the gap at L={last} is within two standard errors "
+                           f"(±{shrink_margin:.2f}) of the gap at L={first}")
         out['rp_catches_up_with_depth'] = (
             f"RP minus normal error by depth ({shown} points; negative: RP better). 'RP catches up with depth' "
             f"{verdict}.")
@@ -268,7 +350,9 @@ def run(args: argparse.Namespace) -> int:
         previous = Path(args.output) / 'results.json'
         if not previous.is_file():
             raise FileNotFoundError(f"--report-only: {previous} not found; run without --report-only first")
-        saved = json.loads(previous.read_text())
+        from ..records import read_record
+        saved = read_record(previous, 'the results.json of `reproduce mixer`', ('recipe', 'omega', 'rows', 'spectra'),
+                            'run without --report-only to make it')
         args.omega = saved['omega']
         return _finish(saved, args, Path(args.output))
     _check(args)
@@ -285,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  C={r['channels']:>3} m={r['width']:>5}  {r['mixer_token']:.3f}  {r['sw_mlp']:.3f}", flush=True)
     rows = []
     runs = plan(args)
+    _preflight(runs, spec, args.omega)
     for i, r in enumerate(runs):
         run_dir = out / 'runs' / _run_name(r)
         result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=spec,

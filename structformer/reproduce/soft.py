@@ -227,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
         previous = output / 'results.json'
         if not previous.is_file():
             raise FileNotFoundError(f"--measure-only: {previous} not found; run without --measure-only first")
-        recipe_shown = json.loads(previous.read_text())['recipe']
+        from ..records import read_record
+        recipe_shown = read_record(previous, 'the results.json of `reproduce soft`', ('recipe',),
+                                   'run without --measure-only to make it')['recipe']
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')   # where the engine trains
     loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size)
     images, targets = next(iter(loader))
