@@ -45,20 +45,56 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         except CheckpointError as e:
             raise UsageError(f"{flag} {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
         return weights
-    if path.suffix == '.safetensors':
+    kind_of_file = file_format(path)
+    if kind_of_file == 'empty':
+        raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")
+    if kind_of_file == 'safetensors':
         from safetensors.torch import load_file
         try:
-            return load_file(str(path))
+            return clean_prefixes(load_file(str(path)))
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    if path.suffix in ('.pth', '.pt', '.bin', '.tar'):                # .pth.tar: timm's train.py
+    if kind_of_file == 'torch':                     # .pth / .pth.tar (timm's train.py) / .pt / .bin, whatever its name
         from ..weights.torch_file import load_torch_file, trainer_weights
         weights, note = trainer_weights(load_torch_file(path, flag), flag, path, kind)
         if note and notes is not None:
             notes.append(note)
-        return weights
+        return clean_prefixes(weights)
     raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
                      ".pth / .pt / .bin / .pth.tar")
+
+
+_TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
+
+
+def file_format(path: Path) -> str:
+    """'safetensors', 'torch', 'empty' or '' (neither) for a weights file, by its first bytes where they are
+    recognisable, so a file saved under the other format's name (a safetensors file called `.pth`) is read as what
+    it is: a torch.save zip starts with 'PK', a legacy torch.save pickle with protocol 2's 0x80 0x02, a
+    safetensors file with an 8-byte little-endian header length followed by its JSON header's '{'. Otherwise the
+    suffix decides (a damaged file then gets its format's own error)."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(9)
+        size = path.stat().st_size
+    except OSError:
+        head, size = b'', None
+    if size == 0:
+        return 'empty'
+    if head[:4] == b'PK\x03\x04' or head[:2] == b'\x80\x02':
+        return 'torch'
+    if len(head) == 9 and head[8:9] == b'{' and size is not None and 0 < int.from_bytes(head[:8], 'little') < size:
+        return 'safetensors'
+    if path.suffix == '.safetensors':
+        return 'safetensors'
+    return 'torch' if path.suffix in _TORCH_SUFFIXES else ''
+
+
+def clean_prefixes(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The keys without the wrappers' prefixes, as timm's `clean_state_dict` removes them: DDP's `module.` and
+    torch.compile's `_orig_mod.` (a compiled model's `state_dict()`), in either order."""
+    from timm.models import clean_state_dict
+    return clean_state_dict(weights)
 
 
 def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag: str = FLAG, path='') -> List[str]:

@@ -85,8 +85,9 @@ def load_torch_file(path, flag: str) -> Any:
     other global, or not a torch file, is a UsageError naming `flag` and the first global refused."""
     path = Path(path)
     try:
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-            return torch.load(str(path), map_location='cpu', weights_only=True)
+        # an open file, not its name: torch.load reads a name ending in .safetensors as safetensors, whatever it is
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f:
+            return torch.load(f, map_location='cpu', weights_only=True)
     except Exception as e:                          # UnpicklingError, RuntimeError (not a zip), EOFError, ...
         text = str(e)
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
@@ -98,6 +99,7 @@ def load_torch_file(path, flag: str) -> Any:
         # torch's weights-only message is a paragraph: its cause is the line after 'WeightsUnpickler error:'
         cause = re.search(r'WeightsUnpickler error: (.*)', text)
         first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
+        first = re.split(r'(?<=\.) ', first, maxsplit=1)[0]      # its first sentence (miniz adds a paragraph)
         raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
 
 
@@ -108,7 +110,7 @@ def _is_tensor_mapping(value) -> bool:
 def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], str]:
     """The state dict in what `load_torch_file` returned, and a line saying which weights were taken (or '' for a
     bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). DDP's `module.`
-    prefix is removed."""
+    and torch.compile's `_orig_mod.` prefixes are removed (timm's `clean_state_dict`)."""
     if kind is not None and kind not in WEIGHT_KINDS:
         raise UsageError(f"--weights {kind!r}: accepted {', '.join(WEIGHT_KINDS)}")
     if not isinstance(loaded, dict):
@@ -123,7 +125,8 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
     if not _is_tensor_mapping(state):
         raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (keys: "
                          f"{', '.join(map(str, list(loaded)[:6]))})")
-    return {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()}, note
+    from timm.models import clean_state_dict
+    return clean_state_dict(state), note
 
 
 def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:

@@ -1,0 +1,80 @@
+"""Weights files as people have them (docs/weights.md): read by what they hold, not by their name; wrappers'
+prefixes removed; damaged, empty and code-running files refused in one line. Cheap: tiny state dicts, no models
+but one convert."""
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from structformer.cli import main
+from structformer.errors import UsageError
+from structformer.train.initial_weights import read_weights
+
+WEIGHTS = {'blocks.0.weight': torch.arange(6.).reshape(2, 3), 'head.bias': torch.tensor([1., -2.])}
+
+
+def _same(got):
+    assert set(got) == set(WEIGHTS) and all(torch.equal(got[k], WEIGHTS[k]) for k in WEIGHTS), sorted(got)
+
+
+@pytest.mark.parametrize('prefix', ['_orig_mod.', 'module.', '_orig_mod.module.', 'module._orig_mod.'])
+@pytest.mark.parametrize('fmt', ['torch', 'safetensors'])
+def test_compiled_and_ddp_prefixes_are_removed(prefix, fmt, tmp_path):
+    """A torch.compile'd model's state_dict() (`_orig_mod.`), DDP's `module.`, and both, as timm's loader cleans
+    them (`clean_state_dict`); in a trainer's checkpoint and in a safetensors file alike."""
+    wrapped = {prefix + k: v for k, v in WEIGHTS.items()}
+    if fmt == 'torch':
+        path = tmp_path / 'ckpt.pth.tar'
+        torch.save({'state_dict': wrapped, 'epoch': 3}, path)
+    else:
+        path = tmp_path / 'model.safetensors'
+        save_file(wrapped, str(path))
+    _same(read_weights(path, '--pretrained-path'))
+
+
+def test_a_file_is_read_as_what_it_holds_not_by_its_name(tmp_path):
+    """safetensors saved as `.pth`, a torch.save zip saved as `.safetensors` (torch.load itself would read that name
+    as safetensors), and either without a known suffix."""
+    save_file(WEIGHTS, str(tmp_path / 'real.safetensors'))
+    torch.save(WEIGHTS, tmp_path / 'real.pth')
+    for source, name in (('real.safetensors', 'named.pth'), ('real.pth', 'named.safetensors'),
+                         ('real.safetensors', 'weights.ckpt'), ('real.pth', 'weights')):
+        shutil.copy(tmp_path / source, tmp_path / name)
+        _same(read_weights(tmp_path / name, '--pretrained-path'))
+
+
+def test_empty_and_truncated_files_are_one_line(tmp_path):
+    (tmp_path / 'empty.pth').write_bytes(b'')
+    torch.save(WEIGHTS, tmp_path / 'whole.pth')
+    (tmp_path / 'cut.pth').write_bytes((tmp_path / 'whole.pth').read_bytes()[:200])
+    with pytest.raises(UsageError, match=r'--pretrained-path .*empty\.pth: is empty \(0 bytes\)'):
+        read_weights(tmp_path / 'empty.pth', '--pretrained-path')
+    with pytest.raises(UsageError) as cut:
+        read_weights(tmp_path / 'cut.pth', '--pretrained-path')
+    line = str(cut.value)
+    # the cause's first sentence only: no mid-sentence cut of torch's paragraph
+    assert 'cut.pth: not a readable torch file' in line and '\n' not in line and line.endswith('.)'), line
+
+
+class _CreatesAFile:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mknod, (self.path,))
+
+
+def test_a_pickle_that_would_create_a_file_is_refused_without_running(tmp_path, capsys):
+    """A `__reduce__` payload in a timm-style checkpoint, named `.pth` or disguised as `.safetensors`: refused by
+    name, the file it would create never appears, nothing is written at --output."""
+    marker = tmp_path / 'ran'
+    for name in ('evil.pth', 'evil.safetensors'):
+        torch.save({'state_dict': WEIGHTS, 'args': _CreatesAFile(marker)}, tmp_path / name)
+        code = main(['convert', '--from', 'timm', str(tmp_path / name), '--model', 'crate_digits',
+                     '--output', str(tmp_path / 'out')])
+        err = capsys.readouterr().err
+        assert code == 2 and 'refused' in err and 'mknod' in err and name in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        assert not marker.exists() and not (tmp_path / 'out').exists()
