@@ -78,3 +78,32 @@ def test_a_pickle_that_would_create_a_file_is_refused_without_running(tmp_path, 
         assert code == 2 and 'refused' in err and 'mknod' in err and name in err, err
         assert len(err.strip().splitlines()) == 1, err
         assert not marker.exists() and not (tmp_path / 'out').exists()
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        for child in (action.choices or {}).values() if isinstance(action.choices, dict) else ():
+            yield from _parsers(child)
+
+
+def test_help_examples_keep_their_line_breaks():
+    """A `\\` at the end of an example line in a (non-raw) help string joins the next line into it, with the
+    continuation's indentation in the middle: `convert --help` showed `--weights model       --output ...`."""
+    import re
+
+    from structformer.cli import build_parser
+    joined = [line for parser in _parsers(build_parser()) for line in (parser.epilog or '').splitlines()
+              if re.search(r'\S {5,}--', line)]
+    assert not joined, joined
+
+
+def test_the_documented_eval_of_converted_weights_names_the_dataset_root():
+    """`imagefolder:PATH` scores PATH/val; given PATH/val itself it finds no val/ inside and scores a stratified
+    fraction of it (docs/data.md): docs/weights.md's eval example named ImageNet's val folder."""
+    import re
+    from pathlib import Path
+    docs = Path(__file__).resolve().parents[1] / 'docs'
+    for page in ('weights.md', 'export.md'):
+        found = re.findall(r'imagefolder:\S*/(?:val|test|train)\b', (docs / page).read_text())
+        assert not found, (page, found)

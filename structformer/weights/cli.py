@@ -12,9 +12,9 @@ DESCRIPTION = ('Convert a checkpoint to a weights folder that eval, train --pret
 EXAMPLES = """examples:
   structformer convert --from crate-official crate_small.pth --model crate_small_patch16_224 --output weights/crate_s
   structformer convert --from soft-official soft_tiny.pth.tar --model soft_tiny_official_224 --output weights/soft_t
-  structformer convert --from soft-official checkpoint-299.pth.tar --model soft_tiny_official_224 --weights model \
+  structformer convert --from soft-official checkpoint-299.pth.tar --model soft_tiny_official_224 --weights model \\
       --output weights/soft_t_model       # a training checkpoint: the non-EMA weights (default: what SOFT scores, EMA)
-  structformer convert --from sparsifiner-official checkpoint-49.pth --model sparsifiner_deit_small_patch16_224 \
+  structformer convert --from sparsifiner-official checkpoint-49.pth --model sparsifiner_deit_small_patch16_224 \\
       --output weights/spf_s              # the public code's top-8 coefficients, heads^-1/2 scale, |W_up| > 2e-2
   structformer convert --from timm deit_small.safetensors --model sparsifiner_deit_small_patch16_224 \\
       --output weights/sparsifiner_s      # the predictor freshly initialised: train it with --teacher
