@@ -107,3 +107,15 @@ def test_the_documented_eval_of_converted_weights_names_the_dataset_root():
     for page in ('weights.md', 'export.md'):
         found = re.findall(r'imagefolder:\S*/(?:val|test|train)\b', (docs / page).read_text())
         assert not found, (page, found)
+
+
+def test_a_timm_hub_folder_saved_as_pytorch_model_bin_is_read(tmp_path):
+    """timm's push_to_hf_hub / save_for_hf folder with safe_serialization=False: config.json + pytorch_model.bin
+    (timm's local-dir: loads it); --pretrained-path and convert took only model.safetensors."""
+    (tmp_path / 'hub').mkdir()
+    (tmp_path / 'hub' / 'config.json').write_text('{"architecture": "crate_digits"}')
+    torch.save({'module.' + k: v for k, v in WEIGHTS.items()}, tmp_path / 'hub' / 'pytorch_model.bin')
+    _same(read_weights(tmp_path / 'hub', '--pretrained-path'))
+    save_file({k: v + 1 for k, v in WEIGHTS.items()}, str(tmp_path / 'hub' / 'model.safetensors'))
+    got = read_weights(tmp_path / 'hub', '--pretrained-path')           # both: safetensors first, as timm
+    assert torch.equal(got['head.bias'], WEIGHTS['head.bias'] + 1)

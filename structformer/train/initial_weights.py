@@ -34,8 +34,11 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
     unfinished = describe_temporary(path)
     if unfinished:
         raise UsageError(f"{flag} {path}: {unfinished}")
-    if path.is_dir() and not (path / 'state.json').exists() and (path / 'model.safetensors').is_file():
-        path = path / 'model.safetensors'           # timm's local-dir layout (config.json + model.safetensors)
+    if path.is_dir() and not (path / 'state.json').exists():
+        # timm's local-dir / push_to_hf_hub layout: config.json + model.safetensors, or pytorch_model.bin where it
+        # was saved with safe_serialization=False (timm's loader takes either, safetensors first)
+        path = next((path / name for name in ('model.safetensors', 'pytorch_model.bin') if (path / name).is_file()),
+                    path)
     if kind == 'ema' and (path.is_dir() or path.suffix == '.safetensors'):
         raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
                          "chosen in a trainer's torch checkpoint")
