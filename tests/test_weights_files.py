@@ -119,3 +119,28 @@ def test_a_timm_hub_folder_saved_as_pytorch_model_bin_is_read(tmp_path):
     save_file({k: v + 1 for k, v in WEIGHTS.items()}, str(tmp_path / 'hub' / 'model.safetensors'))
     got = read_weights(tmp_path / 'hub', '--pretrained-path')           # both: safetensors first, as timm
     assert torch.equal(got['head.bias'], WEIGHTS['head.bias'] + 1)
+
+
+def test_an_export_of_converted_weights_says_where_they_came_from(tmp_path, capsys):
+    """A convert / save_weights_folder folder exported to the Hub layout: its model card said `trained with
+    structformer train on unknown`, `epoch 0 of the run`, and export said `took ... (epoch 0)`; now the source file's
+    name (not its local path), its layout and which weights were taken."""
+    import timm
+
+    from structformer.weights import save_weights_folder
+    model = timm.create_model('crate_digits', depth=1)
+    torch.save({'epoch': 7, 'state_dict': model.state_dict(), 'state_dict_ema': model.state_dict()},
+               tmp_path / 'last.pth.tar')
+    assert main(['convert', '--from', 'timm', str(tmp_path / 'last.pth.tar'), '--model', 'crate_digits',
+                 '--model-kwargs', 'depth=1', '--output', str(tmp_path / 'converted')]) == 0
+    save_weights_folder(model, tmp_path / 'python', model_kwargs={'depth': 1})
+    capsys.readouterr()
+    for folder, says in (('converted', 'converted by `structformer convert` from last.pth.tar (timm layout, took '
+                                       'state_dict_ema, epoch 7'),
+                         ('python', 'save_weights_folder')):
+        assert main(['export', str(tmp_path / folder), '--format', 'hf', '--output', str(tmp_path / f'{folder}_hf')]) == 0
+        out = capsys.readouterr().out
+        card = (tmp_path / f'{folder}_hf' / 'README.md').read_text()
+        assert says in out and says in card, (out, card)
+        assert 'epoch 0' not in out + card and 'trained with `structformer train`' not in card, (out, card)
+        assert str(tmp_path) not in card

@@ -62,8 +62,9 @@ def save_weights_folder(model: torch.nn.Module, folder, model_kwargs: Optional[D
     try:
         save_file(tensors, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
         save_config_for_hf(model, str(tmp / 'config.json'), model_args=dict(kwargs))
+        # 'weights_folder': not a training checkpoint (epoch 0 is no epoch of a run): export says where it came from
         state = {'model': name, 'model_kwargs': kwargs, 'recipe': recipe.to_dict(), 'epoch': 0, 'step': 0,
-                 'config': {}}
+                 'config': {}, 'weights_folder': True}
         if record is not None:
             state['converted_from'] = record
         (tmp / 'state.json').write_text(json.dumps(state, indent=1))
