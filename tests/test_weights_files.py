@@ -144,3 +144,36 @@ def test_an_export_of_converted_weights_says_where_they_came_from(tmp_path, caps
         assert says in out and says in card, (out, card)
         assert 'epoch 0' not in out + card and 'trained with `structformer train`' not in card, (out, card)
         assert str(tmp_path) not in card
+
+
+def test_an_onnx_export_with_external_weights_names_its_data_after_the_output(tmp_path, monkeypatch):
+    """Weights past protobuf's 2 GiB go to a data file the graph names; it was named after the temporary
+    (`m.onnx.tmp-PID-...onnx.data`), which the next writer of m.onnx removes as an interrupted writer's leftover.
+    The threshold is lowered to 0 so a tiny model takes that path. A failed check leaves nothing."""
+    pytest.importorskip('onnxruntime')
+    import numpy as np
+    import onnx
+    import onnxruntime
+    import timm
+
+    import structformer.export.graphs as graphs
+    from structformer.export import export
+    from structformer.weights import save_weights_folder
+    monkeypatch.setattr(graphs, '_EXTERNAL_DATA_BYTES', 0)
+    model = timm.create_model('mixer_digits', depth=1).eval()
+    save_weights_folder(model, tmp_path / 'w', model_kwargs={'depth': 1})
+    (tmp_path / 'out').mkdir()
+    export(tmp_path / 'w', 'onnx', tmp_path / 'out' / 'm.onnx')
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['m.onnx', 'm.onnx.data']
+    graph = onnx.load(str(tmp_path / 'out' / 'm.onnx'), load_external_data=False)
+    assert {e.value for t in graph.graph.initializer for e in t.external_data if e.key == 'location'} == \
+        {'m.onnx.data'}
+    x = torch.randn(2, 1, 8, 8)
+    got = onnxruntime.InferenceSession(str(tmp_path / 'out' / 'm.onnx')).run(None, {'input': x.numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(graphs, 'onnx_error', lambda *args: 1.0)               # a wrong graph: nothing kept
+    with pytest.raises(RuntimeError, match='away from eager torch'):
+        export(tmp_path / 'w', 'onnx', tmp_path / 'out' / 'n.onnx')
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['m.onnx', 'm.onnx.data']
