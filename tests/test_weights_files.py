@@ -177,3 +177,18 @@ def test_an_onnx_export_with_external_weights_names_its_data_after_the_output(tm
     with pytest.raises(RuntimeError, match='away from eager torch'):
         export(tmp_path / 'w', 'onnx', tmp_path / 'out' / 'n.onnx')
     assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['m.onnx', 'm.onnx.data']
+
+
+def test_another_architecture_is_named_as_such_not_as_a_size(tmp_path, capsys):
+    """`--from timm` maps every key, so a CRATE file converted into a Mixer had no 'unknown' key and was refused
+    as a size (`blocks.0.norm1.weight is [64] in the checkpoint and [32] in the model; is --model the checkpoint's
+    size?`): now by the keys that have no place in the model. A size is still named as a size."""
+    import timm
+    save_file(timm.create_model('crate_digits', depth=1).state_dict(), str(tmp_path / 'crate.safetensors'))
+    for model, says in (('mixer_digits', ['without a place in SparseMixer', 'blocks.0.attn.', 'architecture']),
+                        ('crate_mnist', ['cls_token is [1, 1, 64] in the checkpoint and [1, 1, 96]', 'size'])):
+        code = main(['convert', '--from', 'timm', str(tmp_path / 'crate.safetensors'), '--model', model,
+                     '--model-kwargs', 'depth=1', '--output', str(tmp_path / 'out')])
+        err = capsys.readouterr().err
+        assert code == 2 and all(s in err for s in says), err
+        assert not (tmp_path / 'out').exists()
