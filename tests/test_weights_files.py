@@ -192,3 +192,27 @@ def test_another_architecture_is_named_as_such_not_as_a_size(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and all(s in err for s in says), err
         assert not (tmp_path / 'out').exists()
+
+
+def test_a_failed_write_removes_the_folders_it_made_for_its_output(tmp_path, monkeypatch):
+    """export and save_weights_folder create OUT's missing parent folders; a failure (here: a graph off eager
+    torch, a full disk) left them behind, empty."""
+    import safetensors.torch
+    import timm
+
+    import structformer.export.graphs as graphs
+    from structformer.export import export
+    from structformer.weights import save_weights_folder
+    model = timm.create_model('mixer_digits', depth=1).eval()
+    save_weights_folder(model, tmp_path / 'w', model_kwargs={'depth': 1})
+    monkeypatch.setattr(graphs, 'program_error', lambda *args: 1.0)
+    with pytest.raises(RuntimeError, match='away from eager torch'):
+        export(tmp_path / 'w', 'torch-export', tmp_path / 'new' / 'sub' / 'm.pt2')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['w']
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(safetensors.torch, 'save_file', full_disk)
+    with pytest.raises(OSError):
+        save_weights_folder(model, tmp_path / 'new' / 'sub' / 'w', model_kwargs={'depth': 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['w']

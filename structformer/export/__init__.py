@@ -96,6 +96,7 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
     from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
     from .source import load_source
     model, state = load_source(source, ema=ema)
+    made = [folder for folder in out.absolute().parents if not folder.exists()]     # removed again on failure
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     report = {'source': state['path'], 'model': state['model'], 'format': fmt, 'output': str(out.absolute()),
               'epoch': state.get('epoch'), 'notes': prepare_output(out, '--output') + state.get('notes', [])}
@@ -108,6 +109,11 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
         _commit(tmp, out, fmt)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        for folder in made:                                  # innermost first; only if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     return report
 
