@@ -239,3 +239,30 @@ def test_export_errors_tool_and_the_numbers_docs_quote_from_its_record(tmp_path)
     for row in record['rows']:
         number = re.sub(r'e-0?(\d+)', r'e-\1', f"{row['onnx']['max_relative_error']:.1e}")
         assert number in page, (row['family'], number)
+
+
+def _as_numpy_1_wrote_it(path, payload):
+    """torch.save of `payload`, its pickle's numpy module then named as numpy 1.x named it (numpy.core.multiarray;
+    numpy 2 writes numpy._core.multiarray): the checkpoints of 2021-2023 trainers."""
+    import io
+    import zipfile
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    source = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    with zipfile.ZipFile(path, 'w', zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            if info.filename.endswith('data.pkl'):
+                data = data.replace(b'numpy._core.multiarray', b'numpy.core.multiarray')
+            target.writestr(info, data)
+
+
+def test_a_numpy_scalar_pickled_by_numpy_1_is_read(tmp_path):
+    """timm's CheckpointSaver `metric` / DeiT's `best` computed with numpy, in a file numpy 1.x wrote: its global
+    numpy.core.multiarray.scalar was refused under numpy 2 although numpy scalars are allowed."""
+    np = pytest.importorskip('numpy')
+    if not hasattr(np, '_core'):
+        pytest.skip('numpy 1.x reads its own name')
+    _as_numpy_1_wrote_it(tmp_path / 'old.pth.tar', {'state_dict': WEIGHTS, 'metric': np.float64(79.5), 'epoch': 299})
+    assert b'numpy.core.multiarray' in (tmp_path / 'old.pth.tar').read_bytes()
+    _same(read_weights(tmp_path / 'old.pth.tar', '--pretrained-path'))

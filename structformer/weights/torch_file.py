@@ -9,7 +9,8 @@ store beside the weights are allowed (`ALLOWED_GLOBALS`), each a value with no b
 * `argparse.Namespace`: the parsed command line as `args`, saved by timm's `CheckpointSaver` (SOFT's and timm's
   `train.py`), DeiT's and Sparsifiner's `utils.save_model`;
 * `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace;
-* numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`).
+* numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`), by the name
+  numpy 1.x (`numpy.core.multiarray.scalar`) or numpy 2 (`numpy._core...`) wrote.
 
 The rest of those files (optimizer and scheduler states, the AMP scaler's state, epochs, metrics) is plain data
 that torch's list already covers; this was checked by writing the files with the real classes (timm's
@@ -55,7 +56,12 @@ def _numpy_globals() -> List[Any]:
     core = getattr(np, '_core', None) or getattr(np, 'core', None)
     scalar = getattr(getattr(core, 'multiarray', None), 'scalar', None)
     if scalar is not None:
+        # numpy 1.x pickled a scalar as numpy.core.multiarray.scalar, numpy 2 as numpy._core...: a checkpoint
+        # names the one of the numpy that wrote it, so both names are allowed, for the same function
         found.append(scalar)
+        for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
+            if module != scalar.__module__:
+                found.append((scalar, f'{module}.scalar'))
     # the dtype classes numpy >= 1.25 pickles a dtype as (np.dtypes.Float64DType, ...)
     dtypes = getattr(np, 'dtypes', None)
     if dtypes is not None:
@@ -72,7 +78,7 @@ _GLOBAL_IN_MESSAGE = re.compile(r'GLOBAL ([\w.]+) was not an allowed global')
 
 def _refused_globals(path: Path, error: Exception) -> List[str]:
     """The globals in `path` that the allow-list refuses (torch reads the pickle's opcodes, runs nothing)."""
-    allowed = {f"{g.__module__}.{g.__qualname__}" for g in ALLOWED_GLOBALS}
+    allowed = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in ALLOWED_GLOBALS}
     try:
         named = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:                               # an old torch, or a file too damaged to list
