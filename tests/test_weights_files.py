@@ -266,3 +266,12 @@ def test_a_numpy_scalar_pickled_by_numpy_1_is_read(tmp_path):
     _as_numpy_1_wrote_it(tmp_path / 'old.pth.tar', {'state_dict': WEIGHTS, 'metric': np.float64(79.5), 'epoch': 299})
     assert b'numpy.core.multiarray' in (tmp_path / 'old.pth.tar').read_bytes()
     _same(read_weights(tmp_path / 'old.pth.tar', '--pretrained-path'))
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'soft_digits'])
+def test_a_word_where_a_number_goes_is_named_in_model_kwargs(name):
+    """convert / train --model-kwargs img_size=abc: CRATE said 'not all arguments converted during string
+    formatting' and SOFT 'can only concatenate str (not "int") to str', naming neither the argument nor the fix."""
+    from structformer.models.factory import build_model
+    with pytest.raises(ValueError, match=r"img_size='abc': .* expects another type there .*write numbers"):
+        build_model(name, {'img_size': 'abc'})
