@@ -275,3 +275,30 @@ def test_a_word_where_a_number_goes_is_named_in_model_kwargs(name):
     from structformer.models.factory import build_model
     with pytest.raises(ValueError, match=r"img_size='abc': .* expects another type there .*write numbers"):
         build_model(name, {'img_size': 'abc'})
+
+
+def test_plain_vit_weights_load_into_a_sparsifiner_with_a_fresh_predictor(tmp_path):
+    """timm's pretrained=True (and --pretrained-path) of a plain ViT / DeiT file into its Sparsifiner: refused as
+    '8 missing (blocks.0.attn.basis.w_down, ...)' although `convert --from timm` takes the same file; now the
+    predictor is fresh and said so, and at keep 1.0 the logits are the ViT's."""
+    import timm
+
+    from structformer.train.initial_weights import load_initial_weights
+    torch.manual_seed(0)
+    vit = timm.create_model('vit_digits').eval()
+    save_file(vit.state_dict(), str(tmp_path / 'deit.safetensors'))
+    model = timm.create_model('sparsifiner_digits', keep_ratio=1.0, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'deit.safetensors'))).eval()
+    assert any('predictor freshly initialised' in line for line in model.pretrained_adaptations)
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), vit(x), rtol=1e-5, atol=1e-5)
+    other = timm.create_model('sparsifiner_digits')
+    done = load_initial_weights(other, tmp_path / 'deit.safetensors', '--pretrained-path')
+    assert any('predictor freshly initialised' in line for line in done), done
+
+    partial = {k: v for k, v in other.state_dict().items() if not k.startswith('blocks.1.attn.basis.')}
+    save_file(partial, str(tmp_path / 'partial.safetensors'))        # part of a predictor: refused by name
+    with pytest.raises(UsageError, match=r'missing \(blocks\.1\.attn\.basis\.w_down'):
+        load_initial_weights(timm.create_model('sparsifiner_digits'), tmp_path / 'partial.safetensors',
+                             '--pretrained-path')
