@@ -1,8 +1,10 @@
-"""Weights files as people have them (docs/weights.md): read by what they hold, not by their name; wrappers'
-prefixes removed; damaged, empty and code-running files refused in one line. Cheap: tiny state dicts, no models
-but one convert."""
+"""Weights as people have them, and what convert / export write from them (docs/weights.md, docs/export.md): files
+read by what they hold, not by their name; wrappers' prefixes removed; timm Hub folders; numpy-1 pickles; damaged,
+empty and code-running files refused in one line; exports that say where converted weights came from, name their
+ONNX data after OUT and leave nothing behind. Cheap: tiny state dicts and the digits models (depth 1 where it can)."""
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,7 +104,6 @@ def test_the_documented_eval_of_converted_weights_names_the_dataset_root():
     """`imagefolder:PATH` scores PATH/val; given PATH/val itself it finds no val/ inside and scores a stratified
     fraction of it (docs/data.md): docs/weights.md's eval example named ImageNet's val folder."""
     import re
-    from pathlib import Path
     docs = Path(__file__).resolve().parents[1] / 'docs'
     for page in ('weights.md', 'export.md'):
         found = re.findall(r'imagefolder:\S*/(?:val|test|train)\b', (docs / page).read_text())
@@ -224,7 +225,6 @@ def test_export_errors_tool_and_the_numbers_docs_quote_from_its_record(tmp_path)
     import importlib.util
     import json
     import re
-    from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     pytest.importorskip('onnxruntime')
     spec = importlib.util.spec_from_file_location('export_errors', root / 'tools' / 'export_errors.py')
@@ -302,3 +302,19 @@ def test_plain_vit_weights_load_into_a_sparsifiner_with_a_fresh_predictor(tmp_pa
     with pytest.raises(UsageError, match=r'missing \(blocks\.1\.attn\.basis\.w_down'):
         load_initial_weights(timm.create_model('sparsifiner_digits'), tmp_path / 'partial.safetensors',
                              '--pretrained-path')
+
+
+def test_timm_pretrained_takes_the_ema_of_a_deit_file_where_the_flags_take_the_model(tmp_path):
+    """docs/weights.md: the same DeiT-layout file gives the EMA through timm's pretrained=True (timm's reader)
+    and the model's weights through --pretrained-path (ours, DeiT's own default)."""
+    import timm
+
+    from structformer.train.initial_weights import read_weights
+    model, ema = (timm.create_model('crate_digits', depth=1).state_dict() for _ in range(2))
+    torch.save({'model': model, 'model_ema': ema, 'epoch': 3}, tmp_path / 'deit.pth')
+    loaded = timm.create_model('crate_digits', depth=1, pretrained=True,
+                               pretrained_cfg_overlay=dict(file=str(tmp_path / 'deit.pth'))).state_dict()
+    assert torch.equal(loaded['head.weight'], ema['head.weight'])
+    assert torch.equal(read_weights(tmp_path / 'deit.pth', '--pretrained-path')['head.weight'], model['head.weight'])
+    assert "takes `state_dict_ema` or `model_ema` whenever one is there" in \
+        (Path(__file__).resolve().parents[1] / 'docs' / 'weights.md').read_text().replace('\n', ' ')
