@@ -139,7 +139,8 @@ def test_an_export_of_converted_weights_says_where_they_came_from(tmp_path, caps
     for folder, says in (('converted', 'converted by `structformer convert` from last.pth.tar (timm layout, took '
                                        'state_dict_ema, epoch 7'),
                          ('python', 'save_weights_folder')):
-        assert main(['export', str(tmp_path / folder), '--format', 'hf', '--output', str(tmp_path / f'{folder}_hf')]) == 0
+        hf = str(tmp_path / f'{folder}_hf')
+        assert main(['export', str(tmp_path / folder), '--format', 'hf', '--output', hf]) == 0
         out = capsys.readouterr().out
         card = (tmp_path / f'{folder}_hf' / 'README.md').read_text()
         assert says in out and says in card, (out, card)

@@ -45,7 +45,8 @@ def randomised(model: torch.nn.Module) -> torch.nn.Module:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--only', nargs='*', default=None, metavar='NAME', help='registered names to measure (default: all)')
+    parser.add_argument('--only', nargs='*', default=None, metavar='NAME',
+                        help='registered names to measure (default: all)')
     parser.add_argument('--output', default=None, help='the JSON record to write')
     args = parser.parse_args(argv)
     require_onnx(runtime=True)
