@@ -319,3 +319,38 @@ def test_timm_pretrained_takes_the_ema_of_a_deit_file_where_the_flags_take_the_m
     assert torch.equal(read_weights(tmp_path / 'deit.pth', '--pretrained-path')['head.weight'], model['head.weight'])
     assert "takes `state_dict_ema` or `model_ema` whenever one is there" in \
         (Path(__file__).resolve().parents[1] / 'docs' / 'weights.md').read_text().replace('\n', ' ')
+
+
+def test_a_backbone_saved_without_a_classifier_converts(tmp_path, capsys):
+    """timm.create_model(..., num_classes=0)'s weights: convert refused them ('2 weights of the model are not in the
+    checkpoint (head.bias, head.weight)'), while --pretrained-path gives such a file a fresh head; now converted as
+    they are (num_classes=0, said why), or with --model-kwargs num_classes=N and a fresh classifier."""
+    import timm
+    from safetensors.torch import load_file
+    backbone = timm.create_model('crate_digits', depth=1, num_classes=0).state_dict()
+    save_file(backbone, str(tmp_path / 'backbone.safetensors'))
+    for extra, classes in (([], 0), (['num_classes=7'], 7)):
+        out = tmp_path / f'out{classes}'
+        assert main(['convert', '--from', 'timm', str(tmp_path / 'backbone.safetensors'), '--model', 'crate_digits',
+                     '--model-kwargs', 'depth=1', *extra, '--output', str(out)]) == 0, capsys.readouterr().err
+        assert 'no classifier' in capsys.readouterr().out
+        written = load_file(str(out / 'model.safetensors'))
+        assert all(torch.equal(written[k], v) for k, v in backbone.items())
+        assert ('head.weight' in written) == bool(classes) and (not classes or written['head.weight'].shape[0] == 7)
+
+
+def test_a_checkpoint_of_another_depth_converts_and_adapts_in_one_go(tmp_path, capsys):
+    """--model-kwargs depth=1 num_classes=5 for a depth-1 checkpoint: every key was taken as the checkpoint's own,
+    so the 10-class head did not fit and convert blamed the architecture ('24 weights of the model are not in the
+    checkpoint'); now depth is the checkpoint's and the classes, size and channels are adapted."""
+    import timm
+    from safetensors.torch import load_file
+    save_file(timm.create_model('crate_digits', depth=1).state_dict(), str(tmp_path / 'd1.safetensors'))
+    assert main(['convert', '--from', 'timm', str(tmp_path / 'd1.safetensors'), '--model', 'crate_digits',
+                 '--model-kwargs', 'depth=1', 'num_classes=5', 'img_size=16', 'in_chans=3',
+                 '--output', str(tmp_path / 'out')]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "depth=1: as --model-kwargs asked, the checkpoint's own" in out
+    assert all(f"adapted {key}" in out for key in ('head.weight', 'pos_embed', 'patch_embed.proj.weight')), out
+    written = load_file(str(tmp_path / 'out' / 'model.safetensors'))
+    assert list(written['head.weight'].shape) == [5, 64] and written['patch_embed.proj.weight'].shape[1] == 2 * 2 * 3

@@ -216,6 +216,11 @@ def settings(source: str, state: Dict[str, Tensor]) -> List[Tuple[str, object, s
     if head in state:
         chosen.append(('num_classes', int(state[head].shape[0]),
                        f"the checkpoint's classifier {head} is {list(state[head].shape)}"))
+    elif state and head.rsplit('.', 1)[0] + '.bias' not in state:
+        # a backbone saved with num_classes=0 (timm's reset_classifier(0), features): converted as it is;
+        # --model-kwargs num_classes=N then adds a fresh classifier, as timm's loader does
+        chosen.append(('num_classes', 0, f"the checkpoint has no classifier ({head}): saved with num_classes=0; "
+                                         "--model-kwargs num_classes=N adds a freshly initialised one"))
     if source == 'sparsifiner-official':
         down = next((k for k in state if k.endswith('mask_predictor.proj_n')), None)
         q = next((k for k in state if k.endswith('mask_predictor.proj_c_q.weight')), None)
