@@ -354,3 +354,26 @@ def test_a_checkpoint_of_another_depth_converts_and_adapts_in_one_go(tmp_path, c
     assert all(f"adapted {key}" in out for key in ('head.weight', 'pos_embed', 'patch_embed.proj.weight')), out
     written = load_file(str(tmp_path / 'out' / 'model.safetensors'))
     assert list(written['head.weight'].shape) == [5, 64] and written['patch_embed.proj.weight'].shape[1] == 2 * 2 * 3
+
+
+def test_the_convert_line_offered_for_an_hf_folder_runs_as_given(tmp_path, capsys):
+    """eval of an `export --format hf` folder suggests the convert command that makes a checkpoint of it; it said
+    `--model NAME` and no kwargs, so for any model but a default one it did not fit. It now names the
+    architecture and constructor arguments config.json records, and runs as given."""
+    import shlex
+
+    import timm
+    from safetensors.torch import load_file
+
+    from structformer.weights import save_weights_folder
+    model = timm.create_model('crate_digits', depth=1, img_size=16)
+    save_weights_folder(model, tmp_path / 'w', model_kwargs={'depth': 1, 'img_size': 16})
+    assert main(['export', str(tmp_path / 'w'), '--format', 'hf', '--output', str(tmp_path / 'hf')]) == 0
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'hf'), '--data', 'digits']) == 2
+    err = capsys.readouterr().err
+    argv = shlex.split(err.split('make one: ', 1)[1].replace('NEW_FOLDER', str(tmp_path / 'new')))
+    assert argv[:2] == ['structformer', 'convert'] and 'crate_digits' in argv, argv
+    assert main(argv[1:]) == 0, capsys.readouterr().err
+    written = load_file(str(tmp_path / 'new' / 'model.safetensors'))
+    assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())
