@@ -151,7 +151,8 @@ def test_an_export_of_converted_weights_says_where_they_came_from(tmp_path, caps
 def test_an_onnx_export_with_external_weights_names_its_data_after_the_output(tmp_path, monkeypatch):
     """Weights past protobuf's 2 GiB go to a data file the graph names; it was named after the temporary
     (`m.onnx.tmp-PID-...onnx.data`), which the next writer of m.onnx removes as an interrupted writer's leftover.
-    The threshold is lowered to 0 so a tiny model takes that path. A failed check leaves nothing."""
+    The threshold is lowered to 0 so a tiny model takes that path. --overwrite by an export without external data
+    removes the replaced export's data file; a failed check leaves nothing."""
     pytest.importorskip('onnxruntime')
     import numpy as np
     import onnx
@@ -175,10 +176,14 @@ def test_an_onnx_export_with_external_weights_names_its_data_after_the_output(tm
     with torch.no_grad():
         np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-5, atol=1e-5)
 
+    monkeypatch.setattr(graphs, '_EXTERNAL_DATA_BYTES', 1 << 40)               # --overwrite with a small one
+    export(tmp_path / 'w', 'onnx', tmp_path / 'out' / 'm.onnx', overwrite=True)
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['m.onnx']
+
     monkeypatch.setattr(graphs, 'onnx_error', lambda *args: 1.0)               # a wrong graph: nothing kept
     with pytest.raises(RuntimeError, match='away from eager torch'):
         export(tmp_path / 'w', 'onnx', tmp_path / 'out' / 'n.onnx')
-    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['m.onnx', 'm.onnx.data']
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['m.onnx']
 
 
 def test_another_architecture_is_named_as_such_not_as_a_size(tmp_path, capsys):

@@ -71,8 +71,12 @@ def _commit(tmp: Path, out: Path, fmt: str) -> None:
     OUT.data beside it (the name the graph refers to): that first, OUT last."""
     from ..atomic import temporary_sibling
     if fmt == 'onnx':
-        for path in sorted(tmp.iterdir(), key=lambda p: p.name == out.name):
+        data = out.absolute().parent / f'{out.name}.data'
+        written = sorted(tmp.iterdir(), key=lambda p: p.name == out.name)
+        for path in written:
             os.replace(path, out.absolute().parent / path.name)
+        if data.name not in {p.name for p in written} and data.is_file():
+            data.unlink()                    # the weights of the export this one replaced (--overwrite)
         tmp.rmdir()
         return
     if out.is_dir() and not out.is_symlink():
