@@ -382,3 +382,24 @@ def test_the_convert_line_offered_for_an_hf_folder_runs_as_given(tmp_path, capsy
     assert main(argv[1:]) == 0, capsys.readouterr().err
     written = load_file(str(tmp_path / 'new' / 'model.safetensors'))
     assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())
+
+
+def test_convert_weights_ema_of_a_structformer_checkpoint_takes_its_average(tmp_path, capsys):
+    """`convert --weights ema RUN` of a run trained with --model-ema was refused as 'holds one set of weights
+    (safetensors)' although the checkpoint holds ema.safetensors beside model.safetensors (eval / export --ema read
+    it); now it takes that average, and says so. A lone safetensors file is still refused."""
+    import timm
+    from safetensors.torch import load_file
+
+    from structformer.weights import save_weights_folder
+    model, average = (timm.create_model('crate_digits', depth=1) for _ in range(2))
+    save_weights_folder(model, tmp_path / 'ckpt', model_kwargs={'depth': 1})
+    save_file(average.state_dict(), str(tmp_path / 'ckpt' / 'ema.safetensors'))
+    assert main(['convert', '--from', 'timm', str(tmp_path / 'ckpt'), '--model', 'crate_digits', '--model-kwargs',
+                 'depth=1', '--weights', 'ema', '--output', str(tmp_path / 'out')]) == 0, capsys.readouterr().err
+    assert 'weight average (--model-ema)' in capsys.readouterr().out
+    written = load_file(str(tmp_path / 'out' / 'model.safetensors'))
+    assert all(torch.equal(written[k], v) for k, v in average.state_dict().items())
+    assert main(['convert', '--from', 'timm', str(tmp_path / 'ckpt' / 'ema.safetensors'), '--model', 'crate_digits',
+                 '--weights', 'ema', '--output', str(tmp_path / 'out2')]) == 2
+    assert 'holds one set of weights' in capsys.readouterr().err and not (tmp_path / 'out2').exists()

@@ -39,15 +39,23 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         # was saved with safe_serialization=False (timm's loader takes either, safetensors first)
         path = next((path / name for name in ('model.safetensors', 'pytorch_model.bin') if (path / name).is_file()),
                     path)
-    if kind == 'ema' and (path.is_dir() or path.suffix == '.safetensors'):
-        raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
-                         "chosen in a trainer's torch checkpoint")
     if path.is_dir() or (path.name in ('model.safetensors', 'state.json') and (path.parent / 'state.json').exists()):
+        from .checkpoint import _load_average
         try:
-            weights, _, _ = load_checkpoint(path)
+            weights, state, _ = load_checkpoint(path)
         except CheckpointError as e:
             raise UsageError(f"{flag} {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+        if kind == 'ema':                               # a structformer run trained with --model-ema
+            try:
+                weights = _load_average(Path(state['path']))
+            except CheckpointError as e:
+                raise UsageError(f"--weights ema: {str(e).split('--ema: ', 1)[-1]}") from None
+        if kind == 'ema' and notes is not None:
+            notes.append(f"took {Path(state['path']).name}'s weight average (--model-ema), as --weights asked")
         return weights
+    if kind == 'ema' and path.suffix == '.safetensors':
+        raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
+                         "chosen in a trainer's torch checkpoint or a structformer run trained with --model-ema")
     kind_of_file = file_format(path)
     if kind_of_file == 'empty':
         raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")

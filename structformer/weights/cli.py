@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument('--weights', choices=('ema', 'model'), default=None,
                         help="of a trainer's checkpoint holding both: the EMA weights or the model's (default: what "
                              "the source's own evaluation takes: EMA for timm's CheckpointSaver files (SOFT), the "
-                             "model for DeiT / Sparsifiner save_model files); which was taken is printed")
+                             "model for DeiT / Sparsifiner save_model files, and for a structformer run, whose "
+                             "--model-ema average --weights ema takes); which was taken is printed")
 
 
 def _check_output(out: Path) -> None:
