@@ -403,3 +403,23 @@ def test_convert_weights_ema_of_a_structformer_checkpoint_takes_its_average(tmp_
     assert main(['convert', '--from', 'timm', str(tmp_path / 'ckpt' / 'ema.safetensors'), '--model', 'crate_digits',
                  '--weights', 'ema', '--output', str(tmp_path / 'out2')]) == 2
     assert 'holds one set of weights' in capsys.readouterr().err and not (tmp_path / 'out2').exists()
+
+
+def test_a_public_sparsifiner_file_through_pretrained_says_which_public_settings_it_lacks(tmp_path):
+    """pretrained=True of a public Sparsifiner checkpoint converts its keys, but the model is already built with
+    our options (Eq. 2's threshold, 1/sqrt(d), |W_up| >= 1e-2) where convert --from sparsifiner-official sets the
+    public code's (top-8, heads^-1/2, 2e-2): the forward differs at keep < 1 and nothing said so."""
+    import timm
+    from test_convert import _fill, sparsifiner_official_shapes
+    from structformer.weights.convert import PUBLIC_SETTINGS
+    state = _fill(sparsifiner_official_shapes(64, 4, 4, 16, 10), seed=3)
+    save_file({k: v.float().contiguous() for k, v in state.items()}, str(tmp_path / 'sp.safetensors'))
+    file = dict(file=str(tmp_path / 'sp.safetensors'))
+    shapes = dict(n_down=state['blocks.0.attn.mask_predictor.proj_n'].shape[1], predictor_bias=True,
+                  predictor_dim=state['blocks.0.attn.mask_predictor.proj_c_q.weight'].shape[0])
+    ours = timm.create_model('sparsifiner_digits', pretrained=True, pretrained_cfg_overlay=file, **shapes)
+    said = [line for line in ours.pretrained_adaptations if 'keeps its own' in line]
+    assert len(said) == 1 and all(key in said[0] for key in ('coef_topk', 'predictor_scale', 'up_threshold')), said
+    public = {key: value for key, value, _ in PUBLIC_SETTINGS['sparsifiner-official'] if key != 'keep_ratio'}
+    built = timm.create_model('sparsifiner_digits', pretrained=True, pretrained_cfg_overlay=file, **shapes, **public)
+    assert not any('keeps its own' in line for line in built.pretrained_adaptations)

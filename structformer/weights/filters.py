@@ -208,8 +208,23 @@ def _from_public_layout(state: dict, model: nn.Module) -> List[str]:
             converted, notes = convert_state_dict(source, state, model)
             state.clear()
             state.update(converted)
-            return [f"converted from the {source} layout"] + notes
+            return [f"converted from the {source} layout"] + notes + _unlike_public(source, model)
     return []
+
+
+def _unlike_public(source: str, model: nn.Module) -> List[str]:
+    """The public code's settings (`convert.PUBLIC_SETTINGS`: Sparsifiner's top-k coefficients, logit scale,
+    |W_up| threshold) that the already built model does not have: loaded here, its weights run with the model's
+    options, which `convert --from` would have set to the public code's; said, not changed."""
+    from .convert import PUBLIC_SETTINGS
+    from ..layers.attention.sparsifiner import SparsifinerAttention
+    layer = next((m for m in model.modules() if isinstance(m, SparsifinerAttention)), None)
+    if layer is None:
+        return []
+    differ = [f"{key}={getattr(layer, key)!r} (public {value!r})" for key, value, _ in PUBLIC_SETTINGS.get(source, ())
+              if key != 'keep_ratio' and getattr(layer, key, value) != value]
+    return [f"the model keeps its own {', '.join(differ)}: build it with the public values (or use structformer "
+            f"convert --from {source}) for the public code's forward"] if differ else []
 
 
 def filter_fn_for(model: nn.Module) -> Callable[[dict, nn.Module, List[str]], dict]:
