@@ -423,3 +423,17 @@ def test_a_public_sparsifiner_file_through_pretrained_says_which_public_settings
     public = {key: value for key, value, _ in PUBLIC_SETTINGS['sparsifiner-official'] if key != 'keep_ratio'}
     built = timm.create_model('sparsifiner_digits', pretrained=True, pretrained_cfg_overlay=file, **shapes, **public)
     assert not any('keeps its own' in line for line in built.pretrained_adaptations)
+
+
+def test_a_whole_pickled_model_is_refused_with_the_way_to_its_weights(tmp_path, capsys):
+    """torch.save(model) (a common way to 'save a model'): refused, naming a class, and now saying what it is and
+    what to give instead; the same file gives the same line each time (the globals were listed in set order)."""
+    import timm
+    torch.save(timm.create_model('crate_digits', depth=1), tmp_path / 'whole.pth')
+    lines = []
+    for _ in range(2):
+        assert main(['convert', '--from', 'timm', str(tmp_path / 'whole.pth'), '--model', 'crate_digits',
+                     '--output', str(tmp_path / 'out')]) == 2
+        lines.append(capsys.readouterr().err)
+    assert lines[0] == lines[1] and 'whole pickled model' in lines[0] and 'model.state_dict()' in lines[0], lines
+    assert not (tmp_path / 'out').exists()

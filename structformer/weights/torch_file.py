@@ -83,7 +83,7 @@ def _refused_globals(path: Path, error: Exception) -> List[str]:
         named = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:                               # an old torch, or a file too damaged to list
         named = _GLOBAL_IN_MESSAGE.findall(str(error))
-    return [name for name in named if name not in allowed]
+    return sorted({name for name in named if name not in allowed})      # get_unsafe_globals: no fixed order
 
 
 def load_torch_file(path, flag: str) -> Any:
@@ -99,9 +99,13 @@ def load_torch_file(path, flag: str) -> Any:
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
+            # torch.save(model): the classes of a network (read by name only: nothing is imported to check)
+            whole = any(name.startswith(('torch.nn.modules.', 'timm.', 'structformer.')) for name in refused)
+            hint = ("; it is a whole pickled model (torch.save(model)): save model.state_dict() where it was made "
+                    "and give that" if whole else '')
             raise UsageError(f"{flag} {path}: refused: it needs the Python global {refused[0]}{more}, which loading "
                              "would have to run; only tensors, containers, numbers and plain trainer data "
-                             "(argparse.Namespace, paths, numpy scalars) are read") from None
+                             f"(argparse.Namespace, paths, numpy scalars) are read{hint}") from None
         # torch's weights-only message is a paragraph: its cause is the line after 'WeightsUnpickler error:'
         cause = re.search(r'WeightsUnpickler error: (.*)', text)
         first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
