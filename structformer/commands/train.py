@@ -16,7 +16,7 @@ EXAMPLES = """examples:
   structformer train -c outputs/demo/config.yaml --output outputs/again      # rerun a saved configuration
   structformer train --output outputs/demo --resume                          # continue an interrupted run
   torchrun --nproc_per_node=2 -m structformer train --model crate_digits --data digits   # DDP
-  structformer train --model crate_digits --data digits --amp --mixup 0.8 --cutmix 1.0 --aa rand-m9-mstd0.5-inc1 \
+  structformer train --model crate_digits --data digits --amp --mixup 0.8 --cutmix 1.0 --aa rand-m9-mstd0.5-inc1 \\
       --reprob 0.25 --model-ema --grad-accum-steps 2          # timm train.py's flags (docs/training.md)
   structformer train --recipe crate_tiny_in1k --dry-run      # a paper's recipe, planned without its data
 

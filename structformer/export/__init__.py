@@ -64,11 +64,21 @@ def check_output(output, fmt: str, overwrite: bool, source=None) -> Path:
     return out
 
 
-def _commit(tmp: Path, out: Path) -> None:
+def _commit(tmp: Path, out: Path, fmt: str) -> None:
     """Move the finished temporary output over `out` (a folder replaced whole, a file by one rename). A folder is
     moved aside first (`OUT.old-PID-...`): if this process dies in between, the next run puts it back
-    (`atomic.prepare_output`)."""
+    (`atomic.prepare_output`). ONNX: the temporary folder holds OUT's name and, for weights past protobuf's limit,
+    OUT.data beside it (the name the graph refers to): that first, OUT last."""
     from ..atomic import temporary_sibling
+    if fmt == 'onnx':
+        data = out.absolute().parent / f'{out.name}.data'
+        written = sorted(tmp.iterdir(), key=lambda p: p.name == out.name)
+        for path in written:
+            os.replace(path, out.absolute().parent / path.name)
+        if data.name not in {p.name for p in written} and data.is_file():
+            data.unlink()                    # the weights of the export this one replaced (--overwrite)
+        tmp.rmdir()
+        return
     if out.is_dir() and not out.is_symlink():
         old = temporary_sibling(out, directory=True, kind='old')
         os.replace(out, old / out.name)
@@ -90,17 +100,24 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
     from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
     from .source import load_source
     model, state = load_source(source, ema=ema)
+    made = [folder for folder in out.absolute().parents if not folder.exists()]     # removed again on failure
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     report = {'source': state['path'], 'model': state['model'], 'format': fmt, 'output': str(out.absolute()),
               'epoch': state.get('epoch'), 'notes': prepare_output(out, '--output') + state.get('notes', [])}
-    tmp = temporary_sibling(out, directory=fmt == 'hf', suffix=SUFFIX[fmt])
+    # ONNX in a folder: a graph with external weights refers to its data file by name, which must be OUT's
+    tmp = temporary_sibling(out, directory=fmt in ('hf', 'onnx'), suffix=SUFFIX[fmt] if fmt != 'onnx' else '')
     try:
-        report.update(_write(model, state, fmt, tmp, batch_size))
+        report.update(_write(model, state, fmt, tmp / out.name if fmt == 'onnx' else tmp, batch_size))
         for path in [tmp, *tmp.rglob('*')] if tmp.is_dir() else [tmp]:
             permissions_from_umask(path, 0o777 if path.is_dir() else 0o666)
-        _commit(tmp, out)
+        _commit(tmp, out, fmt)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        for folder in made:                                  # innermost first; only if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     return report
 

@@ -88,6 +88,8 @@ def _recipe_lines(config: Dict[str, Any]) -> Dict[str, Any]:
 def model_card(model: torch.nn.Module, state: Dict[str, Any], name: str) -> str:
     """README.md for the folder: timm's `generate_readme` with the model, data, recipe, metrics and papers."""
     from timm.models._hub import generate_readme
+
+    from .source import weights_origin
     checkpoint = Path(state['path'])
     run = _run_folder(checkpoint)
     summary = _read_json(run / 'summary.json') if run else {}
@@ -103,11 +105,17 @@ def model_card(model: torch.nn.Module, state: Dict[str, Any], name: str) -> str:
         'Dataset': data,
         'Trained': f"epoch {state.get('epoch')} of the run ({checkpoint.name})",
     }
+    origin = weights_origin(state)
+    if origin:                                   # a weights folder: no run, no epoch, no data of ours
+        del details['Dataset'], details['Trained']
+        details['Weights'] = origin
+        summary = {}                             # and no run's summary: 'Metrics' says none were recorded here
     recipe = _recipe_lines(config)
     if recipe:
         details['Recipe'] = recipe
     metrics = {k: v for k, v in summary.items() if k.startswith(('final_', 'best_'))}
-    details['Metrics'] = metrics or 'no summary.json beside the checkpoint (run not finished, or a lone checkpoint)'
+    details['Metrics'] = metrics or ('none recorded by structformer for these weights' if origin else
+                                     'no summary.json beside the checkpoint (run not finished, or a lone checkpoint)')
     papers = papers_of(model)
     if papers:
         details['Papers'] = [PAPERS[p][0] for p in papers]
@@ -115,8 +123,8 @@ def model_card(model: torch.nn.Module, state: Dict[str, Any], name: str) -> str:
              "model = timm.create_model('local-dir:PATH/TO/THIS/FOLDER', pretrained=True).eval()\n"
              "config = timm.data.resolve_data_config({}, model=model)\n"
              "transform = timm.data.create_transform(**config)\n```\n")
-    card = {'description': f"`{state['model']}` trained with `structformer train` on `{data}`, exported by "
-                           "`structformer export --format hf`.",
+    made = f"with weights {origin}" if origin else f"trained with `structformer train` on `{data}`"
+    card = {'description': f"`{state['model']}` {made}, exported by `structformer export --format hf`.",
             'details': details, 'usage': usage, 'license': cfg.get('license', 'apache-2.0'),
             'tags': ['image-classification', 'timm', 'structformer'] + papers,
             'citation': [PAPERS[p][1] for p in papers]}

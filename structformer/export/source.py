@@ -5,7 +5,7 @@ is refused by its first bytes, whatever its name, because unpickling can run cod
 `notes`: which epoch was taken, and whether the run is still training (its latest committed checkpoint then).
 """
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 
@@ -19,10 +19,28 @@ def _looks_pickled(path: Path) -> bool:
     return any(head.startswith(magic) for magic in _PICKLE_MAGIC)
 
 
+def weights_origin(state: Dict[str, Any]) -> Optional[str]:
+    """Where a weights folder's weights came from (`structformer convert`: the file's name and layout, and which
+    weights of a trainer's checkpoint; `save_weights_folder`: a model built in Python), or None for a training
+    checkpoint. The file's name only: a model card is published, a local path is not."""
+    record = state.get('converted_from')
+    if isinstance(record, dict):
+        taken = f", {record['weights']}" if record.get('weights') else ''
+        return (f"converted by `structformer convert` from {Path(str(record.get('file', '?'))).name} "
+                f"({record.get('from', '?')} layout{taken})")
+    if state.get('weights_folder'):
+        return 'saved from Python by structformer.weights.save_weights_folder (not a structformer train run)'
+    return None
+
+
 def _epoch_notes(source, state: Dict[str, Any]) -> List[str]:
-    """Which epoch of which run the checkpoint is, and whether that run is training now."""
+    """Which epoch of which run the checkpoint is, and whether that run is training now; for a weights folder,
+    where its weights came from (its 'epoch 0' is no epoch of a run)."""
     from ..train.run_dir import training_now
     checkpoint = Path(state['path'])
+    origin = weights_origin(state)
+    if origin:
+        return [f"took {checkpoint.name}: weights {origin}"]
     epoch = state.get('epoch')
     total = (state.get('config') or {}).get('epochs')
     of = f" of {total}" if isinstance(total, int) and total else ''

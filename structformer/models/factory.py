@@ -11,6 +11,7 @@ applies the transforms in order, and shapes lazy parameters last (`materialize_l
 and `rebuild` replays it without looking at data, so `load_model`, `eval`, `analyze` and `--resume`
 give back the trained network.
 """
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -96,7 +97,9 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
             kwargs = {k: v for k, v in kwargs.items() if k != 'img_size'}   # convolutional nets take any size
             return _construct(name, kwargs, user_kwargs)
         strings = [f"{k}={v!r}" for k, v in user_kwargs.items() if isinstance(v, str)]
-        if strings and "'str'" in str(e):       # e.g. eta=abc: a comparison deep in the constructor failed
+        # e.g. eta=abc: a comparison deep in the constructor failed ("'<' not supported ... 'str'"); img_size=abc:
+        # "not all arguments converted during string formatting" (h % ph), "can only concatenate str" (SOFT)
+        if strings and re.search(r"\bstr(ing)?\b", str(e)):
             raise ValueError(f"--model-kwargs {', '.join(strings)}: {name} expects another type there ({e}); "
                              "write numbers, true/false and lists as such (eta=0.1, qkv_bias=true)") from None
         raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None

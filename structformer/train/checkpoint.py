@@ -234,6 +234,22 @@ def replaced_run(run: Path) -> Optional[Path]:
     return asides[-1]
 
 
+def _convert_command(folder: Path) -> str:
+    """The `structformer convert` line that makes a checkpoint of a timm Hugging Face folder, with the architecture
+    and constructor arguments its config.json records (NAME where it records none)."""
+    try:
+        config = json.loads((folder / 'config.json').read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    name = config.get('architecture') if isinstance(config.get('architecture'), str) else 'NAME'
+    args = config.get('model_args') if isinstance(config.get('model_args'), dict) else {}
+    kwargs = ' '.join(f"{key}={json.dumps(value, separators=(',', ':'))}" for key, value in args.items()
+                      if isinstance(value, (int, float, list)) and not isinstance(value, bool))
+    return (f"structformer convert --from timm {folder} --model {name}"
+            f"{' --model-kwargs ' + kwargs if kwargs else ''} --output NEW_FOLDER")
+
+
 def load_checkpoint(path, with_train_state: bool = False):
     """Return (weights, state, train_tensors) from a checkpoint, with clear errors when damaged."""
     directory = resolve_checkpoint(path)
@@ -241,8 +257,7 @@ def load_checkpoint(path, with_train_state: bool = False):
         # complete, but another format: not 'incomplete', and what to give instead
         raise CheckpointError(f"--checkpoint: {directory} is a timm Hugging Face folder (config.json + "
                               "model.safetensors, as `export --format hf` writes), not a structformer checkpoint; give "
-                              "the run it came from, or make one: structformer convert --from timm "
-                              f"{directory / 'model.safetensors'} --model NAME --output NEW_FOLDER")
+                              f"the run it came from, or make one: {_convert_command(directory)}")
     for name in ('state.json', 'model.safetensors'):
         if not (directory / name).is_file():
             raise CheckpointError(f"--checkpoint: {directory} is incomplete: {name} is missing")

@@ -34,31 +34,78 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
     unfinished = describe_temporary(path)
     if unfinished:
         raise UsageError(f"{flag} {path}: {unfinished}")
-    if path.is_dir() and not (path / 'state.json').exists() and (path / 'model.safetensors').is_file():
-        path = path / 'model.safetensors'           # timm's local-dir layout (config.json + model.safetensors)
-    if kind == 'ema' and (path.is_dir() or path.suffix == '.safetensors'):
-        raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
-                         "chosen in a trainer's torch checkpoint")
+    if path.is_dir() and not (path / 'state.json').exists():
+        # timm's local-dir / push_to_hf_hub layout: config.json + model.safetensors, or pytorch_model.bin where it
+        # was saved with safe_serialization=False (timm's loader takes either, safetensors first)
+        path = next((path / name for name in ('model.safetensors', 'pytorch_model.bin') if (path / name).is_file()),
+                    path)
     if path.is_dir() or (path.name in ('model.safetensors', 'state.json') and (path.parent / 'state.json').exists()):
+        from .checkpoint import _load_average
         try:
-            weights, _, _ = load_checkpoint(path)
+            weights, state, _ = load_checkpoint(path)
         except CheckpointError as e:
             raise UsageError(f"{flag} {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+        if kind == 'ema':                               # a structformer run trained with --model-ema
+            try:
+                weights = _load_average(Path(state['path']))
+            except CheckpointError as e:
+                raise UsageError(f"--weights ema: {str(e).split('--ema: ', 1)[-1]}") from None
+        if kind == 'ema' and notes is not None:
+            notes.append(f"took {Path(state['path']).name}'s weight average (--model-ema), as --weights asked")
         return weights
-    if path.suffix == '.safetensors':
+    if kind == 'ema' and path.suffix == '.safetensors':
+        raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
+                         "chosen in a trainer's torch checkpoint or a structformer run trained with --model-ema")
+    kind_of_file = file_format(path)
+    if kind_of_file == 'empty':
+        raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")
+    if kind_of_file == 'safetensors':
         from safetensors.torch import load_file
         try:
-            return load_file(str(path))
+            return clean_prefixes(load_file(str(path)))
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    if path.suffix in ('.pth', '.pt', '.bin', '.tar'):                # .pth.tar: timm's train.py
+    if kind_of_file == 'torch':                     # .pth / .pth.tar (timm's train.py) / .pt / .bin, whatever its name
         from ..weights.torch_file import load_torch_file, trainer_weights
         weights, note = trainer_weights(load_torch_file(path, flag), flag, path, kind)
         if note and notes is not None:
             notes.append(note)
-        return weights
+        return clean_prefixes(weights)
     raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
                      ".pth / .pt / .bin / .pth.tar")
+
+
+_TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
+
+
+def file_format(path: Path) -> str:
+    """'safetensors', 'torch', 'empty' or '' (neither) for a weights file, by its first bytes where they are
+    recognisable, so a file saved under the other format's name (a safetensors file called `.pth`) is read as what
+    it is: a torch.save zip starts with 'PK', a legacy torch.save pickle with protocol 2's 0x80 0x02, a
+    safetensors file with an 8-byte little-endian header length followed by its JSON header's '{'. Otherwise the
+    suffix decides (a damaged file then gets its format's own error)."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(9)
+        size = path.stat().st_size
+    except OSError:
+        head, size = b'', None
+    if size == 0:
+        return 'empty'
+    if head[:4] == b'PK\x03\x04' or head[:2] == b'\x80\x02':
+        return 'torch'
+    if len(head) == 9 and head[8:9] == b'{' and size is not None and 0 < int.from_bytes(head[:8], 'little') < size:
+        return 'safetensors'
+    if path.suffix == '.safetensors':
+        return 'safetensors'
+    return 'torch' if path.suffix in _TORCH_SUFFIXES else ''
+
+
+def clean_prefixes(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The keys without the wrappers' prefixes, as timm's `clean_state_dict` removes them: DDP's `module.` and
+    torch.compile's `_orig_mod.` (a compiled model's `state_dict()`), in either order."""
+    from timm.models import clean_state_dict
+    return clean_state_dict(weights)
 
 
 def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag: str = FLAG, path='') -> List[str]:

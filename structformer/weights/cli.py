@@ -12,9 +12,9 @@ DESCRIPTION = ('Convert a checkpoint to a weights folder that eval, train --pret
 EXAMPLES = """examples:
   structformer convert --from crate-official crate_small.pth --model crate_small_patch16_224 --output weights/crate_s
   structformer convert --from soft-official soft_tiny.pth.tar --model soft_tiny_official_224 --output weights/soft_t
-  structformer convert --from soft-official checkpoint-299.pth.tar --model soft_tiny_official_224 --weights model \
+  structformer convert --from soft-official checkpoint-299.pth.tar --model soft_tiny_official_224 --weights model \\
       --output weights/soft_t_model       # a training checkpoint: the non-EMA weights (default: what SOFT scores, EMA)
-  structformer convert --from sparsifiner-official checkpoint-49.pth --model sparsifiner_deit_small_patch16_224 \
+  structformer convert --from sparsifiner-official checkpoint-49.pth --model sparsifiner_deit_small_patch16_224 \\
       --output weights/spf_s              # the public code's top-8 coefficients, heads^-1/2 scale, |W_up| > 2e-2
   structformer convert --from timm deit_small.safetensors --model sparsifiner_deit_small_patch16_224 \\
       --output weights/sparsifiner_s      # the predictor freshly initialised: train it with --teacher
@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument('--weights', choices=('ema', 'model'), default=None,
                         help="of a trainer's checkpoint holding both: the EMA weights or the model's (default: what "
                              "the source's own evaluation takes: EMA for timm's CheckpointSaver files (SOFT), the "
-                             "model for DeiT / Sparsifiner save_model files); which was taken is printed")
+                             "model for DeiT / Sparsifiner save_model files, and for a structformer run, whose "
+                             "--model-ema average --weights ema takes); which was taken is printed")
 
 
 def _check_output(out: Path) -> None:
@@ -51,6 +52,22 @@ def _check_output(out: Path) -> None:
         check_writable(out, '--output')
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+# what the family filters adapt (a fresh classifier, resampled position embeddings, folded input channels), in the
+# order a checkpoint's own architecture is more likely to differ from the model's default in them (last: in_chans)
+_ADAPTED = ('num_classes', 'img_size', 'in_chans')
+
+
+def _own_candidates(wanted: dict):
+    """Readings of --model-kwargs as the checkpoint's own architecture, most first: all of them; all but what the
+    filters adapt (num_classes, img_size); all but in_chans too."""
+    seen = []
+    for adapted in ((), _ADAPTED[:2], _ADAPTED):
+        own = {key: value for key, value in wanted.items() if key not in adapted}
+        if own not in seen:
+            seen.append(own)
+            yield own
 
 
 def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=None, weights=None):
@@ -80,18 +97,23 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
     except UsageError as first:
         # a checkpoint trained with another architecture than the model's default (timm's --in-chans 1, a depth):
-        # --model-kwargs then say what it is, not what to adapt it to; taken as its own when the weights fit them
+        # --model-kwargs then say what it is, and may also say what to adapt it to (num_classes, img_size): the
+        # first of these readings whose model the weights fit is taken, the rest adapted as timm's loader would
         if not wanted:
             raise
-        fixed = dict(fixed, **wanted)
-        native, _ = build_model(name, fixed)
-        try:
-            converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
-        except UsageError:
+        for own in _own_candidates(wanted):
+            try:
+                native, _ = build_model(name, dict(fixed, **own))
+                converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
+                break
+            except (UsageError, ValueError):
+                continue
+        else:
             raise first from None
+        fixed = dict(fixed, **own)
         notes = [f"{key}={value!r}: as --model-kwargs asked, the checkpoint's own (its weights fit the model built "
-                 "with them)" for key, value in wanted.items()] + [n for n in notes if n.split('=')[0] not in wanted]
-        wanted = {}
+                 "with them)" for key, value in own.items()] + [n for n in notes if n.split('=')[0] not in own]
+        wanted = {key: value for key, value in wanted.items() if key not in own}
     native.load_state_dict(converted)
     notes += converted_notes
     kwargs = dict(fixed, **wanted)

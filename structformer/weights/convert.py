@@ -175,13 +175,16 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
     ours = model.state_dict()
     if source == 'soft-official':          # BatchNorm counters exist in ours only when tracked
         unknown -= {k for k in unknown if k.endswith('num_batches_tracked')}
-    if shapes_must_fit and not unknown:        # the right layout (every key has a rule): a size first, if any
-        _first_shape_mismatch(done, ours, origins, source, model)
     unexpected = set(done) - set(ours)
+    # the right layout and architecture (every key has a rule and a place): a size first, if any; otherwise the keys
+    # (`--from timm` maps every key, so another architecture shows as keys without a place, not as a size)
+    if shapes_must_fit and not unknown and not unexpected:
+        _first_shape_mismatch(done, ours, origins, source, model)
     if unknown or unexpected:
         what = [f"{len(unknown)} unknown ({_names(unknown)})"] if unknown else []
         what += [f"{len(unexpected)} without a place in {type(model).__name__} ({_names(unexpected)})"] if unexpected else []
-        raise UsageError(f"--from {source}: the checkpoint does not fit this converter and --model: {'; '.join(what)}")
+        raise UsageError(f"--from {source}: the checkpoint does not fit this converter and --model: {'; '.join(what)}; "
+                         "is --model the checkpoint's architecture and --from its layout?")
     missing = set(ours) - set(done)
     from ..models.sparsifiner import predictor_parameter_names
     predictor = predictor_parameter_names(model)
@@ -213,6 +216,11 @@ def settings(source: str, state: Dict[str, Tensor]) -> List[Tuple[str, object, s
     if head in state:
         chosen.append(('num_classes', int(state[head].shape[0]),
                        f"the checkpoint's classifier {head} is {list(state[head].shape)}"))
+    elif state and head.rsplit('.', 1)[0] + '.bias' not in state:
+        # a backbone saved with num_classes=0 (timm's reset_classifier(0), features): converted as it is;
+        # --model-kwargs num_classes=N then adds a fresh classifier, as timm's loader does
+        chosen.append(('num_classes', 0, f"the checkpoint has no classifier ({head}): saved with num_classes=0; "
+                                         "--model-kwargs num_classes=N adds a freshly initialised one"))
     if source == 'sparsifiner-official':
         down = next((k for k in state if k.endswith('mask_predictor.proj_n')), None)
         q = next((k for k in state if k.endswith('mask_predictor.proj_c_q.weight')), None)

@@ -13,7 +13,7 @@ What adapts, with timm's own tools:
 * absolute position embeddings of another grid: timm's `resample_abs_pos_embed` (ViT and CRATE: `pos_embed`;
   SOFT: each stage's `pos_embeds.i`, the cls position of stage 4 kept); timm's ViT filter for ViT models;
 * Sparsifiner's connectivity basis W_down, W_up (one column per token) of another token count: freshly
-  initialised at the model's count.
+  initialised at the model's count; the whole predictor, when the weights have none (a plain ViT / DeiT).
 
 Anything else missing, unexpected or of another shape is refused by name (the first few and the count), never
 dropped: `WeightsMismatch`, a ValueError.
@@ -181,6 +181,16 @@ def vit_filter(state: dict, model: nn.Module, done: List[str]) -> dict:
                 state[key] = own[key].clone()
             else:                                           # still lazy: shaped at the model's count after loading
                 del state[key]
+    from ..models.sparsifiner import predictor_parameter_names
+    predictor = predictor_parameter_names(model)
+    if predictor and not predictor & set(state):
+        # a plain ViT / DeiT into a Sparsifiner (as `convert --from timm`): its predictor is new, not missing; one
+        # that holds part of a predictor is left to the mismatch report
+        fresh = sorted(k for k in predictor if k in own and not _is_lazy(own[k]))
+        state.update({k: own[k].clone() for k in fresh})
+        done.append(f"Sparsifiner's connectivity predictor freshly initialised ({len(fresh)} tensors, "
+                    f"{fresh[0] if fresh else ''} ...): the weights have none (a plain ViT / DeiT); train it by "
+                    "attention distillation (structformer train --teacher)")
     return state
 
 
@@ -198,8 +208,23 @@ def _from_public_layout(state: dict, model: nn.Module) -> List[str]:
             converted, notes = convert_state_dict(source, state, model)
             state.clear()
             state.update(converted)
-            return [f"converted from the {source} layout"] + notes
+            return [f"converted from the {source} layout"] + notes + _unlike_public(source, model)
     return []
+
+
+def _unlike_public(source: str, model: nn.Module) -> List[str]:
+    """The public code's settings (`convert.PUBLIC_SETTINGS`: Sparsifiner's top-k coefficients, logit scale,
+    |W_up| threshold) that the already built model does not have: loaded here, its weights run with the model's
+    options, which `convert --from` would have set to the public code's; said, not changed."""
+    from .convert import PUBLIC_SETTINGS
+    from ..layers.attention.sparsifiner import SparsifinerAttention
+    layer = next((m for m in model.modules() if isinstance(m, SparsifinerAttention)), None)
+    if layer is None:
+        return []
+    differ = [f"{key}={getattr(layer, key)!r} (public {value!r})" for key, value, _ in PUBLIC_SETTINGS.get(source, ())
+              if key != 'keep_ratio' and getattr(layer, key, value) != value]
+    return [f"the model keeps its own {', '.join(differ)}: build it with the public values (or use structformer "
+            f"convert --from {source}) for the public code's forward"] if differ else []
 
 
 def filter_fn_for(model: nn.Module) -> Callable[[dict, nn.Module, List[str]], dict]:

@@ -55,6 +55,7 @@ def save_weights_folder(model: torch.nn.Module, folder, model_kwargs: Optional[D
         raise UsageError(f"{flag} {folder}: the weights do not fit {name} built with {kwargs or 'no kwargs'}"
                          f"{' and its transforms' if transforms else ''} ({mismatch}); pass the model_kwargs it was "
                          "built with")
+    made = [parent for parent in out.parents if not parent.exists()]      # removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     for line in prepare_output(out, flag):            # what an interrupted earlier writer left beside it
         print(f"note: {line}")
@@ -62,8 +63,9 @@ def save_weights_folder(model: torch.nn.Module, folder, model_kwargs: Optional[D
     try:
         save_file(tensors, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
         save_config_for_hf(model, str(tmp / 'config.json'), model_args=dict(kwargs))
+        # 'weights_folder': not a training checkpoint (epoch 0 is no epoch of a run): export says where it came from
         state = {'model': name, 'model_kwargs': kwargs, 'recipe': recipe.to_dict(), 'epoch': 0, 'step': 0,
-                 'config': {}}
+                 'config': {}, 'weights_folder': True}
         if record is not None:
             state['converted_from'] = record
         (tmp / 'state.json').write_text(json.dumps(state, indent=1))
@@ -75,5 +77,10 @@ def save_weights_folder(model: torch.nn.Module, folder, model_kwargs: Optional[D
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in made:                              # innermost first; only if still empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
     return out

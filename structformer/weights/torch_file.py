@@ -9,7 +9,8 @@ store beside the weights are allowed (`ALLOWED_GLOBALS`), each a value with no b
 * `argparse.Namespace`: the parsed command line as `args`, saved by timm's `CheckpointSaver` (SOFT's and timm's
   `train.py`), DeiT's and Sparsifiner's `utils.save_model`;
 * `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace;
-* numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`).
+* numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`), by the name
+  numpy 1.x (`numpy.core.multiarray.scalar`) or numpy 2 (`numpy._core...`) wrote.
 
 The rest of those files (optimizer and scheduler states, the AMP scaler's state, epochs, metrics) is plain data
 that torch's list already covers; this was checked by writing the files with the real classes (timm's
@@ -55,7 +56,12 @@ def _numpy_globals() -> List[Any]:
     core = getattr(np, '_core', None) or getattr(np, 'core', None)
     scalar = getattr(getattr(core, 'multiarray', None), 'scalar', None)
     if scalar is not None:
+        # numpy 1.x pickled a scalar as numpy.core.multiarray.scalar, numpy 2 as numpy._core...: a checkpoint
+        # names the one of the numpy that wrote it, so both names are allowed, for the same function
         found.append(scalar)
+        for module in ('numpy.core.multiarray', 'numpy._core.multiarray'):
+            if module != scalar.__module__:
+                found.append((scalar, f'{module}.scalar'))
     # the dtype classes numpy >= 1.25 pickles a dtype as (np.dtypes.Float64DType, ...)
     dtypes = getattr(np, 'dtypes', None)
     if dtypes is not None:
@@ -72,12 +78,12 @@ _GLOBAL_IN_MESSAGE = re.compile(r'GLOBAL ([\w.]+) was not an allowed global')
 
 def _refused_globals(path: Path, error: Exception) -> List[str]:
     """The globals in `path` that the allow-list refuses (torch reads the pickle's opcodes, runs nothing)."""
-    allowed = {f"{g.__module__}.{g.__qualname__}" for g in ALLOWED_GLOBALS}
+    allowed = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in ALLOWED_GLOBALS}
     try:
         named = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:                               # an old torch, or a file too damaged to list
         named = _GLOBAL_IN_MESSAGE.findall(str(error))
-    return [name for name in named if name not in allowed]
+    return sorted({name for name in named if name not in allowed})      # get_unsafe_globals: no fixed order
 
 
 def load_torch_file(path, flag: str) -> Any:
@@ -85,19 +91,25 @@ def load_torch_file(path, flag: str) -> Any:
     other global, or not a torch file, is a UsageError naming `flag` and the first global refused."""
     path = Path(path)
     try:
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-            return torch.load(str(path), map_location='cpu', weights_only=True)
+        # an open file, not its name: torch.load reads a name ending in .safetensors as safetensors, whatever it is
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f:
+            return torch.load(f, map_location='cpu', weights_only=True)
     except Exception as e:                          # UnpicklingError, RuntimeError (not a zip), EOFError, ...
         text = str(e)
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
+            # torch.save(model): the classes of a network (read by name only: nothing is imported to check)
+            whole = any(name.startswith(('torch.nn.modules.', 'timm.', 'structformer.')) for name in refused)
+            hint = ("; it is a whole pickled model (torch.save(model)): save model.state_dict() where it was made "
+                    "and give that" if whole else '')
             raise UsageError(f"{flag} {path}: refused: it needs the Python global {refused[0]}{more}, which loading "
                              "would have to run; only tensors, containers, numbers and plain trainer data "
-                             "(argparse.Namespace, paths, numpy scalars) are read") from None
+                             f"(argparse.Namespace, paths, numpy scalars) are read{hint}") from None
         # torch's weights-only message is a paragraph: its cause is the line after 'WeightsUnpickler error:'
         cause = re.search(r'WeightsUnpickler error: (.*)', text)
         first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
+        first = re.split(r'(?<=\.) ', first, maxsplit=1)[0]      # its first sentence (miniz adds a paragraph)
         raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
 
 
@@ -108,7 +120,7 @@ def _is_tensor_mapping(value) -> bool:
 def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], str]:
     """The state dict in what `load_torch_file` returned, and a line saying which weights were taken (or '' for a
     bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). DDP's `module.`
-    prefix is removed."""
+    and torch.compile's `_orig_mod.` prefixes are removed (timm's `clean_state_dict`)."""
     if kind is not None and kind not in WEIGHT_KINDS:
         raise UsageError(f"--weights {kind!r}: accepted {', '.join(WEIGHT_KINDS)}")
     if not isinstance(loaded, dict):
@@ -123,7 +135,8 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
     if not _is_tensor_mapping(state):
         raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (keys: "
                          f"{', '.join(map(str, list(loaded)[:6]))})")
-    return {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()}, note
+    from timm.models import clean_state_dict
+    return clean_state_dict(state), note
 
 
 def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
