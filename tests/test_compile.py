@@ -95,3 +95,23 @@ def test_soft_train_step_through_aot_autograd_matches_eager():
     torch.nn.functional.cross_entropy(compiled(x), y).backward()
     for got, want in zip([p.grad for p in model.parameters()], expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('how', ['compile', 'export', 'export_strict'])
+def test_recording_graph_is_true_in_export_only(how):
+    """The fast paths' switch: False under torch.compile, True under torch.export (both modes). In torch 2.8 to 2.11
+    dynamo folded `torch.compiler.is_exporting()` into True inside every compile, so compiled models took the export
+    path; `tracing._exporting` reads the flag itself (the test runs on whatever torch is installed)."""
+    from structformer.functional.tracing import recording_graph
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if recording_graph() else x
+
+    x = torch.zeros(2)
+    if how == 'compile':
+        out = torch.compile(Probe(), backend='eager', fullgraph=True)(x)
+    else:
+        out = torch.export.export(Probe(), (x,), strict=how == 'export_strict').module()(x)
+    assert float(out[0]) == (0.0 if how == 'compile' else 1.0)
+    assert not recording_graph()                       # eager, after either

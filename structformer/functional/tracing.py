@@ -26,11 +26,20 @@ is_fx_symbolic_tracing = getattr(_symbolic_trace, 'is_fx_symbolic_tracing', _sym
 __all__ = ['recording_graph', 'checked_images', 'checked_token_ids']
 
 
+def _exporting() -> bool:
+    """`torch.compiler.is_exporting()`, read from the flag it returns: in torch 2.8 to 2.11 (not 2.14; 2.12 and 2.13 not tried), dynamo
+    folded the call into a constant True inside every `torch.compile`, so a compiled model took the export path
+    (and dynamo then failed on it: the Nyström baseline under `fullgraph=True`). The flag itself is set only while
+    `torch.export` runs, and dynamo reads a module attribute as it is."""
+    flag = getattr(torch.compiler, '_is_exporting_flag', None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def recording_graph() -> bool:
     """True inside `torch.export.export` (and so `torch.onnx.export(dynamo=True)`), the TorchScript tracer
     (`torch.onnx.export(dynamo=False)`, `torch.jit.trace`) and FX symbolic tracing; False in eager code and under
     `torch.compile`."""
-    return (torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    return (_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
             or is_fx_symbolic_tracing())
 
 
