@@ -27,10 +27,10 @@ __all__ = ['recording_graph', 'checked_images', 'checked_token_ids']
 
 
 def _exporting() -> bool:
-    """`torch.compiler.is_exporting()`, read from the flag it returns: in torch 2.8 to 2.11 (not 2.14; 2.12 and 2.13 not tried), dynamo
-    folded the call into a constant True inside every `torch.compile`, so a compiled model took the export path
-    (and dynamo then failed on it: the Nyström baseline under `fullgraph=True`). The flag itself is set only while
-    `torch.export` runs, and dynamo reads a module attribute as it is."""
+    """`torch.compiler.is_exporting()`, read from the flag it returns: in torch 2.8 to 2.11 (not 2.14; 2.12 and
+    2.13 not tried) dynamo folded the call into a constant True inside every `torch.compile`, so a compiled model
+    took the export path (and dynamo then failed on it: the Nyström baseline under `fullgraph=True`). The flag
+    itself is set only while `torch.export` runs, and dynamo reads a module attribute as it is."""
     flag = getattr(torch.compiler, '_is_exporting_flag', None)
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
