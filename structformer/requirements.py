@@ -1,11 +1,11 @@
 """The oldest torch and timm this package runs on, and a warning where an older one is installed.
 
 pyproject.toml declares the same floors (a test ties the two together and to the README). They are the oldest
-releases the whole test suite was run and passed on, not guesses: older ones fail in ways a user cannot read
-back to the version (timm before 1.0.31 has no `base_chans` in `adapt_input_conv`, no `_model_args`, a two-argument
-`pretrained_filter_fn`; torch before the floor lacks operators and tracing hooks the fast paths use). pip keeps
-them out; an install with `--no-deps` (a cluster image, the GPU machine's) does not, so importing the models
-says which package to upgrade, once, instead of failing deep inside timm.
+releases the whole test suite was run on and passed (docs/design.md#requirement-floors), not guesses: older ones
+fail in ways a user cannot read back to the version (timm before 1.0.31 has no `base_chans` in `adapt_input_conv`
+and no `_model_args` on its models; torch 2.8 and 2.9 cannot `torch.export` SOFT with a free batch). pip keeps them
+out; an install with `--no-deps` (a cluster image, the GPU machine's) does not, so importing the models says which
+package to upgrade, once, instead of failing deep inside timm or torch.
 
 A warning, not an error: the check runs inside `import timm` (our models register when timm loads), and an
 exception there would take timm down with us.
@@ -16,7 +16,7 @@ from importlib import metadata
 from typing import Dict, Optional, Tuple
 
 # the floors: pyproject.toml's `torch>=`, `timm>=` (tests/test_layout.py checks they agree)
-MINIMUM: Dict[str, Tuple[int, ...]] = {'torch': (2, 8), 'timm': (1, 0, 31)}
+MINIMUM: Dict[str, Tuple[int, ...]] = {'torch': (2, 10), 'timm': (1, 0, 31)}
 
 
 def release(version: str) -> Tuple[int, ...]:

@@ -267,7 +267,7 @@ def test_an_older_timm_or_torch_is_named_with_its_floor(monkeypatch):
     line = requirements.too_old('timm', '1.0.23')
     assert line == ("structformer needs timm >= 1.0.31, found 1.0.23: models and commands may fail; "
                     "pip install -U 'timm>=1.0.31'")
-    assert 'torch >= 2.8' in requirements.too_old('torch', '2.7.1+cu126')
+    assert 'torch >= 2.10' in requirements.too_old('torch', '2.9.1+cu128')
     monkeypatch.setattr(requirements.metadata, 'version', lambda name: {'timm': '1.0.20', 'torch': '2.14.1'}[name])
     with pytest.warns(UserWarning, match=r"timm >= 1\.0\.31, found 1\.0\.20") as caught:
         requirements.warn_if_too_old()
