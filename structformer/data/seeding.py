@@ -23,6 +23,20 @@ def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
     return int(words[0]) << 32 | int(words[1])
 
 
+TRAINING_DRAWS = 1 << 40        # the position key of a process's training draws (no sample has this position)
+
+
+def seed_training_draws(seed: int, epoch: int, rank: int, batches: int = 0) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (dropout, drop path, Mixup) for one process's epoch from
+    (seed, epoch, rank[, batches taken before a mid-epoch resume]): under DDP each process draws its own masks
+    and mixing, as timm's train.py has them (seed + rank), and an epoch's draws do not depend on which process's
+    RNG state a checkpoint kept (rank 0's)."""
+    value = sample_seed(seed, epoch, rank, TRAINING_DRAWS + batches)
+    random.seed(value)
+    np.random.seed(value % 2 ** 32)
+    torch.manual_seed(value)
+
+
 class EpochOrder(Sampler):
     """Yields (epoch, position, index) over an index sampler's order for the current epoch; `set_epoch` moves
     to the next one (and is passed on to a sampler that has it, e.g. DistributedSampler)."""

@@ -9,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from ..data.seeding import seed_training_draws
 from ..functional import autotune
 from .checkpoint import crash_point, resolve_checkpoint
 from .mixing import hard_labels, mixing_active
@@ -27,10 +28,12 @@ class TrainStep:
     def _distribute_batch_norm(self) -> None:
         """DDP gives every process rank 0's buffers at the start of each forward, so after an epoch the BatchNorm
         running statistics differ by the last batch each process saw; timm's distribute_bn makes them one again
-        (--dist-bn), before the shared evaluation and the checkpoint."""
+        (--dist-bn), before the shared evaluation and the checkpoint. The weight average too, as timm's train.py
+        does: it averages each process's own statistics, and its evaluation is shared and its file is rank 0's."""
         if self.world_size > 1 and self.config.dist_bn:
             from timm.utils import distribute_bn
-            distribute_bn(self.model, self.world_size, reduce=self.config.dist_bn == 'reduce')
+            for module in [self.model] + [m for part in self.parts for m in part.evaluated_modules()]:
+                distribute_bn(module, self.world_size, reduce=self.config.dist_bn == 'reduce')
 
     def _wrap(self) -> torch.nn.Module:
         """The module the step runs: under torchrun, DDP over the parameters this phase trains (DDP registers
@@ -55,6 +58,10 @@ class TrainStep:
         within = within if within is not None and within['epoch'] == epoch else None
         self.resume_within = None
         skip = within['batches'] if within else 0
+        if self.world_size > 1 and (within is None or self.rank > 0):
+            # one seed for every process made one model; the training draws are each process's own. Rank 0 resumed
+            # mid-epoch keeps the RNG state its recovery point saved (the others' states were not saved)
+            seed_training_draws(cfg.seed, epoch, self.rank, skip)
         self.train_order.set_epoch(epoch)
         self.train_order.resume_at(skip, cfg.batch_size)
         if self.mixup is not None:

@@ -1,0 +1,70 @@
+"""Two processes (torchrun, gloo) on a BatchNorm network with the weight average, Mixup, dropout and a mid-run
+factorisation with a random (He) init: what each process draws and what they must share.
+
+- each process draws its own dropout masks and Mixup (timm's train.py seeds seed + rank); they had one RNG;
+- --dist-bn makes the average's BatchNorm statistics one as well as the model's (timm does both), so the
+  recorded `ema_val_*` is what `structformer eval --ema` gives for the saved average (rank 0's);
+- a model made mid-run from each process's own random numbers starts as rank 0's on every process.
+
+One torchrun (about 15 s of CPU); slow."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from structformer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+PROBE = r'''
+import hashlib, json, sys
+import numpy as np, torch
+from structformer.train import TrainConfig, Trainer
+from structformer.train.evaluation import parameter_digest
+
+out = sys.argv[1]
+records = []
+
+def probe(trainer, epoch, record):
+    ema = next(p for p in trainer.parts if hasattr(p, 'average')).average.module
+    records.append({'epoch': epoch, 'rank': trainer.rank,
+                    'torch_rng': hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+                    'numpy_rng': hashlib.sha256(np.random.get_state()[1].tobytes()).hexdigest(),
+                    'ema': parameter_digest(ema)})
+    with open(f'{out}/probe_rank{trainer.rank}.json', 'w') as f:
+        json.dump(records, f)
+
+config = TrainConfig(model='wrn_10_2_digits', data='digits', epochs=2, batch_size=16, warmup_epochs=0,
+                     limit_train_batches=3, log_interval=0, model_ema=True, model_ema_decay=0.5, mixup=0.8,
+                     model_kwargs={'drop_rate': 0.2}, factorize_at=1, factorize_rank=0.5, factorize_init='he',
+                     output=out)
+Trainer(config, progress=False, callbacks=[probe]).fit()
+'''
+
+
+def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
+    out = tmp_path / 'run'
+    script = tmp_path / 'probe.py'
+    script.write_text(PROBE)
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           str(script), str(out)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f'probe_rank{r}.json').read_text()) for r in (0, 1)]
+    for first, second in zip(*ranks):
+        # the processes' training draws differ (they were one stream: the same masks and Mixup on both)
+        assert first['torch_rng'] != second['torch_rng'] and first['numpy_rng'] != second['numpy_rng']
+        # the weight average, BatchNorm statistics included, is one (and, after the He-initialised factorisation
+        # at epoch 2, restarted from the same model on both)
+        assert first['ema'] == second['ema'], first['epoch']
+    assert (out / 'final_params_rank0.sha256').read_text() == (out / 'final_params_rank1.sha256').read_text()
+    records = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(out), '--ema', '--json']) == 0
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert records[-1]['ema_val_top1'] == pytest.approx(alone['top1'], abs=1e-9)
+    assert records[-1]['ema_val_loss'] == pytest.approx(alone['loss'], rel=1e-5)
