@@ -82,6 +82,20 @@ class ShuffledOrder(Sampler):
         return self.size
 
 
+def repeat_aug_order(dataset, world_size: int, rank: int, repeats: int, seed: int) -> Sampler:
+    """timm's RepeatAugSampler (DeiT's repeated augmentation) whose order follows --seed as well as the epoch:
+    timm's seeds its permutation by the epoch alone, so every seed gave one order. At seed 0 it is timm's."""
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    class SeededRepeatAugSampler(RepeatAugSampler):
+        def set_epoch(self, epoch: int) -> None:
+            super().set_epoch(seed * 100_003 + epoch)     # ShuffledOrder's key: one formula for both orders
+
+    order = SeededRepeatAugSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeats)
+    order.set_epoch(0)
+    return order
+
+
 class SeededSamples(Dataset):
     """`dataset[index]` loaded with Python's, numpy's and torch's global RNGs seeded by `sample_seed` and put
     back afterwards (so, in the main process, dropout and Mixup draw as if no sample had been loaded)."""

@@ -6,7 +6,7 @@ import os
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder
+from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder, repeat_aug_order
 from ..errors import UsageError
 
 
@@ -31,9 +31,7 @@ class LoaderSetup:
                 drop_last=self.mixup is not None, limit_batches=cfg.limit_train_batches, pin_memory=pin, seed=cfg.seed)
             order = None
         elif cfg.aug_repeats:
-            from timm.data.distributed_sampler import RepeatAugSampler
-            order = RepeatAugSampler(self.train_ds, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                     num_repeats=cfg.aug_repeats)
+            order = repeat_aug_order(self.train_ds, self.world_size, self.rank, cfg.aug_repeats, cfg.seed)
         elif self.world_size > 1:
             order = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         else:
