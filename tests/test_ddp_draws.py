@@ -4,7 +4,8 @@ factorisation with a random (He) init: what each process draws and what they mus
 - each process draws its own dropout masks and Mixup (timm's train.py seeds seed + rank); they had one RNG;
 - --dist-bn makes the average's BatchNorm statistics one as well as the model's (timm does both), so the
   recorded `ema_val_*` is what `structformer eval --ema` gives for the saved average (rank 0's);
-- a model made mid-run from each process's own random numbers starts as rank 0's on every process.
+- a model made mid-run from each process's own random numbers starts as rank 0's on every process;
+- the epoch's train_* metrics are summed over the processes (as timm reduces its logged loss), not rank 0's.
 
 One torchrun (about 15 s of CPU); slow."""
 import json
@@ -34,7 +35,8 @@ def probe(trainer, epoch, record):
     records.append({'epoch': epoch, 'rank': trainer.rank,
                     'torch_rng': hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
                     'numpy_rng': hashlib.sha256(np.random.get_state()[1].tobytes()).hexdigest(),
-                    'ema': parameter_digest(ema)})
+                    'ema': parameter_digest(ema), 'train': {k: v for k, v in record.items()
+                                                             if k in ('train_loss', 'train_ce', 'train_top1')}})
     with open(f'{out}/probe_rank{trainer.rank}.json', 'w') as f:
         json.dump(records, f)
 
@@ -61,6 +63,8 @@ def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
         # the weight average, BatchNorm statistics included, is one (and, after the He-initialised factorisation
         # at epoch 2, restarted from the same model on both)
         assert first['ema'] == second['ema'], first['epoch']
+        # the epoch's training metrics are over both processes' batches (they were each process's own)
+        assert first['train'] == second['train'] and len(first['train']) == 3
     assert (out / 'final_params_rank0.sha256').read_text() == (out / 'final_params_rank1.sha256').read_text()
     records = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
     capsys.readouterr()
@@ -68,3 +72,26 @@ def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
     alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert records[-1]['ema_val_top1'] == pytest.approx(alone['top1'], abs=1e-9)
     assert records[-1]['ema_val_loss'] == pytest.approx(alone['loss'], rel=1e-5)
+
+
+def _torchrun(*args, env=None):
+    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           '-m', 'structformer', 'train', *args], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT), **(env or {})))
+
+
+def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):
+    """Killed after a recovery point inside epoch 1 and resumed on two processes: the epoch's train_* metrics are
+    the straight run's (the point holds the sums of both processes so far; rank 0 carries them on)."""
+    common = ['--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0', '-b', '16',
+              '--limit-train-batches', '4', '--recovery-interval', '2', '--no-progress', '--log-interval', '0']
+    straight = _torchrun(*common, '--output', str(tmp_path / 'straight'))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _torchrun(*common, '--output', str(tmp_path / 'run'),
+                       env={'STRUCTFORMER_TEST_KILL_AT': 'epoch 1:recovery 2'})
+    assert killed.returncode != 0 and list((tmp_path / 'run' / 'checkpoints').glob('recovery_*'))
+    resumed = _torchrun('--resume', '--output', str(tmp_path / 'run'), '--no-progress')
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = (json.loads((tmp_path / r / 'metrics.jsonl').read_text().splitlines()[-1]) for r in ('straight', 'run'))
+    for key in ('train_loss', 'train_top1', 'val_loss', 'val_top1'):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key

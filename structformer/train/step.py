@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from ..data.seeding import seed_training_draws
 from ..functional import autotune
 from .checkpoint import crash_point, resolve_checkpoint
+from .distributed import all_reduce_sum
 from .mixing import hard_labels, mixing_active
 from .phases import LossContext
 from .precision import low_precision_failure
@@ -85,6 +86,8 @@ class TrainStep:
         batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
         totals: Dict[str, float] = dict(within['totals']) if within else {}
         seen, seen_targets, correct = (within['seen'], within['seen_targets'], within['correct']) if within else (0, 0, 0)
+        if within and self.rank > 0:       # a recovery point holds the sums of every process so far: rank 0 has them
+            totals, seen, seen_targets, correct = {}, 0, 0, 0
         start = time.perf_counter() - (within['elapsed'] if within else 0.0)
         # a second-order optimiser (timm's AdaHessian) differentiates the gradients again in its step: the backward
         # keeps its graph, and the forward takes paths autograd can differentiate twice (autotune.twice_differentiable)
@@ -147,18 +150,29 @@ class TrainStep:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._lr():.2e}")
             bar.update()
             if update and cfg.recovery_interval and (step // accum + 1) % cfg.recovery_interval == 0 \
-                    and step + 1 < batches and self.is_main:
-                self._save_recovery(epoch, progress_state(step + 1, totals, seen, seen_targets, correct,
-                                                          time.perf_counter() - start))
-                self._recovery_committed()
-                crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
+                    and step + 1 < batches:
+                so_far = self._summed_over_processes(totals, seen, seen_targets, correct)    # every process
+                if self.is_main:
+                    self._save_recovery(epoch, progress_state(step + 1, *so_far, time.perf_counter() - start))
+                    self._recovery_committed()
+                    crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
         bar.close()
         elapsed = time.perf_counter() - start
+        # the epoch's training metrics over every process's batches (timm reduces its logged loss likewise)
+        totals, seen, seen_targets, correct = self._summed_over_processes(totals, seen, seen_targets, correct)
         record = {'epoch': epoch, 'phase': phase.name, 'step': self.global_step, 'lr': self._lr(),
                   'train_top1': 100.0 * correct / max(seen_targets, 1), 'epoch_time_s': elapsed,
-                  'train_img_per_s': seen * self.world_size / max(elapsed, 1e-9)}
+                  'train_img_per_s': seen / max(elapsed, 1e-9)}
         record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
         return record
+
+    def _summed_over_processes(self, totals: Dict[str, float], seen: int, seen_targets: int, correct: int):
+        """(totals, seen, seen_targets, correct) summed over the processes (a collective: every process calls it)."""
+        if self.world_size == 1:
+            return dict(totals), seen, seen_targets, correct
+        names = sorted(totals)
+        sums = all_reduce_sum([totals[k] for k in names] + [seen, seen_targets, correct])
+        return dict(zip(names, sums)), *sums[len(names):]
 
     def _lr(self) -> float:
         from .optim import lr_at
