@@ -301,7 +301,15 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             write_text_atomically(self.output / 'classes.json', json.dumps(record, indent=1))
 
     def _write_digest(self) -> None:
-        if self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST'):
+        """final_params_rankR.sha256: each process's digest of the weights it ends with (under torchrun). Those of
+        an earlier part of the run on more processes (or on several, resumed on one) go: they describe other weights."""
+        writing = self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST')
+        if self.is_main:
+            for old in self.output.glob('final_params_rank*.sha256'):
+                rank = old.name[len('final_params_rank'):-len('.sha256')]
+                if not (writing and rank.isdigit() and int(rank) < self.world_size):
+                    old.unlink(missing_ok=True)
+        if writing:
             write_text_atomically(self.output / f'final_params_rank{self.rank}.sha256',
                                   parameter_digest(self.model) + '\n')
 

@@ -1,0 +1,20 @@
+"""What a run on several processes leaves in its folder for the next part of the run on another count."""
+from structformer.cli import main
+
+
+def test_a_resume_on_fewer_processes_removes_the_earlier_digests(tmp_path, monkeypatch, capsys):
+    """final_params_rankR.sha256 describe the weights each process ended with; a run stopped on two processes and
+    resumed on one (--allow-world-size-change) ended with other weights, so the two files must not stay."""
+    out = tmp_path / 'run'
+    common = ['--model', 'crate_digits', '--data', 'digits', '--epochs', '2', '--warmup-epochs', '0',
+              '--limit-train-batches', '1', '--no-progress', '--output', str(out)]
+    monkeypatch.setenv('STRUCTFORMER_WRITE_DIGEST', '1')
+    assert main(['train', *common, '--stop-after', '1']) == 0
+    (out / 'final_params_rank1.sha256').write_text('0' * 64 + '\n')      # as a two-process first part leaves it
+    first = (out / 'final_params_rank0.sha256').read_text()
+    assert main(['train', '--resume', '--output', str(out), '--no-progress']) == 0
+    assert not (out / 'final_params_rank1.sha256').exists()
+    assert (out / 'final_params_rank0.sha256').read_text() != first          # the final weights' digest
+    monkeypatch.delenv('STRUCTFORMER_WRITE_DIGEST')      # one process writes none: none of the old ones stays
+    assert main(['train', '--resume', '--output', str(out), '--no-progress']) == 0
+    assert not list(out.glob('final_params_rank*'))
