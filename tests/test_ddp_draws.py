@@ -5,9 +5,10 @@ factorisation with a random (He) init: what each process draws and what they mus
 - --dist-bn makes the average's BatchNorm statistics one as well as the model's (timm does both), so the
   recorded `ema_val_*` is what `structformer eval --ema` gives for the saved average (rank 0's);
 - a model made mid-run from each process's own random numbers starts as rank 0's on every process;
-- the epoch's train_* metrics are summed over the processes (as timm reduces its logged loss), not rank 0's.
+- the epoch's train_* metrics are summed over the processes (as timm reduces its logged loss), not rank 0's;
+- one SGD step on two processes with accumulation equals the one-process step on the same 36 samples.
 
-One torchrun (about 15 s of CPU); slow."""
+Four torchruns (about 12 s of CPU each); slow."""
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from structformer.cli import main
 
@@ -95,3 +97,33 @@ def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):
     want, got = (json.loads((tmp_path / r / 'metrics.jsonl').read_text().splitlines()[-1]) for r in ('straight', 'run'))
     for key in ('train_loss', 'train_top1', 'val_loss', 'val_top1'):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+def test_one_step_on_two_processes_with_accumulation_is_the_one_process_step(tmp_path, capsys):
+    """36 training samples, one optimiser step (SGD: the update is linear in the gradient): two processes of 9 x 2
+    accumulated, one process of 36, one of 18 x 2 all take the mean gradient over the same 36 samples, so they end
+    with the same weights (float32 rounding) and record the same training loss; held-out counts are identical."""
+    from safetensors.torch import load_file
+    common = ['--model', 'crate_synthetic', '--data', 'synthetic-subspaces', '--data-kwargs', 'num_samples=48',
+              '--val-fraction', '0.25', '--epochs', '1', '--warmup-epochs', '0', '--opt', 'sgd', '--lr', '0.5',
+              '--weight-decay', '0', '--sched', 'none', '--no-progress', '--log-interval', '0']
+    ddp = _torchrun(*common, '-b', '9', '--grad-accum-steps', '2', '--output', str(tmp_path / 'ddp'))
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert main(['train', *common, '-b', '36', '--output', str(tmp_path / 'one')]) == 0
+    assert main(['train', *common, '-b', '18', '--grad-accum-steps', '2', '--output', str(tmp_path / 'accum')]) == 0
+    runs = {}
+    for name in ('ddp', 'one', 'accum'):
+        record = json.loads((tmp_path / name / 'metrics.jsonl').read_text().splitlines()[-1])
+        weights = load_file(str(tmp_path / name / 'checkpoints' / 'epoch_0001' / 'model.safetensors'))
+        runs[name] = record, weights
+        assert record['step'] == 1
+    init = load_file(str(tmp_path / 'one' / 'checkpoints' / 'epoch_0000' / 'model.safetensors'))
+    one_record, one_weights = runs['one']
+    assert any((one_weights[k] - init[k]).abs().max() > 1e-3 for k in init)          # the step moved the weights
+    for name in ('ddp', 'accum'):
+        record, weights = runs[name]
+        for key, value in one_weights.items():
+            assert torch.allclose(weights[key], value, rtol=1e-5, atol=1e-6), (name, key)
+        assert record['train_loss'] == pytest.approx(one_record['train_loss'], rel=1e-5), name
+        assert record['train_top1'] == pytest.approx(one_record['train_top1'], abs=1e-9), name
+        assert record['val_top1'] == pytest.approx(one_record['val_top1'], abs=1e-9), name
