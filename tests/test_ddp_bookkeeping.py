@@ -18,3 +18,19 @@ def test_a_resume_on_fewer_processes_removes_the_earlier_digests(tmp_path, monke
     monkeypatch.delenv('STRUCTFORMER_WRITE_DIGEST')      # one process writes none: none of the old ones stays
     assert main(['train', '--resume', '--output', str(out), '--no-progress']) == 0
     assert not list(out.glob('final_params_rank*'))
+
+
+def test_default_workers_share_this_machines_cores_among_its_own_processes(monkeypatch):
+    """4 machines x 8 processes, 64 cores each: 8 workers a process (64 / 8 local), not 64 / 32 = 2."""
+    from types import SimpleNamespace
+
+    from structformer.train.loaders import LoaderSetup
+    setup = LoaderSetup()
+    setup.config = SimpleNamespace(num_workers=None)
+    setup.info = SimpleNamespace(name='imagefolder')
+    setup.train_ds, setup.world_size = object(), 32
+    monkeypatch.setattr('os.cpu_count', lambda: 64)
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '8')
+    assert setup._workers() == 8
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '32')              # all 32 on one machine
+    assert setup._workers() == 2

@@ -65,7 +65,10 @@ class LoaderSetup:
         if self.config.num_workers is not None:
             return self.config.num_workers
         if self.info.name in ('imagefolder', 'wds', 'hfds', 'imagenet'):
-            default = min(8, max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+            # the cores of this machine are shared by the processes on it (torchrun's LOCAL_WORLD_SIZE), not by
+            # every process of a run over several machines
+            local = int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
+            default = min(8, max(1, (os.cpu_count() or 1) // max(1, local)))
             if getattr(self.train_ds, 'streaming', False) and not self.train_ds.deals_samples:
                 default = min(default, len(self.train_ds.urls) // self.world_size)    # whole shards: one per worker
             return default
