@@ -34,3 +34,15 @@ def test_default_workers_share_this_machines_cores_among_its_own_processes(monke
     assert setup._workers() == 8
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '32')              # all 32 on one machine
     assert setup._workers() == 2
+
+
+def test_dry_run_counts_a_shard_epoch_as_the_stream_batches_it(tmp_path, monkeypatch, capsys):
+    """Shards: each process takes N // P samples and each of its loader workers batches its own share, so 8 samples
+    on 2 processes x 3 workers at -b 2 are 3 batches a process (2 + 1 + 1 samples), not ceil(4 / 2) = 2."""
+    from structformer.data.shards import worker_batches
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    assert main(['train', '--data', f'wds:{tmp_path}/train-{{000000..000001}}.tar', '--model', 'crate_digits',
+                 '-b', '2', '--workers', '3', '--dataset-size', '8', '--epochs', '2', '--dry-run',
+                 '--output', str(tmp_path / 'run')]) == 0
+    assert 'steps         3 optimiser steps per epoch (3 batches per process)' in capsys.readouterr().out
+    assert worker_batches(4, 2, 3, drop_last=False) == 3 and worker_batches(4, 2, 3, drop_last=True) == 1

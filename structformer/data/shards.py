@@ -304,11 +304,17 @@ class LimitedLoader:
             yield batch
 
 
+def worker_batches(samples: int, batch_size: int, workers: int, drop_last: bool) -> int:
+    """Batches a process takes per epoch from a stream of `samples`: each of its workers batches its own share
+    (split as evenly as whole samples allow), so partial batches come from every worker, not one."""
+    w = max(1, workers)
+    sizes = [samples // w + (i < samples % w) for i in range(w)]
+    return sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
+
+
 def stream_batches(stream: ShardStream, batch_size: int, workers: int, drop_last: bool) -> int:
     """Batches a process takes per epoch: each worker batches its own quota."""
-    w = max(1, workers)
-    sizes = [stream.quota(i, w) for i in range(w)]
-    return sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
+    return worker_batches(stream.per_process(), batch_size, workers, drop_last)
 
 
 def stream_loader(stream: ShardStream, *, batch_size: int, workers: int, rank: int, world_size: int,
