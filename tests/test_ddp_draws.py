@@ -99,9 +99,12 @@ def _torchrun(*args, env=None):
 
 def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):
     """Killed after a recovery point inside epoch 1 and resumed on two processes: the epoch's train_* metrics are
-    the straight run's (the point holds the sums of both processes so far; rank 0 carries them on)."""
+    the straight run's (the point holds the sums of both processes so far; rank 0 carries them on), and so are the
+    weights, bit for bit, with dropout on (each process's draws are keyed by its batch, not by its RNG state,
+    which the point keeps for rank 0 only)."""
     common = ['--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0', '-b', '16',
-              '--limit-train-batches', '4', '--recovery-interval', '2', '--no-progress', '--log-interval', '0']
+              '--limit-train-batches', '4', '--recovery-interval', '2', '--no-progress', '--log-interval', '0',
+              '--model-kwargs', 'drop_rate=0.2']
     straight = _torchrun(*common, '--output', str(tmp_path / 'straight'))
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _torchrun(*common, '--output', str(tmp_path / 'run'),
@@ -112,6 +115,9 @@ def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):
     want, got = (json.loads((tmp_path / r / 'metrics.jsonl').read_text().splitlines()[-1]) for r in ('straight', 'run'))
     for key in ('train_loss', 'train_top1', 'val_loss', 'val_top1'):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    digests = {r: [(tmp_path / r / f'final_params_rank{k}.sha256').read_text() for k in (0, 1)]
+               for r in ('straight', 'run')}
+    assert digests['run'] == digests['straight'] and digests['run'][0] == digests['run'][1]
 
 
 def test_one_step_on_two_processes_with_accumulation_is_the_one_process_step(tmp_path, capsys):

@@ -26,12 +26,11 @@ def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
 TRAINING_DRAWS = 1 << 40        # the position key of a process's training draws (no sample has this position)
 
 
-def seed_training_draws(seed: int, epoch: int, rank: int, batches: int = 0) -> None:
-    """Seed Python's, numpy's and torch's global RNGs (dropout, drop path, Mixup) for one process's epoch from
-    (seed, epoch, rank[, batches taken before a mid-epoch resume]): under DDP each process draws its own masks
-    and mixing, as timm's train.py has them (seed + rank), and an epoch's draws do not depend on which process's
-    RNG state a checkpoint kept (rank 0's)."""
-    value = sample_seed(seed, epoch, rank, TRAINING_DRAWS + batches)
+def seed_training_draws(seed: int, epoch: int, rank: int, batch: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (dropout, drop path, Mixup) for one process's batch from
+    (seed, epoch, rank, batch): under DDP each process draws its own masks and mixing, as timm's train.py has
+    them (seed + rank), and the draws do not depend on which process's RNG state a checkpoint kept (rank 0's)."""
+    value = sample_seed(seed, epoch, rank, TRAINING_DRAWS + batch)
     random.seed(value)
     np.random.seed(value % 2 ** 32)
     torch.manual_seed(value)

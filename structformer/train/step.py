@@ -59,10 +59,6 @@ class TrainStep:
         within = within if within is not None and within['epoch'] == epoch else None
         self.resume_within = None
         skip = within['batches'] if within else 0
-        if self.world_size > 1 and (within is None or self.rank > 0):
-            # one seed for every process made one model; the training draws are each process's own. Rank 0 resumed
-            # mid-epoch keeps the RNG state its recovery point saved (the others' states were not saved)
-            seed_training_draws(cfg.seed, epoch, self.rank, skip)
         self.train_order.set_epoch(epoch)
         self.train_order.resume_at(skip, cfg.batch_size)
         if self.mixup is not None:
@@ -93,6 +89,11 @@ class TrainStep:
         # keeps its graph, and the forward takes paths autograd can differentiate twice (autotune.twice_differentiable)
         second_order = bool(getattr(self.optimizer, 'is_second_order', False))
         for step, (images, targets) in enumerate(self.train_loader, start=skip):
+            if self.world_size > 1:
+                # one seed made one model on every process; the training draws (dropout, drop path, Mixup) are each
+                # process's own, keyed by the batch, so a resume inside the epoch draws as the straight run did on
+                # every process (a recovery point keeps rank 0's RNG state only)
+                seed_training_draws(cfg.seed, epoch, self.rank, step)
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             if cfg.channels_last and images.dim() == 4:
