@@ -117,6 +117,19 @@ def test_the_left_over_samples_are_said_and_differ_by_epoch(tmp_path, monkeypatc
     assert all(len(m) == 1 for m in missing) and len(set.union(*missing)) > 1
 
 
+def test_the_left_over_samples_differ_by_epoch_from_a_single_shard(tmp_path, monkeypatch):
+    """One shard (e.g. held-out samples): the N % P cut were always its last samples, never trained on."""
+    n = write_shards(tmp_path, (7,))
+    write_shards(tmp_path, (2,), 'validation', start=n)
+    stream = _stream(tmp_path, 1)
+    epochs = [read_slots(stream, e, 3, 2, monkeypatch) for e in (1, 2, 3, 4, 5)]
+    missing = [set(range(n)) - {i for got in slots.values() for i in got} for slots in epochs]
+    assert all(len(m) == 1 for m in missing) and len(set.union(*missing)) > 1, missing
+    for slots in epochs:                       # still 2 each (7 // 3), nobody reads a sample twice
+        assert [sum(len(slots[r, w]) for w in range(2)) for r in range(3)] == [2, 2, 2]
+        assert len({i for got in slots.values() for i in got}) == 6
+
+
 def test_lengths_come_from_the_header_scan_without_an_info_file(tmp_path, monkeypatch, capsys):
     n = write_shards(tmp_path, (4, 1, 6), info=False)
     write_shards(tmp_path, (2,), 'validation', start=n, info=False)

@@ -23,6 +23,19 @@ def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
     return int(words[0]) << 32 | int(words[1])
 
 
+TRAINING_DRAWS = 1 << 40        # the position key of a process's training draws (no sample has this position)
+
+
+def seed_training_draws(seed: int, epoch: int, rank: int, batch: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (dropout, drop path, Mixup) for one process's batch from
+    (seed, epoch, rank, batch): under DDP each process draws its own masks and mixing, as timm's train.py has
+    them (seed + rank), and the draws do not depend on which process's RNG state a checkpoint kept (rank 0's)."""
+    value = sample_seed(seed, epoch, rank, TRAINING_DRAWS + batch)
+    random.seed(value)
+    np.random.seed(value % 2 ** 32)
+    torch.manual_seed(value)
+
+
 class EpochOrder(Sampler):
     """Yields (epoch, position, index) over an index sampler's order for the current epoch; `set_epoch` moves
     to the next one (and is passed on to a sampler that has it, e.g. DistributedSampler)."""
@@ -66,6 +79,20 @@ class ShuffledOrder(Sampler):
 
     def __len__(self) -> int:
         return self.size
+
+
+def repeat_aug_order(dataset, world_size: int, rank: int, repeats: int, seed: int) -> Sampler:
+    """timm's RepeatAugSampler (DeiT's repeated augmentation) whose order follows --seed as well as the epoch:
+    timm's seeds its permutation by the epoch alone, so every seed gave one order. At seed 0 it is timm's."""
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    class SeededRepeatAugSampler(RepeatAugSampler):
+        def set_epoch(self, epoch: int) -> None:
+            super().set_epoch(seed * 100_003 + epoch)     # ShuffledOrder's key: one formula for both orders
+
+    order = SeededRepeatAugSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeats)
+    order.set_epoch(0)
+    return order
 
 
 class SeededSamples(Dataset):

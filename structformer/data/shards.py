@@ -3,8 +3,8 @@
 Reading a shard is tars.py (damage, skipping); the choices here (docs/data.md):
 
 - an epoch is a stated number of samples N (`_info.json`'s shard lengths, else `train_samples=`, else a
-  header scan); each of P processes takes N // P (the N % P left over are cut from that epoch, a different
-  few each epoch, and the log says so), split over its W workers as evenly as whole samples allow, so every
+  header scan); each of P processes takes N // P (the N % P left over are cut from that epoch at a seeded
+  place, a different few each epoch, and the log says so), split over its W workers as evenly as whole samples allow, so every
   process takes the same number of steps (DDP needs that);
 - samples, not shards, are dealt: the shards are permuted per epoch from (seed, epoch) and laid end to end,
   and each (process, worker) slot reads its own contiguous run of that sequence, starting and ending
@@ -186,9 +186,23 @@ class ShardStream(IterableDataset):
                 np.random.default_rng(_seed(self.seed, epoch, slot, round_)).permutation(mine).tolist()
             yield (item for k in order for item in self._segment(k, 0, None))
 
+    def left_out_at(self, epoch: int) -> int:
+        """Where the N % P samples an epoch leaves out (so that every process takes N // P) start in its sequence:
+        a seeded place in [0, N - N % P], so they are different ones each epoch even from one shard (at the end
+        they were always the last samples of the epoch's last shard)."""
+        gap = self.num_samples % self.world_size
+        if not gap:
+            return self.num_samples
+        return int(np.random.default_rng(_seed(self.seed, epoch, 1 << 22, 0)).integers(0, self.num_samples - gap + 1))
+
     def _read(self, epoch: int, start: int, stop: int):
-        for k, first, last in self.segments(epoch, start, stop):
-            yield from self._segment(k, first, last)
+        """Positions [start, stop) of the samples the processes take, which skip the epoch's left-out ones."""
+        cut, gap = self.left_out_at(epoch), self.num_samples % self.world_size
+        pieces = [(start, min(stop, cut)), (max(start, cut) + gap, stop + gap)]
+        for lo, hi in pieces:
+            if lo < hi:
+                for k, first, last in self.segments(epoch, lo, hi):
+                    yield from self._segment(k, first, last)
 
     def _segment(self, k: int, first: int, last: Optional[int]):
         """(shard id, position in shard, name, image bytes, label) of samples first..last-1 of shard k (counted
@@ -290,11 +304,17 @@ class LimitedLoader:
             yield batch
 
 
+def worker_batches(samples: int, batch_size: int, workers: int, drop_last: bool) -> int:
+    """Batches a process takes per epoch from a stream of `samples`: each of its workers batches its own share
+    (split as evenly as whole samples allow), so partial batches come from every worker, not one."""
+    w = max(1, workers)
+    sizes = [samples // w + (i < samples % w) for i in range(w)]
+    return sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
+
+
 def stream_batches(stream: ShardStream, batch_size: int, workers: int, drop_last: bool) -> int:
     """Batches a process takes per epoch: each worker batches its own quota."""
-    w = max(1, workers)
-    sizes = [stream.quota(i, w) for i in range(w)]
-    return sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
+    return worker_batches(stream.per_process(), batch_size, workers, drop_last)
 
 
 def stream_loader(stream: ShardStream, *, batch_size: int, workers: int, rank: int, world_size: int,

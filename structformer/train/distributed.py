@@ -66,6 +66,14 @@ def all_reduce_sum(values: Sequence[float]) -> List[float]:
     return [int(round(s)) if isinstance(v, int) else float(s) for v, s in zip(values, tensor.tolist())]
 
 
+def broadcast_module(module: torch.nn.Module) -> None:
+    """Every process takes rank 0's parameters and buffers (a model made mid-run, e.g. factorised with a random
+    init: each process draws its own numbers, and the weight average copies the model before DDP would)."""
+    with torch.no_grad():
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, 0)
+
+
 def barrier():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

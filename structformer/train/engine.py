@@ -27,7 +27,7 @@ from .build import RunBuild, seed_everything  # noqa: F401  (seed_everything: re
 from .checkpoint import checkpoint_epoch, crash_point, resolve_checkpoint
 from .config import TrainConfig, save_config
 from .data_paths import absolute_data, check_output_outside_data, check_stored_data
-from .distributed import barrier, cleanup_distributed, init_distributed
+from .distributed import barrier, broadcast_module, cleanup_distributed, init_distributed
 from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
 from .phases import phase_for_epoch
@@ -144,6 +144,8 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
         self.model = model.to(self.device)
         if self.config.channels_last:
             self.model.to(memory_format=torch.channels_last)
+        if self.world_size > 1:        # each process drew its own numbers (train/step.py seeds them per rank)
+            broadcast_module(self.model)
         old = self.optimizer
         self.optimizer = self._make_optimizer()
         for group in self.optimizer.param_groups:
@@ -299,7 +301,15 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             write_text_atomically(self.output / 'classes.json', json.dumps(record, indent=1))
 
     def _write_digest(self) -> None:
-        if self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST'):
+        """final_params_rankR.sha256: each process's digest of the weights it ends with (under torchrun). Those of
+        an earlier part of the run on more processes (or on several, resumed on one) go: they describe other weights."""
+        writing = self.world_size > 1 or os.environ.get('STRUCTFORMER_WRITE_DIGEST')
+        if self.is_main:
+            for old in self.output.glob('final_params_rank*.sha256'):
+                rank = old.name[len('final_params_rank'):-len('.sha256')]
+                if not (writing and rank.isdigit() and int(rank) < self.world_size):
+                    old.unlink(missing_ok=True)
+        if writing:
             write_text_atomically(self.output / f'final_params_rank{self.rank}.sha256',
                                   parameter_digest(self.model) + '\n')
 

@@ -6,7 +6,7 @@ import os
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder
+from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder, repeat_aug_order
 from ..errors import UsageError
 
 
@@ -31,9 +31,7 @@ class LoaderSetup:
                 drop_last=self.mixup is not None, limit_batches=cfg.limit_train_batches, pin_memory=pin, seed=cfg.seed)
             order = None
         elif cfg.aug_repeats:
-            from timm.data.distributed_sampler import RepeatAugSampler
-            order = RepeatAugSampler(self.train_ds, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                     num_repeats=cfg.aug_repeats)
+            order = repeat_aug_order(self.train_ds, self.world_size, self.rank, cfg.aug_repeats, cfg.seed)
         elif self.world_size > 1:
             order = DistributedSampler(self.train_ds, self.world_size, self.rank, shuffle=True, seed=cfg.seed)
         else:
@@ -67,7 +65,10 @@ class LoaderSetup:
         if self.config.num_workers is not None:
             return self.config.num_workers
         if self.info.name in ('imagefolder', 'wds', 'hfds', 'imagenet'):
-            default = min(8, max(1, (os.cpu_count() or 1) // max(1, self.world_size)))
+            # the cores of this machine are shared by the processes on it (torchrun's LOCAL_WORLD_SIZE), not by
+            # every process of a run over several machines
+            local = int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
+            default = min(8, max(1, (os.cpu_count() or 1) // max(1, local)))
             if getattr(self.train_ds, 'streaming', False) and not self.train_ds.deals_samples:
                 default = min(default, len(self.train_ds.urls) // self.world_size)    # whole shards: one per worker
             return default

@@ -71,6 +71,11 @@ class Part:
     def model_replaced(self, trainer) -> None:
         """The trainer's model was rebuilt (factorised mid-run): drop anything tied to the old one."""
 
+    def evaluated_modules(self) -> List[torch.nn.Module]:
+        """Modules besides the model that this part evaluates and saves (the weight average): their BatchNorm
+        statistics are made one across processes with the model's (--dist-bn)."""
+        return []
+
 
 class LowRankPart(Part):
     """Low-rank training's pieces (models/factorize.py, train/lowrank_decay.py, models/lowrank_spectra.py) as the loop sees them."""
@@ -149,6 +154,10 @@ class WeightAveragePart(Part):
         # another architecture (e.g. factorised): the average restarts from the new weights
         from .ema import WeightAverage
         self.average = WeightAverage(trainer.model, self.average.ema.decay, self.average.ema.use_warmup)
+
+    def evaluated_modules(self) -> List[torch.nn.Module]:
+        # the average follows each process's own BatchNorm statistics (DDP syncs buffers only into the forward)
+        return [self.average.module]
 
     def epoch_metrics(self, trainer, epoch: int) -> Dict:
         return {f'ema_val_{k}': v for k, v in trainer.evaluate_model(self.average.module).items()}

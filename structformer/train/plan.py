@@ -376,12 +376,20 @@ def dry_run(config: TrainConfig) -> str:
                      f"{max(1, round(config.grad_accum_steps * sized / world))} (see docs/recipes.md)")
     steps = None
     if train_size:
-        samples = _per_process_samples(train_size, world, config)
+        streamed = form == 'wds'           # shards: N // P a process, batched by each loader worker (data/shards.py)
+        samples = train_size // world if streamed else _per_process_samples(train_size, world, config)
         if config.limit_train_batches:
             samples = min(samples, config.limit_train_batches * config.batch_size)
         # the engine drops an epoch's last, smaller batch when it mixes images (timm does the same)
         mixing = config.mixup > 0 or config.cutmix > 0 or config.cutmix_minmax is not None
         batches = samples // config.batch_size if mixing else math.ceil(samples / config.batch_size)
+        if streamed:
+            from ..data.shards import worker_batches
+            workers = config.num_workers if config.num_workers is not None else \
+                min(8, max(1, (os.cpu_count() or 1) // int(os.environ.get('LOCAL_WORLD_SIZE', world))))
+            batches = worker_batches(samples, config.batch_size, workers, mixing)
+            if config.limit_train_batches:
+                batches = min(batches, config.limit_train_batches)
         steps = math.ceil(batches / config.grad_accum_steps)
         lines.append(f"steps         {_count(steps)} optimiser steps per epoch ({_count(batches)} batches per process"
                      + (', last partial batch dropped (mixing)' if mixing and samples % config.batch_size else '')

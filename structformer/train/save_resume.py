@@ -2,12 +2,13 @@
 the parts' files, keeping the last ones, a full disk as one line, and restoring a run from one."""
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .checkpoint import (CheckpointError, describe_mismatch, load_checkpoint, mark_latest, optimizer_state_from,
                          resolve_checkpoint, restore_rng, save_checkpoint)
 from ..data.classes import class_mismatch, class_record
 from ..errors import UsageError
+from .distributed import all_reduce_sum, broadcast_module
 from .recovery import newer_than, prune, recovery_name
 from .run_dir import checkpoint_epoch, committed_checkpoints, disk_full, read_metrics
 
@@ -99,35 +100,48 @@ class CheckpointGlue:
             history = [r for r in history if r['epoch'] < metrics['epoch']] + [metrics]
         return max(history, key=lambda r: r['val_top1'])['epoch'] if history else None
 
-    def _average_last(self) -> Dict:
-        """--avg-last N: the mean of the last N epochs' weights (timm's avg_checkpoints.py: parameters and float
-        buffers averaged in float64, integer buffers from the newest), saved as checkpoints/average_last_N,
-        evaluated; its metrics for summary.json (every process evaluates, the main one writes)."""
-        n = self.config.avg_last
-        if not n:
-            return {}
-        import copy
+    def _average_of_last(self, n: int) -> Tuple[Optional[Dict], List[Path]]:
+        """(the averaged state of the last n trained epochs' checkpoints, those checkpoints), or (None, [])
+        (said) where there is none."""
         epochs = [p for p in committed_checkpoints(self.ckpt_dir) if checkpoint_epoch(p) > 0][-n:]
         if len(epochs) < n:
-            if self.is_main:
-                print(f"note: --avg-last {n}: only {len(epochs)} trained epoch checkpoint(s) here; no average",
-                      flush=True)
-            return {}
+            print(f"note: --avg-last {n}: only {len(epochs)} trained epoch checkpoint(s) here; no average", flush=True)
+            return None, []
         states = [load_checkpoint(p)[0] for p in epochs]
         shapes = [{k: v.shape for k, v in s.items()} for s in states]
         if any(s != shapes[-1] for s in shapes):    # another network (factorised since): no average of the two
-            if self.is_main:
-                print(f"note: --avg-last {n}: the last {n} checkpoints do not hold the same network "
-                      f"({', '.join(p.name for p in epochs)}); no average", flush=True)
-            return {}
+            print(f"note: --avg-last {n}: the last {n} checkpoints do not hold the same network "
+                  f"({', '.join(p.name for p in epochs)}); no average", flush=True)
+            return None, []
         averaged = {}
         for key, newest in states[-1].items():
             if newest.is_floating_point():
                 averaged[key] = (sum(s[key].double() for s in states) / n).to(newest.dtype)
             else:
                 averaged[key] = newest
+        return averaged, epochs
+
+    def _average_last(self) -> Dict:
+        """--avg-last N: the mean of the last N epochs' weights (timm's avg_checkpoints.py: parameters and float
+        buffers averaged in float64, integer buffers from the newest), saved as checkpoints/average_last_N,
+        evaluated; its metrics for summary.json. The main process reads the checkpoints it wrote and gives the
+        others the average (on another machine, or behind a network file system's cached listing, they may not
+        see those files yet: a process that saw none would skip the shared evaluation the others wait in)."""
+        n = self.config.avg_last
+        if not n:
+            return {}
+        import copy
+        averaged, epochs = self._average_of_last(n) if self.is_main else (None, [])
+        if self.world_size > 1:
+            if not all_reduce_sum([int(averaged is not None)])[0]:
+                return {}
+        elif averaged is None:
+            return {}
         model = copy.deepcopy(getattr(self.model, '_orig_mod', self.model))
-        model.load_state_dict({k: v.to(self.device) for k, v in averaged.items()})
+        if self.is_main:
+            model.load_state_dict({k: v.to(self.device) for k, v in averaged.items()})
+        if self.world_size > 1:
+            broadcast_module(model)
         metrics = {f'average_last_{n}_val_{k}': v for k, v in self.evaluate_model(model).items()}
         if self.is_main:
             last = load_checkpoint(epochs[-1])[1]

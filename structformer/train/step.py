@@ -9,8 +9,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from ..data.seeding import seed_training_draws
 from ..functional import autotune
 from .checkpoint import crash_point, resolve_checkpoint
+from .distributed import all_reduce_sum
 from .mixing import hard_labels, mixing_active
 from .phases import LossContext
 from .precision import low_precision_failure
@@ -27,10 +29,12 @@ class TrainStep:
     def _distribute_batch_norm(self) -> None:
         """DDP gives every process rank 0's buffers at the start of each forward, so after an epoch the BatchNorm
         running statistics differ by the last batch each process saw; timm's distribute_bn makes them one again
-        (--dist-bn), before the shared evaluation and the checkpoint."""
+        (--dist-bn), before the shared evaluation and the checkpoint. The weight average too, as timm's train.py
+        does: it averages each process's own statistics, and its evaluation is shared and its file is rank 0's."""
         if self.world_size > 1 and self.config.dist_bn:
             from timm.utils import distribute_bn
-            distribute_bn(self.model, self.world_size, reduce=self.config.dist_bn == 'reduce')
+            for module in [self.model] + [m for part in self.parts for m in part.evaluated_modules()]:
+                distribute_bn(module, self.world_size, reduce=self.config.dist_bn == 'reduce')
 
     def _wrap(self) -> torch.nn.Module:
         """The module the step runs: under torchrun, DDP over the parameters this phase trains (DDP registers
@@ -78,11 +82,18 @@ class TrainStep:
         batches, accum = self.batches_per_epoch, cfg.grad_accum_steps
         totals: Dict[str, float] = dict(within['totals']) if within else {}
         seen, seen_targets, correct = (within['seen'], within['seen_targets'], within['correct']) if within else (0, 0, 0)
+        if within and self.rank > 0:       # a recovery point holds the sums of every process so far: rank 0 has them
+            totals, seen, seen_targets, correct = {}, 0, 0, 0
         start = time.perf_counter() - (within['elapsed'] if within else 0.0)
         # a second-order optimiser (timm's AdaHessian) differentiates the gradients again in its step: the backward
         # keeps its graph, and the forward takes paths autograd can differentiate twice (autotune.twice_differentiable)
         second_order = bool(getattr(self.optimizer, 'is_second_order', False))
         for step, (images, targets) in enumerate(self.train_loader, start=skip):
+            if self.world_size > 1:
+                # one seed made one model on every process; the training draws (dropout, drop path, Mixup) are each
+                # process's own, keyed by the batch, so a resume inside the epoch draws as the straight run did on
+                # every process (a recovery point keeps rank 0's RNG state only)
+                seed_training_draws(cfg.seed, epoch, self.rank, step)
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             if cfg.channels_last and images.dim() == 4:
@@ -140,18 +151,29 @@ class TrainStep:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{self._lr():.2e}")
             bar.update()
             if update and cfg.recovery_interval and (step // accum + 1) % cfg.recovery_interval == 0 \
-                    and step + 1 < batches and self.is_main:
-                self._save_recovery(epoch, progress_state(step + 1, totals, seen, seen_targets, correct,
-                                                          time.perf_counter() - start))
-                self._recovery_committed()
-                crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
+                    and step + 1 < batches:
+                so_far = self._summed_over_processes(totals, seen, seen_targets, correct)    # every process
+                if self.is_main:
+                    self._save_recovery(epoch, progress_state(step + 1, *so_far, time.perf_counter() - start))
+                    self._recovery_committed()
+                    crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
         bar.close()
         elapsed = time.perf_counter() - start
+        # the epoch's training metrics over every process's batches (timm reduces its logged loss likewise)
+        totals, seen, seen_targets, correct = self._summed_over_processes(totals, seen, seen_targets, correct)
         record = {'epoch': epoch, 'phase': phase.name, 'step': self.global_step, 'lr': self._lr(),
                   'train_top1': 100.0 * correct / max(seen_targets, 1), 'epoch_time_s': elapsed,
-                  'train_img_per_s': seen * self.world_size / max(elapsed, 1e-9)}
+                  'train_img_per_s': seen / max(elapsed, 1e-9)}
         record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
         return record
+
+    def _summed_over_processes(self, totals: Dict[str, float], seen: int, seen_targets: int, correct: int):
+        """(totals, seen, seen_targets, correct) summed over the processes (a collective: every process calls it)."""
+        if self.world_size == 1:
+            return dict(totals), seen, seen_targets, correct
+        names = sorted(totals)
+        sums = all_reduce_sum([totals[k] for k in names] + [seen, seen_targets, correct])
+        return dict(zip(names, sums)), *sums[len(names):]
 
     def _lr(self) -> float:
         from .optim import lr_at
