@@ -157,3 +157,15 @@ def test_lm_train_and_eval_through_the_cli(tmp_path, capsys):
     assert main(['eval', '--checkpoint', str(run)]) == 0
     out = capsys.readouterr().out
     assert 'perplexity' in out and ' sequences)' in out and 'images' not in out    # windows, not images
+
+
+def test_a_vocabulary_smaller_than_the_bytes_is_one_usage_line(tmp_path, capsys):
+    """num_classes is the GPT's vocabulary: fewer than the data's 256 byte values used to fail inside the input
+    check's forward (the embedding's IndexError, a traceback) instead of naming the argument."""
+    run = tmp_path / 'lm'
+    assert main(['train', '--model', 'gpt2_byte_tiny', '--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2',
+                 'num_classes=100', '--data', 'pysource', '--data-kwargs', 'max_bytes=6000', 'seq_len=16',
+                 '--epochs', '1', '--output', str(run), '--no-progress']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'num_classes=100' in err[0] and 'num_classes=256' in err[0]
+    assert not run.exists()

@@ -172,16 +172,24 @@ class RunBuild:
         from .scoring_data import check_model_input
         if len(self.val_ds) == 0:
             return
+        def refuse_classes(predicts: int) -> None:
+            if predicts != self.info.num_classes:       # else: cross-entropy's (or the embedding's) IndexError later
+                given = self.config.model_kwargs.get('num_classes')
+                what = f"--model-kwargs num_classes={given}" if given is not None else f"--model {self.config.model}"
+                raise UsageError(f"{what}: the model predicts {predicts} classes but --data {self.config.data} has "
+                                 f"{self.info.num_classes}; leave num_classes out (it follows the data) or give "
+                                 f"num_classes={self.info.num_classes}")
+
+        # a language model also reads the data's token ids through its vocabulary-sized embedding: a smaller
+        # vocabulary fails inside the forward (an IndexError), so it is compared before the forward
+        vocabulary = getattr(self.model, 'vocab_size', None)
+        if isinstance(vocabulary, int) and not isinstance(vocabulary, bool):
+            refuse_classes(vocabulary)
         batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0]
         logits = check_model_input(self.model, batch, self.precision,
                                    f"--model {self.config.model} cannot take a batch of --data {self.config.data}")
-        predicts = logits.shape[-1] if torch.is_tensor(logits) else None
-        if predicts is not None and predicts != self.info.num_classes:   # else: cross-entropy's IndexError later
-            given = self.config.model_kwargs.get('num_classes')
-            what = f"--model-kwargs num_classes={given}" if given is not None else f"--model {self.config.model}"
-            raise UsageError(f"{what}: the model predicts {predicts} classes but --data {self.config.data} has "
-                             f"{self.info.num_classes}; leave num_classes out (it follows the data) or give "
-                             f"num_classes={self.info.num_classes}")
+        if torch.is_tensor(logits):
+            refuse_classes(logits.shape[-1])
 
     def _phase_specs(self) -> List[dict]:
         """The configuration's phases, else the first default a part gives (distillation's two stages), else one."""
