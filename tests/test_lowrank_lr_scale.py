@@ -46,8 +46,27 @@ def test_from_the_start_the_whole_run_is_scaled_and_one_keeps_the_dense_lr(tmp_p
     assert _lr(scaled, 0) == pytest.approx(0.5e-3)
     plain = _trainer(tmp_path / 'b', factorize_at=0, factorize_lr_scale=1.0)
     assert _lr(plain, 0) == pytest.approx(1e-3)
-    dense = _trainer(tmp_path / 'c', factorize_rank=None, factorize_at=None)   # no factorisation: no scaling
+    dense = _trainer(tmp_path / 'c', factorize_rank=None, factorize_at=None, factorize_lr_scale=1.0)
     assert _lr(dense, 0) == pytest.approx(1e-3)
+    by_transform = _trainer(tmp_path / 'd', factorize_rank=None, factorize_at=None,    # factorised the other way
+                            transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}])
+    assert _lr(by_transform, 0) == pytest.approx(0.5e-3)
+
+
+@pytest.mark.parametrize('settings, named', [
+    (dict(factorize_lr_scale=0.5), '--factorize-lr-scale 0.5'), (dict(factor_decay='frobenius'), '--factor-decay'),
+    (dict(factorize_init='he'), '--init he'), (dict(factorize_include=['*qkv']), '--factorize-include'),
+    (dict(factorize_rank=0.25, factorize_at=1, transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}]),
+     '--factorize-at=1 with --transform factorize')])
+def test_low_rank_settings_with_nothing_to_act_on_are_refused(tmp_path, settings, named):
+    """Without --rank (or, for the settings that act on factors, --transform factorize) these were silently
+    ignored: a run with --factor-decay frobenius and no factorised layer trained as plain weight decay; with
+    --transform factorize, --factorize-at never switched."""
+    values = dict(model='vit_tiny_patch16_224', data='digits', epochs=2, output=str(tmp_path / 'x'))
+    with pytest.raises(UsageError, match=named):
+        TrainConfig(**dict(values, **settings)).validate()
+    if 'transforms' not in settings and settings.keys() & {'factorize_lr_scale', 'factor_decay'}:
+        TrainConfig(**dict(values, **settings, transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}])).validate()
 
 
 @pytest.mark.parametrize('bad', [0, 1.5, -0.5, True])
