@@ -86,6 +86,11 @@ def test_the_lm_recipes_halve_as_the_seed_does():
     # pre-trained: App. A.2's one halving, of the factorised steps (issue 42): the dense steps at the dense run's
     # lr, halved from the switch on, as the WRN pre-training recipe
     assert pretrain['factorize_lr_scale'] == 0.5 and lr(pretrain) == lr(dense)
+    # and docs/lowrank.md says so (it said 2.5e-4 for the dense steps, the pre-issue-42 reading)
+    from pathlib import Path
+    doc = ' '.join((Path(__file__).parents[1] / 'docs' / 'lowrank.md').read_text().split())
+    assert (f"`gpt2_lowrank_pretrain_lm1b` the dense baseline's {lr(dense):g} for its dense steps, "
+            f"× 0.5 ({lr(dense) * 0.5:g}) after the switch") in doc
 
 
 def test_the_reproduction_halves_the_lm_lr():
