@@ -89,8 +89,11 @@ def test_the_lm_recipes_halve_as_the_seed_does():
     # and docs/lowrank.md says so (it said 2.5e-4 for the dense steps, the pre-issue-42 reading)
     from pathlib import Path
     doc = ' '.join((Path(__file__).parents[1] / 'docs' / 'lowrank.md').read_text().split())
-    assert (f"`gpt2_lowrank_pretrain_lm1b` the dense baseline's {lr(dense):g} for its dense steps, "
-            f"× 0.5 ({lr(dense) * 0.5:g}) after the switch") in doc
+    def short(value):                       # 0.0005 -> '5e-4', as the page writes it
+        mantissa, exponent = f"{value:e}".split('e')
+        return f"{float(mantissa):g}e{int(exponent)}"
+    assert (f"`gpt2_lowrank_pretrain_lm1b` the dense baseline's {short(lr(dense))} for its dense steps, "
+            f"× 0.5 ({short(lr(dense) * 0.5)}) after the switch") in doc
 
 
 def test_the_reproduction_halves_the_lm_lr():
