@@ -164,7 +164,8 @@ def _train(run: Dict, args, out: Path) -> Dict:
     trained = yaml.safe_load((folder / 'config.yaml').read_text())     # a reused run keeps its own settings
     return {**run, 'folder': str(folder), 'val_top1': last['val_top1'], 'val_loss': last['val_loss'],
             'epochs': trained['epochs'], 'limit_train_batches': trained['limit_train_batches'],
-            'batch_size': trained['batch_size'], 'model': trained['model'], 'data': trained['data'],
+            'batch_size': trained['batch_size'], 'model': trained['model'],
+            'model_kwargs': trained.get('model_kwargs') or {}, 'data': trained['data'],
             'val_perplexity': last.get('val_perplexity'), 'effective_rank_mean': last.get('effective_rank_mean'),
             'curve': [{'epoch': h['epoch'], 'val_loss': h['val_loss'], 'val_top1': h['val_top1'],
                        'effective_rank_mean': h.get('effective_rank_mean')} for h in history],
@@ -213,7 +214,8 @@ def _tables(results: List[Dict], curves: Dict, heading: str = '##') -> str:
         label = 'held-out top-1 (%)' if part == 'vision' else 'held-out perplexity (bytes)'
         base = by[(part, 'dense')]
         data = base['data'].partition(':')[0]       # the data set, not the folder it was read from
-        lines += [f"{part}: `{base['model']}` on `{data}`, {base['epochs']} epochs of "
+        built = ', '.join(f'{k}={v}' for k, v in (base.get('model_kwargs') or {}).items())   # WRN-10-2: depth=10
+        lines += [f"{part}: `{base['model']}`{f' ({built})' if built else ''} on `{data}`, {base['epochs']} epochs of "
                   f"{base['limit_train_batches'] or 'all'} batches of {base['batch_size']}, one seed per row.", '']
         lines += [f'{heading} {part}: initialisation ({label}; dense baseline {fmt.format(base[metric])})', '',
                   '| rank | He | spectral | spectral ones |', '|---|---|---|---|']
