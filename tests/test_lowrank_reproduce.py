@@ -54,7 +54,10 @@ def test_findings_compare_in_the_right_direction():
 
 @pytest.mark.parametrize('argv, message', [(['--epochs', '1'], '--epochs'), (['--ranks', '0'], '--ranks'),
                                            (['--data', '/no/such/mnist'], '--data'),
-                                           (['--interpolate-steps', '1'], '--interpolate-steps')])
+                                           (['--interpolate-steps', '1'], '--interpolate-steps'),
+                                           # were named as --data-kwargs max_bytes / seq_len, flags it has not
+                                           (['--parts', 'lm', '--lm-max-bytes', '-5'], '--lm-max-bytes must be'),
+                                           (['--parts', 'lm', '--lm-max-bytes', '100'], '--lm-max-bytes 100: too little')])
 def test_reproduce_lowrank_bad_arguments(argv, message, capsys, tmp_path):
     assert main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')]) == 2
     assert message in capsys.readouterr().err

@@ -75,6 +75,18 @@ def _check(args) -> None:
         raise UsageError(f"--lm-lr-scale must be a factor in (0, 1]; got {args.lm_lr_scale}")
     if args.interpolate_steps < 2:
         raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
+    if 'lm' in args.parts:
+        if args.lm_max_bytes < 0:
+            raise UsageError(f"--lm-max-bytes must be an integer >= 0 (0 = all of the standard library); got "
+                             f"{args.lm_max_bytes}")
+        from ..data import build_datasets
+        from ..train import TrainConfig
+        held_out = TrainConfig.__dataclass_fields__['val_fraction'].default       # what _config's runs use
+        try:        # the text is on this machine and small: its refusal is --lm-max-bytes's, before any run
+            build_datasets('pysource', seed=args.seed, val_fraction=held_out, max_bytes=args.lm_max_bytes)
+        except ValueError as e:
+            raise UsageError(f"--lm-max-bytes {args.lm_max_bytes}: too little text for the LM part's windows of 128 "
+                             f"bytes ({str(e).splitlines()[0]})") from None
     if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
         from ..data.spec import MNIST_HOWTO
         raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files; or run --parts lm)" if args.data
