@@ -57,7 +57,10 @@ def test_from_the_start_the_whole_run_is_scaled_and_one_keeps_the_dense_lr(tmp_p
     (dict(factorize_lr_scale=0.5), '--factorize-lr-scale 0.5'), (dict(factor_decay='frobenius'), '--factor-decay'),
     (dict(factorize_init='he'), '--init he'), (dict(factorize_include=['*qkv']), '--factorize-include'),
     (dict(factorize_rank=0.25, factorize_at=1, transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}]),
-     '--factorize-at=1 with --transform factorize')])
+     '--factorize-at=1 with --transform factorize'),
+    # He draws fresh factors: the dense epochs (or loaded weights) it would factorise were silently thrown away
+    (dict(factorize_rank=0.25, factorize_at=1, factorize_init='he'), '--init he with --factorize-at'),
+    (dict(factorize_rank=0.25, factorize_init='he', initial_checkpoint='run'), '--init he with --initial-checkpoint')])
 def test_low_rank_settings_with_nothing_to_act_on_are_refused(tmp_path, settings, named):
     """Without --rank (or, for the settings that act on factors, --transform factorize) these were silently
     ignored: a run with --factor-decay frobenius and no factorised layer trained as plain weight decay; with

@@ -335,6 +335,12 @@ class TrainConfig:
                                  "--rank R (or --transform factorize rank=R), or leave "
                                  f"{'them' if len(idle) > 1 else 'it'} out")
             return
+        starting = ('--factorize-at' if self.factorize_at else '--initial-checkpoint' if self.initial_checkpoint
+                    else '--pretrained-path' if self.pretrained_path else '--pretrained' if self.pretrained else None)
+        if self.factorize_init == 'he' and starting and not by_transform:
+            raise UsageError(f"--init he with {starting}: He init draws the factors afresh and ignores the trained "
+                             "weights it would factorise (seed 004 §3.4 factorises them by truncated SVD): give --init "
+                             "spectral or spectral_ones, or leave the trained weights out")
         if by_transform and self.factorize_at:
             raise UsageError(f"--factorize-at={self.factorize_at} with --transform factorize: the transform factorises the "
                              "model from the start, so the switch after pre-training would never happen; give "
