@@ -169,3 +169,24 @@ def test_a_vocabulary_smaller_than_the_bytes_is_one_usage_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'num_classes=100' in err[0] and 'num_classes=256' in err[0]
     assert not run.exists()
+
+
+def test_the_text_windows_follow_the_language_models_context(tmp_path, capsys):
+    """Without seq_len the text was cut at its default 128 whatever the model: gpt2_byte_small (context 256) trained
+    on 128-byte windows, and a GPT built with img_size=32 was refused. Now the windows follow the model's context
+    (as images follow its input size), and a run records the length it used for eval and resume."""
+    follows = lambda model, **kw: build_datasets('pysource', max_bytes=20000, model=model, **kw)[2].extra['seq_len']  # noqa: E731
+    assert follows('gpt2_byte_small') == 256
+    assert follows('gpt2_byte_tiny', model_kwargs={'img_size': 48}) == 48
+    assert follows('gpt2_byte_small', seq_len=64) == 64                       # given: kept
+    assert follows('resnet18') == 128                                           # not a language model: the default
+    run = tmp_path / 'lm'
+    assert main(['train', '--model', 'gpt2_byte_tiny', '--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2',
+                 'img_size=32', '--data', 'pysource', '--data-kwargs', 'max_bytes=6000', '--epochs', '1',
+                 '--limit-train-batches', '1', '--output', str(run), '--no-progress']) == 0
+    import yaml
+    assert yaml.safe_load((run / 'config.yaml').read_text())['data_kwargs']['seq_len'] == 32
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(run), '--json']) == 0
+    assert json.loads(capsys.readouterr().out)['sequences'] == len(build_datasets(
+        'pysource', max_bytes=6000, seq_len=32)[1])

@@ -39,6 +39,12 @@ class RunBuild:
         from ..data.sizing import FOLLOWS_MODEL
         if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in FOLLOWS_MODEL:
             cfg.data_kwargs['img_size'] = self.info.img_size     # it followed the model: recorded for eval and resume
+        from ..data.sizing import TEXT_FOLLOWS_MODEL
+        from ..data.text import OPTIONS as TEXT_OPTIONS
+        seq_len = (self.info.extra or {}).get('seq_len')
+        if (self.info.name in TEXT_FOLLOWS_MODEL and 'seq_len' not in cfg.data_kwargs
+                and seq_len not in (None, TEXT_OPTIONS['seq_len'].default)):
+            cfg.data_kwargs['seq_len'] = seq_len              # the model's context: recorded for eval and resume
         self.resumed_state = None
         if self.resume:                    # the recorded recipe: what was trained, whatever the config says now
             _, self.resumed_state, _ = load_checkpoint(self._resume_source())

@@ -76,7 +76,7 @@ def _read_data(config: TrainConfig, form: str, path: Optional[str]):
         return None
     from ..data import build_datasets
     train, _, info = build_datasets(config.data, seed=config.seed, val_fraction=config.val_fraction,
-                                    **config.data_kwargs)
+                                    model=config.model, model_kwargs=config.model_kwargs, **config.data_kwargs)
     return len(train), info
 
 
