@@ -190,3 +190,21 @@ def test_the_text_windows_follow_the_language_models_context(tmp_path, capsys):
     assert main(['eval', '--checkpoint', str(run), '--json']) == 0
     assert json.loads(capsys.readouterr().out)['sequences'] == len(build_datasets(
         'pysource', max_bytes=6000, seq_len=32)[1])
+
+
+def test_a_run_that_recorded_no_seq_len_resumes_at_the_default(tmp_path):
+    """A run records seq_len only when the text followed the model to another length; one that did not (trained at
+    128, as every run did before) must not follow the model's context (256) on --resume and be refused."""
+    import yaml
+    run = tmp_path / 'lm'
+    common = ['--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2', '--no-progress']
+    assert main(['train', '--model', 'gpt2_byte_small', *common, '--data', 'pysource', '--data-kwargs',
+                 'max_bytes=6000', 'seq_len=128', '--epochs', '2', '--limit-train-batches', '1', '--stop-after', '1',
+                 '--output', str(run)]) == 0
+    for path in (run / 'config.yaml', run / 'checkpoints' / 'epoch_0001' / 'state.json'):
+        text = path.read_text()                          # as a run from before the text followed the model
+        saved = json.loads(text) if path.suffix == '.json' else yaml.safe_load(text)
+        del (saved.get('config') or saved)['data_kwargs']['seq_len']
+        path.write_text(json.dumps(saved) if path.suffix == '.json' else yaml.safe_dump(saved))
+    assert main(['train', '--resume', str(run), '--no-progress']) == 0
+    assert len((run / 'metrics.jsonl').read_text().splitlines()) == 2

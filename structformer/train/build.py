@@ -33,14 +33,19 @@ class RunBuild:
         seed_everything(cfg.seed)
         augmentation = Augmentation.from_config(cfg)
         extra = {'augmentation': augmentation} if augmentation.requested() else {}
+        from ..data.sizing import TEXT_FOLLOWS_MODEL
+        from ..data.text import OPTIONS as TEXT_OPTIONS
+        options = dict(cfg.data_kwargs)
+        if self.resume and str(cfg.data).partition(':')[0] in TEXT_FOLLOWS_MODEL:
+            # a run records seq_len only where it differs from the default (it followed the model): an unrecorded
+            # one trained at the default, also a run from before text followed the model, whose context was 128
+            options.setdefault('seq_len', TEXT_OPTIONS['seq_len'].default)
         self.train_ds, self.val_ds, self.info = build_datasets(
             cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, model=cfg.model, model_kwargs=cfg.model_kwargs,
-            **extra, **cfg.data_kwargs)
+            **extra, **options)
         from ..data.sizing import FOLLOWS_MODEL
         if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in FOLLOWS_MODEL:
             cfg.data_kwargs['img_size'] = self.info.img_size     # it followed the model: recorded for eval and resume
-        from ..data.sizing import TEXT_FOLLOWS_MODEL
-        from ..data.text import OPTIONS as TEXT_OPTIONS
         seq_len = (self.info.extra or {}).get('seq_len')
         if (self.info.name in TEXT_FOLLOWS_MODEL and 'seq_len' not in cfg.data_kwargs
                 and seq_len not in (None, TEXT_OPTIONS['seq_len'].default)):
