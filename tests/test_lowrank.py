@@ -298,7 +298,7 @@ def test_factorize_is_a_recorded_transform_that_rebuilds():
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     assert shapes == {k: v.shape for k, v in again.state_dict().items()}
     again.load_state_dict(model.state_dict())
-    with pytest.raises(ValueError, match='--transform factorize: .*unexpected keyword'):
+    with pytest.raises(ValueError, match=r"--transform factorize: unknown argument\(s\) 'rnk'; accepted: rank, init, include, exclude, skip_no_saving"):
         build_model('vit_tiny_patch16_224', {'img_size': 16, 'patch_size': 4, 'depth': 1},
                     transforms=[{'name': 'factorize', 'kwargs': {'rnk': 0.25}}])
 
@@ -330,3 +330,20 @@ def test_factorizing_twice_is_refused_by_naming_the_factorised_layers():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     factorize(model, rank=2, include=['head'], verbose=False)          # a layer still dense is still taken
     assert 'head' in factorized_layers(model)
+
+
+def test_layers_that_cannot_be_factorised_are_named_with_what_they_lack(capsys):
+    """Only grouped / 'same'-padded convs chosen: the error said no layer would 'save parameters' and advised a
+    lower rank or skip_no_saving=False, neither of which can help."""
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 3, groups=16), nn.Conv2d(16, 16, 3, padding='same'),
+                          nn.Conv2d(16, 32, 3))
+    with pytest.raises(ValueError) as caught:
+        factorize(model, 0.25, include=['1', '2'])
+    message = str(caught.value)
+    assert "1 (grouped (groups=16)), 2 (padding='same')" in message and 'groups=1' in message
+    assert 'skip_no_saving' not in message and 'lower the rank' not in message
+    assert not factorized_layers(model)                          # nothing replaced
+    factorize(model, 0.25, include=['1', '2', '3'])
+    assert "skipped 2: 1 (not factorisable: grouped (groups=16)), 2 (not factorisable: padding='same')" in \
+        capsys.readouterr().err
+    assert list(factorized_layers(model)) == ['3']

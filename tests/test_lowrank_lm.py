@@ -157,3 +157,54 @@ def test_lm_train_and_eval_through_the_cli(tmp_path, capsys):
     assert main(['eval', '--checkpoint', str(run)]) == 0
     out = capsys.readouterr().out
     assert 'perplexity' in out and ' sequences)' in out and 'images' not in out    # windows, not images
+
+
+def test_a_vocabulary_smaller_than_the_bytes_is_one_usage_line(tmp_path, capsys):
+    """num_classes is the GPT's vocabulary: fewer than the data's 256 byte values used to fail inside the input
+    check's forward (the embedding's IndexError, a traceback) instead of naming the argument."""
+    run = tmp_path / 'lm'
+    assert main(['train', '--model', 'gpt2_byte_tiny', '--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2',
+                 'num_classes=100', '--data', 'pysource', '--data-kwargs', 'max_bytes=6000', 'seq_len=16',
+                 '--epochs', '1', '--output', str(run), '--no-progress']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'num_classes=100' in err[0] and 'num_classes=256' in err[0]
+    assert not run.exists()
+
+
+def test_the_text_windows_follow_the_language_models_context(tmp_path, capsys):
+    """Without seq_len the text was cut at its default 128 whatever the model: gpt2_byte_small (context 256) trained
+    on 128-byte windows, and a GPT built with img_size=32 was refused. Now the windows follow the model's context
+    (as images follow its input size), and a run records the length it used for eval and resume."""
+    follows = lambda model, **kw: build_datasets('pysource', max_bytes=20000, model=model, **kw)[2].extra['seq_len']  # noqa: E731
+    assert follows('gpt2_byte_small') == 256
+    assert follows('gpt2_byte_tiny', model_kwargs={'img_size': 48}) == 48
+    assert follows('gpt2_byte_small', seq_len=64) == 64                       # given: kept
+    assert follows('resnet18') == 128                                           # not a language model: the default
+    run = tmp_path / 'lm'
+    assert main(['train', '--model', 'gpt2_byte_tiny', '--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2',
+                 'img_size=32', '--data', 'pysource', '--data-kwargs', 'max_bytes=6000', '--epochs', '1',
+                 '--limit-train-batches', '1', '--output', str(run), '--no-progress']) == 0
+    import yaml
+    assert yaml.safe_load((run / 'config.yaml').read_text())['data_kwargs']['seq_len'] == 32
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(run), '--json']) == 0
+    assert json.loads(capsys.readouterr().out)['sequences'] == len(build_datasets(
+        'pysource', max_bytes=6000, seq_len=32)[1])
+
+
+def test_a_run_that_recorded_no_seq_len_resumes_at_the_default(tmp_path):
+    """A run records seq_len only when the text followed the model to another length; one that did not (trained at
+    128, as every run did before) must not follow the model's context (256) on --resume and be refused."""
+    import yaml
+    run = tmp_path / 'lm'
+    common = ['--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2', '--no-progress']
+    assert main(['train', '--model', 'gpt2_byte_small', *common, '--data', 'pysource', '--data-kwargs',
+                 'max_bytes=6000', 'seq_len=128', '--epochs', '2', '--limit-train-batches', '1', '--stop-after', '1',
+                 '--output', str(run)]) == 0
+    for path in (run / 'config.yaml', run / 'checkpoints' / 'epoch_0001' / 'state.json'):
+        text = path.read_text()                          # as a run from before the text followed the model
+        saved = json.loads(text) if path.suffix == '.json' else yaml.safe_load(text)
+        del (saved.get('config') or saved)['data_kwargs']['seq_len']
+        path.write_text(json.dumps(saved) if path.suffix == '.json' else yaml.safe_dump(saved))
+    assert main(['train', '--resume', str(run), '--no-progress']) == 0
+    assert len((run / 'metrics.jsonl').read_text().splitlines()) == 2

@@ -46,8 +46,30 @@ def test_from_the_start_the_whole_run_is_scaled_and_one_keeps_the_dense_lr(tmp_p
     assert _lr(scaled, 0) == pytest.approx(0.5e-3)
     plain = _trainer(tmp_path / 'b', factorize_at=0, factorize_lr_scale=1.0)
     assert _lr(plain, 0) == pytest.approx(1e-3)
-    dense = _trainer(tmp_path / 'c', factorize_rank=None, factorize_at=None)   # no factorisation: no scaling
+    dense = _trainer(tmp_path / 'c', factorize_rank=None, factorize_at=None, factorize_lr_scale=1.0)
     assert _lr(dense, 0) == pytest.approx(1e-3)
+    by_transform = _trainer(tmp_path / 'd', factorize_rank=None, factorize_at=None,    # factorised the other way
+                            transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}])
+    assert _lr(by_transform, 0) == pytest.approx(0.5e-3)
+
+
+@pytest.mark.parametrize('settings, named', [
+    (dict(factorize_lr_scale=0.5), '--factorize-lr-scale 0.5'), (dict(factor_decay='frobenius'), '--factor-decay'),
+    (dict(factorize_init='he'), '--init he'), (dict(factorize_include=['*qkv']), '--factorize-include'),
+    (dict(factorize_rank=0.25, factorize_at=1, transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}]),
+     '--factorize-at=1 with --transform factorize'),
+    # He draws fresh factors: the dense epochs (or loaded weights) it would factorise were silently thrown away
+    (dict(factorize_rank=0.25, factorize_at=1, factorize_init='he'), '--init he with --factorize-at'),
+    (dict(factorize_rank=0.25, factorize_init='he', initial_checkpoint='run'), '--init he with --initial-checkpoint')])
+def test_low_rank_settings_with_nothing_to_act_on_are_refused(tmp_path, settings, named):
+    """Without --rank (or, for the settings that act on factors, --transform factorize) these were silently
+    ignored: a run with --factor-decay frobenius and no factorised layer trained as plain weight decay; with
+    --transform factorize, --factorize-at never switched."""
+    values = dict(model='vit_tiny_patch16_224', data='digits', epochs=2, output=str(tmp_path / 'x'))
+    with pytest.raises(UsageError, match=named):
+        TrainConfig(**dict(values, **settings)).validate()
+    if 'transforms' not in settings and settings.keys() & {'factorize_lr_scale', 'factor_decay'}:
+        TrainConfig(**dict(values, **settings, transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}])).validate()
 
 
 @pytest.mark.parametrize('bad', [0, 1.5, -0.5, True])
@@ -67,6 +89,14 @@ def test_the_lm_recipes_halve_as_the_seed_does():
     # pre-trained: App. A.2's one halving, of the factorised steps (issue 42): the dense steps at the dense run's
     # lr, halved from the switch on, as the WRN pre-training recipe
     assert pretrain['factorize_lr_scale'] == 0.5 and lr(pretrain) == lr(dense)
+    # and docs/lowrank.md says so (it said 2.5e-4 for the dense steps, the pre-issue-42 reading)
+    from pathlib import Path
+    doc = ' '.join((Path(__file__).parents[1] / 'docs' / 'lowrank.md').read_text().split())
+    def short(value):                       # 0.0005 -> '5e-4', as the page writes it
+        mantissa, exponent = f"{value:e}".split('e')
+        return f"{float(mantissa):g}e{int(exponent)}"
+    assert (f"`gpt2_lowrank_pretrain_lm1b` the dense baseline's {short(lr(dense))} for its dense steps, "
+            f"× 0.5 ({short(lr(dense) * 0.5)}) after the switch") in doc
 
 
 def test_the_reproduction_halves_the_lm_lr():

@@ -13,6 +13,8 @@ def test_the_docs_tables_and_findings_are_regenerated_from_the_record():
     assert text in DOC.read_text(), 'docs/lowrank.md differs from tables_from_record(docs/lowrank/reproduce_lowrank.json)'
     assert {r['part'] for r in record['runs']} == {'vision', 'lm'}
     assert record['sources']['lm'] == 'run' and record['lm']['args']['lm_lr_scale'] == 0.5
+    # the vision runs are WRN-10-2 (wrn_16_2_mnist built with depth=10): the heading said `wrn_16_2_mnist` alone
+    assert 'vision: `wrn_16_2_mnist` (depth=10) on `mnist`' in text
 
 
 def test_vision_pretraining_verdict_is_parity_with_a_tolerance():

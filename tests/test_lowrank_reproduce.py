@@ -54,7 +54,10 @@ def test_findings_compare_in_the_right_direction():
 
 @pytest.mark.parametrize('argv, message', [(['--epochs', '1'], '--epochs'), (['--ranks', '0'], '--ranks'),
                                            (['--data', '/no/such/mnist'], '--data'),
-                                           (['--interpolate-steps', '1'], '--interpolate-steps')])
+                                           (['--interpolate-steps', '1'], '--interpolate-steps'),
+                                           # were named as --data-kwargs max_bytes / seq_len, flags it has not
+                                           (['--parts', 'lm', '--lm-max-bytes', '-5'], '--lm-max-bytes must be'),
+                                           (['--parts', 'lm', '--lm-max-bytes', '100'], '--lm-max-bytes 100: too little')])
 def test_reproduce_lowrank_bad_arguments(argv, message, capsys, tmp_path):
     assert main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')]) == 2
     assert message in capsys.readouterr().err
@@ -82,3 +85,26 @@ def test_a_finished_run_is_reused_only_with_the_planned_settings(tmp_path, monke
     assert reusable(folder, planned)
     for change in ({'seed': 1}, {'epochs': 3}, {'factorize_rank': 0.3}, {'data': 'mnist:other'}, {'lr': 0.5}):
         assert not reusable(folder, TrainConfig(**dict(planned.to_dict(), **change))), change
+
+
+def test_the_interpolation_scores_the_whole_held_out_split(tmp_path, monkeypatch):
+    """The interpolation lines scored only the first 1,000 held-out samples, so their ends were not the runs'
+    held-out losses of the tables beside them (the committed LM line starts at 3.144, its dense baseline's table
+    loss is 3.037); now the whole split, and the record says how many samples a line saw."""
+    import structformer.analysis.interpolate as interpolate
+    import structformer.data as data
+    import structformer.train.checkpoint as checkpoint
+    held_out = list(range(1200))
+    seen = []
+    monkeypatch.setattr(data, 'build_datasets', lambda *a, **k: (None, held_out, None))
+    monkeypatch.setattr(checkpoint, 'load_model', lambda folder: (folder, None))
+    monkeypatch.setattr(interpolate, 'interpolation_curve',
+                        lambda a, b, loader, ts: seen.append(len(loader.dataset)) or [{'t': t, 'loss': 1.0} for t in ts])
+    results = [dict(_result('lm', 'dense', 'baseline'), folder='d'),
+               dict(_result('lm', 'r0.62_spectral', 'init', 0.62, 'spectral'), folder='s'),
+               dict(_result('lm', 'r0.62_spectral_pretrain1', 'pretrain', 0.62, 'spectral'), folder='p', at=1)]
+    curves = lowrank._interpolations(results, _args(parts=['lm'], interpolate_steps=3), tmp_path)
+    assert seen == [1200, 1200]
+    assert (curves['lm']['samples'], curves['lm']['held_out']) == (1200, 1200)
+    assert lowrank.interpolation_samples(curves['lm']) == ''
+    assert 'first 1,000 of the 1,587' in lowrank.interpolation_samples({'samples': 1000, 'held_out': 1587})

@@ -8,7 +8,7 @@ from .cifar import build_cifar10
 from .digits import build_digits
 from .imagefolder import build_imagefolder
 from .mnist import build_mnist
-from .sizing import resolve_img_size
+from .sizing import resolve_img_size, resolve_seq_len
 from .spec import DatasetInfo, check_val_fraction, parse_data_spec
 from .synthetic import build_synthetic
 from .text import build_pysource, build_text
@@ -61,6 +61,7 @@ def build_datasets(spec: str, *, seed: int = 0, val_fraction: float = 0.2,
                   eval_transform=eval_transform, augmentation=augmentation, **options)
     if model is not None:
         common.update(resolve_img_size(name, options, model, model_kwargs or {}))
+        common.update(resolve_seq_len(name, options, model, model_kwargs or {}))
     if name in _BUILDERS:
         return _BUILDERS[name](**common)
     return _builder(name)(path, spec=spec, **common)

@@ -72,3 +72,25 @@ class TensorResize:
         x = F.interpolate(x[None], size=(self.size, self.size), mode='bicubic', antialias=True,
                           align_corners=False)[0]
         return self.then(x) if self.then is not None else x
+
+
+TEXT_FOLLOWS_MODEL = ('pysource', 'text')
+
+
+def resolve_seq_len(name: str, options: Dict, model: str, model_kwargs: Dict) -> Dict:
+    """{'seq_len': T} for byte-level text read for a language model, T its context (model_kwargs img_size, else its
+    pretrained config's), unless options give seq_len: `--model gpt2_byte_small --data pysource` trained at the
+    text's default 128 instead of the model's 256, as images follow the model's input size."""
+    if name not in TEXT_FOLLOWS_MODEL or 'seq_len' in options or model is None:
+        return {}
+    try:
+        from ..models.base import takes_token_ids
+        if not takes_token_ids(model):
+            return {}
+    except Exception:                 # an unknown model: the model build names it
+        return {}
+    size = model_input_size(model, model_kwargs)         # (1, T) for a language model's (1, 1, T) config
+    context = size[-1] if size else None
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        return {}
+    return {'seq_len': context}

@@ -9,7 +9,7 @@ Files are put in a seeded random order and whole files go to the validation spli
 `val_fraction` of the bytes, so no file is split between the two. Each split is one byte stream (files
 joined by a blank line) cut into non-overlapping windows of `seq_len + 1` bytes; an example is
 (x = window[:-1], y = window[1:]), both int64 [seq_len], vocabulary 256. Options:
-`seq_len` (128), `max_bytes` (2,000,000; 0 = all: files of the seeded order that fit within that size).
+`seq_len` (128; `structformer train` reads the text at the language model's context instead, data/sizing.py), `max_bytes` (2,000,000; 0 = all: files of the seeded order that fit within that size).
 
 For the model factory the data's facts read as a classifier's: num_classes = 256 (the vocabulary),
 img_size = seq_len (the context), in_chans = 1.

@@ -61,7 +61,18 @@ class LayerPlan:
 
 
 def _conv_factorizable(module: nn.Conv2d) -> bool:
-    return module.groups == 1 and module.padding_mode == 'zeros' and not isinstance(module.padding, str)
+    return not _conv_refusal(module)
+
+
+def _conv_refusal(module: nn.Conv2d) -> str:
+    """'' for a conv FactorizedConv2d can replace, else why not (it needs groups=1 and numeric zero padding)."""
+    if module.groups != 1:
+        return f'grouped (groups={module.groups})'
+    if module.padding_mode != 'zeros':
+        return f'padding_mode={module.padding_mode!r}'
+    if isinstance(module.padding, str):
+        return f'padding={module.padding!r}'
+    return ''
 
 
 def eligible_layers(model: nn.Module) -> Dict[str, nn.Module]:
@@ -158,7 +169,7 @@ def plan_factorization(model: nn.Module, rank: Union[int, float], include=None, 
         r = resolve_rank(rank, m, n, name=f'rank (layer {name}, {m}x{n})')
         plan = LayerPlan(name, kind, m, n, r, 'factorize')
         if kind == 'conv' and not _conv_factorizable(module):
-            plan.action, plan.reason = 'skip', 'grouped or non-zero padding mode'
+            plan.action, plan.reason = 'skip', f'not factorisable: {_conv_refusal(module)}'
         elif skip_no_saving and not saves_parameters(r, m, n):
             plan.action, plan.reason = 'skip', f'no saving: r={r} >= mn/(m+n)={m * n / (m + n):.1f}'
         plans.append(plan)
@@ -193,6 +204,12 @@ def check_factorization(model: nn.Module, rank: Union[int, float] = 0.3, init: s
     if init not in INITS:
         raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
     plans = plan_factorization(model, rank, include, exclude, skip_no_saving)
+    if plans and all(p.reason.startswith('not factorisable') for p in plans):
+        # no rank and no skip_no_saving helps here: name the layers and what they lack
+        named = ', '.join(f"{p.name} ({p.reason.split(': ', 1)[1]})" for p in plans[:4])
+        raise ValueError(f"none of the {len(plans)} chosen layer(s) can be factorised: {named}"
+                         f"{', ...' if len(plans) > 4 else ''}; a factorised conv needs groups=1 and numeric zero "
+                         "padding: choose other layers (include / exclude)")
     if not any(p.action == 'factorize' for p in plans):
         raise ValueError(f"rank={rank}: none of the {len(plans)} chosen layer(s) would save parameters "
                          f"(r >= mn/(m+n) everywhere); lower the rank, or factorise anyway with "

@@ -11,6 +11,7 @@ Arguments must be JSON values (they are written to `state.json`). Loading a run 
 anything: a transform must already be registered in the loading process (importing structformer
 registers the built-in ones; a user's own must be imported by the user), else `UnknownTransform`.
 """
+import inspect
 import json
 import warnings
 from dataclasses import dataclass
@@ -59,6 +60,21 @@ def get_transform(name: str, module: Optional[str] = None) -> Callable[..., nn.M
                                f"{', '.join(sorted(TRANSFORMS)) or 'none'}") from None
 
 
+def _check_argument_names(name: str, fn, kwargs: Dict[str, Any]) -> None:
+    """A misspelt argument (`rnk=0.3`) is named with the ones the transform takes, before any model is built."""
+    if not isinstance(kwargs, dict):
+        return
+    params = list(inspect.signature(fn).parameters.values())[2:]          # after (model, context)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                     inspect.Parameter.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise ValueError(f"--transform {name}: unknown argument(s) {', '.join(map(repr, unknown))}; accepted: "
+                         f"{', '.join(accepted) or '(none)'}")
+
+
 def normalize_transforms(items: Sequence[Any]) -> List[Dict[str, Any]]:
     """Accept 'name', ('name', {kwargs}) or {'name': ..., 'kwargs': {...}}; return the dict form,
     checked: the name is registered and the arguments are JSON values."""
@@ -78,6 +94,7 @@ def normalize_transforms(items: Sequence[Any]) -> List[Dict[str, Any]]:
             kwargs = json.loads(json.dumps(kwargs))          # JSON round trip: what state.json will hold
         except (TypeError, ValueError) as e:
             raise ValueError(f"--transform {name}: arguments must be JSON values ({e})") from None
+        _check_argument_names(name, fn, kwargs)
         out.append({'name': name, 'kwargs': kwargs, 'module': fn.__module__})
     return out
 

@@ -75,6 +75,18 @@ def _check(args) -> None:
         raise UsageError(f"--lm-lr-scale must be a factor in (0, 1]; got {args.lm_lr_scale}")
     if args.interpolate_steps < 2:
         raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
+    if 'lm' in args.parts:
+        if args.lm_max_bytes < 0:
+            raise UsageError(f"--lm-max-bytes must be an integer >= 0 (0 = all of the standard library); got "
+                             f"{args.lm_max_bytes}")
+        from ..data import build_datasets
+        from ..train import TrainConfig
+        held_out = TrainConfig.__dataclass_fields__['val_fraction'].default       # what _config's runs use
+        try:        # the text is on this machine and small: its refusal is --lm-max-bytes's, before any run
+            build_datasets('pysource', seed=args.seed, val_fraction=held_out, max_bytes=args.lm_max_bytes)
+        except ValueError as e:
+            raise UsageError(f"--lm-max-bytes {args.lm_max_bytes}: too little text for the LM part's windows of 128 "
+                             f"bytes ({str(e).splitlines()[0]})") from None
     if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
         from ..data.spec import MNIST_HOWTO
         raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files; or run --parts lm)" if args.data
@@ -164,7 +176,8 @@ def _train(run: Dict, args, out: Path) -> Dict:
     trained = yaml.safe_load((folder / 'config.yaml').read_text())     # a reused run keeps its own settings
     return {**run, 'folder': str(folder), 'val_top1': last['val_top1'], 'val_loss': last['val_loss'],
             'epochs': trained['epochs'], 'limit_train_batches': trained['limit_train_batches'],
-            'batch_size': trained['batch_size'], 'model': trained['model'], 'data': trained['data'],
+            'batch_size': trained['batch_size'], 'model': trained['model'],
+            'model_kwargs': trained.get('model_kwargs') or {}, 'data': trained['data'],
             'val_perplexity': last.get('val_perplexity'), 'effective_rank_mean': last.get('effective_rank_mean'),
             'curve': [{'epoch': h['epoch'], 'val_loss': h['val_loss'], 'val_top1': h['val_top1'],
                        'effective_rank_mean': h.get('effective_rank_mean')} for h in history],
@@ -175,7 +188,7 @@ def _train(run: Dict, args, out: Path) -> Dict:
 
 def _interpolations(results: List[Dict], args, out: Path) -> Dict:
     """Fig. 2: dense baseline → pre-trained-then-factorised, and → from-scratch spectral, at one rank."""
-    from torch.utils.data import DataLoader, Subset
+    from torch.utils.data import DataLoader
 
     from ..data import build_datasets
     from ..analysis.interpolate import interpolation_curve
@@ -193,9 +206,10 @@ def _interpolations(results: List[Dict], args, out: Path) -> Dict:
         scratch = next(r for r in rows if r['group'] == 'init' and r['rank'] == rank and r['init'] == 'spectral')
         config = _config(base, args, out)
         _, val, _ = build_datasets(config.data, seed=config.seed, val_fraction=config.val_fraction, **config.data_kwargs)
-        val = Subset(val, list(range(min(len(val), 1000))))
+        # the whole held-out split the tables score, so the line's ends are the runs' own held-out losses (the
+        # record of 2026-11-25 scored the first 1,000 samples only: 'samples' says how many a line saw)
         dense_model, _ = load_model(base['folder'])
-        curves[part] = {'rank': rank}
+        curves[part] = {'rank': rank, 'samples': len(val), 'held_out': len(val)}
         for label, run in (('pretrained', pre), ('from scratch', scratch)):
             model, _ = load_model(run['folder'])
             curves[part][label] = interpolation_curve(dense_model, model, DataLoader(val, batch_size=128), ts)
@@ -212,7 +226,8 @@ def _tables(results: List[Dict], curves: Dict, heading: str = '##') -> str:
         label = 'held-out top-1 (%)' if part == 'vision' else 'held-out perplexity (bytes)'
         base = by[(part, 'dense')]
         data = base['data'].partition(':')[0]       # the data set, not the folder it was read from
-        lines += [f"{part}: `{base['model']}` on `{data}`, {base['epochs']} epochs of "
+        built = ', '.join(f'{k}={v}' for k, v in (base.get('model_kwargs') or {}).items())   # WRN-10-2: depth=10
+        lines += [f"{part}: `{base['model']}`{f' ({built})' if built else ''} on `{data}`, {base['epochs']} epochs of "
                   f"{base['limit_train_batches'] or 'all'} batches of {base['batch_size']}, one seed per row.", '']
         lines += [f'{heading} {part}: initialisation ({label}; dense baseline {fmt.format(base[metric])})', '',
                   '| rank | He | spectral | spectral ones |', '|---|---|---|---|']
@@ -236,9 +251,10 @@ def _tables(results: List[Dict], curves: Dict, heading: str = '##') -> str:
         if part in curves:
             c = curves[part]
             peak = peak_losses(c)
+            seen = interpolation_samples(c)
             lines += ['', f"Interpolation from the dense baseline (rank {c['rank']:g}): highest held-out loss on the "
                           f"line {peak['pretrained']:.3f} to the pre-trained run, {peak['from scratch']:.3f} to the "
-                          "from-scratch run.", '']
+                          f"from-scratch run{seen}.", '']
     return '\n'.join(lines) + '\n'
 
 
@@ -302,6 +318,16 @@ def _plots(results: List[Dict], curves: Dict, out: Path) -> None:
             fig.tight_layout()
             return fig
         write_png(out / 'interpolation.png', draw_interp)
+
+
+def interpolation_samples(curve: Dict) -> str:
+    """'' when the interpolation scored the whole held-out split (the tables' numbers), else the clause naming the
+    subset it scored: its losses then differ from the tables' even at the line's ends."""
+    samples, held_out = curve.get('samples'), curve.get('held_out')
+    if samples is None or held_out is None or samples >= held_out:
+        return ''
+    return (f" (scored on the first {samples:,} of the {held_out:,} held-out samples, not the tables' whole split: "
+            "its ends differ from the tables' numbers)")
 
 
 def peak_losses(curve: Dict) -> Dict[str, float]:

@@ -33,12 +33,23 @@ class RunBuild:
         seed_everything(cfg.seed)
         augmentation = Augmentation.from_config(cfg)
         extra = {'augmentation': augmentation} if augmentation.requested() else {}
+        from ..data.sizing import TEXT_FOLLOWS_MODEL
+        from ..data.text import OPTIONS as TEXT_OPTIONS
+        options = dict(cfg.data_kwargs)
+        if self.resume and str(cfg.data).partition(':')[0] in TEXT_FOLLOWS_MODEL:
+            # a run records seq_len only where it differs from the default (it followed the model): an unrecorded
+            # one trained at the default, also a run from before text followed the model, whose context was 128
+            options.setdefault('seq_len', TEXT_OPTIONS['seq_len'].default)
         self.train_ds, self.val_ds, self.info = build_datasets(
             cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, model=cfg.model, model_kwargs=cfg.model_kwargs,
-            **extra, **cfg.data_kwargs)
+            **extra, **options)
         from ..data.sizing import FOLLOWS_MODEL
         if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in FOLLOWS_MODEL:
             cfg.data_kwargs['img_size'] = self.info.img_size     # it followed the model: recorded for eval and resume
+        seq_len = (self.info.extra or {}).get('seq_len')
+        if (self.info.name in TEXT_FOLLOWS_MODEL and 'seq_len' not in cfg.data_kwargs
+                and seq_len not in (None, TEXT_OPTIONS['seq_len'].default)):
+            cfg.data_kwargs['seq_len'] = seq_len              # the model's context: recorded for eval and resume
         self.resumed_state = None
         if self.resume:                    # the recorded recipe: what was trained, whatever the config says now
             _, self.resumed_state, _ = load_checkpoint(self._resume_source())
@@ -172,16 +183,24 @@ class RunBuild:
         from .scoring_data import check_model_input
         if len(self.val_ds) == 0:
             return
+        def refuse_classes(predicts: int) -> None:
+            if predicts != self.info.num_classes:       # else: cross-entropy's (or the embedding's) IndexError later
+                given = self.config.model_kwargs.get('num_classes')
+                what = f"--model-kwargs num_classes={given}" if given is not None else f"--model {self.config.model}"
+                raise UsageError(f"{what}: the model predicts {predicts} classes but --data {self.config.data} has "
+                                 f"{self.info.num_classes}; leave num_classes out (it follows the data) or give "
+                                 f"num_classes={self.info.num_classes}")
+
+        # a language model also reads the data's token ids through its vocabulary-sized embedding: a smaller
+        # vocabulary fails inside the forward (an IndexError), so it is compared before the forward
+        vocabulary = getattr(self.model, 'vocab_size', None)
+        if isinstance(vocabulary, int) and not isinstance(vocabulary, bool):
+            refuse_classes(vocabulary)
         batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0]
         logits = check_model_input(self.model, batch, self.precision,
                                    f"--model {self.config.model} cannot take a batch of --data {self.config.data}")
-        predicts = logits.shape[-1] if torch.is_tensor(logits) else None
-        if predicts is not None and predicts != self.info.num_classes:   # else: cross-entropy's IndexError later
-            given = self.config.model_kwargs.get('num_classes')
-            what = f"--model-kwargs num_classes={given}" if given is not None else f"--model {self.config.model}"
-            raise UsageError(f"{what}: the model predicts {predicts} classes but --data {self.config.data} has "
-                             f"{self.info.num_classes}; leave num_classes out (it follows the data) or give "
-                             f"num_classes={self.info.num_classes}")
+        if torch.is_tensor(logits):
+            refuse_classes(logits.shape[-1])
 
     def _phase_specs(self) -> List[dict]:
         """The configuration's phases, else the first default a part gives (distillation's two stages), else one."""

@@ -315,11 +315,36 @@ class TrainConfig:
         if self.factorize_init not in inits:
             raise UsageError(f"--init={self.factorize_init!r} is not a factor initialisation: accepted {', '.join(inits)}")
         rank = self.factorize_rank
+        by_transform = self.factorised_by_transform()
         if rank is None:
             if self.factorize_at is not None:
                 raise UsageError(f"--factorize-at={self.factorize_at} needs --rank (an integer count or a fraction "
                                  "in (0, 1] of min(m, n))")
+            # settings of --rank's factorisation, which nothing else reads: without it they would do nothing
+            unused = ([f"--init {self.factorize_init}"] if self.factorize_init != 'spectral' else []) + (
+                [f"--factorize-include {' '.join(map(str, self.factorize_include))}"] if self.factorize_include else [])
+            if unused:
+                raise UsageError(f"{' and '.join(unused)} set(s) how --rank factorises, but no --rank is given: add "
+                                 "--rank R (an integer count or a fraction in (0, 1] of min(m, n)), or leave "
+                                 f"{'them' if len(unused) > 1 else 'it'} out (--transform factorize takes init= / include=)")
+            # these act on factorised layers, by --rank or by --transform factorize: with neither there are none
+            idle = ([f"--factor-decay {self.factor_decay}"] if self.factor_decay != 'l2' else []) + (
+                [f"--factorize-lr-scale {self.factorize_lr_scale:g}"] if self.factorize_lr_scale != 1 else [])
+            if idle and not by_transform:
+                raise UsageError(f"{' and '.join(idle)} act(s) on factorised layers, but the model has none: add "
+                                 "--rank R (or --transform factorize rank=R), or leave "
+                                 f"{'them' if len(idle) > 1 else 'it'} out")
             return
+        starting = ('--factorize-at' if self.factorize_at else '--initial-checkpoint' if self.initial_checkpoint
+                    else '--pretrained-path' if self.pretrained_path else '--pretrained' if self.pretrained else None)
+        if self.factorize_init == 'he' and starting and not by_transform:
+            raise UsageError(f"--init he with {starting}: He init draws the factors afresh and ignores the trained "
+                             "weights it would factorise (seed 004 §3.4 factorises them by truncated SVD): give --init "
+                             "spectral or spectral_ones, or leave the trained weights out")
+        if by_transform and self.factorize_at:
+            raise UsageError(f"--factorize-at={self.factorize_at} with --transform factorize: the transform factorises the "
+                             "model from the start, so the switch after pre-training would never happen; give "
+                             "--rank / --factorize-at for pre-training, or the transform alone")
         if (isinstance(rank, bool) or not isinstance(rank, (int, float))
                 or not (rank >= 1 if isinstance(rank, int) else 0 < rank <= 1)):
             raise UsageError(f"--rank={rank!r} is out of range: accepted an integer >= 1 or a fraction in (0, 1]")
@@ -412,6 +437,14 @@ class TrainConfig:
     def default_predictor_epochs(self) -> int:
         """Stage-1 epochs when not given: the paper's 5 of 45 epochs, at least one when there are two."""
         return max(1, round(self.epochs / 9)) if self.epochs >= 2 else 0
+
+    def factorised_by_transform(self) -> bool:
+        """Whether `transforms` factorises the model from the start (`--transform factorize ...`)."""
+        return any((t.get('name') if isinstance(t, dict) else t) == 'factorize' for t in self.transforms or ())
+
+    def factorises(self) -> bool:
+        """Whether the run trains factorised layers: by --rank, or by --transform factorize."""
+        return self.factorize_rank is not None or self.factorised_by_transform()
 
     def factorize_spec(self) -> Optional[Dict[str, Any]]:
         """The `factorize` transform this configuration asks for (None: no low-rank training)."""

@@ -211,7 +211,7 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                    if cfg.tf32 else '')
                 + f"; effective batch {self.effective_batch()} ({cfg.batch_size} per process{accum}{procs}), "
                 f"{self.steps_per_epoch} optimiser steps per epoch, peak lr {cfg.resolved_lr(self.world_size):.3g}"
-                + (f" (x {cfg.factorize_lr_scale:g} while factorised)" if cfg.factorize_rank is not None
+                + (f" (x {cfg.factorize_lr_scale:g} while factorised)" if cfg.factorises()
                    and cfg.factorize_lr_scale != 1 else ''))
 
     def _fit(self, start_epoch: int, aside: Optional[Path]) -> TrainResult:

@@ -76,7 +76,7 @@ def _read_data(config: TrainConfig, form: str, path: Optional[str]):
         return None
     from ..data import build_datasets
     train, _, info = build_datasets(config.data, seed=config.seed, val_fraction=config.val_fraction,
-                                    **config.data_kwargs)
+                                    model=config.model, model_kwargs=config.model_kwargs, **config.data_kwargs)
     return len(train), info
 
 
@@ -197,7 +197,7 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
 
 def _factorised_scale(config: TrainConfig, step: int, steps_per_epoch: int) -> float:
     """--factorize-lr-scale from the switch on (the trainer rebuilds its schedule from the scaled lr there)."""
-    if config.factorize_rank is None or step < (config.factorize_at or 0) * steps_per_epoch:
+    if not config.factorises() or step < (config.factorize_at or 0) * steps_per_epoch:
         return 1.0
     return config.factorize_lr_scale
 
@@ -409,7 +409,7 @@ def dry_run(config: TrainConfig) -> str:
         how = '--lr as given'
     lines.append(f"optimiser     {config.opt}, weight decay {config.weight_decay:g}"
                  + (' on every parameter' if config.decay_everything else ' (norms, biases, cls/pos exempt)')
-                 + ('; the factors by Frobenius decay instead' if spec and config.factor_decay == 'frobenius' else '')
+                 + ('; the factors by Frobenius decay instead' if config.factorises() and config.factor_decay == 'frobenius' else '')
                  + (f", momentum {config.momentum:g}" if 'sgd' in config.opt or 'momentum' in config.opt else '')
                  + (f", betas {tuple(config.opt_betas)}" if config.opt_betas else '')
                  + (f", eps {config.opt_eps:g}" if config.opt_eps is not None else '')
@@ -425,7 +425,7 @@ def dry_run(config: TrainConfig) -> str:
     make_optimizer(model, config, values, peak)
     build_mixup(config, 2, language_model=form in _TEXT_FORMS)     # Mixup's own refusals (text, an odd batch)
     factorised = ''
-    if config.factorize_rank is not None and config.factorize_lr_scale != 1:
+    if config.factorises() and config.factorize_lr_scale != 1:
         when = f"from epoch {config.factorize_at + 1} on" if config.factorize_at else 'the whole run'
         factorised = (f"; x {config.factorize_lr_scale:g} while factorised ({when}): peak "
                       f"{peak * config.factorize_lr_scale:.4g}")
