@@ -101,6 +101,23 @@ def test_plot_labels_do_not_overlap_a_hand_example():
     assert spots == [(4.0, 3.0), (4.0, -11.0), (-24.0, 3.0), (-24.0, -11.0), (4.0, -19.0)]
 
 
+def test_the_recipes_factorisation_goes_to_the_low_rank_rows_alone(tmp_path):
+    """--init / --factorize-include / --factor-decay / --factorize-lr-scale say how --rank factorises: the low-rank
+    row takes them, its dense baseline row (which train would refuse them for: nothing to factorise) does not."""
+    from structformer.compare.catalogue import resolve_keys
+    from structformer.compare.grid import plan_cells
+    rows = match_rows(resolve_keys(None, ['wrn_lowrank_0.25']), 'digits', SETS['quick']['budget'])
+    assert {r.key for r in rows} == {'wrn', 'wrn_lowrank_0.25'}      # the baseline it follows comes along
+    shared = {'epochs': 1, 'factorize_init': 'spectral_ones', 'factorize_include': ['stages.*'],
+              'factor_decay': 'frobenius', 'factorize_lr_scale': 0.5}
+    cells = {c.row.key: c.config for c in plan_cells(rows, [0], shared, 'digits', tmp_path)}
+    low, dense = cells['wrn_lowrank_0.25'], cells['wrn']
+    assert (low.factorize_rank, low.factorize_init, list(low.factorize_include), low.factor_decay,
+            low.factorize_lr_scale) == (0.25, 'spectral_ones', ['stages.*'], 'frobenius', 0.5)
+    assert dense.factorize_rank is None and not dense.factorize_include and dense.factorize_init == 'spectral'
+    assert (dense.factor_decay, dense.factorize_lr_scale) == ('l2', 1)
+
+
 def test_pareto_front_against_a_hand_example():
     # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
     # (equal accuracy, higher cost); e has no timing

@@ -1,10 +1,11 @@
 """Two processes (torchrun, gloo) on a BatchNorm network with the weight average, Mixup, dropout and a mid-run
-factorisation with a random (He) init: what each process draws and what they must share.
+factorisation: what each process draws and what they must share.
 
 - each process draws its own dropout masks and Mixup (timm's train.py seeds seed + rank); they had one RNG;
 - --dist-bn makes the average's BatchNorm statistics one as well as the model's (timm does both), so the
   recorded `ema_val_*` is what `structformer eval --ema` gives for the saved average (rank 0's);
-- a model made mid-run from each process's own random numbers starts as rank 0's on every process;
+- the model factorised mid-run starts as rank 0's on every process (it is broadcast: a factorisation that drew
+  random numbers would differ per process; `--init he` at a switch is refused since, spectral is what runs);
 - the epoch's train_* metrics are summed over the processes (as timm reduces its logged loss), not rank 0's;
 - --avg-last: rank 0 averages the checkpoints it wrote and hands the average on (a process that did not see
   them, on another machine, skipped the shared evaluation: the others hung);
@@ -50,7 +51,7 @@ def probe(trainer, epoch, record):
 
 config = TrainConfig(model='wrn_10_2_digits', data='digits', epochs=2, batch_size=16, warmup_epochs=0,
                      limit_train_batches=3, log_interval=0, model_ema=True, model_ema_decay=0.5, mixup=0.8,
-                     model_kwargs={'drop_rate': 0.2}, factorize_at=1, factorize_rank=0.5, factorize_init='he',
+                     model_kwargs={'drop_rate': 0.2}, factorize_at=1, factorize_rank=0.5, factorize_init='spectral',
                      avg_last=1, output=out)
 Trainer(config, progress=False, callbacks=[probe]).fit()
 '''
@@ -74,8 +75,8 @@ def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
     for first, second in zip(*ranks):
         # the processes' training draws differ (they were one stream: the same masks and Mixup on both)
         assert first['torch_rng'] != second['torch_rng'] and first['numpy_rng'] != second['numpy_rng']
-        # the weight average, BatchNorm statistics included, is one (and, after the He-initialised factorisation
-        # at epoch 2, restarted from the same model on both)
+        # the weight average, BatchNorm statistics included, is one (and, after the factorisation at epoch 2,
+        # restarted from the same model on both)
         assert first['ema'] == second['ema'], first['epoch']
         # the epoch's training metrics are over both processes' batches (they were each process's own)
         assert first['train'] == second['train'] and len(first['train']) == 3

@@ -25,6 +25,9 @@ from typing import Dict, List, Optional, Tuple
 from ..errors import UsageError
 from .catalogue import Row
 
+# the shared settings that say how --rank factorises (and what factors then get): only the rows with a rank take them
+FACTORISATION_ONLY = ('factorize_include', 'factorize_init', 'factor_decay', 'factorize_lr_scale')
+
 # keys each cell sets for itself: a recipe's or a config file's values for them are dropped (noted), never shared
 CELL_OWNED = ('model', 'model_kwargs', 'transforms', 'factorize_rank', 'factorize_at', 'teacher', 'initial_checkpoint',
               'pretrained', 'pretrained_path', 'teacher_pretrained', 'output', 'data', 'data_as_given', 'seed',
@@ -96,6 +99,9 @@ def plan_cells(rows: List[Row], seeds: List[int], shared: Dict, data: str, outpu
             depends = by_key.get(row.entry.depends) if row.entry.depends else None
             if row.entry.rank is not None:
                 values.update(factorize_rank=row.entry.rank, factorize_at=switch if row.entry.pretrained else None)
+            else:                                     # the recipe's factorisation is the low-rank rows' alone: a
+                for key in FACTORISATION_ONLY:        # dense row would refuse settings it has nothing to apply to
+                    values.pop(key, None)
             if row.entry.teacher:
                 values['teacher'] = str(depends.folder)
             else:                                     # the stages of a distilled cell only
