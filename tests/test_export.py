@@ -16,22 +16,12 @@ import torch
 
 import structformer  # noqa: F401  (registers the models)
 from structformer.export import export
-from structformer.export.graphs import example_input, onnx_error, program_error, relative_error, to_onnx, to_program
+from structformer.export.graphs import (example_input, onnx_error, program_error, randomised_constants, relative_error,
+                                       to_onnx, to_program)
 from structformer.functional.sparsifiner import topk_indices
 from structformer.models.factorize import factorize
 
 BOUND = 1e-4
-
-
-def _randomised(model: torch.nn.Module) -> torch.nn.Module:
-    """Constant parameters (zero-initialised heads, unit LayerNorm gains) get noise, so every output depends on
-    every weight and a zero head cannot hide a wrong graph."""
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
-                p.add_(0.02 * torch.randn(p.shape, generator=generator))
-    return model.eval()
 
 
 def build(family: str) -> torch.nn.Module:
@@ -48,7 +38,7 @@ def build(family: str) -> torch.nn.Module:
         model = timm.create_model(family, attn_kwargs=dict(newton_iter=4))
     else:
         model = timm.create_model(family)
-    return _randomised(model)
+    return randomised_constants(model)
 
 
 FAMILIES = ['crate_digits', 'soft_digits', 'sparsifiner_digits', 'mixer_digits', 'lowrank-linear', 'lowrank-conv']

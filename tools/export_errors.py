@@ -16,7 +16,7 @@ import torch
 
 import structformer  # noqa: F401  (registers the models)
 from structformer.export import export
-from structformer.export.graphs import require_onnx
+from structformer.export.graphs import randomised_constants, require_onnx
 from structformer.models.factory import build_model
 from structformer.records import cpu_model, environment, write_json
 from structformer.weights import save_weights_folder
@@ -34,15 +34,6 @@ MODELS = [('CRATE', 'crate_digits', {}, []),
           ('low-rank WRN', 'wrn_10_2_digits', {}, FACTORIZE)]
 
 
-def randomised(model: torch.nn.Module) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
-                p.add_(0.02 * torch.randn(p.shape, generator=generator))
-    return model.eval()
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--only', nargs='*', default=None, metavar='NAME',
@@ -58,7 +49,7 @@ def main(argv=None) -> int:
                 continue
             torch.manual_seed(0)
             model, recipe = build_model(name, kwargs, transforms=transforms)
-            weights = save_weights_folder(randomised(model), Path(folder) / name, recipe=recipe)
+            weights = save_weights_folder(randomised_constants(model), Path(folder) / name, recipe=recipe)
             row = {'family': label, 'model': name, 'model_kwargs': kwargs, 'transforms': transforms}
             for fmt, suffix in (('onnx', '.onnx'), ('torch-export', '.pt2')):
                 start = time.perf_counter()

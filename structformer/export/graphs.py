@@ -19,7 +19,7 @@ import torch
 from ..errors import UsageError
 
 __all__ = ['example_input', 'to_onnx', 'onnx_error', 'to_program', 'program_error', 'relative_error',
-           'require_onnx']
+           'require_onnx', 'randomised_constants']
 
 _EXTERNAL_DATA_BYTES = 1_800_000_000    # protobuf's 2 GiB limit: larger weights go beside the .onnx file
 
@@ -42,6 +42,18 @@ def example_input(model: torch.nn.Module, batch: int = 2, seed: int = 0) -> torc
     if len(size) != 3:
         raise UsageError(f"{type(model).__name__} has no input size in its pretrained_cfg; export needs one")
     return torch.randn(batch, *size, generator=generator)
+
+
+def randomised_constants(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """`model` in eval mode with noise (0.02, seeded) on every parameter whose entries are all equal (zero-initialised
+    heads, unit LayerNorm gains), so that an export check's output depends on every weight: a zero head would hide
+    a wrong graph."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    return model.eval()
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
