@@ -130,7 +130,7 @@ def test_a_timm_hub_folder_saved_as_pytorch_model_bin_is_read(tmp_path):
 def test_an_export_of_converted_weights_says_where_they_came_from(tmp_path, capsys):
     """A convert / save_weights_folder folder exported to the Hub layout: its model card said `trained with
     structformer train on unknown`, `epoch 0 of the run`, and export said `took ... (epoch 0)`; now the source file's
-    name (not its local path), its layout and which weights were taken."""
+    name (not its local path), its layout and which weights were taken. eval's line said `epoch 0` too."""
     import timm
 
     from structformer.weights import save_weights_folder
@@ -151,6 +151,10 @@ def test_an_export_of_converted_weights_says_where_they_came_from(tmp_path, caps
         assert says in out and says in card, (out, card)
         assert 'epoch 0' not in out + card and 'trained with `structformer train`' not in card, (out, card)
         assert str(tmp_path) not in card
+        # eval's line says the same instead of "epoch 0"
+        assert main(['eval', '--checkpoint', str(tmp_path / folder), '--data', 'digits']) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert says.split(' (')[0] in line and 'epoch 0' not in line, line
 
 
 def test_an_onnx_export_with_external_weights_names_its_data_after_the_output(tmp_path, monkeypatch):

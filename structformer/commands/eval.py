@@ -85,7 +85,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(metrics))
         return 0
-    print(f"{state['model']}{' (weight average)' if args.ema else ''} epoch {state['epoch']} on {data} "
+    from ..export.source import weights_origin
+    when = weights_origin(state) or f"epoch {state['epoch']}"   # a weights folder's "epoch 0" is no epoch of a run
+    print(f"{state['model']}{' (weight average)' if args.ema else ''} {when} on {data} "
           f"({args.split}, {metrics[unit]} {unit}"
           + (f", {metrics['left_out']} unreadable left out" if metrics.get('left_out') else '') + "): "
           f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
