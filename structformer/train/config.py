@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..errors import UsageError
-from .config_checks import (PHASE_SETTING_KEYS, SCHEDULES, SCHEDULES_ACCEPTED, validate_controls,
+from .config_checks import (PHASE_SETTING_KEYS, SCHEDULES, SCHEDULES_ACCEPTED, validate_controls, validate_lowrank,
                             validate_paper_scale, validate_phase_settings, validate_schedule)
 from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name, read_yaml_mapping
 
@@ -257,7 +257,7 @@ class TrainConfig:
                              f"{self.avg_last} or more")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
-        self._validate_lowrank()
+        validate_lowrank(self)
         self._validate_distillation()
         self._validate_paper_scale()
         self._validate_schedule(self.schedule_values(), '')
@@ -304,58 +304,6 @@ class TrainConfig:
             hint = f"did you mean {', '.join(close)}? " if close else ''
             raise UsageError(f"--opt={self.opt!r} is not a timm optimiser: {hint}accepted any of timm.optim."
                              f"list_optimizers() (e.g. adamw, sgd, lion, lamb), optionally prefixed 'lookahead_'")
-
-    def _validate_lowrank(self) -> None:
-        if self.factor_decay not in ('l2', 'frobenius'):
-            raise UsageError(f"--factor-decay={self.factor_decay!r}: accepted 'l2' or 'frobenius'")
-        scale = self.factorize_lr_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
-            raise UsageError(f"--factorize-lr-scale={scale!r} is out of range: accepted a factor in (0, 1]")
-        inits = ('spectral', 'spectral_ones', 'he')          # structformer.layers.linear.factorized.INITS
-        if self.factorize_init not in inits:
-            raise UsageError(f"--init={self.factorize_init!r} is not a factor initialisation: accepted {', '.join(inits)}")
-        rank = self.factorize_rank
-        by_transform = self.factorised_by_transform()
-        if rank is None:
-            if self.factorize_at is not None:
-                raise UsageError(f"--factorize-at={self.factorize_at} needs --rank (an integer count or a fraction "
-                                 "in (0, 1] of min(m, n))")
-            # settings of --rank's factorisation, which nothing else reads: without it they would do nothing
-            unused = ([f"--init {self.factorize_init}"] if self.factorize_init != 'spectral' else []) + (
-                [f"--factorize-include {' '.join(map(str, self.factorize_include))}"] if self.factorize_include else [])
-            if unused:
-                raise UsageError(f"{' and '.join(unused)} set(s) how --rank factorises, but no --rank is given: add "
-                                 "--rank R (an integer count or a fraction in (0, 1] of min(m, n)), or leave "
-                                 f"{'them' if len(unused) > 1 else 'it'} out (--transform factorize takes init= / include=)")
-            # these act on factorised layers, by --rank or by --transform factorize: with neither there are none
-            idle = ([f"--factor-decay {self.factor_decay}"] if self.factor_decay != 'l2' else []) + (
-                [f"--factorize-lr-scale {self.factorize_lr_scale:g}"] if self.factorize_lr_scale != 1 else [])
-            if idle and not by_transform:
-                raise UsageError(f"{' and '.join(idle)} act(s) on factorised layers, but the model has none: add "
-                                 "--rank R (or --transform factorize rank=R), or leave "
-                                 f"{'them' if len(idle) > 1 else 'it'} out")
-            return
-        starting = ('--factorize-at' if self.factorize_at else '--initial-checkpoint' if self.initial_checkpoint
-                    else '--pretrained-path' if self.pretrained_path else '--pretrained' if self.pretrained else None)
-        if self.factorize_init == 'he' and starting and not by_transform:
-            raise UsageError(f"--init he with {starting}: He init draws the factors afresh and ignores the trained "
-                             "weights it would factorise (seed 004 §3.4 factorises them by truncated SVD): give --init "
-                             "spectral or spectral_ones, or leave the trained weights out")
-        if by_transform and self.factorize_at:
-            raise UsageError(f"--factorize-at={self.factorize_at} with --transform factorize: the transform factorises the "
-                             "model from the start, so the switch after pre-training would never happen; give "
-                             "--rank / --factorize-at for pre-training, or the transform alone")
-        if (isinstance(rank, bool) or not isinstance(rank, (int, float))
-                or not (rank >= 1 if isinstance(rank, int) else 0 < rank <= 1)):
-            raise UsageError(f"--rank={rank!r} is out of range: accepted an integer >= 1 or a fraction in (0, 1]")
-        if self.factorize_at is not None and not 0 <= self.factorize_at < self.epochs:
-            raise UsageError(f"--factorize-at={self.factorize_at} is out of range: accepted an epoch in "
-                             f"[0, epochs={self.epochs})")
-        if self.factorize_at and self.avg_last > self.epochs - self.factorize_at:     # was a KeyError at the end
-            raise UsageError(f"--avg-last {self.avg_last} averages epochs {self.epochs - self.avg_last + 1}-{self.epochs}, "
-                             f"but --factorize-at {self.factorize_at} changes the network's weights into factors after "
-                             f"epoch {self.factorize_at}; give --avg-last {self.epochs - self.factorize_at} or less "
-                             "(the factorised epochs)")
 
     def _validate_distillation(self) -> None:
         given = [flag for flag, value in (('--initial-checkpoint', self.initial_checkpoint), ('--pretrained', self.pretrained),

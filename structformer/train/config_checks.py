@@ -192,6 +192,61 @@ def validate_phase_settings(config) -> None:
                 raise UsageError(f"{where}opt: {str(e).split(': ', 1)[-1]}") from None
 
 
+def validate_lowrank(config) -> None:
+    """The low-rank settings (--rank and what says how it factorises): ranges, and settings with nothing to act on
+    refused rather than ignored."""
+    if config.factor_decay not in ('l2', 'frobenius'):
+        raise UsageError(f"--factor-decay={config.factor_decay!r}: accepted 'l2' or 'frobenius'")
+    scale = config.factorize_lr_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+        raise UsageError(f"--factorize-lr-scale={scale!r} is out of range: accepted a factor in (0, 1]")
+    inits = ('spectral', 'spectral_ones', 'he')          # structformer.layers.linear.factorized.INITS
+    if config.factorize_init not in inits:
+        raise UsageError(f"--init={config.factorize_init!r} is not a factor initialisation: accepted {', '.join(inits)}")
+    rank = config.factorize_rank
+    by_transform = config.factorised_by_transform()
+    if rank is None:
+        if config.factorize_at is not None:
+            raise UsageError(f"--factorize-at={config.factorize_at} needs --rank (an integer count or a fraction "
+                             "in (0, 1] of min(m, n))")
+        # settings of --rank's factorisation, which nothing else reads: without it they would do nothing
+        unused = ([f"--init {config.factorize_init}"] if config.factorize_init != 'spectral' else []) + (
+            [f"--factorize-include {' '.join(map(str, config.factorize_include))}"] if config.factorize_include else [])
+        if unused:
+            raise UsageError(f"{' and '.join(unused)} set(s) how --rank factorises, but no --rank is given: add "
+                             "--rank R (an integer count or a fraction in (0, 1] of min(m, n)), or leave "
+                             f"{'them' if len(unused) > 1 else 'it'} out (--transform factorize takes init= / include=)")
+        # these act on factorised layers, by --rank or by --transform factorize: with neither there are none
+        idle = ([f"--factor-decay {config.factor_decay}"] if config.factor_decay != 'l2' else []) + (
+            [f"--factorize-lr-scale {config.factorize_lr_scale:g}"] if config.factorize_lr_scale != 1 else [])
+        if idle and not by_transform:
+            raise UsageError(f"{' and '.join(idle)} act(s) on factorised layers, but the model has none: add "
+                             "--rank R (or --transform factorize rank=R), or leave "
+                             f"{'them' if len(idle) > 1 else 'it'} out")
+        return
+    starting = ('--factorize-at' if config.factorize_at else '--initial-checkpoint' if config.initial_checkpoint
+                else '--pretrained-path' if config.pretrained_path else '--pretrained' if config.pretrained else None)
+    if config.factorize_init == 'he' and starting and not by_transform:
+        raise UsageError(f"--init he with {starting}: He init draws the factors afresh and ignores the trained "
+                         "weights it would factorise (seed 004 §3.4 factorises them by truncated SVD): give --init "
+                         "spectral or spectral_ones, or leave the trained weights out")
+    if by_transform and config.factorize_at:
+        raise UsageError(f"--factorize-at={config.factorize_at} with --transform factorize: the transform factorises the "
+                         "model from the start, so the switch after pre-training would never happen; give "
+                         "--rank / --factorize-at for pre-training, or the transform alone")
+    if (isinstance(rank, bool) or not isinstance(rank, (int, float))
+            or not (rank >= 1 if isinstance(rank, int) else 0 < rank <= 1)):
+        raise UsageError(f"--rank={rank!r} is out of range: accepted an integer >= 1 or a fraction in (0, 1]")
+    if config.factorize_at is not None and not 0 <= config.factorize_at < config.epochs:
+        raise UsageError(f"--factorize-at={config.factorize_at} is out of range: accepted an epoch in "
+                         f"[0, epochs={config.epochs})")
+    if config.factorize_at and config.avg_last > config.epochs - config.factorize_at:     # was a KeyError at the end
+        raise UsageError(f"--avg-last {config.avg_last} averages epochs {config.epochs - config.avg_last + 1}-{config.epochs}, "
+                         f"but --factorize-at {config.factorize_at} changes the network's weights into factors after "
+                         f"epoch {config.factorize_at}; give --avg-last {config.epochs - config.factorize_at} or less "
+                         "(the factorised epochs)")
+
+
 def _takes_token_ids(model: str) -> bool:
     """True for a registered language model (its input is token ids [B, T], not images)."""
     from ..models import list_structformer_language_models
