@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch.fx import _symbolic_trace
 
-# Newer torch splits FX's flag in two: `is_fx_tracing` became true under make_fx (and so inside torch.compile) too,
+# torch 2.9 split FX's flag in two: `is_fx_tracing` became true under make_fx (and so inside torch.compile) too,
 # `is_fx_symbolic_tracing` kept the old meaning. Before the split, `is_fx_tracing` is symbolic tracing alone.
 is_fx_symbolic_tracing = getattr(_symbolic_trace, 'is_fx_symbolic_tracing', _symbolic_trace.is_fx_tracing)
 
