@@ -112,3 +112,17 @@ def test_the_reproduction_halves_the_lm_lr():
     assert configs['r0.62_spectral'].lr == lowrank.LM_LR and configs['r0.62_spectral'].factorize_lr_scale == 0.5
     pre = next(c for n, c in configs.items() if 'pretrain' in n)
     assert pre.lr == lowrank.LM_LR / 2 and pre.factorize_lr_scale == 0.5
+
+
+def test_every_factorisation_setting_is_refused_without_a_factor(tmp_path):
+    """compare strips FACTORISATION_SETTINGS from its dense rows because the checks refuse each of them there: a
+    setting added to one list and not the other would either crash compare's dense rows or be stripped for nothing."""
+    from structformer.train.config_checks import FACTORISATION_SETTINGS
+    not_default = {'factorize_include': ['*qkv'], 'factorize_init': 'spectral_ones', 'factor_decay': 'frobenius',
+                   'factorize_lr_scale': 0.5}
+    assert set(not_default) == set(FACTORISATION_SETTINGS)
+    values = dict(model='vit_tiny_patch16_224', data='digits', epochs=2, output=str(tmp_path / 'x'))
+    for key, value in not_default.items():
+        with pytest.raises(UsageError):
+            TrainConfig(**dict(values, **{key: value})).validate()
+        TrainConfig(**dict(values, **{key: value}, factorize_rank=0.25)).validate()

@@ -23,10 +23,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import UsageError
+from ..train.config_checks import FACTORISATION_SETTINGS
 from .catalogue import Row
-
-# the shared settings that say how --rank factorises (and what factors then get): only the rows with a rank take them
-FACTORISATION_ONLY = ('factorize_include', 'factorize_init', 'factor_decay', 'factorize_lr_scale')
 
 # keys each cell sets for itself: a recipe's or a config file's values for them are dropped (noted), never shared
 CELL_OWNED = ('model', 'model_kwargs', 'transforms', 'factorize_rank', 'factorize_at', 'teacher', 'initial_checkpoint',
@@ -100,7 +98,7 @@ def plan_cells(rows: List[Row], seeds: List[int], shared: Dict, data: str, outpu
             if row.entry.rank is not None:
                 values.update(factorize_rank=row.entry.rank, factorize_at=switch if row.entry.pretrained else None)
             else:                                     # the recipe's factorisation is the low-rank rows' alone: a
-                for key in FACTORISATION_ONLY:        # dense row would refuse settings it has nothing to apply to
+                for key in FACTORISATION_SETTINGS:    # dense row would refuse settings it has nothing to apply to
                     values.pop(key, None)
             if row.entry.teacher:
                 values['teacher'] = str(depends.folder)

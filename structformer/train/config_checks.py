@@ -19,6 +19,9 @@ K_DECAYING = ('cosine', 'poly')                  # the schedules with timm's k-d
 # 'none' keeps the optimiser's lr. Not 'plateau': it steps once an epoch on an eval metric (deprecated in timm)
 SCHEDULES = ('cosine', 'tanh', 'poly', 'step', 'multistep', 'none')
 SCHEDULES_ACCEPTED = "'cosine', 'tanh', 'poly', 'step', 'multistep' or 'none'"
+# the settings of --rank's factorisation and of the factors it makes: validate_lowrank refuses each of them where
+# nothing would act on it (so compare hands them to its low-rank rows alone)
+FACTORISATION_SETTINGS = ('factorize_include', 'factorize_init', 'factor_decay', 'factorize_lr_scale')
 
 
 def validate_schedule(values: Dict[str, Any], where: str) -> None:
