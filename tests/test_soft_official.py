@@ -301,6 +301,8 @@ def test_official_tiny_structure_and_forward():
     assert [s.blocks[0].attn.value_conv.kernel_size[0] for s in model.stages[:3]] == [9, 5, 3]
     assert all(s.blocks[0].mlp.fc1.out_features == 4 * s.blocks[0].norm1.normalized_shape[0] for s in model.stages)
     assert model.pos_embeds is not None and model.stages[1].downsample[0].bias is not None
+    # LayerNorm eps as the public code: 1e-5 in the SOFT blocks, 1e-6 in the softmax stage 4 and the final norm
+    assert [b.norm1.eps for b in blocks] == [1e-5] * 6 + [1e-6] * 2 and model.norm.eps == 1e-6
     with torch.no_grad():
         out = model(torch.randn(2, 3, 64, 64))
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
