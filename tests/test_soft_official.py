@@ -282,6 +282,7 @@ def public_param_count(dims, heads, depths, samplings=(8, 4, 2, 1), value_convs=
     ('small', dict(dims=(64, 128, 320, 512), heads=(2, 4, 10, 16), depths=(1, 3, 20, 4))),
     ('medium', dict(dims=(64, 128, 288, 512), heads=(2, 4, 9, 16), depths=(1, 3, 29, 5))),
     ('large', dict(dims=(64, 128, 320, 512), heads=(2, 4, 10, 16), depths=(1, 3, 40, 5))),
+    ('huge', dict(dims=(64, 128, 352, 512), heads=(2, 4, 11, 16), depths=(1, 5, 49, 5))),
 ])
 def test_official_backbones_have_the_public_parameter_counts(size, public):
     for family in ('soft', 'softpp'):
@@ -289,8 +290,8 @@ def test_official_backbones_have_the_public_parameter_counts(size, public):
             model = timm.create_model(f'{family}_{size}_official_224')
         count = sum(p.numel() for p in model.parameters())
         assert count == public_param_count(**public), (family, size, count)
-    if size == 'tiny':
-        assert round(count / 1e6, 2) == 13.07                      # the public Tiny: 13.07M
+    if size in ('tiny', 'huge'):                                  # the public README's 13M and 87M
+        assert round(count / 1e6, 2) == {'tiny': 13.07, 'huge': 87.11}[size]
 
 
 def test_official_tiny_structure_and_forward():

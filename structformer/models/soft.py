@@ -308,6 +308,8 @@ _OFFICIAL_SIZES = {
     'small': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 3, 20, 4)),
     'medium': dict(dims=(64, 128, 288, 512), num_heads=(2, 4, 9, 16), depths=(1, 3, 29, 5)),
     'large': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 3, 40, 5)),
+    # the public README's SOFT-Huge (87M, 83.3 %) and SOFT-Huge-Norm: not in Table 1, only in the public code
+    'huge': dict(dims=(64, 128, 352, 512), num_heads=(2, 4, 11, 16), depths=(1, 5, 49, 5)),
 }
 # Table 2 baselines on the Tiny backbone
 BASELINES = ('softmax', 'linformer', 'performer', 'nystrom')
@@ -506,3 +508,15 @@ def soft_large_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
 def softpp_large_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
     """SOFT++-Large as the public code means to build it."""
     return _official('softpp_large_official_224', 'large', 'softpp', pretrained, kwargs)
+
+
+@register_model
+def soft_huge_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Huge as the public code builds it (`soft_huge`: 87.11M parameters; not one of Table 1's sizes)."""
+    return _official('soft_huge_official_224', 'huge', 'soft', pretrained, kwargs)
+
+
+@register_model
+def softpp_huge_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Huge as the public code means to build it (`soft_norm_huge`)."""
+    return _official('softpp_huge_official_224', 'huge', 'softpp', pretrained, kwargs)
