@@ -191,6 +191,11 @@ def test_wrong_token_count_and_options_are_named():
         SparsifinerAttention(32, 4, impl='sparse')
     with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
         SparsifinerAttention(32, 4, tau=1.5)
+    for bad in (-1e-3, float('nan'), float('inf')):             # NaN zeroed every W_up entry, silently
+        with pytest.raises(ValueError, match='up_threshold must be a finite number >= 0'):
+            SparsifinerAttention(32, 4, up_threshold=bad)
+    with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
+        SparsifinerAttention(32, 4, tau=float('nan'))
     with pytest.raises(ValueError, match='seq_len must be a positive integer'):
         SparsifinerAttention(32, 4, seq_len=0)
 
