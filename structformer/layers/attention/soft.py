@@ -217,6 +217,8 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
         if num_landmarks < 1:
             raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
+            raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
         if sampling_ratio is not None and sampling_ratio < 1:
             raise ValueError(f"sampling_ratio must be >= 1, got {sampling_ratio}")
         if num_prefix_tokens is not None and num_prefix_tokens < 0:
