@@ -122,6 +122,24 @@ def test_official_layer_with_norm_conv_and_rule_off_equals_paper_layer(cls):
 
 
 @pytest.mark.parametrize('cls', [SoftAttention, SoftPlusPlusAttention])
+def test_official_layer_drops_the_border_a_grid_leaves_as_the_public_conv(cls):
+    """On a grid k does not divide (9×7, k = 2; SOFT-Tiny's stage 1 at 240 px is 60², k = 8) the public unpadded
+    Conv2d drops the last row and column: 4×3 landmarks. Replicate padding (ours by default) gives 5×4."""
+    layer = _layer(cls, official=True)
+    assert layer.conv.border == 'drop' and _layer(cls).conv.border == 'replicate'
+    x = torch.randn(2, 63, 64, dtype=F64)
+    q, _ = layer._project_q(x)
+    assert layer.landmarks(q, (9, 7)).shape[-2] == 12
+    torch.testing.assert_close(layer(x, grid_size=(9, 7)), public_reference(layer, x, (9, 7)), rtol=1e-10, atol=1e-10)
+    tokens = torch.randn(2, 63, layer.head_dim, dtype=F64)
+    torch.testing.assert_close(layer.conv(tokens, (9, 7)), layer.conv.forward_reference(tokens, (9, 7)))
+    with pytest.raises(ValueError, match="landmark_border='drop' needs a token grid of at least k×k"):
+        layer(torch.randn(1, 1, 64, dtype=F64), grid_size=(1, 1))
+    with pytest.raises(ValueError, match='landmark_border'):
+        cls(64, num_heads=2, sampler='avgpool', landmark_border='drop')
+
+
+@pytest.mark.parametrize('cls', [SoftAttention, SoftPlusPlusAttention])
 def test_official_layer_equals_public_code_reference(cls):
     layer = _layer(cls, official=True)
     assert layer.newton_rule == ('softpp' if cls is SoftPlusPlusAttention else 'soft')
