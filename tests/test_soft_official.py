@@ -327,6 +327,24 @@ def test_official_tiny_structure_and_forward():
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
 
 
+def test_official_positions_at_another_size_are_the_public_bilinear_interpolation(tmp_path):
+    """The public forward resizes each stage's 224-px position embedding to the stage grid with F.interpolate
+    (bilinear, align_corners=False; stage 4's cls position aside): weights loaded at another size hold those
+    values, so the converted model computes what the public one does there."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    small = timm.create_model('soft_tiny_official_224', img_size=64)
+    save_file(small.state_dict(), str(tmp_path / 'soft.safetensors'))
+    big = timm.create_model('soft_tiny_official_224', img_size=96, pretrained=True,
+                            pretrained_cfg_overlay=dict(file=str(tmp_path / 'soft.safetensors')))
+    for i, (grid, new) in enumerate(zip(small.grid_sizes, big.grid_sizes)):
+        prefix = 1 if i == 3 else 0
+        old = small.pos_embeds[i][:, prefix:].detach()
+        planes = old.reshape(1, *grid, -1).permute(0, 3, 1, 2)
+        want = F.interpolate(planes, size=new, mode='bilinear', align_corners=False).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(big.pos_embeds[i][:, prefix:].detach(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_each_official_difference_is_its_own_backbone_argument():
     base = dict(img_size=28, in_chans=1, num_classes=10, stem_strides=(2, 1, 1), sampling_ratios=(4, 3, 2, 2),
                 dims=(16, 32, 80, 128), num_heads=(1, 1, 2, 4), depths=(1, 1, 1, 1))
