@@ -345,6 +345,20 @@ def test_official_positions_at_another_size_are_the_public_bilinear_interpolatio
         torch.testing.assert_close(big.pos_embeds[i][:, prefix:].detach(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_official_soft_stages_drop_branch_entries_as_the_public_dropout():
+    """The public SOFT blocks (stages 1-3) apply their stochastic-depth rate as nn.Dropout(p=drop_path) on each
+    residual branch, the softmax stage 4 as DropPath; the official recipes train at drop_path 0.1."""
+    model = timm.create_model('soft_tiny_official_224', img_size=64, drop_path_rate=0.1)
+    blocks = [b for s in model.stages for b in s.blocks]
+    assert [type(b.drop_path2).__name__ for b in blocks] == ['Identity'] + ['Dropout'] * 5 + ['DropPath'] * 2
+    assert blocks[5].drop_path1.p == pytest.approx(0.1 * 5 / 7)
+    paper = timm.create_model('soft_tiny_mnist', drop_path_rate=0.1)
+    assert {type(b.drop_path2).__name__ for s in paper.stages for b in s.blocks} == {'Identity', 'DropPath'}
+    mixed = timm.create_model('soft_tiny_mnist', drop_path_rate=0.1, branch_dropout=(True, False, False, False))
+    assert type(mixed.stages[0].blocks[1].drop_path1) is torch.nn.Dropout
+    assert type(mixed.stages[1].blocks[0].drop_path1).__name__ == 'DropPath'
+
+
 def test_each_official_difference_is_its_own_backbone_argument():
     base = dict(img_size=28, in_chans=1, num_classes=10, stem_strides=(2, 1, 1), sampling_ratios=(4, 3, 2, 2),
                 dims=(16, 32, 80, 128), num_heads=(1, 1, 2, 4), depths=(1, 1, 1, 1))
