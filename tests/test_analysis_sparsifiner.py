@@ -119,6 +119,17 @@ def test_sparsities_are_direct_counts():
     assert result['layers'][0]['w_up_sparsity'] == count / w.numel()
     a_down = torch.tensor([0.01, 0.05, 0.06, 0.88]).reshape(1, 1, 1, 4)
     assert float(a_down_sparsity(a_down, 0.05)) == 0.5                   # ≤ τ is dropped (Eq. 2 keeps > τ)
+    # the public code's rule (coef_topk, set by convert --from sparsifiner-official): all but each row's top k
+    assert float(a_down_sparsity(a_down, 0.05, coef_topk=1)) == 0.75
+    assert float(a_down_sparsity(a_down, 0.05, coef_topk=3)) == 0.25
+
+
+def test_a_down_sparsity_of_a_top_k_layer_counts_the_top_k():
+    model = _model(coef_topk=2)
+    n_down = model.blocks[0].attn.basis.n_down
+    result = measure_sparsifiner(model, _images())
+    assert all(r['coef_topk'] == 2 for r in result['layers'])
+    assert all(r['a_down_sparsity'] == pytest.approx(1 - 2 / n_down) for r in result['layers'])
 
 
 def test_flags_parse():

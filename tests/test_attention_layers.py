@@ -153,6 +153,9 @@ def test_soft_bad_inputs():
             SoftAttention(8, num_heads=2, newton_iter=bad)
     with pytest.raises(ValueError, match='sampler'):
         SoftAttention(8, num_heads=2, sampler='strided')
+    for bad in (-0.1, float('nan'), float('inf')):              # NaN gave NaN outputs, silently
+        with pytest.raises(ValueError, match='ridge must be a finite number >= 0'):
+            SoftAttention(8, num_heads=2, ridge=bad)
     with pytest.raises(NotImplementedError, match='attn_mask'):
         SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 16, 8), is_causal=True)
 

@@ -122,6 +122,24 @@ def test_official_layer_with_norm_conv_and_rule_off_equals_paper_layer(cls):
 
 
 @pytest.mark.parametrize('cls', [SoftAttention, SoftPlusPlusAttention])
+def test_official_layer_drops_the_border_a_grid_leaves_as_the_public_conv(cls):
+    """On a grid k does not divide (9×7, k = 2; SOFT-Tiny's stage 1 at 240 px is 60², k = 8) the public unpadded
+    Conv2d drops the last row and column: 4×3 landmarks. Replicate padding (ours by default) gives 5×4."""
+    layer = _layer(cls, official=True)
+    assert layer.conv.border == 'drop' and _layer(cls).conv.border == 'replicate'
+    x = torch.randn(2, 63, 64, dtype=F64)
+    q, _ = layer._project_q(x)
+    assert layer.landmarks(q, (9, 7)).shape[-2] == 12
+    torch.testing.assert_close(layer(x, grid_size=(9, 7)), public_reference(layer, x, (9, 7)), rtol=1e-10, atol=1e-10)
+    tokens = torch.randn(2, 63, layer.head_dim, dtype=F64)
+    torch.testing.assert_close(layer.conv(tokens, (9, 7)), layer.conv.forward_reference(tokens, (9, 7)))
+    with pytest.raises(ValueError, match="landmark_border='drop' needs a token grid of at least k×k"):
+        layer(torch.randn(1, 1, 64, dtype=F64), grid_size=(1, 1))
+    with pytest.raises(ValueError, match='landmark_border'):
+        cls(64, num_heads=2, sampler='avgpool', landmark_border='drop')
+
+
+@pytest.mark.parametrize('cls', [SoftAttention, SoftPlusPlusAttention])
 def test_official_layer_equals_public_code_reference(cls):
     layer = _layer(cls, official=True)
     assert layer.newton_rule == ('softpp' if cls is SoftPlusPlusAttention else 'soft')
@@ -282,6 +300,7 @@ def public_param_count(dims, heads, depths, samplings=(8, 4, 2, 1), value_convs=
     ('small', dict(dims=(64, 128, 320, 512), heads=(2, 4, 10, 16), depths=(1, 3, 20, 4))),
     ('medium', dict(dims=(64, 128, 288, 512), heads=(2, 4, 9, 16), depths=(1, 3, 29, 5))),
     ('large', dict(dims=(64, 128, 320, 512), heads=(2, 4, 10, 16), depths=(1, 3, 40, 5))),
+    ('huge', dict(dims=(64, 128, 352, 512), heads=(2, 4, 11, 16), depths=(1, 5, 49, 5))),
 ])
 def test_official_backbones_have_the_public_parameter_counts(size, public):
     for family in ('soft', 'softpp'):
@@ -289,8 +308,8 @@ def test_official_backbones_have_the_public_parameter_counts(size, public):
             model = timm.create_model(f'{family}_{size}_official_224')
         count = sum(p.numel() for p in model.parameters())
         assert count == public_param_count(**public), (family, size, count)
-    if size == 'tiny':
-        assert round(count / 1e6, 2) == 13.07                      # the public Tiny: 13.07M
+    if size in ('tiny', 'huge'):                                  # the public README's 13M and 87M
+        assert round(count / 1e6, 2) == {'tiny': 13.07, 'huge': 87.11}[size]
 
 
 def test_official_tiny_structure_and_forward():
@@ -301,9 +320,43 @@ def test_official_tiny_structure_and_forward():
     assert [s.blocks[0].attn.value_conv.kernel_size[0] for s in model.stages[:3]] == [9, 5, 3]
     assert all(s.blocks[0].mlp.fc1.out_features == 4 * s.blocks[0].norm1.normalized_shape[0] for s in model.stages)
     assert model.pos_embeds is not None and model.stages[1].downsample[0].bias is not None
+    # LayerNorm eps as the public code: 1e-5 in the SOFT blocks, 1e-6 in the softmax stage 4 and the final norm
+    assert [b.norm1.eps for b in blocks] == [1e-5] * 6 + [1e-6] * 2 and model.norm.eps == 1e-6
     with torch.no_grad():
         out = model(torch.randn(2, 3, 64, 64))
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
+
+
+def test_official_positions_at_another_size_are_the_public_bilinear_interpolation(tmp_path):
+    """The public forward resizes each stage's 224-px position embedding to the stage grid with F.interpolate
+    (bilinear, align_corners=False; stage 4's cls position aside): weights loaded at another size hold those
+    values, so the converted model computes what the public one does there."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    small = timm.create_model('soft_tiny_official_224', img_size=64)
+    save_file(small.state_dict(), str(tmp_path / 'soft.safetensors'))
+    big = timm.create_model('soft_tiny_official_224', img_size=96, pretrained=True,
+                            pretrained_cfg_overlay=dict(file=str(tmp_path / 'soft.safetensors')))
+    for i, (grid, new) in enumerate(zip(small.grid_sizes, big.grid_sizes)):
+        prefix = 1 if i == 3 else 0
+        old = small.pos_embeds[i][:, prefix:].detach()
+        planes = old.reshape(1, *grid, -1).permute(0, 3, 1, 2)
+        want = F.interpolate(planes, size=new, mode='bilinear', align_corners=False).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(big.pos_embeds[i][:, prefix:].detach(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_official_soft_stages_drop_branch_entries_as_the_public_dropout():
+    """The public SOFT blocks (stages 1-3) apply their stochastic-depth rate as nn.Dropout(p=drop_path) on each
+    residual branch, the softmax stage 4 as DropPath; the official recipes train at drop_path 0.1."""
+    model = timm.create_model('soft_tiny_official_224', img_size=64, drop_path_rate=0.1)
+    blocks = [b for s in model.stages for b in s.blocks]
+    assert [type(b.drop_path2).__name__ for b in blocks] == ['Identity'] + ['Dropout'] * 5 + ['DropPath'] * 2
+    assert blocks[5].drop_path1.p == pytest.approx(0.1 * 5 / 7)
+    paper = timm.create_model('soft_tiny_mnist', drop_path_rate=0.1)
+    assert {type(b.drop_path2).__name__ for s in paper.stages for b in s.blocks} == {'Identity', 'DropPath'}
+    mixed = timm.create_model('soft_tiny_mnist', drop_path_rate=0.1, branch_dropout=(True, False, False, False))
+    assert type(mixed.stages[0].blocks[1].drop_path1) is torch.nn.Dropout
+    assert type(mixed.stages[1].blocks[0].drop_path1).__name__ == 'DropPath'
 
 
 def test_each_official_difference_is_its_own_backbone_argument():

@@ -158,6 +158,26 @@ def test_sparsify_keeps_the_logits_at_keep_one_and_reports_nothing_to_convert():
         sparsify(torch.nn.Linear(3, 3))
 
 
+def test_a_vit_without_class_token_gets_no_dense_first_row():
+    """Without a class token (timm's class_token=False, global average pooling) token 0 is a patch: the dense
+    'cls' row made it attend to every key (density above the budget) and left it out of the distillation loss."""
+    torch.manual_seed(0)
+    model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, class_token=False,
+                              global_pool='avg', embed_dim=32, num_heads=2, depth=1)
+    sparsify(model, keep_ratio=0.25).eval()
+    layer = model.blocks[0].attn
+    assert not layer.dense_cls_row
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))
+    assert float(layer.last_density) == pytest.approx(budget(16, 0.25) / 16)
+    registered = timm.create_model('sparsifiner_digits', class_token=False, global_pool='avg')
+    assert not any(m.dense_cls_row for m in registered.modules() if isinstance(m, SparsifinerAttention))
+    assert timm.create_model('sparsifiner_digits').blocks[0].attn.dense_cls_row
+    dense = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, class_token=False, global_pool='avg')
+    with pytest.raises(ValueError, match='dense_cls_row=True, but the model has no class token'):
+        sparsify(dense, dense_cls_row=True)
+
+
 def test_sparsify_keeps_an_eval_model_in_eval_mode():
     """The new layers are fresh modules (training mode); with attention dropout an eval model that kept them
     in training mode would drop attention weights at inference and differ from the dense model at keep 1."""
@@ -191,6 +211,11 @@ def test_wrong_token_count_and_options_are_named():
         SparsifinerAttention(32, 4, impl='sparse')
     with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
         SparsifinerAttention(32, 4, tau=1.5)
+    for bad in (-1e-3, float('nan'), float('inf')):             # NaN zeroed every W_up entry, silently
+        with pytest.raises(ValueError, match='up_threshold must be a finite number >= 0'):
+            SparsifinerAttention(32, 4, up_threshold=bad)
+    with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
+        SparsifinerAttention(32, 4, tau=float('nan'))
     with pytest.raises(ValueError, match='seq_len must be a positive integer'):
         SparsifinerAttention(32, 4, seq_len=0)
 

@@ -189,6 +189,25 @@ def test_paper_stage_weights():
     assert TrainConfig(epochs=45).default_predictor_epochs() == 5
 
 
+def test_stage2_trains_only_parameters_that_get_a_gradient():
+    """Stage 2 (λ_attn = 0) must freeze every predictor parameter, the q/k reductions of predictor_dim included:
+    none reaches its loss (the mask is detached), and DDP (find_unused_parameters=False) refuses a trainable
+    parameter without a gradient. The public code's stage-2 optimiser leaves out its whole mask_predictor."""
+    torch.manual_seed(0)
+    teacher, _ = build_model('vit_digits', {}, None, [])
+    student, _ = build_model('sparsifiner_digits', {'predictor_dim': 8}, None, [])
+    init_from_teacher(student, teacher)
+    phase = Phase(**distillation_phases(2, 1)[1])
+    phase.apply(student)
+    student.train()
+    _, ctx = _context(student, teacher, torch.randn(4, 1, 8, 8), phase)
+    sum(phase.loss(ctx).values()).backward()
+    trainable = {n for n, p in student.named_parameters() if p.requires_grad}
+    assert any('.predictor_q.' in n for n, _ in student.named_parameters())
+    assert trainable and not any(_is_predictor(n) for n in trainable)
+    assert [n for n, p in student.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
 def test_pruned_student_is_distilled_at_the_original_positions():
     """With EViT pruning the student's kept tokens (and attention rows / columns) are compared with the
     teacher's at their original positions; a fused token has no counterpart."""

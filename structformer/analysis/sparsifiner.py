@@ -4,7 +4,8 @@ Per layer, on held-out images (numbers in sparsifiner.json, head-averaged and pe
   mask density          share of True entries of the connectivity mask M (Eq. 3); B/n on every row the mask
                         sparsifies, 1 on the dense cls row (`dense_cls_row`)
   W_up sparsity         share of |W_up| < up_threshold (Eq. 3; the paper reports ≈ 90 %)
-  Ã_down sparsity       share of low-rank coefficients ≤ τ (Eq. 2; ≈ 87 % in the paper, Fig. 7)
+  Ã_down sparsity       share of low-rank coefficients Eq. 2 zeroes: ≤ τ (≈ 87 % in the paper, Fig. 7), or outside
+                        each row's `coef_topk` largest when the layer keeps the top k (the public code's rule)
   attention recall      Σ_j M_ij·A_ij averaged over the sparsified query rows, A = softmax(QKᵀ/√d): the share
                         of the dense attention mass the mask keeps (a random mask of the same budget keeps B/n)
 Pictures (PNG): the kept keys of one query patch per head over the image (the mask M, Eq. 3), the dense
@@ -26,7 +27,7 @@ import torch
 
 from ..errors import UsageError
 from ..functional.precision import full_precision
-from ..functional.sparsifiner import low_rank_attention
+from ..functional.sparsifiner import low_rank_attention, sparse_coefficients
 from ..layers.attention.sparsifiner import SparsifinerAttention
 
 __all__ = ['sparsifiner_layers', 'layer_maps', 'mask_density', 'attention_recall', 'w_up_sparsity',
@@ -79,9 +80,11 @@ def w_up_sparsity(w_up: torch.Tensor, up_threshold: float) -> float:
     return float((w_up.abs() < up_threshold).double().mean())
 
 
-def a_down_sparsity(a_down: torch.Tensor, tau: float) -> torch.Tensor:
-    """Share of low-rank coefficients that Eq. 2 zeroes (A_down ≤ τ), per head [H]."""
-    return (a_down <= tau).double().mean(dim=(0, 2, 3))
+def a_down_sparsity(a_down: torch.Tensor, tau: float, coef_topk: Optional[int] = None) -> torch.Tensor:
+    """Share of low-rank coefficients that Eq. 2 zeroes, per head [H]: A_down ≤ τ, or with `coef_topk` those outside
+    each row's k largest (`sparse_coefficients`, the rule the layer applies; counting ≤ τ there reported the
+    threshold a converted public model never uses)."""
+    return (sparse_coefficients(a_down, tau, coef_topk) == 0).double().mean(dim=(0, 2, 3))
 
 
 # ---------------------------------------------------------------- the patch grid and the flags
@@ -183,7 +186,7 @@ def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_toke
                 values = {'mask_density': mask_density(mask), 'mask_density_sparse_rows': mask_density(mask, skip),
                           'attention_recall': attention_recall(maps['dense'], mask, skip)}
                 if not pruned:
-                    values['a_down_sparsity'] = a_down_sparsity(maps['a_down'], attn.tau)
+                    values['a_down_sparsity'] = a_down_sparsity(maps['a_down'], attn.tau, attn.coef_topk)
                 for key, v in values.items():
                     sums[name][key] = sums[name].get(key, 0) + v.double() * len(batch)
                 if start < draw and not pruned:
@@ -197,7 +200,8 @@ def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_toke
         keys, dense, token = attn.budget(n), int(attn.dense_cls_row), attn.connectivity == 'token'
         record = {'layer': i + 1, 'module': name, 'num_tokens': n, 'budget': keys, 'budget_fraction': keys / n,
                   'keep_ratio': attn.keep_ratio, 'connectivity': attn.connectivity,
-                  'dense_cls_row': attn.dense_cls_row, 'tau': attn.tau, 'up_threshold': attn.up_threshold,
+                  'dense_cls_row': attn.dense_cls_row, 'tau': attn.tau, 'coef_topk': attn.coef_topk,
+                  'up_threshold': attn.up_threshold,
                   'n_down': attn.basis.n_down,
                   'expected_mask_density': (n * n - (n - dense) * (n - keys)) / (n * n) if token else None,
                   'w_up_sparsity': w_up_sparsity(attn.basis.w_up.detach(), attn.up_threshold)}

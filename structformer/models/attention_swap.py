@@ -17,7 +17,7 @@ from ..layers.attention.registry import ATTENTION_LAYERS, accepted_options, chec
 from ..layers.attention.softmax import AttentionBase
 from .transforms import TransformContext, register_transform
 
-__all__ = ['swap_attention', 'token_count', 'check_patch_dropout', 'SHARED_PARTS']
+__all__ = ['swap_attention', 'token_count', 'check_patch_dropout', 'cls_row_options', 'SHARED_PARTS']
 
 SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
 
@@ -55,6 +55,19 @@ def check_patch_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def cls_row_options(has_class_token: bool, options: dict, where: str) -> dict:
+    """`dense_cls_row` (Sparsifiner) for a ViT with or without a class token: the public code keeps the cls query
+    dense (the default), but without a class token (timm's `class_token=False`) row 0 is a patch, and a dense row
+    there attended to every key for nothing (and was left out of the attention-distillation loss): off by default
+    there, and asking for it is refused by name."""
+    if has_class_token:
+        return options
+    if options.get('dense_cls_row'):
+        raise ValueError(f"{where}: dense_cls_row=True, but the model has no class token (class_token=False): its "
+                         "first token is a patch; leave dense_cls_row out or pass False")
+    return dict(options, dense_cls_row=False)
+
+
 def _swappable(module: nn.Module) -> bool:
     if isinstance(module, TimmAttention):
         return True
@@ -89,6 +102,8 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
     cls = get_attention(attn)
     check_options(cls, options)
     seq_len = token_count(model)
+    if 'dense_cls_row' in accepted_options(cls):
+        options = cls_row_options(getattr(model, 'has_class_token', True), options, 'swap_attention')
     if 'seq_len' in accepted_options(cls) and _patch_drop_prob(model):
         _refuse_patch_dropout(_patch_drop_prob(model), f"swap_attention: attn={attn!r}")
     if 'seq_len' in accepted_options(cls) and 'seq_len' not in options:

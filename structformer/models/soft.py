@@ -75,20 +75,23 @@ MLP_ACTS = {'gelu': nn.GELU, 'gelu_tanh': partial(nn.GELU, approximate='tanh')}
 class SoftBlock(nn.Module):
     """Pre-LN transformer layer (SOFT §3.4, "SOFT layer"): x + attn(LN x), then x + Mlp(LN x).
     `post_norm=True`: the public code's post-LN layer, x = LN(x + attn(x)), then x = LN(x + Mlp(x)).
-    `mlp_act`: 'gelu' or 'gelu_tanh' (the public code's SOFT blocks use the tanh approximation)."""
+    `mlp_act`: 'gelu' or 'gelu_tanh' (the public code's SOFT blocks use the tanh approximation).
+    `branch_dropout=True`: the block's stochastic-depth rate drops *entries* of each residual branch
+    (`nn.Dropout(p=drop_path)`, the public code's SOFT blocks) instead of whole samples' branches (DropPath)."""
 
     def __init__(self, dim: int, num_heads: int, attn_layer, attn_kwargs: Dict, mlp_ratio: float = 4.,
                  drop: float = 0., attn_drop: float = 0., drop_path: float = 0., post_norm: bool = False,
-                 mlp_act: str = 'gelu', norm_eps: float = 1e-5):
+                 mlp_act: str = 'gelu', norm_eps: float = 1e-5, branch_dropout: bool = False):
         super().__init__()
         self.post_norm = post_norm
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=True, attn_drop=attn_drop, proj_drop=drop,
                                norm_layer=nn.LayerNorm, **attn_kwargs)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        drop_branch = nn.Dropout if branch_dropout else DropPath
+        self.drop_path1 = drop_branch(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=MLP_ACTS[mlp_act], drop=drop)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path2 = drop_branch(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
         if self.post_norm:
@@ -123,7 +126,9 @@ class SoftNet(StructuredModel):
     official: post-LN in the SOFT stages 1–3, pre-LN in the softmax stage 4), `last_stage_attn`
     (official: 'softmax'), `conv_bias` (conv biases before BN), `mlp_act` ('gelu' | 'gelu_tanh', or one
     per stage; official: tanh GELU in the SOFT stages), `value_conv` (per-stage kernel of the V
-    depthwise conv, official 9/5/3/3, for attentions that take it). `official=True` also passes
+    depthwise conv, official 9/5/3/3, for attentions that take it), `branch_dropout` (bool or one per stage;
+    official: (True, True, True, False): the SOFT stages apply their drop-path rate as element-wise
+    `nn.Dropout` on the residual branches, `SoftBlock`). `official=True` also passes
     `official=True` to every attention that accepts it (landmark LayerNorm + GELU, the public inverse
     rule and backward, kaiming sampler init); `attn_kwargs` overrides any of those.
     """
@@ -136,13 +141,16 @@ class SoftNet(StructuredModel):
                  attn_drop_rate=0., drop_path_rate=0., official: bool = False,
                  post_norm: Optional[Union[bool, Tuple[bool, ...]]] = None, last_stage_attn: Optional[str] = None,
                  conv_bias: Optional[bool] = None, mlp_act: Optional[Union[str, Tuple[str, ...]]] = None,
-                 value_conv: Optional[Union[int, Tuple[int, ...]]] = None):
+                 value_conv: Optional[Union[int, Tuple[int, ...]]] = None,
+                 branch_dropout: Optional[Union[bool, Tuple[bool, ...]]] = None):
         super().__init__()
         if not (len(dims) == len(num_heads) == len(depths) == len(sampling_ratios) == 4):
             raise ValueError("dims, num_heads, depths and sampling_ratios need one entry per stage (4)")
         pos_embed = official if pos_embed is None else pos_embed
         post_norm = _per_stage('post_norm', ((True, True, True, False) if official else False)
                                if post_norm is None else post_norm, (bool,))
+        branch_dropout = _per_stage('branch_dropout', ((True, True, True, False) if official else False)
+                                    if branch_dropout is None else branch_dropout, (bool,))
         last_stage_attn = last_stage_attn or ('softmax' if official else None)
         conv_bias = official if conv_bias is None else conv_bias
         mlp_act = _per_stage('mlp_act', (('gelu_tanh',) * 3 + ('gelu',) if official else 'gelu')
@@ -198,7 +206,8 @@ class SoftNet(StructuredModel):
             blocks = [SoftBlock(dim, heads, layer, kwargs, mlp_ratio, drop_rate, attn_drop_rate,
                                 dpr[sum(depths[:i]) + j], post_norm[i], mlp_act[i],
                                 # the public code's stage 4 and final norm: LayerNorm(eps=1e-6), as timm's PVT blocks
-                                norm_eps=1e-6 if official and i == 3 else 1e-5) for j in range(depth)]
+                                norm_eps=1e-6 if official and i == 3 else 1e-5,
+                                branch_dropout=branch_dropout[i]) for j in range(depth)]
             self.stages.append(SoftStage(down, blocks))
             if pos_embed:
                 self.pos_embeds.append(nn.Parameter(torch.zeros(1, h * w + prefix, dim)))
@@ -308,6 +317,8 @@ _OFFICIAL_SIZES = {
     'small': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 3, 20, 4)),
     'medium': dict(dims=(64, 128, 288, 512), num_heads=(2, 4, 9, 16), depths=(1, 3, 29, 5)),
     'large': dict(dims=(64, 128, 320, 512), num_heads=(2, 4, 10, 16), depths=(1, 3, 40, 5)),
+    # the public README's SOFT-Huge (87M, 83.3 %) and SOFT-Huge-Norm: not in Table 1, only in the public code
+    'huge': dict(dims=(64, 128, 352, 512), num_heads=(2, 4, 11, 16), depths=(1, 5, 49, 5)),
 }
 # Table 2 baselines on the Tiny backbone
 BASELINES = ('softmax', 'linformer', 'performer', 'nystrom')
@@ -506,3 +517,15 @@ def soft_large_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
 def softpp_large_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
     """SOFT++-Large as the public code means to build it."""
     return _official('softpp_large_official_224', 'large', 'softpp', pretrained, kwargs)
+
+
+@register_model
+def soft_huge_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT-Huge as the public code builds it (`soft_huge`: 87.11M parameters; not one of Table 1's sizes)."""
+    return _official('soft_huge_official_224', 'huge', 'soft', pretrained, kwargs)
+
+
+@register_model
+def softpp_huge_official_224(pretrained: bool = False, **kwargs) -> SoftNet:
+    """SOFT++-Huge as the public code means to build it (`soft_norm_huge`)."""
+    return _official('softpp_huge_official_224', 'huge', 'softpp', pretrained, kwargs)

@@ -18,7 +18,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import check_patch_dropout, swap_attention, token_count
+from .attention_swap import check_patch_dropout, cls_row_options, swap_attention, token_count
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -45,7 +45,8 @@ def sparsify(model: nn.Module, keep_ratio: float = 0.25, **options) -> nn.Module
     connectivity predictor (`swap_attention`). `options` are SparsifinerAttention's (n_down, tau,
     up_threshold, predictor_dim, dense_cls_row, connectivity, block_size, impl, up_basis, stage1,
     predictor_bias, basis_init, coef_topk, predictor_scale). At keep_ratio=1 every key
-    is kept and the model computes what it computed before."""
+    is kept and the model computes what it computed before. A ViT without a class token (timm's
+    `class_token=False`) gets `dense_cls_row=False` by default: its first token is a patch (`cls_row_options`)."""
     try:
         return swap_attention(model, 'sparsifiner', keep_ratio=keep_ratio, **options)
     except ValueError as e:
@@ -123,7 +124,8 @@ _MNIST = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=9
 
 def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> SparsifinerViT:
     args = dict(defaults, **kwargs)
-    layer = {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}
+    layer = cls_row_options(bool(args.get('class_token', True)),
+                            {k: args.pop(k) for k in _LAYER_OPTIONS if k in args}, variant)
     args['attn_layer'] = with_defaults(SparsifinerAttention, **layer)    # timm's Block does not pass n
     return create_model(SparsifinerViT, variant, pretrained, default_out_indices=3, **args)
 

@@ -19,9 +19,10 @@ Loss terms registered in `LOSS_TERMS` (names used by a phase's `losses`):
 Stages (§4, `distillation_phases`): (1) `predictor`: the backbone frozen, only the connectivity predictors
 train, on `distill_attn` alone (λ_tok = λ_cls = 0, λ_attn = 1), each Sparsifiner layer in its `stage1` mode (by
 default the public code's: dense attention, scores without τ and the W_up threshold; `learning_predictor` is set
-for a phase whose only loss is distill_attn); (2) `joint`: everything but the basis W_down,
-W_up trains on ce + 0.5·distill_token + 0.5·distill_kl (λ_attn = 0; with it off the basis gets no gradient, so it
-is frozen, which also lets DDP run the stage). The teacher is a finished run of the dense model the
+for a phase whose only loss is distill_attn); (2) `joint`: everything but the connectivity
+predictors (W_down, W_up and the q/k reductions of `predictor_dim`) trains on ce + 0.5·distill_token + 0.5·distill_kl
+(λ_attn = 0; with it off the predictors get no gradient, so they are frozen, as the public code's stage-2 optimiser
+leaves out its whole `mask_predictor`, which also lets DDP run the stage). The teacher is a finished run of the dense model the
 student was converted from; the student starts from its weights (`init_from_teacher`).
 """
 from pathlib import Path
@@ -40,8 +41,6 @@ __all__ = ['DISTILL_TERMS', 'PREDICTOR_PATTERNS', 'Distiller', 'distillation_pha
 DISTILL_TERMS = ('distill_token', 'distill_kl', 'distill_attn')
 # parameters of the connectivity predictors, the only ones stage 1 trains (fnmatch over parameter names)
 PREDICTOR_PATTERNS = ['*basis.w_down', '*basis.w_up', '*predictor_q.*', '*predictor_k.*']
-# the connectivity basis (Eq. 2-3): trained by the attention-distillation loss alone
-BASIS_PATTERNS = ['*basis.w_down', '*basis.w_up']
 
 
 def distillation_phases(epochs: int, predictor_epochs: int) -> List[dict]:
@@ -51,10 +50,11 @@ def distillation_phases(epochs: int, predictor_epochs: int) -> List[dict]:
         phases.append({'name': 'predictor', 'epochs': predictor_epochs, 'trainable': list(PREDICTOR_PATTERNS),
                        'losses': {'distill_attn': 1.0}})
     if epochs > predictor_epochs:
-        # W_down and W_up reach the loss only through distill_attn (the kept keys are a discrete choice), so
-        # stage 2 freezes them: they would get no gradient anyway, and DDP refuses trainable parameters that
-        # produce no gradient ("parameters that were not used in producing loss")
-        phases.append({'name': 'joint', 'epochs': epochs - predictor_epochs, 'frozen': list(BASIS_PATTERNS),
+        # the predictors (W_down, W_up and, with predictor_dim, the q/k reductions) reach the loss only through
+        # distill_attn (the kept keys are a discrete choice), so stage 2 freezes all of them: they would get no
+        # gradient anyway, and DDP refuses trainable parameters that produce no gradient ("parameters that were
+        # not used in producing loss"). Freezing only W_down, W_up left the q/k reductions trainable, gradient-free
+        phases.append({'name': 'joint', 'epochs': epochs - predictor_epochs, 'frozen': list(PREDICTOR_PATTERNS),
                        'losses': {'ce': 1.0, 'distill_token': 0.5, 'distill_kl': 0.5}})
     return phases
 

@@ -79,13 +79,16 @@ def _square_side(tokens: int):
     return side if side * side == tokens else None
 
 
-def _resample(state: dict, key: str, new_grid, prefix: int, done: List[str]) -> None:
+def _resample(state: dict, key: str, new_grid, prefix: int, done: List[str], interpolation: str = 'bicubic',
+              antialias: bool = True) -> None:
     from timm.layers import resample_abs_pos_embed
     old_side = _square_side(state[key].shape[1] - prefix)
     if old_side is None:
         return                                              # left for the mismatch report
-    state[key] = resample_abs_pos_embed(state[key], list(new_grid), [old_side, old_side], num_prefix_tokens=prefix)
-    done.append(f"{key}: grid {old_side}x{old_side} -> {new_grid[0]}x{new_grid[1]} (timm's resample_abs_pos_embed)")
+    state[key] = resample_abs_pos_embed(state[key], list(new_grid), [old_side, old_side], num_prefix_tokens=prefix,
+                                        interpolation=interpolation, antialias=antialias)
+    how = '' if interpolation == 'bicubic' else f", {interpolation}"
+    done.append(f"{key}: grid {old_side}x{old_side} -> {new_grid[0]}x{new_grid[1]} (timm's resample_abs_pos_embed{how})")
 
 
 def _pos_embed(state: dict, model: nn.Module, own: dict, done: List[str]) -> None:
@@ -147,14 +150,16 @@ def crate_filter(state: dict, model: nn.Module, done: List[str]) -> dict:
 
 def soft_filter(state: dict, model: nn.Module, done: List[str]) -> dict:
     """SOFT: the classifier, the stem's first convolution, and each stage's position embedding `pos_embeds.i`
-    (stage 4's first position is its cls token's, kept)."""
+    (stage 4's first position is its cls token's, kept), resampled bilinearly without antialiasing: the public
+    code's own `F.interpolate(mode='bilinear', align_corners=False)` of its 224-px embeddings at every other size
+    (position embeddings are its option; timm's bicubic default gave other values than the public model's)."""
     own = _own(model)
     _classifier(state, model, own, done)
     _input_conv(state, model, own, done)
     for i, grid in enumerate(getattr(model, 'grid_sizes', ())):
         key = f'pos_embeds.{i}'
         if key in state and key in own and state[key].shape != own[key].shape:
-            _resample(state, key, grid, 1 if i == 3 else 0, done)
+            _resample(state, key, grid, 1 if i == 3 else 0, done, interpolation='bilinear', antialias=False)
     return state
 
 

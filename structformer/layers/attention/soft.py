@@ -23,7 +23,9 @@ Interface decisions (the paper leaves them open):
 * k (the paper's sampling ratio "sp"): `sampling_ratio` if given, else k = ⌈√(HW / num_landmarks)⌉, so
   m = ⌈H/k⌉·⌈W/k⌉ ≈ num_landmarks (49 for 56², 28², 14², 7² grids with k = 8, 4, 2, 1). Grids that k
   does not divide: avgpool uses ceil_mode (a border window averages the real tokens it covers);
-  conv replicate-pads the grid (never zeros, which would pull border landmarks to the origin).
+  conv replicate-pads the grid (never zeros, which would pull border landmarks to the origin), or with
+  `landmark_border='drop'` (official) drops the rows and columns past the last whole window, as the public
+  code's unpadded Conv2d: m = ⌊H/k⌋·⌊W/k⌋ (at 240 px its stage 1 is 60², 7² = 49 landmarks, not 8² = 64).
 * The conv's weight is k×k, so k must be known when it is built: from `sampling_ratio`, from the
   constructor's `grid_size`, or else the weight is created at the first forward (a lazy
   parameter, with a warning: build the optimizer after one forward pass in that case). It is
@@ -197,7 +199,9 @@ class SoftAttention(AttentionBase):
     the backbones pass 9/5/3 by stage), `newton_rule` ('ours' | 'soft' | 'softpp', see
     `newton_pinv`; official: 'soft' for SOFT, 'softpp' for SOFT++), `newton_backward`
     ('closed_form' | 'unrolled'; official: closed form for SOFT, unrolled for SOFT++),
-    `sampler_init` ('avgpool' | 'kaiming': nn.Conv2d's default init, the public code's).
+    `sampler_init` ('avgpool' | 'kaiming': nn.Conv2d's default init, the public code's), `landmark_border`
+    ('replicate' | 'drop': a grid k does not divide, padded or cut to whole windows as the public conv; conv
+    sampler only).
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
@@ -208,7 +212,7 @@ class SoftAttention(AttentionBase):
                  attn_head_dim: Optional[int] = None, seed: int = 0, fold_projections: Optional[bool] = None,
                  official: bool = False, landmark_norm: Optional[bool] = None, value_conv: Optional[int] = None,
                  newton_rule: Optional[str] = None, newton_backward: Optional[str] = None,
-                 sampler_init: Optional[str] = None, device=None, dtype=None):
+                 sampler_init: Optional[str] = None, landmark_border: Optional[str] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
@@ -217,6 +221,8 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
         if num_landmarks < 1:
             raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
+            raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
         if sampling_ratio is not None and sampling_ratio < 1:
             raise ValueError(f"sampling_ratio must be >= 1, got {sampling_ratio}")
         if num_prefix_tokens is not None and num_prefix_tokens < 0:
@@ -227,6 +233,7 @@ class SoftAttention(AttentionBase):
         newton_rule = newton_rule or (('softpp' if normalize else 'soft') if official else 'ours')
         newton_backward = newton_backward or ('unrolled' if official and normalize else 'closed_form')
         sampler_init = sampler_init or ('kaiming' if official else 'avgpool')
+        landmark_border = landmark_border or ('drop' if official else 'replicate')
         if not isinstance(value_conv, int) or isinstance(value_conv, bool) or value_conv < 0 or \
                 (value_conv and value_conv % 2 == 0):
             raise ValueError(f"value_conv must be 0 (off) or an odd kernel size >= 1, got {value_conv!r}")
@@ -254,7 +261,10 @@ class SoftAttention(AttentionBase):
                 k = sampling_ratio_for(grid_size[0], grid_size[1], num_landmarks)
             # one head_dim→head_dim conv shared by every head (as SOFT's public code), not a C×C conv:
             # C²k² weights per block would add 3.6M parameters to SOFT-Tiny that the paper does not have
-            self.conv = ConvLandmarkSampler(self.head_dim, k, device=device, dtype=dtype, init=sampler_init)
+            self.conv = ConvLandmarkSampler(self.head_dim, k, device=device, dtype=dtype, init=sampler_init,
+                                            border=landmark_border)
+        elif landmark_border != ('drop' if official else 'replicate'):
+            raise ValueError(f"landmark_border={landmark_border!r} applies to sampler='conv', got sampler={sampler!r}")
         # public code: LayerNorm(head_dim) + GELU after the sampler (shared by the heads)
         self.landmark_norm = (nn.Sequential(nn.LayerNorm(self.head_dim, device=device, dtype=dtype), nn.GELU())
                               if landmark_norm else None)

@@ -1,6 +1,8 @@
 """SOFT's conv landmark sampler (§3.2): the m bottleneck tokens Q̃ as a k×k, stride-k convolution over the H×W grid
 of Q, run as one matmul over flattened non-overlapping windows, with `F.conv2d` kept as its reference
-(`forward_reference`). Border windows of a grid k does not divide see replicate padding, never zeros. The weight's
+(`forward_reference`). Border windows of a grid k does not divide see replicate padding, never zeros (`border=
+'replicate'`), or, as the public code's unpadded Conv2d, the rows and columns past the last whole window are
+dropped (`border='drop'`, SOFT's `official` option `landmark_border`). The weight's
 k is known from `sampling_ratio` or the grid; otherwise it is a lazy parameter created at the first forward.
 Used by `soft.SoftAttention` (sampler='conv', the default)."""
 import math
@@ -16,6 +18,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ..lazy import drop_lazy_hooks, is_uninitialized
 
 SAMPLER_INITS = ('avgpool', 'kaiming')
+BORDERS = ('replicate', 'drop')          # a grid k does not divide: pad the last windows, or drop what they miss
 
 
 def sampling_ratio_for(height: int, width: int, num_landmarks: int) -> int:
@@ -34,12 +37,15 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
     """
 
     def __init__(self, channels: int, kernel_size: Optional[int] = None, device=None, dtype=None,
-                 init: str = 'avgpool'):
+                 init: str = 'avgpool', border: str = 'replicate'):
         super().__init__()
         if init not in SAMPLER_INITS:
             raise ValueError(f"sampler_init must be one of {SAMPLER_INITS}, got {init!r}")
+        if border not in BORDERS:
+            raise ValueError(f"landmark_border must be one of {BORDERS}, got {border!r}")
         self.channels = channels
         self.init = init
+        self.border = border
         if kernel_size is None:
             self.weight = nn.UninitializedParameter(device=device, dtype=dtype)
         else:
@@ -81,7 +87,8 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
                       "optimizer after one forward pass, or pass sampling_ratio= or grid_size= at construction")
 
     def forward(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
-        """Landmarks [..., m, C] from grid tokens [..., H·W, C] (row-major grid), m = ⌈H/k⌉·⌈W/k⌉.
+        """Landmarks [..., m, C] from grid tokens [..., H·W, C] (row-major grid), m = ⌈H/k⌉·⌈W/k⌉ (⌊H/k⌋·⌊W/k⌋
+        with border='drop').
 
         Kernel = stride = k, so the windows do not overlap and the conv is one matmul: each k×k
         window flattened to k²C values, times the weight viewed as [C, k²C]. This skips the
@@ -90,6 +97,8 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         k = self.kernel_size                                       # fixed once built
         h, w = grid_size
         lead = tokens.shape[:-2]
+        if self.border == 'drop' and (h % k or w % k):             # the public unpadded conv: whole windows only
+            tokens, h, w = self._whole_windows(tokens, h, w)
         if -h % k or -w % k:                                       # replicate-pad to whole windows
             planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
             planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
@@ -98,14 +107,28 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         weight = self.weight.reshape(self.channels, -1)          # (ky kx c) rows: a view, no copy
         return (windows @ weight.t()).reshape(*lead, -1, self.channels)
 
+    def _whole_windows(self, tokens: torch.Tensor, h: int, w: int):
+        """The grid cut to its whole k×k windows (`border='drop'`): tokens [..., H·W, C] -> [..., H'·W', C]."""
+        k = self.kernel_size
+        if h < k or w < k:
+            raise ValueError(f"landmark_border='drop' needs a token grid of at least k×k = {k}×{k}, got {h}×{w}; "
+                             "use landmark_border='replicate' (pads the border windows)")
+        grid = rearrange(tokens, '... (y x) c -> ... y x c', y=h, x=w)[..., :h - h % k, :w - w % k, :]
+        return grid.flatten(-3, -2), h - h % k, w - w % k
+
     def forward_reference(self, tokens: torch.Tensor, grid_size: Tuple[int, int]) -> torch.Tensor:
-        """The same map as `forward`, written as padding + `F.conv2d` on [B, C, H, W] planes. For tests."""
+        """The same map as `forward`, written as padding + `F.conv2d` on [B, C, H, W] planes (with `border='drop'`:
+        `F.conv2d` unpadded, as the public code's Conv2d). For tests."""
         k = self.kernel_size
         h, w = grid_size
         planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
+        if self.border == 'drop':
+            pooled = F.conv2d(planes, self.weight.permute(0, 3, 1, 2), stride=k)
+            return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
         planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
         pooled = F.conv2d(planes, self.weight.permute(0, 3, 1, 2), stride=k)
         return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
 
     def extra_repr(self) -> str:
-        return f"channels={self.channels}, kernel_size=stride={self.kernel_size}"
+        border = '' if self.border == 'replicate' else f", border={self.border!r}"
+        return f"channels={self.channels}, kernel_size=stride={self.kernel_size}{border}"

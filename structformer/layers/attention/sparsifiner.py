@@ -200,8 +200,9 @@ class SparsifinerAttention(AttentionBase):
         self.coef_topk, self.predictor_scale = coef_topk, predictor_scale
         if not 0 <= tau < 1:
             raise ValueError(f"tau must be in [0, 1) (a threshold on softmax coefficients), got {tau!r}")
-        if up_threshold < 0:
-            raise ValueError(f"up_threshold must be >= 0, got {up_threshold!r}")
+        if not 0 <= up_threshold < float('inf'):          # NaN too: it zeroed the whole basis silently
+            raise ValueError(f"up_threshold must be a finite number >= 0 (|W_up| entries below it are zeroed), "
+                             f"got {up_threshold!r}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: accepted {', '.join(map(repr, IMPLS))}")
         if impl in ('flex', 'kernel') and attn_drop:
