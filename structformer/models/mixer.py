@@ -283,6 +283,8 @@ class SWMLP(_PatchTableModel):
 
 
 class _SparseWeightBlock(nn.Module):
+    flop_component = 'mlp'          # the whole block is one (sparse-weight) MLP: `models --flops` counts it there
+
     def __init__(self, width: int, hidden: Optional[int], density: float, seed: int, norm_eps: float,
                  drop_path: float = 0.):
         super().__init__()
