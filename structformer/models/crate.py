@@ -56,7 +56,8 @@ class CratePatchEmbed(nn.Module):
 class CrateBlock(nn.Module):
     """One CRATE layer (Eq. 18): compression by MSSA with a residual, then ISTA without one.
 
-    `drop` is the dropout after MSSA's output projection (the official code's `dropout`);
+    `drop` is the dropout after MSSA's output projection and `attn_drop` the one on its attention weights (the
+    official code's single `dropout` is both);
     `ista_drop` drops ISTA's output, which the official code does not (default 0); `drop_path` is stochastic
     depth on the one residual branch, MSSA's (not in the paper or its code; default 0)."""
 
