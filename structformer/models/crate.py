@@ -96,6 +96,13 @@ class CRATE(StructuredModel):
         super().__init__()
         if not 0 <= drop_path_rate < 1:
             raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
+        # options that only one variant reads: a value the model would never use is a mistake, not a no-op
+        if eps != 1.0 and not tied_output and sparse_step != 'mm':
+            raise ValueError(f"eps={eps!r} is the ε of the tied MSSA (Eq. 12) and of the mm step (Eq. 92); this model "
+                             "has neither: pass tied_output=True or sparse_step='mm', or leave eps out")
+        if eta != 0.1 and sparse_step == 'mm':
+            raise ValueError(f"eta={eta!r} is the ISTA step size (Eq. 17); sparse_step='mm' (Eq. 92) has none: "
+                             "leave eta out or use sparse_step='ista'")
         for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                             ('dim_head', dim_head), ('in_chans', in_chans)):
             if not isinstance(value, int) or value < 1:

@@ -1,0 +1,28 @@
+"""CRATE options that only one variant reads (App. B.4): a value the built model would never use is refused by
+name, as timm refuses an unknown keyword, instead of being silently ignored."""
+import pytest
+import timm
+import torch
+
+import structformer.models  # noqa: F401  (registers the models)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(eps=0.5), r"eps=0.5 is the ε of the tied MSSA .* has neither"),                 # default MSSA and ISTA
+    (dict(sparse_step='mm', eta=0.5), r"eta=0.5 is the ISTA step size .* has none"),     # Eq. 92 has no η
+])
+def test_an_option_the_variant_does_not_read_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        timm.create_model('crate_synthetic', **kwargs)
+
+
+@pytest.mark.parametrize('kwargs', [dict(eps=0.5, tied_output=True), dict(eps=0.5, sparse_step='mm'),
+                                    dict(eta=0.5), dict(sparse_step='mm', lambd=0.2)])
+def test_the_variants_that_read_them_take_them(kwargs):
+    model = timm.create_model('crate_synthetic', **kwargs)
+    block = model.blocks[0]
+    if 'eps' in kwargs:
+        used = block.attn.eps if kwargs.get('tied_output') else block.mlp.eps
+        assert used == 0.5
+    assert block.mlp.eta == kwargs.get('eta', 0.1) and block.mlp.lambd == kwargs.get('lambd', 0.1)
+    assert model(torch.randn(2, 1, 16, 16)).shape == (2, 4)
