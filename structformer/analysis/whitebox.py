@@ -184,8 +184,11 @@ def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] 
     shape = {}
 
     def layer_norm(norm, z):
-        return torch.nn.functional.layer_norm(z.float(), norm.normalized_shape, norm.weight, norm.bias,
-                                              norm.eps).double()
+        # in float32, or float64 for a float64 model (a bf16 or float64 model's LN weights cast alike: torch's
+        # layer_norm refuses mixed dtypes), then float64 for the rates
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        weight, bias = (None if t is None else t.to(dtype) for t in (norm.weight, norm.bias))
+        return torch.nn.functional.layer_norm(z.to(dtype), norm.normalized_shape, weight, bias, norm.eps).double()
 
     def measure(i, stage, z):
         z = z.detach()
@@ -249,5 +252,5 @@ def token_heatmaps(model: nn.Module, image: torch.Tensor, layers: Optional[Seque
     maps = {}
     for ell in layers:
         z = z0 if ell == 0 else captured[ell - 1]['output'][0]
-        maps[ell] = z[rows][:, cols].abs().cpu().numpy()
+        maps[ell] = z[rows][:, cols].abs().to(torch.promote_types(z.dtype, torch.float32)).cpu().numpy()   # no bf16 in numpy
     return maps
