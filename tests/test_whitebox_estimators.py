@@ -137,7 +137,7 @@ def test_bad_estimator_and_shapes():
 @pytest.mark.parametrize('dtype', [torch.float64, torch.bfloat16])
 def test_measure_layers_and_heat_maps_take_a_model_of_any_float_dtype(dtype):
     """A float64 or bf16 CRATE is measured like its float32 twin (the first raised 'mixed dtype' in LN1's
-    re-application, both in the heat map's numpy conversion): float64 to 1e-6 of R_c (only LN1's rounding
+    re-application, both in the heat map's numpy conversion, and took only images of the model's dtype): float64 to 1e-6 of R_c (only LN1's rounding
     differs), bf16 within its own activations' rounding."""
     import timm
 
@@ -149,9 +149,9 @@ def test_measure_layers_and_heat_maps_take_a_model_of_any_float_dtype(dtype):
     twin = timm.create_model('crate_synthetic').eval()
     twin.load_state_dict(reference.state_dict())
     twin.to(dtype)
-    measured, expected = measure_layers(twin, images.to(dtype)), measure_layers(reference, images)
+    measured, expected = measure_layers(twin, images), measure_layers(reference, images)     # float32 images in
     tolerance = 1e-6 if dtype == torch.float64 else 0.05
     for got, want in zip(measured['layers'], expected['layers']):
         assert got['R_c']['mean'] == pytest.approx(want['R_c']['mean'], rel=tolerance)
-    maps = token_heatmaps(twin, images[0].to(dtype), layers=[0, 4])
+    maps = token_heatmaps(twin, images[0], layers=[0, 4])
     assert maps[4].dtype == ('float64' if dtype == torch.float64 else 'float32') and maps[4].shape == (17, 16)
