@@ -26,3 +26,17 @@ def test_the_variants_that_read_them_take_them(kwargs):
         assert used == 0.5
     assert block.mlp.eta == kwargs.get('eta', 0.1) and block.mlp.lambd == kwargs.get('lambd', 0.1)
     assert model(torch.randn(2, 1, 16, 16)).shape == (2, 4)
+
+
+@pytest.mark.parametrize('size', ['tiny', 'small', 'base', 'large'])
+def test_imagenet_configs_evaluate_as_the_public_code(size):
+    """timm's eval transform from the model's config is the public main.py's: Resize(256), CenterCrop(224), bilinear
+    (ImageNet mean / std); it was timm's generic 0.9 bicubic, so converted official weights scored off their numbers."""
+    from timm.data import create_transform, resolve_model_data_config
+    with torch.device('meta'):
+        model = timm.create_model(f'crate_{size}_patch16_224')
+    config = resolve_model_data_config(model)
+    assert (config['crop_pct'], config['interpolation']) == (0.875, 'bilinear')
+    assert config['mean'] == (0.485, 0.456, 0.406) and config['std'] == (0.229, 0.224, 0.225)
+    resize = create_transform(**config).transforms[0]
+    assert resize.size == 256 and resize.interpolation.value == 'bilinear'

@@ -168,11 +168,13 @@ def _cfg(**kwargs):
     return model_cfg(first_conv='patch_embed.proj', **kwargs)
 
 
+# the public code's ImageNet evaluation (main.py): Resize(256) → CenterCrop(224), torchvision's bilinear default
+_OFFICIAL_EVAL = dict(crop_pct=224 / 256, interpolation='bilinear')
 default_cfgs = generate_default_cfgs({
-    'crate_tiny_patch16_224.untrained': _cfg(),
-    'crate_small_patch16_224.untrained': _cfg(),
-    'crate_base_patch16_224.untrained': _cfg(),
-    'crate_large_patch16_224.untrained': _cfg(),
+    'crate_tiny_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
+    'crate_small_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
+    'crate_base_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
+    'crate_large_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
     'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
     'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
     'crate_cifar.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), **CIFAR10_CFG),
