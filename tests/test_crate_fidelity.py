@@ -40,3 +40,16 @@ def test_imagenet_configs_evaluate_as_the_public_code(size):
     assert config['mean'] == (0.485, 0.456, 0.406) and config['std'] == (0.229, 0.224, 0.225)
     resize = create_transform(**config).transforms[0]
     assert resize.size == 256 and resize.interpolation.value == 'bilinear'
+
+
+def test_one_head_as_wide_as_the_model_has_no_output_map():
+    """Alg. 3 / the public code: project_out = not (heads == 1 and dim_head == dim), so such a CRATE's MSSA returns
+    SSA(Z|U) itself (an official checkpoint of it has no to_out); it carried an extra d×d + d Linear."""
+    from structformer.functional import ssa_per_head_reference
+    model = timm.create_model('crate_synthetic', num_heads=1, dim_head=16).double().eval()   # d = 16
+    attn = model.blocks[0].attn
+    assert attn.proj is None and not any('attn.proj' in k for k in model.state_dict())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(attn(x), ssa_per_head_reference(x, attn.qkv.weight, 1, 16 ** -0.5))
+    assert timm.create_model('crate_synthetic', num_heads=1, dim_head=8).blocks[0].attn.proj is not None
+    assert timm.create_model('crate_synthetic').blocks[0].attn.proj is not None            # K = 4 heads of p = 4

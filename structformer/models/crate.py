@@ -66,8 +66,10 @@ class CrateBlock(nn.Module):
         super().__init__()
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm1 = nn.LayerNorm(dim)
+        # Alg. 3 (and the public code): one head as wide as the model is the output itself, no `to_out`
         self.attn = MSSA(dim, num_heads=num_heads, attn_head_dim=dim_head, attn_drop=attn_drop,
-                         proj_drop=drop, tied_output=tied_output, eps=eps, ssa_impl=ssa_impl)
+                         proj_drop=drop, tied_output=tied_output, eps=eps, ssa_impl=ssa_impl,
+                         project_out=not (num_heads == 1 and dim_head == dim))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = ISTA(dim, eta=eta, lambd=lambd, step=sparse_step, eps=eps, fused=fused_ista, drop=ista_drop)
 
