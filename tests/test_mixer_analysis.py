@@ -189,3 +189,17 @@ def test_analyze_cka_with_too_few_samples_names_the_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count('error:') == 1 and "--num-samples 3: --cka's unbiased HSIC needs at least 4 samples" in err
     assert not (tmp_path / 'out').exists()
+
+
+def test_minibatch_cka_leaves_the_models_mode_and_takes_float64_models():
+    """Measuring put a training model into eval mode for good, and float32 images into a float64 model raised."""
+    import timm
+
+    import structformer.models  # noqa: F401  (registers the models)
+    torch.manual_seed(0)
+    mixer, sw = timm.create_model('mixer_digits').double(), timm.create_model('swmlp_digits')
+    mixer.train()
+    sw.eval()
+    result = minibatch_cka(mixer, sw, [torch.randn(8, 1, 8, 8) for _ in range(2)])
+    assert mixer.training and not sw.training
+    assert result['cka'].shape == (4, 2) and torch.isfinite(result['cka']).all()

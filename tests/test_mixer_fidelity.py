@@ -49,3 +49,10 @@ def test_reproduction_reports_the_realised_sw_mlp_density():
     lines = [line for line in report.splitlines() if line.startswith('| SW-MLP')]
     assert [line.split(' | ')[5] for line in lines] == ['0.546', '0.136', '0.031']
     assert '| density p |' in report
+
+
+def test_rp_channels_on_a_plain_mixer_is_refused_not_ignored():
+    """rp_channels permutes an RP-Mixer's channel mixing; on permutation='mixer' it was silently dropped."""
+    with pytest.raises(ValueError, match="rp_channels=True .* needs permutation='random'"):
+        create_model('mixer_digits', rp_channels=True)
+    assert create_model('rp_mixer_digits', rp_channels=True).blocks[0].mlp_channels.fc1.perm_in_kind == 'random'

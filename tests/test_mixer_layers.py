@@ -294,3 +294,41 @@ def test_fast_path_equals_dense_reference_on_edge_shapes(name, make, lead):
         results.append((y.detach(), *torch.autograd.grad(y, [xs, *layer.parameters()], grad_out)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
+def _reshape_transpose(rows: int, cols: int) -> torch.Tensor:
+    """P of Dao et al. (2022) as a matrix: x viewed as [rows, cols], transposed, flattened."""
+    return permutation_matrix(torch.arange(rows * cols).view(rows, cols).t().reshape(-1))
+
+
+def test_square_monarch_is_dao_et_al_and_corollary_3_4():
+    """Independent of `to_dense`: the square Monarch (b = √n) is P L Pᵀ R with Dao et al.'s P, every factor
+    materialised; and with weight-shared blocks R = I_C ⊗ W, L = I_S ⊗ Vᵀ (S = C = b) it is the linear S-Mixer of
+    Cor. 3.4, vec(W X V) in the paper's column-major vec."""
+    torch.manual_seed(8)
+    b = 4
+    layer = MonarchLinear(b * b, b * b, nblocks=b, bias=False).double()
+    P = _reshape_transpose(b, b)
+    R, L = torch.block_diag(*layer.weight_right.detach()), torch.block_diag(*layer.weight_left.detach())
+    x = torch.randn(3, b * b, dtype=D)
+    torch.testing.assert_close(layer(x), x @ (P @ L @ P.t() @ R).t(), rtol=1e-12, atol=1e-12)
+    W, V, X = torch.randn(b, b, dtype=D), torch.randn(b, b, dtype=D), torch.randn(b, b, dtype=D)
+    with torch.no_grad():
+        layer.weight_right.copy_(W.expand(b, b, b))
+        layer.weight_left.copy_(V.t().expand(b, b, b))
+    torch.testing.assert_close(layer(vec(X)), vec(W @ X @ V), rtol=1e-12, atol=1e-12)
+
+
+def test_rectangular_monarch_shuffles_its_middle_as_documented():
+    """b ≠ q: the middle is read as [b, q] and transposed (P L P R, the module docstring), the inverse of the
+    shuffle in Dao et al.'s code (P L Pᵀ R); both connect each output block to the same number of input blocks."""
+    torch.manual_seed(9)
+    layer = MonarchLinear(12, 18, nblocks=3, bias=False).double()          # p = 4, q = 4, s = 6
+    b, (p, q, s) = layer.nblocks, layer.block_sizes
+    R, L = torch.block_diag(*layer.weight_right.detach()), torch.block_diag(*layer.weight_left.detach())
+    ours = _reshape_transpose(b, s) @ L @ _reshape_transpose(b, q) @ R
+    torch.testing.assert_close(layer.to_dense(), ours, rtol=1e-12, atol=1e-12)
+    x = torch.randn(2, 12, dtype=D)
+    torch.testing.assert_close(layer(x), x @ ours.t(), rtol=1e-12, atol=1e-12)
+    daos = _reshape_transpose(b, s) @ L @ _reshape_transpose(b, q).t() @ R
+    assert not torch.allclose(ours, daos)

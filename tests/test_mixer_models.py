@@ -116,6 +116,18 @@ def test_rp_mixer_run_reloads_to_identical_outputs_in_a_fresh_process(tmp_path):
     # differ, so not bitwise); a permutation drawn again would change the logits entirely
     torch.testing.assert_close(torch.tensor(json.loads(fresh.stdout)), here, rtol=1e-5, atol=1e-6)
     assert model.blocks[0].mlp_tokens.fc1.perm_in.tolist() != list(range(32 * 16))
+    # both processes rebuild with perm_seed=3, so the above would pass with shuffles drawn again from the seed: the
+    # weights file itself carries them, and they win over another model's seeded ones
+    from structformer.train.checkpoint import load_checkpoint
+    weights, _, _ = load_checkpoint(out)
+    saved = {k: v for k, v in weights.items() if k.endswith(('perm_in', 'perm_out'))}
+    assert len(saved) == 8 and all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    other = timm.create_model('rp_mixer_digits', perm_seed=0)
+    assert not torch.equal(other.blocks[0].mlp_tokens.fc1.perm_in, saved['blocks.0.mlp_tokens.fc1.perm_in'])
+    other.load_state_dict(weights)
+    other.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), here)
 
 
 def test_sw_mlp_masked_weights_stay_zero_through_training(tmp_path):

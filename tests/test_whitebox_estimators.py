@@ -132,3 +132,26 @@ def test_bad_estimator_and_shapes():
         rate(z, u, 'raw')
     with pytest.raises(ValueError, match=r'u_heads must be \[K, d, p\] with d = 12'):
         official_rate_per_head(z, u[:, :5])
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.bfloat16])
+def test_measure_layers_and_heat_maps_take_a_model_of_any_float_dtype(dtype):
+    """A float64 or bf16 CRATE is measured like its float32 twin (the first raised 'mixed dtype' in LN1's
+    re-application, both in the heat map's numpy conversion, and took only images of the model's dtype): float64 to 1e-6 of R_c (only LN1's rounding
+    differs), bf16 within its own activations' rounding."""
+    import timm
+
+    import structformer.models  # noqa: F401  (registers the models)
+    from structformer.analysis.whitebox import measure_layers, token_heatmaps
+    torch.manual_seed(0)
+    reference = timm.create_model('crate_synthetic').eval()
+    images = torch.randn(3, 1, 16, 16)
+    twin = timm.create_model('crate_synthetic').eval()
+    twin.load_state_dict(reference.state_dict())
+    twin.to(dtype)
+    measured, expected = measure_layers(twin, images), measure_layers(reference, images)     # float32 images in
+    tolerance = 1e-6 if dtype == torch.float64 else 0.05
+    for got, want in zip(measured['layers'], expected['layers']):
+        assert got['R_c']['mean'] == pytest.approx(want['R_c']['mean'], rel=tolerance)
+    maps = token_heatmaps(twin, images[0], layers=[0, 4])
+    assert maps[4].dtype == ('float64' if dtype == torch.float64 else 'float32') and maps[4].shape == (17, 16)

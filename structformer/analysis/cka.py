@@ -89,14 +89,21 @@ class MinibatchCKA:
 def block_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.Tensor]:
     """Every block's output for a batch, via timm's `forward_intermediates` in the NLC layout where a
     model offers it (any structformer or timm ViT/Mixer), flattened per sample."""
-    model.eval()
     if not hasattr(model, 'forward_intermediates'):
         raise ValueError(f"--cka: {type(model).__name__} has no forward_intermediates (timm's feature interface), "
                          "so its block outputs cannot be compared")
+    weight = next(model.parameters(), None)
+    if weight is not None:        # the model's device, and its dtype for float images (a float64 or bf16 model)
+        images = images.to(weight.device, weight.dtype if images.is_floating_point() else None)
+    was_training = model.training
+    model.eval()
     try:
-        maps = model.forward_intermediates(images, intermediates_only=True, output_fmt='NLC')
-    except TypeError:
-        maps = model.forward_intermediates(images, intermediates_only=True)
+        try:
+            maps = model.forward_intermediates(images, intermediates_only=True, output_fmt='NLC')
+        except TypeError:
+            maps = model.forward_intermediates(images, intermediates_only=True)
+    finally:
+        model.train(was_training)             # the caller's mode back: measuring is no side effect
     return [m.reshape(m.shape[0], -1) for m in maps]
 
 

@@ -128,9 +128,13 @@ def _eval_no_grad(model: nn.Module):
             m.train(mode)
 
 
-def _device(model: nn.Module) -> torch.device:
+def _to_model(images: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """`images` on the model's device and, being floats, in its dtype (a float64 or bf16 model takes the float32
+    images a caller has)."""
     p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device('cpu')
+    if p is None:
+        return images
+    return images.to(p.device, p.dtype if images.is_floating_point() and p.is_floating_point() else None)
 
 
 @full_precision
@@ -144,7 +148,7 @@ def capture_layers(model: nn.Module, images: torch.Tensor) -> List[Dict[str, tor
         out[i][stage] = z.detach().clone()
 
     with layer_hooks(model, keep), _eval_no_grad(model):
-        model(images.to(_device(model)))
+        model(_to_model(images, model))
     return out
 
 
@@ -184,8 +188,11 @@ def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] 
     shape = {}
 
     def layer_norm(norm, z):
-        return torch.nn.functional.layer_norm(z.float(), norm.normalized_shape, norm.weight, norm.bias,
-                                              norm.eps).double()
+        # in float32, or float64 for a float64 model (a bf16 or float64 model's LN weights cast alike: torch's
+        # layer_norm refuses mixed dtypes), then float64 for the rates
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        weight, bias = (None if t is None else t.to(dtype) for t in (norm.weight, norm.bias))
+        return torch.nn.functional.layer_norm(z.to(dtype), norm.normalized_shape, weight, bias, norm.eps).double()
 
     def measure(i, stage, z):
         z = z.detach()
@@ -203,10 +210,9 @@ def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] 
             keep('sparsity', sparsity(z[:, skip:]).double())
             keep('token_norm_out', z[:, skip:].double().norm(dim=-1).mean(-1))
 
-    device = _device(model)
     with layer_hooks(model, measure), _eval_no_grad(model):
         for start in range(0, len(images), batch_size):
-            model(images[start:start + batch_size].to(device))
+            model(_to_model(images[start:start + batch_size], model))
 
     samples = {m: torch.stack([torch.cat(v) for v in per_layer]) for m, per_layer in values.items() if per_layer[0]}
     samples['mssa_delta'] = samples['R_c_after_mssa'] - samples['R_c']
@@ -249,5 +255,5 @@ def token_heatmaps(model: nn.Module, image: torch.Tensor, layers: Optional[Seque
     maps = {}
     for ell in layers:
         z = z0 if ell == 0 else captured[ell - 1]['output'][0]
-        maps[ell] = z[rows][:, cols].abs().cpu().numpy()
+        maps[ell] = z[rows][:, cols].abs().to(torch.promote_types(z.dtype, torch.float32)).cpu().numpy()   # no bf16 in numpy
     return maps

@@ -92,13 +92,22 @@ def counted_flops(layer: nn.Module, x: torch.Tensor, grid_size, backward: bool =
 COMPONENTS = ('stem', 'downsampling', 'attention', 'mlp', 'head')
 
 
-def _component(path: str) -> Optional[str]:
+# a Mixer's two MLPs (timm's MlpMixer names them so, and ours): its token-mixing MLP is an MLP, not attention
+_MLP_NAMES = ('mlp', 'mlp_tokens', 'mlp_channels')
+
+
+def _component(path: str, module: Optional[nn.Module] = None) -> Optional[str]:
+    declared = getattr(module, 'flop_component', None)      # a module that says what it is (SW-MLP's block)
+    if declared in COMPONENTS:
+        return declared
     last = path.rsplit('.', 1)[-1]
     if path in ('stem', 'patch_embed', 'stages.0.downsample'):
         return 'stem'
     if last == 'downsample':
         return 'downsampling'
-    if last in ('attn', 'mlp', 'head') and (last != 'head' or path == 'head'):
+    if last in _MLP_NAMES:
+        return 'mlp'
+    if last in ('attn', 'head') and (last != 'head' or path == 'head'):
         return {'attn': 'attention'}.get(last, last)
     return None
 
@@ -152,9 +161,10 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
         sample = torch.randn(1, chans, height, width)
     total, counter = forward_flops(model, sample)
     breakdown = dict.fromkeys(COMPONENTS, 0)
+    modules = dict(model.named_modules())
     for key, ops in counter.get_flop_counts().items():
         path = key.split('.', 1)[1] if '.' in key else ''
-        component = _component(path) if path else None
+        component = _component(path, modules.get(path)) if path else None
         if component:
             breakdown[component] += sum(ops.values()) / 2
     breakdown['other'] = total / 2 - sum(breakdown.values())

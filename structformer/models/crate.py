@@ -56,7 +56,8 @@ class CratePatchEmbed(nn.Module):
 class CrateBlock(nn.Module):
     """One CRATE layer (Eq. 18): compression by MSSA with a residual, then ISTA without one.
 
-    `drop` is the dropout after MSSA's output projection (the official code's `dropout`);
+    `drop` is the dropout after MSSA's output projection and `attn_drop` the one on its attention weights (the
+    official code's single `dropout` is both);
     `ista_drop` drops ISTA's output, which the official code does not (default 0); `drop_path` is stochastic
     depth on the one residual branch, MSSA's (not in the paper or its code; default 0)."""
 
@@ -65,8 +66,10 @@ class CrateBlock(nn.Module):
         super().__init__()
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm1 = nn.LayerNorm(dim)
+        # Alg. 3 (and the public code): one head as wide as the model is the output itself, no `to_out`
         self.attn = MSSA(dim, num_heads=num_heads, attn_head_dim=dim_head, attn_drop=attn_drop,
-                         proj_drop=drop, tied_output=tied_output, eps=eps, ssa_impl=ssa_impl)
+                         proj_drop=drop, tied_output=tied_output, eps=eps, ssa_impl=ssa_impl,
+                         project_out=not (num_heads == 1 and dim_head == dim))
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = ISTA(dim, eta=eta, lambd=lambd, step=sparse_step, eps=eps, fused=fused_ista, drop=ista_drop)
 
@@ -95,6 +98,13 @@ class CRATE(StructuredModel):
         super().__init__()
         if not 0 <= drop_path_rate < 1:
             raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
+        # options that only one variant reads: a value the model would never use is a mistake, not a no-op
+        if eps != 1.0 and not tied_output and sparse_step != 'mm':
+            raise ValueError(f"eps={eps!r} is the ε of the tied MSSA (Eq. 12) and of the mm step (Eq. 92); this model "
+                             "has neither: pass tied_output=True or sparse_step='mm', or leave eps out")
+        if eta != 0.1 and sparse_step == 'mm':
+            raise ValueError(f"eta={eta!r} is the ISTA step size (Eq. 17); sparse_step='mm' (Eq. 92) has none: "
+                             "leave eta out or use sparse_step='ista'")
         for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                             ('dim_head', dim_head), ('in_chans', in_chans)):
             if not isinstance(value, int) or value < 1:
@@ -160,11 +170,13 @@ def _cfg(**kwargs):
     return model_cfg(first_conv='patch_embed.proj', **kwargs)
 
 
+# the public code's ImageNet evaluation (main.py): Resize(256) → CenterCrop(224), torchvision's bilinear default
+_OFFICIAL_EVAL = dict(crop_pct=224 / 256, interpolation='bilinear')
 default_cfgs = generate_default_cfgs({
-    'crate_tiny_patch16_224.untrained': _cfg(),
-    'crate_small_patch16_224.untrained': _cfg(),
-    'crate_base_patch16_224.untrained': _cfg(),
-    'crate_large_patch16_224.untrained': _cfg(),
+    'crate_tiny_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
+    'crate_small_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
+    'crate_base_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
+    'crate_large_patch16_224.untrained': _cfg(**_OFFICIAL_EVAL),
     'crate_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
     'crate_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
     'crate_cifar.untrained': _cfg(num_classes=10, input_size=(3, 32, 32), **CIFAR10_CFG),

@@ -148,6 +148,9 @@ class SparseMixer(_PatchTableModel):
         super().__init__()
         if permutation not in PERMUTATIONS:
             raise ValueError(f"permutation={permutation!r}: accepted 'mixer' (J_c, the Mixer) or 'random' (RP-Mixer)")
+        if rp_channels and permutation != 'random':
+            raise ValueError("rp_channels=True permutes the channel mixing of an RP-Mixer: it needs "
+                             f"permutation='random' (got {permutation!r})")
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: a Mixer: {self.pooling}; accepted 'avg' or ''")
         self.num_classes, self.global_pool = num_classes, check_global_pool(global_pool)
@@ -283,6 +286,8 @@ class SWMLP(_PatchTableModel):
 
 
 class _SparseWeightBlock(nn.Module):
+    flop_component = 'mlp'          # the whole block is one (sparse-weight) MLP: `models --flops` counts it there
+
     def __init__(self, width: int, hidden: Optional[int], density: float, seed: int, norm_eps: float,
                  drop_path: float = 0.):
         super().__init__()

@@ -72,6 +72,8 @@ class MSSA(nn.Module):
     `tied_output=True`: Eq. 11–12 — the output map is p/(Nε²)[U_1…U_K], i.e. the same weight
     as the projection (App. B.4 "compression-inspired attention"); `eps` sets ε.
     The softmax scale dim_head^-0.5 is kept in both (Eq. 11 writes none; the code uses it).
+    `project_out=False`: no output map at all (Alg. 3 / the public code use none when one head spans the model,
+    `heads == 1 and dim_head == dim`; `CRATE` applies that rule, the layer alone keeps timm's projection).
 
     `ssa_impl` picks how SSA runs when a backward will follow: 'sdpa' torch's fused attention,
     'shared' the backward that knows Q = K = V (`functional.shared_qkv_attention`: three N×N×p
@@ -92,7 +94,7 @@ class MSSA(nn.Module):
                  qkv_bias: bool = False, qk_norm: bool = False, scale_norm: bool = False,
                  proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
                  norm_layer=None, tied_output: bool = False, eps: float = 1.0, ssa_impl: str = 'auto',
-                 device=None, dtype=None):
+                 project_out: bool = True, device=None, dtype=None):
         super().__init__()
         if qk_norm or scale_norm:
             raise ValueError("MSSA shares one projection for Q, K and V (CRATE Eq. 11): "
@@ -113,8 +115,12 @@ class MSSA(nn.Module):
         # one projection: its rows, per head, are U_kᵀ (CRATE's Q = K = V)
         self.qkv = TunedLinear(dim, inner, bias=qkv_bias, **dd)     # nn.Linear on this machine's fastest GEMM
         self.attn_drop = nn.Dropout(attn_drop)
-        # Eq. 12 maps back with U itself, so no separate output weight exists when tied
-        self.proj = None if tied_output else TunedLinear(inner, dim, bias=proj_bias, **dd)
+        # Eq. 12 maps back with U itself, so no separate output weight exists when tied; project_out=False (Alg. 3's
+        # rule for one head as wide as the model, which CRATE applies) returns the head itself, no map, no dropout
+        if not project_out and not tied_output and inner != dim:
+            raise ValueError(f"project_out=False returns the heads as they are: num_heads·head_dim = {inner} must "
+                             f"equal dim = {dim}")
+        self.proj = TunedLinear(inner, dim, bias=proj_bias, **dd) if project_out and not tied_output else None
         self.proj_drop = nn.Dropout(proj_drop)
 
     def subspace_bases(self) -> torch.Tensor:
@@ -149,6 +155,8 @@ class MSSA(nn.Module):
         heads = rearrange(heads, 'b h n p -> b n (h p)')
         if self.proj is not None:
             return self.proj_drop(self.proj(heads))
+        if not self.tied_output:
+            return heads                                           # Alg. 3's project_out = False: nn.Identity
         n = x.shape[-2]
         tied_scale = self.head_dim / (n * self.eps ** 2)           # p/(Nε²) of Eq. 12
         return self.proj_drop(tied_scale * heads @ linear_weight(self.qkv))

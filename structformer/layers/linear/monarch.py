@@ -7,6 +7,10 @@ square Monarch of the paper (p = q = s = b) and `MonarchLinear.from_dense` proje
 it: entry (j·b + l', k·b + l) equals L[l'][j, k]·R[k][l', l], so each (l', k) slice is rank one and its
 best rank-one SVD approximation is the Frobenius-optimal projection.
 
+Where b ≠ q the middle shuffle P (read as [b, q], transpose) is the inverse of the one in Dao et al.'s public code
+(HazyResearch/fly reads the middle as [q, b] and transposes: P L Pᵀ R): the same connectivity, another labelling of
+the middle, so a rectangular fly checkpoint does not load as is. Where b = q (square n = b²) the two coincide.
+
 The forward is two batched matmuls with the shuffle between; `to_dense` builds the same matrix from
 block_diag and index permutations, independently of the forward, for the tests.
 
