@@ -260,6 +260,28 @@ def _busy(path: Path) -> bool:
         return False
 
 
+def _name_published(folder: Path, staged: Path, published: Path) -> None:
+    """Rewrite, in every JSON record under `folder`, each path inside the staging folder `staged` (a benchmark's
+    `args.output`, `json`: where it was told to write) as the path it is published at, relative to the repository
+    (docs/kinds/KIND/...): a committed record names where it lives, not a temporary folder since deleted."""
+    prefix = str(staged.absolute())
+
+    def renamed(value):
+        if isinstance(value, dict):
+            return {k: renamed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        if isinstance(value, str) and (value == prefix or value.startswith(prefix + os.sep)):
+            return str(published / os.path.relpath(value, prefix)) if value != prefix else str(published)
+        return value
+
+    for path in folder.rglob('*.json'):
+        record = json.loads(path.read_text())
+        fixed = renamed(record)
+        if fixed != record:
+            path.write_text(json.dumps(fixed, indent=1))
+
+
 def publish(kind: str, staged: Path) -> Path:
     """Make the benchmark records in `staged` this kind's records: docs/kinds/<kind>/ (replacing the old folder), its
     kind record docs/kinds/<kind>.json, its table in docs/benchmarks.md (for a kind met for the first time, a
@@ -271,6 +293,7 @@ def publish(kind: str, staged: Path) -> Path:
 
     def fill(staging: Path) -> dict:
         shutil.copytree(staged, staging, dirs_exist_ok=True)
+        _name_published(staging, staged, folder.relative_to(KINDS_DIR.parent.parent))
         record = collect(kind, staging, shown=folder)       # a record of another kind raises here
         records = dict(kind_records(), **{kind: record})
         measured = {k for k in records if (KINDS_DIR / k).is_dir()} | {kind}
