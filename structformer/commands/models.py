@@ -21,7 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument('--flops', action='store_true',
                    help='also count forward multiply-adds of one image, split by component (builds each model)')
     p.add_argument('--img-size', type=positive_int('--img-size'), default=None,
-                   help='input side for --flops (default: the model\'s own)')
+                   help="input side for --flops, which builds each model for it (a language model: its context "
+                        "length T); default: the model's own")
 
 
 def human_count(n: int) -> str:
@@ -60,6 +61,9 @@ def _flops(model_flops, name: str, img_size) -> dict:
 
 
 def run(args) -> int:
+    if args.img_size is not None and not args.flops:     # the table counts each model as registered: never at a size
+        raise UsageError(f"--img-size {args.img_size}: sizes the models for --flops only; add --flops (the parameter "
+                         "count then is the model's at that size)")
     from ..models import list_structformer_language_models, list_structformer_models
     from ..models.inventory import model_inventory
     language = set(list_structformer_language_models())
