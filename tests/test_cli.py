@@ -10,6 +10,7 @@ import timm
 import yaml
 
 from structformer.cli import build_parser, main
+from structformer.commands.models import human_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +72,22 @@ def test_eval_prints_accuracy(trained_run, capsys):
 def test_models_lists_parameter_counts(capsys):
     assert main(['models', '--filter', 'crate_tiny', '--json']) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows == [{'name': 'crate_tiny_patch16_224', 'params': 6090856, 'input_size': [3, 224, 224],
-                     'task': 'image classification'}]
+    assert rows == [{'name': 'crate_tiny_patch16_224', 'params': 6090856, 'effective_params': 6090856,
+                     'input_size': [3, 224, 224], 'task': 'image classification'}]
+
+
+def test_models_says_how_many_weights_a_masked_model_keeps(capsys):
+    """SW-MLP stores dense weights of which its static masks keep a share p: the table's count is timm's (every
+    weight stored), and a line says how many the masks keep, as the comparison counts them; 113.33M for swmlp_cifar
+    alone read as a model 50 times the Mixers' size at the same Ω."""
+    from structformer.models.inventory import effective_parameter_count
+    assert main(['models', '--filter', 'swmlp_digits']) == 0
+    out = capsys.readouterr().out
+    kept = effective_parameter_count(timm.create_model('swmlp_digits'))        # the real masks, not their density
+    stored = sum(p.numel() for p in timm.create_model('swmlp_digits').parameters())
+    assert kept < stored and f"swmlp_digits: {human_count(kept)} of its {human_count(stored)} weights are kept" in out
+    assert main(['models', '--filter', 'mixer_digits']) == 0
+    assert 'kept' not in capsys.readouterr().out
 
 
 def test_models_filter_takes_timms_wildcards(capsys):

@@ -98,6 +98,10 @@ def run(args) -> int:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
         else:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")
+    for r in rows:         # SW-MLP: a dense weight of which its mask keeps a share p; the rest is zero, never trained
+        if r['effective_params'] != r['params']:
+            print(f"{r['name']}: {human_count(r['effective_params'])} of its {human_count(r['params'])} weights are kept "
+                  "by its masks (the rest are zero and get no gradient)")
     if args.flops:
         print("GMACs: multiply-adds of one image's forward (a language model: one sequence of T tokens; "
               "FlopCounterMode, matmul/conv only; papers quote these as FLOPs), split by component")
