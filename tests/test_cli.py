@@ -270,3 +270,44 @@ def test_runs_with_a_model_transform_are_scored_by_eval_in_a_fresh_process(tmp_p
         assert score['epoch'] == last['epoch'] and score['images'] == 360
         assert score['top1'] == pytest.approx(last['val_top1'], abs=1e-9)
         assert score['loss'] == pytest.approx(last['val_loss'], rel=1e-5), name
+
+
+def _readme_count(text: str) -> tuple:
+    """'52.8K' -> (52800, 50): the value and half its last digit's unit (the rounding it allows); '113M', '0.18M'."""
+    number, unit = text[:-1], text[-1]
+    scale = {'K': 1e3, 'M': 1e6, 'G': 1e9}[unit]
+    digits = len(number.split('.')[1]) if '.' in number else 0
+    return float(number) * scale, 0.5 * scale * 10 ** -digits
+
+
+def test_the_readme_model_table_counts_what_the_models_have():
+    """README's Models table: each row's counts (one per name, or the smallest – largest) are the registered models'
+    parameter counts at the shown rounding. The S-Mixers on CIFAR said 72.5K (they have 71,498) and the smallest
+    small-image Mixer 21.4K (smixer_mnist: 20,990)."""
+    import itertools
+
+    from structformer.models.inventory import model_inventory
+    from structformer.models.soft import BASELINES
+    text = (Path(__file__).resolve().parents[1] / 'README.md').read_text()
+    table = text.split('## Models', 1)[1].split('\n\n', 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith('| `')]
+    assert len(rows) >= 10, rows
+    for line in rows:
+        names_cell, _, counts_cell = [c.strip() for c in line.strip('|').split('|')]
+        names = []
+        for name in re.findall(r'`([^`]+)`', names_cell):
+            if '…' in name:                 # softpp_…: the same sizes as the row's first names
+                continue
+            name = name.replace('<attn>', '{' + ','.join(BASELINES) + '}')
+            parts = re.split(r'\{([^}]*)\}', name)
+            for choice in itertools.product(*[p.split(',') for p in parts[1::2]]):
+                names.append(''.join(sum(zip(parts[::2], list(choice) + ['']), ())))
+        counts = [row['params'] for row in model_inventory(names)]
+        if '–' in counts_cell:
+            shown = [_readme_count(t.strip()) for t in counts_cell.split('–')]
+            counts = [min(counts), max(counts)]
+        else:
+            shown = [_readme_count(t.strip()) for t in counts_cell.split('/')]
+        assert len(shown) == len(counts), line
+        for name, count, (value, allowed) in zip(names if len(names) == len(counts) else ['min', 'max'], counts, shown):
+            assert abs(count - value) <= allowed, (line, name, count, value)
