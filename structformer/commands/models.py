@@ -17,7 +17,9 @@ EXAMPLES = """examples:
 def add_arguments(p) -> None:
     p.add_argument('--filter', default='', help="substring of the name, or a pattern with timm's wildcards "
                                                 "(* ? [...]) matched against the whole name, as timm.list_models")
-    p.add_argument('--json', action='store_true')
+    p.add_argument('--json', action='store_true',
+                   help='print the rows as one JSON list (name, params, effective_params, input_size, task; with '
+                        '--flops also macs, flops and breakdown_macs)')
     p.add_argument('--flops', action='store_true',
                    help='also count forward multiply-adds of one image, split by component (builds each model)')
     p.add_argument('--img-size', type=positive_int('--img-size'), default=None,
