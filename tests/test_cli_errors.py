@@ -513,6 +513,8 @@ READ_ONLY_CASES = [
     ('read-only-reproduce-mixer', ['reproduce', 'mixer', '--output', '{ro}/mixer'], ['--output', 'not writable']),
     ('read-only-analyze', ['analyze', '--checkpoint', '{run}', '--output', '{ro}/analysis'],
      ['--output', 'not writable']),
+    ('read-only-compare-publish', ['compare', '--models', 'vit', '--epochs', '1', '--output', '{tmp}/compare',
+                                   '--publish', '{ro}/docs'], ['--publish', 'not writable']),
 ]
 
 
