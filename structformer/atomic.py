@@ -16,17 +16,20 @@ moved-aside previous output is put back first when OUT itself is missing), says 
 one line when another running process is writing OUT. Readers refuse a temporary given as input
 (`describe_temporary`), so a half-written folder is never taken for an output.
 """
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = ['permissions_from_umask', 'temporary_sibling', 'describe_temporary', 'prepare_output',
-           'stale_temporaries', 'write_atomically', 'write_text_atomically']
+           'stale_temporaries', 'write_atomically', 'write_text_atomically', 'uninterrupted', 'replace_together']
 
 _HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 _KINDS = ('tmp', 'old')
@@ -195,3 +198,51 @@ def write_atomically(path, write: Callable[[Any], None], binary: bool = False) -
 
 def write_text_atomically(path, text: str) -> Path:
     return write_atomically(path, lambda f: f.write(text))
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """Ctrl-C (SIGINT) and SIGTERM held until the block ends (a signal that arrives meanwhile is delivered after),
+    so the few renames inside happen all or none. Off the main thread signals cannot be held: a plain block."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, 'pthread_sigmask'):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def replace_together(folder, fill: Callable[[Path], Dict[Path, str]], flag: str) -> Path:
+    """Publish a folder and the files that describe it as one step: `fill(staging)` fills a temporary sibling of
+    `folder` and returns {path: text} of the files outside it to write. Everything is written beside its target
+    first; then, with signals held (`uninterrupted`), the old folder is moved aside, the new one renamed into place
+    and each file renamed over its target. A failure or interruption before the renames leaves everything as it
+    was; the temporaries (and the old folder) are removed. `flag` names the output in prepare_output's refusal."""
+    folder = Path(folder).absolute()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output(folder, flag)                    # what an interrupted publish left (renames undone)
+    temporaries = [temporary_sibling(folder, directory=True)]
+    try:
+        permissions_from_umask(temporaries[0], 0o777)
+        files = fill(temporaries[0])
+        for target, content in files.items():
+            temporaries.append(temporary_sibling(target))
+            temporaries[-1].write_text(content)
+            if Path(target).exists():               # mkstemp's 0600 would stick to the renamed file
+                shutil.copymode(target, temporaries[-1])
+            else:
+                permissions_from_umask(temporaries[-1], 0o666)
+        with uninterrupted():
+            if folder.exists():
+                temporaries.append(temporary_sibling(folder, directory=True, kind='old'))
+                os.replace(folder, temporaries[-1])
+            os.replace(temporaries[0], folder)
+            for target, temporary in zip(files, temporaries[1:]):
+                os.replace(temporary, target)
+    finally:
+        for path in temporaries:
+            _remove(path)                           # not renamed into place (a failure), or the old folder
+    return folder

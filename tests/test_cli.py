@@ -10,6 +10,7 @@ import timm
 import yaml
 
 from structformer.cli import build_parser, main
+from structformer.commands.models import human_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +72,22 @@ def test_eval_prints_accuracy(trained_run, capsys):
 def test_models_lists_parameter_counts(capsys):
     assert main(['models', '--filter', 'crate_tiny', '--json']) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows == [{'name': 'crate_tiny_patch16_224', 'params': 6090856, 'input_size': [3, 224, 224],
-                     'task': 'image classification'}]
+    assert rows == [{'name': 'crate_tiny_patch16_224', 'params': 6090856, 'effective_params': 6090856,
+                     'input_size': [3, 224, 224], 'task': 'image classification'}]
+
+
+def test_models_says_how_many_weights_a_masked_model_keeps(capsys):
+    """SW-MLP stores dense weights of which its static masks keep a share p: the table's count is timm's (every
+    weight stored), and a line says how many the masks keep, as the comparison counts them; 113.33M for swmlp_cifar
+    alone read as a model 50 times the Mixers' size at the same Ω."""
+    from structformer.models.inventory import effective_parameter_count
+    assert main(['models', '--filter', 'swmlp_digits']) == 0
+    out = capsys.readouterr().out
+    kept = effective_parameter_count(timm.create_model('swmlp_digits'))        # the real masks, not their density
+    stored = sum(p.numel() for p in timm.create_model('swmlp_digits').parameters())
+    assert kept < stored and f"swmlp_digits: {human_count(kept)} of its {human_count(stored)} weights are kept" in out
+    assert main(['models', '--filter', 'mixer_digits']) == 0
+    assert 'kept' not in capsys.readouterr().out
 
 
 def test_models_filter_takes_timms_wildcards(capsys):
@@ -255,3 +270,44 @@ def test_runs_with_a_model_transform_are_scored_by_eval_in_a_fresh_process(tmp_p
         assert score['epoch'] == last['epoch'] and score['images'] == 360
         assert score['top1'] == pytest.approx(last['val_top1'], abs=1e-9)
         assert score['loss'] == pytest.approx(last['val_loss'], rel=1e-5), name
+
+
+def _readme_count(text: str) -> tuple:
+    """'52.8K' -> (52800, 50): the value and half its last digit's unit (the rounding it allows); '113M', '0.18M'."""
+    number, unit = text[:-1], text[-1]
+    scale = {'K': 1e3, 'M': 1e6, 'G': 1e9}[unit]
+    digits = len(number.split('.')[1]) if '.' in number else 0
+    return float(number) * scale, 0.5 * scale * 10 ** -digits
+
+
+def test_the_readme_model_table_counts_what_the_models_have():
+    """README's Models table: each row's counts (one per name, or the smallest – largest) are the registered models'
+    parameter counts at the shown rounding. The S-Mixers on CIFAR said 72.5K (they have 71,498) and the smallest
+    small-image Mixer 21.4K (smixer_mnist: 20,990)."""
+    import itertools
+
+    from structformer.models.inventory import model_inventory
+    from structformer.models.soft import BASELINES
+    text = (Path(__file__).resolve().parents[1] / 'README.md').read_text()
+    table = text.split('## Models', 1)[1].split('\n\n', 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith('| `')]
+    assert len(rows) >= 10, rows
+    for line in rows:
+        names_cell, _, counts_cell = [c.strip() for c in line.strip('|').split('|')]
+        names = []
+        for name in re.findall(r'`([^`]+)`', names_cell):
+            if '…' in name:                 # softpp_…: the same sizes as the row's first names
+                continue
+            name = name.replace('<attn>', '{' + ','.join(BASELINES) + '}')
+            parts = re.split(r'\{([^}]*)\}', name)
+            for choice in itertools.product(*[p.split(',') for p in parts[1::2]]):
+                names.append(''.join(sum(zip(parts[::2], list(choice) + ['']), ())))
+        counts = [row['params'] for row in model_inventory(names)]
+        if '–' in counts_cell:
+            shown = [_readme_count(t.strip()) for t in counts_cell.split('–')]
+            counts = [min(counts), max(counts)]
+        else:
+            shown = [_readme_count(t.strip()) for t in counts_cell.split('/')]
+        assert len(shown) == len(counts), line
+        for name, count, (value, allowed) in zip(names if len(names) == len(counts) else ['min', 'max'], counts, shown):
+            assert abs(count - value) <= allowed, (line, name, count, value)

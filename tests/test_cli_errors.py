@@ -320,6 +320,8 @@ CASES = [
      ['--img-size 10000000', 'does not fit in memory']),
     ('models-flops-size-not-a-patch-multiple', ['models', '--filter', 'crate_tiny', '--flops', '--img-size', '7'],
      ['--img-size 7', 'divisible']),
+    ('models-img-size-without-flops', ['models', '--filter', 'crate_digits', '--img-size', '16'],
+     ['--img-size 16', 'add --flops']),
     ('models-filter-matches-nothing', ['models', '--filter', 'crate_huge'], ['--filter', "'crate_huge'", 'matches no']),
     # the Mixer family (seed 003)
     ('bench-mlp-side', ['bench', 'mlp', '--side', '1'], ['--side', '>= 2']),
@@ -511,6 +513,8 @@ READ_ONLY_CASES = [
     ('read-only-reproduce-mixer', ['reproduce', 'mixer', '--output', '{ro}/mixer'], ['--output', 'not writable']),
     ('read-only-analyze', ['analyze', '--checkpoint', '{run}', '--output', '{ro}/analysis'],
      ['--output', 'not writable']),
+    ('read-only-compare-publish', ['compare', '--models', 'vit', '--epochs', '1', '--output', '{tmp}/compare',
+                                   '--publish', '{ro}/docs'], ['--publish', 'not writable']),
 ]
 
 

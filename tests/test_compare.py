@@ -438,3 +438,44 @@ def test_the_readme_quotes_the_committed_leaderboard():
     assert f"{rows['wrn_lowrank_0.25']['params'] / rows['wrn']['params']:.2f}× its parameters" in readme
     assert f"{rows['swmlp']['train_ratio']['ratio']:.2f}× the ViT's speed" in readme
     assert 'docs/leaderboard/accuracy_vs_time.png' in readme and 'accuracy_vs_time.png' in record['figures']
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
+
+
+@pytest.mark.parametrize('failure', [None, 'missing-plot', 'interrupted'])
+def test_publish_is_all_or_nothing(tmp_path, monkeypatch, failure):
+    """`compare --publish DOCS`: the page, its record and its plots change together or not at all. A plot that
+    cannot be copied or a Ctrl-C while the page renders leaves DOCS byte for byte as it was, with no temporaries;
+    a publish that succeeds replaces the folder whole (a plot the new record lacks does not stay)."""
+    from structformer.compare import leaderboard, report
+    docs, output = tmp_path / 'docs', tmp_path / 'out'
+    (docs / 'leaderboard').mkdir(parents=True)
+    output.mkdir()
+    (docs / 'leaderboard.md').write_text('old page')
+    (docs / 'leaderboard' / 'record.json').write_text('{"old": 1}')
+    for name in ('accuracy_vs_time.png', 'dropped.png'):
+        (docs / 'leaderboard' / name).write_bytes(b'old plot')
+    (output / 'accuracy_vs_time.png').write_bytes(b'new plot')
+    if failure != 'missing-plot':
+        (output / 'accuracy_vs_params.png').write_bytes(b'new plot 2')
+    record = {'figures': ['accuracy_vs_time.png', 'accuracy_vs_params.png'], 'rows': []}
+
+    def render(record, figures):
+        if failure == 'interrupted':
+            raise KeyboardInterrupt
+        return f'new page, plots in {figures}/'
+
+    monkeypatch.setattr(leaderboard, 'render', render)
+    before = _tree(docs)
+    if failure is None:
+        assert report.publish(record, output, docs) == docs / 'leaderboard.md'
+        assert _tree(docs) == {'leaderboard.md': b'new page, plots in leaderboard/',
+                               'leaderboard/accuracy_vs_params.png': b'new plot 2',
+                               'leaderboard/accuracy_vs_time.png': b'new plot',
+                               'leaderboard/record.json': json.dumps(record, indent=1).encode()}
+        return
+    with pytest.raises(KeyboardInterrupt if failure == 'interrupted' else FileNotFoundError):
+        report.publish(record, output, docs)
+    assert _tree(docs) == before and sorted(p.name for p in docs.iterdir()) == ['leaderboard', 'leaderboard.md']

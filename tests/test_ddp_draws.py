@@ -9,9 +9,10 @@ factorisation: what each process draws and what they must share.
 - the epoch's train_* metrics are summed over the processes (as timm reduces its logged loss), not rank 0's;
 - --avg-last: rank 0 averages the checkpoints it wrote and hands the average on (a process that did not see
   them, on another machine, skipped the shared evaluation: the others hung);
-- one SGD step on two processes with accumulation equals the one-process step on the same 36 samples.
+- one SGD step on two processes with accumulation equals the one-process step on the same 36 samples;
+- a loss not finite on one process stops both with the line (no gloo error); the step log's loss is the mean.
 
-Four torchruns (about 12 s of CPU each); slow."""
+Five torchruns (about 12 s of CPU each); slow."""
 import json
 import os
 import signal
@@ -149,3 +150,57 @@ def test_one_step_on_two_processes_with_accumulation_is_the_one_process_step(tmp
         assert record['train_loss'] == pytest.approx(one_record['train_loss'], rel=1e-5), name
         assert record['train_top1'] == pytest.approx(one_record['train_top1'], abs=1e-9), name
         assert record['val_top1'] == pytest.approx(one_record['val_top1'], abs=1e-9), name
+
+
+NAN_ON_RANK_1 = r'''
+import os, sys
+import structformer.train.step as step
+from structformer.cli import main
+
+calls, Context = [], step.LossContext
+
+def context(model, images, targets, logits, *rest):
+    calls.append(1)
+    if os.environ['RANK'] == '1' and len(calls) == int(os.environ['NAN_AT']):      # this process's batch NAN_AT
+        logits = logits * float('nan')
+    return Context(model, images, targets, logits, *rest)
+
+step.LossContext = context
+sys.exit(main(['train', *sys.argv[1:]]))
+'''
+
+
+def test_a_loss_not_finite_on_one_process_stops_every_process_with_the_line(tmp_path):
+    """Rank 1's loss becomes NaN at its second batch (the second optimiser step; 9 samples a batch): both processes
+    stop with TrainingDiverged's line (exit 1), the other saying that another process diverged, and neither with a
+    gloo error from a collective the first had left. Before that, the step log's loss at step 1 (--log-interval 1,
+    printed by rank 0) is the mean over both processes' 18 images: the one-process run at -b 18 prints the same,
+    since the two first batches of 9 are its first batch of 18 (one model, one sampler order); rank 0's own 9 gave
+    another number."""
+    common = ['--model', 'crate_synthetic', '--data', 'synthetic-subspaces', '--data-kwargs', 'num_samples=48',
+              '--val-fraction', '0.25', '--epochs', '1', '--warmup-epochs', '0', '--opt', 'sgd', '--lr', '0.5',
+              '--weight-decay', '0', '--sched', 'none', '--no-progress', '--log-interval', '1']
+    probe = tmp_path / 'probe.py'
+    probe.write_text(NAN_ON_RANK_1)
+    # torchrun ends the other process once one has failed: a monitor interval of 2 s lets each say its own line
+    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          '--monitor-interval=2', str(probe), *common, '-b', '9', '--output', str(tmp_path / 'ddp')], capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT),
+                                                          NAN_AT='2'))
+    stopped = [line for line in ddp.stderr.splitlines() if 'structformer train: stopped: ' in line]
+    assert len(stopped) == 2 and ddp.returncode != 0, ddp.stderr[-3000:]
+    assert sum('loss became nan at epoch 1, step 1 ' in line for line in stopped) == 1, stopped
+    assert sum('loss became non-finite on another of the 2 processes by epoch 1, step 1 ' in line
+               for line in stopped) == 1, stopped
+    ours = ddp.stderr.split('torch/distributed/elastic')[0]          # before torchrun's report of the exits
+    assert 'gloo' not in ddp.stderr.lower() and 'Traceback' not in ours, ddp.stderr[-3000:]
+    assert not (tmp_path / 'ddp').exists()            # a new run stopped before its first epoch leaves nothing
+    one = subprocess.run([sys.executable, '-m', 'structformer', 'train', *common, '-b', '18', '--limit-train-batches',
+                          '1', '--output', str(tmp_path / 'one')], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT)))
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def step_1_loss(out):
+        line = next(line for line in out.splitlines() if ' step 1 ' in line and ' loss ' in line)
+        return float(line.split(' loss ')[1].split()[0])
+    assert step_1_loss(ddp.stdout) == pytest.approx(step_1_loss(one.stdout), abs=2e-4), (ddp.stdout, one.stdout)

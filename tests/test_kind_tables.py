@@ -277,12 +277,13 @@ def docs_copy(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         if name in state.fail:
             return 1
-        out = Path(argv[argv.index('--json' if '--json' in argv else '--output') + 1])
-        out = out / 'mlp.json' if name.startswith('mlp/') else out
+        told = argv[argv.index('--json' if '--json' in argv else '--output') + 1]
+        out = Path(told) / 'mlp.json' if name.startswith('mlp/') else Path(told)
         goals = next(g for n, g, _ in kind_tables.RECORDS if n == name)
         record = {'environment': {'cpu_kind': {'kind': state.kind, 'summary': 'a CPU'}, 'threads': 1, 'choices': {}},
                   'settings': {}, 'machine_load': {'busy': name in state.busy, 'other_cores': 0.0, 'wall_s': 60.0},
-                  'kind_goals': [kinds.goal_entry(g, 1.0, threads=1, busy=name in state.busy) for g in goals]}
+                  'kind_goals': [kinds.goal_entry(g, 1.0, threads=1, busy=name in state.busy) for g in goals],
+                  'args': {'output': told, 'threads': 1}}        # the benchmarks record where they were told to write
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record))
         return 0
@@ -347,6 +348,10 @@ def test_a_records_run_publishes_a_new_kind_whole_and_leaves_the_other_kinds_alo
     assert record == json.loads(json.dumps(kind_tables.collect('intel-avx512-bf16', folder)))
     assert all(entry['value'] == 1.0 for entry in record['goals'])
     assert {e['goal'] for e in record['goals'] if e['busy']} == {'soft_sdpa'}
+    # each record names where it was published, relative to the repository, not the staging folder since deleted
+    published = {str(p.relative_to(folder)): json.loads(p.read_text())['args']['output'] for p in folder.rglob('*.json')}
+    assert published == {name: f'docs/kinds/intel-avx512-bf16/{name}'.removesuffix('/mlp.json')
+                         for name, _, _ in kind_tables.RECORDS}, published
     text = (docs_copy.docs / 'benchmarks.md').read_text()
     assert kind_tables.table_in_docs(text, 'intel-avx512-bf16') == kind_tables.render(record)
     last = old.rindex(kind_tables.END) + len(kind_tables.END)       # the new kind's table right after the others'

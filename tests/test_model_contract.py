@@ -221,6 +221,37 @@ def test_crate_wrong_input_gives_clear_error():
         model(torch.randn(1, 1, 16, 16))
 
 
+# one model of each size-dependence the families have (the 224-px ones at their cheap side): digits / MNIST / CIFAR
+# models and the Tiny 224s of each SOFT variant (its public-code layout and Linformer baseline are size-bound)
+SIZE_PROBES = [n for n in MODELS if not n.endswith('_224') and n != 'swmlp_cifar'] + [
+    'crate_tiny_patch16_224', 'soft_tiny_224', 'soft_tiny_linformer_224', 'soft_tiny_official_224',
+    'sparsifiner_deit_tiny_patch16_224']
+
+
+@pytest.mark.parametrize('name', SIZE_PROBES)
+def test_a_model_built_for_one_input_size_says_so_to_timm(name):
+    """timm's `fixed_input_size`: a model that refuses images of another size than it was built for says True
+    (as timm's MLP-Mixer does), so that timm's scripts (`resolve_input_data_config`, validate.py --img-size) refuse
+    the size, or build the model for it, before the first batch, instead of resizing the images to a size the model
+    then refuses mid-run; a model that takes any size says False. Built at its cheap size, fed twice that side."""
+    from timm.data import resolve_input_data_config
+    from timm.models import get_model_input_config
+    model, (c, h, w) = _small(name)
+    try:
+        with torch.no_grad():
+            model.eval()(torch.randn(1, c, 2 * h, 2 * w))
+        takes_another_size = True
+    except (ValueError, RuntimeError, AssertionError):
+        takes_another_size = False
+    assert get_model_input_config(model)['fixed_input_size'] == (not takes_another_size)
+    if not takes_another_size:
+        with pytest.raises(ValueError, match='requires'):
+            resolve_input_data_config(model, {'img_size': 2 * h})
+        built = timm.create_model(name, img_size=2 * h).eval()          # what the request must build instead
+        with torch.no_grad():
+            assert built(torch.randn(1, c, 2 * h, 2 * w)).shape == (1, built.num_classes)
+
+
 def test_pretrained_request_is_refused_without_download():
     with pytest.raises(ValueError, match='no pretrained weights'):
         timm.create_model('crate_digits', pretrained=True)

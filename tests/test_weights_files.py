@@ -446,3 +446,38 @@ def test_a_whole_pickled_model_is_refused_with_the_way_to_its_weights(tmp_path, 
         lines.append(capsys.readouterr().err)
     assert lines[0] == lines[1] and 'whole pickled model' in lines[0] and 'model.state_dict()' in lines[0], lines
     assert not (tmp_path / 'out').exists()
+
+
+def _file_of(kind: str, path: Path) -> Path:
+    import pickle
+    if kind == 'zip':
+        torch.save(WEIGHTS, path)
+    elif kind == 'legacy':
+        torch.save(WEIGHTS, path, _use_new_zipfile_serialization=False)
+    elif kind.startswith('pickle-'):                 # a bare pickle.dump, at the default protocol of today's Python
+        path.write_bytes(pickle.dumps({'a': 1}, protocol=int(kind[-1])))
+    elif kind == 'safetensors':
+        save_file(WEIGHTS, str(path))
+    elif kind == 'empty':
+        path.write_bytes(b'')
+    else:                                            # 0x80 then no pickle protocol: text that happens to start so
+        path.write_bytes(b'\x80not a pickle at all')
+    return path
+
+
+@pytest.mark.parametrize('kind,expected', [('zip', 'torch'), ('legacy', 'torch'), ('pickle-4', 'torch'),
+                                           ('pickle-5', 'torch'), ('safetensors', 'safetensors'), ('empty', 'empty'),
+                                           ('x80-text', None)])
+def test_convert_and_export_call_the_same_files_pickles(kind, expected, tmp_path):
+    """One sniffer (weights/file_kind.py) for --initial-checkpoint / convert and for export: a file named neither
+    way (`.ckpt`) is a torch file to the first exactly when export refuses it as a pickle. Before, the reader
+    knew protocol 2 only (a protocol-4 pickle was 'neither') and export called any file starting 0x80 a pickle."""
+    from structformer.export.source import load_source
+    from structformer.train.initial_weights import file_format
+    from structformer.weights.file_kind import sniff
+    path = _file_of(kind, tmp_path / 'weights.ckpt')
+    assert sniff(path) == expected
+    assert file_format(path) == (expected or '')
+    with pytest.raises(UsageError) as refused:
+        load_source(path)
+    assert ('is a pickle' in str(refused.value)) == (expected == 'torch'), str(refused.value)

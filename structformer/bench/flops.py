@@ -140,7 +140,7 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
     """Parameters and forward FLOPs of one image (a language model: one sequence of its context length)
     through a registered model (eval mode, CPU).
 
-    Returns {'params', 'input_size', 'flops', 'macs', 'breakdown_macs': {component: MACs}}, with
+    Returns {'params', 'effective_params' (a mask's kept weights), 'input_size', 'flops', 'macs', 'breakdown_macs': {component: MACs}}, with
     components stem / downsampling / attention / mlp / head / other (the rest: norms' matmul-free
     ops count 0, cls-token concat etc.). Papers, SOFT Table 1–2 included, quote multiply-adds as
     "FLOPs", so compare their numbers with `macs` = flops / 2 (module docstring). Fused softmax
@@ -168,7 +168,9 @@ def model_flops(name: str, img_size: Optional[int] = None, **kwargs) -> dict:
         if component:
             breakdown[component] += sum(ops.values()) / 2
     breakdown['other'] = total / 2 - sum(breakdown.values())
-    return {'params': sum(p.numel() for p in model.parameters()), 'input_size': [chans, height, width],
+    from ..models.inventory import effective_parameter_count
+    return {'params': sum(p.numel() for p in model.parameters()), 'effective_params': effective_parameter_count(model),
+            'input_size': [chans, height, width],
             'flops': total, 'macs': total / 2, 'breakdown_macs': breakdown}
 
 

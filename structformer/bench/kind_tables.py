@@ -21,16 +21,13 @@ it took (quiet: `kinds.RECORDS_MINUTES`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -263,19 +260,26 @@ def _busy(path: Path) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _uninterrupted():
-    """Ctrl-C (SIGINT) and SIGTERM held until the block ends: the few renames that publish a kind's records and
-    tables happen all or none (a signal that arrives meanwhile is delivered after)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, 'pthread_sigmask'):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+def _name_published(folder: Path, staged: Path, published: Path) -> None:
+    """Rewrite, in every JSON record under `folder`, each path inside the staging folder `staged` (a benchmark's
+    `args.output`, `json`: where it was told to write) as the path it is published at, relative to the repository
+    (docs/kinds/KIND/...): a committed record names where it lives, not a temporary folder since deleted."""
+    prefix = str(staged.absolute())
+
+    def renamed(value):
+        if isinstance(value, dict):
+            return {k: renamed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        if isinstance(value, str) and (value == prefix or value.startswith(prefix + os.sep)):
+            return str(published / os.path.relpath(value, prefix)) if value != prefix else str(published)
+        return value
+
+    for path in folder.rglob('*.json'):
+        record = json.loads(path.read_text())
+        fixed = renamed(record)
+        if fixed != record:
+            path.write_text(json.dumps(fixed, indent=1))
 
 
 def publish(kind: str, staged: Path) -> Path:
@@ -284,43 +288,24 @@ def publish(kind: str, staged: Path) -> Path:
     heading and the table's markers after the last kind's table) and README's speed table. Everything is read, checked, rendered and written to temporaries beside
     its target first; then, with signals held, the folder is swapped and each file renamed into place, so a failed
     or interrupted publish leaves the docs as they were. Returns the kind's folder."""
-    from ..atomic import permissions_from_umask, prepare_output, temporary_sibling
+    from ..atomic import replace_together
     folder = KINDS_DIR / kind
-    KINDS_DIR.mkdir(parents=True, exist_ok=True)
-    prepare_output(folder, 'docs/kinds')                    # what an interrupted publish left (renames undone)
-    temporaries = [temporary_sibling(folder, directory=True)]
-    try:
-        shutil.copytree(staged, temporaries[0], dirs_exist_ok=True)
-        record = collect(kind, temporaries[0], shown=folder)   # a record of another kind raises here
+
+    def fill(staging: Path) -> dict:
+        shutil.copytree(staged, staging, dirs_exist_ok=True)
+        _name_published(staging, staged, folder.relative_to(KINDS_DIR.parent.parent))
+        record = collect(kind, staging, shown=folder)       # a record of another kind raises here
         records = dict(kind_records(), **{kind: record})
         measured = {k for k in records if (KINDS_DIR / k).is_dir()} | {kind}
         text = BENCHMARKS_MD.read_text()
         if START.format(kind=kind) not in text:             # a kind met for the first time: after the other kinds
             at = text.rfind(END) + len(END) if END in text else len(text.rstrip())
             text = text[:at] + f"\n\n### {KIND_LABELS.get(kind, kind)}\n\n{START.format(kind=kind)}\n{END}" + text[at:]
-        files = {KINDS_DIR / f'{kind}.json': json.dumps(record, indent=1), BENCHMARKS_MD: update_docs(text, records),
-                 README_MD: replace_section(README_MD.read_text(), render_summary(records, measured),
-                                            SUMMARY_START, SUMMARY_END)}
-        for target, content in files.items():
-            temporaries.append(temporary_sibling(target))
-            temporaries[-1].write_text(content)
-            if target.exists():                                  # mkstemp's 0600 would stick to the renamed file
-                shutil.copymode(target, temporaries[-1])
-            else:
-                permissions_from_umask(temporaries[-1], 0o666)
-        with _uninterrupted():
-            if folder.exists():
-                temporaries.append(temporary_sibling(folder, directory=True, kind='old'))
-                os.replace(folder, temporaries[-1])
-            os.replace(temporaries[0], folder)
-            for target, temporary in zip(files, temporaries[1:]):
-                os.replace(temporary, target)
-    finally:
-        for path in temporaries:
-            if path.is_dir():                                    # not renamed into place: failed, or the old folder
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+        return {KINDS_DIR / f'{kind}.json': json.dumps(record, indent=1), BENCHMARKS_MD: update_docs(text, records),
+                README_MD: replace_section(README_MD.read_text(), render_summary(records, measured),
+                                           SUMMARY_START, SUMMARY_END)}
+
+    replace_together(folder, fill, 'docs/kinds')
     return folder
 
 

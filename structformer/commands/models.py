@@ -17,11 +17,14 @@ EXAMPLES = """examples:
 def add_arguments(p) -> None:
     p.add_argument('--filter', default='', help="substring of the name, or a pattern with timm's wildcards "
                                                 "(* ? [...]) matched against the whole name, as timm.list_models")
-    p.add_argument('--json', action='store_true')
+    p.add_argument('--json', action='store_true',
+                   help='print the rows as one JSON list (name, params, effective_params, input_size, task; with '
+                        '--flops also macs, flops and breakdown_macs)')
     p.add_argument('--flops', action='store_true',
                    help='also count forward multiply-adds of one image, split by component (builds each model)')
     p.add_argument('--img-size', type=positive_int('--img-size'), default=None,
-                   help='input side for --flops (default: the model\'s own)')
+                   help="input side for --flops, which builds each model for it (a language model: its context "
+                        "length T); default: the model's own")
 
 
 def human_count(n: int) -> str:
@@ -60,6 +63,9 @@ def _flops(model_flops, name: str, img_size) -> dict:
 
 
 def run(args) -> int:
+    if args.img_size is not None and not args.flops:     # the table counts each model as registered: never at a size
+        raise UsageError(f"--img-size {args.img_size}: sizes the models for --flops only; add --flops (the parameter "
+                         "count then is the model's at that size)")
     from ..models import list_structformer_language_models, list_structformer_models
     from ..models.inventory import model_inventory
     language = set(list_structformer_language_models())
@@ -94,6 +100,10 @@ def run(args) -> int:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
         else:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")
+    for r in rows:         # SW-MLP: a dense weight of which its mask keeps a share p; the rest is zero, never trained
+        if r['effective_params'] != r['params']:
+            print(f"{r['name']}: {human_count(r['effective_params'])} of its {human_count(r['params'])} weights are kept "
+                  "by its masks (the rest are zero and get no gradient)")
     if args.flops:
         print("GMACs: multiply-adds of one image's forward (a language model: one sequence of T tokens; "
               "FlopCounterMode, matmul/conv only; papers quote these as FLOPs), split by component")

@@ -281,6 +281,8 @@ def run(args) -> int:
     from ..records import check_writable
     from .grid import CellFailed, run_cell, run_parallel, write_manifest
     check_writable(output, '--output')
+    if args.publish:                       # before the training and timing: a long run never dies at its publish
+        check_writable(Path(args.publish), '--publish')
     trained = False
     if not args.measure_only:
         if recipe_changes:                 # timings of the models trained with the old recipe

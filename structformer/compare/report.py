@@ -133,13 +133,18 @@ def write_record(output: Path, set_name: Optional[str], kind: str, rows, cells, 
 
 
 def publish(record: Dict, output: Path, docs: Path) -> Path:
-    """DOCS/leaderboard.md and DOCS/leaderboard/ (record.json and the plots) from the record in OUTPUT."""
-    from ..records import write_json, write_text
+    """DOCS/leaderboard.md and DOCS/leaderboard/ (record.json and the plots) from the record in OUTPUT, all or
+    nothing (`atomic.replace_together`): the folder is built beside the old one and swapped in with the page, so a
+    failed or interrupted publish leaves DOCS as it was, and a plot the new record no longer has does not stay."""
+    from ..atomic import replace_together
+    from ..records import write_json
     from .leaderboard import render
-    folder = docs / 'leaderboard'
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in record.get('figures', []):
-        shutil.copyfile(output / name, folder / name)
-    write_json(folder / 'record.json', record)
-    write_text(docs / PAGE, render(record, figures='leaderboard'))
+
+    def fill(staging: Path) -> dict:
+        for name in record.get('figures', []):
+            shutil.copyfile(output / name, staging / name)
+        write_json(staging / 'record.json', record)
+        return {docs / PAGE: render(record, figures='leaderboard')}
+
+    replace_together(docs / 'leaderboard', fill, '--publish')
     return docs / PAGE

@@ -9,15 +9,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 
-# torch.save writes a zip archive (b'PK\x03\x04'), older torch a bare pickle (protocol 2+: b'\x80')
-_PICKLE_MAGIC = (b'PK\x03\x04', b'\x80')
-
-
-def _looks_pickled(path: Path) -> bool:
-    with open(path, 'rb') as f:
-        head = f.read(4)
-    return any(head.startswith(magic) for magic in _PICKLE_MAGIC)
-
 
 def weights_origin(state: Dict[str, Any]) -> Optional[str]:
     """Where a weights folder's weights came from (`structformer convert`: the file's name and layout, and which
@@ -71,7 +62,8 @@ def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
         if unfinished:
             raise UsageError(f"SOURCE {source}: {unfinished}")
     if path.is_file() and path.name not in ('model.safetensors', 'state.json'):
-        if _looks_pickled(path):
+        from ..weights.file_kind import TORCH, sniff
+        if sniff(path) == TORCH:
             raise UsageError(f"SOURCE {source}: is a pickle (torch.save); export reads safetensors checkpoints "
                              "only, since unpickling can run code: give a run folder, a checkpoint folder or its "
                              "model.safetensors")

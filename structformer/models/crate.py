@@ -167,7 +167,9 @@ class CRATE(StructuredModel):
 
 
 def _cfg(**kwargs):
-    return model_cfg(first_conv='patch_embed.proj', **kwargs)
+    # fixed_input_size: the position embedding is made for one grid (forward refuses another size), so timm's
+    # scripts build the model at a requested --img-size, or refuse it, instead of resizing images it then refuses
+    return model_cfg(first_conv='patch_embed.proj', fixed_input_size=True, **kwargs)
 
 
 # the public code's ImageNet evaluation (main.py): Resize(256) → CenterCrop(224), torchvision's bilinear default

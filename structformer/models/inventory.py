@@ -1,4 +1,5 @@
-"""Parameter counts of registered models, built on the meta device (no memory, no init cost)."""
+"""Parameter counts of registered models, built on the meta device (no memory, no init cost): every weight stored
+(timm's count) and the weights a masked layer keeps (`effective_parameter_count`)."""
 from typing import Dict, List
 
 import timm
@@ -12,6 +13,7 @@ def model_inventory(names: List[str]) -> List[Dict]:
             model = timm.create_model(name)
         cfg = timm.get_pretrained_cfg(name)
         rows.append({'name': name, 'params': sum(p.numel() for p in model.parameters()),
+                     'effective_params': effective_parameter_count(model),
                      'input_size': list(cfg.input_size) if cfg else None})
     return rows
 

@@ -307,7 +307,8 @@ class _SparseWeightBlock(nn.Module):
 
 # ---- registered models ------------------------------------------------------------------------
 def _cfg(**kwargs):
-    return model_cfg(first_conv='stem.proj', **kwargs)
+    # fixed_input_size, as timm's MLP-Mixer: the token-mixing width S (SW-MLP's flat width) is the number of patches
+    return model_cfg(first_conv='stem.proj', fixed_input_size=True, **kwargs)
 
 
 _DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG)

@@ -80,22 +80,13 @@ _TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
 
 def file_format(path: Path) -> str:
     """'safetensors', 'torch', 'empty' or '' (neither) for a weights file, by its first bytes where they are
-    recognisable, so a file saved under the other format's name (a safetensors file called `.pth`) is read as what
-    it is: a torch.save zip starts with 'PK', a legacy torch.save pickle with protocol 2's 0x80 0x02, a
-    safetensors file with an 8-byte little-endian header length followed by its JSON header's '{'. Otherwise the
-    suffix decides (a damaged file then gets its format's own error)."""
-    try:
-        with open(path, 'rb') as f:
-            head = f.read(9)
-        size = path.stat().st_size
-    except OSError:
-        head, size = b'', None
-    if size == 0:
-        return 'empty'
-    if head[:4] == b'PK\x03\x04' or head[:2] == b'\x80\x02':
-        return 'torch'
-    if len(head) == 9 and head[8:9] == b'{' and size is not None and 0 < int.from_bytes(head[:8], 'little') < size:
-        return 'safetensors'
+    recognisable (`structformer.weights.file_kind.sniff`, the sniffer export shares), so a file saved under the other
+    format's name (a safetensors file called `.pth`) is read as what it is. Otherwise the suffix decides (a damaged
+    file then gets its format's own error)."""
+    from ..weights.file_kind import sniff
+    found = sniff(path)
+    if found:
+        return found
     if path.suffix == '.safetensors':
         return 'safetensors'
     return 'torch' if path.suffix in _TORCH_SUFFIXES else ''

@@ -88,6 +88,7 @@ class TrainStep:
         # a second-order optimiser (timm's AdaHessian) differentiates the gradients again in its step: the backward
         # keeps its graph, and the forward takes paths autograd can differentiate twice (autotune.twice_differentiable)
         second_order = bool(getattr(self.optimizer, 'is_second_order', False))
+        diverged = None                    # (this process's non-finite loss or None: another's, its step)
         for step, (images, targets) in enumerate(self.train_loader, start=skip):
             if self.world_size > 1:
                 # one seed made one model on every process; the training draws (dropout, drop path, Mixup) are each
@@ -96,6 +97,7 @@ class TrainStep:
                 seed_training_draws(cfg.seed, epoch, self.rank, step)
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
+            n = targets.shape[0]
             if cfg.channels_last and images.dim() == 4:
                 images = images.contiguous(memory_format=torch.channels_last)
             if self.mixup is not None:
@@ -114,19 +116,25 @@ class TrainStep:
                 for part in self.parts:          # regularisers of the weights: float32, outside autocast
                     terms.update(part.loss_terms(self))
                 loss = sum(terms.values())
-                if not torch.isfinite(loss):
+                finite = bool(torch.isfinite(loss))
+                if not finite and diverged is None:
+                    diverged = (loss.item(), step)
+                logged = loss.item() if update else None
+                if update and self.world_size > 1:
+                    # before any process enters the gradient all-reduce: whether one of them diverged since the last
+                    # optimiser step (each would otherwise stop alone, and leave the others a gloo / nccl error in
+                    # the collective it left), and the step's loss averaged over their images for the step log;
+                    # one all-reduce of three numbers per optimiser step, shared by both
+                    bad, weighted, images_in_step = all_reduce_sum([float(diverged is not None),
+                                                                    logged * n if finite else 0.0, float(n)])
+                    if bad and diverged is None:
+                        diverged = (None, step)
+                    logged = weighted / max(images_in_step, 1.0)
+                if diverged is not None and (update or self.world_size == 1):
                     bar.close()
-                    kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
-                            else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
-                    # a resumed run keeps its lr and clipping (it trains on as it started): a new run from the
-                    # last good weights is where a lower lr can go
-                    advice = ("Try a lower --lr or --clip-grad" if getattr(self, 'resumed_state', None) is None else
-                              "--resume keeps the run's --lr and --clip-grad: start a new run from that checkpoint "
-                              "(--initial-checkpoint) with a lower --lr or a --clip-grad")
-                    raise TrainingDiverged(
-                        f"loss became {loss.item()} at epoch {epoch}, step {step} (lr={self._lr():.3g}); stopped "
-                        f"without saving this state: {kept}. {advice}.")
-                self.precision.backward(loss / group, create_graph=second_order)
+                    raise TrainingDiverged(self._diverged_message(*diverged, epoch))
+                if diverged is None:
+                    self.precision.backward(loss / group, create_graph=second_order)
             if update:
                 self.precision.step(self.optimizer, self.model.parameters(), cfg.clip_grad)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -136,7 +144,6 @@ class TrainStep:
                 for part in self.parts:
                     part.after_step(self)
                 crash_point(f'epoch {epoch}:step {step // accum + 1}')
-            n = targets.shape[0]
             seen += n
             seen_targets += hard_labels(targets).numel()           # tokens for a language model
             correct += (logits.argmax(-1) == hard_labels(targets)).sum().item()
@@ -144,7 +151,7 @@ class TrainStep:
                 totals[name] = totals.get(name, 0.0) + value.item() * n
             totals['loss'] = totals.get('loss', 0.0) + loss.item() * n
             if update:
-                self.steplog.step(epoch, step + 1, batches, self.global_step, loss.item(), self._lr(),
+                self.steplog.step(epoch, step + 1, batches, self.global_step, logged, self._lr(),
                                   n * self.world_size)
             else:
                 self.steplog.count(n * self.world_size)
@@ -166,6 +173,21 @@ class TrainStep:
                   'train_img_per_s': seen / max(elapsed, 1e-9)}
         record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
         return record
+
+    def _diverged_message(self, value, step: int, epoch: int) -> str:
+        """TrainingDiverged's line: the non-finite `value` this process computed at `step`, or (None) that another
+        process's loss was not finite by the optimiser step at `step`; what was kept; what to try."""
+        kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
+                else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
+        # a resumed run keeps its lr and clipping (it trains on as it started): a new run from the last good weights
+        # is where a lower lr can go
+        advice = ("Try a lower --lr or --clip-grad" if getattr(self, 'resumed_state', None) is None else
+                  "--resume keeps the run's --lr and --clip-grad: start a new run from that checkpoint "
+                  "(--initial-checkpoint) with a lower --lr or a --clip-grad")
+        # a process told by the others knows the optimiser step, not which of its accumulated batches it was
+        became = (f"loss became {value} at epoch {epoch}, step {step}" if value is not None else
+                  f"loss became non-finite on another of the {self.world_size} processes by epoch {epoch}, step {step}")
+        return f"{became} (lr={self._lr():.3g}); stopped without saving this state: {kept}. {advice}."
 
     def _summed_over_processes(self, totals: Dict[str, float], seen: int, seen_targets: int, correct: int):
         """(totals, seen, seen_targets, correct) summed over the processes (a collective: every process calls it)."""

@@ -1,0 +1,38 @@
+"""What a weights file holds, told by its first bytes: the one sniffer that `--initial-checkpoint` / `convert`
+(which read torch files through `torch_file`) and `structformer export` (which refuses them) share, so a file is
+called a pickle by both or by neither.
+
+* torch.save's zip archive (torch >= 1.6) starts with a zip local-file header, 'PK\\x03\\x04';
+* a legacy torch.save file, or any pickle of protocol 2 to 5, with the PROTO opcode 0x80 and its protocol byte
+  (torch's legacy format writes protocol 2; a bare `pickle.dump` writes the default protocol, 4 or 5);
+* a safetensors file with an 8-byte little-endian header length, smaller than the file, then its JSON header's '{'.
+
+Standard library only: the export command asks before torch is needed.
+"""
+from pathlib import Path
+from typing import Optional
+
+__all__ = ['sniff', 'TORCH', 'SAFETENSORS', 'EMPTY']
+
+TORCH, SAFETENSORS, EMPTY = 'torch', 'safetensors', 'empty'
+_ZIP_HEADER = b'PK\x03\x04'
+_PICKLE_PROTOCOLS = range(2, 6)      # the protocols that open with the PROTO opcode (0 and 1 have no header)
+
+
+def sniff(path) -> Optional[str]:
+    """TORCH, SAFETENSORS or EMPTY (0 bytes) by the file's content, or None where the first bytes match none of
+    them (or the file cannot be read): the caller then decides by the name or refuses."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, 'rb') as f:
+            head = f.read(9)
+    except OSError:
+        return None
+    if size == 0:
+        return EMPTY
+    if head[:4] == _ZIP_HEADER or (len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS):
+        return TORCH
+    if len(head) == 9 and head[8:9] == b'{' and 0 < int.from_bytes(head[:8], 'little') < size:
+        return SAFETENSORS
+    return None
