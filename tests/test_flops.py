@@ -167,3 +167,17 @@ def test_models_cli_rejects_bad_img_size(capsys):
     with pytest.raises(SystemExit) as exc:
         main(['models', '--flops', '--img-size', '0'])
     assert exc.value.code == 2 and '--img-size must be an integer >= 1' in capsys.readouterr().err
+
+
+def test_mixer_and_sw_mlp_multiply_adds_are_counted_as_mlp():
+    """mixer_digits (S = 16, C = 32, C0 = 4, L = 4, gamma = 2) and swmlp_digits (m = 128, L = 2): the token and channel
+    MLPs, and SW-MLP's sparse-weight blocks, are the 'mlp' column (they were all 'other' before), by closed form."""
+    S, C, C0, L, gamma = 16, 32, 4, 4, 2
+    parts = model_flops('mixer_digits')['breakdown_macs']
+    token, channel = 2 * C * S * gamma * S, 2 * S * C * gamma * C           # fc1 + fc2 of each, per block
+    assert parts == {'stem': S * C0 * C, 'downsampling': 0, 'attention': 0, 'mlp': L * (token + channel),
+                     'head': C * 10, 'other': 0}
+    m, depth = 16 * 8, 2
+    parts = model_flops('swmlp_digits')['breakdown_macs']
+    assert parts == {'stem': 16 * 4 * 8, 'downsampling': 0, 'attention': 0, 'mlp': depth * m * m, 'head': m * 10,
+                     'other': 0}
