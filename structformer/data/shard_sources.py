@@ -13,6 +13,8 @@ import io
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..errors import UsageError
 from .imagefolder import as_rgb
 from .tars import IMAGE_KEYS
@@ -82,8 +84,8 @@ class HFSplit(Split):
         self.ds, self.image = ds, image
 
     def read(self, i: int) -> Tuple[str, bytes]:
-        cell = self.ds[i][self.image]
-        data, path = (cell.get('bytes'), cell.get('path')) if isinstance(cell, dict) else (None, cell)
+        from .hfds import image_cell
+        data, path = image_cell(self.ds[i][self.image])          # {'bytes', 'path'}, raw bytes, or a path
         if data is None:
             with open(path, 'rb') as f:
                 data = f.read()
@@ -146,26 +148,32 @@ def folder_source(folder: str) -> Source:
 
 
 def hfds_source(path: str) -> Source:
-    from .hfds import VAL_SPLITS, _columns, _load
+    from .hfds import OPTIONS, _columns, _load, check_labels, labelled_splits
     from .spec import resolve_options
-    from .hfds import OPTIONS
     spec = f'hfds:{path}'
-    loaded = _load(os.path.expanduser(path), f'SOURCE {spec}')
+    what = f'SOURCE {spec}'
+    loaded = _load(os.path.expanduser(path), what)
     import datasets
-    parts = ({'train': loaded['train'], **next(({'validation': loaded[s]} for s in VAL_SPLITS if s in loaded), {})}
-             if isinstance(loaded, datasets.DatasetDict) else {'train': loaded})
     if isinstance(loaded, datasets.DatasetDict) and 'train' not in loaded:
-        raise UsageError(f'SOURCE {spec}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
-    image, label = _columns(parts['train'], resolve_options('hfds', OPTIONS, {}), f'SOURCE {spec}',
+        raise UsageError(f'{what}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
+    train = loaded['train'] if isinstance(loaded, datasets.DatasetDict) else loaded
+    image, label = _columns(train, resolve_options('hfds', OPTIONS, {}), what,
                             "data shard takes the first Image and ClassLabel columns (else 'image' / 'img' and "
                             "'label' / 'labels'): name the {role} column so with datasets' rename_column")
-    feature = parts['train'].features[label]
+    feature = train.features[label]
     classes = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    train_labels, val_name, val_labels, passed = labelled_splits(loaded, label, what)
+    if passed:       # the Hub's imagenet-1k `test` (labels -1): was written as the validation shards, class -1
+        print(f'data shard: split(s) {", ".join(passed)} hold no labels (all -1): not written', flush=True)
+    parts = {'train': (train, train_labels), **({'validation': (loaded[val_name], val_labels)} if val_name else {})}
+    seen = np.concatenate([values for _, values in parts.values()])
+    num_classes = len(classes) if classes else int(seen.max(initial=-1)) + 1
     splits = {}
-    for name, ds in parts.items():
+    for name, (ds, values) in parts.items():
+        check_labels(values, num_classes, val_name if name == 'validation' else name, what)
         raw = ds.cast_column(image, datasets.Image(decode=False)) if isinstance(ds.features[image], datasets.Image) \
             else ds
-        splits[name] = HFSplit(raw, image, ds[label], f'{spec} {name}')
+        splits[name] = HFSplit(raw, image, values.tolist(), f'{spec} {name}')
     return Source(f'Hugging Face dataset {os.path.abspath(os.path.expanduser(path))}', classes, splits,
                   "the ClassLabel's names")
 
