@@ -163,3 +163,125 @@ def test_data_shard_writes_imagenet_as_downloaded(tmp_path, cache):
            for _, _, _, label in iter_shard(str(tmp_path / 'wds' / name))]
     assert [WNIDS[v] for v in val] == [truth['val'][n] for n in sorted(truth['val'])]
     assert json.loads((tmp_path / 'wds' / '_info.json').read_text())['class_order'].startswith('the synset list')
+
+
+def _extract_train(root: Path, as_tars: bool = False, classes=None) -> None:
+    """train/ as users extract it: a folder per class (or the per-class tars as they are), the big tar removed."""
+    (root / 'train').mkdir()
+    with tarfile.open(root / 'ILSVRC2012_img_train.tar') as outer:
+        for member in outer:
+            wnid = member.name[:-4]
+            if classes is not None and wnid not in classes:
+                continue
+            if as_tars:
+                (root / 'train' / member.name).write_bytes(outer.extractfile(member).read())
+                continue
+            (root / 'train' / wnid).mkdir()
+            with tarfile.open(fileobj=outer.extractfile(member)) as inner:
+                for m in inner:
+                    (root / 'train' / wnid / m.name).write_bytes(inner.extractfile(m).read())
+    (root / 'ILSVRC2012_img_train.tar').unlink()
+
+
+def _val_as_tar(root: Path, keep_empty_folder: bool = False) -> None:
+    with tarfile.open(root / 'ILSVRC2012_img_val.tar', 'w') as tar:
+        for p in sorted((root / 'val').iterdir()):
+            tar.add(p, arcname=p.name)
+    for p in (root / 'val').iterdir():
+        p.unlink()
+    if not keep_empty_folder:
+        (root / 'val').rmdir()
+
+
+def _valprep(root: Path, truth) -> None:
+    """val/ sorted into class folders, as the widely used valprep.sh does."""
+    for name, wnid in truth['val'].items():
+        (root / 'val' / wnid).mkdir(exist_ok=True)
+        (root / 'val' / name).rename(root / 'val' / wnid / name)
+
+
+def _oddities(root: Path) -> None:
+    """The real train set's oddities: a PNG and a CMYK JPEG named .JPEG, a greyscale JPEG."""
+    from PIL import Image
+    Image.new('RGB', (8, 8), (1, 2, 3)).save(root / 'train' / WNIDS[0] / f'{WNIDS[0]}_png.JPEG', 'PNG')
+    Image.new('CMYK', (8, 8), (0, 0, 0, 255)).save(root / 'train' / WNIDS[0] / f'{WNIDS[0]}_cmyk.JPEG', 'JPEG')
+    Image.new('L', (8, 8), 5).save(root / 'train' / WNIDS[1] / f'{WNIDS[1]}_grey.JPEG', 'JPEG')
+
+
+@pytest.mark.parametrize('layout', ['val tar + devkit tar.gz', 'extracted train + valprep val + oddities',
+                                    'extracted train + val tar, empty val/', 'kaggle, train/ of class tars'])
+def test_the_usual_mixes_of_tars_and_folders_read_the_same_classes(layout, tmp_path, cache):
+    """Each mix users have (parts extracted, parts as tars) gives the same classes and labels. An empty val/ (made
+    to extract into) beside the val tar was read as a val/ of no images ('labels 6 validation images; holds 0')."""
+    root = tmp_path / 'in'
+    truth = download(root, 'kaggle' if layout.startswith('kaggle') else 'devkit')
+    extra = 0
+    if layout == 'val tar + devkit tar.gz':
+        _val_as_tar(root)
+        _devkit_as_tgz(root)
+    elif layout.startswith('extracted train + valprep'):
+        _extract_train(root)
+        _valprep(root, truth)
+        _oddities(root)
+        extra = 3
+    elif layout.startswith('extracted train + val tar'):
+        _extract_train(root)
+        _val_as_tar(root, keep_empty_folder=True)
+    else:
+        _extract_train(root, as_tars=True)
+    train, val, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+    assert info.extra['classes'] == WNIDS and (len(train), len(val)) == (9 + extra, 6)
+    got = {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)}
+    assert got == truth['val']
+    train_got = {n.replace('\\', '/').split('/')[-2] + '/' + Path(n).name: WNIDS[y]
+                 for n, y in zip(train.split.names, train.split.labels)}
+    assert all(train_got[k] == w for k, (w, _) in truth['train'].items())
+    assert all(train[i][0].shape == (3, 8, 8) for i in range(len(train)))      # the oddities decode as RGB
+
+
+def test_a_train_folder_of_one_class_tar_names_its_class(tmp_path, cache):
+    """train/ holding one per-class tar (a subset): its images were named without their class and the run stopped
+    with 'training class n01440764_0.JPEG is not in the synset list'."""
+    root = tmp_path / 'in'
+    download(root, 'kaggle')
+    _extract_train(root, as_tars=True, classes=WNIDS[1:2])
+    train, _, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+    assert info.extra['classes'] == WNIDS and train.split.labels == [1, 1, 1]
+    assert all(n.startswith(f'{WNIDS[1]}/') for n in train.split.names)
+
+
+@pytest.mark.parametrize('as_tars', [False, True])
+def test_an_empty_training_class_without_a_synset_list_is_one_line(as_tars, tmp_path, cache, capsys):
+    """Without the labels the classes are the training folders (or class tars); an empty one was dropped, so the
+    model had a class fewer and every later class's index shifted. torchvision's ImageFolder refuses it; so do we."""
+    from structformer.cli import main
+    root = tmp_path / 'in'
+    download(root, 'kaggle')
+    _extract_train(root, as_tars=as_tars)
+    for name in ('LOC_synset_mapping.txt', 'LOC_val_solution.csv'):
+        (root / name).unlink()
+    for p in (root / 'val').iterdir():
+        p.unlink()
+    (root / 'val').rmdir()
+    if as_tars:
+        (root / 'train' / f'{WNIDS[1]}.tar').write_bytes(_tar_bytes([]))
+    else:
+        for p in (root / 'train' / WNIDS[1]).iterdir():
+            p.unlink()
+    rc = main(['train', '--model', 'crate_digits', '--data', f'imagenet:{root}', '--output', str(tmp_path / 'run'),
+               '--no-progress'])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and f'hold no image, e.g. {WNIDS[1]}' in err, err
+    assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('damage', [b'', b'PK\x03\x04 not a zip', None])
+def test_a_damaged_index_cache_is_rebuilt(damage, tmp_path, cache):
+    """An empty or damaged cache file (np.load's EOFError, zipfile's BadZipFile) was a traceback on every run."""
+    download(tmp_path / 'in')
+    before = build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8)[0].split
+    (cached,) = (tmp_path / 'cache').rglob('*.npz')
+    cached.write_bytes(damage if damage is not None else cached.read_bytes()[:100])
+    after = build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8)[0].split
+    assert after.names == before.names and after.ranges == before.ranges and len(after) == 9
+    assert np.load(cached)['names'].tolist() == before.names                      # written again, whole

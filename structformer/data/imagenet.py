@@ -22,6 +22,7 @@ import io
 import os
 import re
 import tarfile
+import zipfile
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -58,7 +59,7 @@ class Layout:
 
     def _val(self) -> Optional[Tuple[str, str]]:
         for path in (os.path.join(self.root, 'val'), os.path.join(self.root, KAGGLE, 'val')):
-            if os.path.isdir(path):
+            if os.path.isdir(path) and os.listdir(path):      # an empty val/ (made to extract into): the tar is read
                 folders = any(os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
                 return ('class-folders' if folders else 'flat'), path
         path = os.path.join(self.root, VAL_TAR)
@@ -134,9 +135,12 @@ def val_labels(layout: Layout, ids: Optional[Dict[int, str]]) -> Optional[Dict[i
 
 # ----------------------------------------------------------------------------- indexing tars in place
 
-def _cache_path(paths: List[str]) -> str:
+INDEX_FORMAT = 2          # in the cache key: bump when what an index holds changes (2: per_class names)
+
+
+def _cache_path(paths: List[str], nested: bool, per_class: bool) -> str:
     from .imagecheck import cache_dir
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f'{INDEX_FORMAT}\t{nested}\t{per_class}\n'.encode())
     for p in paths:
         st = os.stat(p)
         digest.update(f'{os.path.abspath(p)}\t{st.st_size}\t{st.st_mtime_ns}\n'.encode())
@@ -153,16 +157,18 @@ def _members(tar: tarfile.TarFile, where: str):
         raise UsageError(f'{where} {problem}')
 
 
-def index_tars(paths: List[str], nested: bool, what: str) -> Tuple[List[str], List[Tuple[str, int, int]]]:
+def index_tars(paths: List[str], nested: bool, what: str,
+               per_class: bool = False) -> Tuple[List[str], List[Tuple[str, int, int]]]:
     """(member names, (file, offset, size)) of the images in uncompressed tars, or in the tars inside them
-    (`nested`: a tar of per-class tars, the names then 'n01440764/n01440764_10026.JPEG'); cached."""
-    cache = _cache_path(paths)
+    (`nested`: a tar of per-class tars, the names then 'n01440764/n01440764_10026.JPEG'; `per_class`: each tar is a
+    class, its name the prefix, 'n01440764/...'); cached."""
+    cache = _cache_path(paths, nested, per_class)
     try:
         with np.load(cache, allow_pickle=False) as z:
             names = z['names'].tolist()
             return names, [(paths[t], int(o), int(s)) for t, o, s in zip(z['tar'], z['offset'], z['size'])]
-    except (OSError, KeyError, ValueError):
-        pass
+    except (OSError, KeyError, ValueError, IndexError, EOFError, zipfile.BadZipFile):
+        pass                                  # none, or damaged (np.load of an empty file: EOFError): index again
     names, ranges = [], []
     for path in paths:
         member = None
@@ -177,7 +183,9 @@ def index_tars(paths: List[str], nested: bool, what: str) -> Tuple[List[str], Li
                                     names.append(f'{wnid}/{os.path.basename(m.name)}')
                                     ranges.append((path, member.offset_data + m.offset_data, m.size))
                     elif member.name.lower().endswith(IMAGE_SUFFIXES):
-                        prefix = os.path.splitext(os.path.basename(path))[0] + '/' if len(paths) > 1 else ''
+                        # a class tar's images are its class's, however many class tars there are (one: the
+                        # names lacked the class and the run stopped, 'training class n01440764_0.JPEG')
+                        prefix = os.path.splitext(os.path.basename(path))[0] + '/' if per_class else ''
                         names.append(prefix + os.path.basename(member.name))
                         ranges.append((path, member.offset_data, member.size))
         except tarfile.ReadError as e:
@@ -218,16 +226,32 @@ def _labelled(names: List[str], classes: List[str], what: str) -> List[int]:
 def _train_split(layout: Layout, classes: Optional[List[str]]):
     kind, path = layout.train
     if kind == 'class-folders':
-        files = sorted(os.path.join(c, n) for c in os.listdir(path) if os.path.isdir(os.path.join(path, c))
+        folders = sorted(c for c in os.listdir(path) if os.path.isdir(os.path.join(path, c)))
+        files = sorted(os.path.join(c, n) for c in folders
                        for n in os.listdir(os.path.join(path, c)) if n.lower().endswith(IMAGE_SUFFIXES))
-        classes = classes or sorted({f.split(os.sep)[0] for f in files})
+        classes = classes or _found_classes(folders, files, os.sep, layout.what, path)
         labels = _labelled([f.replace(os.sep, '/') for f in files], classes, layout.what)
         return classes, FileSplit([os.path.join(path, f) for f in files], labels)
     tars = [path] if kind == 'tar-of-tars' else sorted(os.path.join(path, n) for n in os.listdir(path)
                                                       if n.endswith('.tar'))
-    names, ranges = index_tars(tars, nested=kind == 'tar-of-tars', what=layout.what)
+    names, ranges = index_tars(tars, nested=kind == 'tar-of-tars', what=layout.what, per_class=kind == 'class-tars')
+    if not classes and kind == 'class-tars':
+        classes = _found_classes([os.path.basename(t)[:-4] for t in tars], names, '/', layout.what, path)
     classes = classes or sorted({n.split('/')[0] for n in names})
     return classes, RangeSplit(names, _labelled(names, classes, layout.what), ranges)
+
+
+def _found_classes(expected: List[str], names: List[str], sep: str, what: str, path: str) -> List[str]:
+    """The classes of a training folder without a synset list: its class folders (or class tars), sorted; one that
+    holds no image is one line, as torchvision's ImageFolder refuses it (it was dropped, and the model built with
+    a class fewer than the folders, its indices shifted against the val/ folders)."""
+    found = {n.split(sep)[0] for n in names}
+    empty = [c for c in expected if c not in found]
+    if empty:
+        raise UsageError(f'{what}: {len(empty)} training class(es) of {path} hold no image, e.g. {empty[0]} (an '
+                         'incomplete extraction?); complete or remove them, or put the labels (LOC_synset_mapping.txt '
+                         'or the devkit) beside them to fix the class list')
+    return sorted(expected)
 
 
 def _val_split(layout: Layout, classes: List[str], ids):
