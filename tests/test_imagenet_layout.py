@@ -285,3 +285,24 @@ def test_a_damaged_index_cache_is_rebuilt(damage, tmp_path, cache):
     after = build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8)[0].split
     assert after.names == before.names and after.ranges == before.ranges and len(after) == 9
     assert np.load(cached)['names'].tolist() == before.names                      # written again, whole
+
+
+def test_shards_of_the_download_are_read_whole_by_timms_wds_reader(tmp_path, cache):
+    """ImageNet's files are named `.JPEG`: the shards held `KEY.jpeg`, and timm's wds reader (image keys
+    'jpg;png;webp') passed over every sample, reading 0 of them. Members are now named by the image's format,
+    the PNG named `.JPEG` in the real train set included."""
+    from timm.data import create_dataset
+
+    from structformer.data.shard_writer import write_shards
+    root = tmp_path / 'in'
+    truth = download(root)
+    _extract_train(root)
+    _oddities(root)
+    write_shards(f'imagenet:{root}', str(tmp_path / 'wds'), 4)
+    members = [n for p in sorted((tmp_path / 'wds').glob('*.tar')) for n in tarfile.open(p).getnames()]
+    assert {n.rsplit('.', 1)[1] for n in members} == {'jpg', 'png', 'cls'}
+    assert [n for n in members if n.endswith('.png')] and all('_png' in n for n in members if n.endswith('.png'))
+    for split, count in (('train', len(truth['train']) + 3), ('validation', len(truth['val']))):
+        ds = create_dataset('wds/imagenet', root=str(tmp_path / 'wds'), split=split, is_training=False, batch_size=1)
+        samples = list(ds)
+        assert len(samples) == count and all(image.size == (8, 8) for image, _ in samples)

@@ -17,23 +17,27 @@ import numpy as np
 
 from ..errors import UsageError
 from .imagefolder import as_rgb
-from .tars import IMAGE_KEYS
 
-_FORMAT_KEYS = {'JPEG': 'jpg', 'PNG': 'png', 'WEBP': 'webp', 'PPM': 'ppm', 'BMP': 'bmp', 'TIFF': 'tiff'}
+# the member extension of each image format stored as it is: webdataset's names, the ones timm's wds reader looks
+# for ('jpg;png;webp'); MPO is a JPEG with extra pictures appended (some cameras' files), read as JPEG
+_FORMAT_KEYS = {'JPEG': 'jpg', 'MPO': 'jpg', 'PNG': 'png', 'WEBP': 'webp'}
 
 
 def as_shard_image(data: bytes, ext: Optional[str]) -> Tuple[str, bytes]:
-    """(extension, bytes) to store: the bytes as they are when their format is one a shard holds, else PNG."""
-    ext = (ext or '').lower().lstrip('.')
-    if ext in IMAGE_KEYS:
-        return ext, data
+    """(extension, bytes) to store: the bytes as they are, named by their format as PIL reads it from the header
+    (not the file name's: ImageNet's `.JPEG` files were stored as `KEY.jpeg`, which timm's wds reader passes over,
+    reading none of them, and its PNG named `.JPEG` as a JPEG); another format is re-encoded as PNG. Bytes PIL
+    cannot open keep the name's extension (the writer's decode check names them)."""
     from PIL import Image
-    with Image.open(io.BytesIO(data)) as im:
-        key = _FORMAT_KEYS.get(im.format or '')
-        if key:
-            return key, data
-        out = io.BytesIO()
-        as_rgb(im).save(out, 'PNG')
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            key = _FORMAT_KEYS.get(im.format or '')
+            if key:
+                return key, data
+            out = io.BytesIO()
+            as_rgb(im).save(out, 'PNG')
+    except Exception:               # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        return (ext or '').lower().lstrip('.') or 'jpg', data
     return 'png', out.getvalue()
 
 

@@ -32,7 +32,8 @@ import numpy as np
 from ..errors import UsageError
 from .shard_sources import Source, folder_source, hfds_source, timm_source
 
-FORMAT = 1                      # bump when what a shard holds changes: a work folder of another format is not resumed
+FORMAT = 2      # bump when what a shard holds changes: a work folder of another format is not resumed (2: members
+                # named by the image's format, .jpg where a .JPEG file gave .jpeg)
 _OWNER = '_owner.json'
 WORK_SUFFIX = '.shard-work'
 
