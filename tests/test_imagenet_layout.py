@@ -306,3 +306,26 @@ def test_shards_of_the_download_are_read_whole_by_timms_wds_reader(tmp_path, cac
         ds = create_dataset('wds/imagenet', root=str(tmp_path / 'wds'), split=split, is_training=False, batch_size=1)
         samples = list(ds)
         assert len(samples) == count and all(image.size == (8, 8) for image, _ in samples)
+
+
+@pytest.mark.parametrize('part', ['train', 'val'])
+def test_an_extraction_left_half_done_is_one_line(part, tmp_path, cache, capsys):
+    """train/ with class folders and class tars (the extraction loop cut), or val/ with class folders and flat
+    images (valprep.sh cut): the folders alone were read, the rest left out of the run without a word."""
+    from structformer.cli import main
+    root = tmp_path / 'in'
+    truth = download(root)
+    if part == 'train':
+        _extract_train(root, as_tars=True)
+        with tarfile.open(root / 'train' / f'{WNIDS[0]}.tar') as tar:
+            tar.extractall(root / 'train' / WNIDS[0], filter='data')
+        (root / 'train' / f'{WNIDS[0]}.tar').unlink()
+        needle = 'holds both class folders (1) and class tars (2'
+    else:
+        _valprep(root, {'val': dict(list(truth['val'].items())[:3])})
+        needle = 'holds class folders and 3 images outside them'
+    rc = main(['train', '--model', 'crate_digits', '--data', f'imagenet:{root}', '--output', str(tmp_path / 'run'),
+               '--no-progress'])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / 'run').exists()

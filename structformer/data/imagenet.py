@@ -54,13 +54,26 @@ class Layout:
                 return kind, path
             if kind == 'dir' and os.path.isdir(path):
                 names = os.listdir(path)
-                return ('class-tars' if any(n.endswith('.tar') for n in names) else 'class-folders'), path
+                tars = sorted(n for n in names if n.endswith('.tar'))
+                folders = [n for n in names if os.path.isdir(os.path.join(path, n))]
+                if tars and folders:          # the usual extraction loop (a folder per class tar, then rm the tar), cut
+                    raise UsageError(f'{self.what}: {path} holds both class folders ({len(folders)}) and class tars '
+                                     f'({len(tars)}, e.g. {tars[0]}), where one of them was read and the other left out '
+                                     'unsaid: an extraction not finished? finish it, or keep one form')
+                return ('class-tars' if tars else 'class-folders'), path
         return None
 
     def _val(self) -> Optional[Tuple[str, str]]:
         for path in (os.path.join(self.root, 'val'), os.path.join(self.root, KAGGLE, 'val')):
-            if os.path.isdir(path) and os.listdir(path):      # an empty val/ (made to extract into): the tar is read
-                folders = any(os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
+            names = os.listdir(path) if os.path.isdir(path) else []
+            if names:                                          # an empty val/ (made to extract into): the tar is read
+                folders = any(os.path.isdir(os.path.join(path, n)) for n in names)
+                flat = sorted(n for n in names if n.lower().endswith(IMAGE_SUFFIXES)
+                              and not os.path.isdir(os.path.join(path, n)))
+                if folders and flat:          # valprep.sh moves the images into class folders one by one: cut
+                    raise UsageError(f'{self.what}: {path} holds class folders and {len(flat)} images outside them '
+                                     f'(e.g. {flat[0]}), which were left out unsaid: sorting them into class folders '
+                                     '(valprep.sh) not finished? finish it, or keep the flat folder')
                 return ('class-folders' if folders else 'flat'), path
         path = os.path.join(self.root, VAL_TAR)
         return ('flat-tar', path) if os.path.isfile(path) else None
