@@ -329,3 +329,26 @@ def test_an_extraction_left_half_done_is_one_line(part, tmp_path, cache, capsys)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / 'run').exists()
+
+
+def test_a_run_on_the_hubs_copy_is_scored_on_the_download(tmp_path, cache, capsys):
+    """The Hub's imagenet-1k names its classes by their words ('tench, Tinca tinca'), the download by WNIDs with the
+    words as descriptions, in the same order: `eval` of a run on one refused the other ('other classes: ... only
+    the run's: ...'). Another order is still refused."""
+    datasets = pytest.importorskip('datasets')
+    from structformer.cli import main
+    from structformer.data.classes import class_mismatch
+    download(tmp_path / 'in')
+    words = [f'words of {w}' for w in WNIDS]
+    feature = datasets.Features({'image': datasets.Image(), 'label': datasets.ClassLabel(names=words)})
+    rows = {'image': [{'bytes': _jpeg(40 * k), 'path': None} for k in range(6)], 'label': [0, 1, 2] * 2}
+    datasets.DatasetDict({'train': datasets.Dataset.from_dict(rows, features=feature),
+                          'validation': datasets.Dataset.from_dict(rows, features=feature)}).save_to_disk(
+        str(tmp_path / 'hub'))
+    assert main(['train', '--model', 'crate_digits', '--data', f"hfds:{tmp_path / 'hub'}", '--epochs', '1',
+                 '--batch-size', '3', '--workers', '0', '--no-progress', '--output', str(tmp_path / 'run')]) == 0
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'run'), '--data', f"imagenet:{tmp_path / 'in'}"]) == 0
+    assert '(val, 6 images)' in capsys.readouterr().out
+    assert class_mismatch(WNIDS, words, words, None) is None                   # either side's words
+    assert class_mismatch(words[::-1], WNIDS, None, words).startswith('other classes')   # another order: refused

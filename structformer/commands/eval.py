@@ -55,7 +55,8 @@ def run(args) -> int:
                          f"{model.num_classes}")
     from ..data.classes import class_mismatch
     data_info = state.get('data_info') or {}
-    problem = class_mismatch(data_info.get('classes'), info.extra.get('classes'))
+    problem = class_mismatch(data_info.get('classes'), info.extra.get('classes'), data_info.get('class_descriptions'),
+                             info.extra.get('class_descriptions'))
     if problem:
         order = data_info.get('class_order')
         raise UsageError(f"--data {data} does not name the classes {state['path']} was trained on: {problem}"
