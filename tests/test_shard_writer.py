@@ -272,3 +272,20 @@ def test_cli_lines_name_the_command_out_and_what_is_kept(tmp_path, cache, monkey
     assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--shard-size', '2']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"OUT {tmp_path / 'out'}: the disk is full" in err[0], err
+
+
+@pytest.mark.parametrize('target_exists', [True, False])
+def test_out_a_link_to_a_folder_on_another_disk_is_written_there(target_exists, tmp_path, cache):
+    """OUT a symlink to an empty folder (or to one not made yet) on a bigger disk: the work folder went beside the
+    link, on the link's disk, and after every shard was written the rename stopped with 'not a directory'."""
+    src = _folder(tmp_path / 'src')
+    (tmp_path / 'big').mkdir()
+    if target_exists:
+        (tmp_path / 'big' / 'wds').mkdir()
+    (tmp_path / 'small').mkdir()
+    (tmp_path / 'small' / 'wds').symlink_to(tmp_path / 'big' / 'wds')
+    info = write_shards(str(src), str(tmp_path / 'small' / 'wds'), 4)
+    assert (tmp_path / 'small' / 'wds').is_symlink()
+    assert sorted(p.name for p in (tmp_path / 'big' / 'wds').iterdir()) == ['_info.json'] + info['splits']['train']['filenames']
+    assert sorted(p.name for p in (tmp_path / 'small').iterdir()) == ['wds']          # no work folder left there
+    assert sorted(p.name for p in (tmp_path / 'big').iterdir()) == ['wds']

@@ -301,7 +301,10 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
     if bad_images == 'error':
         _check_files_first(source, check)
     jobs = plan_shards(source, shard_size, seed)
-    work = work_folder(out)
+    # OUT a link to an empty folder (the usual way to put a data set on a bigger disk): the work folder went beside
+    # the link, on the link's disk, and the final rename failed ('not a directory') after every shard was written
+    target = os.path.realpath(out)
+    work = work_folder(target)
     os.makedirs(os.path.dirname(work), exist_ok=True)
     plan = plan_digest(source, shard_size, seed)
     done = set(claim(work, out, plan, clean))
@@ -320,9 +323,9 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         for _, name, _ in jobs:
             os.unlink(os.path.join(work, name + '.json'))
         os.unlink(os.path.join(work, _OWNER))
-        if os.path.isdir(out):
-            os.rmdir(out)                    # empty (checked above)
-        os.rename(work, out)
+        if os.path.isdir(target):
+            os.rmdir(target)                 # empty (checked above)
+        os.rename(work, target)
     except KeyboardInterrupt as e:        # what the CLI's interrupt line says (not its training wording)
         _release(work, plan)
         e.said = (f'OUT {out} is not written; the {finished} finished shard(s) are kept in {work}: the same command '
