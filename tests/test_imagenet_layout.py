@@ -352,3 +352,17 @@ def test_a_run_on_the_hubs_copy_is_scored_on_the_download(tmp_path, cache, capsy
     assert '(val, 6 images)' in capsys.readouterr().out
     assert class_mismatch(WNIDS, words, words, None) is None                   # either side's words
     assert class_mismatch(words[::-1], WNIDS, None, words).startswith('other classes')   # another order: refused
+
+
+def test_kaggles_label_files_saved_with_a_bom_and_crlf_are_read(tmp_path, cache):
+    """LOC_val_solution.csv / LOC_synset_mapping.txt saved again by a spreadsheet or on Windows (a UTF-8 BOM, CRLF):
+    the BOM named the first column '\\ufeffImageId' (every validation image 'has no label') and the first synset
+    '\\ufeffn01440764'."""
+    root = tmp_path / 'in'
+    truth = download(root, 'kaggle')
+    for name in ('LOC_val_solution.csv', 'LOC_synset_mapping.txt'):
+        text = (root / name).read_text()
+        (root / name).write_bytes(b'\xef\xbb\xbf' + text.replace('\n', '\r\n').encode())
+    _, val, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+    assert info.extra['classes'] == WNIDS and info.extra['class_descriptions'][0] == f'words of {WNIDS[0]}'
+    assert {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)} == truth['val']

@@ -103,7 +103,7 @@ def read_synsets(layout: Layout) -> Tuple[Optional[List[str]], Dict[str, str], O
     mapping = layout.label_file('LOC_synset_mapping.txt')
     if mapping is not None:
         words = {}
-        for line in mapping.decode('utf-8').splitlines():
+        for line in mapping.decode('utf-8-sig').splitlines():
             if line.strip():
                 wnid, _, text = line.strip().partition(' ')
                 words[wnid] = text
@@ -128,7 +128,9 @@ def val_labels(layout: Layout, ids: Optional[Dict[int, str]]) -> Optional[Dict[i
     solution = layout.label_file('LOC_val_solution.csv')
     if solution is not None:
         out = {}
-        for row in csv.DictReader(io.StringIO(solution.decode('utf-8'))):
+        # utf-8-sig: a file saved again by a spreadsheet starts with a BOM, which named the first column
+        # '\ufeffImageId' (every image then 'has no label'), and the first synset '\ufeffn01440764'
+        for row in csv.DictReader(io.StringIO(solution.decode('utf-8-sig'))):
             number = _VAL_NUMBER.search(row.get('ImageId', ''))
             if number and row.get('PredictionString', '').split():
                 out[int(number.group(1))] = row['PredictionString'].split()[0]
