@@ -289,3 +289,22 @@ def test_out_a_link_to_a_folder_on_another_disk_is_written_there(target_exists, 
     assert sorted(p.name for p in (tmp_path / 'big' / 'wds').iterdir()) == ['_info.json'] + info['splits']['train']['filenames']
     assert sorted(p.name for p in (tmp_path / 'small').iterdir()) == ['wds']          # no work folder left there
     assert sorted(p.name for p in (tmp_path / 'big').iterdir()) == ['wds']
+
+
+def test_a_folder_with_train_alone_is_its_training_split_not_one_class(tmp_path, cache):
+    """DIR/train/<class>/... without val/ (not prepared yet): `data shard DIR` wrote one class named 'train' holding
+    every image, and `--data imagefolder:DIR` refused it as one class. A class folder named 'train' (vehicles)
+    holds images and stays a class."""
+    from structformer.data import build_datasets
+    _folder(tmp_path / 'src' / 'train')
+    info = write_shards(str(tmp_path / 'src'), str(tmp_path / 'wds'), 5)
+    assert info['classes'] == ['Bee', 'Zebra', 'ant'] and sorted(info['splits']) == ['train']
+    assert info['splits']['train']['num_samples'] == 9
+    _, _, data = build_datasets(f"imagefolder:{tmp_path / 'src'}", img_size=8, val_fraction=0.34)
+    assert data.extra['classes'] == ['Bee', 'Zebra', 'ant'] and data.extra['split'].endswith('of train/')
+    vehicles = _folder(tmp_path / 'vehicles')
+    (vehicles / 'train').mkdir()
+    from PIL import Image
+    Image.new('RGB', (8, 8)).save(vehicles / 'train' / 'locomotive.jpg')
+    info = write_shards(str(vehicles), str(tmp_path / 'wds2'), 5)
+    assert info['classes'] == ['Bee', 'Zebra', 'ant', 'train']

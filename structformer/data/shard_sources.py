@@ -134,9 +134,10 @@ def folder_source(folder: str) -> Source:
     if not os.path.isdir(folder):
         raise UsageError(f'SOURCE {folder}: not a folder (accepted: an image folder, imagefolder:PATH, hfds:PATH, '
                          'imagenet:PATH, timm:NAME:ROOT)')
-    val_dir = next((d for d in ('val', 'test') if os.path.isdir(os.path.join(folder, d))), None)
-    roots = ({'train': os.path.join(folder, 'train'), 'validation': os.path.join(folder, val_dir)}
-             if val_dir and os.path.isdir(os.path.join(folder, 'train')) else {'train': folder})
+    from .imagefolder import split_folders
+    train_dir, val_path = split_folders(folder)           # train/ alone was read as one class named 'train'
+    val_dir = os.path.basename(val_path) if val_path else None
+    roots = {'train': train_dir or folder, **({'validation': val_path} if val_path else {})}
     splits, classes = {}, None
     for split, root in roots.items():
         try:
