@@ -308,3 +308,44 @@ def test_a_folder_with_train_alone_is_its_training_split_not_one_class(tmp_path,
     Image.new('RGB', (8, 8)).save(vehicles / 'train' / 'locomotive.jpg')
     info = write_shards(str(vehicles), str(tmp_path / 'wds2'), 5)
     assert info['classes'] == ['Bee', 'Zebra', 'ant', 'train']
+
+
+def test_out_a_mounted_disk_is_written_on_that_disk(tmp_path, cache, monkeypatch, capsys):
+    """OUT an empty disk mounted there (`data shard SRC /mnt/disk`): the work folder went beside it, on the parent's
+    disk, and after every shard the rename over the mount point failed ('Device or resource busy'). The work
+    folder is now inside OUT and its files are moved in, _info.json last; a failed run keeps its finished shards in
+    OUT/.shard-work and the next run resumes from them. (The mount is simulated: os.path.ismount says so for OUT,
+    and os.rmdir of it fails as a mount point's does.)"""
+    import errno
+
+    import structformer.data.shard_writer as writer
+    src = _folder(tmp_path / 'src')
+    out = tmp_path / 'disk'
+    out.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, 'ismount', lambda p: os.path.abspath(p) == str(out) or real_ismount(p))
+    real_rmdir, real_write = os.rmdir, writer.write_one
+
+    def rmdir(path, *a, **k):
+        if os.path.abspath(path) == str(out):
+            raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
+        return real_rmdir(path, *a, **k)
+    monkeypatch.setattr(os, 'rmdir', rmdir)
+    works, calls = set(), []
+
+    def interrupted(job):
+        works.add(job[0])
+        calls.append(job)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, 'I/O error')
+        return real_write(job)
+    monkeypatch.setattr(writer, 'write_one', interrupted)
+    with pytest.raises(OSError):
+        write_shards(str(src), str(out), 2)
+    assert works == {str(out / '.shard-work')} and sorted(p.name for p in tmp_path.iterdir()) == ['cache', 'disk', 'src']
+    monkeypatch.setattr(writer, 'write_one', real_write)
+    info = write_shards(str(src), str(out), 2)                          # resumed from OUT/.shard-work
+    assert '2 finished shard(s)' in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted(['_info.json'] + info['splits']['train']['filenames'])
+    write_shards(str(src), str(tmp_path / 'straight'), 2)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / 'straight')

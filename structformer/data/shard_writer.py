@@ -39,9 +39,30 @@ WORK_SUFFIX = '.shard-work'
 
 
 def work_folder(out: str) -> str:
-    """The work folder of OUT: a hidden sibling, so nothing reading OUT's parent takes it for a data set."""
+    """The work folder of OUT: a hidden sibling, so nothing reading OUT's parent takes it for a data set; inside
+    OUT where OUT is a mounted disk (`_mounted`), whose sibling would be on another disk."""
     out = os.path.abspath(out)
+    if _mounted(out):
+        return os.path.join(out, WORK_SUFFIX)
     return os.path.join(os.path.dirname(out), '.' + os.path.basename(out) + WORK_SUFFIX)
+
+
+def _mounted(out: str) -> bool:
+    """OUT an existing folder on another file system than its parent (an empty disk mounted there): a sibling
+    work folder filled the parent's disk, and the final rename over OUT failed ('Device or resource busy')."""
+    try:
+        return os.path.isdir(out) and (os.path.ismount(out) or
+                                       os.stat(out).st_dev != os.stat(os.path.dirname(out)).st_dev)
+    except OSError:
+        return False
+
+
+def _move_into(work: str, target: str) -> None:
+    """The finished work folder's files moved into the existing folder `target` (same file system), _info.json
+    last, so that a reader of `wds:OUT` sees a whole data set or none; then the work folder removed."""
+    for name in sorted(os.listdir(work), key=lambda n: n == '_info.json'):
+        os.replace(os.path.join(work, name), os.path.join(target, name))
+    os.rmdir(work)
 
 
 def open_source(text: str) -> Source:
@@ -290,7 +311,7 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         raise UsageError(f"--bad-images {bad_images!r}: expected 'error' or 'skip'")
     if not str(out).strip():
         raise UsageError("OUT '': empty; give a new folder")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out)) - {WORK_SUFFIX}):
         raise UsageError(f'OUT {out}: exists and is not an empty folder; give a new folder')
     _check_out_outside_source(source_text, out)
     from ..records import check_writable
@@ -323,9 +344,12 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         for _, name, _ in jobs:
             os.unlink(os.path.join(work, name + '.json'))
         os.unlink(os.path.join(work, _OWNER))
-        if os.path.isdir(target):
-            os.rmdir(target)                 # empty (checked above)
-        os.rename(work, target)
+        if os.path.dirname(work) == target:
+            _move_into(work, target)        # a mounted OUT: the work folder is inside it
+        else:
+            if os.path.isdir(target):
+                os.rmdir(target)             # empty (checked above)
+            os.rename(work, target)
     except KeyboardInterrupt as e:        # what the CLI's interrupt line says (not its training wording)
         _release(work, plan)
         e.said = (f'OUT {out} is not written; the {finished} finished shard(s) are kept in {work}: the same command '
