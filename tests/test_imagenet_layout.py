@@ -284,7 +284,7 @@ def test_a_damaged_index_cache_is_rebuilt(damage, tmp_path, cache):
     cached.write_bytes(damage if damage is not None else cached.read_bytes()[:100])
     after = build_datasets(f"imagenet:{tmp_path / 'in'}", img_size=8)[0].split
     assert after.names == before.names and after.ranges == before.ranges and len(after) == 9
-    assert np.load(cached)['names'].tolist() == before.names                      # written again, whole
+    assert [n.decode() for n in np.load(cached)['names'].tolist()] == before.names      # written again, whole
 
 
 def test_shards_of_the_download_are_read_whole_by_timms_wds_reader(tmp_path, cache):
@@ -366,3 +366,30 @@ def test_kaggles_label_files_saved_with_a_bom_and_crlf_are_read(tmp_path, cache)
     _, val, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
     assert info.extra['classes'] == WNIDS and info.extra['class_descriptions'][0] == f'words of {WNIDS[0]}'
     assert {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)} == truth['val']
+
+
+def test_the_index_cache_keeps_the_newest_few_and_non_ascii_names(tmp_path, cache, monkeypatch):
+    """Each copy of a download (a cluster job copying it to local disk) is indexed anew: its index file (~180 MB for
+    ImageNet's train tar, names held as 4-byte characters) stayed in the cache for good. The most recently used
+    KEEP_INDEXES are kept, names stored as UTF-8 (read back the same, non-ASCII too)."""
+    import os
+
+    import structformer.data.imagenet as imagenet
+    keep = getattr(imagenet, 'KEEP_INDEXES', 8)
+    folder = tmp_path / 'cache' / 'imagenet-index'
+    folder.mkdir(parents=True)
+    for k in range(keep + 3):                       # older indexes of earlier copies
+        (folder / f'old{k}.npz').write_bytes(b'x')
+        os.utime(folder / f'old{k}.npz', (1000 + k, 1000 + k))
+    root = tmp_path / 'in'
+    download(root, 'kaggle')
+    _extract_train(root, as_tars=True)
+    with tarfile.open(root / 'train' / f'{WNIDS[0]}.tar') as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar]
+    (root / 'train' / f'{WNIDS[0]}.tar').write_bytes(_tar_bytes(members + [('n01440764_é.JPEG', _jpeg(7))]))
+    first = build_datasets(f'imagenet:{root}', img_size=8)[0].split
+    left = sorted(p.name for p in folder.iterdir())
+    assert len(left) == keep and 'old0.npz' not in left and f'old{keep + 2}.npz' in left
+    monkeypatch.setattr(imagenet, '_members', lambda *a: pytest.fail('indexed again'))
+    again = build_datasets(f'imagenet:{root}', img_size=8)[0].split
+    assert again.names == first.names and f'{WNIDS[0]}/n01440764_é.JPEG' in again.names

@@ -150,7 +150,8 @@ def val_labels(layout: Layout, ids: Optional[Dict[int, str]]) -> Optional[Dict[i
 
 # ----------------------------------------------------------------------------- indexing tars in place
 
-INDEX_FORMAT = 2          # in the cache key: bump when what an index holds changes (2: per_class names)
+INDEX_FORMAT = 3          # in the cache key: bump when what an index holds changes (2: per_class names; 3: UTF-8)
+KEEP_INDEXES = 8          # index files kept in the cache, the most recently used
 
 
 def _cache_path(paths: List[str], nested: bool, per_class: bool) -> str:
@@ -180,7 +181,8 @@ def index_tars(paths: List[str], nested: bool, what: str,
     cache = _cache_path(paths, nested, per_class)
     try:
         with np.load(cache, allow_pickle=False) as z:
-            names = z['names'].tolist()
+            names = [n.decode('utf-8') for n in z['names'].tolist()]
+            _touch(cache)
             return names, [(paths[t], int(o), int(s)) for t, o, s in zip(z['tar'], z['offset'], z['size'])]
     except (OSError, KeyError, ValueError, IndexError, EOFError, zipfile.BadZipFile):
         pass                                  # none, or damaged (np.load of an empty file: EOFError): index again
@@ -214,13 +216,36 @@ def index_tars(paths: List[str], nested: bool, what: str,
         from ..atomic import write_atomically
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         where = {p: i for i, p in enumerate(paths)}
+        # names as UTF-8 bytes: numpy's str arrays hold 4 bytes a character (ImageNet's index was ~180 MB, ~45 MB so)
         write_atomically(cache, lambda f: np.savez(
-            f, names=np.array(names), tar=np.array([where[r[0]] for r in ranges], np.int32),
+            f, names=np.array([n.encode('utf-8') for n in names], dtype=bytes), tar=np.array([where[r[0]] for r in ranges], np.int32),
             offset=np.array([r[1] for r in ranges], np.int64), size=np.array([r[2] for r in ranges], np.int64)),
             binary=True)
+        _prune(os.path.dirname(cache))
     except OSError:
         pass                                  # a read-only home: index again next time
     return names, ranges
+
+
+def _touch(cache: str) -> None:
+    """Mark an index file used (its modification time is what _prune keeps the newest by)."""
+    try:
+        os.utime(cache)
+    except OSError:
+        pass                                  # a read-only cache: it is read all the same
+
+
+def _prune(folder: str) -> None:
+    """Keep the KEEP_INDEXES most recently used index files. Each copy of a download (a cluster job copying it to
+    local disk: another path, another modification time) is indexed anew, and its file of tens of MB stayed in
+    the home folder's cache for good. A removed index only costs indexing again."""
+    entries = sorted((e for e in os.scandir(folder) if e.name.endswith('.npz')),
+                     key=lambda e: e.stat().st_mtime_ns, reverse=True)
+    for entry in entries[KEEP_INDEXES:]:
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            pass                              # removed by another process meanwhile
 
 
 # ----------------------------------------------------------------------------- splits
