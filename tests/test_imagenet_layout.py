@@ -369,7 +369,7 @@ def test_kaggles_label_files_saved_with_a_bom_and_crlf_are_read(tmp_path, cache)
 
 
 def test_the_index_cache_keeps_the_newest_few_and_non_ascii_names(tmp_path, cache, monkeypatch):
-    """Each copy of a download (a cluster job copying it to local disk) is indexed anew: its index file (~180 MB for
+    """Each copy of a download (a cluster job copying it to local disk) is indexed anew: its index file (174 MB for
     ImageNet's train tar, names held as 4-byte characters) stayed in the cache for good. The most recently used
     KEEP_INDEXES are kept, names stored as UTF-8 (read back the same, non-ASCII too)."""
     import os
