@@ -393,3 +393,27 @@ def test_the_index_cache_keeps_the_newest_few_and_non_ascii_names(tmp_path, cach
     monkeypatch.setattr(imagenet, '_members', lambda *a: pytest.fail('indexed again'))
     again = build_datasets(f'imagenet:{root}', img_size=8)[0].split
     assert again.names == first.names and f'{WNIDS[0]}/n01440764_é.JPEG' in again.names
+
+
+def test_a_bad_image_met_while_writing_shards_says_skip_resumes(tmp_path, cache, capsys):
+    """An image inside the train tar that does not decode stops `data shard` hours in (the tars get no up-front
+    check). The line said 'fix or remove it': removing it changes what every shard holds, so every finished shard
+    was written again. It now says so, and that --bad-images skip resumes from the finished shards."""
+    from structformer.cli import main
+    root = tmp_path / 'in'
+    download(root)
+    with tarfile.open(root / 'ILSVRC2012_img_train.tar') as outer:
+        inner = [(m.name, outer.extractfile(m).read()) for m in outer]
+    with tarfile.open(fileobj=io.BytesIO(inner[2][1])) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar]
+    members[1] = (members[1][0], members[1][1][:60])                 # cut after its header
+    inner[2] = (inner[2][0], _tar_bytes(members))
+    (root / 'ILSVRC2012_img_train.tar').write_bytes(_tar_bytes(inner))
+    argv = ['data', 'shard', f'imagenet:{root}', str(tmp_path / 'wds'), '--shard-size', '1']
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f'{WNIDS[2]}/{WNIDS[2]}_1.JPEG cannot be read' in err, err
+    assert 'pass --bad-images skip' in err and 'removing it changes what every shard holds' in err, err
+    assert main(argv + ['--bad-images', 'skip']) == 0
+    out = capsys.readouterr().out
+    assert 'resuming the interrupted run' in out and '1 left out' in out, out

@@ -236,8 +236,12 @@ def write_one(job: Tuple[str, str, str, List[int], str]) -> Tuple[str, int, List
                     why = f'{type(e).__name__}: {e}'
                 if why is not None:
                     if bad_images != 'skip':
-                        raise UsageError(f'SOURCE: {split.names[position]} cannot be read ({why}); fix or remove it, '
-                                         'or pass --bad-images skip to leave such images out (named in _info.json)')
+                        # removing the file changes every shard's content (the order is a permutation of the
+                        # items), so the finished shards would be written again: hours into ImageNet, say so
+                        raise UsageError(f'SOURCE: {split.names[position]} cannot be read ({why}); pass --bad-images '
+                                         'skip to leave such images out (named in _info.json; the finished shards are '
+                                         'kept), or replace it with a readable copy; removing it changes what every '
+                                         'shard holds, so all are written again')
                     left_out.append((split.names[position], why))
                     continue
                 key = _key(position, split.names[position])
