@@ -417,3 +417,30 @@ def test_a_bad_image_met_while_writing_shards_says_skip_resumes(tmp_path, cache,
     assert main(argv + ['--bad-images', 'skip']) == 0
     out = capsys.readouterr().out
     assert 'resuming the interrupted run' in out and '1 left out' in out, out
+
+
+def test_the_validation_images_alone_score_a_model_and_are_refused_for_training(tmp_path, cache, capsys):
+    """The val tar and the devkit alone (6.3 GB, what one downloads to score pretrained models): `eval` was refused
+    ('no training images'). Now they score a model; training and `eval --split train` are one line each (the
+    latter divided by zero), nothing written."""
+    from structformer.cli import main
+    root = tmp_path / 'in'
+    truth = download(root)
+    assert main(['train', '--model', 'crate_digits', '--data', f'imagenet:{root}', '--epochs', '1', '--batch-size',
+                 '3', '--workers', '0', '--no-progress', '--output', str(tmp_path / 'run')]) == 0
+    _val_as_tar(root)
+    _devkit_as_tgz(root)
+    (root / 'ILSVRC2012_img_train.tar').unlink()
+    train, val, info = build_datasets(f'imagenet:{root}', img_size=8)
+    assert (len(train), len(val), info.extra['classes']) == (0, 6, WNIDS)
+    assert {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)} == truth['val']
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'run'), '--data', f'imagenet:{root}']) == 0
+    assert '(val, 6 images)' in capsys.readouterr().out
+    for argv in (['eval', '--checkpoint', str(tmp_path / 'run'), '--data', f'imagenet:{root}', '--split', 'train'],
+                 ['train', '--model', 'crate_digits', '--data', f'imagenet:{root}', '--no-progress', '--output',
+                  str(tmp_path / 'run2')]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and 'holds the validation images alone' in err, err
+    assert not (tmp_path / 'run2').exists()

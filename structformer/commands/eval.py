@@ -64,6 +64,9 @@ def run(args) -> int:
     if args.per_class and info.name in ('pysource', 'text'):
         raise UsageError(f"--per-class: --data {data} is language modelling (its classes are bytes); leave it out")
     dataset = val_ds if args.split == 'val' else train_ds
+    if not len(dataset):          # scoring nothing divided by zero
+        raise UsageError(getattr(dataset, 'empty_because', None) or f'--split {args.split}: --data {data} holds no '
+                         f'{args.split} images')
     precision, how = _precision(args, cfg, state)
     if len(dataset):           # other images (size, channels) or text: one line before the whole split is read
         from torch.utils.data import default_collate

@@ -327,17 +327,26 @@ def _val_split(layout: Layout, classes: List[str], ids):
     return split_of(names, labels)
 
 
-def imagenet_source(path: str, what: str) -> Source:
-    """The training and validation splits of a download folder, in the synset order (see the module's doc)."""
+def imagenet_source(path: str, what: str, validation_only: bool = False) -> Source:
+    """The training and validation splits of a download folder, in the synset order (see the module's doc).
+    `validation_only`: a folder with the validation images alone (and the synset list, or val/ in class folders)
+    gives the 'validation' split alone, enough to score a model; else it is refused."""
     root = os.path.expanduser(path)
     if not os.path.isdir(root):
         raise UsageError(f'{what}{path}: not a folder (expected the ImageNet download folder)')
     layout = Layout(root, f'{what}{path}')
-    if layout.train is None:
-        raise UsageError(f'{what}{path}: no training images: expected {TRAIN_TAR}, train/ or {KAGGLE}/train/')
+    no_train = f'{what}{path}: no training images: expected {TRAIN_TAR}, train/ or {KAGGLE}/train/'
+    if layout.train is None and not (validation_only and layout.val is not None):
+        raise UsageError(no_train)
     classes, words, ids = read_synsets(layout)
-    classes, train = _train_split(layout, classes)
-    splits = {'train': train}
+    splits = {}
+    if layout.train is not None:
+        classes, splits['train'] = _train_split(layout, classes)
+    elif classes is None and layout.val[0] == 'class-folders':
+        classes = sorted(c for c in os.listdir(layout.val[1]) if os.path.isdir(os.path.join(layout.val[1], c)))
+    elif classes is None:
+        raise UsageError(f'{no_train}; and no synset list (LOC_synset_mapping.txt or the devkit\'s meta.mat) to '
+                         'name the classes of the validation images by')
     if layout.val is not None:
         splits['validation'] = _val_split(layout, classes, ids)
     source = Source(f'ImageNet download folder {os.path.abspath(root)}', classes, splits,
@@ -359,6 +368,22 @@ def _options():
         'bad_images': Option(str, 'error', "'error' or 'skip' (an undecodable image is replaced by the next one, "
                              "named in the log)", lambda v: v in ('error', 'skip')),
     }
+
+
+class NoTrainingImages:
+    """The training split of a download that holds the validation images alone: empty; training on it is refused
+    with `empty_because` (the loaders' check), scoring does not read it."""
+
+    targets: List[int] = []
+
+    def __init__(self, empty_because: str):
+        self.empty_because = empty_because
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, index: int):
+        raise UsageError(self.empty_because)
 
 
 class SplitImages:
@@ -391,9 +416,14 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
     from .tensor import stratified_split
     opts = resolve_options('imagenet', _options(), options)
     train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
-    source = imagenet_source(path, '--data imagenet:')
-    train_split = source.splits['train']
-    if 'validation' in source.splits:
+    source = imagenet_source(path, '--data imagenet:', validation_only=True)
+    train_split = source.splits.get('train')
+    if train_split is None:         # the val tar and the devkit alone, as downloaded to score pretrained models
+        val = SplitImages(source.splits['validation'], eval_tf)
+        train = NoTrainingImages(f'--data {spec}: holds the validation images alone (no {TRAIN_TAR}, train/ or '
+                                 f'{KAGGLE}/train/): enough to score a model on them, not to train one or score its training split')
+        split = f'validation images alone: {len(val)} (no training images)'
+    elif 'validation' in source.splits:
         train, val = SplitImages(train_split, train_tf), SplitImages(source.splits['validation'], eval_tf)
         split = f'{len(train)} train, {len(val)} validation images'
     else:
@@ -402,7 +432,8 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
         split = (f'no validation images found: stratified split {len(train)} train / {len(val)} val '
                  f'(val_fraction={val_fraction}, seed={seed})')
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
+        train = train if train_split is None else ReplaceUnreadable(train, spec)
+        val = ReplaceUnreadable(val, spec, held_out=True)
     classes = source.classes
     return train, val, DatasetInfo(
         name='imagenet', num_classes=len(classes), in_chans=3, img_size=opts['img_size'], train_size=len(train),
