@@ -308,6 +308,11 @@ def test_a_folder_with_train_alone_is_its_training_split_not_one_class(tmp_path,
     Image.new('RGB', (8, 8)).save(vehicles / 'train' / 'locomotive.jpg')
     info = write_shards(str(vehicles), str(tmp_path / 'wds2'), 5)
     assert info['classes'] == ['Bee', 'Zebra', 'ant', 'train']
+    (vehicles / 'train' / 'locomotive.jpg').rename(tmp_path / 'loco.jpg')             # images one level down
+    (vehicles / 'train' / '2019').mkdir()
+    (tmp_path / 'loco.jpg').rename(vehicles / 'train' / '2019' / 'locomotive.jpg')
+    info = write_shards(str(vehicles), str(tmp_path / 'wds3'), 5)
+    assert info['classes'] == ['Bee', 'Zebra', 'ant', 'train']                        # other classes beside it
 
 
 def test_out_a_mounted_disk_is_written_on_that_disk(tmp_path, cache, monkeypatch, capsys):

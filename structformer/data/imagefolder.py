@@ -246,9 +246,9 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
 
 def split_folders(root: str) -> Tuple[Optional[str], Optional[str]]:
     """(train folder, val folder) of an image folder split into `train/` and `val/` (or `test/`), else (None, None):
-    the folder itself holds the class folders. `train/` without a val/ or test/ is the training split when it holds
-    folders and no image of its own (it was read as one class named 'train', every image in it; a class folder
-    named 'train', e.g. of vehicles, holds images)."""
+    the folder itself holds the class folders. `train/` without a val/ or test/ is the training split when it is
+    the only folder there and holds folders and no image of its own (it was read as one class named 'train', every
+    image in it; a class folder named 'train', e.g. of vehicles, holds images or has other classes beside it)."""
     val = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
     train = os.path.join(root, 'train')
     if not os.path.isdir(train):
@@ -257,7 +257,8 @@ def split_folders(root: str) -> Tuple[Optional[str], Optional[str]]:
         return train, val
     from torchvision.datasets.folder import IMG_EXTENSIONS     # the files torchvision's ImageFolder reads
     entries = list(os.scandir(train))
-    split = any(e.is_dir() for e in entries) and not any(
+    beside = [e.name for e in os.scandir(root) if e.is_dir() and e.name != 'train' and not e.name.startswith('.')]
+    split = not beside and any(e.is_dir() for e in entries) and not any(
         e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries)
     return (train, None) if split else (None, None)
 
