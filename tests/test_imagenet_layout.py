@@ -444,3 +444,18 @@ def test_the_validation_images_alone_score_a_model_and_are_refused_for_training(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and 'holds the validation images alone' in err, err
     assert not (tmp_path / 'run2').exists()
+
+
+def test_imagenets_flat_val_read_as_an_image_folder_points_to_imagenet(tmp_path, cache, capsys):
+    """train/ extracted and the flat val/ beside it, given as an image folder (torchvision's layout): the line said
+    only that val/ has no class folders; it now names the form that reads its labels."""
+    from structformer.cli import main
+    root = tmp_path / 'in'
+    download(root)
+    _extract_train(root)
+    for argv in (['train', '--model', 'crate_digits', '--data', f'imagefolder:{root}', '--no-progress', '--output',
+                  str(tmp_path / 'run')], ['data', 'shard', str(root), str(tmp_path / 'wds')]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f'imagenet:{root}' in err and 'LOC_val_solution.csv' in err, err
+    assert not (tmp_path / 'run').exists() and not (tmp_path / 'wds').exists()

@@ -224,13 +224,24 @@ def symlink_loop(root: str, samples) -> Optional[str]:
     return None
 
 
+def imagenet_hint(root: str) -> str:
+    """A hint for ImageNet's flat validation folder read as an image folder (it has no class folders; its labels are
+    in the devkit or Kaggle's CSV, which `imagenet:PATH` reads), else ''."""
+    try:
+        flat = any(n.startswith('ILSVRC2012_val_') for n in os.listdir(root))
+    except OSError:
+        return ''
+    return ("; ImageNet's flat val/ is labelled by the devkit or Kaggle's LOC_val_solution.csv: pass "
+            f'imagenet:{os.path.dirname(os.path.abspath(root))} (docs/data.md)') if flat else ''
+
+
 def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
     from torchvision.datasets import ImageFolder
     try:
         folder = ImageFolder(root, transform=transform, loader=load_rgb)
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
-                                f'{root}/<class name>/<image file> ({e})') from None
+                                f'{root}/<class name>/<image file> ({e}){imagenet_hint(root)}') from None
     loop = symlink_loop(root, folder.samples)
     if loop:
         raise UsageError(f'--data {spec!r}: {loop}')

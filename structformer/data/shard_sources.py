@@ -143,7 +143,9 @@ def folder_source(folder: str) -> Source:
         try:
             ds = ImageFolder(root)
         except FileNotFoundError as e:
-            raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})') from None
+            from .imagefolder import imagenet_hint
+            raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})'
+                             + imagenet_hint(root).replace('pass imagenet:', 'give SOURCE imagenet:')) from None
         if classes is not None and ds.classes != classes:
             raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold different class folders')
         classes = ds.classes
