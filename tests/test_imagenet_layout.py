@@ -459,3 +459,23 @@ def test_imagenets_flat_val_read_as_an_image_folder_points_to_imagenet(tmp_path,
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f'imagenet:{root}' in err and 'LOC_val_solution.csv' in err, err
     assert not (tmp_path / 'run').exists() and not (tmp_path / 'wds').exists()
+
+
+@pytest.mark.parametrize('extracted', [True, False])
+def test_the_download_kept_inside_train_is_not_a_class_tar(extracted, tmp_path, cache):
+    """The common recipe moves ILSVRC2012_img_train.tar into train/ and extracts it there; kept beside the class
+    folders it was read as the one class tar (no image in it: 0 training images); alone there, as a class tar
+    of class tars. It is passed over beside the class folders and read as the download when alone."""
+    root = tmp_path / 'in'
+    truth = download(root, 'kaggle')
+    if extracted:
+        _extract_train(root)
+        (root / 'train' / 'ILSVRC2012_img_train.tar').write_bytes(_tar_bytes([]))
+    else:
+        (root / 'train').mkdir()
+        (root / 'ILSVRC2012_img_train.tar').rename(root / 'train' / 'ILSVRC2012_img_train.tar')
+    train, _, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+    assert info.extra['classes'] == WNIDS and len(train) == len(truth['train'])
+    got = {n.replace('\\', '/').split('/')[-2] + '/' + Path(n).name: WNIDS[y]
+           for n, y in zip(train.split.names, train.split.labels)}
+    assert got == {k: w for k, (w, _) in truth['train'].items()}

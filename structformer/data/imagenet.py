@@ -54,12 +54,15 @@ class Layout:
                 return kind, path
             if kind == 'dir' and os.path.isdir(path):
                 names = os.listdir(path)
-                tars = sorted(n for n in names if n.endswith('.tar'))
+                # the download moved into train/ to be extracted there (and kept) is not a class tar
+                tars = sorted(n for n in names if n.endswith('.tar') and n != TRAIN_TAR)
                 folders = [n for n in names if os.path.isdir(os.path.join(path, n))]
+                if TRAIN_TAR in names and not tars and not folders:
+                    return 'tar-of-tars', os.path.join(path, TRAIN_TAR)
                 if tars and folders:          # the usual extraction loop (a folder per class tar, then rm the tar), cut
                     raise UsageError(f'{self.what}: {path} holds both class folders ({len(folders)}) and class tars '
-                                     f'({len(tars)}, e.g. {tars[0]}), where one of them was read and the other left out '
-                                     'unsaid: an extraction not finished? finish it, or keep one form')
+                                     f'({len(tars)}, e.g. {tars[0]}), where one of them was read and the other left '
+                                     'out unsaid: an extraction not finished? finish it, or keep one form')
                 return ('class-tars' if tars else 'class-folders'), path
         return None
 
@@ -218,9 +221,9 @@ def index_tars(paths: List[str], nested: bool, what: str,
         where = {p: i for i, p in enumerate(paths)}
         # names as UTF-8 bytes: numpy's str arrays hold 4 bytes a character (ImageNet's train index: 174 MB, 63 MB so)
         write_atomically(cache, lambda f: np.savez(
-            f, names=np.array([n.encode('utf-8') for n in names], dtype=bytes), tar=np.array([where[r[0]] for r in ranges], np.int32),
-            offset=np.array([r[1] for r in ranges], np.int64), size=np.array([r[2] for r in ranges], np.int64)),
-            binary=True)
+            f, names=np.array([n.encode('utf-8') for n in names], dtype=bytes),
+            tar=np.array([where[r[0]] for r in ranges], np.int32), offset=np.array([r[1] for r in ranges], np.int64),
+            size=np.array([r[2] for r in ranges], np.int64)), binary=True)
         _prune(os.path.dirname(cache))
     except OSError:
         pass                                  # a read-only home: index again next time
@@ -421,7 +424,8 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
     if train_split is None:         # the val tar and the devkit alone, as downloaded to score pretrained models
         val = SplitImages(source.splits['validation'], eval_tf)
         train = NoTrainingImages(f'--data {spec}: holds the validation images alone (no {TRAIN_TAR}, train/ or '
-                                 f'{KAGGLE}/train/): enough to score a model on them, not to train one or score its training split')
+                                 f'{KAGGLE}/train/): enough to score a model on them, not to train one or score '
+                                 'its training split')
         split = f'validation images alone: {len(val)} (no training images)'
     elif 'validation' in source.splits:
         train, val = SplitImages(train_split, train_tf), SplitImages(source.splits['validation'], eval_tf)
