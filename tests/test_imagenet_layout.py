@@ -465,7 +465,8 @@ def test_imagenets_flat_val_read_as_an_image_folder_points_to_imagenet(tmp_path,
 def test_the_download_kept_inside_train_is_not_a_class_tar(extracted, tmp_path, cache):
     """The common recipe moves ILSVRC2012_img_train.tar into train/ and extracts it there; kept beside the class
     folders it was read as the one class tar (no image in it: 0 training images); alone there, as a class tar
-    of class tars. It is passed over beside the class folders and read as the download when alone."""
+    of class tars. It is passed over beside the class folders and read as the download when alone; so is the val
+    tar alone in val/ (it was a val/ of 0 images)."""
     root = tmp_path / 'in'
     truth = download(root, 'kaggle')
     if extracted:
@@ -474,7 +475,10 @@ def test_the_download_kept_inside_train_is_not_a_class_tar(extracted, tmp_path, 
     else:
         (root / 'train').mkdir()
         (root / 'ILSVRC2012_img_train.tar').rename(root / 'train' / 'ILSVRC2012_img_train.tar')
-    train, _, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+        _val_as_tar(root, keep_empty_folder=True)                  # and the val tar moved into val/, not extracted
+        (root / 'ILSVRC2012_img_val.tar').rename(root / 'val' / 'ILSVRC2012_img_val.tar')
+    train, val, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+    assert {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)} == truth['val']
     assert info.extra['classes'] == WNIDS and len(train) == len(truth['train'])
     got = {n.replace('\\', '/').split('/')[-2] + '/' + Path(n).name: WNIDS[y]
            for n, y in zip(train.split.names, train.split.labels)}

@@ -73,6 +73,8 @@ class Layout:
                 folders = any(os.path.isdir(os.path.join(path, n)) for n in names)
                 flat = sorted(n for n in names if n.lower().endswith(IMAGE_SUFFIXES)
                               and not os.path.isdir(os.path.join(path, n)))
+                if not folders and not flat and VAL_TAR in names:     # the download moved into val/, not extracted
+                    return 'flat-tar', os.path.join(path, VAL_TAR)
                 if folders and flat:          # valprep.sh moves the images into class folders one by one: cut
                     raise UsageError(f'{self.what}: {path} holds class folders and {len(flat)} images outside them '
                                      f'(e.g. {flat[0]}), which were left out unsaid: sorting them into class folders '
