@@ -272,3 +272,87 @@ def test_cli_lines_name_the_command_out_and_what_is_kept(tmp_path, cache, monkey
     assert main(['data', 'shard', str(src), str(tmp_path / 'out'), '--shard-size', '2']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"OUT {tmp_path / 'out'}: the disk is full" in err[0], err
+
+
+@pytest.mark.parametrize('target_exists', [True, False])
+def test_out_a_link_to_a_folder_on_another_disk_is_written_there(target_exists, tmp_path, cache):
+    """OUT a symlink to an empty folder (or to one not made yet) on a bigger disk: the work folder went beside the
+    link, on the link's disk, and after every shard was written the rename stopped with 'not a directory'."""
+    src = _folder(tmp_path / 'src')
+    (tmp_path / 'big').mkdir()
+    if target_exists:
+        (tmp_path / 'big' / 'wds').mkdir()
+    (tmp_path / 'small').mkdir()
+    (tmp_path / 'small' / 'wds').symlink_to(tmp_path / 'big' / 'wds')
+    info = write_shards(str(src), str(tmp_path / 'small' / 'wds'), 4)
+    assert (tmp_path / 'small' / 'wds').is_symlink()
+    written = sorted(p.name for p in (tmp_path / 'big' / 'wds').iterdir())
+    assert written == ['_info.json'] + info['splits']['train']['filenames']
+    assert sorted(p.name for p in (tmp_path / 'small').iterdir()) == ['wds']          # no work folder left there
+    assert sorted(p.name for p in (tmp_path / 'big').iterdir()) == ['wds']
+
+
+def test_a_folder_with_train_alone_is_its_training_split_not_one_class(tmp_path, cache):
+    """DIR/train/<class>/... without val/ (not prepared yet): `data shard DIR` wrote one class named 'train' holding
+    every image, and `--data imagefolder:DIR` refused it as one class. A class folder named 'train' (vehicles)
+    holds images and stays a class."""
+    from structformer.data import build_datasets
+    _folder(tmp_path / 'src' / 'train')
+    info = write_shards(str(tmp_path / 'src'), str(tmp_path / 'wds'), 5)
+    assert info['classes'] == ['Bee', 'Zebra', 'ant'] and sorted(info['splits']) == ['train']
+    assert info['splits']['train']['num_samples'] == 9
+    _, _, data = build_datasets(f"imagefolder:{tmp_path / 'src'}", img_size=8, val_fraction=0.34)
+    assert data.extra['classes'] == ['Bee', 'Zebra', 'ant'] and data.extra['split'].endswith('of train/')
+    vehicles = _folder(tmp_path / 'vehicles')
+    (vehicles / 'train').mkdir()
+    from PIL import Image
+    Image.new('RGB', (8, 8)).save(vehicles / 'train' / 'locomotive.jpg')
+    info = write_shards(str(vehicles), str(tmp_path / 'wds2'), 5)
+    assert info['classes'] == ['Bee', 'Zebra', 'ant', 'train']
+    (vehicles / 'train' / 'locomotive.jpg').rename(tmp_path / 'loco.jpg')             # images one level down
+    (vehicles / 'train' / '2019').mkdir()
+    (tmp_path / 'loco.jpg').rename(vehicles / 'train' / '2019' / 'locomotive.jpg')
+    info = write_shards(str(vehicles), str(tmp_path / 'wds3'), 5)
+    assert info['classes'] == ['Bee', 'Zebra', 'ant', 'train']                        # other classes beside it
+
+
+def test_out_a_mounted_disk_is_written_on_that_disk(tmp_path, cache, monkeypatch, capsys):
+    """OUT an empty disk mounted there (`data shard SRC /mnt/disk`): the work folder went beside it, on the parent's
+    disk, and after every shard the rename over the mount point failed ('Device or resource busy'). The work
+    folder is now inside OUT and its files are moved in, _info.json last; a failed run keeps its finished shards in
+    OUT/.shard-work and the next run resumes from them. (The mount is simulated: os.path.ismount says so for OUT,
+    and os.rmdir of it fails as a mount point's does.)"""
+    import errno
+
+    import structformer.data.shard_writer as writer
+    src = _folder(tmp_path / 'src')
+    out = tmp_path / 'disk'
+    out.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, 'ismount', lambda p: os.path.abspath(p) == str(out) or real_ismount(p))
+    real_rmdir, real_write = os.rmdir, writer.write_one
+
+    def rmdir(path, *a, **k):
+        if os.path.abspath(path) == str(out):
+            raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
+        return real_rmdir(path, *a, **k)
+    monkeypatch.setattr(os, 'rmdir', rmdir)
+    works, calls = set(), []
+
+    def interrupted(job):
+        works.add(job[0])
+        calls.append(job)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, 'I/O error')
+        return real_write(job)
+    monkeypatch.setattr(writer, 'write_one', interrupted)
+    with pytest.raises(OSError):
+        write_shards(str(src), str(out), 2)
+    assert works == {str(out / '.shard-work')}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['cache', 'disk', 'src']
+    monkeypatch.setattr(writer, 'write_one', real_write)
+    info = write_shards(str(src), str(out), 2)                          # resumed from OUT/.shard-work
+    assert '2 finished shard(s)' in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted(['_info.json'] + info['splits']['train']['filenames'])
+    write_shards(str(src), str(tmp_path / 'straight'), 2)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / 'straight')

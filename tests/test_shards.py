@@ -292,3 +292,45 @@ def test_a_folder_run_is_scored_on_its_shards(shards, tmp_path, capsys):
     assert main(['eval', '--checkpoint', str(run), '--data', f"wds:{shards / 'wds'}", '--json']) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result['data'] == f"wds:{shards / 'wds'}" and result['images'] > 0
+
+
+def _relabel(path: Path, position: int, label: bytes) -> None:
+    """Rewrite a shard with the class of its `position`-th sample replaced (the rest byte for byte)."""
+    with tarfile.open(path) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar]
+    keys = sorted({name.split('.')[0] for name, _ in members})
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode='w') as tar:
+        for name, data in members:
+            data = label if name == f'{keys[position]}.cls' else data
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(out.getvalue())
+
+
+@pytest.mark.parametrize('label', [b'3', b'-1'])
+def test_a_training_class_outside_the_classes_stops_naming_the_sample(label, shards, tmp_path):
+    """The training labels are not read before the run: a shard of another data set (class 3 of 3) or of an
+    unlabelled split (-1) ended mid-epoch in the loss's 'IndexError: Target 3 is out of bounds'."""
+    import shutil
+    shutil.copytree(shards / 'wds', tmp_path / 'wds')
+    _relabel(tmp_path / 'wds' / 'train-000001.tar', 2, label)
+    train, _, info = build_datasets(f"wds:{tmp_path / 'wds'}", img_size=8, augment=False, val_fraction=0.25)
+    assert info.num_classes == 3
+    with pytest.raises(ValueError) as caught:
+        list(iter(train))
+    message = str(caught.value)
+    assert 'train-000001.tar' in message and f'has class {label.decode()}, outside the 3 classes' in message, message
+
+
+def test_an_unlabelled_validation_shard_is_one_line(shards, tmp_path, capsys):
+    """A validation sample of class -1 (shards of imagenet-1k's test split) was scored as a class, silently."""
+    import shutil
+    shutil.copytree(shards / 'wds', tmp_path / 'wds')
+    _relabel(tmp_path / 'wds' / 'train-000003.tar', 0, b'-1')         # the held-out (last) shard
+    rc = main(['train', '--model', 'crate_digits', '--data', f"wds:{tmp_path / 'wds'}", '--output',
+               str(tmp_path / 'run'), '--no-progress'])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and 'a label -1 is outside the 3 classes' in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / 'run').exists()

@@ -10,8 +10,9 @@ EXAMPLES = """examples:
   structformer data shard timm::/data/images /data/timm-order-wds      # timm's folder reader (its class order)
   structformer train --model crate_tiny_patch16_224 --data wds:/data/imagenet-wds    # _info.json names the splits
 
-Interrupted (Ctrl-C, kill -9, a full disk), the finished shards stay in .OUT.shard-work/ beside OUT: the same
-command resumes from them; other input or settings remove them; --clean removes them in any case."""
+Interrupted (Ctrl-C, kill -9, a full disk), the finished shards stay in .OUT.shard-work/ beside OUT (in
+OUT/.shard-work/ where OUT is a mounted disk): the same command resumes from them; other input or settings
+remove them; --clean removes them in any case."""
 
 
 def add_arguments(p) -> None:

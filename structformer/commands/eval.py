@@ -55,7 +55,8 @@ def run(args) -> int:
                          f"{model.num_classes}")
     from ..data.classes import class_mismatch
     data_info = state.get('data_info') or {}
-    problem = class_mismatch(data_info.get('classes'), info.extra.get('classes'))
+    problem = class_mismatch(data_info.get('classes'), info.extra.get('classes'), data_info.get('class_descriptions'),
+                             info.extra.get('class_descriptions'))
     if problem:
         order = data_info.get('class_order')
         raise UsageError(f"--data {data} does not name the classes {state['path']} was trained on: {problem}"
@@ -63,6 +64,9 @@ def run(args) -> int:
     if args.per_class and info.name in ('pysource', 'text'):
         raise UsageError(f"--per-class: --data {data} is language modelling (its classes are bytes); leave it out")
     dataset = val_ds if args.split == 'val' else train_ds
+    if not len(dataset):          # scoring nothing divided by zero
+        raise UsageError(getattr(dataset, 'empty_because', None) or f'--split {args.split}: --data {data} holds no '
+                         f'{args.split} images')
     precision, how = _precision(args, cfg, state)
     if len(dataset):           # other images (size, channels) or text: one line before the whole split is read
         from torch.utils.data import default_collate

@@ -12,9 +12,17 @@ def class_record(extra: Dict[str, Any]) -> Dict[str, Any]:
             'class_descriptions': list(extra['class_descriptions']) if extra.get('class_descriptions') else None}
 
 
-def class_mismatch(stored: Optional[List[str]], found: Optional[List[str]]) -> Optional[str]:
-    """None when the two name lists agree (or either is unknown), else the first difference in words."""
+def class_mismatch(stored: Optional[List[str]], found: Optional[List[str]], stored_words: Optional[List[str]] = None,
+                   found_words: Optional[List[str]] = None) -> Optional[str]:
+    """None when the two name lists agree (or either is unknown), else the first difference in words. A class named
+    by its id on one side and by its words on the other agrees (`*_words`: the class_descriptions): ImageNet read as
+    downloaded names n01440764 'tench, Tinca tinca', the Hub's imagenet-1k names it 'tench, Tinca tinca', in the
+    same order; a run on one was refused on the other."""
     if not stored or not found or list(stored) == list(found):
+        return None
+    if len(stored) == len(found) and all(
+            a == b or (found_words and a == found_words[k]) or (stored_words and stored_words[k] == b)
+            for k, (a, b) in enumerate(zip(stored, found))):
         return None
     if sorted(stored) == sorted(found):
         k = next(i for i, (a, b) in enumerate(zip(stored, found)) if a != b)

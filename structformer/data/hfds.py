@@ -6,7 +6,9 @@ seed and val_fraction, stratified by class). The image column is the first of ty
 the ClassLabel. Images are read from the memory-mapped Arrow files; the transforms are ImageFolder's.
 Needs the optional extra `hf` (pip install 'structformer[hf]').
 """
+import io
 import os
+from typing import List, Optional, Tuple
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -39,8 +41,83 @@ def _load(path: str, what: str):
     try:
         return datasets.load_from_disk(path)
     except (FileNotFoundError, ValueError) as e:
+        hub = _hub_files(path)
+        if hub:                 # a Hub download (huggingface-cli download ...): parquet files, not save_to_disk's Arrow
+            raise UsageError(
+                f'{what}: {path} holds {hub} files as the Hub has them (a download), not a dataset saved with '
+                "datasets.save_to_disk; convert it once (a copy: about the download's size), e.g. python -c \"import "
+                f"datasets; datasets.load_dataset('{path}').save_to_disk('{path.rstrip(os.sep)}-arrow')\", then pass "
+                'that folder') from None
         raise UsageError(f'{what}: {path} is not a dataset saved with datasets.save_to_disk '
                          f'({str(e).splitlines()[0][:200]})') from None
+
+
+def _hub_files(path: str) -> Optional[str]:
+    """'parquet' (or another data file type) when `path` holds a Hub dataset repository's data files, else None."""
+    for _, _, files in os.walk(path):
+        for suffix in ('parquet', 'arrow', 'jsonl', 'csv'):
+            if any(f.endswith('.' + suffix) for f in files):
+                return suffix
+    return None
+
+
+def labels_of(ds, label: str, what: str) -> np.ndarray:
+    """The label column of `ds` as integers, read as one Arrow column (np.asarray(ds[label]) walks the rows: ~10 s
+    for ImageNet's 1.28 M); a column that does not hold integers is one line."""
+    values = np.asarray(ds.with_format('numpy', columns=[label])[:][label])
+    if values.dtype.kind not in 'iu':
+        raise UsageError(f'{what}: the label column {label!r} holds {values.dtype} values, not class indices; '
+                         'name an integer or ClassLabel column')
+    return values.astype(np.int64)
+
+
+def labelled_splits(loaded, label: str, what: str) -> Tuple[np.ndarray, Optional[str], Optional[np.ndarray], List[str]]:
+    """(train labels, the validation split's name or None, its labels, splits passed over) of a loaded dataset.
+
+    The validation split is the first of VAL_SPLITS holding labels: a split whose labels are all -1 holds none
+    (the Hub's imagenet-1k `test`: its labels are not public) and is passed over, where it was scored as class -1."""
+    import datasets
+    if not isinstance(loaded, datasets.DatasetDict):
+        return labels_of(loaded, label, what), None, None, []
+    passed = []
+    for name in VAL_SPLITS:
+        if name in loaded:
+            values = labels_of(loaded[name], label, f'{what} split {name!r}')
+            if len(values) and (values < 0).all():
+                passed.append(name)
+                continue
+            return labels_of(loaded['train'], label, what), name, values, passed
+    return labels_of(loaded['train'], label, what), None, None, passed
+
+
+def check_labels(values: np.ndarray, num_classes: int, split: str, what: str) -> None:
+    """Every label of `split` in [0, num_classes): one line naming the first row outside (cross-entropy would
+    stop the run with a traceback at that batch, or count -1 as a class)."""
+    bad = np.flatnonzero((values < 0) | (values >= num_classes))
+    if len(bad):
+        raise UsageError(f'{what}: split {split!r} row {int(bad[0])} has label {int(values[bad[0]])}, outside the '
+                         f'{num_classes} classes [0, {num_classes - 1}] ({len(bad)} such rows); unlabelled rows '
+                         '(-1) belong in a split of their own')
+
+
+def image_cell(cell) -> Tuple[Optional[bytes], Optional[str]]:
+    """(bytes, path) of an image cell read undecoded: the Image feature's {'bytes', 'path'} (also what a column of
+    that struct holds when the feature was lost, e.g. parquet written without it), raw bytes (a binary column),
+    or a path (a string column)."""
+    if isinstance(cell, dict):
+        return cell.get('bytes'), cell.get('path')
+    if isinstance(cell, (bytes, bytearray, memoryview)):
+        return bytes(cell), None
+    return None, cell
+
+
+def open_image(cell):
+    """A PIL image from a cell: decoded by the Image feature already, else from its bytes or its path."""
+    if hasattr(cell, 'convert'):
+        return cell
+    from PIL import Image
+    data, path = image_cell(cell)
+    return Image.open(io.BytesIO(data)) if data is not None else Image.open(path)
 
 
 def _columns(ds, opts, what: str, naming: str = '--data-kwargs {role}_column=NAME'):
@@ -73,11 +150,7 @@ class HFImages(Dataset):
         row = int(self.indices[index])
         try:
             item = self.ds[row]
-            picture = item[self.image]
-            if not hasattr(picture, 'convert'):          # a path or bytes column without the Image feature
-                from PIL import Image
-                picture = Image.open(picture)
-            picture = as_rgb(picture)
+            picture = as_rgb(open_image(item[self.image]))   # bytes, a path, or {'bytes', 'path'}: no Image feature
         except UnreadableImage:
             raise
         except Exception as e:
@@ -91,29 +164,34 @@ def build_hfds(path, *, spec, seed, val_fraction, train_transform, eval_transfor
     train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
     loaded = _load(check_folder(path, spec), f'--data {spec!r}')
     import datasets
+    what = f'--data {spec!r}'
     if isinstance(loaded, datasets.DatasetDict):
         if 'train' not in loaded:
-            raise UsageError(f'--data {spec!r}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
-        val_name = next((s for s in VAL_SPLITS if s in loaded), None)
+            raise UsageError(f'{what}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
         train_ds = loaded['train']
     else:
-        train_ds, val_name = loaded, None
-    image, label = _columns(train_ds, opts, f'--data {spec!r}')
+        train_ds = loaded
+    image, label = _columns(train_ds, opts, what)
     feature = train_ds.features[label]
     classes = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-    targets = np.asarray(train_ds[label])
+    targets, val_name, val_targets, passed = labelled_splits(loaded, label, what)
+    if passed:
+        print(f'--data {spec}: split(s) {", ".join(passed)} hold no labels (all -1): not used for validation',
+              flush=True)
+    seen = np.concatenate([targets, val_targets]) if val_name else targets
+    num_classes = len(classes) if classes else int(seen.max(initial=-1)) + 1
+    check_labels(targets, num_classes, 'train', what)
     if val_name:
+        check_labels(val_targets, num_classes, val_name, what)
         val_ds = loaded[val_name]
         train = HFImages(train_ds, image, label, np.arange(len(train_ds)), train_tf, spec)
         val = HFImages(val_ds, image, label, np.arange(len(val_ds)), eval_tf, spec)
         split = f'split train ({len(train)}) train, {val_name} ({len(val)}) val'
-        targets = np.concatenate([targets, np.asarray(val_ds[label])])
     else:
         train_idx, val_idx = stratified_split(targets, val_fraction, seed)
         train = HFImages(train_ds, image, label, train_idx, train_tf, spec)
         val = HFImages(train_ds, image, label, val_idx, eval_tf, spec)
         split = f'stratified split {len(train)} train / {len(val)} val (val_fraction={val_fraction}, seed={seed})'
-    num_classes = len(classes) if classes else int(targets.max()) + 1
     if opts['bad_images'] == 'skip':
         train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
     return train, val, DatasetInfo(

@@ -224,13 +224,24 @@ def symlink_loop(root: str, samples) -> Optional[str]:
     return None
 
 
+def imagenet_hint(root: str) -> str:
+    """A hint for ImageNet's flat validation folder read as an image folder (it has no class folders; its labels are
+    in the devkit or Kaggle's CSV, which `imagenet:PATH` reads), else ''."""
+    try:
+        flat = any(n.startswith('ILSVRC2012_val_') for n in os.listdir(root))
+    except OSError:
+        return ''
+    return ("; ImageNet's flat val/ is labelled by the devkit or Kaggle's LOC_val_solution.csv: pass "
+            f'imagenet:{os.path.dirname(os.path.abspath(root))} (docs/data.md)') if flat else ''
+
+
 def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
     from torchvision.datasets import ImageFolder
     try:
         folder = ImageFolder(root, transform=transform, loader=load_rgb)
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
-                                f'{root}/<class name>/<image file> ({e})') from None
+                                f'{root}/<class name>/<image file> ({e}){imagenet_hint(root)}') from None
     loop = symlink_loop(root, folder.samples)
     if loop:
         raise UsageError(f'--data {spec!r}: {loop}')
@@ -244,6 +255,25 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     return folder
 
 
+def split_folders(root: str) -> Tuple[Optional[str], Optional[str]]:
+    """(train folder, val folder) of an image folder split into `train/` and `val/` (or `test/`), else (None, None):
+    the folder itself holds the class folders. `train/` without a val/ or test/ is the training split when it is
+    the only folder there and holds folders and no image of its own (it was read as one class named 'train', every
+    image in it; a class folder named 'train', e.g. of vehicles, holds images or has other classes beside it)."""
+    val = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
+    train = os.path.join(root, 'train')
+    if not os.path.isdir(train):
+        return None, None
+    if val:
+        return train, val
+    from torchvision.datasets.folder import IMG_EXTENSIONS     # the files torchvision's ImageFolder reads
+    entries = list(os.scandir(train))
+    beside = [e.name for e in os.scandir(root) if e.is_dir() and e.name != 'train' and not e.name.startswith('.')]
+    split = not beside and any(e.is_dir() for e in entries) and not any(
+        e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries)
+    return (train, None) if split else (None, None)
+
+
 def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_transform, augmentation=None,
                       **options):
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -251,8 +281,8 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
     train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
     root = check_folder(path, spec)
     check = opts['check']
-    val_dir = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
-    if os.path.isdir(os.path.join(root, 'train')) and val_dir:
+    train_dir, val_dir = split_folders(root)
+    if val_dir:
         train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'], check)
         val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'], check)
         if train.classes != val.classes:
@@ -262,14 +292,15 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         split = f'train/ ({len(train)}) train, {os.path.basename(val_dir)}/ ({len(val)}) val'
         skipped = train.skipped_images + val.skipped_images
     else:
-        base = _image_folder(root, train_tf, spec, opts['bad_images'], check)
+        base = _image_folder(train_dir or root, train_tf, spec, opts['bad_images'], check)
         skipped = base.skipped_images
         train_idx, val_idx = stratified_split(np.asarray(base.targets), val_fraction, seed)
         val_base = copy.copy(base)            # same file list, its own transform
         val_base.transform = eval_tf
         train, val = Subset(base, train_idx.tolist()), Subset(val_base, val_idx.tolist())
         classes = base.classes
-        split = f'stratified split {len(train)} train / {len(val)} val (val_fraction={val_fraction}, seed={seed})'
+        split = (f'stratified split {len(train)} train / {len(val)} val (val_fraction={val_fraction}, seed={seed})'
+                 + (' of train/' if train_dir else ''))
     info = DatasetInfo(
         name='imagefolder', num_classes=len(classes), in_chans=3, img_size=opts['img_size'],
         train_size=len(train), val_size=len(val),

@@ -22,6 +22,7 @@ import io
 import os
 import re
 import tarfile
+import zipfile
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -53,13 +54,31 @@ class Layout:
                 return kind, path
             if kind == 'dir' and os.path.isdir(path):
                 names = os.listdir(path)
-                return ('class-tars' if any(n.endswith('.tar') for n in names) else 'class-folders'), path
+                # the download moved into train/ to be extracted there (and kept) is not a class tar
+                tars = sorted(n for n in names if n.endswith('.tar') and n != TRAIN_TAR)
+                folders = [n for n in names if os.path.isdir(os.path.join(path, n))]
+                if TRAIN_TAR in names and not tars and not folders:
+                    return 'tar-of-tars', os.path.join(path, TRAIN_TAR)
+                if tars and folders:          # the usual extraction loop (a folder per class tar, then rm the tar), cut
+                    raise UsageError(f'{self.what}: {path} holds both class folders ({len(folders)}) and class tars '
+                                     f'({len(tars)}, e.g. {tars[0]}), where one of them was read and the other left '
+                                     'out unsaid: an extraction not finished? finish it, or keep one form')
+                return ('class-tars' if tars else 'class-folders'), path
         return None
 
     def _val(self) -> Optional[Tuple[str, str]]:
         for path in (os.path.join(self.root, 'val'), os.path.join(self.root, KAGGLE, 'val')):
-            if os.path.isdir(path):
-                folders = any(os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
+            names = os.listdir(path) if os.path.isdir(path) else []
+            if names:                                          # an empty val/ (made to extract into): the tar is read
+                folders = any(os.path.isdir(os.path.join(path, n)) for n in names)
+                flat = sorted(n for n in names if n.lower().endswith(IMAGE_SUFFIXES)
+                              and not os.path.isdir(os.path.join(path, n)))
+                if not folders and not flat and VAL_TAR in names:     # the download moved into val/, not extracted
+                    return 'flat-tar', os.path.join(path, VAL_TAR)
+                if folders and flat:          # valprep.sh moves the images into class folders one by one: cut
+                    raise UsageError(f'{self.what}: {path} holds class folders and {len(flat)} images outside them '
+                                     f'(e.g. {flat[0]}), which were left out unsaid: sorting them into class folders '
+                                     '(valprep.sh) not finished? finish it, or keep the flat folder')
                 return ('class-folders' if folders else 'flat'), path
         path = os.path.join(self.root, VAL_TAR)
         return ('flat-tar', path) if os.path.isfile(path) else None
@@ -89,7 +108,7 @@ def read_synsets(layout: Layout) -> Tuple[Optional[List[str]], Dict[str, str], O
     mapping = layout.label_file('LOC_synset_mapping.txt')
     if mapping is not None:
         words = {}
-        for line in mapping.decode('utf-8').splitlines():
+        for line in mapping.decode('utf-8-sig').splitlines():
             if line.strip():
                 wnid, _, text = line.strip().partition(' ')
                 words[wnid] = text
@@ -114,7 +133,9 @@ def val_labels(layout: Layout, ids: Optional[Dict[int, str]]) -> Optional[Dict[i
     solution = layout.label_file('LOC_val_solution.csv')
     if solution is not None:
         out = {}
-        for row in csv.DictReader(io.StringIO(solution.decode('utf-8'))):
+        # utf-8-sig: a file saved again by a spreadsheet starts with a BOM, which named the first column
+        # '\ufeffImageId' (every image then 'has no label'), and the first synset '\ufeffn01440764'
+        for row in csv.DictReader(io.StringIO(solution.decode('utf-8-sig'))):
             number = _VAL_NUMBER.search(row.get('ImageId', ''))
             if number and row.get('PredictionString', '').split():
                 out[int(number.group(1))] = row['PredictionString'].split()[0]
@@ -134,9 +155,13 @@ def val_labels(layout: Layout, ids: Optional[Dict[int, str]]) -> Optional[Dict[i
 
 # ----------------------------------------------------------------------------- indexing tars in place
 
-def _cache_path(paths: List[str]) -> str:
+INDEX_FORMAT = 3          # in the cache key: bump when what an index holds changes (2: per_class names; 3: UTF-8)
+KEEP_INDEXES = 8          # index files kept in the cache, the most recently used
+
+
+def _cache_path(paths: List[str], nested: bool, per_class: bool) -> str:
     from .imagecheck import cache_dir
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f'{INDEX_FORMAT}\t{nested}\t{per_class}\n'.encode())
     for p in paths:
         st = os.stat(p)
         digest.update(f'{os.path.abspath(p)}\t{st.st_size}\t{st.st_mtime_ns}\n'.encode())
@@ -153,16 +178,19 @@ def _members(tar: tarfile.TarFile, where: str):
         raise UsageError(f'{where} {problem}')
 
 
-def index_tars(paths: List[str], nested: bool, what: str) -> Tuple[List[str], List[Tuple[str, int, int]]]:
+def index_tars(paths: List[str], nested: bool, what: str,
+               per_class: bool = False) -> Tuple[List[str], List[Tuple[str, int, int]]]:
     """(member names, (file, offset, size)) of the images in uncompressed tars, or in the tars inside them
-    (`nested`: a tar of per-class tars, the names then 'n01440764/n01440764_10026.JPEG'); cached."""
-    cache = _cache_path(paths)
+    (`nested`: a tar of per-class tars, the names then 'n01440764/n01440764_10026.JPEG'; `per_class`: each tar is a
+    class, its name the prefix, 'n01440764/...'); cached."""
+    cache = _cache_path(paths, nested, per_class)
     try:
         with np.load(cache, allow_pickle=False) as z:
-            names = z['names'].tolist()
+            names = [n.decode('utf-8') for n in z['names'].tolist()]
+            _touch(cache)
             return names, [(paths[t], int(o), int(s)) for t, o, s in zip(z['tar'], z['offset'], z['size'])]
-    except (OSError, KeyError, ValueError):
-        pass
+    except (OSError, KeyError, ValueError, IndexError, EOFError, zipfile.BadZipFile):
+        pass                                  # none, or damaged (np.load of an empty file: EOFError): index again
     names, ranges = [], []
     for path in paths:
         member = None
@@ -177,7 +205,9 @@ def index_tars(paths: List[str], nested: bool, what: str) -> Tuple[List[str], Li
                                     names.append(f'{wnid}/{os.path.basename(m.name)}')
                                     ranges.append((path, member.offset_data + m.offset_data, m.size))
                     elif member.name.lower().endswith(IMAGE_SUFFIXES):
-                        prefix = os.path.splitext(os.path.basename(path))[0] + '/' if len(paths) > 1 else ''
+                        # a class tar's images are its class's, however many class tars there are (one: the
+                        # names lacked the class and the run stopped, 'training class n01440764_0.JPEG')
+                        prefix = os.path.splitext(os.path.basename(path))[0] + '/' if per_class else ''
                         names.append(prefix + os.path.basename(member.name))
                         ranges.append((path, member.offset_data, member.size))
         except tarfile.ReadError as e:
@@ -191,13 +221,36 @@ def index_tars(paths: List[str], nested: bool, what: str) -> Tuple[List[str], Li
         from ..atomic import write_atomically
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         where = {p: i for i, p in enumerate(paths)}
+        # names as UTF-8 bytes: numpy's str arrays hold 4 bytes a character (ImageNet's train index: 174 MB, 63 MB so)
         write_atomically(cache, lambda f: np.savez(
-            f, names=np.array(names), tar=np.array([where[r[0]] for r in ranges], np.int32),
-            offset=np.array([r[1] for r in ranges], np.int64), size=np.array([r[2] for r in ranges], np.int64)),
-            binary=True)
+            f, names=np.array([n.encode('utf-8') for n in names], dtype=bytes),
+            tar=np.array([where[r[0]] for r in ranges], np.int32), offset=np.array([r[1] for r in ranges], np.int64),
+            size=np.array([r[2] for r in ranges], np.int64)), binary=True)
+        _prune(os.path.dirname(cache))
     except OSError:
         pass                                  # a read-only home: index again next time
     return names, ranges
+
+
+def _touch(cache: str) -> None:
+    """Mark an index file used (its modification time is what _prune keeps the newest by)."""
+    try:
+        os.utime(cache)
+    except OSError:
+        pass                                  # a read-only cache: it is read all the same
+
+
+def _prune(folder: str) -> None:
+    """Keep the KEEP_INDEXES most recently used index files. Each copy of a download (a cluster job copying it to
+    local disk: another path, another modification time) is indexed anew, and its file of tens of MB stayed in
+    the home folder's cache for good. A removed index only costs indexing again."""
+    entries = sorted((e for e in os.scandir(folder) if e.name.endswith('.npz')),
+                     key=lambda e: e.stat().st_mtime_ns, reverse=True)
+    for entry in entries[KEEP_INDEXES:]:
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            pass                              # removed by another process meanwhile
 
 
 # ----------------------------------------------------------------------------- splits
@@ -218,16 +271,32 @@ def _labelled(names: List[str], classes: List[str], what: str) -> List[int]:
 def _train_split(layout: Layout, classes: Optional[List[str]]):
     kind, path = layout.train
     if kind == 'class-folders':
-        files = sorted(os.path.join(c, n) for c in os.listdir(path) if os.path.isdir(os.path.join(path, c))
+        folders = sorted(c for c in os.listdir(path) if os.path.isdir(os.path.join(path, c)))
+        files = sorted(os.path.join(c, n) for c in folders
                        for n in os.listdir(os.path.join(path, c)) if n.lower().endswith(IMAGE_SUFFIXES))
-        classes = classes or sorted({f.split(os.sep)[0] for f in files})
+        classes = classes or _found_classes(folders, files, os.sep, layout.what, path)
         labels = _labelled([f.replace(os.sep, '/') for f in files], classes, layout.what)
         return classes, FileSplit([os.path.join(path, f) for f in files], labels)
     tars = [path] if kind == 'tar-of-tars' else sorted(os.path.join(path, n) for n in os.listdir(path)
                                                       if n.endswith('.tar'))
-    names, ranges = index_tars(tars, nested=kind == 'tar-of-tars', what=layout.what)
+    names, ranges = index_tars(tars, nested=kind == 'tar-of-tars', what=layout.what, per_class=kind == 'class-tars')
+    if not classes and kind == 'class-tars':
+        classes = _found_classes([os.path.basename(t)[:-4] for t in tars], names, '/', layout.what, path)
     classes = classes or sorted({n.split('/')[0] for n in names})
     return classes, RangeSplit(names, _labelled(names, classes, layout.what), ranges)
+
+
+def _found_classes(expected: List[str], names: List[str], sep: str, what: str, path: str) -> List[str]:
+    """The classes of a training folder without a synset list: its class folders (or class tars), sorted; one that
+    holds no image is one line, as torchvision's ImageFolder refuses it (it was dropped, and the model built with
+    a class fewer than the folders, its indices shifted against the val/ folders)."""
+    found = {n.split(sep)[0] for n in names}
+    empty = [c for c in expected if c not in found]
+    if empty:
+        raise UsageError(f'{what}: {len(empty)} training class(es) of {path} hold no image, e.g. {empty[0]} (an '
+                         'incomplete extraction?); complete or remove them, or put the labels (LOC_synset_mapping.txt '
+                         'or the devkit) beside them to fix the class list')
+    return sorted(expected)
 
 
 def _val_split(layout: Layout, classes: List[str], ids):
@@ -263,17 +332,26 @@ def _val_split(layout: Layout, classes: List[str], ids):
     return split_of(names, labels)
 
 
-def imagenet_source(path: str, what: str) -> Source:
-    """The training and validation splits of a download folder, in the synset order (see the module's doc)."""
+def imagenet_source(path: str, what: str, validation_only: bool = False) -> Source:
+    """The training and validation splits of a download folder, in the synset order (see the module's doc).
+    `validation_only`: a folder with the validation images alone (and the synset list, or val/ in class folders)
+    gives the 'validation' split alone, enough to score a model; else it is refused."""
     root = os.path.expanduser(path)
     if not os.path.isdir(root):
         raise UsageError(f'{what}{path}: not a folder (expected the ImageNet download folder)')
     layout = Layout(root, f'{what}{path}')
-    if layout.train is None:
-        raise UsageError(f'{what}{path}: no training images: expected {TRAIN_TAR}, train/ or {KAGGLE}/train/')
+    no_train = f'{what}{path}: no training images: expected {TRAIN_TAR}, train/ or {KAGGLE}/train/'
+    if layout.train is None and not (validation_only and layout.val is not None):
+        raise UsageError(no_train)
     classes, words, ids = read_synsets(layout)
-    classes, train = _train_split(layout, classes)
-    splits = {'train': train}
+    splits = {}
+    if layout.train is not None:
+        classes, splits['train'] = _train_split(layout, classes)
+    elif classes is None and layout.val[0] == 'class-folders':
+        classes = sorted(c for c in os.listdir(layout.val[1]) if os.path.isdir(os.path.join(layout.val[1], c)))
+    elif classes is None:
+        raise UsageError(f'{no_train}; and no synset list (LOC_synset_mapping.txt or the devkit\'s meta.mat) to '
+                         'name the classes of the validation images by')
     if layout.val is not None:
         splits['validation'] = _val_split(layout, classes, ids)
     source = Source(f'ImageNet download folder {os.path.abspath(root)}', classes, splits,
@@ -295,6 +373,22 @@ def _options():
         'bad_images': Option(str, 'error', "'error' or 'skip' (an undecodable image is replaced by the next one, "
                              "named in the log)", lambda v: v in ('error', 'skip')),
     }
+
+
+class NoTrainingImages:
+    """The training split of a download that holds the validation images alone: empty; training on it is refused
+    with `empty_because` (the loaders' check), scoring does not read it."""
+
+    targets: List[int] = []
+
+    def __init__(self, empty_because: str):
+        self.empty_because = empty_because
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, index: int):
+        raise UsageError(self.empty_because)
 
 
 class SplitImages:
@@ -327,9 +421,15 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
     from .tensor import stratified_split
     opts = resolve_options('imagenet', _options(), options)
     train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
-    source = imagenet_source(path, '--data imagenet:')
-    train_split = source.splits['train']
-    if 'validation' in source.splits:
+    source = imagenet_source(path, '--data imagenet:', validation_only=True)
+    train_split = source.splits.get('train')
+    if train_split is None:         # the val tar and the devkit alone, as downloaded to score pretrained models
+        val = SplitImages(source.splits['validation'], eval_tf)
+        train = NoTrainingImages(f'--data {spec}: holds the validation images alone (no {TRAIN_TAR}, train/ or '
+                                 f'{KAGGLE}/train/): enough to score a model on them, not to train one or score '
+                                 'its training split')
+        split = f'validation images alone: {len(val)} (no training images)'
+    elif 'validation' in source.splits:
         train, val = SplitImages(train_split, train_tf), SplitImages(source.splits['validation'], eval_tf)
         split = f'{len(train)} train, {len(val)} validation images'
     else:
@@ -338,7 +438,8 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
         split = (f'no validation images found: stratified split {len(train)} train / {len(val)} val '
                  f'(val_fraction={val_fraction}, seed={seed})')
     if opts['bad_images'] == 'skip':
-        train, val = ReplaceUnreadable(train, spec), ReplaceUnreadable(val, spec, held_out=True)
+        train = train if train_split is None else ReplaceUnreadable(train, spec)
+        val = ReplaceUnreadable(val, spec, held_out=True)
     classes = source.classes
     return train, val, DatasetInfo(
         name='imagenet', num_classes=len(classes), in_chans=3, img_size=opts['img_size'], train_size=len(train),

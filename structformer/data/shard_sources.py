@@ -13,25 +13,31 @@ import io
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..errors import UsageError
 from .imagefolder import as_rgb
-from .tars import IMAGE_KEYS
 
-_FORMAT_KEYS = {'JPEG': 'jpg', 'PNG': 'png', 'WEBP': 'webp', 'PPM': 'ppm', 'BMP': 'bmp', 'TIFF': 'tiff'}
+# the member extension of each image format stored as it is: webdataset's names, the ones timm's wds reader looks
+# for ('jpg;png;webp'); MPO is a JPEG with extra pictures appended (some cameras' files), read as JPEG
+_FORMAT_KEYS = {'JPEG': 'jpg', 'MPO': 'jpg', 'PNG': 'png', 'WEBP': 'webp'}
 
 
 def as_shard_image(data: bytes, ext: Optional[str]) -> Tuple[str, bytes]:
-    """(extension, bytes) to store: the bytes as they are when their format is one a shard holds, else PNG."""
-    ext = (ext or '').lower().lstrip('.')
-    if ext in IMAGE_KEYS:
-        return ext, data
+    """(extension, bytes) to store: the bytes as they are, named by their format as PIL reads it from the header
+    (not the file name's: ImageNet's `.JPEG` files were stored as `KEY.jpeg`, which timm's wds reader passes over,
+    reading none of them, and its PNG named `.JPEG` as a JPEG); another format is re-encoded as PNG. Bytes PIL
+    cannot open keep the name's extension (the writer's decode check names them)."""
     from PIL import Image
-    with Image.open(io.BytesIO(data)) as im:
-        key = _FORMAT_KEYS.get(im.format or '')
-        if key:
-            return key, data
-        out = io.BytesIO()
-        as_rgb(im).save(out, 'PNG')
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            key = _FORMAT_KEYS.get(im.format or '')
+            if key:
+                return key, data
+            out = io.BytesIO()
+            as_rgb(im).save(out, 'PNG')
+    except Exception:               # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        return (ext or '').lower().lstrip('.') or 'jpg', data
     return 'png', out.getvalue()
 
 
@@ -82,8 +88,8 @@ class HFSplit(Split):
         self.ds, self.image = ds, image
 
     def read(self, i: int) -> Tuple[str, bytes]:
-        cell = self.ds[i][self.image]
-        data, path = (cell.get('bytes'), cell.get('path')) if isinstance(cell, dict) else (None, cell)
+        from .hfds import image_cell
+        data, path = image_cell(self.ds[i][self.image])          # {'bytes', 'path'}, raw bytes, or a path
         if data is None:
             with open(path, 'rb') as f:
                 data = f.read()
@@ -128,15 +134,18 @@ def folder_source(folder: str) -> Source:
     if not os.path.isdir(folder):
         raise UsageError(f'SOURCE {folder}: not a folder (accepted: an image folder, imagefolder:PATH, hfds:PATH, '
                          'imagenet:PATH, timm:NAME:ROOT)')
-    val_dir = next((d for d in ('val', 'test') if os.path.isdir(os.path.join(folder, d))), None)
-    roots = ({'train': os.path.join(folder, 'train'), 'validation': os.path.join(folder, val_dir)}
-             if val_dir and os.path.isdir(os.path.join(folder, 'train')) else {'train': folder})
+    from .imagefolder import split_folders
+    train_dir, val_path = split_folders(folder)           # train/ alone was read as one class named 'train'
+    val_dir = os.path.basename(val_path) if val_path else None
+    roots = {'train': train_dir or folder, **({'validation': val_path} if val_path else {})}
     splits, classes = {}, None
     for split, root in roots.items():
         try:
             ds = ImageFolder(root)
         except FileNotFoundError as e:
-            raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})') from None
+            from .imagefolder import imagenet_hint
+            raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})'
+                             + imagenet_hint(root).replace('pass imagenet:', 'give SOURCE imagenet:')) from None
         if classes is not None and ds.classes != classes:
             raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold different class folders')
         classes = ds.classes
@@ -146,26 +155,32 @@ def folder_source(folder: str) -> Source:
 
 
 def hfds_source(path: str) -> Source:
-    from .hfds import VAL_SPLITS, _columns, _load
+    from .hfds import OPTIONS, _columns, _load, check_labels, labelled_splits
     from .spec import resolve_options
-    from .hfds import OPTIONS
     spec = f'hfds:{path}'
-    loaded = _load(os.path.expanduser(path), f'SOURCE {spec}')
+    what = f'SOURCE {spec}'
+    loaded = _load(os.path.expanduser(path), what)
     import datasets
-    parts = ({'train': loaded['train'], **next(({'validation': loaded[s]} for s in VAL_SPLITS if s in loaded), {})}
-             if isinstance(loaded, datasets.DatasetDict) else {'train': loaded})
     if isinstance(loaded, datasets.DatasetDict) and 'train' not in loaded:
-        raise UsageError(f'SOURCE {spec}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
-    image, label = _columns(parts['train'], resolve_options('hfds', OPTIONS, {}), f'SOURCE {spec}',
+        raise UsageError(f'{what}: the saved DatasetDict has splits {sorted(loaded)}; expected "train"')
+    train = loaded['train'] if isinstance(loaded, datasets.DatasetDict) else loaded
+    image, label = _columns(train, resolve_options('hfds', OPTIONS, {}), what,
                             "data shard takes the first Image and ClassLabel columns (else 'image' / 'img' and "
                             "'label' / 'labels'): name the {role} column so with datasets' rename_column")
-    feature = parts['train'].features[label]
+    feature = train.features[label]
     classes = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    train_labels, val_name, val_labels, passed = labelled_splits(loaded, label, what)
+    if passed:       # the Hub's imagenet-1k `test` (labels -1): was written as the validation shards, class -1
+        print(f'data shard: split(s) {", ".join(passed)} hold no labels (all -1): not written', flush=True)
+    parts = {'train': (train, train_labels), **({'validation': (loaded[val_name], val_labels)} if val_name else {})}
+    seen = np.concatenate([values for _, values in parts.values()])
+    num_classes = len(classes) if classes else int(seen.max(initial=-1)) + 1
     splits = {}
-    for name, ds in parts.items():
+    for name, (ds, values) in parts.items():
+        check_labels(values, num_classes, val_name if name == 'validation' else name, what)
         raw = ds.cast_column(image, datasets.Image(decode=False)) if isinstance(ds.features[image], datasets.Image) \
             else ds
-        splits[name] = HFSplit(raw, image, ds[label], f'{spec} {name}')
+        splits[name] = HFSplit(raw, image, values.tolist(), f'{spec} {name}')
     return Source(f'Hugging Face dataset {os.path.abspath(os.path.expanduser(path))}', classes, splits,
                   "the ClassLabel's names")
 

@@ -32,15 +32,37 @@ import numpy as np
 from ..errors import UsageError
 from .shard_sources import Source, folder_source, hfds_source, timm_source
 
-FORMAT = 1                      # bump when what a shard holds changes: a work folder of another format is not resumed
+FORMAT = 2      # bump when what a shard holds changes: a work folder of another format is not resumed (2: members
+                # named by the image's format, .jpg where a .JPEG file gave .jpeg)
 _OWNER = '_owner.json'
 WORK_SUFFIX = '.shard-work'
 
 
 def work_folder(out: str) -> str:
-    """The work folder of OUT: a hidden sibling, so nothing reading OUT's parent takes it for a data set."""
+    """The work folder of OUT: a hidden sibling, so nothing reading OUT's parent takes it for a data set; inside
+    OUT where OUT is a mounted disk (`_mounted`), whose sibling would be on another disk."""
     out = os.path.abspath(out)
+    if _mounted(out):
+        return os.path.join(out, WORK_SUFFIX)
     return os.path.join(os.path.dirname(out), '.' + os.path.basename(out) + WORK_SUFFIX)
+
+
+def _mounted(out: str) -> bool:
+    """OUT an existing folder on another file system than its parent (an empty disk mounted there): a sibling
+    work folder filled the parent's disk, and the final rename over OUT failed ('Device or resource busy')."""
+    try:
+        return os.path.isdir(out) and (os.path.ismount(out) or
+                                       os.stat(out).st_dev != os.stat(os.path.dirname(out)).st_dev)
+    except OSError:
+        return False
+
+
+def _move_into(work: str, target: str) -> None:
+    """The finished work folder's files moved into the existing folder `target` (same file system), _info.json
+    last, so that a reader of `wds:OUT` sees a whole data set or none; then the work folder removed."""
+    for name in sorted(os.listdir(work), key=lambda n: n == '_info.json'):
+        os.replace(os.path.join(work, name), os.path.join(target, name))
+    os.rmdir(work)
 
 
 def open_source(text: str) -> Source:
@@ -214,8 +236,12 @@ def write_one(job: Tuple[str, str, str, List[int], str]) -> Tuple[str, int, List
                     why = f'{type(e).__name__}: {e}'
                 if why is not None:
                     if bad_images != 'skip':
-                        raise UsageError(f'SOURCE: {split.names[position]} cannot be read ({why}); fix or remove it, '
-                                         'or pass --bad-images skip to leave such images out (named in _info.json)')
+                        # removing the file changes every shard's content (the order is a permutation of the
+                        # items), so the finished shards would be written again: hours into ImageNet, say so
+                        raise UsageError(f'SOURCE: {split.names[position]} cannot be read ({why}); pass --bad-images '
+                                         'skip to leave such images out (named in _info.json; the finished shards are '
+                                         'kept), or replace it with a readable copy; removing it changes what every '
+                                         'shard holds, so all are written again')
                     left_out.append((split.names[position], why))
                     continue
                 key = _key(position, split.names[position])
@@ -289,7 +315,7 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         raise UsageError(f"--bad-images {bad_images!r}: expected 'error' or 'skip'")
     if not str(out).strip():
         raise UsageError("OUT '': empty; give a new folder")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out)) - {WORK_SUFFIX}):
         raise UsageError(f'OUT {out}: exists and is not an empty folder; give a new folder')
     _check_out_outside_source(source_text, out)
     from ..records import check_writable
@@ -300,7 +326,10 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
     if bad_images == 'error':
         _check_files_first(source, check)
     jobs = plan_shards(source, shard_size, seed)
-    work = work_folder(out)
+    # OUT a link to an empty folder (the usual way to put a data set on a bigger disk): the work folder went beside
+    # the link, on the link's disk, and the final rename failed ('not a directory') after every shard was written
+    target = os.path.realpath(out)
+    work = work_folder(target)
     os.makedirs(os.path.dirname(work), exist_ok=True)
     plan = plan_digest(source, shard_size, seed)
     done = set(claim(work, out, plan, clean))
@@ -319,9 +348,12 @@ def write_shards(source_text: str, out: str, shard_size: int, seed: int = 0, wor
         for _, name, _ in jobs:
             os.unlink(os.path.join(work, name + '.json'))
         os.unlink(os.path.join(work, _OWNER))
-        if os.path.isdir(out):
-            os.rmdir(out)                    # empty (checked above)
-        os.rename(work, out)
+        if os.path.dirname(work) == target:
+            _move_into(work, target)        # a mounted OUT: the work folder is inside it
+        else:
+            if os.path.isdir(target):
+                os.rmdir(target)             # empty (checked above)
+            os.rename(work, target)
     except KeyboardInterrupt as e:        # what the CLI's interrupt line says (not its training wording)
         _release(work, plan)
         e.said = (f'OUT {out} is not written; the {finished} finished shard(s) are kept in {work}: the same command '

@@ -38,19 +38,20 @@ class ShardStream(IterableDataset):
     `lengths_from` says where they came from (for the message when a shard disagrees).
     `set_epoch` writes a shared counter that persistent workers read when the loader restarts them.
     `held_out(shard, j)`, if given, drops samples that the validation split holds.
+    `num_classes` (0: unchecked): a sample whose class is outside [0, num_classes) stops the run naming it.
     """
     streaming = True
 
     def __init__(self, urls: Sequence[str], num_samples: int, transform, seed: int, spec: str,
                  shuffle_buffer: int = 2048, bad_images: str = 'error', held_out=None, shard_ids=None,
-                 lengths: Optional[Sequence[int]] = None, lengths_from: str = '_info.json'):
+                 lengths: Optional[Sequence[int]] = None, lengths_from: str = '_info.json', num_classes: int = 0):
         from timm.data.readers.shared_count import SharedCount
         self.urls, self.num_samples, self.transform = list(urls), int(num_samples), transform
         self.seed, self.spec, self.shuffle_buffer, self.bad_images = seed, spec, shuffle_buffer, bad_images
         self.held_out = held_out
         self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(self.urls)))
         self.lengths = [int(n) for n in lengths] if lengths is not None else None
-        self.lengths_from = lengths_from
+        self.lengths_from, self.num_classes = lengths_from, int(num_classes)
         self.epoch = SharedCount()
         self.resumed_batches = SharedCount()       # batches of this epoch taken before a resume mid-epoch
         self.rank, self.world_size, self.limit, self.batch_size, self.drop_last = 0, 1, 0, 1, False
@@ -257,6 +258,12 @@ class ShardStream(IterableDataset):
     def _load(self, item, epoch: int):
         from .imagefolder import UnreadableImage, report_replaced
         shard, j, name, data, label = item
+        if self.num_classes and not 0 <= label < self.num_classes:
+            # the training labels are not read before the run (only the validation ones): a shard of another data
+            # set, or an unlabelled split written with class -1, ended in the loss's IndexError mid-epoch
+            raise ShardError(f'--data {self.spec!r}: sample {name} has class {label}, outside the {self.num_classes} '
+                             f'classes [0, {self.num_classes - 1}] (shards of another data set, or of an unlabelled '
+                             'split?)')
         try:
             image = decode_rgb(data, name)
         except UnreadableImage as e:

@@ -107,14 +107,16 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
     classes = info.get('classes')
     num_classes = opts['num_classes'] or (len(classes) if classes else 0) or int(info.get('num_classes', 0)) \
         or (max(labels) + 1 if labels else 0)
-    if labels and max(labels) >= num_classes:
-        raise UsageError(f'--data {spec!r}: a label {max(labels)} is outside the {num_classes} classes')
+    if labels and (max(labels) >= num_classes or min(labels) < 0):    # -1: an unlabelled split (was scored)
+        wrong = max(labels) if max(labels) >= num_classes else min(labels)
+        raise UsageError(f'--data {spec!r}: a label {wrong} is outside the {num_classes} classes [0, {num_classes - 1}]'
+                         ' (shards of an unlabelled split hold -1)')
     if not entries:
         raise UsageError(f'--data {spec!r}: the validation split holds no sample')
     if n_train < 1:
         raise UsageError(f'--data {spec!r}: the training split holds no sample')
     train = ShardStream(urls, n_train, train_tf, seed, spec, opts['shuffle_buffer'], opts['bad_images'], held_out,
-                        lengths=lengths, lengths_from=lengths_from)
+                        lengths=lengths, lengths_from=lengths_from, num_classes=num_classes)
     val = IndexedShards(entries, eval_tf, spec)
     if opts['bad_images'] == 'skip':
         val = ReplaceUnreadable(val, spec, held_out=True)

@@ -45,6 +45,8 @@ class LoaderSetup:
                                            sampler=self.train_order, drop_last=self.mixup is not None,
                                            generator=torch.Generator().manual_seed(cfg.seed), **loader_options)
             self.batches_per_epoch = len(self.train_loader)
+        if self.batches_per_epoch == 0 and getattr(self.train_ds, 'empty_because', None):
+            raise UsageError(self.train_ds.empty_because)     # e.g. ImageNet's validation images alone
         if self.batches_per_epoch == 0:
             raise UsageError(f"-b/--batch-size {cfg.batch_size} leaves no training batch: this process has "
                              f"{len(self.train_order)} training samples" + (" and --mixup drops a partial batch"

@@ -207,7 +207,9 @@ class CheckpointGlue:
     def _check_classes(self, state: Dict, source) -> None:
         """The data's class names (in its order) must be the run's: output k means the run's class k."""
         stored = (state.get('data_info') or {}).get('classes')
-        problem = class_mismatch(stored, self.info.extra.get('classes'))
+        problem = class_mismatch(stored, self.info.extra.get('classes'),
+                                 (state.get('data_info') or {}).get('class_descriptions'),
+                                 self.info.extra.get('class_descriptions'))
         if problem:
             order = (state.get('data_info') or {}).get('class_order')
             raise UsageError(f"--resume: --data {self.config.data} does not name the classes of the run in {source}: "
