@@ -214,3 +214,196 @@ def test_demo_spread_table_is_its_record():
     readme = (DOCS.parent / 'README.md').read_text()
     assert f"{low:.1f}–{high:.1f} % top-1 on digits" in readme and f"**{low:.1f}–{high:.1f} %**" in \
         (DOCS / 'crate.md').read_text()
+
+
+# ---- prose numbers beside their records (qa19) ---------------------------------------------------------
+
+def flat(path: str) -> str:
+    """A page as one line: markdown bold and line breaks removed, so a quoted sentence is found wherever it wraps."""
+    return ' '.join((DOCS.parent / path).read_text().replace('**', '').split())
+
+
+def _kind_goals(kind: str) -> dict:
+    return {g['goal']: g for g in record(f'kinds/{kind}.json')['goals']}
+
+
+def test_the_flop_rate_percentages_of_benchmarks_md_are_the_kind_records():
+    """'Why a goal misses, in numbers': each FLOP rate the paragraph quotes is its kind record's `rates`."""
+    text = flat('docs/benchmarks.md')
+    amd, capped, intel = (_kind_goals(k) for k in ('amd-avx512-bf16', 'amd-avx512-bf16+cap-avx2', 'intel-avx512-vnni'))
+
+    def pct(goal, key='rate', kinds=(amd,)):
+        return [f"{100 * k[goal]['rates'][key]:.0f} %" for k in kinds]
+    soft_needed, = pct('soft_sdpa', 'rate_needed')
+    soft_amd, soft_intel = pct('soft_sdpa', kinds=(amd, intel))
+    assert f"40× needs SOFT at {soft_needed} of SDPA's FLOP rate ({soft_amd} on the AVX-512 EPYC, {soft_intel} on the " \
+           "Intel Xeon)" in text
+    needed, = pct('sparsifiner_sdpa', 'rate_needed')
+    got_amd, got_intel = pct('sparsifiner_sdpa', kinds=(amd, intel))
+    assert f"needs {needed} of SDPA's rate ({got_amd} on the AVX-512 EPYC, {got_intel} on the Intel Xeon)" in text
+    assert f"tiles are {1 / amd['sparsifiner_sdpa']['rates']['flop_ratio']:.3f} of SDPA's FLOPs" in text
+    monarch_amd, monarch_intel = pct('monarch_step', kinds=(amd, intel))
+    assert f"MonarchLinear needs {100 * amd['monarch_step']['rates']['rate_needed']:.1f} % of one large GEMM's rate " \
+           f"({monarch_amd} on the AVX-512 EPYC; the Intel Xeon's {monarch_intel} predates" in text
+    crate_needed, = pct('crate_vit', 'rate_needed')
+    crate_amd, crate_capped = pct('crate_vit', kinds=(amd, capped))
+    assert f"CRATE-T's layers at {crate_needed} of ViT-T's FLOP rate" in text
+    assert f"({crate_amd} on the AVX-512 EPYC, {crate_capped} capped to AVX2" in text
+
+
+def test_the_capped_lowrank_paragraph_is_its_two_records():
+    """The low-rank layer uncapped and capped to AVX2: the same-kernel speed-ups and oneDNN's lead over nn.Linear."""
+    text = flat('docs/benchmarks.md')
+    rows = {k: {r['label']: r for r in record(f'kinds/{k}/lowrank.json')['layer']}
+            for k in ('amd-avx512-bf16', 'amd-avx512-bf16+cap-avx2')}
+    fact = 'FactorizedLinear r=256 (0.25)'
+    amd, capped = rows['amd-avx512-bf16'], rows['amd-avx512-bf16+cap-avx2']
+    same_amd, same_capped = amd[fact]['speedup_same_kernels'], capped[fact]['speedup_same_kernels']
+    assert f"it runs {same_capped:.2f}× ({same_amd:.2f}× uncapped)" in text
+    assert f"beat by {amd['dense, oneDNN kernels']['speedup']:.2f}× ({amd[fact]['speedup']:.2f} / {same_amd:.2f};" in text
+    assert f"by {capped['dense, oneDNN kernels']['speedup']:.2f}× ({capped[fact]['speedup']:.3f} / {same_capped:.2f})" \
+        in text
+    assert f"from {amd[fact]['speedup']:.2f}× to {capped[fact]['speedup']:.3f}×" in text
+
+
+def test_crate_md_ista_paths_are_its_record():
+    rows = {r['model'] + str(r['train']): r for r in record('crate/ista_paths.json')['rows']}
+    text = flat('docs/crate.md')
+    base, tiny, step = rows['crate_base_patch16_224False'], rows['crate_tiny_patch16_224False'], \
+        rows['crate_tiny_patch16_224True']
+    assert f"{base['fused_ms']:.1f} → {base['by_rows_ms']:.1f} ms ({base['speedup']:.2f}×, quartiles " \
+           f"{base['speedup_q1']:.2f}–{base['speedup_q3']:.2f})" in text
+    assert f"{tiny['fused_ms']:.1f} → {tiny['by_rows_ms']:.1f} ms ({tiny['speedup']:.2f}×)" in text
+    assert f"{step['fused_ms']:.1f} → {step['by_rows_ms']:.1f} ms ({step['speedup']:.2f}×)" in text
+    assert record('crate/ista_paths.json')['machine_load']['busy'] is False
+
+
+def test_crate_md_digits_whitebox_table_is_its_record():
+    """The digits demo's per-layer table: trained and init columns from the committed analysis.json."""
+    rec = record('crate/demo_analysis.json')
+    trained, init = ({c['label']: c['measure']['layers'] for c in rec['analysis']['checkpoints']}[k]
+                     for k in ('epoch 20', 'epoch 0 (init)'))
+    table = table_with('crate.md', 'layer | R_c trained | R_c init')[1:]
+    assert len(table) == len(trained) == 4
+    for cells, t, i in zip(table, trained, init):
+        assert int(cells[0]) == t['layer'] == i['layer']
+        printed_equal(cells[1], t['R_c']['mean'])
+        printed_equal(cells[2], i['R_c']['mean'])
+        printed_equal(cells[3], t['mssa_delta']['mean'], 0)
+        printed_equal(cells[3], i['mssa_delta']['mean'], 1)
+        printed_equal(cells[4], t['sparsity']['mean'])
+        printed_equal(cells[5], i['sparsity']['mean'])
+        printed_equal(cells[6], t['token_norm']['mean'], 0)
+        printed_equal(cells[6], i['token_norm']['mean'], 1)
+        printed_equal(cells[7], t['U_norm']['mean'], 0)
+        printed_equal(cells[7], i['U_norm']['mean'], 1)
+    gaps = [i['R_c']['mean'] - t['R_c']['mean'] for t, i in zip(trained, init)]
+    assert f"(by {min(gaps):.1f}–{max(gaps):.1f})" in flat('docs/crate.md')
+
+
+def test_sparsifiner_md_reproduction_table_and_verdicts_are_its_record():
+    rec = record('sparsifiner/reproduce_sparsifiner.json')
+    table = table_with('sparsifiner.md', 'model | top-1 % | Δ vs dense')[1:]
+    rows = rec['rows']
+    assert len(table) == len(rows)
+    dense = rows[0]
+    for cells, row in zip(table, rows):
+        printed_equal(cells[1], row['top1'])
+        if row is not dense:
+            printed_equal(cells[2], row['top1'] - dense['top1'])
+        printed_equal(cells[3], row['mhsa_mflops'])
+        printed_equal(cells[4], row['mhsa_mflops'] / dense['mhsa_mflops'])
+        printed_equal(cells[5], row['attention_ms'])
+    text = flat('docs/sparsifiner.md')
+    drop, beats = rec['verdicts']['small_drop_at_0.25'], rec['verdicts']['beats_linformer']
+    assert f"−{drop['drop_points']:.2f} ± {drop['two_standard_errors']:.2f} points (2 SE)" in text
+    margins = ' / '.join(f"+{beats['margins_points'][k]:.2f}" for k in ('0.1', '0.25', '0.5'))
+    assert f"({margins} at keep 0.1 / 0.25 / 0.5;" in text
+    assert f"only at keep 0.25 (± {beats['two_standard_errors']['0.25']:.2f})" in text
+    assert f"{rec['teacher']['final_val_top1']:.2f} %" in text
+    readme = flat('README.md')
+    assert f"at keep 0.25, {drop['drop_points']:.2f} points below the dense control on MNIST (± " \
+           f"{drop['two_standard_errors']:.2f} at 2 SE" in readme
+
+
+def test_sparsifiner_md_quotes_its_parts_and_gpu_records():
+    text = flat('docs/sparsifiner.md')
+    core = _sparse_row(record('sparsifiner/cpu_577_t1_parts.json'), 577, 0.25, 'block-kernel core')
+    assert f"predictor took {core['predictor_vs_dense']:.2f}× and the tiles {core['tiles_vs_dense']:.2f}× SDPA's time " \
+           f"({core['vs_dense']:.2f}× together;" in text
+    gpu = record('sparsifiner/gpu_h100_fp32_n4097_batch8.json')
+    low, quarter = (_sparse_row(gpu, 4097, k, 'block-gather')['vs_dense'] for k in (0.1, 0.25))
+    assert f"{low:.2f}× / {quarter:.2f}× at n = 4097, keep 0.1 / 0.25" in text
+
+
+def test_export_md_onnx_cost_is_its_record():
+    rec = record('export/onnx_soft_tiny_224.json')
+    plain, optimised = (next(r for r in rec['rows'] if r['optimize'] is o) for o in (False, True))
+    text = flat('docs/export.md')
+    assert f"{optimised['export_s']:.1f} s against {plain['export_s']:.1f} s of export for {optimised['nodes']:,} nodes " \
+           f"instead of {plain['nodes']:,}" in text
+    assert f"{optimised['ort_ms']:.1f} against {plain['ort_ms']:.1f} ms" in text
+    assert f"{100 * (plain['ort_ms'] / optimised['ort_ms'] - 1):.0f} % faster" in text
+    assert f"{100 * (1 - plain['export_s'] / optimised['export_s']):.0f} % of it onnxscript's graph optimiser" in text
+    assert max(plain['error'], optimised['error']) < 1e-5 and rec['machine_load']['busy'] is False
+
+
+def test_the_soft_gap_quotes_the_leaderboard_record():
+    """README and soft.md set the uncommitted 4-epoch SOFT gap against the leaderboard's committed SOFT / SOFT++."""
+    rows = {r['key']: r for r in record('leaderboard/record.json')['rows']}
+    soft, softpp = rows['soft'], rows['softpp']
+    assert f"gap is gone ({softpp['top1_mean']:.2f} / {soft['top1_mean']:.2f} %)" in flat('README.md')
+    assert f"SOFT {soft['top1_mean']:.2f} ± {soft['top1_se']:.2f} %, SOFT++ {softpp['top1_mean']:.2f} ± " \
+           f"{softpp['top1_se']:.2f} %" in flat('docs/soft.md')
+    # the gap is within two standard errors of the difference: 'gone' is the record's verdict, not a reading
+    diff_se = (soft['top1_se'] ** 2 + softpp['top1_se'] ** 2) ** 0.5
+    assert abs(softpp['top1_mean'] - soft['top1_mean']) <= 2 * diff_se
+
+
+def test_gpu_md_quotes_its_bench_records():
+    """gpu.md's prose numbers of the two H200 runs are the committed bench records'."""
+    text = flat('docs/gpu.md')
+
+    def rows(name):
+        return record(f'gpu/{name}.json')['rows']
+
+    def img_s(name, label, mode='eager'):
+        return next(r['train_img_per_s'] for r in rows(name) if r['section'] == 'models' and r['label'] == label
+                    and r['mode'] == mode)
+    first, call1, second = 'h200_2026-11-26', 'h200-call1_2026-11-27', 'h200_2026-11-27'
+    vit, crate = img_s(first, 'ViT-T'), img_s(first, 'CRATE-T')
+    assert f"{crate / vit:.2f}× ViT-T's images/s ({crate:,.0f} vs {vit:,.0f} img/s;" in text
+    vitc, cratec = img_s(first, 'ViT-T', 'compiled'), img_s(first, 'CRATE-T', 'compiled')
+    assert f"compiled {cratec / vitc:.2f}×, {cratec:,.0f} vs {vitc:,.0f})" in text
+    low, dense = img_s(first, 'ViT-S factorised rank 0.25'), img_s(first, 'ViT-S')
+    assert f"at {low / dense:.2f}× dense ViT-S ({low:,.0f} vs {dense:,.0f} img/s)" in text
+    goals = {g['goal']: g['measured'] for g in record(f'gpu/{first}.json')['goals']}
+    assert f"({goals['soft_over_sdpa']['eager']['50176']:.2f}× at 50,176)" in text
+    assert f"**not met** ({goals['soft_over_sdpa']['eager']['8192']:.2f}×)".replace('**', '') in text
+    assert f"at {goals['sparsifiner_at_4097']['block-flex (eager)']:.2f}× SDPA's time (block-gather " \
+           f"{goals['sparsifiner_at_4097']['block-gather (eager)']:.1f}×)" in text
+    for label, quoted in (('ViT-T', 'ViT-T'), ('CRATE-T', 'CRATE-T'), ('ViT-S', 'ViT-S'), ('Mixer-B/16', 'Mixer-B/16')):
+        a, b = img_s(call1, label), img_s(second, label)
+        assert f"{quoted} {a:,.0f} / {b:,.0f}" in text or f"({a:,.0f} / {b:,.0f})" in text, label
+    g1, g2 = ({g['goal']: g['measured'] for g in record(f'gpu/{n}.json')['goals']} for n in (call1, second))
+    assert f"{g2['soft_over_sdpa']['compiled']['8192']:.2f}×; call 1 on the other host " \
+           f"{g1['soft_over_sdpa']['compiled']['8192']:.2f}×" in text
+    assert f"read {g1['crate_over_vit']['eager']:.2f}× on one host and {g2['crate_over_vit']['eager']:.2f}× on the other" \
+        in text
+    assert f"{g1['lowrank_over_dense']['eager']:.2f}× and {g2['lowrank_over_dense']['eager']:.2f}×" in text
+    for name, commit in ((first, '149931e2c9cd+dirty'), (call1, 'cd6aedb17cb5+dirty'), (second, 'cd6aedb17cb5+dirty')):
+        assert record(f'gpu/{name}.json')['environment']['commit'] == commit and f"`{commit}`" in text
+
+
+def test_data_md_feed_ratios_are_the_loader_records():
+    text = flat('docs/data.md')
+    avx2, zen5 = record('bench_data.json'), record('bench_data_amd_avx512.json')
+    step = avx2['training_step_images_per_s']
+    slowest = min(v for k, v in avx2['feeds_training_step'].items() if k.endswith('float32'))
+    assert f"consumes {step['float32']:.1f} img/s in float32 and {step['bfloat16']:.2f} img/s" in text
+    assert f"the slowest row feeds it {slowest:.0f}× over in float32" in text
+    fast32 = max(v for k, v in zen5['feeds_training_step'].items() if k.endswith('float32'))
+    fast16 = max(v for k, v in zen5['feeds_training_step'].items() if k.endswith('bfloat16'))
+    step = zen5['training_step_images_per_s']
+    assert f"consumes {step['float32']:.1f} img/s in float32 and {step['bfloat16']:.1f} img/s under bfloat16" in text
+    assert f"feeds it {fast32:.0f}× over in float32 and {fast16:.0f}× in bfloat16" in text
