@@ -407,3 +407,28 @@ def test_data_md_feed_ratios_are_the_loader_records():
     step = zen5['training_step_images_per_s']
     assert f"consumes {step['float32']:.1f} img/s in float32 and {step['bfloat16']:.1f} img/s under bfloat16" in text
     assert f"feeds it {fast32:.0f}× over in float32 and {fast16:.0f}× in bfloat16" in text
+
+
+def test_mixer_md_storage_counts_and_monarch_quote_are_the_mlp_record():
+    """Table S.3's counts (no machine changes them) and the goals' storage ratio are the committed mlp record's; the
+    Monarch step quoted as the record now is its value."""
+    rec = record('kinds/amd-avx512-bf16/mlp/mlp.json')
+    models = {m['model']: m for m in rec['models']}
+    mixer, rp, sw = models['mixer_cifar'], models['rp_mixer_cifar'], models['swmlp_cifar']
+    imagenet = rec['analytic']['imagenet']
+    text = flat('docs/mixer.md')
+    assert f"Mixer {mixer['params']:,} parameters, blocks {mixer['blocks_bytes'] / 1e3:.1f} kB, " \
+           f"{mixer['macs_per_image'] / 1e6:.1f} MMACs per image" in text
+    assert f"the permutation indices ({rp['blocks_bytes'] / 1e3:.1f} kB)" in text and rp['params'] == mixer['params']
+    assert f"{sw['params'] / 1e6:.1f} M parameters, {sw['blocks_bytes'] / 1e6:.1f} MB of weights and masks, " \
+           f"{sw['macs_per_image'] / 1e6:.0f} MMACs per image" in text
+    assert f"{imagenet['sw_mlp']['weights'] / 1e12:.2f} × 10¹² weights, {imagenet['sw_mlp']['bytes'] / 1e12:.1f} TB " \
+           f"of weights and masks ({imagenet['sw_mlp']['train_bytes'] / 1e12:.1f} TB to train with AdamW) against " \
+           f"{imagenet['rp_mixer']['weights'] / 1e6:.1f} M weights ({imagenet['rp_mixer']['bytes'] / 1e6:.1f} MB)" in text
+    assert f"| {rec['goals']['memory_ratio']:.0f}× | met |" in text
+    assert rec['goals']['memory_ratio'] == pytest.approx(sw['blocks_bytes'] / rp['blocks_bytes'])
+    weights_only = sw['blocks_bytes'] / rec['analytic']['cifar']['rp_mixer']['bytes']
+    assert f"ratio is {weights_only:.0f}×" in text
+    monarch = rec['goals']['paired']['monarch']
+    assert f"the record now, gives {monarch['ratio']:.2f}×, quartiles {monarch['ratio_q1']:.2f}–{monarch['ratio_q3']:.2f}" \
+        in text
