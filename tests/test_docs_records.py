@@ -432,3 +432,13 @@ def test_mixer_md_storage_counts_and_monarch_quote_are_the_mlp_record():
     monarch = rec['goals']['paired']['monarch']
     assert f"the record now, gives {monarch['ratio']:.2f}×, quartiles {monarch['ratio_q1']:.2f}–{monarch['ratio_q3']:.2f}" \
         in text
+
+
+def test_benchmarks_md_capped_bf16_ratios_are_their_record():
+    rows = {r['label']: r['paired_over_float32']['ratio'] for r in
+            record('kinds/amd-avx512-bf16+cap-avx2/models_bf16.json')['rows'] if r['dtype'] == 'bfloat16'}
+    quoted = (('ViT-T', 'ViT-T (timm)'), ('CRATE-T', 'CRATE-T'), ('SOFT-T', 'SOFT-T'),
+              ('Sparsifiner', 'Sparsifiner DeiT-T'), ('factorised ViT-T', 'ViT-T factorized rank 0.5'),
+              ('Mixer-B/16', 'sparse_mixer_b16_224'))
+    sentence = ', '.join(f"{name} {rows[label]:.3f}×" for name, label in quoted)
+    assert f"bfloat16 / float32 training, paired, {sentence}." in flat('docs/benchmarks.md')
