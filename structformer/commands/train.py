@@ -253,7 +253,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--mixup-prob', type=float, default=S, help='probability of mixing a batch (1.0)')
     g.add_argument('--mixup-switch-prob', type=float, default=S, help='probability of CutMix instead of Mixup when both are on (0.5)')
     g.add_argument('--mixup-mode', default=S, help='batch (default), pair or elem')
-    g.add_argument('--mixup-off-epoch', type=int, default=S, metavar='E', help='stop mixing after epoch E (0 = never)')
+    g.add_argument('--mixup-off-epoch', type=int, default=S, metavar='E', help='mix the first E epochs only, as timm does (0 = every epoch)')
     g.add_argument('--drop', type=float, default=S, help="dropout rate passed to the model as drop_rate")
     g.add_argument('--drop-path', type=float, default=S, help='stochastic depth rate passed to the model as drop_path_rate')
     g.add_argument('--model-ema', action=argparse.BooleanOptionalAction, default=S,
