@@ -160,6 +160,9 @@ def test_betas_and_eps_reach_the_optimiser(tmp_path):
     assert trainer.optimizer.defaults['betas'] == (0.8, 0.95) and trainer.optimizer.defaults['eps'] == 1e-6
     with pytest.raises(UsageError, match='--opt sgd does not take --opt-betas'):
         Trainer(_tiny(tmp_path, opt='sgd', opt_betas=[0.9, 0.99]))._build()
+    # timm's sgd is Nesterov SGD: torch refuses it a zero momentum (a ValueError traceback before)
+    with pytest.raises(UsageError, match="--momentum 0 with --opt sgd: timm's sgd is Nesterov SGD.*--opt momentum"):
+        Trainer(_tiny(tmp_path, opt='sgd', momentum=0.0))._build()
 
 
 def test_grad_checkpointing_trains_the_same_weights(tmp_path):
@@ -424,3 +427,41 @@ def test_tv_rand_is_torchvisions_randaugment_where_timm_puts_its_policy():
     assert np.array_equal(a, b)
     with pytest.raises(UsageError, match=r"--aa='tv-rand-n2-m31'"):     # bins 0..30
         check_auto_augment('tv-rand-n2-m31')
+
+
+@pytest.mark.parametrize('mode', ['value', 'agc'])
+def test_clip_mode_is_timms_value_and_adaptive_clipping(mode, tmp_path):
+    """--clip-mode (timm's dispatch_clip_grad): one plain SGD step (lr 1, no momentum or decay) moves each weight by
+    its clipped gradient. 'value' bounds every element by --clip-grad (the global norm is far above it); 'agc'
+    bounds each unit's gradient by clip-grad x its weight's norm and, as timm's train.py, leaves the head alone."""
+    clip = 1e-4
+    run = tmp_path / mode
+    train(_tiny(run, epochs=1, opt='momentum', momentum=0.0, weight_decay=0.0, lr=1.0, clip_grad=clip, clip_mode=mode),
+          progress=False)
+    before = load_file(str(run / 'run/checkpoints/epoch_0000/model.safetensors'))
+    after = load_file(str(run / 'run/checkpoints/epoch_0001/model.safetensors'))
+    moved = {k: (after[k] - before[k]).double() for k in before if before[k].is_floating_point()}
+    body = [k for k in moved if not k.startswith('head.')]
+    # the step is rounded to float32 weights: each moved element is off by at most half an ulp of the new weight
+    rounding = {k: 2.0 ** -24 * after[k].double().abs().max().item() for k in moved}
+    if mode == 'value':
+        largest = max(moved, key=lambda k: moved[k].abs().max())
+        assert moved[largest].abs().max().item() == pytest.approx(clip, abs=rounding[largest])
+        assert all(moved[k].abs().max().item() <= clip + rounding[k] for k in moved)
+        assert sum(moved[k].square().sum().item() for k in moved) ** 0.5 > 20 * clip
+        return
+    from timm.utils.agc import unitwise_norm
+    for key in body:                       # every unit of the body within clip x max(its weight norm, 1e-3)
+        limit = clip * unitwise_norm(before[key].double()).clamp_min(1e-3)
+        unit_size = moved[key][0].numel() if moved[key].dim() > 1 else moved[key].numel()
+        # timm scales the gradient in float32: its norm lands within a few float32 ulps of the limit
+        assert (unitwise_norm(moved[key]) <= limit * (1 + 8 * 2.0 ** -23) + rounding[key] * unit_size ** 0.5).all(), key
+    assert unitwise_norm(moved['head.weight']).max().item() > 10 * clip * unitwise_norm(
+        before['head.weight'].double()).max().item()
+
+
+def test_clip_mode_is_checked(tmp_path):
+    with pytest.raises(UsageError, match="--clip-mode='max': accepted norm, value, agc"):
+        _tiny(tmp_path, clip_grad=1.0, clip_mode='max').validate()
+    with pytest.raises(UsageError, match='--clip-mode value needs --clip-grad'):
+        _tiny(tmp_path, clip_mode='value').validate()

@@ -185,7 +185,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timm's BinaryCrossEntropy instead of cross-entropy (Mixup / CutMix targets included)")
     g.add_argument('--bce-target-thresh', type=float, default=S, metavar='T',
                    help='with --bce-loss: binarise soft targets at T (default: keep them soft)')
-    g.add_argument('--clip-grad', type=float, default=S, help='clip the gradient norm to this value')
+    g.add_argument('--clip-grad', type=float, default=S,
+                   help='clip the gradients at this threshold (the global norm unless --clip-mode says otherwise)')
+    g.add_argument('--clip-mode', default=S, metavar='MODE',
+                   help="what --clip-grad bounds, timm's modes: norm (the global gradient norm, default), value (each "
+                        "element) or agc (adaptive: each unit's gradient norm at most clip-grad x its weight norm; "
+                        "the head is not clipped)")
     g.add_argument('--seed', type=int, default=S, help='one seed for data split, init, order and augmentation (0)')
     g.add_argument('--limit-train-batches', type=int, default=S, help='at most this many batches per epoch (0 = all)')
     g.add_argument('--workers', dest='num_workers', type=int, default=S, help='data loader workers (0)')

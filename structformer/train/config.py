@@ -18,6 +18,8 @@ from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
 DEFAULT_FLOOR_LR = 1e-6
 FLOAT32_MAX = 3.4028234663852886e38
+# timm.utils.dispatch_clip_grad's modes (--clip-mode)
+CLIP_MODES = ('norm', 'value', 'agc')
 # data-loader worker processes: more than this only forks processes that wait on each other (and a typo such
 # as 100000 would fork until the machine stops); the ceiling grows with the machine
 MAX_WORKERS = max(32, 2 * (os.cpu_count() or 1))
@@ -81,6 +83,9 @@ class TrainConfig:
     min_lr: Optional[float] = None
     label_smoothing: float = 0.1
     clip_grad: Optional[float] = None
+    # timm's --clip-mode: what --clip-grad bounds: the global gradient norm ('norm'), each gradient element ('value')
+    # or each unit's gradient relative to its weight's norm ('agc', adaptive clipping, the head excluded as timm does)
+    clip_mode: str = 'norm'
     seed: int = 0
     output: Optional[str] = None
     keep_last: int = 2
@@ -257,6 +262,11 @@ class TrainConfig:
                              f"{self.avg_last} or more")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
+        if self.clip_mode not in CLIP_MODES:
+            raise UsageError(f"--clip-mode={self.clip_mode!r}: accepted {', '.join(CLIP_MODES)}")
+        if self.clip_mode != 'norm' and self.clip_grad is None:
+            raise UsageError(f"--clip-mode {self.clip_mode} needs --clip-grad (the {self.clip_mode} clipping's "
+                             "threshold); give both, or leave --clip-mode out")
         validate_lowrank(self)
         self._validate_distillation()
         self._validate_paper_scale()

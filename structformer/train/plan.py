@@ -413,7 +413,7 @@ def dry_run(config: TrainConfig) -> str:
                  + (f", momentum {config.momentum:g}" if 'sgd' in config.opt or 'momentum' in config.opt else '')
                  + (f", betas {tuple(config.opt_betas)}" if config.opt_betas else '')
                  + (f", eps {config.opt_eps:g}" if config.opt_eps is not None else '')
-                 + (f", clip grad norm {config.clip_grad:g}" if config.clip_grad else '')
+                 + (f", clip grad {config.clip_mode} {config.clip_grad:g}" if config.clip_grad else '')
                  + (f", layer decay {config.layer_decay:g}" if config.layer_decay is not None else '')
                  + (", binary cross-entropy (--bce-loss)" if config.bce_loss else
                     f", label smoothing {config.label_smoothing:g}"))
