@@ -465,3 +465,17 @@ def test_clip_mode_is_checked(tmp_path):
         _tiny(tmp_path, clip_grad=1.0, clip_mode='max').validate()
     with pytest.raises(UsageError, match='--clip-mode value needs --clip-grad'):
         _tiny(tmp_path, clip_mode='value').validate()
+
+
+def test_timms_short_and_model_flags_are_taken_or_pointed_to_model_kwargs(capsys):
+    """timm's --dr is --decay-rate; --bn-momentum and the like are constructor arguments timm hands to create_model:
+    they point to --model-kwargs, not to a near name of another meaning (--bn-momentum said 'did you mean
+    --momentum?', the optimiser's; --dr 'did you mean --drop or --lr?')."""
+    assert main(['train', '--dry-run', '--sched', 'step', '--dr', '0.5']) == 0
+    assert 'x0.5 every 90 epochs' in capsys.readouterr().out
+    for flag, kwarg in (('--bn-momentum', 'bn_momentum'), ('--bn-eps', 'bn_eps'), ('--drop-block', 'drop_block_rate'),
+                        ('--gp', 'global_pool')):
+        with pytest.raises(SystemExit):
+            main(['train', '--dry-run', flag, '0.1'])
+        err = capsys.readouterr().err
+        assert f'{flag} is not a flag here' in err and f'--model-kwargs {kwarg}=' in err and 'did you mean' not in err

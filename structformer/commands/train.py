@@ -49,6 +49,15 @@ FLAG_HINTS = {
     '--torchscript': 'TorchScript is not supported (docs/export.md); --compile for torch.compile',
     '--drop-connect': 'use --drop-path',
     '--log-wandb': 'use --log-tb DIR (TensorBoard)',
+    # timm's train.py hands these to the model's constructor; here --model-kwargs does, for a model that takes them
+    '--bn-momentum': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs "
+                     "bn_momentum=M, for a model that takes it (--momentum is the optimiser's)",
+    '--bn-eps': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs bn_eps=E, "
+                "for a model that takes it",
+    '--drop-block': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs "
+                    "drop_block_rate=R, for a model that takes it",
+    '--gp': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs "
+            "global_pool=NAME, for a model that takes it",
 }
 
 
@@ -160,7 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--decay-epochs', type=float, default=S, metavar='N', help='step: epochs between decays (90)')
     g.add_argument('--decay-milestones', type=int, nargs='+', default=S, metavar='EPOCH',
                    help='multistep: the epochs to decay at (90 180 270)')
-    g.add_argument('--decay-rate', type=float, default=S, metavar='F',
+    g.add_argument('--decay-rate', '--dr', type=float, default=S, metavar='F',
                    help="step / multistep factor; poly's power, as timm's train.py passes it (0.1)")
     g.add_argument('--lr-cycle-limit', type=int, default=S, metavar='N',
                    help="cosine / tanh / poly restarts: N cycles, all inside --epochs (timm's train.py runs --epochs "
