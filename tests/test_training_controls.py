@@ -479,3 +479,21 @@ def test_timms_short_and_model_flags_are_taken_or_pointed_to_model_kwargs(capsys
             main(['train', '--dry-run', flag, '0.1'])
         err = capsys.readouterr().err
         assert f'{flag} is not a flag here' in err and f'--model-kwargs {kwarg}=' in err and 'did you mean' not in err
+
+
+def test_a_config_file_takes_timms_keys_or_says_where_their_setting_is(tmp_path, capsys):
+    """timm's train.py reads -c YAML of its argparse dest names: those of settings we hold under another key are
+    taken (smoothing, workers, torchcompile, torchcompile_mode), `lr: null` with lr_base is timm's scaling rule, and
+    a timm key without a counterpart is refused with its flag's hint (checkpoint_hist said 'did you mean
+    grad_checkpointing?')."""
+    from structformer.train.config import load_config_file
+    path = tmp_path / 'timm.yaml'
+    path.write_text('smoothing: 0.2\nworkers: 3\ntorchcompile: eager\nlr: null\nlr_base: 0.1\n')
+    assert load_config_file(path) == {'label_smoothing': 0.2, 'num_workers': 3, 'compile': 'eager', 'lr_base': 0.1}
+    for text, needle in [('smoothing: 0.2\nlabel_smoothing: 0.1\n', "keys 'smoothing' and 'label_smoothing' both set"),
+                         ('lr: null\n', 'lr: null leaves the peak lr to lr_base'),
+                         ('checkpoint_hist: 3\n', "'checkpoint_hist' is timm train.py's key, not one here: use "
+                                                  '--keep-last N')]:
+        path.write_text(text)
+        assert main(['train', '--dry-run', '-c', str(path)]) == 2
+        assert needle in capsys.readouterr().err

@@ -393,7 +393,9 @@ def train_config(args):
     from ..train import TrainConfig, load_config_file
     given = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
     config_path = getattr(args, 'config', None)
-    from_file = load_config_file(config_path) if config_path else {}
+    # timm's keys (its flags' dest names) that are not ours say where their setting is, as the flags do
+    timm_hints = {flag[2:].replace('-', '_'): hint for flag, hint in FLAG_HINTS.items() if flag.startswith('--')}
+    from_file = load_config_file(config_path, hints=timm_hints) if config_path else {}
     if args.resume:
         values = _resume_config(args, given, from_file, config_path)
     else:

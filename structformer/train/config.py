@@ -451,12 +451,36 @@ def check_values(values: Dict[str, Any], source: str = 'configuration') -> Dict[
     return out
 
 
-def load_config_file(path) -> Dict[str, Any]:
+# timm train.py's YAML keys (its argparse dest names) for settings a key of ours holds under another name: its -c file
+# and ours take the same flags (--smoothing, --workers, --torchcompile, --torchcompile-mode), so the file takes both
+TIMM_KEYS = {'smoothing': 'label_smoothing', 'workers': 'num_workers', 'torchcompile': 'compile',
+             'torchcompile_mode': 'compile_mode'}
+
+
+def load_config_file(path, hints: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The mapping in a YAML config file, keys and types checked (see `TrainConfig.from_dict`); every
     problem -- a missing, unreadable or non-file path, bad YAML, an unknown key, a wrong type -- is a
-    UsageError naming -c/--config, the file and the key."""
+    UsageError naming -c/--config, the file and the key. timm train.py's own key for a setting of ours (TIMM_KEYS)
+    is taken as ours; `hints` (key -> where its setting is here) says more than 'unknown' for timm's keys that have
+    no counterpart key (the train command's hints for timm's flags)."""
     where = f"-c/--config {path}"
-    return check_values(read_yaml_mapping(path, where), where)
+    values = read_yaml_mapping(path, where)
+    renamed, given_as = {}, {}
+    for key, value in values.items():
+        ours = TIMM_KEYS.get(key, key)
+        if ours in renamed:
+            raise UsageError(f"{where}: keys {given_as[ours]!r} and {key!r} both set {ours} (timm's name and ours); "
+                             "give one")
+        if key in (hints or {}):
+            raise UsageError(f"{where}: {key!r} is timm train.py's key, not one here: {hints[key]}")
+        renamed[ours], given_as[ours] = value, key
+    if 'lr' in renamed and renamed['lr'] is None:        # timm's `lr: null`: the peak is lr_base scaled to the batch
+        if renamed.get('lr_base') is None:
+            raise UsageError(f"{where}: lr: null leaves the peak lr to lr_base (timm train.py's rule, its default "
+                             "lr_base 0.1), and the file gives no lr_base; give lr_base: X (and lr_base_size), or "
+                             "lr a number")
+        del renamed['lr']
+    return check_values(renamed, where)
 
 
 def save_config(config: TrainConfig, path) -> None:
