@@ -45,7 +45,8 @@ FLAG_HINTS = {
     '--start-epoch': '--resume continues a run from its last checkpoint; --initial-checkpoint starts from weights '
                      'with a fresh optimiser and schedule',
     '--no-resume-opt': '--initial-checkpoint RUN starts from its weights with a fresh optimiser and schedule',
-    '--sched-on-updates': 'the schedule already steps after every optimiser step',
+    '--sched-on-updates': "the schedule always steps after every optimiser step here (timm's default is once an "
+                          'epoch)',
     '--torchscript': 'TorchScript is not supported (docs/export.md); --compile for torch.compile',
     '--drop-connect': 'use --drop-path',
     '--log-wandb': 'use --log-tb DIR (TensorBoard)',
