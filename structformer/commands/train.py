@@ -388,6 +388,25 @@ def _peak_lr(from_recipe: dict, from_file: dict, given: dict) -> dict:
     return {}
 
 
+def _refuse_idle_flags(config, given: dict) -> None:
+    """A flag given with a value of its own that acts on nothing in this run (config_checks.idle_settings: e.g.
+    --lr-base-size without --lr-base, --model-ema-decay without --model-ema): one line instead of a run that
+    trains otherwise than the command line reads. A setting from a recipe or -c file is left alone (a run's
+    config.yaml holds every key)."""
+    import dataclasses
+
+    from ..train.config import TrainConfig
+    from ..train.config_checks import idle_settings
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+    for key, why in idle_settings(config).items():
+        if key in given and given[key] != defaults.get(key):
+            value = given[key]
+            shown = '' if value is True else ' ' + (' '.join(map(str, value)) if isinstance(value, list) else str(value))
+            raise UsageError(f"{_flag(key)}{shown} does nothing in this run: {why}; leave it out")
+
+
 def train_config(args):
     """TrainConfig from (in increasing priority) the defaults, --recipe NAME, -c FILE and the flags given
     explicitly; with --resume, the saved configuration (see `_resume_config`)."""
@@ -413,6 +432,8 @@ def train_config(args):
             values['data_as_given'] = None
         values.update(_peak_lr(from_recipe, from_file, given))
     config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
+    if not args.resume:
+        _refuse_idle_flags(config, given)
     if 'recipe' in given:                          # another family's model with a recipe: refused by name
         from ..train.recipes import check_recipe_model
         check_recipe_model(config)
