@@ -505,7 +505,8 @@ def test_a_config_file_takes_timms_keys_or_says_where_their_setting_is(tmp_path,
     (['--mixup-off-epoch', '3'], '--mixup-off-epoch 3 does nothing in this run: it shapes Mixup / CutMix'),
     (['--decay-milestones', '5', '9'], '--decay-milestones 5 9 does nothing in this run: only --sched multistep'),
     (['--lr-noise-std', '0.5'], '--lr-noise-std 0.5 does nothing in this run: it shapes --lr-noise'),
-    (['--lr-cycle-decay', '0.9'], '--lr-cycle-decay 0.9 does nothing in this run: it shapes the restarts')])
+    (['--lr-cycle-decay', '0.9'], '--lr-cycle-decay 0.9 does nothing in this run: it shapes the restarts'),
+    (['--momentum', '0.5'], '--momentum 0.5 does nothing in this run: --opt adamw has no momentum')])
 def test_a_flag_that_acts_on_nothing_is_refused(argv, needle, capsys):
     """timm's train.py ignores these without a word (and its lr_base defaults to 0.1, so its --lr-base-size alone
     scales the lr; here it did nothing): one line instead."""
@@ -518,6 +519,7 @@ def test_flags_that_act_somewhere_in_the_run_are_taken(capsys):
     for argv in (['--lr-base', '1e-3', '--lr-base-size', '1024'], ['--model-ema', '--model-ema-warmup'],
                  ['--cutmix', '1', '--mixup-off-epoch', '1'], ['--mixup-off-epoch', '0'],
                  ['--phase-settings', 'main', 'sched=multistep', '--decay-milestones', '5', '9'],
-                 ['--lr-noise', '0.5', '--lr-noise-std', '0.5'], ['--lr-cycle-limit', '2', '--lr-cycle-decay', '0.9']):
+                 ['--lr-noise', '0.5', '--lr-noise-std', '0.5'], ['--lr-cycle-limit', '2', '--lr-cycle-decay', '0.9'],
+                 ['--opt', 'lookahead_sgd', '--momentum', '0.5'], ['--momentum', '0.9']):
         assert main(['train', '--dry-run', '--epochs', '10', *argv]) == 0, argv
     capsys.readouterr()

@@ -433,6 +433,7 @@ def train_config(args):
         values.update(_peak_lr(from_recipe, from_file, given))
     config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
     if not args.resume:
+        config.validate()                          # a value out of range is named as such first
         _refuse_idle_flags(config, given)
     if 'recipe' in given:                          # another family's model with a recipe: refused by name
         from ..train.recipes import check_recipe_model

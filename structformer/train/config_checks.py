@@ -189,6 +189,14 @@ def idle_settings(config) -> Dict[str, str]:
     if config.lr_noise is None and all(p.get('lr_noise') is None for p in phases):
         for key in ('lr_noise_pct', 'lr_noise_std'):
             idle[key] = "it shapes --lr-noise, which is not given"
+    from timm.optim import get_optimizer_info         # timm's record of each optimiser's settings
+    try:
+        momentum = any(get_optimizer_info(opt.lower().replace('lookahead_', '')).has_momentum
+                       for opt in used('opt', config.opt))
+    except (KeyError, ValueError):
+        momentum = True                               # an unknown --opt: validate names it
+    if not momentum:
+        idle['momentum'] = f"--opt {config.opt} has no momentum (timm's sgd, momentum, rmsprop, lars, ... have)"
     if used('lr_cycle_limit', config.lr_cycle_limit) == {1}:
         for key in ('lr_cycle_mul', 'lr_cycle_decay'):
             idle[key] = "it shapes the restarts of --lr-cycle-limit N > 1, and the run has one cycle"
