@@ -523,3 +523,15 @@ def test_flags_that_act_somewhere_in_the_run_are_taken(capsys):
                  ['--opt', 'lookahead_sgd', '--momentum', '0.5'], ['--momentum', '0.9']):
         assert main(['train', '--dry-run', '--epochs', '10', *argv]) == 0, argv
     capsys.readouterr()
+
+
+def test_a_phases_own_optimiser_scales_lr_base_by_its_own_rule(tmp_path):
+    """timm's --lr-base rule depends on the optimiser (square root for ada* / lamb, else linear): a phase with its
+    own --opt scales by that optimiser's rule, not the run's (an sgd phase of an adamw run took the square root)."""
+    common = dict(lr_base=1e-3, lr_base_size=256, batch_size=64, lr=1e-3, warmup_epochs=0)
+    trainer = Trainer(_tiny(tmp_path / 'a', phase_settings={'main': {'opt': 'sgd'}}, **common))
+    trainer._build()
+    assert trainer.optimizer.param_groups[0]['lr'] == pytest.approx(1e-3 * 64 / 256)            # linear
+    trainer = Trainer(_tiny(tmp_path / 'b', **common))
+    trainer._build()
+    assert trainer.optimizer.param_groups[0]['lr'] == pytest.approx(1e-3 * (64 / 256) ** 0.5)   # adamw: sqrt

@@ -371,25 +371,28 @@ class TrainConfig:
                 values[key] = min(DEFAULT_FLOOR_LR, values['lr'])
         return values
 
-    def lr_scale(self, world_size: int = 1) -> float:
+    def lr_scale(self, world_size: int = 1, opt: Optional[str] = None) -> float:
         """The factor --lr-base's scaling gives the written lr at this effective batch (1 without --lr-base): the
-        run's peak is lr_base x it, a phase's written lr is scaled by it too."""
+        run's peak is lr_base x it, a phase's written lr is scaled by it too, by the rule of the phase's own `opt`
+        (timm's: square root for ada* / lamb) unless --lr-base-scale names one."""
         if self.lr_base is None:
             return 1.0
-        return self.resolved_lr(world_size) / self.lr_base
+        return self.resolved_lr(world_size, opt) / self.lr_base
 
     def effective_batch(self, world_size: int = 1) -> int:
         """Images per optimiser step over every process: per-process batch x accumulation x processes."""
         return self.batch_size * self.grad_accum_steps * world_size
 
-    def resolved_lr(self, world_size: int = 1) -> float:
+    def resolved_lr(self, world_size: int = 1, opt: Optional[str] = None) -> float:
         """The peak learning rate: --lr, or timm's scaling of --lr-base to the effective batch (linear for SGD-like
-        optimisers, square root for Ada* and LAMB (timm's rule), unless --lr-base-scale names one)."""
+        optimisers, square root for Ada* and LAMB (timm's rule), unless --lr-base-scale names one); `opt`: another
+        optimiser's rule than the run's (a phase's own)."""
         if self.lr_base is None:
             return self.lr
         ratio = self.effective_batch(world_size) / self.lr_base_size
         # timm train.py's rule: 'ada*' and 'lamb' optimisers scale by the square root
-        scale = self.lr_base_scale or ('sqrt' if any(o in self.opt.lower() for o in ('ada', 'lamb')) else 'linear')
+        name = (opt or self.opt).lower()
+        scale = self.lr_base_scale or ('sqrt' if any(o in name for o in ('ada', 'lamb')) else 'linear')
         return self.lr_base * (ratio ** 0.5 if scale == 'sqrt' else ratio)
 
     def default_predictor_epochs(self) -> int:

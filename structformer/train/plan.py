@@ -161,7 +161,6 @@ def schedule_shape(values: dict) -> str:
 
 def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str]:
     from .optim import scheduled_lr
-    scale = config.lr_scale(world)
     lines = []
     own = bool(config.phase_settings)
     phases = phase_plan(config) if own else [(None, config.epochs)]
@@ -170,7 +169,7 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
     start = 0
     for name, epochs in phases:
         values = config.schedule_values(name, epochs if own else None)
-        peak = values['lr'] * scale
+        peak = values['lr'] * config.lr_scale(world, values['opt'])     # the rule of the phase's optimiser
         shape = schedule_shape(values)
         if own:
             lines.append(f"  phase {name} (epochs {start + 1}-{start + epochs}): {values['opt']}, weight decay "
