@@ -250,3 +250,17 @@ def test_pruned_student_is_distilled_at_the_original_positions():
     torch.testing.assert_close(total, torch.stack(per_layer).mean(), rtol=1e-4, atol=1e-6)
     total.backward()
     assert student.blocks[3].attn.basis.w_up.grad is not None
+
+
+def test_extending_a_run_on_resume_keeps_the_stage_one_it_trained(tmp_path, teacher_run, capsys):
+    """Stage 1's default length follows --epochs (about 1/9): a run of 9 epochs trains 1; resumed with --epochs 27
+    after that epoch it must go on in stage 2 (the default of 27 would put epochs 2-3 back in stage 1)."""
+    from structformer.cli import main
+    out = tmp_path / 'student'
+    common = ['--output', str(out), '--no-progress', '--log-interval', '0']
+    assert main(['train', '--model', 'sparsifiner_digits', '--data', 'digits', '--epochs', '9', '--lr', '3e-3',
+                 '--limit-train-batches', '2', '--teacher', str(teacher_run), '--stop-after', '1', *common]) == 0
+    assert main(['train', '--resume', '--epochs', '27', '--stop-after', '1', *common]) == 0
+    phases = [json.loads(line)['phase'] for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    assert phases == ['predictor', 'joint']
+    capsys.readouterr()

@@ -160,6 +160,9 @@ def test_betas_and_eps_reach_the_optimiser(tmp_path):
     assert trainer.optimizer.defaults['betas'] == (0.8, 0.95) and trainer.optimizer.defaults['eps'] == 1e-6
     with pytest.raises(UsageError, match='--opt sgd does not take --opt-betas'):
         Trainer(_tiny(tmp_path, opt='sgd', opt_betas=[0.9, 0.99]))._build()
+    # timm's sgd is Nesterov SGD: torch refuses it a zero momentum (a ValueError traceback before)
+    with pytest.raises(UsageError, match="--momentum 0 with --opt sgd: timm's sgd is Nesterov SGD.*--opt momentum"):
+        Trainer(_tiny(tmp_path, opt='sgd', momentum=0.0))._build()
 
 
 def test_grad_checkpointing_trains_the_same_weights(tmp_path):
@@ -424,3 +427,111 @@ def test_tv_rand_is_torchvisions_randaugment_where_timm_puts_its_policy():
     assert np.array_equal(a, b)
     with pytest.raises(UsageError, match=r"--aa='tv-rand-n2-m31'"):     # bins 0..30
         check_auto_augment('tv-rand-n2-m31')
+
+
+@pytest.mark.parametrize('mode', ['value', 'agc'])
+def test_clip_mode_is_timms_value_and_adaptive_clipping(mode, tmp_path):
+    """--clip-mode (timm's dispatch_clip_grad): one plain SGD step (lr 1, no momentum or decay) moves each weight by
+    its clipped gradient. 'value' bounds every element by --clip-grad (the global norm is far above it); 'agc'
+    bounds each unit's gradient by clip-grad x its weight's norm and, as timm's train.py, leaves the head alone."""
+    clip = 1e-4
+    run = tmp_path / mode
+    train(_tiny(run, epochs=1, opt='momentum', momentum=0.0, weight_decay=0.0, lr=1.0, clip_grad=clip, clip_mode=mode),
+          progress=False)
+    before = load_file(str(run / 'run/checkpoints/epoch_0000/model.safetensors'))
+    after = load_file(str(run / 'run/checkpoints/epoch_0001/model.safetensors'))
+    moved = {k: (after[k] - before[k]).double() for k in before if before[k].is_floating_point()}
+    body = [k for k in moved if not k.startswith('head.')]
+    # the step is rounded to float32 weights: each moved element is off by at most half an ulp of the new weight
+    rounding = {k: 2.0 ** -24 * after[k].double().abs().max().item() for k in moved}
+    if mode == 'value':
+        largest = max(moved, key=lambda k: moved[k].abs().max())
+        assert moved[largest].abs().max().item() == pytest.approx(clip, abs=rounding[largest])
+        assert all(moved[k].abs().max().item() <= clip + rounding[k] for k in moved)
+        assert sum(moved[k].square().sum().item() for k in moved) ** 0.5 > 20 * clip
+        return
+    from timm.utils.agc import unitwise_norm
+    for key in body:                       # every unit of the body within clip x max(its weight norm, 1e-3)
+        limit = clip * unitwise_norm(before[key].double()).clamp_min(1e-3)
+        unit_size = moved[key][0].numel() if moved[key].dim() > 1 else moved[key].numel()
+        # timm scales the gradient in float32: its norm lands within a few float32 ulps of the limit
+        assert (unitwise_norm(moved[key]) <= limit * (1 + 8 * 2.0 ** -23) + rounding[key] * unit_size ** 0.5).all(), key
+    assert unitwise_norm(moved['head.weight']).max().item() > 10 * clip * unitwise_norm(
+        before['head.weight'].double()).max().item()
+
+
+def test_clip_mode_is_checked(tmp_path):
+    with pytest.raises(UsageError, match="--clip-mode='max': accepted norm, value, agc"):
+        _tiny(tmp_path, clip_grad=1.0, clip_mode='max').validate()
+    with pytest.raises(UsageError, match='--clip-mode value needs --clip-grad'):
+        _tiny(tmp_path, clip_mode='value').validate()
+
+
+def test_timms_short_and_model_flags_are_taken_or_pointed_to_model_kwargs(capsys):
+    """timm's --dr is --decay-rate; --bn-momentum and the like are constructor arguments timm hands to create_model:
+    they point to --model-kwargs, not to a near name of another meaning (--bn-momentum said 'did you mean
+    --momentum?', the optimiser's; --dr 'did you mean --drop or --lr?')."""
+    assert main(['train', '--dry-run', '--sched', 'step', '--dr', '0.5']) == 0
+    assert 'x0.5 every 90 epochs' in capsys.readouterr().out
+    for flag, kwarg in (('--bn-momentum', 'bn_momentum'), ('--bn-eps', 'bn_eps'), ('--drop-block', 'drop_block_rate'),
+                        ('--gp', 'global_pool')):
+        with pytest.raises(SystemExit):
+            main(['train', '--dry-run', flag, '0.1'])
+        err = capsys.readouterr().err
+        assert f'{flag} is not a flag here' in err and f'--model-kwargs {kwarg}=' in err and 'did you mean' not in err
+
+
+def test_a_config_file_takes_timms_keys_or_says_where_their_setting_is(tmp_path, capsys):
+    """timm's train.py reads -c YAML of its argparse dest names: those of settings we hold under another key are
+    taken (smoothing, workers, torchcompile, torchcompile_mode), `lr: null` with lr_base is timm's scaling rule, and
+    a timm key without a counterpart is refused with its flag's hint (checkpoint_hist said 'did you mean
+    grad_checkpointing?')."""
+    from structformer.train.config import load_config_file
+    path = tmp_path / 'timm.yaml'
+    path.write_text('smoothing: 0.2\nworkers: 3\ntorchcompile: eager\nlr: null\nlr_base: 0.1\n')
+    assert load_config_file(path) == {'label_smoothing': 0.2, 'num_workers': 3, 'compile': 'eager', 'lr_base': 0.1}
+    for text, needle in [('smoothing: 0.2\nlabel_smoothing: 0.1\n', "keys 'smoothing' and 'label_smoothing' both set"),
+                         ('lr: null\n', 'lr: null leaves the peak lr to lr_base'),
+                         ('checkpoint_hist: 3\n', "'checkpoint_hist' is timm train.py's key, not one here: use "
+                                                  '--keep-last N')]:
+        path.write_text(text)
+        assert main(['train', '--dry-run', '-c', str(path)]) == 2
+        assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, needle', [
+    (['--lr-base-size', '1024'], "--lr-base-size 1024 does nothing in this run: it sizes --lr-base's scaling"),
+    (['--model-ema-warmup'], '--model-ema-warmup does nothing in this run: it shapes the weight average'),
+    (['--mixup-off-epoch', '3'], '--mixup-off-epoch 3 does nothing in this run: it shapes Mixup / CutMix'),
+    (['--decay-milestones', '5', '9'], '--decay-milestones 5 9 does nothing in this run: only --sched multistep'),
+    (['--lr-noise-std', '0.5'], '--lr-noise-std 0.5 does nothing in this run: it shapes --lr-noise'),
+    (['--lr-cycle-decay', '0.9'], '--lr-cycle-decay 0.9 does nothing in this run: it shapes the restarts'),
+    (['--momentum', '0.5'], '--momentum 0.5 does nothing in this run: --opt adamw has no momentum')])
+def test_a_flag_that_acts_on_nothing_is_refused(argv, needle, capsys):
+    """timm's train.py ignores these without a word (and its lr_base defaults to 0.1, so its --lr-base-size alone
+    scales the lr; here it did nothing): one line instead."""
+    assert main(['train', '--dry-run', *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_flags_that_act_somewhere_in_the_run_are_taken(capsys):
+    """With what they shape on (or a phase's schedule reading them), or at their default value, they are taken."""
+    for argv in (['--lr-base', '1e-3', '--lr-base-size', '1024'], ['--model-ema', '--model-ema-warmup'],
+                 ['--cutmix', '1', '--mixup-off-epoch', '1'], ['--mixup-off-epoch', '0'],
+                 ['--phase-settings', 'main', 'sched=multistep', '--decay-milestones', '5', '9'],
+                 ['--lr-noise', '0.5', '--lr-noise-std', '0.5'], ['--lr-cycle-limit', '2', '--lr-cycle-decay', '0.9'],
+                 ['--opt', 'lookahead_sgd', '--momentum', '0.5'], ['--momentum', '0.9']):
+        assert main(['train', '--dry-run', '--epochs', '10', *argv]) == 0, argv
+    capsys.readouterr()
+
+
+def test_a_phases_own_optimiser_scales_lr_base_by_its_own_rule(tmp_path):
+    """timm's --lr-base rule depends on the optimiser (square root for ada* / lamb, else linear): a phase with its
+    own --opt scales by that optimiser's rule, not the run's (an sgd phase of an adamw run took the square root)."""
+    common = dict(lr_base=1e-3, lr_base_size=256, batch_size=64, lr=1e-3, warmup_epochs=0)
+    trainer = Trainer(_tiny(tmp_path / 'a', phase_settings={'main': {'opt': 'sgd'}}, **common))
+    trainer._build()
+    assert trainer.optimizer.param_groups[0]['lr'] == pytest.approx(1e-3 * 64 / 256)            # linear
+    trainer = Trainer(_tiny(tmp_path / 'b', **common))
+    trainer._build()
+    assert trainer.optimizer.param_groups[0]['lr'] == pytest.approx(1e-3 * (64 / 256) ** 0.5)   # adamw: sqrt

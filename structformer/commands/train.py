@@ -45,10 +45,20 @@ FLAG_HINTS = {
     '--start-epoch': '--resume continues a run from its last checkpoint; --initial-checkpoint starts from weights '
                      'with a fresh optimiser and schedule',
     '--no-resume-opt': '--initial-checkpoint RUN starts from its weights with a fresh optimiser and schedule',
-    '--sched-on-updates': 'the schedule already steps after every optimiser step',
+    '--sched-on-updates': "the schedule always steps after every optimiser step here (timm's default is once an "
+                          'epoch)',
     '--torchscript': 'TorchScript is not supported (docs/export.md); --compile for torch.compile',
     '--drop-connect': 'use --drop-path',
     '--log-wandb': 'use --log-tb DIR (TensorBoard)',
+    # timm's train.py hands these to the model's constructor; here --model-kwargs does, for a model that takes them
+    '--bn-momentum': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs "
+                     "bn_momentum=M, for a model that takes it (--momentum is the optimiser's)",
+    '--bn-eps': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs bn_eps=E, "
+                "for a model that takes it",
+    '--drop-block': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs "
+                    "drop_block_rate=R, for a model that takes it",
+    '--gp': "a model constructor's argument (timm's train.py passes it to create_model): --model-kwargs "
+            "global_pool=NAME, for a model that takes it",
 }
 
 
@@ -160,7 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--decay-epochs', type=float, default=S, metavar='N', help='step: epochs between decays (90)')
     g.add_argument('--decay-milestones', type=int, nargs='+', default=S, metavar='EPOCH',
                    help='multistep: the epochs to decay at (90 180 270)')
-    g.add_argument('--decay-rate', type=float, default=S, metavar='F',
+    g.add_argument('--decay-rate', '--dr', type=float, default=S, metavar='F',
                    help="step / multistep factor; poly's power, as timm's train.py passes it (0.1)")
     g.add_argument('--lr-cycle-limit', type=int, default=S, metavar='N',
                    help="cosine / tanh / poly restarts: N cycles, all inside --epochs (timm's train.py runs --epochs "
@@ -185,7 +195,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timm's BinaryCrossEntropy instead of cross-entropy (Mixup / CutMix targets included)")
     g.add_argument('--bce-target-thresh', type=float, default=S, metavar='T',
                    help='with --bce-loss: binarise soft targets at T (default: keep them soft)')
-    g.add_argument('--clip-grad', type=float, default=S, help='clip the gradient norm to this value')
+    g.add_argument('--clip-grad', type=float, default=S,
+                   help='clip the gradients at this threshold (the global norm unless --clip-mode says otherwise)')
+    g.add_argument('--clip-mode', default=S, metavar='MODE',
+                   help="what --clip-grad bounds, timm's modes: norm (the global gradient norm, default), value (each "
+                        "element) or agc (adaptive: each unit's gradient norm at most clip-grad x its weight norm; "
+                        "the head is not clipped)")
     g.add_argument('--seed', type=int, default=S, help='one seed for data split, init, order and augmentation (0)')
     g.add_argument('--limit-train-batches', type=int, default=S, help='at most this many batches per epoch (0 = all)')
     g.add_argument('--workers', dest='num_workers', type=int, default=S, help='data loader workers (0)')
@@ -253,7 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--mixup-prob', type=float, default=S, help='probability of mixing a batch (1.0)')
     g.add_argument('--mixup-switch-prob', type=float, default=S, help='probability of CutMix instead of Mixup when both are on (0.5)')
     g.add_argument('--mixup-mode', default=S, help='batch (default), pair or elem')
-    g.add_argument('--mixup-off-epoch', type=int, default=S, metavar='E', help='stop mixing after epoch E (0 = never)')
+    g.add_argument('--mixup-off-epoch', type=int, default=S, metavar='E', help='mix the first E epochs only, as timm does (0 = every epoch)')
     g.add_argument('--drop', type=float, default=S, help="dropout rate passed to the model as drop_rate")
     g.add_argument('--drop-path', type=float, default=S, help='stochastic depth rate passed to the model as drop_path_rate')
     g.add_argument('--model-ema', action=argparse.BooleanOptionalAction, default=S,
@@ -373,13 +388,34 @@ def _peak_lr(from_recipe: dict, from_file: dict, given: dict) -> dict:
     return {}
 
 
+def _refuse_idle_flags(config, given: dict) -> None:
+    """A flag given with a value of its own that acts on nothing in this run (config_checks.idle_settings: e.g.
+    --lr-base-size without --lr-base, --model-ema-decay without --model-ema): one line instead of a run that
+    trains otherwise than the command line reads. A setting from a recipe or -c file is left alone (a run's
+    config.yaml holds every key)."""
+    import dataclasses
+
+    from ..train.config import TrainConfig
+    from ..train.config_checks import idle_settings
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+    for key, why in idle_settings(config).items():
+        if key in given and given[key] != defaults.get(key):
+            value = given[key]
+            shown = '' if value is True else ' ' + (' '.join(map(str, value)) if isinstance(value, list) else str(value))
+            raise UsageError(f"{_flag(key)}{shown} does nothing in this run: {why}; leave it out")
+
+
 def train_config(args):
     """TrainConfig from (in increasing priority) the defaults, --recipe NAME, -c FILE and the flags given
     explicitly; with --resume, the saved configuration (see `_resume_config`)."""
     from ..train import TrainConfig, load_config_file
     given = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
     config_path = getattr(args, 'config', None)
-    from_file = load_config_file(config_path) if config_path else {}
+    # timm's keys (its flags' dest names) that are not ours say where their setting is, as the flags do
+    timm_hints = {flag[2:].replace('-', '_'): hint for flag, hint in FLAG_HINTS.items() if flag.startswith('--')}
+    from_file = load_config_file(config_path, hints=timm_hints) if config_path else {}
     if args.resume:
         values = _resume_config(args, given, from_file, config_path)
     else:
@@ -396,6 +432,9 @@ def train_config(args):
             values['data_as_given'] = None
         values.update(_peak_lr(from_recipe, from_file, given))
     config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
+    if not args.resume:
+        config.validate()                          # a value out of range is named as such first
+        _refuse_idle_flags(config, given)
     if 'recipe' in given:                          # another family's model with a recipe: refused by name
         from ..train.recipes import check_recipe_model
         check_recipe_model(config)

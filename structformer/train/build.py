@@ -147,7 +147,8 @@ class RunBuild:
                                  f"(--lr-base {cfg.lr_base:g} scaled to the effective batch {self.effective_batch()}); "
                                  f"lower it or raise the batch (--grad-accum-steps)")
         for name, settings in cfg.phase_settings.items():     # a phase's lr scales the same way, its floors do not
-            phase_peak = cfg.schedule_values(name)['lr'] * cfg.lr_scale(self.world_size)
+            values = cfg.schedule_values(name)
+            phase_peak = values['lr'] * cfg.lr_scale(self.world_size, values['opt'])
             for key in ('warmup_lr', 'min_lr'):
                 if settings.get(key) is not None and settings[key] > phase_peak:
                     raise UsageError(f"--phase-settings {name} {key}={settings[key]:g} is above the phase's peak "
@@ -244,7 +245,7 @@ class RunBuild:
         # --factorize-lr-scale while the network is factorised (seed 004 App. A.2): the schedule is rebuilt from
         # this lr at the switch (`replace_model`) and on resume, so it holds from the switch on
         factorised = any(hasattr(m, 'factors') for m in self.model.modules())
-        lr = values['lr'] * cfg.lr_scale(self.world_size) * (cfg.factorize_lr_scale if factorised else 1.0)
+        lr = values['lr'] * cfg.lr_scale(self.world_size, values['opt']) * (cfg.factorize_lr_scale if factorised else 1.0)
         return make_optimizer(self.model, cfg, values, lr, exempt=factors)
 
     def _make_scheduler(self):

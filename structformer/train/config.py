@@ -18,6 +18,8 @@ from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
 DEFAULT_FLOOR_LR = 1e-6
 FLOAT32_MAX = 3.4028234663852886e38
+# timm.utils.dispatch_clip_grad's modes (--clip-mode)
+CLIP_MODES = ('norm', 'value', 'agc')
 # data-loader worker processes: more than this only forks processes that wait on each other (and a typo such
 # as 100000 would fork until the machine stops); the ceiling grows with the machine
 MAX_WORKERS = max(32, 2 * (os.cpu_count() or 1))
@@ -81,6 +83,9 @@ class TrainConfig:
     min_lr: Optional[float] = None
     label_smoothing: float = 0.1
     clip_grad: Optional[float] = None
+    # timm's --clip-mode: what --clip-grad bounds: the global gradient norm ('norm'), each gradient element ('value')
+    # or each unit's gradient relative to its weight's norm ('agc', adaptive clipping, the head excluded as timm does)
+    clip_mode: str = 'norm'
     seed: int = 0
     output: Optional[str] = None
     keep_last: int = 2
@@ -257,6 +262,11 @@ class TrainConfig:
                              f"{self.avg_last} or more")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad={self.clip_grad} is out of range: accepted > 0")
+        if self.clip_mode not in CLIP_MODES:
+            raise UsageError(f"--clip-mode={self.clip_mode!r}: accepted {', '.join(CLIP_MODES)}")
+        if self.clip_mode != 'norm' and self.clip_grad is None:
+            raise UsageError(f"--clip-mode {self.clip_mode} needs --clip-grad (the {self.clip_mode} clipping's "
+                             "threshold); give both, or leave --clip-mode out")
         validate_lowrank(self)
         self._validate_distillation()
         self._validate_paper_scale()
@@ -361,25 +371,28 @@ class TrainConfig:
                 values[key] = min(DEFAULT_FLOOR_LR, values['lr'])
         return values
 
-    def lr_scale(self, world_size: int = 1) -> float:
+    def lr_scale(self, world_size: int = 1, opt: Optional[str] = None) -> float:
         """The factor --lr-base's scaling gives the written lr at this effective batch (1 without --lr-base): the
-        run's peak is lr_base x it, a phase's written lr is scaled by it too."""
+        run's peak is lr_base x it, a phase's written lr is scaled by it too, by the rule of the phase's own `opt`
+        (timm's: square root for ada* / lamb) unless --lr-base-scale names one."""
         if self.lr_base is None:
             return 1.0
-        return self.resolved_lr(world_size) / self.lr_base
+        return self.resolved_lr(world_size, opt) / self.lr_base
 
     def effective_batch(self, world_size: int = 1) -> int:
         """Images per optimiser step over every process: per-process batch x accumulation x processes."""
         return self.batch_size * self.grad_accum_steps * world_size
 
-    def resolved_lr(self, world_size: int = 1) -> float:
+    def resolved_lr(self, world_size: int = 1, opt: Optional[str] = None) -> float:
         """The peak learning rate: --lr, or timm's scaling of --lr-base to the effective batch (linear for SGD-like
-        optimisers, square root for Ada* and LAMB (timm's rule), unless --lr-base-scale names one)."""
+        optimisers, square root for Ada* and LAMB (timm's rule), unless --lr-base-scale names one); `opt`: another
+        optimiser's rule than the run's (a phase's own)."""
         if self.lr_base is None:
             return self.lr
         ratio = self.effective_batch(world_size) / self.lr_base_size
         # timm train.py's rule: 'ada*' and 'lamb' optimisers scale by the square root
-        scale = self.lr_base_scale or ('sqrt' if any(o in self.opt.lower() for o in ('ada', 'lamb')) else 'linear')
+        name = (opt or self.opt).lower()
+        scale = self.lr_base_scale or ('sqrt' if any(o in name for o in ('ada', 'lamb')) else 'linear')
         return self.lr_base * (ratio ** 0.5 if scale == 'sqrt' else ratio)
 
     def default_predictor_epochs(self) -> int:
@@ -441,12 +454,36 @@ def check_values(values: Dict[str, Any], source: str = 'configuration') -> Dict[
     return out
 
 
-def load_config_file(path) -> Dict[str, Any]:
+# timm train.py's YAML keys (its argparse dest names) for settings a key of ours holds under another name: its -c file
+# and ours take the same flags (--smoothing, --workers, --torchcompile, --torchcompile-mode), so the file takes both
+TIMM_KEYS = {'smoothing': 'label_smoothing', 'workers': 'num_workers', 'torchcompile': 'compile',
+             'torchcompile_mode': 'compile_mode'}
+
+
+def load_config_file(path, hints: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The mapping in a YAML config file, keys and types checked (see `TrainConfig.from_dict`); every
     problem -- a missing, unreadable or non-file path, bad YAML, an unknown key, a wrong type -- is a
-    UsageError naming -c/--config, the file and the key."""
+    UsageError naming -c/--config, the file and the key. timm train.py's own key for a setting of ours (TIMM_KEYS)
+    is taken as ours; `hints` (key -> where its setting is here) says more than 'unknown' for timm's keys that have
+    no counterpart key (the train command's hints for timm's flags)."""
     where = f"-c/--config {path}"
-    return check_values(read_yaml_mapping(path, where), where)
+    values = read_yaml_mapping(path, where)
+    renamed, given_as = {}, {}
+    for key, value in values.items():
+        ours = TIMM_KEYS.get(key, key)
+        if ours in renamed:
+            raise UsageError(f"{where}: keys {given_as[ours]!r} and {key!r} both set {ours} (timm's name and ours); "
+                             "give one")
+        if key in (hints or {}):
+            raise UsageError(f"{where}: {key!r} is timm train.py's key, not one here: {hints[key]}")
+        renamed[ours], given_as[ours] = value, key
+    if 'lr' in renamed and renamed['lr'] is None:        # timm's `lr: null`: the peak is lr_base scaled to the batch
+        if renamed.get('lr_base') is None:
+            raise UsageError(f"{where}: lr: null leaves the peak lr to lr_base (timm train.py's rule, its default "
+                             "lr_base 0.1), and the file gives no lr_base; give lr_base: X (and lr_base_size), or "
+                             "lr a number")
+        del renamed['lr']
+    return check_values(renamed, where)
 
 
 def save_config(config: TrainConfig, path) -> None:

@@ -163,6 +163,46 @@ def validate_controls(config) -> None:
         raise UsageError(f"--bce-loss: {what}; binary cross-entropy is for image classes (one output per "
                          "class and image); leave it out")
 
+def idle_settings(config) -> Dict[str, str]:
+    """The settings that act on nothing in this configuration, each with why: the scaling of an --lr-base that is not
+    given, the shape of a weight average or of a Mixup that is off, a schedule's parameters where no schedule of the
+    run (or of a phase, `phase_settings`) reads them. timm's train.py ignores them silently; `structformer train`
+    refuses them where given as flags (train_config), so a run never trains other than the command line reads."""
+    idle = {}
+    if config.lr_base is None:
+        for key in ('lr_base_size', 'lr_base_scale'):
+            idle[key] = ("it sizes --lr-base's scaling, and no --lr-base is given: --lr is the peak as it is (timm's "
+                         "train.py has a default lr_base of 0.1; there is none here)")
+    if not config.model_ema:
+        for key in ('model_ema_decay', 'model_ema_warmup'):
+            idle[key] = "it shapes the weight average, which only --model-ema keeps"
+    if not (config.mixup > 0 or config.cutmix > 0 or config.cutmix_minmax is not None):
+        for key in ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'):
+            idle[key] = "it shapes Mixup / CutMix, which are off (give --mixup or --cutmix > 0)"
+    phases = [config.phase_settings[name] for name in config.phase_settings]
+    used = lambda key, default: {p.get(key, default) for p in phases} | {default}    # noqa: E731
+    scheds = used('sched', config.sched)
+    for key, readers in (('decay_epochs', ('step',)), ('decay_milestones', ('multistep',)),
+                         ('decay_rate', ('step', 'multistep', 'poly'))):
+        if not scheds & set(readers) and not any(key in p for p in phases):
+            idle[key] = f"only --sched {' / '.join(readers)} reads it, and the run's schedule is {config.sched}"
+    if config.lr_noise is None and all(p.get('lr_noise') is None for p in phases):
+        for key in ('lr_noise_pct', 'lr_noise_std'):
+            idle[key] = "it shapes --lr-noise, which is not given"
+    from timm.optim import get_optimizer_info         # timm's record of each optimiser's settings
+    try:
+        momentum = any(get_optimizer_info(opt.lower().replace('lookahead_', '')).has_momentum
+                       for opt in used('opt', config.opt))
+    except (KeyError, ValueError):
+        momentum = True                               # an unknown --opt: validate names it
+    if not momentum:
+        idle['momentum'] = f"--opt {config.opt} has no momentum (timm's sgd, momentum, rmsprop, lars, ... have)"
+    if used('lr_cycle_limit', config.lr_cycle_limit) == {1}:
+        for key in ('lr_cycle_mul', 'lr_cycle_decay'):
+            idle[key] = "it shapes the restarts of --lr-cycle-limit N > 1, and the run has one cycle"
+    return idle
+
+
 def validate_phase_settings(config) -> None:
     """`phase_settings`: a mapping of phase name to PHASE_SETTING_KEYS, each value checked as the run-wide one."""
     if not isinstance(config.phase_settings, dict):

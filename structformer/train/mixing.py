@@ -26,8 +26,10 @@ def build_mixup(config, num_classes: int, language_model: bool = False):
 
 
 def mixing_active(mixup, config, epoch: int) -> bool:
-    """timm's --mixup-off-epoch: from that epoch on the images are no longer mixed (targets stay soft)."""
-    return mixup is not None and not (config.mixup_off_epoch and epoch >= config.mixup_off_epoch)
+    """timm's --mixup-off-epoch E: the first E epochs are mixed, the later ones not (targets stay soft). `epoch`
+    counts from 1 here; timm's train.py counts from 0 and stops mixing at its epoch E (`epoch >= E`), which is
+    our epoch E + 1."""
+    return mixup is not None and not (config.mixup_off_epoch and epoch > config.mixup_off_epoch)
 
 
 def hard_labels(targets):

@@ -61,6 +61,13 @@ def make_optimizer(model: torch.nn.Module, config, values: Dict[str, Any], lr: f
     except TypeError as e:                # e.g. --opt-betas for an optimiser without betas
         given = ' / '.join(f"--opt-{k}" for k in extra) or 'its settings'
         raise UsageError(f"--opt {values['opt']} does not take {given} ({str(e).splitlines()[0]})") from None
+    except ValueError as e:               # torch's own range checks of the optimiser's settings
+        message = str(e).splitlines()[0]
+        if 'Nesterov' in message:         # timm's sgd / nesterov are Nesterov SGD, which needs a momentum
+            raise UsageError(f"--momentum {values['momentum']:g} with --opt {values['opt']}: timm's {values['opt']} "
+                             "is Nesterov SGD, which needs --momentum > 0; for SGD without momentum give --opt "
+                             "momentum --momentum 0") from None
+        raise UsageError(f"--opt {values['opt']}: {message}") from None
     ignored = [f"--opt-{k}" for k in extra if k not in optimizer.defaults]     # timm drops what SGD has no use for
     if ignored:
         raise UsageError(f"--opt {values['opt']} does not take {' / '.join(ignored)} ({type(optimizer).__name__} has "

@@ -205,6 +205,9 @@ class DistillationPart(Part):
         stage1 = self.config.predictor_epochs
         if stage1 is None:
             stage1 = self.config.default_predictor_epochs() if self.distiller.sparse_layers else 0
+            # recorded: the default follows --epochs, and a resume that extends the run must keep the stage 1 it
+            # trained (as it keeps the warm-up), not move the boundary behind epochs already trained in stage 2
+            self.config.predictor_epochs = stage1
         return self.distill.distillation_phases(self.config.epochs, stage1)
 
     def check_phases(self, phases) -> None:

@@ -161,7 +161,6 @@ def schedule_shape(values: dict) -> str:
 
 def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str]:
     from .optim import scheduled_lr
-    scale = config.lr_scale(world)
     lines = []
     own = bool(config.phase_settings)
     phases = phase_plan(config) if own else [(None, config.epochs)]
@@ -170,7 +169,7 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
     start = 0
     for name, epochs in phases:
         values = config.schedule_values(name, epochs if own else None)
-        peak = values['lr'] * scale
+        peak = values['lr'] * config.lr_scale(world, values['opt'])     # the rule of the phase's optimiser
         shape = schedule_shape(values)
         if own:
             lines.append(f"  phase {name} (epochs {start + 1}-{start + epochs}): {values['opt']}, weight decay "
@@ -413,7 +412,7 @@ def dry_run(config: TrainConfig) -> str:
                  + (f", momentum {config.momentum:g}" if 'sgd' in config.opt or 'momentum' in config.opt else '')
                  + (f", betas {tuple(config.opt_betas)}" if config.opt_betas else '')
                  + (f", eps {config.opt_eps:g}" if config.opt_eps is not None else '')
-                 + (f", clip grad norm {config.clip_grad:g}" if config.clip_grad else '')
+                 + (f", clip grad {config.clip_mode} {config.clip_grad:g}" if config.clip_grad else '')
                  + (f", layer decay {config.layer_decay:g}" if config.layer_decay is not None else '')
                  + (", binary cross-entropy (--bce-loss)" if config.bce_loss else
                     f", label smoothing {config.label_smoothing:g}"))

@@ -10,7 +10,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -84,18 +84,19 @@ class Precision:
             scaled.backward(create_graph=create_graph)
 
     def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
-             clip_grad: Optional[float]) -> None:
-        """Unscale (float16), clip the gradient norm if asked, and step; with float16 a step whose gradients
-        overflowed is skipped and the scale lowered, as GradScaler does."""
-        if self.scaler is not None:
-            if clip_grad:
+             clip_grad: Optional[float], clip_mode: str = 'norm') -> None:
+        """Unscale (float16), clip the gradients if asked (timm's dispatch_clip_grad: `clip_mode` norm, value or
+        agc, as timm's train.py passes --clip-mode), and step; with float16 a step whose gradients overflowed is
+        skipped and the scale lowered, as GradScaler does."""
+        if clip_grad:
+            from timm.utils import dispatch_clip_grad
+            if self.scaler is not None:
                 self.scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(list(params), clip_grad)
+            dispatch_clip_grad(list(params), clip_grad, mode=clip_mode)
+        if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
             return
-        if clip_grad:
-            torch.nn.utils.clip_grad_norm_(list(params), clip_grad)
         optimizer.step()
 
     def state(self) -> Dict:
@@ -135,6 +136,21 @@ def low_precision_failure(error: BaseException, precision: Optional[Precision]):
                               f"torch.autocast('{precision.device.type}', enabled=False), inputs .float(); see "
                               "docs/precision.md) or train without --amp")
     return None
+
+
+def clip_parameters(model: torch.nn.Module, clip_mode: str) -> List[torch.nn.Parameter]:
+    """The parameters --clip-grad clips: all of them, but for agc not the classifier's (timm's train.py excludes
+    the head from adaptive clipping, as the NFNet paper does, by taking all but the last two parameters; here the
+    model's get_classifier() where it has one, the same two tensors for every structformer model and still the
+    head when a low-rank head holds more than two)."""
+    params = list(model.parameters())
+    if clip_mode != 'agc':
+        return params
+    head = model.get_classifier() if hasattr(model, 'get_classifier') else None
+    if not isinstance(head, torch.nn.Module):
+        return params[:-2]
+    exclude = {id(p) for p in head.parameters()}
+    return [p for p in params if id(p) not in exclude]
 
 
 @contextlib.contextmanager

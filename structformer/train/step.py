@@ -15,7 +15,7 @@ from .checkpoint import crash_point, resolve_checkpoint
 from .distributed import all_reduce_sum
 from .mixing import hard_labels, mixing_active
 from .phases import LossContext
-from .precision import low_precision_failure
+from .precision import clip_parameters, low_precision_failure
 from .recovery import progress_state
 
 
@@ -136,7 +136,8 @@ class TrainStep:
                 if diverged is None:
                     self.precision.backward(loss / group, create_graph=second_order)
             if update:
-                self.precision.step(self.optimizer, self.model.parameters(), cfg.clip_grad)
+                self.precision.step(self.optimizer, clip_parameters(self.model, cfg.clip_mode), cfg.clip_grad,
+                                    cfg.clip_mode)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
                 if self.scheduler is not None:
