@@ -118,6 +118,34 @@ def test_the_recipes_factorisation_goes_to_the_low_rank_rows_alone(tmp_path):
     assert (dense.factor_decay, dense.factorize_lr_scale) == ('l2', 1)
 
 
+def test_clip_mode_reaches_every_cell_and_the_timed_step(tmp_path):
+    """--clip-mode (timm's norm / value / agc, which train takes) was not among compare's shared flags: a recipe
+    clipping by value was planned and timed as clipping the norm."""
+    import argparse
+
+    import torch
+
+    from structformer.compare.catalogue import resolve_keys
+    from structformer.compare.cli import _train_flags, add_arguments
+    from structformer.compare.grid import plan_cells
+    from structformer.compare.speed import step_functions
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = _train_flags(parser.parse_args(['--clip-grad', '1e-6', '--clip-mode', 'value']))
+    rows = match_rows(resolve_keys(None, ['wrn']), 'digits', SETS['quick']['budget'])
+    cells = plan_cells(rows, [0], dict(flags, epochs=1), 'digits', tmp_path)
+    assert cells and all((c.config.clip_grad, c.config.clip_mode) == (1e-6, 'value') for c in cells)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10).double()          # float64: the 1e-6 steps stand clear of the weights' rounding
+    before = [p.detach().clone() for p in model.parameters()]
+    recipe = dict(opt='momentum', lr=1.0, weight_decay=0.0, momentum=0.9, **flags)
+    train_step, _ = step_functions(model, torch.randn(32, 64, dtype=torch.float64), torch.randint(0, 10, (32,)), recipe, 'cpu')
+    train_step()
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    # value clipping: every gradient entry at most 1e-6, most of them at it (norm clipping: the whole norm 1e-6)
+    assert moved.abs().max() <= 1e-6 * (1 + 1e-9) and moved.norm() > 10e-6
+
+
 def test_pareto_front_against_a_hand_example():
     # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
     # (equal accuracy, higher cost); e has no timing

@@ -34,6 +34,7 @@ TRAIN_FLAGS = (
     ('--sched', 'sched', str, None), ('--warmup-epochs', 'warmup_epochs', float, None),
     ('--warmup-lr', 'warmup_lr', float, None), ('--min-lr', 'min_lr', float, None),
     ('--smoothing', 'label_smoothing', float, None), ('--clip-grad', 'clip_grad', float, None),
+    ('--clip-mode', 'clip_mode', str, None),
     ('--limit-train-batches', 'limit_train_batches', int, None), ('--val-fraction', 'val_fraction', float, None),
     ('--workers', 'num_workers', int, None), ('--grad-accum-steps', 'grad_accum_steps', int, None),
     ('--amp-dtype', 'amp_dtype', str, None), ('--aa', 'aa', str, None), ('--reprob', 'reprob', float, None),

@@ -24,7 +24,8 @@ import math
 import time
 from typing import Dict, List, Optional, Tuple
 
-RECIPE_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'label_smoothing', 'amp', 'amp_dtype', 'clip_grad')
+RECIPE_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'label_smoothing', 'amp', 'amp_dtype', 'clip_grad',
+               'clip_mode')
 
 
 def resolve_device(name: str):
@@ -51,18 +52,20 @@ def step_functions(model, images, targets, recipe: Dict, device):
     import torch.nn.functional as F
     from timm.optim import create_optimizer_v2
 
-    from ..train.precision import Precision
+    from ..train.precision import Precision, clip_parameters
     precision = Precision.create(bool(recipe.get('amp')), recipe.get('amp_dtype'), torch.device(device))
     optimizer = create_optimizer_v2(model, opt=recipe.get('opt', 'adamw'), lr=recipe.get('lr', 1e-3),
                                     weight_decay=recipe.get('weight_decay', 0.05), momentum=recipe.get('momentum', 0.9))
     smoothing, clip = recipe.get('label_smoothing', 0.1), recipe.get('clip_grad')
+    clip_mode = recipe.get('clip_mode') or 'norm'
+    clipped = clip_parameters(model, clip_mode)
 
     def train_step():
         with precision.autocast():
             loss = F.cross_entropy(model(images), targets, label_smoothing=smoothing)
         optimizer.zero_grad(set_to_none=True)
         precision.backward(loss)
-        precision.step(optimizer, model.parameters(), clip)
+        precision.step(optimizer, clipped, clip, clip_mode)
 
     def infer_step():
         with torch.no_grad(), precision.autocast():
