@@ -64,6 +64,13 @@ class StructuredModel(nn.Module):
             blocks = [(r'^blocks\.(\d+)', None), last]
         return dict(stem=r'^(?:stem|patch_embed|tok_embed|cls_token|pos_embed)', blocks=blocks)
 
+    def declare_fixed_input_size(self, fixed: bool) -> None:
+        """Tell timm whether this model takes only the image size it was built with (timm's `fixed_input_size`
+        model trait, which `build_model_with_cfg` keeps when the model declares it). timm's
+        `resolve_input_data_config` and `save_for_hf` read it: a flexible model gets the registry's example
+        size, so a CRATE built with img_size=16 was handed (and exported with) 8 px images it refuses."""
+        self._traits = dict(getattr(self, '_traits', None) or {}, fixed_input_size=bool(fixed))
+
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable

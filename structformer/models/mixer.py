@@ -113,6 +113,7 @@ class _PatchTableModel(StructuredModel):
         # timm's PatchEmbed: a P×P stride-P conv is the per-patch FC C₀ = in_chans·P² → C
         self.stem = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.in_chans, self.patch_tokens = in_chans, self.stem.num_patches
+        self.declare_fixed_input_size(True)            # token mixing is shaped for the patch count
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None and global_pool not in ('avg', ''):
@@ -307,7 +308,7 @@ class _SparseWeightBlock(nn.Module):
 
 # ---- registered models ------------------------------------------------------------------------
 def _cfg(**kwargs):
-    return model_cfg(first_conv='stem.proj', **kwargs)
+    return model_cfg(first_conv='stem.proj', fixed_input_size=True, **kwargs)
 
 
 _DIGITS = dict(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG)

@@ -73,6 +73,7 @@ class WideResNet(StructuredModel):
         widths = [16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
         self.in_chans, self.num_classes, self.global_pool = in_chans, num_classes, global_pool
         self.img_size = img_size                      # any size works; recorded for the data facts only
+        self.declare_fixed_input_size(False)
         self.stem = nn.Conv2d(in_chans, 16, 3, padding=1, bias=False)
         self.stages = nn.ModuleList()
         in_chs = 16
