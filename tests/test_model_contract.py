@@ -89,6 +89,11 @@ def test_forward_intermediates_follow_timm(name):
         assert len(last_two) == 2
         torch.testing.assert_close(last_two[0], maps[-2])
         torch.testing.assert_close(last_two[1], maps[-1])
+        # stopped after the first block / stage, with the final output too (WRN's final BN-ReLU, 4x wider than
+        # the first group, failed on it)
+        early_final, early = model.forward_intermediates(x, indices=[0], stop_early=True)
+        assert early_final.shape[0] == 2 and torch.isfinite(early_final).all()
+        torch.testing.assert_close(early[0], maps[0])
         nlc = model.forward_intermediates(x, indices=1, output_fmt='NLC', intermediates_only=True)[0]
         torch.testing.assert_close(nlc, maps[-1].flatten(2).transpose(1, 2))
         with pytest.raises(ValueError, match='output_fmt'):

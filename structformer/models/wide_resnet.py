@@ -110,7 +110,8 @@ class WideResNet(StructuredModel):
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
                               intermediates_only: bool = False):
         """timm's feature interface: the outputs of the groups in `indices` (None: all three) as maps
-        [B, C_i, H_i, W_i] ('NCHW') or tokens ('NLC'); `norm` applies the final BN-ReLU to the last."""
+        [B, C_i, H_i, W_i] ('NCHW') or tokens ('NLC'); `norm` applies the final BN-ReLU to the last. The
+        final map is forward_features' (after BN-ReLU), or the last group run's when `stop_early` stops sooner."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
         x = self._check_input(x)
@@ -125,7 +126,9 @@ class WideResNet(StructuredModel):
                 intermediates.append(out.flatten(2).transpose(1, 2) if output_fmt == 'NLC' else out)
         if intermediates_only:
             return intermediates
-        return self.norm(x), intermediates
+        # the final BN-ReLU has the last group's width: stopped early, the map stays as it is (timm's
+        # EfficientNet applies its head conv / norm only when the last stage ran)
+        return (self.norm(x) if i == last else x), intermediates
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The final map after BN-ReLU, [B, C, H, W] (NCHW, as timm's CNNs)."""
