@@ -152,6 +152,25 @@ def test_grad_checkpointing_gives_the_same_gradients(name, monkeypatch):
         torch.testing.assert_close(p.grad, plain[n], msg=n)
 
 
+def test_grad_checkpointing_leaves_a_training_step_unchanged_batchnorm_included():
+    """A training step with checkpointing changes the model as one without: same gradients and the same
+    BatchNorm running statistics (the recomputation updated WRN's a second time, and counted the batch twice)."""
+    import copy
+    torch.manual_seed(0)
+    plain = timm.create_model('wrn_10_2_digits').double().train()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.set_grad_checkpointing(True)
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+    for model in (plain, checkpointed):
+        model(x).square().sum().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    buffers = dict(checkpointed.named_buffers())
+    assert any('running_var' in n for n in buffers)
+    for name, value in plain.named_buffers():
+        torch.testing.assert_close(buffers[name], value, msg=name)
+
+
 @pytest.mark.parametrize('name', MODELS)
 def test_group_matcher_gives_one_group_per_block_for_layer_decay(name):
     """timm's `group_parameters` (layer-wise lr decay): embeddings first, one group per block in order, the head

@@ -140,7 +140,7 @@ class WideResNet(StructuredModel):
 
     def _run_stage(self, stage: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         """Block by block through `run_block`, so `set_grad_checkpointing()` recomputes each block in backward
-        (as timm's ResNets do, BatchNorm's running statistics then also see the recomputation)."""
+        (as timm's ResNets do; the recomputation leaves BatchNorm's running statistics as the forward left them)."""
         for block in stage:
             x = self.run_block(block, x)
         return x
