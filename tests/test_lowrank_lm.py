@@ -131,6 +131,18 @@ def test_gpt_features_only_gives_the_hidden_states():
         torch.testing.assert_close(g, w)
 
 
+def test_gpt_reset_classifier_refuses_a_pooling_it_would_not_do():
+    """timm's `reset_classifier(n, global_pool)`: the LM's logits are per token, so a pooling is refused by name
+    (it was dropped without a word and the output stayed [B, T, n]); '' (no pooling) is what it does."""
+    model = timm.create_model('gpt2_byte_tiny', **TINY).eval()
+    assert model.global_pool == ''
+    model.reset_classifier(7, '')
+    assert model(torch.randint(0, 256, (2, 5))).shape == (2, 5, 7)
+    with pytest.raises(ValueError, match="global_pool='avg'"):
+        model.reset_classifier(3, 'avg')
+    assert model.num_classes == 7
+
+
 def test_evaluate_reports_per_token_loss_and_perplexity():
     torch.manual_seed(0)
     model = timm.create_model('gpt2_byte_tiny', **TINY)

@@ -192,3 +192,21 @@ def test_pk_layers_carry_the_mixer():
     model = timm.create_model('mixer_digits')
     assert isinstance(model.blocks[0].mlp_tokens.fc1, PKLinear)
     assert model.blocks[0].mlp_tokens.fc1.perm_in_kind == 'transpose'
+
+
+def test_features_only_of_a_mixer_with_another_token_count_gives_its_tokens():
+    """S ≠ S₀ has no patch grid: timm's feature getter asked for NCHW, which forward_intermediates refuses, so
+    `features_only=True` failed for every such Mixer; it now hands back the token tables [B, S, C]."""
+    torch.manual_seed(0)
+    model = timm.create_model('mixer_digits', num_tokens=8).eval()
+    features = timm.create_model('mixer_digits', num_tokens=8, features_only=True, out_indices=(0, -1)).eval()
+    features.model.load_state_dict({k: v for k, v in model.state_dict().items() if k in features.model.state_dict()})
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        got = features(x)
+        want = model.forward_intermediates(x, indices=(0, -1), output_fmt='NLC', intermediates_only=True)
+    assert [tuple(g.shape) for g in got] == [(2, 8, 32)] * 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    grid = timm.create_model('mixer_digits', features_only=True, out_indices=(-1,)).eval()   # S = S₀: maps, as before
+    assert grid(x)[0].shape == (2, 32, 4, 4)

@@ -89,6 +89,11 @@ def test_forward_intermediates_follow_timm(name):
         assert len(last_two) == 2
         torch.testing.assert_close(last_two[0], maps[-2])
         torch.testing.assert_close(last_two[1], maps[-1])
+        # stopped after the first block / stage, with the final output too (WRN's final BN-ReLU, 4x wider than
+        # the first group, failed on it)
+        early_final, early = model.forward_intermediates(x, indices=[0], stop_early=True)
+        assert early_final.shape[0] == 2 and torch.isfinite(early_final).all()
+        torch.testing.assert_close(early[0], maps[0])
         nlc = model.forward_intermediates(x, indices=1, output_fmt='NLC', intermediates_only=True)[0]
         torch.testing.assert_close(nlc, maps[-1].flatten(2).transpose(1, 2))
         with pytest.raises(ValueError, match='output_fmt'):
@@ -145,6 +150,25 @@ def test_grad_checkpointing_gives_the_same_gradients(name, monkeypatch):
     assert calls, 'set_grad_checkpointing(True) checkpointed nothing'        # WRN ignored the flag before
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
+def test_grad_checkpointing_leaves_a_training_step_unchanged_batchnorm_included():
+    """A training step with checkpointing changes the model as one without: same gradients and the same
+    BatchNorm running statistics (the recomputation updated WRN's a second time, and counted the batch twice)."""
+    import copy
+    torch.manual_seed(0)
+    plain = timm.create_model('wrn_10_2_digits').double().train()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.set_grad_checkpointing(True)
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+    for model in (plain, checkpointed):
+        model(x).square().sum().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    buffers = dict(checkpointed.named_buffers())
+    assert any('running_var' in n for n in buffers)
+    for name, value in plain.named_buffers():
+        torch.testing.assert_close(buffers[name], value, msg=name)
 
 
 @pytest.mark.parametrize('name', MODELS)

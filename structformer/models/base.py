@@ -6,6 +6,7 @@ and `no_weight_decay_names`, and writes `forward_features` / `forward_head` / `f
 Each registered name stays an explicit `@register_model` function in the family's file, as in timm,
 calling `create_model(cls, variant, pretrained, **kwargs)`.
 """
+from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, List, Optional, Set, Type, Union
 
 import torch
@@ -64,6 +65,13 @@ class StructuredModel(nn.Module):
             blocks = [(r'^blocks\.(\d+)', None), last]
         return dict(stem=r'^(?:stem|patch_embed|tok_embed|cls_token|pos_embed)', blocks=blocks)
 
+    def declare_fixed_input_size(self, fixed: bool) -> None:
+        """Tell timm whether this model takes only the image size it was built with (timm's `fixed_input_size`
+        model trait, which `build_model_with_cfg` keeps when the model declares it). timm's
+        `resolve_input_data_config` and `save_for_hf` read it: a flexible model gets the registry's example
+        size, so a CRATE built with img_size=16 was handed (and exported with) 8 px images it refuses."""
+        self._traits = dict(getattr(self, '_traits', None) or {}, fixed_input_size=bool(fixed))
+
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
@@ -110,9 +118,15 @@ class StructuredModel(nn.Module):
         return global_pool_nlc(x, self.global_pool, self.num_prefix_tokens)
 
     def run_block(self, block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
-        """`block(x, *args)`, recomputed in backward instead of stored when grad checkpointing is on."""
+        """`block(x, *args)`, recomputed in backward instead of stored when grad checkpointing is on. The
+        recomputation leaves BatchNorm's running statistics alone, so a checkpointed training step changes the
+        model exactly as a plain one does (it updated them twice: momentum 0.19 instead of 0.1, two batches
+        counted)."""
         if self.grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled():
-            return checkpoint(block, x, *args, use_reentrant=False)
+            if torch.compiler.is_compiling():     # dynamo traces no context_fn: timm's behaviour (updated twice)
+                return checkpoint(block, x, *args, use_reentrant=False)
+            return checkpoint(block, x, *args, use_reentrant=False,
+                              context_fn=lambda: (nullcontext(), _running_statistics_kept(block)))
         return block(x, *args)
 
     def run_blocks_keeping(self, x: torch.Tensor, indices, norm: bool = False, stop_early: bool = False):
@@ -131,6 +145,22 @@ class StructuredModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+@contextmanager
+def _running_statistics_kept(module: nn.Module):
+    """BatchNorm buffers of `module` (running mean / variance, batches counted) as they were on entry, once the
+    block exits: for a checkpointed block's recomputation, whose first forward already updated them. (Switching
+    the tracking off instead changes what batch_norm saves for backward, which checkpointing refuses.)"""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    kept = [{name: buf.clone() for name, buf in m.named_buffers(recurse=False) if buf is not None} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(norms, kept):
+                for name, value in buffers.items():
+                    getattr(m, name).copy_(value)
 
 
 def model_cfg(**kwargs) -> Dict[str, Any]:

@@ -115,6 +115,7 @@ class CRATE(StructuredModel):
         self.num_prefix_tokens = 1
 
         self.patch_embed = CratePatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.declare_fixed_input_size(True)            # the position embedding fixes the token grid
         self.cls_token = nn.Parameter(torch.randn(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.randn(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(pos_drop_rate)

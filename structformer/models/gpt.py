@@ -76,6 +76,7 @@ class GPT(StructuredModel):
     """GPT-2-style decoder (see the module docstring). `num_classes` is the vocabulary, `img_size` the
     context length, `in_chans` must be 1 (kept for the factory's data facts)."""
     num_prefix_tokens = 0
+    global_pool = ''                 # logits at every position: nothing is pooled
 
     def __init__(self, num_classes: int = 256, img_size: int = 128, in_chans: int = 1, embed_dim: int = 128,
                  depth: int = 4, num_heads: int = 4, mlp_ratio: float = 4.0, drop_rate: float = 0.0):
@@ -108,6 +109,9 @@ class GPT(StructuredModel):
             trunc_normal_(block.mlp.fc2.weight, std=0.02 / (2 * depth) ** 0.5)
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool not in (None, ''):        # it was dropped without a word: the logits stayed per token
+            raise ValueError(f"global_pool={global_pool!r}: a language model predicts at every position and pools "
+                             "nothing; accepted '' (or leave it out)")
         self.num_classes = num_classes
         self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 

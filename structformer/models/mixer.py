@@ -17,7 +17,7 @@ from functools import partial
 from typing import List, Optional, Sequence, Union
 
 import torch
-from timm.layers import DropPath, PatchEmbed
+from timm.layers import DropPath, PatchEmbed, to_2tuple
 from timm.models import generate_default_cfgs
 from torch import nn
 
@@ -113,6 +113,7 @@ class _PatchTableModel(StructuredModel):
         # timm's PatchEmbed: a P×P stride-P conv is the per-patch FC C₀ = in_chans·P² → C
         self.stem = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.in_chans, self.patch_tokens = in_chans, self.stem.num_patches
+        self.declare_fixed_input_size(True)            # token mixing is shaped for the patch count
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         if global_pool is not None and global_pool not in ('avg', ''):
@@ -327,7 +328,16 @@ default_cfgs = generate_default_cfgs({
 
 
 def _mixer(variant, pretrained, defaults, kwargs):
-    return create_model(SparseMixer, variant, pretrained, default_out_indices=3, **dict(defaults, **kwargs))
+    args = dict(defaults, **kwargs)
+    # S ≠ S₀ mixes a table of tokens with no patch grid, whose forward_intermediates refuses NCHW: features_only
+    # hands back the tokens [B, S, C] instead (timm's getter asked for NCHW, so features_only could not run at all)
+    try:
+        (h, w), (ph, pw) = to_2tuple(args.get('img_size', 32)), to_2tuple(args.get('patch_size', 4))
+        grid = (h // ph) * (w // pw)
+    except (TypeError, ValueError, ZeroDivisionError):
+        grid = None                                  # a bad size: the constructor names it
+    fmt = 'NLC' if args.get('num_tokens') not in (None, grid) else 'NCHW'
+    return create_model(SparseMixer, variant, pretrained, default_out_indices=3, feature_output_fmt=fmt, **args)
 
 
 def _swmlp(variant, pretrained, defaults, kwargs):

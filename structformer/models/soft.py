@@ -179,6 +179,10 @@ class SoftNet(StructuredModel):
             side, width = _conv_out(side, 2), _conv_out(width, 2)
             grids.append((side, width))
         self.grid_sizes = grids
+        self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        # another image size changes the stage grids: position embeddings and attentions shaped for a token count
+        # (Linformer's E, F) then no longer fit, and the input check names img_size instead of a shape mismatch
+        fixed_size = bool(pos_embed)
 
         stem_width = max(dims[0] // 2, 8)
         stem = nn.Sequential(conv_bn_relu(in_chans, stem_width, stem_strides[0], conv_bias),
@@ -200,6 +204,7 @@ class SoftNet(StructuredModel):
                 facts['value_conv'] = value_conv[i]
             layer = stage_layers[i]
             kwargs = select_options(layer, facts)
+            fixed_size = fixed_size or 'seq_len' in kwargs
             if layer is attn_layer:                      # the user's options belong to `attn`
                 kwargs.update(attn_kwargs or {})
             down = stem if i == 0 else conv_bn_relu(dims[i - 1], dim, 2, conv_bias)
@@ -216,6 +221,8 @@ class SoftNet(StructuredModel):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.no_weight_decay_names = frozenset({'cls_token'} | {f'pos_embeds.{i}' for i in range(4) if pos_embed})
+        self.fixed_size = fixed_size
+        self.declare_fixed_input_size(fixed_size)
         # `module`: a module that runs (timm's hook extractor hooks it; 'stages.i' is never called: hooks got nothing)
         self.feature_info = [dict(num_chs=d, reduction=2 ** (sum(s > 1 for s in stem_strides) + i),
                                   module=f'stages.{i}.blocks.{len(stage.blocks) - 1}' if len(stage.blocks) else
@@ -252,7 +259,7 @@ class SoftNet(StructuredModel):
         return tokens[:, prefix:].transpose(1, 2).reshape(b, c, h, w), tokens
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        return checked_images(x, 'SoftNet', self.in_chans)             # an FX leaf: traceable
+        return checked_images(x, 'SoftNet', self.in_chans, self.img_size if self.fixed_size else None)  # an FX leaf
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',

@@ -101,7 +101,8 @@ class SparsifinerViT(ContractViT):
 
 
 def _cfg(**kwargs):
-    return model_cfg(first_conv='patch_embed.proj', **kwargs)
+    # timm's ViT refuses another size (strict_img_size), as timm's DeiT configs say
+    return model_cfg(first_conv='patch_embed.proj', fixed_input_size=True, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({

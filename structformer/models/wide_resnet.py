@@ -73,6 +73,7 @@ class WideResNet(StructuredModel):
         widths = [16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
         self.in_chans, self.num_classes, self.global_pool = in_chans, num_classes, global_pool
         self.img_size = img_size                      # any size works; recorded for the data facts only
+        self.declare_fixed_input_size(False)
         self.stem = nn.Conv2d(in_chans, 16, 3, padding=1, bias=False)
         self.stages = nn.ModuleList()
         in_chs = 16
@@ -109,7 +110,8 @@ class WideResNet(StructuredModel):
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
                               intermediates_only: bool = False):
         """timm's feature interface: the outputs of the groups in `indices` (None: all three) as maps
-        [B, C_i, H_i, W_i] ('NCHW') or tokens ('NLC'); `norm` applies the final BN-ReLU to the last."""
+        [B, C_i, H_i, W_i] ('NCHW') or tokens ('NLC'); `norm` applies the final BN-ReLU to the last. The
+        final map is forward_features' (after BN-ReLU), or the last group run's when `stop_early` stops sooner."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
         x = self._check_input(x)
@@ -124,7 +126,9 @@ class WideResNet(StructuredModel):
                 intermediates.append(out.flatten(2).transpose(1, 2) if output_fmt == 'NLC' else out)
         if intermediates_only:
             return intermediates
-        return self.norm(x), intermediates
+        # the final BN-ReLU has the last group's width: stopped early, the map stays as it is (timm's
+        # EfficientNet applies its head conv / norm only when the last stage ran)
+        return (self.norm(x) if i == last else x), intermediates
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The final map after BN-ReLU, [B, C, H, W] (NCHW, as timm's CNNs)."""
@@ -136,7 +140,7 @@ class WideResNet(StructuredModel):
 
     def _run_stage(self, stage: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         """Block by block through `run_block`, so `set_grad_checkpointing()` recomputes each block in backward
-        (as timm's ResNets do, BatchNorm's running statistics then also see the recomputation)."""
+        (as timm's ResNets do; the recomputation leaves BatchNorm's running statistics as the forward left them)."""
         for block in stage:
             x = self.run_block(block, x)
         return x
