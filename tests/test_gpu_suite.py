@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.checks import (DEADLINE_ENV, OpLog, custom_op_violations, deadline_skip_reason, forward_band, loss_sensitivity, loss_tolerance,
-                        module_dtype_violations, parity_failures, recorded_step_losses, skipped_steps, step_tolerance,
-                        unit_roundoff)
+from gpu.checks import (DEADLINE_ENV, OpLog, custom_op_violations, deadline_skip_reason, fake_cuda, forward_band,
+                        loss_sensitivity, loss_tolerance, module_dtype_violations, parity_failures, recorded_step_losses,
+                        skipped_steps, step_tolerance, unit_roundoff)
+from gpu.runs import FAMILIES
 from structformer.bench import gpu as bench_gpu
 from structformer.bench.gpu_report import NO_RECORD, goal_line, goals, render_markdown, replace_section, section_of
 from structformer.cli import main
@@ -201,6 +202,47 @@ def test_module_log_flags_a_layer_out_of_policy_and_an_op_off_the_device():
     assert not any(w.startswith('head') for w in wrong) and log.products(torch.bfloat16) == 1
     ok, _ = module_dtype_violations(torch.nn.Linear(4, 3), torch.randn(2, 4), torch.bfloat16, 'cpu', backward=True)
     assert ok == []
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_family_forward_on_a_fake_cuda_device_keeps_the_gpu_policy(family):
+    """The suite's `test_ops_stay_on_the_gpu_in_their_policy_dtype` before a GPU is lent: each family's model on a
+    faked CUDA device (`checks.fake_cuda`), channels-last, float16 autocast as CUDA applies it (a CPU has none to
+    test): every layer in its policy dtype, the custom ops in theirs, no op computing on the CPU and none mixing a
+    CPU tensor in; in training mode too, but for Sparsifiner, whose training forward on CUDA is FlexAttention."""
+    from structformer.models.factory import build_model
+    model, recipe = build_model(FAMILIES[family]['model'], {'num_classes': 4}, None, [])
+    model.to(memory_format=torch.channels_last)              # here: a fake module's weights cannot be swapped
+    with fake_cuda():
+        model = model.to('cuda')
+        assert {t.device.type for t in model.state_dict().values()} == {'cuda'}
+        images = torch.randn(2, *recipe.input_size, device='cuda').contiguous(memory_format=torch.channels_last)
+        for training in (False, True) if family != 'sparsifiner' else (False,):
+            wrong, log = module_dtype_violations(model.train(training), images, torch.float16, 'cuda')
+            assert not wrong, (training, wrong[:8])
+            assert log.products(torch.float16) > 0 and all(d == 'cuda' for _, _, out in log.calls for d, _, n in out
+                                                           if n > 1)
+
+
+class _CpuTensorInForward(torch.nn.Module):
+    """A layer that makes a tensor without `device=` in its forward: fine on a CPU, wrong on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) + torch.linspace(0, 1, 4)
+
+
+def test_a_fake_cuda_device_catches_a_cpu_tensor_in_a_forward():
+    model = _CpuTensorInForward()
+    with fake_cuda():
+        model = model.to('cuda')
+        with pytest.raises(RuntimeError, match='device'):
+            module_dtype_violations(model, torch.randn(2, 4, device='cuda'), torch.float16, 'cuda')
+    # CUDA's autocast is as torch has it again: off where no GPU is found
+    assert torch.cuda.amp.common.amp_definitely_not_available() == (not torch.cuda.is_available())
 
 
 def test_custom_op_policy_is_docs_precision():
