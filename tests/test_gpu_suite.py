@@ -208,8 +208,9 @@ def test_module_log_flags_a_layer_out_of_policy_and_an_op_off_the_device():
 def test_family_forward_on_a_fake_cuda_device_keeps_the_gpu_policy(family):
     """The suite's `test_ops_stay_on_the_gpu_in_their_policy_dtype` before a GPU is lent: each family's model on a
     faked CUDA device (`checks.fake_cuda`), channels-last, float16 autocast as CUDA applies it (a CPU has none to
-    test): every layer in its policy dtype, the custom ops in theirs, no op computing on the CPU and none mixing a
-    CPU tensor in; in training mode too, but for Sparsifiner, whose training forward on CUDA is FlexAttention."""
+    test): every layer in its policy dtype, the custom ops in theirs, no op computing on the CPU, none mixing a CPU
+    tensor in and no read back to the host (a FakeTensor has no data); in training mode too, but for Sparsifiner,
+    whose training forward on CUDA is FlexAttention."""
     from structformer.models.factory import build_model
     model, recipe = build_model(FAMILIES[family]['model'], {'num_classes': 4}, None, [])
     model.to(memory_format=torch.channels_last)              # here: a fake module's weights cannot be swapped
@@ -225,22 +226,26 @@ def test_family_forward_on_a_fake_cuda_device_keeps_the_gpu_policy(family):
 
 
 class _CpuTensorInForward(torch.nn.Module):
-    """A layer that makes a tensor without `device=` in its forward: fine on a CPU, wrong on a GPU."""
+    """A layer that makes a tensor without `device=` in its forward (fine on a CPU, wrong on a GPU), or
+    (`sync=True`) reads a number back to the host, which stalls a GPU's queue."""
 
-    def __init__(self):
+    def __init__(self, sync: bool = False):
         super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
+        self.proj, self.sync = torch.nn.Linear(4, 4), sync
 
     def forward(self, x):
-        return self.proj(x) + torch.linspace(0, 1, 4)
+        y = self.proj(x)
+        return y * float(y.abs().max()) if self.sync else y + torch.linspace(0, 1, 4)
 
 
-def test_a_fake_cuda_device_catches_a_cpu_tensor_in_a_forward():
-    model = _CpuTensorInForward()
-    with fake_cuda():
-        model = model.to('cuda')
-        with pytest.raises(RuntimeError, match='device'):
-            module_dtype_violations(model, torch.randn(2, 4, device='cuda'), torch.float16, 'cuda')
+def test_a_fake_cuda_device_catches_a_cpu_tensor_or_a_host_sync_in_a_forward():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    for sync, error in ((False, RuntimeError), (True, DataDependentOutputException)):
+        model = _CpuTensorInForward(sync)
+        with fake_cuda():
+            model = model.to('cuda')
+            with pytest.raises(error, match='device' if not sync else 'local_scalar_dense'):
+                module_dtype_violations(model, torch.randn(2, 4, device='cuda'), torch.float16, 'cuda')
     # CUDA's autocast is as torch has it again: off where no GPU is found
     assert torch.cuda.amp.common.amp_definitely_not_available() == (not torch.cuda.is_available())
 
