@@ -20,6 +20,7 @@ from gpu.runs import FAMILIES
 from structformer.bench import gpu as bench_gpu
 from structformer.bench.gpu_report import NO_RECORD, goal_line, goals, render_markdown, replace_section, section_of
 from structformer.cli import main
+from structformer.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -456,6 +457,30 @@ def test_checkpoints_keep_the_cuda_generators(monkeypatch):
     checkpoint.restore_rng(tensors, meta)                  # a CPU-only machine keeps its CPU streams
     assert restored == []
     assert not any(k.startswith('rng.cuda') for k in checkpoint.capture_rng()[0])   # no CUDA: nothing of it saved
+
+
+class _Checked(Exception):
+    """Stops a run's build at its input check."""
+
+
+def test_the_input_check_runs_on_the_runs_device(monkeypatch, tmp_path):
+    """The trainer's pre-flight forward (one batch, before anything is written) runs where the run trains, under its
+    autocast: on a GPU, a model left on the CPU under CUDA's autocast checked no dtype and took the CPU's paths
+    (kernel choices timed, the CPU tile kernel compiled). The meta device stands in for a GPU here."""
+    from structformer.train import engine, scoring_data
+    seen = []
+
+    def check(model, batch, precision, refusal):
+        seen.append((next(model.parameters()).device.type, batch.device.type, precision.device.type))
+        raise _Checked
+    monkeypatch.setattr(engine, 'init_distributed', lambda device: (0, 1, torch.device('meta')))
+    monkeypatch.setattr(scoring_data, 'check_model_input', check)
+    trainer = engine.Trainer(TrainConfig(model='crate_digits', data='digits', epochs=1, output=str(tmp_path / 'run')),
+                             progress=False)
+    with pytest.raises(_Checked):
+        trainer._build()
+    assert seen == [('meta', 'meta', 'meta')]
+    assert not (tmp_path / 'run').exists()
 
 
 @pytest.mark.parametrize('variable, device, shared, backend', [
