@@ -75,6 +75,23 @@ def test_lazy_parameters_are_shaped_by_a_recorded_transform():
     again.load_state_dict(model.state_dict())           # shapes agree without any data at hand
 
 
+def test_lazy_parameters_are_shaped_on_the_models_device_and_dtype():
+    """`materialize_lazy` through the Python API on a model already moved or cast (e.g. after `.cuda()`): its dry
+    forward's zeros are made like the shaped weights, and the lazy weights follow them. float64 stands in for a GPU
+    here: the CPU float32 zeros met the first layer's float64 weights as they met CUDA weights there."""
+    import timm
+
+    from structformer.layers.attention.registry import with_defaults
+    from structformer.layers.attention.soft import SoftAttention
+    from structformer.models.transforms import TransformContext, apply_transforms
+    model = timm.create_model('vit_tiny_patch16_224', patch_size=2, in_chans=1, img_size=8, num_classes=10, depth=1,
+                              attn_layer=with_defaults(SoftAttention, num_landmarks=4)).double()
+    assert any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters())
+    apply_transforms(model, [{'name': 'materialize_lazy'}], TransformContext(input_size=(1, 8, 8)))
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert model.eval()(torch.zeros(2, 1, 8, 8, dtype=torch.float64)).shape == (2, 10)
+
+
 def test_transform_arguments_are_checked():
     with pytest.raises(ValueError, match="unknown model transform 'no_such'"):
         build_model('crate_digits', transforms=['no_such'])

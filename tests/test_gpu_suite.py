@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.checks import (DEADLINE_ENV, OpLog, custom_op_violations, deadline_skip_reason, forward_band, loss_sensitivity, loss_tolerance,
-                        module_dtype_violations, parity_failures, recorded_step_losses, skipped_steps, step_tolerance,
-                        unit_roundoff)
+from gpu.checks import (DEADLINE_ENV, OpLog, custom_op_violations, deadline_skip_reason, fake_cuda, forward_band,
+                        loss_sensitivity, loss_tolerance, module_dtype_violations, parity_failures, recorded_step_losses,
+                        skipped_steps, step_tolerance, unit_roundoff)
+from gpu.runs import FAMILIES
 from structformer.bench import gpu as bench_gpu
 from structformer.bench.gpu_report import NO_RECORD, goal_line, goals, render_markdown, replace_section, section_of
 from structformer.cli import main
+from structformer.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,6 +203,52 @@ def test_module_log_flags_a_layer_out_of_policy_and_an_op_off_the_device():
     assert not any(w.startswith('head') for w in wrong) and log.products(torch.bfloat16) == 1
     ok, _ = module_dtype_violations(torch.nn.Linear(4, 3), torch.randn(2, 4), torch.bfloat16, 'cpu', backward=True)
     assert ok == []
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_family_forward_on_a_fake_cuda_device_keeps_the_gpu_policy(family):
+    """The suite's `test_ops_stay_on_the_gpu_in_their_policy_dtype` before a GPU is lent: each family's model on a
+    faked CUDA device (`checks.fake_cuda`), channels-last, float16 autocast as CUDA applies it (a CPU has none to
+    test): every layer in its policy dtype, the custom ops in theirs, no op computing on the CPU, none mixing a CPU
+    tensor in and no read back to the host (a FakeTensor has no data); in training mode too, but for Sparsifiner,
+    whose training forward on CUDA is FlexAttention."""
+    from structformer.models.factory import build_model
+    model, recipe = build_model(FAMILIES[family]['model'], {'num_classes': 4}, None, [])
+    model.to(memory_format=torch.channels_last)              # here: a fake module's weights cannot be swapped
+    with fake_cuda():
+        model = model.to('cuda')
+        assert {t.device.type for t in model.state_dict().values()} == {'cuda'}
+        images = torch.randn(2, *recipe.input_size, device='cuda').contiguous(memory_format=torch.channels_last)
+        for training in (False, True) if family != 'sparsifiner' else (False,):
+            wrong, log = module_dtype_violations(model.train(training), images, torch.float16, 'cuda')
+            assert not wrong, (training, wrong[:8])
+            assert log.products(torch.float16) > 0 and all(d == 'cuda' for _, _, out in log.calls for d, _, n in out
+                                                           if n > 1)
+
+
+class _CpuTensorInForward(torch.nn.Module):
+    """A layer that makes a tensor without `device=` in its forward (fine on a CPU, wrong on a GPU), or
+    (`sync=True`) reads a number back to the host, which stalls a GPU's queue."""
+
+    def __init__(self, sync: bool = False):
+        super().__init__()
+        self.proj, self.sync = torch.nn.Linear(4, 4), sync
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y * float(y.abs().max()) if self.sync else y + torch.linspace(0, 1, 4)
+
+
+def test_a_fake_cuda_device_catches_a_cpu_tensor_or_a_host_sync_in_a_forward():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    for sync, error in ((False, RuntimeError), (True, DataDependentOutputException)):
+        model = _CpuTensorInForward(sync)
+        with fake_cuda():
+            model = model.to('cuda')
+            with pytest.raises(error, match='device' if not sync else 'local_scalar_dense'):
+                module_dtype_violations(model, torch.randn(2, 4, device='cuda'), torch.float16, 'cuda')
+    # CUDA's autocast is as torch has it again: off where no GPU is found
+    assert torch.cuda.amp.common.amp_definitely_not_available() == (not torch.cuda.is_available())
 
 
 def test_custom_op_policy_is_docs_precision():
@@ -409,6 +457,30 @@ def test_checkpoints_keep_the_cuda_generators(monkeypatch):
     checkpoint.restore_rng(tensors, meta)                  # a CPU-only machine keeps its CPU streams
     assert restored == []
     assert not any(k.startswith('rng.cuda') for k in checkpoint.capture_rng()[0])   # no CUDA: nothing of it saved
+
+
+class _Checked(Exception):
+    """Stops a run's build at its input check."""
+
+
+def test_the_input_check_runs_on_the_runs_device(monkeypatch, tmp_path):
+    """The trainer's pre-flight forward (one batch, before anything is written) runs where the run trains, under its
+    autocast: on a GPU, a model left on the CPU under CUDA's autocast checked no dtype and took the CPU's paths
+    (kernel choices timed, the CPU tile kernel compiled). The meta device stands in for a GPU here."""
+    from structformer.train import engine, scoring_data
+    seen = []
+
+    def check(model, batch, precision, refusal):
+        seen.append((next(model.parameters()).device.type, batch.device.type, precision.device.type))
+        raise _Checked
+    monkeypatch.setattr(engine, 'init_distributed', lambda device: (0, 1, torch.device('meta')))
+    monkeypatch.setattr(scoring_data, 'check_model_input', check)
+    trainer = engine.Trainer(TrainConfig(model='crate_digits', data='digits', epochs=1, output=str(tmp_path / 'run')),
+                             progress=False)
+    with pytest.raises(_Checked):
+        trainer._build()
+    assert seen == [('meta', 'meta', 'meta')]
+    assert not (tmp_path / 'run').exists()
 
 
 @pytest.mark.parametrize('variable, device, shared, backend', [

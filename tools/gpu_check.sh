@@ -67,11 +67,15 @@ tail -n 40 "$OUT/suite.log"
 say "suite exit status $suite"
 
 say "bench gpu (budget ${BENCH_S} s)"
-before=$(ls docs/gpu/*.json 2>/dev/null)
+# the record is the file the bench wrote after this stamp: by time, not by a name new to the folder (a record written
+# over one of the same name, which the copy of the repository holds, is the run's record too)
+stamp=$(mktemp)
 timeout -k 10 $(( BENCH_S + 25 )) "$PY" -m structformer bench gpu --budget-s "$BENCH_S" >"$OUT/bench.log" 2>&1
 bench=$?
-record=$(ls -t docs/gpu/*.json 2>/dev/null | head -1)
-if [ -n "$record" ] && ! grep -qxF "$record" <<<"$before"; then
+record=$(find docs/gpu -maxdepth 1 -name '*.json' -newer "$stamp" -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -n 1 \
+         | cut -d' ' -f2-)
+rm -f "$stamp"
+if [ -n "$record" ]; then
     cp "$record" "$OUT/"
     "$PY" -m structformer bench gpu --render "$record" >"$OUT/bench_gpu.md" 2>&1
 fi

@@ -2,7 +2,8 @@
 
 A GPU is lent to this project for minutes at a time, so this command measures everything the GPU table of
 docs/benchmarks.md shows in one run of at most `--budget-s` seconds (default 230: with the GPU test suite it fits
-8 minutes, docs/gpu.md) and writes one JSON record, `docs/gpu/<device>_<date>.json`:
+8 minutes, docs/gpu.md) and writes one JSON record, `docs/gpu/<device>_<date>.json` (`<date>-2`, ... after the first
+of a day, `default_record`):
 
 - the goals' model pairs (CRATE-T / ViT-T, factorised / dense ViT-S), eager training steps timed back to back
   round by round in one process: the ratios the two training goals are judged on;
@@ -112,7 +113,8 @@ def add_arguments(p):
     p.add_argument('--compile-backend', default=None,
                    help="torch.compile backend of the compiled rows (default inductor; 'eager' on the CPU)")
     p.add_argument('--output', default=None,
-                   help='the JSON record (default on CUDA docs/gpu/<device>_<date>.json; on a CPU none)')
+                   help='the JSON record (default on CUDA docs/gpu/<device>_<date>.json, then <date>-2, -3, ... for '
+                        'the same device and day: a record is never replaced; on a CPU none)')
     p.add_argument('--render', default=None, metavar='RECORD', help='print the markdown of RECORD and stop')
     p.add_argument('--doc', default=None, metavar='PAGE', help="with --render: rewrite PAGE's generated section")
 
@@ -268,6 +270,17 @@ def device_slug(name: str) -> str:
     return re.sub(r'[^a-z0-9]+', '-', name).strip('-') or 'device'
 
 
+def default_record(folder: Path, slug: str, day: str) -> Path:
+    """`folder`/<slug>_<day>.json, or with -2, -3, ... where a record of that device and day is there already: a
+    second run on one day (a second call of the device check) must not replace the first's record, which the docs
+    may quote; `gpu_report.latest_record` orders <day>-2 after <day>."""
+    path, n = folder / f"{slug}_{day}.json", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{slug}_{day}-{n}.json"
+    return path
+
+
 def record_label(path) -> str:
     """How the docs name a record: `docs/gpu/NAME` for one in this project's docs/gpu, else its path."""
     path = Path(path)
@@ -321,7 +334,7 @@ def run(args) -> int:
     backend = args.compile_backend or ('inductor' if args.device == 'cuda' else 'eager')
     env = environment(args.device)
     today = datetime.date.today().isoformat()
-    output = args.output or (str(RECORDS / f"{device_slug(env['device'])}_{today}.json") if args.device == 'cuda'
+    output = args.output or (str(default_record(RECORDS, device_slug(env['device']), today)) if args.device == 'cuda'
                              else None)
     if output:                     # before measuring: minutes of timings never die at the write
         check_output_file(output, '--output')

@@ -122,15 +122,22 @@ def has_lazy_parameters(model: nn.Module) -> bool:
 def materialize_lazy(model: nn.Module, context: TransformContext) -> nn.Module:
     """Give lazily shaped parameters (e.g. SOFT's conv sampler inside a timm ViT, whose k×k weight needs
     the token grid) their shapes with one forward of zeros, so the optimizer, weight-decay groups, DDP
-    and `load_state_dict` see every parameter. RNG state and train/eval mode are kept."""
+    and `load_state_dict` see every parameter. RNG state and train/eval mode are kept. The zeros are made on the
+    device and in the dtype of the model's shaped weights, so a model moved to a GPU (or cast) before it is shaped
+    takes them, and its lazy weights are created there too."""
     if not has_lazy_parameters(model):
         return model
     if context.input_size is None:
         raise ValueError("materialize_lazy needs the input size (channels, height, width) of the model")
+    shaped = next((t for t in (*model.parameters(), *model.buffers())
+                   if not isinstance(t, nn.parameter.UninitializedTensorMixin) and t.is_floating_point()), None)
+    device, dtype = (shaped.device, shaped.dtype) if shaped is not None else (torch.device('cpu'), None)
     was_training = model.training
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+    # the RNGs the initialisers may draw from: the CPU's, and the GPU's of a model on one
+    gpus = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == 'cuda' else []
+    with torch.random.fork_rng(devices=gpus), torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='.*created at the first forward')   # handled here
         model.eval()
-        model(torch.zeros(1, *context.input_size))
+        model(torch.zeros(1, *context.input_size, device=device, dtype=dtype))
     model.train(was_training)
     return model

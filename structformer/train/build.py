@@ -67,9 +67,11 @@ class RunBuild:
             if starting_weights:
                 self._load_initial_weights(factorize_now)
         self._check_planned_factorization()
-        # the precision first: the input check runs under the run's autocast, so an op without a kernel in its
-        # dtype fails there, before anything is written
+        # the precision and the device first: the input check runs where the run trains, under its autocast, so an op
+        # without a kernel in its dtype fails there, before anything is written (a model left on the CPU under a CUDA
+        # autocast checks nothing, and takes the CPU's paths: kernel choices timed, the CPU tile kernel compiled)
         self.precision = Precision.create(cfg.amp, cfg.amp_dtype, self.device)
+        self.model.to(self.device)
         self._check_input_shapes()
         self._check_lr_floor()
         self.mixup = build_mixup(cfg, self.info.num_classes, language_model=self.info.name in ('pysource', 'text'))
@@ -197,7 +199,7 @@ class RunBuild:
         vocabulary = getattr(self.model, 'vocab_size', None)
         if isinstance(vocabulary, int) and not isinstance(vocabulary, bool):
             refuse_classes(vocabulary)
-        batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0]
+        batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0].to(self.device)
         logits = check_model_input(self.model, batch, self.precision,
                                    f"--model {self.config.model} cannot take a batch of --data {self.config.data}")
         if torch.is_tensor(logits):

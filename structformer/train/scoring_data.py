@@ -62,8 +62,10 @@ def check_model_input(model: torch.nn.Module, batch: torch.Tensor, precision: Op
     '`refusal` (shape [...]): <the model's own first line>'; one that is autocast's low precision, its own line."""
     was_training = model.training
     model.eval()
+    device = batch.device
+    gpus = [torch.cuda.current_device() if device.index is None else device.index] if device.type == 'cuda' else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+        with torch.no_grad(), torch.random.fork_rng(devices=gpus), \
                 (precision.autocast() if precision is not None else contextlib.nullcontext()):
             return model(batch)
     except UsageError:

@@ -232,6 +232,28 @@ def first_failure(lines: List[str], limit: int = 8) -> Optional[str]:
                                                                else '')
 
 
+# ---- a CUDA device faked on a CPU -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fake_cuda():
+    """Inside: tensors made on 'cuda' (`model.to('cuda')`, `torch.randn(..., device='cuda')`) are FakeTensors, shapes
+    and devices without data, so a forward runs on a machine with no GPU as it would dispatch on one: CUDA's autocast
+    (its float16 and bfloat16 op lists, not the CPU's), and an op that mixes a CPU tensor of more than one element
+    with CUDA ones raises (FakeTensorDeviceMismatchError), as CUDA does. What it cannot run: anything that reads data
+    (`.item()`, `.tolist()`), FlexAttention, and a backward (the autograd engine asks the CUDA driver for a device).
+    CUDA's autocast is let on here (torch switches it off where no GPU is found) and for the block only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    amp = torch.cuda.amp.common
+    saved = amp.amp_definitely_not_available, torch.cuda.is_bf16_supported
+    amp.amp_definitely_not_available = lambda: False
+    torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        amp.amp_definitely_not_available, torch.cuda.is_bf16_supported = saved
+
+
 # ---- the suite's own deadline ------------------------------------------------------------------------------------
 
 DEADLINE_ENV = 'STRUCTFORMER_GPU_SUITE_DEADLINE'   # Unix time after which no test starts (tools/gpu_check.sh sets it)

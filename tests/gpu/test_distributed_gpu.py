@@ -87,8 +87,10 @@ def test_two_processes_share_the_gpu(tmp_path, image_folder, capsys):
     assert state['world_size'] == 2 and state['effective_batch_size'] == 16
     record = json.loads((out / 'metrics.jsonl').read_text().splitlines()[-1])
     capsys.readouterr()
-    assert main(['eval', '--checkpoint', str(out), '--json']) == 0          # one process, float32, on the CPU
+    # one process, float32 (--no-amp: else eval takes the run's bfloat16 autocast), on the CPU
+    assert main(['eval', '--checkpoint', str(out), '--json', '--no-amp']) == 0
     alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert alone['precision'] == 'float32'
     # all 16 held-out images counted once over the two halves; under bfloat16 autocast against float32 an image
     # near a tie may flip (two allowed), and the loss is float32's within the bfloat16 band of a depth-4 CRATE
     # (checks.loss_tolerance with its P = 4 * 5 + 2 products)

@@ -57,12 +57,15 @@ def test_half_precision_training_follows_float32(family_runs, family, dtype, cap
     assert not failures, first_failure(failures)
     # evaluation ran under the same autocast: the last epoch's held-out loss (its weights are the checkpoint's) is
     # float32's on the same images within the forward's band and the loss's own rounding (checks.py), float32
-    # scored by `structformer eval`
+    # scored by `structformer eval --no-amp` (without it eval takes the run's precision: bfloat16 autocast on the
+    # CPU, the same computation as the run's on a CPU, so the check compared a path with itself there)
     for ema in (False, True):
         products, sensitivity, _, images = _measured(result, dtype, ema)
         capsys.readouterr()
-        assert main(['eval', '--checkpoint', str(result.output), '--json'] + (['--ema'] if ema else [])) == 0
+        weights = ['--ema'] if ema else []
+        assert main(['eval', '--checkpoint', str(result.output), '--json', '--no-amp'] + weights) == 0
         full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert full['precision'] == 'float32'
         under_autocast = result.final['ema_val_loss' if ema else 'val_loss']
         band = forward_band(half, products, sensitivity, len(images)) + unit_roundoff(half) * full['loss']
         assert abs(under_autocast - full['loss']) <= band, (ema, under_autocast, full['loss'], band)
