@@ -374,6 +374,24 @@ def test_model_kwargs_name_the_checkpoints_own_channels_and_the_folder_exports_a
     torch.testing.assert_close(loaded(x), trained(x), rtol=0, atol=0)
 
 
+def test_model_kwargs_the_model_refuses_are_named_not_taken_for_a_checkpoint_mismatch(tmp_path, capsys):
+    """A checkpoint of a non-default architecture (one head as wide as the model: no to_out) with --model-kwargs the
+    model cannot be built with (a typo; eta with the mm step, which CRATE refuses): the kwargs are the error. Every
+    reading of them failed to build, so convert blamed the checkpoint ('20 weights of the model are not in the
+    checkpoint ...'), a mismatch with the default 4-head model the user never asked for."""
+    shapes = crate_official_shapes(1, 2, 64, 2, 1, 64, 16, 10)
+    torch.save(_fill({k: v for k, v in shapes.items() if 'to_out' not in k}), tmp_path / 'c.pth')
+    base = ['convert', '--from', 'crate-official', str(tmp_path / 'c.pth'), '--model', 'crate_digits',
+            '--output', str(tmp_path / 'o'), '--model-kwargs', 'num_heads=1', 'depth=2']
+    for extra, named in ((['dim_hed=64'], "unexpected keyword argument 'dim_hed'"),
+                         (['dim_head=64', "sparse_step='mm'", 'eta=0.2'], 'eta=0.2 is the ISTA step size')):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert named in err and 'not in the checkpoint' not in err, err
+        assert not (tmp_path / 'o').exists()
+    assert main(base + ['dim_head=64']) == 0                   # the same checkpoint, kwargs that build: converted
+
+
 def test_model_kwargs_adapt_the_converted_weights(tmp_path):
     state = _fill(crate_official_shapes(1, 2, 64, 4, 4, 16, 16, 10))
     torch.save(state, tmp_path / 'c.pth')
