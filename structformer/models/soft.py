@@ -39,7 +39,7 @@ from timm.models._features import feature_take_indices   # timm's own index rule
 from torch import nn
 
 from ..functional.tracing import checked_images
-from ..layers.attention.registry import check_options, get_attention, select_options
+from ..layers.attention.registry import accepted_options, check_options, get_attention, select_options
 from ._registry import register_model
 from .base import DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
@@ -169,8 +169,8 @@ class SoftNet(StructuredModel):
         self.num_prefix_tokens = 1
         self.in_chans = in_chans
 
-        side = img_size if isinstance(img_size, int) else img_size[0]
-        width = img_size if isinstance(img_size, int) else img_size[1]
+        side = side0 = img_size if isinstance(img_size, int) else img_size[0]
+        width = width0 = img_size if isinstance(img_size, int) else img_size[1]
         grids = []
         for s in stem_strides:
             side, width = _conv_out(side, s), _conv_out(width, s)
@@ -216,6 +216,13 @@ class SoftNet(StructuredModel):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self.no_weight_decay_names = frozenset({'cls_token'} | {f'pos_embeds.{i}' for i in range(4) if pos_embed})
+        # built for one input size: position embeddings per stage grid, or an attention with parameters per token
+        # (Linformer's E, F: `seq_len`), whatever the registered name; timm reads this trait, not the name's config
+        # (resolve_input_data_config: a fixed model refuses another --img-size; save_config_for_hf writes it into an
+        # export's config.json), and the forward then refuses another size in one line, as CRATE's
+        fixed = bool(pos_embed) or any('seq_len' in accepted_options(layer) for layer in stage_layers)
+        self.img_size = (side0, width0) if fixed else None
+        self._traits = {'fixed_input_size': fixed}
         # `module`: a module that runs (timm's hook extractor hooks it; 'stages.i' is never called: hooks got nothing)
         self.feature_info = [dict(num_chs=d, reduction=2 ** (sum(s > 1 for s in stem_strides) + i),
                                   module=f'stages.{i}.blocks.{len(stage.blocks) - 1}' if len(stage.blocks) else
@@ -252,7 +259,7 @@ class SoftNet(StructuredModel):
         return tokens[:, prefix:].transpose(1, 2).reshape(b, c, h, w), tokens
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        return checked_images(x, 'SoftNet', self.in_chans)             # an FX leaf: traceable
+        return checked_images(x, 'SoftNet', self.in_chans, self.img_size)   # an FX leaf: traceable
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
@@ -339,6 +346,7 @@ _NAMES = ([f'{family}_{size}_224' for size in _SIZES for family in ('soft', 'sof
           + [f'{family}_{size}_official_224' for size in _OFFICIAL_SIZES for family in ('soft', 'softpp')])
 
 # fixed_input_size: the public code's position embeddings and Linformer's projections are made for one token count
+# (the registered defaults; a model built with other options says its own in timm's traits, SoftNet.__init__)
 default_cfgs = generate_default_cfgs({f'{name}.untrained': dict(
     _cfg(**_MNIST) if name.endswith('_mnist') else _cfg(**_DIGITS) if name.endswith('_digits') else _cfg(),
     fixed_input_size='official' in name or 'linformer' in name) for name in _NAMES})
