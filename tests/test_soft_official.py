@@ -139,6 +139,19 @@ def test_official_layer_drops_the_border_a_grid_leaves_as_the_public_conv(cls):
         cls(64, num_heads=2, sampler='avgpool', landmark_border='drop')
 
 
+def test_official_model_too_small_for_its_landmark_windows_is_refused_when_built(tmp_path):
+    """SOFT-Tiny official at 24 px: stage 1's grid is 6×6 and k = 8, so the public unpadded conv has no whole window.
+    The grid is known at construction, so the model is refused there, naming both: it was built, converted
+    (`convert --model-kwargs img_size=24` wrote a weights folder) and saved, and failed only at its first forward."""
+    with pytest.raises(ValueError, match=r"landmark_border='drop' needs a token grid of at least k×k = 8×8, got 6×6"):
+        timm.create_model('soft_tiny_official_224', img_size=24, depths=(1, 1, 1, 1))
+    built = timm.create_model('soft_tiny_official_224', img_size=32, depths=(1, 1, 1, 1)).eval()   # 8×8: one window
+    with torch.no_grad():
+        assert built(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+    timm.create_model('soft_tiny_official_224', img_size=24, depths=(1, 1, 1, 1),
+                      attn_kwargs={'landmark_border': 'replicate'})                     # padded windows: any grid
+
+
 @pytest.mark.parametrize('cls', [SoftAttention, SoftPlusPlusAttention])
 def test_official_layer_equals_public_code_reference(cls):
     layer = _layer(cls, official=True)
