@@ -414,6 +414,9 @@ def test_converted_weights_are_scored_at_their_models_eval_geometry(tmp_path):
     assert (options['crop_pct'], options['interpolation']) == (0.9, 'bicubic')
     crate = dict(folder, model='crate_small_patch16_224')
     assert checkpoint_data_options(crate, 'imagenet:/data/in1k')['crop_pct'] == pytest.approx(224 / 256)
+    # the public Sparsifiner evaluates as DeiT's build_transform: 256 / 224 bicubic (its config said timm's 0.9)
+    sparsifiner = checkpoint_data_options(dict(folder, model='sparsifiner_deit_small_patch16_224'), 'imagenet:/x')
+    assert (sparsifiner['crop_pct'], sparsifiner['interpolation']) == (pytest.approx(224 / 256), 'bicubic')
     given = checkpoint_data_options(folder, 'imagefolder:/x', {'crop_pct': 1.0})
     assert (given['crop_pct'], given['interpolation']) == (1.0, 'bicubic')
     assert 'crop_pct' not in checkpoint_data_options(folder, 'digits')          # a tensor form takes no crop
