@@ -374,6 +374,24 @@ def test_model_kwargs_name_the_checkpoints_own_channels_and_the_folder_exports_a
     torch.testing.assert_close(loaded(x), trained(x), rtol=0, atol=0)
 
 
+def test_model_kwargs_the_model_refuses_are_named_not_taken_for_a_checkpoint_mismatch(tmp_path, capsys):
+    """A checkpoint of a non-default architecture (one head as wide as the model: no to_out) with --model-kwargs the
+    model cannot be built with (a typo; eta with the mm step, which CRATE refuses): the kwargs are the error. Every
+    reading of them failed to build, so convert blamed the checkpoint ('20 weights of the model are not in the
+    checkpoint ...'), a mismatch with the default 4-head model the user never asked for."""
+    shapes = crate_official_shapes(1, 2, 64, 2, 1, 64, 16, 10)
+    torch.save(_fill({k: v for k, v in shapes.items() if 'to_out' not in k}), tmp_path / 'c.pth')
+    base = ['convert', '--from', 'crate-official', str(tmp_path / 'c.pth'), '--model', 'crate_digits',
+            '--output', str(tmp_path / 'o'), '--model-kwargs', 'num_heads=1', 'depth=2']
+    for extra, named in ((['dim_hed=64'], "unexpected keyword argument 'dim_hed'"),
+                         (['dim_head=64', "sparse_step='mm'", 'eta=0.2'], 'eta=0.2 is the ISTA step size')):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert named in err and 'not in the checkpoint' not in err, err
+        assert not (tmp_path / 'o').exists()
+    assert main(base + ['dim_head=64']) == 0                   # the same checkpoint, kwargs that build: converted
+
+
 def test_model_kwargs_adapt_the_converted_weights(tmp_path):
     state = _fill(crate_official_shapes(1, 2, 64, 4, 4, 16, 16, 10))
     torch.save(state, tmp_path / 'c.pth')
@@ -382,3 +400,34 @@ def test_model_kwargs_adapt_the_converted_weights(tmp_path):
     assert model.pos_embed.shape == (1, 65, 64) and model.head.out_features == 4
     assert any('input channels 1 -> 3' in line for line in notes)
     assert json.loads((tmp_path / 'o' / 'config.json').read_text())['model_args']['img_size'] in (16, [16, 16])
+
+
+def test_converted_weights_are_scored_at_their_models_eval_geometry(tmp_path):
+    """`eval --checkpoint` of a weights folder (no run, so no data options of its own) on an image form reads the held-out
+    images as the model's config says its public code evaluates them (SOFT: crop 0.9 bicubic; CRATE: Resize 256 /
+    CenterCrop 224 bilinear), not the forms' generic 0.875 bilinear, which it used whatever the config.json said.
+    --data-kwargs still win, and a training run keeps its own options."""
+    from structformer.train.scoring_data import checkpoint_data_options
+    folder = {'weights_folder': True, 'model': 'soft_tiny_official_224', 'config': {},
+              'recipe': {'name': 'soft_tiny_official_224', 'input_size': [3, 224, 224]}}
+    options = checkpoint_data_options(folder, 'imagefolder:/data/imagenet')
+    assert (options['crop_pct'], options['interpolation']) == (0.9, 'bicubic')
+    crate = dict(folder, model='crate_small_patch16_224')
+    assert checkpoint_data_options(crate, 'imagenet:/data/in1k')['crop_pct'] == pytest.approx(224 / 256)
+    # the public Sparsifiner evaluates as DeiT's build_transform: 256 / 224 bicubic (its config said timm's 0.9)
+    sparsifiner = checkpoint_data_options(dict(folder, model='sparsifiner_deit_small_patch16_224'), 'imagenet:/x')
+    assert (sparsifiner['crop_pct'], sparsifiner['interpolation']) == (pytest.approx(224 / 256), 'bicubic')
+    given = checkpoint_data_options(folder, 'imagefolder:/x', {'crop_pct': 1.0})
+    assert (given['crop_pct'], given['interpolation']) == (1.0, 'bicubic')
+    assert 'crop_pct' not in checkpoint_data_options(folder, 'digits')          # a tensor form takes no crop
+    run = {'model': 'soft_tiny_official_224', 'config': {'data': 'imagefolder:/data/imagenet'}}
+    assert 'crop_pct' not in checkpoint_data_options(run, 'imagefolder:/data/imagenet')
+    # end to end: the folder convert writes is scored at its model's geometry
+    shapes = soft_official_shapes((64, 128, 320, 512), (2, 4, 10, 16), (1, 1, 1, 1), classes=4)
+    torch.save({'state_dict': _fill(shapes)}, tmp_path / 's.pth.tar')
+    convert_checkpoint('soft-official', tmp_path / 's.pth.tar', 'soft_tiny_official_224', {'depths': (1, 1, 1, 1)},
+                       tmp_path / 'o')
+    from structformer.train import load_model
+    _, state = load_model(tmp_path / 'o')
+    options = checkpoint_data_options(state, 'imagefolder:/data/imagenet')
+    assert (options['crop_pct'], options['interpolation'], options['img_size']) == (0.9, 'bicubic', 224)

@@ -1,4 +1,5 @@
 """The timm model contract, for every model structformer registers."""
+import json
 import math
 
 import pytest
@@ -274,6 +275,34 @@ def test_a_model_built_for_one_input_size_says_so_to_timm(name):
         built = timm.create_model(name, img_size=2 * h).eval()          # what the request must build instead
         with torch.no_grad():
             assert built(torch.randn(1, c, 2 * h, 2 * w)).shape == (1, built.num_classes)
+
+
+@pytest.mark.parametrize('name, kwargs, fixed', [
+    ('soft_digits', {'pos_embed': True}, True),                      # the public code's positions, by option
+    ('soft_digits', {'attn': 'linformer'}, True),                    # Linformer's E, F per token, by option
+    ('soft_tiny_official_224', {'pos_embed': False, 'img_size': 32}, False)])                # takes any size
+def test_soft_says_whether_it_is_size_bound_by_what_it_was_built_with(name, kwargs, fixed, tmp_path):
+    """SOFT's fixed_input_size followed the registered name ('official' or 'linformer' in it): soft_digits built
+    with pos_embed=True or attn='linformer' said False (timm's resolve_input_data_config then took another size, and
+    the forward failed inside the stage: 'The size of tensor a (256) must match ... (64)'), an official layout
+    without positions said True. The built model's trait says it, the forward refuses another size in one line,
+    and an export's config.json (timm's save_config_for_hf reads the trait) carries it."""
+    from timm.data import resolve_input_data_config
+    from timm.models import get_model_input_config
+    from timm.models._hub import save_config_for_hf
+    model = timm.create_model(name, **kwargs).eval()
+    c, side = model.in_chans, kwargs.get('img_size', 8)
+    assert get_model_input_config(model)['fixed_input_size'] is fixed
+    with torch.no_grad():
+        if fixed:
+            with pytest.raises(ValueError, match=rf'SoftNet expects images \[B, {c}, {side}, {side}\]'):
+                model(torch.randn(1, c, 2 * side, 2 * side))
+            with pytest.raises(ValueError, match='requires'):
+                resolve_input_data_config(model, {'img_size': 2 * side})
+        else:
+            assert model(torch.randn(1, c, 2 * side, 2 * side)).shape == (1, model.num_classes)
+    save_config_for_hf(model, str(tmp_path / 'config.json'))
+    assert json.loads((tmp_path / 'config.json').read_text())['pretrained_cfg']['fixed_input_size'] is fixed
 
 
 def test_pretrained_request_is_refused_without_download():

@@ -139,6 +139,19 @@ def test_official_layer_drops_the_border_a_grid_leaves_as_the_public_conv(cls):
         cls(64, num_heads=2, sampler='avgpool', landmark_border='drop')
 
 
+def test_official_model_too_small_for_its_landmark_windows_is_refused_when_built(tmp_path):
+    """SOFT-Tiny official at 24 px: stage 1's grid is 6×6 and k = 8, so the public unpadded conv has no whole window.
+    The grid is known at construction, so the model is refused there, naming both: it was built, converted
+    (`convert --model-kwargs img_size=24` wrote a weights folder) and saved, and failed only at its first forward."""
+    with pytest.raises(ValueError, match=r"landmark_border='drop' needs a token grid of at least k×k = 8×8, got 6×6"):
+        timm.create_model('soft_tiny_official_224', img_size=24, depths=(1, 1, 1, 1))
+    built = timm.create_model('soft_tiny_official_224', img_size=32, depths=(1, 1, 1, 1)).eval()   # 8×8: one window
+    with torch.no_grad():
+        assert built(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+    timm.create_model('soft_tiny_official_224', img_size=24, depths=(1, 1, 1, 1),
+                      attn_kwargs={'landmark_border': 'replicate'})                     # padded windows: any grid
+
+
 @pytest.mark.parametrize('cls', [SoftAttention, SoftPlusPlusAttention])
 def test_official_layer_equals_public_code_reference(cls):
     layer = _layer(cls, official=True)
@@ -394,6 +407,27 @@ def test_ablation_rows_switch_one_difference_each():
     assert every['value_conv'] == [9, 5, 3, 3] and every['attn_kwargs'] == {
         'newton_iter': 10, 'landmark_norm': True, 'newton_rule': 'softpp', 'newton_backward': 'unrolled'}
     assert set(ABLATIONS) == {'paper', 'landmark_norm', 'value_conv', 'post_norm', 'newton_rule', 'unrolled', 'all'}
+
+
+def test_every_public_code_option_is_ablated_or_named_as_left_out():
+    """`--ablate`'s 'all' row is the ablated differences together, not the public code: each option that `official`
+    sets (SoftNet's and SoftAttention's keyword arguments after `official`, and `pos_embed`) is either switched on by
+    a row or named in NOT_ABLATED, which the report prints. landmark_border and branch_dropout (added after the
+    ablation) were in neither: an 'all' row read as the public code lacked them unsaid."""
+    import inspect
+    from structformer.layers.attention.soft import SoftAttention
+    from structformer.models.soft import SoftNet
+    from structformer.reproduce.soft import ABLATIONS, NOT_ABLATED
+
+    def after_official(cls):
+        names = list(inspect.signature(cls.__init__).parameters)
+        return set(names[names.index('official') + 1:]) - {'device', 'dtype'}
+    public = after_official(SoftNet) | after_official(SoftAttention) | {'pos_embed'}
+    switched = {k for row in ABLATIONS.values() for k in row if k != 'attn_kwargs'}
+    switched |= {k for row in ABLATIONS.values() for k in row.get('attn_kwargs', {})}
+    assert public == switched | set(NOT_ABLATED) and not switched & set(NOT_ABLATED)
+    every = {k: v for k, v in ABLATIONS['all'].items() if k != 'attn_kwargs'}
+    assert set(every) | set(ABLATIONS['all']['attn_kwargs']) == switched          # 'all' is every row together
 
 
 def test_reproduce_ablate_pipeline_tiny(tmp_path, shared_mnist):

@@ -346,6 +346,7 @@ _NAMES = ([f'{family}_{size}_224' for size in _SIZES for family in ('soft', 'sof
           + [f'{family}_{size}_official_224' for size in _OFFICIAL_SIZES for family in ('soft', 'softpp')])
 
 # fixed_input_size: the public code's position embeddings and Linformer's projections are made for one token count
+# (the registered defaults; a model built with other options says its own in timm's traits, SoftNet.__init__)
 default_cfgs = generate_default_cfgs({f'{name}.untrained': dict(
     _cfg(**_MNIST) if name.endswith('_mnist') else _cfg(**_DIGITS) if name.endswith('_digits') else _cfg(),
     fixed_input_size='official' in name or 'linformer' in name) for name in _NAMES})

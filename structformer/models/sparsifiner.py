@@ -105,9 +105,11 @@ def _cfg(**kwargs):
     return model_cfg(first_conv='patch_embed.proj', fixed_input_size=True, **kwargs)
 
 
+# the public code's evaluation (src/datasets.py build_transform, DeiT's): Resize(256 / 224 · size) bicubic, CenterCrop
+_PUBLIC_EVAL = dict(crop_pct=224 / 256, interpolation='bicubic')
 default_cfgs = generate_default_cfgs({
-    'sparsifiner_deit_tiny_patch16_224.untrained': _cfg(),
-    'sparsifiner_deit_small_patch16_224.untrained': _cfg(),
+    'sparsifiner_deit_tiny_patch16_224.untrained': _cfg(**_PUBLIC_EVAL),
+    'sparsifiner_deit_small_patch16_224.untrained': _cfg(**_PUBLIC_EVAL),
     'sparsifiner_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),
     'sparsifiner_mnist.untrained': _cfg(num_classes=10, input_size=(1, 28, 28), **MNIST_CFG),
     'vit_digits.untrained': _cfg(num_classes=10, input_size=(1, 8, 8), **DIGITS_CFG),

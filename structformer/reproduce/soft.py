@@ -16,8 +16,9 @@ measured the same way on CPU and GPU; on CUDA `cuda_peak_mb` (max allocated duri
 is added. Timer, memory readers, environment record and writers are those of `bench/harness.py`.
 
 `--ablate` (issue 14): plain SOFT and SOFT++ with each difference of the public code switched on alone
-(sampler LayerNorm + GELU, V depthwise conv, post-LN, its inverse rule, unrolled backward) and all
-together, same recipe; per row val top-1 (after epoch 1, final, best) and the conditioning of the
+(sampler LayerNorm + GELU, V depthwise conv, post-LN, its inverse rule, unrolled backward) and all five
+together (`ABLATIONS['all']`: not the public code, whose other differences, `NOT_ABLATED`, no row switches on;
+`official=True` builds them all), same recipe; per row val top-1 (after epoch 1, final, best) and the conditioning of the
 landmark kernel A (2-norm condition number over every SOFT layer, head and image of one validation
 batch: median and max, at initialisation and after training). No speed measurements.
 """
@@ -62,8 +63,20 @@ ABLATIONS = {
     'newton_rule': {'attn_kwargs': {'newton_rule': '{rule}'}},
     'unrolled': {'attn_kwargs': {'newton_backward': 'unrolled'}},
 }
-ABLATIONS['all'] = {'value_conv': [9, 5, 3, 3], 'post_norm': [True, True, True, False],
-                    'attn_kwargs': {'landmark_norm': True, 'newton_rule': '{rule}', 'newton_backward': 'unrolled'}}
+# 'all': the rows above switched on together (their union, so a new row joins it). It is NOT the public code: the
+# public code's other differences below are left out of every row; `official=True` (soft_*_official_224) builds them.
+ABLATIONS['all'] = {k: v for row in ABLATIONS.values() for k, v in row.items() if k != 'attn_kwargs'}
+ABLATIONS['all']['attn_kwargs'] = {k: v for row in ABLATIONS.values() for k, v in row.get('attn_kwargs', {}).items()}
+NOT_ABLATED = {
+    'pos_embed': 'position embeddings per stage (the zero-padded convs already carry position)',
+    'last_stage_attn': "softmax in stage 4 (every row keeps SOFT there, the attention under study)",
+    'conv_bias': 'conv biases before BatchNorm (redundant with its shift)',
+    'mlp_act': 'tanh-approximated GELU in stages 1-3',
+    'branch_dropout': 'residual-branch Dropout instead of DropPath (the rows train without drop path: no effect)',
+    'sampler_init': "nn.Conv2d's kaiming init of the landmark conv (ours starts as average pooling)",
+    'landmark_border': "grids the sampling ratio does not divide cut to whole windows (MNIST's 14x14 and 7x7 stage "
+                       "grids at k = 4, 3: 3x3 and 2x2 landmarks instead of 4x4 and 3x3)",
+}
 
 
 def ablation_kwargs(attn: str, variant: str, base: Dict) -> Dict:
@@ -273,7 +286,9 @@ def _ablation_report(rows: List[Dict], recipe: Dict, split: str) -> str:
                      f"{ct['median']:.3g} / {ct['p90']:.3g} | {stages} | {r['train_seconds']:.0f} |")
     lines += ['', 'cond(A): 2-norm condition number of the landmark kernel exp(Q̃ ⊖ Q̃) of every SOFT layer, head and '
               'image of the first validation batch, before and after training (median and 90th percentile; '
-              "MNIST's blank borders make some landmarks identical, so some A are singular in every row)."]
+              "MNIST's blank borders make some landmarks identical, so some A are singular in every row).", '',
+              "'all' is the ablated differences together, not the public code; no row switches on its others: "
+              + '; '.join(f'`{k}` ({v})' for k, v in NOT_ABLATED.items()) + '.']
     return '\n'.join(lines) + '\n'
 
 

@@ -52,7 +52,32 @@ def checkpoint_data_options(state: Dict[str, Any], data: Optional[str], given: O
     size = trained_input_size(state)
     if name in FOLLOWS_MODEL and 'img_size' not in options and size is not None and size[1] == size[2]:
         options['img_size'] = size[1]
+    options.update({k: v for k, v in _weights_folder_geometry(state, name).items() if k not in options})
     return options
+
+
+def _weights_folder_geometry(state: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """crop_pct / interpolation of a weights folder's model (`structformer convert`, `save_weights_folder`: no run,
+    so no data options of its own), read from its registered pretrained_cfg: the held-out images as the public code
+    evaluates them (CRATE's Resize 256 / CenterCrop 224 bilinear, SOFT's crop 0.9 bicubic), not the image forms'
+    generic 0.875 bilinear, which scored a converted SOFT checkpoint at another geometry than the one its config.json
+    states. Only for the forms that take these options (image folders, shards, HF datasets, ImageNet)."""
+    from ..data.imagefolder import EVAL_INTERPOLATIONS
+    from ..data.pixel_stats import EVAL_GEOMETRY
+    if not state.get('weights_folder') or name not in EVAL_GEOMETRY:
+        return {}
+    try:
+        import timm
+        cfg = timm.get_pretrained_cfg(state.get('model') or '')
+    except Exception:                 # not registered: the model build names it
+        return {}
+    crop, interpolation = getattr(cfg, 'crop_pct', None), getattr(cfg, 'interpolation', None)
+    out = {}
+    if isinstance(crop, (int, float)) and 0 < crop <= 1:
+        out['crop_pct'] = float(crop)
+    if interpolation in EVAL_INTERPOLATIONS:
+        out['interpolation'] = interpolation
+    return out
 
 
 def check_model_input(model: torch.nn.Module, batch: torch.Tensor, precision: Optional[Precision],

@@ -104,9 +104,18 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         for own in _own_candidates(wanted):
             try:
                 native, _ = build_model(name, dict(fixed, **own))
+            except ValueError as e:
+                if own == wanted:
+                    # the model asked for cannot be built at all (a typo, eps without the tied MSSA, ...): that is
+                    # the error, not the default-sized model's mismatch with the checkpoint
+                    message = str(e)
+                    raise UsageError(message if message.startswith('--model-kwargs') else
+                                     f"--model-kwargs: {message}") from None
+                continue
+            try:
                 converted, converted_notes = convert_state_dict(source, state, native, shapes_must_fit=True)
                 break
-            except (UsageError, ValueError):
+            except ValueError:               # UsageError: the weights do not fit this reading
                 continue
         else:
             raise first from None

@@ -261,6 +261,12 @@ class SoftAttention(AttentionBase):
                 k = sampling_ratio_for(grid_size[0], grid_size[1], num_landmarks)
             # one head_dim→head_dim conv shared by every head (as SOFT's public code), not a C×C conv:
             # C²k² weights per block would add 3.6M parameters to SOFT-Tiny that the paper does not have
+            if landmark_border == 'drop' and k is not None and grid_size is not None and min(grid_size) < k:
+                # known now: refused at construction (a model built for this grid could be converted, saved and
+                # exported, and failed only at its first forward)
+                raise ValueError(f"landmark_border='drop' needs a token grid of at least k×k = {k}×{k}, got "
+                                 f"{grid_size[0]}×{grid_size[1]} (a larger img_size, or landmark_border='replicate', "
+                                 "which pads the border windows)")
             self.conv = ConvLandmarkSampler(self.head_dim, k, device=device, dtype=dtype, init=sampler_init,
                                             border=landmark_border)
         elif landmark_border != ('drop' if official else 'replicate'):
