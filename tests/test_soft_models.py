@@ -7,7 +7,7 @@ import timm
 import torch
 
 from structformer.layers.attention import get_attention
-from structformer.models.soft import BASELINES
+from structformer.models.soft_variants import BASELINES
 from structformer.reproduce import soft as reproduce_soft
 
 TABLE2_224 = ['soft_tiny_224', 'softpp_tiny_224'] + [f'soft_tiny_{a}_224' for a in BASELINES]

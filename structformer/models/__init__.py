@@ -2,7 +2,7 @@
 from ..requirements import warn_if_too_old
 from ._registry import list_structformer_language_models, list_structformer_models, register_model
 from .crate import CRATE, CrateBlock
-from . import attention_swap, mixer, soft, sparsifiner, token_pruning
+from . import attention_swap, mixer, soft, soft_variants, sparsifiner, token_pruning
 from .soft import SoftNet
 from . import gpt, wide_resnet
 from .factory import ModelRecipe, build_model, rebuild
