@@ -41,11 +41,15 @@ def run(args) -> int:
     best = optimal_width(args.omega, args.gamma)
     channels = args.channels or sorted({16, 32, 48, 83, 113, 173, max(1, round(best['channels']))})
     pairs = fixed_omega_pairs(args.omega, channels, args.gamma)
-    if not args.channels:          # the default list keeps the C that this Ω can reach
+    dropped = []
+    if not args.channels:          # the default list keeps the C that this Ω can reach, and says which it left out
+        dropped = [r['channels'] for r in pairs if not r['on_curve']]
         pairs = [r for r in pairs if r['on_curve']]
     sw = [{'density': p, 'width': sw_width(args.omega, p, args.gamma)} for p in args.sw_densities]
     if args.json:
-        print(json.dumps({'omega': args.omega, 'gamma': args.gamma, 'optimal': best, 'pairs': pairs, 'sw_mlp': sw}))
+        optimal = {k: _integral(v) for k, v in best.items()}
+        print(json.dumps({'omega': args.omega, 'gamma': args.gamma, 'optimal': optimal, 'pairs': pairs,
+                          'dropped_channels': dropped, 'sw_mlp': sw}))
         return 0
     print(f"Ω = {args.omega:,} connections per layer, γ = {args.gamma:g}: Ω = γ(CS² + C²S)/2 (Mixer), pγm² (SW-MLP)")
     print(f"widest Mixer: C* = S* = {best['channels']:.1f}, effective width m* = {best['width']:,.0f}")
@@ -55,5 +59,15 @@ def run(args) -> int:
               f"{r['nonzero_token_mixing']:>10.4f} {r['nonzero_channel_mixing']:>12.4f}")
     if not all(r['on_curve'] for r in pairs):
         print("! off the fixed-Ω curve: even S = 1 spends more than 1.5 × Ω at this C (C too large for this Ω)")
+    if dropped:
+        print(f"left out of the default C list: {', '.join(map(str, dropped))} (this Ω cannot reach them: even S = 1 "
+              "spends more than 1.5 × Ω)")
     print("SW-MLP at the same Ω: " + ', '.join(f"p = {r['density']:g} → m = {r['width']:.0f}" for r in sw))
     return 0
+
+
+def _integral(value: float):
+    """`value` as an int where it is one up to float rounding (C* = (2^18)^{1/3} came out 63.999999999999986),
+    else unchanged (full precision: C* at Ω = 2^10 is 10.079...)."""
+    nearest = round(value)
+    return int(nearest) if abs(value - nearest) <= 1e-9 * max(1.0, abs(value)) else value

@@ -1,4 +1,5 @@
 """CRATE operators against references written from the paper's equations (float64)."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,3 +213,17 @@ def test_the_ista_paths_script_times_both_paths(capsys):
     with torch.no_grad():
         model(torch.randn(1, *model.pretrained_cfg['input_size']))
     assert formed                                       # forced onto the fused path at one image
+
+
+@pytest.mark.parametrize('eps', [0, 0.0, -0.5, float('inf'), float('nan')])
+def test_rates_refuse_an_eps_outside_the_positive_reals(eps):
+    """coding_rate(eps=0) raised ZeroDivisionError (d/(N·0²)); a negative ε was taken as |ε| (only ε² enters) and
+    ε = inf gave a rate of 0. Every rate now says which argument and what it accepts."""
+    from structformer.functional.coding_rate import official_rate_bounds, official_rate_per_head
+    z, u = torch.randn(5, 4, dtype=torch.float64), torch.randn(2, 4, 2, dtype=torch.float64)
+    calls = [lambda: coding_rate(z, eps), lambda: compression_rate(z, u, eps), lambda: compression_rate_grad(z, u, eps),
+             lambda: official_rate_per_head(z, u, eps), lambda: official_rate_bounds(2, 5, 2, eps)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r'eps must be a finite number > 0 .*; got '):
+            call()
+    assert float(coding_rate(z, np.float32(0.5))) == pytest.approx(float(coding_rate(z, 0.5)))

@@ -189,8 +189,8 @@ def test_a_loss_not_finite_on_one_process_stops_every_process_with_the_line(tmp_
                                                           NAN_AT='2'))
     stopped = [line for line in ddp.stderr.splitlines() if 'structformer train: stopped: ' in line]
     assert len(stopped) == 2 and ddp.returncode != 0, ddp.stderr[-3000:]
-    assert sum('loss became nan at epoch 1, step 1 ' in line for line in stopped) == 1, stopped
-    assert sum('loss became non-finite on another of the 2 processes by epoch 1, step 1 ' in line
+    assert sum('loss became nan at epoch 1, batch 2/2 (optimiser step 2) ' in line for line in stopped) == 1, stopped
+    assert sum('loss became non-finite on another of the 2 processes by epoch 1, batch 2/2 (optimiser step 2) ' in line
                for line in stopped) == 1, stopped
     ours = ddp.stderr.split('torch/distributed/elastic')[0]          # before torchrun's report of the exits
     assert 'gloo' not in ddp.stderr.lower() and 'Traceback' not in ours, ddp.stderr[-3000:]

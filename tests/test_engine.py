@@ -162,3 +162,20 @@ def test_the_dry_forward_before_writing_draws_no_random_numbers(tmp_path):
     trainer._check_input_shapes()
     assert torch.equal(torch.get_rng_state(), state)
     assert not (tmp_path / 'run').exists()
+
+
+def test_the_divergence_line_names_the_batch_and_the_optimiser_step_as_the_step_log_does(tmp_path, capsys):
+    """It said 'step 0' for the first batch of epoch 2 (the 0-based batch index) while the step log's 'step' is the
+    optimiser step: with two batches an optimiser step, epoch 1 makes steps 1-2, so epoch 2's first batch is
+    'batch 1/4' of optimiser step 3."""
+    def poison(trainer, epoch, record):
+        with torch.no_grad():
+            trainer.model.head.weight.fill_(float('nan'))
+
+    config = _tiny(tmp_path, epochs=2, batch_size=16, grad_accum_steps=2, limit_train_batches=4, warmup_epochs=0,
+                   log_interval=1)
+    with pytest.raises(TrainingDiverged) as caught:
+        train(config, progress=False, callbacks=[poison])
+    assert 'loss became nan at epoch 2, batch 1/4 (optimiser step 3) ' in str(caught.value), str(caught.value)
+    logged = capsys.readouterr().out
+    assert 'epoch 1/2  batch 4/4  step 2 ' in logged and 'step 3 ' not in logged, logged

@@ -116,3 +116,21 @@ def test_labels_are_read_as_one_column_equal_to_the_rows():
     from structformer.data.hfds import labels_of
     ds = _in1k(5, [1, 0, 1, 1, 0]).select([4, 2, 0])              # an indices mapping: rows 4, 2, 0
     assert labels_of(ds, 'label', 'x').tolist() == [0, 1, 1] == [row['label'] for row in ds]
+
+
+@pytest.mark.parametrize('names, needle', [
+    (NAMES[::-1], "class 0 is 'goldfish, Carassius auratus' there, 'tench, Tinca tinca' in train"),
+    (NAMES + ['extra'], '3 classes there, 2 in train')])
+def test_a_validation_split_with_other_class_names_is_one_line(names, needle, tmp_path):
+    """A validation ClassLabel in another order (or with other names) than train's was used as is: its label k was
+    scored as train's class k, silently. Both the training run and data shard refuse it, naming the split."""
+    from structformer.data.shard_writer import write_shards
+    val = _in1k(2, [1, 0]).cast_column('label', datasets.ClassLabel(names=names))
+    datasets.DatasetDict({'train': _in1k(4, [0, 1] * 2), 'validation': val}).save_to_disk(str(tmp_path / 'hf'))
+    match = f"split 'validation' has other ClassLabel names than split 'train' \\({needle}\\)"
+    with pytest.raises(UsageError, match=match) as e:
+        build_datasets(f"hfds:{tmp_path / 'hf'}", img_size=8)
+    assert '\n' not in str(e.value)
+    with pytest.raises(UsageError, match=match):
+        write_shards(f"hfds:{tmp_path / 'hf'}", str(tmp_path / 'wds'), 4)
+    assert not (tmp_path / 'wds').exists()

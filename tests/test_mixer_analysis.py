@@ -182,6 +182,23 @@ def test_design_command_prints_the_fixed_omega_table(capsys):
     assert '!' not in out and '\n   173 ' not in out and '\n    16 ' in out
 
 
+def test_design_rounds_an_integral_optimum_and_names_the_dropped_channels(capsys):
+    """The JSON gave C* = 63.999999999999986 for Ω = 2^18 (an integer up to rounding: now 64; Ω = 2^10's 10.079...
+    keeps full precision), and the default C list dropped the C this Ω cannot reach without saying so."""
+    assert main(['design', '--omega', '2^18', '--json']) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record['optimal'] == {'channels': 64, 'tokens': 64, 'width': 4096} and record['dropped_channels'] == []
+    assert main(['design', '--omega', '2^10', '--json']) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record['optimal']['channels'] == pytest.approx(2 ** (10 / 3), rel=1e-15) != round(2 ** (10 / 3))
+    assert record['dropped_channels'] == [83, 113, 173] and 83 not in [r['channels'] for r in record['pairs']]
+    assert main(['design', '--omega', '2^10']) == 0
+    assert 'left out of the default C list: 83, 113, 173 (this Ω cannot reach them' in capsys.readouterr().out
+    assert main(['design', '--omega', '2^10', '--channels', '16', '173', '--json']) == 0      # given: kept, marked
+    record = json.loads(capsys.readouterr().out)
+    assert record['dropped_channels'] == [] and [r['on_curve'] for r in record['pairs']] == [True, False]
+
+
 def test_analyze_cka_with_too_few_samples_names_the_flag(tmp_path, capsys):
     """--num-samples 3 with --cka said 'the split has 3', blaming the data for the flag's value."""
     assert main(['analyze', '--checkpoint', str(tmp_path), '--cka', str(tmp_path), '--num-samples', '3',

@@ -210,3 +210,50 @@ def test_features_only_of_a_mixer_with_another_token_count_gives_its_tokens():
         torch.testing.assert_close(g, w)
     grid = timm.create_model('mixer_digits', features_only=True, out_indices=(-1,)).eval()   # S = S₀: maps, as before
     assert grid(x)[0].shape == (2, 32, 4, 4)
+
+
+def test_sw_mlp_hook_features_are_the_tables_feature_info_describes():
+    """timm's hook feature extractor (`feature_cls='hook'`) took SW-MLP's block outputs as flat [B, m] vectors while
+    feature_info said C channels; the blocks now carry the [B, S₀, C] table (as the Mixers' hooks give [B, S, C]).
+    The model's function is unchanged: the same weights through the flat-vector equations (Eq. S.16-S.17) give
+    the same logits, and the hook features equal forward_intermediates' tables."""
+    torch.manual_seed(0)
+    model = timm.create_model('swmlp_digits', mlp_ratio=2.0).double().eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    x = torch.randn(3, 1, 8, 8, dtype=D)
+    flat = model.stem(x).flatten(1)                                      # the paper's m-vector, block by block
+    for block in model.blocks:
+        flat = flat + block.act(block.fc2(block.act(block.fc1(block.norm(flat)))))
+    torch.testing.assert_close(model(x), model.head(model.norm(flat)))
+    hooks = timm.create_model('swmlp_digits', mlp_ratio=2.0, features_only=True, feature_cls='hook',
+                              out_indices=(0, 1)).double().eval()
+    missing, _ = hooks.load_state_dict({f'body.{k}': v for k, v in model.state_dict().items()}, strict=False)
+    assert not missing
+    got = hooks(x)
+    channels = hooks.feature_info.channels()
+    assert [tuple(t.shape) for t in got] == [(3, 16, c) for c in channels] == [(3, 16, 8)] * 2
+    tables = model.forward_intermediates(x, indices=(0, 1), output_fmt='NLC', intermediates_only=True)
+    for a, b in zip(got, tables):
+        torch.testing.assert_close(a, b)
+    normed = model.forward_intermediates(x, indices=(1,), norm=True, output_fmt='NLC', intermediates_only=True)[0]
+    torch.testing.assert_close(normed.flatten(1), model.forward_features(x))
+
+
+def test_sw_mlp_masks_are_todays_draws_and_are_not_drawn_on_meta():
+    """A mask is Bernoulli(p) from its seed alone (a reference draw here, so a change to the draw fails); built on
+    the meta device it is not drawn (it cost ~1 s per swmlp_cifar in `structformer models`), yet the count of the
+    weights it keeps is the real one."""
+    from structformer.models.inventory import effective_parameter_count
+    model = timm.create_model('swmlp_digits', mask_seed=3, mlp_ratio=2.0)
+    for i, block in enumerate(model.blocks):
+        for layer, seed in ((block.fc1, 3000 + 10 * i), (block.fc2, 3000 + 10 * i + 1)):
+            drawn = torch.rand(layer.out_features, layer.in_features,
+                               generator=torch.Generator().manual_seed(seed)) < layer.density
+            assert torch.equal(layer.mask, drawn)
+            assert torch.equal(layer.weight == 0, ~drawn) and layer.kept_weights() == int(drawn.sum())
+    with torch.device('meta'):
+        meta = timm.create_model('swmlp_digits', mask_seed=3, mlp_ratio=2.0)
+    assert all(b.fc1.mask.is_meta and b.fc2.mask.is_meta for b in meta.blocks)
+    assert effective_parameter_count(meta) == effective_parameter_count(model) < sum(p.numel() for p in
+                                                                                      model.parameters())

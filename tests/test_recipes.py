@@ -16,6 +16,7 @@ import pytest
 
 from structformer.cli import build_parser, main
 from structformer.commands.train import train_config
+from structformer.train.config_checks import CYCLING
 from structformer.train.recipes import ABOUT_REQUIRED, list_recipes, load_recipe
 
 RECIPES = list_recipes()
@@ -582,9 +583,12 @@ def _family(model: str) -> str:
 def _small_argv(name: str, values: dict, output: Path) -> list:
     family = _family(values['model'])
     argv = ['train', '--recipe', name, '--output', str(output), '--no-progress', '--device', 'cpu', '--workers', '0',
-            '-b', '8', '--grad-accum-steps', '1', '--warmup-epochs', '0', '--log-interval', '0',
-            '--min-lr', '0', '--warmup-lr', '0']   # batch 8 scales an --lr-base recipe's peak below its floors,
-                                                   # which train refuses
+            '-b', '8', '--grad-accum-steps', '1', '--warmup-epochs', '0', '--log-interval', '0']
+    # batch 8 scales an --lr-base recipe's peak below its floors, which train refuses where the schedule reads them:
+    # no warm-up (so its warmup_lr is read by nothing, and --warmup-lr would be refused as idle), and the end of a
+    # cosine / tanh / poly schedule at 0 (step and multistep read no --min-lr: there it would be refused as idle)
+    if values.get('sched', 'cosine') in CYCLING:
+        argv += ['--min-lr', '0']
     kwargs = list(_SMALL[family])
     if 'keep_ratio' in values.get('model_kwargs', {}):
         kwargs.append(f"keep_ratio={values['model_kwargs']['keep_ratio']}")

@@ -356,3 +356,21 @@ def test_out_a_mounted_disk_is_written_on_that_disk(tmp_path, cache, monkeypatch
     assert sorted(p.name for p in out.iterdir()) == sorted(['_info.json'] + info['splits']['train']['filenames'])
     write_shards(str(src), str(tmp_path / 'straight'), 2)
     assert _shard_bytes(out) == _shard_bytes(tmp_path / 'straight')
+
+
+@pytest.mark.parametrize('form, needle', [
+    ('timm:nosuch:{src}', "NAME 'nosuch' is not a timm TYPE/NAME data set name"),
+    ('timm:torch/:{src}', "NAME 'torch/' is not a timm TYPE/NAME data set name"),
+    ('timm:', 'no ROOT'), ('timm:nosuch:', 'no ROOT')])
+def test_a_timm_source_without_a_timm_name_or_root_is_one_line(form, needle, tmp_path, capsys):
+    """timm's create_dataset reads only NAME's TYPE/ prefix: `timm:nosuch:ROOT` was ignored and ROOT written as an
+    image folder (rc 0); an empty `timm:` said "SOURCE timm:::  does not exist". One line naming SOURCE as given and
+    the accepted forms; nothing written."""
+    from structformer.cli import main
+    src = _folder(tmp_path / 'src')
+    text = form.format(src=src)
+    assert main(['data', 'shard', text, str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"structformer data shard: error: SOURCE {text!r}: {needle}") and len(err.splitlines()) == 1
+    assert 'timm:torch/NAME:ROOT' in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['src']

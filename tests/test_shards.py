@@ -334,3 +334,16 @@ def test_an_unlabelled_validation_shard_is_one_line(shards, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and 'a label -1 is outside the 3 classes' in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('given', [2, 4])
+def test_num_classes_that_disagrees_with_the_info_json_is_one_line(given, shards):
+    """num_classes=N beside an _info.json naming 3 classes was taken as is: a head of N outputs whose indices no
+    longer meant the named classes. The message names both numbers."""
+    from structformer.errors import UsageError
+    with pytest.raises(UsageError) as caught:
+        build_datasets(f"wds:{shards / 'wds'}", img_size=8, augment=False, val_fraction=0.25, num_classes=given)
+    message = str(caught.value)
+    assert f'num_classes={given}' in message and 'names 3 classes' in message and '\n' not in message, message
+    _, _, info = build_datasets(f"wds:{shards / 'wds'}", img_size=8, augment=False, val_fraction=0.25, num_classes=3)
+    assert info.num_classes == 3

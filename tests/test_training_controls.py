@@ -506,7 +506,13 @@ def test_a_config_file_takes_timms_keys_or_says_where_their_setting_is(tmp_path,
     (['--decay-milestones', '5', '9'], '--decay-milestones 5 9 does nothing in this run: only --sched multistep'),
     (['--lr-noise-std', '0.5'], '--lr-noise-std 0.5 does nothing in this run: it shapes --lr-noise'),
     (['--lr-cycle-decay', '0.9'], '--lr-cycle-decay 0.9 does nothing in this run: it shapes the restarts'),
-    (['--momentum', '0.5'], '--momentum 0.5 does nothing in this run: --opt adamw has no momentum')])
+    (['--momentum', '0.5'], '--momentum 0.5 does nothing in this run: --opt adamw has no momentum'),
+    (['--sched', 'step', '--min-lr', '1e-5'], '--min-lr 1e-05 does nothing in this run: only a --sched cosine / tanh'),
+    (['--sched', 'multistep', '--min-lr', '0'], '--min-lr 0.0 does nothing in this run: only a --sched cosine'),
+    (['--sched', 'none', '--min-lr', '0'], '--min-lr 0.0 does nothing in this run: only a --sched cosine'),
+    (['--sched', 'none', '--warmup-lr', '0'], '--warmup-lr 0.0 does nothing in this run: only a warm-up'),
+    (['--warmup-epochs', '0', '--warmup-lr', '1e-5'], 'only a warm-up (--warmup-epochs > 0 and a --sched other '
+     'than none) reads it, and the run has --sched cosine, --warmup-epochs 0')])
 def test_a_flag_that_acts_on_nothing_is_refused(argv, needle, capsys):
     """timm's train.py ignores these without a word (and its lr_base defaults to 0.1, so its --lr-base-size alone
     scales the lr; here it did nothing): one line instead."""
@@ -520,7 +526,9 @@ def test_flags_that_act_somewhere_in_the_run_are_taken(capsys):
                  ['--cutmix', '1', '--mixup-off-epoch', '1'], ['--mixup-off-epoch', '0'],
                  ['--phase-settings', 'main', 'sched=multistep', '--decay-milestones', '5', '9'],
                  ['--lr-noise', '0.5', '--lr-noise-std', '0.5'], ['--lr-cycle-limit', '2', '--lr-cycle-decay', '0.9'],
-                 ['--opt', 'lookahead_sgd', '--momentum', '0.5'], ['--momentum', '0.9']):
+                 ['--opt', 'lookahead_sgd', '--momentum', '0.5'], ['--momentum', '0.9'],
+                 ['--sched', 'poly', '--min-lr', '0'], ['--sched', 'step', '--warmup-lr', '0'],
+                 ['--sched', 'step', '--phase-settings', 'main', 'sched=cosine', '--min-lr', '0']):
         assert main(['train', '--dry-run', '--epochs', '10', *argv]) == 0, argv
     capsys.readouterr()
 
@@ -535,3 +543,17 @@ def test_a_phases_own_optimiser_scales_lr_base_by_its_own_rule(tmp_path):
     trainer = Trainer(_tiny(tmp_path / 'b', **common))
     trainer._build()
     assert trainer.optimizer.param_groups[0]['lr'] == pytest.approx(1e-3 * (64 / 256) ** 0.5)   # adamw: sqrt
+
+
+def test_a_floor_the_schedule_never_reads_is_not_held_against_the_peak(tmp_path):
+    """A recipe's min_lr under --sched step (which decays by decay_rate and never reads it), or its warmup_lr with
+    no warm-up, was refused as 'above the peak' at a batch that scales the peak below it; a floor the schedule
+    reads still is."""
+    common = dict(lr_base=1e-3, lr_base_size=1024, opt='sgd', batch_size=32)
+    for unread in (dict(sched='step', min_lr=1e-3), dict(warmup_epochs=0, warmup_lr=1e-3),
+                   dict(sched='none', min_lr=1e-3, warmup_lr=1e-3)):
+        Trainer(_tiny(tmp_path / 'a', **common, **unread))._build()
+    for read, flag in ((dict(sched='cosine', min_lr=1e-3), '--min-lr'),
+                       (dict(sched='step', warmup_epochs=1, warmup_lr=1e-3), '--warmup-lr')):
+        with pytest.raises(UsageError, match=f'{flag} 0.001 is above the peak learning rate'):
+            Trainer(_tiny(tmp_path / 'b', **common, **read))._build()

@@ -86,8 +86,26 @@ def labelled_splits(loaded, label: str, what: str) -> Tuple[np.ndarray, Optional
             if len(values) and (values < 0).all():
                 passed.append(name)
                 continue
+            check_class_names(loaded['train'], loaded[name], label, name, what)
             return labels_of(loaded['train'], label, what), name, values, passed
     return labels_of(loaded['train'], label, what), None, None, passed
+
+
+def check_class_names(train, val, label: str, split: str, what: str) -> None:
+    """The validation split's ClassLabel names equal the training split's, in order: index k must mean the same
+    class in both, or the validation scores are of other classes than the names say (silently)."""
+    import datasets
+    ours, theirs = train.features.get(label), val.features.get(label)
+    if not (isinstance(ours, datasets.ClassLabel) and isinstance(theirs, datasets.ClassLabel)):
+        return
+    if list(ours.names) != list(theirs.names):
+        k = next((i for i, (a, b) in enumerate(zip(ours.names, theirs.names)) if a != b),
+                 min(len(ours.names), len(theirs.names)))
+        where = (f'class {k} is {theirs.names[k]!r} there, {ours.names[k]!r} in train'
+                 if k < min(len(ours.names), len(theirs.names))
+                 else f'{len(theirs.names)} classes there, {len(ours.names)} in train')
+        raise UsageError(f"{what}: split {split!r} has other ClassLabel names than split 'train' ({where}); its labels "
+                         "would mean other classes: re-map it to train's names (datasets' align_labels_with_mapping)")
 
 
 def check_labels(values: np.ndarray, num_classes: int, split: str, what: str) -> None:

@@ -75,8 +75,25 @@ def open_source(text: str) -> Source:
         from .imagenet import imagenet_source
         return imagenet_source(path, 'SOURCE imagenet:')
     if form == 'timm':
+        _check_timm_source(text, name, path)
         return timm_source(name, path)
     return folder_source(path)
+
+
+TIMM_FORMS = ('timm:ROOT (an image folder or a .tar), timm:torch/NAME:ROOT or timm:hfds/NAME:ROOT (timm\'s '
+              'create_dataset NAME)')
+
+
+def _check_timm_source(text: str, name: str, root: str) -> None:
+    """timm's create_dataset reads NAME's TYPE/ prefix alone: a NAME without one ('nosuch') was ignored, ROOT read as
+    an image folder and the shards written as if NAME had been honoured; an empty ROOT was 'SOURCE timm::: does not
+    exist'. Both are one line naming SOURCE and the accepted forms."""
+    if not root:
+        raise UsageError(f'SOURCE {text!r}: no ROOT; accepted: {TIMM_FORMS}')
+    prefix, sep, rest = name.partition('/')
+    if name and (not sep or not rest or prefix.lower() not in ('torch', 'hfds', 'hfids', 'tfds', 'wds')):
+        raise UsageError(f'SOURCE {text!r}: NAME {name!r} is not a timm TYPE/NAME data set name (timm ignores a '
+                         f'NAME without TYPE/ and reads ROOT as an image folder); accepted: {TIMM_FORMS}')
 
 
 def _split_source(text: str):

@@ -105,6 +105,7 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         print(f'--data {spec}: counted {n_train} training samples in the headers of {len(urls)} shards (pass '
               '--data-kwargs train_samples=N, or keep an _info.json beside the shards, to skip this)', flush=True)
     classes = info.get('classes')
+    _check_num_classes(spec, opts['num_classes'], classes, info.get('num_classes'))
     num_classes = opts['num_classes'] or (len(classes) if classes else 0) or int(info.get('num_classes', 0)) \
         or (max(labels) + 1 if labels else 0)
     if labels and (max(labels) >= num_classes or min(labels) < 0):    # -1: an unlabelled split (was scored)
@@ -130,6 +131,19 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
                'std': list(IMAGENET_DEFAULT_STD), 'split': split, 'augment': opts['augment'],
                'augmentation': applied, 'train_shards': len(urls), 'holdout': holdout,
                'shuffle_buffer': opts['shuffle_buffer']})
+
+
+def _check_num_classes(spec: str, given: int, classes, stated) -> None:
+    """num_classes=N given beside an _info.json that names its classes (or states their number) must agree with
+    it: a different N would silently build a head whose outputs no longer match the class names."""
+    if not given:
+        return
+    if classes and given != len(classes):
+        raise UsageError(f'--data {spec!r}: num_classes={given} but the shards\' _info.json names {len(classes)} '
+                         f'classes; give num_classes={len(classes)} or leave it out')
+    if not classes and stated and given != int(stated):
+        raise UsageError(f'--data {spec!r}: num_classes={given} but the shards\' _info.json says num_classes='
+                         f'{int(stated)}; give num_classes={int(stated)} or leave it out')
 
 
 def _damaged(spec: str, bad_images: str, problem: str) -> None:

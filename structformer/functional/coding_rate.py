@@ -13,6 +13,18 @@ import torch
 from .precision import computes_in_float32
 
 
+def _checked_eps(eps: float) -> float:
+    """ε of the rates' d/(N ε²): a finite number > 0 (0 divided by zero: ZeroDivisionError; a negative ε was taken
+    as |ε|, since only ε² enters)."""
+    import math
+    import numbers
+    if isinstance(eps, torch.Tensor):
+        return eps                                        # traced / batched ε: the caller's to check
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite number > 0 (the coding rate's precision ε); got {eps!r}")
+    return eps
+
+
 def _half_logdet_identity_plus(gram: torch.Tensor, scale: float) -> torch.Tensor:
     """½ logdet(I + scale · gram) for a batch of PSD matrices, via Cholesky (stable, PSD input)."""
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
@@ -30,7 +42,7 @@ def _small_gram(z: torch.Tensor) -> torch.Tensor:
 def coding_rate(z: torch.Tensor, eps: float = 0.5) -> torch.Tensor:
     """R(Z) of CRATE Eq. 7: ½ logdet(I + d/(N ε²) ZᵀZ), for z of shape [..., N, d]."""
     n, d = z.shape[-2:]
-    return _half_logdet_identity_plus(_small_gram(z), d / (n * eps ** 2))
+    return _half_logdet_identity_plus(_small_gram(z), d / (n * _checked_eps(eps) ** 2))
 
 
 def split_heads(u: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -47,7 +59,7 @@ def coding_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0.
     n = z.shape[-2]
     p = u_heads.shape[-1]
     projected = torch.einsum('...nd,kdp->...knp', z, u_heads)   # rows of (U_kᵀZ)ᵀ
-    return _half_logdet_identity_plus(_small_gram(projected), p / (n * eps ** 2))
+    return _half_logdet_identity_plus(_small_gram(projected), p / (n * _checked_eps(eps) ** 2))
 
 
 @computes_in_float32
@@ -65,7 +77,7 @@ def compression_rate_grad(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 0
     """
     n = z.shape[-2]
     p = u_heads.shape[-1]
-    c = p / (n * eps ** 2)
+    c = p / (n * _checked_eps(eps) ** 2)
     projected = torch.einsum('...nd,kdp->...knp', z, u_heads)
     eye = torch.eye(n, dtype=z.dtype, device=z.device)
     gram = eye + c * projected @ projected.transpose(-2, -1)
@@ -106,13 +118,13 @@ def official_rate_per_head(z: torch.Tensor, u_heads: torch.Tensor, eps: float = 
     norms = w.norm(dim=-1, keepdim=True)
     w = w / torch.where(norms > 0, norms, torch.ones_like(norms))
     n, p = w.shape[-2:]
-    return _half_logdet_identity_plus(_small_gram(w), p / (n * eps ** 2))
+    return _half_logdet_identity_plus(_small_gram(w), p / (n * _checked_eps(eps) ** 2))
 
 
 def official_rate_bounds(num_heads: int, num_tokens: int, dim_head: int, eps: float = OFFICIAL_EPS):
     """(min, max) of the official R_c summed over K heads (see `official_rate_per_head`)."""
     import math
-    r = min(dim_head, num_tokens)
+    r, eps = min(dim_head, num_tokens), _checked_eps(eps)
     low = 0.5 * math.log1p(dim_head / eps ** 2)
     high = 0.5 * r * math.log1p(dim_head / (r * eps ** 2))
     return num_heads * low, num_heads * high

@@ -21,8 +21,8 @@ def model_inventory(names: List[str]) -> List[Dict]:
 def effective_parameter_count(model: torch.nn.Module) -> int:
     """Trainable weights a model really has: every parameter once, except that a masked layer (a module with a
     boolean `mask` buffer the shape of its `weight`, such as SW-MLP's MaskedLinear) counts only the weights its
-    mask keeps; entries off the mask are zero and get no gradient. On the meta device the mask has no values, so
-    its expected share (`density`) is counted instead."""
+    mask keeps; entries off the mask are zero and get no gradient. On the meta device a MaskedLinear counts the mask its
+    seed draws (the real count); another masked module's mask has no values there, so its `density` is counted."""
     seen, total = set(), 0.0
     for module in model.modules():
         mask = getattr(module, 'mask', None)
@@ -30,8 +30,10 @@ def effective_parameter_count(model: torch.nn.Module) -> int:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            if name == 'weight' and isinstance(mask, torch.Tensor) and mask.shape == param.shape:
-                total += param.numel() * float(module.density) if mask.is_meta else int(mask.sum())
+            if name == 'weight' and hasattr(module, 'kept_weights'):          # MaskedLinear: exact on meta too
+                total += module.kept_weights()
+            elif name == 'weight' and isinstance(mask, torch.Tensor) and mask.shape == param.shape:
+                total += param.numel() * float(module.density) if mask.is_meta else int(mask.count_nonzero())
             else:
                 total += param.numel()
     return int(round(total))

@@ -263,10 +263,10 @@ class SWMLP(_PatchTableModel):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self._check_input(x)
-        x = self.stem(x).flatten(1)
+        x = self.stem(x)                       # the [B, S₀, C] table: what a hook on a block sees (feature_info's C)
         for block in self.blocks:
             x = self.run_block(block, x)
-        return self.norm(x)
+        return self.norm(x.flatten(1))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.head_drop(x)
@@ -278,12 +278,13 @@ class SWMLP(_PatchTableModel):
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt={output_fmt!r}: accepted 'NCHW' or 'NLC'")
         x = self._check_input(x)
-        x, intermediates = self.run_blocks_keeping(self.stem(x).flatten(1), indices, norm, stop_early)
-        tables = [y.reshape(y.shape[0], self.patch_tokens, self.embed_dim) for y in intermediates]
+        x, tables = self.run_blocks_keeping(self.stem(x), indices, False, stop_early)
+        if norm:                               # the final LN acts on the flat m-vector
+            tables = [self.norm(t.flatten(1)).reshape(t.shape) for t in tables]
         if output_fmt == 'NCHW':
             h, w = self.stem.grid_size
             tables = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in tables]
-        return tables if intermediates_only else (self.norm(x), tables)
+        return tables if intermediates_only else (self.norm(x.flatten(1)), tables)
 
 
 class _SparseWeightBlock(nn.Module):
@@ -300,10 +301,13 @@ class _SparseWeightBlock(nn.Module):
         self.act = nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.act(self.fc1(self.norm(x)))
+        """x: the flat m-vector [B, m] or the [B, S₀, C] table it is read from (the model passes the table, so
+        that timm's hook features are [B, S₀, C] as feature_info's num_chs = C says); the output has x's shape."""
+        flat = x.flatten(1)
+        y = self.act(self.fc1(self.norm(flat)))
         if self.fc2 is not None:
             y = self.act(self.fc2(y))
-        return x + self.drop_path(y)
+        return x + self.drop_path(y.reshape(x.shape))
 
 
 # ---- registered models ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from ..errors import UsageError
 from ..models.factory import ModelRecipe, build_model, rebuild
 from .checkpoint import load_checkpoint
+from .config_checks import floor_read
 from .mixing import build_mixup
 from .parts import LowRankPart, build_parts
 from .phases import build_phases
@@ -142,9 +143,10 @@ class RunBuild:
         so a recipe sized for 8 processes can put its floor above the peak on one."""
         cfg = self.config
         peak = cfg.resolved_lr(self.world_size)
+        run_values = cfg.schedule_values(None)
         for key in ('warmup_lr', 'min_lr'):
             value = getattr(cfg, key)
-            if value is not None and value > peak:
+            if value is not None and value > peak and floor_read(run_values, key):   # a floor nothing reads is idle
                 raise UsageError(f"--{key.replace('_', '-')} {value:g} is above the peak learning rate {peak:.3g} "
                                  f"(--lr-base {cfg.lr_base:g} scaled to the effective batch {self.effective_batch()}); "
                                  f"lower it or raise the batch (--grad-accum-steps)")
@@ -152,7 +154,7 @@ class RunBuild:
             values = cfg.schedule_values(name)
             phase_peak = values['lr'] * cfg.lr_scale(self.world_size, values['opt'])
             for key in ('warmup_lr', 'min_lr'):
-                if settings.get(key) is not None and settings[key] > phase_peak:
+                if settings.get(key) is not None and settings[key] > phase_peak and floor_read(values, key):
                     raise UsageError(f"--phase-settings {name} {key}={settings[key]:g} is above the phase's peak "
                                      f"learning rate {phase_peak:.3g} at the effective batch {self.effective_batch()}; "
                                      f"lower it or raise the batch (--grad-accum-steps)")

@@ -163,6 +163,15 @@ def validate_controls(config) -> None:
         raise UsageError(f"--bce-loss: {what}; binary cross-entropy is for image classes (one output per "
                          "class and image); leave it out")
 
+def floor_read(values: Dict, key: str) -> bool:
+    """Whether the schedule of `values` (TrainConfig.schedule_values) reads the floor `key` ('min_lr' or
+    'warmup_lr'): timm's cosine, tanh and poly end at min_lr (step and multistep do not read it), a warm-up of
+    warmup_epochs > 0 starts at warmup_lr, and 'none' has no schedule."""
+    if values['sched'] == 'none':
+        return False
+    return values['sched'] in CYCLING if key == 'min_lr' else values['warmup_epochs'] > 0
+
+
 def idle_settings(config) -> Dict[str, str]:
     """The settings that act on nothing in this configuration, each with why: the scaling of an --lr-base that is not
     given, the shape of a weight average or of a Mixup that is off, a schedule's parameters where no schedule of the
@@ -186,6 +195,16 @@ def idle_settings(config) -> Dict[str, str]:
                          ('decay_rate', ('step', 'multistep', 'poly'))):
         if not scheds & set(readers) and not any(key in p for p in phases):
             idle[key] = f"only --sched {' / '.join(readers)} reads it, and the run's schedule is {config.sched}"
+    # the floors: timm's cosine / tanh / poly end at min_lr, step / multistep decay by decay_rate alone (min_lr is
+    # not theirs), 'none' has no schedule; warmup_lr starts a warm-up, which --warmup-epochs 0 (or 'none') leaves out
+    schedules = [config.schedule_values(None)] + [config.schedule_values(name) for name in config.phase_settings]
+    for key, needs in (('min_lr', 'a --sched cosine / tanh / poly (step and multistep decay by --decay-rate, none '
+                                  'keeps --lr)'),
+                       ('warmup_lr', 'a warm-up (--warmup-epochs > 0 and a --sched other than none)')):
+        if not any(floor_read(values, key) for values in schedules) and not any(key in p for p in phases):
+            shape = f"--sched {config.sched}" + (f", --warmup-epochs {config.resolved_warmup_epochs():g}"
+                                                 if key == 'warmup_lr' and config.sched != 'none' else '')
+            idle[key] = f"only {needs} reads it, and the run has {shape}"
     if config.lr_noise is None and all(p.get('lr_noise') is None for p in phases):
         for key in ('lr_noise_pct', 'lr_noise_std'):
             idle[key] = "it shapes --lr-noise, which is not given"

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 from .config import TrainConfig
-from .config_checks import CYCLING
+from .config_checks import CYCLING, floor_read
 from .recipes import load_recipe, recipe_model_relation
 
 # --data forms a dry run reads: bundled or small, in memory (imagefolder decodes every image once and text
@@ -175,7 +175,7 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
             lines.append(f"  phase {name} (epochs {start + 1}-{start + epochs}): {values['opt']}, weight decay "
                          f"{values['weight_decay']:g}, peak {peak:.4g}; {shape}")
             for key in ('warmup_lr', 'min_lr'):
-                if values['sched'] != 'none' and values[key] > peak:
+                if floor_read(values, key) and values[key] > peak:
                     lines.append(f"    warning: {key} {values[key]:.3g} is above this phase's peak {peak:.4g} at this "
                                  "batch (its lr scales with the batch, not its floors): training refuses it; run with "
                                  f"the recipe's effective batch or --phase-settings {name} {key}=...")
@@ -431,7 +431,7 @@ def dry_run(config: TrainConfig) -> str:
     lines.append(f"lr            peak {peak:.4g} ({how}){factorised}; {schedule_shape(values)}")
     for key in ('min_lr', 'warmup_lr'):
         value = values[key]
-        if values['sched'] != 'none' and value > peak:
+        if floor_read(values, key) and value > peak:
             lines.append(f"  warning: {key} {value:.3g} is above the peak {peak:.4g} at this batch (lr_base scales the "
                          f"peak, not {key}): run with the recipe's effective batch or lower --{key.replace('_', '-')}")
     lines.extend(_lr_lines(config, world, steps))

@@ -132,7 +132,7 @@ class TrainStep:
                     logged = weighted / max(images_in_step, 1.0)
                 if diverged is not None and (update or self.world_size == 1):
                     bar.close()
-                    raise TrainingDiverged(self._diverged_message(*diverged, epoch))
+                    raise TrainingDiverged(self._diverged_message(*diverged, epoch, batches))
                 if diverged is None:
                     self.precision.backward(loss / group, create_graph=second_order)
             if update:
@@ -175,9 +175,11 @@ class TrainStep:
         record.update({f'train_{k}': v / max(seen, 1) for k, v in totals.items()})
         return record
 
-    def _diverged_message(self, value, step: int, epoch: int) -> str:
-        """TrainingDiverged's line: the non-finite `value` this process computed at `step`, or (None) that another
-        process's loss was not finite by the optimiser step at `step`; what was kept; what to try."""
+    def _diverged_message(self, value, step: int, epoch: int, batches: int) -> str:
+        """TrainingDiverged's line: the non-finite `value` this process computed at batch index `step` (0-based), or
+        (None) that another process's loss was not finite by the optimiser step at `step`; what was kept; what to
+        try. The batch and the optimiser step are named as the step log names them (`batch b/B`, 1-based, and
+        `step` the optimiser step: the one this batch was to make), where it said 'step' for the batch index."""
         kept = ("nothing of this new run was kept (it had not finished an epoch)" if self.uncommitted_new_run
                 else f"the last good checkpoint is {resolve_checkpoint(self.ckpt_dir)}")
         # a resumed run keeps its lr and clipping (it trains on as it started): a new run from the last good weights
@@ -186,8 +188,9 @@ class TrainStep:
                   "--resume keeps the run's --lr and --clip-grad: start a new run from that checkpoint "
                   "(--initial-checkpoint) with a lower --lr or a --clip-grad")
         # a process told by the others knows the optimiser step, not which of its accumulated batches it was
-        became = (f"loss became {value} at epoch {epoch}, step {step}" if value is not None else
-                  f"loss became non-finite on another of the {self.world_size} processes by epoch {epoch}, step {step}")
+        where = f"epoch {epoch}, batch {step + 1}/{batches} (optimiser step {self.global_step + 1})"
+        became = (f"loss became {value} at {where}" if value is not None else
+                  f"loss became non-finite on another of the {self.world_size} processes by {where}")
         return f"{became} (lr={self._lr():.3g}); stopped without saving this state: {kept}. {advice}."
 
     def _summed_over_processes(self, totals: Dict[str, float], seen: int, seen_targets: int, correct: int):

@@ -47,11 +47,22 @@ class MaskedLinear(StructuredLinear):
             warnings.warn(f"MaskedLinear {out_features}x{in_features} stores a dense weight and mask: "
                           f"{bytes_needed:,} bytes ({bytes_needed / 2**30:.1f} GiB)", ResourceWarning, stacklevel=2)
         self.density, self.seed = float(density), int(seed)
-        generator = torch.Generator().manual_seed(self.seed)
-        mask = torch.rand(out_features, in_features, generator=generator, device='cpu') < self.density
-        self.register_buffer('mask', mask.to(device))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        # on the meta device (parameter counts, dry runs) the mask has no values: drawing it cost ~1 s per
+        # swmlp_cifar; kept_weights() draws it then, from the seed, when a count needs it
+        mask = torch.empty(out_features, in_features, dtype=torch.bool, device='meta') if self.weight.is_meta \
+            else self._draw_mask().to(self.weight.device)
+        self.register_buffer('mask', mask)
         self.reset_parameters()
+
+    def _draw_mask(self) -> torch.Tensor:
+        """M ~ Bernoulli(p), drawn on the CPU from `seed` alone: the same mask on every device."""
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.rand(self.out_features, self.in_features, generator=generator, device='cpu') < self.density
+
+    def kept_weights(self) -> int:
+        """How many weights the mask keeps (on the meta device: of the mask the seed draws on a real one)."""
+        return int((self._draw_mask() if self.mask.is_meta else self.mask).count_nonzero())
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
