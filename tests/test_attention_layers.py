@@ -464,3 +464,29 @@ def test_softmax_fused_gradients_equal_the_naive_layer(mask, tokens):
         results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), [x, *layer.parameters()])))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
+@pytest.mark.parametrize('name', ['nystrom', 'linformer', 'soft'])
+def test_landmarks_above_the_token_count_are_refused_when_the_model_is_built(name):
+    """vit_digits has 17 tokens; with attn_layer='nystrom' (49 landmarks by default) it built and every
+    forward failed. Now timm.create_model, build_model, swap_attention and SoftNet refuse it by name, and
+    a count that fits builds and trains."""
+    from structformer import build_model
+    from structformer.models.attention_swap import swap_attention
+    cls = get_attention(name)
+    with pytest.raises(ValueError, match=r'num_landmarks=49 .*exceeds.* n=1[67]'):
+        timm.create_model('vit_digits', attn_layer=cls)
+    with pytest.raises(ValueError, match=r'num_landmarks=49 .*exceeds'):
+        build_model('vit_digits', {'attn_layer': name})
+    if name != 'soft':                                                  # shared Q = K: not swappable into a ViT
+        dense = timm.create_model('vit_digits')
+        with pytest.raises(ValueError, match=r'num_landmarks=49 .*exceeds'):
+            swap_attention(dense, name)
+        assert not any(isinstance(m, cls) for m in dense.modules())    # refused before any layer was replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model, _ = build_model('vit_digits', {'attn_layer': name, 'attn_kwargs': {'num_landmarks': 4}})
+    model(torch.randn(1, 1, 8, 8)).sum().backward()
+    if name != 'soft':                                                  # SoftNet's stages give SOFT its grid
+        with pytest.raises(ValueError, match=r'num_landmarks=100 .*exceeds.* n=64'):
+            timm.create_model('soft_digits', attn=name, attn_kwargs={'num_landmarks': 100})

@@ -40,6 +40,7 @@ from torch import nn
 
 from ..functional.tracing import checked_images
 from ..layers.attention.registry import check_options, get_attention, select_options
+from ..layers.attention.softmax import AttentionBase
 from ._registry import register_model
 from .base import DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
@@ -213,6 +214,13 @@ class SoftNet(StructuredModel):
                                 # the public code's stage 4 and final norm: LayerNorm(eps=1e-6), as timm's PVT blocks
                                 norm_eps=1e-6 if official and i == 3 else 1e-5,
                                 branch_dropout=branch_dropout[i]) for j in range(depth)]
+            for block in blocks:                         # an option the stage's N cannot take: refused here, by name
+                if isinstance(block.attn, AttentionBase):
+                    try:
+                        block.attn.check_num_tokens(h * w + prefix)
+                    except ValueError as e:
+                        raise ValueError(f"stage {i} ({h}×{w} grid + {prefix} prefix token(s)), "
+                                         f"{type(block.attn).__name__}: {e}") from None
             self.stages.append(SoftStage(down, blocks))
             if pos_embed:
                 self.pos_embeds.append(nn.Parameter(torch.zeros(1, h * w + prefix, dim)))

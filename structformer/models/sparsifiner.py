@@ -18,7 +18,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import check_patch_dropout, cls_row_options, swap_attention, token_count
+from .attention_swap import check_attention_fits, check_patch_dropout, cls_row_options, swap_attention, token_count
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -61,7 +61,12 @@ def sparsify_transform(model: nn.Module, context: TransformContext, keep_ratio: 
 
 class ContractViT(VisionTransformer):
     """timm's VisionTransformer with the structformer contract where timm's differs: `no_weight_decay` names
-    only parameters that exist, and a bad `output_fmt` is a ValueError."""
+    only parameters that exist, a bad `output_fmt` is a ValueError, and an `attn_layer` whose options do not fit
+    the token count is refused when built (`check_attention_fits`), not by every forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_attention_fits(self)
 
     def no_weight_decay(self):
         names = {n for n, _ in self.named_parameters()}

@@ -115,6 +115,13 @@ class LinformerAttention(AttentionBase):
         self.num_landmarks = num_landmarks
         self.seq_proj = SequenceProjection(num_landmarks, seq_len, share_kv, device=device, dtype=dtype)
 
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """E, F map n tokens to k: k must not exceed n, and E, F built for another n do not fit."""
+        self.seq_proj._check(num_tokens)
+        if self.seq_proj.seq_len is not None and self.seq_proj.seq_len != num_tokens:
+            raise ValueError(f"Linformer was built for seq_len={self.seq_proj.seq_len} tokens, the model has "
+                             f"N={num_tokens}")
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)

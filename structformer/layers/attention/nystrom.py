@@ -91,12 +91,17 @@ class NystromAttention(AttentionBase):
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
         q, k, v = self.project(x)
-        if self.num_landmarks > q.shape[-2]:
-            raise ValueError(f"num_landmarks={self.num_landmarks} exceeds the number of tokens n={q.shape[-2]}")
+        self.check_num_tokens(q.shape[-2])
         out = nystrom_attention(q, k, v, self.num_landmarks, self.newton_iter)
         if self.conv is not None:
             out = out + self.conv(v)
         return self.merge(out)
+
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """m landmarks are segment means of the n tokens: m must not exceed n."""
+        if self.num_landmarks > num_tokens:
+            raise ValueError(f"num_landmarks={self.num_landmarks} exceeds the number of tokens n={num_tokens}; "
+                             "pass a smaller num_landmarks (at most n)")
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_landmarks={self.num_landmarks}, newton_iter={self.newton_iter}"

@@ -299,6 +299,16 @@ class SoftAttention(AttentionBase):
                          f"a perfect square; pass grid_size=(H, W) to forward (the first N − H·W tokens are "
                          f"prefix tokens)")
 
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """The grid must be inferable from N (or given), and where the landmark count is num_landmarks itself
+        (random sampler; conv / avgpool without a sampling ratio) it must not exceed the grid's tokens."""
+        prefix, grid = self.resolve_grid(num_tokens)
+        k = self.sampling_ratio
+        if self.conv is not None and self.conv.kernel_size is not None:
+            k = self.conv.kernel_size
+        if self.sampler == 'random' or k is None:
+            self._check_landmarks(num_tokens - prefix, grid)
+
     def _random_indices(self, n: int, m: int, device) -> torch.Tensor:
         if self.training:
             return torch.randperm(n, device=device)[:m]

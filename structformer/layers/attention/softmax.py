@@ -75,6 +75,11 @@ class AttentionBase(nn.Module):
         q, k, v = parts.unbind(0)
         return self.q_norm(q), self.k_norm(k), v
 
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """Refuse, when the model is built, a token count this layer cannot attend over (a model with a fixed
+        input size calls it with its N: patches + prefix tokens), so an impossible option is named at build
+        time rather than by every forward. Layers without such a limit accept any N."""
+
     def merge(self, heads: torch.Tensor) -> torch.Tensor:
         """[B, heads, N, head_dim] -> [B, N, C] through norm, proj and dropout."""
         out = rearrange(heads, 'b h n d -> b n (h d)')
