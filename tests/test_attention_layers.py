@@ -490,3 +490,14 @@ def test_landmarks_above_the_token_count_are_refused_when_the_model_is_built(nam
     if name != 'soft':                                                  # SoftNet's stages give SOFT its grid
         with pytest.raises(ValueError, match=r'num_landmarks=100 .*exceeds.* n=64'):
             timm.create_model('soft_digits', attn=name, attn_kwargs={'num_landmarks': 100})
+
+
+@pytest.mark.parametrize('cls', [PerformerAttention, NystromAttention])
+def test_attention_dropout_is_refused_where_no_attention_weights_exist(cls):
+    """FAVOR+ and Nyström never form attention weights: attn_drop=0.5 was accepted and silently did nothing
+    (two training forwards gave the same output). Refused by name at build; 0 builds."""
+    with pytest.raises(ValueError, match=r'attn_drop=0\.5: .*nothing to drop'):
+        cls(16, num_heads=2, attn_drop=0.5)
+    with pytest.raises(ValueError, match=r'attn_drop=0\.1'):
+        timm.create_model('vit_digits', attn_layer=_small(cls), attn_drop_rate=0.1)
+    cls(16, num_heads=2, attn_drop=0.0, **select_options(cls, {'num_landmarks': 4}))

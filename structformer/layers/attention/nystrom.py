@@ -18,7 +18,7 @@ from torch import nn
 
 from ...functional.newton_pinv import newton_pinv
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -64,7 +64,7 @@ def nystrom_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 class NystromAttention(AttentionBase):
     """Nyströmformer with timm's `attn_layer` signature. Kwargs: `num_landmarks` (m, default 49;
     must not exceed N), `newton_iter`, `conv_kernel_size` (depthwise skip on V; None = off).
-    `attn_drop` is unused (no attention matrix is formed); `grid_size` is ignored."""
+    `attn_drop` must be 0 (no attention matrix is formed: refused, not ignored); `grid_size` is ignored."""
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
@@ -73,6 +73,7 @@ class NystromAttention(AttentionBase):
                  device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
+        refuse_attn_drop(type(self).__name__, attn_drop)
         if num_landmarks < 1:
             raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
         if not isinstance(newton_iter, int) or newton_iter < 1:

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
 
 
 def orthogonal_random_features(num_features: int, dim: int, generator: Optional[torch.Generator] = None,
@@ -72,7 +72,8 @@ class PerformerAttention(AttentionBase):
     """FAVOR+ attention with timm's `attn_layer` signature.
 
     Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice), `redraw_features()`
-    to draw new ω. `attn_drop` is unused (there are no attention weights to drop); `grid_size` is ignored.
+    to draw new ω. `attn_drop` must be 0 (there are no attention weights to drop: refused, not ignored);
+    `grid_size` is ignored.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
@@ -81,6 +82,7 @@ class PerformerAttention(AttentionBase):
                  device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
+        refuse_attn_drop(type(self).__name__, attn_drop)
         if num_features is None:
             num_features = max(self.head_dim, math.ceil(self.head_dim * math.log(self.head_dim)))
         if num_features < 1:

@@ -21,6 +21,14 @@ def check_no_mask(name: str, attn_mask: Optional[torch.Tensor], is_causal: bool)
                                   "attention matrix); use 'softmax' for masked attention")
 
 
+def refuse_attn_drop(name: str, attn_drop: float) -> None:
+    """For attentions that never form attention weights (FAVOR+, Nyström's factored product): an `attn_drop`
+    there would be silently ignored (as the public code does), so a non-zero one is refused by name."""
+    if attn_drop:
+        raise ValueError(f"attn_drop={attn_drop}: {name} never forms the attention weights, so there is nothing to "
+                         "drop; pass attn_drop=0 (attn_drop_rate=0 in a ViT; proj_drop and drop_path still apply)")
+
+
 def check_head_sizes(dim: int, num_heads: int, attn_head_dim: Optional[int]) -> int:
     """Validate timm's attention sizes before any tensor is built; returns the head width (dim // num_heads
     unless attn_head_dim is given). Raises a ValueError naming the argument, not a torch shape error."""
