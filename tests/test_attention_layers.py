@@ -501,3 +501,21 @@ def test_attention_dropout_is_refused_where_no_attention_weights_exist(cls):
     with pytest.raises(ValueError, match=r'attn_drop=0\.1'):
         timm.create_model('vit_digits', attn_layer=_small(cls), attn_drop_rate=0.1)
     cls(16, num_heads=2, attn_drop=0.0, **select_options(cls, {'num_landmarks': 4}))
+
+
+def test_model_kwargs_attn_layer_typos_and_block_options_are_named():
+    """--model-kwargs attn_layer=nystrm reached timm, whose refusal read "Unknown attn_layer: None"; attn_kwargs
+    proj_drop=0.3 was overridden by timm's Block (which passes proj_drop to every attention) and silently became
+    0.0; attn_kwargs next to timm's own attention was a TypeError from VisionTransformer's constructor."""
+    from structformer.layers.attention.registry import resolve_layer_kwargs
+    with pytest.raises(ValueError, match=r"unknown attn_layer 'nystrm' \(did you mean 'nystrom'\?\); accepted: .*"
+                                         r"nystrom.*'diff'"):
+        resolve_layer_kwargs({'attn_layer': 'nystrm'})
+    with pytest.raises(ValueError, match=r'attn_kwargs: dim, proj_drop set by the model'):
+        resolve_layer_kwargs({'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4, 'dim': 8, 'proj_drop': .3}})
+    with pytest.raises(ValueError, match=r"attn_kwargs is taken only with .* got attn_layer='attn'"):
+        resolve_layer_kwargs({'attn_layer': 'attn', 'attn_kwargs': {'num_landmarks': 4}})
+    assert resolve_layer_kwargs({'attn_layer': 'diff'}) == {'attn_layer': 'diff'}           # timm's names pass
+    assert resolve_layer_kwargs({'attn': 'soft', 'attn_kwargs': {'seed': 1}})['attn_kwargs'] == {'seed': 1}   # SoftNet's
+    preset = resolve_layer_kwargs({'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})['attn_layer']
+    assert preset(16, num_heads=2).num_landmarks == 4
