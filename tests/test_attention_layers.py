@@ -519,3 +519,16 @@ def test_model_kwargs_attn_layer_typos_and_block_options_are_named():
     assert resolve_layer_kwargs({'attn': 'soft', 'attn_kwargs': {'seed': 1}})['attn_kwargs'] == {'seed': 1}   # SoftNet's
     preset = resolve_layer_kwargs({'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})['attn_layer']
     assert preset(16, num_heads=2).num_landmarks == 4
+
+
+def test_softnet_refuses_num_landmarks_its_sampling_ratios_override():
+    """soft_digits(attn_kwargs={'num_landmarks': 100}) built and ran: each stage passes SOFT its sampling ratio,
+    which decides m, so the user's num_landmarks was silently unused. Refused by name; the random sampler (which
+    takes m from num_landmarks) keeps it, and a count above a stage's tokens is refused at build."""
+    with pytest.raises(ValueError, match=r'attn_kwargs num_landmarks=100: .*sampling_ratios'):
+        timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 100})
+    model = timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 1, 'sampler': 'random'}).eval()
+    assert all(b.attn.num_landmarks == 1 for s in model.stages for b in s.blocks)
+    model(torch.randn(2, 1, 8, 8))
+    with pytest.raises(ValueError, match=r'stage 3 .*num_landmarks=2 exceeds'):
+        timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 2, 'sampler': 'random'})

@@ -39,7 +39,7 @@ from timm.models._features import feature_take_indices   # timm's own index rule
 from torch import nn
 
 from ..functional.tracing import checked_images
-from ..layers.attention.registry import check_options, get_attention, select_options
+from ..layers.attention.registry import accepted_options, check_options, get_attention, select_options
 from ..layers.attention.softmax import AttentionBase
 from ._registry import register_model
 from .base import DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
@@ -162,6 +162,13 @@ class SoftNet(StructuredModel):
                                 if value_conv is None else value_conv, (int, type(None)))
         attn_layer = get_attention(attn)                 # ValueError listing the accepted names
         check_options(attn_layer, attn_kwargs or {})     # TypeError naming a typo (it would be silently dropped)
+        user = attn_kwargs or {}
+        if 'num_landmarks' in user and 'sampling_ratio' in accepted_options(attn_layer) and \
+                user.get('sampler', 'conv') != 'random':
+            # each stage passes SOFT its sampling ratio k, which decides m over num_landmarks: it was silently unused
+            raise ValueError(f"attn_kwargs num_landmarks={attn_kwargs['num_landmarks']}: the {attn_layer.__name__} "
+                             "stages take their landmarks from sampling_ratios (m = ⌈H/k⌉·⌈W/k⌉ per stage); pass "
+                             "sampling_ratios=(k1, k2, k3, k4) instead (num_landmarks applies to sampler='random')")
         stage_layers = [attn_layer] * 3 + [get_attention(last_stage_attn) if last_stage_attn else attn_layer]
         self.attn_name = attn if isinstance(attn, str) else attn.__name__
         self.num_classes = num_classes
