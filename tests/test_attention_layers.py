@@ -532,3 +532,11 @@ def test_softnet_refuses_num_landmarks_its_sampling_ratios_override():
     model(torch.randn(2, 1, 8, 8))
     with pytest.raises(ValueError, match=r'stage 3 .*num_landmarks=2 exceeds'):
         timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 2, 'sampler': 'random'})
+
+
+def test_performer_redraw_keeps_float64_orthogonality():
+    """redraw_features drew ω in float32 and copied it into a float64 buffer: rows orthogonal to ~3e-7 only."""
+    layer = PerformerAttention(64, num_heads=2, num_features=32, dtype=F64)
+    layer.redraw_features(torch.Generator().manual_seed(0))
+    rows = layer.projection / layer.projection.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(rows @ rows.T, torch.eye(32, dtype=F64), rtol=0, atol=1e-12)

@@ -93,8 +93,10 @@ class PerformerAttention(AttentionBase):
 
     @torch.no_grad()
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
-        """Draw a new ω (the only time the features change)."""
-        self.projection.copy_(orthogonal_random_features(self.num_features, self.head_dim, generator))
+        """Draw a new ω (the only time the features change), in the buffer's dtype: a float64 layer's redraw
+        was drawn in float32 (orthogonal to 3e-7 instead of 4e-16)."""
+        self.projection.copy_(orthogonal_random_features(self.num_features, self.head_dim, generator,
+                                                         dtype=self.projection.dtype))
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
