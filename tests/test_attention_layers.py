@@ -540,3 +540,21 @@ def test_performer_redraw_keeps_float64_orthogonality():
     layer.redraw_features(torch.Generator().manual_seed(0))
     rows = layer.projection / layer.projection.norm(dim=1, keepdim=True)
     torch.testing.assert_close(rows @ rows.T, torch.eye(32, dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_softmax_honours_timms_fused_attn_switch():
+    """timm's `attn.fused_attn = False` (to read attention maps off `attn_drop`) set an unused attribute on the
+    'softmax' layer, which stayed on SDPA; and its explicit path replaced an attn_mask by the causal one silently."""
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(16, num_heads=2).double()
+    assert layer.fused_attn and not NaiveSoftmaxAttention(16, num_heads=2).fused_attn
+    x = _randn(2, 5, 16, seed=3)
+    fused = layer(x)
+    seen = []
+    layer.attn_drop.register_forward_hook(lambda m, i, o: seen.append(o))
+    layer.fused_attn = False
+    torch.testing.assert_close(layer(x), fused)
+    assert len(seen) == 1 and seen[0].shape == (2, 2, 5, 5)
+    torch.testing.assert_close(seen[0].sum(-1), torch.ones(2, 2, 5, dtype=F64))
+    with pytest.raises(ValueError, match='attn_mask and is_causal'):
+        layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)

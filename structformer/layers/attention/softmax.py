@@ -116,9 +116,20 @@ class SoftmaxAttention(AttentionBase):
     """Standard multi-head softmax attention via `F.scaled_dot_product_attention`.
 
     Same constructor and call as the other attentions here; `grid_size` is accepted and unused.
-    Supports `attn_mask` and `is_causal` (SDPA semantics).
+    Supports `attn_mask` and `is_causal` (SDPA semantics). `fused_attn` is timm's switch (as on timm's
+    `Attention`, an alias of `fused`): False runs the explicit softmax, whose weights pass through `attn_drop`,
+    where hooks read attention maps.
     """
     fused = True
+
+    @property
+    def fused_attn(self) -> bool:
+        return self.fused
+
+    @fused_attn.setter
+    def fused_attn(self, value: bool) -> None:
+        # timm users switch `attn.fused_attn = False` to read attention maps: it set an unused attribute here
+        self.fused = bool(value)
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.,
@@ -141,6 +152,8 @@ class SoftmaxAttention(AttentionBase):
     def _explicit(self, q, k, v, attn_mask, is_causal):
         logits = (q @ k.transpose(-2, -1)) * self.scale
         if is_causal:
+            if attn_mask is not None:      # SDPA refuses the pair; the mask was silently replaced here
+                raise ValueError("attn_mask and is_causal=True together: pass one (as F.scaled_dot_product_attention)")
             n = q.shape[-2]
             attn_mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         if attn_mask is not None:
