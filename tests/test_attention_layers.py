@@ -558,3 +558,19 @@ def test_softmax_honours_timms_fused_attn_switch():
     torch.testing.assert_close(seen[0].sum(-1), torch.ones(2, 2, 5, dtype=F64))
     with pytest.raises(ValueError, match='attn_mask and is_causal'):
         layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
+
+
+def test_vit_set_input_size_refuses_a_token_count_its_attention_cannot_take():
+    """timm's set_input_size on vit_digits with Linformer (E, F shaped for 17 tokens) or 10 Nyström landmarks
+    went through, and the next forward failed; now refused with the model unchanged, and a fitting change works."""
+    from structformer import build_model
+    for name, options in (('linformer', {'num_landmarks': 4}), ('nystrom', {'num_landmarks': 10})):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            model, _ = build_model('vit_digits', {'attn_layer': name, 'attn_kwargs': options})
+        with pytest.raises(ValueError, match=r'set_input_size\(img_size=4.*5 tokens.*blocks\.0\.attn'):
+            model.set_input_size(img_size=4)
+        assert model.patch_embed.img_size == (8, 8)
+    model, _ = build_model('vit_digits', {'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})
+    model.set_input_size(img_size=4)
+    assert model(torch.randn(2, 1, 4, 4)).shape == (2, 10)

@@ -16,6 +16,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..layers.attention.registry import with_defaults
+from ..layers.attention.softmax import AttentionBase
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
 from .attention_swap import check_attention_fits, check_patch_dropout, cls_row_options, swap_attention, token_count
@@ -67,6 +68,21 @@ class ContractViT(VisionTransformer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_attention_fits(self)
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's change of resolution, refused, changing nothing, where the new token count does not fit an
+        attention layer (Linformer's E, F shaped for N; landmarks above the new N): the next forward failed."""
+        probe = copy.deepcopy(self.patch_embed)
+        probe.set_input_size(img_size=img_size, patch_size=patch_size)
+        tokens = probe.num_patches + self.num_prefix_tokens
+        for name, module in self.named_modules():
+            if isinstance(module, AttentionBase):
+                try:
+                    module.check_num_tokens(tokens)
+                except ValueError as e:
+                    raise ValueError(f"set_input_size(img_size={img_size}, patch_size={patch_size}) gives {tokens} "
+                                     f"tokens, which {name} ({type(module).__name__}) cannot take: {e}") from None
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
 
     def no_weight_decay(self):
         names = {n for n, _ in self.named_parameters()}
