@@ -574,3 +574,12 @@ def test_vit_set_input_size_refuses_a_token_count_its_attention_cannot_take():
     model, _ = build_model('vit_digits', {'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})
     model.set_input_size(img_size=4)
     assert model(torch.randn(2, 1, 4, 4)).shape == (2, 10)
+
+
+def test_soft_drop_border_on_a_grid_smaller_than_k_is_refused_at_build():
+    """official SOFT (landmark_border='drop') with k = 8 on vit_digits' 4×4 grid built, and every forward failed."""
+    from structformer.layers.attention.registry import with_defaults
+    with pytest.raises(ValueError, match=r"landmark_border='drop' needs .* 8×8, got 4×4"):
+        timm.create_model('vit_digits', attn_layer=with_defaults(SoftAttention, official=True, sampling_ratio=8))
+    model = timm.create_model('vit_digits', attn_layer=with_defaults(SoftAttention, official=True, sampling_ratio=2))
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)

@@ -308,6 +308,11 @@ class SoftAttention(AttentionBase):
             k = self.conv.kernel_size
         if self.sampler == 'random' or k is None:
             self._check_landmarks(num_tokens - prefix, grid)
+        if k is None and grid is not None:
+            k = sampling_ratio_for(grid[0], grid[1], self.num_landmarks)
+        if self.sampler == 'conv' and self.conv.border == 'drop' and grid is not None and min(grid) < k:
+            raise ValueError(f"landmark_border='drop' needs a token grid of at least k×k = {k}×{k}, got "
+                             f"{grid[0]}×{grid[1]}; use landmark_border='replicate' or a smaller sampling_ratio")
 
     def _random_indices(self, n: int, m: int, device) -> torch.Tensor:
         if self.training:
