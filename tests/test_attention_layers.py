@@ -583,3 +583,15 @@ def test_soft_drop_border_on_a_grid_smaller_than_k_is_refused_at_build():
         timm.create_model('vit_digits', attn_layer=with_defaults(SoftAttention, official=True, sampling_ratio=8))
     model = timm.create_model('vit_digits', attn_layer=with_defaults(SoftAttention, official=True, sampling_ratio=2))
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize('cls, option', [(NystromAttention, 'num_landmarks'), (NystromAttention, 'conv_kernel_size'),
+                                         (LinformerAttention, 'num_landmarks'), (LinformerAttention, 'seq_len'),
+                                         (PerformerAttention, 'num_features'), (SoftAttention, 'num_landmarks'),
+                                         (SoftAttention, 'sampling_ratio')])
+@pytest.mark.parametrize('bad', [3.0, '3', True, 0])
+def test_integer_options_are_checked_when_the_layer_is_built(cls, option, bad):
+    """num_landmarks=3.0 (a float from a config) built Nyström and Linformer, and the first forward failed with
+    "'float' object cannot be interpreted as an integer" / a torch.empty size error."""
+    with pytest.raises(ValueError, match=rf'{option} must be an integer >= 1, got {bad!r}'.replace('(', r'\(')):
+        cls(16, num_heads=2, **{option: bad})

@@ -18,7 +18,7 @@ from torch import nn
 
 from ...functional.newton_pinv import newton_pinv
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
+from .softmax import AttentionBase, check_count, check_no_mask, refuse_attn_drop
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -74,8 +74,9 @@ class NystromAttention(AttentionBase):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         refuse_attn_drop(type(self).__name__, attn_drop)
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        check_count('num_landmarks', num_landmarks)
+        if conv_kernel_size is not None:
+            check_count('conv_kernel_size', conv_kernel_size)
         if not isinstance(newton_iter, int) or newton_iter < 1:
             raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
         self.num_landmarks = num_landmarks

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
+from .softmax import AttentionBase, check_count, check_no_mask, refuse_attn_drop
 
 
 def orthogonal_random_features(num_features: int, dim: int, generator: Optional[torch.Generator] = None,
@@ -85,8 +85,7 @@ class PerformerAttention(AttentionBase):
         refuse_attn_drop(type(self).__name__, attn_drop)
         if num_features is None:
             num_features = max(self.head_dim, math.ceil(self.head_dim * math.log(self.head_dim)))
-        if num_features < 1:
-            raise ValueError(f"num_features must be >= 1, got {num_features}")
+        check_count('num_features', num_features)
         self.num_features = num_features
         self.register_buffer('projection', orthogonal_random_features(num_features, self.head_dim,
                                                                       device=device, dtype=dtype))

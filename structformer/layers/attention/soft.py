@@ -66,7 +66,7 @@ from ...functional.precision import autocast_dtype
 from ...functional.precision import upcast as _upcast
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_count, check_no_mask
 
 SAMPLERS = ('conv', 'avgpool', 'random')
 
@@ -219,14 +219,13 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         if not isinstance(newton_iter, int) or newton_iter < 1:
             raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        check_count('num_landmarks', num_landmarks)
         if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
             raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
-        if sampling_ratio is not None and sampling_ratio < 1:
-            raise ValueError(f"sampling_ratio must be >= 1, got {sampling_ratio}")
-        if num_prefix_tokens is not None and num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        if sampling_ratio is not None:
+            check_count('sampling_ratio', sampling_ratio)
+        if num_prefix_tokens is not None:
+            check_count('num_prefix_tokens', num_prefix_tokens, minimum=0)
         # public-code options: None follows `official` (each its own argument, so each can be ablated)
         landmark_norm = official if landmark_norm is None else landmark_norm
         value_conv = (3 if official else 0) if value_conv is None else value_conv

@@ -29,6 +29,13 @@ def refuse_attn_drop(name: str, attn_drop: float) -> None:
                          "drop; pass attn_drop=0 (attn_drop_rate=0 in a ViT; proj_drop and drop_path still apply)")
 
 
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """An integer option (landmarks, features, a kernel size, a sequence length) checked at build: 4.0 or '4'
+    built and failed inside the first forward with a torch TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def check_head_sizes(dim: int, num_heads: int, attn_head_dim: Optional[int]) -> int:
     """Validate timm's attention sizes before any tensor is built; returns the head width (dim // num_heads
     unless attn_head_dim is given). Raises a ValueError naming the argument, not a torch shape error."""
