@@ -595,3 +595,30 @@ def test_integer_options_are_checked_when_the_layer_is_built(cls, option, bad):
     "'float' object cannot be interpreted as an integer" / a torch.empty size error."""
     with pytest.raises(ValueError, match=rf'{option} must be an integer >= 1, got {bad!r}'.replace('(', r'\(')):
         cls(16, num_heads=2, **{option: bad})
+
+
+def test_performer_redraws_features_on_its_interval_and_keeps_the_schedule_on_reload():
+    """FAVOR+ as trained by the public code redraws ω periodically; the layer had no way to (ω fixed forever)."""
+    torch.manual_seed(0)
+    layer = PerformerAttention(16, num_heads=2, num_features=32, redraw_interval=2)
+    first = layer.projection.clone()
+    x = torch.randn(2, 6, 16)
+    layer.eval()
+    for _ in range(3):
+        layer(x)                                                # evaluation never redraws or counts
+    assert torch.equal(layer.projection, first) and int(layer.training_forwards) == 0
+    layer.train()
+    layer(x), layer(x)
+    assert torch.equal(layer.projection, first)
+    layer(x)                                                    # the third training forward: a new ω
+    second = layer.projection.clone()
+    assert not torch.allclose(second, first)
+    reloaded = PerformerAttention(16, num_heads=2, num_features=32, redraw_interval=2)
+    reloaded.load_state_dict(layer.state_dict())
+    assert torch.equal(reloaded.projection, second) and int(reloaded.training_forwards) == 3
+    reloaded(x)
+    assert torch.equal(reloaded.projection, second)             # the 4th forward keeps it, the 5th redraws
+    reloaded(x)
+    assert not torch.equal(reloaded.projection, second)
+    assert set(PerformerAttention(16, num_heads=2).state_dict()) == {'qkv.weight', 'proj.weight', 'proj.bias',
+                                                                      'projection'}

@@ -72,14 +72,16 @@ class PerformerAttention(AttentionBase):
     """FAVOR+ attention with timm's `attn_layer` signature.
 
     Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice), `redraw_features()`
-    to draw new ω. `attn_drop` must be 0 (there are no attention weights to drop: refused, not ignored);
+    to draw new ω, `redraw_interval` (None: ω fixed, as before; N: a new ω before every N-th training forward, the
+    public performer-pytorch's feature redrawing, 1000 there; the forward count is a buffer, so a reload keeps
+    the schedule). `attn_drop` must be 0 (there are no attention weights to drop: refused, not ignored);
     `grid_size` is ignored.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
-                 norm_layer=None, *, num_features: Optional[int] = None, attn_head_dim: Optional[int] = None,
-                 device=None, dtype=None):
+                 norm_layer=None, *, num_features: Optional[int] = None, redraw_interval: Optional[int] = None,
+                 attn_head_dim: Optional[int] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         refuse_attn_drop(type(self).__name__, attn_drop)
@@ -89,6 +91,11 @@ class PerformerAttention(AttentionBase):
         self.num_features = num_features
         self.register_buffer('projection', orthogonal_random_features(num_features, self.head_dim,
                                                                       device=device, dtype=dtype))
+        if redraw_interval is not None:
+            check_count('redraw_interval', redraw_interval)
+            # only with redrawing on: the state dict of a fixed-feature layer is unchanged
+            self.register_buffer('training_forwards', torch.zeros((), dtype=torch.long, device=device))
+        self.redraw_interval = redraw_interval
 
     @torch.no_grad()
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
@@ -100,6 +107,11 @@ class PerformerAttention(AttentionBase):
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
+        if self.training and self.redraw_interval is not None:
+            done = int(self.training_forwards)
+            if done and done % self.redraw_interval == 0:
+                self.redraw_features()
+            self.training_forwards += 1
         q, k, v = self.project(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             # exp of a difference of large dot products: bf16 there gives wrong weights
@@ -108,4 +120,5 @@ class PerformerAttention(AttentionBase):
         return self.merge(out.to(v.dtype))
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_features={self.num_features}"
+        return (f"num_heads={self.num_heads}, num_features={self.num_features}"
+                + (f", redraw_interval={self.redraw_interval}" if self.redraw_interval else ""))
