@@ -8,7 +8,7 @@ positive random features (paper Lemma 1)
 with the ωᵢ drawn as orthogonal blocks (paper §2.4, "ORF"). Attention is then
 D̂⁻¹ φ(Q')(φ(K')ᵀ V), D̂ = diag(φ(Q')(φ(K')ᵀ 1_n)), linear in n. The features are a buffer (saved
 with the model, one set per layer shared by the heads) and change only when `redraw_features()`
-is called.
+is called (by hand, or every `redraw_interval` training forwards).
 """
 import math
 from typing import Optional, Tuple
