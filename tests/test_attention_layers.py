@@ -516,7 +516,8 @@ def test_model_kwargs_attn_layer_typos_and_block_options_are_named():
     with pytest.raises(ValueError, match=r"attn_kwargs is taken only with .* got attn_layer='attn'"):
         resolve_layer_kwargs({'attn_layer': 'attn', 'attn_kwargs': {'num_landmarks': 4}})
     assert resolve_layer_kwargs({'attn_layer': 'diff'}) == {'attn_layer': 'diff'}           # timm's names pass
-    assert resolve_layer_kwargs({'attn': 'soft', 'attn_kwargs': {'seed': 1}})['attn_kwargs'] == {'seed': 1}   # SoftNet's
+    # SoftNet's own attn_kwargs (no attn_layer) pass through
+    assert resolve_layer_kwargs({'attn': 'soft', 'attn_kwargs': {'seed': 1}})['attn_kwargs'] == {'seed': 1}
     preset = resolve_layer_kwargs({'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})['attn_layer']
     assert preset(16, num_heads=2).num_landmarks == 4
 

@@ -17,7 +17,8 @@ from ..layers.attention.registry import ATTENTION_LAYERS, accepted_options, chec
 from ..layers.attention.softmax import AttentionBase
 from .transforms import TransformContext, register_transform
 
-__all__ = ['swap_attention', 'token_count', 'check_attention_fits', 'check_patch_dropout', 'cls_row_options', 'SHARED_PARTS']
+__all__ = ['swap_attention', 'token_count', 'check_attention_fits', 'check_patch_dropout', 'cls_row_options',
+           'SHARED_PARTS']
 
 SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
 
@@ -46,7 +47,8 @@ def check_attention_fits(model: nn.Module) -> nn.Module:
                 try:
                     module.check_num_tokens(num_tokens)
                 except ValueError as e:
-                    raise ValueError(f"{name} ({type(module).__name__}) in a model of {num_tokens} tokens: {e}") from None
+                    raise ValueError(f"{name} ({type(module).__name__}) in a model of {num_tokens} tokens: "
+                                     f"{e}") from None
     return model
 
 

@@ -167,7 +167,8 @@ class SoftNet(StructuredModel):
                 user.get('sampler', 'conv') != 'random':
             # each stage passes SOFT its sampling ratio k, which decides m over num_landmarks: it was silently unused
             raise ValueError(f"attn_kwargs num_landmarks={attn_kwargs['num_landmarks']}: the {attn_layer.__name__} "
-                             "stages take their landmarks from sampling_ratios (m = ⌈H/k⌉·⌈W/k⌉ per stage); pass "
+                             "stages take their landmarks from sampling_ratios (m = ⌈H/k⌉·⌈W/k⌉ per stage); "
+                             "pass "
                              "sampling_ratios=(k1, k2, k3, k4) instead (num_landmarks applies to sampler='random')")
         stage_layers = [attn_layer] * 3 + [get_attention(last_stage_attn) if last_stage_attn else attn_layer]
         self.attn_name = attn if isinstance(attn, str) else attn.__name__
