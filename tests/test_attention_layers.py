@@ -623,3 +623,16 @@ def test_performer_redraws_features_on_its_interval_and_keeps_the_schedule_on_re
     assert not torch.equal(reloaded.projection, second)
     assert set(PerformerAttention(16, num_heads=2).state_dict()) == {'qkv.weight', 'proj.weight', 'proj.bias',
                                                                       'projection'}
+
+
+def test_soft_in_a_vit_with_register_tokens_names_num_prefix_tokens():
+    """SOFT cannot infer the grid of 1 + 4 register + 16 patch tokens; the refusal told a timm user to pass
+    grid_size to forward, which timm's Block never does. It names the build option now, which then works."""
+    from structformer import build_model
+    with pytest.raises(ValueError, match=r'blocks\.0\.attn .*21 tokens.*attn_kwargs num_prefix_tokens'):
+        build_model('vit_digits', {'attn_layer': 'soft', 'reg_tokens': 4, 'attn_kwargs': {'num_landmarks': 4}})
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model, _ = build_model('vit_digits', {'attn_layer': 'soft', 'reg_tokens': 4,
+                                              'attn_kwargs': {'num_landmarks': 4, 'num_prefix_tokens': 5}})
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)

@@ -296,7 +296,8 @@ class SoftAttention(AttentionBase):
             return candidates[0], None
         raise ValueError(f"cannot infer the token grid: N={num_tokens} minus {candidates} prefix token(s) is not "
                          f"a perfect square; pass grid_size=(H, W) to forward (the first N − H·W tokens are "
-                         f"prefix tokens)")
+                         f"prefix tokens), or num_prefix_tokens / grid_size when the layer is built (a timm ViT "
+                         f"with register tokens: attn_kwargs num_prefix_tokens=1 + reg_tokens)")
 
     def check_num_tokens(self, num_tokens: int) -> None:
         """The grid must be inferable from N (or given), and where the landmark count is num_landmarks itself
