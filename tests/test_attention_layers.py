@@ -589,7 +589,8 @@ def test_soft_drop_border_on_a_grid_smaller_than_k_is_refused_at_build():
 @pytest.mark.parametrize('cls, option', [(NystromAttention, 'num_landmarks'), (NystromAttention, 'conv_kernel_size'),
                                          (LinformerAttention, 'num_landmarks'), (LinformerAttention, 'seq_len'),
                                          (PerformerAttention, 'num_features'), (SoftAttention, 'num_landmarks'),
-                                         (SoftAttention, 'sampling_ratio')])
+                                         (SoftAttention, 'sampling_ratio'), (SoftAttention, 'newton_iter'),
+                                         (NystromAttention, 'newton_iter')])
 @pytest.mark.parametrize('bad', [3.0, '3', True, 0])
 def test_integer_options_are_checked_when_the_layer_is_built(cls, option, bad):
     """num_landmarks=3.0 (a float from a config) built Nyström and Linformer, and the first forward failed with

@@ -77,8 +77,7 @@ class NystromAttention(AttentionBase):
         check_count('num_landmarks', num_landmarks)
         if conv_kernel_size is not None:
             check_count('conv_kernel_size', conv_kernel_size)
-        if not isinstance(newton_iter, int) or newton_iter < 1:
-            raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
+        check_count('newton_iter', newton_iter)        # True would have run one step
         self.num_landmarks = num_landmarks
         self.newton_iter = newton_iter
         self.conv = None

@@ -217,8 +217,7 @@ class SoftAttention(AttentionBase):
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-        if not isinstance(newton_iter, int) or newton_iter < 1:
-            raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
+        check_count('newton_iter', newton_iter)        # True would have run one step
         check_count('num_landmarks', num_landmarks)
         if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
             raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
