@@ -464,3 +464,176 @@ def test_softmax_fused_gradients_equal_the_naive_layer(mask, tokens):
         results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), [x, *layer.parameters()])))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
+@pytest.mark.parametrize('name', ['nystrom', 'linformer', 'soft'])
+def test_landmarks_above_the_token_count_are_refused_when_the_model_is_built(name):
+    """vit_digits has 17 tokens; with attn_layer='nystrom' (49 landmarks by default) it built and every
+    forward failed. Now timm.create_model, build_model, swap_attention and SoftNet refuse it by name, and
+    a count that fits builds and trains."""
+    from structformer import build_model
+    from structformer.models.attention_swap import swap_attention
+    cls = get_attention(name)
+    with pytest.raises(ValueError, match=r'num_landmarks=49 .*exceeds.* n=1[67]'):
+        timm.create_model('vit_digits', attn_layer=cls)
+    with pytest.raises(ValueError, match=r'num_landmarks=49 .*exceeds'):
+        build_model('vit_digits', {'attn_layer': name})
+    if name != 'soft':                                                  # shared Q = K: not swappable into a ViT
+        dense = timm.create_model('vit_digits')
+        with pytest.raises(ValueError, match=r'num_landmarks=49 .*exceeds'):
+            swap_attention(dense, name)
+        assert not any(isinstance(m, cls) for m in dense.modules())    # refused before any layer was replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model, _ = build_model('vit_digits', {'attn_layer': name, 'attn_kwargs': {'num_landmarks': 4}})
+    model(torch.randn(1, 1, 8, 8)).sum().backward()
+    if name != 'soft':                                                  # SoftNet's stages give SOFT its grid
+        with pytest.raises(ValueError, match=r'num_landmarks=100 .*exceeds.* n=64'):
+            timm.create_model('soft_digits', attn=name, attn_kwargs={'num_landmarks': 100})
+
+
+@pytest.mark.parametrize('cls', [PerformerAttention, NystromAttention])
+def test_attention_dropout_is_refused_where_no_attention_weights_exist(cls):
+    """FAVOR+ and Nyström never form attention weights: attn_drop=0.5 was accepted and silently did nothing
+    (two training forwards gave the same output). Refused by name at build; 0 builds."""
+    with pytest.raises(ValueError, match=r'attn_drop=0\.5: .*nothing to drop'):
+        cls(16, num_heads=2, attn_drop=0.5)
+    with pytest.raises(ValueError, match=r'attn_drop=0\.1'):
+        timm.create_model('vit_digits', attn_layer=_small(cls), attn_drop_rate=0.1)
+    cls(16, num_heads=2, attn_drop=0.0, **select_options(cls, {'num_landmarks': 4}))
+
+
+def test_model_kwargs_attn_layer_typos_and_block_options_are_named():
+    """--model-kwargs attn_layer=nystrm reached timm, whose refusal read "Unknown attn_layer: None"; attn_kwargs
+    proj_drop=0.3 was overridden by timm's Block (which passes proj_drop to every attention) and silently became
+    0.0; attn_kwargs next to timm's own attention was a TypeError from VisionTransformer's constructor."""
+    from structformer.layers.attention.registry import resolve_layer_kwargs
+    with pytest.raises(ValueError, match=r"unknown attn_layer 'nystrm' \(did you mean 'nystrom'\?\); accepted: .*"
+                                         r"nystrom.*'diff'"):
+        resolve_layer_kwargs({'attn_layer': 'nystrm'})
+    with pytest.raises(ValueError, match=r'attn_kwargs: dim, proj_drop set by the model'):
+        resolve_layer_kwargs({'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4, 'dim': 8, 'proj_drop': .3}})
+    with pytest.raises(ValueError, match=r"attn_kwargs is taken only with .* got attn_layer='attn'"):
+        resolve_layer_kwargs({'attn_layer': 'attn', 'attn_kwargs': {'num_landmarks': 4}})
+    assert resolve_layer_kwargs({'attn_layer': 'diff'}) == {'attn_layer': 'diff'}           # timm's names pass
+    # SoftNet's own attn_kwargs (no attn_layer) pass through
+    assert resolve_layer_kwargs({'attn': 'soft', 'attn_kwargs': {'seed': 1}})['attn_kwargs'] == {'seed': 1}
+    preset = resolve_layer_kwargs({'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})['attn_layer']
+    assert preset(16, num_heads=2).num_landmarks == 4
+
+
+def test_softnet_refuses_num_landmarks_its_sampling_ratios_override():
+    """soft_digits(attn_kwargs={'num_landmarks': 100}) built and ran: each stage passes SOFT its sampling ratio,
+    which decides m, so the user's num_landmarks was silently unused. Refused by name; the random sampler (which
+    takes m from num_landmarks) keeps it, and a count above a stage's tokens is refused at build."""
+    with pytest.raises(ValueError, match=r'attn_kwargs num_landmarks=100: .*sampling_ratios'):
+        timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 100})
+    model = timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 1, 'sampler': 'random'}).eval()
+    assert all(b.attn.num_landmarks == 1 for s in model.stages for b in s.blocks)
+    model(torch.randn(2, 1, 8, 8))
+    with pytest.raises(ValueError, match=r'stage 3 .*num_landmarks=2 exceeds'):
+        timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 2, 'sampler': 'random'})
+
+
+def test_performer_redraw_keeps_float64_orthogonality():
+    """redraw_features drew ω in float32 and copied it into a float64 buffer: rows orthogonal to ~3e-7 only."""
+    layer = PerformerAttention(64, num_heads=2, num_features=32, dtype=F64)
+    layer.redraw_features(torch.Generator().manual_seed(0))
+    rows = layer.projection / layer.projection.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(rows @ rows.T, torch.eye(32, dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_softmax_honours_timms_fused_attn_switch():
+    """timm's `attn.fused_attn = False` (to read attention maps off `attn_drop`) set an unused attribute on the
+    'softmax' layer, which stayed on SDPA; and its explicit path replaced an attn_mask by the causal one silently."""
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(16, num_heads=2).double()
+    assert layer.fused_attn and not NaiveSoftmaxAttention(16, num_heads=2).fused_attn
+    x = _randn(2, 5, 16, seed=3)
+    fused = layer(x)
+    seen = []
+    layer.attn_drop.register_forward_hook(lambda m, i, o: seen.append(o))
+    layer.fused_attn = False
+    torch.testing.assert_close(layer(x), fused)
+    assert len(seen) == 1 and seen[0].shape == (2, 2, 5, 5)
+    torch.testing.assert_close(seen[0].sum(-1), torch.ones(2, 2, 5, dtype=F64))
+    with pytest.raises(ValueError, match='attn_mask and is_causal'):
+        layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
+
+
+def test_vit_set_input_size_refuses_a_token_count_its_attention_cannot_take():
+    """timm's set_input_size on vit_digits with Linformer (E, F shaped for 17 tokens) or 10 Nyström landmarks
+    went through, and the next forward failed; now refused with the model unchanged, and a fitting change works."""
+    from structformer import build_model
+    for name, options in (('linformer', {'num_landmarks': 4}), ('nystrom', {'num_landmarks': 10})):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            model, _ = build_model('vit_digits', {'attn_layer': name, 'attn_kwargs': options})
+        with pytest.raises(ValueError, match=r'set_input_size\(img_size=4.*5 tokens.*blocks\.0\.attn'):
+            model.set_input_size(img_size=4)
+        assert model.patch_embed.img_size == (8, 8)
+    model, _ = build_model('vit_digits', {'attn_layer': 'nystrom', 'attn_kwargs': {'num_landmarks': 4}})
+    model.set_input_size(img_size=4)
+    assert model(torch.randn(2, 1, 4, 4)).shape == (2, 10)
+
+
+def test_soft_drop_border_on_a_grid_smaller_than_k_is_refused_at_build():
+    """official SOFT (landmark_border='drop') with k = 8 on vit_digits' 4×4 grid built, and every forward failed."""
+    from structformer.layers.attention.registry import with_defaults
+    with pytest.raises(ValueError, match=r"landmark_border='drop' needs .* 8×8, got 4×4"):
+        timm.create_model('vit_digits', attn_layer=with_defaults(SoftAttention, official=True, sampling_ratio=8))
+    model = timm.create_model('vit_digits', attn_layer=with_defaults(SoftAttention, official=True, sampling_ratio=2))
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize('cls, option', [(NystromAttention, 'num_landmarks'), (NystromAttention, 'conv_kernel_size'),
+                                         (LinformerAttention, 'num_landmarks'), (LinformerAttention, 'seq_len'),
+                                         (PerformerAttention, 'num_features'), (SoftAttention, 'num_landmarks'),
+                                         (SoftAttention, 'sampling_ratio'), (SoftAttention, 'newton_iter'),
+                                         (NystromAttention, 'newton_iter')])
+@pytest.mark.parametrize('bad', [3.0, '3', True, 0])
+def test_integer_options_are_checked_when_the_layer_is_built(cls, option, bad):
+    """num_landmarks=3.0 (a float from a config) built Nyström and Linformer, and the first forward failed with
+    "'float' object cannot be interpreted as an integer" / a torch.empty size error."""
+    with pytest.raises(ValueError, match=rf'{option} must be an integer >= 1, got {bad!r}'.replace('(', r'\(')):
+        cls(16, num_heads=2, **{option: bad})
+
+
+def test_performer_redraws_features_on_its_interval_and_keeps_the_schedule_on_reload():
+    """FAVOR+ as trained by the public code redraws ω periodically; the layer had no way to (ω fixed forever)."""
+    torch.manual_seed(0)
+    layer = PerformerAttention(16, num_heads=2, num_features=32, redraw_interval=2)
+    first = layer.projection.clone()
+    x = torch.randn(2, 6, 16)
+    layer.eval()
+    for _ in range(3):
+        layer(x)                                                # evaluation never redraws or counts
+    assert torch.equal(layer.projection, first) and int(layer.training_forwards) == 0
+    layer.train()
+    layer(x), layer(x)
+    assert torch.equal(layer.projection, first)
+    layer(x)                                                    # the third training forward: a new ω
+    second = layer.projection.clone()
+    assert not torch.allclose(second, first)
+    reloaded = PerformerAttention(16, num_heads=2, num_features=32, redraw_interval=2)
+    reloaded.load_state_dict(layer.state_dict())
+    assert torch.equal(reloaded.projection, second) and int(reloaded.training_forwards) == 3
+    reloaded(x)
+    assert torch.equal(reloaded.projection, second)             # the 4th forward keeps it, the 5th redraws
+    reloaded(x)
+    assert not torch.equal(reloaded.projection, second)
+    assert set(PerformerAttention(16, num_heads=2).state_dict()) == {'qkv.weight', 'proj.weight', 'proj.bias',
+                                                                      'projection'}
+
+
+def test_soft_in_a_vit_with_register_tokens_names_num_prefix_tokens():
+    """SOFT cannot infer the grid of 1 + 4 register + 16 patch tokens; the refusal told a timm user to pass
+    grid_size to forward, which timm's Block never does. It names the build option now, which then works."""
+    from structformer import build_model
+    with pytest.raises(ValueError, match=r'blocks\.0\.attn .*21 tokens.*attn_kwargs num_prefix_tokens'):
+        build_model('vit_digits', {'attn_layer': 'soft', 'reg_tokens': 4, 'attn_kwargs': {'num_landmarks': 4}})
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model, _ = build_model('vit_digits', {'attn_layer': 'soft', 'reg_tokens': 4,
+                                              'attn_kwargs': {'num_landmarks': 4, 'num_prefix_tokens': 5}})
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)

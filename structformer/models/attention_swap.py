@@ -17,7 +17,8 @@ from ..layers.attention.registry import ATTENTION_LAYERS, accepted_options, chec
 from ..layers.attention.softmax import AttentionBase
 from .transforms import TransformContext, register_transform
 
-__all__ = ['swap_attention', 'token_count', 'check_patch_dropout', 'cls_row_options', 'SHARED_PARTS']
+__all__ = ['swap_attention', 'token_count', 'check_attention_fits', 'check_patch_dropout', 'cls_row_options',
+           'SHARED_PARTS']
 
 SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
 
@@ -31,6 +32,24 @@ def token_count(model: nn.Module) -> Optional[int]:
     if patches is None or getattr(model, 'dynamic_img_size', False) or getattr(embed, 'dynamic_img_size', False):
         return None
     return patches + getattr(model, 'num_prefix_tokens', 0)
+
+
+def check_attention_fits(model: nn.Module) -> nn.Module:
+    """Refuse, when the model is built, attention options its fixed token count makes impossible (Nyström's or
+    Linformer's num_landmarks above N, SOFT's above the grid): each structformer attention's `check_num_tokens`.
+    Before, `vit_digits` (17 tokens) built with attn_layer='nystrom' (49 landmarks) and every forward failed.
+    A model with a dynamic input size (no fixed N) is checked by its forwards instead."""
+    vit = model if hasattr(model, 'patch_embed') else getattr(model, 'model', model)
+    num_tokens = token_count(vit)
+    if num_tokens is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, AttentionBase):
+                try:
+                    module.check_num_tokens(num_tokens)
+                except ValueError as e:
+                    raise ValueError(f"{name} ({type(module).__name__}) in a model of {num_tokens} tokens: "
+                                     f"{e}") from None
+    return model
 
 
 def _patch_drop_prob(model: nn.Module) -> float:
@@ -120,6 +139,8 @@ def swap_attention(model: nn.Module, attn: str, **options) -> nn.Module:
                       proj_drop=child.proj_drop.p, attn_head_dim=child.head_dim, device=weight.device,
                       dtype=weight.dtype, **options)
             _check_same_projection(attn, new, child)
+            if seq_len is not None:
+                new.check_num_tokens(seq_len)         # before any layer is replaced: the model stays as it was
             for part in SHARED_PARTS:
                 setattr(new, part, getattr(child, part))
             new.train(child.training)             # a fresh module is in training mode; keep the model's mode

@@ -89,9 +89,10 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
     import timm
 
     from ..layers.attention.registry import resolve_layer_kwargs
-    from .attention_swap import check_patch_dropout
+    from .attention_swap import check_attention_fits, check_patch_dropout
     try:
-        return check_patch_dropout(timm.create_model(name, **resolve_layer_kwargs(kwargs))), kwargs
+        model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
+        return check_attention_fits(check_patch_dropout(model)), kwargs
     except TypeError as e:
         if 'img_size' in kwargs and 'img_size' not in user_kwargs and 'img_size' in str(e):
             kwargs = {k: v for k, v in kwargs.items() if k != 'img_size'}   # convolutional nets take any size

@@ -40,7 +40,8 @@ from timm.models._features import feature_take_indices   # timm's own index rule
 from torch import nn
 
 from ..functional.tracing import checked_images
-from ..layers.attention.registry import check_options, get_attention, select_options
+from ..layers.attention.registry import accepted_options, check_options, get_attention, select_options
+from ..layers.attention.softmax import AttentionBase
 from .base import StructuredModel, check_global_pool
 
 __all__ = ['SoftNet', 'SoftBlock']
@@ -161,6 +162,14 @@ class SoftNet(StructuredModel):
                                 if value_conv is None else value_conv, (int, type(None)))
         attn_layer = get_attention(attn)                 # ValueError listing the accepted names
         check_options(attn_layer, attn_kwargs or {})     # TypeError naming a typo (it would be silently dropped)
+        user = attn_kwargs or {}
+        if 'num_landmarks' in user and 'sampling_ratio' in accepted_options(attn_layer) and \
+                user.get('sampler', 'conv') != 'random':
+            # each stage passes SOFT its sampling ratio k, which decides m over num_landmarks: it was silently unused
+            raise ValueError(f"attn_kwargs num_landmarks={attn_kwargs['num_landmarks']}: the {attn_layer.__name__} "
+                             "stages take their landmarks from sampling_ratios (m = ⌈H/k⌉·⌈W/k⌉ per stage); "
+                             "pass "
+                             "sampling_ratios=(k1, k2, k3, k4) instead (num_landmarks applies to sampler='random')")
         stage_layers = [attn_layer] * 3 + [get_attention(last_stage_attn) if last_stage_attn else attn_layer]
         self.attn_name = attn if isinstance(attn, str) else attn.__name__
         self.num_classes = num_classes
@@ -213,6 +222,13 @@ class SoftNet(StructuredModel):
                                 # the public code's stage 4 and final norm: LayerNorm(eps=1e-6), as timm's PVT blocks
                                 norm_eps=1e-6 if official and i == 3 else 1e-5,
                                 branch_dropout=branch_dropout[i]) for j in range(depth)]
+            for block in blocks:                         # an option the stage's N cannot take: refused here, by name
+                if isinstance(block.attn, AttentionBase):
+                    try:
+                        block.attn.check_num_tokens(h * w + prefix)
+                    except ValueError as e:
+                        raise ValueError(f"stage {i} ({h}×{w} grid + {prefix} prefix token(s)), "
+                                         f"{type(block.attn).__name__}: {e}") from None
             self.stages.append(SoftStage(down, blocks))
             if pos_embed:
                 self.pos_embeds.append(nn.Parameter(torch.zeros(1, h * w + prefix, dim)))

@@ -16,9 +16,10 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..layers.attention.registry import with_defaults
+from ..layers.attention.softmax import AttentionBase
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import check_patch_dropout, cls_row_options, swap_attention, token_count
+from .attention_swap import check_attention_fits, check_patch_dropout, cls_row_options, swap_attention, token_count
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -61,7 +62,27 @@ def sparsify_transform(model: nn.Module, context: TransformContext, keep_ratio: 
 
 class ContractViT(VisionTransformer):
     """timm's VisionTransformer with the structformer contract where timm's differs: `no_weight_decay` names
-    only parameters that exist, and a bad `output_fmt` is a ValueError."""
+    only parameters that exist, a bad `output_fmt` is a ValueError, and an `attn_layer` whose options do not fit
+    the token count is refused when built (`check_attention_fits`), not by every forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_attention_fits(self)
+
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's change of resolution, refused, changing nothing, where the new token count does not fit an
+        attention layer (Linformer's E, F shaped for N; landmarks above the new N): the next forward failed."""
+        probe = copy.deepcopy(self.patch_embed)
+        probe.set_input_size(img_size=img_size, patch_size=patch_size)
+        tokens = probe.num_patches + self.num_prefix_tokens
+        for name, module in self.named_modules():
+            if isinstance(module, AttentionBase):
+                try:
+                    module.check_num_tokens(tokens)
+                except ValueError as e:
+                    raise ValueError(f"set_input_size(img_size={img_size}, patch_size={patch_size}) gives {tokens} "
+                                     f"tokens, which {name} ({type(module).__name__}) cannot take: {e}") from None
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
 
     def no_weight_decay(self):
         names = {n for n, _ in self.named_parameters()}

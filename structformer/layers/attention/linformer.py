@@ -19,7 +19,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ..lazy import drop_lazy_hooks, is_uninitialized
 
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_count, check_no_mask
 
 
 def linformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor,
@@ -110,10 +110,18 @@ class LinformerAttention(AttentionBase):
                  attn_head_dim: Optional[int] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        check_count('num_landmarks', num_landmarks)
+        if seq_len is not None:
+            check_count('seq_len', seq_len)
         self.num_landmarks = num_landmarks
         self.seq_proj = SequenceProjection(num_landmarks, seq_len, share_kv, device=device, dtype=dtype)
+
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """E, F map n tokens to k: k must not exceed n, and E, F built for another n do not fit."""
+        self.seq_proj._check(num_tokens)
+        if self.seq_proj.seq_len is not None and self.seq_proj.seq_len != num_tokens:
+            raise ValueError(f"Linformer was built for seq_len={self.seq_proj.seq_len} tokens, the model has "
+                             f"N={num_tokens}")
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:

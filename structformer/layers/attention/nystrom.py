@@ -18,7 +18,7 @@ from torch import nn
 
 from ...functional.newton_pinv import newton_pinv
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_count, check_no_mask, refuse_attn_drop
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -64,7 +64,7 @@ def nystrom_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 class NystromAttention(AttentionBase):
     """Nyströmformer with timm's `attn_layer` signature. Kwargs: `num_landmarks` (m, default 49;
     must not exceed N), `newton_iter`, `conv_kernel_size` (depthwise skip on V; None = off).
-    `attn_drop` is unused (no attention matrix is formed); `grid_size` is ignored."""
+    `attn_drop` must be 0 (no attention matrix is formed: refused, not ignored); `grid_size` is ignored."""
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
@@ -73,10 +73,11 @@ class NystromAttention(AttentionBase):
                  device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
-        if not isinstance(newton_iter, int) or newton_iter < 1:
-            raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
+        refuse_attn_drop(type(self).__name__, attn_drop)
+        check_count('num_landmarks', num_landmarks)
+        if conv_kernel_size is not None:
+            check_count('conv_kernel_size', conv_kernel_size)
+        check_count('newton_iter', newton_iter)        # True would have run one step
         self.num_landmarks = num_landmarks
         self.newton_iter = newton_iter
         self.conv = None
@@ -91,12 +92,17 @@ class NystromAttention(AttentionBase):
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
         q, k, v = self.project(x)
-        if self.num_landmarks > q.shape[-2]:
-            raise ValueError(f"num_landmarks={self.num_landmarks} exceeds the number of tokens n={q.shape[-2]}")
+        self.check_num_tokens(q.shape[-2])
         out = nystrom_attention(q, k, v, self.num_landmarks, self.newton_iter)
         if self.conv is not None:
             out = out + self.conv(v)
         return self.merge(out)
+
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """m landmarks are segment means of the n tokens: m must not exceed n."""
+        if self.num_landmarks > num_tokens:
+            raise ValueError(f"num_landmarks={self.num_landmarks} exceeds the number of tokens n={num_tokens}; "
+                             "pass a smaller num_landmarks (at most n)")
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_landmarks={self.num_landmarks}, newton_iter={self.newton_iter}"

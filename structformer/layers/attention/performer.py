@@ -8,7 +8,7 @@ positive random features (paper Lemma 1)
 with the ωᵢ drawn as orthogonal blocks (paper §2.4, "ORF"). Attention is then
 D̂⁻¹ φ(Q')(φ(K')ᵀ V), D̂ = diag(φ(Q')(φ(K')ᵀ 1_n)), linear in n. The features are a buffer (saved
 with the model, one set per layer shared by the heads) and change only when `redraw_features()`
-is called.
+is called (by hand, or every `redraw_interval` training forwards).
 """
 import math
 from typing import Optional, Tuple
@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from .registry import register_attention
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_count, check_no_mask, refuse_attn_drop
 
 
 def orthogonal_random_features(num_features: int, dim: int, generator: Optional[torch.Generator] = None,
@@ -72,31 +72,46 @@ class PerformerAttention(AttentionBase):
     """FAVOR+ attention with timm's `attn_layer` signature.
 
     Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice), `redraw_features()`
-    to draw new ω. `attn_drop` is unused (there are no attention weights to drop); `grid_size` is ignored.
+    to draw new ω, `redraw_interval` (None: ω fixed, as before; N: a new ω before every N-th training forward, the
+    public performer-pytorch's feature redrawing, 1000 there; the forward count is a buffer, so a reload keeps
+    the schedule). `attn_drop` must be 0 (there are no attention weights to drop: refused, not ignored);
+    `grid_size` is ignored.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
-                 norm_layer=None, *, num_features: Optional[int] = None, attn_head_dim: Optional[int] = None,
-                 device=None, dtype=None):
+                 norm_layer=None, *, num_features: Optional[int] = None, redraw_interval: Optional[int] = None,
+                 attn_head_dim: Optional[int] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
+        refuse_attn_drop(type(self).__name__, attn_drop)
         if num_features is None:
             num_features = max(self.head_dim, math.ceil(self.head_dim * math.log(self.head_dim)))
-        if num_features < 1:
-            raise ValueError(f"num_features must be >= 1, got {num_features}")
+        check_count('num_features', num_features)
         self.num_features = num_features
         self.register_buffer('projection', orthogonal_random_features(num_features, self.head_dim,
                                                                       device=device, dtype=dtype))
+        if redraw_interval is not None:
+            check_count('redraw_interval', redraw_interval)
+            # only with redrawing on: the state dict of a fixed-feature layer is unchanged
+            self.register_buffer('training_forwards', torch.zeros((), dtype=torch.long, device=device))
+        self.redraw_interval = redraw_interval
 
     @torch.no_grad()
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
-        """Draw a new ω (the only time the features change)."""
-        self.projection.copy_(orthogonal_random_features(self.num_features, self.head_dim, generator))
+        """Draw a new ω (the only time the features change), in the buffer's dtype: a float64 layer's redraw
+        was drawn in float32 (orthogonal to 3e-7 instead of 4e-16)."""
+        self.projection.copy_(orthogonal_random_features(self.num_features, self.head_dim, generator,
+                                                         dtype=self.projection.dtype))
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         check_no_mask(type(self).__name__, attn_mask, is_causal)
+        if self.training and self.redraw_interval is not None:
+            done = int(self.training_forwards)
+            if done and done % self.redraw_interval == 0:
+                self.redraw_features()
+            self.training_forwards += 1
         q, k, v = self.project(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             # exp of a difference of large dot products: bf16 there gives wrong weights
@@ -105,4 +120,5 @@ class PerformerAttention(AttentionBase):
         return self.merge(out.to(v.dtype))
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_features={self.num_features}"
+        return (f"num_heads={self.num_heads}, num_features={self.num_features}"
+                + (f", redraw_interval={self.redraw_interval}" if self.redraw_interval else ""))

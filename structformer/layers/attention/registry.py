@@ -126,12 +126,36 @@ def resolve_layer_kwargs(kwargs: Dict) -> Dict:
     that class, so `--model-kwargs attn_layer=soft attn_kwargs="{'num_landmarks': 16}"` swaps the
     attention of any timm ViT from a config or the command line. `attn_kwargs` (a dict, only taken
     together with such a name) presets the layer's own options, which timm's blocks do not pass.
-    timm's own names ('' / 'attn' / 'diff') and classes pass through untouched."""
+    timm's own names ('' / 'attn' / 'diff') and classes pass through untouched; any other name is refused with the
+    accepted ones (timm's own message named None), and so are attn_kwargs keys timm's Block passes itself
+    (`BLOCK_PASSES`: a preset of them was silently overridden by the block, or clashed)."""
     out = dict(kwargs)
     name = out.get('attn_layer')
+    if isinstance(name, str) and name not in ATTENTION_LAYERS:
+        from timm.models.vision_transformer import ATTN_LAYERS as timm_names   # lazy: timm imports our models
+        if name not in timm_names:                 # timm's own refusal read "Unknown attn_layer: None"
+            accepted = sorted(ATTENTION_LAYERS) + sorted(repr(k) for k in timm_names)
+            close = difflib.get_close_matches(name, sorted(ATTENTION_LAYERS), n=1, cutoff=0.6)
+            raise ValueError(f"unknown attn_layer {name!r}" + (f" (did you mean {close[0]!r}?)" if close else '')
+                             + f"; accepted: {', '.join(accepted)}")
+    if 'attn_kwargs' in out and 'attn_layer' in out and not (isinstance(name, str) and name in ATTENTION_LAYERS):
+        raise ValueError(f"attn_kwargs is taken only with attn_layer set to a structformer attention name "
+                         f"({', '.join(sorted(ATTENTION_LAYERS))}), got attn_layer={name!r}")
     if isinstance(name, str) and name in ATTENTION_LAYERS:
         options = out.pop('attn_kwargs', None) or {}
         if not isinstance(options, dict):
             raise ValueError(f"attn_kwargs must be a dict of {name!r} options, got {options!r}")
+        passed = sorted(set(options) & BLOCK_PASSES)
+        if passed:
+            # timm's Block passes these to every attention: a preset of them was overridden (proj_drop=0.3 became
+            # the model's 0.0) or clashed (dim: "got multiple values")
+            raise ValueError(f"attn_kwargs: {', '.join(passed)} set by the model's blocks for every attention, not by "
+                             "attn_kwargs; use the model's own option (embed_dim, num_heads, qkv_bias, qk_norm, "
+                             "proj_bias, attn_drop_rate, proj_drop_rate, norm_layer)")
         out['attn_layer'] = with_defaults(ATTENTION_LAYERS[name], **options)
     return out
+
+
+# what timm's ViT `Block` passes every `attn_layer` (timm.models.vision_transformer._create_attn)
+BLOCK_PASSES = frozenset({'dim', 'num_heads', 'qkv_bias', 'qk_norm', 'scale_norm', 'proj_bias', 'attn_drop',
+                          'proj_drop', 'norm_layer', 'device', 'dtype'})

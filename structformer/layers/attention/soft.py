@@ -66,7 +66,7 @@ from ...functional.precision import autocast_dtype
 from ...functional.precision import upcast as _upcast
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
-from .softmax import AttentionBase, check_no_mask
+from .softmax import AttentionBase, check_count, check_no_mask
 
 SAMPLERS = ('conv', 'avgpool', 'random')
 
@@ -217,16 +217,14 @@ class SoftAttention(AttentionBase):
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-        if not isinstance(newton_iter, int) or newton_iter < 1:
-            raise ValueError(f"newton_iter must be an int >= 1, got {newton_iter!r}")
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks must be >= 1, got {num_landmarks}")
+        check_count('newton_iter', newton_iter)        # True would have run one step
+        check_count('num_landmarks', num_landmarks)
         if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
             raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
-        if sampling_ratio is not None and sampling_ratio < 1:
-            raise ValueError(f"sampling_ratio must be >= 1, got {sampling_ratio}")
-        if num_prefix_tokens is not None and num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        if sampling_ratio is not None:
+            check_count('sampling_ratio', sampling_ratio)
+        if num_prefix_tokens is not None:
+            check_count('num_prefix_tokens', num_prefix_tokens, minimum=0)
         # public-code options: None follows `official` (each its own argument, so each can be ablated)
         landmark_norm = official if landmark_norm is None else landmark_norm
         value_conv = (3 if official else 0) if value_conv is None else value_conv
@@ -303,7 +301,23 @@ class SoftAttention(AttentionBase):
             return candidates[0], None
         raise ValueError(f"cannot infer the token grid: N={num_tokens} minus {candidates} prefix token(s) is not "
                          f"a perfect square; pass grid_size=(H, W) to forward (the first N − H·W tokens are "
-                         f"prefix tokens)")
+                         f"prefix tokens), or num_prefix_tokens / grid_size when the layer is built (a timm ViT "
+                         f"with register tokens: attn_kwargs num_prefix_tokens=1 + reg_tokens)")
+
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """The grid must be inferable from N (or given), and where the landmark count is num_landmarks itself
+        (random sampler; conv / avgpool without a sampling ratio) it must not exceed the grid's tokens."""
+        prefix, grid = self.resolve_grid(num_tokens)
+        k = self.sampling_ratio
+        if self.conv is not None and self.conv.kernel_size is not None:
+            k = self.conv.kernel_size
+        if self.sampler == 'random' or k is None:
+            self._check_landmarks(num_tokens - prefix, grid)
+        if k is None and grid is not None:
+            k = sampling_ratio_for(grid[0], grid[1], self.num_landmarks)
+        if self.sampler == 'conv' and self.conv.border == 'drop' and grid is not None and min(grid) < k:
+            raise ValueError(f"landmark_border='drop' needs a token grid of at least k×k = {k}×{k}, got "
+                             f"{grid[0]}×{grid[1]}; use landmark_border='replicate' or a smaller sampling_ratio")
 
     def _random_indices(self, n: int, m: int, device) -> torch.Tensor:
         if self.training:

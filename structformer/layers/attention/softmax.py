@@ -21,6 +21,21 @@ def check_no_mask(name: str, attn_mask: Optional[torch.Tensor], is_causal: bool)
                                   "attention matrix); use 'softmax' for masked attention")
 
 
+def refuse_attn_drop(name: str, attn_drop: float) -> None:
+    """For attentions that never form attention weights (FAVOR+, Nyström's factored product): an `attn_drop`
+    there would be silently ignored (as the public code does), so a non-zero one is refused by name."""
+    if attn_drop:
+        raise ValueError(f"attn_drop={attn_drop}: {name} never forms the attention weights, so there is nothing to "
+                         "drop; pass attn_drop=0 (attn_drop_rate=0 in a ViT; proj_drop and drop_path still apply)")
+
+
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """An integer option (landmarks, features, a kernel size, a sequence length) checked at build: 4.0 or '4'
+    built and failed inside the first forward with a torch TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def check_head_sizes(dim: int, num_heads: int, attn_head_dim: Optional[int]) -> int:
     """Validate timm's attention sizes before any tensor is built; returns the head width (dim // num_heads
     unless attn_head_dim is given). Raises a ValueError naming the argument, not a torch shape error."""
@@ -75,6 +90,11 @@ class AttentionBase(nn.Module):
         q, k, v = parts.unbind(0)
         return self.q_norm(q), self.k_norm(k), v
 
+    def check_num_tokens(self, num_tokens: int) -> None:
+        """Refuse, when the model is built, a token count this layer cannot attend over (a model with a fixed
+        input size calls it with its N: patches + prefix tokens), so an impossible option is named at build
+        time rather than by every forward. Layers without such a limit accept any N."""
+
     def merge(self, heads: torch.Tensor) -> torch.Tensor:
         """[B, heads, N, head_dim] -> [B, N, C] through norm, proj and dropout."""
         out = rearrange(heads, 'b h n d -> b n (h d)')
@@ -103,9 +123,20 @@ class SoftmaxAttention(AttentionBase):
     """Standard multi-head softmax attention via `F.scaled_dot_product_attention`.
 
     Same constructor and call as the other attentions here; `grid_size` is accepted and unused.
-    Supports `attn_mask` and `is_causal` (SDPA semantics).
+    Supports `attn_mask` and `is_causal` (SDPA semantics). `fused_attn` is timm's switch (as on timm's
+    `Attention`, an alias of `fused`): False runs the explicit softmax, whose weights pass through `attn_drop`,
+    where hooks read attention maps.
     """
     fused = True
+
+    @property
+    def fused_attn(self) -> bool:
+        return self.fused
+
+    @fused_attn.setter
+    def fused_attn(self, value: bool) -> None:
+        # timm users switch `attn.fused_attn = False` to read attention maps: it set an unused attribute here
+        self.fused = bool(value)
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.,
@@ -128,6 +159,8 @@ class SoftmaxAttention(AttentionBase):
     def _explicit(self, q, k, v, attn_mask, is_causal):
         logits = (q @ k.transpose(-2, -1)) * self.scale
         if is_causal:
+            if attn_mask is not None:      # SDPA refuses the pair; the mask was silently replaced here
+                raise ValueError("attn_mask and is_causal=True together: pass one (as F.scaled_dot_product_attention)")
             n = q.shape[-2]
             attn_mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         if attn_mask is not None:
