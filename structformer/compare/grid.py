@@ -168,6 +168,11 @@ def config_differences(cell: Cell) -> List[str]:
     # a key the cell's config.yaml lacks is an option added by a later release: the cell trained with its default
     # (as `train --resume` reads that file), so a grid begun on an older release goes on after an upgrade
     saved = {**{k: v for k, v in _config_defaults().items() if k not in saved}, **saved}
+    # a distilled run records the stage-1 length it resolved from --epochs (so a resume keeps it): the plan's
+    # "not given" is that same length
+    if planned.get('predictor_epochs') is None and saved.get('predictor_epochs') == \
+            cell.config.default_predictor_epochs():
+        saved['predictor_epochs'] = None
     diff = _differences(saved, planned, skip=NOT_COMPARED)
     if [(t['name'], t.get('kwargs')) for t in saved.get('transforms') or []] != \
             [(t['name'], t.get('kwargs')) for t in planned['transforms']]:
