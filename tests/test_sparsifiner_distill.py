@@ -208,24 +208,27 @@ def test_stage2_trains_only_parameters_that_get_a_gradient():
     assert [n for n, p in student.named_parameters() if p.requires_grad and p.grad is None] == []
 
 
-def test_pruned_student_is_distilled_at_the_original_positions():
+@pytest.mark.parametrize('keep_rate, kept', [(0.5, 8), (0.9, 15)])
+def test_pruned_student_is_distilled_at_the_original_positions(keep_rate, kept):
     """With EViT pruning the student's kept tokens (and attention rows / columns) are compared with the
-    teacher's at their original positions; a fused token has no counterpart."""
+    teacher's at their original positions; a fused token has no counterpart. At keep 0.9 the 16 patches become
+    15 kept + 1 fused: as many tokens as the teacher's, yet not the same ones (once compared index by index)."""
     torch.manual_seed(0)
     teacher, _ = build_model('vit_digits', {}, None, [])
     student, _ = build_model('sparsifiner_digits', {}, None,
-                             [{'name': 'prune_tokens', 'kwargs': {'keep_rate': 0.5, 'layers': [1]}}])
+                             [{'name': 'prune_tokens', 'kwargs': {'keep_rate': keep_rate, 'layers': [1]}}])
     init_from_teacher(student, teacher)
     student.train()
     images = torch.randn(3, 1, 8, 8)
     phase = Phase('all', 1, losses={'distill_token': 1, 'distill_attn': 1})
     d, ctx = _context(student, teacher, images, phase)
-    positions = student.token_pruning.positions                   # [B, 1 + 8 + 1 fused]
-    assert positions.shape == (3, 10) and (positions[:, -1] == -1).all()
+    positions = student.token_pruning.positions                   # [B, 1 + kept + 1 fused]
+    assert positions.shape == (3, kept + 2) and (positions[:, -1] == -1).all()
     with torch.no_grad():
         t_tokens = teacher.forward_features(images)
     s_tokens = d.student_tokens()
-    expected = torch.stack([(s_tokens[b, 1:9] - t_tokens[b, positions[b, 1:9]]).pow(2) for b in range(3)]).mean()
+    expected = torch.stack([(s_tokens[b, 1:kept + 1] - t_tokens[b, positions[b, 1:kept + 1]]).pow(2)
+                            for b in range(3)]).mean()
     torch.testing.assert_close(LOSS_TERMS['distill_token'](ctx), expected, rtol=1e-5, atol=1e-7)
     # blocks 2 and 3 see the pruned tokens: their error uses the teacher's rows / columns at the kept positions
     x = teacher._pos_embed(teacher.patch_embed(images))
@@ -238,7 +241,7 @@ def test_pruned_student_is_distilled_at_the_original_positions():
             assert pos is None or pos.shape[1] == 17
             per_layer.append((scores[..., 1:, :] - a_t[..., 1:, :]).pow(2).sum() / 3)
         else:
-            assert scores.shape[-1] == 10 and torch.equal(pos, positions)
+            assert scores.shape[-1] == kept + 2 and torch.equal(pos, positions)
             err = 0.0
             for b in range(3):
                 keep = pos[b] >= 0

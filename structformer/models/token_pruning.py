@@ -65,6 +65,13 @@ class TokenPruningState:
     def sources(self) -> Optional[torch.Tensor]:
         return self.entering.get(self.depth, (None, None))[1]
 
+    def pruned_positions(self, block: Optional[int] = None) -> Optional[torch.Tensor]:
+        """`positions` of the tokens entering block `block` (None: leaving the last block) where an earlier block
+        dropped or fused tokens, else None. Whether tokens were pruned is not their count: with a fused token the
+        count can stay the same (4 patches at keep 0.7: 3 kept + 1 fused; 196 at keep 0.99: 195 + 1)."""
+        positions, sources = self.entering.get(self.depth if block is None else block, (None, None))
+        return None if sources is None else positions
+
 
 def prune_by_cls_attention(x: torch.Tensor, cls_attn: torch.Tensor, keep_rate: float, num_prefix: int,
                            fuse: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -253,9 +253,7 @@ class Distiller:
         """With EViT token pruning (`prune_tokens`): the original index of every token entering block `block`
         (None: the final tokens), [B, n'], −1 for a fused token; None where nothing was pruned."""
         state = getattr(self.student, 'token_pruning', None)
-        if state is None:
-            return None
-        return state.positions if block is None else state.entering.get(block, (None, None))[0]
+        return None if state is None else state.pruned_positions(block)
 
 
 def _has_module(model: nn.Module, name: str) -> bool:
@@ -280,7 +278,7 @@ def token_distillation_term(ctx: LossContext) -> torch.Tensor:
     student, teacher = d.student_tokens(), d.teacher()['tokens']
     p = d.prefix_tokens
     positions = d.positions()
-    if positions is None or positions.shape[1] == teacher.shape[1]:
+    if positions is None:
         return F.mse_loss(student[:, p:], teacher[:, p:])
     # pruned: each kept token against the teacher's token at its original position; a fused one has none
     kept = positions[:, p:] >= 0
@@ -309,8 +307,7 @@ def attention_distillation_term(ctx: LossContext) -> torch.Tensor:
         rows = 1 if d.sparse_layers[name].dense_cls_row else 0
         target = teacher_maps[name]
         positions = d.positions(_block_index(name))
-        error = s - target if positions is None or positions.shape[1] == target.shape[-1] \
-            else _pruned_error(s, target, positions)
+        error = s - target if positions is None else _pruned_error(s, target, positions)
         total = total + error[..., rows:, :].pow(2).sum() / s.shape[0]
     return total / max(len(scores), 1)
 
