@@ -199,3 +199,14 @@ def test_layers_after_token_pruning():
         n, keys = r['num_tokens'], r['budget']
         assert keys == -(-n // 4) and r['mask_density_sparse_rows'] == pytest.approx(keys / n, abs=1e-12)
         assert (rows is None) == (r['a_down_sparsity'] is None) == (n < 17)
+
+
+def test_layers_after_pruning_that_keeps_the_token_count():
+    """keep 0.9 of 16 patches: 15 kept + 1 fused = as many tokens as before, but not the same ones; the layers
+    after it still get no Ã_down (bases of other tokens) and no pictures (the query index is another token)."""
+    from structformer.models.token_pruning import prune_tokens
+    model = prune_tokens(_model(), keep_rate=0.9, layers=(1,)).eval()
+    result = measure_sparsifiner(model, _images())
+    assert [r['num_tokens'] for r in result['layers']] == [17, 17, 17, 17]
+    assert [rows is None for rows in result['rows']] == [False, False, True, True]
+    assert [r['a_down_sparsity'] is None for r in result['layers']] == [False, False, True, True]

@@ -64,6 +64,17 @@ def layer_maps(attn: SparsifinerAttention, x: torch.Tensor, mask: torch.Tensor,
     return {'dense': dense, 'sparse': sparse, 'a_down': a_down, 'mask': mask}
 
 
+def _layers_after_pruning(model: torch.nn.Module, layers: Dict[str, SparsifinerAttention]) -> set:
+    """Names of the layers whose block sees tokens an earlier block pruned (last forward's bookkeeping). Not read
+    from the token count: with EViT's fused token it can stay n (4 patches at keep 0.7: 3 kept + 1 fused)."""
+    state = getattr(model, 'token_pruning', None)
+    if state is None:
+        return set()
+    block_of = {id(getattr(block, 'attn', None)): i for i, block in enumerate(model.blocks)}
+    return {name for name, attn in layers.items()
+            if id(attn) in block_of and state.pruned_positions(block_of[id(attn)]) is not None}
+
+
 def mask_density(mask: torch.Tensor, skip_rows: int = 0) -> torch.Tensor:
     """Share of kept connections per head, [H], over the query rows from `skip_rows` on."""
     return mask[..., skip_rows:, :].double().mean(dim=(0, 2, 3))
@@ -171,6 +182,7 @@ def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_toke
             batch = images[start:start + batch_size]
             with capture(model, inputs=list(layers)) as got:
                 model(batch)
+            pruned_layers = _layers_after_pruning(model, layers)
             for name, attn in layers.items():
                 x = got.inputs[name][0]
                 n = x.shape[1]
@@ -180,7 +192,7 @@ def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_toke
                 mask = attn.last_mask
                 if mask is None:
                     raise ValueError(f"{name}: the layer kept no mask (impl {attn.impl!r})")
-                pruned = n != attn.basis.seq_len
+                pruned = name in pruned_layers
                 maps = layer_maps(attn, x, mask, with_a_down=not pruned)
                 skip = 1 if attn.dense_cls_row else 0
                 values = {'mask_density': mask_density(mask), 'mask_density_sparse_rows': mask_density(mask, skip),
