@@ -51,3 +51,23 @@ def test_model_counts_sparse_mhsa_and_dense_twin():
     assert masked['total'] == gather['total']
     assert dense['mhsa'] == dense['mhsa_executed'] == dense['dense_mhsa'] == gather['dense_mhsa']
     assert dense['total'] == gather['dense_total']
+
+
+def test_token_pruned_model_counts_each_layer_on_the_tokens_it_sees():
+    """EViT keep 0.7 at blocks 1, 2 of a 16-patch model: the attention of blocks 0..3 sees 17, 17, 14, 12 tokens
+    (13 = 12 kept + 1 fused patches, then 10 + 1), and both the sparse and the dense-twin counts follow them."""
+    from structformer.models.token_pruning import prune_tokens
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')           # W_down, W_up created at the first forward
+        sparse = timm.create_model('sparsifiner_digits', impl='gather').eval()
+        sparse(torch.zeros(1, 1, 8, 8))
+        counts = model_mhsa_flops(prune_tokens(sparse, keep_rate=0.7, layers=(1, 2)))
+        dense = model_mhsa_flops(prune_tokens(timm.create_model('vit_digits'), keep_rate=0.7, layers=(1, 2)))
+    seen = [17, 17, 14, 12]
+    layers = [block.attn for block in sparse.blocks]
+    assert counts['mhsa'] == sum(layer_mhsa_flops(layer, n)['sparse'] for layer, n in zip(layers, seen))
+    twin = sum(dense_mhsa_flops(n, layer.qkv.in_features, layer.num_heads, layer.head_dim)
+               for layer, n in zip(layers, seen))
+    assert counts['dense_mhsa'] == twin == dense['dense_mhsa']
+    assert dense['mhsa'] == dense['mhsa_executed'] == dense['dense_mhsa']          # measured = analytic dense

@@ -86,10 +86,13 @@ def model_mhsa_flops(model, seq_len: Optional[int] = None) -> Dict[str, float]:
     'mhsa': Σ over attention layers of the sparse (paper) count for Sparsifiner layers (token connectivity
     exact, block an upper bound) and of the counted FLOPs for any other attention; 'mhsa_executed': the
     counted FLOPs of the attention layers on their configured paths; 'total': the counted model total with
-    'mhsa' in place of 'mhsa_executed'; 'dense_mhsa' / 'dense_total': the same network with dense MHSA."""
+    'mhsa' in place of 'mhsa_executed'; 'dense_mhsa' / 'dense_total': the same network with dense MHSA.
+    After EViT token pruning (`prune_tokens`) each layer is counted on the tokens its block sees
+    (`tokens_per_block`); 'tokens' stays the count entering the first block."""
     import torch
 
     from ..layers.attention.sparsifiner import SparsifinerAttention
+    from ..models.token_pruning import tokens_per_block
     from .flops import flop_counter
     n = _tokens(model)
     if seq_len is not None and seq_len != n:
@@ -113,12 +116,16 @@ def model_mhsa_flops(model, seq_len: Optional[int] = None) -> Dict[str, float]:
     per_module = counter.get_flop_counts()
     executed = {name: sum(per_module.get(f"{type(model).__name__}.{name}", {}).values()) for name in attns}
     mhsa, dense = 0, 0
+    blocks = getattr(model, 'blocks', None)
+    counts = tokens_per_block(model, n) if blocks is not None else []
+    block_of = {id(getattr(block, 'attn', None)): i for i, block in enumerate(blocks)} if blocks is not None else {}
     for name, layer in attns.items():
         dim = layer.qkv.in_features if hasattr(layer, 'qkv') else model.embed_dim
         heads = layer.num_heads
         head_dim = getattr(layer, 'head_dim', dim // heads)
-        dense += dense_mhsa_flops(n, dim, heads, head_dim)
-        mhsa += layer_mhsa_flops(layer, n)['sparse'] if isinstance(layer, SparsifinerAttention) else executed[name]
+        seen = counts[block_of[id(layer)]] if id(layer) in block_of else n      # tokens this layer attends over
+        dense += dense_mhsa_flops(seen, dim, heads, head_dim)
+        mhsa += layer_mhsa_flops(layer, seen)['sparse'] if isinstance(layer, SparsifinerAttention) else executed[name]
     total = counter.get_total_flops()
     return {'tokens': n, 'layers': len(attns), 'mhsa': float(mhsa), 'mhsa_executed': float(sum(executed.values())),
             'total': float(total - sum(executed.values()) + mhsa), 'total_executed': float(total),
