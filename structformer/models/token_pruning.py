@@ -12,7 +12,8 @@ fused token is the *normalised* weighted mean (the code sums a_i x_i, so its siz
 attention mass); kept tokens stay in their original order (the code orders them by attention; attention
 and MLP are permutation-equivariant, so only ties and Sparsifiner's 'block' tiles see a difference); a is
 taken before attention dropout; a SparsifinerAttention must keep its cls row dense (dense_cls_row=True) so
-that a is the full row.
+that a is the full row; keep_rate is fixed from the first step (EViT's published run shrinks it from 1 by a cosine
+over epochs 10–110 of 300, `adjust_keep_rate`; Sparsifiner's public code, which fine-tunes, has no schedule).
 
 Sub-modules and state_dict keys are unchanged (the blocks from the first chosen one on become
 `TokenPruningBlock`s holding the same children). keep_rate=1 computes what the model computed before.
