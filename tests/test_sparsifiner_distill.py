@@ -255,6 +255,20 @@ def test_pruned_student_is_distilled_at_the_original_positions(keep_rate, kept):
     assert student.blocks[3].attn.basis.w_up.grad is not None
 
 
+def test_a_token_pruned_teacher_is_refused_by_name(tmp_path):
+    """Its tokens and attention maps are no longer at the original positions the losses index (a traceback in
+    distill_attn before; silently compared index by index where pruning kept the count)."""
+    from structformer.train.checkpoint import save_checkpoint
+    from structformer.train.distill import load_teacher
+    model, recipe = build_model('vit_digits', {}, None,
+                                [{'name': 'prune_tokens', 'kwargs': {'keep_rate': 0.9, 'layers': [1]}}])
+    run = tmp_path / 'pruned'
+    save_checkpoint(run / 'checkpoints' / 'epoch_0001', model, with_rng=False,
+                    state={'model': 'vit_digits', 'model_kwargs': {}, 'recipe': recipe.to_dict(), 'epoch': 1})
+    with pytest.raises(UsageError, match='--teacher .*token pruning'):
+        load_teacher(run)
+
+
 def test_extending_a_run_on_resume_keeps_the_stage_one_it_trained(tmp_path, teacher_run, capsys):
     """Stage 1's default length follows --epochs (about 1/9): a run of 9 epochs trains 1; resumed with --epochs 27
     after that epoch it must go on in stage 2 (the default of 27 would put epochs 2-3 back in stage 1)."""

@@ -99,6 +99,10 @@ def load_teacher(path, data_info=None, device='cpu', config=None) -> nn.Module:
         teacher, state = load_model(path, map_location=device)
     except (CheckpointError, FileNotFoundError) as e:
         raise UsageError(f"--teacher {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+    if getattr(teacher, 'token_pruning', None) is not None:
+        # the losses compare the student's tokens / attention with the teacher's at their original positions
+        raise UsageError(f"--teacher {path}: the teacher was trained with token pruning (transform prune_tokens); "
+                         "a teacher must keep every token: give the dense run it was trained from")
     if data_info is not None:
         saved = state.get('data_info') or {}
         for key in ('num_classes', 'in_chans', 'img_size'):
