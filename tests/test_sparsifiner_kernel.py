@@ -250,6 +250,34 @@ def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     assert library.exists() and library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
 
 
+def test_the_temp_dir_fallback_loads_nothing_another_user_could_have_planted(tmp_path, monkeypatch):
+    """The fallback folder's name is predictable (/tmp/structformer-kernels-UID): a folder there that others can
+    write in (or that another user owns) is refused with one reason, and its library is neither loaded nor
+    built over."""
+    import os
+    import tempfile
+
+    built = []
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: built.append(commands))
+    blocked = tmp_path / 'file'
+    blocked.write_text('')
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(blocked / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    shared = tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
+    planted = shared / tile_kernel._cache_key('c++') / tile_kernel.LIBRARY
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b'not ours')
+    shared.chmod(0o777)                          # as another user's `mkdir -m 777` would leave it
+    with pytest.raises(OSError, match='only this user can write .* no library is loaded from it'):
+        tile_kernel._build('c++')
+    if os.getuid() == 0:                         # (only root can hand a folder to another user)
+        shared.chmod(0o755)
+        os.chown(shared, 4321, 4321)
+        with pytest.raises(OSError, match='owner uid 4321'):
+            tile_kernel._build('c++')
+    assert not built and planted.read_bytes() == b'not ours'
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -12,7 +12,7 @@ The source is compiled once per machine and torch build with the system's C++ co
 about 20 s on 2 cores, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
 threads torch's OpenMP runtime), and loaded with `torch.ops.load_library`. The library lands in
 `$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`; a per-user
-folder under the temp dir when that cannot be created), in a folder named by a hash of the source, torch's
+folder under the temp dir when that cannot be created, used only while no other user can write in it), in a folder named by a hash of the source, torch's
 version and the compiler, written to a temporary name and renamed.
 It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
 or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
@@ -29,6 +29,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -110,10 +111,31 @@ def _platform_reason() -> Optional[str]:
     return None
 
 
+def _cache_key(compiler: str) -> str:
+    """The cache folder's name: a hash of what the library depends on (sources, torch build, compiler)."""
+    code = b''.join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    return hashlib.sha256(code + f'{torch.__version__}|{torch.version.git_version}|{compiler}'.encode()).hexdigest()[:16]
+
+
+def _private_temp_folder() -> Path:
+    """This user's folder under the shared temp dir, created 0700, and only when it is this user's and no one else
+    can write in it: its name is predictable, so another user could otherwise create it first and plant a library
+    there that this process would load (run)."""
+    folder = Path(tempfile.gettempdir()) / f'structformer-kernels-{os.getuid()}'
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{folder} is not a folder of this user that only this user can write "
+                      f"(owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): no library is loaded from it")
+    return folder
+
+
 def _build(compiler: str) -> Path:
     """The library's path, compiled into the cache if it is not there yet (temp name, then rename)."""
-    code = b''.join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(code + f'{torch.__version__}|{torch.version.git_version}|{compiler}'.encode()).hexdigest()[:16]
+    key = _cache_key(compiler)
     folder = cache_dir() / key
     library = folder / LIBRARY
     if library.exists():
@@ -121,11 +143,11 @@ def _build(compiler: str) -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:                              # a read-only home: a per-user folder under the temp dir
-        folder = Path(tempfile.gettempdir()) / f'structformer-kernels-{os.getuid()}' / key
+        folder = _private_temp_folder() / key
         library = folder / LIBRARY
         if library.exists():
             return library
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(exist_ok=True)
     failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
     if failed.exists():
         failed_with, _, error = failed.read_text().partition('\n')
