@@ -278,6 +278,47 @@ def test_the_temp_dir_fallback_loads_nothing_another_user_could_have_planted(tmp
     assert not built and planted.read_bytes() == b'not ours'
 
 
+def test_the_cache_key_follows_the_compiler_file_and_the_flags(tmp_path, monkeypatch):
+    """A compiler replaced at the same path (upgraded in place, or another node's on a shared home: its library
+    would need that node's libstdc++) and a change of flags each get their own cache folder."""
+    compiler = tmp_path / 'c++'
+    compiler.write_text('#!/bin/sh\nexec g++ "$@"\n')
+    before = tile_kernel._cache_key(str(compiler))
+    assert tile_kernel._cache_key(str(compiler)) == before
+    compiler.write_text('#!/bin/sh\nexec g++-14 "$@"\n')
+    upgraded = tile_kernel._cache_key(str(compiler))
+    assert upgraded != before
+    monkeypatch.setattr(tile_kernel, 'COMPILE_FLAGS', (*tile_kernel.COMPILE_FLAGS, '-DANOTHER_FLAG'))
+    assert tile_kernel._cache_key(str(compiler)) not in (before, upgraded)
+
+
+def _vector_instructions(library: Path) -> list:
+    import shutil
+    import subprocess
+    if not shutil.which('objdump'):
+        pytest.skip('objdump is not installed')
+    listing = subprocess.run(['objdump', '-d', '--no-show-raw-insn', str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return [line for line in listing.splitlines() if '%ymm' in line or '%zmm' in line]
+
+
+def test_the_library_runs_on_any_x86_64_whatever_the_compilers_default(kernel, tmp_path, monkeypatch):
+    """A compiler whose default target is AVX-512 (as RHEL 10's GCC defaults to AVX2) still builds a library of
+    x86-64's baseline instructions: the cache may be shared with CPUs without them. Checked on a vectorisable
+    probe built with such a compiler (a wrapper adding -march=x86-64-v4), and on the kernel's own library."""
+    assert not _vector_instructions(tile_kernel._build(tile_kernel._compiler()))
+    source = tmp_path / 'probe.cpp'
+    source.write_text('extern "C" void structformer_axpy(float* y, const float* x, float a, int n) {\n'
+                      '  for (int i = 0; i < n; ++i) y[i] += a * x[i];\n}\n')
+    wrapper = tmp_path / 'cxx'
+    wrapper.write_text(f'#!/bin/sh\nexec {tile_kernel._compiler()} -march=x86-64-v4 "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    assert not _vector_instructions(tile_kernel._build(str(wrapper)))
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

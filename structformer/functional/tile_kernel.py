@@ -12,8 +12,10 @@ The source is compiled once per machine and torch build with the system's C++ co
 about 20 s on 2 cores, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
 threads torch's OpenMP runtime), and loaded with `torch.ops.load_library`. The library lands in
 `$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`; a per-user
-folder under the temp dir when that cannot be created, used only while no other user can write in it), in a folder named by a hash of the source, torch's
-version and the compiler, written to a temporary name and renamed.
+folder under the temp dir when that cannot be created, used only while no other user can write in it), in a
+folder named by a hash of the source, torch's version, the compiler (its file) and the flags, written to a
+temporary name and renamed. The flags pin x86-64's baseline instruction set, so a cache shared by different CPUs
+(a home on NFS) holds a library every one of them runs.
 It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
 or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
 gathered path instead.
@@ -53,6 +55,11 @@ HEADERS = (CSRC / 'tile_common.h',)
 LIBRARY = 'block_tile_attention.so'
 FAILED = 'build-failed.txt'         # beside where the library would be: the compiler that failed and its error
 DTYPES = (torch.float32, torch.float64)
+# x86-64's baseline instruction set, whatever the compiler's default (RHEL 10's GCC targets x86-64-v3, i.e. AVX2):
+# one cached library then runs on every x86-64 CPU that shares the cache folder (a home directory on NFS across
+# node types); the GEMMs (MKL) and the softmax (ATen) choose their instructions at run time anyway
+COMPILE_FLAGS = ('-O3', '-std=c++20', '-fPIC', '-fopenmp', '-march=x86-64', '-mtune=generic')
+LINK_FLAGS = ('-shared', '-fopenmp')
 
 
 def cache_dir() -> Path:
@@ -77,13 +84,12 @@ def _compile_commands(compiler: str, scratch: Path, output: Path):
     """One command per source (object files, run side by side), then the link into `output`."""
     includes, libraries = _torch_folders()
     objects = [scratch / f'{source.stem}.o' for source in SOURCES]
-    compile_flags = [compiler, '-O3', '-std=c++20', '-fPIC', '-fopenmp',
-                     f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
+    compile_flags = [compiler, *COMPILE_FLAGS, f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
                      *(f'-I{p}' for p in includes)]
     compiles = [[*compile_flags, '-c', str(source), '-o', str(obj)] for source, obj in zip(SOURCES, objects)]
     # torch's own libgomp (same soname as the one already loaded), so the kernel's at::parallel_for shares
     # torch's OpenMP threads instead of starting a second runtime
-    link = [compiler, '-shared', '-fopenmp', *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
+    link = [compiler, *LINK_FLAGS, *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
             '-lc10', '-ltorch_cpu', '-lgomp', *(f'-Wl,-rpath,{p}' for p in libraries)]
     return compiles, link
 
@@ -112,9 +118,14 @@ def _platform_reason() -> Optional[str]:
 
 
 def _cache_key(compiler: str) -> str:
-    """The cache folder's name: a hash of what the library depends on (sources, torch build, compiler)."""
+    """The cache folder's name: a hash of what the library depends on -- the sources, torch's build, the compiler
+    itself (`_compiler_identity`: another compiler at the same path, upgraded in place or another node's on a
+    shared home, builds its own copy, linked against its own libstdc++) and the flags (a change of flags is a new
+    library). No ISA feature: the flags pin the baseline (COMPILE_FLAGS). No Python version: the library has no
+    Python ABI (torch.ops.load_library, no pybind)."""
     code = b''.join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    return hashlib.sha256(code + f'{torch.__version__}|{torch.version.git_version}|{compiler}'.encode()).hexdigest()[:16]
+    facts = (torch.__version__, torch.version.git_version, _compiler_identity(compiler), *COMPILE_FLAGS, *LINK_FLAGS)
+    return hashlib.sha256(code + '|'.join(facts).encode()).hexdigest()[:16]
 
 
 def _private_temp_folder() -> Path:
