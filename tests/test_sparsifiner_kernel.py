@@ -319,6 +319,30 @@ def test_the_library_runs_on_any_x86_64_whatever_the_compilers_default(kernel, t
     assert not _vector_instructions(tile_kernel._build(str(wrapper)))
 
 
+@pytest.mark.parametrize('says, remembered', [
+    ("probe.cpp:1:1: error: 'this' does not name a type", True),               # the source: not retried
+    ('c++: fatal error: Killed signal terminated program cc1plus', False),    # the OOM killer: tried again
+    ('/usr/bin/ld: final link failed: No space left on device', False),       # a full disk: tried again
+])
+def test_a_failed_build_is_remembered_only_when_the_source_or_compiler_is_at_fault(tmp_path, monkeypatch, says,
+                                                                                   remembered):
+    """A compiler (a stand-in script that counts its runs) failing with what g++ says in each case, twice."""
+    runs = tmp_path / 'runs'
+    compiler = tmp_path / 'cxx'
+    compiler.write_text(f'#!/bin/sh\necho run >> {runs}\necho "{says}" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    source = tmp_path / 'probe.cpp'
+    source.write_text('int probe;\n')
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    with pytest.raises(RuntimeError, match='compiling probe.cpp with .* failed: '):
+        tile_kernel._build(str(compiler))
+    with pytest.raises(RuntimeError, match='earlier build with this compiler failed' if remembered else '^compiling'):
+        tile_kernel._build(str(compiler))
+    assert len(runs.read_text().split()) == (1 if remembered else 2)
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -94,6 +94,20 @@ def _compile_commands(compiler: str, scratch: Path, output: Path):
     return compiles, link
 
 
+# what a compiler says when the machine, not the source, stopped it (cc1plus killed by the OOM killer: g++ exits 1
+# with "Killed signal terminated program cc1plus"; a full disk; no memory): worth another try on the next run
+_TRANSIENT = ('signal terminated program', 'No space left on device', 'Cannot allocate memory', 'out of memory',
+              'virtual memory exhausted', 'Disk quota exceeded')
+
+
+class CompileError(RuntimeError):
+    """A build command failed; `transient` when the machine stopped it (a signal, memory, disk), not the source."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
 def _run_all(commands, compiler: str) -> None:
     """Run the commands side by side; a failure names the compiler and its first error line."""
     running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
@@ -104,7 +118,9 @@ def _run_all(commands, compiler: str) -> None:
         if code != 0:
             lines = [line for line in stderr.splitlines() if 'error' in line] or stderr.splitlines()[-1:] or ['?']
             what = next((Path(a).name for a in command if a.endswith('.cpp')), 'the library')
-            raise RuntimeError(f"compiling {what} with {compiler} failed: {lines[0][:300]}")
+            transient = code < 0 or any(sign in stderr for sign in _TRANSIENT)
+            reason = f'killed by signal {-code}' if code < 0 else lines[0][:300]
+            raise CompileError(f"compiling {what} with {compiler} failed: {reason}", transient)
 
 
 def _platform_reason() -> Optional[str]:
@@ -174,8 +190,9 @@ def _build(compiler: str) -> Path:
             _run_all(compiles, compiler)
             _run_all([link], compiler)
             os.replace(partial, library)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:   # remembered: not 20 s lost on every run
-        write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
+    except CompileError as e:       # the source or the compiler at fault: remembered, not 20 s lost on every run
+        if not e.transient:         # (a full disk, a killed compiler: the next run tries again)
+            write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
         raise
     failed.unlink(missing_ok=True)
     return library
