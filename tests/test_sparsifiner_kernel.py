@@ -343,6 +343,31 @@ def test_a_failed_build_is_remembered_only_when_the_source_or_compiler_is_at_fau
     assert len(runs.read_text().split()) == (1 if remembered else 2)
 
 
+def test_a_killed_builds_scratch_is_removed_by_the_next_build_and_a_running_ones_is_not(tmp_path, monkeypatch):
+    """A build killed by SIGTERM or kill -9 runs no cleanup: its scratch folder (partial objects) is named for its
+    process and removed by the next build once that process is gone; a live builder's (here our parent's) stays."""
+    import os
+    import subprocess
+    import sys
+
+    from structformer import atomic
+
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'library') for c in commands if '-shared' in c])
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    folder = tmp_path / 'cache' / tile_kernel._cache_key('c++')
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
+                          text=True).stdout.strip()
+    killed, running = (folder / f'{tile_kernel.LIBRARY}.tmp-{pid}-{atomic._HOST}-abcd1234'
+                       for pid in (gone, os.getppid()))
+    for scratch in (killed, running):
+        scratch.mkdir()
+        (scratch / 'block_tile_attention.o').write_bytes(b'partial')
+    library = tile_kernel._build('c++')
+    assert sorted(p.name for p in folder.iterdir()) == sorted([library.name, running.name])
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ..atomic import write_text_atomically
+from ..atomic import stale_temporaries, temporary_sibling, write_text_atomically
 from .flop_formulas import register_flop_formulas
 from .precision import LOW_PRECISION, upcast
 from .tracing import recording_graph
@@ -183,17 +183,23 @@ def _build(compiler: str) -> Path:
                                f"or the compiler change (or {failed} is deleted)")
     print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}", file=sys.stderr,
           flush=True)
+    # the scratch folders of builds killed before their cleanup ran (SIGTERM from a scheduler, kill -9): named for
+    # their process (atomic.temporary_sibling), removed once that process is gone, never while it is building
+    for stale in stale_temporaries(library):
+        shutil.rmtree(stale, ignore_errors=True)
+    scratch = temporary_sibling(library, directory=True)
     try:
-        with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
-            partial = Path(scratch) / LIBRARY
-            compiles, link = _compile_commands(compiler, Path(scratch), partial)
-            _run_all(compiles, compiler)
-            _run_all([link], compiler)
-            os.replace(partial, library)
+        partial = scratch / LIBRARY
+        compiles, link = _compile_commands(compiler, scratch, partial)
+        _run_all(compiles, compiler)
+        _run_all([link], compiler)
+        os.replace(partial, library)
     except CompileError as e:       # the source or the compiler at fault: remembered, not 20 s lost on every run
         if not e.transient:         # (a full disk, a killed compiler: the next run tries again)
             write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
         raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     failed.unlink(missing_ok=True)
     return library
 
@@ -202,10 +208,10 @@ def _compiler_identity(compiler: str) -> str:
     """The compiler's path, size and modification time: an upgraded compiler retries a build that failed."""
     path = Path(shutil.which(compiler) or compiler).resolve()
     try:
-        stat = path.stat()
+        info = path.stat()
     except OSError:                              # not a file we can see: its name is all there is
         return str(path)
-    return f"{path} {stat.st_size} {stat.st_mtime_ns}"
+    return f"{path} {info.st_size} {info.st_mtime_ns}"
 
 
 @lru_cache(maxsize=None)
