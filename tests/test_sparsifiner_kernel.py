@@ -368,6 +368,35 @@ def test_a_killed_builds_scratch_is_removed_by_the_next_build_and_a_running_ones
     assert sorted(p.name for p in folder.iterdir()) == sorted([library.name, running.name])
 
 
+def test_the_compiler_is_the_one_cxx_names_and_none_found_is_said_once(tmp_path, monkeypatch):
+    """$CXX as build tools read it (a wrapper and its compiler: `ccache g++`); a $CXX naming no program is not
+    swapped for another compiler; without a compiler the kernel is unavailable with one warning that says why."""
+    fake = tmp_path / 'bin'
+    fake.mkdir()
+    for name in ('ccache', 'g++'):
+        (fake / name).write_text('#!/bin/sh\nexit 1\n')
+        (fake / name).chmod(0o755)
+    monkeypatch.setenv('PATH', str(fake))
+    monkeypatch.setenv('CXX', 'ccache g++ -Wall')
+    assert tile_kernel._compiler() == f'{fake}/ccache g++ -Wall'
+    compiles, link = tile_kernel._compile_commands(tile_kernel._compiler(), tmp_path, tmp_path / 'out.so')
+    assert all(c[:3] == [f'{fake}/ccache', 'g++', '-Wall'] for c in (*compiles, link))
+    monkeypatch.setenv('CXX', 'clang++')                      # not installed: not replaced by g++
+    assert tile_kernel._compiler() is None
+    monkeypatch.setattr(tile_kernel, '_platform_reason', lambda: None)
+    tile_kernel.unavailable_reason.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"unavailable \(OSError: CXX='clang\+\+' names no program found"):
+            assert 'clang++' in tile_kernel.unavailable_reason()
+        monkeypatch.delenv('CXX')
+        (fake / 'g++').unlink()
+        tile_kernel.unavailable_reason.cache_clear()
+        with pytest.warns(RuntimeWarning, match='no C\\+\\+ compiler found .* runs the gathered path'):
+            tile_kernel.unavailable_reason()
+    finally:
+        tile_kernel.unavailable_reason.cache_clear()          # the next caller loads the real kernel again
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -18,7 +18,8 @@ temporary name and renamed. The flags pin x86-64's baseline instruction set, so 
 (a home on NFS) holds a library every one of them runs.
 It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
 or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
-gathered path instead.
+gathered path instead; a missing compiler (or a `$CXX` that names none) or a failed build says so in one warning
+per process, `STRUCTFORMER_NO_KERNEL=1` in none.
 
 Dtype policy: the kernel computes in float32 or float64 only (its GEMMs are MKL's sgemm/dgemm). Under CPU autocast
 `block_tile_attention` casts float16/bfloat16 inputs to float32, runs the kernel with autocast off and casts the
@@ -30,6 +31,7 @@ upcast (`sparsifiner.predicted_tiles` computes in float32).
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -70,7 +72,17 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get('CXX') or 'c++') or shutil.which('g++')
+    """`$CXX` where it is set, as build tools read it (a program and its leading words: `ccache g++`), else `c++`,
+    else `g++`; None when none is found. A `$CXX` that names no program is not replaced by another compiler (the
+    user asked for that one): `unavailable_reason` names it."""
+    try:
+        requested = shlex.split(os.environ.get('CXX', ''))
+    except ValueError:                           # unbalanced quotes: names nothing runnable
+        return None
+    if requested:
+        program = shutil.which(requested[0])
+        return shlex.join([program, *requested[1:]]) if program else None
+    return shutil.which('c++') or shutil.which('g++')
 
 
 def _torch_folders():
@@ -84,12 +96,12 @@ def _compile_commands(compiler: str, scratch: Path, output: Path):
     """One command per source (object files, run side by side), then the link into `output`."""
     includes, libraries = _torch_folders()
     objects = [scratch / f'{source.stem}.o' for source in SOURCES]
-    compile_flags = [compiler, *COMPILE_FLAGS, f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
-                     *(f'-I{p}' for p in includes)]
+    compile_flags = [*shlex.split(compiler), *COMPILE_FLAGS,
+                     f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}', *(f'-I{p}' for p in includes)]
     compiles = [[*compile_flags, '-c', str(source), '-o', str(obj)] for source, obj in zip(SOURCES, objects)]
     # torch's own libgomp (same soname as the one already loaded), so the kernel's at::parallel_for shares
     # torch's OpenMP threads instead of starting a second runtime
-    link = [compiler, *LINK_FLAGS, *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
+    link = [*shlex.split(compiler), *LINK_FLAGS, *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
             '-lc10', '-ltorch_cpu', '-lgomp', *(f'-Wl,-rpath,{p}' for p in libraries)]
     return compiles, link
 
@@ -205,13 +217,18 @@ def _build(compiler: str) -> Path:
 
 
 def _compiler_identity(compiler: str) -> str:
-    """The compiler's path, size and modification time: an upgraded compiler retries a build that failed."""
-    path = Path(shutil.which(compiler) or compiler).resolve()
-    try:
-        info = path.stat()
-    except OSError:                              # not a file we can see: its name is all there is
-        return str(path)
-    return f"{path} {info.st_size} {info.st_mtime_ns}"
+    """The compiler's path, size and modification time (of each word of `ccache g++` that is a program): an
+    upgraded compiler retries a build that failed."""
+    identities = []
+    for word in shlex.split(compiler):
+        path = Path(shutil.which(word) or word).resolve()
+        try:
+            info = path.stat()
+        except OSError:                          # not a file we can see (a flag): its name is all there is
+            identities.append(word)
+            continue
+        identities.append(f"{path} {info.st_size} {info.st_mtime_ns}")
+    return ' '.join(identities)
 
 
 @lru_cache(maxsize=None)
@@ -221,14 +238,17 @@ def unavailable_reason() -> Optional[str]:
     if reason:
         return reason
     compiler = _compiler()
-    if compiler is None:
-        return 'no C++ compiler found ($CXX, c++ or g++)'
     try:
+        if compiler is None:                     # said once, as a failed build is: the layer runs slower without it
+            requested = os.environ.get('CXX', '').strip()
+            raise OSError(f"CXX={requested!r} names no program found on PATH" if requested
+                          else 'no C++ compiler found (c++ or g++ on PATH; or set CXX)')
         torch.ops.load_library(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         reason = f'{type(e).__name__}: {e}'
         warnings.warn(f"structformer: the Sparsifiner CPU tile kernel is unavailable ({reason}); "
-                      "block connectivity runs the gathered path", RuntimeWarning, stacklevel=3)
+                      "block connectivity runs the gathered path (STRUCTFORMER_NO_KERNEL=1 says so no more)",
+                      RuntimeWarning, stacklevel=3)
         return reason
     # FlopCounterMode cannot look inside the library's ops: without these a model on the kernel counted 0 for its
     # attention (`structformer models --flops`, the benchmarks)
