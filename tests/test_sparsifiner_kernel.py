@@ -397,6 +397,31 @@ def test_the_compiler_is_the_one_cxx_names_and_none_found_is_said_once(tmp_path,
         tile_kernel.unavailable_reason.cache_clear()          # the next caller loads the real kernel again
 
 
+def test_a_cache_folder_that_exists_but_cannot_be_written_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    """A cache on a read-only mount (or another user's folder): mkdir succeeds (it exists), writing in it fails
+    (EROFS, simulated: this suite may run as root, whom no permission bit stops) -- the build goes to the temp dir."""
+    import errno
+    import os
+    import tempfile
+
+    from structformer import atomic
+
+    def read_only_cache(target, **kwargs):
+        if str(target).startswith(str(tmp_path / 'cache')):
+            raise OSError(errno.EROFS, 'Read-only file system', str(target))
+        return atomic.temporary_sibling(target, **kwargs)
+    monkeypatch.setattr(tile_kernel, 'temporary_sibling', read_only_cache)
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'library') for c in commands if '-shared' in c])
+    (tmp_path / 'cache' / tile_kernel._cache_key('c++')).mkdir(parents=True)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    (tmp_path / 'tmp').mkdir()
+    library = tile_kernel._build('c++')
+    assert library.read_bytes() == b'library'
+    assert library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -172,35 +172,40 @@ def _private_temp_folder() -> Path:
     return folder
 
 
+def _scratch_beside(library: Path) -> Path:
+    """A new scratch folder beside where `library` goes, its folder created first; OSError where it cannot be
+    written (a read-only home or mount, another user's folder). The scratch folders of builds killed before their
+    cleanup ran (SIGTERM from a scheduler, kill -9) are named for their process (atomic.temporary_sibling) and
+    removed here once that process is gone, never while it is building."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    for stale in stale_temporaries(library):
+        shutil.rmtree(stale, ignore_errors=True)
+    return temporary_sibling(library, directory=True)
+
+
 def _build(compiler: str) -> Path:
     """The library's path, compiled into the cache if it is not there yet (temp name, then rename)."""
     key = _cache_key(compiler)
-    folder = cache_dir() / key
-    library = folder / LIBRARY
+    library = cache_dir() / key / LIBRARY
     if library.exists():
         return library
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:                              # a read-only home: a per-user folder under the temp dir
-        folder = _private_temp_folder() / key
-        library = folder / LIBRARY
+        scratch = _scratch_beside(library)
+    except OSError:          # the cache cannot be written, even where its folder exists: a folder under the temp dir
+        library = _private_temp_folder() / key / LIBRARY
         if library.exists():
             return library
-        folder.mkdir(exist_ok=True)
-    failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
-    if failed.exists():
-        failed_with, _, error = failed.read_text().partition('\n')
-        if failed_with == compiler_id:
-            raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the sources "
-                               f"or the compiler change (or {failed} is deleted)")
-    print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}", file=sys.stderr,
-          flush=True)
-    # the scratch folders of builds killed before their cleanup ran (SIGTERM from a scheduler, kill -9): named for
-    # their process (atomic.temporary_sibling), removed once that process is gone, never while it is building
-    for stale in stale_temporaries(library):
-        shutil.rmtree(stale, ignore_errors=True)
-    scratch = temporary_sibling(library, directory=True)
+        scratch = _scratch_beside(library)
+    folder = library.parent
     try:
+        failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
+        if failed.exists():
+            failed_with, _, error = failed.read_text().partition('\n')
+            if failed_with == compiler_id:
+                raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the "
+                                   f"sources or the compiler change (or {failed} is deleted)")
+        print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}",
+              file=sys.stderr, flush=True)
         partial = scratch / LIBRARY
         compiles, link = _compile_commands(compiler, scratch, partial)
         _run_all(compiles, compiler)
