@@ -422,6 +422,47 @@ def test_a_cache_folder_that_exists_but_cannot_be_written_falls_back_to_the_temp
     assert library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
 
 
+def test_processes_that_build_at_once_compile_once(tmp_path, monkeypatch, capfd):
+    """DDP ranks or xdist workers starting together: while one process builds (holds the folder's flock, here an
+    open descriptor of this test), another waits and then takes the library it built instead of compiling again;
+    a builder stuck past BUILD_WAIT_S is not waited for forever."""
+    import fcntl
+    import os
+    import threading
+
+    builds = []
+
+    def stand_in(commands, compiler):
+        builds.append(commands)
+        for c in commands:
+            if '-shared' in c:
+                Path(c[c.index('-o') + 1]).write_bytes(b'ours')
+    monkeypatch.setattr(tile_kernel, '_run_all', stand_in)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    folder = tmp_path / 'cache' / tile_kernel._cache_key('c++')
+    folder.mkdir(parents=True)
+    other_builder = os.open(folder, os.O_RDONLY)
+    fcntl.flock(other_builder, fcntl.LOCK_EX)
+    result = []
+    waiting = threading.Thread(target=lambda: result.append(tile_kernel._build('c++')))
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive() and not builds                  # waits for the other build
+    (folder / tile_kernel.LIBRARY).write_bytes(b'theirs')      # which finishes
+    os.close(other_builder)
+    waiting.join(10)
+    assert result[0].read_bytes() == b'theirs' and not builds
+    assert 'waiting for another process' in capfd.readouterr().err
+    (folder / tile_kernel.LIBRARY).unlink()
+    stuck = os.open(folder, os.O_RDONLY)
+    fcntl.flock(stuck, fcntl.LOCK_EX)
+    monkeypatch.setattr(tile_kernel, 'BUILD_WAIT_S', 0.3)
+    try:
+        assert tile_kernel._build('c++').read_bytes() == b'ours' and len(builds) == 2    # compiles, links
+    finally:
+        os.close(stuck)
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -37,6 +37,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 from functools import lru_cache
@@ -174,12 +175,10 @@ def _private_temp_folder() -> Path:
 
 def _scratch_beside(library: Path) -> Path:
     """A new scratch folder beside where `library` goes, its folder created first; OSError where it cannot be
-    written (a read-only home or mount, another user's folder). The scratch folders of builds killed before their
-    cleanup ran (SIGTERM from a scheduler, kill -9) are named for their process (atomic.temporary_sibling) and
-    removed here once that process is gone, never while it is building."""
+    written (a read-only home or mount, another user's folder). Named for this process (atomic.temporary_sibling),
+    so that a build killed before its cleanup ran (SIGTERM from a scheduler, kill -9) leaves a scratch folder the
+    next build removes (`_build`), once that process is gone, never while it is building."""
     library.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_temporaries(library):
-        shutil.rmtree(stale, ignore_errors=True)
     return temporary_sibling(library, directory=True)
 
 
@@ -197,28 +196,71 @@ def _build(compiler: str) -> Path:
             return library
         scratch = _scratch_beside(library)
     folder = library.parent
+    failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
     try:
-        failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
-        if failed.exists():
-            failed_with, _, error = failed.read_text().partition('\n')
-            if failed_with == compiler_id:
-                raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the "
-                                   f"sources or the compiler change (or {failed} is deleted)")
-        print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}",
-              file=sys.stderr, flush=True)
-        partial = scratch / LIBRARY
-        compiles, link = _compile_commands(compiler, scratch, partial)
-        _run_all(compiles, compiler)
-        _run_all([link], compiler)
-        os.replace(partial, library)
+        with _one_build_at_a_time(folder):
+            for stale in stale_temporaries(library):     # killed builds' scratch (the one waited for, if killed)
+                shutil.rmtree(stale, ignore_errors=True)
+            if library.exists():                 # built by the process this one waited for
+                return library
+            if failed.exists():
+                failed_with, _, error = failed.read_text().partition('\n')
+                if failed_with == compiler_id:
+                    raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the "
+                                       f"sources or the compiler change (or {failed} is deleted)")
+            print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}",
+                  file=sys.stderr, flush=True)
+            partial = scratch / LIBRARY
+            compiles, link = _compile_commands(compiler, scratch, partial)
+            _run_all(compiles, compiler)
+            _run_all([link], compiler)
+            os.replace(partial, library)
+            failed.unlink(missing_ok=True)
+            return library
     except CompileError as e:       # the source or the compiler at fault: remembered, not 20 s lost on every run
         if not e.transient:         # (a full disk, a killed compiler: the next run tries again)
             write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    failed.unlink(missing_ok=True)
-    return library
+
+
+BUILD_WAIT_S = 600.0                # longer than any build: past it, a builder is taken as stuck and ignored
+
+
+@contextmanager
+def _one_build_at_a_time(folder: Path):
+    """Hold an exclusive flock on the cache folder while building into it: the other processes that start at once
+    (DDP ranks, pytest-xdist workers) wait, then load the library the first one built, instead of compiling it N
+    times side by side (N x 3 compilers of torch's headers, a gigabyte of memory each). The kernel releases a flock
+    however its holder ends, so a killed builder leaves no stale lock; a stuck one is waited for BUILD_WAIT_S at
+    most. Where the file system has no locks (some NFS mounts) every process builds, each in its own scratch
+    folder, and the renames into place are atomic."""
+    import fcntl                                 # POSIX only: not at module level (the package imports on Windows)
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        deadline, said = time.monotonic() + BUILD_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                if not said:
+                    print(f"structformer: waiting for another process's build of the tile kernel in {folder}",
+                          file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.2)
+            except OSError:                      # no locks here
+                break
+        yield
+    finally:
+        os.close(handle)                         # releases the lock
 
 
 def _compiler_identity(compiler: str) -> str:
