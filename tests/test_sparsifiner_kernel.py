@@ -75,13 +75,21 @@ def test_kernel_takes_the_strided_heads_of_a_projection_and_returns_token_major_
 
 
 def test_kernel_equals_the_gathered_path_at_every_thread_count(kernel):
+    """Outputs and gradients (the backward's tasks write dK, dV per key tile in parallel: the suite's
+    OMP_NUM_THREADS=1 alone would never run two at once)."""
     q, k, v, chosen = _case(1, 4, 200, 16, 32, 3, torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    upstream = torch.randn_like(q)
     reference = block_gathered_attention(q, k, v, chosen, 32, dense_rows=1)
+    reference_grads = torch.autograd.grad(reference, (q, k, v), upstream)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            torch.testing.assert_close(tile_attention(q, k, v, chosen, 32, dense_rows=1, impl='kernel'), reference)
+            out = tile_attention(q, k, v, chosen, 32, dense_rows=1, impl='kernel')
+            torch.testing.assert_close(out, reference)
+            for got, expected in zip(torch.autograd.grad(out, (q, k, v), upstream), reference_grads):
+                torch.testing.assert_close(got, expected)
     finally:
         torch.set_num_threads(threads)
 
