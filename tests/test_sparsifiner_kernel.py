@@ -471,6 +471,24 @@ def test_processes_that_build_at_once_compile_once(tmp_path, monkeypatch, capfd)
         os.close(stuck)
 
 
+def test_without_a_home_the_build_goes_to_the_temp_dir(tmp_path, monkeypatch):
+    """A container run under a user id with no passwd entry and no HOME: Path.home() raises; the kernel still
+    builds, in the private temp folder."""
+    import os
+    import tempfile
+
+    def no_home():
+        raise RuntimeError('Could not determine home directory.')
+    monkeypatch.setattr(Path, 'home', staticmethod(no_home))
+    for name in ('STRUCTFORMER_KERNEL_DIR', 'XDG_CACHE_HOME'):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'library') for c in commands if '-shared' in c])
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    library = tile_kernel._build('c++')
+    assert library.parent.parent == tmp_path / f'structformer-kernels-{os.getuid()}' and library.exists()
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -185,12 +185,14 @@ def _scratch_beside(library: Path) -> Path:
 def _build(compiler: str) -> Path:
     """The library's path, compiled into the cache if it is not there yet (temp name, then rename)."""
     key = _cache_key(compiler)
-    library = cache_dir() / key / LIBRARY
-    if library.exists():
-        return library
     try:
+        library = cache_dir() / key / LIBRARY
+        if library.exists():
+            return library
         scratch = _scratch_beside(library)
-    except OSError:          # the cache cannot be written, even where its folder exists: a folder under the temp dir
+    # the cache cannot be written, even where its folder exists, or there is no home (HOME unset and a container's
+    # user id without a passwd entry: Path.home() raises RuntimeError): a folder under the temp dir
+    except (OSError, RuntimeError):
         library = _private_temp_folder() / key / LIBRARY
         if library.exists():
             return library
