@@ -489,6 +489,35 @@ def test_without_a_home_the_build_goes_to_the_temp_dir(tmp_path, monkeypatch):
     assert library.parent.parent == tmp_path / f'structformer-kernels-{os.getuid()}' and library.exists()
 
 
+def test_a_cached_library_cut_short_is_built_again(tmp_path, monkeypatch):
+    """A library in the cache that is a stub (empty: a crash after its rename, before its data reached the disk)
+    is built again instead of leaving the kernel unavailable on every run until someone deletes it. (Loading is a
+    stand-in that refuses what is not ELF, as the loader does: the real library is loaded once per process.)"""
+    loaded = []
+
+    def load_library(path):
+        if Path(path).read_bytes()[:4] != b'\x7fELF':
+            raise OSError(f'{path}: file too short')
+        loaded.append(path)
+    monkeypatch.setattr(torch.ops, 'load_library', load_library)
+    monkeypatch.setattr(tile_kernel, 'register_flop_formulas', lambda formulas: None)
+    monkeypatch.setattr(tile_kernel, '_platform_reason', lambda: None)
+    monkeypatch.setattr(tile_kernel, '_compiler', lambda: 'c++')
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'\x7fELF library') for c in commands if '-shared' in c])
+    monkeypatch.setattr(tile_kernel, '_flush_to_disk', lambda path: None, raising=False)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path))
+    stub = tmp_path / tile_kernel._cache_key('c++') / tile_kernel.LIBRARY
+    stub.parent.mkdir()
+    stub.write_bytes(b'')
+    tile_kernel.unavailable_reason.cache_clear()
+    try:
+        assert tile_kernel.unavailable_reason() is None
+    finally:
+        tile_kernel.unavailable_reason.cache_clear()
+    assert loaded == [str(stub)] and stub.read_bytes() == b'\x7fELF library'
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

@@ -216,6 +216,7 @@ def _build(compiler: str) -> Path:
             compiles, link = _compile_commands(compiler, scratch, partial)
             _run_all(compiles, compiler)
             _run_all([link], compiler)
+            _flush_to_disk(partial)              # a crash after the rename leaves the whole library, not a stub
             os.replace(partial, library)
             failed.unlink(missing_ok=True)
             return library
@@ -265,6 +266,38 @@ def _one_build_at_a_time(folder: Path):
         os.close(handle)                         # releases the lock
 
 
+def _flush_to_disk(path: Path) -> None:
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _cut_short(library: Path, error: OSError) -> bool:
+    """Whether a library that failed to load is a stub rather than a whole shared object: empty, no ELF header,
+    or what the loader says of a file cut short (a build's rename outliving its data in a crash)."""
+    try:
+        with open(library, 'rb') as f:
+            header = f.read(4)
+    except OSError:
+        return False
+    return header != b'\x7fELF' or any(sign in str(error) for sign in ('too short', 'cannot read file data',
+                                                                        'ELF load command'))
+
+
+def _load(compiler: str) -> None:
+    """Load the library, building it first if needed; a cached one cut short is built again (once)."""
+    library = _build(compiler)
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:
+        if not _cut_short(library, e):
+            raise
+        library.unlink(missing_ok=True)
+        torch.ops.load_library(str(_build(compiler)))
+
+
 def _compiler_identity(compiler: str) -> str:
     """The compiler's path, size and modification time (of each word of `ccache g++` that is a program): an
     upgraded compiler retries a build that failed."""
@@ -292,7 +325,7 @@ def unavailable_reason() -> Optional[str]:
             requested = os.environ.get('CXX', '').strip()
             raise OSError(f"CXX={requested!r} names no program found on PATH" if requested
                           else 'no C++ compiler found (c++ or g++ on PATH; or set CXX)')
-        torch.ops.load_library(str(_build(compiler)))
+        _load(compiler)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         reason = f'{type(e).__name__}: {e}'
         warnings.warn(f"structformer: the Sparsifiner CPU tile kernel is unavailable ({reason}); "
