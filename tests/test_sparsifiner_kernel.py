@@ -518,6 +518,28 @@ def test_a_cached_library_cut_short_is_built_again(tmp_path, monkeypatch):
     assert loaded == [str(stub)] and stub.read_bytes() == b'\x7fELF library'
 
 
+def test_a_compiler_that_hangs_is_killed_and_tried_again_next_run(tmp_path, monkeypatch):
+    """A compiler wrapper stuck (on a license server, a remote cache) does not hang the process, nor the
+    processes waiting for its build: it is killed after COMPILE_TIMEOUT_S, and the failure is not remembered."""
+    import time
+
+    compiler = tmp_path / 'cxx'
+    compiler.write_text(f'#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 30\n')
+    compiler.chmod(0o755)
+    source = tmp_path / 'probe.cpp'
+    source.write_text('int probe;\n')
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setattr(tile_kernel, 'COMPILE_TIMEOUT_S', 1.0)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r'with .*cxx did not finish in 1 s'):
+        tile_kernel._build(str(compiler))
+    assert time.monotonic() - started < 20
+    assert not list((tmp_path / 'cache').rglob(tile_kernel.FAILED))              # tried again next run
+    assert not Path(f"/proc/{(tmp_path / 'pid').read_text().strip()}").exists()  # no compiler left running
+
+
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows
     (1, 2, 19, 4, 4, 2, 1),             # partial last tiles, the cls row dense
     (2, 2, 20, 3, 8, 2, 0),             # a key tile no query keeps gets a zero gradient (some draws)

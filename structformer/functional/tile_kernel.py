@@ -121,12 +121,29 @@ class CompileError(RuntimeError):
         self.transient = transient
 
 
+COMPILE_TIMEOUT_S = 600.0           # per stage (the compiles side by side, then the link); ~20-45 s is usual
+
+
 def _run_all(commands, compiler: str) -> None:
-    """Run the commands side by side; a failure names the compiler and its first error line."""
-    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
-    # communicate() reads each error stream to its end while waiting (a compiler's error output can exceed a
-    # pipe's buffer); the others keep compiling meanwhile
-    finished = [(p.communicate()[1], p.returncode, c) for p, c in zip(running, commands)]
+    """Run the commands side by side; a failure names the compiler and its first error line. A compiler still
+    running after COMPILE_TIMEOUT_S (a wrapper waiting on a license server or a remote cache) is killed and the
+    failure is transient; so is every compiler when this process is interrupted (none is left running)."""
+    running = []
+    try:
+        running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                   for c in commands]
+        deadline = time.monotonic() + COMPILE_TIMEOUT_S
+        # communicate() reads each error stream to its end while waiting (a compiler's error output can exceed a
+        # pipe's buffer); the others keep compiling meanwhile
+        finished = [(p.communicate(timeout=max(deadline - time.monotonic(), 0.0))[1], p.returncode, c)
+                    for p, c in zip(running, commands)]
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"compiling with {compiler} did not finish in {COMPILE_TIMEOUT_S:.0f} s", True) from None
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     for stderr, code, command in finished:
         if code != 0:
             lines = [line for line in stderr.splitlines() if 'error' in line] or stderr.splitlines()[-1:] or ['?']
@@ -228,7 +245,7 @@ def _build(compiler: str) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-BUILD_WAIT_S = 600.0                # longer than any build: past it, a builder is taken as stuck and ignored
+BUILD_WAIT_S = 2 * COMPILE_TIMEOUT_S + 60   # longer than a build may take: past it, a builder is taken as stuck
 
 
 @contextmanager
