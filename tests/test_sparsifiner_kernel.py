@@ -75,13 +75,21 @@ def test_kernel_takes_the_strided_heads_of_a_projection_and_returns_token_major_
 
 
 def test_kernel_equals_the_gathered_path_at_every_thread_count(kernel):
+    """Outputs and gradients (the backward's tasks write dK, dV per key tile in parallel: the suite's
+    OMP_NUM_THREADS=1 alone would never run two at once)."""
     q, k, v, chosen = _case(1, 4, 200, 16, 32, 3, torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    upstream = torch.randn_like(q)
     reference = block_gathered_attention(q, k, v, chosen, 32, dense_rows=1)
+    reference_grads = torch.autograd.grad(reference, (q, k, v), upstream)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            torch.testing.assert_close(tile_attention(q, k, v, chosen, 32, dense_rows=1, impl='kernel'), reference)
+            out = tile_attention(q, k, v, chosen, 32, dense_rows=1, impl='kernel')
+            torch.testing.assert_close(out, reference)
+            for got, expected in zip(torch.autograd.grad(out, (q, k, v), upstream), reference_grads):
+                torch.testing.assert_close(got, expected)
     finally:
         torch.set_num_threads(threads)
 
@@ -248,6 +256,288 @@ def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     (tmp_path / 'tmp').mkdir()
     library = tile_kernel._build('c++')
     assert library.exists() and library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
+
+
+def test_the_temp_dir_fallback_loads_nothing_another_user_could_have_planted(tmp_path, monkeypatch):
+    """The fallback folder's name is predictable (/tmp/structformer-kernels-UID): a folder there that others can
+    write in (or that another user owns) is refused with one reason, and its library is neither loaded nor
+    built over."""
+    import os
+    import tempfile
+
+    built = []
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: built.append(commands))
+    blocked = tmp_path / 'file'
+    blocked.write_text('')
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(blocked / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    shared = tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
+    planted = shared / tile_kernel._cache_key('c++') / tile_kernel.LIBRARY
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b'not ours')
+    shared.chmod(0o777)                          # as another user's `mkdir -m 777` would leave it
+    with pytest.raises(OSError, match='only this user can write .* no library is loaded from it'):
+        tile_kernel._build('c++')
+    if os.getuid() == 0:                         # (only root can hand a folder to another user)
+        shared.chmod(0o755)
+        os.chown(shared, 4321, 4321)
+        with pytest.raises(OSError, match='owner uid 4321'):
+            tile_kernel._build('c++')
+    assert not built and planted.read_bytes() == b'not ours'
+
+
+def test_the_cache_key_follows_the_compiler_file_and_the_flags(tmp_path, monkeypatch):
+    """A compiler replaced at the same path (upgraded in place, or another node's on a shared home: its library
+    would need that node's libstdc++) and a change of flags each get their own cache folder."""
+    compiler = tmp_path / 'c++'
+    compiler.write_text('#!/bin/sh\nexec g++ "$@"\n')
+    before = tile_kernel._cache_key(str(compiler))
+    assert tile_kernel._cache_key(str(compiler)) == before
+    compiler.write_text('#!/bin/sh\nexec g++-14 "$@"\n')
+    upgraded = tile_kernel._cache_key(str(compiler))
+    assert upgraded != before
+    monkeypatch.setattr(tile_kernel, 'COMPILE_FLAGS', (*tile_kernel.COMPILE_FLAGS, '-DANOTHER_FLAG'))
+    assert tile_kernel._cache_key(str(compiler)) not in (before, upgraded)
+
+
+def _vector_instructions(library: Path) -> list:
+    import shutil
+    import subprocess
+    if not shutil.which('objdump'):
+        pytest.skip('objdump is not installed')
+    listing = subprocess.run(['objdump', '-d', '--no-show-raw-insn', str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return [line for line in listing.splitlines() if '%ymm' in line or '%zmm' in line]
+
+
+def test_the_library_runs_on_any_x86_64_whatever_the_compilers_default(kernel, tmp_path, monkeypatch):
+    """A compiler whose default target is AVX-512 (as RHEL 10's GCC defaults to AVX2) still builds a library of
+    x86-64's baseline instructions: the cache may be shared with CPUs without them. Checked on a vectorisable
+    probe built with such a compiler (a wrapper adding -march=x86-64-v4), and on the kernel's own library."""
+    assert not _vector_instructions(tile_kernel._build(tile_kernel._compiler()))
+    source = tmp_path / 'probe.cpp'
+    source.write_text('extern "C" void structformer_axpy(float* y, const float* x, float a, int n) {\n'
+                      '  for (int i = 0; i < n; ++i) y[i] += a * x[i];\n}\n')
+    wrapper = tmp_path / 'cxx'
+    wrapper.write_text(f'#!/bin/sh\nexec {tile_kernel._compiler()} -march=x86-64-v4 "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    assert not _vector_instructions(tile_kernel._build(str(wrapper)))
+
+
+@pytest.mark.parametrize('says, remembered', [
+    ("probe.cpp:1:1: error: 'this' does not name a type", True),               # the source: not retried
+    ('c++: fatal error: Killed signal terminated program cc1plus', False),    # the OOM killer: tried again
+    ('/usr/bin/ld: final link failed: No space left on device', False),       # a full disk: tried again
+])
+def test_a_failed_build_is_remembered_only_when_the_source_or_compiler_is_at_fault(tmp_path, monkeypatch, says,
+                                                                                   remembered):
+    """A compiler (a stand-in script that counts its runs) failing with what g++ says in each case, twice."""
+    runs = tmp_path / 'runs'
+    compiler = tmp_path / 'cxx'
+    compiler.write_text(f'#!/bin/sh\necho run >> {runs}\necho "{says}" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    source = tmp_path / 'probe.cpp'
+    source.write_text('int probe;\n')
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    with pytest.raises(RuntimeError, match='compiling probe.cpp with .* failed: '):
+        tile_kernel._build(str(compiler))
+    with pytest.raises(RuntimeError, match='earlier build with this compiler failed' if remembered else '^compiling'):
+        tile_kernel._build(str(compiler))
+    assert len(runs.read_text().split()) == (1 if remembered else 2)
+
+
+def test_a_killed_builds_scratch_is_removed_by_the_next_build_and_a_running_ones_is_not(tmp_path, monkeypatch):
+    """A build killed by SIGTERM or kill -9 runs no cleanup: its scratch folder (partial objects) is named for its
+    process and removed by the next build once that process is gone; a live builder's (here our parent's) stays."""
+    import os
+    import subprocess
+    import sys
+
+    from structformer import atomic
+
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'library') for c in commands if '-shared' in c])
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    folder = tmp_path / 'cache' / tile_kernel._cache_key('c++')
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
+                          text=True).stdout.strip()
+    killed, running = (folder / f'{tile_kernel.LIBRARY}.tmp-{pid}-{atomic._HOST}-abcd1234'
+                       for pid in (gone, os.getppid()))
+    for scratch in (killed, running):
+        scratch.mkdir()
+        (scratch / 'block_tile_attention.o').write_bytes(b'partial')
+    library = tile_kernel._build('c++')
+    assert sorted(p.name for p in folder.iterdir()) == sorted([library.name, running.name])
+
+
+def test_the_compiler_is_the_one_cxx_names_and_none_found_is_said_once(tmp_path, monkeypatch):
+    """$CXX as build tools read it (a wrapper and its compiler: `ccache g++`); a $CXX naming no program is not
+    swapped for another compiler; without a compiler the kernel is unavailable with one warning that says why."""
+    fake = tmp_path / 'bin'
+    fake.mkdir()
+    for name in ('ccache', 'g++'):
+        (fake / name).write_text('#!/bin/sh\nexit 1\n')
+        (fake / name).chmod(0o755)
+    monkeypatch.setenv('PATH', str(fake))
+    monkeypatch.setenv('CXX', 'ccache g++ -Wall')
+    assert tile_kernel._compiler() == f'{fake}/ccache g++ -Wall'
+    compiles, link = tile_kernel._compile_commands(tile_kernel._compiler(), tmp_path, tmp_path / 'out.so')
+    assert all(c[:3] == [f'{fake}/ccache', 'g++', '-Wall'] for c in (*compiles, link))
+    monkeypatch.setenv('CXX', 'clang++')                      # not installed: not replaced by g++
+    assert tile_kernel._compiler() is None
+    monkeypatch.setattr(tile_kernel, '_platform_reason', lambda: None)
+    tile_kernel.unavailable_reason.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"unavailable \(OSError: CXX='clang\+\+' names no program found"):
+            assert 'clang++' in tile_kernel.unavailable_reason()
+        monkeypatch.delenv('CXX')
+        (fake / 'g++').unlink()
+        tile_kernel.unavailable_reason.cache_clear()
+        with pytest.warns(RuntimeWarning, match='no C\\+\\+ compiler found .* runs the gathered path'):
+            tile_kernel.unavailable_reason()
+    finally:
+        tile_kernel.unavailable_reason.cache_clear()          # the next caller loads the real kernel again
+
+
+def test_a_cache_folder_that_exists_but_cannot_be_written_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    """A cache on a read-only mount (or another user's folder): mkdir succeeds (it exists), writing in it fails
+    (EROFS, simulated: this suite may run as root, whom no permission bit stops) -- the build goes to the temp dir."""
+    import errno
+    import os
+    import tempfile
+
+    from structformer import atomic
+
+    def read_only_cache(target, **kwargs):
+        if str(target).startswith(str(tmp_path / 'cache')):
+            raise OSError(errno.EROFS, 'Read-only file system', str(target))
+        return atomic.temporary_sibling(target, **kwargs)
+    monkeypatch.setattr(tile_kernel, 'temporary_sibling', read_only_cache)
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'library') for c in commands if '-shared' in c])
+    (tmp_path / 'cache' / tile_kernel._cache_key('c++')).mkdir(parents=True)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    (tmp_path / 'tmp').mkdir()
+    library = tile_kernel._build('c++')
+    assert library.read_bytes() == b'library'
+    assert library.parent.parent == tmp_path / 'tmp' / f'structformer-kernels-{os.getuid()}'
+
+
+def test_processes_that_build_at_once_compile_once(tmp_path, monkeypatch, capfd):
+    """DDP ranks or xdist workers starting together: while one process builds (holds the folder's flock, here an
+    open descriptor of this test), another waits and then takes the library it built instead of compiling again;
+    a builder stuck past BUILD_WAIT_S is not waited for forever."""
+    import fcntl
+    import os
+    import threading
+
+    builds = []
+
+    def stand_in(commands, compiler):
+        builds.append(commands)
+        for c in commands:
+            if '-shared' in c:
+                Path(c[c.index('-o') + 1]).write_bytes(b'ours')
+    monkeypatch.setattr(tile_kernel, '_run_all', stand_in)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    folder = tmp_path / 'cache' / tile_kernel._cache_key('c++')
+    folder.mkdir(parents=True)
+    other_builder = os.open(folder, os.O_RDONLY)
+    fcntl.flock(other_builder, fcntl.LOCK_EX)
+    result = []
+    waiting = threading.Thread(target=lambda: result.append(tile_kernel._build('c++')))
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive() and not builds                  # waits for the other build
+    (folder / tile_kernel.LIBRARY).write_bytes(b'theirs')      # which finishes
+    os.close(other_builder)
+    waiting.join(10)
+    assert result[0].read_bytes() == b'theirs' and not builds
+    assert 'waiting for another process' in capfd.readouterr().err
+    (folder / tile_kernel.LIBRARY).unlink()
+    stuck = os.open(folder, os.O_RDONLY)
+    fcntl.flock(stuck, fcntl.LOCK_EX)
+    monkeypatch.setattr(tile_kernel, 'BUILD_WAIT_S', 0.3)
+    try:
+        assert tile_kernel._build('c++').read_bytes() == b'ours' and len(builds) == 2    # compiles, links
+    finally:
+        os.close(stuck)
+
+
+def test_without_a_home_the_build_goes_to_the_temp_dir(tmp_path, monkeypatch):
+    """A container run under a user id with no passwd entry and no HOME: Path.home() raises; the kernel still
+    builds, in the private temp folder."""
+    import os
+    import tempfile
+
+    def no_home():
+        raise RuntimeError('Could not determine home directory.')
+    monkeypatch.setattr(Path, 'home', staticmethod(no_home))
+    for name in ('STRUCTFORMER_KERNEL_DIR', 'XDG_CACHE_HOME'):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'library') for c in commands if '-shared' in c])
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    library = tile_kernel._build('c++')
+    assert library.parent.parent == tmp_path / f'structformer-kernels-{os.getuid()}' and library.exists()
+
+
+def test_a_cached_library_cut_short_is_built_again(tmp_path, monkeypatch):
+    """A library in the cache that is a stub (empty: a crash after its rename, before its data reached the disk)
+    is built again instead of leaving the kernel unavailable on every run until someone deletes it. (Loading is a
+    stand-in that refuses what is not ELF, as the loader does: the real library is loaded once per process.)"""
+    loaded = []
+
+    def load_library(path):
+        if Path(path).read_bytes()[:4] != b'\x7fELF':
+            raise OSError(f'{path}: file too short')
+        loaded.append(path)
+    monkeypatch.setattr(torch.ops, 'load_library', load_library)
+    monkeypatch.setattr(tile_kernel, 'register_flop_formulas', lambda formulas: None)
+    monkeypatch.setattr(tile_kernel, '_platform_reason', lambda: None)
+    monkeypatch.setattr(tile_kernel, '_compiler', lambda: 'c++')
+    monkeypatch.setattr(tile_kernel, '_run_all', lambda commands, compiler: [
+        Path(c[c.index('-o') + 1]).write_bytes(b'\x7fELF library') for c in commands if '-shared' in c])
+    monkeypatch.setattr(tile_kernel, '_flush_to_disk', lambda path: None, raising=False)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path))
+    stub = tmp_path / tile_kernel._cache_key('c++') / tile_kernel.LIBRARY
+    stub.parent.mkdir()
+    stub.write_bytes(b'')
+    tile_kernel.unavailable_reason.cache_clear()
+    try:
+        assert tile_kernel.unavailable_reason() is None
+    finally:
+        tile_kernel.unavailable_reason.cache_clear()
+    assert loaded == [str(stub)] and stub.read_bytes() == b'\x7fELF library'
+
+
+def test_a_compiler_that_hangs_is_killed_and_tried_again_next_run(tmp_path, monkeypatch):
+    """A compiler wrapper stuck (on a license server, a remote cache) does not hang the process, nor the
+    processes waiting for its build: it is killed after COMPILE_TIMEOUT_S, and the failure is not remembered."""
+    import time
+
+    compiler = tmp_path / 'cxx'
+    compiler.write_text(f'#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 30\n')
+    compiler.chmod(0o755)
+    source = tmp_path / 'probe.cpp'
+    source.write_text('int probe;\n')
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setattr(tile_kernel, 'COMPILE_TIMEOUT_S', 1.0)
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r'with .*cxx did not finish in 1 s'):
+        tile_kernel._build(str(compiler))
+    assert time.monotonic() - started < 20
+    assert not list((tmp_path / 'cache').rglob(tile_kernel.FAILED))              # tried again next run
+    assert not Path(f"/proc/{(tmp_path / 'pid').read_text().strip()}").exists()  # no compiler left running
 
 
 GRADIENT_CASES = [  # batch, heads, n, d, block_size, kept, dense_rows

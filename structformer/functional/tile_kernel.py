@@ -12,11 +12,14 @@ The source is compiled once per machine and torch build with the system's C++ co
 about 20 s on 2 cores, against torch's headers and libraries (its GEMMs are the MKL ones libtorch_cpu exports, its
 threads torch's OpenMP runtime), and loaded with `torch.ops.load_library`. The library lands in
 `$STRUCTFORMER_KERNEL_DIR`, else `$XDG_CACHE_HOME/structformer/kernels` (default `~/.cache/...`; a per-user
-folder under the temp dir when that cannot be created), in a folder named by a hash of the source, torch's
-version and the compiler, written to a temporary name and renamed.
+folder under the temp dir when that cannot be created, used only while no other user can write in it), in a
+folder named by a hash of the source, torch's version, the compiler (its file) and the flags, written to a
+temporary name and renamed. The flags pin x86-64's baseline instruction set, so a cache shared by different CPUs
+(a home on NFS) holds a library every one of them runs.
 It exists only where all of that does: Linux on x86-64, torch with OpenMP and MKL, a compiler. Elsewhere,
 or with `STRUCTFORMER_NO_KERNEL=1`, `unavailable_reason()` says why and the layer's impl='auto' runs the
-gathered path instead.
+gathered path instead; a missing compiler (or a `$CXX` that names none) or a failed build says so in one warning
+per process, `STRUCTFORMER_NO_KERNEL=1` in none.
 
 Dtype policy: the kernel computes in float32 or float64 only (its GEMMs are MKL's sgemm/dgemm). Under CPU autocast
 `block_tile_attention` casts float16/bfloat16 inputs to float32, runs the kernel with autocast off and casts the
@@ -28,10 +31,13 @@ upcast (`sparsifiner.predicted_tiles` computes in float32).
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 from functools import lru_cache
@@ -40,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from ..atomic import write_text_atomically
+from ..atomic import stale_temporaries, temporary_sibling, write_text_atomically
 from .flop_formulas import register_flop_formulas
 from .precision import LOW_PRECISION, upcast
 from .tracing import recording_graph
@@ -52,6 +58,11 @@ HEADERS = (CSRC / 'tile_common.h',)
 LIBRARY = 'block_tile_attention.so'
 FAILED = 'build-failed.txt'         # beside where the library would be: the compiler that failed and its error
 DTYPES = (torch.float32, torch.float64)
+# x86-64's baseline instruction set, whatever the compiler's default (RHEL 10's GCC targets x86-64-v3, i.e. AVX2):
+# one cached library then runs on every x86-64 CPU that shares the cache folder (a home directory on NFS across
+# node types); the GEMMs (MKL) and the softmax (ATen) choose their instructions at run time anyway
+COMPILE_FLAGS = ('-O3', '-std=c++20', '-fPIC', '-fopenmp', '-march=x86-64', '-mtune=generic')
+LINK_FLAGS = ('-shared', '-fopenmp')
 
 
 def cache_dir() -> Path:
@@ -62,7 +73,17 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get('CXX') or 'c++') or shutil.which('g++')
+    """`$CXX` where it is set, as build tools read it (a program and its leading words: `ccache g++`), else `c++`,
+    else `g++`; None when none is found. A `$CXX` that names no program is not replaced by another compiler (the
+    user asked for that one): `unavailable_reason` names it."""
+    try:
+        requested = shlex.split(os.environ.get('CXX', ''))
+    except ValueError:                           # unbalanced quotes: names nothing runnable
+        return None
+    if requested:
+        program = shutil.which(requested[0])
+        return shlex.join([program, *requested[1:]]) if program else None
+    return shutil.which('c++') or shutil.which('g++')
 
 
 def _torch_folders():
@@ -76,28 +97,60 @@ def _compile_commands(compiler: str, scratch: Path, output: Path):
     """One command per source (object files, run side by side), then the link into `output`."""
     includes, libraries = _torch_folders()
     objects = [scratch / f'{source.stem}.o' for source in SOURCES]
-    compile_flags = [compiler, '-O3', '-std=c++20', '-fPIC', '-fopenmp',
-                     f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}',
-                     *(f'-I{p}' for p in includes)]
+    compile_flags = [*shlex.split(compiler), *COMPILE_FLAGS,
+                     f'-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}', *(f'-I{p}' for p in includes)]
     compiles = [[*compile_flags, '-c', str(source), '-o', str(obj)] for source, obj in zip(SOURCES, objects)]
     # torch's own libgomp (same soname as the one already loaded), so the kernel's at::parallel_for shares
     # torch's OpenMP threads instead of starting a second runtime
-    link = [compiler, '-shared', '-fopenmp', *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
+    link = [*shlex.split(compiler), *LINK_FLAGS, *map(str, objects), '-o', str(output), *(f'-L{p}' for p in libraries),
             '-lc10', '-ltorch_cpu', '-lgomp', *(f'-Wl,-rpath,{p}' for p in libraries)]
     return compiles, link
 
 
+# what a compiler says when the machine, not the source, stopped it (cc1plus killed by the OOM killer: g++ exits 1
+# with "Killed signal terminated program cc1plus"; a full disk; no memory): worth another try on the next run
+_TRANSIENT = ('signal terminated program', 'No space left on device', 'Cannot allocate memory', 'out of memory',
+              'virtual memory exhausted', 'Disk quota exceeded')
+
+
+class CompileError(RuntimeError):
+    """A build command failed; `transient` when the machine stopped it (a signal, memory, disk), not the source."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+COMPILE_TIMEOUT_S = 600.0           # per stage (the compiles side by side, then the link); ~20-45 s is usual
+
+
 def _run_all(commands, compiler: str) -> None:
-    """Run the commands side by side; a failure names the compiler and its first error line."""
-    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
-    # communicate() reads each error stream to its end while waiting (a compiler's error output can exceed a
-    # pipe's buffer); the others keep compiling meanwhile
-    finished = [(p.communicate()[1], p.returncode, c) for p, c in zip(running, commands)]
+    """Run the commands side by side; a failure names the compiler and its first error line. A compiler still
+    running after COMPILE_TIMEOUT_S (a wrapper waiting on a license server or a remote cache) is killed and the
+    failure is transient; so is every compiler when this process is interrupted (none is left running)."""
+    running = []
+    try:
+        running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                   for c in commands]
+        deadline = time.monotonic() + COMPILE_TIMEOUT_S
+        # communicate() reads each error stream to its end while waiting (a compiler's error output can exceed a
+        # pipe's buffer); the others keep compiling meanwhile
+        finished = [(p.communicate(timeout=max(deadline - time.monotonic(), 0.0))[1], p.returncode, c)
+                    for p, c in zip(running, commands)]
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"compiling with {compiler} did not finish in {COMPILE_TIMEOUT_S:.0f} s", True) from None
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     for stderr, code, command in finished:
         if code != 0:
             lines = [line for line in stderr.splitlines() if 'error' in line] or stderr.splitlines()[-1:] or ['?']
             what = next((Path(a).name for a in command if a.endswith('.cpp')), 'the library')
-            raise RuntimeError(f"compiling {what} with {compiler} failed: {lines[0][:300]}")
+            transient = code < 0 or any(sign in stderr for sign in _TRANSIENT)
+            reason = f'killed by signal {-code}' if code < 0 else lines[0][:300]
+            raise CompileError(f"compiling {what} with {compiler} failed: {reason}", transient)
 
 
 def _platform_reason() -> Optional[str]:
@@ -110,52 +163,171 @@ def _platform_reason() -> Optional[str]:
     return None
 
 
+def _cache_key(compiler: str) -> str:
+    """The cache folder's name: a hash of what the library depends on -- the sources, torch's build, the compiler
+    itself (`_compiler_identity`: another compiler at the same path, upgraded in place or another node's on a
+    shared home, builds its own copy, linked against its own libstdc++) and the flags (a change of flags is a new
+    library). No ISA feature: the flags pin the baseline (COMPILE_FLAGS). No Python version: the library has no
+    Python ABI (torch.ops.load_library, no pybind)."""
+    code = b''.join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    facts = (torch.__version__, torch.version.git_version, _compiler_identity(compiler), *COMPILE_FLAGS, *LINK_FLAGS)
+    return hashlib.sha256(code + '|'.join(facts).encode()).hexdigest()[:16]
+
+
+def _private_temp_folder() -> Path:
+    """This user's folder under the shared temp dir, created 0700, and only when it is this user's and no one else
+    can write in it: its name is predictable, so another user could otherwise create it first and plant a library
+    there that this process would load (run)."""
+    folder = Path(tempfile.gettempdir()) / f'structformer-kernels-{os.getuid()}'
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{folder} is not a folder of this user that only this user can write "
+                      f"(owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): no library is loaded from it")
+    return folder
+
+
+def _scratch_beside(library: Path) -> Path:
+    """A new scratch folder beside where `library` goes, its folder created first; OSError where it cannot be
+    written (a read-only home or mount, another user's folder). Named for this process (atomic.temporary_sibling),
+    so that a build killed before its cleanup ran (SIGTERM from a scheduler, kill -9) leaves a scratch folder the
+    next build removes (`_build`), once that process is gone, never while it is building."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    return temporary_sibling(library, directory=True)
+
+
 def _build(compiler: str) -> Path:
     """The library's path, compiled into the cache if it is not there yet (temp name, then rename)."""
-    code = b''.join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(code + f'{torch.__version__}|{torch.version.git_version}|{compiler}'.encode()).hexdigest()[:16]
-    folder = cache_dir() / key
-    library = folder / LIBRARY
-    if library.exists():
-        return library
+    key = _cache_key(compiler)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:                              # a read-only home: a per-user folder under the temp dir
-        folder = Path(tempfile.gettempdir()) / f'structformer-kernels-{os.getuid()}' / key
-        library = folder / LIBRARY
+        library = cache_dir() / key / LIBRARY
         if library.exists():
             return library
-        folder.mkdir(parents=True, exist_ok=True)
+        scratch = _scratch_beside(library)
+    # the cache cannot be written, even where its folder exists, or there is no home (HOME unset and a container's
+    # user id without a passwd entry: Path.home() raises RuntimeError): a folder under the temp dir
+    except (OSError, RuntimeError):
+        library = _private_temp_folder() / key / LIBRARY
+        if library.exists():
+            return library
+        scratch = _scratch_beside(library)
+    folder = library.parent
     failed, compiler_id = folder / FAILED, _compiler_identity(compiler)
-    if failed.exists():
-        failed_with, _, error = failed.read_text().partition('\n')
-        if failed_with == compiler_id:
-            raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the sources "
-                               f"or the compiler change (or {failed} is deleted)")
-    print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}", file=sys.stderr,
-          flush=True)
     try:
-        with tempfile.TemporaryDirectory(dir=folder, prefix='.build-') as scratch:
-            partial = Path(scratch) / LIBRARY
-            compiles, link = _compile_commands(compiler, Path(scratch), partial)
+        with _one_build_at_a_time(folder):
+            for stale in stale_temporaries(library):     # killed builds' scratch (the one waited for, if killed)
+                shutil.rmtree(stale, ignore_errors=True)
+            if library.exists():                 # built by the process this one waited for
+                return library
+            if failed.exists():
+                failed_with, _, error = failed.read_text().partition('\n')
+                if failed_with == compiler_id:
+                    raise RuntimeError(f"an earlier build with this compiler failed ({error}); not retried until the "
+                                       f"sources or the compiler change (or {failed} is deleted)")
+            print(f"structformer: compiling the Sparsifiner CPU tile kernel (once, about 20 s) into {folder}",
+                  file=sys.stderr, flush=True)
+            partial = scratch / LIBRARY
+            compiles, link = _compile_commands(compiler, scratch, partial)
             _run_all(compiles, compiler)
             _run_all([link], compiler)
+            _flush_to_disk(partial)              # a crash after the rename leaves the whole library, not a stub
             os.replace(partial, library)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:   # remembered: not 20 s lost on every run
-        write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
+            failed.unlink(missing_ok=True)
+            return library
+    except CompileError as e:       # the source or the compiler at fault: remembered, not 20 s lost on every run
+        if not e.transient:         # (a full disk, a killed compiler: the next run tries again)
+            write_text_atomically(failed, f"{compiler_id}\n{type(e).__name__}: {e}")
         raise
-    failed.unlink(missing_ok=True)
-    return library
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+BUILD_WAIT_S = 2 * COMPILE_TIMEOUT_S + 60   # longer than a build may take: past it, a builder is taken as stuck
+
+
+@contextmanager
+def _one_build_at_a_time(folder: Path):
+    """Hold an exclusive flock on the cache folder while building into it: the other processes that start at once
+    (DDP ranks, pytest-xdist workers) wait, then load the library the first one built, instead of compiling it N
+    times side by side (N x 3 compilers of torch's headers, a gigabyte of memory each). The kernel releases a flock
+    however its holder ends, so a killed builder leaves no stale lock; a stuck one is waited for BUILD_WAIT_S at
+    most. Where the file system has no locks (some NFS mounts) every process builds, each in its own scratch
+    folder, and the renames into place are atomic."""
+    import fcntl                                 # POSIX only: not at module level (the package imports on Windows)
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        deadline, said = time.monotonic() + BUILD_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                if not said:
+                    print(f"structformer: waiting for another process's build of the tile kernel in {folder}",
+                          file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.2)
+            except OSError:                      # no locks here
+                break
+        yield
+    finally:
+        os.close(handle)                         # releases the lock
+
+
+def _flush_to_disk(path: Path) -> None:
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _cut_short(library: Path, error: OSError) -> bool:
+    """Whether a library that failed to load is a stub rather than a whole shared object: empty, no ELF header,
+    or what the loader says of a file cut short (a build's rename outliving its data in a crash)."""
+    try:
+        with open(library, 'rb') as f:
+            header = f.read(4)
+    except OSError:
+        return False
+    return header != b'\x7fELF' or any(sign in str(error) for sign in ('too short', 'cannot read file data',
+                                                                        'ELF load command'))
+
+
+def _load(compiler: str) -> None:
+    """Load the library, building it first if needed; a cached one cut short is built again (once)."""
+    library = _build(compiler)
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:
+        if not _cut_short(library, e):
+            raise
+        library.unlink(missing_ok=True)
+        torch.ops.load_library(str(_build(compiler)))
 
 
 def _compiler_identity(compiler: str) -> str:
-    """The compiler's path, size and modification time: an upgraded compiler retries a build that failed."""
-    path = Path(shutil.which(compiler) or compiler).resolve()
-    try:
-        stat = path.stat()
-    except OSError:                              # not a file we can see: its name is all there is
-        return str(path)
-    return f"{path} {stat.st_size} {stat.st_mtime_ns}"
+    """The compiler's path, size and modification time (of each word of `ccache g++` that is a program): an
+    upgraded compiler retries a build that failed."""
+    identities = []
+    for word in shlex.split(compiler):
+        path = Path(shutil.which(word) or word).resolve()
+        try:
+            info = path.stat()
+        except OSError:                          # not a file we can see (a flag): its name is all there is
+            identities.append(word)
+            continue
+        identities.append(f"{path} {info.st_size} {info.st_mtime_ns}")
+    return ' '.join(identities)
 
 
 @lru_cache(maxsize=None)
@@ -165,14 +337,17 @@ def unavailable_reason() -> Optional[str]:
     if reason:
         return reason
     compiler = _compiler()
-    if compiler is None:
-        return 'no C++ compiler found ($CXX, c++ or g++)'
     try:
-        torch.ops.load_library(str(_build(compiler)))
+        if compiler is None:                     # said once, as a failed build is: the layer runs slower without it
+            requested = os.environ.get('CXX', '').strip()
+            raise OSError(f"CXX={requested!r} names no program found on PATH" if requested
+                          else 'no C++ compiler found (c++ or g++ on PATH; or set CXX)')
+        _load(compiler)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         reason = f'{type(e).__name__}: {e}'
         warnings.warn(f"structformer: the Sparsifiner CPU tile kernel is unavailable ({reason}); "
-                      "block connectivity runs the gathered path", RuntimeWarning, stacklevel=3)
+                      "block connectivity runs the gathered path (STRUCTFORMER_NO_KERNEL=1 says so no more)",
+                      RuntimeWarning, stacklevel=3)
         return reason
     # FlopCounterMode cannot look inside the library's ops: without these a model on the kernel counted 0 for its
     # attention (`structformer models --flops`, the benchmarks)
