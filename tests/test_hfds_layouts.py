@@ -83,16 +83,21 @@ def test_the_hubs_unlabelled_test_split_is_not_taken_for_validation(tmp_path, ca
 def test_a_label_outside_the_classes_is_one_line(class_label, tmp_path):
     """A ClassLabel column accepts -1 (missing), an integer column anything: such a row in a labelled split reached
     the loss (a traceback at that batch, or -1 counted as a class)."""
-    from structformer.data.shard_writer import write_shards
     ds = _in1k(4, [0, 1, -1, 0])
     if not class_label:
         ds = ds.cast_column('label', datasets.Value('int64'))
     datasets.DatasetDict({'train': ds, 'validation': ds.select([0, 1])}).save_to_disk(str(tmp_path / 'hf'))
-    needle = "split 'train' row 2 has label -1, outside the 2 classes"
-    with pytest.raises(UsageError, match=needle) as e:
+    _refused_by_training_and_data_shard(tmp_path, "split 'train' row 2 has label -1, outside the 2 classes")
+
+
+def _refused_by_training_and_data_shard(tmp_path, match: str) -> None:
+    """The dataset saved in tmp_path/hf is refused in one line naming `match` by a run's data and by data shard,
+    which leaves no shard folder."""
+    from structformer.data.shard_writer import write_shards
+    with pytest.raises(UsageError, match=match) as e:
         build_datasets(f"hfds:{tmp_path / 'hf'}", img_size=8)
     assert '\n' not in str(e.value)
-    with pytest.raises(UsageError, match=needle):
+    with pytest.raises(UsageError, match=match):
         write_shards(f"hfds:{tmp_path / 'hf'}", str(tmp_path / 'wds'), 4)
     assert not (tmp_path / 'wds').exists()
 
@@ -124,13 +129,7 @@ def test_labels_are_read_as_one_column_equal_to_the_rows():
 def test_a_validation_split_with_other_class_names_is_one_line(names, needle, tmp_path):
     """A validation ClassLabel in another order (or with other names) than train's was used as is: its label k was
     scored as train's class k, silently. Both the training run and data shard refuse it, naming the split."""
-    from structformer.data.shard_writer import write_shards
     val = _in1k(2, [1, 0]).cast_column('label', datasets.ClassLabel(names=names))
     datasets.DatasetDict({'train': _in1k(4, [0, 1] * 2), 'validation': val}).save_to_disk(str(tmp_path / 'hf'))
-    match = f"split 'validation' has other ClassLabel names than split 'train' \\({needle}\\)"
-    with pytest.raises(UsageError, match=match) as e:
-        build_datasets(f"hfds:{tmp_path / 'hf'}", img_size=8)
-    assert '\n' not in str(e.value)
-    with pytest.raises(UsageError, match=match):
-        write_shards(f"hfds:{tmp_path / 'hf'}", str(tmp_path / 'wds'), 4)
-    assert not (tmp_path / 'wds').exists()
+    _refused_by_training_and_data_shard(
+        tmp_path, f"split 'validation' has other ClassLabel names than split 'train' \\({needle}\\)")

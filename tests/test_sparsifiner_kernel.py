@@ -310,20 +310,29 @@ def _vector_instructions(library: Path) -> list:
     return [line for line in listing.splitlines() if '%ymm' in line or '%zmm' in line]
 
 
+def _stand_in_build(tmp_path, monkeypatch, compiler_script: str, source_text: str = 'int probe;\n'):
+    """The kernel's build pointed at one small source (probe.cpp) and a cache in tmp_path; `compiler_script` the
+    body of a stand-in compiler (a sh script), whose path is returned."""
+    compiler = tmp_path / 'cxx'
+    compiler.write_text(compiler_script)
+    compiler.chmod(0o755)
+    source = tmp_path / 'probe.cpp'
+    source.write_text(source_text)
+    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
+    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    return compiler
+
+
 def test_the_library_runs_on_any_x86_64_whatever_the_compilers_default(kernel, tmp_path, monkeypatch):
     """A compiler whose default target is AVX-512 (as RHEL 10's GCC defaults to AVX2) still builds a library of
     x86-64's baseline instructions: the cache may be shared with CPUs without them. Checked on a vectorisable
     probe built with such a compiler (a wrapper adding -march=x86-64-v4), and on the kernel's own library."""
     assert not _vector_instructions(tile_kernel._build(tile_kernel._compiler()))
-    source = tmp_path / 'probe.cpp'
-    source.write_text('extern "C" void structformer_axpy(float* y, const float* x, float a, int n) {\n'
-                      '  for (int i = 0; i < n; ++i) y[i] += a * x[i];\n}\n')
-    wrapper = tmp_path / 'cxx'
-    wrapper.write_text(f'#!/bin/sh\nexec {tile_kernel._compiler()} -march=x86-64-v4 "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
-    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
-    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    wrapper = _stand_in_build(tmp_path, monkeypatch,
+                              f'#!/bin/sh\nexec {tile_kernel._compiler()} -march=x86-64-v4 "$@"\n',
+                              'extern "C" void structformer_axpy(float* y, const float* x, float a, int n) {\n'
+                              '  for (int i = 0; i < n; ++i) y[i] += a * x[i];\n}\n')
     assert not _vector_instructions(tile_kernel._build(str(wrapper)))
 
 
@@ -336,14 +345,7 @@ def test_a_failed_build_is_remembered_only_when_the_source_or_compiler_is_at_fau
                                                                                    remembered):
     """A compiler (a stand-in script that counts its runs) failing with what g++ says in each case, twice."""
     runs = tmp_path / 'runs'
-    compiler = tmp_path / 'cxx'
-    compiler.write_text(f'#!/bin/sh\necho run >> {runs}\necho "{says}" >&2\nexit 1\n')
-    compiler.chmod(0o755)
-    source = tmp_path / 'probe.cpp'
-    source.write_text('int probe;\n')
-    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
-    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
-    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
+    compiler = _stand_in_build(tmp_path, monkeypatch, f'#!/bin/sh\necho run >> {runs}\necho "{says}" >&2\nexit 1\n')
     with pytest.raises(RuntimeError, match='compiling probe.cpp with .* failed: '):
         tile_kernel._build(str(compiler))
     with pytest.raises(RuntimeError, match='earlier build with this compiler failed' if remembered else '^compiling'):
@@ -523,15 +525,8 @@ def test_a_compiler_that_hangs_is_killed_and_tried_again_next_run(tmp_path, monk
     processes waiting for its build: it is killed after COMPILE_TIMEOUT_S, and the failure is not remembered."""
     import time
 
-    compiler = tmp_path / 'cxx'
-    compiler.write_text(f'#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 30\n')
-    compiler.chmod(0o755)
-    source = tmp_path / 'probe.cpp'
-    source.write_text('int probe;\n')
-    monkeypatch.setattr(tile_kernel, 'SOURCES', (source,))
-    monkeypatch.setattr(tile_kernel, 'HEADERS', ())
+    compiler = _stand_in_build(tmp_path, monkeypatch, f'#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 30\n')
     monkeypatch.setattr(tile_kernel, 'COMPILE_TIMEOUT_S', 1.0)
-    monkeypatch.setenv('STRUCTFORMER_KERNEL_DIR', str(tmp_path / 'cache'))
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r'with .*cxx did not finish in 1 s'):
         tile_kernel._build(str(compiler))

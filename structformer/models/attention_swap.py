@@ -41,15 +41,22 @@ def check_attention_fits(model: nn.Module) -> nn.Module:
     A model with a dynamic input size (no fixed N) is checked by its forwards instead."""
     vit = model if hasattr(model, 'patch_embed') else getattr(model, 'model', model)
     num_tokens = token_count(vit)
-    if num_tokens is not None:
-        for name, module in model.named_modules():
-            if isinstance(module, AttentionBase):
-                try:
-                    module.check_num_tokens(num_tokens)
-                except ValueError as e:
-                    raise ValueError(f"{name} ({type(module).__name__}) in a model of {num_tokens} tokens: "
-                                     f"{e}") from None
+    misfit = attention_misfit(model, num_tokens) if num_tokens is not None else None
+    if misfit:
+        raise ValueError(f"{misfit[0]} in a model of {num_tokens} tokens: {misfit[1]}")
     return model
+
+
+def attention_misfit(model: nn.Module, num_tokens: int):
+    """(layer named with its type, why) for the first attention of `model` that cannot take `num_tokens` tokens
+    (its `check_num_tokens`), or None when every one can."""
+    for name, module in model.named_modules():
+        if isinstance(module, AttentionBase):
+            try:
+                module.check_num_tokens(num_tokens)
+            except ValueError as e:
+                return f"{name} ({type(module).__name__})", str(e)
+    return None
 
 
 def _patch_drop_prob(model: nn.Module) -> float:

@@ -16,10 +16,10 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..layers.attention.registry import with_defaults
-from ..layers.attention.softmax import AttentionBase
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .attention_swap import check_attention_fits, check_patch_dropout, cls_row_options, swap_attention, token_count
+from .attention_swap import (attention_misfit, check_attention_fits, check_patch_dropout, cls_row_options,
+                             swap_attention, token_count)
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -75,13 +75,10 @@ class ContractViT(VisionTransformer):
         probe = copy.deepcopy(self.patch_embed)
         probe.set_input_size(img_size=img_size, patch_size=patch_size)
         tokens = probe.num_patches + self.num_prefix_tokens
-        for name, module in self.named_modules():
-            if isinstance(module, AttentionBase):
-                try:
-                    module.check_num_tokens(tokens)
-                except ValueError as e:
-                    raise ValueError(f"set_input_size(img_size={img_size}, patch_size={patch_size}) gives {tokens} "
-                                     f"tokens, which {name} ({type(module).__name__}) cannot take: {e}") from None
+        misfit = attention_misfit(self, tokens)
+        if misfit:
+            raise ValueError(f"set_input_size(img_size={img_size}, patch_size={patch_size}) gives {tokens} "
+                             f"tokens, which {misfit[0]} cannot take: {misfit[1]}")
         super().set_input_size(img_size=img_size, patch_size=patch_size)
 
     def no_weight_decay(self):
