@@ -41,3 +41,19 @@ def test_a_resumed_float32_run_still_refuses_amp(monkeypatch):
     assert not values['amp'] and values.get('amp_dtype') is None
     with pytest.raises(UsageError, match='--amp cannot change on --resume'):
         _resume_config(argparse.Namespace(resume='run'), {'amp': True}, {}, None)
+
+
+def test_the_model_card_names_the_autocast_dtype_a_run_trained_in(tmp_path):
+    """`--amp` alone records no dtype in the configuration: the exported model card must say the one the run
+    trained in (the checkpoint's record), not a bare 'amp: True'."""
+    import timm
+
+    from structformer.export.hf import model_card
+    from structformer.train.config import TrainConfig
+    model = timm.create_model('crate_digits')
+    state = {'path': str(tmp_path / 'epoch_0001'), 'model': 'crate_digits', 'epoch': 1, 'precision': 'bfloat16',
+             'config': TrainConfig(model='crate_digits', data='digits', epochs=1, amp=True).to_dict()}
+    card = model_card(model, state, 'crate_digits')
+    assert 'amp: bfloat16 autocast, float32 weights' in card
+    state['config']['amp'] = False
+    assert 'autocast' not in model_card(model, dict(state, precision='float32'), 'crate_digits')
