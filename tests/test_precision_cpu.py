@@ -2,6 +2,9 @@
 import argparse
 
 import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from structformer.errors import UsageError
 
@@ -57,3 +60,60 @@ def test_the_model_card_names_the_autocast_dtype_a_run_trained_in(tmp_path):
     assert 'amp: bfloat16 autocast, float32 weights' in card
     state['config']['amp'] = False
     assert 'autocast' not in model_card(model, dict(state, precision='float32'), 'crate_digits')
+
+
+class _CustomOpDtypes(TorchDispatchMode):
+    """The floating dtypes each structformer custom op is called with (after autocast's casts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name.startswith('structformer.'):
+            dtypes = {t.dtype for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            self.seen.setdefault(name.split('.')[1], set()).update(dtypes)
+        return func(*args, **kwargs)
+
+
+def _float16_layers():
+    from structformer.functional import tile_kernel
+    from structformer.layers.attention.mssa import MSSA
+    from structformer.layers.attention.sparsifiner import SparsifinerAttention
+    layers = {'mssa': (MSSA(16, num_heads=2, ssa_impl='shared'), (2, 9, 16),
+                       {'shared_qkv_attention_forward': torch.float16, 'shared_qkv_attention_backward': torch.float16})}
+    if tile_kernel.unavailable_reason() is None:
+        torch.manual_seed(3)
+        layer = SparsifinerAttention(32, num_heads=2, qkv_bias=True, basis_init='scaled', seq_len=65,
+                                     connectivity='block', block_size=16, impl='kernel')
+        layers['sparsifiner_kernel'] = (layer, (2, 65, 32), {op: torch.float32 for op in (
+            'block_connectivity', 'block_tile_attention', 'block_tile_attention_backward')})
+    return layers
+
+
+@pytest.mark.parametrize('name', ['mssa', 'sparsifiner_kernel'])
+def test_custom_ops_keep_their_dtype_under_cpu_float16_autocast(name):
+    """docs/precision.md's table under CPU float16 autocast (what `--amp-dtype float16` runs on a CPU with AMX-FP16):
+    the shared-QKV ops in the autocast dtype, the tile kernel in float32 (cast in, float16 out), the layer's output
+    float16 and the parameters' gradients float32 and finite; output within S·u of float32 (u = 2⁻¹¹, float16's unit
+    roundoff; S = 11 roundings as counted for MSSA and 8 for the kernel path in tests/test_autocast_policy.py)."""
+    layers = _float16_layers()
+    if name not in layers:
+        pytest.skip('the CPU tile kernel is unavailable here')
+    layer, shape, policy = layers[name]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    want = layer(x).detach()
+    log = _CustomOpDtypes()
+    with log:
+        with torch.autocast('cpu', dtype=torch.float16):
+            got = layer(x)
+        got.float().square().sum().backward()
+    assert got.dtype == torch.float16
+    assert {op: log.seen.get(op) for op in policy} == {op: {dtype} for op, dtype in policy.items()}
+    grads = [p.grad for p in layer.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    rounds = 11 if name == 'mssa' else 8
+    assert float((got.double() - want.double()).norm() / want.double().norm()) <= rounds * 2.0 ** -11
