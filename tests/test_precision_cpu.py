@@ -117,3 +117,52 @@ def test_custom_ops_keep_their_dtype_under_cpu_float16_autocast(name):
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     rounds = 11 if name == 'mssa' else 8
     assert float((got.double() - want.double()).norm() / want.double().norm()) <= rounds * 2.0 ** -11
+
+
+def _bf16_logits(shape, gap=None, seed=0):
+    """bf16 logits as a head's Linear returns them under CPU autocast; with `gap`, (teacher, student) that close."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = 3 * torch.randn(*shape, generator=gen)
+    if gap is None:
+        return teacher.bfloat16()
+    return teacher.bfloat16(), (teacher + gap * torch.randn(*shape, generator=gen)).bfloat16()
+
+
+def test_the_losses_take_float32_logits_under_cpu_autocast():
+    """CPU autocast runs log_softmax in bfloat16 (CUDA's in float32); timm's SoftTargetCrossEntropy (the Mixup
+    loss) takes log_softmax of the logits: under `--amp` on a CPU it must see them in float32, as on CUDA, so the
+    loss is exactly the float32 loss of the same (bf16-valued) logits."""
+    from timm.loss import SoftTargetCrossEntropy
+
+    from structformer.train.phases import LossContext, cross_entropy_term
+    logits = _bf16_logits((8, 100)).requires_grad_()
+    targets = torch.softmax(torch.randn(8, 100, generator=torch.Generator().manual_seed(1)), -1)
+    want = SoftTargetCrossEntropy()(logits.detach().float(), targets)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        got = cross_entropy_term(LossContext(None, None, targets, logits))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    got.backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad).all()
+
+
+def test_the_distillation_kl_is_float32_under_cpu_autocast():
+    """Eq. 9's KL(p_teach ‖ p_student) near convergence (student logits within 0.02 of the teacher's): in bfloat16
+    log-probabilities (8 bits) it came out negative; in float32 it must match float64 on the same bf16-valued
+    logits to float32 rounding: each term p_t·(log p_t − log p_s) carries ~8 float32 roundings of numbers up to
+    max|log p|, and the p_t sum to 1 per row, so |error| ≤ 8·2⁻²⁴·max|log p|."""
+    import torch.nn.functional as F
+
+    from structformer.train.distill import logit_distillation_term
+    from structformer.train.phases import LossContext
+    teacher, student = _bf16_logits((16, 1000), gap=0.02)
+
+    class Teacher:
+        def teacher(self):
+            return {'logits': teacher}
+    log_t, log_s = F.log_softmax(teacher.double(), -1), F.log_softmax(student.double(), -1)
+    want = float((log_t.exp() * (log_t - log_s)).sum(-1).mean())
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        got = logit_distillation_term(LossContext(None, None, None, student, extras={'distiller': Teacher()}))
+    bound = 8 * 2.0 ** -24 * float(torch.maximum(log_t.abs().max(), log_s.abs().max()))
+    assert got.dtype == torch.float32 and want > 0
+    assert abs(float(got) - want) <= bound, (float(got), want, bound)
