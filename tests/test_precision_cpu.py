@@ -166,3 +166,23 @@ def test_the_distillation_kl_is_float32_under_cpu_autocast():
     bound = 8 * 2.0 ** -24 * float(torch.maximum(log_t.abs().max(), log_s.abs().max()))
     assert got.dtype == torch.float32 and want > 0
     assert abs(float(got) - want) <= bound, (float(got), want, bound)
+
+
+def test_the_plan_line_says_why_bfloat16_will_not_be_faster(monkeypatch):
+    """The trainer's plan line: nothing where bfloat16 dot products run natively; on a CPU that has them but a
+    oneDNN cap keeps torch's GEMMs off them, the cap by name (not "this CPU has no ... AVX512-BF16 or AMX", which
+    tells the owner of such a CPU something false); on a CPU without them, that."""
+    from structformer import machine
+    from structformer.train import precision
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)
+    assert precision.cpu_bfloat16_note() == ''
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'default')                 # ATen's cap leaves the GEMMs native
+    assert precision.cpu_bfloat16_note() == ''
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
+    note = precision.cpu_bfloat16_note()
+    assert 'capped off by ONEDNN_MAX_CPU_ISA=AVX2' in note and 'has no' not in note
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
+    assert 'this CPU has no bfloat16 dot products' in precision.cpu_bfloat16_note()

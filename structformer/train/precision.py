@@ -41,6 +41,18 @@ def cpu_bfloat16_native() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
 
 
+def cpu_bfloat16_note() -> str:
+    """'' where bfloat16 autocast can be faster than float32 on this CPU, else why not, for the run's plan line: the
+    CPU lacks AVX512-BF16 / AMX, or has them with a oneDNN cap keeping torch's bfloat16 GEMMs off them."""
+    if cpu_bfloat16_native():
+        return ''
+    has = any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+    if has:
+        caps = ', '.join(f"{k}={v}" for k, v in sorted(isa_caps().items()) if k in ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA'))
+        return f"its bfloat16 dot products (AVX512-BF16 / AMX) are capped off by {caps}: expect no speed-up"
+    return 'this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up'
+
+
 @dataclass
 class Precision:
     """One run's precision: `autocast()` around forward and loss, `backward`, `step` (unscale, clip, step)."""
