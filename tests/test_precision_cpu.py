@@ -186,3 +186,15 @@ def test_the_plan_line_says_why_bfloat16_will_not_be_faster(monkeypatch):
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)
     monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
     assert 'this CPU has no bfloat16 dot products' in precision.cpu_bfloat16_note()
+
+
+def test_the_bench_verdict_names_the_cap_too(monkeypatch):
+    from structformer import machine
+    from structformer.bench.models import cpu_capability
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_VNNI')
+    verdict = cpu_capability('bfloat16')
+    assert not verdict['native'] and 'capped off by ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI' in verdict['text']
+    assert 'emulated' in verdict['text'] and 'has no' not in verdict['text']

@@ -47,8 +47,8 @@ def cpu_bfloat16_note() -> str:
     if cpu_bfloat16_native():
         return ''
     has = any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
-    if has:
-        caps = ', '.join(f"{k}={v}" for k, v in sorted(isa_caps().items()) if k in ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA'))
+    caps = ', '.join(f"{k}={v}" for k, v in sorted(isa_caps().items()) if k in ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA'))
+    if has and caps:
         return f"its bfloat16 dot products (AVX512-BF16 / AMX) are capped off by {caps}: expect no speed-up"
     return 'this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up'
 
