@@ -101,6 +101,24 @@ def test_a_onednn_cap_below_bf16_or_amx_turns_them_off(monkeypatch, cap, bf16, a
         assert any('capped off' in f and 'emulated' in f for f in hardware_facts(found))
 
 
+@pytest.mark.parametrize('variable, cap', [('ATEN_CPU_CAPABILITY', 'default'), ('ATEN_CPU_CAPABILITY', 'avx2'),
+                                            ('MKL_ENABLE_INSTRUCTIONS', 'AVX2')])
+def test_aten_and_mkl_caps_leave_the_bfloat16_gemms_native(monkeypatch, variable, cap):
+    """torch's bfloat16 GEMMs are oneDNN's: ATEN_CPU_CAPABILITY (ATen's own vector kernels) and MKL's cap (float32
+    GEMMs) do not keep them off AVX-512 BF16 / AMX (on a Zen 5 EPYC a bfloat16 matmul stayed ~4x float32 under each),
+    so the trainer must not print "expect no speed-up" there, nor the bench call bfloat16 emulated."""
+    import torch
+    from structformer.train.precision import cpu_bfloat16_native
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, cap)
+    found = machine.cpu_kind(SAPPHIRE_RAPIDS)
+    assert (found['bf16_native'], found['amx']) == (True, True)
+    assert not any('emulated' in fact for fact in hardware_facts(found))
+    assert cpu_bfloat16_native() == any(getattr(torch.cpu, n, lambda: False)()
+                                        for n in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+
+
 def test_without_proc_cpuinfo_the_kind_says_it_read_nothing(monkeypatch):
     def missing(*args, **kwargs):
         raise FileNotFoundError('/proc/cpuinfo')

@@ -447,15 +447,17 @@ def kind_goals(rows, load, batch_size: int, img_size: int = 224) -> list:
 
 def cpu_capability(dtype: str) -> dict:
     """Whether this CPU computes `dtype` in hardware, and the plain sentence printed beside the verdicts."""
-    from ..train.precision import cpu_bfloat16_native, cpu_float16_supported
+    from ..train.precision import cpu_bfloat16_native, cpu_bfloat16_note, cpu_float16_supported
     if dtype == 'float16':
         native = cpu_float16_supported()
         text = ('this CPU has AMX-FP16 (float16 arithmetic in hardware)' if native else
                 'this CPU has no AMX-FP16: float16 is emulated through float32, no speed-up is expected')
     else:
         native = cpu_bfloat16_native()
+        note = '' if native else cpu_bfloat16_note()
         text = ('this CPU has AVX512-BF16/AMX (bfloat16 dot products in hardware)' if native else
-                'this CPU has no AVX512-BF16 or AMX: a bfloat16 matmul is emulated, so no speed-up is expected')
+                (note.replace(': expect no speed-up', '') if 'capped off' in note else
+                 'this CPU has no AVX512-BF16 or AMX') + ': a bfloat16 matmul is emulated, so no speed-up is expected')
     return {'dtype': dtype, 'native': native, 'text': text}
 
 

@@ -69,7 +69,7 @@ _RESUME_MAY_CHANGE = {
     'save_every': '--save-every', 'recovery_interval': '--recovery-interval', 'compile': '--compile',
     'compile_mode': '--compile-mode', 'tf32': '--tf32', 'num_workers': '--workers', 'device': '--device',
     'log_interval': '--log-interval', 'log_tb': '--log-tb', 'allow_world_size_change': '--allow-world-size-change',
-    'keep_best': '--keep-best', 'avg_last': '--avg-last'}
+    'keep_best': '--keep-best', 'avg_last': '--avg-last', 'amp_dtype': '--amp-dtype'}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -322,6 +322,11 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
         raise UsageError(f"--resume: {message.split('--checkpoint: ', 1)[-1]}") from None
     saved_config = dict(state['config'])
     values = dict(saved_config)                        # a resumed run keeps its configuration
+    if saved_config.get('amp') and not saved_config.get('amp_dtype') and state.get('precision') in ('float16',
+                                                                                                    'bfloat16'):
+        # --amp alone means the device's default dtype: keep the one the run trained in (its checkpoint's record),
+        # not the default of the device it resumes on (a CPU bfloat16 run on CUDA would turn float16)
+        values['amp_dtype'] = state['precision']
     done = int(state.get('epoch', 0))
     requested = {**{k: (v, f"-c/--config {config_path} key {k!r}") for k, v in from_file.items()},
                  **{k: (v, _flag(k)) for k, v in given.items()}}

@@ -111,6 +111,8 @@ def model_card(model: torch.nn.Module, state: Dict[str, Any], name: str) -> str:
         details['Weights'] = origin
         summary = {}                             # and no run's summary: 'Metrics' says none were recorded here
     recipe = _recipe_lines(config)
+    if config.get('amp') and state.get('precision') in ('float16', 'bfloat16'):
+        recipe['amp'] = f"{state['precision']} autocast, float32 weights"     # --amp alone names no dtype
     if recipe:
         details['Recipe'] = recipe
     metrics = {k: v for k, v in summary.items() if k.startswith(('final_', 'best_'))}

@@ -293,7 +293,7 @@ def token_distillation_term(ctx: LossContext) -> torch.Tensor:
 @register_loss_term('distill_kl')
 def logit_distillation_term(ctx: LossContext) -> torch.Tensor:
     """Eq. 9: KL(p_teach ‖ p_student), mean over the batch (see the module docstring for the direction)."""
-    teacher = _distiller(ctx).teacher()['logits']
+    teacher = _distiller(ctx).teacher()['logits'].float()         # float32 as the student's (LossContext)
     return F.kl_div(F.log_softmax(ctx.logits, dim=-1), F.log_softmax(teacher, dim=-1), reduction='batchmean',
                     log_target=True)
 

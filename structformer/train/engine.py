@@ -31,7 +31,7 @@ from .distributed import barrier, broadcast_module, cleanup_distributed, init_di
 from .evaluation import evaluate, parameter_digest
 from .loaders import LoaderSetup
 from .phases import phase_for_epoch
-from .precision import cpu_bfloat16_native, tf32_switches
+from .precision import cpu_bfloat16_note, tf32_switches
 from .recovery import prune as prune_recovery
 from .save_resume import CheckpointGlue
 from .step import TrainStep, TrainingDiverged  # noqa: F401  (TrainingDiverged: re-exported)
@@ -203,10 +203,10 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
         cfg = self.config
         accum = f" x {cfg.grad_accum_steps} accumulated" if cfg.grad_accum_steps > 1 else ''
         procs = f" x {self.world_size} processes" if self.world_size > 1 else ''
-        emulated = (self.device.type == 'cpu' and self.precision.name == 'bfloat16' and not cpu_bfloat16_native())
+        emulated = cpu_bfloat16_note() if self.device.type == 'cpu' and self.precision.name == 'bfloat16' else ''
         return (f"{cfg.model} on {self.device}, {self.precision.name}"
                 + (' autocast' if self.precision.dtype is not None else '')
-                + (' (this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up)' if emulated else '')
+                + (f' ({emulated})' if emulated else '')
                 + ((', TF32 matmuls' if self.device.type == 'cuda' else ', --tf32 ignored (a CUDA switch)')
                    if cfg.tf32 else '')
                 + f"; effective batch {self.effective_batch()} ({cfg.batch_size} per process{accum}{procs}), "

@@ -14,6 +14,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from ..functional.precision import upcast
+
 
 @dataclass
 class LossContext:
@@ -24,6 +26,12 @@ class LossContext:
     logits: torch.Tensor
     label_smoothing: float = 0.0
     extras: Dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        # the losses read the logits in float32 (docs/precision.md): CUDA autocast runs (log_)softmax in float32, CPU
+        # autocast leaves it in bfloat16, where timm's SoftTargetCrossEntropy (Mixup) and the distillation KL take
+        # the log of 8-bit probabilities; near the teacher that KL came out negative. B x classes: a cheap cast.
+        self.logits = upcast(self.logits)
 
 
 LOSS_TERMS: Dict[str, Callable[[LossContext], torch.Tensor]] = {}

@@ -32,12 +32,25 @@ def cpu_float16_supported() -> bool:
 
 def cpu_bfloat16_native() -> bool:
     """bfloat16 dot products in hardware (AVX512-BF16 or AMX) that the kernels may use; without them a bfloat16
-    matmul is no faster. An ISA cap in the environment below AVX-512 BF16 (`machine.bf16_capped`: e.g.
-    ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE_VNNI) keeps the kernels off them: measured on an AVX-512 BF16 EPYC capped
-    to AVX2, bfloat16 trained at 0.05-0.11x float32 (docs/benchmarks.md)."""
+    matmul is no faster. A oneDNN cap below AVX-512 BF16 (`machine.bf16_capped`: ONEDNN_MAX_CPU_ISA=AVX2 or
+    AVX512_CORE_VNNI) keeps the kernels off them: measured on an AVX-512 BF16 EPYC capped to AVX2, bfloat16 trained
+    at 0.05-0.11x float32 (docs/benchmarks.md). ATEN_CPU_CAPABILITY and MKL caps leave torch's bfloat16 GEMMs (oneDNN)
+    on them."""
     if bf16_capped(isa_caps()):
         return False
     return any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+
+
+def cpu_bfloat16_note() -> str:
+    """'' where bfloat16 autocast can be faster than float32 on this CPU, else why not, for the run's plan line: the
+    CPU lacks AVX512-BF16 / AMX, or has them with a oneDNN cap keeping torch's bfloat16 GEMMs off them."""
+    if cpu_bfloat16_native():
+        return ''
+    has = any(getattr(torch.cpu, name, lambda: False)() for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
+    caps = ', '.join(f"{k}={v}" for k, v in sorted(isa_caps().items()) if k in ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA'))
+    if has and caps:
+        return f"its bfloat16 dot products (AVX512-BF16 / AMX) are capped off by {caps}: expect no speed-up"
+    return 'this CPU has no bfloat16 dot products, AVX512-BF16 or AMX: expect no speed-up'
 
 
 @dataclass
