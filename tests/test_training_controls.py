@@ -405,6 +405,25 @@ def test_eval_scores_as_the_run_evaluated(tmp_path, capsys):
     assert '[float32: as asked]' in capsys.readouterr().out
 
 
+
+def test_eval_of_an_old_amp_checkpoint_takes_the_devices_default_dtype():
+    """A checkpoint from before the precision record, trained with --amp and no --amp-dtype: train's default for the
+    device it named (bfloat16 on a CPU, float16 on CUDA), not float16 everywhere; --device auto is refused, one line
+    naming --amp-dtype."""
+    from argparse import Namespace
+
+    from structformer.commands.eval import _precision
+    from structformer.train.precision import cpu_float16_supported
+    asked = Namespace(amp=None, amp_dtype=None)
+    precision, how = _precision(asked, {'amp': True, 'device': 'cpu'}, {'path': 'old.pt'})
+    assert precision.name == 'bfloat16' and how == "the run's (bfloat16 autocast)"
+    precision, how = _precision(asked, {'amp': True, 'device': 'cuda:0'}, {'path': 'old.pt'})
+    assert precision.name == ('float16' if cpu_float16_supported() else 'float32') and 'float16' in how
+    with pytest.raises(UsageError, match=r'^--amp-dtype: old.pt .*--device auto.*records no precision'):
+        _precision(asked, {'amp': True, 'device': 'auto'}, {'path': 'old.pt'})
+    assert _precision(asked, {'amp': True, 'device': 'auto'}, {'precision': 'bfloat16'})[0].name == 'bfloat16'
+
+
 # ------------------------------------------------------------------------------------- torchvision's RandAugment
 def test_tv_rand_is_torchvisions_randaugment_where_timm_puts_its_policy():
     """--aa tv-rand-n2-m14 (the public CRATE finetune.py's RandAugment(2, 14)): torchvision's transform with those

@@ -116,7 +116,8 @@ def _precision(args, cfg: dict, state: dict):
     if args.amp is not None or args.amp_dtype is not None:
         amp = args.amp if args.amp is not None else True
         return Precision.create(amp, args.amp_dtype, cpu), 'as asked'     # --no-amp --amp-dtype D: refused, as in train
-    recorded = state.get('precision') or ('float32' if not cfg.get('amp') else cfg.get('amp_dtype') or 'float16')
+    recorded = state.get('precision') or ('float32' if not cfg.get('amp') else cfg.get('amp_dtype')
+                                          or _default_amp_dtype(cfg, state))
     if recorded == 'float32':
         return Precision(cpu), "the run's (float32)" if cfg else 'float32 (no run configuration)'
     if recorded == 'float16' and not cpu_float16_supported():
@@ -125,3 +126,15 @@ def _precision(args, cfg: dict, state: dict):
     return Precision.create(True, recorded, cpu), f"the run's ({recorded} autocast)"
 
 
+def _default_amp_dtype(cfg: dict, state: dict) -> str:
+    """The autocast dtype an --amp run without --amp-dtype trained in, for checkpoints from before the precision
+    record: train's default for the device the run named (float16 on CUDA as timm, bfloat16 on a CPU). A run on
+    --device auto does not say which it got: refused rather than guessed."""
+    import torch
+
+    from ..train.precision import default_amp_dtype
+    device = str(cfg.get('device') or 'auto')
+    if device == 'auto':
+        raise UsageError(f"--amp-dtype: {state.get('path', 'the checkpoint')} was trained with --amp on --device auto "
+                         "and records no precision; pass --amp-dtype bfloat16 or float16 (or --no-amp)")
+    return default_amp_dtype(torch.device(device.split(':')[0]))
