@@ -57,6 +57,13 @@ def bf16_capped(caps: dict) -> bool:
                for name in _ONEDNN_CAPS)
 
 
+def fp16_capped(caps: dict) -> bool:
+    """Whether the caps keep oneDNN, which runs torch's float16 GEMMs on a CPU, off its float16 arithmetic
+    (AVX512_CORE_FP16 and AMX-FP16): `bf16_capped`, or a oneDNN level at AVX512_CORE_BF16."""
+    return bf16_capped(caps) or any(name in caps and caps[name].strip().lower() == 'avx512_core_bf16'
+                                    for name in _ONEDNN_CAPS)
+
+
 def amx_capped(caps: dict) -> bool:
     """Whether the caps keep oneDNN off AMX: `bf16_capped`, or a oneDNN level that does not name AMX (or ALL)."""
     return bf16_capped(caps) or any(name in caps and 'amx' not in caps[name].lower()
@@ -111,7 +118,8 @@ def cpu_kind(cpuinfo: Optional[str] = None) -> dict:
     """The kind of CPU this is (or the one whose /proc/cpuinfo `cpuinfo` is): vendor, model (with family / model
     numbers: 'AMD EPYC' names several generations; an Arm CPU's implementer and part), the ISA flags of `ISA_FLAGS` /
     `ARM_FLAGS` it has, and `kind` (`kind_id`) with a one-line `summary`. `bf16_native` / `amx`: bfloat16 dot products
-    in hardware the kernels may use (AVX-512 BF16 or AMX-BF16, not capped off by `ISA_CAPS`), AMX likewise. Where
+    in hardware the kernels may use (AVX-512 BF16 or AMX-BF16, not capped off by `ISA_CAPS`), AMX likewise;
+    `fp16_native`: float16 arithmetic in hardware (AVX-512 FP16, Sapphire Rapids on, or AMX-FP16), likewise. Where
     /proc/cpuinfo is missing (not Linux) the flags are empty and the kind says so."""
     fields = _cpuinfo_fields(cpuinfo)
     flags = set(fields.get('flags', '').split()) | set(fields.get('Features', '').split())     # x86 | Arm
@@ -137,4 +145,5 @@ def cpu_kind(cpuinfo: Optional[str] = None) -> dict:
     return {'kind': kind, 'vendor': vendor, 'model': model, 'family_model': numbers,
             'flags': sorted(flag for flag in {**ISA_FLAGS, **ARM_FLAGS} if flag in flags), 'isa_caps': caps,
             'bf16_native': bool(flags & {'avx512_bf16', 'amx_bf16'}) and not bf16_capped(caps),
+            'fp16_native': bool(flags & {'avx512_fp16', 'amx_fp16'}) and not fp16_capped(caps),
             'amx': 'amx_tile' in flags and not amx_capped(caps), 'summary': summary}

@@ -144,3 +144,17 @@ def test_the_trainers_bfloat16_verdict_follows_the_onednn_cap(monkeypatch):
     from structformer.train.precision import cpu_bfloat16_native
     monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_VNNI')
     assert cpu_bfloat16_native() is False
+
+
+def test_float16_is_native_with_avx512_fp16_or_amx_fp16_unless_onednn_is_capped_below(monkeypatch):
+    """torch's float16 GEMMs on a CPU run in oneDNN, whose float16 kernels take AVX-512 FP16 (Sapphire Rapids, no
+    AMX-FP16) as well as AMX-FP16: float16 autocast is accepted there, refused on the CPUs without either, and under a
+    oneDNN cap below AVX512_CORE_FP16; an ATen cap does not reach those GEMMs."""
+    from structformer.train.precision import cpu_float16_supported
+    assert [cpu_float16_supported(text) for text in (SAPPHIRE_RAPIDS, CASCADE_LAKE, ROME, GRAVITON3)] == \
+        [True, False, False, False]
+    assert machine.cpu_kind(SAPPHIRE_RAPIDS)['fp16_native'] is True
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'default')
+    assert cpu_float16_supported(SAPPHIRE_RAPIDS) is True
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_BF16')
+    assert cpu_float16_supported(SAPPHIRE_RAPIDS) is False

@@ -155,7 +155,7 @@ def test_float16_scaler_skips_an_overflowing_step_and_its_state_resumes():
     assert other.scaler.get_scale() == 512.0
 
 
-@pytest.mark.skipif(cpu_float16_supported(), reason='this CPU computes float16 in hardware (AMX-FP16)')
+@pytest.mark.skipif(cpu_float16_supported(), reason='this CPU computes float16 in hardware (AVX-512 FP16 or AMX-FP16)')
 def test_float16_autocast_on_a_cpu_without_float16_is_refused():
     with pytest.raises(UsageError, match='--amp-dtype float16.*bfloat16'):
         Precision.create(True, 'float16', torch.device('cpu'))

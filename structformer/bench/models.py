@@ -73,7 +73,7 @@ def add_arguments(p):
     p.add_argument('--amp', default=None, choices=AMP_DTYPES,
                    help='measure every row in float32 and again under autocast to this dtype (float32 weights, '
                         'as `structformer train --amp`); the paired rounds then time each model\'s two training '
-                        'steps back to back. float16 only on a CPU with float16 arithmetic (AMX-FP16)')
+                        'steps back to back. float16 only on a CPU with float16 arithmetic (AVX-512 FP16 or AMX-FP16)')
     p.add_argument('--families', action='store_true',
                    help='add one 224-px model per family (SOFT, Sparsifiner, factorised ViT-T; CRATE is CRATE-T) '
                         f'and, with --amp, judge each family\'s speed-up over float32 (goal >= {GOAL_AMP_SPEEDUP}x)')
@@ -269,7 +269,8 @@ def _plan(args):
 
 
 def _check_amp(args) -> None:
-    """--amp's dtype as `structformer train --amp` would take it on this CPU (float16 needs AMX-FP16)."""
+    """--amp's dtype as `structformer train --amp` would take it on this CPU (float16 needs AVX-512 FP16 or
+    AMX-FP16)."""
     if args.amp is None:
         return
     import torch
@@ -450,8 +451,9 @@ def cpu_capability(dtype: str) -> dict:
     from ..train.precision import cpu_bfloat16_native, cpu_bfloat16_note, cpu_float16_supported
     if dtype == 'float16':
         native = cpu_float16_supported()
-        text = ('this CPU has AMX-FP16 (float16 arithmetic in hardware)' if native else
-                'this CPU has no AMX-FP16: float16 is emulated through float32, no speed-up is expected')
+        text = ('this CPU has float16 arithmetic in hardware (AVX-512 FP16 or AMX-FP16)' if native else
+                'this CPU has no AVX-512 FP16 or AMX-FP16: float16 is emulated through float32, no speed-up is '
+                'expected')
     else:
         native = cpu_bfloat16_native()
         note = '' if native else cpu_bfloat16_note()

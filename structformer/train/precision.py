@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from ..errors import UsageError
-from ..machine import bf16_capped, isa_caps
+from ..machine import bf16_capped, cpu_kind, fp16_capped, isa_caps
 
 DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
@@ -25,9 +25,16 @@ def default_amp_dtype(device: torch.device) -> str:
     return 'float16' if device.type == 'cuda' else 'bfloat16'
 
 
-def cpu_float16_supported() -> bool:
-    """float16 arithmetic in hardware (AMX-FP16); elsewhere a CPU emulates it through float32, slower than float32."""
-    return bool(getattr(torch.cpu, '_is_amx_fp16_supported', lambda: False)())
+def cpu_float16_supported(cpuinfo: Optional[str] = None) -> bool:
+    """float16 arithmetic in hardware that torch's float16 GEMMs (oneDNN) use: AVX-512 FP16 (Sapphire Rapids on) or
+    AMX-FP16, as torch's own check (ideep's has_fp16_type_support, behind torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    accepts them; elsewhere a CPU emulates float16 through float32, slower than float32. A oneDNN cap below
+    AVX512_CORE_FP16 keeps the GEMMs off it. `cpuinfo`: another CPU's /proc/cpuinfo text (tests)."""
+    if cpu_kind(cpuinfo)['fp16_native']:
+        return True
+    if cpuinfo is not None or fp16_capped(isa_caps()):
+        return False
+    return bool(getattr(torch.cpu, '_is_amx_fp16_supported', lambda: False)())      # where /proc/cpuinfo is not
 
 
 def cpu_bfloat16_native() -> bool:
@@ -70,8 +77,9 @@ class Precision:
         if name not in DTYPES:
             raise UsageError(f"--amp-dtype={name!r}: accepted float16 or bfloat16")
         if device.type == 'cpu' and name == 'float16' and not cpu_float16_supported():
-            raise UsageError("--amp-dtype float16 on this CPU: it has no float16 arithmetic (AMX-FP16), so autocast "
-                             "would emulate it more slowly than float32; use --amp-dtype bfloat16 on a CPU")
+            raise UsageError("--amp-dtype float16 on this CPU: it has no float16 arithmetic (AVX-512 FP16 or "
+                             "AMX-FP16), so autocast would emulate it more slowly than float32; use --amp-dtype "
+                             "bfloat16 on a CPU")
         if device.type not in ('cpu', 'cuda'):
             raise UsageError(f"--amp on device {device}: accepted on cpu or cuda")
         scaler = torch.amp.GradScaler(device.type) if name == 'float16' else None
