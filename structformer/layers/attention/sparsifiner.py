@@ -230,6 +230,8 @@ class SparsifinerAttention(AttentionBase):
             self.predictor_q = nn.Linear(self.head_dim, predictor_dim, bias=bias, device=device, dtype=dtype)
             self.predictor_k = nn.Linear(self.head_dim, predictor_dim, bias=bias, device=device, dtype=dtype)
         self.last_scores: Optional[torch.Tensor] = None
+        # with keep_scores: the last forward's connectivity mask [batch, heads, n, n]; None in dense stage 1
+        # (`dense_stage1`: training with stage1='dense' attends to every key, last_density 1), as without keep_scores
         self.last_mask: Optional[torch.Tensor] = None
         # the fraction of (query, key) pairs the last forward attended to, dense rows included (0-dim tensor):
         # what the path really computed, beside the nominal keep ratio (`functional.sparsifiner.realised_density`)
