@@ -335,3 +335,20 @@ def test_forward_intermediates_refuses_a_grid_the_pruned_tokens_do_not_fill():
     unpruned = prune_tokens(timm.create_model('vit_tiny_patch16_224', img_size=16, patch_size=4, depth=2).eval(),
                             keep_rate=1.0, layers=[1])                 # keeps every token: still a grid
     assert unpruned.forward_intermediates(x, intermediates_only=True)[-1].shape == (2, 192, 4, 4)
+
+
+def test_an_attention_after_pruning_that_needs_the_full_token_count_is_refused_when_applied():
+    """Linformer's E, F are built for the model's 17 tokens; after pruning at block 1 block 3 gets 10: refused by
+    prune_tokens, naming the block and the layer, before the model changes (the first forward used to fail inside
+    the layer). A Linformer before the pruning block is fine."""
+    from structformer.models.attention_swap import swap_attention
+    model, x = _vit()
+    swap_attention(model.blocks[3], 'linformer', seq_len=17, num_landmarks=4)
+    with pytest.raises(ValueError, match=r"^prune_tokens: blocks\[3\]\.attn \(LinformerAttention\) gets 10 tokens "
+                                         r"after pruning at blocks \[1\] \(of 17\): .*seq_len=17"):
+        prune_tokens(model, keep_rate=0.5, layers=[1])
+    assert not any(isinstance(block, TokenPruningBlock) for block in model.blocks)
+    model, x = _vit()
+    swap_attention(model.blocks[0], 'linformer', seq_len=17, num_landmarks=4)
+    assert tokens_per_block(prune_tokens(model, keep_rate=0.5, layers=[1])) == [17, 17, 10, 10, 10]
+    assert model(x).shape == (3, 10)

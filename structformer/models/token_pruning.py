@@ -43,7 +43,7 @@ from torch import nn
 
 from ..functional.sparsifiner import budget
 from ..layers.attention.sparsifiner import SparsifinerAttention
-from .attention_swap import token_count
+from .attention_swap import attention_misfit, token_count
 from .transforms import TransformContext, register_transform
 
 __all__ = ['prune_tokens', 'TokenPruningBlock', 'TokenPruningState', 'prune_by_cls_attention', 'tokens_per_block']
@@ -181,6 +181,34 @@ def _check_args(keep_rate, layers, fuse, depth: int) -> Tuple[float, List[int]]:
     return float(keep_rate), sorted(layers)
 
 
+def _tokens_after(num_tokens: int, keep_rate: float, num_prefix: int, fuse: bool) -> int:
+    """Tokens (prefix included) leaving a pruning block that `num_tokens` enter: the prefix, the kept patches and,
+    with `fuse` and something pruned, the fused token."""
+    patches = num_tokens - num_prefix
+    kept = budget(patches, keep_rate)
+    return num_prefix + kept + (1 if fuse and kept < patches else 0)
+
+
+def _check_pruned_counts(blocks: nn.Sequential, num_tokens: Optional[int], keep_rate: float, layers: List[int],
+                         num_prefix: int, fuse: bool) -> None:
+    """Refuse, before the model changes, an attention after a pruning block that cannot take the fewer tokens it
+    would get (Linformer's E, F built for the full seq_len; Nyström landmarks above the count): before, the first
+    forward failed inside the layer. Skipped where the model's token count is dynamic."""
+    if num_tokens is None:
+        return
+    n = num_tokens
+    for i, block in enumerate(blocks):
+        if n != num_tokens:
+            misfit = attention_misfit(block, n)
+            if misfit:
+                layer, why = misfit
+                raise ValueError(f"prune_tokens: blocks[{i}].{layer} gets {n} tokens after pruning at blocks "
+                                 f"{[j for j in layers if j < i]} (of {num_tokens}): {why}; prune only after its "
+                                 "last such block, or use an attention that takes any token count")
+        if i in layers:
+            n = _tokens_after(n, keep_rate, num_prefix, fuse)
+
+
 def prune_tokens(model: nn.Module, keep_rate: float = 0.7, layers: Sequence[int] = (3, 6, 9),
                  fuse: bool = True) -> nn.Module:
     """EViT pruning at the blocks `layers` (indices into model.blocks) with `keep_rate` of the patch tokens
@@ -202,6 +230,7 @@ def prune_tokens(model: nn.Module, keep_rate: float = 0.7, layers: Sequence[int]
             raise ValueError(f"prune_tokens: blocks[{i}] is {type(blocks[i]).__name__}; accepted: timm Block")
     for i in layers:
         _check_attention(blocks[i].attn, f"blocks[{i}]")
+    _check_pruned_counts(blocks, token_count(model), keep_rate, layers, num_prefix, fuse)
     state = TokenPruningState(len(blocks))
     for i in range(layers[0], len(blocks)):
         blocks[i] = TokenPruningBlock(blocks[i], state, i, keep_rate if i in layers else None, num_prefix,
@@ -251,9 +280,7 @@ def tokens_per_block(model: nn.Module, num_tokens: Optional[int] = None) -> List
     for block in blocks:
         n = counts[-1]
         if isinstance(block, TokenPruningBlock) and block.keep_rate is not None:
-            patches = n - block.num_prefix
-            kept = budget(patches, block.keep_rate)
-            n = block.num_prefix + kept + (1 if block.fuse and kept < patches else 0)
+            n = _tokens_after(n, block.keep_rate, block.num_prefix, block.fuse)
         counts.append(n)
     return counts
 
