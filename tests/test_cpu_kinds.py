@@ -158,3 +158,14 @@ def test_float16_is_native_with_avx512_fp16_or_amx_fp16_unless_onednn_is_capped_
     assert cpu_float16_supported(SAPPHIRE_RAPIDS) is True
     monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX512_CORE_BF16')
     assert cpu_float16_supported(SAPPHIRE_RAPIDS) is False
+
+
+def test_an_aten_cap_alone_leaves_the_gemms_avx512_facts(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 caps ATen's own vector kernels, not MKL's or oneDNN's GEMMs: the facts keep
+    AVX-512 (not 'AVX2 only: MKL and oneDNN both run 256-bit kernels'); a oneDNN or MKL cap below AVX-512 drops it."""
+    monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
+    facts = hardware_facts(machine.cpu_kind(CASCADE_LAKE))
+    assert any(f.startswith('AVX-512 on an Intel CPU') for f in facts) and not any('AVX2 only' in f for f in facts)
+    monkeypatch.setenv('MKL_ENABLE_INSTRUCTIONS', 'AVX2')
+    facts = hardware_facts(machine.cpu_kind(CASCADE_LAKE))
+    assert any('AVX2 only' in f for f in facts) and not any('AVX-512 on' in f for f in facts)

@@ -161,7 +161,9 @@ def hardware_facts(kind: dict) -> list:
     """What this kind's hardware means for the goals, one sentence each, from its flags alone."""
     flags = set(kind.get('flags') or ())
     caps = kind.get('isa_caps') or {}
-    if capped_below_avx512(caps):
+    # the facts below are about the GEMM libraries (MKL, oneDNN); ATEN_CPU_CAPABILITY reaches only ATen's own vector
+    # kernels (softmax, elementwise), so under it alone MKL and oneDNN still run AVX-512 (machine.bf16_capped)
+    if capped_below_avx512({k: v for k, v in caps.items() if k != 'ATEN_CPU_CAPABILITY'}):
         flags = {f for f in flags if not f.startswith(('avx512', 'amx'))}     # capped below AVX-512: its kernels idle
     facts = []
     if flags and not flags & set(ISA_FLAGS):             # an Arm CPU: none of the x86 kernels' questions apply
