@@ -311,3 +311,16 @@ def test_the_readme_model_table_counts_what_the_models_have():
         assert len(shown) == len(counts), line
         for name, count, (value, allowed) in zip(names if len(names) == len(counts) else ['min', 'max'], counts, shown):
             assert abs(count - value) <= allowed, (line, name, count, value)
+
+
+def test_eval_scores_the_train_split_without_its_augmentation(trained_run, capsys):
+    """--split train reads the training images with the evaluation transform (timm's validate.py): the run's
+    augment=true (digits' random shift; image folders, MNIST and CIFAR-10 augment by default) made each call score
+    other random images."""
+    scores = []
+    for kwargs in (['augment=true'], ['augment=true'], ['augment=false']):
+        assert main(['eval', '--checkpoint', str(trained_run), '--split', 'train', '--json',
+                     '--data-kwargs', *kwargs]) == 0
+        metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        scores.append((metrics['images'], metrics['loss'], metrics['top1']))
+    assert scores[0] == scores[1] == scores[2]

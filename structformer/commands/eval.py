@@ -19,7 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
     p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE',
                    help="dataset options over the checkpoint's (see `structformer train --help`)")
-    p.add_argument('--split', choices=['val', 'train'], default='val')
+    p.add_argument('--split', choices=['val', 'train'], default='val',
+                   help='the held-out images (val) or the training images (train), either read with the evaluation '
+                        'transform, without augmentation (as timm\'s validate.py reads a split)')
     p.add_argument('-b', '--batch-size', type=positive_int('--batch-size'), default=None,
                    help="(default: the run's --eval-batch-size, else 256)")
     p.add_argument('--amp', action=argparse.BooleanOptionalAction, default=None,
@@ -46,8 +48,9 @@ def run(args) -> int:
     if not args.data:
         from ..train.data_paths import check_stored_data
         check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
-    from ..train.scoring_data import check_model_input, checkpoint_data_options, trained_input_size
+    from ..train.scoring_data import check_model_input, checkpoint_data_options, trained_input_size, unaugmented
     data_kwargs = checkpoint_data_options(state, args.data, args.data_kwargs)   # the run's on its own data only
+    data_kwargs = unaugmented(data, data_kwargs)      # every split scored with the evaluation transform
     train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
                                             **data_kwargs)
     if info.num_classes != model.num_classes:
