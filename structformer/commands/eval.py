@@ -80,7 +80,12 @@ def run(args) -> int:
     batch_size = args.batch_size or cfg.get('eval_batch_size') or 256
     metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
-    metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
+    from ..export.source import weights_origin
+    averaged = state.get('averaged_epochs')       # an --avg-last average: of these epochs, not epoch N's weights
+    metrics.update({'model': state['model'], 'checkpoint': state['path'], 'epoch': state['epoch'],
+                    **({'averaged_epochs': averaged} if averaged else {}),
+                    **({'weights_origin': weights_origin(state)} if weights_origin(state) else {}),
+                    'data': data, 'split': args.split,
                     unit: len(dataset) - metrics.get('left_out', 0), 'weights': 'ema' if args.ema else 'model',
                     'precision': precision.name,
                     'precision_from': how})
@@ -92,8 +97,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(metrics))
         return 0
-    from ..export.source import weights_origin
-    when = weights_origin(state) or f"epoch {state['epoch']}"   # a weights folder's "epoch 0" is no epoch of a run
+    when = (weights_origin(state)                # a weights folder's "epoch 0" is no epoch of a run
+            or (f"average of epochs {averaged[0]}-{averaged[-1]}" if averaged else f"epoch {state['epoch']}"))
     print(f"{state['model']}{' (weight average)' if args.ema else ''} {when} on {data} "
           f"({args.split}, {metrics[unit]} {unit}"
           + (f", {metrics['left_out']} unreadable left out" if metrics.get('left_out') else '') + "): "
