@@ -36,6 +36,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if not args.json:
+        return _run(args)
+    import contextlib
+    import sys
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):   # the data's notes (an image folder's header check) are no JSON
+        return _run(args, out)
+
+
+def _run(args, out=None) -> int:
     from torch.utils.data import DataLoader
 
     from ..data import build_datasets
@@ -95,7 +105,7 @@ def run(args) -> int:
         metrics['per_class'] = [{'class': name, 'images': n, 'top1': 100.0 * h / n if n else None}
                                 for name, n, h in zip(names, images, hits)]
     if args.json:
-        print(json.dumps(metrics))
+        print(json.dumps(metrics), file=out, flush=True)
         return 0
     when = (weights_origin(state)                # a weights folder's "epoch 0" is no epoch of a run
             or (f"average of epochs {averaged[0]}-{averaged[-1]}" if averaged else f"epoch {state['epoch']}"))
