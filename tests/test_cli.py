@@ -342,7 +342,10 @@ def test_eval_json_prints_only_the_json_object(tmp_path, monkeypatch, capsys):
     kwargs = {'in_chans': 3, 'num_classes': 2}
     save_weights_folder(timm.create_model('vit_digits', **kwargs), tmp_path / 'w', kwargs)
     argv = ['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f"imagefolder:{tmp_path / 'imgs'}",
-            '--data-kwargs', 'img_size=8', '--json']
+            '--data-kwargs', 'img_size=8', 'crop_pct=0.9', 'interpolation=bicubic', '--json']
     assert main(argv) == 0 and main(argv) == 0         # the second reads the header check from the cache
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all(json.loads(line)['images'] == 2 for line in out)
+    # and it names the geometry the images were read at (an image form's resize and centre crop)
+    assert {k: json.loads(out[0])[k] for k in ('img_size', 'crop_pct', 'interpolation')} == \
+        {'img_size': 8, 'crop_pct': 0.9, 'interpolation': 'bicubic'}
