@@ -338,10 +338,10 @@ def _record_built_input_size(model: torch.nn.Module, input_size) -> None:
     model.default_cfg = cfg
 
 
-def _load_average(directory: Path, state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+def _load_average(directory: Path, state: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
     from .ema import EMA_FILE
     path = directory / EMA_FILE
-    averaged = state.get('averaged_epochs')
+    averaged = (state or {}).get('averaged_epochs')
     if not path.is_file() and averaged:      # --avg-last's folder holds the averaged model weights only
         raise CheckpointError(f"--ema: {directory} is the --avg-last average of epochs {averaged[0]}-{averaged[-1]}, "
                               "which keeps no weight average of its own; leave out --ema to score it")
