@@ -311,3 +311,41 @@ def test_the_readme_model_table_counts_what_the_models_have():
         assert len(shown) == len(counts), line
         for name, count, (value, allowed) in zip(names if len(names) == len(counts) else ['min', 'max'], counts, shown):
             assert abs(count - value) <= allowed, (line, name, count, value)
+
+
+def test_eval_scores_the_train_split_without_its_augmentation(trained_run, capsys):
+    """--split train reads the training images with the evaluation transform (timm's validate.py): the run's
+    augment=true (digits' random shift; image folders, MNIST and CIFAR-10 augment by default) made each call score
+    other random images."""
+    scores = []
+    for kwargs in (['augment=true'], ['augment=true'], ['augment=false']):
+        assert main(['eval', '--checkpoint', str(trained_run), '--split', 'train', '--json',
+                     '--data-kwargs', *kwargs]) == 0
+        metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        scores.append((metrics['images'], metrics['loss'], metrics['top1']))
+    assert scores[0] == scores[1] == scores[2]
+
+
+def test_eval_json_prints_only_the_json_object(tmp_path, monkeypatch, capsys):
+    """--json prints one JSON object on stdout: an image folder's note (its header check reused from the cache, on
+    the second read) went to stdout before it, so `eval --json | jq` failed."""
+    import numpy as np
+    from PIL import Image
+
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    rng = np.random.default_rng(0)
+    for c in ('a', 'b'):
+        (tmp_path / 'imgs' / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / 'imgs' / c / f'{i}.png')
+    kwargs = {'in_chans': 3, 'num_classes': 2}
+    save_weights_folder(timm.create_model('vit_digits', **kwargs), tmp_path / 'w', kwargs)
+    argv = ['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f"imagefolder:{tmp_path / 'imgs'}",
+            '--data-kwargs', 'img_size=8', 'crop_pct=0.9', 'interpolation=bicubic', '--json']
+    assert main(argv) == 0 and main(argv) == 0         # the second reads the header check from the cache
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all(json.loads(line)['images'] == 2 for line in out)
+    # and it names the geometry the images were read at (an image form's resize and centre crop)
+    assert {k: json.loads(out[0])[k] for k in ('img_size', 'crop_pct', 'interpolation')} == \
+        {'img_size': 8, 'crop_pct': 0.9, 'interpolation': 'bicubic'}

@@ -341,7 +341,9 @@ def test_converted_folder_loads_in_eval_timm_local_dir_and_training(crate_folder
     assert main(['eval', '--checkpoint', str(out)]) == 2                 # converted weights record no data set
     assert 'error: --data:' in capsys.readouterr().err
     assert main(['eval', '--checkpoint', str(out), '--data', 'digits', '--json']) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['top1'] >= 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored['top1'] >= 0 and scored['model'] == 'crate_digits'
+    assert scored['weights_origin'].startswith('converted by `structformer convert` from ')   # its 'epoch 0' is none
     for flag in ('--pretrained-path', '--initial-checkpoint'):
         run = tmp_path / flag.strip('-')
         assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches',

@@ -242,6 +242,11 @@ def test_avg_last_averages_the_last_epochs(tmp_path, capsys):
     assert main(['eval', '--checkpoint', str(ckpt / 'average_last_2'), '--json']) == 0
     scored = json.loads(capsys.readouterr().out)
     assert scored['top1'] == summary['average_last_2_val_top1'] and scored['loss'] == summary['average_last_2_val_loss']
+    assert scored['averaged_epochs'] == [2, 3] and scored['model'] == 'crate_digits'   # not "epoch 3"'s weights
+    assert main(['eval', '--checkpoint', str(ckpt / 'average_last_2')]) == 0
+    assert ' average of epochs 2-3 on digits ' in capsys.readouterr().out
+    assert main(['eval', '--checkpoint', str(ckpt / 'average_last_2'), '--ema']) == 2   # not "trained without"
+    assert 'is the --avg-last average of epochs 2-3' in capsys.readouterr().err
     with pytest.raises(UsageError, match='--keep-last'):
         TrainConfig(avg_last=3, keep_last=2).validate()
 

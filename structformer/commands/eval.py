@@ -19,7 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
     p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE',
                    help="dataset options over the checkpoint's (see `structformer train --help`)")
-    p.add_argument('--split', choices=['val', 'train'], default='val')
+    p.add_argument('--split', choices=['val', 'train'], default='val',
+                   help='the held-out images (val) or the training images (train), either read with the evaluation '
+                        'transform, without augmentation (as timm\'s validate.py reads a split)')
     p.add_argument('-b', '--batch-size', type=positive_int('--batch-size'), default=None,
                    help="(default: the run's --eval-batch-size, else 256)")
     p.add_argument('--amp', action=argparse.BooleanOptionalAction, default=None,
@@ -34,6 +36,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if not args.json:
+        return _run(args)
+    import contextlib
+    import sys
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):   # the data's notes (an image folder's header check) are no JSON
+        return _run(args, out)
+
+
+def _run(args, out=None) -> int:
     from torch.utils.data import DataLoader
 
     from ..data import build_datasets
@@ -46,8 +58,9 @@ def run(args) -> int:
     if not args.data:
         from ..train.data_paths import check_stored_data
         check_stored_data(data, cfg.get('data_as_given'), "the checkpoint's", '--data')
-    from ..train.scoring_data import check_model_input, checkpoint_data_options, trained_input_size
+    from ..train.scoring_data import check_model_input, checkpoint_data_options, trained_input_size, unaugmented
     data_kwargs = checkpoint_data_options(state, args.data, args.data_kwargs)   # the run's on its own data only
+    data_kwargs = unaugmented(data, data_kwargs)      # every split scored with the evaluation transform
     train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
                                             **data_kwargs)
     if info.num_classes != model.num_classes:
@@ -77,20 +90,30 @@ def run(args) -> int:
     batch_size = args.batch_size or cfg.get('eval_batch_size') or 256
     metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows
-    metrics.update({'checkpoint': state['path'], 'epoch': state['epoch'], 'data': data, 'split': args.split,
+    from ..export.source import weights_origin
+    averaged = state.get('averaged_epochs')       # an --avg-last average: of these epochs, not epoch N's weights
+    metrics.update({'model': state['model'], 'checkpoint': state['path'], 'epoch': state['epoch'],
+                    **({'averaged_epochs': averaged} if averaged else {}),
+                    **({'weights_origin': weights_origin(state)} if weights_origin(state) else {}),
+                    'data': data, 'split': args.split,
                     unit: len(dataset) - metrics.get('left_out', 0), 'weights': 'ema' if args.ema else 'model',
                     'precision': precision.name,
                     'precision_from': how})
+    from ..data.pixel_stats import EVAL_GEOMETRY, eval_data_config
+    if info.name in EVAL_GEOMETRY:    # the forms read at a resize and centre crop: which, as the transform used it
+        geometry = eval_data_config(info.name, data_kwargs.get('crop_pct'), data_kwargs.get('interpolation'))
+        metrics.update({'img_size': info.img_size, 'crop_pct': geometry['crop_pct'],
+                        'interpolation': geometry['interpolation']})
     if args.per_class:
         names = data_info.get('classes') or info.extra.get('classes') or [str(k) for k in range(model.num_classes)]
         images, hits = metrics.pop('per_class_images'), metrics.pop('per_class_top1_hits')
         metrics['per_class'] = [{'class': name, 'images': n, 'top1': 100.0 * h / n if n else None}
                                 for name, n, h in zip(names, images, hits)]
     if args.json:
-        print(json.dumps(metrics))
+        print(json.dumps(metrics), file=out, flush=True)
         return 0
-    from ..export.source import weights_origin
-    when = weights_origin(state) or f"epoch {state['epoch']}"   # a weights folder's "epoch 0" is no epoch of a run
+    when = (weights_origin(state)                # a weights folder's "epoch 0" is no epoch of a run
+            or (f"average of epochs {averaged[0]}-{averaged[-1]}" if averaged else f"epoch {state['epoch']}"))
     print(f"{state['model']}{' (weight average)' if args.ema else ''} {when} on {data} "
           f"({args.split}, {metrics[unit]} {unit}"
           + (f", {metrics['left_out']} unreadable left out" if metrics.get('left_out') else '') + "): "

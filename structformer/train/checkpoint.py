@@ -306,7 +306,7 @@ def load_model(path, map_location='cpu', ema: bool = False):
     from ..models.transforms import UnknownTransform
     weights, state, _ = load_checkpoint(path)
     if ema:
-        weights = _load_average(Path(state['path']))
+        weights = _load_average(Path(state['path']), state)
     recipe = ModelRecipe.from_state(state)
     try:
         model = rebuild(recipe)
@@ -338,9 +338,13 @@ def _record_built_input_size(model: torch.nn.Module, input_size) -> None:
     model.default_cfg = cfg
 
 
-def _load_average(directory: Path) -> Dict[str, torch.Tensor]:
+def _load_average(directory: Path, state: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
     from .ema import EMA_FILE
     path = directory / EMA_FILE
+    averaged = (state or {}).get('averaged_epochs')
+    if not path.is_file() and averaged:      # --avg-last's folder holds the averaged model weights only
+        raise CheckpointError(f"--ema: {directory} is the --avg-last average of epochs {averaged[0]}-{averaged[-1]}, "
+                              "which keeps no weight average of its own; leave out --ema to score it")
     if not path.is_file():
         raise CheckpointError(f"--ema: {directory} has no weight average ({EMA_FILE}); the run was trained without "
                               "--model-ema")

@@ -47,7 +47,7 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
             raise UsageError(f"{flag} {path}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
         if kind == 'ema':                               # a structformer run trained with --model-ema
             try:
-                weights = _load_average(Path(state['path']))
+                weights = _load_average(Path(state['path']), state)
             except CheckpointError as e:
                 raise UsageError(f"--weights ema: {str(e).split('--ema: ', 1)[-1]}") from None
         if kind == 'ema' and notes is not None:

@@ -56,6 +56,23 @@ def checkpoint_data_options(state: Dict[str, Any], data: Optional[str], given: O
     return options
 
 
+# the data forms with an `augment` option (data/*.py OPTIONS); the others have no augmentation to turn off
+AUGMENTING_FORMS = frozenset({'digits', 'mnist', 'cifar10', 'imagefolder', 'wds', 'hfds', 'imagenet'})
+
+
+def unaugmented(data: str, options: Dict) -> Dict:
+    """`options` with the training augmentation off where `data`'s form has one: a split that is scored (eval's
+    --split train) is read as timm's validate.py reads any split, with the evaluation transform. The train split of
+    an image folder, shards, MNIST or CIFAR-10 is augmented by default (random crops and flips), and digits' with the
+    run's augment=true, so it was scored on random images, another number at each call."""
+    from ..data.spec import parse_data_spec
+    try:
+        name, _ = parse_data_spec(data)
+    except ValueError:               # the dataset builder names a bad spec
+        return options
+    return dict(options, augment=False) if name in AUGMENTING_FORMS else options
+
+
 def _weights_folder_geometry(state: Dict[str, Any], name: str) -> Dict[str, Any]:
     """crop_pct / interpolation of a weights folder's model (`structformer convert`, `save_weights_folder`: no run,
     so no data options of its own), read from its registered pretrained_cfg: the held-out images as the public code
