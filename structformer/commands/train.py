@@ -398,13 +398,10 @@ def _refuse_idle_flags(config, given: dict) -> None:
     --lr-base-size without --lr-base, --model-ema-decay without --model-ema): one line instead of a run that
     trains otherwise than the command line reads. A setting from a recipe or -c file is left alone (a run's
     config.yaml holds every key)."""
-    import dataclasses
-
     from ..train.config import TrainConfig
     from ..train.config_checks import idle_settings
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING
-                or f.default_factory is not dataclasses.MISSING}
+    from ..train.config_file import config_defaults
+    defaults = config_defaults(TrainConfig)
     for key, why in idle_settings(config).items():
         if key in given and given[key] != defaults.get(key):
             value = given[key]

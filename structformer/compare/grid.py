@@ -185,11 +185,9 @@ def config_differences(cell: Cell) -> List[str]:
 
 
 def _config_defaults() -> Dict:
-    import dataclasses
     from ..train.config import TrainConfig
-    return _plain({f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                   for f in dataclasses.fields(TrainConfig)
-                   if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING})
+    from ..train.config_file import config_defaults
+    return _plain(config_defaults(TrainConfig))
 
 
 def _inside(path, folder) -> bool:

@@ -16,6 +16,15 @@ _FLAGS = {'label_smoothing': '--smoothing', 'num_workers': '--workers', 'transfo
           'factorize_rank': '--rank', 'factorize_init': '--init', 'data_as_given': None}
 
 
+def config_defaults(config_class) -> Dict[str, Any]:
+    """Every field of a config dataclass (TrainConfig) that has a default, with that default (a fresh one from its
+    default factory)."""
+    import dataclasses
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(config_class)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
 def flag_name(key: str) -> Optional[str]:
     """The train flag that sets configuration key `key` (None where only a config file can)."""
     return _FLAGS.get(key, '--' + key.replace('_', '-'))

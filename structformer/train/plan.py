@@ -486,9 +486,8 @@ def dry_run(config: TrainConfig) -> str:
     if about.get('notes'):
         lines.append(f"notes         {' '.join(str(about['notes']).split())}")
         # the notes describe the recipe as it ships: say which of its settings this plan no longer has
-        import dataclasses
-        shipped = {f.name: recipe_values.get(f.name, f.default if f.default is not dataclasses.MISSING
-                                             else f.default_factory()) for f in dataclasses.fields(TrainConfig)}
+        from .config_file import config_defaults
+        shipped = {name: recipe_values.get(name, default) for name, default in config_defaults(TrainConfig).items()}
         changed = sorted(k for k, v in shipped.items() if getattr(config, k) != v and k not in _WHERE_NOT_HOW)
         if changed:
             lines.append(f"  (the recipe's own notes: -c / the flags given changed {', '.join(changed)})")
