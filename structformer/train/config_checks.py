@@ -14,6 +14,7 @@ PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_
                       'lr_cycle_decay', 'lr_cycle_limit', 'lr_k_decay', 'lr_noise', 'lr_noise_pct', 'lr_noise_std')
 CYCLING = ('cosine', 'tanh', 'poly')             # the schedules timm restarts (cycle_mul / decay / limit)
 K_DECAYING = ('cosine', 'poly')                  # the schedules with timm's k-decay
+TO_MIN_LR = ('cosine', 'tanh', 'poly')           # the schedules that end at min_lr (step / multistep decay by rate)
 # timm's schedules stepped per optimiser step (create_scheduler_v2 with step_on_epochs=False): cosine and tanh to
 # min_lr, poly to min_lr with power decay_rate (timm's train.py passes --decay-rate as poly's power), step, multistep;
 # 'none' keeps the optimiser's lr. Not 'plateau': it steps once an epoch on an eval metric (deprecated in timm)
@@ -169,7 +170,7 @@ def floor_read(values: Dict, key: str) -> bool:
     warmup_epochs > 0 starts at warmup_lr, and 'none' has no schedule."""
     if values['sched'] == 'none':
         return False
-    return values['sched'] in CYCLING if key == 'min_lr' else values['warmup_epochs'] > 0
+    return values['sched'] in TO_MIN_LR if key == 'min_lr' else values['warmup_epochs'] > 0
 
 
 def idle_settings(config) -> Dict[str, str]:
