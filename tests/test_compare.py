@@ -89,6 +89,21 @@ def test_crate_close_to_vit_is_read_against_the_papers_gap_and_the_noise():
     assert verdict([98.0, 98.1, 97.9], [92.0, 93.0, 94.0], 2000) == 'agrees'          # above: closer than the paper
 
 
+def test_a_tie_with_the_mixer_is_no_evidence_that_rp_mixer_keeps_up():
+    """'RP-Mixer keeps the Mixer's accuracy' read a difference inside two standard errors as met, so one seed on 50
+    images (2 SE ≈ 13 points) 'agreed' with RP-Mixer 10 points below the Mixer: now it cannot tell."""
+    from structformer.compare.leaderboard import claims
+    def verdict(rp, sw, held_out=2000):
+        rows = [dict(_hand_row('mixer', 'Mixer', [90.0, 90.1, 89.9]), family='Mixer')]
+        rows += [dict(_hand_row(k, k, t), family='Mixer') for k, t in (('rp_mixer', rp), ('swmlp', sw)) if t]
+        record = {'data': {'val_images': held_out}, 'rows': rows}
+        return next(c['verdict'] for c in claims(record) if c['claim'].startswith('RP-Mixer and SW-MLP'))
+    assert verdict([80.0], None, 50) == 'cannot tell at this scale'                 # -10 ± 6.5: no evidence
+    assert verdict([91.0, 91.1, 90.9], [92.0, 92.1, 91.9]) == 'agrees'             # both above, ± 0.12
+    assert verdict([91.0, 91.1, 90.9], [90.0, 90.2, 89.8]) == 'partly agrees'      # SW-MLP a tie
+    assert verdict([88.0, 88.1, 87.9], [90.0, 90.2, 89.8]) == 'disagrees'          # RP-Mixer 2 below, ± 0.12
+
+
 def test_plot_labels_do_not_overlap_a_hand_example():
     from structformer.compare.record import label_offsets
     # a and b 2 points apart, labels 40 wide and 8 high: a keeps right-above (4, 3); b's right-above box would
