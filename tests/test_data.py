@@ -400,6 +400,40 @@ def test_crop_pct_and_interpolation_shape_the_held_out_images(tmp_path):
             build_datasets(spec, img_size=8, **{key: bad})
 
 
+def test_crop_mode_squash_scores_a_non_square_image_as_the_public_finetune_py(tmp_path):
+    """The public CRATE finetune.py scores Flowers and Pets through torchvision's Resize((224, 224)): the whole image,
+    its aspect ratio not kept. crop_pct 1.0 alone centre-cropped a non-square image to its short side (a third of a
+    3:2 image never seen); --data-kwargs crop_mode=squash is timm's name for the public transform, and the run's
+    geometry reaches eval and export's pretrained_cfg like crop_pct's."""
+    import torch.nn as nn
+    from PIL import Image
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    from torchvision import transforms as T
+
+    from structformer.data.pixel_stats import eval_data_config
+    from structformer.train.checkpoint import record_training_data
+    rng = np.random.default_rng(7)
+    for c in ('cat', 'dog'):
+        (tmp_path / 'wide' / c).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 256, (12, 18, 3), dtype=np.uint8)).save(tmp_path / 'wide' / c / f'{i}.png')
+    spec = f'imagefolder:{tmp_path / "wide"}'
+    _, squashed, _ = build_datasets(spec, img_size=8, val_fraction=0.25, crop_pct=1.0, crop_mode='squash')
+    _, cropped, _ = build_datasets(spec, img_size=8, val_fraction=0.25, crop_pct=1.0)
+    image = Image.open(squashed.dataset.samples[squashed.indices[0]][0]).convert('RGB')
+    public = T.Compose([T.Resize((8, 8)), T.ToTensor(), T.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)])
+    torch.testing.assert_close(squashed[0][0], public(image))
+    assert not torch.allclose(cropped[0][0], public(image), atol=1e-2)          # the short side's square only
+    model = nn.Linear(1, 1)
+    record_training_data(model, {'name': 'imagefolder', 'num_classes': 2, 'in_chans': 3, 'img_size': 8,
+                                 'crop_pct': 1.0, 'crop_mode': 'squash'})
+    assert model.pretrained_cfg['crop_mode'] == 'squash'
+    torch.testing.assert_close(_timm_eval_input(dict(model.pretrained_cfg), np.asarray(image)), squashed[0][0])
+    assert eval_data_config('imagefolder')['crop_mode'] == 'center'
+    with pytest.raises(ValueError, match='--data-kwargs crop_mode: expected '):
+        build_datasets(spec, img_size=8, crop_mode='stretch')
+
+
 # ----- the --data argument and its errors -----
 
 def test_parse_data_spec_and_forms():

@@ -101,9 +101,10 @@ def _run(args, out=None) -> int:
                     'precision_from': how})
     from ..data.pixel_stats import EVAL_GEOMETRY, eval_data_config
     if info.name in EVAL_GEOMETRY:    # the forms read at a resize and centre crop: which, as the transform used it
-        geometry = eval_data_config(info.name, data_kwargs.get('crop_pct'), data_kwargs.get('interpolation'))
+        geometry = eval_data_config(info.name, data_kwargs.get('crop_pct'), data_kwargs.get('interpolation'),
+                                    data_kwargs.get('crop_mode'))
         metrics.update({'img_size': info.img_size, 'crop_pct': geometry['crop_pct'],
-                        'interpolation': geometry['interpolation']})
+                        'interpolation': geometry['interpolation'], 'crop_mode': geometry['crop_mode']})
     if args.per_class:
         names = data_info.get('classes') or info.extra.get('classes') or [str(k) for k in range(model.num_classes)]
         images, hits = metrics.pop('per_class_images'), metrics.pop('per_class_top1_hits')

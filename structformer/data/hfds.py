@@ -14,7 +14,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import UsageError
-from .imagefolder import CROP_PCT, INTERPOLATION, ReplaceUnreadable, UnreadableImage, as_rgb, image_transforms
+from .imagefolder import CROP_MODE, CROP_PCT, INTERPOLATION, ReplaceUnreadable, UnreadableImage, as_rgb, image_transforms
 from .spec import DatasetInfo, Option, check_folder, resolve_options
 from .tensor import stratified_split
 
@@ -23,6 +23,7 @@ OPTIONS = {
     'augment': Option(bool, True, 'true or false'),
     'crop_pct': CROP_PCT,
     'interpolation': INTERPOLATION,
+    'crop_mode': CROP_MODE,
     'bad_images': Option(str, 'error', "'error' or 'skip' (an undecodable image is replaced by the next one, "
                          "named in the log)", lambda v: v in ('error', 'skip')),
     'image_column': Option(str, '', 'a column name (default: the first Image column)'),

@@ -34,11 +34,19 @@ CROP_PCT = Option(float, None, "a number in (0, 1] (held-out images resized to i
 EVAL_INTERPOLATIONS = ('bilinear', 'bicubic', 'nearest', 'lanczos', 'box', 'hamming')
 INTERPOLATION = Option(str, None, "one of " + ', '.join(EVAL_INTERPOLATIONS) + " (the held-out images' resize; "
                        "default bilinear)", lambda v: v is None or v in EVAL_INTERPOLATIONS)
+# and how that resize meets the square: timm's crop_mode. 'squash' resizes both sides to img_size / crop_pct without
+# keeping the aspect ratio (at crop_pct 1.0 torchvision's Resize((s, s)), the public CRATE finetune.py's test
+# transform); 'border' fits the long side and pads
+CROP_MODES = ('center', 'squash', 'border')
+CROP_MODE = Option(str, None, "one of center (short side resized, centre crop; default), squash (both sides "
+                   "resized, aspect ratio not kept) or border (long side fitted, padded)",
+                   lambda v: v is None or v in CROP_MODES)
 OPTIONS = {
     'img_size': Option(int, 224, "an integer >= 8 (default: the model's input size)", lambda v: v >= 8),
     'augment': Option(bool, True, 'true or false'),
     'crop_pct': CROP_PCT,
     'interpolation': INTERPOLATION,
+    'crop_mode': CROP_MODE,
     'bad_images': Option(str, 'error', "'error' (stop before training) or 'skip' (leave them out, counted in the log)",
                          lambda v: v in ('error', 'skip')),
     'check': Option(str, 'header', "'header' (open each file's header, default), 'decode' (decode every image) "
@@ -164,18 +172,18 @@ def _drop_unreadable(folder, spec: str, mode: str, check: str = 'header'):
 
 
 def default_transforms(img_size: int, augment: bool, crop_pct: Optional[float] = None,
-                       interpolation: Optional[str] = None):
+                       interpolation: Optional[str] = None, crop_mode: Optional[str] = None):
     """(train, eval) PIL -> normalised tensor transforms, ImageNet mean/std.
 
-    Eval is timm's (resize to img_size / crop_pct with `interpolation`, centre crop; None: timm's 0.875 and
-    bilinear). Train is random-resized-crop + flip built
+    Eval is timm's (resize to img_size / crop_pct with `interpolation`, then the crop of `crop_mode`; None: timm's
+    0.875, bilinear and centre crop). Train is random-resized-crop + flip built
     from torchvision, drawing from torch's RNG; it is kept as it was so runs without augmentation flags
     are unchanged. The flags (--aa, --reprob, ...) replace it with timm's create_transform (augment.py).
     """
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
     from torchvision import transforms as T
     eval_tf = create_transform(img_size, is_training=False, crop_pct=crop_pct,
-                               interpolation=interpolation or 'bilinear')
+                               interpolation=interpolation or 'bilinear', crop_mode=crop_mode or 'center')
     if not augment:
         return eval_tf, eval_tf
     train_tf = T.Compose([T.RandomResizedCrop(img_size, antialias=True), T.RandomHorizontalFlip(),
@@ -195,7 +203,7 @@ def image_transforms(spec: str, opts, augmentation, train_transform, eval_transf
         raise ValueError('train_transform replaces the training transform that augmentation configures; '
                          'give one or the other')
     default_train, default_eval = default_transforms(opts['img_size'], opts['augment'], opts.get('crop_pct'),
-                                                     opts.get('interpolation'))
+                                                     opts.get('interpolation'), opts.get('crop_mode'))
     applied = None
     if aug is not None:
         default_train, applied = timm_train_transform(opts['img_size'], aug, IMAGENET_DEFAULT_MEAN,

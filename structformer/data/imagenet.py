@@ -363,13 +363,14 @@ def imagenet_source(path: str, what: str, validation_only: bool = False) -> Sour
 # ----------------------------------------------------------------------------- --data imagenet:PATH
 
 def _options():
-    from .imagefolder import CROP_PCT, INTERPOLATION
+    from .imagefolder import CROP_MODE, CROP_PCT, INTERPOLATION
     from .spec import Option
     return {
         'img_size': Option(int, 224, "an integer >= 8 (default: the model's input size)", lambda v: v >= 8),
         'augment': Option(bool, True, 'true or false'),
         'crop_pct': CROP_PCT,
         'interpolation': INTERPOLATION,
+        'crop_mode': CROP_MODE,
         'bad_images': Option(str, 'error', "'error' or 'skip' (an undecodable image is replaced by the next one, "
                              "named in the log)", lambda v: v in ('error', 'skip')),
     }

@@ -39,9 +39,9 @@ for _name in ('wds', 'hfds', 'imagenet'):
 
 # how the eval images reach the model: the tensor datasets are used at their own size (no resize, no crop);
 # image folders go through timm's default eval transform (resize to img_size / 0.875, centre crop)
-EVAL_GEOMETRY = {name: {'crop_pct': 0.875, 'interpolation': 'bilinear'} for name in ('imagefolder', 'wds', 'hfds',
-                                                                                      'imagenet')}
-TENSOR_GEOMETRY = {'crop_pct': 1.0, 'interpolation': 'nearest'}
+EVAL_GEOMETRY = {name: {'crop_pct': 0.875, 'interpolation': 'bilinear', 'crop_mode': 'center'}
+                 for name in ('imagefolder', 'wds', 'hfds', 'imagenet')}
+TENSOR_GEOMETRY = {'crop_pct': 1.0, 'interpolation': 'nearest', 'crop_mode': 'center'}
 
 
 def pixel_stats(dataset: str) -> Optional[Tuple[tuple, tuple]]:
@@ -50,12 +50,12 @@ def pixel_stats(dataset: str) -> Optional[Tuple[tuple, tuple]]:
     return PIXEL_STATS.get(dataset)
 
 
-def eval_data_config(dataset: str, crop_pct: Optional[float] = None,
-                     interpolation: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """The `pretrained_cfg` entries (mean, std, crop_pct, interpolation) with which timm's eval transform
-    reproduces what `structformer train` fed the model on `dataset`, or None (no image form). `crop_pct`,
-    `interpolation`: the run's `--data-kwargs` of those names (image folders and the forms that share their
-    transforms), else the defaults."""
+def eval_data_config(dataset: str, crop_pct: Optional[float] = None, interpolation: Optional[str] = None,
+                     crop_mode: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """The `pretrained_cfg` entries (mean, std, crop_pct, interpolation, crop_mode) with which timm's eval
+    transform reproduces what `structformer train` fed the model on `dataset`, or None (no image form). `crop_pct`,
+    `interpolation`, `crop_mode`: the run's `--data-kwargs` of those names (image folders and the forms that share
+    their transforms), else the defaults."""
     stats = pixel_stats(dataset)
     if stats is None:
         return None
@@ -64,4 +64,6 @@ def eval_data_config(dataset: str, crop_pct: Optional[float] = None,
         geometry['crop_pct'] = float(crop_pct)
     if interpolation is not None and dataset in EVAL_GEOMETRY:
         geometry['interpolation'] = str(interpolation)
+    if crop_mode is not None and dataset in EVAL_GEOMETRY:
+        geometry['crop_mode'] = str(crop_mode)
     return dict(geometry, mean=stats[0], std=stats[1])

@@ -4,7 +4,7 @@ import os
 from typing import List
 
 from ..errors import UsageError
-from .imagefolder import CROP_PCT, INTERPOLATION, ReplaceUnreadable, image_transforms
+from .imagefolder import CROP_MODE, CROP_PCT, INTERPOLATION, ReplaceUnreadable, image_transforms
 from .shards import ShardStream
 from .tars import (IndexedShards, ShardError, _local, _seed, check_shard, expand_shards, is_local, known_lengths,
                    read_info, scan_shard, split_patterns)
@@ -15,6 +15,7 @@ OPTIONS = {
     'augment': Option(bool, True, 'true or false'),
     'crop_pct': CROP_PCT,
     'interpolation': INTERPOLATION,
+    'crop_mode': CROP_MODE,
     'bad_images': Option(str, 'error', "'error' (stop) or 'skip' (an undecodable image is replaced by the next "
                          "sample, named in the log)", lambda v: v in ('error', 'skip')),
     'train_samples': Option(int, 0, 'an integer >= 0 (samples per epoch; 0: from _info.json or a header scan)',

@@ -362,7 +362,8 @@ def record_training_data(model: torch.nn.Module, data_info: Dict[str, Any]) -> N
     timm's `local-dir:` loading reads back. Data without an image form (synthetic subspaces, text) leaves the
     config as it is."""
     from ..data.pixel_stats import eval_data_config
-    data_cfg = eval_data_config(data_info.get('name', ''), data_info.get('crop_pct'), data_info.get('interpolation'))
+    data_cfg = eval_data_config(data_info.get('name', ''), data_info.get('crop_pct'), data_info.get('interpolation'),
+                                data_info.get('crop_mode'))
     if data_cfg is None or not data_info.get('img_size') or not data_info.get('in_chans'):
         return
     size = data_info['img_size']

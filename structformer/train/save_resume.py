@@ -28,11 +28,11 @@ class CheckpointGlue:
                               **class_record(self.info.extra), **self._eval_crop()}}
 
     def _eval_crop(self) -> Dict:
-        """--data-kwargs crop_pct / interpolation where given: the held-out images' geometry (export's
+        """--data-kwargs crop_pct / interpolation / crop_mode where given: the held-out images' geometry (export's
         pretrained_cfg)."""
         given = self.config.data_kwargs or {}
-        return {key: kind(given[key]) for key, kind in (('crop_pct', float), ('interpolation', str))
-                if given.get(key) is not None}
+        return {key: kind(given[key]) for key, kind in (('crop_pct', float), ('interpolation', str),
+                                                        ('crop_mode', str)) if given.get(key) is not None}
 
     def _save(self, epoch: int, metrics: Dict) -> Path:
         files = {}

@@ -79,7 +79,7 @@ def _weights_folder_geometry(state: Dict[str, Any], name: str) -> Dict[str, Any]
     evaluates them (CRATE's Resize 256 / CenterCrop 224 bilinear, SOFT's crop 0.9 bicubic), not the image forms'
     generic 0.875 bilinear, which scored a converted SOFT checkpoint at another geometry than the one its config.json
     states. Only for the forms that take these options (image folders, shards, HF datasets, ImageNet)."""
-    from ..data.imagefolder import EVAL_INTERPOLATIONS
+    from ..data.imagefolder import CROP_MODES, EVAL_INTERPOLATIONS
     from ..data.pixel_stats import EVAL_GEOMETRY
     if not state.get('weights_folder') or name not in EVAL_GEOMETRY:
         return {}
@@ -94,6 +94,8 @@ def _weights_folder_geometry(state: Dict[str, Any], name: str) -> Dict[str, Any]
         out['crop_pct'] = float(crop)
     if interpolation in EVAL_INTERPOLATIONS:
         out['interpolation'] = interpolation
+    if getattr(cfg, 'crop_mode', None) in CROP_MODES:
+        out['crop_mode'] = cfg.crop_mode
     return out
 
 
