@@ -330,6 +330,8 @@ def test_a_linformer_attn_layer_is_shaped_when_the_model_is_built():
     # the weights a lazy build and its dry forward draw from the same seed
     dynamic = timm.create_model('vit_digits', attn_layer=layer, dynamic_img_size=True)
     assert isinstance(dynamic.blocks[0].attn.seq_proj.e, UninitializedParameter)
+    with pytest.raises(ValueError, match='LinformerAttention has parameters per token position'):
+        timm.create_model('vit_digits', attn_layer=layer, patch_drop_rate=0.25)    # its training forward failed
     torch.manual_seed(0)              # timm's own class of the same shape stays lazy: shaped by the dry forward
     lazy = VisionTransformer(**_DIGITS, attn_layer=layer)
     torch.testing.assert_close(torch.random.get_rng_state(), after_build, rtol=0, atol=0)
