@@ -543,6 +543,27 @@ def test_performer_redraw_keeps_float64_orthogonality():
     torch.testing.assert_close(rows @ rows.T, torch.eye(32, dtype=F64), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize('cast', [lambda m: m.to(torch.bfloat16), lambda m: m.half(),
+                                  lambda m: PerformerAttention(64, num_heads=2, num_features=32, dtype=torch.bfloat16)])
+def test_performer_features_stay_float32_in_a_half_precision_layer(cast):
+    """`model.to(torch.bfloat16)` rounded ω to 8 mantissa bits (rows orthogonal to ~4e-3, where the float32 draw is
+    to ~3e-7), though the forward computes the features in float32: ω now stays the float32 draw (bf16 / fp16 casts,
+    or a layer built in bf16), the rest of the layer is cast, and a redraw stays float32 too."""
+    torch.manual_seed(0)
+    layer = PerformerAttention(64, num_heads=2, num_features=32)
+    drawn = layer.projection.clone()
+    torch.manual_seed(0)
+    cast_layer = cast(layer)
+    assert cast_layer.qkv.weight.dtype in (torch.bfloat16, torch.float16)
+    assert cast_layer.projection.dtype == torch.float32
+    torch.testing.assert_close(cast_layer.projection, drawn, rtol=0, atol=0)     # the same draw, not its rounding
+    cast_layer.redraw_features(torch.Generator().manual_seed(0))
+    rows = cast_layer.projection / cast_layer.projection.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(rows @ rows.T, torch.eye(32), rtol=0, atol=1e-5)
+    x = torch.randn(2, 10, 64).to(cast_layer.qkv.weight.dtype)
+    assert cast_layer(x).dtype == x.dtype
+
+
 def test_softmax_honours_timms_fused_attn_switch():
     """timm's `attn.fused_attn = False` (to read attention maps off `attn_drop`) set an unused attribute on the
     'softmax' layer, which stayed on SDPA; and its explicit path replaced an attn_mask by the causal one silently."""

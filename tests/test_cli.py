@@ -326,6 +326,16 @@ def test_eval_scores_the_train_split_without_its_augmentation(trained_run, capsy
     assert scores[0] == scores[1] == scores[2]
 
 
+def test_eval_takes_timms_validation_spelling_of_the_held_out_split(trained_run, capsys):
+    """timm's validate.py and readers spell the held-out split 'validation' as well as 'val': the same split, and
+    the record says 'val' either way (it was refused as an invalid choice)."""
+    scores = []
+    for split in ('val', 'validation'):
+        assert main(['eval', '--checkpoint', str(trained_run), '--split', split, '--json']) == 0
+        scores.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert scores[1]['split'] == 'val' and scores[0] == scores[1]
+
+
 def test_eval_json_prints_only_the_json_object(tmp_path, monkeypatch, capsys):
     """--json prints one JSON object on stdout: an image folder's note (its header check reused from the cache, on
     the second read) went to stdout before it, so `eval --json | jq` failed."""

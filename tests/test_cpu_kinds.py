@@ -119,6 +119,26 @@ def test_aten_and_mkl_caps_leave_the_bfloat16_gemms_native(monkeypatch, variable
                                         for n in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
 
 
+@pytest.mark.parametrize('caps, says', [
+    ({'MKL_ENABLE_INSTRUCTIONS': 'AVX2'}, "MKL held below it (MKL_ENABLE_INSTRUCTIONS=AVX2): MKL's kernels run 256-bit "
+     "code, oneDNN's (not capped) still use AVX-512"),
+    ({'ONEDNN_MAX_CPU_ISA': 'AVX2'}, "oneDNN held below it (ONEDNN_MAX_CPU_ISA=AVX2): oneDNN's kernels run 256-bit "
+     "code, MKL's (not capped) still use AVX-512"),
+    ({'MKL_ENABLE_INSTRUCTIONS': 'SSE4_2'}, "MKL's kernels run 128-bit code"),
+    ({'MKL_ENABLE_INSTRUCTIONS': 'AVX2', 'DNNL_MAX_CPU_ISA': 'AVX2'}, "MKL and oneDNN both held below the CPU's "
+     "AVX-512: they run 256-bit kernels")])
+def test_the_facts_say_which_gemm_library_a_cap_holds(monkeypatch, caps, says):
+    """Each library has its own cap: under MKL_ENABLE_INSTRUCTIONS alone the facts said "AVX2 only: MKL and oneDNN
+    both run 256-bit kernels", though oneDNN (torch's bfloat16 GEMMs, our linear kernel) still ran AVX-512."""
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    facts = hardware_facts(machine.cpu_kind(SAPPHIRE_RAPIDS))
+    assert any(says in fact for fact in facts), facts
+    assert not any('AVX2 only' in fact or 'AVX-512 on an Intel CPU' in fact for fact in facts), facts
+
+
 def test_without_proc_cpuinfo_the_kind_says_it_read_nothing(monkeypatch):
     def missing(*args, **kwargs):
         raise FileNotFoundError('/proc/cpuinfo')
@@ -162,10 +182,12 @@ def test_float16_is_native_with_avx512_fp16_or_amx_fp16_unless_onednn_is_capped_
 
 def test_an_aten_cap_alone_leaves_the_gemms_avx512_facts(monkeypatch):
     """ATEN_CPU_CAPABILITY=avx2 caps ATen's own vector kernels, not MKL's or oneDNN's GEMMs: the facts keep
-    AVX-512 (not 'AVX2 only: MKL and oneDNN both run 256-bit kernels'); a oneDNN or MKL cap below AVX-512 drops it."""
+    AVX-512 (not 'AVX2 only: MKL and oneDNN both run 256-bit kernels'); an MKL cap below AVX-512 drops it for MKL
+    alone (test_the_facts_say_which_gemm_library_a_cap_holds)."""
     monkeypatch.setenv('ATEN_CPU_CAPABILITY', 'avx2')
     facts = hardware_facts(machine.cpu_kind(CASCADE_LAKE))
     assert any(f.startswith('AVX-512 on an Intel CPU') for f in facts) and not any('AVX2 only' in f for f in facts)
     monkeypatch.setenv('MKL_ENABLE_INSTRUCTIONS', 'AVX2')
     facts = hardware_facts(machine.cpu_kind(CASCADE_LAKE))
-    assert any('AVX2 only' in f for f in facts) and not any('AVX-512 on' in f for f in facts)
+    assert any("MKL's kernels run 256-bit code, oneDNN's (not capped) still use AVX-512" in f for f in facts)
+    assert not any('AVX2 only' in f or 'AVX-512 on' in f for f in facts)

@@ -62,6 +62,8 @@ def test_gpu_check_brings_back_the_record_the_bench_wrote(tmp_path, bench):
     proc = subprocess.run(['bash', str(repo / 'tools' / 'gpu_check.sh')], env=env, capture_output=True, text=True,
                           timeout=120)
     assert 'unexpected call' not in proc.stderr + proc.stdout, proc.stderr
+    worst = _worst_case_s({'SUITE_S': 60, 'BENCH_S': 5, 'TF32_S': 25, 'PROFILE_S': 25})
+    assert f'worst case with the graces {worst} s' in proc.stdout        # the script's sum is its commands'
     files = sorted(p.name for p in out.iterdir())
     assert {'env.txt', 'suite.log', 'junit.xml', 'bench.log', 'tf32.json', 'profile.json'} <= set(files), files
     assert len(files) <= 8                                   # what the device tool brings back from $OUT
@@ -72,6 +74,30 @@ def test_gpu_check_brings_back_the_record_the_bench_wrote(tmp_path, bench):
     else:
         assert proc.returncode == 1                         # the suite passed: the bench's status
         assert 'h200_2026-11-27.json' not in files and 'bench_gpu.md' not in files
+
+
+def _worst_case_s(values: dict = None) -> int:
+    """The script's worst case read off its own `timeout` commands: each step's limit plus its grace (the SIGINT's
+    or the budget's, then -k before SIGKILL), with the defaults it sets (or `values` over them)."""
+    import re
+    script = (ROOT / 'tools' / 'gpu_check.sh').read_text()
+    names = {k: int(v) for k, v in re.findall(r'^(\w+)="\$\{\1:-(\d+)\}"', script, re.M)}
+    graces = re.search(r'^((?:\w+=\d+ ?)+)$', script, re.M).group(1)
+    names.update({k: int(v) for k, v in (pair.split('=') for pair in graces.split())})
+    names.update(values or {})
+    steps = re.findall(r'^timeout (?:-s \w+ )?-k "\$(\w+)" (.+?) "\$PY"', script, re.M)
+    assert len(steps) == 4, steps                           # suite, bench, TF32 probe, profile
+    arithmetic = lambda text: eval(re.sub(r'\$\(\((.*)\)\)', r'\1', text).replace('"', '').replace('$', ''),
+                                   {}, names)             # noqa: E731 (integers and + only)
+    return sum(names[kill] + arithmetic(limit) for kill, limit in steps)
+
+
+def test_gpu_check_worst_case_fits_the_device_call():
+    """Every step at its limit plus its kill grace was 600 s (240 + 20, 205 + 10, 60 + 10, 45 + 10), past the 590 s
+    the device call allows (docs/gpu.md): the defaults now sum under 580 s, leaving room for the installs and the
+    render, which have no limit of their own."""
+    assert _worst_case_s() < 580
+    assert _worst_case_s({'SUITE_S': 240, 'BENCH_S': 180}) > 580      # the old limits would not fit
 
 
 def test_a_second_record_of_a_day_keeps_the_first(tmp_path):

@@ -298,6 +298,49 @@ def test_registered_models_have_every_parameter_at_construction():
     assert isinstance(dynamic.blocks[0].attn.basis.w_down, UninitializedParameter)
     converted = sparsify(timm.create_model('vit_digits', dynamic_img_size=True))      # sparsify sees it too
     assert isinstance(converted.blocks[0].attn.basis.w_up, UninitializedParameter)
+
+
+def test_a_linformer_attn_layer_is_shaped_when_the_model_is_built():
+    """timm.create_model('vit_digits', attn_layer=Linformer without seq_len) knows its 17 tokens (4x4 patches + cls):
+    E, F are shaped then, so parameter counts, an optimiser and load_state_dict work before any forward (they stayed
+    lazy until the first one), drawn as the dry forward of `materialize_lazy` drew them (same seed, same weights, the
+    global RNG left where it was); a dynamic image size keeps them lazy."""
+    from torch.nn.parameter import UninitializedParameter
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    from structformer.layers.attention.linformer import LinformerAttention
+    from structformer.layers.attention.registry import with_defaults
+    from structformer.models.sparsifiner import _DIGITS
+    from structformer.models.transforms import TransformContext, materialize_lazy
+    layer = with_defaults(LinformerAttention, num_landmarks=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                        # no lazy-parameter warning, now or at forward
+        torch.manual_seed(0)
+        model = timm.create_model('vit_digits', attn_layer=layer)
+        after_build = torch.random.get_rng_state()
+        count = sum(p.numel() for p in model.parameters())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        timm.create_model('vit_digits', attn_layer=layer).load_state_dict(model.state_dict())
+        model(torch.randn(2, 1, 8, 8)).sum().backward()
+    assert model.blocks[0].attn.seq_proj.e.shape == model.blocks[-1].attn.seq_proj.f.shape == (8, 17)
+    assert count == sum(p.numel() for p in model.parameters())
+    optimised = {id(p) for group in optimizer.param_groups for p in group['params']}
+    assert id(model.blocks[0].attn.seq_proj.e) in optimised
+    # the weights a lazy build and its dry forward draw from the same seed
+    dynamic = timm.create_model('vit_digits', attn_layer=layer, dynamic_img_size=True)
+    assert isinstance(dynamic.blocks[0].attn.seq_proj.e, UninitializedParameter)
+    with pytest.raises(ValueError, match='LinformerAttention has parameters per token position'):
+        timm.create_model('vit_digits', attn_layer=layer, patch_drop_rate=0.25)    # its training forward failed
+    torch.manual_seed(0)              # timm's own class of the same shape stays lazy: shaped by the dry forward
+    lazy = VisionTransformer(**_DIGITS, attn_layer=layer)
+    torch.testing.assert_close(torch.random.get_rng_state(), after_build, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        materialize_lazy(lazy, TransformContext(input_size=(1, 8, 8)))
+    assert list(model.state_dict()) == list(lazy.state_dict())
+    for built, drawn in zip(model.state_dict().values(), lazy.state_dict().values()):
+        torch.testing.assert_close(built, drawn, rtol=0, atol=0)
     assert sparsify(timm.create_model('vit_digits')).blocks[0].attn.basis.w_up.shape == (32, 17)
 
 

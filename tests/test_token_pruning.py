@@ -337,6 +337,30 @@ def test_forward_intermediates_refuses_a_grid_the_pruned_tokens_do_not_fill():
     assert unpruned.forward_intermediates(x, intermediates_only=True)[-1].shape == (2, 192, 4, 4)
 
 
+def test_prune_intermediate_layers_moves_the_bookkeeping_to_the_new_last_block():
+    """timm's prune_intermediate_layers cuts `blocks`; `positions` / `sources` kept reading the entry of the old
+    last block: after a forward of the shorter model they were the full model's (a stale forward's) tokens."""
+    import copy
+    model, x = _vit()
+    prune_tokens(model, keep_rate=0.5, layers=[1, 2])
+    with torch.no_grad():
+        model(x)
+        leaving_block_1 = model.token_pruning.entering[2]
+        assert model.token_pruning.positions.shape == (3, 7)          # cls + 16 -> 8 + 1 -> 5 + 1
+        cut = copy.deepcopy(model)
+        assert cut.prune_intermediate_layers([1]) == [1] and len(cut.blocks) == 2
+        cut(x)
+    assert cut.token_pruning.depth == 2 and cut.token_pruning.positions.shape == (3, 10)
+    torch.testing.assert_close(cut.token_pruning.positions, leaving_block_1[0], rtol=0, atol=0)
+    torch.testing.assert_close(cut.token_pruning.sources, leaving_block_1[1])
+    assert model.token_pruning.depth == 4                             # the copy's cut leaves the model whole
+    before_pruning = copy.deepcopy(model)
+    before_pruning.prune_intermediate_layers([0])                     # only block 0 (no pruning block) is left
+    with torch.no_grad():
+        before_pruning(x)
+    assert before_pruning.token_pruning.positions is None
+
+
 def test_an_attention_after_pruning_that_needs_the_full_token_count_is_refused_when_applied():
     """Linformer's E, F are built for the model's 17 tokens; after pruning at block 1 block 3 gets 10: refused by
     prune_tokens, naming the block and the layer, before the model changes (the first forward used to fail inside

@@ -536,7 +536,10 @@ def test_a_config_file_takes_timms_keys_or_says_where_their_setting_is(tmp_path,
     (['--sched', 'none', '--min-lr', '0'], '--min-lr 0.0 does nothing in this run: only a --sched cosine'),
     (['--sched', 'none', '--warmup-lr', '0'], '--warmup-lr 0.0 does nothing in this run: only a warm-up'),
     (['--warmup-epochs', '0', '--warmup-lr', '1e-5'], 'only a warm-up (--warmup-epochs > 0 and a --sched other '
-     'than none) reads it, and the run has --sched cosine, --warmup-epochs 0')])
+     'than none) reads it, and the run has --sched cosine, --warmup-epochs 0'),
+    (['--warmup-epochs', '0', '--warmup-prefix'], '--warmup-prefix does nothing in this run: only a warm-up '
+     '(--warmup-epochs > 0 and a --sched other than none) reads it, and the run has --sched cosine, --warmup-epochs 0'),
+    (['--sched', 'none', '--warmup-prefix'], '--warmup-prefix does nothing in this run: only a warm-up')])
 def test_a_flag_that_acts_on_nothing_is_refused(argv, needle, capsys):
     """timm's train.py ignores these without a word (and its lr_base defaults to 0.1, so its --lr-base-size alone
     scales the lr; here it did nothing): one line instead."""
@@ -552,7 +555,9 @@ def test_flags_that_act_somewhere_in_the_run_are_taken(capsys):
                  ['--lr-noise', '0.5', '--lr-noise-std', '0.5'], ['--lr-cycle-limit', '2', '--lr-cycle-decay', '0.9'],
                  ['--opt', 'lookahead_sgd', '--momentum', '0.5'], ['--momentum', '0.9'],
                  ['--sched', 'poly', '--min-lr', '0'], ['--sched', 'step', '--warmup-lr', '0'],
-                 ['--sched', 'step', '--phase-settings', 'main', 'sched=cosine', '--min-lr', '0']):
+                 ['--sched', 'step', '--phase-settings', 'main', 'sched=cosine', '--min-lr', '0'],
+                 ['--warmup-epochs', '1', '--warmup-prefix'],
+                 ['--warmup-epochs', '0', '--phase-settings', 'main', 'warmup_epochs=1', '--warmup-prefix']):
         assert main(['train', '--dry-run', '--epochs', '10', *argv]) == 0, argv
     capsys.readouterr()
 

@@ -138,16 +138,16 @@ def _run_dir(checkpoint: Path) -> Optional[Path]:
 
 def resolve_compare(spec: str, run: Optional[Path]) -> Path:
     """'init' -> <run>/checkpoints/epoch_0000, 'epoch:N' -> epoch_{N:04d}, anything else a path."""
-    from ..train.checkpoint import resolve_checkpoint
+    from ..train.checkpoint import checkpoint_folders, checkpoint_name, resolve_checkpoint
     m = re.fullmatch(r'epoch:(\d+)', spec.strip())
     if spec.strip() == 'init' or m:
-        name = 'epoch_0000' if not m else f'epoch_{int(m.group(1)):04d}'
+        name = checkpoint_name(int(m.group(1)) if m else 0)
         if run is None:
             raise ValueError(f"--compare {spec}: the keyword needs --checkpoint inside a run "
                              "(<run>/checkpoints/epoch_NNNN); pass a checkpoint path instead")
         path = run / 'checkpoints' / name
         if not path.is_dir():
-            have = sorted(p.name for p in (run / 'checkpoints').glob('epoch_*') if p.is_dir())
+            have = [p.name for p in checkpoint_folders(run / 'checkpoints')]
             raise FileNotFoundError(f"--compare {spec}: {path} does not exist; this run has {', '.join(have) or 'none'}")
         return resolve_checkpoint(path)
     try:

@@ -13,8 +13,9 @@ __all__ = ['run_checkpoints', 'measure_checkpoints', 'measure_run', 'plot_curves
 
 def run_checkpoints(run_dir) -> List[Path]:
     """Every `checkpoints/epoch_NNNN` of a run, oldest first (keep them all with `train --save-every 1`)."""
+    from ..train.checkpoint import checkpoint_folders      # by name: not a temporary or a copy (epoch_0003.tmp-*)
     folder = Path(run_dir) / 'checkpoints'
-    found = sorted(p for p in folder.glob('epoch_*') if p.is_dir() and (p / 'model.safetensors').is_file())
+    found = [p for p in checkpoint_folders(folder) if (p / 'model.safetensors').is_file()]
     if not found:
         raise FileNotFoundError(f"{folder}: no epoch_NNNN checkpoints (train with --save-every 1 to keep every epoch)")
     return found

@@ -162,8 +162,16 @@ def hardware_facts(kind: dict) -> list:
     flags = set(kind.get('flags') or ())
     caps = kind.get('isa_caps') or {}
     # the facts below are about the GEMM libraries (MKL, oneDNN); ATEN_CPU_CAPABILITY reaches only ATen's own vector
-    # kernels (softmax, elementwise), so under it alone MKL and oneDNN still run AVX-512 (machine.bf16_capped)
-    if capped_below_avx512({k: v for k, v in caps.items() if k != 'ATEN_CPU_CAPABILITY'}):
+    # kernels (softmax, elementwise), so under it alone MKL and oneDNN still run AVX-512 (machine.bf16_capped). Each
+    # library has its own cap: MKL_ENABLE_INSTRUCTIONS holds MKL alone, ONEDNN_MAX_CPU_ISA (DNNL_) oneDNN alone
+    held = {library: sorted(f"{k}={caps[k]}" for k in names if k in caps)
+            for library, names in (('MKL', ('MKL_ENABLE_INSTRUCTIONS',)),
+                                   ('oneDNN', ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA')))
+            if capped_below_avx512({k: caps[k] for k in names if k in caps})}
+    width = lambda libraries: ('128-bit' if all(cap.split('=', 1)[1].strip().lower().startswith('sse')  # noqa: E731
+                                                for library in libraries for cap in held[library]) else '256-bit')
+    avx512_cpu = 'avx512f' in flags
+    if len(held) == 2:
         flags = {f for f in flags if not f.startswith(('avx512', 'amx'))}     # capped below AVX-512: its kernels idle
     facts = []
     if flags and not flags & set(ISA_FLAGS):             # an Arm CPU: none of the x86 kernels' questions apply
@@ -182,12 +190,20 @@ def hardware_facts(kind: dict) -> list:
                      + '): a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
     elif flags:
         facts.append('no AVX-512 BF16 or AMX: a bfloat16 matmul is emulated, no bfloat16 speed-up is possible')
-    if 'avx512f' in flags and 'amd' in kind.get('kind', ''):
+    if 'avx512f' in flags and held:                     # one library held below AVX-512, the other not
+        (capped, why), = held.items()
+        free = 'oneDNN' if capped == 'MKL' else 'MKL'
+        facts.append(f"AVX-512 CPU with {capped} held below it ({', '.join(why)}): {capped}'s kernels run "
+                     f"{width([capped])} code, {free}'s (not capped) still use AVX-512, so which is faster is "
+                     "measured, not assumed")
+    elif 'avx512f' in flags and 'amd' in kind.get('kind', ''):
         facts.append("AVX-512 on an AMD CPU: torch's MKL GEMMs (nn.Linear, bmm) run their non-Intel code, oneDNN's "
                      "JIT kernels use AVX-512, so which is faster is measured, not assumed (functional/autotune.py)")
     elif 'avx512f' in flags:
         facts.append("AVX-512 on an Intel CPU: MKL's GEMMs (nn.Linear) run AVX-512 code, so a dense baseline is on "
                      "the fastest GEMM available and a structured layer gains at most its FLOP ratio")
+    elif avx512_cpu:                                    # both libraries held below the AVX-512 the CPU has
+        facts.append(f"MKL and oneDNN both held below the CPU's AVX-512: they run {width(held)} kernels")
     elif 'avx2' in flags:
         facts.append('AVX2 only: MKL and oneDNN both run 256-bit kernels')
     if caps:

@@ -19,9 +19,11 @@ def add_arguments(p) -> None:
     p.add_argument('--data', default=None, help="dataset spec (default: the checkpoint's)")
     p.add_argument('--data-kwargs', nargs='*', action=ParseKwargs, default=None, metavar='KEY=VALUE',
                    help="dataset options over the checkpoint's (see `structformer train --help`)")
-    p.add_argument('--split', choices=['val', 'train'], default='val',
-                   help='the held-out images (val) or the training images (train), either read with the evaluation '
-                        'transform, without augmentation (as timm\'s validate.py reads a split)')
+    # timm's readers and validate.py take 'validation' (a Hugging Face / TFDS split name) for 'val': the same split
+    p.add_argument('--split', choices=['val', 'validation', 'train'], default='val',
+                   help='the held-out images (val, or validation as timm spells it) or the training images (train), '
+                        'either read with the evaluation transform, without augmentation (as timm\'s validate.py '
+                        'reads a split)')
     p.add_argument('-b', '--batch-size', type=positive_int('--batch-size'), default=None,
                    help="(default: the run's --eval-batch-size, else 256)")
     p.add_argument('--amp', action=argparse.BooleanOptionalAction, default=None,
@@ -50,6 +52,7 @@ def _run(args, out=None) -> int:
 
     from ..data import build_datasets
     from ..train import evaluate, load_model
+    split = 'val' if args.split == 'validation' else args.split     # timm's spelling of the same split
     model, state = load_model(args.checkpoint, ema=args.ema)
     cfg = state.get('config') or {}
     data = args.data or cfg.get('data')
@@ -76,10 +79,10 @@ def _run(args, out=None) -> int:
                          + (f" (the run's order: {order})" if order else ''))
     if args.per_class and info.name in ('pysource', 'text'):
         raise UsageError(f"--per-class: --data {data} is language modelling (its classes are bytes); leave it out")
-    dataset = val_ds if args.split == 'val' else train_ds
+    dataset = val_ds if split == 'val' else train_ds
     if not len(dataset):          # scoring nothing divided by zero
         raise UsageError(getattr(dataset, 'empty_because', None) or f'--split {args.split}: --data {data} holds no '
-                         f'{args.split} images')
+                         f'{split} images')
     precision, how = _precision(args, cfg, state)
     if len(dataset):           # other images (size, channels) or text: one line before the whole split is read
         from torch.utils.data import default_collate
@@ -95,7 +98,7 @@ def _run(args, out=None) -> int:
     metrics.update({'model': state['model'], 'checkpoint': state['path'], 'epoch': state['epoch'],
                     **({'averaged_epochs': averaged} if averaged else {}),
                     **({'weights_origin': weights_origin(state)} if weights_origin(state) else {}),
-                    'data': data, 'split': args.split,
+                    'data': data, 'split': split,
                     unit: len(dataset) - metrics.get('left_out', 0), 'weights': 'ema' if args.ema else 'model',
                     'precision': precision.name,
                     'precision_from': how})
@@ -116,7 +119,7 @@ def _run(args, out=None) -> int:
     when = (weights_origin(state)                # a weights folder's "epoch 0" is no epoch of a run
             or (f"average of epochs {averaged[0]}-{averaged[-1]}" if averaged else f"epoch {state['epoch']}"))
     print(f"{state['model']}{' (weight average)' if args.ema else ''} {when} on {data} "
-          f"({args.split}, {metrics[unit]} {unit}"
+          f"({split}, {metrics[unit]} {unit}"
           + (f", {metrics['left_out']} unreadable left out" if metrics.get('left_out') else '') + "): "
           f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss {metrics['loss']:.4f}"
           + (f"  perplexity {metrics['perplexity']:.2f}" if 'perplexity' in metrics else '')

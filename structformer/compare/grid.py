@@ -235,11 +235,11 @@ def _start_from_dense(cell: Cell) -> bool:
     """Copy the dense cell's checkpoint at the switch (and the init, and the metrics lines up to it) into a new
     pre-trained low-rank cell, so that it resumes there. False when the dense cell no longer holds that checkpoint
     (then the cell trains its dense epochs itself: the same numbers, twice the time)."""
-    from ..train.checkpoint import mark_latest
+    from ..train.checkpoint import checkpoint_name, mark_latest
     from ..train.run_dir import read_metrics
     switch = cell.config.factorize_at
     source = cell.depends.folder / 'checkpoints'
-    wanted = [source / f'epoch_{e:04d}' for e in (0, switch)]
+    wanted = [source / checkpoint_name(e) for e in (0, switch)]
     if not all((p / 'state.json').is_file() and (p / 'model.safetensors').is_file() for p in wanted):
         return False
     target = cell.folder / 'checkpoints'
@@ -252,7 +252,7 @@ def _start_from_dense(cell: Cell) -> bool:
     lines = [r for r in read_metrics(cell.depends.folder / 'metrics.jsonl') if r['epoch'] <= switch]
     from ..atomic import write_text_atomically
     write_text_atomically(cell.folder / 'metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in lines))
-    mark_latest(target, target / f'epoch_{switch:04d}')
+    mark_latest(target, target / checkpoint_name(switch))
     return True
 
 

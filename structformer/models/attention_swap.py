@@ -10,15 +10,17 @@ the Linformer comparison of Sparsifiner Table 4 gets the same backbone. Register
 """
 from typing import Optional
 
+import torch
 from timm.layers import Attention as TimmAttention
 from torch import nn
 
 from ..layers.attention.registry import ATTENTION_LAYERS, accepted_options, check_options, get_attention
+from ..layers.attention.linformer import SequenceProjection
 from ..layers.attention.softmax import AttentionBase
 from .transforms import TransformContext, register_transform
 
 __all__ = ['swap_attention', 'token_count', 'check_attention_fits', 'check_patch_dropout', 'cls_row_options',
-           'SHARED_PARTS']
+           'shape_sequence_projections', 'SHARED_PARTS']
 
 SHARED_PARTS = ('qkv', 'q_norm', 'k_norm', 'norm', 'proj')     # moved across unchanged
 
@@ -44,6 +46,25 @@ def check_attention_fits(model: nn.Module) -> nn.Module:
     misfit = attention_misfit(model, num_tokens) if num_tokens is not None else None
     if misfit:
         raise ValueError(f"{misfit[0]} in a model of {num_tokens} tokens: {misfit[1]}")
+    return model
+
+
+def shape_sequence_projections(model: nn.Module) -> nn.Module:
+    """Shape Linformer's E, F (a `LinformerAttention` built without seq_len, e.g. timm's `attn_layer`) for the
+    model's fixed token count now, so that parameter counts, `load_state_dict` and an optimiser see them before any
+    forward (they stayed lazy until the first one). Drawn in forward order without advancing the global RNG, as
+    `materialize_lazy`'s dry forward drew them: the same seed gives the same initial weights as before. A model with a
+    dynamic input size (no fixed N) keeps them lazy, shaped at its first forward."""
+    vit = model if hasattr(model, 'patch_embed') else getattr(model, 'model', model)
+    num_tokens = token_count(vit)
+    lazy = [m for m in model.modules() if isinstance(m, SequenceProjection) and m.has_uninitialized_params()]
+    if num_tokens is None or not lazy:
+        return model
+    device = vit.patch_embed.proj.weight.device
+    gpus = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == 'cuda' else []
+    with torch.random.fork_rng(devices=gpus):
+        for projection in lazy:
+            projection.materialize(num_tokens, device=device)
     return model
 
 

@@ -19,7 +19,7 @@ from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
 from .attention_swap import (attention_misfit, check_attention_fits, check_patch_dropout, cls_row_options,
-                             swap_attention, token_count)
+                             shape_sequence_projections, swap_attention, token_count)
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
 from .transforms import TransformContext, register_transform
 
@@ -63,11 +63,14 @@ def sparsify_transform(model: nn.Module, context: TransformContext, keep_ratio: 
 class ContractViT(VisionTransformer):
     """timm's VisionTransformer with the structformer contract where timm's differs: `no_weight_decay` names
     only parameters that exist, a bad `output_fmt` is a ValueError, and an `attn_layer` whose options do not fit
-    the token count is refused when built (`check_attention_fits`), not by every forward."""
+    the token count is refused when built (`check_attention_fits`), not by every forward, and a Linformer
+    `attn_layer` built without seq_len gets its E, F shaped for the token count now (`shape_sequence_projections`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_attention_fits(self)
+        check_patch_dropout(self)         # per-token E, F (and Sparsifiner's W_down, W_up) cannot take dropped patches
+        shape_sequence_projections(self)
 
     def set_input_size(self, img_size=None, patch_size=None) -> None:
         """timm's change of resolution, refused, changing nothing, where the new token count does not fit an

@@ -30,7 +30,8 @@ Token bookkeeping, per forward, in `model.token_pruning` (a `TokenPruningState`)
 `forward_intermediates` (timm's feature interface): in 'NLC' every block's tokens come back as they are; in the
 default 'NCHW' only those of blocks before the first that drops tokens, and asking for a later one is a ValueError
 naming it (timm's reshape to the H×W grid does not check the count: 8 kept + 1 fused tokens of width 192 on a 4×4
-grid came back as a [B, 108, 4, 4] map).
+grid came back as a [B, 108, 4, 4] map). timm's `prune_intermediate_layers` keeps the bookkeeping's depth
+with the blocks it keeps.
 """
 import functools
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -240,7 +241,19 @@ def prune_tokens(model: nn.Module, keep_rate: float = 0.7, layers: Sequence[int]
         # an attribute of this model, not of its class (timm's or ours, shared with unpruned models); a partial
         # of a module-level function, so that deepcopy (EMA) and pickle carry it, bound to the copy
         model.forward_intermediates = functools.partial(_grid_checked_intermediates, model)
+    if hasattr(type(model), 'prune_intermediate_layers'):
+        model.prune_intermediate_layers = functools.partial(_depth_following_prune, model)
     return model
+
+
+def _depth_following_prune(model: nn.Module, *args, **kwargs):
+    """The model class's `prune_intermediate_layers` (timm's: `blocks` cut after the last index taken, as timm's
+    'getter' feature wrapper does), with the bookkeeping's depth following the cut: `positions` / `sources` read the
+    entry of the old last block, which the shorter model no longer writes (a stale one from an earlier forward)."""
+    taken = type(model).prune_intermediate_layers(model, *args, **kwargs)
+    model.token_pruning.depth = len(model.blocks)
+    model.token_pruning.entering.clear()             # entries of blocks that are gone would read as current
+    return taken
 
 
 def _grid_checked_intermediates(model: nn.Module, x: torch.Tensor, indices=None, *args, output_fmt: str = 'NCHW',

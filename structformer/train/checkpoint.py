@@ -7,17 +7,19 @@ Layout of one checkpoint directory:
                              written beside it (`files`: a lost one is named on loading), and the
                              environment that wrote it (`records.environment`: torch, threads, CPU kind,
                              the kernel choices made: `functional.autotune`)
-A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest.
-Loading never executes code: safetensors and JSON only.
+A run directory holds `checkpoints/epoch_NNNN/` and `checkpoints/latest.json` naming the newest (and recovery
+points `recovery_EEEE_SSSSSSSS/`, train/recovery.py). The names are made and read here alone (`checkpoint_name`,
+`parse_checkpoint_name`). Loading never executes code: safetensors and JSON only.
 """
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +35,40 @@ LATEST = 'latest.json'
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or not a structformer checkpoint."""
+
+
+# the folder names of a run's checkpoints: epoch_NNNN (after epoch N; 0 is the initial weights) and
+# recovery_EEEE_SSSSSSSS (inside epoch E at global step S); at least 4 / 8 digits, more where the number needs them
+_CHECKPOINT_NAME = re.compile(r'epoch_(?P<epoch>\d{4,})|recovery_(?P<recovery_epoch>\d{4,})_(?P<step>\d{8,})')
+# timm train.py's CheckpointSaver: checkpoint-N.pth.tar, last.pth.tar, model_best.pth.tar (pickled whole state)
+_TIMM_SAVER_NAME = re.compile(r'checkpoint-\d+\.pth\.tar|last\.pth\.tar|model_best\.pth\.tar')
+
+
+def checkpoint_name(epoch: int, global_step: Optional[int] = None) -> str:
+    """The folder name of epoch `epoch`'s checkpoint, or of a recovery point inside it at `global_step`."""
+    return f'epoch_{epoch:04d}' if global_step is None else f'recovery_{epoch:04d}_{global_step:08d}'
+
+
+def parse_checkpoint_name(name: str) -> Optional[Tuple[int, Optional[int]]]:
+    """(epoch, global step or None) of a name `checkpoint_name` writes; None for any other name (a copy such as
+    epoch_0003.bak or recovery_0002_00000010 (2), a temporary, timm's checkpoint-N.pth.tar / last.pth.tar /
+    model_best.pth.tar), which is not this run's checkpoint."""
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    epoch, step = ((int(match['epoch']), None) if match['epoch'] is not None
+                   else (int(match['recovery_epoch']), int(match['step'])))
+    return (epoch, step) if checkpoint_name(epoch, step) == name else None      # one name per checkpoint
+
+
+def checkpoint_folders(ckpt_dir: Path, recovery: bool = False) -> List[Path]:
+    """The folders in `ckpt_dir` named as epoch checkpoints (or recovery points), complete or not, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    named = {p: parse_checkpoint_name(p.name) for p in ckpt_dir.iterdir() if p.is_dir()}
+    kept = [p for p, key in named.items() if key is not None and (key[1] is not None) == recovery]
+    return sorted(kept, key=lambda p: (named[p][0], named[p][1] or 0))
 
 
 def crash_point(step: str) -> None:
@@ -179,6 +215,11 @@ def resolve_checkpoint(path) -> Path:
     if unfinished:                                      # an interrupted writer's temporary is never an output
         raise CheckpointError(f"--checkpoint: {path} {unfinished}")
     if path.is_file():
+        if _TIMM_SAVER_NAME.fullmatch(path.name):
+            raise CheckpointError(f"--checkpoint: {path} is a timm train.py checkpoint (its CheckpointSaver's "
+                                  "checkpoint-N / last / model_best .pth.tar), not a structformer run: its weights can "
+                                  "start a run (train --initial-checkpoint FILE), but it cannot resume or be scored "
+                                  "as one")
         if path.name not in ('model.safetensors', 'state.json'):
             raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "
                                   "state.json; give a run directory, a checkpoint folder or its model.safetensors")
@@ -214,13 +255,16 @@ def resolve_checkpoint(path) -> Path:
 
 def committed_checkpoints(ckpt_dir: Path):
     """Complete checkpoint folders (weights and state present) in `ckpt_dir`, oldest first."""
-    return sorted((p for p in Path(ckpt_dir).glob('epoch_[0-9][0-9][0-9][0-9]')
-                   if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file()), key=checkpoint_epoch)
+    return [p for p in checkpoint_folders(ckpt_dir) if (p / 'state.json').is_file()
+            and (p / 'model.safetensors').is_file()]
 
 
 def checkpoint_epoch(checkpoint: Path) -> int:
     """N of a checkpoint folder epoch_NNNN (and E of a recovery point recovery_EEEE_SSSSSSSS)."""
-    return int(Path(checkpoint).name.split('_')[1])
+    parsed = parse_checkpoint_name(Path(checkpoint).name)
+    if parsed is None:
+        raise ValueError(f"{checkpoint}: not a checkpoint folder name (epoch_NNNN or recovery_EEEE_SSSSSSSS)")
+    return parsed[0]
 
 
 def replaced_run(run: Path) -> Optional[Path]:
@@ -289,8 +333,7 @@ def earlier_checkpoint_hint(directory: Path) -> str:
     """For the line about a damaged checkpoint of a run: the run's newest complete epoch checkpoint before it, from
     which the run can go on in a new folder (`--resume EARLIER --output NEW`; into its own folder a resume from an
     older checkpoint is refused, as the epochs after it are another timeline), or ''."""
-    name = Path(directory).name             # epoch_NNNN, or recovery_EEEE_SSSSSSSS inside epoch E
-    if not name.startswith(('epoch_', 'recovery_')) or not name.split('_')[1].isdigit():
+    if parse_checkpoint_name(Path(directory).name) is None:     # epoch_NNNN, or recovery_EEEE_SSSSSSSS in epoch E
         return ''
     epoch = checkpoint_epoch(directory)
     earlier = [p for p in committed_checkpoints(Path(directory).parent) if checkpoint_epoch(p) < epoch]

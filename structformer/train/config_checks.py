@@ -197,14 +197,16 @@ def idle_settings(config) -> Dict[str, str]:
         if not scheds & set(readers) and not any(key in p for p in phases):
             idle[key] = f"only --sched {' / '.join(readers)} reads it, and the run's schedule is {config.sched}"
     # the floors: timm's cosine / tanh / poly end at min_lr, step / multistep decay by decay_rate alone (min_lr is
-    # not theirs), 'none' has no schedule; warmup_lr starts a warm-up, which --warmup-epochs 0 (or 'none') leaves out
+    # not theirs), 'none' has no schedule; warmup_lr starts a warm-up, which --warmup-epochs 0 (or 'none') leaves out,
+    # and warmup_prefix places that warm-up before the schedule (timm's scheduler reads it only when there is one)
     schedules = [config.schedule_values(None)] + [config.schedule_values(name) for name in config.phase_settings]
+    warm_up = 'a warm-up (--warmup-epochs > 0 and a --sched other than none)'
     for key, needs in (('min_lr', 'a --sched cosine / tanh / poly (step and multistep decay by --decay-rate, none '
-                                  'keeps --lr)'),
-                       ('warmup_lr', 'a warm-up (--warmup-epochs > 0 and a --sched other than none)')):
-        if not any(floor_read(values, key) for values in schedules) and not any(key in p for p in phases):
+                                  'keeps --lr)'), ('warmup_lr', warm_up), ('warmup_prefix', warm_up)):
+        floor = 'min_lr' if key == 'min_lr' else 'warmup_lr'
+        if not any(floor_read(values, floor) for values in schedules) and not any(key in p for p in phases):
             shape = f"--sched {config.sched}" + (f", --warmup-epochs {config.resolved_warmup_epochs():g}"
-                                                 if key == 'warmup_lr' and config.sched != 'none' else '')
+                                                 if floor == 'warmup_lr' and config.sched != 'none' else '')
             idle[key] = f"only {needs} reads it, and the run has {shape}"
     if config.lr_noise is None and all(p.get('lr_noise') is None for p in phases):
         for key in ('lr_noise_pct', 'lr_noise_std'):

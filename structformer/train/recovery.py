@@ -17,24 +17,23 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional
 
-PREFIX = 'recovery_'
+from .checkpoint import checkpoint_epoch, checkpoint_folders, checkpoint_name
 
 
 def recovery_name(epoch: int, global_step: int) -> str:
-    return f'{PREFIX}{epoch:04d}_{global_step:08d}'
+    return checkpoint_name(epoch, global_step)
 
 
 def recovery_points(ckpt_dir: Path) -> List[Path]:
-    """Committed recovery points (weights and state present), oldest first."""
-    found = [p for p in Path(ckpt_dir).glob(f'{PREFIX}[0-9][0-9][0-9][0-9]_[0-9]*')
-             if p.is_dir() and '.tmp-' not in p.name and (p / 'state.json').is_file()
-             and (p / 'model.safetensors').is_file()]
-    return sorted(found, key=lambda p: (int(p.name.split('_')[1]), int(p.name.split('_')[2])))
+    """Committed recovery points (weights and state present), oldest first; a folder named otherwise (a copy, a
+    temporary) is none (checkpoint.parse_checkpoint_name)."""
+    return [p for p in checkpoint_folders(ckpt_dir, recovery=True)
+            if (p / 'state.json').is_file() and (p / 'model.safetensors').is_file()]
 
 
 def epoch_of(point: Path) -> int:
     """The epoch under way at a recovery point."""
-    return int(point.name.split('_')[1])
+    return checkpoint_epoch(point)
 
 
 def newer_than(ckpt_dir: Path, completed_epochs: int) -> Optional[Path]:

@@ -4,8 +4,8 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .checkpoint import (CheckpointError, describe_mismatch, load_checkpoint, mark_latest, optimizer_state_from,
-                         resolve_checkpoint, restore_rng, save_checkpoint)
+from .checkpoint import (CheckpointError, checkpoint_folders, checkpoint_name, describe_mismatch, load_checkpoint,
+                         mark_latest, optimizer_state_from, resolve_checkpoint, restore_rng, save_checkpoint)
 from ..data.classes import class_mismatch, class_record
 from ..errors import UsageError
 from .distributed import all_reduce_sum, broadcast_module
@@ -39,7 +39,7 @@ class CheckpointGlue:
         for part in self.parts:
             files.update(part.checkpoint_files())
         try:
-            path = save_checkpoint(self.ckpt_dir / f'epoch_{epoch:04d}', self.model, self._state(epoch, metrics),
+            path = save_checkpoint(self.ckpt_dir / checkpoint_name(epoch), self.model, self._state(epoch, metrics),
                                    optimizer=self.optimizer, extra_files=files)
             mark_latest(self.ckpt_dir, path)
         except Exception as e:          # safetensors reports a full disk as SafetensorError, not OSError
@@ -85,7 +85,7 @@ class CheckpointGlue:
     def _prune(self, epoch: int, metrics: Optional[Dict] = None) -> None:
         cfg = self.config
         best = self._best_epoch(metrics) if cfg.keep_best else None
-        for path in sorted(self.ckpt_dir.glob('epoch_[0-9][0-9][0-9][0-9]')):
+        for path in checkpoint_folders(self.ckpt_dir):
             e = checkpoint_epoch(path)
             keep = (e == 0 or e > epoch - cfg.keep_last or (cfg.save_every and e % cfg.save_every == 0)
                     or e == best)

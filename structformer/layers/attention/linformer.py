@@ -3,9 +3,10 @@
 head = softmax(Q (E K)ᵀ / √d) (F V), with learned E, F ∈ R^{k×n} projecting the n keys and values
 down to k (paper Eq. 7). One E, F per layer shared by all heads (the paper's "headwise sharing");
 `share_kv=True` also ties F = E ("key-value sharing"). k is `num_landmarks`, to match the other
-attentions' keyword. E and F have n columns, so the sequence length is fixed: pass `seq_len`, or
-they are created at the first forward from its N (with a warning: build the optimizer after one
-forward pass then); any later call with another N raises.
+attentions' keyword. E and F have n columns, so the sequence length is fixed: pass `seq_len`; inside a model that knows
+its token count (structformer's ViTs, `shape_sequence_projections`) they are shaped when it is built;
+otherwise they are created at the first forward from its N (with a warning: build the optimizer after
+one forward pass then); any later call with another N raises.
 """
 import math
 import warnings
@@ -76,16 +77,23 @@ class SequenceProjection(LazyModuleMixin, nn.Module):
             if p is not None:
                 nn.init.normal_(p, std=p.shape[-1] ** -0.5)
 
+    def materialize(self, seq_len: int, device=None) -> None:
+        """Shape E (and F) for `seq_len` tokens now and draw them (a model that knows its token count at build,
+        so that its parameters are complete before an optimiser or a state_dict load); no-op once shaped."""
+        if not self.has_uninitialized_params():
+            return
+        self._check(seq_len)
+        with torch.no_grad():
+            for p in (self.e, self.f):
+                if p is not None:
+                    p.materialize((self.proj_len, seq_len), device=device)
+        self.reset_parameters()
+        drop_lazy_hooks(self)
+
     def initialize_parameters(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.has_uninitialized_params():
             n = k.shape[-2]
-            self._check(n)
-            with torch.no_grad():
-                for p in (self.e, self.f):
-                    if p is not None:
-                        p.materialize((self.proj_len, n), device=k.device)
-            self.reset_parameters()
-            drop_lazy_hooks(self)
+            self.materialize(n, device=k.device)
             warnings.warn(f"Linformer projections E, F created at the first forward for seq_len={n}; build the "
                           "optimizer after one forward pass, or pass seq_len= at construction")
 

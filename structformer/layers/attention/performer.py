@@ -33,6 +33,14 @@ def orthogonal_random_features(num_features: int, dim: int, generator: Optional[
     return (norms * directions).to(device=device, dtype=dtype)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _feature_dtype(dtype):
+    """The dtype ω is kept in for a layer built in `dtype`: float32 for half precision (see `_apply`)."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
 def _scaled(q: torch.Tensor, k: torch.Tensor):
     s = q.shape[-1] ** -0.25                                        # q'ᵀk' = qᵀk/√d
     return q * s, k * s
@@ -89,13 +97,25 @@ class PerformerAttention(AttentionBase):
             num_features = max(self.head_dim, math.ceil(self.head_dim * math.log(self.head_dim)))
         check_count('num_features', num_features)
         self.num_features = num_features
-        self.register_buffer('projection', orthogonal_random_features(num_features, self.head_dim,
-                                                                      device=device, dtype=dtype))
+        self.register_buffer('projection', orthogonal_random_features(num_features, self.head_dim, device=device,
+                                                                      dtype=_feature_dtype(dtype)))
         if redraw_interval is not None:
             check_count('redraw_interval', redraw_interval)
             # only with redrawing on: the state dict of a fixed-feature layer is unchanged
             self.register_buffer('training_forwards', torch.zeros((), dtype=torch.long, device=device))
         self.redraw_interval = redraw_interval
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` / `.half()` / `.bfloat16()` cast the layer, but ω stays float32 (moved with it): the forward
+        computes the features in float32 (it upcasts q, k, v), and an ω rounded to 8 mantissa bits (bfloat16) is
+        orthogonal only to ~4e-3 instead of ~3e-7, which changes φ(q')ᵀφ(k') for nothing (ω is m x d_head numbers
+        per layer). performer-pytorch casts its projection_matrix with the model; here a cast model computes the
+        same attention as its float32 original from the same q, k, v. A float64 cast follows (gradcheck)."""
+        features = self.projection
+        super()._apply(fn, recurse)
+        if self.projection.dtype in _HALF and features.dtype not in _HALF:
+            self.projection = features.to(device=self.projection.device, dtype=torch.float32)
+        return self
 
     @torch.no_grad()
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
