@@ -191,6 +191,7 @@ class CheckpointGlue:
         self.global_step = state['global_step']
         if int(state.get('world_size', 1)) != self.world_size:     # allowed: the schedule follows the new count
             self.global_step = state['epoch'] * self.steps_per_epoch
+            self._note_world_size_change(state)
         if self._resume_phase_optimizer(int(state['epoch']), recovering=bool(state.get('recovery'))):
             self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
         self.precision.load_state(state.get('grad_scaler'))
@@ -203,6 +204,20 @@ class CheckpointGlue:
         restore_rng(train_tensors, state['rng'])
         self.resume_within = self._recovery_of(state)
         return state['epoch']
+
+    def _note_world_size_change(self, state: Dict) -> None:
+        """--allow-world-size-change: say what the resumed run changes (it went on with another effective batch and
+        a recomputed schedule step without a word)."""
+        if not self.is_main:
+            return
+        cfg = self.config
+        before = state.get('effective_batch_size')
+        print(f"note: --allow-world-size-change: trained on {state.get('world_size', 1)} process(es), continuing on "
+              f"{self.world_size}: effective batch {before if before is not None else '?'} -> {self.effective_batch()}"
+              f", peak lr {cfg.resolved_lr(int(state.get('world_size', 1))):.3g} -> "
+              f"{cfg.resolved_lr(self.world_size):.3g}; the schedule continues at optimiser step {self.global_step} "
+              f"({state['epoch']} epoch(s) x {self.steps_per_epoch} steps on this count; it had made "
+              f"{state['global_step']})", flush=True)
 
     def _check_classes(self, state: Dict, source) -> None:
         """The data's class names (in its order) must be the run's: output k means the run's class k."""
