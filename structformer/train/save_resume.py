@@ -34,8 +34,16 @@ class CheckpointGlue:
         return {key: kind(given[key]) for key, kind in (('crop_pct', float), ('interpolation', str))
                 if given.get(key) is not None}
 
-    def _save(self, epoch: int, metrics: Dict) -> Path:
+    def _process_files(self) -> Dict[str, Dict]:
+        """The parts' files of what differs between the processes (a collective: every process calls it before
+        rank 0 writes a checkpoint, and passes it to `_save` / `_save_recovery`)."""
         files = {}
+        for part in self.parts:
+            files.update(part.process_files(self))
+        return files
+
+    def _save(self, epoch: int, metrics: Dict, process_files: Optional[Dict] = None) -> Path:
+        files = dict(process_files or {})
         for part in self.parts:
             files.update(part.checkpoint_files())
         try:
@@ -49,10 +57,10 @@ class CheckpointGlue:
         self._prune(epoch, metrics)
         return path
 
-    def _save_recovery(self, epoch: int, progress: Dict) -> Path:
+    def _save_recovery(self, epoch: int, progress: Dict, process_files: Optional[Dict] = None) -> Path:
         """A recovery point inside `epoch` (train/recovery.py): the full state, and where the epoch stands; the
         older points are removed once it has committed."""
-        files = {}
+        files = dict(process_files or {})
         for part in self.parts:
             files.update(part.checkpoint_files())
         pending = {type(part).__name__: part.pending_metrics() for part in self.parts}

@@ -168,8 +168,9 @@ class TrainStep:
             if update and cfg.recovery_interval and (step // accum + 1) % cfg.recovery_interval == 0 \
                     and step + 1 < batches:
                 so_far = self._summed_over_processes(totals, seen, seen_targets, correct)    # every process
+                apart = self._process_files()                                                # every process
                 if self.is_main:
-                    self._save_recovery(epoch, progress_state(step + 1, *so_far, time.perf_counter() - start))
+                    self._save_recovery(epoch, progress_state(step + 1, *so_far, time.perf_counter() - start), apart)
                     self._recovery_committed()
                     crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
         bar.close()
