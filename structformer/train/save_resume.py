@@ -219,11 +219,13 @@ class CheckpointGlue:
         if not self.is_main:
             return
         cfg = self.config
-        before = state.get('effective_batch_size')
-        print(f"note: --allow-world-size-change: trained on {state.get('world_size', 1)} process(es), continuing on "
+        before, saved = state.get('effective_batch_size'), int(state.get('world_size', 1))
+        # with phase_settings each phase has its own peak lr: not named here
+        lr = '' if cfg.phase_settings else (f", peak lr {cfg.resolved_lr(saved):.3g} -> "
+                                            f"{cfg.resolved_lr(self.world_size):.3g}")
+        print(f"note: --allow-world-size-change: trained on {saved} process(es), continuing on "
               f"{self.world_size}: effective batch {before if before is not None else '?'} -> {self.effective_batch()}"
-              f", peak lr {cfg.resolved_lr(int(state.get('world_size', 1))):.3g} -> "
-              f"{cfg.resolved_lr(self.world_size):.3g}; the schedule continues at optimiser step {self.global_step} "
+              f"{lr}; the schedule continues at optimiser step {self.global_step} "
               f"({state['epoch']} epoch(s) x {self.steps_per_epoch} steps on this count; it had made "
               f"{state['global_step']})", flush=True)
 
