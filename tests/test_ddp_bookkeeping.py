@@ -46,3 +46,26 @@ def test_dry_run_counts_a_shard_epoch_as_the_stream_batches_it(tmp_path, monkeyp
                  '--output', str(tmp_path / 'run')]) == 0
     assert 'steps         3 optimiser steps per epoch (3 batches per process)' in capsys.readouterr().out
     assert worker_batches(4, 2, 3, drop_last=False) == 3 and worker_batches(4, 2, 3, drop_last=True) == 1
+
+
+def test_a_resume_on_another_process_count_says_what_it_changes(tmp_path, capsys):
+    """--allow-world-size-change went on with another effective batch and a recomputed schedule step without a word.
+    A checkpoint made as a two-process run leaves it (world size, effective batch, global step edited; two steps a
+    process an epoch there would be one here for the same images, so the run had made 1), resumed on one: the line
+    names both counts, both effective batches and where the schedule goes on (epoch 1 x 2 steps here)."""
+    import json
+    out = tmp_path / 'run'
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '2', '--warmup-epochs', '0',
+                 '-b', '16', '--limit-train-batches', '2', '--no-progress', '--log-interval', '0', '--output', str(out),
+                 '--stop-after', '1']) == 0
+    state_file = out / 'checkpoints' / 'epoch_0001' / 'state.json'
+    state = json.loads(state_file.read_text())
+    state.update(world_size=2, effective_batch_size=32, global_step=1)
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert main(['train', '--resume', '--output', str(out), '--no-progress', '--allow-world-size-change']) == 0
+    said = capsys.readouterr().out
+    assert ('note: --allow-world-size-change: trained on 2 process(es), continuing on 1: effective batch 32 -> 16, '
+            'peak lr ') in said, said
+    assert 'the schedule continues at optimiser step 2 (1 epoch(s) x 2 steps on this count; it had made 1)' in said
+    assert json.loads((out / 'metrics.jsonl').read_text().splitlines()[-1])['step'] == 4

@@ -103,10 +103,12 @@ def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):
     """Killed after a recovery point inside epoch 1 and resumed on two processes: the epoch's train_* metrics are
     the straight run's (the point holds the sums of both processes so far; rank 0 carries them on), and so are the
     weights, bit for bit, with dropout on (each process's draws are keyed by its batch, not by its RNG state,
-    which the point keeps for rank 0 only)."""
-    common = ['--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0', '-b', '16',
+    which the point keeps for rank 0 only). So is the weight average of a BatchNorm network: each process's average
+    follows its own BatchNorm statistics until --dist-bn makes them one at the epoch's end; the point held rank 0's
+    alone, so the resumed rank 1 averaged from rank 0's (ema_val_* and the saved average's statistics differed)."""
+    common = ['--model', 'wrn_10_2_digits', '--data', 'digits', '--epochs', '1', '--warmup-epochs', '0', '-b', '16',
               '--limit-train-batches', '4', '--recovery-interval', '2', '--no-progress', '--log-interval', '0',
-              '--model-kwargs', 'drop_rate=0.2']
+              '--model-kwargs', 'drop_rate=0.2', '--model-ema', '--model-ema-decay', '0.9']
     straight = _torchrun(*common, '--output', str(tmp_path / 'straight'))
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _torchrun(*common, '--output', str(tmp_path / 'run'),
@@ -115,8 +117,12 @@ def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):
     resumed = _torchrun('--resume', '--output', str(tmp_path / 'run'), '--no-progress')
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = (json.loads((tmp_path / r / 'metrics.jsonl').read_text().splitlines()[-1]) for r in ('straight', 'run'))
-    for key in ('train_loss', 'train_top1', 'val_loss', 'val_top1'):
+    for key in ('train_loss', 'train_top1', 'val_loss', 'val_top1', 'ema_val_loss', 'ema_val_top1'):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    from safetensors.torch import load_file
+    averages = [load_file(str(tmp_path / r / 'checkpoints' / 'epoch_0001' / 'ema.safetensors'))
+                for r in ('straight', 'run')]
+    assert all(torch.equal(averages[0][k], averages[1][k]) for k in averages[0])
     digests = {r: [(tmp_path / r / f'final_params_rank{k}.sha256').read_text() for k in (0, 1)]
                for r in ('straight', 'run')}
     assert digests['run'] == digests['straight'] and digests['run'][0] == digests['run'][1]

@@ -179,3 +179,22 @@ def test_the_divergence_line_names_the_batch_and_the_optimiser_step_as_the_step_
     assert 'loss became nan at epoch 2, batch 1/4 (optimiser step 3) ' in str(caught.value), str(caught.value)
     logged = capsys.readouterr().out
     assert 'epoch 1/2  batch 4/4  step 2 ' in logged and 'step 3 ' not in logged, logged
+
+
+def test_the_step_logs_loss_is_the_mean_over_every_accumulated_batch_of_the_step(tmp_path, monkeypatch):
+    """With --grad-accum-steps 2 the step log (and TensorBoard's train/loss) gave the loss of the step's last batch
+    alone, 8 of its 16 images. A one-step epoch's step loss is the epoch's train_loss (both the mean over the same
+    16 images, taken before the step)."""
+    from structformer.train.steplog import StepLog
+    logged = []
+    original = StepLog.step
+
+    def step(self, epoch, batch, batches, global_step, loss, *rest):
+        logged.append(loss)
+        return original(self, epoch, batch, batches, global_step, loss, *rest)
+
+    monkeypatch.setattr(StepLog, 'step', step)
+    result = train(_tiny(tmp_path, epochs=1, batch_size=8, grad_accum_steps=2, limit_train_batches=2,
+                         warmup_epochs=0, log_interval=1), progress=False)
+    assert len(logged) == 1 and result.final['step'] == 1
+    assert logged[0] == pytest.approx(result.final['train_loss'], rel=1e-6)

@@ -3,6 +3,8 @@
 Layout of one checkpoint directory:
     model.safetensors        model weights
     train_state.safetensors  optimiser tensors and the torch RNG state (absent in weights-only saves)
+    ema.safetensors          the weight average (--model-ema); ema_ranks.safetensors: under DDP, the other
+                             processes' BatchNorm statistics of it where they differ from rank 0's (inside an epoch)
     state.json               epoch, step, model name and kwargs, resolved config, metrics, RNG, the files
                              written beside it (`files`: a lost one is named on loading), and the
                              environment that wrote it (`records.environment`: torch, threads, CPU kind,

@@ -1,7 +1,7 @@
 """Devices and DDP: the same code path at 1 process; under `torchrun` it joins the process group
 (gloo on CPU, nccl on CUDA, gloo where several processes share one GPU)."""
 import os
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,26 @@ def all_reduce_sum(values: Sequence[float]) -> List[float]:
     tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return [int(round(s)) if isinstance(v, int) else float(s) for v, s in zip(values, tensor.tolist())]
+
+
+def gather_tensors(tensors: Dict[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
+    """Every process's `tensors` (the same names and shapes on each), in rank order, on every process (CPU): one
+    all_gather of their values as float64, exact for float32, float16 and bfloat16 (a collective)."""
+    names = list(tensors)
+    device = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+    flat = torch.cat([tensors[k].detach().reshape(-1).to(device, torch.float64) for k in names] +
+                     [torch.zeros(0, dtype=torch.float64, device=device)])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    every = []
+    for values in gathered:
+        values, offset, one = values.cpu(), 0, {}
+        for name in names:
+            like = tensors[name]
+            one[name] = values[offset:offset + like.numel()].reshape(like.shape).to(like.dtype)
+            offset += like.numel()
+        every.append(one)
+    return every
 
 
 def broadcast_module(module: torch.nn.Module) -> None:

@@ -9,6 +9,9 @@ from typing import Dict
 import torch
 
 EMA_FILE = 'ema.safetensors'
+# under DDP, the other processes' BatchNorm statistics of the average where they differ from rank 0's (inside an
+# epoch, before --dist-bn makes them one): `rankR.NAME` tensors, so each process resumes its own average
+EMA_RANKS_FILE = 'ema_ranks.safetensors'
 
 
 class WeightAverage:
@@ -30,3 +33,17 @@ class WeightAverage:
 
     def load_state_dict(self, weights: Dict[str, torch.Tensor]) -> None:
         self.ema.module.load_state_dict(weights)
+
+    def process_buffers(self) -> Dict[str, torch.Tensor]:
+        """The average's floating-point buffers (BatchNorm running statistics). Under DDP each process's average
+        follows its own model's statistics, which differ by the batches each process saw; its parameters are one."""
+        state = self.ema.module.state_dict()
+        return {name: state[name] for name, buffer in self.ema.module.named_buffers()
+                if name in state and buffer.is_floating_point()}
+
+    def load_process_buffers(self, tensors: Dict[str, torch.Tensor], rank: int) -> None:
+        """Take this process's buffers (`rank{rank}.NAME` in `tensors`) where a checkpoint kept them."""
+        prefix = f'rank{rank}.'
+        own = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
+        if own:
+            self.ema.module.load_state_dict(own, strict=False)

@@ -247,8 +247,9 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                 record.update({f'val_{k}': v for k, v in self.evaluate_model(self.model).items()})
                 for part in self.parts:          # every process: evaluation is shared
                     record.update(part.epoch_metrics(self, epoch))
+                apart = self._process_files()         # every process: what differs between them
                 if self.is_main:
-                    last_path = self._save(epoch, record)     # the checkpoint first: it carries the record too
+                    last_path = self._save(epoch, record, apart)     # the checkpoint first: it carries the record too
                     prune_recovery(self.ckpt_dir, completed_epochs=epoch)     # overtaken by the epoch's checkpoint
                     if self.uncommitted_new_run:                # a trained epoch: the old run can go now
                         self.uncommitted_new_run = False

@@ -60,6 +60,11 @@ class Part:
     def restore(self, checkpoint: Path) -> None:
         pass
 
+    def process_files(self, trainer) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Every process calls it before rank 0 writes a checkpoint (a collective under DDP): more files for it,
+        holding what differs between the processes (rank 0's `checkpoint_files` hold the rest)."""
+        return {}
+
     def pending_metrics(self) -> Dict:
         """Metrics this part has for the epoch under way, not yet in a record: a recovery point keeps them, so
         the epoch's record after a resume from it is the straight run's."""
@@ -143,9 +148,10 @@ class LowRankPart(Part):
 class WeightAveragePart(Part):
     """--model-ema: timm's ModelEmaV3 over the trained weights (train/ema.py)."""
 
-    def __init__(self, model, config):
+    def __init__(self, model, config, rank: int = 0):
         from .ema import WeightAverage
         self.average = WeightAverage(model, config.model_ema_decay, config.model_ema_warmup)
+        self.rank = rank
 
     def after_step(self, trainer) -> None:
         self.average.update(trainer.model, trainer.global_step)
@@ -166,20 +172,42 @@ class WeightAveragePart(Part):
         from .ema import EMA_FILE
         return {EMA_FILE: self.average.state_dict()}
 
-    def restore(self, checkpoint: Path) -> None:
-        from safetensors.torch import load_file
+    def process_files(self, trainer) -> Dict[str, Dict[str, torch.Tensor]]:
+        # each process's average follows its own BatchNorm statistics (evaluated_modules); --dist-bn makes them one
+        # at the epoch's end, but a recovery point inside an epoch (or any checkpoint without --dist-bn) found them
+        # apart, and every process resumed rank 0's: the resumed average differed from the straight run's
+        if trainer.world_size == 1:
+            return {}
+        from .distributed import gather_tensors
+        from .ema import EMA_RANKS_FILE
+        every = gather_tensors(self.average.process_buffers())
+        differing = {f'rank{rank}.{name}': value for rank, theirs in enumerate(every) if rank
+                     for name, value in theirs.items() if not torch.equal(value, every[0][name])}
+        return {EMA_RANKS_FILE: differing} if differing else {}
 
-        from .checkpoint import CheckpointError, earlier_checkpoint_hint
-        from .ema import EMA_FILE
+    def restore(self, checkpoint: Path) -> None:
+        from .ema import EMA_FILE, EMA_RANKS_FILE
         path = Path(checkpoint) / EMA_FILE
         if not path.is_file():
+            from .checkpoint import CheckpointError
             raise CheckpointError(f"--resume: {checkpoint} has no {EMA_FILE}: it was trained without --model-ema")
-        try:        # a damaged average is one line, as a damaged model.safetensors is (checkpoint.load_checkpoint)
-            average = load_file(str(path))
-        except Exception as e:
-            raise CheckpointError(f"--resume: {path} is corrupt ({type(e).__name__}: {e})"
-                                  f"{earlier_checkpoint_hint(Path(checkpoint))}") from None
-        self.average.load_state_dict(average)
+        self.average.load_state_dict(_load_part_file(path, checkpoint))
+        ranks = Path(checkpoint) / EMA_RANKS_FILE
+        if self.rank and ranks.is_file():           # a recovery point's other processes: each takes its own
+            self.average.load_process_buffers(_load_part_file(ranks, checkpoint), self.rank)
+
+
+def _load_part_file(path: Path, checkpoint) -> Dict[str, torch.Tensor]:
+    """A part's safetensors file; a damaged one is one line, as a damaged model.safetensors is
+    (checkpoint.load_checkpoint)."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import CheckpointError, earlier_checkpoint_hint
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"--resume: {path} is corrupt ({type(e).__name__}: {e})"
+                              f"{earlier_checkpoint_hint(Path(checkpoint))}") from None
 
 
 class DistillationPart(Part):
@@ -240,5 +268,5 @@ def build_parts(trainer) -> List[Part]:
         note_untaught_predictors(trainer.model, config, trainer.is_main)
     parts.append(LowRankPart(config))           # also reports spectra of a model factorised by --transform
     if config.model_ema:
-        parts.append(WeightAveragePart(trainer.model, config))
+        parts.append(WeightAveragePart(trainer.model, config, trainer.rank))
     return parts

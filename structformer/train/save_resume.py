@@ -34,8 +34,16 @@ class CheckpointGlue:
         return {key: kind(given[key]) for key, kind in (('crop_pct', float), ('interpolation', str),
                                                         ('crop_mode', str)) if given.get(key) is not None}
 
-    def _save(self, epoch: int, metrics: Dict) -> Path:
+    def _process_files(self) -> Dict[str, Dict]:
+        """The parts' files of what differs between the processes (a collective: every process calls it before
+        rank 0 writes a checkpoint, and passes it to `_save` / `_save_recovery`)."""
         files = {}
+        for part in self.parts:
+            files.update(part.process_files(self))
+        return files
+
+    def _save(self, epoch: int, metrics: Dict, process_files: Optional[Dict] = None) -> Path:
+        files = dict(process_files or {})
         for part in self.parts:
             files.update(part.checkpoint_files())
         try:
@@ -49,10 +57,10 @@ class CheckpointGlue:
         self._prune(epoch, metrics)
         return path
 
-    def _save_recovery(self, epoch: int, progress: Dict) -> Path:
+    def _save_recovery(self, epoch: int, progress: Dict, process_files: Optional[Dict] = None) -> Path:
         """A recovery point inside `epoch` (train/recovery.py): the full state, and where the epoch stands; the
         older points are removed once it has committed."""
-        files = {}
+        files = dict(process_files or {})
         for part in self.parts:
             files.update(part.checkpoint_files())
         pending = {type(part).__name__: part.pending_metrics() for part in self.parts}
@@ -191,6 +199,7 @@ class CheckpointGlue:
         self.global_step = state['global_step']
         if int(state.get('world_size', 1)) != self.world_size:     # allowed: the schedule follows the new count
             self.global_step = state['epoch'] * self.steps_per_epoch
+            self._note_world_size_change(state)
         if self._resume_phase_optimizer(int(state['epoch']), recovering=bool(state.get('recovery'))):
             self.optimizer.load_state_dict(optimizer_state_from(train_tensors, state))
         self.precision.load_state(state.get('grad_scaler'))
@@ -203,6 +212,22 @@ class CheckpointGlue:
         restore_rng(train_tensors, state['rng'])
         self.resume_within = self._recovery_of(state)
         return state['epoch']
+
+    def _note_world_size_change(self, state: Dict) -> None:
+        """--allow-world-size-change: say what the resumed run changes (it went on with another effective batch and
+        a recomputed schedule step without a word)."""
+        if not self.is_main:
+            return
+        cfg = self.config
+        before, saved = state.get('effective_batch_size'), int(state.get('world_size', 1))
+        # with phase_settings each phase has its own peak lr: not named here
+        lr = '' if cfg.phase_settings else (f", peak lr {cfg.resolved_lr(saved):.3g} -> "
+                                            f"{cfg.resolved_lr(self.world_size):.3g}")
+        print(f"note: --allow-world-size-change: trained on {saved} process(es), continuing on "
+              f"{self.world_size}: effective batch {before if before is not None else '?'} -> {self.effective_batch()}"
+              f"{lr}; the schedule continues at optimiser step {self.global_step} "
+              f"({state['epoch']} epoch(s) x {self.steps_per_epoch} steps on this count; it had made "
+              f"{state['global_step']})", flush=True)
 
     def _check_classes(self, state: Dict, source) -> None:
         """The data's class names (in its order) must be the run's: output k means the run's class k."""

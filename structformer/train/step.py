@@ -89,6 +89,9 @@ class TrainStep:
         # keeps its graph, and the forward takes paths autograd can differentiate twice (autotune.twice_differentiable)
         second_order = bool(getattr(self.optimizer, 'is_second_order', False))
         diverged = None                    # (this process's non-finite loss or None: another's, its step)
+        # the step log's loss: the mean over the optimiser step's images, every accumulated batch of it (a recovery
+        # point lies at a step's end, so a resumed epoch starts a group here too)
+        step_loss, step_images = 0.0, 0
         for step, (images, targets) in enumerate(self.train_loader, start=skip):
             if self.world_size > 1:
                 # one seed made one model on every process; the training draws (dropout, drop path, Mixup) are each
@@ -119,17 +122,21 @@ class TrainStep:
                 finite = bool(torch.isfinite(loss))
                 if not finite and diverged is None:
                     diverged = (loss.item(), step)
-                logged = loss.item() if update else None
+                step_loss += loss.item() * n if finite else 0.0
+                step_images += n
+                logged = step_loss / step_images if update else None
                 if update and self.world_size > 1:
                     # before any process enters the gradient all-reduce: whether one of them diverged since the last
                     # optimiser step (each would otherwise stop alone, and leave the others a gloo / nccl error in
                     # the collective it left), and the step's loss averaged over their images for the step log;
                     # one all-reduce of three numbers per optimiser step, shared by both
-                    bad, weighted, images_in_step = all_reduce_sum([float(diverged is not None),
-                                                                    logged * n if finite else 0.0, float(n)])
+                    bad, weighted, images_in_step = all_reduce_sum([float(diverged is not None), step_loss,
+                                                                    float(step_images)])
                     if bad and diverged is None:
                         diverged = (None, step)
                     logged = weighted / max(images_in_step, 1.0)
+                if update:
+                    step_loss, step_images = 0.0, 0
                 if diverged is not None and (update or self.world_size == 1):
                     bar.close()
                     raise TrainingDiverged(self._diverged_message(*diverged, epoch, batches))
@@ -161,8 +168,9 @@ class TrainStep:
             if update and cfg.recovery_interval and (step // accum + 1) % cfg.recovery_interval == 0 \
                     and step + 1 < batches:
                 so_far = self._summed_over_processes(totals, seen, seen_targets, correct)    # every process
+                apart = self._process_files()                                                # every process
                 if self.is_main:
-                    self._save_recovery(epoch, progress_state(step + 1, *so_far, time.perf_counter() - start))
+                    self._save_recovery(epoch, progress_state(step + 1, *so_far, time.perf_counter() - start), apart)
                     self._recovery_committed()
                     crash_point(f'epoch {epoch}:recovery {step // accum + 1}')
         bar.close()
