@@ -5,7 +5,7 @@ e.g. 168 files, 4.7 MB for CPython 3.11), which ship with every Python, so nothi
 text therefore depends on the Python version: the dataset's description names it.
 `--data text:PATH`: one text file, or every `*.txt`, `*.md`, `*.rst` and `*.py` file under a folder.
 
-Files are put in a seeded random order and whole files go to the validation split until it holds
+Files are put in a seeded random order and whole files go to the validation split while it holds at most
 `val_fraction` of the bytes, so no file is split between the two. Each split is one byte stream (files
 joined by a blank line) cut into non-overlapping windows of `seq_len + 1` bytes; an example is
 (x = window[:-1], y = window[1:]), both int64 [seq_len], vocabulary 256. Options:
@@ -71,6 +71,24 @@ def _text_files(path: Path, spec: str) -> List[Path]:
     return files
 
 
+def _hold_out(texts: List[Tuple[Path, bytes]], target: float):
+    """(val, train): whole files, in the seeded order, go to val while they keep it within `target` bytes; a
+    file that would overshoot stays in train and a smaller one later may still fit. Taking files until the
+    target was passed let one large file hold most of the text out (max_bytes=100000: 97 % of it held out, 23
+    training windows). Where no file fits, the one closest to the target is held out alone; train keeps one."""
+    val, val_bytes = [], 0
+    for item in texts:
+        if val_bytes + len(item[1]) <= target:
+            val.append(item)
+            val_bytes += len(item[1])
+    if not val and len(texts) > 1:
+        val = [min(texts, key=lambda item: abs(len(item[1]) - target))]
+    if len(val) == len(texts):                   # target >= everything (val_fraction near 1): train keeps one
+        val = val[:-1]
+    held = {id(item) for item in val}
+    return val, [item for item in texts if id(item) not in held]
+
+
 def _split(files: List[Path], seed: int, val_fraction: float, max_bytes: int, spec: str):
     order = list(files)
     random.Random(seed).shuffle(order)
@@ -87,11 +105,7 @@ def _split(files: List[Path], seed: int, val_fraction: float, max_bytes: int, sp
         (f, data), = texts
         cut = int(len(data) * (1 - val_fraction))
         return data[:cut], data[cut:], 1, 1
-    val, val_bytes = [], 0
-    while texts[len(val):] and val_bytes < val_fraction * total and len(val) < len(texts) - 1:
-        val.append(texts[len(val)])
-        val_bytes += len(val[-1][1])
-    train = texts[len(val):]
+    val, train = _hold_out(texts, val_fraction * total)
     if not val or not train:
         raise ValueError(f"--data {spec!r}: needs at least two files (or a larger max_bytes) to hold out "
                          f"val_fraction={val_fraction} of the text by whole files")
