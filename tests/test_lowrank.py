@@ -275,6 +275,9 @@ def test_factorized_crate_keeps_its_subspaces_and_tied_output(tied_output):
     (dict(rank=0.3, include=['blocks.*.nothing']), "include pattern 'blocks.*.nothing' matches no"),
     (dict(rank=0.3, include=['layer1.*'], exclude=['layer9.*']), "exclude pattern 'layer9.*'"),
     (dict(rank=0.3, include='transformer'), "include='transformer': the preset matches no layer"),
+    # `--transform factorize skip_no_saving=false` parses to the string 'false', which was truthy
+    (dict(rank=0.3, skip_no_saving='false'), "skip_no_saving='false': accepted True or False"),
+    (dict(rank=0.3, include=5), 'include=5: accepted a preset'), (dict(rank=0.3, exclude=5), 'exclude=5: accepted'),
 ])
 def test_factorize_bad_input_is_a_clear_error_and_changes_nothing(kwargs, message):
     model = _small_resnet()

@@ -156,6 +156,12 @@ def _select(layers: Dict[str, nn.Module], include, exclude,
 def plan_factorization(model: nn.Module, rank: Union[int, float], include=None, exclude=None,
                        skip_no_saving: bool = True) -> List[LayerPlan]:
     """What `factorize` would do, layer by layer, without changing anything (raises on bad input)."""
+    if not isinstance(skip_no_saving, bool):        # `--transform factorize skip_no_saving=false` arrives as a
+        raise ValueError(f"skip_no_saving={skip_no_saving!r}: accepted True or False")   # string, and was truthy
+    for arg, value in (('include', include), ('exclude', exclude)):
+        if not (value is None or isinstance(value, str)
+                or (isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value))):
+            raise ValueError(f"{arg}={value!r}: accepted a preset name or fnmatch pattern, or a list of patterns")
     if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not rank > 0:
         raise ValueError(f"rank={rank!r} is out of range: accepted an integer >= 1 or a fraction in (0, 1]")
     if isinstance(rank, float) and not rank <= 1:
