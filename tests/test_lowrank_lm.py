@@ -23,8 +23,12 @@ def test_byte_windows_are_shifted_pairs():
     assert len(ds) == 3
     x, y = ds[1]
     assert bytes(x.tolist()) == b'def' and bytes(y.tolist()) == b'efg'
+    assert x.dtype == y.dtype == torch.int64                               # token ids, as nn.Embedding takes them
     with pytest.raises(IndexError):
         ds[3]
+    # the stream is held at one byte per byte (it was int64: 8 bytes per byte, 32 GB for the LM1B recipes' text)
+    big = ByteWindows(bytes(range(256)) * 64, 128)
+    assert big.tokens.untyped_storage().nbytes() == 256 * 64
 
 
 def test_pysource_is_the_standard_library_split_by_whole_files():
