@@ -67,6 +67,23 @@ def test_text_file_and_folder(tmp_path):
         build_datasets('pysource', seq_len=1)
 
 
+def test_a_folder_of_shards_without_a_text_suffix_is_read_by_a_files_glob(tmp_path):
+    # the LM1B recipes' text is a folder of shards named news.en-00001-of-00100: no suffix the folder rule reads
+    for i in range(3):
+        (tmp_path / f'news.en-0000{i}-of-00100').write_text(f'shard {i} says hello\n' * 40)
+    (tmp_path / 'README').write_text('not part of the text\n' * 40)
+    with pytest.raises(ValueError, match="files=PATTERN"):
+        build_datasets(f'text:{tmp_path}', seq_len=16)
+    train, val, info = build_datasets(f'text:{tmp_path}', seq_len=16, files='news.en-*')
+    assert '3 files' in info.description and b'not part' not in bytes(train.tokens.tolist() + val.tokens.tolist())
+    with pytest.raises(ValueError, match=r"matches --data-kwargs files='x\*'"):
+        build_datasets(f'text:{tmp_path}', seq_len=16, files='x*')
+    with pytest.raises(ValueError, match='is one file'):                      # not silently ignored
+        build_datasets(f'text:{tmp_path / "README"}', seq_len=16, files='news*')
+    with pytest.raises(ValueError, match='unknown option.*files'):             # a folder option of text: only
+        build_datasets('pysource', files='*.py')
+
+
 def test_gpt_is_causal_and_factorises_qkv_and_ffn_only():
     torch.manual_seed(0)
     model = timm.create_model('gpt2_byte_tiny', **TINY).eval()
