@@ -319,6 +319,17 @@ def test_wide_resnet_sizes_and_vision_preset():
         timm.create_model('wrn_28_10', depth=12)
 
 
+def test_the_vision_preset_leaves_out_the_stem_even_when_the_stem_cannot_be_factorised():
+    """timm's tf_* models have a Conv2dSame stem (never eligible): 'every conv but the first' dropped the first
+    eligible conv instead, a block's conv (tf_efficientnetv2_b0: blocks.0.0.conv stayed dense)."""
+    from timm.layers import Conv2dSame
+    model = nn.Sequential(Conv2dSame(3, 16, 3, stride=2), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                          nn.Conv2d(16, 16, 3, padding=1))
+    assert [p.name for p in plan_factorization(model, 0.25)] == ['2', '3']
+    dense = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 3), nn.Conv2d(16, 16, 3))
+    assert [p.name for p in plan_factorization(dense, 0.25)] == ['1', '2']         # a plain stem: as before
+
+
 def test_factorizing_twice_is_refused_by_naming_the_factorised_layers():
     """A second `factorize` finds no dense layer where the first replaced them. It said the preset "matches no
     layer" and, for a WRN (whose factorised convs no longer counted as convs), that the *transformer* preset
