@@ -275,6 +275,9 @@ def test_factorized_crate_keeps_its_subspaces_and_tied_output(tied_output):
     (dict(rank=0.3, include=['blocks.*.nothing']), "include pattern 'blocks.*.nothing' matches no"),
     (dict(rank=0.3, include=['layer1.*'], exclude=['layer9.*']), "exclude pattern 'layer9.*'"),
     (dict(rank=0.3, include='transformer'), "include='transformer': the preset matches no layer"),
+    # `--transform factorize skip_no_saving=false` parses to the string 'false', which was truthy
+    (dict(rank=0.3, skip_no_saving='false'), "skip_no_saving='false': accepted True or False"),
+    (dict(rank=0.3, include=5), 'include=5: accepted a preset'), (dict(rank=0.3, exclude=5), 'exclude=5: accepted'),
 ])
 def test_factorize_bad_input_is_a_clear_error_and_changes_nothing(kwargs, message):
     model = _small_resnet()
@@ -314,6 +317,17 @@ def test_wide_resnet_sizes_and_vision_preset():
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
     with pytest.raises(ValueError, match='depth=12'):
         timm.create_model('wrn_28_10', depth=12)
+
+
+def test_the_vision_preset_leaves_out_the_stem_even_when_the_stem_cannot_be_factorised():
+    """timm's tf_* models have a Conv2dSame stem (never eligible): 'every conv but the first' dropped the first
+    eligible conv instead, a block's conv (tf_efficientnetv2_b0: blocks.0.0.conv stayed dense)."""
+    from timm.layers import Conv2dSame
+    model = nn.Sequential(Conv2dSame(3, 16, 3, stride=2), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                          nn.Conv2d(16, 16, 3, padding=1))
+    assert [p.name for p in plan_factorization(model, 0.25)] == ['2', '3']
+    dense = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 3), nn.Conv2d(16, 16, 3))
+    assert [p.name for p in plan_factorization(dense, 0.25)] == ['1', '2']         # a plain stem: as before
 
 
 def test_factorizing_twice_is_refused_by_naming_the_factorised_layers():

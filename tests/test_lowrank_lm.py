@@ -23,8 +23,12 @@ def test_byte_windows_are_shifted_pairs():
     assert len(ds) == 3
     x, y = ds[1]
     assert bytes(x.tolist()) == b'def' and bytes(y.tolist()) == b'efg'
+    assert x.dtype == y.dtype == torch.int64                               # token ids, as nn.Embedding takes them
     with pytest.raises(IndexError):
         ds[3]
+    # the stream is held at one byte per byte (it was int64: 8 bytes per byte, 32 GB for the LM1B recipes' text)
+    big = ByteWindows(bytes(range(256)) * 64, 128)
+    assert big.tokens.untyped_storage().nbytes() == 256 * 64
 
 
 def test_pysource_is_the_standard_library_split_by_whole_files():
@@ -34,8 +38,17 @@ def test_pysource_is_the_standard_library_split_by_whole_files():
     assert info.num_classes == 256 and info.img_size == 64 and info.extra['task'] == 'lm'
     assert 'standard library' in info.description and len(stdlib_sources()) > 50
     total = info.extra['train_bytes'] + info.extra['val_bytes']
-    assert total <= 200_000 + 4 * 64 and 0.2 <= info.extra['val_bytes'] / total < 0.6
+    assert total <= 200_000 + 4 * 64 and 0 < info.extra['val_bytes'] <= 0.2 * total
     assert len(train) == (info.extra['train_bytes'] - 1) // 64
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_the_held_out_files_stay_within_val_fraction(seed):
+    # docs/lowrank.md's LM command (max_bytes=100000): files were held out until the fraction was passed, so one
+    # large file first in the seeded order held out 97 % of the text and left 23 training windows (seed 0)
+    _, _, info = build_datasets('pysource', seed=seed, val_fraction=0.2, max_bytes=100_000, seq_len=128)
+    held, trained = info.extra['val_bytes'], info.extra['train_bytes']
+    assert 0 < held <= 0.2 * (held + trained) and info.train_size > 3 * info.val_size
 
 
 def test_text_file_and_folder(tmp_path):
@@ -52,6 +65,23 @@ def test_text_file_and_folder(tmp_path):
         build_datasets(f'text:{tmp_path / "missing"}')
     with pytest.raises(ValueError, match='seq_len'):
         build_datasets('pysource', seq_len=1)
+
+
+def test_a_folder_of_shards_without_a_text_suffix_is_read_by_a_files_glob(tmp_path):
+    # the LM1B recipes' text is a folder of shards named news.en-00001-of-00100: no suffix the folder rule reads
+    for i in range(3):
+        (tmp_path / f'news.en-0000{i}-of-00100').write_text(f'shard {i} says hello\n' * 40)
+    (tmp_path / 'README').write_text('not part of the text\n' * 40)
+    with pytest.raises(ValueError, match="files=PATTERN"):
+        build_datasets(f'text:{tmp_path}', seq_len=16)
+    train, val, info = build_datasets(f'text:{tmp_path}', seq_len=16, files='news.en-*')
+    assert '3 files' in info.description and b'not part' not in bytes(train.tokens.tolist() + val.tokens.tolist())
+    with pytest.raises(ValueError, match=r"matches --data-kwargs files='x\*'"):
+        build_datasets(f'text:{tmp_path}', seq_len=16, files='x*')
+    with pytest.raises(ValueError, match='is one file'):                      # not silently ignored
+        build_datasets(f'text:{tmp_path / "README"}', seq_len=16, files='news*')
+    with pytest.raises(ValueError, match='unknown option.*files'):             # a folder option of text: only
+        build_datasets('pysource', files='*.py')
 
 
 def test_gpt_is_causal_and_factorises_qkv_and_ffn_only():

@@ -72,6 +72,23 @@ def test_low_rank_settings_with_nothing_to_act_on_are_refused(tmp_path, settings
         TrainConfig(**dict(values, **settings, transforms=[{'name': 'factorize', 'kwargs': {'rank': 0.25}}])).validate()
 
 
+@pytest.mark.parametrize('decay, term, named', [('frobenius', 'frobenius_decay', 'count twice'),
+                                                ('l2', 'frobenius_decay', 'already decays the factors'),
+                                                ('l2', 'factor_l2', 'already decays the factors')])
+def test_a_phase_term_on_factors_the_weight_decay_already_decays_is_refused(tmp_path, decay, term, named):
+    """lowrank_decay's terms in a config's phases came on top of --factor-decay's own decay of U and V, silently: a
+    decay counted twice (or Frobenius decay plus L2 on the same factors, which its docstring says must not be)."""
+    values = dict(model='vit_tiny_patch16_224', data='digits', epochs=2, output=str(tmp_path / 'x'), factorize_rank=0.25,
+                  factor_decay=decay, weight_decay=0.05, phases=[{'name': 'p', 'epochs': 2,
+                                                                 'losses': {'ce': 1.0, term: 5e-4}}])
+    with pytest.raises(UsageError, match=f"phase 'p': loss term {term}.*{named}"):
+        TrainConfig(**values).validate()
+    TrainConfig(**dict(values, weight_decay=0.0)).validate()            # the term alone: what the phases are for
+    if decay == 'l2':
+        TrainConfig(**dict(values, factor_decay='frobenius', phases=[
+            {'name': 'p', 'epochs': 2, 'losses': {'ce': 1.0, 'factor_l2': 5e-4}}])).validate()
+
+
 @pytest.mark.parametrize('bad', [0, 1.5, -0.5, True])
 def test_the_scale_is_a_factor_in_0_1(tmp_path, bad):
     with pytest.raises(UsageError, match=r'--factorize-lr-scale'):

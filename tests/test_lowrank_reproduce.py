@@ -57,7 +57,11 @@ def test_findings_compare_in_the_right_direction():
                                            (['--interpolate-steps', '1'], '--interpolate-steps'),
                                            # were named as --data-kwargs max_bytes / seq_len, flags it has not
                                            (['--parts', 'lm', '--lm-max-bytes', '-5'], '--lm-max-bytes must be'),
-                                           (['--parts', 'lm', '--lm-max-bytes', '100'], '--lm-max-bytes 100: too little')])
+                                           (['--parts', 'lm', '--lm-max-bytes', '100'], '--lm-max-bytes 100: too little'),
+                                           # refused only after the dense baseline had trained, pointing at a flag
+                                           # (--transform) this command has not
+                                           (['--parts', 'lm', '--lm-rank', '1.0'], '--lm-rank 1 (lm part'),
+                                           (['--parts', 'vision', '--ranks', '0.2', '0.95'], '--ranks 0.95 (vision')])
 def test_reproduce_lowrank_bad_arguments(argv, message, capsys, tmp_path):
     assert main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')]) == 2
     assert message in capsys.readouterr().err

@@ -20,7 +20,8 @@ DATASET_FORMS: Dict[str, str] = {
                      "val/ (or ILSVRC2012_img_val.tar) labelled by the devkit or Kaggle's LOC_val_solution.csv",
     'pysource': "byte-level language modelling on the Python standard library's own .py files (offline); "
                 'options seq_len, max_bytes',
-    'text:PATH': 'byte-level language modelling on a text file or a folder of .txt/.md/.rst/.py files',
+    'text:PATH': 'byte-level language modelling on a text file or a folder of .txt/.md/.rst/.py files (others: '
+                 "option files=GLOB); options seq_len, max_bytes, files",
 }
 # Said wherever an MNIST folder is missing: the data belongs to the user, nothing downloads at run time.
 MNIST_HOWTO = ('MNIST in IDX format is four files, train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, '

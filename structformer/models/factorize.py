@@ -8,7 +8,8 @@ rebuilds it on `--resume`, `eval` and `analyze`:
     structformer train ... --factorize-at 5 --rank 0.3 --init spectral       # pre-train, then factorise
 
 Which layers (`include`, fnmatch patterns over module names, or a preset name):
-  'vision'       every nn.Conv2d except the first one (the stem), as the paper does for WRN / ResNet-50;
+  'vision'       every nn.Conv2d except the model's first convolution (the stem, of whatever class), as the paper
+                 does for WRN / ResNet-50;
   'transformer'  the QKV projection and both FFN matrices (`*qkv`, `*mlp.fc1`, `*mlp.fc2`), not the
                  attention output, as the paper does for GPT-2 (timm ViTs and our GPT use these names);
   'all'          every nn.Linear and nn.Conv2d;
@@ -96,10 +97,12 @@ def _shape(module: nn.Module):
     return 'conv', module.out_channels, module.weight[0].numel()
 
 
-def _preset_names(preset: str, layers: Dict[str, nn.Module]) -> List[str]:
+def _preset_names(preset: str, layers: Dict[str, nn.Module], stem: Optional[str] = None) -> List[str]:
     convs = [n for n, m in layers.items() if isinstance(m, nn.Conv2d)]
     if preset == 'vision':
-        return convs[1:]
+        # the model's first convolution, whatever its class: a stem that is not eligible itself (timm's Conv2dSame in
+        # the tf_* models) took the first eligible conv with it (tf_efficientnetv2_b0: blocks.0.0.conv went dense)
+        return [n for n in convs if n != stem] if stem is not None else convs[1:]
     if preset == 'all':
         return list(layers)
     return [n for n in layers if any(fnmatch.fnmatchcase(n, p) for p in PRESETS[preset])]
@@ -116,7 +119,7 @@ def _already_factorized(already: Dict[str, nn.Module], patterns: Sequence[str] =
 
 
 def _select(layers: Dict[str, nn.Module], include, exclude,
-            already: Optional[Dict[str, nn.Module]] = None) -> List[str]:
+            already: Optional[Dict[str, nn.Module]] = None, stem: Optional[str] = None) -> List[str]:
     """The names of `layers` (dense, still eligible) chosen by `include` / `exclude`. `already`: the layers an
     earlier `factorize` replaced; the default preset counts their convs too (a factorised WRN is still a
     vision model), and an include that matches only them is refused by saying so."""
@@ -125,7 +128,7 @@ def _select(layers: Dict[str, nn.Module], include, exclude,
         convs = [n for n, m in {**layers, **already}.items() if isinstance(m, (nn.Conv2d, FactorizedConv2d))]
         include = 'vision' if len(convs) > 1 else 'transformer'
     if isinstance(include, str) and include in PRESETS:
-        chosen = _preset_names(include, layers)
+        chosen = _preset_names(include, layers, stem)
         if not chosen and _already_factorized(already):
             raise ValueError(f"include={include!r}: {_already_factorized(already)}, and no layer the preset "
                              "takes is still dense")
@@ -156,6 +159,12 @@ def _select(layers: Dict[str, nn.Module], include, exclude,
 def plan_factorization(model: nn.Module, rank: Union[int, float], include=None, exclude=None,
                        skip_no_saving: bool = True) -> List[LayerPlan]:
     """What `factorize` would do, layer by layer, without changing anything (raises on bad input)."""
+    if not isinstance(skip_no_saving, bool):        # `--transform factorize skip_no_saving=false` arrives as a
+        raise ValueError(f"skip_no_saving={skip_no_saving!r}: accepted True or False")   # string, and was truthy
+    for arg, value in (('include', include), ('exclude', exclude)):
+        if not (value is None or isinstance(value, str)
+                or (isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value))):
+            raise ValueError(f"{arg}={value!r}: accepted a preset name or fnmatch pattern, or a list of patterns")
     if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not rank > 0:
         raise ValueError(f"rank={rank!r} is out of range: accepted an integer >= 1 or a fraction in (0, 1]")
     if isinstance(rank, float) and not rank <= 1:
@@ -163,7 +172,8 @@ def plan_factorization(model: nn.Module, rank: Union[int, float], include=None, 
                          "give an integer for a count")
     layers = eligible_layers(model)
     plans = []
-    for name in _select(layers, include, exclude, factorized_layers(model)):
+    stem = next((n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, FactorizedConv2d))), None)
+    for name in _select(layers, include, exclude, factorized_layers(model), stem):
         module = layers[name]
         kind, m, n = _shape(module)
         r = resolve_rank(rank, m, n, name=f'rank (layer {name}, {m}x{n})')

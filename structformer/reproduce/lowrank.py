@@ -87,10 +87,34 @@ def _check(args) -> None:
         except ValueError as e:
             raise UsageError(f"--lm-max-bytes {args.lm_max_bytes}: too little text for the LM part's windows of 128 "
                              f"bytes ({str(e).splitlines()[0]})") from None
+    _check_ranks_save(args)
     if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
         from ..data.spec import MNIST_HOWTO
         raise UsageError(f"--data {args.data}: no such folder (the MNIST IDX files; or run --parts lm)" if args.data
                          else f"--data PATH is required for the vision part (or run --parts lm). {MNIST_HOWTO}")
+
+
+_MODELS = {'vision': 'wrn_16_2_mnist', 'lm': 'gpt2_byte_tiny'}        # _config's models (the WRN at depth 10)
+
+
+def _check_ranks_save(args) -> None:
+    """Each rank must factorise some layer of its part's model with a saving (what `factorize` asks): a rank such
+    as 1.0 was refused only when its first run started, after the dense baseline had trained, and the refusal
+    pointed at `--transform factorize`, which this command does not take."""
+    import timm
+
+    from ..models.factorize import check_factorization
+    parts = (([('vision', '--ranks', r) for r in args.ranks] if 'vision' in args.parts else [])
+             + ([('lm', '--lm-rank', args.lm_rank)] if 'lm' in args.parts else []))
+    models = {}
+    for part, flag, rank in parts:
+        if part not in models:        # the untrained models of _config's runs: the layers' shapes are all it reads
+            models[part] = timm.create_model(_MODELS[part], **({'depth': 10} if part == 'vision' else {}))
+        try:
+            check_factorization(models[part], rank)
+        except ValueError as e:
+            raise UsageError(f"{flag} {rank:g} ({part} part, `{_MODELS[part]}`): {str(e).split('; lower')[0]}; "
+                             "choose a smaller fraction") from None
 
 
 def _plan(args) -> List[Dict]:

@@ -257,6 +257,26 @@ def validate_phase_settings(config) -> None:
                 raise UsageError(f"{where}opt: {str(e).split(': ', 1)[-1]}") from None
 
 
+def _refuse_decay_counted_twice(config) -> None:
+    """A phase's `frobenius_decay` / `factor_l2` loss term on factors that --factor-decay already decays: the term came
+    on top, silently (train/lowrank_decay.py: the factors must leave the optimiser's weight decay for Frobenius decay)."""
+    for i, phase in enumerate(config.phases or []):
+        if not isinstance(phase, dict) or not isinstance(phase.get('losses'), dict):
+            continue
+        name = phase.get('name', f'phase{i}')
+        decay = (config.phase_settings or {}).get(name, {}).get('weight_decay', config.weight_decay)
+        used = [t for t in ('frobenius_decay', 'factor_l2') if phase['losses'].get(t)]
+        if not used or not decay:
+            continue
+        if config.factor_decay == 'frobenius' and 'frobenius_decay' in used:
+            raise UsageError(f"phase {name!r}: loss term frobenius_decay with --factor-decay frobenius, which adds "
+                             f"weight_decay ({decay:g}) x frobenius_decay already: it would count twice; drop one")
+        if config.factor_decay == 'l2':
+            raise UsageError(f"phase {name!r}: loss term {' and '.join(used)} with --factor-decay l2, whose weight "
+                             f"decay ({decay:g}) already decays the factors U and V: give --factor-decay frobenius "
+                             "(the factors leave the weight decay) or weight_decay 0")
+
+
 def validate_lowrank(config) -> None:
     """The low-rank settings (--rank and what says how it factorises): ranges, and settings with nothing to act on
     refused rather than ignored."""
@@ -265,6 +285,7 @@ def validate_lowrank(config) -> None:
     scale = config.factorize_lr_scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
         raise UsageError(f"--factorize-lr-scale={scale!r} is out of range: accepted a factor in (0, 1]")
+    _refuse_decay_counted_twice(config)
     inits = ('spectral', 'spectral_ones', 'he')          # structformer.layers.linear.factorized.INITS
     if config.factorize_init not in inits:
         raise UsageError(f"--init={config.factorize_init!r} is not a factor initialisation: accepted {', '.join(inits)}")

@@ -9,7 +9,9 @@ Frobenius decay, λ/2 ‖UVᵀ‖²_F, penalises the product instead. It is comp
 When it is used the factors must leave the optimiser's weight decay (else they are decayed twice):
 `factor_parameter_names` lists them for the engine's parameter groups.
 
-Registered loss terms (weights in a phase's `losses:`, e.g. {ce: 1.0, frobenius_decay: 5e-4}):
+Registered loss terms (weights in a phase's `losses:`, e.g. {ce: 1.0, frobenius_decay: 5e-4}, on a run whose
+weight decay does not already decay the factors: weight_decay 0, or --factor-decay frobenius for factor_l2; the
+configuration refuses the others, train/config_checks.py):
   frobenius_decay   ½ Σ_layers ‖U Vᵀ‖²_F
   factor_l2         ½ Σ_layers (‖U‖²_F + ‖V‖²_F)
 """
