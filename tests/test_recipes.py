@@ -323,6 +323,54 @@ def test_recipe_states_where_its_values_come_from(name):
         assert timm.is_model(model), (name, model)
 
 
+
+# a sweep key that stands for a recipe key (Sparsifiner's budget B is set by keys_per_query or keep_ratio)
+_SWEEP_KEY_REPLACES = {'keys_per_query': {'keep_ratio'}}
+
+
+def _builds(model, kwargs):
+    import timm
+    import torch
+    try:
+        with torch.device('meta'):
+            timm.create_model(model, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def test_sweep_model_kwargs_name_every_key_the_recipe_sets():
+    """--model-kwargs replaces the recipe's whole model_kwargs (docs/recipes.md), so a sweep row that names only the
+    swept key trains the registered defaults for the rest: smixer_patch_* said `--model-kwargs patch_size=P (S = C =
+    64 kept)` and trained 8 blocks, not D.6's 4; mixer_gamma_cifar10's gamma rows trained 3 blocks at C = 48, not 8 at
+    C = 64; swmlp_cifar10's rows 3 blocks with gamma 2, twice its Omega; mixer_b16_in1k's patch rows a 3-block
+    gamma-2 Mixer; and mixer_fig4_cifar10's `--model swmlp_cifar` was refused (the recipe's num_tokens)."""
+    import re
+    checked = 0
+    for name in RECIPES:
+        values, about = load_recipe(name)
+        recipe_kwargs = values.get('model_kwargs') or {}
+        text = ' '.join(str(about.get(k) or '') for k in ('sweep', 'notes'))
+        for model in about.get('models', []):       # a row's model takes the recipe's mapping, or the sweep gives its own
+            assert _builds(model, recipe_kwargs) or f'--model {model} --model-kwargs' in text, (name, model)
+        for clause in re.finditer(r'(?:--model ([a-z0-9_]+)\s+)?--model-kwargs((?:\s+[a-z_]+=\S+)+)', text):
+            model = clause.group(1) or values['model']
+            given = set(re.findall(r'([a-z_]+)=', clause.group(2)))
+            given |= {k for g in given for k in _SWEEP_KEY_REPLACES.get(g, ())}
+            wanted = {k for k, v in recipe_kwargs.items() if _builds(model, {k: v})}
+            assert wanted <= given, (name, model, clause.group(0), sorted(wanted - given))
+            checked += 1
+    assert checked >= 30
+
+
+def test_fig4_sw_mlp_rows_have_the_mixers_omega():
+    """mixer_fig4_cifar10's SW-MLP side: m = 64 E (patch 4 on 32 px), gamma = 2, p = 64 / E^2 is Omega = 2^19."""
+    from structformer.models.mixer_design import sw_density
+    assert 'density=p with m = 64 E and p = 64 / E^2' in ' '.join(load_recipe('mixer_fig4_cifar10')[1]['sweep'].split())
+    for E in (8, 16, 64):
+        assert sw_density(2 ** 19, 64 * E, 2.0) == pytest.approx(64 / E ** 2)
+
+
 def _run(argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
