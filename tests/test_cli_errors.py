@@ -641,3 +641,15 @@ def test_imagefolder_checks_both_splits_and_counts_skips(tmp_path):
     train, val, info = build_datasets(spec, img_size=8, bad_images='skip', check='decode')
     assert (len(train), len(val), info.extra['skipped_images']) == (10, 8, 2)
     assert all(val[i][0].shape == (3, 8, 8) for i in range(len(val)))
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`structformer models | head -3`: the reader leaves before the table is printed; the command ended in a
+    BrokenPipeError traceback. Now it stops as a Unix tool killed by SIGPIPE does (status 141), saying nothing."""
+    exe = ROOT / '.venv' / 'bin' / 'structformer'
+    command = [str(exe)] if exe.exists() else [sys.executable, '-m', 'structformer']
+    proc = subprocess.Popen(command + ['design', '--omega', '2^18', '--json'], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=tmp_path)
+    proc.stdout.close()                        # no reader: the command's first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and 'Traceback' not in err and 'BrokenPipe' not in err, err
