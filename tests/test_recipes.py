@@ -783,3 +783,18 @@ def test_docs_recipes_table_is_the_recipes():
         assert argv[argv.index('--recipe') + 1] == name and ('--teacher' in argv) == bool(values.get('teacher')), name
         assert (flag('-b', config.batch_size) * flag('--grad-accum-steps', config.grad_accum_steps) * processes
                 == config.effective_batch(world)), name
+
+
+def test_fig4_recipe_names_the_command_that_computes_its_right_panel():
+    """Fig. 4 (right) is σ_max at init (analysis/mixer_spectra.py, run by `structformer reproduce mixer`); the
+    recipe sent users to `structformer analyze`, which refuses a Mixer checkpoint (CRATE / --cka / --interpolate).
+    Its (C, S) pairs are the ones the spectra are drawn at."""
+    import re
+    from structformer.analysis.mixer_spectra import FIG4_CHANNELS
+    from structformer.models.mixer_design import fixed_omega_pairs
+    about = load_recipe('mixer_fig4_cifar10')[1]
+    covers = ' '.join(about['covers'].split())
+    assert 'structformer reproduce mixer' in covers and 'structformer analyze' not in covers
+    pairs = [tuple(map(int, p)) for p in re.findall(r'\((\d+), (\d+)\)', ' '.join(about['sweep'].split()))]
+    assert [c for c, _ in pairs] == list(FIG4_CHANNELS)
+    assert pairs == [(r['channels'], r['tokens']) for r in fixed_omega_pairs(2 ** 19, FIG4_CHANNELS, 2.0)]
