@@ -798,3 +798,16 @@ def test_fig4_recipe_names_the_command_that_computes_its_right_panel():
     pairs = [tuple(map(int, p)) for p in re.findall(r'\((\d+), (\d+)\)', ' '.join(about['sweep'].split()))]
     assert [c for c, _ in pairs] == list(FIG4_CHANNELS)
     assert pairs == [(r['channels'], r['tokens']) for r in fixed_omega_pairs(2 ** 19, FIG4_CHANNELS, 2.0)]
+
+
+@pytest.mark.parametrize('name', RECIPES)
+def test_the_papers_batch_in_devices_is_the_recipes_effective_batch(name):
+    """`about.devices` is printed by the dry run as "paper ran ... batch N"; mixer_fig2_cifar10 and
+    mixer_fig4_cifar10 said batch 1,024 (C.3's Table 1 runs) where C.1 / C.2 and the recipes train with 128."""
+    import re
+    from structformer.train.config import TrainConfig
+    values, about = load_recipe(name)
+    said = re.findall(r'batch (?:of )?([\d,]+)', str(about['devices']))
+    if said:
+        world = int(about.get('world_size', 1))
+        assert int(said[-1].replace(',', '')) == TrainConfig.from_dict(values).effective_batch(world), about['devices']
