@@ -811,3 +811,20 @@ def test_the_papers_batch_in_devices_is_the_recipes_effective_batch(name):
     if said:
         world = int(about.get('world_size', 1))
         assert int(said[-1].replace(',', '')) == TrainConfig.from_dict(values).effective_batch(world), about['devices']
+
+
+@pytest.mark.parametrize('name', ['smixer_cifar10', 'smixer_cifar100'])
+def test_fig_s2_rows_give_the_gamma_4_pairs(name):
+    """Fig. S.2's gamma = 4 Mixers: the sweep said only "gamma = 4 (mixer_cifar, lr 0.1) at C = 16 ... 173", after the
+    gamma = 1 pairs: those S at gamma 4 are the Omega = 2^20 rows only (4 x 2^18), never Fig. S.2's 2^18 ones, and
+    `--model mixer_cifar` alone trains its 3 blocks at gamma 2. It now gives the flags and the S that
+    `structformer design --gamma 4` computes at both Omega."""
+    import re
+    from structformer.models.mixer_design import fixed_omega_pairs
+    sweep = ' '.join(load_recipe(name)[1]['sweep'].split())
+    assert '--model mixer_cifar (rp_mixer_cifar for RP) --model-kwargs depth=8 mlp_ratio=4.0' in sweep
+    channels = [16, 32, 48, 64, 83, 113, 173]
+    said = [int(s) for s in re.search(r'\(S = ([\d, ]+)\)', sweep).group(1).split(', ')]
+    assert said == [r['tokens'] for r in fixed_omega_pairs(2 ** 18, channels, 4.0)]
+    assert [r['tokens'] for r in fixed_omega_pairs(2 ** 20, channels, 4.0)] == \
+        [r['tokens'] for r in fixed_omega_pairs(2 ** 18, channels, 1.0)] == [173, 113, 83, 64, 48, 32, 16]
