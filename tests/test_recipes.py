@@ -521,6 +521,20 @@ def test_another_familys_model_is_refused_with_a_recipe(dry_run):
     assert "one of the rows in the recipe's sweep" in out and '76.44' not in out
 
 
+
+def test_mixer_b16_recipe_takes_the_registered_mixer_b16(dry_run):
+    """docs/mixer.md registers sparse_mixer_b16_224 / rp_mixer_b16_224 as App. C.5's Mixer-B/16 and RP-Mixer, yet
+    `--recipe mixer_b16_in1k --model sparse_mixer_b16_224` was refused as "another size of the mixer family". They are
+    the recipe's model (same class and sizes, same parameter count), so the recipe takes them."""
+    import re
+    counts = []
+    for model in ('mixer_cifar', 'sparse_mixer_b16_224', 'rp_mixer_b16_224'):
+        rc, out, err = dry_run(['train', '--recipe', 'mixer_b16_in1k', '--model', model, '--dry-run'])
+        assert rc == 0, err
+        counts.append(re.search(r'parameters \(([\d,]+);', out).group(1))
+    assert counts == ['61,766,872'] * 3
+
+
 def test_a_second_recipe_is_refused(capsys):
     with pytest.raises(SystemExit) as stop:              # argparse's own error: usage line + one message line
         main(['train', '--recipe', 'crate_tiny_in1k', '--recipe', 'crate_base_in1k', '--dry-run'])
