@@ -318,6 +318,9 @@ CASES = [
     ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
     ('models-flops-size-out-of-memory', ['models', '--filter', 'crate_digits', '--flops', '--img-size', '10000000'],
      ['--img-size 10000000', 'does not fit in memory']),
+    # a language model's --img-size is its context T: the line said "at 100000 px"
+    ('models-flops-lm-size-out-of-memory', ['models', '--filter', 'gpt2_byte_tiny', '--flops', '--img-size', '100000'],
+     ['--img-size 100000', 'gpt2_byte_tiny at 100000 tokens does not fit in memory']),
     ('models-flops-size-not-a-patch-multiple', ['models', '--filter', 'crate_tiny', '--flops', '--img-size', '7'],
      ['--img-size 7', 'divisible']),
     ('models-img-size-without-flops', ['models', '--filter', 'crate_digits', '--img-size', '16'],
