@@ -86,6 +86,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         said = getattr(e, 'said', None) or 'checkpoints already written are intact'   # a command may say what it kept
         print(f"structformer {command}: interrupted; {said}", file=sys.stderr)
         return getattr(e, 'exit_status', 130)
+    except BrokenPipeError:                    # the reader went away (`structformer models | head`): stop quietly,
+        devnull = os.open(os.devnull, os.O_WRONLY)     # as a tool killed by SIGPIPE; stdout's last flush goes nowhere
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
     except Exception as e:
         step = sys.modules.get('structformer.train.step')       # only a loaded training step can diverge
         if step is not None and isinstance(e, step.TrainingDiverged):

@@ -318,6 +318,9 @@ CASES = [
     ('models-img-size', ['models', '--img-size', '0'], ['--img-size']),
     ('models-flops-size-out-of-memory', ['models', '--filter', 'crate_digits', '--flops', '--img-size', '10000000'],
      ['--img-size 10000000', 'does not fit in memory']),
+    # a language model's --img-size is its context T: the line said "at 100000 px"
+    ('models-flops-lm-size-out-of-memory', ['models', '--filter', 'gpt2_byte_tiny', '--flops', '--img-size', '100000'],
+     ['--img-size 100000', 'gpt2_byte_tiny at 100000 tokens does not fit in memory']),
     ('models-flops-size-not-a-patch-multiple', ['models', '--filter', 'crate_tiny', '--flops', '--img-size', '7'],
      ['--img-size 7', 'divisible']),
     ('models-img-size-without-flops', ['models', '--filter', 'crate_digits', '--img-size', '16'],
@@ -641,3 +644,15 @@ def test_imagefolder_checks_both_splits_and_counts_skips(tmp_path):
     train, val, info = build_datasets(spec, img_size=8, bad_images='skip', check='decode')
     assert (len(train), len(val), info.extra['skipped_images']) == (10, 8, 2)
     assert all(val[i][0].shape == (3, 8, 8) for i in range(len(val)))
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`structformer models | head -3`: the reader leaves before the table is printed; the command ended in a
+    BrokenPipeError traceback. Now it stops as a Unix tool killed by SIGPIPE does (status 141), saying nothing."""
+    exe = ROOT / '.venv' / 'bin' / 'structformer'
+    command = [str(exe)] if exe.exists() else [sys.executable, '-m', 'structformer']
+    proc = subprocess.Popen(command + ['design', '--omega', '2^18', '--json'], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=tmp_path)
+    proc.stdout.close()                        # no reader: the command's first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and 'Traceback' not in err and 'BrokenPipe' not in err, err

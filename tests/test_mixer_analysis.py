@@ -220,3 +220,19 @@ def test_minibatch_cka_leaves_the_models_mode_and_takes_float64_models():
     result = minibatch_cka(mixer, sw, [torch.randn(8, 1, 8, 8) for _ in range(2)])
     assert mixer.training and not sw.training
     assert result['cka'].shape == (4, 2) and torch.isfinite(result['cka']).all()
+
+
+def test_design_counts_the_connections_of_a_pair_exactly(capsys):
+    """Ω of a pair was a float: at --omega 2^64, C = 1 the table printed 18,446,744,070,963,499,008 for S(S + 1)/2 =
+    18,446,744,070,963,499,500. Integer S, C, γ give the exact count; the models built at those widths have it."""
+    from structformer.layers.linear import PKLinear
+    assert main(['design', '--omega', '2^64', '--channels', '1', '--json']) == 0
+    pair = json.loads(capsys.readouterr().out)['pairs'][0]
+    S = pair['tokens']
+    assert pair['omega'] == S * (S + 1) // 2 == 18_446_744_070_963_499_500
+    assert omega(173, 16, 2.0) == 2 * 16 * 173 * 189 // 2 and isinstance(omega(173, 16, 2.0), int)
+    for r in fixed_omega_pairs(2 ** 19, [4, 64], 2.0):           # Fig. 4's widths, built: mean nnz per mixing layer
+        with torch.device('meta'):
+            model = SparseMixer(num_tokens=r['tokens'], embed_dim=r['channels'], depth=2, mlp_ratio=2.0)
+        layers = [m for m in model.blocks[1].modules() if isinstance(m, PKLinear)]
+        assert sum(m.num_blocks * m.block_in * m.block_out for m in layers) == 4 * r['omega']

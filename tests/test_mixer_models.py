@@ -257,3 +257,42 @@ def test_sw_mlp_masks_are_todays_draws_and_are_not_drawn_on_meta():
     assert all(b.fc1.mask.is_meta and b.fc2.mask.is_meta for b in meta.blocks)
     assert effective_parameter_count(meta) == effective_parameter_count(model) < sum(p.numel() for p in
                                                                                       model.parameters())
+
+
+def test_single_layer_blocks_survive_timm_create_model():
+    """timm.create_model drops every None kwarg, so `mlp_ratio=None` (S-Mixer / Eq. S.16 blocks) silently kept a
+    registered model's γ: the swmlp_cifar10 recipe (mlp_ratio: null) trained 8 two-layer γ = 2 blocks (4× the weights,
+    2× its Ω = 2^18) and compare's digits "S-Mixer" was mixer_digits' MLP-Mixer. mlp_ratio=0 says it through timm;
+    build_model refuses KEY=None by name."""
+    from structformer.models.factory import build_model
+    from structformer.models.inventory import effective_parameter_count
+    from structformer.train.recipes import load_recipe
+    with torch.device('meta'):
+        assert timm.create_model('swmlp_cifar', embed_dim=8, depth=1).blocks[0].fc2 is not None      # its γ = 2
+        sw = timm.create_model('swmlp_cifar', embed_dim=8, depth=1, mlp_ratio=0).blocks[0]
+        mixer = timm.create_model('mixer_digits', mlp_ratio=0).blocks[0]
+    assert sw.fc2 is None and sw.fc1.out_features == sw.fc1.in_features == 64 * 8
+    assert mixer.mlp_tokens.fc2 is None and mixer.mlp_channels.fc2 is None and mixer.mlp_tokens.fc1.bias is None
+    with pytest.raises(ValueError, match=r'--model-kwargs mlp_ratio=None: timm.create_model drops a None'):
+        build_model('mixer_digits', {'mlp_ratio': None})
+    # the recipe: 8 one-layer blocks of width m = 1600 whose masks keep p m^2 = 2^18 each (S.43), within 5 sigma
+    values = load_recipe('swmlp_cifar10')[0]
+    with torch.device('meta'):
+        model = timm.create_model(values['model'], **values['model_kwargs'])
+    assert len(model.blocks) == 8 and all(b.fc2 is None and b.fc1.weight.shape == (1600, 1600) for b in model.blocks)
+    kept = sum(b.fc1.kept_weights() for b in model.blocks)
+    p = values['model_kwargs']['density']
+    assert abs(kept - 8 * 2 ** 18) < 5 * (8 * 1600 ** 2 * p * (1 - p)) ** 0.5
+    assert effective_parameter_count(model) > kept
+
+
+def test_compare_s_mixer_row_is_an_s_mixer():
+    """compare's "S-Mixer" row on digits is mixer_digits made single-layer by its kind_kwargs (it said mlp_ratio=None,
+    which timm dropped: the row trained the γ = 2 MLP-Mixer)."""
+    from structformer.compare.catalogue import BY_KEY
+    entry = BY_KEY['smixer']
+    assert {'digits', 'mnist'} <= set(entry.models)
+    for kind, name in entry.models.items():
+        with torch.device('meta'):
+            model = timm.create_model(name, **entry.kind_kwargs.get(kind, {}))
+        assert all(b.mlp_tokens.fc2 is None and b.mlp_channels.fc2 is None for b in model.blocks), kind

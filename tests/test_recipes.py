@@ -323,6 +323,54 @@ def test_recipe_states_where_its_values_come_from(name):
         assert timm.is_model(model), (name, model)
 
 
+
+# a sweep key that stands for a recipe key (Sparsifiner's budget B is set by keys_per_query or keep_ratio)
+_SWEEP_KEY_REPLACES = {'keys_per_query': {'keep_ratio'}}
+
+
+def _builds(model, kwargs):
+    import timm
+    import torch
+    try:
+        with torch.device('meta'):
+            timm.create_model(model, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def test_sweep_model_kwargs_name_every_key_the_recipe_sets():
+    """--model-kwargs replaces the recipe's whole model_kwargs (docs/recipes.md), so a sweep row that names only the
+    swept key trains the registered defaults for the rest: smixer_patch_* said `--model-kwargs patch_size=P (S = C =
+    64 kept)` and trained 8 blocks, not D.6's 4; mixer_gamma_cifar10's gamma rows trained 3 blocks at C = 48, not 8 at
+    C = 64; swmlp_cifar10's rows 3 blocks with gamma 2, twice its Omega; mixer_b16_in1k's patch rows a 3-block
+    gamma-2 Mixer; and mixer_fig4_cifar10's `--model swmlp_cifar` was refused (the recipe's num_tokens)."""
+    import re
+    checked = 0
+    for name in RECIPES:
+        values, about = load_recipe(name)
+        recipe_kwargs = values.get('model_kwargs') or {}
+        text = ' '.join(str(about.get(k) or '') for k in ('sweep', 'notes'))
+        for model in about.get('models', []):       # a row's model takes the recipe's mapping, or the sweep gives its own
+            assert _builds(model, recipe_kwargs) or f'--model {model} --model-kwargs' in text, (name, model)
+        for clause in re.finditer(r'(?:--model ([a-z0-9_]+)\s+)?--model-kwargs((?:\s+[a-z_]+=\S+)+)', text):
+            model = clause.group(1) or values['model']
+            given = set(re.findall(r'([a-z_]+)=', clause.group(2)))
+            given |= {k for g in given for k in _SWEEP_KEY_REPLACES.get(g, ())}
+            wanted = {k for k, v in recipe_kwargs.items() if _builds(model, {k: v})}
+            assert wanted <= given, (name, model, clause.group(0), sorted(wanted - given))
+            checked += 1
+    assert checked >= 30
+
+
+def test_fig4_sw_mlp_rows_have_the_mixers_omega():
+    """mixer_fig4_cifar10's SW-MLP side: m = 64 E (patch 4 on 32 px), gamma = 2, p = 64 / E^2 is Omega = 2^19."""
+    from structformer.models.mixer_design import sw_density
+    assert 'density=p with m = 64 E and p = 64 / E^2' in ' '.join(load_recipe('mixer_fig4_cifar10')[1]['sweep'].split())
+    for E in (8, 16, 64):
+        assert sw_density(2 ** 19, 64 * E, 2.0) == pytest.approx(64 / E ** 2)
+
+
 def _run(argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -471,6 +519,20 @@ def test_another_familys_model_is_refused_with_a_recipe(dry_run):
     rc, out, err = dry_run(['train', '--recipe', 'mixer_b16_in1k', '--model', 'rp_mixer_cifar', '--dry-run'])
     assert rc == 0, err
     assert "one of the rows in the recipe's sweep" in out and '76.44' not in out
+
+
+
+def test_mixer_b16_recipe_takes_the_registered_mixer_b16(dry_run):
+    """docs/mixer.md registers sparse_mixer_b16_224 / rp_mixer_b16_224 as App. C.5's Mixer-B/16 and RP-Mixer, yet
+    `--recipe mixer_b16_in1k --model sparse_mixer_b16_224` was refused as "another size of the mixer family". They are
+    the recipe's model (same class and sizes, same parameter count), so the recipe takes them."""
+    import re
+    counts = []
+    for model in ('mixer_cifar', 'sparse_mixer_b16_224', 'rp_mixer_b16_224'):
+        rc, out, err = dry_run(['train', '--recipe', 'mixer_b16_in1k', '--model', model, '--dry-run'])
+        assert rc == 0, err
+        counts.append(re.search(r'parameters \(([\d,]+);', out).group(1))
+    assert counts == ['61,766,872'] * 3
 
 
 def test_a_second_recipe_is_refused(capsys):
@@ -735,3 +797,48 @@ def test_docs_recipes_table_is_the_recipes():
         assert argv[argv.index('--recipe') + 1] == name and ('--teacher' in argv) == bool(values.get('teacher')), name
         assert (flag('-b', config.batch_size) * flag('--grad-accum-steps', config.grad_accum_steps) * processes
                 == config.effective_batch(world)), name
+
+
+def test_fig4_recipe_names_the_command_that_computes_its_right_panel():
+    """Fig. 4 (right) is σ_max at init (analysis/mixer_spectra.py, run by `structformer reproduce mixer`); the
+    recipe sent users to `structformer analyze`, which refuses a Mixer checkpoint (CRATE / --cka / --interpolate).
+    Its (C, S) pairs are the ones the spectra are drawn at."""
+    import re
+    from structformer.analysis.mixer_spectra import FIG4_CHANNELS
+    from structformer.models.mixer_design import fixed_omega_pairs
+    about = load_recipe('mixer_fig4_cifar10')[1]
+    covers = ' '.join(about['covers'].split())
+    assert 'structformer reproduce mixer' in covers and 'structformer analyze' not in covers
+    pairs = [tuple(map(int, p)) for p in re.findall(r'\((\d+), (\d+)\)', ' '.join(about['sweep'].split()))]
+    assert [c for c, _ in pairs] == list(FIG4_CHANNELS)
+    assert pairs == [(r['channels'], r['tokens']) for r in fixed_omega_pairs(2 ** 19, FIG4_CHANNELS, 2.0)]
+
+
+@pytest.mark.parametrize('name', RECIPES)
+def test_the_papers_batch_in_devices_is_the_recipes_effective_batch(name):
+    """`about.devices` is printed by the dry run as "paper ran ... batch N"; mixer_fig2_cifar10 and
+    mixer_fig4_cifar10 said batch 1,024 (C.3's Table 1 runs) where C.1 / C.2 and the recipes train with 128."""
+    import re
+    from structformer.train.config import TrainConfig
+    values, about = load_recipe(name)
+    said = re.findall(r'batch (?:of )?([\d,]+)', str(about['devices']))
+    if said:
+        world = int(about.get('world_size', 1))
+        assert int(said[-1].replace(',', '')) == TrainConfig.from_dict(values).effective_batch(world), about['devices']
+
+
+@pytest.mark.parametrize('name', ['smixer_cifar10', 'smixer_cifar100'])
+def test_fig_s2_rows_give_the_gamma_4_pairs(name):
+    """Fig. S.2's gamma = 4 Mixers: the sweep said only "gamma = 4 (mixer_cifar, lr 0.1) at C = 16 ... 173", after the
+    gamma = 1 pairs: those S at gamma 4 are the Omega = 2^20 rows only (4 x 2^18), never Fig. S.2's 2^18 ones, and
+    `--model mixer_cifar` alone trains its 3 blocks at gamma 2. It now gives the flags and the S that
+    `structformer design --gamma 4` computes at both Omega."""
+    import re
+    from structformer.models.mixer_design import fixed_omega_pairs
+    sweep = ' '.join(load_recipe(name)[1]['sweep'].split())
+    assert '--model mixer_cifar (rp_mixer_cifar for RP) --model-kwargs depth=8 mlp_ratio=4.0' in sweep
+    channels = [16, 32, 48, 64, 83, 113, 173]
+    said = [int(s) for s in re.search(r'\(S = ([\d, ]+)\)', sweep).group(1).split(', ')]
+    assert said == [r['tokens'] for r in fixed_omega_pairs(2 ** 18, channels, 4.0)]
+    assert [r['tokens'] for r in fixed_omega_pairs(2 ** 20, channels, 4.0)] == \
+        [r['tokens'] for r in fixed_omega_pairs(2 ** 18, channels, 1.0)] == [173, 113, 83, 64, 48, 32, 16]

@@ -46,7 +46,7 @@ def matches(name: str, pattern: str) -> bool:
     return pattern in name
 
 
-def _flops(model_flops, name: str, img_size) -> dict:
+def _flops(model_flops, name: str, img_size, unit: str = 'px') -> dict:
     """model_flops of `name` at --img-size, its failures for that size named by the flag: a size the model cannot
     take (not a multiple of its patch) or cannot hold in memory (--img-size 100000 allocated 640 GB: a traceback)."""
     try:
@@ -58,7 +58,7 @@ def _flops(model_flops, name: str, img_size) -> dict:
     except (MemoryError, RuntimeError) as e:
         if img_size is None or not (isinstance(e, MemoryError) or 'alloc' in str(e)):
             raise
-        raise UsageError(f"--img-size {img_size}: {name} at {img_size} px does not fit in memory "
+        raise UsageError(f"--img-size {img_size}: {name} at {img_size} {unit} does not fit in memory "
                          f"({str(e).splitlines()[0][:120]})") from None
 
 
@@ -80,7 +80,8 @@ def run(args) -> int:
     if args.flops:
         from ..bench.flops import COMPONENTS, model_flops
         for row in rows:
-            row.update(_flops(model_flops, row['name'], args.img_size))    # params of the model at that size
+            unit = 'tokens' if row['name'] in language else 'px'          # a language model's size is its T
+            row.update(_flops(model_flops, row['name'], args.img_size, unit))    # params of the model at that size
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

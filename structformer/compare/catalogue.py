@@ -88,7 +88,7 @@ ENTRIES: Tuple[Entry, ...] = (
           baseline=True),
     Entry('rp_mixer', 'RP-Mixer', 'Mixer', {'digits': 'rp_mixer_digits', 'mnist': 'smixer_mnist'},
           kind_kwargs={'mnist': {'mlp_ratio': 2.0, 'permutation': 'random'}}, knob='mixer', seeded=('perm_seed',)),
-    Entry('smixer', 'S-Mixer', 'Mixer', _MIXER, kind_kwargs={'digits': {'mlp_ratio': None}}, knob='mixer'),
+    Entry('smixer', 'S-Mixer', 'Mixer', _MIXER, kind_kwargs={'digits': {'mlp_ratio': 0}}, knob='mixer'),
     Entry('swmlp', 'SW-MLP', 'Mixer', {'digits': 'swmlp_digits', 'mnist': 'swmlp_mnist'}, knob='swmlp',
           seeded=('mask_seed',)),
     Entry('vit_lowrank_0.25', 'ViT factorised, rank 0.25', 'low-rank', _VIT, follows='vit', rank=0.25),

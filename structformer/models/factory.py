@@ -120,6 +120,13 @@ def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=N
     defaults), then apply `transforms` in order. Returns the model and the recipe that rebuilds it."""
     _registered(name)
     model_kwargs = dict(model_kwargs or {})
+    # timm.create_model drops every None (it means "the model's default"), so KEY=None would build the default
+    # silently (swmlp_cifar with mlp_ratio=None kept its γ = 2); a run's recorded kwargs (rebuild) keep timm's way
+    unset = sorted(k for k, v in model_kwargs.items() if v is None)
+    if unset:
+        raise ValueError(f"--model-kwargs {' '.join(k + '=None' for k in unset)}: timm.create_model drops a None, so "
+                         f"{name} would keep its own default there; give the value (a Mixer's or SW-MLP's single-layer "
+                         "blocks: mlp_ratio=0), or leave the key out for the default")
     specs = normalize_transforms(transforms)
     model, kwargs = _construct(name, _data_kwargs(name, model_kwargs, data), model_kwargs)
     input_size = (data.in_chans, data.img_size, data.img_size) if data is not None else default_input_size(name, kwargs)

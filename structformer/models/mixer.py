@@ -130,8 +130,9 @@ class SparseMixer(_PatchTableModel):
     Args:
         num_tokens: S (default: the patch count S₀); embed_dim: C; depth: L blocks.
         mlp_ratio: γ, one number or (γ_tokens, γ_channels); hidden widths γS and γC (the paper's
-            convention); None builds S-Mixer blocks. token_mlp_dim / channel_mlp_dim override the
-            hidden widths directly (timm's MlpMixer uses 0.5·C and 4·C).
+            convention); None or 0 builds S-Mixer blocks (0 says so through timm.create_model, which drops a
+            None). token_mlp_dim / channel_mlp_dim override the hidden widths directly (timm's MlpMixer
+            uses 0.5·C and 4·C).
         permutation: 'mixer' (J_c) or 'random' (RP); rp_channels: also permute channel mixing;
         perm_seed: seeds every layer's permutations (layer ℓ draws its own from it).
         skip_layer: None = only when S ≠ S₀; True = always (as in the paper's S sweeps).
@@ -160,6 +161,7 @@ class SparseMixer(_PatchTableModel):
         if tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
         ratios = mlp_ratio if isinstance(mlp_ratio, (tuple, list)) else (mlp_ratio, mlp_ratio)
+        ratios = tuple(None if r is not None and r == 0 else r for r in ratios)     # 0: no expansion layer
         smixer = ratios[0] is None and token_mlp_dim is None and ratios[1] is None and channel_mlp_dim is None
         self.mixing_bias = (not smixer) if mixing_bias is None else bool(mixing_bias)
         self.num_tokens, self.permutation = tokens, permutation
@@ -229,7 +231,8 @@ class SWMLP(_PatchTableModel):
     x ↦ x + φ((M⊙W) LN(x)) (Eq. S.16; with mlp_ratio γ: x ↦ x + φ((M₂⊙W₂) φ((M₁⊙W₁) LN(x))), Eq. S.17),
     then LN and the FC classifier (our LN before the head mirrors the Mixers' final norm).
 
-    Args: density p ∈ (0, 1] of every mask; mask_seed seeds them (layer ℓ its own); drop_path_rate:
+    Args: density p ∈ (0, 1] of every mask; mlp_ratio γ (None or 0: one layer per block, Eq. S.16); mask_seed
+    seeds them (layer ℓ its own); drop_path_rate:
     stochastic depth on the residual branches, growing linearly over the blocks as in timm (0, as the paper).
     """
     pooling = "its head classifies the whole flat vector (the paper's): nothing is pooled"
@@ -247,7 +250,8 @@ class SWMLP(_PatchTableModel):
         self.embed_dim = embed_dim
         width = self.patch_tokens * embed_dim
         self.width = self.num_features = self.head_hidden_size = width
-        hidden = None if mlp_ratio is None else max(1, int(round(mlp_ratio * width)))
+        # None or 0: one masked layer per block (Eq. S.16); 0 passes timm.create_model, which drops a None
+        hidden = None if mlp_ratio is None or mlp_ratio == 0 else max(1, int(round(mlp_ratio * width)))
         self.blocks = nn.ModuleList([
             _SparseWeightBlock(width, hidden, density, seed=int(mask_seed) * 1000 + 10 * i, norm_eps=norm_eps,
                                drop_path=drop_path_rate * i / max(depth - 1, 1))

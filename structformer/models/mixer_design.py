@@ -18,8 +18,11 @@ def _positive(name: str, value) -> float:
 
 
 def omega(tokens: float, channels: float, gamma: float = 1.0) -> float:
-    """Ω of a Mixer layer pair with S tokens, C channels and expansion γ (Eq. 15)."""
+    """Ω of a Mixer layer pair with S tokens, C channels and expansion γ (Eq. 14). Integer S, C and γ give the
+    exact integer (CS(S + C) is even; floats lost the last digits from about 2^53 on, and --omega goes to 2^64)."""
     S, C, g = _positive('tokens', tokens), _positive('channels', channels), _positive('gamma', gamma)
+    if all(isinstance(v, int) for v in (tokens, channels)) and g.is_integer():
+        return int(g) * (channels * tokens * (tokens + channels) // 2)
     return g * (C * S * S + C * C * S) / 2
 
 

@@ -192,8 +192,9 @@ def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
             raise UsageError(f"--teacher {spec}: a weights file needs the student's dense counterpart, and --model "
                              f"{config.model} has none known ({', '.join(sorted(DENSE_COUNTERPARTS))} do); give the "
                              "teacher's run directory or a registered model name with --teacher-pretrained")
-        teacher, _ = build_model(name, {k: v for k, v in kwargs.items() if k not in ('num_classes', 'in_chans')},
-                                 data_info)
+        # a recorded None was dropped by timm when that run was built (build_model now refuses one): drop it too
+        teacher, _ = build_model(name, {k: v for k, v in kwargs.items()
+                                        if k not in ('num_classes', 'in_chans') and v is not None}, data_info)
         done = load_initial_weights(teacher, spec, '--teacher', taken)
     elif timm.is_model(spec):
         if not config.teacher_pretrained:

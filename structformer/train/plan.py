@@ -353,6 +353,10 @@ def dry_run(config: TrainConfig) -> str:
     where = ('the data' if read is not None else "the recipe's stated classes" if data is not None
              else "the model's default")
     lines.append(f"model         {config.model}  {_human(n)} parameters ({_count(n)}; built on the meta device)")
+    from ..models.inventory import effective_parameter_count
+    kept = effective_parameter_count(model)        # SW-MLP: its masks keep p of each weight (its Ω), the rest stay 0
+    if kept != n:
+        lines.append(f"  masks keep  {_human(kept)} of them ({_count(kept)}); the rest are zero and never trained")
     lines.append(f"  input       {shape}, {classes} classes ({where})"
                  + (f"; kwargs {recipe.kwargs}" if config.model_kwargs else ''))
     if config.drop is not None or config.drop_path is not None:
