@@ -47,7 +47,8 @@ ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 WIDTHS = {'full': {}, 'half': dict(dims=(32, 64, 160, 256), num_heads=(1, 2, 5, 8)),
           'quarter': dict(dims=(16, 32, 80, 128), num_heads=(1, 1, 2, 4))}
 PAPER_TABLE2 = {   # SOFT Table 2 (ImageNet, Tiny): params, GFLOPs, train / infer img/s, memory, top-1
-    'softmax': ('13M', '3.9G', '1073 / 3240', '19.0GB', 80.0), 'linformer': ('13M', '1.9G', '2767 / 3779', '11.7GB', 78.2),
+    # memory at batch 1024, except the Transformer's (†: batch 256, the most its GPUs held)
+    'softmax': ('13M', '3.9G', '1073 / 3240', '19.0GB at batch 256', 80.0), 'linformer': ('13M', '1.9G', '2767 / 3779', '11.7GB', 78.2),
     'performer': ('13M', '2.2G', '2037 / 3657', '15.0GB', 76.1), 'nystrom': ('13M', '2.0G', '1891 / 3518', '17.2GB', 80.1),
     'soft': ('13M', '1.9G', '1730 / 3436', '15.8GB', 80.9), 'softpp': ('13M', '1.9G', '1730 / 3436', '15.8GB', 80.9),
 }
@@ -212,12 +213,20 @@ def _report(rows: List[Dict], recipe: Dict, split: str) -> str:
                      f"({r['best_val_top1']:.2f}) | {paper} |")
     lines += ['', 'Speeds: one batch of the trained model, timed after training (forward + backward + AdamW step '
               'for training). Memory: tensors saved for backward in one training forward of one batch (see '
-              'module docstring); the paper reports whole-GPU training memory at batch 1024. Measured on this '
+              'module docstring); the paper reports whole-GPU training memory at batch 1024 (softmax: 256). Measured on this '
               'machine, not a V100.']
     return '\n'.join(lines) + '\n'
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Flags this command uses itself before training (the engine checks the rest): the validation batch it
+    measures and probes is read with --batch-size, so 0 must be refused here, not by the DataLoader."""
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     if args.ablate:
         return run_ablation(args)
     if args.attn is None:
