@@ -120,3 +120,23 @@ def test_bad_keep_is_refused(tmp_path, capsys):
     assert main(['reproduce', 'sparsifiner', '--keep', '0', '--output', str(tmp_path / 'o')]) == 2
     assert '--keep' in capsys.readouterr().err
     assert not (tmp_path / 'o').exists()
+
+
+def test_a_student_of_a_retrained_teacher_is_not_reused(tmp_path):
+    """--teacher-epochs or --lr into the same --output retrains the teacher at the same path; the students' configs
+    name only that path, so they were reused although distilled from the old teacher."""
+    import yaml
+    teacher = tmp_path / 'teacher'
+    teacher.mkdir()
+    (teacher / 'summary.json').write_text(json.dumps({'epochs': 1, 'final_val_top1': 90.0}))
+    run = tmp_path / 'sparsifiner_0.25'
+    run.mkdir()
+    config = {'model': 'sparsifiner_mnist', 'epochs': 2, 'teacher': str(teacher)}
+    (run / 'summary.json').write_text(json.dumps({'epochs': 2}))
+    (run / 'config.yaml').write_text(yaml.safe_dump(dict(config, data=f'mnist:{tmp_path / "a"}')))
+    spec = f'mnist:{tmp_path / "a"}'
+    assert not repro._finished(run, config, spec)          # no stamp: which teacher it learnt from is unknown
+    (run / repro.TEACHER_STAMP).write_text(repro._teacher_stamp(config) + '\n')
+    assert repro._finished(run, config, spec)
+    (teacher / 'summary.json').write_text(json.dumps({'epochs': 2, 'final_val_top1': 95.0}))   # retrained
+    assert not repro._finished(run, config, spec)

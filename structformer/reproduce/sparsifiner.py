@@ -99,10 +99,29 @@ def _rows(args, teacher_dir: Path) -> List[Dict]:
     return rows
 
 
+TEACHER_STAMP = 'teacher_summary.sha256'    # in a student's folder: the teacher's summary.json it was distilled from
+
+
+def _teacher_stamp(config: Dict) -> str:
+    """The sha256 of the summary.json of the teacher a student config names ('' for none). A retrained teacher
+    writes a new summary (its timings and metrics), so a student stamped with the old one is not reused."""
+    import hashlib
+    teacher = config.get('teacher')
+    summary = Path(teacher) / 'summary.json' if teacher else None
+    return hashlib.sha256(summary.read_bytes()).hexdigest() if summary is not None and summary.is_file() else ''
+
+
 def _finished(run_dir: Path, config: Dict, spec: str) -> bool:
+    """A run in `run_dir` that finished with `config` on `spec`, and, for a student, from the teacher now in
+    --output (its `TEACHER_STAMP`): the teacher's path is the same after --teacher-epochs or --lr change and the
+    teacher retrains, so comparing the config alone reused students distilled from the old teacher."""
     summary = run_dir / 'summary.json'
     if not summary.is_file():
         return False
+    if config.get('teacher'):
+        stamp = run_dir / TEACHER_STAMP
+        if not stamp.is_file() or stamp.read_text().strip() != _teacher_stamp(config):
+            return False
     import yaml
     saved = yaml.safe_load((run_dir / 'config.yaml').read_text()) or {}
     if not trained_on(saved, spec):
@@ -125,6 +144,8 @@ def _train(config: Dict, run_dir: Path, spec: str) -> Dict:
     else:
         print(f'training {run_dir.name} ...', flush=True)
         train(TrainConfig(data=spec, output=str(run_dir), **config), progress=False, overwrite=True)
+        if config.get('teacher'):
+            write_text(run_dir / TEACHER_STAMP, _teacher_stamp(config) + '\n')
     return json.loads((run_dir / 'summary.json').read_text())
 
 
