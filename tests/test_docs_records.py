@@ -147,6 +147,27 @@ def test_mixer_width_table_is_the_committed_study():
             printed_equal(cell, max(errors), 2)
 
 
+
+def flat_page(page: str) -> str:
+    return ' '.join((DOCS / page).read_text().split())
+
+
+def test_mixer_md_width_trend_verdicts_are_the_records():
+    """The Spearman ρ, p and verdict of each 'error falls as the width grows' line equal the record's (the page
+    once said 'not' where the command's rule cannot tell)."""
+    verdicts = record('mixer/reproduce_mixer.json')['verdicts']
+    text = flat_page('mixer.md')
+    for kind, said in (('S-Mixer', 'holds for the S-Mixer'), ('RP S-Mixer', 'cannot tell for the RP S-Mixer'),
+                       ('SW-MLP', 'nor for SW-MLP')):
+        line = verdicts[f'wider_is_better_{kind}']
+        rho, p = re.search(r'width m ([-+]\d\.\d\d) over .*one-sided p = ([\d.e-]+)', line).groups()
+        verdict = line.split("fixed Ω' ")[1]
+        assert said in text
+        assert f"ρ = {rho.replace('-', '−')}" in text
+        if kind != 'RP S-Mixer':
+            assert f"p = {p}" in text
+        assert verdict.startswith('HOLDS' if kind == 'S-Mixer' else 'CANNOT TELL')
+
 # ---- data.md ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('name, header', [('bench_data.json', 'transform | workers | our ImageFolder img/s'),
