@@ -129,6 +129,8 @@ def test_tiny_reproduction_end_to_end(tmp_path):
                  '--depths', '2', '--sw-densities', '0.25', '--depth', '2', '--limit-train-batches', '2',
                  '--spectra-trials', '0', '--output', str(out)]) == 0
     result = json.loads((out / 'results.json').read_text())
+    assert result['command'].startswith('structformer reproduce mixer --data ')
+    assert '--channels 32 ' in result['command']
     assert len(result['rows']) == 5 and {r['kind'] for r in result['rows']} == {'S-Mixer', 'RP S-Mixer', 'SW-MLP'}
     for r in result['rows']:      # each row is its run's own final number
         summary = json.loads((Path(r['run']) / 'summary.json').read_text())

@@ -93,6 +93,8 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
             '--limit-train-batches', '1', '--batch-size', '32', '--threads', '1', '--output', str(tmp_path / 'out')]
     assert main(argv) == 0
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())
+    assert results['command'].startswith('structformer reproduce sparsifiner --data ')
+    assert '--keep 0.25 ' in results['command']
     assert [r['kind'] for r in results['rows']] == ['dense', 'sparsifiner', 'linformer']
     dense, sparse, linformer = results['rows']
     assert sparse['mhsa_mflops'] < dense['mhsa_mflops'] and linformer['mhsa_mflops'] < dense['mhsa_mflops']

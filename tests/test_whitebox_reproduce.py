@@ -23,6 +23,7 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
             '--num-samples', '12', '--threads', '1', '--output', str(out)]
     assert crate.run(_args(*argv)) == 0
     results = json.loads((out / 'results.json').read_text())
+    assert results['command'].startswith('structformer reproduce crate --data ') and '--depth 2 ' in results['command']
     assert results['epochs'] == [0, 1, 2]                    # every epoch kept (save_every 1), init first
     assert results['recipe']['opt'] == 'lion' and results['recipe']['weight_decay'] == 0.5
     assert results['recipe']['label_smoothing'] == 0.1 and results['recipe']['decay_everything']

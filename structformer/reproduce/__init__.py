@@ -6,6 +6,27 @@ from pathlib import Path
 from typing import Tuple
 
 
+def command_line(args, target: str) -> str:
+    """The `structformer reproduce TARGET ...` command that repeats this run, every flag spelled out from the parsed
+    `args` (defaults included, so a later change of a default does not change what the record says was run): the
+    `command` of each results.json. Flags are the dests with '-' for '_', as every reproduce parser names them."""
+    import shlex
+    words = ['structformer', 'reproduce', target]
+    for dest, value in vars(args).items():
+        if dest in ('command', 'target', 'func') or value is None or value is False:
+            continue
+        flag = '--' + dest.replace('_', '-')
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, dict):
+            words += [flag, *(f'{k}={v!r}' for k, v in value.items())] if value else []
+        elif isinstance(value, (list, tuple)):
+            words += [flag, *(str(v) for v in value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
 def mnist_spec(data: str) -> str:
     """The `--data` spec of a reproduction's MNIST folder ('mnist:PATH'), refused by name when the folder is missing
     or not given (the data belongs to the user: no default path)."""

@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import start, trained_on
+from . import command_line, start, trained_on
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                          f'CRATE depth {args.depth} on MNIST: per layer over training ({args.estimator} R_c)')
     epochs = curves['epochs']
     verdict = _verdict(curves['per_epoch'][-1]['layers'], curves['per_epoch'][0]['layers'], len(idx))
-    results = {'recipe': recipe, 'data': info.description, 'num_samples': len(idx), 'estimator': args.estimator,
+    results = {'command': command_line(args, 'crate'), 'recipe': recipe, 'data': info.description,
+               'num_samples': len(idx), 'estimator': args.estimator,
                'val_top1': summary.get('final_val_top1'), 'best_val_top1': summary.get('best_val_top1'),
                'epochs': epochs, 'curves': curves, 'verdict': verdict, 'figure': figure.name,
                'environment': environment(torch.device('cpu'))}

@@ -28,6 +28,7 @@ from typing import Dict, List
 
 from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
+from . import command_line
 
 EXAMPLES = """examples:
   structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
@@ -413,7 +414,8 @@ def run(args) -> int:
     claims = findings(results, curves)
     text = tables_from_record({'runs': results, 'interpolation': curves})
     write_text(out / 'results.md', text)
-    write_json(out / 'results.json', {'environment': environment('cpu'), 'args': {k: v for k, v in vars(args).items()
+    write_json(out / 'results.json', {'command': command_line(args, 'lowrank'),
+                                      'environment': environment('cpu'), 'args': {k: v for k, v in vars(args).items()
                                                                                   if k != 'func'},
                                       'runs': results, 'interpolation': curves, 'findings': claims, 'paper': {
                                           k: {str(kk): vv for kk, vv in v.items()} for k, v in PAPER.items()}})

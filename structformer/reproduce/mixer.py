@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from . import mnist_spec, start
+from . import command_line, mnist_spec, start
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -424,7 +424,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"[{i + 1}/{len(runs)}] {r['group']:<5} {r['kind']:<10} C={r['channels']:<4} S={r['tokens']:<4} "
               f"m={r['width']:<5} L={row['depth']} seed {r['seed']}: error {100 - row['val_top1']:.2f}%", flush=True)
-    record = {'recipe': recipe, 'omega': args.omega, 'rows': rows, 'spectra': spectra, 'environment': environment('cpu'),
+    record = {'command': command_line(args, 'mixer'), 'recipe': recipe, 'omega': args.omega, 'rows': rows,
+              'spectra': spectra, 'environment': environment('cpu'),
               'args': {k: v for k, v in vars(args).items() if k != 'func'}}
     return _finish(record, args, out)
 

@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
-from . import mnist_spec
+from . import command_line, mnist_spec
 from ..bench.harness import PeakMemory, median_seconds, saved_tensor_bytes
 from ..records import environment, write_json, write_text
 from ..cli_args import ParseKwargs
@@ -274,8 +274,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"{attn:>10}: top-1 {row['val_top1']:.2f}%  train {row['train_img_per_s']:.0f} img/s  "
               f"infer {row['infer_img_per_s']:.0f} img/s  act. mem {row['act_mem_mb']:.1f} MB", flush=True)
-    write_json(output / 'results.json', {'recipe': recipe_shown, 'data': info.description,
-                                         'environment': environment(device), 'rows': rows}, default=str)
+    write_json(output / 'results.json', {'command': command_line(args, 'soft'), 'recipe': recipe_shown,
+                                         'data': info.description, 'environment': environment(device), 'rows': rows},
+               default=str)
     write_text(output / 'report.md', _report(rows, recipe_shown, info.description))
     print(f"wrote {output / 'results.json'} and {output / 'report.md'}")
     return 0
@@ -351,7 +352,8 @@ def run_ablation(args: argparse.Namespace) -> int:
                   f"cond(A) median {row['cond_trained']['median']:.3g} (init {cond_init['median']:.3g})  "
                   f"{seconds:.0f} s", flush=True)
             recipe_shown = dict(recipe, width=args.width, model_kwargs=base)
-            write_json(output / 'results.json', {'recipe': recipe_shown, 'data': info.description,
+            write_json(output / 'results.json', {'command': command_line(args, 'soft'), 'recipe': recipe_shown,
+                                                 'data': info.description,
                                                  'environment': environment(torch.device('cpu')), 'rows': rows},
                        default=str)
             write_text(output / 'report.md', _ablation_report(rows, recipe_shown, info.description))

@@ -33,7 +33,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import start, trained_on
+from . import command_line, start, trained_on
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -279,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     if drew:
         report += ['', f'![pareto]({figure.name})']
     write_text(output / 'report.md', '\n'.join(report) + '\n')
-    write_json(output / 'results.json', {'teacher': teacher_summary, 'rows': results, 'verdicts': verdicts,
+    write_json(output / 'results.json', {'command': command_line(args, 'sparsifiner'), 'teacher': teacher_summary,
+                                          'rows': results, 'verdicts': verdicts,
                                           'args': {k: v for k, v in vars(args).items() if k != 'func'},
                                           'environment': environment(torch.device('cpu'))}, default=str)
     print('\n'.join(report))
