@@ -1,5 +1,13 @@
-"""`structformer reproduce soft`: what its report quotes from SOFT Table 2 (cheap: no training)."""
+"""`structformer reproduce soft`: what its report quotes from SOFT Table 2, and one tiny run's record."""
+import json
+from pathlib import Path
+
+import pytest
+
+from structformer.cli import main
 from structformer.reproduce.soft import PAPER_TABLE2, _report
+
+MNIST = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'mnist'
 
 
 def _row(attention):
@@ -16,3 +24,30 @@ def test_the_softmax_rows_paper_memory_is_at_batch_256():
     assert '15.8GB,' in soft_line and 'batch 256' not in soft_line
     assert 'batch 1024 (softmax: 256)' in text
     assert PAPER_TABLE2['softmax'][4] == 80.0 and PAPER_TABLE2['softpp'][4] == 80.9
+
+
+def test_a_row_timed_on_a_busy_machine_says_so():
+    """The speed columns were printed and recorded with no word on the machine's load (bench/ records it and says
+    BUSY); a busy row now carries BUSY in both speed cells and a line under the table says what to do."""
+    busy, quiet = _row('softmax'), _row('soft')
+    busy['load'], quiet['load'] = {'busy': True}, {'busy': False}
+    text = _report([busy, quiet], {'width': 'half'}, 'mnist')
+    lines = text.splitlines()
+    assert '| 1 BUSY | 1 BUSY |' in next(line for line in lines if line.startswith('| softmax |'))
+    assert 'BUSY' not in next(line for line in lines if line.startswith('| soft |'))
+    assert 'BUSY: other processes used the cores while softmax were timed' in text
+    assert 'BUSY' not in _report([quiet], {'width': 'half'}, 'mnist')
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
+def test_tiny_run_records_its_command_and_load(tmp_path):
+    out = tmp_path / 'soft'
+    argv = ['reproduce', 'soft', '--data', str(MNIST), '--attn', 'softmax', '--width', 'quarter', '--epochs', '1',
+            '--limit-train-batches', '1', '--model-kwargs', 'depths=(1,1,1,1)', '--output', str(out)]
+    assert main(argv) == 0
+    record = json.loads((out / 'results.json').read_text())
+    assert record['command'].startswith('structformer reproduce soft --data ')
+    assert "--model-kwargs 'depths=(1, 1, 1, 1)'" in record['command']
+    (row,) = record['rows']
+    assert row['attention'] == 'softmax' and isinstance(row['load']['busy'], bool) and row['load']['wall_s'] > 0
+    assert record['environment']['cpu'] and record['recipe']['seed'] == 0

@@ -95,6 +95,7 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())
     assert results['command'].startswith('structformer reproduce sparsifiner --data ')
     assert '--keep 0.25 ' in results['command']
+    assert all(isinstance(r['load']['busy'], bool) for r in results['rows'])      # the timed layer's machine load
     assert [r['kind'] for r in results['rows']] == ['dense', 'sparsifiner', 'linformer']
     dense, sparse, linformer = results['rows']
     assert sparse['mhsa_mflops'] < dense['mhsa_mflops'] and linformer['mhsa_mflops'] < dense['mhsa_mflops']

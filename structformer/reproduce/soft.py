@@ -8,7 +8,9 @@ img/s (forward + backward + AdamW step), inference img/s and activation memory. 
 not comparable with the paper's; the ranking and ratios are what this measures. Speeds are timed in
 a short window per model after training (`--measure-only` repeats just that on the saved runs), so
 a machine busy during the long training phase does not skew them; the engine's own epoch img/s
-(which includes data loading) is kept in results.json as `epoch_img_per_s`.
+(which includes data loading) is kept in results.json as `epoch_img_per_s`. Each row records the machine's load
+while it was timed (`bench.load`: `load` in results.json); a row timed while other processes used the cores is
+marked BUSY in the report, to be re-timed with `--measure-only` on a quiet machine.
 
 Memory: Table 2 reports training memory. Here `act_mem_mb` is the bytes of tensors autograd saves
 for backward in one training forward (the part of training memory that depends on the attention),
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Dict, List
 
 from . import command_line, mnist_spec
 from ..bench.harness import PeakMemory, median_seconds, saved_tensor_bytes
+from ..bench.load import row_flag
 from ..records import environment, write_json, write_text
 from ..cli_args import ParseKwargs
 from ..errors import UsageError
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 
+ADVICE_BUSY = 're-time them with --measure-only on a quiet machine'
 ATTENTIONS = ('softmax', 'linformer', 'performer', 'nystrom', 'soft', 'softpp')
 # Table 1 Tiny has dims 64/128/320/512 and heads 2/4/10/16 (head width 32). Narrower widths keep the depths,
 # the head width and the sampling ratios, and halve the heads, so a CPU can train every row (half is the
@@ -208,13 +212,17 @@ def _report(rows: List[Dict], recipe: Dict, split: str) -> str:
     for r in rows:
         params, flops, speed, memory, top1 = PAPER_TABLE2[r['attention']]
         paper = f"{params}, {flops}, {speed.replace(' ', '')} img/s, {memory}, {top1}%"
-        lines.append(f"| {r['attention']} | {r['model']} | {r['params'] / 1e6:.2f}M | {r['train_img_per_s']:.0f} | "
-                     f"{r['infer_img_per_s']:.0f} | {r['act_mem_mb']:.1f} | {r['val_top1']:.2f} "
-                     f"({r['best_val_top1']:.2f}) | {paper} |")
+        busy = row_flag(r.get('load'))
+        lines.append(f"| {r['attention']} | {r['model']} | {r['params'] / 1e6:.2f}M | "
+                     f"{r['train_img_per_s']:.0f}{busy} | {r['infer_img_per_s']:.0f}{busy} | {r['act_mem_mb']:.1f} | "
+                     f"{r['val_top1']:.2f} ({r['best_val_top1']:.2f}) | {paper} |")
     lines += ['', 'Speeds: one batch of the trained model, timed after training (forward + backward + AdamW step '
               'for training). Memory: tensors saved for backward in one training forward of one batch (see '
               'module docstring); the paper reports whole-GPU training memory at batch 1024 (softmax: 256). Measured on this '
               'machine, not a V100.']
+    busy = [r['attention'] for r in rows if (r.get('load') or {}).get('busy')]
+    if busy:
+        lines += ['', f"BUSY: other processes used the cores while {', '.join(busy)} were timed ({ADVICE_BUSY})."]
     return '\n'.join(lines) + '\n'
 
 
@@ -256,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size)
     images, targets = next(iter(loader))
     rows = []
+    from ..bench.load import LoadWatch
+    watch = LoadWatch(torch.get_num_threads())
     for attn in args.attn:
         name = model_name(attn)
         run_dir = output / 'runs' / name
@@ -267,13 +277,15 @@ def run(args: argparse.Namespace) -> int:
         model, _ = load_model(run_dir, map_location=device)
         summary = json.loads((run_dir / 'summary.json').read_text())
         epochs = [json.loads(line) for line in (run_dir / 'metrics.jsonl').read_text().splitlines() if line]
+        mark = watch.mark()                  # was the machine busy while this row was timed? (bench/load.py)
+        speeds = measure(model, images.to(device), targets.to(device), args.lr, args.weight_decay)
         row = {'attention': attn, 'model': name, 'params': sum(p.numel() for p in model.parameters()),
                'val_top1': summary['final_val_top1'], 'best_val_top1': summary['best_val_top1'],
-               'epoch_img_per_s': epochs[-1]['train_img_per_s'],
-               **measure(model, images.to(device), targets.to(device), args.lr, args.weight_decay)}
+               'epoch_img_per_s': epochs[-1]['train_img_per_s'], **speeds, 'load': watch.since(mark)}
         rows.append(row)
         print(f"{attn:>10}: top-1 {row['val_top1']:.2f}%  train {row['train_img_per_s']:.0f} img/s  "
-              f"infer {row['infer_img_per_s']:.0f} img/s  act. mem {row['act_mem_mb']:.1f} MB", flush=True)
+              f"infer {row['infer_img_per_s']:.0f} img/s  act. mem {row['act_mem_mb']:.1f} MB"
+              f"{row_flag(row['load'])}", flush=True)
     write_json(output / 'results.json', {'command': command_line(args, 'soft'), 'recipe': recipe_shown,
                                          'data': info.description, 'environment': environment(device), 'rows': rows},
                default=str)

@@ -252,15 +252,19 @@ def run(args: argparse.Namespace) -> int:
     teacher_config = dict(_common(args), model='vit_mnist', epochs=args.teacher_epochs, lr=args.lr)
     teacher_summary = _train(teacher_config, teacher_dir, spec)
     results = []
+    from ..bench.load import LoadWatch, row_flag
+    watch = LoadWatch(torch.get_num_threads())
     for row in _rows(args, teacher_dir):
         run_dir = output / f"{row['kind']}_{row['keep']:g}"
         summary = _train(row['config'], run_dir, spec)
         model, _ = load_model(run_dir)
         flops = _mhsa_flops(model)
+        mark = watch.mark()                  # was the machine busy while the layer was timed? (bench/load.py)
+        attention_ms = _attention_ms(model)
         results.append({'label': row['label'], 'kind': row['kind'], 'keep': row['keep'], 'run': run_dir.name,
                         'top1': summary['final_val_top1'], 'best_top1': summary['best_val_top1'],
                         'mhsa_mflops': flops['mhsa'] / 1e6, 'total_mflops': flops['total'] / 1e6,
-                        'attention_ms': _attention_ms(model), **_predictor_options(model)})
+                        'attention_ms': attention_ms, 'load': watch.since(mark), **_predictor_options(model)})
     from ..data import build_datasets
     val_images = len(build_datasets(spec, seed=args.seed, val_fraction=0.2)[1])
     verdicts = _verdicts(results, val_images)
@@ -269,13 +273,17 @@ def run(args: argparse.Namespace) -> int:
               '(batch 64) |\n|---|---|---|---|---|---|---|')
     lines = [f"| {r['label']} | {r['top1']:.2f} ({r['best_top1']:.2f}) | {r['top1'] - dense['top1']:+.2f} | "
              f"{r['mhsa_mflops']:.2f} | {r['mhsa_mflops'] / dense['mhsa_mflops']:.2f}× | {r['total_mflops']:.1f} | "
-             f"{r['attention_ms']:.2f} |" for r in results]
+             f"{r['attention_ms']:.2f}{row_flag(r['load'])} |" for r in results]
     figure = output / 'pareto.png'
     drew = _plot(results, figure)
     report = [f'# reproduce sparsifiner on MNIST ({spec})', '',
               f"teacher vit_mnist: {teacher_summary['final_val_top1']:.2f}% after {args.teacher_epochs} epochs; "
               f"students: {args.epochs} epochs ({args.predictor_epochs} of stage 1), lr {args.student_lr}", '',
               header, *lines, '', *[f"**{k}: {v['text']}.**" for k, v in verdicts.items()]]
+    busy = [r['label'] for r in results if r['load'].get('busy')]
+    if busy:
+        report += ['', f"BUSY: other processes used the cores while the attention layer of {', '.join(busy)} was "
+                       "timed: its ms are not comparable; re-run on a quiet machine."]
     if drew:
         report += ['', f'![pareto]({figure.name})']
     write_text(output / 'report.md', '\n'.join(report) + '\n')
