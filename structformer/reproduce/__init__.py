@@ -3,7 +3,7 @@
 Each module offers `add_arguments(parser)` and `run(args) -> int` for `structformer reproduce NAME`.
 """
 from pathlib import Path
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 
 def command_line(args, target: str) -> str:
@@ -57,3 +57,15 @@ def start(args) -> Tuple[str, Path]:
     if args.threads:
         torch.set_num_threads(args.threads)
     return mnist_spec(args.data), Path(args.output)
+
+
+def learned(top1: float, labels: List[int]) -> Dict:
+    """Whether the trained network learnt anything: its held-out top-1 above the share of the most frequent class
+    among the held-out `labels` (what a constant prediction scores) by more than two binomial standard errors."""
+    import math
+    from collections import Counter
+    n = len(labels)
+    majority = 100 * max(Counter(labels).values()) / n
+    two_se = 200 * math.sqrt(majority / 100 * (1 - majority / 100) / n)
+    return {'top1': top1, 'majority_class': majority, 'two_standard_errors': two_se, 'held_out': n,
+            'learned': top1 - majority > two_se}

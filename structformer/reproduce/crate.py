@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import command_line, start, trained_on
+from . import command_line, learned, start, trained_on
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -99,17 +99,6 @@ def _below(a: Dict, b: Dict, num_samples: int) -> bool:
         return False
     se = math.sqrt((a['std'] ** 2 + b['std'] ** 2) / (num_samples - 1))
     return b['mean'] - a['mean'] > 2 * se
-
-
-def learned(top1: float, labels: List[int]) -> Dict:
-    """Whether the trained network learnt anything: its held-out top-1 above the share of the most frequent class
-    among the held-out `labels` (what a constant prediction scores) by more than two binomial standard errors."""
-    from collections import Counter
-    n = len(labels)
-    majority = 100 * max(Counter(labels).values()) / n
-    two_se = 200 * math.sqrt(majority / 100 * (1 - majority / 100) / n)
-    return {'top1': top1, 'majority_class': majority, 'two_standard_errors': two_se, 'held_out': n,
-            'learned': top1 - majority > two_se}
 
 
 def _verdict(layers_trained: List[Dict], layers_init: List[Dict], num_samples: int,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
@@ -355,11 +355,20 @@ def _tally(pairs) -> str:
             f"{len(pairs) - ahead - behind} within them)")
 
 
-def vision_pretraining_verdict(pretrained: float, scratch: float, held_out: int = VISION_HELD_OUT) -> str:
+def vision_pretraining_verdict(pretrained: float, scratch: float, held_out: int = VISION_HELD_OUT,
+                               majority: Optional[Dict] = None) -> str:
     """The seed's vision claim is parity, not a loss: pre-training neither helps nor hurts (Table 8, WRN-28-10 at
     rank 0.2: 81.35 % from scratch, 81.33-81.56 % after 15-75 pre-training epochs). Our tolerance for one seed on
     `held_out` images: two standard errors of a difference of two accuracies. Inside it: parity reproduced;
-    outside: which way it fell."""
+    outside: which way it fell. With `majority` (`reproduce.learned` of the held-out labels): two runs neither of
+    which beats a constant prediction of the most frequent class are equal because neither learnt; that cannot
+    tell, it is no parity."""
+    if majority is not None and not any(top1 - majority['majority_class'] > majority['two_standard_errors']
+                                        for top1 in (pretrained, scratch)):
+        return (f"vision: pre-trained {pretrained:.2f}% vs from scratch {scratch:.2f}%; seed: parity (Table 8); "
+                f"cannot tell at this scale: neither run learnt (both within two standard errors, "
+                f"{majority['two_standard_errors']:.2f} points, of the most frequent class's share "
+                f"{majority['majority_class']:.2f}%)")
     tolerance = two_standard_errors(pretrained, scratch, held_out)
     delta = pretrained - scratch
     inside = abs(delta) <= tolerance
@@ -369,7 +378,7 @@ def vision_pretraining_verdict(pretrained: float, scratch: float, held_out: int 
             f"{held_out} held-out images): {'inside' if inside else 'outside'}, {fell}")
 
 
-def findings(results: List[Dict], curves: Dict) -> List[str]:
+def findings(results: List[Dict], curves: Dict, majority: Optional[Dict] = None) -> List[str]:
     """The seed's claims, each checked against these runs (printed and written to results.md)."""
     out = []
     by = {(r['part'], r['name']): r for r in results}
@@ -397,7 +406,8 @@ def findings(results: List[Dict], curves: Dict) -> List[str]:
             out.append(f"{part}: pre-training beats low-rank from the start at {sum(helps)} of {len(helps)} rank(s) "
                        "(seed: pre-training helps the LM)")
         for r in pre if part == 'vision' else []:
-            out.append(vision_pretraining_verdict(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]))
+            out.append(vision_pretraining_verdict(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric],
+                                                  majority=majority))
         if part in curves:
             c = curves[part]
             peaks = peak_losses(c)
@@ -419,7 +429,7 @@ def tables_from_record(record: Dict, heading: str = '##') -> str:
     if heading != '##':                            # inside a page: without the results.md title
         tables = tables.split('\n', 2)[2]
     return (tables + f'\n{heading} Findings\n\n'
-            + '\n'.join(f'- {c}' for c in findings(runs, curves)) + '\n')
+            + '\n'.join(f'- {c}' for c in findings(runs, curves, record.get('vision_majority'))) + '\n')
 
 
 def run(args) -> int:
@@ -433,13 +443,22 @@ def run(args) -> int:
         print(f"trained {len(results)} run(s) in {out}; run again without --groups for the tables and plots")
         return 0
     curves = _interpolations(results, args, out)
-    claims = findings(results, curves)
-    text = tables_from_record({'runs': results, 'interpolation': curves})
+    majority = None
+    if 'vision' in args.parts:          # what a constant prediction scores on the vision part's held-out images
+        from ..data import build_datasets
+        from . import learned
+        config = _config(next(r for r in results if r['part'] == 'vision'), args, out)    # the runs' own split
+        held_out = build_datasets(config.data, seed=config.seed, val_fraction=config.val_fraction)[1]
+        majority = {k: v for k, v in learned(0.0, [int(y) for y in held_out.targets]).items()
+                    if k in ('majority_class', 'two_standard_errors', 'held_out')}
+    claims = findings(results, curves, majority)
+    text = tables_from_record({'runs': results, 'interpolation': curves, 'vision_majority': majority})
     write_text(out / 'results.md', text)
     write_json(out / 'results.json', {'command': command_line(args, 'lowrank'),
                                       'environment': environment('cpu'), 'args': {k: v for k, v in vars(args).items()
                                                                                   if k != 'func'},
-                                      'runs': results, 'interpolation': curves, 'findings': claims, 'paper': {
+                                      'runs': results, 'interpolation': curves, 'vision_majority': majority,
+                                      'findings': claims, 'paper': {
                                           k: {str(kk): vv for kk, vv in v.items()} for k, v in PAPER.items()}})
     _plots(results, curves, out)
     print('\n' + text)
