@@ -51,3 +51,24 @@ def test_tiny_run_records_its_command_and_load(tmp_path):
     (row,) = record['rows']
     assert row['attention'] == 'softmax' and isinstance(row['load']['busy'], bool) and row['load']['wall_s'] > 0
     assert record['environment']['cpu'] and record['recipe']['seed'] == 0
+
+
+def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
+    """The command printed a table and no reading of it: Table 2's accuracy claim is now read against two binomial
+    standard errors, and its speed claim is said to be untested at 196 tokens."""
+    from structformer.reproduce.soft import verdicts
+    labels = [k % 10 for k in range(2000)]                         # 2,000 images, every class 10 %
+    rows = [dict(_row('softmax'), val_top1=98.90), dict(_row('soft'), val_top1=96.30),
+            dict(_row('softpp'), val_top1=99.10)]
+    found = verdicts(rows, labels)
+    assert "'SOFT is more accurate than softmax' DOES NOT HOLD" in found['soft_accuracy']      # −2.60 ± 0.96
+    assert '-2.60 ± 0.96 points' in found['soft_accuracy'] and '80.9 vs 80.0' in found['soft_accuracy']
+    assert "'SOFT++ is more accurate than softmax' CANNOT TELL at this scale (inside" in found['softpp_accuracy']
+    assert 'NOT TESTED' in found['speed_memory'] and '196 tokens' in found['speed_memory']
+    rows[1]['val_top1'] = 99.9
+    assert "' HOLDS here" in verdicts(rows, labels)['soft_accuracy']
+    idle = [dict(_row('softmax'), val_top1=10.5), dict(_row('soft'), val_top1=30.0)]
+    assert 'CANNOT TELL at this scale: softmax did not learn' in verdicts(idle, labels)['soft_accuracy']
+    assert verdicts([_row('softmax')], labels) == {}
+    text = _report(rows, {'width': 'half'}, 'mnist', verdicts(rows, labels))
+    assert '## Verdicts' in text and 'NOT TESTED' in text
