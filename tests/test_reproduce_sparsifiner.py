@@ -76,6 +76,15 @@ def test_verdicts_do_not_read_noise_as_a_result():
     assert v['beats_linformer']['holds'] is None and 'cannot tell' in v['beats_linformer']['text']
 
 
+def test_a_run_without_keep_025_says_the_small_drop_claim_is_untested():
+    """`--keep 0.1 0.5` left the small-drop verdict out of the report without a word."""
+    rows = [_row('dense', 1.0, 98.0), _row('sparsifiner', 0.5, 97.7), _row('linformer', 0.5, 97.0)]
+    v = repro._verdicts(rows, 2000)
+    assert v['small_drop_at_0.25']['holds'] is None
+    assert v['small_drop_at_0.25']['text'].startswith('not tested: --keep has no 0.25')
+    assert 'beats_linformer' in v
+
+
 def _subset(src: Path, dst: Path, count: int) -> None:
     dst.mkdir()
     for name, magic in (('t10k-images-idx3-ubyte', 2051), ('t10k-labels-idx1-ubyte', 2049)):
