@@ -27,3 +27,21 @@ def test_the_recorded_command_repeats_the_run(target):
     assert words[:3] == ['structformer', 'reproduce', target]
     again = parser.parse_args(words[1:])
     assert vars(again) == vars(args)
+
+
+@pytest.mark.parametrize('argv, flag', [
+    (['mixer', '--channels', '8', '8', '32', '32', '--seeds', '1'], '--channels names 8, 32 more than once'),
+    (['mixer', '--depths', '2', '2'], '--depths names 2 more than once'),
+    (['mixer', '--sw-densities', '0.5', '0.5'], '--sw-densities names 0.5 more than once'),
+    (['sparsifiner', '--keep', '0.25', '0.25'], '--keep names 0.25 more than once'),
+    (['lowrank', '--ranks', '0.1', '0.1'], '--ranks names 0.1 more than once'),
+    (['soft', '--attn', 'soft', 'soft'], '--attn names soft more than once')])
+def test_a_value_named_twice_is_refused_before_any_work(argv, flag, tmp_path, capsys):
+    """`--channels 8 8 32 32 --seeds 1` trained each C twice into one folder, and the verdicts read the two identical
+    rows as two seeds that agree exactly: standard error 0, so any difference counted as beyond the noise."""
+    from structformer.cli import main
+    out = tmp_path / 'out'
+    assert main(['reproduce', *argv, '--output', str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and err[0].startswith(f'structformer reproduce {argv[0]}: error: ')
+    assert not out.exists()

@@ -27,6 +27,20 @@ def command_line(args, target: str) -> str:
     return shlex.join(words)
 
 
+def check_distinct(values, flag: str) -> None:
+    """Refuse a list flag that names one value twice: the runs of a repeated value share a folder (the second
+    overwrites the first) and its rows count twice, as if they were two seeds that agree exactly."""
+    from ..errors import UsageError
+    seen, repeated = set(), []
+    for value in values or ():
+        if value in seen and value not in repeated:
+            repeated.append(value)
+        seen.add(value)
+    if repeated:
+        raise UsageError(f"{flag} names {', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in repeated)} "
+                         "more than once: give each value once")
+
+
 def mnist_spec(data: str) -> str:
     """The `--data` spec of a reproduction's MNIST folder ('mnist:PATH'), refused by name when the folder is missing
     or not given (the data belongs to the user: no default path)."""

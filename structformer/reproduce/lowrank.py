@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 
 from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
-from . import command_line
+from . import check_distinct, command_line
 
 EXAMPLES = """examples:
   structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
@@ -69,6 +69,7 @@ def _check(args) -> None:
         raise UsageError(f"--epochs must be >= 2 (pre-training takes the first third, at least one epoch); got {args.epochs}")
     if args.limit_train_batches < 0:
         raise UsageError(f"--limit-train-batches must be >= 0; got {args.limit_train_batches}")
+    check_distinct(args.ranks, '--ranks')
     for r in list(args.ranks) + [args.lm_rank]:
         if not 0 < r <= 1:
             raise UsageError(f"--ranks / --lm-rank: {r} is out of range: accepted fractions in (0, 1]")

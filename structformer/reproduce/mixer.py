@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from . import command_line, mnist_spec, start
+from . import check_distinct, command_line, mnist_spec, start
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -73,6 +73,8 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if any(c < 1 for c in args.channels) or any(d < 1 for d in args.depths):
         raise ValueError("--channels and --depths must be integers >= 1")
+    for flag in ('channels', 'depths', 'sw_densities'):
+        check_distinct(getattr(args, flag), f"--{flag.replace('_', '-')}")
     if any(not 0 < p <= 1 for p in args.sw_densities):
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
     from ..models.mixer_design import OFF_CURVE, fixed_omega_pairs, optimal_width

@@ -33,7 +33,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
-from . import command_line, mnist_spec
+from . import check_distinct, command_line, mnist_spec
 from ..bench.harness import PeakMemory, median_seconds, saved_tensor_bytes
 from ..bench.load import row_flag
 from ..records import environment, write_json, write_text
@@ -274,6 +274,8 @@ def _check(args: argparse.Namespace) -> None:
     measures and probes is read with --batch-size, so 0 must be refused here, not by the DataLoader."""
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    check_distinct(args.attn, '--attn')
+    check_distinct(args.variants, '--variants')
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from . import command_line, start, trained_on
+from . import check_distinct, command_line, start, trained_on
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -68,6 +68,7 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.predictor_epochs < args.epochs:
         raise ValueError(f"--predictor-epochs must be in [0, --epochs={args.epochs}), got {args.predictor_epochs}")
+    check_distinct(args.keep, '--keep')
     for keep in args.keep:
         if not 0 < keep <= 1:
             raise ValueError(f"--keep {keep}: keep ratios must be in (0, 1]")
