@@ -33,6 +33,7 @@ def test_the_recorded_command_repeats_the_run(target):
     (['mixer', '--channels', '8', '8', '32', '32', '--seeds', '1'], '--channels names 8, 32 more than once'),
     (['mixer', '--depths', '2', '2'], '--depths names 2 more than once'),
     (['mixer', '--sw-densities', '0.5', '0.5'], '--sw-densities names 0.5 more than once'),
+    (['mixer', '--sw-densities', '0.25', '0.26'], '--sw-densities 0.25 and 0.26 give the same SW-MLP (width 343'),
     (['sparsifiner', '--keep', '0.25', '0.25'], '--keep names 0.25 more than once'),
     (['lowrank', '--ranks', '0.1', '0.1'], '--ranks names 0.1 more than once'),
     (['soft', '--attn', 'soft', 'soft'], '--attn names soft more than once')])

@@ -75,6 +75,14 @@ def _check(args) -> None:
         raise ValueError("--channels and --depths must be integers >= 1")
     for flag in ('channels', 'depths', 'sw_densities'):
         check_distinct(getattr(args, flag), f"--{flag.replace('_', '-')}")
+    by_width: Dict[int, List[float]] = {}
+    for p in args.sw_densities:              # two densities whose width rounds alike are one run, counted twice
+        by_width.setdefault(sw_channels(args.omega, p) * 49, []).append(p)
+    same = [ps for ps in by_width.values() if len(ps) > 1]
+    if same:
+        raise ValueError(f"--sw-densities {' and '.join(f'{p:g}' for p in same[0])} give the same SW-MLP (width "
+                         f"{sw_channels(args.omega, same[0][0]) * 49}, rounded to a multiple of 49 tokens) at --omega "
+                         f"{args.omega}: give densities further apart")
     if any(not 0 < p <= 1 for p in args.sw_densities):
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
     from ..models.mixer_design import OFF_CURVE, fixed_omega_pairs, optimal_width
@@ -93,6 +101,11 @@ def _check(args) -> None:
     mnist_spec(args.data)
 
 
+def sw_channels(omega_: float, density: float, patch_tokens: int = 49) -> int:
+    """The SW-MLP's channels C at density p and Ω: width m = √(Ω/p) rounded to a multiple of S₀ = patch_tokens."""
+    return max(1, round(math.sqrt(omega_ / density) / patch_tokens))
+
+
 def plan(args, patch_tokens: int = 49) -> List[Dict]:
     """Every run of the study: (group, label, model, model_kwargs, seed) plus its design numbers."""
     from ..models.mixer_design import fixed_omega_pairs, optimal_width
@@ -105,7 +118,7 @@ def plan(args, patch_tokens: int = 49) -> List[Dict]:
                                  kwargs=dict(num_tokens=pair['tokens'], embed_dim=pair['channels'], depth=args.depth,
                                              skip_layer=True, perm_seed=seed)))
         for p in args.sw_densities:
-            channels = max(1, round(math.sqrt(args.omega / p) / patch_tokens))
+            channels = sw_channels(args.omega, p, patch_tokens)
             width = channels * patch_tokens
             density = min(1.0, args.omega / width ** 2)
             runs.append(dict(group='width', kind='SW-MLP', model='swmlp_mnist', seed=seed, tokens=patch_tokens,
