@@ -36,6 +36,7 @@ def test_the_recorded_command_repeats_the_run(target):
     (['mixer', '--sw-densities', '0.25', '0.26'], '--sw-densities 0.25 and 0.26 give the same SW-MLP (width 343'),
     (['sparsifiner', '--keep', '0.25', '0.25'], '--keep names 0.25 more than once'),
     (['lowrank', '--ranks', '0.1', '0.1'], '--ranks names 0.1 more than once'),
+    (['lowrank', '--ranks', '0.1', '0.1000001'], '--ranks names 0.1 more than once'),   # one folder, r0.1_he
     (['soft', '--attn', 'soft', 'soft'], '--attn names soft more than once')])
 def test_a_value_named_twice_is_refused_before_any_work(argv, flag, tmp_path, capsys):
     """`--channels 8 8 32 32 --seeds 1` trained each C twice into one folder, and the verdicts read the two identical

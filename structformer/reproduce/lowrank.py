@@ -69,7 +69,7 @@ def _check(args) -> None:
         raise UsageError(f"--epochs must be >= 2 (pre-training takes the first third, at least one epoch); got {args.epochs}")
     if args.limit_train_batches < 0:
         raise UsageError(f"--limit-train-batches must be >= 0; got {args.limit_train_batches}")
-    check_distinct(args.ranks, '--ranks')
+    check_distinct([f'{r:g}' for r in args.ranks], '--ranks')      # as the run folders name them (r0.1_he)
     for r in list(args.ranks) + [args.lm_rank]:
         if not 0 < r <= 1:
             raise UsageError(f"--ranks / --lm-rank: {r} is out of range: accepted fractions in (0, 1]")
