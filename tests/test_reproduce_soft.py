@@ -40,7 +40,7 @@ def test_a_row_timed_on_a_busy_machine_says_so():
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
-def test_tiny_run_records_its_command_and_load(tmp_path):
+def test_tiny_run_records_its_command_and_load(tmp_path, capsys):
     out = tmp_path / 'soft'
     argv = ['reproduce', 'soft', '--data', str(MNIST), '--attn', 'softmax', '--width', 'quarter', '--epochs', '1',
             '--limit-train-batches', '1', '--model-kwargs', 'depths=(1,1,1,1)', '--output', str(out)]
@@ -51,6 +51,14 @@ def test_tiny_run_records_its_command_and_load(tmp_path):
     (row,) = record['rows']
     assert row['attention'] == 'softmax' and isinstance(row['load']['busy'], bool) and row['load']['wall_s'] > 0
     assert record['environment']['cpu'] and record['recipe']['seed'] == 0
+    # re-timing on a quiet machine: the saved runs' attentions and split, without repeating every flag (it looked
+    # for all six attentions' runs, and timed a batch of the flags' --val-fraction rather than the runs')
+    assert main(['reproduce', 'soft', '--data', str(MNIST), '--measure-only', '--val-fraction', '0.5',
+                 '--output', str(out)]) == 0
+    assert "the saved runs' --val-fraction 0.2 (not 0.5)" in capsys.readouterr().out
+    again = json.loads((out / 'results.json').read_text())
+    assert [r['attention'] for r in again['rows']] == ['softmax'] and again['rows'][0]['val_top1'] == row['val_top1']
+    assert '--measure-only' in again['command'] and '--val-fraction 0.2' in again['command']
 
 
 def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():

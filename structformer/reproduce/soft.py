@@ -164,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--output', default='outputs/reproduce_soft')
     parser.add_argument('--measure-only', action='store_true',
                         help='skip training: re-measure speed and memory of the runs already in --output '
-                             '(e.g. on a quiet machine) and rewrite the report')
+                             '(their attentions, held-out split and batch size, as results.json records them; e.g. '
+                             'on a quiet machine) and rewrite the report')
 
 
 def _train_step_seconds(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, lr: float,
@@ -282,6 +283,23 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     if args.ablate:
         return run_ablation(args)
+    output = Path(args.output)
+    saved = None
+    if args.measure_only:                    # the saved runs' recipe, attentions and held-out split, not the flags'
+        previous = output / 'results.json'
+        if not previous.is_file():
+            raise FileNotFoundError(f"--measure-only: {previous} not found; run without --measure-only first")
+        from ..records import read_record
+        saved = read_record(previous, 'the results.json of `reproduce soft`', ('recipe', 'rows'),
+                            'run without --measure-only to make it')
+        if args.attn is None:
+            args.attn = [r['attention'] for r in saved['rows']]
+        for key in ('seed', 'val_fraction', 'batch_size'):
+            value = saved['recipe'].get(key, getattr(args, key))
+            if value != getattr(args, key):
+                print(f"--measure-only: the saved runs' --{key.replace('_', '-')} {value} "
+                      f"(not {getattr(args, key)})", flush=True)
+            setattr(args, key, value)
     if args.attn is None:
         args.attn = list(ATTENTIONS)
     import torch
@@ -291,20 +309,14 @@ def run(args: argparse.Namespace) -> int:
 
     spec = mnist_spec(args.data)
     _, val_set, info = build_datasets(spec, seed=args.seed, val_fraction=args.val_fraction)
-    output = Path(args.output)
     recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
                   weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 3),
                   label_smoothing=0.1, seed=args.seed, val_fraction=args.val_fraction,
                   limit_train_batches=args.limit_train_batches)
     model_kwargs = dict(WIDTHS[args.width], **(args.model_kwargs or {}))
     recipe_shown = dict(recipe, width=args.width, model_kwargs=model_kwargs)
-    if args.measure_only:                    # report the recipe the saved runs were trained with
-        previous = output / 'results.json'
-        if not previous.is_file():
-            raise FileNotFoundError(f"--measure-only: {previous} not found; run without --measure-only first")
-        from ..records import read_record
-        recipe_shown = read_record(previous, 'the results.json of `reproduce soft`', ('recipe',),
-                                   'run without --measure-only to make it')['recipe']
+    if saved is not None:                    # report the recipe the saved runs were trained with
+        recipe_shown = saved['recipe']
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')   # where the engine trains
     loader = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size)
     images, targets = next(iter(loader))
