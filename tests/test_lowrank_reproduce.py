@@ -124,3 +124,15 @@ def test_the_interpolation_scores_the_whole_held_out_split(tmp_path, monkeypatch
     assert (curves['lm']['samples'], curves['lm']['held_out']) == (1200, 1200)
     assert lowrank.interpolation_samples(curves['lm']) == ''
     assert 'first 1,000 of the 1,587' in lowrank.interpolation_samples({'samples': 1000, 'held_out': 1587})
+
+
+def test_the_papers_numbers_are_named_in_the_record():
+    """results.json's 'paper' held bare pairs ('WRN': [39.87, 16.4]): which of Table 1's columns was Frobenius decay
+    and which L2 was nowhere in the record. Seed 004's Tables 1, 2, 4 and 5, by name."""
+    paper = lowrank.PAPER
+    assert paper['table1_effective_rank']['WRN'] == {'frobenius': 39.87, 'l2': 16.4}
+    assert paper['table1_effective_rank']['LM'] == {'frobenius': 206.93, 'l2': 205.70}
+    assert paper['table2'][0.1] == {'he': 77.94, 'spectral': 79.84, 'spectral_ones': 79.07}
+    assert paper['table2'][0.3]['spectral_ones'] == 81.61 and paper['table2']['baseline'] == 81.08
+    assert paper['table4'][0.62] == {'he': 39.6, 'spectral': 38.78, 'spectral_ones': 38.47}
+    assert paper['table5'][0.1] == {'frobenius': 79.84, 'l2': 73.12}
