@@ -168,6 +168,28 @@ def test_mixer_md_width_trend_verdicts_are_the_records():
             assert f"p = {p}" in text
         assert verdict.startswith('HOLDS' if kind == 'S-Mixer' else 'CANNOT TELL')
 
+
+def test_mixer_md_sw_mlp_depth_and_spectra_numbers_are_the_records():
+    """The prose after the width table: SW-MLP per density, the depth sweep, and the init spectra."""
+    rec = record('mixer/reproduce_mixer.json')
+    rows, spectra = rec['rows'], rec['spectra']
+    text = flat_page('mixer.md')
+    for density in sorted({r['density'] for r in rows if r['kind'] == 'SW-MLP'}, reverse=True):
+        runs = [r for r in rows if r['kind'] == 'SW-MLP' and r['density'] == density]
+        errors = [100 - r['val_top1'] for r in runs]
+        assert (f"{density:.3f} (m = {runs[0]['width']}): {statistics.mean(errors):.2f} "
+                f"({min(errors):.2f}–{max(errors):.2f})") in text
+    def depth_means(kind):
+        means = [statistics.mean(100 - r['val_top1'] for r in rows
+                                 if r['group'] == 'depth' and r['kind'] == kind and r['depth'] == d) for d in (2, 4, 8)]
+        return ' / '.join(f'{m:.2f}' for m in means)
+    depth = {kind: depth_means(kind) for kind in ('S-Mixer', 'RP S-Mixer')}
+    assert f"S-Mixer {depth['S-Mixer']} and RP {depth['RP S-Mixer']} at L = 2 / 4 / 8" in text
+    first, last = spectra[0], spectra[-1]
+    assert (f"rises from {first['sw_mlp']:.3f} (m = {first['width']:,}) to {last['sw_mlp']:.3f} "
+            f"(m = {last['width']:,})") in text
+    assert f"Marchenko–Pastur limit does not apply yet ({first['mixer_channel']:.2f} at C = {first['channels']})" in text
+
 # ---- data.md ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('name, header', [('bench_data.json', 'transform | workers | our ImageFolder img/s'),
