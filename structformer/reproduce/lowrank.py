@@ -31,8 +31,10 @@ from ..errors import UsageError
 from . import check_distinct, command_line
 
 EXAMPLES = """examples:
-  structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
-  structformer reproduce lowrank --output outputs/reproduce_lowrank         # both parts, ~25 min on 2 cores"""
+  structformer reproduce lowrank --parts vision --data /data/mnist --ranks 0.2 --epochs 2 --limit-train-batches 2 \\
+      --output /tmp/lr_quick                                                           # smoke run, ~5 min
+  structformer reproduce lowrank --data /data/mnist --output outputs/reproduce_lowrank  # both parts, ~25 min on 2 cores
+  structformer reproduce lowrank --parts lm --output outputs/reproduce_lowrank_lm       # the LM part needs no --data"""
 
 INITS = ('he', 'spectral', 'spectral_ones')
 LM_LR = 3e-3                     # AdamW's lr of the dense LM
