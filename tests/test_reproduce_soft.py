@@ -78,5 +78,7 @@ def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
     idle = [dict(_row('softmax'), val_top1=10.5), dict(_row('soft'), val_top1=30.0)]
     assert 'CANNOT TELL at this scale: softmax did not learn' in verdicts(idle, labels)['soft_accuracy']
     assert verdicts([_row('softmax')], labels) == {}
+    alone = verdicts([_row('soft')], labels)
+    assert 'NOT TESTED: --attn has no softmax' in alone['soft_accuracy'] and 'NOT TESTED' in alone['speed_memory']
     text = _report(rows, {'width': 'half'}, 'mnist', verdicts(rows, labels))
     assert '## Verdicts' in text and 'NOT TESTED' in text
