@@ -141,6 +141,9 @@ CASES = [
      ['--ablate', 'softmax']),
     ('reproduce-ablate-unknown-variant', ['reproduce', 'soft', '--ablate', '--variants', 'layernorm', '--output', OUT],
      ['--variants']),
+    # the validation batch it measures is read with --batch-size: 0 was a DataLoader traceback (exit 1)
+    ('reproduce-soft-batch-size', ['reproduce', 'soft', '--data', '{folder}', '--batch-size', '0', '--output', OUT],
+     ['--batch-size', '>= 1']),
     # config files
     ('config-is-folder', ['train', '-c', '{folder}', '--output', OUT], ['-c/--config', 'folder']),
     ('config-missing', ['train', '-c', '{base}/no_such.yaml', '--output', OUT], ['-c/--config', 'no_such.yaml']),

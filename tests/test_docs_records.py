@@ -147,6 +147,49 @@ def test_mixer_width_table_is_the_committed_study():
             printed_equal(cell, max(errors), 2)
 
 
+
+def flat_page(page: str) -> str:
+    return ' '.join((DOCS / page).read_text().split())
+
+
+def test_mixer_md_width_trend_verdicts_are_the_records():
+    """The Spearman ρ, p and verdict of each 'error falls as the width grows' line equal the record's (the page
+    once said 'not' where the command's rule cannot tell)."""
+    verdicts = record('mixer/reproduce_mixer.json')['verdicts']
+    text = flat_page('mixer.md')
+    for kind, said in (('S-Mixer', 'holds for the S-Mixer'), ('RP S-Mixer', 'cannot tell for the RP S-Mixer'),
+                       ('SW-MLP', 'nor for SW-MLP')):
+        line = verdicts[f'wider_is_better_{kind}']
+        rho, p = re.search(r'width m ([-+]\d\.\d\d) over .*one-sided p = ([\d.e-]+)', line).groups()
+        verdict = line.split("fixed Ω' ")[1]
+        assert said in text
+        assert f"ρ = {rho.replace('-', '−')}" in text
+        if kind != 'RP S-Mixer':
+            assert f"p = {p}" in text
+        assert verdict.startswith('HOLDS' if kind == 'S-Mixer' else 'CANNOT TELL')
+
+
+def test_mixer_md_sw_mlp_depth_and_spectra_numbers_are_the_records():
+    """The prose after the width table: SW-MLP per density, the depth sweep, and the init spectra."""
+    rec = record('mixer/reproduce_mixer.json')
+    rows, spectra = rec['rows'], rec['spectra']
+    text = flat_page('mixer.md')
+    for density in sorted({r['density'] for r in rows if r['kind'] == 'SW-MLP'}, reverse=True):
+        runs = [r for r in rows if r['kind'] == 'SW-MLP' and r['density'] == density]
+        errors = [100 - r['val_top1'] for r in runs]
+        assert (f"{density:.3f} (m = {runs[0]['width']}): {statistics.mean(errors):.2f} "
+                f"({min(errors):.2f}–{max(errors):.2f})") in text
+    def depth_means(kind):
+        means = [statistics.mean(100 - r['val_top1'] for r in rows
+                                 if r['group'] == 'depth' and r['kind'] == kind and r['depth'] == d) for d in (2, 4, 8)]
+        return ' / '.join(f'{m:.2f}' for m in means)
+    depth = {kind: depth_means(kind) for kind in ('S-Mixer', 'RP S-Mixer')}
+    assert f"S-Mixer {depth['S-Mixer']} and RP {depth['RP S-Mixer']} at L = 2 / 4 / 8" in text
+    first, last = spectra[0], spectra[-1]
+    assert (f"rises from {first['sw_mlp']:.3f} (m = {first['width']:,}) to {last['sw_mlp']:.3f} "
+            f"(m = {last['width']:,})") in text
+    assert f"Marchenko–Pastur limit does not apply yet ({first['mixer_channel']:.2f} at C = {first['channels']})" in text
+
 # ---- data.md ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('name, header', [('bench_data.json', 'transform | workers | our ImageFolder img/s'),
@@ -324,6 +367,18 @@ def test_sparsifiner_md_reproduction_table_and_verdicts_are_its_record():
     readme = flat('README.md')
     assert f"at keep 0.25, {drop['drop_points']:.2f} points below the dense control on MNIST (± " \
            f"{drop['two_standard_errors']:.2f} at 2 SE" in readme
+
+
+def test_sparsifiner_md_three_epoch_run_is_its_record():
+    """The 3-epoch run's margins over Linformer and its small-drop reading, as the page quotes them (it said
+    3.1–3.7 for margins of 3.05–3.65)."""
+    verdicts = record('sparsifiner/reproduce_sparsifiner_3epochs.json')['verdicts']
+    margins = verdicts['beats_linformer']['margins_points'].values()
+    drop = verdicts['small_drop_at_0.25']
+    text = flat('docs/sparsifiner.md')
+    assert f"led Linformer by {min(margins):.2f}–{max(margins):.2f} points" in text
+    assert verdicts['beats_linformer']['holds'] is True and drop['holds'] is False
+    assert f"(−{drop['drop_points']:.2f} ± {drop['two_standard_errors']:.2f}: does not hold)" in text
 
 
 def test_sparsifiner_md_quotes_its_parts_and_gpu_records():

@@ -52,6 +52,22 @@ def test_findings_compare_in_the_right_direction():
     assert 'pre-training beats low-rank from the start at 1 of 1' in claims[2]
 
 
+def test_vision_findings_do_not_count_a_lead_inside_the_noise():
+    """'spectral init beats He at k of n' counted any lead: 11.50 % against 9.90 % (both at chance after 4 steps)
+    was a win. On 2,000 held-out images two standard errors of that difference are 1.95 points."""
+    results = [_result('vision', 'dense', 'baseline', metric=19.45),
+               _result('vision', 'r0.1_he', 'init', 0.1, 'he', metric=9.90),
+               _result('vision', 'r0.1_spectral', 'init', 0.1, 'spectral', metric=11.50, eff=11.296),
+               _result('vision', 'r0.2_he', 'init', 0.2, 'he', metric=70.0),
+               _result('vision', 'r0.2_spectral', 'init', 0.2, 'spectral', metric=80.0, eff=8.0),
+               _result('vision', 'r0.1_spectral_frobenius', 'decay', 0.1, 'spectral', metric=11.40, eff=11.298)]
+    claims = lowrank.findings(results, {})
+    assert 'spectral init beats He at 1 of 2 rank(s) beyond two standard errors (0 behind beyond them, 1 within' \
+        in claims[0]
+    assert 'scores better at 0 of 1 rank(s) beyond two standard errors (0 behind beyond them, 1 within' in claims[1]
+    assert lowrank.two_standard_errors(11.5, 9.9) == pytest.approx(1.95, abs=0.01)
+
+
 @pytest.mark.parametrize('argv, message', [(['--epochs', '1'], '--epochs'), (['--ranks', '0'], '--ranks'),
                                            (['--data', '/no/such/mnist'], '--data'),
                                            (['--interpolate-steps', '1'], '--interpolate-steps'),
@@ -112,3 +128,15 @@ def test_the_interpolation_scores_the_whole_held_out_split(tmp_path, monkeypatch
     assert (curves['lm']['samples'], curves['lm']['held_out']) == (1200, 1200)
     assert lowrank.interpolation_samples(curves['lm']) == ''
     assert 'first 1,000 of the 1,587' in lowrank.interpolation_samples({'samples': 1000, 'held_out': 1587})
+
+
+def test_the_papers_numbers_are_named_in_the_record():
+    """results.json's 'paper' held bare pairs ('WRN': [39.87, 16.4]): which of Table 1's columns was Frobenius decay
+    and which L2 was nowhere in the record. Seed 004's Tables 1, 2, 4 and 5, by name."""
+    paper = lowrank.PAPER
+    assert paper['table1_effective_rank']['WRN'] == {'frobenius': 39.87, 'l2': 16.4}
+    assert paper['table1_effective_rank']['LM'] == {'frobenius': 206.93, 'l2': 205.70}
+    assert paper['table2'][0.1] == {'he': 77.94, 'spectral': 79.84, 'spectral_ones': 79.07}
+    assert paper['table2'][0.3]['spectral_ones'] == 81.61 and paper['table2']['baseline'] == 81.08
+    assert paper['table4'][0.62] == {'he': 39.6, 'spectral': 38.78, 'spectral_ones': 38.47}
+    assert paper['table5'][0.1] == {'frobenius': 79.84, 'l2': 73.12}

@@ -66,8 +66,30 @@ def test_verdicts_follow_the_numbers():
         r['val_top1'] -= 5.8                 # RP falls further behind at L = 8
     found = mixer.verdicts(rows, 2 ** 15)
     assert 'DOES NOT HOLD (C = 8, C = 128 lower' in found['best_near_c_equals_s_S-Mixer']
-    assert "grows at fixed Ω' DOES NOT HOLD" in found['wider_is_better_S-Mixer']
+    # ρ = +0.48 over 6 runs (exact one-sided p = 0.87 for a fall, 0.2 for a rise): no trend either way
+    assert "grows at fixed Ω' CANNOT TELL at this scale (no trend either way" in found['wider_is_better_S-Mixer']
     assert 'DOES NOT HOLD here: the gap grows' in found['rp_catches_up_with_depth']
+
+
+def test_the_width_trend_is_neither_vacuous_nor_read_from_no_evidence():
+    """'Error falls as the width grows' read scipy's t-approximate Spearman p: three SW-MLP runs (--seeds 1, the
+    default three densities) in perfect order got p = 0 and HOLDS, where chance alone orders them so one time in 6;
+    no significant fall was read as DOES NOT HOLD (the committed record's SW-MLP, p = 0.32), and every run at one
+    error gave ρ = nan and DOES NOT HOLD."""
+    def found(errors, widths):
+        rows = [_row('width', 'SW-MLP', e, width=m, channels=m // 49) for e, m in zip(errors, widths)]
+        return mixer.verdicts(rows, 2 ** 15)['wider_is_better_SW-MLP']
+    three = found([3.0, 2.0, 1.0], [245, 490, 1029])
+    assert 'p = 0.17, exact' in three and "CANNOT TELL at this scale (3 runs cannot show a trend" in three
+    assert "HOLDS" not in three
+    four = found([4.0, 3.0, 2.0, 1.0], [245, 490, 735, 1029])        # chance 1/24 < 5 %: a perfect order counts
+    assert "p = 0.042, exact" in four and "fixed Ω' HOLDS here" in four
+    assert "CANNOT TELL at this scale (every run has the same error" in found([2.0] * 4, [245, 490, 735, 1029])
+    assert "CANNOT TELL at this scale (no trend either way" in found([2.25, 1.95, 2.0, 1.85, 2.25, 1.65],
+                                                                    [245, 245, 490, 490, 1029, 1029])
+    rises = found([1.0, 1.1, 2.0, 2.1, 3.0, 3.1], [245, 245, 490, 490, 1029, 1029])
+    assert "DOES NOT HOLD (error rises with m" in rises
+    assert mixer.rank_trend([1, 2, 3], [3, 2, 1], 'less')[1] == pytest.approx(1 / 6)
 
 
 def test_verdicts_do_not_read_noise_or_one_seed_as_a_result():
@@ -107,6 +129,8 @@ def test_tiny_reproduction_end_to_end(tmp_path):
                  '--depths', '2', '--sw-densities', '0.25', '--depth', '2', '--limit-train-batches', '2',
                  '--spectra-trials', '0', '--output', str(out)]) == 0
     result = json.loads((out / 'results.json').read_text())
+    assert result['command'].startswith('structformer reproduce mixer --data ')
+    assert '--channels 32 ' in result['command']
     assert len(result['rows']) == 5 and {r['kind'] for r in result['rows']} == {'S-Mixer', 'RP S-Mixer', 'SW-MLP'}
     for r in result['rows']:      # each row is its run's own final number
         summary = json.loads((Path(r['run']) / 'summary.json').read_text())

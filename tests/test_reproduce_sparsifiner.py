@@ -76,6 +76,15 @@ def test_verdicts_do_not_read_noise_as_a_result():
     assert v['beats_linformer']['holds'] is None and 'cannot tell' in v['beats_linformer']['text']
 
 
+def test_a_run_without_keep_025_says_the_small_drop_claim_is_untested():
+    """`--keep 0.1 0.5` left the small-drop verdict out of the report without a word."""
+    rows = [_row('dense', 1.0, 98.0), _row('sparsifiner', 0.5, 97.7), _row('linformer', 0.5, 97.0)]
+    v = repro._verdicts(rows, 2000)
+    assert v['small_drop_at_0.25']['holds'] is None
+    assert v['small_drop_at_0.25']['text'].startswith('not tested: --keep has no 0.25')
+    assert 'beats_linformer' in v
+
+
 def _subset(src: Path, dst: Path, count: int) -> None:
     dst.mkdir()
     for name, magic in (('t10k-images-idx3-ubyte', 2051), ('t10k-labels-idx1-ubyte', 2049)):
@@ -93,6 +102,9 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
             '--limit-train-batches', '1', '--batch-size', '32', '--threads', '1', '--output', str(tmp_path / 'out')]
     assert main(argv) == 0
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())
+    assert results['command'].startswith('structformer reproduce sparsifiner --data ')
+    assert '--keep 0.25 ' in results['command']
+    assert all(isinstance(r['load']['busy'], bool) for r in results['rows'])      # the timed layer's machine load
     assert [r['kind'] for r in results['rows']] == ['dense', 'sparsifiner', 'linformer']
     dense, sparse, linformer = results['rows']
     assert sparse['mhsa_mflops'] < dense['mhsa_mflops'] and linformer['mhsa_mflops'] < dense['mhsa_mflops']
@@ -120,3 +132,23 @@ def test_bad_keep_is_refused(tmp_path, capsys):
     assert main(['reproduce', 'sparsifiner', '--keep', '0', '--output', str(tmp_path / 'o')]) == 2
     assert '--keep' in capsys.readouterr().err
     assert not (tmp_path / 'o').exists()
+
+
+def test_a_student_of_a_retrained_teacher_is_not_reused(tmp_path):
+    """--teacher-epochs or --lr into the same --output retrains the teacher at the same path; the students' configs
+    name only that path, so they were reused although distilled from the old teacher."""
+    import yaml
+    teacher = tmp_path / 'teacher'
+    teacher.mkdir()
+    (teacher / 'summary.json').write_text(json.dumps({'epochs': 1, 'final_val_top1': 90.0}))
+    run = tmp_path / 'sparsifiner_0.25'
+    run.mkdir()
+    config = {'model': 'sparsifiner_mnist', 'epochs': 2, 'teacher': str(teacher)}
+    (run / 'summary.json').write_text(json.dumps({'epochs': 2}))
+    (run / 'config.yaml').write_text(yaml.safe_dump(dict(config, data=f'mnist:{tmp_path / "a"}')))
+    spec = f'mnist:{tmp_path / "a"}'
+    assert not repro._finished(run, config, spec)          # no stamp: which teacher it learnt from is unknown
+    (run / repro.TEACHER_STAMP).write_text(repro._teacher_stamp(config) + '\n')
+    assert repro._finished(run, config, spec)
+    (teacher / 'summary.json').write_text(json.dumps({'epochs': 2, 'final_val_top1': 95.0}))   # retrained
+    assert not repro._finished(run, config, spec)

@@ -23,6 +23,7 @@ def test_smoke_run_and_reuse(tmp_path, capsys):
             '--num-samples', '12', '--threads', '1', '--output', str(out)]
     assert crate.run(_args(*argv)) == 0
     results = json.loads((out / 'results.json').read_text())
+    assert results['command'].startswith('structformer reproduce crate --data ') and '--depth 2 ' in results['command']
     assert results['epochs'] == [0, 1, 2]                    # every epoch kept (save_every 1), init first
     assert results['recipe']['opt'] == 'lion' and results['recipe']['weight_decay'] == 0.5
     assert results['recipe']['label_smoothing'] == 0.1 and results['recipe']['decay_everything']
@@ -64,7 +65,24 @@ def test_verdict_does_not_read_noise_as_a_fall():
     # 2 SE of the difference here: 2·√((2² + 2²)/63) = 0.713; a fall of 0.8 below init and layer 1 counts, 0.6 not
     assert crate._verdict(_layers([199.2, 196.04], [0.49, 0.39], rc_std=2.0), init, 64)['R_c_falls']
     assert not crate._verdict(_layers([199.2, 196.24], [0.49, 0.39], rc_std=2.0), init, 64)['R_c_falls']
-    # one measured image has no standard error: a fall of any size cannot be told from noise
+    # one measured image has no standard error: a fall of any size cannot be told from noise, either way
     big = _layers([195, 100], [0.5, 0.1], rc_std=0.0, sp_std=0.0)
-    assert crate._verdict(big, init, 1)['text'].startswith('does not reproduce')
+    assert crate._verdict(big, init, 1)['text'].startswith('cannot tell at this scale: one measured image')
     assert crate._verdict(big, init, 2)['text'].startswith('reproduces')
+
+
+def test_a_network_that_did_not_learn_cannot_tell():
+    """A run too short to learn (3 batches: 11.00 % held-out top-1, the share of MNIST's most frequent class) was
+    read as 'does not reproduce': a refutation of the paper by a network that had not trained."""
+    labels = [1] * 23 + [0] * 19 + [2] * 18 + [3] * 20 + [4] * 20       # 100 images, the largest class 23 %
+    idle = crate.learned(24.0, labels)
+    assert idle['majority_class'] == 23.0 and not idle['learned']
+    assert idle['two_standard_errors'] == pytest.approx(200 * (0.23 * 0.77 / 100) ** 0.5)
+    assert crate.learned(40.0, labels)['learned']
+    init = _layers([200, 200, 200], [0.5, 0.4, 0.4])
+    flat = _layers([200, 200, 200], [0.5, 0.4, 0.4])
+    v = crate._verdict(flat, init, 100, idle)
+    assert v['text'].startswith('cannot tell at this scale: the network did not learn') and not v['testable']
+    assert '24.00%' in v['text'] and '23.00%' in v['text']
+    v = crate._verdict(flat, init, 100, crate.learned(40.0, labels))
+    assert v['text'].startswith('does not reproduce') and v['testable']

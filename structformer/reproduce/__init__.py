@@ -3,7 +3,42 @@
 Each module offers `add_arguments(parser)` and `run(args) -> int` for `structformer reproduce NAME`.
 """
 from pathlib import Path
-from typing import Tuple
+from typing import Dict, List, Tuple
+
+
+def command_line(args, target: str) -> str:
+    """The `structformer reproduce TARGET ...` command that repeats this run, every flag spelled out from the parsed
+    `args` (defaults included, so a later change of a default does not change what the record says was run): the
+    `command` of each results.json. Flags are the dests with '-' for '_', as every reproduce parser names them."""
+    import shlex
+    words = ['structformer', 'reproduce', target]
+    for dest, value in vars(args).items():
+        if dest in ('command', 'target', 'func') or value is None or value is False:
+            continue
+        flag = '--' + dest.replace('_', '-')
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, dict):
+            words += [flag, *(f'{k}={v!r}' for k, v in value.items())] if value else []
+        elif isinstance(value, (list, tuple)):
+            words += [flag, *(str(v) for v in value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def check_distinct(values, flag: str) -> None:
+    """Refuse a list flag that names one value twice: the runs of a repeated value share a folder (the second
+    overwrites the first) and its rows count twice, as if they were two seeds that agree exactly."""
+    from ..errors import UsageError
+    seen, repeated = set(), []
+    for value in values or ():
+        if value in seen and value not in repeated:
+            repeated.append(value)
+        seen.add(value)
+    if repeated:
+        raise UsageError(f"{flag} names {', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in repeated)} "
+                         "more than once: give each value once")
 
 
 def mnist_spec(data: str) -> str:
@@ -36,3 +71,15 @@ def start(args) -> Tuple[str, Path]:
     if args.threads:
         torch.set_num_threads(args.threads)
     return mnist_spec(args.data), Path(args.output)
+
+
+def learned(top1: float, labels: List[int]) -> Dict:
+    """Whether the trained network learnt anything: its held-out top-1 above the share of the most frequent class
+    among the held-out `labels` (what a constant prediction scores) by more than two binomial standard errors."""
+    import math
+    from collections import Counter
+    n = len(labels)
+    majority = 100 * max(Counter(labels).values()) / n
+    two_se = 200 * math.sqrt(majority / 100 * (1 - majority / 100) / n)
+    return {'top1': top1, 'majority_class': majority, 'two_standard_errors': two_se, 'held_out': n,
+            'learned': top1 - majority > two_se}

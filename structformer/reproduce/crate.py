@@ -17,7 +17,9 @@ writes results.json, report.md (trained vs init, per-operator deltas, verdict) a
 The verdict is computed from the numbers: "reproduces" when the trained network's R_c (measured at the
 MSSA input, as the official code's qkv hook) and sparsity at the last layer are below layer 1's AND below the
 init network's at the last layer, each by more than two standard errors of the difference of the two means
-over the measured images (a fall inside that is noise, and one measured image cannot show any).
+over the measured images (a fall inside that is noise). It "cannot tell" when there is nothing to test: one
+measured image (no standard error), or a network that did not learn (held-out top-1 within two binomial
+standard errors of the most frequent class's share: a run too short reads as no result, not as a refutation).
 A finished training run in --output is reused (its recipe must match), so `--report-only`-style
 re-analysis costs only the measurement.
 """
@@ -27,14 +29,14 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from . import start, trained_on
+from . import command_line, learned, start, trained_on
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
-  structformer reproduce crate --threads 1                          # depth 12, 15 epochs (~20 min, 2 busy cores)
-  structformer reproduce crate --depth 2 --epochs 1 --limit-train-batches 5 --num-samples 32 \\
+  structformer reproduce crate --data /data/mnist --threads 1      # depth 12, 15 epochs (~20 min, 2 busy cores)
+  structformer reproduce crate --data /data/mnist --depth 2 --epochs 1 --limit-train-batches 5 --num-samples 32 \\
       --output /tmp/crate_quick                                      # a smoke run"""
 
 
@@ -99,7 +101,18 @@ def _below(a: Dict, b: Dict, num_samples: int) -> bool:
     return b['mean'] - a['mean'] > 2 * se
 
 
-def _verdict(layers_trained: List[Dict], layers_init: List[Dict], num_samples: int) -> Dict:
+def _verdict(layers_trained: List[Dict], layers_init: List[Dict], num_samples: int,
+             trained: Optional[Dict] = None) -> Dict:
+    """The rule of the module docstring; `trained` (from `learned`) says whether there is a trained network to
+    test at all: a run too short to learn, or one measured image, cannot tell either way."""
+    if trained is not None and not trained['learned']:
+        return {'R_c_falls': False, 'sparsity_falls': False, 'testable': False, 'text': (
+            f"cannot tell at this scale: the network did not learn (held-out top-1 {trained['top1']:.2f}% is within "
+            f"two standard errors, {trained['two_standard_errors']:.2f} points, of the most frequent class's share "
+            f"{trained['majority_class']:.2f}%), so there is no trained network to test the claim on")}
+    if num_samples < 2:
+        return {'R_c_falls': False, 'sparsity_falls': False, 'testable': False,
+                'text': 'cannot tell at this scale: one measured image gives no standard error (raise --num-samples)'}
     first, last, init_last = layers_trained[0], layers_trained[-1], layers_init[-1]
     falls = {m: _below(last[m], first[m], num_samples) and _below(last[m], init_last[m], num_samples)
              for m in ('R_c', 'sparsity')}
@@ -116,7 +129,7 @@ def _verdict(layers_trained: List[Dict], layers_init: List[Dict], num_samples: i
                 '(last layer not below both layer 1 and init)')
     else:
         text = 'does not reproduce: neither R_c nor sparsity at the last layer is below both layer 1 and init'
-    return {'R_c_falls': rc_falls, 'sparsity_falls': sp_falls, 'text': f'{text} ({rule})'}
+    return {'R_c_falls': rc_falls, 'sparsity_falls': sp_falls, 'testable': True, 'text': f'{text} ({rule})'}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,10 +152,14 @@ def run(args: argparse.Namespace) -> int:
     figure = plot_curves(curves, output / 'curves.png',
                          f'CRATE depth {args.depth} on MNIST: per layer over training ({args.estimator} R_c)')
     epochs = curves['epochs']
-    verdict = _verdict(curves['per_epoch'][-1]['layers'], curves['per_epoch'][0]['layers'], len(idx))
-    results = {'recipe': recipe, 'data': info.description, 'num_samples': len(idx), 'estimator': args.estimator,
+    from ..data import build_datasets
+    held_out = build_datasets(spec, seed=args.seed, val_fraction=recipe['val_fraction'])[1]
+    trained = learned(summary.get('final_val_top1'), [int(y) for y in held_out.targets])
+    verdict = _verdict(curves['per_epoch'][-1]['layers'], curves['per_epoch'][0]['layers'], len(idx), trained)
+    results = {'command': command_line(args, 'crate'), 'recipe': recipe, 'data': info.description,
+               'num_samples': len(idx), 'estimator': args.estimator,
                'val_top1': summary.get('final_val_top1'), 'best_val_top1': summary.get('best_val_top1'),
-               'epochs': epochs, 'curves': curves, 'verdict': verdict, 'figure': figure.name,
+               'epochs': epochs, 'curves': curves, 'learned': trained, 'verdict': verdict, 'figure': figure.name,
                'environment': environment(torch.device('cpu'))}
     write_json(output / 'results.json', results, default=str)
     lines = [f'# reproduce crate: CRATE depth {args.depth} on MNIST ({info.description})', '',

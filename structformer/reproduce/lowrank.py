@@ -24,24 +24,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
+from . import check_distinct, command_line
 
 EXAMPLES = """examples:
-  structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
-  structformer reproduce lowrank --output outputs/reproduce_lowrank         # both parts, ~25 min on 2 cores"""
+  structformer reproduce lowrank --parts vision --data /data/mnist --ranks 0.2 --epochs 2 --limit-train-batches 2 \\
+      --output /tmp/lr_quick                                                           # smoke run, ~5 min
+  structformer reproduce lowrank --data /data/mnist --output outputs/reproduce_lowrank  # both parts, ~25 min on 2 cores
+  structformer reproduce lowrank --parts lm --output outputs/reproduce_lowrank_lm       # the LM part needs no --data"""
 
 INITS = ('he', 'spectral', 'spectral_ones')
 LM_LR = 3e-3                     # AdamW's lr of the dense LM
 VISION_HELD_OUT = 2000           # the vision part's held-out images (val_fraction 0.2 of the 10,000)
 GROUPS = ('init', 'decay', 'pretrain')
-PAPER = {   # seed 004: Table 2 (WRN-28-10, CIFAR-100 top-1), Table 4 (GPT-2, LM1B perplexity), Table 5, Table 1
-    'table2': {'baseline': 81.08, 0.1: (77.94, 79.84, 79.07), 0.2: (80.37, 81.35, 81.27), 0.3: (80.87, 81.53, 81.61)},
-    'table4': {'baseline': 37.67, 0.62: (39.6, 38.78, 38.47)},
+PAPER = {   # seed 004: Table 2 (WRN-28-10, CIFAR-100 top-1), Table 4 (GPT-2, LM1B perplexity), Table 5, Table 1;
+    # each pair or triple named as in the record a reader gets (results.json's 'paper'), not bare tuples
+    'table2': {'baseline': 81.08, **{r: dict(zip(INITS, v)) for r, v in
+                                     ((0.1, (77.94, 79.84, 79.07)), (0.2, (80.37, 81.35, 81.27)),
+                                      (0.3, (80.87, 81.53, 81.61)))}},
+    'table4': {'baseline': 37.67, 0.62: dict(zip(INITS, (39.6, 38.78, 38.47)))},
     'table5': {0.1: {'frobenius': 79.84, 'l2': 73.12}, 0.2: {'frobenius': 81.35, 'l2': 78.22}},
-    'table1_effective_rank': {'WRN': (39.87, 16.4), 'ResNet-50': (68.72, 58.00), 'LM': (206.93, 205.70)},
+    'table1_effective_rank': {m: {'frobenius': fd, 'l2': l2} for m, (fd, l2) in
+                              (('WRN', (39.87, 16.4)), ('ResNet-50', (68.72, 58.00)), ('LM', (206.93, 205.70)))},
 }
 
 
@@ -68,6 +75,7 @@ def _check(args) -> None:
         raise UsageError(f"--epochs must be >= 2 (pre-training takes the first third, at least one epoch); got {args.epochs}")
     if args.limit_train_batches < 0:
         raise UsageError(f"--limit-train-batches must be >= 0; got {args.limit_train_batches}")
+    check_distinct([f'{r:g}' for r in args.ranks], '--ranks')      # as the run folders name them (r0.1_he)
     for r in list(args.ranks) + [args.lm_rank]:
         if not 0 < r <= 1:
             raise UsageError(f"--ranks / --lm-rank: {r} is out of range: accepted fractions in (0, 1]")
@@ -362,13 +370,37 @@ def peak_losses(curve: Dict) -> Dict[str, float]:
     return {k: max(p['loss'] for p in curve[k]) for k in ('pretrained', 'from scratch')}
 
 
-def vision_pretraining_verdict(pretrained: float, scratch: float, held_out: int = VISION_HELD_OUT) -> str:
+def two_standard_errors(a: float, b: float, held_out: int = VISION_HELD_OUT) -> float:
+    """Two binomial standard errors, in points, of the difference of two top-1 % on `held_out` images."""
+    p1, p2 = a / 100, b / 100
+    return 200 * ((p1 * (1 - p1) + p2 * (1 - p2)) / held_out) ** 0.5
+
+
+def _tally(pairs) -> str:
+    """'k of n rank(s)' for vision accuracies (a, b): a ahead of b beyond two standard errors, and how many are
+    behind beyond them or within them, so a one-seed lead inside the noise is not counted as a win."""
+    pairs = list(pairs)
+    ahead = sum(a - b > two_standard_errors(a, b) for a, b in pairs)
+    behind = sum(b - a > two_standard_errors(a, b) for a, b in pairs)
+    return (f"{ahead} of {len(pairs)} rank(s) beyond two standard errors ({behind} behind beyond them, "
+            f"{len(pairs) - ahead - behind} within them)")
+
+
+def vision_pretraining_verdict(pretrained: float, scratch: float, held_out: int = VISION_HELD_OUT,
+                               majority: Optional[Dict] = None) -> str:
     """The seed's vision claim is parity, not a loss: pre-training neither helps nor hurts (Table 8, WRN-28-10 at
     rank 0.2: 81.35 % from scratch, 81.33-81.56 % after 15-75 pre-training epochs). Our tolerance for one seed on
     `held_out` images: two standard errors of a difference of two accuracies. Inside it: parity reproduced;
-    outside: which way it fell."""
-    p1, p2 = pretrained / 100, scratch / 100
-    tolerance = 200 * ((p1 * (1 - p1) + p2 * (1 - p2)) / held_out) ** 0.5
+    outside: which way it fell. With `majority` (`reproduce.learned` of the held-out labels): two runs neither of
+    which beats a constant prediction of the most frequent class are equal because neither learnt; that cannot
+    tell, it is no parity."""
+    if majority is not None and not any(top1 - majority['majority_class'] > majority['two_standard_errors']
+                                        for top1 in (pretrained, scratch)):
+        return (f"vision: pre-trained {pretrained:.2f}% vs from scratch {scratch:.2f}%; seed: parity (Table 8); "
+                f"cannot tell at this scale: neither run learnt (both within two standard errors, "
+                f"{majority['two_standard_errors']:.2f} points, of the most frequent class's share "
+                f"{majority['majority_class']:.2f}%)")
+    tolerance = two_standard_errors(pretrained, scratch, held_out)
     delta = pretrained - scratch
     inside = abs(delta) <= tolerance
     fell = 'parity holds' if inside else ('pre-training helped' if delta > 0 else 'pre-training hurt')
@@ -377,7 +409,7 @@ def vision_pretraining_verdict(pretrained: float, scratch: float, held_out: int 
             f"{held_out} held-out images): {'inside' if inside else 'outside'}, {fell}")
 
 
-def findings(results: List[Dict], curves: Dict) -> List[str]:
+def findings(results: List[Dict], curves: Dict, majority: Optional[Dict] = None) -> List[str]:
     """The seed's claims, each checked against these runs (printed and written to results.md)."""
     out = []
     by = {(r['part'], r['name']): r for r in results}
@@ -385,20 +417,28 @@ def findings(results: List[Dict], curves: Dict) -> List[str]:
         better = (lambda a, b: a > b) if part == 'vision' else (lambda a, b: a < b)
         metric = 'val_top1' if part == 'vision' else 'val_perplexity'
         ranks = sorted({r['rank'] for r in results if r['part'] == part and r['group'] == 'init'})
-        wins = [better(by[(part, f'r{k:g}_spectral')][metric], by[(part, f'r{k:g}_he')][metric]) for k in ranks]
-        out.append(f"{part}: spectral init beats He at {sum(wins)} of {len(wins)} rank(s) (seed: at every rank)")
         decay = [r for r in results if r['part'] == part and r['group'] == 'decay']
         keeps = [r['effective_rank_mean'] > by[(part, f"r{r['rank']:g}_spectral")]['effective_rank_mean'] for r in decay]
-        acc = [better(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]) for r in decay]
+        if part == 'vision':    # accuracies on held-out images: a lead counts beyond its binomial noise
+            spectral_vs_he = _tally((by[(part, f'r{k:g}_spectral')][metric], by[(part, f'r{k:g}_he')][metric])
+                                    for k in ranks)
+            decay_vs_l2 = _tally((r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]) for r in decay)
+        else:                   # perplexities of one seed: no standard error here, point comparisons, said so
+            wins = [better(by[(part, f'r{k:g}_spectral')][metric], by[(part, f'r{k:g}_he')][metric]) for k in ranks]
+            acc = [better(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]) for r in decay]
+            spectral_vs_he = f"{sum(wins)} of {len(wins)} rank(s), point comparisons of one seed"
+            decay_vs_l2 = f"{sum(acc)} of {len(acc)}, point comparisons of one seed"
+        out.append(f"{part}: spectral init beats He at {spectral_vs_he} (seed: at every rank)")
         out.append(f"{part}: Frobenius decay keeps a higher effective rank than L2 at {sum(keeps)} of {len(keeps)} "
-                   f"rank(s), and scores better at {sum(acc)} of {len(acc)} (seed: both, at every rank)")
+                   f"rank(s), and scores better at {decay_vs_l2} (seed: both, at every rank)")
         pre = [r for r in results if r['part'] == part and r['group'] == 'pretrain']
         if part == 'lm':
             helps = [better(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]) for r in pre]
             out.append(f"{part}: pre-training beats low-rank from the start at {sum(helps)} of {len(helps)} rank(s) "
                        "(seed: pre-training helps the LM)")
         for r in pre if part == 'vision' else []:
-            out.append(vision_pretraining_verdict(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric]))
+            out.append(vision_pretraining_verdict(r[metric], by[(part, f"r{r['rank']:g}_spectral")][metric],
+                                                  majority=majority))
         if part in curves:
             c = curves[part]
             peaks = peak_losses(c)
@@ -420,7 +460,7 @@ def tables_from_record(record: Dict, heading: str = '##') -> str:
     if heading != '##':                            # inside a page: without the results.md title
         tables = tables.split('\n', 2)[2]
     return (tables + f'\n{heading} Findings\n\n'
-            + '\n'.join(f'- {c}' for c in findings(runs, curves)) + '\n')
+            + '\n'.join(f'- {c}' for c in findings(runs, curves, record.get('vision_majority'))) + '\n')
 
 
 def run(args) -> int:
@@ -434,12 +474,22 @@ def run(args) -> int:
         print(f"trained {len(results)} run(s) in {out}; run again without --groups for the tables and plots")
         return 0
     curves = _interpolations(results, args, out)
-    claims = findings(results, curves)
-    text = tables_from_record({'runs': results, 'interpolation': curves})
+    majority = None
+    if 'vision' in args.parts:          # what a constant prediction scores on the vision part's held-out images
+        from ..data import build_datasets
+        from . import learned
+        config = _config(next(r for r in results if r['part'] == 'vision'), args, out)    # the runs' own split
+        held_out = build_datasets(config.data, seed=config.seed, val_fraction=config.val_fraction)[1]
+        majority = {k: v for k, v in learned(0.0, [int(y) for y in held_out.targets]).items()
+                    if k in ('majority_class', 'two_standard_errors', 'held_out')}
+    claims = findings(results, curves, majority)
+    text = tables_from_record({'runs': results, 'interpolation': curves, 'vision_majority': majority})
     write_text(out / 'results.md', text)
-    write_json(out / 'results.json', {'environment': environment('cpu'), 'args': {k: v for k, v in vars(args).items()
+    write_json(out / 'results.json', {'command': command_line(args, 'lowrank'),
+                                      'environment': environment('cpu'), 'args': {k: v for k, v in vars(args).items()
                                                                                   if k != 'func'},
-                                      'runs': results, 'interpolation': curves, 'findings': claims, 'paper': {
+                                      'runs': results, 'interpolation': curves, 'vision_majority': majority,
+                                      'findings': claims, 'paper': {
                                           k: {str(kk): vv for kk, vv in v.items()} for k, v in PAPER.items()}})
     _plots(results, curves, out)
     print('\n' + text)

@@ -12,7 +12,9 @@ so S₀ = 49 and C₀ = 16, no resizing) with one AdamW recipe for every row:
 
 It ends with the verdicts, computed from the numbers: is the best C the one nearest C = S, and does RP
 close its gap to the normal Mixer as depth grows; a difference of mean errors counts beyond two standard errors
-over seeds, and inside that (or with one seed) the verdict says it cannot tell.
+over seeds, and inside that (or with one seed) the verdict says it cannot tell. "Error falls as the width grows" is
+a one-sided Spearman test at 5 % (`rank_trend`, exact up to 8 runs): holds on a significant fall, does not hold on
+a significant rise, and otherwise cannot tell.
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from . import mnist_spec, start
+from . import check_distinct, command_line, mnist_spec, start
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
   structformer reproduce mixer --data /data/mnist                                # the whole study (~15 min)
-  structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
+  structformer reproduce mixer --data /data/mnist --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
 from ..cli_args import parse_omega  # noqa: E402  (the --omega type, shared with `design`)
@@ -71,6 +73,16 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if any(c < 1 for c in args.channels) or any(d < 1 for d in args.depths):
         raise ValueError("--channels and --depths must be integers >= 1")
+    for flag in ('channels', 'depths', 'sw_densities'):
+        check_distinct(getattr(args, flag), f"--{flag.replace('_', '-')}")
+    by_width: Dict[int, List[float]] = {}
+    for p in args.sw_densities:              # two densities whose width rounds alike are one run, counted twice
+        by_width.setdefault(sw_channels(args.omega, p) * 49, []).append(p)
+    same = [ps for ps in by_width.values() if len(ps) > 1]
+    if same:
+        raise ValueError(f"--sw-densities {' and '.join(f'{p:g}' for p in same[0])} give the same SW-MLP (width "
+                         f"{sw_channels(args.omega, same[0][0]) * 49}, rounded to a multiple of 49 tokens) at --omega "
+                         f"{args.omega}: give densities further apart")
     if any(not 0 < p <= 1 for p in args.sw_densities):
         raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
     from ..models.mixer_design import OFF_CURVE, fixed_omega_pairs, optimal_width
@@ -89,6 +101,11 @@ def _check(args) -> None:
     mnist_spec(args.data)
 
 
+def sw_channels(omega_: float, density: float, patch_tokens: int = 49) -> int:
+    """The SW-MLP's channels C at density p and Ω: width m = √(Ω/p) rounded to a multiple of S₀ = patch_tokens."""
+    return max(1, round(math.sqrt(omega_ / density) / patch_tokens))
+
+
 def plan(args, patch_tokens: int = 49) -> List[Dict]:
     """Every run of the study: (group, label, model, model_kwargs, seed) plus its design numbers."""
     from ..models.mixer_design import fixed_omega_pairs, optimal_width
@@ -101,7 +118,7 @@ def plan(args, patch_tokens: int = 49) -> List[Dict]:
                                  kwargs=dict(num_tokens=pair['tokens'], embed_dim=pair['channels'], depth=args.depth,
                                              skip_layer=True, perm_seed=seed)))
         for p in args.sw_densities:
-            channels = max(1, round(math.sqrt(args.omega / p) / patch_tokens))
+            channels = sw_channels(args.omega, p, patch_tokens)
             width = channels * patch_tokens
             density = min(1.0, args.omega / width ** 2)
             runs.append(dict(group='width', kind='SW-MLP', model='swmlp_mnist', seed=seed, tokens=patch_tokens,
@@ -181,6 +198,35 @@ def _apart(a: List[float], b: List[float]):
 
 
 CANNOT_TELL = 'CANNOT TELL at this scale'
+TREND_LEVEL = 0.05               # a rank trend counts when its one-sided p-value is below this
+EXACT_UP_TO = 8                  # runs up to which a rank test enumerates every pairing (8! = 40,320)
+
+
+def rank_trend(x: List[float], y: List[float], alternative: str):
+    """Spearman's ρ of y against x and its one-sided p-value (`alternative` 'less': y falls as x grows), and how
+    the p-value was found. Up to `EXACT_UP_TO` points it is exact, over every pairing of x with y
+    (`scipy.stats.permutation_test`): scipy's `spearmanr` p-value is a t approximation that calls a perfect
+    ordering of 3 or 4 points p = 0, where its chance is 1/6 or 1/24. p is None when x or y is constant (no
+    ranking, ρ undefined)."""
+    import numpy as np
+    from scipy.stats import permutation_test, rankdata, spearmanr
+    if len(set(x)) < 2 or len(set(y)) < 2:
+        return float('nan'), None, 'constant'
+    if len(x) > EXACT_UP_TO:
+        test = spearmanr(x, y, alternative=alternative)
+        return float(test.statistic), float(test.pvalue), 'Spearman, t approximation'
+
+    rx = rankdata(x)
+    rx = rx - rx.mean()
+
+    def rho(b, axis=-1):            # x stays in place; each permutation of y is one pairing
+        rb = rankdata(b, axis=axis)
+        rb = rb - rb.mean(axis=axis, keepdims=True)
+        return (rx * rb).sum(axis=axis) / np.sqrt((rx ** 2).sum() * (rb ** 2).sum(axis=axis))
+
+    test = permutation_test((np.asarray(y, float),), rho, permutation_type='pairings', alternative=alternative,
+                            n_resamples=math.inf, vectorized=True)
+    return float(test.statistic), float(test.pvalue), f'exact over all {math.factorial(len(x)):,} pairings'
 ONE_SEED = f'{CANNOT_TELL}: one seed gives no standard error (run --seeds 2 or more)'
 
 
@@ -212,16 +258,28 @@ def verdicts(rows: List[Dict], omega_: float) -> Dict[str, str]:
         out[f'best_near_c_equals_s_{kind}'] = (
             f"{kind}: lowest mean error {table[best_c][0]:.2f}% at C = {best_c}; the tried C nearest "
             f"C* = S* = {c_star:.1f} is {nearest} ({table[nearest][0]:.2f}%). 'Best near C = S' {verdict} here.")
-    from scipy.stats import spearmanr
     for kind in ('S-Mixer', 'RP S-Mixer', 'SW-MLP'):
         points = [(r['width'], 100 - r['val_top1']) for r in rows if r['group'] == 'width' and r['kind'] == kind]
         if len({m for m, _ in points}) < 3:
             continue
-        test = spearmanr([m for m, _ in points], [e for _, e in points], alternative='less')
+        widths, errors = [m for m, _ in points], [e for _, e in points]
+        rho, falls, how = rank_trend(widths, errors, 'less')
+        _, rises, _ = rank_trend(widths, errors, 'greater')
+        if falls is None:
+            verdict = f'{CANNOT_TELL} (every run has the same error: no ranking to test)'
+        elif math.factorial(len(points)) * TREND_LEVEL < 1:      # even a perfect ordering has chance ≥ 1/n!
+            verdict = (f'{CANNOT_TELL} ({len(points)} runs cannot show a trend at the {TREND_LEVEL:.0%} level: '
+                       'run more --seeds)')
+        elif falls < TREND_LEVEL:
+            verdict = 'HOLDS'
+        elif rises < TREND_LEVEL:
+            verdict = f'DOES NOT HOLD (error rises with m: one-sided p = {rises:.2g})'
+        else:
+            verdict = f'{CANNOT_TELL} (no trend either way at the {TREND_LEVEL:.0%} level)'
         out[f'wider_is_better_{kind}'] = (
-            f"{kind}: rank correlation of error with effective width m {test.correlation:+.2f} over {len(points)} runs "
-            f"(one-sided p = {test.pvalue:.2g}). 'Error falls as the width grows at fixed Ω' "
-            f"{'HOLDS' if test.pvalue < 0.05 else 'DOES NOT HOLD'} here.")
+            f"{kind}: rank correlation of error with effective width m {rho:+.2f} over {len(points)} runs "
+            f"(one-sided p = {falls if falls is not None else float('nan'):.2g}, {how}). 'Error falls as the width "
+            f"grows at fixed Ω' {verdict} here.")
     by_depth = _errors(rows, 'depth', 'depth')
     normal, rp = by_depth.get('S-Mixer', {}), by_depth.get('RP S-Mixer', {})
     depths = sorted(set(normal) & set(rp))
@@ -381,7 +439,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"[{i + 1}/{len(runs)}] {r['group']:<5} {r['kind']:<10} C={r['channels']:<4} S={r['tokens']:<4} "
               f"m={r['width']:<5} L={row['depth']} seed {r['seed']}: error {100 - row['val_top1']:.2f}%", flush=True)
-    record = {'recipe': recipe, 'omega': args.omega, 'rows': rows, 'spectra': spectra, 'environment': environment('cpu'),
+    record = {'command': command_line(args, 'mixer'), 'recipe': recipe, 'omega': args.omega, 'rows': rows,
+              'spectra': spectra, 'environment': environment('cpu'),
               'args': {k: v for k, v in vars(args).items() if k != 'func'}}
     return _finish(record, args, out)
 
