@@ -222,3 +222,27 @@ def test_amp_float16_only_where_the_cpu_has_float16(supported, monkeypatch, caps
     assert main(['bench', 'models', '--amp', 'float16']) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if 'error:' in line]
     assert len(errors) == 1 and errors[0].startswith('structformer bench models: error: --amp float16 ')
+
+
+def _peak_resettable() -> bool:
+    """Whether this kernel lowers the peak-RSS mark (clear_refs '5'); without it a baseline cannot be moved."""
+    from structformer.bench.harness import _status_mib, reset_peak_rss
+    reset_peak_rss()
+    return abs(_status_mib('VmHWM') - _status_mib('VmRSS')) < 8
+
+
+def test_measure_one_peak_is_growth_over_the_model_and_batch(monkeypatch):
+    """The training peak is taken over the model-and-batch baseline (as the module docstring and the docs table
+    say): memory the model holds before its first step is not charged to training. It was: the baseline was taken
+    before the model was built, so every row's 'train peak MiB' included the model's weights and the batch."""
+    import torch
+    if not _peak_resettable():
+        pytest.skip('the peak-RSS mark cannot be reset here')
+
+    def setup(name, kwargs, batch_size, img_size, transforms=()):
+        model = torch.nn.Linear(2, 2)
+        model.register_buffer('held', torch.ones(64 * 2 ** 20))        # 256 MiB, built (and touched) with the model
+        return model, torch.zeros(1, 2), lambda precision=None: None
+    monkeypatch.setattr(bench_models, '_training_setup', setup)
+    row = bench_models.measure_one('any', {}, 1, 16, 1, threads=1)
+    assert row['train_peak_mib_over_baseline'] < 128, row

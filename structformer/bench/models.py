@@ -126,8 +126,8 @@ def measure_one(name, kwargs, batch_size, img_size, steps, threads=0, compiled=F
     if threads:
         torch.set_num_threads(threads)
     precision = _precision(dtype)
-    memory = PeakMemory('cpu')
     model, images, train_step = _training_setup(name, kwargs, batch_size, img_size, transforms)
+    memory = PeakMemory('cpu')            # the model-and-batch baseline: the growth is what training adds to them
     compile_s = None
     if compiled:
         model.compile()
