@@ -116,6 +116,11 @@ def _check_args(args) -> None:
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    if args.compile is not None:         # here, not as a FAILED row per configuration minutes later
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if args.compile not in backends:
+            raise ValueError(f"--compile {args.compile!r} is not a torch.compile backend: accepted "
+                             f"{', '.join(backends)}")
 
 
 def _near_square(n: int) -> Tuple[int, int]:

@@ -27,7 +27,7 @@ def print_report(rows, goals, args, env: dict, paired: Optional[dict] = None) ->
           "SOFT: §3 complexity, unit constants)")
     compiled = any('forward_ms_compiled' in r for r in rows)
     if compiled:
-        print("(c): the same layer under torch.compile (inductor), timed after its first, compiling call")
+        print(f"(c): the same layer under torch.compile ({args.compile}), timed after its first, compiling call")
     print(f"{'attention':<14} {'n':>6} {'grid':>8} {'m':>3} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9} "
           f"{'counted':>8} {'core':>8} {'analytic':>9}"
           + (f" {'fwd ms (c)':>11} {'f+b ms (c)':>11} {'compile s':>9}" if compiled else ''))
