@@ -44,7 +44,10 @@ def test_report_has_ratios_to_vit_in_the_same_mode(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(bench_models, 'measure_in_subprocess', fake)
     out = tmp_path / 'models.json'
     assert bench_models.run(_args(rounds=1, output=str(out))) == 0
-    rows = {r['label']: r for r in json.loads(out.read_text())['rows']}
+    record = json.loads(out.read_text())
+    # the command's settings travel with its numbers (steps and rounds were in no field of the record)
+    assert record['args']['steps'] == 5 and record['args']['rounds'] == 1 and record['args']['modes'] == ['eager', 'compiled']
+    rows = {r['label']: r for r in record['rows']}
     assert rows['CRATE-T']['train_ratio'] == 0.8 and rows['CRATE-T, compiled']['train_ratio'] == 0.8
     assert rows['ViT-T (timm), compiled']['train_ratio'] == 1.0
     printed = capsys.readouterr().out

@@ -257,6 +257,7 @@ def test_bench_data_runs_and_records_what_it_measured(tmp_path, capsys):
     assert all(r['images'] == 3 for r in result['rows'])          # 6 images, the first batch of 3 untimed
     assert set(result['training_step_images_per_s']) == {'float32', 'bfloat16'}
     assert len(result['ratios_vs_timm']) == 4 and len(result['load_average_before']) == 3
+    assert result['args']['workers'] == [1] and result['args']['step_batch'] == 1     # the command that made it
 
 
 def test_bench_data_has_the_flag_its_busy_advice_names_and_helps_every_flag():

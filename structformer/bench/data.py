@@ -196,7 +196,8 @@ def run(args) -> int:
                   'load_average_before': load_before, 'load_average_after': os.getloadavg(),
                   'cpu_count': os.cpu_count()}
         from ..records import environment         # as every other record: the CPU kind and whether others were busy
-        result.update(environment=environment('cpu'), machine_load=run_record())
+        result.update(environment=environment('cpu'), machine_load=run_record(),
+                      args={k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')})
         if args.output:
             print(f'wrote {write_record(args.output, result, args.allow_busy)}')
         return 0
@@ -253,7 +254,7 @@ def run(args) -> int:
               'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
               'load_average_before': load_before, 'load_average_after': os.getloadavg(),
               'cpu_count': os.cpu_count(), 'threads': args.threads or None, 'goal': 'our loaders >= 1.0x timm images/s with equal transforms',
-              'machine_load': run_record()}
+              'machine_load': run_record(), 'args': {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}}
     if args.output:
         print(f'wrote {write_record(args.output, result, args.allow_busy)}')
     return 0

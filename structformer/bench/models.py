@@ -374,7 +374,9 @@ def run(args) -> int:
     if args.families and not any(f[0] == 'mixer' for f in families):
         print("  (mixer family: no mixer is registered at 224 px (`structformer models`), so none was measured)")
     if args.output:
+        settings = {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}
         write_record(args.output, {'batch_size': args.batch_size, 'img_size': args.img_size, 'environment': env,
+                                   'args': settings,       # steps, rounds, modes, threads: what made these numbers
                                  'pairs': args.pairs, 'amp': args.amp, 'dtypes': dtypes,
                                  'families': [{'family': f, 'label': label, 'model': name, 'kwargs': kwargs,
                                                'transforms': transforms}
