@@ -281,6 +281,7 @@ def test_bench_data_has_the_flag_its_busy_advice_names_and_helps_every_flag():
     (['--step-batch', '0'], '--step-batch 0'),
     (['--img-size', '0'], '--img-size 0'),
     (['--up-front', '3'], '--up-front 3'),
+    (['--model', 'no_such_model', '--images', '4', '--batch-size', '2', '--workers', '1', '--img-size', '16'], '--model'),          # was timm's traceback, after every loader row was timed
 ])
 def test_bench_data_refuses_bad_input_before_measuring(argv, needle, tmp_path, capsys):
     rc = main(['bench', 'data'] + [a.format(tmp=tmp_path) for a in argv])

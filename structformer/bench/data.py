@@ -183,6 +183,11 @@ def run(args) -> int:
     for flag in ('batch_size', 'img_size', 'step_batch'):       # before generating images: no torch traceback later
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
+    if not args.up_front:            # the training step is timed last: an unknown model must not cost the loader rows
+        import timm
+        import structformer.models  # noqa: F401  (registers the models)
+        if not timm.is_model(args.model):
+            raise UsageError(f"--model {args.model!r} is not a registered model; `structformer models` lists them")
     if args.up_front < 0 or 0 < args.up_front < 10:
         raise UsageError(f'--up-front {args.up_front}: expected a number of images >= 10 (0: the loader benchmark)')
     if args.threads:
