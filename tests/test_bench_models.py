@@ -249,3 +249,23 @@ def test_measure_one_peak_is_growth_over_the_model_and_batch(monkeypatch):
     monkeypatch.setattr(bench_models, '_training_setup', setup)
     row = bench_models.measure_one('any', {}, 1, 16, 1, threads=1)
     assert row['train_peak_mib_over_baseline'] < 128, row
+
+
+def test_best_of_rounds_row_carries_the_load_of_the_round_it_kept(tmp_path, monkeypatch):
+    """A row's kept training figure is the fastest round's, and its machine_load must be that round's: a quiet
+    first round vouched for a faster second round measured while the machine was BUSY (and its figure was kept)."""
+    rounds = iter(range(100))
+
+    def fake(target, name, kwargs, batch_size, img_size, steps, threads, compiled, dtype, transforms):
+        speed = 50.0 if next(rounds) < 4 else 80.0            # round 1 (4 eager rows) slow, round 2 fast
+        return {'model': name, 'kwargs': kwargs, 'transforms': transforms, 'dtype': dtype, 'params': 1,
+                'mode': 'eager', 'first_compiled_step_s': None, 'train_img_per_s': speed,
+                'infer_img_per_s': speed, 'train_peak_mib_over_baseline': 10.0, 'threads': 1}
+    loads = iter([{'busy': False}] * 4 + [{'busy': True, 'advice': 'x'}] * 4)
+    monkeypatch.setattr(bench_models, 'measure_in_subprocess', fake)
+    monkeypatch.setattr(bench_models, 'row_mark', lambda: object())
+    monkeypatch.setattr(bench_models, 'row_record', lambda mark: next(loads))
+    out = tmp_path / 'models.json'
+    assert bench_models.run(_args(rounds=2, pairs=0, modes=['eager'], output=str(out))) == 0
+    rows = {r['label']: r for r in json.loads(out.read_text())['rows']}
+    assert rows['CRATE-T']['train_img_per_s'] == 80.0 and rows['CRATE-T']['machine_load']['busy'] is True
