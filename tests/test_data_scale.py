@@ -294,7 +294,11 @@ def test_bench_data_up_front_records_the_cpu_kind_and_the_load(tmp_path):
     of N images it can split (it made 100 classes whatever N, and below 200 images the validation split failed)."""
     import json
     out = tmp_path / 'up_front.json'
-    assert main(['bench', 'data', '--up-front', '10', '--output', str(out)]) == 0
+    mine = tmp_path / 'check-cache' / 'keep.txt'          # a user's folder beside --folder: the run deleted it
+    mine.parent.mkdir()
+    mine.write_text('mine')
+    assert main(['bench', 'data', '--up-front', '10', '--folder', str(tmp_path / 'images'), '--output', str(out)]) == 0
+    assert mine.read_text() == 'mine' and list(mine.parent.iterdir()) == [mine]     # its cache was its own, and gone
     record = json.loads(out.read_text())
     assert record['environment']['cpu_kind']['kind'] and 'busy' in record['machine_load']
     assert set(record['up_front_seconds']) == {'decode (before)', 'header, first run', 'header, cached', 'none'}

@@ -138,7 +138,6 @@ def step_rate(model_name: str, batch: int, img_size: int, dtype: str, steps: int
 
 def up_front(n: int, folder: str) -> dict:
     """Seconds to build an imagefolder of n generated 160x120 JPEGs with each check (a fresh cache)."""
-    import shutil
     import numpy as np
     from PIL import Image
 
@@ -152,10 +151,11 @@ def up_front(n: int, folder: str) -> dict:
         for i in range(n):
             os.makedirs(os.path.join(folder, f'c{i % classes:03d}'), exist_ok=True)
             base[i % 64].save(os.path.join(folder, f'c{i % classes:03d}', f'{i:06d}.jpg'), quality=85 + i % 10)
-    cache = os.path.join(os.path.dirname(folder), 'check-cache')
-    shutil.rmtree(cache, ignore_errors=True)
+    # a fresh cache of its own, removed afterwards: it was `check-cache` beside --folder, which the run deleted
+    # first (a user's folder of that name too) and left behind after
+    cache_root = tempfile.TemporaryDirectory(prefix='structformer-check-cache-')
     saved = os.environ.get('STRUCTFORMER_CACHE')
-    os.environ['STRUCTFORMER_CACHE'] = cache
+    os.environ['STRUCTFORMER_CACHE'] = cache_root.name
     out = {}
     try:
         build_datasets(f'imagefolder:{folder}', img_size=8, check='none')     # imports and listing warm, not timed
@@ -170,6 +170,7 @@ def up_front(n: int, folder: str) -> dict:
             os.environ.pop('STRUCTFORMER_CACHE', None)
         else:
             os.environ['STRUCTFORMER_CACHE'] = saved
+        cache_root.cleanup()
     return out
 
 
