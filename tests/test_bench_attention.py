@@ -140,3 +140,14 @@ def test_goal_b_falls_back_to_sweep_medians_without_pairs():
     judged = goal_ratios(rows, ['softmax', 'soft'], paired)['sdpa_over_soft_forward_time']
     assert judged['source'] == 'paired' and judged['ratio'] == 35.0 and not judged['pass']
     assert judged['sweep_ratio'] == 50.0 and judged['quartiles'] == [33.0, 37.0]
+
+
+def test_goal_a_needs_a_memory_growth_above_zero_at_both_ends():
+    """An in-process run at tiny n read -0.3 MiB (the high-water mark lags the resident set); its ratio, negative,
+    passed goal (a) (≤ 1.25 × the token ratio). A growth of 0 or below is no reading: (a) is then n/a."""
+    rows = [{'attention': 'soft', 'tokens': n, 'peak_mib': peak, 'forward_ms': 1.0, 'skipped': False}
+            for n, peak in ((64, -0.3), (256, 5.0))]
+    assert 'soft_memory_growth' not in goal_ratios(rows, ['soft'])
+    rows[0]['peak_mib'] = 1.0
+    growth = goal_ratios(rows, ['soft'])['soft_memory_growth']
+    assert growth['ratio'] == 5.0 and growth['pass']

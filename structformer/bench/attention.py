@@ -341,7 +341,9 @@ def goal_ratios(rows, attentions, paired: Optional[dict] = None) -> dict:
     out = {}
     if 'soft' in attentions and hi > lo:
         a, b = _find(rows, 'soft', lo), _find(rows, 'soft', hi)
-        if a and b and a.get('peak_mib') and b.get('peak_mib') is not None:
+        # both growths above zero: the high-water mark lags the resident set by a few pages, so a tiny n can read
+        # below its baseline, and a negative ratio passed the goal
+        if a and b and (a.get('peak_mib') or 0) > 0 and (b.get('peak_mib') or 0) > 0:
             goal = GOAL_MEMORY_SLACK * hi / lo
             ratio = b['peak_mib'] / a['peak_mib']
             out['soft_memory_growth'] = {'ratio': ratio, 'goal_max': goal, 'tokens': [lo, hi],

@@ -67,8 +67,8 @@ def print_report(rows, goals, args, env: dict, paired: Optional[dict] = None) ->
         print(f"  (a) SOFT peak memory at {a['tokens'][1]} / at {a['tokens'][0]} tokens: {a['ratio']:.2f} "
               f"(goal <= {a['goal_max']:g}, linear growth)  {'PASS' if a['pass'] else 'MISS'}")
     else:
-        print("  (a) SOFT memory growth: n/a (needs 'soft' at two token counts, with a non-zero memory growth "
-              "measured at the smaller: tiny inputs stay below the page size the reader counts in)")
+        print("  (a) SOFT memory growth: n/a (needs 'soft' at two token counts, with a memory growth above zero "
+              "measured at both: tiny inputs stay within the few pages the reader can resolve)")
     if b:
         note = '' if b['tokens'] == 12544 else ' [goal stated at 12544 tokens]'
         spread = f", quartiles {b['quartiles'][0]:.2f}–{b['quartiles'][1]:.2f}" if b['quartiles'] else ''
