@@ -61,6 +61,7 @@ def test_flop_counter_matches_softmax_formula(n):
     (['--landmarks', '100', '--base-tokens', '64'], '--landmarks'),
     (['--max-quadratic-gib', '0'], '--max-quadratic-gib'),
     (['--pairs', '-1'], '--pairs'),
+    (['--compile', 'no_such_backend'], '--compile'),      # was a FAILED row per configuration, after the sweep began
 ])
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
@@ -89,7 +90,8 @@ def test_compiled_columns_beside_eager(tmp_path, capsys):
     assert run_attention_bench(args) == 0
     (row,) = json.loads(out.read_text())['rows']
     assert row['forward_ms_compiled'] > 0 and row['forward_backward_ms_compiled'] > 0 and row['compile_s'] > 0
-    assert 'fwd ms (c)' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert 'fwd ms (c)' in printed and 'torch.compile (eager)' in printed      # the backend used, not 'inductor'
 
 
 def test_goal_b_is_judged_on_the_paired_ratio(tmp_path, capsys):
@@ -138,3 +140,14 @@ def test_goal_b_falls_back_to_sweep_medians_without_pairs():
     judged = goal_ratios(rows, ['softmax', 'soft'], paired)['sdpa_over_soft_forward_time']
     assert judged['source'] == 'paired' and judged['ratio'] == 35.0 and not judged['pass']
     assert judged['sweep_ratio'] == 50.0 and judged['quartiles'] == [33.0, 37.0]
+
+
+def test_goal_a_needs_a_memory_growth_above_zero_at_both_ends():
+    """An in-process run at tiny n read -0.3 MiB (the high-water mark lags the resident set); its ratio, negative,
+    passed goal (a) (≤ 1.25 × the token ratio). A growth of 0 or below is no reading: (a) is then n/a."""
+    rows = [{'attention': 'soft', 'tokens': n, 'peak_mib': peak, 'forward_ms': 1.0, 'skipped': False}
+            for n, peak in ((64, -0.3), (256, 5.0))]
+    assert 'soft_memory_growth' not in goal_ratios(rows, ['soft'])
+    rows[0]['peak_mib'] = 1.0
+    growth = goal_ratios(rows, ['soft'])['soft_memory_growth']
+    assert growth['ratio'] == 5.0 and growth['pass']

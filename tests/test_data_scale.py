@@ -248,14 +248,16 @@ def test_bench_data_runs_and_records_what_it_measured(tmp_path, capsys):
     step's rate and the load average are in the JSON (the numbers themselves are for a quiet machine)."""
     import json
     out = tmp_path / 'data.json'
-    assert main(['bench', 'data', '--images', '16', '--batch-size', '8', '--workers', '1', '--img-size', '32',
+    # 6 images, fewer than the generator's 10 classes: no class folder may be left empty (it was: 'not an image folder')
+    assert main(['bench', 'data', '--images', '6', '--batch-size', '3', '--workers', '1', '--img-size', '32',
                  '--step-batch', '1', '--output', str(out)]) == 0
     result = json.loads(out.read_text())
     assert {(r['loader'], r['recipe'], r['workers']) for r in result['rows']} == {
         (kind, recipe, 1) for kind in ('imagefolder', 'shards', 'timm') for recipe in ('rrc_flip', 'rrc_flip_ra_re')}
-    assert all(r['images'] == 8 for r in result['rows'])          # 16 images, the first batch of 8 untimed
+    assert all(r['images'] == 3 for r in result['rows'])          # 6 images, the first batch of 3 untimed
     assert set(result['training_step_images_per_s']) == {'float32', 'bfloat16'}
     assert len(result['ratios_vs_timm']) == 4 and len(result['load_average_before']) == 3
+    assert result['args']['workers'] == [1] and result['args']['step_batch'] == 1     # the command that made it
 
 
 def test_bench_data_has_the_flag_its_busy_advice_names_and_helps_every_flag():
@@ -275,8 +277,28 @@ def test_bench_data_has_the_flag_its_busy_advice_names_and_helps_every_flag():
     (['--threads', '-1'], '--threads -1'),
     (['--workers', '0'], '--workers'),
     (['--output', '{tmp}'], 'is a folder'),
+    (['--batch-size', '0'], '--batch-size 0'),          # was torch's ValueError traceback from its BatchSampler
+    (['--step-batch', '0'], '--step-batch 0'),
+    (['--img-size', '0'], '--img-size 0'),
+    (['--up-front', '3'], '--up-front 3'),
+    (['--model', 'no_such_model', '--images', '4', '--batch-size', '2', '--workers', '1', '--img-size', '16'], '--model'),          # was timm's traceback, after every loader row was timed
 ])
 def test_bench_data_refuses_bad_input_before_measuring(argv, needle, tmp_path, capsys):
     rc = main(['bench', 'data'] + [a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len([line for line in err.splitlines() if 'error:' in line]) == 1, err
+
+
+def test_bench_data_up_front_records_the_cpu_kind_and_the_load(tmp_path):
+    """`bench data --up-front N` writes a record like every other benchmark's (CPU kind, machine load), from a folder
+    of N images it can split (it made 100 classes whatever N, and below 200 images the validation split failed)."""
+    import json
+    out = tmp_path / 'up_front.json'
+    mine = tmp_path / 'check-cache' / 'keep.txt'          # a user's folder beside --folder: the run deleted it
+    mine.parent.mkdir()
+    mine.write_text('mine')
+    assert main(['bench', 'data', '--up-front', '10', '--folder', str(tmp_path / 'images'), '--output', str(out)]) == 0
+    assert mine.read_text() == 'mine' and list(mine.parent.iterdir()) == [mine]     # its cache was its own, and gone
+    record = json.loads(out.read_text())
+    assert record['environment']['cpu_kind']['kind'] and 'busy' in record['machine_load']
+    assert set(record['up_front_seconds']) == {'decode (before)', 'header, first run', 'header, cached', 'none'}

@@ -116,6 +116,11 @@ def _check_args(args) -> None:
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    if args.compile is not None:         # here, not as a FAILED row per configuration minutes later
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if args.compile not in backends:
+            raise ValueError(f"--compile {args.compile!r} is not a torch.compile backend: accepted "
+                             f"{', '.join(backends)}")
 
 
 def _near_square(n: int) -> Tuple[int, int]:
@@ -336,7 +341,9 @@ def goal_ratios(rows, attentions, paired: Optional[dict] = None) -> dict:
     out = {}
     if 'soft' in attentions and hi > lo:
         a, b = _find(rows, 'soft', lo), _find(rows, 'soft', hi)
-        if a and b and a.get('peak_mib') and b.get('peak_mib') is not None:
+        # both growths above zero: the high-water mark lags the resident set by a few pages, so a tiny n can read
+        # below its baseline, and a negative ratio passed the goal
+        if a and b and (a.get('peak_mib') or 0) > 0 and (b.get('peak_mib') or 0) > 0:
             goal = GOAL_MEMORY_SLACK * hi / lo
             ratio = b['peak_mib'] / a['peak_mib']
             out['soft_memory_growth'] = {'ratio': ratio, 'goal_max': goal, 'tokens': [lo, hi],

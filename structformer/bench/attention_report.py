@@ -27,7 +27,7 @@ def print_report(rows, goals, args, env: dict, paired: Optional[dict] = None) ->
           "SOFT: §3 complexity, unit constants)")
     compiled = any('forward_ms_compiled' in r for r in rows)
     if compiled:
-        print("(c): the same layer under torch.compile (inductor), timed after its first, compiling call")
+        print(f"(c): the same layer under torch.compile ({args.compile}), timed after its first, compiling call")
     print(f"{'attention':<14} {'n':>6} {'grid':>8} {'m':>3} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9} "
           f"{'counted':>8} {'core':>8} {'analytic':>9}"
           + (f" {'fwd ms (c)':>11} {'f+b ms (c)':>11} {'compile s':>9}" if compiled else ''))
@@ -67,8 +67,8 @@ def print_report(rows, goals, args, env: dict, paired: Optional[dict] = None) ->
         print(f"  (a) SOFT peak memory at {a['tokens'][1]} / at {a['tokens'][0]} tokens: {a['ratio']:.2f} "
               f"(goal <= {a['goal_max']:g}, linear growth)  {'PASS' if a['pass'] else 'MISS'}")
     else:
-        print("  (a) SOFT memory growth: n/a (needs 'soft' at two token counts, with a non-zero memory growth "
-              "measured at the smaller: tiny inputs stay below the page size the reader counts in)")
+        print("  (a) SOFT memory growth: n/a (needs 'soft' at two token counts, with a memory growth above zero "
+              "measured at both: tiny inputs stay within the few pages the reader can resolve)")
     if b:
         note = '' if b['tokens'] == 12544 else ' [goal stated at 12544 tokens]'
         spread = f", quartiles {b['quartiles'][0]:.2f}–{b['quartiles'][1]:.2f}" if b['quartiles'] else ''

@@ -50,6 +50,7 @@ def generate_jpegs(root: str, n: int, classes: int = 10, size=(500, 375), seed: 
     rng = np.random.default_rng(seed)
     w, h = size
     base = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    classes = max(1, min(classes, n))           # an empty class folder is not an image folder
     for c in range(classes):
         os.makedirs(os.path.join(root, f'class_{c:02d}'), exist_ok=True)
     for i in range(n):
@@ -137,7 +138,6 @@ def step_rate(model_name: str, batch: int, img_size: int, dtype: str, steps: int
 
 def up_front(n: int, folder: str) -> dict:
     """Seconds to build an imagefolder of n generated 160x120 JPEGs with each check (a fresh cache)."""
-    import shutil
     import numpy as np
     from PIL import Image
 
@@ -146,13 +146,16 @@ def up_front(n: int, folder: str) -> dict:
         rng = np.random.default_rng(0)
         base = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).resize((160, 120), Image.BILINEAR)
                 for _ in range(64)]
+        # up to 100 classes, at least 5 images each: the 1/5 held out for validation has one of every class
+        classes = max(1, min(100, n // 5))
         for i in range(n):
-            os.makedirs(os.path.join(folder, f'c{i % 100:03d}'), exist_ok=True)
-            base[i % 64].save(os.path.join(folder, f'c{i % 100:03d}', f'{i:06d}.jpg'), quality=85 + i % 10)
-    cache = os.path.join(os.path.dirname(folder), 'check-cache')
-    shutil.rmtree(cache, ignore_errors=True)
+            os.makedirs(os.path.join(folder, f'c{i % classes:03d}'), exist_ok=True)
+            base[i % 64].save(os.path.join(folder, f'c{i % classes:03d}', f'{i:06d}.jpg'), quality=85 + i % 10)
+    # a fresh cache of its own, removed afterwards: it was `check-cache` beside --folder, which the run deleted
+    # first (a user's folder of that name too) and left behind after
+    cache_root = tempfile.TemporaryDirectory(prefix='structformer-check-cache-')
     saved = os.environ.get('STRUCTFORMER_CACHE')
-    os.environ['STRUCTFORMER_CACHE'] = cache
+    os.environ['STRUCTFORMER_CACHE'] = cache_root.name
     out = {}
     try:
         build_datasets(f'imagefolder:{folder}', img_size=8, check='none')     # imports and listing warm, not timed
@@ -167,6 +170,7 @@ def up_front(n: int, folder: str) -> dict:
             os.environ.pop('STRUCTFORMER_CACHE', None)
         else:
             os.environ['STRUCTFORMER_CACHE'] = saved
+        cache_root.cleanup()
     return out
 
 
@@ -177,6 +181,16 @@ def run(args) -> int:
         check_output_file(args.output, '--output')
     if args.threads < 0:
         raise UsageError(f'--threads {args.threads}: expected an integer >= 0 (0: torch\'s default)')
+    for flag in ('batch_size', 'img_size', 'step_batch'):       # before generating images: no torch traceback later
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
+    if not args.up_front:            # the training step is timed last: an unknown model must not cost the loader rows
+        import timm
+        import structformer.models  # noqa: F401  (registers the models)
+        if not timm.is_model(args.model):
+            raise UsageError(f"--model {args.model!r} is not a registered model; `structformer models` lists them")
+    if args.up_front < 0 or 0 < args.up_front < 10:
+        raise UsageError(f'--up-front {args.up_front}: expected a number of images >= 10 (0: the loader benchmark)')
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -187,10 +201,11 @@ def run(args) -> int:
         result = {'up_front_seconds': seconds, 'images': args.up_front, 'size': '160x120 JPEG',
                   'load_average_before': load_before, 'load_average_after': os.getloadavg(),
                   'cpu_count': os.cpu_count()}
+        from ..records import environment         # as every other record: the CPU kind and whether others were busy
+        result.update(environment=environment('cpu'), machine_load=run_record(),
+                      args={k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')})
         if args.output:
-            from ..records import write_json
-            write_json(args.output, result)
-            print(f'wrote {args.output}')
+            print(f'wrote {write_record(args.output, result, args.allow_busy)}')
         return 0
     if args.images < args.batch_size * 2:
         raise UsageError(f'--images {args.images}: give at least two batches (2 x --batch-size {args.batch_size})')
@@ -201,8 +216,9 @@ def run(args) -> int:
         folder = args.folder or os.path.join(tmp, 'images')
         if not os.path.isdir(folder) or not os.listdir(folder):
             start = time.perf_counter()
-            generate_jpegs(os.path.join(folder, 'train'), args.images)
-            generate_jpegs(os.path.join(folder, 'val'), 10, seed=1)          # a val/ split: all N images train
+            classes = min(10, args.images)                                # no class folder left empty
+            generate_jpegs(os.path.join(folder, 'train'), args.images, classes)
+            generate_jpegs(os.path.join(folder, 'val'), classes, classes, seed=1)   # a val/ split: all N images train
             print(f'generated {args.images} JPEGs in {time.perf_counter() - start:.1f} s', flush=True)
         from ..data.shard_writer import write_shards
         shard_dir = os.path.join(tmp, 'shards')
@@ -244,7 +260,7 @@ def run(args) -> int:
               'ratios_vs_timm': ratios, 'training_step_images_per_s': needs, 'model': args.model,
               'load_average_before': load_before, 'load_average_after': os.getloadavg(),
               'cpu_count': os.cpu_count(), 'threads': args.threads or None, 'goal': 'our loaders >= 1.0x timm images/s with equal transforms',
-              'machine_load': run_record()}
+              'machine_load': run_record(), 'args': {k: v for k, v in vars(args).items() if k not in ('func', 'command', 'target')}}
     if args.output:
         print(f'wrote {write_record(args.output, result, args.allow_busy)}')
     return 0

@@ -180,9 +180,10 @@ def measure_model(name: str, batch: int, repeats: int, threads: int = 0, img_siz
         optimizer.step()
 
     step_s = median_seconds(step, repeats, 2)
+    peak = memory.growth_mib()      # before model_flops, which builds a second model (SW-MLP's is 0.5 GB at 32 px)
     return {'model': name, 'batch': batch, 'params': sum(p.numel() for p in model.parameters()),
             'blocks_bytes': blocks_bytes(model), 'macs_per_image': model_flops(name, img_size=img_size)['macs'],
-            'step_s': step_s, 'step_peak_mib': memory.growth_mib(), 'threads': torch.get_num_threads()}
+            'step_s': step_s, 'step_peak_mib': peak, 'threads': torch.get_num_threads()}
 
 
 def analytic_resources(tokens: int, channels: int, depth: int, gamma: float) -> Dict[str, dict]:
