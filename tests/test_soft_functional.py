@@ -180,8 +180,10 @@ def test_newton_pinv_all_ones_matrix():
 
 
 def test_newton_pinv_gradcheck():
+    """One matrix at float64's gradcheck tolerances (see the batched test below for why atol 1e-8 / rtol 1e-6: the
+    old atol 1e-5 passed an Eq. 12 gradient off by 1e-5 relative)."""
     a = (_spd(5, 4) / 5 + torch.eye(5, dtype=F64)).requires_grad_()
-    assert torch.autograd.gradcheck(lambda m: newton_pinv(m, num_iter=40), (a,), eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(lambda m: newton_pinv(m, num_iter=40), (a,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
 @pytest.mark.parametrize('rule', ['ours', 'soft', 'softpp'])
