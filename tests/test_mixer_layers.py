@@ -160,6 +160,21 @@ def test_permute_features_gradcheck_and_reference():
     torch.testing.assert_close(permute_features(x, perm), x[:, perm])
 
 
+def test_permutation_and_monarch_backwards_pass_gradgradcheck():
+    """The two custom autograd Functions of the Mixer layers (`_PermuteFeatures`' gather backward, Monarch's
+    `_ContiguousGrad`) differentiated twice, float64: a second-order method (a Hessian-vector product, a gradient
+    penalty) goes through them."""
+    torch.manual_seed(9)
+    perm = random_permutation(7, seed=4)
+    x = torch.randn(3, 7, dtype=D, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: permute_features(t, perm).square(), (x,))
+    layer = MonarchLinear(12, 18, nblocks=3).double()
+    inputs = (torch.randn(2, 12, dtype=D, requires_grad=True), layer.weight_right.detach().clone().requires_grad_(),
+              layer.weight_left.detach().clone().requires_grad_())
+    assert torch.autograd.gradgradcheck(lambda t, r, l: torch.func.functional_call(
+        layer, {'weight_right': r, 'weight_left': l, 'bias': layer.bias}, (t,)).square(), inputs)
+
+
 def test_monarch_projection_recovers_a_monarch_and_is_locally_optimal():
     torch.manual_seed(6)
     source = MonarchLinear(16, 16, nblocks=4, bias=False).double()
