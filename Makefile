@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.structformer-installed
 DEMO_OUT ?= outputs/demo
 
-.PHONY: demo test test-fast test-gpu gpu-wheels gpu-check venv bench bench-records clean
+.PHONY: demo test test-fast test-numerics test-gpu gpu-wheels gpu-check venv bench bench-records clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,14 @@ FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py, \
 # one process: for a run this short, starting a second one costs more than it saves
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --timeout=300 $(FAST_TESTS)
+
+# Every fast path against its slow reference (outputs, gradients, gradcheck) with ATen's vector kernels off and one
+# thread: the numerics rule's other setting, where a tolerance fitted to one CPU's kernels would fail (~2 minutes).
+NUMERICS_TESTS := $(addprefix tests/test_,$(addsuffix .py, \
+	soft_functional soft_official crate_numerics attention_layers shared_qkv_attention mixer_layers onednn_linear \
+	sparsifiner sparsifiner_tiles sparsifiner_kernel sparse_attention_bench double_backward autotune lowrank))
+test-numerics: $(STAMP)
+	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --timeout=300 $(NUMERICS_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/structformer bench models

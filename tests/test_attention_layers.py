@@ -160,16 +160,20 @@ def test_soft_bad_inputs():
         SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 16, 8), is_causal=True)
 
 
-@pytest.mark.parametrize('grid', [(8, 8), (7, 10)])                  # divisible by k = 2, and padded
-def test_conv_sampler_matmul_matches_conv2d_reference(grid):
+@pytest.mark.parametrize('border', ['replicate', 'drop'])          # ours, and the public unpadded conv (official)
+@pytest.mark.parametrize('grid', [(8, 8), (7, 10), (9, 7)])          # divisible by k = 2, and padded / cut
+def test_conv_sampler_matmul_matches_conv2d_reference(grid, border):
+    """Outputs and the token and weight gradients for both borders; 'drop' was compared on outputs only, at the
+    official layer's weights."""
     from structformer.layers.attention.soft import ConvLandmarkSampler
-    sampler = ConvLandmarkSampler(4, kernel_size=2, dtype=F64)
+    sampler = ConvLandmarkSampler(4, kernel_size=2, dtype=F64, border=border)
     with torch.no_grad():
         sampler.weight.normal_()                                  # not the average-pool initialisation
     tokens = _randn(3, 2, grid[0] * grid[1], 4, grad=True)
     out = sampler(tokens, grid)
     ref = sampler.forward_reference(tokens, grid)
-    assert out.shape == (3, 2, -(-grid[0] // 2) * -(-grid[1] // 2), 4)
+    windows = (lambda size: -(-size // 2)) if border == 'replicate' else (lambda size: size // 2)
+    assert out.shape == (3, 2, windows(grid[0]) * windows(grid[1]), 4)
     # float64, sums of k²·C = 16 products (weight gradient: over the windows) in another order: 1e-12 of the largest
     # entry (the default float64 tolerance, 1e-7, is far above what two orders of one sum can differ by)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12 * ref.abs().max().item())

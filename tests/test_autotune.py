@@ -214,6 +214,11 @@ def test_the_recorded_cache_file_writes_the_home_folder_as_a_tilde(tuning, monke
 
 # ---- every candidate equals the reference on every shape class the chooser distinguishes --------------------
 
+def _close_float64(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float64 paths that differ only in the order of their sums: within 1e-12 of the reference's largest entry."""
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * want.abs().max().item())
+
+
 def _both(run, monkeypatch, name, candidates):
     """run() under each forced candidate: {candidate: result}."""
     results = {}
@@ -246,10 +251,11 @@ def test_ssa_candidates_equal_the_reference(tuning, monkeypatch, tokens, head_di
     layer.zero_grad()
     reference = layer.proj(heads.transpose(1, 2).reshape(2, tokens, -1))
     reference.backward(torch.ones_like(reference))
+    # float64, softmax and sums over <= 300 tokens in another order: ~1e-15 of each tensor's largest entry, so 1e-12
+    # (the default float64 tolerance, 1e-7, would pass a wrong term of that size)
     for out, grad_x, grad_w in results.values():
-        torch.testing.assert_close(out, reference.detach())
-        torch.testing.assert_close(grad_x, xs.grad)
-        torch.testing.assert_close(grad_w, layer.qkv.weight.grad)
+        for got, want in ((out, reference.detach()), (grad_x, xs.grad), (grad_w, layer.qkv.weight.grad)):
+            _close_float64(got, want)
 
 
 @pytest.mark.skipif(not onednn_linear.onednn_available(), reason='torch built without oneDNN')
@@ -304,11 +310,21 @@ def test_newton_loop_candidates_equal_pinv(tuning, monkeypatch, batch, m, dtype)
 
     results = _both(run, monkeypatch, 'newton_loop', ('host', 'device'))
     reference = torch.linalg.pinv(a.double())
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-7, atol=1e-9)
+    grad_reference = -(reference.transpose(-2, -1) @ torch.ones_like(reference) @ reference.transpose(-2, -1))
+    if dtype == torch.float32:
+        tol = dict(x=dict(rtol=1e-4, atol=1e-4), grad=dict(rtol=1e-4, atol=1e-4))
+    else:
+        # converged float64 Newton–Schulz: X within ~eps·cond(A) of A⁻¹ and Eq. 12's -Xᵀ G Xᵀ within ~eps·cond(A)² of
+        # the true gradient, relative to each tensor's largest entry (cond ≤ ~500 here: ≤ 1e-12 and ≤ 1e-9). The old
+        # rtol 1e-7 passed a loop that froze one step early (X_k, ~√eps off) at m = 8
+        cond = torch.linalg.cond(a.double()).max().item()
+        x_tol, grad_tol = 10 * torch.finfo(dtype).eps * cond, 10 * torch.finfo(dtype).eps * cond ** 2
+        assert grad_tol < 1e-8, cond                                # well conditioned: the bound can tell
+        tol = dict(x=dict(rtol=x_tol, atol=x_tol * reference.abs().max().item()),
+                   grad=dict(rtol=grad_tol, atol=grad_tol * grad_reference.abs().max().item()))
     for x, grad in results.values():
-        torch.testing.assert_close(x.double(), reference, **tol)
-        torch.testing.assert_close(grad.double(), -(reference.transpose(-2, -1) @ torch.ones_like(reference)
-                                                    @ reference.transpose(-2, -1)), **tol)
+        torch.testing.assert_close(x.double(), reference, **tol['x'])
+        torch.testing.assert_close(grad.double(), grad_reference, **tol['grad'])
 
 
 @pytest.mark.parametrize('n, train, dense_cls_row', [(41, False, True), (41, True, True), (70, False, True),
@@ -337,9 +353,9 @@ def test_sparsifiner_tile_candidates_equal_the_masked_reference(tuning, monkeypa
     results = _both(run, monkeypatch, 'sparsifiner_tiles', ('kernel', 'gather'))
     out, grad = run(masked)
     for got, got_grad in results.values():
-        torch.testing.assert_close(got, out)
+        _close_float64(got, out)
         if train:
-            torch.testing.assert_close(got_grad, grad)
+            _close_float64(got_grad, grad)
 
 
 def test_every_choice_builds_and_runs_its_candidates(tuning, monkeypatch):

@@ -137,3 +137,24 @@ def test_train_with_timms_second_order_optimiser(model, tmp_path):
     assert result.history and all(math.isfinite(value) for value in result.final.values()
                                   if isinstance(value, float))
     assert len(seen) > 0 and sum(seen) > 0
+
+
+def test_hand_written_backwards_pass_gradgradcheck_in_float64():
+    """The create_graph branch of each custom autograd Function, numerically, in float64: the tests above compare
+    one direction of the second derivative (a gradient penalty's) with the reference's; gradgradcheck checks the
+    whole double-backward Jacobian against finite differences. _OneDnnLinear with a row-major and a transposed
+    weight, with and without bias (its float64 products are torch's: the backward formula is what is checked);
+    Eq. 12's backward of A† (converged, well conditioned; gradcheck's float64 tolerances); the tile kernel's on a
+    partial last tile with the cls row dense."""
+    x, w, b, a_base = _draw((3, 4), (5, 4), (5,), (2, 4, 4), seed=4)
+    for weight in (w, w.t().contiguous().t()):
+        for bias in (b, None):
+            inputs = (x.clone().requires_grad_(), weight.detach().clone().requires_grad_())
+            assert torch.autograd.gradgradcheck(lambda x, w: _OneDnnLinear.apply(x, w, bias), inputs)
+    a = (a_base @ a_base.transpose(-1, -2) / 4 + torch.eye(4, dtype=F64)).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda m: newton_pinv(m, num_iter=60), (a,), eps=1e-6, atol=1e-8, rtol=1e-6)
+    if tile_kernel.unavailable_reason() is None:
+        q, k, v = (t.requires_grad_() for t in _draw(*[(1, 2, 7, 3)] * 3, seed=5))
+        indices = torch.tensor([[[[1], [0]], [[0], [1]]]])              # 2 query tiles of 4 (the last partial), 1 kept
+        assert torch.autograd.gradgradcheck(
+            lambda q, k, v: tile_kernel.block_tile_attention(q, k, v, indices, 4, dense_rows=1), (q, k, v))

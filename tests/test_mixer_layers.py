@@ -160,6 +160,21 @@ def test_permute_features_gradcheck_and_reference():
     torch.testing.assert_close(permute_features(x, perm), x[:, perm])
 
 
+def test_permutation_and_monarch_backwards_pass_gradgradcheck():
+    """The two custom autograd Functions of the Mixer layers (`_PermuteFeatures`' gather backward, Monarch's
+    `_ContiguousGrad`) differentiated twice, float64: a second-order method (a Hessian-vector product, a gradient
+    penalty) goes through them."""
+    torch.manual_seed(9)
+    perm = random_permutation(7, seed=4)
+    x = torch.randn(3, 7, dtype=D, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: permute_features(t, perm).square(), (x,))
+    layer = MonarchLinear(12, 18, nblocks=3).double()
+    inputs = (torch.randn(2, 12, dtype=D, requires_grad=True), layer.weight_right.detach().clone().requires_grad_(),
+              layer.weight_left.detach().clone().requires_grad_())
+    assert torch.autograd.gradgradcheck(lambda t, r, l: torch.func.functional_call(
+        layer, {'weight_right': r, 'weight_left': l, 'bias': layer.bias}, (t,)).square(), inputs)
+
+
 def test_monarch_projection_recovers_a_monarch_and_is_locally_optimal():
     torch.manual_seed(6)
     source = MonarchLinear(16, 16, nblocks=4, bias=False).double()
@@ -292,6 +307,35 @@ def test_fast_path_equals_dense_reference_on_edge_shapes(name, make, lead):
         y = forward(xs)
         assert y.shape == (*lead, layer.out_features)
         results.append((y.detach(), *torch.autograd.grad(y, [xs, *layer.parameters()], grad_out)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
+
+
+@pytest.mark.parametrize('layout', ['feature-major', 'strided-features'])
+@pytest.mark.parametrize('name,make', _layers() + _edge_layers(), ids=[n for n, _ in _layers() + _edge_layers()])
+def test_fast_path_equals_dense_reference_on_non_contiguous_inputs(name, make, layout):
+    """x as a view that is not row-major (a permuted [in, 5, 3] tensor: the features are the slowest axis; or every
+    other feature of a wider tensor): the fast paths reshape and permute x, and a view where a copy is needed
+    would raise or read the wrong features. Outputs and the input and parameter gradients against the dense
+    reference, float64, 1e-12 of each tensor's largest entry (the tests above take contiguous x only)."""
+    torch.manual_seed(8)
+    layer = make().double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    if layout == 'feature-major':
+        base = torch.randn(layer.in_features, 5, 3, dtype=D)
+        view = lambda t: t.permute(2, 1, 0)                                          # noqa: E731
+    else:
+        base = torch.randn(3, 5, 2 * layer.in_features, dtype=D)
+        view = lambda t: t[..., ::2]                                                 # noqa: E731
+    assert not view(base).is_contiguous()
+    grad_out = torch.randn(3, 5, layer.out_features, dtype=D)
+    results = []
+    for forward in (layer.forward, layer.forward_reference):
+        leaf = base.clone().requires_grad_()
+        y = forward(view(leaf))
+        results.append((y.detach(), *torch.autograd.grad(y, [leaf, *layer.parameters()], grad_out)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * b.abs().max().item())
 
