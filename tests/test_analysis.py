@@ -11,6 +11,7 @@ import structformer  # noqa: F401  (registers the CRATE models)
 from structformer.analysis import (capture_layers, map_true_bases, measure_layers, principal_angles,
                                    random_bases, subspace_coherence, subspace_recovery, token_heatmaps)
 from structformer.analysis.cli import add_analyze_arguments, resolve_compare, run_analyze
+from structformer.errors import UsageError
 from structformer.functional.coding_rate import official_rate_per_head
 from structformer.train.checkpoint import mark_latest, save_checkpoint
 
@@ -319,3 +320,33 @@ def test_a_figure_that_fails_mid_write_leaves_the_previous_one(tmp_path, monkeyp
     with pytest.raises(OSError):
         plot_layer_curves({'trained': measure}, 'R_c', path)
     assert path.read_bytes() == previous and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize('argv, words', [
+    (['--interpolate-steps', '1'], ['--interpolate-steps does not apply', 'is for --interpolate']),
+    (['--cka-batch-size', '8'], ['--cka-batch-size does not apply', 'is for --cka']),
+    (['--cka', '{run}', '--estimator', 'paper'], ['--estimator does not apply', 'analysed as --cka']),
+    (['--interpolate', '{run}', '--cka-batch-size', '8'], ['--cka-batch-size does not apply']),
+    (['--cka', '{run}', '--interpolate', '{run}'], ['--cka and --interpolate', 'give one']),
+])
+def test_run_analyze_refuses_options_it_would_ignore(tmp_path, argv, words):
+    """These options were silently ignored: --estimator / --cka-batch-size / --interpolate-steps outside the
+    analysis that reads them (their defaults were not None, so the refusal never saw them given), and --cka beside
+    --interpolate (the interpolation ran, the CKA never did). No output folder is left."""
+    run = _make_run(tmp_path)
+    out = tmp_path / 'out'
+    argv = [a.replace('{run}', str(run)) for a in argv]
+    with pytest.raises(UsageError) as e:
+        run_analyze(_parse('--checkpoint', str(run), '--num-samples', '8', '--output', str(out), *argv))
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not out.exists()
+
+
+def test_run_analyze_defaults_are_filled_after_the_refusal(tmp_path):
+    """Options left out take their documented defaults (the record says estimator official, seed 0)."""
+    run = _make_run(tmp_path)
+    args = _parse('--checkpoint', str(run), '--num-samples', '4')
+    assert args.estimator is None and args.seed is None                  # not given: nothing to refuse
+    assert run_analyze(args) == 0
+    data = json.loads((run / 'analysis' / 'analysis.json').read_text())
+    assert (data['estimator'], data['seed'], data['eps']) == ('official', 0, 0.1)
