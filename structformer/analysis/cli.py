@@ -36,8 +36,9 @@ ANALYZE_EXAMPLES = """examples:
   # every saved epoch (train with --save-every 1) in one figure, training_curves.png
   structformer analyze --checkpoint outputs/demo --compare all --num-samples 1000
 
-  # mini-batch CKA between the blocks of two models (Mixer paper Fig. 2)
-  structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --num-samples 256
+  # mini-batch CKA between the residual branches of two models (Mixer paper Fig. 2; --cka-features blocks:
+  # the block outputs, of any two models)
+  structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --cka-features branches --num-samples 256
 
   # a run trained with --rank (not CRATE): the per-layer effective ranks and spectra it logged, spectra.png
   structformer analyze --checkpoint outputs/lowrank
@@ -80,6 +81,11 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                              'Mixer paper Fig. 2), written to cka.json and cka.png')
     parser.add_argument('--cka-batch-size', type=int, default=None, metavar='B',
                         help='mini-batch size of the CKA estimate (>= 4; default 64)')
+    parser.add_argument('--cka-features', default=None, choices=['blocks', 'branches'],
+                        help="what --cka compares: 'blocks', every block's output (after its residual add; any "
+                             "model; default), or 'branches', every residual branch just before its skip "
+                             "connection, a Mixer's token- and channel-mixing MLPs counted separately (Mixer paper "
+                             "Fig. 2, App. C.1; Mixers and SW-MLPs)")
     parser.add_argument('--interpolate', default=None, metavar='CHECKPOINT',
                         help='instead of the white-box measures: held-out loss and accuracy along the straight line '
                              'from --checkpoint to this checkpoint, factorised layers read densely (low-rank '
@@ -122,10 +128,10 @@ _SAMPLED = ('crate', 'sparsifiner', 'cka', 'interpolate')
 _USED_BY = {'--compare': ('compare', ('crate',)), '--eps': ('eps', ('crate',)),
             '--estimator': ('estimator', ('crate',)), '--exclude-cls': ('exclude_cls', ('crate',)),
             '--query-patch': ('query_patch', ('sparsifiner',)), '--layers': ('layers', ('sparsifiner',)),
-            '--cka-batch-size': ('cka_batch_size', ('cka',)),
+            '--cka-batch-size': ('cka_batch_size', ('cka',)), '--cka-features': ('cka_features', ('cka',)),
             '--interpolate-steps': ('interpolate_steps', ('interpolate',)),
             '--data': ('data', _SAMPLED), '--num-samples': ('num_samples', _SAMPLED), '--seed': ('seed', _SAMPLED)}
-_DEFAULTS = {'estimator': 'official', 'cka_batch_size': 64, 'interpolate_steps': 11, 'num_samples': 256, 'seed': 0}
+_DEFAULTS = {'estimator': 'official', 'cka_batch_size': 64, 'cka_features': 'blocks', 'interpolate_steps': 11, 'num_samples': 256, 'seed': 0}
 _ANALYSES = {'crate': 'the white-box measures of a CRATE checkpoint', 'sparsifiner': 'a Sparsifiner checkpoint',
              'cka': '--cka', 'interpolate': '--interpolate', 'spectra': "a low-rank run's logged spectra"}
 
