@@ -294,3 +294,14 @@ def test_analyze_cka_features_branches_end_to_end(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count('error:') == 1 and "--cka-features branches: --cka" in err and "'vit_digits'" in err
     assert not (tmp_path / 'no').exists()
+
+
+def test_fig2_recipe_sweeps_an_sw_mlp_with_a_block_per_mixer_branch():
+    """App. C.1: the SW-MLP of Fig. 2 replaces each of the Mixer's mixing MLPs (I_C⊗W₁,₂ and W₃,₄ᵀ⊗I_S) by one
+    M⊙A block, "6 blocks in total" for L = 3, the 6 branches its CKA pairs; the recipe's sweep said depth=3."""
+    import re
+
+    from structformer.train.recipes import load_recipe
+    values, about = load_recipe('mixer_fig2_cifar10')
+    depths = re.findall(r'--model swmlp_cifar\s+--model-kwargs depth=(\d+)', about['sweep'])
+    assert depths == [str(2 * values['model_kwargs']['depth'])]
