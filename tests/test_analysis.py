@@ -350,3 +350,37 @@ def test_run_analyze_defaults_are_filled_after_the_refusal(tmp_path):
     assert run_analyze(args) == 0
     data = json.loads((run / 'analysis' / 'analysis.json').read_text())
     assert (data['estimator'], data['seed'], data['eps']) == ('official', 0, 0.1)
+
+
+def test_training_curves_tick_every_layer_of_the_deepest_checkpoint(monkeypatch):
+    """The layer axis took its ticks from the last line drawn: a 2-layer checkpoint after a 4-layer one left
+    layers 3 and 4 without a tick."""
+    from structformer.analysis import plots
+    monkeypatch.setattr(plots, '_save', lambda fig, path: fig)
+    row = {'R_c': {'mean': 1.0, 'std': 0.0}, 'sparsity': {'mean': 0.5, 'std': 0.0}}
+    per_epoch = [{'epoch': e, 'layers': [row] * depth, 'num_samples': 2, 'estimator': 'official', 'eps': 0.1,
+                  'R_c_bounds': None} for e, depth in ((0, 4), (3, 2))]
+    fig = plots.plot_training_curves(per_epoch, 'unused.png', 'title')
+    assert all(list(ax.get_xticks()) == [1, 2, 3, 4] for ax in fig.axes)
+
+
+def test_compare_checkpoints_of_another_run_or_family(tmp_path):
+    """A --compare checkpoint of another run is measured beside the others but is not a line of the run's
+    'over training' figure (two runs' epoch 2 drew two lines labelled 'epoch 2'); one of another family is
+    refused naming --compare (the message blamed --checkpoint)."""
+    run = _make_run(tmp_path / 'a')
+    other = _make_run(tmp_path / 'b')
+    out = tmp_path / 'out'
+    assert run_analyze(_parse('--checkpoint', str(run), '--compare', str(other), '--num-samples', '4',
+                              '--output', str(out))) == 0
+    data = json.loads((out / 'analysis.json').read_text())
+    assert len(data['checkpoints']) == 2 and 'training' not in data['figures']
+    assert run_analyze(_parse('--checkpoint', str(run), '--compare', 'init', str(other), '--num-samples', '4',
+                              '--output', str(out))) == 0
+    data = json.loads((out / 'analysis.json').read_text())
+    assert len(data['checkpoints']) == 3 and data['figures']['training'] == 'training_curves.png'
+    vit = tmp_path / 'vit'
+    save_checkpoint(vit, timm.create_model('test_vit'),
+                    state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': 1, 'config': CONFIG}, with_rng=False)
+    with pytest.raises(ValueError, match=r"^--compare .*vit.*'test_vit' is not CRATE"):
+        run_analyze(_parse('--checkpoint', str(run), '--compare', str(vit), '--output', str(tmp_path / 'no')))

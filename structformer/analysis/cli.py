@@ -282,7 +282,8 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
                 if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
                     refuse_unused_options(args, 'spectra', what)
                     return run_spectra_analysis(run, out)
-            raise ValueError(f"--checkpoint {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
+            flag = '--checkpoint' if p is main_path else '--compare'       # blame the flag that named it
+            raise ValueError(f"{flag} {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
                              "models: --cka CHECKPOINT, --interpolate CHECKPOINT, and for runs trained with "
                              "--rank the effective ranks and spectra they logged") from None
         if p is main_path:
@@ -317,8 +318,14 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
                     'sparsity': plot_layer_curves(measures, 'sparsity', out / 'sparsity_per_layer.png').name},
         'checkpoints': results,
     }
-    by_epoch = sorted((r for r in results if r['epoch'] is not None), key=lambda r: r['epoch'])
-    if len(by_epoch) >= 2:                       # Fig. 4: every measured epoch in one figure
+    # Fig. 4: every measured epoch of ONE run in one figure, one line per epoch (checkpoints of other runs given to
+    # --compare drew lines labelled with the same epoch, indistinguishable, under 'over training')
+    def in_run(path: str) -> bool:
+        found = _run_dir(Path(path))
+        return run is None or (found is not None and found.resolve() == run.resolve())
+    own = [r for r in results if r['epoch'] is not None and in_run(r['path'])]
+    by_epoch = sorted(own, key=lambda r: r['epoch'])
+    if len(by_epoch) >= 2 and len({r['epoch'] for r in by_epoch}) == len(by_epoch):
         from .plots import plot_training_curves
         analysis['figures']['training'] = plot_training_curves(
             [dict(r['measure'], epoch=r['epoch']) for r in by_epoch], out / 'training_curves.png',
