@@ -384,3 +384,14 @@ def test_compare_checkpoints_of_another_run_or_family(tmp_path):
                     state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': 1, 'config': CONFIG}, with_rng=False)
     with pytest.raises(ValueError, match=r"^--compare .*vit.*'test_vit' is not CRATE"):
         run_analyze(_parse('--checkpoint', str(run), '--compare', str(vit), '--output', str(tmp_path / 'no')))
+
+
+def test_subspace_energy_takes_a_float64_model(model, images):
+    """measure_layers and capture_layers cast a caller's float32 images to the model's dtype; subspace_energy did
+    not, so a float64 model raised 'mixed dtype' in its first LayerNorm. Same numbers as the float32 model."""
+    from structformer.analysis.subspaces import subspace_energy
+    labels = torch.randint(0, 4, (len(images), 16), generator=torch.Generator().manual_seed(0))
+    want = subspace_energy(model, images, labels, 4, permutations=5)
+    got = subspace_energy(model.double(), images, labels, 4, permutations=5)
+    assert got['matched_share'] == pytest.approx(want['matched_share'], rel=1e-5)
+    assert got['attention_within_subspace']['mean'] == pytest.approx(want['attention_within_subspace']['mean'], rel=1e-5)

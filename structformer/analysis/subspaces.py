@@ -35,7 +35,7 @@ from torch import nn
 
 from ..functional.precision import full_precision
 from ..layers.linear.base import StructuredLinear, linear_weight
-from .whitebox import layer_bases
+from .whitebox import _to_model, layer_bases
 
 __all__ = ['subspace_energy', 'subspace_coherence', 'coherence_summary', 'principal_angles', 'embedding_linear_map',
            'map_true_bases', 'match_subspaces', 'random_bases', 'subspace_recovery']
@@ -159,6 +159,7 @@ def subspace_energy(model: nn.Module, images: torch.Tensor, token_subspaces: tor
     u = blk.attn.subspace_bases().detach().double()                      # [K, d, p]
     num_heads = u.shape[0]
     labels = token_subspaces.reshape(-1).long()
+    images = _to_model(images, model)          # a float64 (or bf16) model takes the float32 images a caller has
     was_training = model.training
     model.eval()
     try:
