@@ -305,3 +305,16 @@ def test_fig2_recipe_sweeps_an_sw_mlp_with_a_block_per_mixer_branch():
     values, about = load_recipe('mixer_fig2_cifar10')
     depths = re.findall(r'--model swmlp_cifar\s+--model-kwargs depth=(\d+)', about['sweep'])
     assert depths == [str(2 * values['model_kwargs']['depth'])]
+
+
+def test_fig4_recipe_names_the_command_that_draws_the_init_spectra():
+    """Fig. 4 (right) is σ_max at initialisation, drawn by `reproduce mixer` (init_spectrum_sweep, init_spectra.png);
+    the recipe said `structformer analyze`, which has no such output (its spectra are a low-rank run's)."""
+    import inspect
+
+    from structformer.reproduce import mixer as reproduce_mixer
+    from structformer.train.recipes import load_recipe
+    _, about = load_recipe('mixer_fig4_cifar10')
+    right = about['covers'].split('(right)', 1)[1]
+    assert 'structformer reproduce mixer' in right and 'structformer analyze' not in right
+    assert 'init_spectra.png' in right and "'init_spectra.png'" in inspect.getsource(reproduce_mixer)
