@@ -395,3 +395,7 @@ def test_subspace_energy_takes_a_float64_model(model, images):
     got = subspace_energy(model.double(), images, labels, 4, permutations=5)
     assert got['matched_share'] == pytest.approx(want['matched_share'], rel=1e-5)
     assert got['attention_within_subspace']['mean'] == pytest.approx(want['attention_within_subspace']['mean'], rel=1e-5)
+    model.train()
+    model.blocks[1].eval()                          # a part held in eval keeps its mode (the top one's was restored)
+    subspace_energy(model, images, labels, 4, permutations=5)
+    assert model.training and model.blocks[0].training and not model.blocks[1].training

@@ -318,3 +318,17 @@ def test_fig4_recipe_names_the_command_that_draws_the_init_spectra():
     right = about['covers'].split('(right)', 1)[1]
     assert 'structformer reproduce mixer' in right and 'structformer analyze' not in right
     assert 'init_spectra.png' in right and "'init_spectra.png'" in inspect.getsource(reproduce_mixer)
+
+
+@pytest.mark.parametrize('features', ['blocks', 'branches'])
+def test_minibatch_cka_leaves_each_submodules_own_mode(features):
+    """A training model with one part held in eval (a frozen stem) came back with every module in train mode:
+    the mode was restored from the top module alone."""
+    import timm
+
+    import structformer.models  # noqa: F401
+    torch.manual_seed(0)
+    model = timm.create_model('mixer_digits').train()
+    model.stem.eval()
+    minibatch_cka(model, model, [torch.randn(4, 1, 8, 8)], features=features)
+    assert model.training and model.blocks[0].training and not model.stem.training

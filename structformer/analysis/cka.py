@@ -26,6 +26,7 @@ import torch
 
 from ..functional.precision import full_precision
 from ..hooks import capture
+from .whitebox import _eval_no_grad
 
 FEATURES = ('blocks', 'branches')
 
@@ -104,15 +105,11 @@ def block_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.T
     weight = next(model.parameters(), None)
     if weight is not None:        # the model's device, and its dtype for float images (a float64 or bf16 model)
         images = images.to(weight.device, weight.dtype if images.is_floating_point() else None)
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_no_grad(model):        # each module's own mode back after: measuring is no side effect
         try:
             maps = model.forward_intermediates(images, intermediates_only=True, output_fmt='NLC')
         except TypeError:
             maps = model.forward_intermediates(images, intermediates_only=True)
-    finally:
-        model.train(was_training)             # the caller's mode back: measuring is no side effect
     return [m.reshape(m.shape[0], -1) for m in maps]
 
 
@@ -141,14 +138,8 @@ def branch_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.
     weight = next(model.parameters(), None)
     if weight is not None:
         images = images.to(weight.device, weight.dtype if images.is_floating_point() else None)
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with capture(model, outputs=names) as seen:
-            model(images)
-    finally:
-        for m, mode in modes.items():
-            m.train(mode)
+    with _eval_no_grad(model), capture(model, outputs=names) as seen:
+        model(images)
     # the last call of each: an SW-MLP block with a hidden layer calls its activation twice, the branch is the 2nd
     return [seen.outputs[name][-1].reshape(len(images), -1) for name in names]
 
