@@ -158,6 +158,7 @@ def test_analyze_cka_between_two_runs(tmp_path, capsys):
                  '--num-samples', '64', '--cka-batch-size', '32', '--output', str(out)]) == 0
     record = json.loads((out / 'cka.json').read_text())
     assert len(record['cka']) == 4 and len(record['cka'][0]) == 2 and record['samples'] == 64
+    assert record['diagonal_mean'] is None                       # 4 × 2: no diagonal to average
     assert all(-0.2 < v <= 1.0 + 1e-9 for row in record['cka'] for v in row)
     assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'mixer_digits'),
                  '--num-samples', '64', '--output', str(out)]) == 0
@@ -288,6 +289,8 @@ def test_analyze_cka_features_branches_end_to_end(tmp_path, capsys):
     depth = len(timm.create_model('mixer_digits').blocks)
     assert record['features'] == 'branches' and len(record['cka']) == len(record['cka'][0]) == 2 * depth
     assert all(abs(record['cka'][i][i] - 1) < 1e-9 for i in range(2 * depth))
+    # Fig. 2 (a) plots the mean of this diagonal against the SW-MLP's sparsity (the recipe called it test error)
+    assert record['diagonal_mean'] == pytest.approx(sum(record['cka'][i][i] for i in range(2 * depth)) / (2 * depth))
     assert f"A{2 * depth} " in capsys.readouterr().out                      # rows numbered from 1, as the paper's
     assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'vit_digits'),
                  '--cka-features', 'branches', '--output', str(tmp_path / 'no')]) == 2
@@ -305,6 +308,8 @@ def test_fig2_recipe_sweeps_an_sw_mlp_with_a_block_per_mixer_branch():
     values, about = load_recipe('mixer_fig2_cifar10')
     depths = re.findall(r'--model swmlp_cifar\s+--model-kwargs depth=(\d+)', about['sweep'])
     assert depths == [str(2 * values['model_kwargs']['depth'])]
+    # Fig. 2 (a) is 'the mean of the diagonal entries of the CKA' against the sparsity, not a test error
+    assert 'diagonal' in about['reported'] and 'test error' not in about['reported']
 
 
 def test_fig4_recipe_names_the_command_that_draws_the_init_spectra():

@@ -51,6 +51,8 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
               'data': spec, 'samples': sum(len(b) for b in batches), 'batch_size': batch,
               'estimator': 'minibatch linear CKA, unbiased HSIC (Nguyen et al. 2021)', 'features': features,
               'features_meaning': _MEANING[features], 'numbering': 'from 1, the input side first',
+              # Fig. 2 (a)'s number: the mean of the diagonal, layer i of A against layer i of B (square only)
+              'diagonal_mean': float(cka.diagonal().mean()) if cka.shape[0] == cka.shape[1] else None,
               'cka': cka.tolist()}
     unit = 'block' if features == 'blocks' else 'branch'
     print(f"CKA between the {_MEANING[features]} of {name_a} ({main_path}) and {name_b} ({other_path}), "
@@ -58,6 +60,8 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     print('      ' + ''.join(f"  B{j + 1:<4}" for j in range(cka.shape[1])))
     for i, row in enumerate(cka.tolist()):
         print(f"A{i + 1:<4} " + ''.join(f"  {v:5.3f}" for v in row))
+    if record['diagonal_mean'] is not None:
+        print(f"mean of the diagonal (Mixer paper Fig. 2 (a)): {record['diagonal_mean']:.4f}")
     print(f"wrote {write_json(out / 'cka.json', record)}")
 
     def draw(plt):
