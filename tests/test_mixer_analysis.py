@@ -159,6 +159,8 @@ def test_analyze_cka_between_two_runs(tmp_path, capsys):
     record = json.loads((out / 'cka.json').read_text())
     assert len(record['cka']) == 4 and len(record['cka'][0]) == 2 and record['samples'] == 64
     assert record['diagonal_mean'] is None                       # 4 × 2: no diagonal to average
+    # which held-out images: the analysis seed, the split and its indices (the white-box record says them too)
+    assert record['seed'] == 0 and record['data_seed'] == 0 and len(record['sample_indices']) == 64
     assert all(-0.2 < v <= 1.0 + 1e-9 for row in record['cka'] for v in row)
     assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'mixer_digits'),
                  '--num-samples', '64', '--output', str(out)]) == 0

@@ -48,7 +48,9 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     out.mkdir(parents=True, exist_ok=True)
     record = {'a': {'checkpoint': str(main_path), 'model': name_a, 'epoch': state_a.get('epoch')},
               'b': {'checkpoint': str(other_path), 'model': name_b, 'epoch': state_b.get('epoch')},
-              'data': spec, 'samples': sum(len(b) for b in batches), 'batch_size': batch,
+              'data': spec, 'data_kwargs': options, 'data_seed': data_seed, 'val_fraction': val_fraction,
+              'seed': args.seed, 'sample_indices': idx[:sum(len(b) for b in batches)],
+              'samples': sum(len(b) for b in batches), 'batch_size': batch,
               'estimator': 'minibatch linear CKA, unbiased HSIC (Nguyen et al. 2021)', 'features': features,
               'features_meaning': _MEANING[features], 'numbering': 'from 1, the input side first',
               # Fig. 2 (a)'s number: the mean of the diagonal, layer i of A against layer i of B (square only)
