@@ -328,6 +328,8 @@ def test_a_figure_that_fails_mid_write_leaves_the_previous_one(tmp_path, monkeyp
     (['--cka', '{run}', '--estimator', 'paper'], ['--estimator does not apply', 'analysed as --cka']),
     (['--interpolate', '{run}', '--cka-batch-size', '8'], ['--cka-batch-size does not apply']),
     (['--cka', '{run}', '--interpolate', '{run}'], ['--cka and --interpolate', 'give one']),
+    (['--cka', ''], ['--cka: give the second checkpoint']),              # '' ran the white-box analysis
+    (['--interpolate', ' '], ['--interpolate: give the second checkpoint']),
 ])
 def test_run_analyze_refuses_options_it_would_ignore(tmp_path, argv, words):
     """These options were silently ignored: --estimator / --cka-batch-size / --interpolate-steps outside the

@@ -105,6 +105,10 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 def _check_args(args) -> None:
+    for flag, key in (('--cka', 'cka'), ('--interpolate', 'interpolate')):
+        value = getattr(args, key, None)
+        if value is not None and not str(value).strip():      # '' was falsy: the white-box analysis ran instead
+            raise UsageError(f"{flag}: give the second checkpoint (a run directory or a checkpoint folder); got ''")
     if getattr(args, 'cka', None) and getattr(args, 'interpolate', None):
         raise UsageError("--cka and --interpolate are two analyses; give one of them (each writes its own record)")
     b = getattr(args, 'num_samples', None)
