@@ -339,3 +339,14 @@ def test_minibatch_cka_leaves_each_submodules_own_mode(features):
     model.stem.eval()
     minibatch_cka(model, model, [torch.randn(4, 1, 8, 8)], features=features)
     assert model.training and model.blocks[0].training and not model.stem.training
+
+
+@pytest.mark.parametrize('name', ['mixer_fig2_cifar10', 'mixer_fig4_cifar10'])
+def test_fig2_fig4_recipes_say_the_batch_they_train_with(name):
+    """App. C.1 (and C.2, 'as Fig. 2 (a)') train with batch 128; the recipes' devices line said batch 1,024 (Table 1's,
+    App. C.3) beside their own batch: 128."""
+    import re
+
+    from structformer.train.recipes import load_recipe
+    values, about = load_recipe(name)
+    assert re.findall(r'batch ([\d,]+)', about['devices']) == [str(values['batch_size'])] == ['128']
