@@ -11,6 +11,7 @@ import structformer  # noqa: F401  (registers the CRATE models)
 from structformer.analysis import (capture_layers, map_true_bases, measure_layers, principal_angles,
                                    random_bases, subspace_coherence, subspace_recovery, token_heatmaps)
 from structformer.analysis.cli import add_analyze_arguments, resolve_compare, run_analyze
+from structformer.errors import UsageError
 from structformer.functional.coding_rate import official_rate_per_head
 from structformer.train.checkpoint import mark_latest, save_checkpoint
 
@@ -319,3 +320,84 @@ def test_a_figure_that_fails_mid_write_leaves_the_previous_one(tmp_path, monkeyp
     with pytest.raises(OSError):
         plot_layer_curves({'trained': measure}, 'R_c', path)
     assert path.read_bytes() == previous and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize('argv, words', [
+    (['--interpolate-steps', '1'], ['--interpolate-steps does not apply', 'is for --interpolate']),
+    (['--cka-batch-size', '8'], ['--cka-batch-size does not apply', 'is for --cka']),
+    (['--cka', '{run}', '--estimator', 'paper'], ['--estimator does not apply', 'analysed as --cka']),
+    (['--interpolate', '{run}', '--cka-batch-size', '8'], ['--cka-batch-size does not apply']),
+    (['--cka', '{run}', '--interpolate', '{run}'], ['--cka and --interpolate', 'give one']),
+    (['--cka', ''], ['--cka: give the second checkpoint']),              # '' ran the white-box analysis
+    (['--interpolate', ' '], ['--interpolate: give the second checkpoint']),
+])
+def test_run_analyze_refuses_options_it_would_ignore(tmp_path, argv, words):
+    """These options were silently ignored: --estimator / --cka-batch-size / --interpolate-steps outside the
+    analysis that reads them (their defaults were not None, so the refusal never saw them given), and --cka beside
+    --interpolate (the interpolation ran, the CKA never did). No output folder is left."""
+    run = _make_run(tmp_path)
+    out = tmp_path / 'out'
+    argv = [a.replace('{run}', str(run)) for a in argv]
+    with pytest.raises(UsageError) as e:
+        run_analyze(_parse('--checkpoint', str(run), '--num-samples', '8', '--output', str(out), *argv))
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not out.exists()
+
+
+def test_run_analyze_defaults_are_filled_after_the_refusal(tmp_path):
+    """Options left out take their documented defaults (the record says estimator official, seed 0)."""
+    run = _make_run(tmp_path)
+    args = _parse('--checkpoint', str(run), '--num-samples', '4')
+    assert args.estimator is None and args.seed is None                  # not given: nothing to refuse
+    assert run_analyze(args) == 0
+    data = json.loads((run / 'analysis' / 'analysis.json').read_text())
+    assert (data['estimator'], data['seed'], data['eps']) == ('official', 0, 0.1)
+
+
+def test_training_curves_tick_every_layer_of_the_deepest_checkpoint(monkeypatch):
+    """The layer axis took its ticks from the last line drawn: a 2-layer checkpoint after a 4-layer one left
+    layers 3 and 4 without a tick."""
+    from structformer.analysis import plots
+    monkeypatch.setattr(plots, '_save', lambda fig, path: fig)
+    row = {'R_c': {'mean': 1.0, 'std': 0.0}, 'sparsity': {'mean': 0.5, 'std': 0.0}}
+    per_epoch = [{'epoch': e, 'layers': [row] * depth, 'num_samples': 2, 'estimator': 'official', 'eps': 0.1,
+                  'R_c_bounds': None} for e, depth in ((0, 4), (3, 2))]
+    fig = plots.plot_training_curves(per_epoch, 'unused.png', 'title')
+    assert all(list(ax.get_xticks()) == [1, 2, 3, 4] for ax in fig.axes)
+
+
+def test_compare_checkpoints_of_another_run_or_family(tmp_path):
+    """A --compare checkpoint of another run is measured beside the others but is not a line of the run's
+    'over training' figure (two runs' epoch 2 drew two lines labelled 'epoch 2'); one of another family is
+    refused naming --compare (the message blamed --checkpoint)."""
+    run = _make_run(tmp_path / 'a')
+    other = _make_run(tmp_path / 'b')
+    out = tmp_path / 'out'
+    assert run_analyze(_parse('--checkpoint', str(run), '--compare', str(other), '--num-samples', '4',
+                              '--output', str(out))) == 0
+    data = json.loads((out / 'analysis.json').read_text())
+    assert len(data['checkpoints']) == 2 and 'training' not in data['figures']
+    assert run_analyze(_parse('--checkpoint', str(run), '--compare', 'init', str(other), '--num-samples', '4',
+                              '--output', str(out))) == 0
+    data = json.loads((out / 'analysis.json').read_text())
+    assert len(data['checkpoints']) == 3 and data['figures']['training'] == 'training_curves.png'
+    vit = tmp_path / 'vit'
+    save_checkpoint(vit, timm.create_model('test_vit'),
+                    state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': 1, 'config': CONFIG}, with_rng=False)
+    with pytest.raises(ValueError, match=r"^--compare .*vit.*'test_vit' is not CRATE"):
+        run_analyze(_parse('--checkpoint', str(run), '--compare', str(vit), '--output', str(tmp_path / 'no')))
+
+
+def test_subspace_energy_takes_a_float64_model(model, images):
+    """measure_layers and capture_layers cast a caller's float32 images to the model's dtype; subspace_energy did
+    not, so a float64 model raised 'mixed dtype' in its first LayerNorm. Same numbers as the float32 model."""
+    from structformer.analysis.subspaces import subspace_energy
+    labels = torch.randint(0, 4, (len(images), 16), generator=torch.Generator().manual_seed(0))
+    want = subspace_energy(model, images, labels, 4, permutations=5)
+    got = subspace_energy(model.double(), images, labels, 4, permutations=5)
+    assert got['matched_share'] == pytest.approx(want['matched_share'], rel=1e-5)
+    assert got['attention_within_subspace']['mean'] == pytest.approx(want['attention_within_subspace']['mean'], rel=1e-5)
+    model.train()
+    model.blocks[1].eval()                          # a part held in eval keeps its mode (the top one's was restored)
+    subspace_energy(model, images, labels, 4, permutations=5)
+    assert model.training and model.blocks[0].training and not model.blocks[1].training

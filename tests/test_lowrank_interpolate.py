@@ -51,6 +51,7 @@ def test_analyze_interpolate_end_to_end(tmp_path, capsys):
                  '--interpolate-steps', '3', '--num-samples', '64', '--output', str(out)]) == 0
     report = json.loads((out / 'interpolation.json').read_text())
     assert [r['t'] for r in report['curve']] == [0.0, 0.5, 1.0] and report['samples'] == 64
+    assert report['seed'] == 0 and report['data_seed'] == 0      # which held-out images (a --seed picks others)
     assert (out / 'interpolation.png').exists()
     capsys.readouterr()
     assert main(['analyze', '--checkpoint', str(tmp_path / 'dense'), '--interpolate', str(tmp_path / 'low'),

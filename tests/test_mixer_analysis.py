@@ -158,6 +158,9 @@ def test_analyze_cka_between_two_runs(tmp_path, capsys):
                  '--num-samples', '64', '--cka-batch-size', '32', '--output', str(out)]) == 0
     record = json.loads((out / 'cka.json').read_text())
     assert len(record['cka']) == 4 and len(record['cka'][0]) == 2 and record['samples'] == 64
+    assert record['diagonal_mean'] is None                       # 4 × 2: no diagonal to average
+    # which held-out images: the analysis seed, the split and its indices (the white-box record says them too)
+    assert record['seed'] == 0 and record['data_seed'] == 0 and len(record['sample_indices']) == 64
     assert all(-0.2 < v <= 1.0 + 1e-9 for row in record['cka'] for v in row)
     assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'mixer_digits'),
                  '--num-samples', '64', '--output', str(out)]) == 0
@@ -254,3 +257,119 @@ def test_bench_mlp_model_peak_leaves_out_the_flop_count(monkeypatch):
     monkeypatch.setattr(flops, 'model_flops', counting_model)
     row = mlp.measure_model('mixer_cifar', 2, 1, threads=1, img_size=8)
     assert row['macs_per_image'] == 1.0 and row['step_peak_mib'] < 128, row
+
+
+def _branches_by_hand(model, images):
+    """The residual branches of Fig. 2 (App. C.1: the layer just before each skip connection), written out:
+    Mixer blocks x + f_tok(LN1 x) then u + f_ch(LN2 u), without a skip layer; SW-MLP blocks x + f(LN x)."""
+    from structformer.models.mixer import SWMLP
+    out = []
+    with torch.no_grad():
+        x = model.stem(images)
+        for block in model.blocks:
+            if isinstance(model, SWMLP):
+                y = block(x)
+                out.append((y - x).reshape(len(x), -1))
+            else:
+                u = x + block.mlp_tokens(block.norm1(x).reshape(len(x), -1)).reshape(x.shape)
+                y = u + block.mlp_channels(block.norm2(u).reshape(len(x), -1)).reshape(x.shape)
+                out += [(u - x).reshape(len(x), -1), (y - u).reshape(len(x), -1)]
+            x = y
+    return out
+
+
+def test_cka_branches_are_the_features_before_each_skip_connection():
+    """Mixer paper Fig. 2 (App. C.1) compares the layer just before the skip connection of each block, token- and
+    channel-mixing counted separately (6 for L = 3); `analyze --cka` could only compare block outputs after the
+    residual add, L per Mixer. An SW-MLP block with a hidden layer calls its activation twice: the second is the branch."""
+    import timm
+
+    import structformer.models  # noqa: F401  (registers the models)
+    from structformer.analysis.cka import branch_features, branch_modules
+    torch.manual_seed(0)
+    images = torch.randn(5, 1, 8, 8)
+    mixer = timm.create_model('mixer_digits')
+    sw = timm.create_model('swmlp_digits', mlp_ratio=2.0)
+    sw.train()
+    got = branch_features(sw, images)
+    assert sw.training                                          # measuring leaves the caller's mode
+    for model, count in ((mixer, 2 * len(mixer.blocks)), (sw, len(sw.blocks))):
+        got, want = branch_features(model, images), _branches_by_hand(model.eval(), images)
+        assert len(got) == len(want) == count
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    result = minibatch_cka(mixer, sw, [images[:4], torch.randn(4, 1, 8, 8)], features='branches')
+    assert result['cka'].shape == (2 * len(mixer.blocks), len(sw.blocks)) and result['features'] == 'branches'
+    with pytest.raises(ValueError, match='ViT has neither'):
+        branch_modules(timm.create_model('vit_digits'))
+    from timm.models.mlp_mixer import MlpMixer                  # timm's own Mixer: its MixerBlocks' two MLPs
+    assert branch_modules(MlpMixer(img_size=8, patch_size=4, in_chans=1, embed_dim=8, num_blocks=2)) == [
+        'blocks.0.mlp_tokens', 'blocks.0.mlp_channels', 'blocks.1.mlp_tokens', 'blocks.1.mlp_channels']
+
+
+def test_analyze_cka_features_branches_end_to_end(tmp_path, capsys):
+    """--cka-features branches: 2L rows for a Mixer, the record says which features and how they are numbered;
+    a model without such branches is refused by name, before any output is written."""
+    import timm
+
+    import structformer.models  # noqa: F401
+    from structformer.train.checkpoint import save_checkpoint
+    config = {'data': 'digits', 'data_kwargs': {}, 'seed': 0, 'val_fraction': 0.2}
+    for name in ('mixer_digits', 'vit_digits'):
+        save_checkpoint(tmp_path / name, timm.create_model(name),
+                        state={'model': name, 'model_kwargs': {}, 'epoch': 1, 'config': config}, with_rng=False)
+    out = tmp_path / 'cka'
+    assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'mixer_digits'),
+                 '--cka-features', 'branches', '--num-samples', '16', '--output', str(out)]) == 0
+    record = json.loads((out / 'cka.json').read_text())
+    depth = len(timm.create_model('mixer_digits').blocks)
+    assert record['features'] == 'branches' and len(record['cka']) == len(record['cka'][0]) == 2 * depth
+    assert all(abs(record['cka'][i][i] - 1) < 1e-9 for i in range(2 * depth))
+    # Fig. 2 (a) plots the mean of this diagonal against the SW-MLP's sparsity (the recipe called it test error)
+    assert record['diagonal_mean'] == pytest.approx(sum(record['cka'][i][i] for i in range(2 * depth)) / (2 * depth))
+    assert f"A{2 * depth} " in capsys.readouterr().out                      # rows numbered from 1, as the paper's
+    assert main(['analyze', '--checkpoint', str(tmp_path / 'mixer_digits'), '--cka', str(tmp_path / 'vit_digits'),
+                 '--cka-features', 'branches', '--output', str(tmp_path / 'no')]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and "--cka-features branches: --cka" in err and "'vit_digits'" in err
+    assert not (tmp_path / 'no').exists()
+
+
+def test_fig2_recipe_sweeps_an_sw_mlp_with_a_block_per_mixer_branch():
+    """App. C.1: the SW-MLP of Fig. 2 replaces each of the Mixer's mixing MLPs (I_C⊗W₁,₂ and W₃,₄ᵀ⊗I_S) by one
+    M⊙A block, "6 blocks in total" for L = 3, the 6 branches its CKA pairs; the recipe's sweep said depth=3."""
+    import re
+
+    from structformer.train.recipes import load_recipe
+    values, about = load_recipe('mixer_fig2_cifar10')
+    depths = re.findall(r'--model swmlp_cifar\s+--model-kwargs depth=(\d+)', about['sweep'])
+    assert depths == [str(2 * values['model_kwargs']['depth'])]
+    # Fig. 2 (a) is 'the mean of the diagonal entries of the CKA' against the sparsity, not a test error
+    assert 'diagonal' in about['reported'] and 'test error' not in about['reported']
+
+
+def test_fig4_recipe_names_the_command_that_draws_the_init_spectra():
+    """Fig. 4 (right) is σ_max at initialisation, drawn by `reproduce mixer` (init_spectrum_sweep, init_spectra.png);
+    the recipe said `structformer analyze`, which has no such output (its spectra are a low-rank run's)."""
+    import inspect
+
+    from structformer.reproduce import mixer as reproduce_mixer
+    from structformer.train.recipes import load_recipe
+    _, about = load_recipe('mixer_fig4_cifar10')
+    right = about['covers'].split('(right)', 1)[1]
+    assert 'structformer reproduce mixer' in right and 'structformer analyze' not in right
+    assert 'init_spectra.png' in right and "'init_spectra.png'" in inspect.getsource(reproduce_mixer)
+
+
+@pytest.mark.parametrize('features', ['blocks', 'branches'])
+def test_minibatch_cka_leaves_each_submodules_own_mode(features):
+    """A training model with one part held in eval (a frozen stem) came back with every module in train mode:
+    the mode was restored from the top module alone."""
+    import timm
+
+    import structformer.models  # noqa: F401
+    torch.manual_seed(0)
+    model = timm.create_model('mixer_digits').train()
+    model.stem.eval()
+    minibatch_cka(model, model, [torch.randn(4, 1, 8, 8)], features=features)
+    assert model.training and model.blocks[0].training and not model.stem.training

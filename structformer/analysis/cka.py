@@ -10,6 +10,12 @@ and reports Σ HSIC_1(K, L) / √(Σ HSIC_1(K, K) · Σ HSIC_1(L, L)), which doe
 expectation. `hsic_unbiased_reference` is the U-statistic written out over distinct index quadruples, the
 slow reference the tests compare the closed form with.
 
+Features: `block` outputs (timm's `forward_intermediates`, after each residual add; any model), or with
+`features='branches'` the residual branches the Mixer paper compares in Fig. 2 (App. C.1: "the layer just before
+the skip-connection in each block", token- and channel-mixing counted as separate blocks, labelled 1 … 2L; an
+SW-MLP block's one branch): the output of every `mlp_tokens` and `mlp_channels` of a Mixer (ours or timm's
+`MlpMixer` with `MixerBlock`s), the last activation of every SW-MLP block (`branch_modules`).
+
 Precision: HSIC in float64; the models' forward passes run with autocast off (`full_precision`), so CKA does not
 depend on whether the caller sits inside an autocast context.
 """
@@ -19,6 +25,10 @@ from typing import Dict, List, Sequence
 import torch
 
 from ..functional.precision import full_precision
+from ..hooks import capture
+from .whitebox import _eval_no_grad
+
+FEATURES = ('blocks', 'branches')
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -95,27 +105,59 @@ def block_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.T
     weight = next(model.parameters(), None)
     if weight is not None:        # the model's device, and its dtype for float images (a float64 or bf16 model)
         images = images.to(weight.device, weight.dtype if images.is_floating_point() else None)
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_no_grad(model):        # each module's own mode back after: measuring is no side effect
         try:
             maps = model.forward_intermediates(images, intermediates_only=True, output_fmt='NLC')
         except TypeError:
             maps = model.forward_intermediates(images, intermediates_only=True)
-    finally:
-        model.train(was_training)             # the caller's mode back: measuring is no side effect
     return [m.reshape(m.shape[0], -1) for m in maps]
 
 
+def branch_modules(model: torch.nn.Module) -> List[str]:
+    """Names of the modules whose output is a residual branch just before its skip connection, in forward order:
+    `blocks.i.mlp_tokens`, `blocks.i.mlp_channels` of a Mixer, `blocks.i.act` of an SW-MLP (called last on the
+    branch). ValueError naming the model where it has no such branches this function knows."""
+    from ..models.mixer import SWMLP
+    blocks = getattr(model, 'blocks', None)
+    if isinstance(model, SWMLP):
+        return [f'blocks.{i}.act' for i in range(len(blocks))]
+    if isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)) and len(blocks) and all(
+            isinstance(getattr(b, 'mlp_tokens', None), torch.nn.Module)
+            and isinstance(getattr(b, 'mlp_channels', None), torch.nn.Module) for b in blocks):
+        return [f'blocks.{i}.{part}' for i in range(len(blocks)) for part in ('mlp_tokens', 'mlp_channels')]
+    raise ValueError(f"CKA on residual branches reads Mixer blocks (mlp_tokens, mlp_channels) and SW-MLP blocks; "
+                     f"{type(model).__name__} has neither (compare its block outputs instead)")
+
+
+@torch.no_grad()
 @full_precision
-def minibatch_cka(model_a: torch.nn.Module, model_b: torch.nn.Module, batches) -> Dict[str, object]:
-    """CKA between the block outputs of two models over an iterable of image batches (Fig. 2)."""
+def branch_features(model: torch.nn.Module, images: torch.Tensor) -> List[torch.Tensor]:
+    """Every residual branch's output for a batch (`branch_modules`), flattened per sample; eval mode for the
+    forward, the caller's mode back after."""
+    names = branch_modules(model)
+    weight = next(model.parameters(), None)
+    if weight is not None:
+        images = images.to(weight.device, weight.dtype if images.is_floating_point() else None)
+    with _eval_no_grad(model), capture(model, outputs=names) as seen:
+        model(images)
+    # the last call of each: an SW-MLP block with a hidden layer calls its activation twice, the branch is the 2nd
+    return [seen.outputs[name][-1].reshape(len(images), -1) for name in names]
+
+
+@full_precision
+def minibatch_cka(model_a: torch.nn.Module, model_b: torch.nn.Module, batches,
+                  features: str = 'blocks') -> Dict[str, object]:
+    """CKA between the block outputs (or with `features='branches'` the residual branches, Fig. 2's features)
+    of two models over an iterable of image batches."""
+    if features not in FEATURES:
+        raise ValueError(f"features must be one of {', '.join(FEATURES)}; got {features!r}")
+    read = block_features if features == 'blocks' else branch_features
     meter = None
     for images in batches:
-        features_a, features_b = block_features(model_a, images), block_features(model_b, images)
+        features_a, features_b = read(model_a, images), read(model_b, images)
         if meter is None:
             meter = MinibatchCKA(len(features_a), len(features_b))
         meter.update(features_a, features_b)
     if meter is None:
         raise ValueError("minibatch_cka needs at least one batch")
-    return {'cka': meter.compute(), 'batches': meter.batches}
+    return {'cka': meter.compute(), 'batches': meter.batches, 'features': features}

@@ -36,8 +36,9 @@ ANALYZE_EXAMPLES = """examples:
   # every saved epoch (train with --save-every 1) in one figure, training_curves.png
   structformer analyze --checkpoint outputs/demo --compare all --num-samples 1000
 
-  # mini-batch CKA between the blocks of two models (Mixer paper Fig. 2)
-  structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --num-samples 256
+  # mini-batch CKA between the residual branches of two models (Mixer paper Fig. 2; --cka-features blocks:
+  # the block outputs, of any two models)
+  structformer analyze --checkpoint outputs/mixer --cka outputs/swmlp --cka-features branches --num-samples 256
 
   # a run trained with --rank (not CRATE): the per-layer effective ranks and spectra it logged, spectra.png
   structformer analyze --checkpoint outputs/lowrank
@@ -63,9 +64,9 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument('--data', default=None, metavar='SPEC',
                         help="data to measure on (default: the checkpoint's training data, with its options, "
                              "seed and val_fraction, so the held-out split is the one training used)")
-    parser.add_argument('--num-samples', type=int, default=256, metavar='B',
+    parser.add_argument('--num-samples', type=int, default=None, metavar='B',
                         help='validation samples to average over (>= 1; default 256; capped at the split size)')
-    parser.add_argument('--estimator', default='official', choices=['official', 'paper'],
+    parser.add_argument('--estimator', default=None, choices=['official', 'paper'],
                         help="R_c estimator: 'official' (CRATE's public code: tokens scaled to unit norm per head, "
                              "ε² = 0.01; default) or 'paper' (Eq. 8 with orthonormalised U_k); both on LN1(Z)")
     parser.add_argument('--eps', type=float, default=None,
@@ -78,13 +79,18 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help='instead of the white-box measures: mini-batch CKA between every block output of '
                              '--checkpoint and of this checkpoint (any two models, e.g. a Mixer and an SW-MLP; '
                              'Mixer paper Fig. 2), written to cka.json and cka.png')
-    parser.add_argument('--cka-batch-size', type=int, default=64, metavar='B',
+    parser.add_argument('--cka-batch-size', type=int, default=None, metavar='B',
                         help='mini-batch size of the CKA estimate (>= 4; default 64)')
+    parser.add_argument('--cka-features', default=None, choices=['blocks', 'branches'],
+                        help="what --cka compares: 'blocks', every block's output (after its residual add; any "
+                             "model; default), or 'branches', every residual branch just before its skip "
+                             "connection, a Mixer's token- and channel-mixing MLPs counted separately (Mixer paper "
+                             "Fig. 2, App. C.1; Mixers and SW-MLPs)")
     parser.add_argument('--interpolate', default=None, metavar='CHECKPOINT',
                         help='instead of the white-box measures: held-out loss and accuracy along the straight line '
                              'from --checkpoint to this checkpoint, factorised layers read densely (low-rank '
                              'training Fig. 2), written to interpolation.json and interpolation.png')
-    parser.add_argument('--interpolate-steps', type=int, default=11, metavar='N',
+    parser.add_argument('--interpolate-steps', type=int, default=None, metavar='N',
                         help='points on the line, t = 0, 1/(N-1), ..., 1 (>= 2; default 11)')
     parser.add_argument('--query-patch', default=None, metavar='ROW,COL|INDEX',
                         help='Sparsifiner models: the query patch whose kept keys and attention rows are drawn, '
@@ -92,19 +98,25 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument('--layers', nargs='+', default=None, metavar='L',
                         help='Sparsifiner models: the layers drawn, numbered from 1 (default: the first six); '
                              'the numbers in sparsifiner.json cover every layer')
-    parser.add_argument('--seed', type=int, default=0,
+    parser.add_argument('--seed', type=int, default=None,
                         help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
                              'random baseline (default 0)')
     return parser
 
 
 def _check_args(args) -> None:
-    b = args.num_samples
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+    for flag, key in (('--cka', 'cka'), ('--interpolate', 'interpolate')):
+        value = getattr(args, key, None)
+        if value is not None and not str(value).strip():      # '' was falsy: the white-box analysis ran instead
+            raise UsageError(f"{flag}: give the second checkpoint (a run directory or a checkpoint folder); got ''")
+    if getattr(args, 'cka', None) and getattr(args, 'interpolate', None):
+        raise UsageError("--cka and --interpolate are two analyses; give one of them (each writes its own record)")
+    b = getattr(args, 'num_samples', None)
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
         raise ValueError(f"--num-samples must be an integer >= 1; got {b!r}")
-    if getattr(args, 'cka', None) and b < 4:
+    if getattr(args, 'cka', None) and b is not None and b < 4:
         raise ValueError(f"--num-samples {b}: --cka's unbiased HSIC needs at least 4 samples")
-    if args.cka_batch_size < 4:
+    if getattr(args, 'cka_batch_size', None) is not None and args.cka_batch_size < 4:
         raise ValueError(f"--cka-batch-size must be an integer >= 4 (the unbiased HSIC needs 4 samples); "
                          f"got {args.cka_batch_size}")
     eps = args.eps
@@ -113,12 +125,17 @@ def _check_args(args) -> None:
         raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
 
 
-# options with no effect in some analyses, and the analyses that use them (a value left at its default is not
-# asked for); given where they do nothing, they are refused rather than silently ignored
+# options with no effect in some analyses, and the analyses that use them (an option not given is None, so not
+# asked for; `_DEFAULTS` fills in its value afterwards); given where they do nothing, they are refused rather than
+# silently ignored (--estimator paper beside --cka, --cka-batch-size beside --interpolate, ... did nothing)
+_SAMPLED = ('crate', 'sparsifiner', 'cka', 'interpolate')
 _USED_BY = {'--compare': ('compare', ('crate',)), '--eps': ('eps', ('crate',)),
-            '--exclude-cls': ('exclude_cls', ('crate',)),
+            '--estimator': ('estimator', ('crate',)), '--exclude-cls': ('exclude_cls', ('crate',)),
             '--query-patch': ('query_patch', ('sparsifiner',)), '--layers': ('layers', ('sparsifiner',)),
-            '--data': ('data', ('crate', 'sparsifiner', 'cka', 'interpolate'))}
+            '--cka-batch-size': ('cka_batch_size', ('cka',)), '--cka-features': ('cka_features', ('cka',)),
+            '--interpolate-steps': ('interpolate_steps', ('interpolate',)),
+            '--data': ('data', _SAMPLED), '--num-samples': ('num_samples', _SAMPLED), '--seed': ('seed', _SAMPLED)}
+_DEFAULTS = {'estimator': 'official', 'cka_batch_size': 64, 'cka_features': 'blocks', 'interpolate_steps': 11, 'num_samples': 256, 'seed': 0}
 _ANALYSES = {'crate': 'the white-box measures of a CRATE checkpoint', 'sparsifiner': 'a Sparsifiner checkpoint',
              'cka': '--cka', 'interpolate': '--interpolate', 'spectra': "a low-rank run's logged spectra"}
 
@@ -130,6 +147,9 @@ def refuse_unused_options(args, analysis: str, what: str) -> None:
         if analysis not in users and getattr(args, key, None) not in (None, [], False):
             raise UsageError(f"{flag} does not apply here: {what} is analysed as {_ANALYSES[analysis]}; {flag} is "
                              f"for {' and '.join(_ANALYSES[u] for u in users)}")
+    for key, value in _DEFAULTS.items():            # the options left out take their defaults now
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 def _run_dir(checkpoint: Path) -> Optional[Path]:
@@ -266,7 +286,8 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
                 if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
                     refuse_unused_options(args, 'spectra', what)
                     return run_spectra_analysis(run, out)
-            raise ValueError(f"--checkpoint {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
+            flag = '--checkpoint' if p is main_path else '--compare'       # blame the flag that named it
+            raise ValueError(f"{flag} {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
                              "models: --cka CHECKPOINT, --interpolate CHECKPOINT, and for runs trained with "
                              "--rank the effective ranks and spectra they logged") from None
         if p is main_path:
@@ -301,8 +322,14 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
                     'sparsity': plot_layer_curves(measures, 'sparsity', out / 'sparsity_per_layer.png').name},
         'checkpoints': results,
     }
-    by_epoch = sorted((r for r in results if r['epoch'] is not None), key=lambda r: r['epoch'])
-    if len(by_epoch) >= 2:                       # Fig. 4: every measured epoch in one figure
+    # Fig. 4: every measured epoch of ONE run in one figure, one line per epoch (checkpoints of other runs given to
+    # --compare drew lines labelled with the same epoch, indistinguishable, under 'over training')
+    def in_run(path: str) -> bool:
+        found = _run_dir(Path(path))
+        return run is None or (found is not None and found.resolve() == run.resolve())
+    own = [r for r in results if r['epoch'] is not None and in_run(r['path'])]
+    by_epoch = sorted(own, key=lambda r: r['epoch'])
+    if len(by_epoch) >= 2 and len({r['epoch'] for r in by_epoch}) == len(by_epoch):
         from .plots import plot_training_curves
         analysis['figures']['training'] = plot_training_curves(
             [dict(r['measure'], epoch=r['epoch']) for r in by_epoch], out / 'training_curves.png',

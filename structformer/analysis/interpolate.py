@@ -96,8 +96,9 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     ts = [i / (args.interpolate_steps - 1) for i in range(args.interpolate_steps)]
     rows = interpolation_curve(model_a, model_b, DataLoader(val, batch_size=256), ts)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / 'interpolation.json', {'a': str(main_path), 'b': str(other), 'data': spec,
-                                            'samples': len(val), 'curve': rows})
+    write_json(out / 'interpolation.json', {'a': str(main_path), 'b': str(other), 'data': spec, 'data_kwargs': options,
+                                            'data_seed': data_seed, 'val_fraction': val_fraction,
+                                            'seed': args.seed, 'samples': len(val), 'curve': rows})
 
     def draw(plt):
         fig = plt.figure(figsize=(8, 3.2))

@@ -79,13 +79,14 @@ def plot_training_curves(per_epoch: List[Dict], path, title: str) -> Path:
     top = max(max(epochs), 1)
     step = max(1, len(epochs) // 6)              # a legend of about 6 entries however many epochs
     labelled = set(epochs[::step]) | {epochs[0], epochs[-1]}
+    depth = max(len(m['layers']) for m in per_epoch)
     for ax, metric in zip(axes, ('R_c', 'sparsity')):
         for m, epoch in zip(per_epoch, epochs):
             x, mean, _ = layer_curve(m, metric)
             label = f'epoch {epoch}' + (' (init)' if epoch == 0 else '') if epoch in labelled else None
             ax.plot(x, mean, marker='o', ms=3, color=cmap(epoch / top), lw=2 if epoch in (0, top) else 1,
                     label=label)
-        ax.set_xticks(x)
+        ax.set_xticks(range(1, depth + 1))       # every layer of the deepest (the last line drawn may be shallower)
         ax.set_xlabel('layer ℓ')
         ax.set_ylabel(_CURVES[metric][1])
         ax.set_title(_CURVES[metric][0] + ('\n' + _estimator_note(per_epoch[0]) if metric == 'R_c' else ''),

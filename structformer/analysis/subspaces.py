@@ -35,7 +35,7 @@ from torch import nn
 
 from ..functional.precision import full_precision
 from ..layers.linear.base import StructuredLinear, linear_weight
-from .whitebox import layer_bases
+from .whitebox import _eval_no_grad, _to_model, layer_bases
 
 __all__ = ['subspace_energy', 'subspace_coherence', 'coherence_summary', 'principal_angles', 'embedding_linear_map',
            'map_true_bases', 'match_subspaces', 'random_bases', 'subspace_recovery']
@@ -159,20 +159,16 @@ def subspace_energy(model: nn.Module, images: torch.Tensor, token_subspaces: tor
     u = blk.attn.subspace_bases().detach().double()                      # [K, d, p]
     num_heads = u.shape[0]
     labels = token_subspaces.reshape(-1).long()
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            z = model.patch_embed(images)                                # no cls, no positions
-            y = blk.norm1(z).double().reshape(-1, z.shape[-1])
-            energy = torch.einsum('td,kdp->tkp', y, u).pow(2).sum(-1)    # [tokens, K]
-            share = energy / energy.sum(-1, keepdim=True).clamp_min(1e-300)
-            x = model._embed(images)                                      # layer 1's input as the model runs
-            w = torch.einsum('bnd,kdp->bknp', blk.norm1(x).double(), u)
-            prefix = int(getattr(model, 'num_prefix_tokens', 1))
-            attn = torch.softmax(w @ w.transpose(-1, -2) * blk.attn.scale, dim=-1)[:, :, prefix:, prefix:]
-    finally:
-        model.train(was_training)
+    images = _to_model(images, model)          # a float64 (or bf16) model takes the float32 images a caller has
+    with _eval_no_grad(model):              # eval for the forward; each module's own mode back after
+        z = model.patch_embed(images)                                # no cls, no positions
+        y = blk.norm1(z).double().reshape(-1, z.shape[-1])
+        energy = torch.einsum('td,kdp->tkp', y, u).pow(2).sum(-1)    # [tokens, K]
+        share = energy / energy.sum(-1, keepdim=True).clamp_min(1e-300)
+        x = model._embed(images)                                      # layer 1's input as the model runs
+        w = torch.einsum('bnd,kdp->bknp', blk.norm1(x).double(), u)
+        prefix = int(getattr(model, 'num_prefix_tokens', 1))
+        attn = torch.softmax(w @ w.transpose(-1, -2) * blk.attn.scale, dim=-1)[:, :, prefix:, prefix:]
     if len(labels) != len(share):
         raise ValueError(f"token_subspaces has {len(labels)} labels for {len(share)} patch tokens")
 
