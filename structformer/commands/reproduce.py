@@ -7,7 +7,7 @@ DESCRIPTION = "Train the paper's comparison at a scale this machine runs."
 
 EXAMPLES = """examples:
   structformer reproduce soft --data /data/mnist --epochs 1 --limit-train-batches 40
-  structformer reproduce soft --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
+  structformer reproduce soft --data /data/mnist --attn softmax soft softpp --epochs 3 --output outputs/reproduce_soft"""
 
 REPRODUCE_TARGETS = {
     'soft': ('structformer.reproduce.soft', 'SOFT Table 2 analogue: the Tiny backbone with each attention on MNIST'),

@@ -33,8 +33,8 @@ from . import start, trained_on
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
-  structformer reproduce crate --threads 1                          # depth 12, 15 epochs (~20 min, 2 busy cores)
-  structformer reproduce crate --depth 2 --epochs 1 --limit-train-batches 5 --num-samples 32 \\
+  structformer reproduce crate --data /data/mnist --threads 1       # depth 12, 15 epochs (~20 min, 2 busy cores)
+  structformer reproduce crate --data /data/mnist --depth 2 --epochs 1 --limit-train-batches 5 --num-samples 32 \\
       --output /tmp/crate_quick                                      # a smoke run"""
 
 

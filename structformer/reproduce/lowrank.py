@@ -30,8 +30,8 @@ from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
 
 EXAMPLES = """examples:
-  structformer reproduce lowrank --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
-  structformer reproduce lowrank --output outputs/reproduce_lowrank         # both parts, ~25 min on 2 cores"""
+  structformer reproduce lowrank --data /data/mnist --parts vision --ranks 0.2 --epochs 2 --limit-train-batches 2 --output /tmp/lr_quick   # smoke run, ~5 min
+  structformer reproduce lowrank --data /data/mnist --output outputs/reproduce_lowrank   # both parts, ~25 min on 2 cores"""
 
 INITS = ('he', 'spectral', 'spectral_ones')
 LM_LR = 3e-3                     # AdamW's lr of the dense LM

@@ -28,7 +28,7 @@ from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
   structformer reproduce mixer --data /data/mnist                                # the whole study (~15 min)
-  structformer reproduce mixer --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
+  structformer reproduce mixer --data /data/mnist --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
 from ..cli_args import parse_omega  # noqa: E402  (the --omega type, shared with `design`)

@@ -37,8 +37,8 @@ from . import start, trained_on
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
-  structformer reproduce sparsifiner --threads 1                        # the study (about 65 min at 1 thread)
-  structformer reproduce sparsifiner --teacher-epochs 1 --epochs 2 --keep 0.25 --limit-train-batches 3 \\
+  structformer reproduce sparsifiner --data /data/mnist --threads 1     # the study (about 65 min at 1 thread)
+  structformer reproduce sparsifiner --data /data/mnist --teacher-epochs 1 --epochs 2 --keep 0.25 --limit-train-batches 3 \\
       --output /tmp/sparsifiner_quick                                     # a smoke run"""
 
 SEQ_LEN = 50                     # 49 patches + cls of a 28 px image at patch 4
