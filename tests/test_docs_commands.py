@@ -371,3 +371,30 @@ def test_documented_reproductions_name_their_data(page, argv, monkeypatch, tmp_p
         return
     error = capsys.readouterr().err
     assert status == 2 and '--data' not in error, f"{page}: structformer {shlex.join(argv)}: {error}"
+
+
+def test_models_recipes_and_filters_the_pages_name_exist():
+    """Every model or recipe name the pages quote in code (`soft_tiny_224`, `crate_base_in1k`, ...) is registered
+    with timm or ships as a recipe, and every documented `models --filter` (and `--img-size` without `--flops`,
+    which it refuses) finds models: a renamed model leaves no dangling name on a page."""
+    import timm
+
+    from structformer.commands.models import matches
+    from structformer.models import list_structformer_language_models, list_structformer_models
+    from structformer.train.recipes import list_recipes
+    known = set(list_recipes())
+    named = {(path.name, name) for path in DOCUMENTS for name in re.findall(
+        r"`([a-z][a-z0-9_]*_(?:224|384|digits|mnist|cifar|cifar10|cifar100|synthetic|tiny|in1k|ft|lm1b))`",
+        path.read_text())}
+    assert len(named) > 100
+    for page, name in sorted(named):
+        assert timm.is_model(name) or name in known, f"{page}: `{name}` is neither a registered model nor a recipe"
+    ours = list_structformer_models() + list_structformer_language_models()
+    filters = 0
+    for page, argv, _ in STRUCTFORMER:
+        if argv[0] == 'models' and '--filter' in argv:
+            pattern = argv[argv.index('--filter') + 1]
+            assert any(matches(n, pattern) for n in ours), f"{page}: models --filter {pattern} matches no model"
+            assert '--img-size' not in argv or '--flops' in argv, f"{page}: {shlex.join(argv)}"
+            filters += 1
+    assert filters >= 5
