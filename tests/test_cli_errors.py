@@ -641,3 +641,18 @@ def test_imagefolder_checks_both_splits_and_counts_skips(tmp_path):
     train, val, info = build_datasets(spec, img_size=8, bad_images='skip', check='decode')
     assert (len(train), len(val), info.extra['skipped_images']) == (10, 8, 2)
     assert all(val[i][0].shape == (3, 8, 8) for i in range(len(val)))
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """`structformer design --omega 2^18 | head -1` (or `models | head`): once the pipe's reader has gone, the next
+    print raised BrokenPipeError out of main, a traceback under the lines the reader wanted. Now the command ends
+    with SIGPIPE's status, 141, and says nothing. The read end is closed before the command starts, so the first
+    print meets it (a `| head` races the command's output against the pipe's buffer)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, '-m', 'structformer', 'design', '--omega', '2^18'], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, '')
