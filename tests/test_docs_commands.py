@@ -6,6 +6,7 @@ shortened (see `shorten`): what is checked is that the commands and the API call
 import math
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -398,3 +399,26 @@ def test_models_recipes_and_filters_the_pages_name_exist():
             assert '--img-size' not in argv or '--flops' in argv, f"{page}: {shlex.join(argv)}"
             filters += 1
     assert filters >= 5
+
+
+def test_design_md_transform_example_runs_and_rebuilds_only_once_imported(tmp_path, monkeypatch):
+    """design.md's `scale_head` example registers, trains through TrainConfig(transforms=...) as the page says, and
+    a process that has not imported its module is told to (the page said rebuilding imported it: loading runs no
+    code a checkpoint names, so it never did)."""
+    from structformer.models import transforms
+    from structformer.train import TrainConfig, load_model, train
+    (block,) = [b for b in fenced_blocks((ROOT / 'docs' / 'design.md').read_text(), 'python') if 'scale_head' in b]
+    module = tmp_path / 'my_transforms.py'
+    module.write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(transforms, 'TRANSFORMS', dict(transforms.TRANSFORMS))   # the registration stays here
+    import importlib
+    importlib.import_module('my_transforms')
+    train(TrainConfig(model='crate_digits', data='digits', epochs=1, limit_train_batches=1, output='run',
+                      transforms=[{'name': 'scale_head', 'kwargs': {'factor': 0.5}}]))
+    assert load_model('run')[0] is not None
+    del transforms.TRANSFORMS['scale_head']                  # a fresh process, the module not imported
+    with pytest.raises(ValueError, match=r"'scale_head' \(it was registered by module 'my_transforms': import it"):
+        load_model('run')
+    assert 'my_transforms' in sys.modules and 'never imports it' in (ROOT / 'docs' / 'design.md').read_text()
