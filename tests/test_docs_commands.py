@@ -218,7 +218,8 @@ def test_documented_command_parses(page, argv, whole):
         assert error is None, f"{page}: structformer {shlex.join(argv)}: {error}"
     else:
         verb = _verb_parser(parser, argv)
-        assert verb is not parser or argv[0].startswith('-'), f"{page}: structformer {shlex.join(argv)}: no such command"
+        assert verb is not parser or argv[0].startswith('-'), \
+            f"{page}: structformer {shlex.join(argv)}: no such command"
         flags = [a.split('=', 1)[0] for a in argv if a.startswith('--')]
         unknown = [f for f in flags if f not in verb._option_string_actions]
         assert not unknown, f"{page}: structformer {shlex.join(argv)}: {unknown} not flags of `{verb.prog}`"
