@@ -66,6 +66,25 @@ def unrecognized(extra: List[str], parser: argparse.ArgumentParser) -> str:
     return '; '.join(said) + f"; `{parser.prog} --help` lists its flags"
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`| head` exited); if so it is pointed at /dev/null, so that
+    neither the rest of the command nor the interpreter's final flush raises (or prints a traceback) again."""
+    import select
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return False
+    if hasattr(select, 'poll'):                  # a write end without readers polls as an error
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command. Expected failures -- bad input (UsageError and the project's other validation
     errors), unusable checkpoints, user paths that are missing, not folders or not writable -- end as one
@@ -82,14 +101,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .functional.autotune import check_environment    # only then: torch stays unimported otherwise
             check_environment()
         return run_command(COMMANDS, args.command, args)
+    except BrokenPipeError:
+        if not _stdout_gone():                  # a pipe of the command's own: a bug, keep its traceback
+            raise
+        return 141                              # `structformer models | head`: the reader stopped; as SIGPIPE's
     except KeyboardInterrupt as e:              # Ctrl-C, or SIGTERM during training (exit status 143)
         said = getattr(e, 'said', None) or 'checkpoints already written are intact'   # a command may say what it kept
         print(f"structformer {command}: interrupted; {said}", file=sys.stderr)
         return getattr(e, 'exit_status', 130)
-    except BrokenPipeError:                    # the reader went away (`structformer models | head`): stop quietly,
-        devnull = os.open(os.devnull, os.O_WRONLY)     # as a tool killed by SIGPIPE; stdout's last flush goes nowhere
-        os.dup2(devnull, sys.stdout.fileno())
-        return 128 + 13
     except Exception as e:
         step = sys.modules.get('structformer.train.step')       # only a loaded training step can diverge
         if step is not None and isinstance(e, step.TrainingDiverged):

@@ -278,6 +278,24 @@ def test_soft_layer_under_autocast(cls, kwargs):
     assert_autocast_close(layer, torch.randn(2, 17, 16), 12, 14)
 
 
+@pytest.mark.parametrize('fold', [False, True])
+def test_soft_layer_shapes_on_the_meta_device(fold):
+    """`train --dry-run` builds the model on the meta device, and a SOFT sampler given no grid (a timm ViT with
+    attn_layer=soft) is shaped by one forward there: autocast knows no 'meta' device, so the float32 islands and
+    `autocast_dtype` leave it alone instead of raising (torch's 'unknown device type for autocast')."""
+    from structformer.functional.precision import autocast_dtype, float32_island
+    assert autocast_dtype('meta', torch.float64) is torch.float64
+    shaped = SoftAttention(16, num_heads=2, sampling_ratio=2, fold_projections=fold)
+    shaped(torch.zeros(1, 17, 16))                     # the CPU's shapes, to compare with
+    with torch.device('meta'):
+        layer = SoftAttention(16, num_heads=2, sampling_ratio=2, fold_projections=fold)
+        with float32_island('meta'):
+            out = layer(torch.zeros(1, 17, 16))
+    assert out.shape == (1, 17, 16) and out.device.type == 'meta'
+    assert [(n, p.shape, p.device.type) for n, p in layer.named_parameters()] == \
+        [(n, p.shape, 'meta') for n, p in shaped.named_parameters()]
+
+
 # ---------------------------------------------------------------- 2. CRATE: shared-QKV SSA and ISTA in bf16
 
 def test_shared_qkv_attention_runs_in_the_autocast_dtype():

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .precision import float32_island
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -27,7 +29,7 @@ def gaussian_kernel(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = N
     Returns float32 for half inputs, the input dtype otherwise (float32 / float64).
     """
     scale = _default_scale(q.shape[-1], scale)
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with float32_island(q.device.type):
         if q.dtype in _LOW_PRECISION or k.dtype in _LOW_PRECISION:
             q, k = q.float(), k.float()
         # squared norms by a reduction that forms no n×d temporary (pow then sum writes one)

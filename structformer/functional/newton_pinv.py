@@ -55,6 +55,7 @@ from typing import Tuple, Union
 import torch
 
 from . import autotune
+from .precision import float32_island
 from .tracing import recording_graph
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -288,7 +289,7 @@ def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0, return_
     check_rule(rule, backward)
     if a.shape[-1] != a.shape[-2]:
         raise ValueError(f"newton_pinv expects square matrices [..., m, m], got shape {tuple(a.shape)}")
-    with torch.autocast(device_type=a.device.type, enabled=False):
+    with float32_island(a.device.type):
         if a.dtype in _LOW_PRECISION:
             a = a.float()
         a = _add_ridge(a, ridge)

@@ -33,15 +33,21 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
-    """autocast's lower-precision dtype on `device_type` when autocast is on there, else `default`."""
-    if torch.is_autocast_enabled(device_type):
+    """autocast's lower-precision dtype on `device_type` when autocast is on there, else `default` (also on a
+    device type autocast does not know, such as 'meta', where a dry run shapes a model)."""
+    if _autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return default
 
 
 @contextmanager
 def float32_island(device_type: str) -> Iterator[None]:
-    """Autocast off on `device_type` for the block (the caller upcasts its half inputs with `upcast`)."""
+    """Autocast off on `device_type` for the block (the caller upcasts its half inputs with `upcast`). On a device
+    type autocast does not know ('meta': `train --dry-run` shapes lazy weights there) there is nothing to turn off,
+    and torch.autocast would refuse it."""
+    if not _autocast_known(device_type):
+        yield
+        return
     with torch.autocast(device_type=device_type, enabled=False):
         yield
 
@@ -66,11 +72,16 @@ def computes_in_float32(fn):
     return wrapper
 
 
-def _autocast_enabled(device_type: str) -> bool:
+def _autocast_known(device_type: str) -> bool:
     try:
-        return torch.is_autocast_enabled(device_type)
+        torch.is_autocast_enabled(device_type)
     except RuntimeError:                                 # a device type this torch build does not know
         return False
+    return True
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    return _autocast_known(device_type) and torch.is_autocast_enabled(device_type)
 
 
 @contextmanager

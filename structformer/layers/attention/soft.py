@@ -62,7 +62,7 @@ from torch import nn
 
 from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_reference
 from ...functional.newton_pinv import check_rule, newton_pinv
-from ...functional.precision import autocast_dtype
+from ...functional.precision import autocast_dtype, float32_island
 from ...functional.precision import upcast as _upcast
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
@@ -86,7 +86,7 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, no
     """
     device_type = q.device.type
     low = autocast_dtype(device_type, v.dtype)                     # dtype of the n-sized products
-    with torch.autocast(device_type=device_type, enabled=False):
+    with float32_island(device_type):
         q, landmarks = _upcast(q), _upcast(landmarks)
         p = gaussian_kernel(landmarks, q, scale)                   # exp(Q̃ ⊖ K): [..., m, n], float32 island
         a = gaussian_kernel(landmarks, landmarks, scale)           # exp(Q̃ ⊖ K̃): [..., m, m]
@@ -125,7 +125,7 @@ def soft_attention_projected(x: torch.Tensor, q: torch.Tensor, landmarks: torch.
     """
     device_type = x.device.type
     low = autocast_dtype(device_type, x.dtype)                     # dtype of the n-sized products
-    with torch.autocast(device_type=device_type, enabled=False):
+    with float32_island(device_type):
         q, landmarks = _upcast(q), _upcast(landmarks)
         v_weight, out_weight = _upcast(v_weight), _upcast(out_weight)
         batch, heads, m, d = landmarks.shape
