@@ -204,13 +204,18 @@ _PUBLIC_MARKERS = {'crate-official': 'to_patch_embedding.2.weight', 'soft-offici
                    'sparsifiner-official': 'blocks.0.attn.mask_predictor.proj_n'}
 
 
-def _from_public_layout(state: dict, model: nn.Module) -> List[str]:
+def _from_public_layout(state: dict, model: nn.Module, where: str = 'pretrained weights') -> List[str]:
     """A checkpoint of the papers' public code (CRATE, SOFT, Sparsifiner) given straight to `pretrained=True` is
-    converted first, by the key maps of `structformer convert` (as timm's ViT filter converts other layouts)."""
+    converted first, by the key maps of `structformer convert` (as timm's ViT filter converts other layouts). What
+    does not fit is a `WeightsMismatch` naming `where` (the flag and file), not convert's --from."""
     for source, marker in _PUBLIC_MARKERS.items():
         if marker in state:
+            from ..errors import UsageError
             from .convert import convert_state_dict
-            converted, notes = convert_state_dict(source, state, model)
+            try:
+                converted, notes = convert_state_dict(source, state, model, where=where)
+            except UsageError as e:
+                raise WeightsMismatch(str(e)) from None
             state.clear()
             state.update(converted)
             return [f"converted from the {source} layout"] + notes + _unlike_public(source, model)
@@ -250,7 +255,7 @@ def adapt_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
     """`state_dict` adapted to `model` by its family filter, and the list of adaptations made. Raises
     `WeightsMismatch` (naming `where`) when anything else does not fit."""
     state = dict(state_dict)
-    done = _from_public_layout(state, model)
+    done = _from_public_layout(state, model, where)
     state = filter_fn_for(model)(state, model, done)
     _check(state, model, _own(model), where)
     return state, done

@@ -1,0 +1,42 @@
+"""Files as the public trainers write them, read by `convert`, the training flags and timm's `pretrained=True`
+(docs/weights.md), second pass: each refusal names the flag and the file the user gave (not convert's --from where
+the layout was recognised by its keys), a web page or error text saved in place of a checkpoint says so, options
+are honoured whatever the file's name, and which inner dict and which prefixes were taken is said. Tiny CRATE
+weights in the public layout (crate_digits' shapes)."""
+import argparse
+
+import pytest
+import timm
+import torch
+
+from structformer.errors import UsageError
+from structformer.train.initial_weights import load_initial_weights
+from test_convert import _fill, crate_official_shapes
+
+
+@pytest.fixture(scope='module')
+def public_crate():
+    """crate_digits-sized weights in CRATE's public layout (Ma-Lab-Berkeley/CRATE model/crate.py), float32."""
+    return {k: v.float() for k, v in _fill(crate_official_shapes(1, 2, 64, 4, 4, 16, 16, 10), seed=7).items()}
+
+
+@pytest.mark.parametrize('change', ['extra', 'missing'])
+def test_a_public_layout_that_does_not_fit_names_the_flag_and_file_not_converts_from(change, public_crate, tmp_path):
+    """The training flags and timm's loader find the public layout by its keys: no --from was given, so a key that
+    does not fit is reported after the flag and the file (and '--model NAME'), as every other mismatch there."""
+    state = dict(public_crate)
+    if change == 'extra':       # a layer the public CRATE does not have (a ViT's relative position table)
+        state['transformer.layers.0.0.fn.relative_position_bias_table'] = torch.zeros(3, 4)
+    else:
+        del state['transformer.layers.1.1.fn.weight']
+    path = tmp_path / 'main.pth.tar'
+    torch.save({'epoch': 3, 'arch': 'CRATE_small', 'state_dict': {'module.' + k: v for k, v in state.items()}}, path)
+    with pytest.raises(UsageError) as caught:
+        load_initial_weights(timm.create_model('crate_digits'), path)
+    message = str(caught.value)
+    assert message.startswith(f"--initial-checkpoint {path}: ") and '--from' not in message, message
+    assert '--model crate_digits' in message and 'crate-official layout' in message, message
+    assert ('relative_position_bias_table' if change == 'extra' else 'blocks.1.mlp.weight') in message, message
+    with pytest.raises(ValueError, match=r"^pretrained weights: the checkpoint does not fit model crate_digits|"
+                                         r"^pretrained weights: 1 weights of model crate_digits are not"):
+        timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
