@@ -40,3 +40,23 @@ def test_a_public_layout_that_does_not_fit_names_the_flag_and_file_not_converts_
     with pytest.raises(ValueError, match=r"^pretrained weights: the checkpoint does not fit model crate_digits|"
                                          r"^pretrained weights: 1 weights of model crate_digits are not"):
         timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+@pytest.mark.parametrize('content, said', [
+    (b'<!DOCTYPE html>\n<html><head><title>Google Drive - Virus scan warning</title>', "it is a web page ('<!DOCTYPE"),
+    (b'404: Not Found\n', "it is text ('404: Not Found'...)"),
+    (bytes([0x52, 0x7f, 0xd9, 0xd6, 0xcf, 0x6d, 0xc9, 0x35]) * 40, 'starts with bytes 52 7f d9 d6'),
+    (b'\x1f\x8b\x08\x00' + bytes(60), 'gzip-compressed'),
+    (b'\x80\x04<html>', 'Unsupported operand 60'),          # a pickle header, then no pickle: torch's cause kept
+], ids=['web page', 'error text', 'random bytes', 'gzip', 'pickle header only'])
+def test_what_is_no_torch_file_is_refused_saying_what_it_is(content, said, tmp_path, capsys):
+    """A failed download leaves a web page or an error text under the checkpoint's name; the unpickler called it
+    'UnpicklingError: ' with nothing after it (its cause is on the line after 'WeightsUnpickler error:')."""
+    from structformer.cli import main
+    path = tmp_path / 'soft_tiny.pth.tar'
+    path.write_bytes(content)
+    assert main(['convert', '--from', 'crate-official', str(path), '--model', 'crate_digits',
+                 '--output', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err and not err.endswith(': )'), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['soft_tiny.pth.tar']

@@ -29,6 +29,7 @@ when asked (`convert --weights ema|model`):
 import argparse
 import pathlib
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -90,9 +91,12 @@ def load_torch_file(path, flag: str) -> Any:
     """`torch.load(path, map_location='cpu', weights_only=True)` with `ALLOWED_GLOBALS` allowed. A file needing any
     other global, or not a torch file, is a UsageError naming `flag` and the first global refused."""
     path = Path(path)
+    _refuse_what_is_no_torch_file(path, flag)
     try:
         # an open file, not its name: torch.load reads a name ending in .safetensors as safetensors, whatever it is
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f, warnings.catch_warnings():
+            # torch.save(..., pickle_protocol=4) (needed past 4 GB) makes torch ask the user to file an issue
+            warnings.filterwarnings('ignore', message='Detected pickle protocol')
             return torch.load(f, map_location='cpu', weights_only=True)
     except Exception as e:                          # UnpicklingError, RuntimeError (not a zip), EOFError, ...
         text = str(e)
@@ -107,10 +111,40 @@ def load_torch_file(path, flag: str) -> Any:
                              "would have to run; only tensors, containers, numbers and plain trainer data "
                              f"(argparse.Namespace, paths, numpy scalars) are read{hint}") from None
         # torch's weights-only message is a paragraph: its cause is the line after 'WeightsUnpickler error:'
-        cause = re.search(r'WeightsUnpickler error: (.*)', text)
+        cause = re.search(r'WeightsUnpickler error:\s*(\S.*)', text)
         first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
         first = re.split(r'(?<=\.) ', first, maxsplit=1)[0]      # its first sentence (miniz adds a paragraph)
         raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
+
+
+def _refuse_what_is_no_torch_file(path: Path, flag: str) -> None:
+    """A file whose first bytes are neither torch.save's zip archive nor a pickle (`file_kind.sniff`) is refused
+    saying what it starts with: most often a web page or an error text saved under the checkpoint's name by a
+    download that failed (a Drive or Hub link fetched without its confirmation step), which the unpickler would
+    only call 'Unsupported operand 60'."""
+    from .file_kind import TORCH, sniff
+    if sniff(path) == TORCH:
+        return
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(512)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
+    if not head:
+        raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")
+    if len(head) > 262 and head[257:262] == b'ustar':
+        raise UsageError(f"{flag} {path}: is a tar archive, not a torch file; unpack it and give the checkpoint in it")
+    if head[:2] == b'\x1f\x8b':
+        raise UsageError(f"{flag} {path}: is gzip-compressed, not a torch file; decompress it first")
+    text = head.decode('utf-8', errors='replace')
+    printable = sum(ch.isprintable() or ch.isspace() for ch in text) >= 0.95 * len(text)
+    if printable:
+        first = ' '.join(text.split())[:60]
+        page = '<html' in text.lower() or '<!doctype' in text.lower()
+        raise UsageError(f"{flag} {path}: not a torch file: it is {'a web page' if page else 'text'} "
+                         f"({first!r}...), saved in place of the checkpoint by a download that failed?")
+    raise UsageError(f"{flag} {path}: not a torch file: it starts with bytes {head[:8].hex(' ')}, neither "
+                     "torch.save's zip archive nor a pickle; damaged, or another format")
 
 
 def _is_tensor_mapping(value) -> bool:
