@@ -60,3 +60,16 @@ def test_what_is_no_torch_file_is_refused_saying_what_it_is(content, said, tmp_p
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and said in err and not err.endswith(': )'), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ['soft_tiny.pth.tar']
+
+
+def test_weights_ema_of_a_safetensors_file_is_refused_whatever_its_name(public_crate, tmp_path):
+    """A safetensors file is read as what it holds whatever its name; `--weights ema` of one named .pth was
+    silently ignored (the check looked at the suffix) and the model's weights converted as if they were the EMA."""
+    from safetensors.torch import save_file
+
+    from structformer.weights.cli import convert_checkpoint
+    for name in ('ema.safetensors', 'ema.pth'):
+        path = tmp_path / name
+        save_file(public_crate, str(path))
+        with pytest.raises(UsageError, match=r"^--weights ema: .* holds one set of weights \(safetensors\)"):
+            convert_checkpoint('crate-official', path, 'crate_digits', weights='ema')

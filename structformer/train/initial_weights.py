@@ -53,10 +53,10 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         if kind == 'ema' and notes is not None:
             notes.append(f"took {Path(state['path']).name}'s weight average (--model-ema), as --weights asked")
         return weights
-    if kind == 'ema' and path.suffix == '.safetensors':
+    kind_of_file = file_format(path)
+    if kind == 'ema' and kind_of_file == 'safetensors':          # by content: a safetensors file named .pth too
         raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
                          "chosen in a trainer's torch checkpoint or a structformer run trained with --model-ema")
-    kind_of_file = file_format(path)
     if kind_of_file == 'empty':
         raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")
     if kind_of_file == 'safetensors':
