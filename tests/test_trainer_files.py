@@ -73,3 +73,25 @@ def test_weights_ema_of_a_safetensors_file_is_refused_whatever_its_name(public_c
         save_file(public_crate, str(path))
         with pytest.raises(UsageError, match=r"^--weights ema: .* holds one set of weights \(safetensors\)"):
             convert_checkpoint('crate-official', path, 'crate_digits', weights='ema')
+
+
+def test_weights_under_net_are_taken_and_other_keys_are_named(public_crate, tmp_path):
+    """{'net': state_dict, 'acc', 'epoch'}, the CIFAR scripts' layout (CRATE's finetune.py resumes from 'net'), was
+    refused as 'holds no mapping of names to tensors', which it does; Sparsifiner's checkpoint-best-ema.pth (epoch
+    'best-ema') is said to be that file, since its default weights are still the model's."""
+    from structformer.weights.cli import convert_checkpoint
+    net = tmp_path / 'ckpt.t7'
+    torch.save({'net': {'module.' + k: v for k, v in public_crate.items()}, 'acc': 55.0, 'epoch': 3}, net)
+    model, notes = convert_checkpoint('crate-official', net, 'crate_digits')
+    assert 'took net, epoch 3' in notes, notes
+    torch.testing.assert_close(model.state_dict()['blocks.1.mlp.weight'],
+                               public_crate['transformer.layers.1.1.fn.weight'], rtol=0, atol=0)
+    best = tmp_path / 'checkpoint-best-ema.pth'
+    torch.save({'model': public_crate, 'model_ema': public_crate, 'epoch': 'best-ema', 'best': 71.0}, best)
+    _, notes = convert_checkpoint('crate-official', best, 'crate_digits')
+    assert any(line.startswith("took model, epoch 'best-ema': the model's weights") for line in notes), notes
+    other = tmp_path / 'gan.pth'
+    torch.save({'generator': public_crate, 'step': 10}, other)
+    with pytest.raises(UsageError, match=r"holds no state dict under state_dict, model, module, net or an EMA key "
+                                         r"\(keys: generator, step\); tensors are under generator"):
+        convert_checkpoint('crate-official', other, 'crate_digits')

@@ -25,6 +25,7 @@ when asked (`convert --weights ema|model`):
 | timm's `CheckpointSaver` (SOFT, timm `train.py`) | `state_dict`, `state_dict_ema` | EMA | SOFT's `--eval` loads `state_dict_ema` (its `--model-ema` defaults on), and its training loop scores the EMA and ranks checkpoints by that score |
 | DeiT / Sparsifiner `utils.save_model` | `model`, `model_ema` | model | their `--eval` / `--finetune` load `model` (Sparsifiner's `--model_key model\\|module`) |
 | CRATE `main.py` | `state_dict` | — | one kind |
+| CRATE `finetune.py`, CIFAR scripts | `model` or `net` | — | one kind |
 """
 import argparse
 import pathlib
@@ -45,7 +46,9 @@ LAYOUTS = (('state_dict', 'state_dict_ema', 'ema', "timm's CheckpointSaver (SOFT
             "evaluation scores the EMA"),
            ('model', 'model_ema', 'model', "DeiT / Sparsifiner utils.save_model, whose --eval and --finetune load "
             "'model'"))
-_MODEL_KEYS = ('state_dict', 'model', 'module')
+# where trainers keep the model's weights: timm / CRATE main.py, DeiT / Sparsifiner / CRATE finetune.py, Sparsifiner's
+# --model_key 'model|module', and 'net' (the CIFAR scripts CRATE's finetune.py follows: its resume reads 'net')
+_MODEL_KEYS = ('state_dict', 'model', 'module', 'net')
 
 
 def _numpy_globals() -> List[Any]:
@@ -167,8 +170,11 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
     else:
         state, note = _choose(loaded, path, kind)
     if not _is_tensor_mapping(state):
-        raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (keys: "
-                         f"{', '.join(map(str, list(loaded)[:6]))})")
+        inner = [str(k) for k, v in loaded.items() if _is_tensor_mapping(v)]
+        # weights under a key no trainer above uses are not guessed at (a teacher's, a discriminator's?): named
+        found = f"; tensors are under {', '.join(inner[:4])}, not a key trainers keep weights under" if inner else ''
+        raise UsageError(f"{flag} {path}: holds no state dict under {', '.join(_MODEL_KEYS)} or an EMA key (keys: "
+                         f"{', '.join(map(str, list(loaded)[:6]))}){found}")
     from timm.models import clean_state_dict
     return clean_state_dict(state), note
 
@@ -177,7 +183,10 @@ def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
     """(the weights, the line saying which) of a trainer's checkpoint: `LAYOUTS` where an EMA is present, else the
     model's weights under one of `_MODEL_KEYS`."""
     epoch = loaded.get('epoch')
-    at = f", epoch {epoch}" if isinstance(epoch, int) else ''
+    # Sparsifiner's save_model names its best files' epoch 'best' / 'best-ema' (checkpoint-best-ema.pth: saved when
+    # the EMA scored best, its 'model' still the model's weights): said, so --weights ema is seen to be the choice
+    at = (f", epoch {epoch}" if isinstance(epoch, int) and not isinstance(epoch, bool) else
+          f", epoch {epoch!r}" if isinstance(epoch, str) else '')
     for model_key, ema_key, default, who in LAYOUTS:
         ema = loaded.get(ema_key)
         if not _is_tensor_mapping(ema):
