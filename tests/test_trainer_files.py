@@ -95,3 +95,18 @@ def test_weights_under_net_are_taken_and_other_keys_are_named(public_crate, tmp_
     with pytest.raises(UsageError, match=r"holds no state dict under state_dict, model, module, net or an EMA key "
                                          r"\(keys: generator, step\); tensors are under generator"):
         convert_checkpoint('crate-official', other, 'crate_digits')
+
+
+def test_a_trainers_output_folder_is_refused_naming_the_files_to_give(public_crate, tmp_path):
+    """timm train.py's output folder (checkpoint-N.pth.tar, last / model_best.pth.tar, args.yaml, summary.csv) given
+    instead of one of its files was refused as 'not a structformer checkpoint or run directory (expected
+    model.safetensors + state.json, ...)': now the line names the files to give, best and last first."""
+    folder = tmp_path / '20240101-000000-crate_digits-32'
+    folder.mkdir()
+    for name in ('checkpoint-7.pth.tar', 'last.pth.tar', 'model_best.pth.tar'):
+        torch.save({'state_dict': public_crate, 'epoch': 7, 'args': argparse.Namespace(model='crate')}, folder / name)
+    for name in ('args.yaml', 'summary.csv'):
+        (folder / name).write_text('x\n')
+    with pytest.raises(UsageError, match=r"give one of its files: model_best\.pth\.tar, last\.pth\.tar, "
+                                         r"checkpoint-7\.pth\.tar$"):
+        load_initial_weights(timm.create_model('crate_digits'), folder)

@@ -39,6 +39,8 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         # was saved with safe_serialization=False (timm's loader takes either, safetensors first)
         path = next((path / name for name in ('model.safetensors', 'pytorch_model.bin') if (path / name).is_file()),
                     path)
+        if path.is_dir() and not (path / 'checkpoints').is_dir():
+            _refuse_folder_of_files(path, flag)
     if path.is_dir() or (path.name in ('model.safetensors', 'state.json') and (path.parent / 'state.json').exists()):
         from .checkpoint import _load_average
         try:
@@ -76,6 +78,19 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
 
 
 _TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
+
+
+def _refuse_folder_of_files(folder: Path, flag: str) -> None:
+    """A folder that is neither ours nor timm's local-dir layout (timm train.py's output folder, a download folder):
+    refused naming the weights files in it, best and last first, as the file to give."""
+    files = sorted((p for p in folder.iterdir() if p.is_file() and (p.suffix in _TORCH_SUFFIXES + ('.safetensors',)
+                                                                     or p.name.endswith('.pth.tar'))),
+                   key=lambda p: (0 if p.name.startswith(('model_best', 'checkpoint-best')) else
+                                  1 if p.name.startswith('last') else 2, p.name))
+    names = ', '.join(p.name for p in files[:4]) + (f" ({len(files)} in all)" if len(files) > 4 else '')
+    offer = f"; give one of its files: {names}" if files else '; it holds no weights file'
+    raise UsageError(f"{flag} {folder}: a folder that is not a structformer run or checkpoint, nor a convert / timm "
+                     f"local-dir folder (config.json + model.safetensors){offer}")
 
 
 def file_format(path: Path) -> str:
