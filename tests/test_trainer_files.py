@@ -110,3 +110,24 @@ def test_a_trainers_output_folder_is_refused_naming_the_files_to_give(public_cra
     with pytest.raises(UsageError, match=r"give one of its files: model_best\.pth\.tar, last\.pth\.tar, "
                                          r"checkpoint-7\.pth\.tar$"):
         load_initial_weights(timm.create_model('crate_digits'), folder)
+
+
+@pytest.mark.parametrize('fmt', ['torch', 'safetensors'])
+def test_the_wrappers_prefix_removed_is_said_and_the_record_keeps_which_weights(fmt, public_crate, tmp_path):
+    """CRATE's main.py saves a DataParallel / DDP model's state_dict ('module.' on every key): convert removed the
+    prefix without a word; now it says so, and the folder's record still names the weights taken."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from structformer.weights.cli import convert_checkpoint
+    state = {'module.' + k: v for k, v in public_crate.items()}
+    path = tmp_path / ('main.pth.tar' if fmt == 'torch' else 'main.safetensors')
+    if fmt == 'torch':
+        torch.save({'epoch': 3, 'arch': 'CRATE_small', 'state_dict': state, 'best_acc1': torch.tensor(55.0)}, path)
+    else:
+        save_file(state, str(path))
+    _, notes = convert_checkpoint('crate-official', path, 'crate_digits', output=tmp_path / 'out')
+    assert f"removed the prefix 'module.' from {len(state)} keys" in ' '.join(notes), notes
+    record = json.loads((tmp_path / 'out' / 'state.json').read_text())['converted_from']
+    assert record['weights'] == ('took state_dict, epoch 3' if fmt == 'torch' else None), record

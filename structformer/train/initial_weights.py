@@ -64,7 +64,7 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
     if kind_of_file == 'safetensors':
         from safetensors.torch import load_file
         try:
-            return clean_prefixes(load_file(str(path)))
+            return clean_prefixes(load_file(str(path)), notes)
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     if kind_of_file == 'torch':                     # .pth / .pth.tar (timm's train.py) / .pt / .bin, whatever its name
@@ -72,7 +72,7 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         weights, note = trainer_weights(load_torch_file(path, flag), flag, path, kind)
         if note and notes is not None:
             notes.append(note)
-        return clean_prefixes(weights)
+        return clean_prefixes(weights, notes)
     raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
                      ".pth / .pt / .bin / .pth.tar")
 
@@ -107,11 +107,21 @@ def file_format(path: Path) -> str:
     return 'torch' if path.suffix in _TORCH_SUFFIXES else ''
 
 
-def clean_prefixes(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def clean_prefixes(weights: Dict[str, torch.Tensor], notes: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
     """The keys without the wrappers' prefixes, as timm's `clean_state_dict` removes them: DDP's `module.` and
-    torch.compile's `_orig_mod.` (a compiled model's `state_dict()`), in either order."""
+    torch.compile's `_orig_mod.` (a compiled model's `state_dict()`), in either order. What was removed, from how
+    many keys, is appended to `notes`."""
     from timm.models import clean_state_dict
-    return clean_state_dict(weights)
+    cleaned = clean_state_dict(weights)
+    if notes is not None and len(cleaned) == len(weights):
+        removed: Dict[str, int] = {}
+        for key, clean in zip(weights, cleaned):        # clean_state_dict keeps the order
+            if key != clean:
+                prefix = key[:len(key) - len(clean)]
+                removed[prefix] = removed.get(prefix, 0) + 1
+        notes += [f"removed the prefix {prefix!r} from {count} keys (DataParallel / DDP / torch.compile wrappers, "
+                  "as timm's clean_state_dict)" for prefix, count in removed.items()]
+    return cleaned
 
 
 def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag: str = FLAG, path='') -> List[str]:

@@ -156,8 +156,9 @@ def _is_tensor_mapping(value) -> bool:
 
 def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], str]:
     """The state dict in what `load_torch_file` returned, and a line saying which weights were taken (or '' for a
-    bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). DDP's `module.`
-    and torch.compile's `_orig_mod.` prefixes are removed (timm's `clean_state_dict`)."""
+    bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). The keys are as
+    saved: the reader (`train.initial_weights.read_weights`) removes DDP's `module.` and torch.compile's
+    `_orig_mod.` prefixes from every format alike, and says so."""
     if kind is not None and kind not in WEIGHT_KINDS:
         raise UsageError(f"--weights {kind!r}: accepted {', '.join(WEIGHT_KINDS)}")
     if not isinstance(loaded, dict):
@@ -175,8 +176,7 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
         found = f"; tensors are under {', '.join(inner[:4])}, not a key trainers keep weights under" if inner else ''
         raise UsageError(f"{flag} {path}: holds no state dict under {', '.join(_MODEL_KEYS)} or an EMA key (keys: "
                          f"{', '.join(map(str, list(loaded)[:6]))}){found}")
-    from timm.models import clean_state_dict
-    return clean_state_dict(state), note
+    return state, note
 
 
 def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
