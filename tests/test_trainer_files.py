@@ -131,3 +131,37 @@ def test_the_wrappers_prefix_removed_is_said_and_the_record_keeps_which_weights(
     assert f"removed the prefix 'module.' from {len(state)} keys" in ' '.join(notes), notes
     record = json.loads((tmp_path / 'out' / 'state.json').read_text())['converted_from']
     assert record['weights'] == ('took state_dict, epoch 3' if fmt == 'torch' else None), record
+
+
+class _PathAs:
+    """Pickles as the pathlib class named `module.name` (as the trainer's Python wrote it), without making one."""
+    def __init__(self, cls, text):
+        self.cls, self.text = cls, text
+
+    def __reduce__(self):
+        return self.cls, (self.text,)
+
+
+@pytest.mark.parametrize('module, name', [('pathlib', 'WindowsPath'), ('pathlib._local', 'PosixPath')])
+def test_paths_in_args_from_windows_or_python_3_13_are_read(module, name, public_crate, tmp_path, monkeypatch):
+    """A Path option in `args` of a checkpoint written on Windows names pathlib.WindowsPath, which cannot be made on
+    Linux: it was refused as 'not a readable torch file (NotImplementedError: cannot instantiate ...)'; Python 3.13
+    pickles paths as pathlib._local.X, which the allow-list did not name."""
+    import pathlib
+    import sys
+    import types
+    if module == 'pathlib':
+        cls = pathlib.WindowsPath
+    else:                        # stand in for Python 3.13's module, for the pickler to name (read back: ours)
+        cls = type(name, (), {'__module__': module, '__qualname__': name})
+        fake = types.ModuleType(module)
+        setattr(fake, name, cls)
+        monkeypatch.setitem(sys.modules, module, fake)
+    path = tmp_path / 'checkpoint-3.pth.tar'
+    torch.save({'state_dict': public_crate, 'args': argparse.Namespace(data_dir=_PathAs(cls, 'C:\\data\\imagenet'))},
+               path)
+    if module != 'pathlib':
+        monkeypatch.delitem(sys.modules, module)        # read back by name alone, as on a Python without it
+    from structformer.weights.torch_file import load_torch_file
+    loaded = load_torch_file(path, 'convert FILE')
+    assert str(loaded['args'].data_dir).endswith('imagenet') and set(loaded['state_dict']) == set(public_crate)

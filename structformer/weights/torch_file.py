@@ -8,7 +8,8 @@ store beside the weights are allowed (`ALLOWED_GLOBALS`), each a value with no b
 
 * `argparse.Namespace`: the parsed command line as `args`, saved by timm's `CheckpointSaver` (SOFT's and timm's
   `train.py`), DeiT's and Sparsifiner's `utils.save_model`;
-* `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace;
+* `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace, read as pure paths (a
+  checkpoint written on Windows names `WindowsPath`, which cannot be made elsewhere);
 * numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`), by the name
   numpy 1.x (`numpy.core.multiarray.scalar`) or numpy 2 (`numpy._core...`) wrote.
 
@@ -74,8 +75,17 @@ def _numpy_globals() -> List[Any]:
     return found
 
 
-ALLOWED_GLOBALS = [argparse.Namespace, pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
-                   pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath] + _numpy_globals()
+def _path_globals() -> List[Any]:
+    """Every pathlib class a checkpoint can name, each read as its pure path: a `WindowsPath` cannot be made on
+    Linux (nor a `PosixPath` on Windows), and a path in `args` is only recorded text. Under the name Python <= 3.12
+    pickles them by (`pathlib.X`) and Python 3.13's (`pathlib._local.X`)."""
+    pure = {'PurePath': pathlib.PurePath, 'PurePosixPath': pathlib.PurePosixPath,
+            'PureWindowsPath': pathlib.PureWindowsPath, 'Path': pathlib.PurePath, 'PosixPath': pathlib.PurePosixPath,
+            'WindowsPath': pathlib.PureWindowsPath}
+    return [(cls, f'{module}.{name}') for name, cls in pure.items() for module in ('pathlib', 'pathlib._local')]
+
+
+ALLOWED_GLOBALS = [argparse.Namespace] + _path_globals() + _numpy_globals()
 
 _GLOBAL_IN_MESSAGE = re.compile(r'GLOBAL ([\w.]+) was not an allowed global')
 
