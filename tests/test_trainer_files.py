@@ -165,3 +165,23 @@ def test_paths_in_args_from_windows_or_python_3_13_are_read(module, name, public
     from structformer.weights.torch_file import load_torch_file
     loaded = load_torch_file(path, 'convert FILE')
     assert str(loaded['args'].data_dir).endswith('imagenet') and set(loaded['state_dict']) == set(public_crate)
+
+
+def test_timm_pretrained_reads_the_trainer_files_convert_reads_and_still_runs_no_code(public_crate, tmp_path):
+    """pretrained_cfg_overlay=dict(file=...) goes through timm's loader, which allows argparse.Namespace only: a
+    checkpoint whose args hold a path, or whose metric is a numpy scalar, failed there while convert and the training
+    flags read it (docs/weights.md promises timm's pretrained=True for trainers' files). A whole pickled model is
+    still refused there."""
+    import pathlib
+
+    import numpy as np
+    path = tmp_path / 'checkpoint-3.pth.tar'
+    torch.save({'state_dict': public_crate, 'metric': np.float64(71.25), 'epoch': 3,
+                'args': argparse.Namespace(output=pathlib.Path('output/train'), model='crate')}, path)
+    model = timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    torch.testing.assert_close(model.state_dict()['blocks.1.mlp.weight'],
+                               public_crate['transformer.layers.1.1.fn.weight'], rtol=0, atol=0)
+    whole = tmp_path / 'whole.pth'
+    torch.save(torch.nn.Linear(2, 2), whole)
+    with pytest.raises(Exception, match='torch.nn.modules.linear.Linear'):
+        timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(whole)))
