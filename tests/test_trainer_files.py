@@ -112,6 +112,16 @@ def test_a_trainers_output_folder_is_refused_naming_the_files_to_give(public_cra
         load_initial_weights(timm.create_model('crate_digits'), folder)
 
 
+def test_the_folders_of_a_structformer_run_are_still_read(crate_digits_run):
+    """The refusal above leaves our own folders to the checkpoint reader: a run, its checkpoints/ (latest.json
+    and epoch_* folders), one checkpoint folder."""
+    from structformer.train.initial_weights import read_weights
+    expected = read_weights(crate_digits_run / 'checkpoints' / 'epoch_0001')
+    for folder in (crate_digits_run, crate_digits_run / 'checkpoints'):
+        got = read_weights(folder)
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 @pytest.mark.parametrize('fmt', ['torch', 'safetensors'])
 def test_the_wrappers_prefix_removed_is_said_and_the_record_keeps_which_weights(fmt, public_crate, tmp_path):
     """CRATE's main.py saves a DataParallel / DDP model's state_dict ('module.' on every key): convert removed the

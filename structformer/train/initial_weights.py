@@ -81,16 +81,23 @@ _TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
 
 
 def _refuse_folder_of_files(folder: Path, flag: str) -> None:
-    """A folder that is neither ours nor timm's local-dir layout (timm train.py's output folder, a download folder):
-    refused naming the weights files in it, best and last first, as the file to give."""
+    """A folder of weights files that is neither ours nor timm's local-dir layout (timm train.py's output folder, a
+    download folder): refused naming the weights files in it, best and last first, as the file to give. A folder of
+    ours (a run's checkpoints/ with latest.json and epoch_* folders, a moved-aside run) or one without weights files
+    is left to the checkpoint reader and its messages."""
+    ours = ('latest.json', 'train_state.safetensors', 'ema.safetensors')     # a run's checkpoints/, a checkpoint
+    if any((folder / name).exists() for name in ours) or any(
+            p.is_dir() and p.name.startswith(('epoch_', '.replaced-')) for p in folder.iterdir()):
+        return
     files = sorted((p for p in folder.iterdir() if p.is_file() and (p.suffix in _TORCH_SUFFIXES + ('.safetensors',)
                                                                      or p.name.endswith('.pth.tar'))),
                    key=lambda p: (0 if p.name.startswith(('model_best', 'checkpoint-best')) else
                                   1 if p.name.startswith('last') else 2, p.name))
     names = ', '.join(p.name for p in files[:4]) + (f" ({len(files)} in all)" if len(files) > 4 else '')
-    offer = f"; give one of its files: {names}" if files else '; it holds no weights file'
+    if not files:
+        return
     raise UsageError(f"{flag} {folder}: a folder that is not a structformer run or checkpoint, nor a convert / timm "
-                     f"local-dir folder (config.json + model.safetensors){offer}")
+                     f"local-dir folder (config.json + model.safetensors); give one of its files: {names}")
 
 
 def file_format(path: Path) -> str:
