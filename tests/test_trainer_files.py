@@ -195,3 +195,22 @@ def test_timm_pretrained_reads_the_trainer_files_convert_reads_and_still_runs_no
     torch.save(torch.nn.Linear(2, 2), whole)
     with pytest.raises(Exception, match='torch.nn.modules.linear.Linear'):
         timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(whole)))
+
+
+def test_a_torchscript_archive_is_refused_as_one_without_torchs_warning(tmp_path, capsys, recwarn):
+    """torch.jit.save's archive is a zip like torch.save's: torch.load refuses it under weights_only (before
+    torch.jit.load runs), after a warning that it would dispatch to torch.jit.load; the line said 'not a readable
+    torch file (RuntimeError: Cannot use ``weights_only=True`` ...)'."""
+    import warnings
+
+    from structformer.cli import main
+    path = tmp_path / 'model.pt'
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                  # torch.jit's deprecation notices
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    assert main(['convert', '--from', 'timm', str(path), '--model', 'vit_digits', '--output',
+                 str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert 'is a TorchScript archive (torch.jit.save)' in err and len(err.splitlines()) == 1, err
+    assert not [w for w in recwarn if 'TorchScript' in str(w.message)]
+    assert not (tmp_path / 'out').exists()

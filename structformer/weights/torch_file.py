@@ -110,9 +110,14 @@ def load_torch_file(path, flag: str) -> Any:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f, warnings.catch_warnings():
             # torch.save(..., pickle_protocol=4) (needed past 4 GB) makes torch ask the user to file an issue
             warnings.filterwarnings('ignore', message='Detected pickle protocol')
+            warnings.filterwarnings('ignore', message='.*looks like a TorchScript archive')     # refused below
             return torch.load(f, map_location='cpu', weights_only=True)
     except Exception as e:                          # UnpicklingError, RuntimeError (not a zip), EOFError, ...
         text = str(e)
+        if 'TorchScript archive' in text:
+            # torch.load refuses before torch.jit.load runs anything
+            raise UsageError(f"{flag} {path}: is a TorchScript archive (torch.jit.save), a program rather than weights, "
+                             "and is not loaded; save model.state_dict() where it was made and give that") from None
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
