@@ -214,3 +214,19 @@ def test_a_torchscript_archive_is_refused_as_one_without_torchs_warning(tmp_path
     assert 'is a TorchScript archive (torch.jit.save)' in err and len(err.splitlines()) == 1, err
     assert not [w for w in recwarn if 'TorchScript' in str(w.message)]
     assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('fmt', ['safetensors', 'torch'])
+def test_a_file_with_no_tensors_says_so(fmt, tmp_path):
+    """An empty safetensors file was reported as '44 weights of the model are not in the checkpoint; is --model the
+    checkpoint's architecture?', an empty torch dict as 'holds no state dict under ... (keys: )'."""
+    from safetensors.torch import save_file
+
+    from structformer.weights.cli import convert_checkpoint
+    path = tmp_path / ('w.safetensors' if fmt == 'safetensors' else 'w.pth')
+    if fmt == 'safetensors':
+        save_file({}, str(path))
+    else:
+        torch.save({}, path)
+    with pytest.raises(UsageError, match=rf"^convert FILE {path}: holds (no tensors|an empty mapping, no tensors)"):
+        convert_checkpoint('crate-official', path, 'crate_digits')

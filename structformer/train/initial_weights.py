@@ -64,9 +64,12 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
     if kind_of_file == 'safetensors':
         from safetensors.torch import load_file
         try:
-            return clean_prefixes(load_file(str(path)), notes)
+            weights = load_file(str(path))
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        if not weights:                             # else: 'N weights of the model are not in the checkpoint'
+            raise UsageError(f"{flag} {path}: holds no tensors (an empty safetensors file)")
+        return clean_prefixes(weights, notes)
     if kind_of_file == 'torch':                     # .pth / .pth.tar (timm's train.py) / .pt / .bin, whatever its name
         from ..weights.torch_file import load_torch_file, trainer_weights
         weights, note = trainer_weights(load_torch_file(path, flag), flag, path, kind)

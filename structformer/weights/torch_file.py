@@ -178,6 +178,8 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
         raise UsageError(f"--weights {kind!r}: accepted {', '.join(WEIGHT_KINDS)}")
     if not isinstance(loaded, dict):
         raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (a {type(loaded).__name__})")
+    if not loaded:
+        raise UsageError(f"{flag} {path}: holds an empty mapping, no tensors")
     note = ''
     if _is_tensor_mapping(loaded):
         if kind == 'ema':
