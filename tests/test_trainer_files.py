@@ -230,3 +230,14 @@ def test_a_file_with_no_tensors_says_so(fmt, tmp_path):
         torch.save({}, path)
     with pytest.raises(UsageError, match=rf"^convert FILE {path}: holds (no tensors|an empty mapping, no tensors)"):
         convert_checkpoint('crate-official', path, 'crate_digits')
+
+
+def test_timm_pretrained_of_a_web_page_says_so_not_unsafe_globals(tmp_path):
+    """timm's loader called a web page saved as the weights 'non-allowlisted pickle globals' and offered
+    weights_only=False; our models' pretrained=True says what the file is, as convert does."""
+    path = tmp_path / 'crate_s.pth'
+    path.write_bytes(b'<!DOCTYPE html>\n<html><head><title>Sign in</title></head></html>\n')
+    with pytest.raises(ValueError, match=r"^crate_digits: pretrained weights .*crate_s\.pth: not a torch file: it is "
+                                         r"a web page") as caught:
+        timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    assert 'weights_only=False' not in str(caught.value)

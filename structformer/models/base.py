@@ -211,6 +211,13 @@ def check_pretrained_source(variant: str, pretrained_cfg=None, pretrained_cfg_ov
         raise ValueError(f"{variant}: pretrained=True: {NO_WEIGHTS}")
     if load_from in ('file', 'local-dir') and not Path(location).exists():
         raise FileNotFoundError(f"{variant}: pretrained weights {location}: does not exist")
+    if load_from == 'file' and Path(location).is_file():
+        from ..weights.file_kind import SAFETENSORS, sniff
+        if sniff(location) != SAFETENSORS:
+            # a web page saved by a failed download: timm's loader calls it 'non-allowlisted pickle globals' and
+            # offers weights_only=False; said here as convert says it (numpy's .npz is a zip, passed on)
+            from ..weights.torch_file import refuse_what_is_no_torch_file
+            refuse_what_is_no_torch_file(Path(location), f"{variant}: pretrained weights")
 
 
 def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,

@@ -39,7 +39,8 @@ import torch
 
 from ..errors import UsageError
 
-__all__ = ['ALLOWED_GLOBALS', 'WEIGHT_KINDS', 'load_torch_file', 'trainer_weights']
+__all__ = ['ALLOWED_GLOBALS', 'WEIGHT_KINDS', 'load_torch_file', 'refuse_what_is_no_torch_file',
+           'trainer_weights']
 
 WEIGHT_KINDS = ('ema', 'model')
 # (key of the model's weights, key of their EMA, the kind the source evaluates by default, who writes it)
@@ -104,7 +105,7 @@ def load_torch_file(path, flag: str) -> Any:
     """`torch.load(path, map_location='cpu', weights_only=True)` with `ALLOWED_GLOBALS` allowed. A file needing any
     other global, or not a torch file, is a UsageError naming `flag` and the first global refused."""
     path = Path(path)
-    _refuse_what_is_no_torch_file(path, flag)
+    refuse_what_is_no_torch_file(path, flag)
     try:
         # an open file, not its name: torch.load reads a name ending in .safetensors as safetensors, whatever it is
         with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f, warnings.catch_warnings():
@@ -135,7 +136,7 @@ def load_torch_file(path, flag: str) -> Any:
         raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
 
 
-def _refuse_what_is_no_torch_file(path: Path, flag: str) -> None:
+def refuse_what_is_no_torch_file(path: Path, flag: str) -> None:
     """A file whose first bytes are neither torch.save's zip archive nor a pickle (`file_kind.sniff`) is refused
     saying what it starts with: most often a web page or an error text saved under the checkpoint's name by a
     download that failed (a Drive or Hub link fetched without its confirmation step), which the unpickler would
