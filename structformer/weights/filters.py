@@ -265,7 +265,21 @@ def pretrained_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     """timm's `pretrained_filter_fn` for every structformer model (`models.base.create_model` passes it to
     `build_model_with_cfg`): the family filter, each adaptation logged, the rest checked."""
     state_dict = dict(state_dict)
-    done = _from_public_layout(state_dict, model)
+    done: List[str] = []
+    if not all(torch.is_tensor(v) for v in state_dict.values()):
+        # a wrapper timm's loader does not unwrap (it takes state_dict(_ema) / model(_ema)): 'net', or the whole
+        # checkpoint: our reader's choice, or its one-line refusal naming the keys
+        from ..errors import UsageError
+        from .torch_file import trainer_weights
+        try:
+            file = (getattr(model, 'pretrained_cfg', None) or {}).get('file') or ''
+            state_dict, note = trainer_weights(state_dict, 'pretrained weights', file)
+        except UsageError as e:
+            raise WeightsMismatch(str(e)) from None
+        from timm.models import clean_state_dict
+        state_dict = dict(clean_state_dict(state_dict))
+        done += [note] if note else []
+    done += _from_public_layout(state_dict, model)
     cfg = getattr(model, 'pretrained_cfg', None)
     head = (cfg or {}).get('classifier')
     weight = state_dict.get(f'{head}.weight') if isinstance(head, str) else None
