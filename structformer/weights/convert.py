@@ -151,7 +151,8 @@ def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Te
 
 
 def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Module,
-                       shapes_must_fit: bool = False, where: Optional[str] = None) -> Tuple[Dict[str, Tensor], List[str]]:
+                       shapes_must_fit: bool = False,
+                       where: Optional[str] = None) -> Tuple[Dict[str, Tensor], List[str]]:
     """`state` in `source`'s layout -> our keys for `model`, and the notes of what was not a plain copy. Unknown keys
     and keys of ours left unfilled are a UsageError naming them, after `where` (default: convert's `--from SOURCE`;
     the training flags and timm's loader, which find the layout by its keys, name their own flag or file).

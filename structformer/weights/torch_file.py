@@ -117,8 +117,9 @@ def load_torch_file(path, flag: str) -> Any:
         text = str(e)
         if 'TorchScript archive' in text:
             # torch.load refuses before torch.jit.load runs anything
-            raise UsageError(f"{flag} {path}: is a TorchScript archive (torch.jit.save), a program rather than weights, "
-                             "and is not loaded; save model.state_dict() where it was made and give that") from None
+            raise UsageError(f"{flag} {path}: is a TorchScript archive (torch.jit.save), a program rather than "
+                             "weights, and is not loaded; save model.state_dict() where it was made and give that"
+                             ) from None
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
