@@ -102,7 +102,9 @@ def test_crate_official_converts_to_equal_logits(tmp_path):
         ours = model.double().eval()(x)
     torch.testing.assert_close(ours, crate_official_forward(_as_loaded(state), x, 2, 4, 4), rtol=1e-10, atol=1e-10)
     assert notes == ["num_classes=10: the checkpoint's classifier mlp_head.1.weight is [10, 64]",
-                     'took state_dict, epoch 3']           # what was chosen, and why; nothing converted beyond keys
+                     'took state_dict, epoch 3',           # what was chosen, and why; nothing converted beyond keys
+                     "removed the prefix 'module.' from 44 keys (DataParallel / DDP / torch.compile wrappers, as "
+                     "timm's clean_state_dict)"]
 
 
 def test_crate_official_small_patch_layout_is_the_same_flattening():

@@ -6,6 +6,7 @@ and `no_weight_decay_names`, and writes `forward_features` / `forward_head` / `f
 Each registered name stays an explicit `@register_model` function in the family's file, as in timm,
 calling `create_model(cls, variant, pretrained, **kwargs)`.
 """
+import functools
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, List, Optional, Set, Type, Union
 
@@ -210,6 +211,13 @@ def check_pretrained_source(variant: str, pretrained_cfg=None, pretrained_cfg_ov
         raise ValueError(f"{variant}: pretrained=True: {NO_WEIGHTS}")
     if load_from in ('file', 'local-dir') and not Path(location).exists():
         raise FileNotFoundError(f"{variant}: pretrained weights {location}: does not exist")
+    if load_from == 'file' and Path(location).is_file():
+        from ..weights.file_kind import SAFETENSORS, sniff
+        if sniff(location) != SAFETENSORS:
+            # a web page saved by a failed download: timm's loader calls it 'non-allowlisted pickle globals' and
+            # offers weights_only=False; said here as convert says it (numpy's .npz is a zip, passed on)
+            from ..weights.torch_file import refuse_what_is_no_torch_file
+            refuse_what_is_no_torch_file(Path(location), f"{variant}: pretrained weights")
 
 
 def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, default_out_indices=3,
@@ -232,5 +240,12 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     from ..weights.filters import pretrained_filter_fn
     # strictness is the filter's: it refuses by name whatever it does not adapt, and leaves out on purpose what
     # stays freshly initialised (a lazy Sparsifiner basis of another token count, shaped after loading)
-    return build_model_with_cfg(cls, variant, pretrained=pretrained, feature_cfg=feature_cfg,
-                                pretrained_filter_fn=pretrained_filter_fn, pretrained_strict=False, **kwargs)
+    build = functools.partial(build_model_with_cfg, cls, variant, pretrained=pretrained, feature_cfg=feature_cfg,
+                              pretrained_filter_fn=pretrained_filter_fn, pretrained_strict=False, **kwargs)
+    if not pretrained:
+        return build()
+    # timm's loader reads a torch file with weights_only=True and argparse.Namespace allowed; a trainer's checkpoint
+    # may also hold paths or numpy scalars in it (convert and the training flags read those): the same allow-list
+    from ..weights.torch_file import ALLOWED_GLOBALS
+    with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+        return build()

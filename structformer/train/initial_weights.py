@@ -39,6 +39,8 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         # was saved with safe_serialization=False (timm's loader takes either, safetensors first)
         path = next((path / name for name in ('model.safetensors', 'pytorch_model.bin') if (path / name).is_file()),
                     path)
+        if path.is_dir() and not (path / 'checkpoints').is_dir():
+            _refuse_folder_of_files(path, flag)
     if path.is_dir() or (path.name in ('model.safetensors', 'state.json') and (path.parent / 'state.json').exists()):
         from .checkpoint import _load_average
         try:
@@ -53,29 +55,52 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
         if kind == 'ema' and notes is not None:
             notes.append(f"took {Path(state['path']).name}'s weight average (--model-ema), as --weights asked")
         return weights
-    if kind == 'ema' and path.suffix == '.safetensors':
+    kind_of_file = file_format(path)
+    if kind == 'ema' and kind_of_file == 'safetensors':          # by content: a safetensors file named .pth too
         raise UsageError(f"--weights ema: {path} holds one set of weights (safetensors); EMA weights are "
                          "chosen in a trainer's torch checkpoint or a structformer run trained with --model-ema")
-    kind_of_file = file_format(path)
     if kind_of_file == 'empty':
         raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")
     if kind_of_file == 'safetensors':
         from safetensors.torch import load_file
         try:
-            return clean_prefixes(load_file(str(path)))
+            weights = load_file(str(path))
         except Exception as e:                      # safetensors raises several types on damaged files
             raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        if not weights:                             # else: 'N weights of the model are not in the checkpoint'
+            raise UsageError(f"{flag} {path}: holds no tensors (an empty safetensors file)")
+        return clean_prefixes(weights, notes)
     if kind_of_file == 'torch':                     # .pth / .pth.tar (timm's train.py) / .pt / .bin, whatever its name
         from ..weights.torch_file import load_torch_file, trainer_weights
         weights, note = trainer_weights(load_torch_file(path, flag), flag, path, kind)
         if note and notes is not None:
             notes.append(note)
-        return clean_prefixes(weights)
+        return clean_prefixes(weights, notes)
     raise UsageError(f"{flag} {path}: accepted a run or checkpoint folder, .safetensors, or a weights-only "
                      ".pth / .pt / .bin / .pth.tar")
 
 
 _TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
+
+
+def _refuse_folder_of_files(folder: Path, flag: str) -> None:
+    """A folder of weights files that is neither ours nor timm's local-dir layout (timm train.py's output folder, a
+    download folder): refused naming the weights files in it, best and last first, as the file to give. A folder of
+    ours (a run's checkpoints/ with latest.json and epoch_* folders, a moved-aside run) or one without weights files
+    is left to the checkpoint reader and its messages."""
+    ours = ('latest.json', 'train_state.safetensors', 'ema.safetensors')     # a run's checkpoints/, a checkpoint
+    if any((folder / name).exists() for name in ours) or any(
+            p.is_dir() and p.name.startswith(('epoch_', '.replaced-')) for p in folder.iterdir()):
+        return
+    files = sorted((p for p in folder.iterdir() if p.is_file() and (p.suffix in _TORCH_SUFFIXES + ('.safetensors',)
+                                                                     or p.name.endswith('.pth.tar'))),
+                   key=lambda p: (0 if p.name.startswith(('model_best', 'checkpoint-best')) else
+                                  1 if p.name.startswith('last') else 2, p.name))
+    names = ', '.join(p.name for p in files[:4]) + (f" ({len(files)} in all)" if len(files) > 4 else '')
+    if not files:
+        return
+    raise UsageError(f"{flag} {folder}: a folder that is not a structformer run or checkpoint, nor a convert / timm "
+                     f"local-dir folder (config.json + model.safetensors); give one of its files: {names}")
 
 
 def file_format(path: Path) -> str:
@@ -92,11 +117,21 @@ def file_format(path: Path) -> str:
     return 'torch' if path.suffix in _TORCH_SUFFIXES else ''
 
 
-def clean_prefixes(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def clean_prefixes(weights: Dict[str, torch.Tensor], notes: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
     """The keys without the wrappers' prefixes, as timm's `clean_state_dict` removes them: DDP's `module.` and
-    torch.compile's `_orig_mod.` (a compiled model's `state_dict()`), in either order."""
+    torch.compile's `_orig_mod.` (a compiled model's `state_dict()`), in either order. What was removed, from how
+    many keys, is appended to `notes`."""
     from timm.models import clean_state_dict
-    return clean_state_dict(weights)
+    cleaned = clean_state_dict(weights)
+    if notes is not None and len(cleaned) == len(weights):
+        removed: Dict[str, int] = {}
+        for key, clean in zip(weights, cleaned):        # clean_state_dict keeps the order
+            if key != clean:
+                prefix = key[:len(key) - len(clean)]
+                removed[prefix] = removed.get(prefix, 0) + 1
+        notes += [f"removed the prefix {prefix!r} from {count} keys (DataParallel / DDP / torch.compile wrappers, "
+                  "as timm's clean_state_dict)" for prefix, count in removed.items()]
+    return cleaned
 
 
 def adapt_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], flag: str = FLAG, path='') -> List[str]:

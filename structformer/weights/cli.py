@@ -137,7 +137,8 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         kwargs = recipe.kwargs
     if output is not None:
         from .folder import save_weights_folder
-        record = {'from': source, 'file': str(Path(path).absolute()), 'weights': taken[0] if taken else None,
+        took = [line for line in taken if line.startswith('took ')]      # not the prefixes removed
+        record = {'from': source, 'file': str(Path(path).absolute()), 'weights': took[0] if took else None,
                   'notes': notes}
         save_weights_folder(model.eval(), output, kwargs, name, record=record, flag='--output')
     return model, notes

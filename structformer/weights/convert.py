@@ -151,11 +151,19 @@ def _apply_rules(state: Dict[str, Tensor], rules: List[Rule], done: Dict[str, Te
 
 
 def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Module,
-                       shapes_must_fit: bool = False) -> Tuple[Dict[str, Tensor], List[str]]:
+                       shapes_must_fit: bool = False,
+                       where: Optional[str] = None) -> Tuple[Dict[str, Tensor], List[str]]:
     """`state` in `source`'s layout -> our keys for `model`, and the notes of what was not a plain copy. Unknown keys
-    and keys of ours left unfilled are a UsageError naming them. `shapes_must_fit` (convert, which builds the
-    checkpoint's own architecture; timm's loader adapts shapes afterwards instead): a tensor of another shape than
-    the model's is refused first, naming the first one in the model's order and both shapes."""
+    and keys of ours left unfilled are a UsageError naming them, after `where` (default: convert's `--from SOURCE`;
+    the training flags and timm's loader, which find the layout by its keys, name their own flag or file).
+    `shapes_must_fit` (convert, which builds the checkpoint's own architecture; timm's loader adapts shapes
+    afterwards instead): a tensor of another shape than the model's is refused first, naming the first one in the
+    model's order and both shapes."""
+    # only convert has --from and --model; elsewhere the layout was recognised from the keys and the model built
+    head = where or f"--from {source}"
+    model_ask = f"is {'--model' if where is None else 'the model'} the checkpoint's architecture"
+    ask = f"{model_ask} and --from its layout?" if where is None else f"{model_ask}?"
+    arch = (getattr(model, 'pretrained_cfg', None) or {}).get('architecture') or type(model).__name__
     if source not in SOURCES:
         raise UsageError(f"--from {source!r}: accepted {', '.join(SOURCES)}")
     if source == 'sparsifiner-official' and not any('.mask_predictor.' in k for k in state):
@@ -183,8 +191,8 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
     if unknown or unexpected:
         what = [f"{len(unknown)} unknown ({_names(unknown)})"] if unknown else []
         what += [f"{len(unexpected)} without a place in {type(model).__name__} ({_names(unexpected)})"] if unexpected else []
-        raise UsageError(f"--from {source}: the checkpoint does not fit this converter and --model: {'; '.join(what)}; "
-                         "is --model the checkpoint's architecture and --from its layout?")
+        fit = "this converter and --model" if where is None else f"model {arch} (read in the {source} layout)"
+        raise UsageError(f"{head}: the checkpoint does not fit {fit}: {'; '.join(what)}; {ask}")
     missing = set(ours) - set(done)
     from ..models.sparsifiner import predictor_parameter_names
     predictor = predictor_parameter_names(model)
@@ -193,12 +201,14 @@ def convert_state_dict(source: str, state: Dict[str, Tensor], model: torch.nn.Mo
         lacking = missing & predictor
         public = f" (the public code's {_public_predictor_name(min(lacking))})" if source == 'sparsifiner-official' else ''
         shown = ', '.join(sorted(lacking)[:3]) + (', ...' if len(lacking) > 3 else '')
-        raise UsageError(f"--from {source}: the checkpoint's Sparsifiner predictor is incomplete, {len(lacking)} "
+        raise UsageError(f"{head}: the checkpoint's Sparsifiner predictor is incomplete, {len(lacking)} "
                          f"weight(s) missing: {shown}{public}; refused rather than filled at random")
     fresh = missing & (predictor | {k for k in ours if k.endswith('num_batches_tracked')})
     if missing - fresh:
-        raise UsageError(f"--from {source}: {len(missing - fresh)} weights of the model are not in the checkpoint "
-                         f"({_names(missing - fresh)}); is --model the checkpoint's architecture?")
+        whose = 'the model' if where is None else f"model {arch}"
+        read = '' if where is None else f" (read in the {source} layout)"
+        raise UsageError(f"{head}: {len(missing - fresh)} weights of {whose} are not in the checkpoint "
+                         f"({_names(missing - fresh)}){read}; {model_ask}?")
     predictors = {k for k in fresh if not k.endswith('num_batches_tracked')}
     if predictors:
         notes.append(f"Sparsifiner's connectivity predictor freshly initialised ({_names(predictors)}): the source has "

@@ -204,13 +204,18 @@ _PUBLIC_MARKERS = {'crate-official': 'to_patch_embedding.2.weight', 'soft-offici
                    'sparsifiner-official': 'blocks.0.attn.mask_predictor.proj_n'}
 
 
-def _from_public_layout(state: dict, model: nn.Module) -> List[str]:
+def _from_public_layout(state: dict, model: nn.Module, where: str = 'pretrained weights') -> List[str]:
     """A checkpoint of the papers' public code (CRATE, SOFT, Sparsifiner) given straight to `pretrained=True` is
-    converted first, by the key maps of `structformer convert` (as timm's ViT filter converts other layouts)."""
+    converted first, by the key maps of `structformer convert` (as timm's ViT filter converts other layouts). What
+    does not fit is a `WeightsMismatch` naming `where` (the flag and file), not convert's --from."""
     for source, marker in _PUBLIC_MARKERS.items():
         if marker in state:
+            from ..errors import UsageError
             from .convert import convert_state_dict
-            converted, notes = convert_state_dict(source, state, model)
+            try:
+                converted, notes = convert_state_dict(source, state, model, where=where)
+            except UsageError as e:
+                raise WeightsMismatch(str(e)) from None
             state.clear()
             state.update(converted)
             return [f"converted from the {source} layout"] + notes + _unlike_public(source, model)
@@ -250,7 +255,7 @@ def adapt_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
     """`state_dict` adapted to `model` by its family filter, and the list of adaptations made. Raises
     `WeightsMismatch` (naming `where`) when anything else does not fit."""
     state = dict(state_dict)
-    done = _from_public_layout(state, model)
+    done = _from_public_layout(state, model, where)
     state = filter_fn_for(model)(state, model, done)
     _check(state, model, _own(model), where)
     return state, done
@@ -260,7 +265,21 @@ def pretrained_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     """timm's `pretrained_filter_fn` for every structformer model (`models.base.create_model` passes it to
     `build_model_with_cfg`): the family filter, each adaptation logged, the rest checked."""
     state_dict = dict(state_dict)
-    done = _from_public_layout(state_dict, model)
+    done: List[str] = []
+    if not all(torch.is_tensor(v) for v in state_dict.values()):
+        # a wrapper timm's loader does not unwrap (it takes state_dict(_ema) / model(_ema)): 'net', or the whole
+        # checkpoint: our reader's choice, or its one-line refusal naming the keys
+        from ..errors import UsageError
+        from .torch_file import trainer_weights
+        try:
+            file = (getattr(model, 'pretrained_cfg', None) or {}).get('file') or ''
+            state_dict, note = trainer_weights(state_dict, 'pretrained weights', file)
+        except UsageError as e:
+            raise WeightsMismatch(str(e)) from None
+        from timm.models import clean_state_dict
+        state_dict = dict(clean_state_dict(state_dict))
+        done += [note] if note else []
+    done += _from_public_layout(state_dict, model)
     cfg = getattr(model, 'pretrained_cfg', None)
     head = (cfg or {}).get('classifier')
     weight = state_dict.get(f'{head}.weight') if isinstance(head, str) else None

@@ -8,7 +8,8 @@ store beside the weights are allowed (`ALLOWED_GLOBALS`), each a value with no b
 
 * `argparse.Namespace`: the parsed command line as `args`, saved by timm's `CheckpointSaver` (SOFT's and timm's
   `train.py`), DeiT's and Sparsifiner's `utils.save_model`;
-* `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace;
+* `pathlib` paths: what an argparse option of `type=Path` leaves in that Namespace, read as pure paths (a
+  checkpoint written on Windows names `WindowsPath`, which cannot be made elsewhere);
 * numpy scalars and dtypes: a metric or best accuracy computed with numpy (`metric`, `best_acc`), by the name
   numpy 1.x (`numpy.core.multiarray.scalar`) or numpy 2 (`numpy._core...`) wrote.
 
@@ -25,10 +26,12 @@ when asked (`convert --weights ema|model`):
 | timm's `CheckpointSaver` (SOFT, timm `train.py`) | `state_dict`, `state_dict_ema` | EMA | SOFT's `--eval` loads `state_dict_ema` (its `--model-ema` defaults on), and its training loop scores the EMA and ranks checkpoints by that score |
 | DeiT / Sparsifiner `utils.save_model` | `model`, `model_ema` | model | their `--eval` / `--finetune` load `model` (Sparsifiner's `--model_key model\\|module`) |
 | CRATE `main.py` | `state_dict` | — | one kind |
+| CRATE `finetune.py`, CIFAR scripts | `model` or `net` | — | one kind |
 """
 import argparse
 import pathlib
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -36,7 +39,8 @@ import torch
 
 from ..errors import UsageError
 
-__all__ = ['ALLOWED_GLOBALS', 'WEIGHT_KINDS', 'load_torch_file', 'trainer_weights']
+__all__ = ['ALLOWED_GLOBALS', 'WEIGHT_KINDS', 'load_torch_file', 'refuse_what_is_no_torch_file',
+           'trainer_weights']
 
 WEIGHT_KINDS = ('ema', 'model')
 # (key of the model's weights, key of their EMA, the kind the source evaluates by default, who writes it)
@@ -44,7 +48,9 @@ LAYOUTS = (('state_dict', 'state_dict_ema', 'ema', "timm's CheckpointSaver (SOFT
             "evaluation scores the EMA"),
            ('model', 'model_ema', 'model', "DeiT / Sparsifiner utils.save_model, whose --eval and --finetune load "
             "'model'"))
-_MODEL_KEYS = ('state_dict', 'model', 'module')
+# where trainers keep the model's weights: timm / CRATE main.py, DeiT / Sparsifiner / CRATE finetune.py, Sparsifiner's
+# --model_key 'model|module', and 'net' (the CIFAR scripts CRATE's finetune.py follows: its resume reads 'net')
+_MODEL_KEYS = ('state_dict', 'model', 'module', 'net')
 
 
 def _numpy_globals() -> List[Any]:
@@ -70,8 +76,17 @@ def _numpy_globals() -> List[Any]:
     return found
 
 
-ALLOWED_GLOBALS = [argparse.Namespace, pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
-                   pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath] + _numpy_globals()
+def _path_globals() -> List[Any]:
+    """Every pathlib class a checkpoint can name, each read as its pure path: a `WindowsPath` cannot be made on
+    Linux (nor a `PosixPath` on Windows), and a path in `args` is only recorded text. Under the name Python <= 3.12
+    pickles them by (`pathlib.X`) and Python 3.13's (`pathlib._local.X`)."""
+    pure = {'PurePath': pathlib.PurePath, 'PurePosixPath': pathlib.PurePosixPath,
+            'PureWindowsPath': pathlib.PureWindowsPath, 'Path': pathlib.PurePath, 'PosixPath': pathlib.PurePosixPath,
+            'WindowsPath': pathlib.PureWindowsPath}
+    return [(cls, f'{module}.{name}') for name, cls in pure.items() for module in ('pathlib', 'pathlib._local')]
+
+
+ALLOWED_GLOBALS = [argparse.Namespace] + _path_globals() + _numpy_globals()
 
 _GLOBAL_IN_MESSAGE = re.compile(r'GLOBAL ([\w.]+) was not an allowed global')
 
@@ -90,12 +105,21 @@ def load_torch_file(path, flag: str) -> Any:
     """`torch.load(path, map_location='cpu', weights_only=True)` with `ALLOWED_GLOBALS` allowed. A file needing any
     other global, or not a torch file, is a UsageError naming `flag` and the first global refused."""
     path = Path(path)
+    refuse_what_is_no_torch_file(path, flag)
     try:
         # an open file, not its name: torch.load reads a name ending in .safetensors as safetensors, whatever it is
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f, warnings.catch_warnings():
+            # torch.save(..., pickle_protocol=4) (needed past 4 GB) makes torch ask the user to file an issue
+            warnings.filterwarnings('ignore', message='Detected pickle protocol')
+            warnings.filterwarnings('ignore', message='.*looks like a TorchScript archive')     # refused below
             return torch.load(f, map_location='cpu', weights_only=True)
     except Exception as e:                          # UnpicklingError, RuntimeError (not a zip), EOFError, ...
         text = str(e)
+        if 'TorchScript archive' in text:
+            # torch.load refuses before torch.jit.load runs anything
+            raise UsageError(f"{flag} {path}: is a TorchScript archive (torch.jit.save), a program rather than "
+                             "weights, and is not loaded; save model.state_dict() where it was made and give that"
+                             ) from None
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
@@ -107,10 +131,40 @@ def load_torch_file(path, flag: str) -> Any:
                              "would have to run; only tensors, containers, numbers and plain trainer data "
                              f"(argparse.Namespace, paths, numpy scalars) are read{hint}") from None
         # torch's weights-only message is a paragraph: its cause is the line after 'WeightsUnpickler error:'
-        cause = re.search(r'WeightsUnpickler error: (.*)', text)
+        cause = re.search(r'WeightsUnpickler error:\s*(\S.*)', text)
         first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
         first = re.split(r'(?<=\.) ', first, maxsplit=1)[0]      # its first sentence (miniz adds a paragraph)
         raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
+
+
+def refuse_what_is_no_torch_file(path: Path, flag: str) -> None:
+    """A file whose first bytes are neither torch.save's zip archive nor a pickle (`file_kind.sniff`) is refused
+    saying what it starts with: most often a web page or an error text saved under the checkpoint's name by a
+    download that failed (a Drive or Hub link fetched without its confirmation step), which the unpickler would
+    only call 'Unsupported operand 60'."""
+    from .file_kind import TORCH, sniff
+    if sniff(path) == TORCH:
+        return
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(512)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None
+    if not head:
+        raise UsageError(f"{flag} {path}: is empty (0 bytes); an interrupted download or copy?")
+    if len(head) > 262 and head[257:262] == b'ustar':
+        raise UsageError(f"{flag} {path}: is a tar archive, not a torch file; unpack it and give the checkpoint in it")
+    if head[:2] == b'\x1f\x8b':
+        raise UsageError(f"{flag} {path}: is gzip-compressed, not a torch file; decompress it first")
+    text = head.decode('utf-8', errors='replace')
+    printable = sum(ch.isprintable() or ch.isspace() for ch in text) >= 0.95 * len(text)
+    if printable:
+        first = ' '.join(text.split())[:60]
+        page = '<html' in text.lower() or '<!doctype' in text.lower()
+        raise UsageError(f"{flag} {path}: not a torch file: it is {'a web page' if page else 'text'} "
+                         f"({first!r}...), saved in place of the checkpoint by a download that failed?")
+    raise UsageError(f"{flag} {path}: not a torch file: it starts with bytes {head[:8].hex(' ')}, neither "
+                     "torch.save's zip archive nor a pickle; damaged, or another format")
 
 
 def _is_tensor_mapping(value) -> bool:
@@ -119,12 +173,15 @@ def _is_tensor_mapping(value) -> bool:
 
 def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], str]:
     """The state dict in what `load_torch_file` returned, and a line saying which weights were taken (or '' for a
-    bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). DDP's `module.`
-    and torch.compile's `_orig_mod.` prefixes are removed (timm's `clean_state_dict`)."""
+    bare state dict). `kind`: 'ema' or 'model' (None: the source's default, module docstring). The keys are as
+    saved: the reader (`train.initial_weights.read_weights`) removes DDP's `module.` and torch.compile's
+    `_orig_mod.` prefixes from every format alike, and says so."""
     if kind is not None and kind not in WEIGHT_KINDS:
         raise UsageError(f"--weights {kind!r}: accepted {', '.join(WEIGHT_KINDS)}")
     if not isinstance(loaded, dict):
         raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (a {type(loaded).__name__})")
+    if not loaded:
+        raise UsageError(f"{flag} {path}: holds an empty mapping, no tensors")
     note = ''
     if _is_tensor_mapping(loaded):
         if kind == 'ema':
@@ -133,17 +190,22 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
     else:
         state, note = _choose(loaded, path, kind)
     if not _is_tensor_mapping(state):
-        raise UsageError(f"{flag} {path}: holds no mapping of names to tensors (keys: "
-                         f"{', '.join(map(str, list(loaded)[:6]))})")
-    from timm.models import clean_state_dict
-    return clean_state_dict(state), note
+        inner = [str(k) for k, v in loaded.items() if _is_tensor_mapping(v)]
+        # weights under a key no trainer above uses are not guessed at (a teacher's, a discriminator's?): named
+        found = f"; tensors are under {', '.join(inner[:4])}, not a key trainers keep weights under" if inner else ''
+        raise UsageError(f"{flag} {path}: holds no state dict under {', '.join(_MODEL_KEYS)} or an EMA key (keys: "
+                         f"{', '.join(map(str, list(loaded)[:6]))}){found}")
+    return state, note
 
 
 def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
     """(the weights, the line saying which) of a trainer's checkpoint: `LAYOUTS` where an EMA is present, else the
     model's weights under one of `_MODEL_KEYS`."""
     epoch = loaded.get('epoch')
-    at = f", epoch {epoch}" if isinstance(epoch, int) else ''
+    # Sparsifiner's save_model names its best files' epoch 'best' / 'best-ema' (checkpoint-best-ema.pth: saved when
+    # the EMA scored best, its 'model' still the model's weights): said, so --weights ema is seen to be the choice
+    at = (f", epoch {epoch}" if isinstance(epoch, int) and not isinstance(epoch, bool) else
+          f", epoch {epoch!r}" if isinstance(epoch, str) else '')
     for model_key, ema_key, default, who in LAYOUTS:
         ema = loaded.get(ema_key)
         if not _is_tensor_mapping(ema):
