@@ -103,7 +103,9 @@ def test_our_defaults_keep_other_keys_so_the_options_matter(public):
     state, path, x = public
     _, want = public_forward(state, x)
     defaults = dict(coef_topk=None, predictor_scale='dim', up_threshold=1e-2, tau=0.05)
-    model, _ = convert_checkpoint('sparsifiner-official', path, 'sparsifiner_digits', defaults)
+    model, notes = convert_checkpoint('sparsifiner-official', path, 'sparsifiner_digits', defaults)
+    assert model.blocks[0].attn.coef_topk is None          # KEY=None: the model's default, not the public 8
+    assert any(n.startswith("coef_topk: the model's default, as --model-kwargs coef_topk=None asked") for n in notes)
     _, masks = _masks_of(model, x)
     assert sum(int((a != b).sum()) for a, b in zip(masks, want)) > 0
     for one in ('coef_topk', 'predictor_scale', 'up_threshold'):

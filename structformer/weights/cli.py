@@ -87,8 +87,14 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
     state = read_weights(path, 'convert FILE', kind=weights, notes=taken)
     wanted = dict(model_kwargs or {})
     chosen = settings(source, state)
-    fixed = {key: value for key, value, _ in chosen}
-    notes = [f"{key}={value!r}: {why}" if key not in wanted else
+    # KEY=None on a setting the conversion fixes (coef_topk=None: not the public top 8) asks for the model's own
+    # default: the key is left out, as timm.create_model would drop the None (build_model refuses a None elsewhere)
+    default = {key for key, value in wanted.items() if value is None and any(key == k for k, _, _ in chosen)}
+    wanted = {key: value for key, value in wanted.items() if key not in default}
+    fixed = {key: value for key, value, _ in chosen if key not in default}
+    notes = [f"{key}={value!r}: {why}" if key not in wanted and key not in default else
+             f"{key}: the model's default, as --model-kwargs {key}=None asked (the conversion's choice: {value!r}, "
+             f"{why})" if key in default else
              f"{key}={wanted[key]!r}: as --model-kwargs asked (the conversion's choice: {value!r}, {why})"
              for key, value, why in chosen] + taken
     # the checkpoint's own architecture first (its classes, predictor shapes); --model-kwargs adapt it afterwards
