@@ -12,9 +12,11 @@ from structformer.cli import main
 
 from .checks import (first_failure, forward_band, loss_sensitivity, module_dtype_violations, parity_failures,
                      skipped_steps, unit_roundoff)
-from .runs import DEVICE, FAMILIES, validation_batch
+from .runs import DEVICE, FAMILIES, FEATURES, validation_batch
 
 BATCH = 8                                     # the family runs' batch (tests/gpu/runs.py)
+# the images behind one logged step loss: the step log averages every accumulated batch of an optimiser step
+STEP_IMAGES = BATCH * FEATURES['grad_accum_steps']
 
 HALF = ['float16', 'bfloat16']
 CASES = [pytest.param(family, dtype, marks=pytest.mark.xdist_group(family), id=f'{family}-{dtype}')
@@ -53,7 +55,7 @@ def test_half_precision_training_follows_float32(family_runs, family, dtype, cap
     products, sensitivity, _, _ = _measured(reference, dtype)
     assert products > 0
     half = getattr(torch, dtype)
-    failures = parity_failures(reference_losses, losses, half, products, sensitivity, BATCH, skipped)
+    failures = parity_failures(reference_losses, losses, half, products, sensitivity, STEP_IMAGES, skipped)
     assert not failures, first_failure(failures)
     # evaluation ran under the same autocast: the last epoch's held-out loss (its weights are the checkpoint's) is
     # float32's on the same images within the forward's band and the loss's own rounding (checks.py), float32
