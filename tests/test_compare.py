@@ -419,6 +419,25 @@ def test_in1k_dry_run_prints_torchrun_commands_and_gpu_hours(capsys):
     assert hours == pytest.approx(expected, rel=0.01)
 
 
+def test_in1k_low_rank_rows_are_costed_as_the_factorised_model_they_train(capsys):
+    """The factorised ResNet-50 runs two thin convolutions per layer: its GFLOPs and GPU-hours are its own, not the
+    dense ResNet-50's; the pre-trained row is dense up to its switch (epoch 45 of 90), factorised after it."""
+    capsys.readouterr()
+    assert main(['compare', '--set', 'in1k', '--models', 'resnet50', 'resnet50_lowrank', 'resnet50_lowrank_pretrain',
+                 '--dry-run']) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith('resnet50')}
+    dense, lowrank, pretrain = (float(rows[k][2]) for k in ('resnet50', 'resnet50_lowrank', 'resnet50_lowrank_pretrain'))
+    assert 4 < dense / 2 < 4.2                  # ResNet-50: 4.1 GMACs per 224-px image
+    assert lowrank < 0.75 * dense and pretrain == lowrank          # rank 0.5: about 5.1 GFLOPs
+    hours = {k: float(rows[k][5]) for k in rows}
+
+    def cost(gflops, epochs):
+        return (3 * 1_281_167 + 50_000) * epochs * gflops * 1e9 / 30e12 / 3600
+    assert hours['resnet50_lowrank'] == pytest.approx(cost(lowrank, 90), rel=0.01)
+    assert hours['resnet50_lowrank_pretrain'] == pytest.approx(cost(dense, 45) + cost(lowrank, 45), rel=0.01)
+
+
 def test_leaderboard_page_is_the_render_of_its_record():
     from structformer.compare.leaderboard import render
     record = json.loads((ROOT / 'docs' / 'leaderboard' / 'record.json').read_text())
