@@ -226,6 +226,40 @@ def test_quick_set_trains_every_family_and_writes_the_record(quick):
 
 
 @pytest.mark.slow
+def test_the_pages_regenerate_command_makes_this_record(quick):
+    """The page's "Regenerate the record" line is this record's own flags (it was the set's defaults: a quick run at
+    --epochs 2 said to regenerate it at 8 epochs; a --models grid, `--set custom`, which is no set)."""
+    import argparse
+    import shlex
+
+    from structformer.compare.cli import add_arguments
+    record = _record(quick)
+    words = shlex.split(record['record_command'])
+    assert words[:2] == ['structformer', 'compare'] and words[-4:] == ['--output', 'outputs/compare_quick',
+                                                                         '--publish', 'docs']
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(words[2:])
+    assert (args.set, args.data, args.epochs, args.limit_train_batches, args.threads) == ('quick', 'digits', 2, 1, 1)
+    assert record['command'] == shlex.join(words[:-4] + ['--output', 'DIR'])
+
+
+def test_a_models_grid_is_regenerated_by_its_own_command():
+    import argparse
+    import shlex
+
+    from structformer.compare.cli import _this_command, _train_flags, add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(['--models', 'vit', 'swmlp', '--seeds', '2', '--epochs', '1', '--speed-rounds', '3'])
+    args.train_flags = _train_flags(args)
+    line = _this_command(args, None, 'digits', 'outputs/compare_custom', 'docs')
+    again = parser.parse_args(shlex.split(line)[2:])
+    assert again.set is None and again.models == ['vit', 'swmlp'] and again.seeds == 2 and again.epochs == 1
+    assert again.speed_rounds == 3 and (again.output, again.publish) == ('outputs/compare_custom', 'docs')
+
+
+@pytest.mark.slow
 def test_sparsifiner_distils_from_the_dense_cell_of_its_seed(quick):
     record = _record(quick)
     cell = next(r for r in record['rows'] if r['key'] == 'sparsifiner')['cells'][0]

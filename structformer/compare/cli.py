@@ -139,9 +139,10 @@ def _data(args, set_name) -> str:
     return data
 
 
-def _this_command(args, set_name, data: str) -> str:
+def _this_command(args, set_name, data: str, output: str = 'DIR', publish: str = None) -> str:
     """The command that made a record, from its parsed flags: the data's path written as PATH and the folders as
-    DIR (records are committed; paths are the user's)."""
+    DIR (records are committed; paths are the user's); with `output` and `publish`, the line that makes this record
+    again and publishes it (the page's "Regenerate" command)."""
     spec = data.partition(':')[0] + ':PATH' if ':' in data else data
     parts = ['structformer', 'compare'] + (['--set', set_name] if set_name else []) + ['--data', spec]
     if args.models:
@@ -149,6 +150,7 @@ def _this_command(args, set_name, data: str) -> str:
     for flag, value in (('--seeds', args.seeds), ('--budget', args.budget), ('--recipe', args.recipe),
                         ('--jobs', args.jobs if args.jobs > 1 else None),
                         ('-c', args.config and 'FILE'), ('--threads', args.threads or None),
+                        ('--speed-rounds', args.speed_rounds if args.speed_rounds != 10 else None),
                         ('--device', None if args.device == 'auto' else args.device)):
         if value is not None:
             parts += [flag, str(value)]
@@ -163,7 +165,7 @@ def _this_command(args, set_name, data: str) -> str:
             parts += [names[key], *(f"{k}={v}" for k, v in value.items())]
         else:
             parts += [names[key], *(map(str, value) if isinstance(value, list) else [str(value)])]
-    return shlex.join(parts + ['--output', 'DIR'])
+    return shlex.join(parts + ['--output', output] + (['--publish', publish] if publish else []))
 
 
 def _preflight(cells, data: str) -> None:
@@ -299,7 +301,6 @@ def run(args) -> int:
             for cell in cells:
                 outcome = run_cell(cell, overwrite=args.overwrite)
                 trained = trained or outcome in ('trained', 'diverged')
-    from .leaderboard import record_command
     from .report import measure, write_record
     speed_path = output / SPEED
     from ..records import read_record
@@ -308,7 +309,10 @@ def run(args) -> int:
     if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows))):
         speed = measure(cells, rows, data, shared, args, output)
     record = write_record(output, set_name, kind, rows, cells, shared, speed, data, args,
-                          _this_command(args, set_name, data), record_command(set_name or 'custom', data))
+                          _this_command(args, set_name, data),
+                          # the flags this record was made with (another --epochs, --models or --seeds than the
+                          # set's makes another record; a grid of --models has no --set to name)
+                          _this_command(args, set_name, data, f"outputs/compare_{set_name or 'custom'}", 'docs'))
     print(f"wrote {output / RECORD}, {output / 'leaderboard.md'} and the plots in {output}")
     if args.publish:
         from .report import publish
