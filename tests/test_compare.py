@@ -161,6 +161,24 @@ def test_clip_mode_reaches_every_cell_and_the_timed_step(tmp_path):
     assert moved.abs().max() <= 1e-6 * (1 + 1e-9) and moved.norm() > 10e-6
 
 
+def test_the_timed_batch_and_the_counted_image_are_not_augmented(shared_mnist):
+    """MNIST trains with a random one-pixel shift by default: the timing batch and the image whose FLOPs the record
+    counts (SOFT's depend on it) are the images as they are, whatever the random state."""
+    import torch
+
+    from structformer.compare.speed import data_batch
+    from structformer.data import build_datasets
+    spec = f'mnist:{shared_mnist}'
+    _, _, info = build_datasets(spec)
+    assert info.extra['augment']                          # the default this guards against
+    plain, _, _ = build_datasets(spec, augment=False)
+    want = torch.stack([plain[i][0] for i in range(4)])
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        images, targets, _ = data_batch(spec, 4)
+        assert torch.equal(images, want) and targets.tolist() == [plain[i][1] for i in range(4)]
+
+
 def test_pareto_front_against_a_hand_example():
     # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
     # (equal accuracy, higher cost); e has no timing
