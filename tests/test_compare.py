@@ -462,6 +462,11 @@ def test_timing_phase_remeasures_without_training(tmp_path, capsys):
         assert row['train_ms_per_image'] == pytest.approx(1e3 / row['train_img_per_s'])
     assert record['rows'][0]['train_ratio']['ratio'] == 1.0                # the ViT against itself
     assert 'machine' in (out / 'leaderboard.md').read_text()
+    # nothing to train, but another --speed-rounds: timed again at it (the old timings were kept, and the record's
+    # command named rounds its timings did not have)
+    assert main([a for a in argv if a != '--measure-only'][:-1] + ['3']) == 0
+    assert _record(out)['speed']['rounds'] == 3 and '--speed-rounds 3' in _record(out)['command']
+    assert {p: p.stat().st_mtime_ns for p in out.rglob('model.safetensors')} == stamps
 
 
 # ---- in1k and the page --------------------------------------------------------------------------------------------

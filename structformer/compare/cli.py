@@ -306,7 +306,7 @@ def run(args) -> int:
     from ..records import read_record
     speed = read_record(speed_path, "the comparison's timings (speed.json)", (),
                         'delete it to time the rows again') if speed_path.is_file() else None
-    if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows))):
+    if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows, args))):
         speed = measure(cells, rows, data, shared, args, output)
     record = write_record(output, set_name, kind, rows, cells, shared, speed, data, args,
                           _this_command(args, set_name, data),
@@ -321,6 +321,10 @@ def run(args) -> int:
     return 0
 
 
-def _covers(speed, rows) -> bool:
-    """Whether an earlier speed record times every row of this grid."""
-    return bool(speed) and all(r.key in speed.get('train', {}) for r in rows)
+def _covers(speed, rows, args) -> bool:
+    """Whether an earlier speed record times every row of this grid as this command asks: its --speed-rounds, and
+    its --threads where given (another value re-times: it was left unused, and the record's command named it)."""
+    if not speed or not all(r.key in speed.get('train', {}) for r in rows):
+        return False
+    threads = (speed.get('environment') or {}).get('threads')
+    return speed.get('rounds') == args.speed_rounds and (not args.threads or threads == args.threads)
