@@ -487,6 +487,12 @@ def test_in1k_dry_run_prints_torchrun_commands_and_gpu_hours(capsys):
     assert hours == pytest.approx(expected, rel=0.01)
 
 
+@pytest.mark.parametrize('extra', [['--publish', 'docs'], ['--no-match'], ['--skip-speed'], ['--jobs', '2', '--threads', '1'],
+                                   ['--device', 'cpu'], ['--speed-rounds', '3']])
+def test_in1k_refuses_what_it_would_ignore(extra, capsys):
+    _one_error(['compare', '--set', 'in1k', '--dry-run', *extra], capsys, extra[0], '--set in1k', 'leave it out')
+
+
 def test_in1k_low_rank_rows_are_costed_as_the_factorised_model_they_train(capsys):
     """The factorised ResNet-50 runs two thin convolutions per layer: its GFLOPs and GPU-hours are its own, not the
     dense ResNet-50's; the pre-trained row is dense up to its switch (epoch 45 of 90), factorised after it."""

@@ -130,6 +130,13 @@ def run(args) -> int:
                         ('--measure-only', args.measure_only)):
         if value:
             raise UsageError(f"{flag} with --set in1k: every in1k row trains at its own paper recipe; leave {flag} out")
+    # what the plan neither trains, times nor publishes here (it was taken and ignored)
+    for flag, value in (('--publish', args.publish), ('--no-match', args.no_match), ('--skip-speed', args.skip_speed),
+                        ('--overwrite', args.overwrite), ('--jobs', args.jobs > 1), ('--threads', args.threads),
+                        ('--device', args.device != 'auto'), ('--speed-rounds', args.speed_rounds != 10)):
+        if value:
+            raise UsageError(f"{flag} with --set in1k: the set is planned here, not trained, timed or published (the "
+                             "printed torchrun commands run each cell on its own GPUs); leave it out")
     if args.train_flags:
         raise UsageError(f"{', '.join(sorted(args.train_flags))} with --set in1k: every in1k row trains at its own "
                          "paper recipe (pass them to the printed commands instead)")
