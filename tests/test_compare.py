@@ -273,6 +273,29 @@ def test_the_pages_regenerate_command_makes_this_record(quick):
     assert record['command'] == shlex.join(words[:-4] + ['--output', 'DIR'])
 
 
+@pytest.mark.slow
+def test_trained_on_is_the_cells_environment_not_the_writers(quick, tmp_path):
+    """The record's "trained on" line comes from the cells' checkpoints: rewritten by a process at another
+    --threads (nothing to train), it still says the cells' 1 thread."""
+    import shutil
+
+    import torch
+    grid = tmp_path / 'quick'
+    shutil.copytree(quick, grid)
+    for path in grid.glob('cells/*/seed_0/config.yaml'):       # the copy's own teacher
+        path.write_text(path.read_text().replace(str(quick), str(grid)))
+    threads = torch.get_num_threads()
+    try:
+        argv = TINY[:TINY.index('--threads')] + ['--threads', '2']
+        assert main(['compare', '--set', 'quick', '--output', str(grid), '--skip-speed', *argv]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    environment = _record(grid)['environment']
+    assert environment['threads'] == 1 and 'others' not in environment
+    assert '- trained on: ' in (grid / 'leaderboard.md').read_text() and ', 1 thread(s), torch' in \
+        (grid / 'leaderboard.md').read_text()
+
+
 def test_a_models_grid_is_regenerated_by_its_own_command():
     import argparse
     import shlex

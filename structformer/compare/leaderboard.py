@@ -193,7 +193,8 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               if record.get('budget') else '- sizes: the registry\'s (`--no-match`)',
               '- recipe (every cell): ' + ', '.join(f"{k} {v}" for k, v in sorted(recipe.items())),
               f"- trained on: {record['environment'].get('cpu')}, {record['environment'].get('threads')} thread(s), "
-              f"torch {record['environment'].get('torch')}", '',
+              f"torch {record['environment'].get('torch')}"
+              + ''.join(f"; some cells on {other}" for other in record['environment'].get('others', [])), '',
               '## Table', '',
               'Top-1 on the held-out images after the last epoch: mean ± standard error over seeds, then each seed\'s. '
               'Speeds: one batch of training images, the row\'s own training step (forward, backward, optimiser) and '

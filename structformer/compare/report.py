@@ -30,6 +30,30 @@ def _relative(path, output: Path):
         return str(path)
 
 
+def training_environment(cells) -> Optional[Dict]:
+    """The environment the finished cells trained in (their last checkpoint's `environment`: CPU, threads, torch),
+    not the one writing the record (a `--measure-only` on another machine or at other --threads); with `others`
+    listing the other CPU / threads / torch combinations where the cells differ. None when no cell says."""
+    from ..train.checkpoint import committed_checkpoints
+    from .grid import cell_state
+    found = []
+    for cell in cells:
+        checkpoints = committed_checkpoints(cell.folder / 'checkpoints') if cell_state(cell) == 'finished' else []
+        try:
+            env = json.loads((checkpoints[-1] / 'state.json').read_text()).get('environment') if checkpoints else None
+        except (OSError, ValueError):
+            env = None
+        if isinstance(env, dict):
+            found.append(env)
+    if not found:
+        return None
+
+    def said(env):
+        return f"{env.get('cpu')}, {env.get('threads')} thread(s), torch {env.get('torch')}"
+    others = sorted({said(e) for e in found} - {said(found[0])})
+    return dict(found[0], others=others) if others else found[0]
+
+
 def measure(cells, rows, data: str, shared: Dict, args, output: Path) -> Dict:
     """Time every row with a finished cell (its first seed's): paired training and inference in one fresh process,
     then peak training memory in a fresh process per row, each phase with its machine-load record. Written to
@@ -125,7 +149,8 @@ def write_record(output: Path, set_name: Optional[str], kind: str, rows, cells, 
               'recipe': json.loads(json.dumps(shared)), 'rows': out_rows,
               'speed': {k: speed.get(k) for k in ('environment', 'machine_load', 'batch_size', 'rounds', 'reference')}
               if speed else None,
-              'environment': environment(torch.device('cpu')), 'command': command, 'record_command': record_command}
+              'environment': training_environment(cells) or environment(torch.device('cpu')), 'command': command,
+              'record_command': record_command}
     record['figures'] = plot_fronts(record, output)
     write_json(output / RECORD, record)
     write_text(output / PAGE, render(record, figures='.'))
