@@ -490,6 +490,16 @@ def test_timing_phase_remeasures_without_training(tmp_path, capsys):
     assert main([a for a in argv if a != '--measure-only'][:-1] + ['3']) == 0
     assert _record(out)['speed']['rounds'] == 3 and '--speed-rounds 3' in _record(out)['command']
     assert {p: p.stat().st_mtime_ns for p in out.rglob('model.safetensors')} == stamps
+    # a timed model that is not the cell's model any more (retrained since, e.g. --overwrite --skip-speed after its
+    # configuration changed): its old timings are not the record's
+    from safetensors.torch import load_file, save_file
+    weights = sorted(out.glob('cells/swmlp/seed_0/checkpoints/epoch_*/model.safetensors'))[-1]
+    tensors = load_file(weights)
+    name = next(k for k, v in tensors.items() if v.is_floating_point())
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, weights)
+    assert main([a for a in argv if a != '--measure-only'][:-2] + ['--skip-speed']) == 0
+    assert all(row['train_img_per_s'] is None for row in _record(out)['rows']) and _record(out)['speed'] is None
 
 
 # ---- in1k and the page --------------------------------------------------------------------------------------------

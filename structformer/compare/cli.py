@@ -301,11 +301,12 @@ def run(args) -> int:
             for cell in cells:
                 outcome = run_cell(cell, overwrite=args.overwrite)
                 trained = trained or outcome in ('trained', 'diverged')
-    from .report import measure, write_record
+    from .report import current_timings, measure, write_record
     speed_path = output / SPEED
     from ..records import read_record
     speed = read_record(speed_path, "the comparison's timings (speed.json)", (),
                         'delete it to time the rows again') if speed_path.is_file() else None
+    speed = current_timings(speed, cells)       # None when a timed model was retrained since: re-timed, or left out
     if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows, args))):
         speed = measure(cells, rows, data, shared, args, output)
     record = write_record(output, set_name, kind, rows, cells, shared, speed, data, args,
