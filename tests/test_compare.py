@@ -72,6 +72,12 @@ def test_a_difference_is_read_against_two_standard_errors_and_an_under_trained_v
     d = difference(_hand_row('b', 'B', [91.0]), _hand_row('a', 'A', [90.0]), 1000)
     assert d['se'] == pytest.approx(100 * math.sqrt((0.91 * 0.09 + 0.90 * 0.10) / 1000))
     assert d['reading'] == 'no clear difference'
+    # a row left with one finished seed beside one with three: the three seeds' spread is kept (94, 90, 92 -> SE
+    # 2/√3), the single seed's binomial SE added (2 SE = 2.54); binomial SEs alone (2 SE = 1.61) read +2.0 as 'higher'
+    d = difference(_hand_row('one', 'One', [94.0]), _hand_row('wide', 'Wide', [94.0, 90.0, 92.0]), 2000)
+    assert d['delta'] == pytest.approx(2.0)
+    assert d['se'] == pytest.approx(math.sqrt(4 / 3 + 100 ** 2 * 0.94 * 0.06 / 2000))
+    assert d['reading'] == 'no clear difference' and d['basis'] == 'seeds and binomial, 2000 images'
 
 
 def test_crate_close_to_vit_is_read_against_the_papers_gap_and_the_noise():
