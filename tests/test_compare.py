@@ -532,6 +532,19 @@ def test_in1k_refuses_what_it_would_ignore(extra, capsys):
     _one_error(['compare', '--set', 'in1k', '--dry-run', *extra], capsys, extra[0], '--set in1k', 'leave it out')
 
 
+def test_in1k_data_is_an_imagenet_form_and_its_paths_are_quoted(capsys):
+    import shlex
+    _one_error(['compare', '--set', 'in1k', '--dry-run', '--data', 'digits'], capsys, '--data digits',
+               'imagefolder:PATH')
+    capsys.readouterr()
+    assert main(['compare', '--set', 'in1k', '--models', 'sparsifiner_deit_small', '--dry-run',
+                 '--data', 'imagefolder:/data/image net', '--output', 'my grid']) == 0
+    command = [line for line in capsys.readouterr().out.splitlines() if line.startswith('torchrun')][1]
+    words = shlex.split(command)
+    assert words[words.index('--data') + 1] == 'imagefolder:/data/image net'
+    assert words[words.index('--teacher') + 1] == 'my grid/cells/deit_small/seed_0'
+
+
 def test_in1k_low_rank_rows_are_costed_as_the_factorised_model_they_train(capsys):
     """The factorised ResNet-50 runs two thin convolutions per layer: its GFLOPs and GPU-hours are its own, not the
     dense ResNet-50's; the pre-trained row is dense up to its switch (epoch 45 of 90), factorised after it."""

@@ -15,6 +15,7 @@ This machine has no GPU and no ImageNet: the set is planned here, not run.
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -43,6 +44,7 @@ ROWS = (
 )
 BY_KEY = {r[0]: r for r in ROWS}
 VAL_IMAGES = 50_000
+IMAGENET_FORMS = ('imagefolder', 'imagenet', 'wds', 'hfds')      # --data forms that hold ImageNet-1k
 DEFAULT_TFLOPS = 30.0
 
 
@@ -101,10 +103,11 @@ def plan(keys: List[str], seeds: List[int], data: str, output: Path, gpu_tflops:
             values, about = load_recipe(recipe)
             processes = int(about.get('world_size', 1))
             folder = output / 'cells' / key / f'seed_{seed}'
-            command = (f"torchrun --nproc_per_node {processes} -m structformer train --recipe {recipe} --data {data} "
-                       f"--seed {seed} --output {folder}")
+            # quoted: a path with a space or a shell character is copied into a shell as one argument
+            command = (f"torchrun --nproc_per_node {processes} -m structformer train --recipe {recipe} "
+                       f"--data {shlex.quote(data)} --seed {seed} --output {shlex.quote(str(folder))}")
             if teacher:
-                command += f" --teacher {output / 'cells' / teacher / f'seed_{seed}'}"
+                command += f" --teacher {shlex.quote(str(output / 'cells' / teacher / f'seed_{seed}'))}"
             img_size = int((values.get('data_kwargs') or {}).get('img_size', 224))
             if key not in flops_cache:
                 flops_cache[key] = [(forward_flops(values['model'], values.get('model_kwargs') or {}, img_size,
@@ -148,6 +151,14 @@ def run(args) -> int:
     keys = resolve_keys(args.models)
     seeds = list(range(args.seeds or 1))
     data = args.data or 'imagefolder:IMAGENET'
+    from ..data.spec import parse_data_spec
+    try:
+        form, _ = parse_data_spec(data)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if form not in IMAGENET_FORMS:          # the recipes are ImageNet-1k's (1,000 classes at 224 px)
+        raise UsageError(f"--data {data}: --set in1k plans the ImageNet-1k recipes; accepted "
+                         f"{' | '.join(f + ':PATH' for f in IMAGENET_FORMS)} (the path as the cluster sees it)")
     output = Path(args.output or 'outputs/compare_in1k')
     cells = plan(keys, seeds, data, output, args.gpu_tflops)
     width = max(len(c['row']) for c in cells)
