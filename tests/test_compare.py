@@ -357,6 +357,24 @@ def test_running_again_trains_nothing(quick, capsys):
 
 
 @pytest.mark.slow
+def test_overwrite_retrains_a_diverged_cell(tmp_path, capsys):
+    """--overwrite retrains a cell recorded as diverged (the grid's own rule); the engine was asked to train into
+    the folder of the diverged run without overwrite, refused with 'already holds a run', and the cell's
+    diverged.json was gone."""
+    out = tmp_path / 'grid'
+    argv = ['compare', '--models', 'wrn', '--output', str(out), '--skip-speed', '--epochs', '1',
+            '--limit-train-batches', '1', '--threads', '1']
+    assert main(argv) == 0
+    cell = out / 'cells' / 'wrn' / 'seed_0'
+    (cell / 'diverged.json').write_text('{"message": "loss is nan at epoch 1"}')
+    assert main(argv) == 0 and _record(out)['rows'][0]['cells'][0]['state'] == 'diverged'     # kept without it
+    capsys.readouterr()
+    assert main(argv + ['--overwrite']) == 0, capsys.readouterr().err
+    assert 'wrn/seed_0: training' in capsys.readouterr().out
+    assert not (cell / 'diverged.json').exists() and _record(out)['rows'][0]['cells'][0]['state'] == 'finished'
+
+
+@pytest.mark.slow
 def test_another_recipe_into_the_same_output_is_refused(quick, capsys):
     before = sorted(p.name for p in quick.rglob('*'))
     _one_error(['compare', '--set', 'quick', '--output', str(quick), '--skip-speed', *TINY, '--lr', '0.01'], capsys,

@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='print the grid, each row\'s size and the estimated time (one measured step per row) and '
                         'exit; nothing is trained or written')
     p.add_argument('--overwrite', action='store_true',
-                   help='retrain cells trained with another recipe, budget or matching (refused without it)')
+                   help='retrain cells trained with another recipe, budget or matching (refused without it), and '
+                        'cells that diverged (kept as diverged without it)')
     p.add_argument('--measure-only', action='store_true',
                    help='train nothing: time the trained rows again (e.g. in a quiet window) and rewrite the record')
     p.add_argument('--skip-speed', action='store_true',
