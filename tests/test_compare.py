@@ -185,6 +185,24 @@ def test_the_timed_batch_and_the_counted_image_are_not_augmented(shared_mnist):
         assert torch.equal(images, want) and targets.tolist() == [plain[i][1] for i in range(4)]
 
 
+def test_the_speed_ratio_names_the_row_it_is_to():
+    """Without a ViT in the grid the ratios are to its first timed row: the table said '× ViT' all the same."""
+    from structformer.compare.leaderboard import render
+    from structformer.compare.record import markdown_table
+    timing = {'img_per_s': 100.0, 'ratio': 1.0, 'ratio_q1': 1.0, 'ratio_q3': 1.0}
+    rows = [dict(_hand_row(key, label, [90.0]), budget=None, params=1000, role='registry size', flops_per_image=1e6,
+                 train_img_per_s=100.0, infer_img_per_s=100.0, train_ms_per_image=10.0, train_ratio=timing)
+            for key, label in (('wrn', 'Wide-ResNet'), ('swmlp', 'SW-MLP'))]
+    for row in rows:
+        row['cells'][0]['state'] = 'finished'
+    record = {'rows': rows, 'speed': {'reference': 'wrn', 'batch_size': 8, 'rounds': 2}, 'recipe': {}, 'seeds': [0],
+              'data': {'kind': 'digits'}, 'environment': {}, 'record_command': 'x', 'command': 'x', 'set': None}
+    assert '| × Wide-ResNet train (IQR) |' in markdown_table(record) and '× ViT' not in markdown_table(record)
+    assert 'ratio to the Wide-ResNet with its interquartile range' in render(record)
+    record['speed']['reference'] = 'vit'
+    assert '| × ViT train (IQR) |' in markdown_table(record)
+
+
 def test_pareto_front_against_a_hand_example():
     # (cost, accuracy): b is cheaper and better than a; c costs more but is the most accurate; d is dominated by b
     # (equal accuracy, higher cost); e has no timing

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from .record import markdown_table
+from .record import markdown_table, reference_name
 
 # the papers' headline claims that the table can check, with the paper's own numbers
 PAPER = {
@@ -205,8 +205,9 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               '## Table', '',
               'Top-1 on the held-out images after the last epoch: mean ± standard error over seeds, then each seed\'s. '
               'Speeds: one batch of training images, the row\'s own training step (forward, backward, optimiser) and '
-              'inference forward, every row timed back to back in one process (paired rounds; ratio to the ViT with '
-              'its interquartile range). Memory: growth of the process\'s peak memory over three training steps, one '
+              'inference forward, every row timed back to back in one process (paired rounds; ratio to the '
+              f"{reference_name(record)} with its interquartile range). "
+              'Memory: growth of the process\'s peak memory over three training steps, one '
               'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; SDPA\'s CPU '
               'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products; SOFT\'s Newton '
               'iterations stop at convergence, so its count is that of the first training image). Front: on the '
