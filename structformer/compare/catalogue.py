@@ -201,17 +201,17 @@ class Row:
 _COUNTS: Dict[str, int] = {}
 
 
-def _count(model: str, kwargs: Dict) -> int:
-    """Effective parameters of `model` built with `kwargs` on the meta device (no memory, no init); remembered for
-    the process, since a build on the meta device always gives the same count."""
-    key = repr((model, sorted(kwargs.items())))
+def _count(model: str, kwargs: Dict, transforms: List[Dict] = ()) -> int:
+    """Effective parameters of `model` built with `kwargs` (then `transforms`) on the meta device (no memory, no
+    init); remembered for the process, since a build on the meta device always gives the same count."""
+    key = repr((model, sorted(kwargs.items()), list(transforms)))
     if key not in _COUNTS:
         import torch
 
         from ..models.factory import build_model
         from ..models.inventory import effective_parameter_count
         with torch.device('meta'):
-            built, _ = build_model(model, kwargs)
+            built, _ = build_model(model, kwargs, None, list(transforms))
         _COUNTS[key] = effective_parameter_count(built)
     return _COUNTS[key]
 
@@ -259,7 +259,7 @@ def within(count: int, budget: int) -> bool:
 def match_rows(keys: List[str], kind: str, budget: Optional[int], match: bool = True) -> List[Row]:
     """The rows of `keys` for data `kind`: matched to `budget` (knob rows by search, followers at the width of the
     row they follow), or at the registry's sizes (`match=False`). A knob row that cannot come within ±15 % of the
-    budget is refused by name."""
+    budget is refused by name, and so is a row at its width that its own attention weights take beyond it."""
     shapes: Dict[str, Dict] = {}
     rows = []
     for key in keys:
@@ -280,6 +280,13 @@ def match_rows(keys: List[str], kind: str, budget: Optional[int], match: bool = 
             shape = dict({k: v for k, v in followed.items() if k not in BY_KEY[entry.follows].kind_kwargs.get(kind, {})},
                          **kind_kwargs)
             role = f"factorised {entry.follows}" if entry.rank else f"width of {entry.follows}"
+            if not entry.rank:          # its own attention's weights added (Linformer's E, F; Sparsifiner's predictor)
+                count = _count(model, shape, _transforms(entry, kind))
+                if not within(count, budget):
+                    raise UsageError(f"--budget {budget}: {entry.label} at the width of "
+                                     f"{BY_KEY[entry.follows].label} has {count:,} parameters ({count / budget - 1:+.0%}"
+                                     f"; rows at a matched row's width must be within ±{TOLERANCE:.0%} too); choose "
+                                     "another --budget, leave the row out of --models, or pass --no-match")
         shapes[key] = shape
         rows.append(Row(entry, model, dict(shape), _transforms(entry, kind), role, budget if match else None))
     return rows

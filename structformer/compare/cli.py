@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='print the grid, each row\'s size and the estimated time (one measured step per row) and '
                         'exit; nothing is trained or written')
     p.add_argument('--overwrite', action='store_true',
-                   help='retrain cells trained with another recipe, budget or matching (refused without it)')
+                   help='retrain cells trained with another recipe, budget or matching (refused without it), and '
+                        'cells that diverged (kept as diverged without it)')
     p.add_argument('--measure-only', action='store_true',
                    help='train nothing: time the trained rows again (e.g. in a quiet window) and rewrite the record')
     p.add_argument('--skip-speed', action='store_true',
@@ -139,9 +140,10 @@ def _data(args, set_name) -> str:
     return data
 
 
-def _this_command(args, set_name, data: str) -> str:
+def _this_command(args, set_name, data: str, output: str = 'DIR', publish: str = None) -> str:
     """The command that made a record, from its parsed flags: the data's path written as PATH and the folders as
-    DIR (records are committed; paths are the user's)."""
+    DIR (records are committed; paths are the user's); with `output` and `publish`, the line that makes this record
+    again and publishes it (the page's "Regenerate" command)."""
     spec = data.partition(':')[0] + ':PATH' if ':' in data else data
     parts = ['structformer', 'compare'] + (['--set', set_name] if set_name else []) + ['--data', spec]
     if args.models:
@@ -149,6 +151,7 @@ def _this_command(args, set_name, data: str) -> str:
     for flag, value in (('--seeds', args.seeds), ('--budget', args.budget), ('--recipe', args.recipe),
                         ('--jobs', args.jobs if args.jobs > 1 else None),
                         ('-c', args.config and 'FILE'), ('--threads', args.threads or None),
+                        ('--speed-rounds', args.speed_rounds if args.speed_rounds != 10 else None),
                         ('--device', None if args.device == 'auto' else args.device)):
         if value is not None:
             parts += [flag, str(value)]
@@ -163,7 +166,7 @@ def _this_command(args, set_name, data: str) -> str:
             parts += [names[key], *(f"{k}={v}" for k, v in value.items())]
         else:
             parts += [names[key], *(map(str, value) if isinstance(value, list) else [str(value)])]
-    return shlex.join(parts + ['--output', 'DIR'])
+    return shlex.join(parts + ['--output', output] + (['--publish', publish] if publish else []))
 
 
 def _preflight(cells, data: str) -> None:
@@ -299,16 +302,19 @@ def run(args) -> int:
             for cell in cells:
                 outcome = run_cell(cell, overwrite=args.overwrite)
                 trained = trained or outcome in ('trained', 'diverged')
-    from .leaderboard import record_command
-    from .report import measure, write_record
+    from .report import current_timings, measure, write_record
     speed_path = output / SPEED
     from ..records import read_record
     speed = read_record(speed_path, "the comparison's timings (speed.json)", (),
                         'delete it to time the rows again') if speed_path.is_file() else None
-    if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows))):
+    speed = current_timings(speed, cells)       # None when a timed model was retrained since: re-timed, or left out
+    if args.measure_only or (not args.skip_speed and (trained or not _covers(speed, rows, args))):
         speed = measure(cells, rows, data, shared, args, output)
     record = write_record(output, set_name, kind, rows, cells, shared, speed, data, args,
-                          _this_command(args, set_name, data), record_command(set_name or 'custom', data))
+                          _this_command(args, set_name, data),
+                          # the flags this record was made with (another --epochs, --models or --seeds than the
+                          # set's makes another record; a grid of --models has no --set to name)
+                          _this_command(args, set_name, data, f"outputs/compare_{set_name or 'custom'}", 'docs'))
     print(f"wrote {output / RECORD}, {output / 'leaderboard.md'} and the plots in {output}")
     if args.publish:
         from .report import publish
@@ -317,6 +323,10 @@ def run(args) -> int:
     return 0
 
 
-def _covers(speed, rows) -> bool:
-    """Whether an earlier speed record times every row of this grid."""
-    return bool(speed) and all(r.key in speed.get('train', {}) for r in rows)
+def _covers(speed, rows, args) -> bool:
+    """Whether an earlier speed record times every row of this grid as this command asks: its --speed-rounds, and
+    its --threads where given (another value re-times: it was left unused, and the record's command named it)."""
+    if not speed or not all(r.key in speed.get('train', {}) for r in rows):
+        return False
+    threads = (speed.get('environment') or {}).get('threads')
+    return speed.get('rounds') == args.speed_rounds and (not args.threads or threads == args.threads)

@@ -281,7 +281,8 @@ def prepare_cell(cell: Cell, overwrite: bool = False):
         resume = _start_from_dense(cell)
     print(f"== {cell.name}: {'resuming' if resume else 'training'} {cell.row.model} ({cell.config.epochs} epochs)",
           flush=True)
-    return resume, state == 'changed'
+    # the engine's overwrite: a changed or diverged cell's folder holds the old run, which it replaces
+    return resume, state in ('changed', 'diverged')
 
 
 def train_planned(config: Dict, resume: bool, overwrite: bool, threads: int = 0) -> str:

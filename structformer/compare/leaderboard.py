@@ -2,8 +2,9 @@
 against the table (`claims`). tests/test_compare.py checks that the committed page is exactly the render of the
 committed record.
 
-A difference of two rows' top-1 is read against two standard errors of the difference: with several seeds,
-√(SE_a² + SE_b²) from the seeds; with one seed, the binomial standard error of each accuracy on the held-out images.
+A difference of two rows' top-1 is read against two standard errors of the difference, √(SE_a² + SE_b²), each
+row's SE from its seeds where it has several finished ones, else the binomial standard error of its accuracy on the
+held-out images.
 Beyond that margin the claim agrees or disagrees; inside it the table cannot tell at this scale.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from .record import markdown_table
+from .record import markdown_table, reference_name
 
 # the papers' headline claims that the table can check, with the paper's own numbers
 PAPER = {
@@ -47,11 +48,17 @@ def _row(record: Dict, key: str) -> Optional[Dict]:
 def difference(a: Dict, b: Dict, held_out: int) -> Dict:
     """a's top-1 minus b's, its standard error and the reading: 'higher', 'lower' or 'no clear difference'."""
     delta = a['top1_mean'] - b['top1_mean']
-    if a.get('top1_se') is not None and b.get('top1_se') is not None:
-        se, basis = math.sqrt(a['top1_se'] ** 2 + b['top1_se'] ** 2), 'seeds'
-    else:
-        p, q = a['top1_mean'] / 100, b['top1_mean'] / 100
-        se, basis = 100 * math.sqrt((p * (1 - p) + q * (1 - q)) / max(held_out, 1)), f'binomial, {held_out} images'
+
+    def binomial(row):
+        p = row['top1_mean'] / 100
+        return 100 * math.sqrt(p * (1 - p) / max(held_out, 1))
+    # each row's own: its seeds' SE where it has several finished seeds, else the binomial one (a row left with one
+    # seed, the others diverged, does not take away the other row's seed-to-seed spread)
+    own = [(r['top1_se'], 'seeds') if r.get('top1_se') is not None else (binomial(r), 'binomial') for r in (a, b)]
+    se = math.sqrt(own[0][0] ** 2 + own[1][0] ** 2)
+    kinds = {kind for _, kind in own}
+    basis = ('seeds' if kinds == {'seeds'} else f'binomial, {held_out} images' if kinds == {'binomial'}
+             else f'seeds and binomial, {held_out} images')
     reading = 'higher' if delta > 2 * se else 'lower' if delta < -2 * se else 'no clear difference'
     return {'delta': delta, 'se': se, 'basis': basis, 'reading': reading}
 
@@ -193,12 +200,14 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               if record.get('budget') else '- sizes: the registry\'s (`--no-match`)',
               '- recipe (every cell): ' + ', '.join(f"{k} {v}" for k, v in sorted(recipe.items())),
               f"- trained on: {record['environment'].get('cpu')}, {record['environment'].get('threads')} thread(s), "
-              f"torch {record['environment'].get('torch')}", '',
+              f"torch {record['environment'].get('torch')}"
+              + ''.join(f"; some cells on {other}" for other in record['environment'].get('others', [])), '',
               '## Table', '',
               'Top-1 on the held-out images after the last epoch: mean ± standard error over seeds, then each seed\'s. '
               'Speeds: one batch of training images, the row\'s own training step (forward, backward, optimiser) and '
-              'inference forward, every row timed back to back in one process (paired rounds; ratio to the ViT with '
-              'its interquartile range). Memory: growth of the process\'s peak memory over three training steps, one '
+              'inference forward, every row timed back to back in one process (paired rounds; ratio to the '
+              f"{reference_name(record)} with its interquartile range). "
+              'Memory: growth of the process\'s peak memory over three training steps, one '
               'process per row. FLOPs: FlopCounterMode of one image\'s forward (a multiply-add is 2; SDPA\'s CPU '
               'kernel by torch\'s SDPA formula; Sparsifiner\'s masked path computes the dense products; SOFT\'s Newton '
               'iterations stop at convergence, so its count is that of the first training image). Front: on the '

@@ -86,12 +86,20 @@ def _size(row: Dict) -> str:
     return f"{_count(row.get('params'))}{share}, {role}"
 
 
+def reference_name(record: Dict) -> str:
+    """The row the speed ratios are to: the ViT, or the grid's first timed row where it has no ViT."""
+    reference = (record.get('speed') or {}).get('reference') or 'vit'
+    return 'ViT' if reference == 'vit' else next((r['label'] for r in record['rows'] if r['key'] == reference),
+                                                  reference)
+
+
 def markdown_table(record: Dict) -> str:
     """The record's rows as one markdown table (the order of the set), fronts marked T (time) and P (parameters)."""
     speed = record.get('speed') or {}
     busy = (speed.get('machine_load') or {}).get('busy')
     lines = ['| model | parameters (vs budget), size | MFLOPs / image | top-1 % (mean ± SE) | per seed | EMA top-1 % '
-             '| train img/s | infer img/s | train ms / image | × ViT train (IQR) | peak train MiB | front |',
+             f"| train img/s | infer img/s | train ms / image | × {reference_name(record)} train (IQR) | peak train MiB "
+             '| front |',
              '|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in record['rows']:
         seeds = ', '.join('–' if c.get('top1') is None else f"{c['top1']:.2f}" for c in r['cells'])

@@ -1,7 +1,8 @@
 """The comparison's outputs: the timing phase (`measure`), the record with its table and plots (`write_record`) and
 the published page (`publish`). Timings go to OUTPUT/speed.json, apart from the cells, so that they can be taken
-again without training (`compare --measure-only`); the record OUTPUT/compare.json is rebuilt from the cells and
-the last timings each time.
+again without training (`compare --measure-only`), each timed model's weights stamped (SHA-256), so that timings of
+a model retrained since are not reused; the record OUTPUT/compare.json is rebuilt from the cells and the last
+timings each time.
 """
 from __future__ import annotations
 
@@ -28,6 +29,60 @@ def _relative(path, output: Path):
         return str(Path(path).resolve().relative_to(output.resolve()))
     except ValueError:
         return str(path)
+
+
+def training_environment(cells) -> Optional[Dict]:
+    """The environment the finished cells trained in (their last checkpoint's `environment`: CPU, threads, torch),
+    not the one writing the record (a `--measure-only` on another machine or at other --threads); with `others`
+    listing the other CPU / threads / torch combinations where the cells differ. None when no cell says."""
+    from ..train.checkpoint import committed_checkpoints
+    from .grid import cell_state
+    found = []
+    for cell in cells:
+        checkpoints = committed_checkpoints(cell.folder / 'checkpoints') if cell_state(cell) == 'finished' else []
+        try:
+            env = json.loads((checkpoints[-1] / 'state.json').read_text()).get('environment') if checkpoints else None
+        except (OSError, ValueError):
+            env = None
+        if isinstance(env, dict):
+            found.append(env)
+    if not found:
+        return None
+
+    def said(env):
+        return f"{env.get('cpu')}, {env.get('threads')} thread(s), torch {env.get('torch')}"
+    others = sorted({said(e) for e in found} - {said(found[0])})
+    return dict(found[0], others=others) if others else found[0]
+
+
+def model_stamp(folder) -> Optional[str]:
+    """SHA-256 of the weights of a run's last committed checkpoint (None: no checkpoint): which trained model a
+    timing was taken of."""
+    import hashlib
+
+    from ..train.checkpoint import committed_checkpoints
+    found = committed_checkpoints(Path(folder) / 'checkpoints')
+    if not found:
+        return None
+    digest = hashlib.sha256()
+    with open(found[-1] / 'model.safetensors', 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def current_timings(speed: Optional[Dict], cells) -> Optional[Dict]:
+    """`speed` when every model it timed is still the model its row's first finished cell holds, else None: a cell
+    retrained since (--overwrite after its configuration changed, with --skip-speed) makes the paired timings,
+    taken together against the ViT, another grid's. Timings written before stamps were kept are taken as they are."""
+    stamps = (speed or {}).get('models')
+    if not speed or not stamps:
+        return speed
+    for key, stamp in stamps.items():
+        cell = _first_finished(cells, key)
+        if cell is not None and model_stamp(cell.folder) != stamp:
+            return None
+    return speed
 
 
 def measure(cells, rows, data: str, shared: Dict, args, output: Path) -> Dict:
@@ -71,7 +126,8 @@ def measure(cells, rows, data: str, shared: Dict, args, output: Path) -> Dict:
         except MeasurementFailed as e:
             raise RuntimeError(f"measuring the memory of {key} failed: {e}") from None
         memory[key]['machine_load'] = watch.since(mark)
-    speed = dict(paired, memory=memory, machine_load=load, runs={k: _relative(v, output) for k, v in runs.items()})
+    speed = dict(paired, memory=memory, machine_load=load, runs={k: _relative(v, output) for k, v in runs.items()},
+                 models={k: model_stamp(v) for k, v in runs.items()})
     write_json(output / SPEED, speed)
     print(summary_line(load))
     return speed
@@ -125,7 +181,8 @@ def write_record(output: Path, set_name: Optional[str], kind: str, rows, cells, 
               'recipe': json.loads(json.dumps(shared)), 'rows': out_rows,
               'speed': {k: speed.get(k) for k in ('environment', 'machine_load', 'batch_size', 'rounds', 'reference')}
               if speed else None,
-              'environment': environment(torch.device('cpu')), 'command': command, 'record_command': record_command}
+              'environment': training_environment(cells) or environment(torch.device('cpu')), 'command': command,
+              'record_command': record_command}
     record['figures'] = plot_fronts(record, output)
     write_json(output / RECORD, record)
     write_text(output / PAGE, render(record, figures='.'))

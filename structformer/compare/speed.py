@@ -36,11 +36,13 @@ def resolve_device(name: str):
 
 
 def data_batch(data: str, batch: int, seed: int = 0, val_fraction: float = 0.2, device='cpu'):
-    """The first `batch` training images and labels of `data`, without augmentation."""
+    """The first `batch` training images and labels of `data` (digits or mnist:PATH), without augmentation: MNIST's
+    built-in random shift is on by default, and SOFT's FLOPs (its Newton iterations stop at convergence) would be
+    those of a random shift of the first image."""
     from torch.utils.data import default_collate
 
     from ..data import build_datasets
-    train, _, info = build_datasets(data, seed=seed, val_fraction=val_fraction)
+    train, _, info = build_datasets(data, seed=seed, val_fraction=val_fraction, augment=False)
     images, targets = default_collate([train[i] for i in range(min(batch, len(train)))])
     return images.to(device), targets.to(device), info
 
