@@ -78,3 +78,17 @@ def test_package_data_globs_hold_every_file_the_code_reads():
     from structformer.train import recipes
     for path in (*tile_kernel.SOURCES, *tile_kernel.HEADERS, *recipes.RECIPE_DIR.glob('*.yaml')):
         assert path.is_file() and PACKAGE in path.parents, path
+
+
+def test_every_extra_the_docs_and_messages_name_exists():
+    """`pip install 'structformer[X]'` / `'.[X,Y]'` in the README, docs/ and the code's messages names extras
+    pyproject.toml defines (pip only warns about an unknown extra, and installs without it)."""
+    extras = set(_pyproject()['project']['optional-dependencies'])
+    texts = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md')), *sorted(PACKAGE.rglob('*.py'))]
+    named = {}
+    for path in texts:
+        for group in re.findall(r"(?:structformer|\.)\[([a-z0-9_,-]+)\]'", path.read_text(encoding='utf-8')):
+            for extra in group.split(','):
+                named.setdefault(extra, path.relative_to(ROOT))
+    assert {'onnx', 'wds', 'hf', 'tb'} <= set(named), named
+    assert not {e: str(w) for e, w in named.items() if e not in extras}, extras
