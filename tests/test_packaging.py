@@ -57,8 +57,8 @@ def test_every_imported_package_is_a_declared_requirement():
     for name, where in _imported_top_levels().items():
         if name in sys.stdlib_module_names or name == 'structformer':
             continue
-        owners = {_normalise(d) for d in distributions.get(name, [])}
-        assert owners, f"{where} imports {name}, which no installed distribution provides"
+        # an optional package not installed here (onnxruntime without the extra): its import name is its name
+        owners = {_normalise(d) for d in distributions.get(name, [name])}
         if not owners & declared:
             undeclared[name] = (sorted(owners), str(where))
     assert not undeclared, f"imported but not in pyproject.toml's dependencies or extras: {undeclared}"
