@@ -86,4 +86,4 @@ gpu-check:
 	bash tools/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache build structformer.egg-info   # build/lib: setuptools ships what it holds in the next wheel, removed modules too

@@ -23,6 +23,20 @@ def test_subprocess_returns_the_childs_json_from_a_fresh_process():
     assert python_json('print("chatter", end=""); print(); print(\'{"ok": true}\')') == {'ok': True}
 
 
+def test_subprocess_imports_this_processs_structformer_not_the_current_folders(tmp_path, monkeypatch):
+    """`python -c` puts the current folder first on the child's sys.path: an installed `structformer bench` run
+    from a checkout (or beside any package named structformer) measured with one copy's code in its children and
+    another's in itself. The child imports the parent's copy, whatever folder it starts in."""
+    import structformer
+    (tmp_path / 'structformer').mkdir()
+    (tmp_path / 'structformer' / '__init__.py').write_text("raise ImportError('the copy in the current folder')\n")
+    monkeypatch.chdir(tmp_path)
+    assert measure_in_subprocess('structformer.requirements:release', '1.2.3') == [1, 2, 3]
+    where = python_json('import json, structformer.bench.harness as h; '
+                        'print(json.dumps([__import__("structformer").__file__, h.__file__]))')
+    assert where == [os.path.abspath(structformer.__file__), os.path.abspath(harness.__file__)]
+
+
 def test_subprocess_failure_names_the_exit_status_and_the_childs_error():
     with pytest.raises(MeasurementFailed) as info:
         measure_in_subprocess('json:loads', 'this is not json')

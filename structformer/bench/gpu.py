@@ -47,6 +47,7 @@ from typing import List
 
 from ..errors import UsageError
 from .gpu_measure import ROW_PREFIX
+from .harness import python_command
 from .gpu_report import ATTENTIONS, BEGIN, END, GOAL_SOFT_FROM, goals, render_markdown, replace_section
 
 FACTORIZE = lambda rank: [{'name': 'factorize', 'kwargs': {'rank': rank}}]     # noqa: E731
@@ -194,7 +195,7 @@ def stream_rows(payload: dict, hard_deadline: float, echo=sys.stderr) -> tuple:
     """Run `gpu_measure.main(payload)` in a worker process; (rows it printed, a note or None). The worker is
     killed (its whole process group: compile workers too) when `hard_deadline` (time.time()) passes."""
     code = "import json, sys; from structformer.bench.gpu_measure import main; main(json.loads(sys.argv[1]))"
-    proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(payload)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen(python_command(code, json.dumps(payload)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
     for stream, tag in ((proc.stdout, 'out'), (proc.stderr, 'err')):

@@ -48,13 +48,30 @@ def _exit_reason(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+# The child imports the structformer this process runs, from its files, not the first `structformer` on its own
+# sys.path: `python -c` puts the current folder first there, so run from a checkout (or beside any folder named
+# structformer) an installed `structformer bench` / `compare` measured with one copy's code and its children with
+# another's. The package's __path__ then keeps every submodule in the same folder.
+_SAME_PACKAGE = ("import importlib.util as _util, sys as _sys\n"
+                 "_spec = _util.spec_from_file_location('structformer', {init!r}, submodule_search_locations=[{folder!r}])\n"
+                 "_sys.modules['structformer'] = _package = _util.module_from_spec(_spec)\n"
+                 "_spec.loader.exec_module(_package)\n")
+
+
+def python_command(code: str, *args: str) -> list:
+    """`python -c CODE ARGS...` in this interpreter, importing this process's copy of structformer."""
+    import os
+    init = os.path.abspath(sys.modules['structformer'].__file__)
+    return [sys.executable, '-c', _SAME_PACKAGE.format(init=init, folder=os.path.dirname(init)) + code, *args]
+
+
 def python_json(code: str) -> Any:
     """Run `code` in a fresh interpreter (this one's executable) and return the JSON of its last stdout line.
 
     A fresh process because peak memory is a per-process high-water mark: two configurations measured
     in one process would hide each other, and would share allocator caches and warmed-up libraries.
     """
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=False)
+    out = subprocess.run(python_command(code), capture_output=True, text=True, check=False)
     # the stderr tail goes last, so its last line (usually the exception) is the message's last line
     tail = out.stderr.strip()[-1500:]
     if out.returncode:

@@ -319,8 +319,9 @@ def run_parallel(cells: List[Cell], jobs: int, threads: int, overwrite: bool, lo
     LOGS/<row>-seed_<s>.log), a cell starting once the cell it depends on has finished. Returns whether any cell
     trained. A worker that ends otherwise stops the grid (CellFailed) once the others have ended."""
     import subprocess
-    import sys
     import time
+
+    from ..bench.harness import python_command
     from ..train.run_dir import sigterm_as_interrupt
     pending, running, trained, failed = list(cells), {}, False, []
     logs.mkdir(parents=True, exist_ok=True)
@@ -345,7 +346,7 @@ def run_parallel(cells: List[Cell], jobs: int, threads: int, overwrite: bool, lo
                     env = dict(__import__('os').environ)
                     if threads:
                         env['OMP_NUM_THREADS'] = str(threads)
-                    running[subprocess.Popen([sys.executable, '-c', code], stdout=log, stderr=subprocess.STDOUT,
+                    running[subprocess.Popen(python_command(code), stdout=log, stderr=subprocess.STDOUT,
                                              env=env)] = cell
                     log.close()
                 if not running and failed:
