@@ -53,3 +53,19 @@ def test_a_timm_train_checkpoint_is_named_as_such(name, tmp_path):
     (tmp_path / name).write_bytes(b'')
     with pytest.raises(CheckpointError, match=r"is a timm train\.py checkpoint .* --initial-checkpoint FILE"):
         resolve_checkpoint(tmp_path / name)
+
+
+@pytest.mark.parametrize('name', ['deit_small.pth.tar', 'weights.pth'])
+def test_eval_and_export_of_a_torch_file_say_to_convert_it(name, tmp_path):
+    """`eval --checkpoint X.pth.tar` said only 'a file but not a checkpoint's model.safetensors' and `export X.pth`
+    only 'a pickle': neither said what to run. Both now give the convert line (or --initial-checkpoint)."""
+    import torch
+
+    from structformer.errors import UsageError
+    from structformer.export.source import load_source
+    path = tmp_path / name
+    torch.save({'state_dict': {'head.weight': torch.zeros(2, 2)}}, path)
+    with pytest.raises(CheckpointError, match=r"torch\.save file.*structformer convert .*--initial-checkpoint"):
+        resolve_checkpoint(path)
+    with pytest.raises(UsageError, match=r"is a pickle.*structformer convert .*--output DIR\) and export"):
+        load_source(path)

@@ -223,6 +223,12 @@ def resolve_checkpoint(path) -> Path:
                                   "start a run (train --initial-checkpoint FILE), but it cannot resume or be scored "
                                   "as one")
         if path.name not in ('model.safetensors', 'state.json'):
+            from ..weights.file_kind import TORCH, sniff
+            if sniff(path) == TORCH:
+                raise CheckpointError(f"--checkpoint: {path} is a torch.save file, not a structformer checkpoint: "
+                                      f"convert it into a weights folder first (structformer convert {path} --from "
+                                      "LAYOUT --model NAME --output DIR) and give that folder, or start a run from "
+                                      "it with train --initial-checkpoint")
             raise CheckpointError(f"--checkpoint: {path} is a file but not a checkpoint's model.safetensors or "
                                   "state.json; give a run directory, a checkpoint folder or its model.safetensors")
         path = path.parent
