@@ -481,3 +481,21 @@ def test_convert_and_export_call_the_same_files_pickles(kind, expected, tmp_path
     with pytest.raises(UsageError) as refused:
         load_source(path)
     assert ('is a pickle' in str(refused.value)) == (expected == 'torch'), str(refused.value)
+
+
+def test_a_torch_export_program_is_named_as_such_wherever_weights_are_expected(tmp_path):
+    """torch.export.save's .pt2 starts with torch.save's zip header: convert / --initial-checkpoint said 'not a
+    readable torch file (failed locating file data.pkl)', export 'is a pickle' and eval 'not a checkpoint's
+    model.safetensors'. Each now says it is a torch.export program; a torch.save zip is not mistaken for one."""
+    from structformer.export.source import load_source
+    from structformer.train.checkpoint import CheckpointError, resolve_checkpoint
+    from structformer.weights.file_kind import program_archive
+    from structformer.weights.torch_file import load_torch_file
+    program = tmp_path / 'model.pt2'
+    torch.export.save(torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), program)
+    assert program_archive(_file_of('zip', tmp_path / 'weights.pth')) == ''
+    for refuse, error in ((lambda: load_torch_file(program, 'convert FILE'), UsageError),
+                          (lambda: load_source(program), UsageError),
+                          (lambda: resolve_checkpoint(program), CheckpointError)):
+        with pytest.raises(error, match=r'model\.pt2:? is a torch\.export program'):
+            refuse()

@@ -62,7 +62,9 @@ def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
         if unfinished:
             raise UsageError(f"SOURCE {source}: {unfinished}")
     if path.is_file() and path.name not in ('model.safetensors', 'state.json'):
-        from ..weights.file_kind import TORCH, sniff
+        from ..weights.file_kind import TORCH, program_archive, sniff
+        if sniff(path) == TORCH and program_archive(path):
+            raise UsageError(f"SOURCE {source}: {program_archive(path)}")
         if sniff(path) == TORCH:
             raise UsageError(f"SOURCE {source}: is a pickle (torch.save); export reads safetensors checkpoints "
                              "only, since unpickling can run code: convert it into a weights folder first "

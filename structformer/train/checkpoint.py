@@ -223,7 +223,9 @@ def resolve_checkpoint(path) -> Path:
                                   "start a run (train --initial-checkpoint FILE), but it cannot resume or be scored "
                                   "as one")
         if path.name not in ('model.safetensors', 'state.json'):
-            from ..weights.file_kind import TORCH, sniff
+            from ..weights.file_kind import TORCH, program_archive, sniff
+            if sniff(path) == TORCH and program_archive(path):
+                raise CheckpointError(f"--checkpoint: {path} {program_archive(path)}")
             if sniff(path) == TORCH:
                 raise CheckpointError(f"--checkpoint: {path} is a torch.save file, not a structformer checkpoint: "
                                       f"convert it into a weights folder first (structformer convert {path} --from "

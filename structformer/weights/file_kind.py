@@ -12,7 +12,7 @@ Standard library only: the export command asks before torch is needed.
 from pathlib import Path
 from typing import Optional
 
-__all__ = ['sniff', 'TORCH', 'SAFETENSORS', 'EMPTY']
+__all__ = ['sniff', 'program_archive', 'TORCH', 'SAFETENSORS', 'EMPTY']
 
 TORCH, SAFETENSORS, EMPTY = 'torch', 'safetensors', 'empty'
 _ZIP_HEADER = b'PK\x03\x04'
@@ -36,3 +36,21 @@ def sniff(path) -> Optional[str]:
     if len(head) == 9 and head[8:9] == b'{' and 0 < int.from_bytes(head[:8], 'little') < size:
         return SAFETENSORS
     return None
+
+
+def program_archive(path) -> str:
+    """For a zip archive that holds a program rather than torch.save's pickled data, a phrase saying which, else ''.
+    torch.export.save's `.pt2` opens with the same zip header as torch.save's archive (so `sniff` calls it TORCH)
+    but holds an `archive_format` record and serialized graphs instead of `data.pkl`; torch.load could only fail on
+    it with 'failed locating file data.pkl'."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = {name.rsplit('/', 1)[-1] for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return ''
+    if 'archive_format' in names and 'data.pkl' not in names:
+        return ("is a torch.export program (a .pt2 archive from torch.export.save or `structformer export --format "
+                "torch-export`), a program rather than weights, and is not loaded; give the checkpoint it was "
+                "exported from, or save model.state_dict() where it was made")
+    return ''

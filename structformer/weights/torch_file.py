@@ -142,8 +142,11 @@ def refuse_what_is_no_torch_file(path: Path, flag: str) -> None:
     saying what it starts with: most often a web page or an error text saved under the checkpoint's name by a
     download that failed (a Drive or Hub link fetched without its confirmation step), which the unpickler would
     only call 'Unsupported operand 60'."""
-    from .file_kind import TORCH, sniff
+    from .file_kind import TORCH, program_archive, sniff
     if sniff(path) == TORCH:
+        program = program_archive(path)
+        if program:
+            raise UsageError(f"{flag} {path}: {program}")
         return
     try:
         with open(path, 'rb') as f:
