@@ -285,6 +285,16 @@ def test_run_analyze_compare_all_epochs(tmp_path):
     assert sorted(c['epoch'] for c in data['checkpoints']) == [0, 2]
     assert data['estimator'] == 'paper' and data['eps'] == 0.5
     assert (run / 'analysis' / data['figures']['training']).is_file()
+    # again into the same folder, the last checkpoint only: the init's coherence_/tokens_/angles_ maps and the
+    # training curves were left beside the new figures, read as this run's; another kind's figure stays
+    out = run / 'analysis'
+    (out / 'cka.png').write_bytes(b'another kind')
+    (out / 'mine.png').write_bytes(b'a file of no kind')
+    assert run_analyze(_parse('--checkpoint', str(run), '--num-samples', '4')) == 0
+    data = json.loads((out / 'analysis.json').read_text())
+    drawn = set(data['figures'].values()) | {f for c in data['checkpoints'] for f in c['figures'].values()}
+    assert len(data['checkpoints']) == 1 and 'training' not in data['figures']
+    assert {p.name for p in out.glob('*.png')} == drawn | {'cka.png', 'mine.png'}
 
 
 def test_run_analyze_bad_input(tmp_path):

@@ -5,6 +5,7 @@ sparsity_per_layer.png (one line per checkpoint), training_curves.png (every mea
 coherence_<ckpt>.png, tokens_<ckpt>.png,
 angles_<ckpt>.png (synthetic-subspaces data only) and report.md linking them. A model with Sparsifiner
 attention gets its mask accounting and pictures instead (analysis/sparsifiner.py: sparsifiner.json, PNGs).
+Figures of the same kind that an earlier analysis left in --output and this one did not draw are removed.
 """
 from __future__ import annotations
 
@@ -239,8 +240,45 @@ def run_analyze(args) -> int:
     run = _run_dir(main_path)
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
+    before = _file_stamps(out)
     with removed_on_failure(out):
-        return _analyze(args, main_path, run, out)
+        status = _analyze(args, main_path, run, out)
+    _remove_stale_figures(out, before)
+    return status
+
+
+# each analysis kind's record, and the figures it draws beside it (some per checkpoint, layer or sample)
+_KIND_FIGURES = {'analysis.json': ('compression_per_layer.png', 'sparsity_per_layer.png', 'training_curves.png',
+                                   'coherence_*.png', 'tokens_*.png', 'angles_*.png'),
+                 'cka.json': ('cka.png',), 'interpolation.json': ('interpolation.png',),
+                 'sparsifiner.json': ('sparsifiner_*.png',), 'spectra.json': ('spectra.png',)}
+
+
+def _file_stamps(out: Path) -> Dict[str, tuple]:
+    """(inode, mtime) of each file in `out`: every record and figure is written by a rename, so a file whose stamp
+    is unchanged after the analysis was not written by it."""
+    if not out.is_dir():
+        return {}
+    return {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in out.iterdir() if f.is_file()}
+
+
+def _remove_stale_figures(out: Path, before: Dict[str, tuple]) -> None:
+    """An analysis into a folder that holds an earlier one of the same kind: the figures of that kind which this
+    run did not draw (other checkpoints' coherence_/tokens_ maps, a training_curves.png, more Sparsifiner layers,
+    or any figure when matplotlib is missing) would be read as this run's; they are removed. Other kinds'
+    records and figures, and files of no kind, are left."""
+    import fnmatch
+    after = _file_stamps(out)
+    for record, patterns in _KIND_FIGURES.items():
+        if record not in after or after[record] == before.get(record):
+            continue                                    # this run did not write this kind's record
+        stale = sorted(name for name, stamp in after.items() if before.get(name) == stamp
+                       and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns))
+        for name in stale:
+            (out / name).unlink(missing_ok=True)
+        if stale:
+            print(f"removed {len(stale)} figure(s) of an earlier analysis in {out} that this one did not draw: "
+                  f"{', '.join(stale)}")
 
 
 def _analyze(args, main_path: Path, run, out: Path) -> int:
