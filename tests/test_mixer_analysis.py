@@ -81,6 +81,20 @@ def test_cka_invariances_and_independence():
     assert cka[0, 0] == pytest.approx(1.0) and abs(cka[0, 1]) < 0.1
 
 
+def test_cka_where_a_summed_self_hsic_is_not_positive_is_nan():
+    """A block without variance over the samples has a summed unbiased self-HSIC of rounding size, zero or below;
+    CKA is 0/0 there. The accumulated sums are set as such a run leaves them (one exactly 0, one -1e-17): the
+    clamped root turned the 0 row's pairs into cross·1e300 (5e137, 1e280) instead of undefined; defined pairs stay."""
+    meter = MinibatchCKA(3, 2)
+    meter.update([torch.randn(8, 3)] * 3, [torch.randn(8, 3)] * 2)
+    meter.self_a[:] = torch.tensor([0.0, -1e-17, 4.0], dtype=torch.float64)
+    meter.self_b[:] = torch.tensor([9.0, 1e-200], dtype=torch.float64)       # tiny but positive: defined
+    meter.cross[:] = torch.tensor([[5e-163, 1e-20], [1e-18, -1e-17], [3.0, 1e-100]], dtype=torch.float64)
+    cka = meter.compute()
+    assert cka[:2].isnan().all() and not cka[2].isnan().any()
+    assert cka[2, 0] == pytest.approx(0.5) and cka[2, 1] == pytest.approx(0.5)
+
+
 def test_minibatch_cka_of_a_model_with_itself_is_one_on_the_diagonal():
     torch.manual_seed(2)
     model = SparseMixer(img_size=8, patch_size=2, in_chans=1, embed_dim=8, depth=3)

@@ -91,7 +91,12 @@ class MinibatchCKA:
     def compute(self) -> torch.Tensor:
         if not self.batches:
             raise ValueError("MinibatchCKA.compute() before any update()")
-        return self.cross / torch.sqrt(self.self_a[:, None] * self.self_b[None, :]).clamp_min(1e-300)
+        # HSIC_1(K, K) estimates ‖C_xx‖²_F ≥ 0 but, being unbiased, is not itself non-negative: for a feature with
+        # (numerically) no variance over the samples its sum can fall to zero or below, where CKA is 0/0,
+        # undefined. NaN there (a clamped root turned it into ±1e150); the product of roots cannot underflow.
+        defined = (self.self_a[:, None] > 0) & (self.self_b[None, :] > 0)
+        roots = self.self_a.clamp_min(0).sqrt()[:, None] * self.self_b.clamp_min(0).sqrt()[None, :]
+        return torch.where(defined, self.cross / torch.where(defined, roots, 1.0), float('nan'))
 
 
 @torch.no_grad()

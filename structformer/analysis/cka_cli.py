@@ -7,6 +7,7 @@ Writes cka.json (the matrix, rows A's blocks, columns B's) and cka.png (its heat
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..records import write_json, write_png
@@ -54,8 +55,15 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
               'estimator': 'minibatch linear CKA, unbiased HSIC (Nguyen et al. 2021)', 'features': features,
               'features_meaning': _MEANING[features], 'numbering': 'from 1, the input side first',
               # Fig. 2 (a)'s number: the mean of the diagonal, layer i of A against layer i of B (square only)
-              'diagonal_mean': float(cka.diagonal().mean()) if cka.shape[0] == cka.shape[1] else None,
-              'cka': cka.tolist()}
+              'diagonal_mean': (float(cka.diagonal().mean()) if cka.shape[0] == cka.shape[1]
+                                and not cka.diagonal().isnan().any() else None),
+              'cka': [[None if math.isnan(v) else v for v in row] for row in cka.tolist()]}
+    undefined = cka.isnan()
+    if undefined.any():       # a self-HSIC of zero or below: a feature without variance over these samples
+        record['undefined'] = ("null where a block's summed unbiased self-HSIC is zero or negative (no variance "
+                               "over these samples): CKA is 0/0 there")
+        print(f"note: CKA is undefined (null in cka.json) for {int(undefined.sum())} of {undefined.numel()} pairs: "
+              "a block whose features have no variance over these samples (summed unbiased self-HSIC ≤ 0)")
     unit = 'block' if features == 'blocks' else 'branch'
     print(f"CKA between the {_MEANING[features]} of {name_a} ({main_path}) and {name_b} ({other_path}), "
           f"{record['samples']} samples of {spec} in batches of {batch} (rows A, columns B, numbered from 1):")
