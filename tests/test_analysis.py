@@ -200,6 +200,24 @@ def test_token_heatmaps_subsample_50(images):
     assert sorted(maps) == [0, 1, 3, 4]
     assert all(m.shape == (17, 50) and (m >= 0).all() for m in maps.values())
     assert (maps[4] == 0).any()                                # ISTA output is sparse
+    # analyze --exclude-cls measured without the class token but drew its row in the heat maps
+    without = token_heatmaps(digits, torch.randn(1, 1, 8, 8), size=50, seed=0, include_cls=False)
+    assert all(without[ell].shape == (16, 50) for ell in maps)
+
+
+def test_analyze_exclude_cls_draws_the_heat_maps_without_the_class_token(tmp_path, monkeypatch):
+    import structformer.analysis.whitebox as whitebox
+    drawn, real = [], whitebox.token_heatmaps
+
+    def recording(model, image, **kwargs):
+        maps = real(model, image, **kwargs)
+        drawn.append({ell: m.shape[0] for ell, m in maps.items()})
+        return maps
+    monkeypatch.setattr(whitebox, 'token_heatmaps', recording)
+    run = _make_run(tmp_path)
+    assert run_analyze(_parse('--checkpoint', str(run), '--num-samples', '4', '--exclude-cls')) == 0
+    tokens = json.loads((run / 'analysis' / 'analysis.json').read_text())['checkpoints'][0]['measure']['num_tokens']
+    assert drawn and all(rows == min(tokens, 50) for maps in drawn for rows in maps.values())
 
 
 def test_non_crate_model_is_rejected(images):

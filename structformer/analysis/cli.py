@@ -205,7 +205,7 @@ def _analyse_one(model, state, path: Path, images, args, info, out: Path, slug: 
     figures = {
         'coherence': plot_coherence(coherences, bases[0].shape[0], out / f'coherence_{slug}.png',
                                     f'{label}: |UᵀU| per layer (Fig. 7)').name,
-        'tokens': plot_token_heatmaps(token_heatmaps(model, images[:1], seed=args.seed), out / f'tokens_{slug}.png',
+        'tokens': plot_token_heatmaps(token_heatmaps(model, images[:1], seed=args.seed, include_cls=not args.exclude_cls), out / f'tokens_{slug}.png',
                                       f'{label}: |Z^ℓ| of one sample, ≤50 tokens × ≤50 features (Fig. 6)').name,
     }
     result = {'label': label, 'path': str(path), 'model': state.get('model'), 'epoch': state.get('epoch'),

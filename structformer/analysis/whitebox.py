@@ -231,11 +231,12 @@ def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] 
 
 @full_precision
 def token_heatmaps(model: nn.Module, image: torch.Tensor, layers: Optional[Sequence[int]] = None,
-                   size: int = 50, seed: int = 0) -> Dict[int, np.ndarray]:
+                   size: int = 50, seed: int = 0, include_cls: bool = True) -> Dict[int, np.ndarray]:
     """|Z^ℓ| of one sample as a tokens × features array (Fig. 6), keyed by ℓ (0 = embedded input,
     ℓ ≥ 1 = output of layer ℓ's ISTA block). Larger than `size` × `size`: the same random rows and
     columns (fixed `seed`) for every layer, kept in their original order, so panels are comparable.
-    `layers` defaults to up to 4 evenly spaced values of 0 … L."""
+    `layers` defaults to up to 4 evenly spaced values of 0 … L. `include_cls=False` leaves out the prefix
+    token(s), as `measure_layers` does (analyze --exclude-cls)."""
     check_crate(model)
     if image.ndim == 3:
         image = image[None]
@@ -248,12 +249,13 @@ def token_heatmaps(model: nn.Module, image: torch.Tensor, layers: Optional[Seque
         raise ValueError(f"token heat map layers must be in 0..{depth}; got {bad}")
     captured = capture_layers(model, image[:1])
     gen = torch.Generator().manual_seed(seed)
-    z0 = captured[0]['input'][0]
+    skip = 0 if include_cls else int(getattr(model, 'num_prefix_tokens', 1))
+    z0 = captured[0]['input'][0][skip:]
     n, d = z0.shape
     rows = torch.randperm(n, generator=gen)[:size].sort().values if n > size else torch.arange(n)
     cols = torch.randperm(d, generator=gen)[:size].sort().values if d > size else torch.arange(d)
     maps = {}
     for ell in layers:
-        z = z0 if ell == 0 else captured[ell - 1]['output'][0]
+        z = z0 if ell == 0 else captured[ell - 1]['output'][0][skip:]
         maps[ell] = z[rows][:, cols].abs().to(torch.promote_types(z.dtype, torch.float32)).cpu().numpy()   # no bf16 in numpy
     return maps
