@@ -269,3 +269,32 @@ def test_best_of_rounds_row_carries_the_load_of_the_round_it_kept(tmp_path, monk
     assert bench_models.run(_args(rounds=2, pairs=0, modes=['eager'], output=str(out))) == 0
     rows = {r['label']: r for r in json.loads(out.read_text())['rows']}
     assert rows['CRATE-T']['train_img_per_s'] == 80.0 and rows['CRATE-T']['machine_load']['busy'] is True
+
+
+def test_a_failed_measurement_is_a_failed_row_and_the_others_are_reported(tmp_path, monkeypatch, capsys):
+    """SOFT-T at 32 px, batch 1 (its 1×1 last stage fails BatchNorm in training): the subprocess failure ended
+    `bench models` in a traceback and lost every other row; now, as `bench attention`, a FAILED row with the
+    error's line, the rest measured, paired without it, and exit status 1."""
+    from structformer.bench.harness import MeasurementFailed
+    paired_plans = []
+
+    def fake(target, *call):
+        if target.endswith(':measure_paired'):
+            paired_plans.append([entry[0] for entry in call[0]])
+            return {}
+        name, kwargs, batch_size, img_size, steps, threads, compiled, dtype, transforms = call
+        if name == 'soft_tiny_224':
+            raise MeasurementFailed("measurement subprocess exited with status 1: Traceback (most recent call "
+                                    "last):\n  ...\nValueError: Expected more than 1 value per channel", 1)
+        return {'model': name, 'kwargs': kwargs, 'transforms': transforms, 'dtype': dtype, 'params': 1,
+                'mode': 'eager', 'first_compiled_step_s': None, 'train_img_per_s': 10.0,
+                'infer_img_per_s': 20.0, 'train_peak_mib_over_baseline': 10.0, 'threads': 1}
+    monkeypatch.setattr(bench_models, 'measure_in_subprocess', fake)
+    out = tmp_path / 'models.json'
+    assert bench_models.run(_args(rounds=1, pairs=2, families=True, modes=['eager'], output=str(out))) == 1
+    record = json.loads(out.read_text())
+    assert 'SOFT-T' not in {r['label'] for r in record['rows']} and 'CRATE-T' in {r['label'] for r in record['rows']}
+    assert [(r['label'], r['error_line']) for r in record['failed_rows']] == [
+        ('SOFT-T', 'ValueError: Expected more than 1 value per channel')]
+    assert paired_plans and 'SOFT-T' not in paired_plans[0]
+    assert 'FAILED: ValueError: Expected more than 1 value per channel' in capsys.readouterr().out

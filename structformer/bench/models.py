@@ -230,13 +230,22 @@ def measure_paired(plan, batch_size, img_size, rounds, threads=0, dtypes=('float
 
 
 def _measure_in_subprocess(entry, args, dtype) -> dict:
+    """The row of one measurement, or where its subprocess failed (a model that cannot train at this size or
+    batch, killed for memory) a FAILED row {'label', 'model', ..., 'error'}: recorded and gone past, as
+    `bench attention` does, so one model does not lose the others' minutes."""
     label, name, kwargs, compiled, transforms = _entry(entry)
     try:
         return measure_in_subprocess('structformer.bench.models:measure_one', name, kwargs, args.batch_size,
                                      args.img_size, args.steps, args.threads, compiled, dtype, transforms)
     except MeasurementFailed as e:
-        raise RuntimeError(f"measuring {label} ({name} {kwargs}, {'compiled' if compiled else 'eager'}, {dtype}) "
-                           f"failed: {e}") from None
+        return {'model': name, 'kwargs': kwargs, 'mode': 'compiled' if compiled else 'eager', 'dtype': dtype,
+                'transforms': transforms, 'error': str(e)}
+
+
+def _error_line(row: dict) -> str:
+    """The failure's last line (the exception the subprocess died of), as `bench attention` prints it."""
+    lines = [line for line in row['error'].splitlines() if line.strip()]
+    return lines[-1].strip() if lines else 'failed'
 
 
 def _mixer_224():
@@ -301,7 +310,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)              # so the environment record names the threads used
     dtypes = ['float32'] + ([args.amp] if args.amp else [])
-    best = {}
+    best, failed = {}, {}
     plan = _plan(args)
     for round_index in range(args.rounds):
         for entry in plan:
@@ -311,6 +320,11 @@ def run(args) -> int:
                 mark = row_mark()
                 row = _measure_in_subprocess(entry, args, dtype)
                 row['label'] = label
+                if 'error' in row:
+                    failed.setdefault(key, row)
+                    print(f"round {round_index + 1}/{args.rounds}: FAILED {key}: {_error_line(row)}", file=sys.stderr,
+                          flush=True)
+                    continue
                 row['machine_load'] = row_record(mark)
                 if key in best and best[key]['train_img_per_s'] >= row['train_img_per_s']:
                     # the training figure kept is an earlier round's: so is the load it was measured under (a quiet
@@ -323,7 +337,19 @@ def run(args) -> int:
                                                               best[key]['train_peak_mib_over_baseline'])
                 best[key] = row
                 print(f"round {round_index + 1}/{args.rounds}: measured {key}", file=sys.stderr, flush=True)
+    # a model measured in no round in some dtype is a FAILED row in every dtype (its amp row has no float32 base)
+    broken = {entry[0] for entry in plan for dtype in dtypes if _key(entry[0], dtype) not in best}
+    failures = [failed.get(_key(entry[0], dtype)) or dict(best[_key(entry[0], dtype)], error=(
+                    f"not reported: its {', '.join(d for d in dtypes if _key(entry[0], d) not in best)} "
+                    "measurement failed")) for entry in plan if entry[0] in broken for dtype in dtypes]
+    for row in failures:
+        row.update(error_line=_error_line(row))
+    plan = [entry for entry in plan if entry[0] not in broken]
     rows = [best[_key(entry[0], dtype)] for entry in plan for dtype in dtypes]
+    if not rows:
+        for row in failures:
+            print(f"{row['label']} {row['dtype']}: FAILED: {row['error_line']}")
+        return 1
     paired, paired_load = {}, None
     if args.pairs:
         mark = row_mark()
@@ -336,7 +362,7 @@ def run(args) -> int:
     print(f"batch {args.batch_size}, {args.img_size} px, {rows[0]['threads']} threads, best of {args.rounds} rounds, "
           f"{env['cpu']}, torch {env['torch']}")
     print("ratios: to ViT-T in the same mode and dtype (eager rows to eager ViT-T, compiled rows to compiled ViT-T)")
-    width = max(24, *(len(r['label']) for r in rows))
+    width = max(24, *(len(r['label']) for r in rows + failures))
     print(f"{'model':<{width}} {'dtype':>8} {'params':>8} {'train img/s':>12} {'ratio':>6} {'infer img/s':>12} "
           f"{'ratio':>6} {'train peak MiB':>15} {'ratio':>6} {'compile s':>10}  paired train ratio (quartiles)")
     reference = {(r['mode'], r['dtype']): r for r in rows if r['model'] == CANDIDATES[0][1] and not r['transforms']}
@@ -359,6 +385,8 @@ def run(args) -> int:
               f"{r['train_ratio']:>6.2f} {r['infer_img_per_s']:>12.2f} {r['infer_ratio']:>6.2f} "
               f"{r['train_peak_mib_over_baseline']:>15.0f} {r['memory_ratio']:>6.2f} {compile_s:>10}{pair_text}"
               f"{row_flag(r.get('machine_load'))}")
+    for row in failures:
+        print(f"{row['label']:<{width}} {row['dtype']:>8}  FAILED: {row['error_line']}")
     if paired_load and paired_load['busy']:
         print(f"paired ratios: {paired_load['advice']}")
     if args.amp:
@@ -383,9 +411,9 @@ def run(args) -> int:
                                  'families': [{'family': f, 'label': label, 'model': name, 'kwargs': kwargs,
                                                'transforms': transforms}
                                               for f, label, name, kwargs, transforms in families],
-                                 'rows': rows, 'goal': verdict, 'amp_goals': verdicts, 'kind_goals': entries,
+                                 'rows': rows, 'failed_rows': failures, 'goal': verdict, 'amp_goals': verdicts, 'kind_goals': entries,
                                  'paired_machine_load': paired_load, 'machine_load': run_record()}, args.allow_busy)
-    return 0
+    return 1 if failures else 0
 
 
 def _print_over_float32(rows, args, width) -> None:
