@@ -152,6 +152,30 @@ def test_bench_mlp_runs_and_reports_the_goals(tmp_path, capsys, monkeypatch):
     assert dense['macs_per_row'] == 64 * 64 and pk['macs_per_row'] == 64 * 64 / 8
 
 
+def test_bench_mlp_a_failed_measurement_is_a_failed_row_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A measurement subprocess that died (here SW-MLP's, as for memory) ended `bench mlp` in a traceback and lost
+    the other rows; now the others are measured and listed, the failure is a FAILED row with its error line, no
+    goal is judged and the exit status is 1, as `bench attention` does."""
+    from structformer.bench import mlp
+    from structformer.bench.harness import MeasurementFailed
+    calls = []
+
+    def fake(target, *a):
+        calls.append(a[0])
+        if a[0] == 'swmlp_cifar':
+            raise MeasurementFailed("measurement subprocess killed by SIGKILL: ...\nRuntimeError: out of memory", -9)
+        return {'step_s': 0.002, 'threads': 1}
+    monkeypatch.setattr(mlp, '_subprocess', fake)
+    p = argparse.ArgumentParser()
+    mlp.add_arguments(p)
+    args = p.parse_args(['--side', '8', '--rounds', '1', '--output', str(tmp_path)])
+    assert mlp.run(args) == 1
+    out = capsys.readouterr().out
+    assert calls == list(mlp.LAYERS) + list(mlp.MODELS)              # measured past the failure, no paired timing
+    assert 'swmlp_cifar     FAILED: RuntimeError: out of memory' in out and 'goals: not judged' in out
+    assert 'rp_mixer_cifar  measured' in out and not (tmp_path / 'mlp.json').exists()
+
+
 def test_analytic_table_s3_matches_the_papers_imagenet_scale():
     from structformer.bench.mlp import IMAGENET, analytic_resources
     table = analytic_resources(**IMAGENET)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from .kinds import add_record_arguments, flop_rate_split, goal_entry, print_header, verdict_line, write_record
@@ -31,6 +31,7 @@ GOAL_MEMORY = 1000.0     # (a) SW-MLP bytes / RP-Mixer bytes at the CIFAR settin
 GOAL_RP_STEP = 1.15      # (b) RP-Mixer train step / Mixer train step
 GOAL_MONARCH = 4.0       # (c) nn.Linear step time / MonarchLinear step time at n = 4096
 LAYERS = ('dense', 'kronecker', 'pk_channel', 'pk_token', 'pk_random', 'monarch', 'masked')
+MODELS = ('mixer_cifar', 'rp_mixer_cifar', 'swmlp_cifar')                  # Table S.3's models
 IMAGENET = dict(tokens=256, channels=588, depth=8, gamma=4.0)
 CIFAR = dict(tokens=64, channels=48, depth=3, gamma=2.0)
 
@@ -225,7 +226,20 @@ def _subprocess(target, *args):
     try:
         return measure_in_subprocess(target, *args)
     except MeasurementFailed as e:
-        raise RuntimeError(f"{target}{args}: {e}") from None
+        raise MeasurementFailed(f"{target}{args}: {e}", e.returncode) from None
+
+
+def _measured(failures: Dict[str, dict], key: str, target, *args) -> Optional[dict]:
+    """One measurement's row, or None where its subprocess failed: then a FAILED row {'key', 'error',
+    'error_line'} (the exception it died of, as `bench attention` prints it) goes into `failures`, and the
+    others are still measured."""
+    try:
+        return _subprocess(target, *args)
+    except MeasurementFailed as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        failures.setdefault(key, {'key': key, 'error': str(e), 'error_line': lines[-1] if lines else 'failed'})
+        print(f"FAILED {key}: {failures[key]['error_line']}", file=sys.stderr, flush=True)
+        return None
 
 
 def _check(args) -> None:
@@ -250,15 +264,22 @@ def run(args) -> int:
     _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    layers, models = {}, {}
+    layers, models, failures = {}, {}, {}
     for round_index in range(args.rounds):
         for kind in LAYERS:
-            _best(layers, _subprocess('structformer.bench.mlp:measure_layer', kind, args.side, args.batch_size,
-                                      args.repeats, args.threads), kind)
-        for name in ('mixer_cifar', 'rp_mixer_cifar', 'swmlp_cifar'):
-            _best(models, _subprocess('structformer.bench.mlp:measure_model', name, args.model_batch_size,
-                                      args.repeats, args.threads, args.img_size), name)
+            row = _measured(failures, kind, 'structformer.bench.mlp:measure_layer', kind, args.side,
+                            args.batch_size, args.repeats, args.threads)
+            if row:
+                _best(layers, row, kind)
+        for name in MODELS:
+            row = _measured(failures, name, 'structformer.bench.mlp:measure_model', name, args.model_batch_size,
+                            args.repeats, args.threads, args.img_size)
+            if row:
+                _best(models, row, name)
         print(f"round {round_index + 1}/{args.rounds} measured", file=sys.stderr, flush=True)
+    failed = [row for key, row in failures.items() if key not in layers and key not in models]   # in every round
+    if failed:
+        return _report_failures(failed, layers, models, args.output)
     paired = (_subprocess('structformer.bench.mlp:measure_paired_goals', args.side, args.batch_size,
                           args.model_batch_size, args.img_size, args.pairs, args.threads) if args.pairs else None)
     env = environment('cpu')
@@ -286,7 +307,7 @@ def run(args) -> int:
     print(f"\nTable S.3, {setting} (S = 64, C = 48, L = 3, γ = 2), training step of {args.model_batch_size} images "
           "(AdamW), measured:")
     print(f"{'model':<15} {'params':>12} {'blocks stored':>14} {'GMACs/img':>10} {'step ms':>9} {'peak MiB':>9}")
-    for name in ('mixer_cifar', 'rp_mixer_cifar', 'swmlp_cifar'):
+    for name in MODELS:
         r = models[name]
         print(f"{name:<15} {r['params']:>12,} {_human_bytes(r['blocks_bytes']):>14} {r['macs_per_image'] / 1e9:>10.4f} "
               f"{r['step_s'] * 1e3:>9.1f} {r['step_peak_mib']:>9.0f}")
@@ -339,6 +360,20 @@ def run(args) -> int:
         if write_png(written.with_suffix('.png'), lambda plt: _plot([layers[k] for k in LAYERS], plt, n)):
             print(f"wrote {written.with_suffix('.png')}")
     return 0
+
+
+def _report_failures(failed: List[dict], layers: Dict[str, dict], models: Dict[str, dict], output) -> int:
+    """Every ratio and goal of this command is taken to the dense layer or the Mixer, and the paired timing
+    runs them all in one process: with any measurement failed in every round, the ones that succeeded are
+    listed with the FAILED rows and no goal is judged; exit status 1 (as `bench attention`)."""
+    print()
+    for key, row in list(layers.items()) + list(models.items()):
+        print(f"{key:<15} measured: step {row['step_s'] * 1e3:.2f} ms")
+    for row in failed:
+        print(f"{row['key']:<15} FAILED: {row['error_line']}")
+    print("goals: not judged (they compare the measurements above, and some failed)"
+          + (f"; {output} not written (a record without its goals)" if output else ''))
+    return 1
 
 
 def kind_goals(goals: dict, paired, args, env: dict, load) -> list:
