@@ -47,3 +47,27 @@ def test_eval_of_a_weights_folder_normalises_as_its_config_says(tmp_path, capsys
         loss = torch.nn.functional.cross_entropy(loaded(batch), labels).item()
     assert ours['loss'] == pytest.approx(loss, rel=1e-5)
     assert ours['mean'] == pytest.approx(config['mean'])
+
+
+def test_convert_takes_a_timm_train_py_checkpoint_of_a_one_channel_model(tmp_path, capsys):
+    """timm's train.py builds crate_digits with in_chans=3 unless --in-chans 1; convert of its model_best.pth.tar
+    without --model-kwargs refused it as another size ('is --model the checkpoint's size?'). A checkpoint of
+    another model is still refused."""
+    import argparse
+    torch.manual_seed(0)
+    model = timm.create_model('crate_digits', in_chans=3, num_classes=3)
+    checkpoint = tmp_path / 'model_best.pth.tar'
+    torch.save({'epoch': 0, 'arch': 'crate_digits', 'state_dict': model.state_dict(),
+                'state_dict_ema': model.state_dict(), 'args': argparse.Namespace(in_chans=None)}, checkpoint)
+    assert main(['convert', str(checkpoint), '--from', 'timm', '--model', 'crate_digits',
+                 '--output', str(tmp_path / 'w')]) == 0
+    assert 'in_chans=3' in capsys.readouterr().out
+    config = json.loads((tmp_path / 'w' / 'config.json').read_text())
+    assert config['model_args']['in_chans'] == 3 and config['pretrained_cfg']['input_size'] == [3, 8, 8]
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'w'}", pretrained=True).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model.eval()(x))
+    assert main(['convert', str(checkpoint), '--from', 'timm', '--model', 'crate_mnist',
+                 '--output', str(tmp_path / 'm')]) == 2
+    assert "is --model the checkpoint's size?" in capsys.readouterr().err and not (tmp_path / 'm').exists()
