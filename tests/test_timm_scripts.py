@@ -71,3 +71,14 @@ def test_convert_takes_a_timm_train_py_checkpoint_of_a_one_channel_model(tmp_pat
     assert main(['convert', str(checkpoint), '--from', 'timm', '--model', 'crate_mnist',
                  '--output', str(tmp_path / 'm')]) == 2
     assert "is --model the checkpoint's size?" in capsys.readouterr().err and not (tmp_path / 'm').exists()
+
+
+def test_eval_and_export_of_a_timm_checkpoint_point_to_convert(tmp_path, capsys):
+    """eval / export of timm's model_best.pth.tar name the verb that takes it (they named train
+    --initial-checkpoint only, or no way at all)."""
+    checkpoint = tmp_path / 'model_best.pth.tar'
+    torch.save({'epoch': 0, 'state_dict': timm.create_model('crate_digits').state_dict()}, checkpoint)
+    assert main(['eval', '--checkpoint', str(checkpoint), '--data', 'digits']) == 2
+    assert 'structformer convert FILE --from timm' in capsys.readouterr().err
+    assert main(['export', str(checkpoint), '--format', 'hf', '--output', str(tmp_path / 'hf')]) == 2
+    assert 'structformer convert FILE --from timm' in capsys.readouterr().err and not (tmp_path / 'hf').exists()

@@ -66,7 +66,8 @@ def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
         if sniff(path) == TORCH:
             raise UsageError(f"SOURCE {source}: is a pickle (torch.save); export reads safetensors checkpoints "
                              "only, since unpickling can run code: give a run folder, a checkpoint folder or its "
-                             "model.safetensors")
+                             "model.safetensors, or make a weights folder of it first with `structformer convert "
+                             "FILE --from timm --model NAME --output FOLDER` (read without running code)")
         raise UsageError(f"SOURCE {source}: is not a checkpoint file; give a run folder, a checkpoint folder or "
                          "its model.safetensors / state.json")
     try:
