@@ -56,3 +56,25 @@ def test_timm_export_of_a_resized_model_records_its_size(tmp_path):
     assert tuple(size) == (1, 16, 16)
     with torch.no_grad():
         loaded(torch.randn(1, *size))
+
+
+@pytest.mark.parametrize('name, kwargs', [
+    ('crate_digits', {'in_chans': 3}), ('soft_digits', {'in_chans': 3}), ('swmlp_digits', {'in_chans': 3}),
+    ('crate_cifar', {'in_chans': 1}), ('crate_digits', {'img_size': 16})])
+def test_timm_scripts_data_config_fits_the_built_model(name, kwargs):
+    """timm's train.py / validate.py / inference.py build with in_chans=3 unless told (img_size= when given), then
+    take the input size from `resolve_data_config(args, model=model)` and read images as 'RGB' for 3 channels, else
+    'L' (inference.py: always RGB). The resolved size is the built model's (before: the registry's 1 x 8 x 8, so a
+    crate_digits built for RGB got grey images, and a 3-value mean broadcast a grey image to 3 channels)."""
+    from PIL import Image
+    from timm.data import create_transform
+    model = timm.create_model(name, num_classes=3, **kwargs).eval()
+    config = resolve_data_config({'in_chans': None, 'input_size': None, 'img_size': None}, model=model)
+    c, h, w = config['input_size']
+    assert c == kwargs.get('in_chans', c) and (h, w) == (kwargs.get('img_size', h),) * 2
+    transform = create_transform(**config, is_training=False)
+    image = Image.new('RGB' if c == 3 else 'L', (32, 32), 128)
+    batch = transform(image).unsqueeze(0)
+    assert batch.shape == (1, c, h, w)
+    with torch.no_grad():
+        assert model(batch).shape == (1, 3)

@@ -83,6 +83,8 @@ def _run(args, out=None) -> int:
     if not len(dataset):          # scoring nothing divided by zero
         raise UsageError(getattr(dataset, 'empty_because', None) or f'--split {args.split}: --data {data} holds no '
                          f'{split} images')
+    from ..train.scoring_data import weights_folder_normalisation
+    dataset, normalised = weights_folder_normalisation(dataset, info, model, state)   # as its config.json says
     precision, how = _precision(args, cfg, state)
     if len(dataset):           # other images (size, channels) or text: one line before the whole split is read
         from torch.utils.data import default_collate
@@ -102,6 +104,8 @@ def _run(args, out=None) -> int:
                     unit: len(dataset) - metrics.get('left_out', 0), 'weights': 'ema' if args.ema else 'model',
                     'precision': precision.name,
                     'precision_from': how})
+    if normalised:
+        metrics.update({'mean': list(normalised[0]), 'std': list(normalised[1])})
     from ..data.pixel_stats import EVAL_GEOMETRY, eval_data_config
     if info.name in EVAL_GEOMETRY:    # the forms read at a resize and centre crop: which, as the transform used it
         geometry = eval_data_config(info.name, data_kwargs.get('crop_pct'), data_kwargs.get('interpolation'),

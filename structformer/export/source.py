@@ -67,9 +67,10 @@ def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
             raise UsageError(f"SOURCE {source}: {program_archive(path)}")
         if sniff(path) == TORCH:
             raise UsageError(f"SOURCE {source}: is a pickle (torch.save); export reads safetensors checkpoints "
-                             "only, since unpickling can run code: convert it into a weights folder first "
-                             f"(structformer convert {source} --from LAYOUT --model NAME --output DIR) and export "
-                             "that folder")
+                             "only, since unpickling can run code: give a run folder, a checkpoint folder or its "
+                             "model.safetensors, or make a weights folder of it first, read without running code "
+                             "(structformer convert FILE --from timm, or the public code's layout, --model NAME "
+                             "--output DIR) and export that folder")
         raise UsageError(f"SOURCE {source}: is not a checkpoint file; give a run folder, a checkpoint folder or "
                          "its model.safetensors / state.json")
     try:

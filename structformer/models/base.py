@@ -243,9 +243,39 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     build = functools.partial(build_model_with_cfg, cls, variant, pretrained=pretrained, feature_cfg=feature_cfg,
                               pretrained_filter_fn=pretrained_filter_fn, pretrained_strict=False, **kwargs)
     if not pretrained:
-        return build()
+        return _record_built_size(build(), kwargs)
     # timm's loader reads a torch file with weights_only=True and argparse.Namespace allowed; a trainer's checkpoint
     # may also hold paths or numpy scalars in it (convert and the training flags read those): the same allow-list
     from ..weights.torch_file import ALLOWED_GLOBALS
     with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-        return build()
+        return _record_built_size(build(), kwargs)
+
+
+def _record_built_size(model: nn.Module, kwargs) -> nn.Module:
+    """The channels and image size `in_chans=` / `img_size=` built the model with, put into its `pretrained_cfg`
+    (timm keeps the registry's there): timm's `resolve_data_config`, which its train.py, validate.py and
+    inference.py call, reads the input size from there. timm's scripts pass in_chans=3 unless told, so a 1-channel
+    model of ours (crate_digits) was built for RGB and then fed 1-channel images ('L', from the registry's size),
+    and inference.py, which always reads RGB, could run none of them. A 1-value mean/std is repeated per channel,
+    a 3-value one averaged for 1 channel (a 3-value Normalize broadcasts a grey image to 3 channels)."""
+    cfg = getattr(model, 'pretrained_cfg', None)
+    size = tuple((cfg or {}).get('input_size') or ())
+    if len(size) != 3 or hasattr(model, 'vocab_size'):
+        return model
+    chans = kwargs.get('in_chans')
+    chans = int(chans) if isinstance(chans, int) and chans >= 1 else size[0]
+    img = kwargs.get('img_size')
+    img = (img, img) if isinstance(img, int) else tuple(img) if isinstance(img, (tuple, list)) and len(img) == 2 \
+        else size[1:]
+    if (chans, *img) == size:
+        return model
+    cfg = dict(cfg, input_size=(chans, *(int(v) for v in img)))
+    for key in ('mean', 'std'):
+        stat = tuple(cfg.get(key) or ())
+        if len(stat) == 1:
+            cfg[key] = stat * chans
+        elif stat and len(stat) != chans and chans == 1:
+            cfg[key] = (sum(stat) / len(stat),)
+    model.pretrained_cfg = cfg
+    model.default_cfg = cfg                     # timm's older alias of the same dict
+    return model

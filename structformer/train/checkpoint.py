@@ -221,7 +221,8 @@ def resolve_checkpoint(path) -> Path:
             raise CheckpointError(f"--checkpoint: {path} is a timm train.py checkpoint (its CheckpointSaver's "
                                   "checkpoint-N / last / model_best .pth.tar), not a structformer run: its weights can "
                                   "start a run (train --initial-checkpoint FILE), but it cannot resume or be scored "
-                                  "as one")
+                                  "as one; `structformer convert FILE --from timm --model NAME --output FOLDER` makes "
+                                  "a weights folder of it that eval and export take")
         if path.name not in ('model.safetensors', 'state.json'):
             from ..weights.file_kind import TORCH, program_archive, sniff
             if sniff(path) == TORCH and program_archive(path):

@@ -70,6 +70,19 @@ def _own_candidates(wanted: dict):
             yield own
 
 
+def _other_channel_counts(name: str) -> list:
+    """Without --model-kwargs, the readings tried when the checkpoint does not fit the registered model: the
+    other of 1 and 3 input channels. timm's train.py, validate.py and inference.py build in_chans=3 unless told, so
+    a 1-channel model of ours (crate_digits, *_mnist) trained there holds 3-channel weights (and an RGB model given
+    --in-chans 1, 1-channel ones), which the default build refuses as another size."""
+    import timm
+    try:
+        size = timm.get_pretrained_cfg(name).input_size
+    except Exception:                  # not registered: the build names it
+        return []
+    return [{'in_chans': c} for c in (3, 1) if size and c != size[0]]
+
+
 def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=None, weights=None):
     """Read `path` in `source`'s layout, build `name`, load the converted weights (adapted by the family filter where
     --model-kwargs asks another size, classes or channels) and write `output`. `weights`: 'ema' or 'model' of a
@@ -105,9 +118,10 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         # a checkpoint trained with another architecture than the model's default (timm's --in-chans 1, a depth):
         # --model-kwargs then say what it is, and may also say what to adapt it to (num_classes, img_size): the
         # first of these readings whose model the weights fit is taken, the rest adapted as timm's loader would
-        if not wanted:
+        candidates = _own_candidates(wanted) if wanted else _other_channel_counts(name)
+        if not candidates:
             raise
-        for own in _own_candidates(wanted):
+        for own in candidates:
             try:
                 native, _ = build_model(name, dict(fixed, **own))
             except ValueError as e:
@@ -126,8 +140,10 @@ def convert_checkpoint(source: str, path, name: str, model_kwargs=None, output=N
         else:
             raise first from None
         fixed = dict(fixed, **own)
-        notes = [f"{key}={value!r}: as --model-kwargs asked, the checkpoint's own (its weights fit the model built "
-                 "with them)" for key, value in own.items()] + [n for n in notes if n.split('=')[0] not in own]
+        asked = 'as --model-kwargs asked, ' if wanted else ''
+        notes = [f"{key}={value!r}: {asked}the checkpoint's own (its weights fit the model built with them"
+                 + ('' if wanted else "; timm's train.py builds 3-channel models unless --in-chans") + ')'
+                 for key, value in own.items()] + [n for n in notes if n.split('=')[0] not in own]
         wanted = {key: value for key, value in wanted.items() if key not in own}
     native.load_state_dict(converted)
     notes += converted_notes
