@@ -600,6 +600,16 @@ def test_in1k_low_rank_rows_are_costed_as_the_factorised_model_they_train(capsys
     assert hours['resnet50_lowrank_pretrain'] == pytest.approx(cost(dense, 45) + cost(lowrank, 45), rel=0.01)
 
 
+def test_the_pages_placeholders_are_said_where_its_commands_use_them():
+    """The page's commands name `mnist:PATH` and `DIR` (a record keeps no user's paths): said what they are, and
+    only where a command uses them."""
+    from structformer.compare.leaderboard import _placeholders
+    said = _placeholders({'record_command': 'structformer compare --set mnist --data mnist:PATH --publish docs',
+                          'command': 'structformer compare --set mnist --data mnist:PATH --output DIR'})
+    assert "`mnist:PATH`: a folder of MNIST's four IDX files" in said and '`DIR`: the grid folder' in said
+    assert _placeholders({'record_command': 'structformer compare --set quick --data digits', 'command': None}) == ''
+
+
 def test_leaderboard_page_is_the_render_of_its_record():
     from structformer.compare.leaderboard import render
     record = json.loads((ROOT / 'docs' / 'leaderboard' / 'record.json').read_text())

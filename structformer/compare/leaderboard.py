@@ -175,6 +175,15 @@ def readings(record: Dict) -> List[str]:
     return out
 
 
+def _placeholders(record: Dict) -> str:
+    """What the commands' placeholders stand for, where they appear (the record keeps no user's paths)."""
+    said = ' '.join(str(record.get(key) or '') for key in ('record_command', 'command'))
+    meant = [(f'`{word}`: {what}') for word, what in (
+        ('mnist:PATH', "a folder of MNIST's four IDX files as downloaded"),
+        ('DIR', 'the grid folder the record was made in (not committed)')) if word in said]
+    return (' ' + '; '.join(meant) + '.') if meant else ''
+
+
 def render(record: Dict, figures: str = 'leaderboard') -> str:
     """The leaderboard page of `record` (figures under the folder `figures`, relative to the page)."""
     recipe = record['recipe']
@@ -191,7 +200,7 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               'seeds, sized to one parameter budget, and timed on one machine (`structformer compare`, '
               '[design](design.md)). Regenerate the record, its plots and this page with:', '',
               '```text', record['record_command'], '```', '',
-              f"This record: `{record.get('command')}`.", '',
+              f"This record: `{record.get('command')}`." + _placeholders(record), '',
               f"- data: {data.get('kind')} ({data.get('train_images')} training / {data.get('val_images')} held-out "
               f"images{', the split follows the seed' if data.get('kind') == 'digits' else ''}); seeds "
               f"{', '.join(map(str, record['seeds']))}, shared by every row",
