@@ -63,9 +63,11 @@ def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
             raise UsageError(f"SOURCE {source}: {unfinished}")
     if path.is_file() and path.name not in ('model.safetensors', 'state.json'):
         from ..weights.file_kind import TORCH, program_archive, sniff
-        if sniff(path) == TORCH and program_archive(path):
-            raise UsageError(f"SOURCE {source}: {program_archive(path)}")
-        if sniff(path) == TORCH:
+        torch_file = sniff(path) == TORCH
+        program = program_archive(path) if torch_file else ''      # a .pt2 opens as a torch.save archive does
+        if program:
+            raise UsageError(f"SOURCE {source}: {program}")
+        if torch_file:
             raise UsageError(f"SOURCE {source}: is a pickle (torch.save); export reads safetensors checkpoints "
                              "only, since unpickling can run code: give a run folder, a checkpoint folder or its "
                              "model.safetensors, or make a weights folder of it first, read without running code "

@@ -225,9 +225,11 @@ def resolve_checkpoint(path) -> Path:
                                   "a weights folder of it that eval and export take")
         if path.name not in ('model.safetensors', 'state.json'):
             from ..weights.file_kind import TORCH, program_archive, sniff
-            if sniff(path) == TORCH and program_archive(path):
-                raise CheckpointError(f"--checkpoint: {path} {program_archive(path)}")
-            if sniff(path) == TORCH:
+            torch_file = sniff(path) == TORCH
+            program = program_archive(path) if torch_file else ''   # a .pt2 opens as a torch.save archive does
+            if program:
+                raise CheckpointError(f"--checkpoint: {path} {program}")
+            if torch_file:
                 raise CheckpointError(f"--checkpoint: {path} is a torch.save file, not a structformer checkpoint: "
                                       f"convert it into a weights folder first (structformer convert {path} --from "
                                       "LAYOUT --model NAME --output DIR) and give that folder, or start a run from "
