@@ -59,3 +59,50 @@ def test_bench_lowrank_stack_factorises_every_linear_at_any_rank(tmp_path):
 def test_bench_lowrank_bad_arguments(argv, message, capsys):
     assert main(['bench', 'lowrank', *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('rank', [None, 3])
+def test_gemm_products_are_the_products_a_training_step_runs(rank):
+    """The ceiling's product list against FlopCounterMode on a real step (input grad included): the same
+    multiply-adds in all, so the ceiling times the work the layer's step does."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from structformer.bench.lowrank import gemm_products
+    from structformer.functional.onednn_linear import torch_kernels
+    from structformer.layers.linear.factorized import FactorizedLinear
+    tokens, n, m = 12, 10, 14
+    layer = torch.nn.Linear(n, m, bias=False) if rank is None else FactorizedLinear(n, m, rank=rank, bias=False)
+    x = torch.randn(tokens, n, requires_grad=True)
+    with torch_kernels(), FlopCounterMode(display=False) as counter:
+        layer(x).sum().backward()
+    expected = [2 * a * k * b for _, (a, k, b) in gemm_products(tokens, n, m, rank)]
+    assert counter.get_total_flops() == sum(expected)
+    assert len(expected) == (3 if rank is None else 6)
+
+
+def test_bench_lowrank_records_the_gemm_ceiling_and_a_miss_cites_it(tmp_path):
+    from structformer.bench.lowrank import kind_goals
+    out = tmp_path / 'lowrank.json'
+    assert main(['bench', 'lowrank', '--tokens', '32', '--in-features', '16', '--out-features', '64', '--ranks', '0.25',
+                 '--depth', '0', '--steps', '1', '--rounds', '1', '--output', str(out)]) == 0
+    report = json.loads(out.read_text())
+    [ceiling] = report['gemms']
+    assert ceiling['r'] == 4 and len(ceiling['dense']) == 3 and len(ceiling['products']) == 6
+    assert ceiling['dense_ms'] == pytest.approx(sum(p['ms'] for p in ceiling['dense']))
+    assert ceiling['ceiling'] == pytest.approx(ceiling['dense_ms'] / ceiling['factorised_ms'])
+    assert ceiling['efficiency'] == pytest.approx(ceiling['ceiling'] / (16 * 64 / (4 * 80)))
+    # at the goal's shape, a miss names what the GEMMs alone allow (rows and ceiling made up: no timing here)
+    args = type('A', (), {'tokens': 4096, 'in_features': 1024, 'out_features': 4096})()
+    rows = [{'label': 'dense nn.Linear', 'rank': None, 'step_s': 3.0, 'speedup': 1.0, 'speedup_q1': 1, 'speedup_q3': 1,
+             'flop_ratio': 1.0},
+            {'label': 'dense, oneDNN kernels', 'rank': None, 'step_s': 3.0, 'speedup': 1.0, 'speedup_q1': 1,
+             'speedup_q3': 1, 'flop_ratio': 1.0},
+            {'label': 'FactorizedLinear r=256 (0.25)', 'rank': 0.25, 'step_s': 1.2, 'speedup': 2.5, 'speedup_q1': 2.4,
+             'speedup_q3': 2.6, 'flop_ratio': 3.2, 'speedup_same_kernels': 2.5}]
+    fake = [{'rank': 0.25, 'ceiling': 2.9, 'efficiency': 2.9 / 3.2}]
+    [entry] = kind_goals(rows, [], args, {'threads': 1}, None, fake)
+    assert 'allow 2.90×' in entry['bound'] and '91% of the dense' in entry['bound'] and 'the kernels, not' in entry['bound']
+    fake[0]['ceiling'] = 3.1
+    [entry] = kind_goals(rows, [], args, {'threads': 1}, None, fake)
+    assert 'allow 3.10×' in entry['bound'] and 'the kernels, not' not in entry['bound']
