@@ -312,7 +312,7 @@ def test_a_records_run_that_cannot_publish_leaves_the_docs_as_they_were(docs_cop
         assert f"measured on a 'intel-amx' CPU, not '{UNMEASURED}'" in message and 'docs/ are as they were' in message
     if case == 'busy':
         assert 'BUSY: models.json' in message and 'make bench-records RECORDS_FLAGS=--allow-busy' in message
-        assert f"about {kinds.RECORDS_MINUTES} min" in message and kinds.RECORDS_COMMAND in message
+        assert kinds.records_minutes(UNMEASURED, docs_copy.docs) in message and kinds.RECORDS_COMMAND in message
     if case in ('failed', 'busy', 'foreign'):        # the records made are kept where the message says
         staged = Path(message.split('records are in ')[1].split('. ')[0].strip())
         assert (staged / 'sparse_attention.json').exists()
@@ -403,3 +403,22 @@ def test_make_bench_records_refuses_bad_settings_before_measuring(docs_copy, mon
     with pytest.raises(SystemExit) as stop:
         kind_tables.main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err and docs_copy.ran == []
+
+
+def test_how_long_a_records_run_takes_comes_from_the_committed_records(tmp_path):
+    """This kind's records' measuring time where it has them, else the range over the kinds measured, else the
+    constant; a record that is not JSON is skipped, not fatal, and records the run does not make are not counted."""
+    docs = tmp_path / 'docs'
+    assert kinds.records_minutes('amd-x', docs) == f"about {kinds.RECORDS_MINUTES} min"
+    assert [name for name, _, _ in kind_tables.RECORDS] == list(kinds.RECORD_FILES)
+    for kind, walls in (('amd-x', (600.0, 60.0)), ('intel-y', (1500.0, 120.0))):
+        for name, wall in zip(('lowrank.json', 'mlp/mlp.json'), walls):
+            path = docs / 'kinds' / kind / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({'machine_load': {'wall_s': wall}}))
+        (docs / 'kinds' / kind / 'models_bf16.json').write_text(json.dumps({'machine_load': {'wall_s': 9e4}}))
+    (docs / 'kinds' / 'amd-x' / 'models.json').write_text('{not json')
+    assert kinds.records_minutes('amd-x', docs).startswith('about 11 min on this kind')
+    assert kinds.records_minutes('intel-y', docs).startswith('about 27 min on this kind')
+    assert kinds.records_minutes('arm-z', docs).startswith('11–27 min by CPU kind')
+    assert kinds.records_minutes(None, docs).startswith('11–27 min by CPU kind')

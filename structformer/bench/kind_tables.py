@@ -16,7 +16,7 @@ record and none was measured on a busy machine (unless `--allow-busy`) does it p
 folder `docs/kinds/<this kind>/`, its kind record and both tables, swapped in together with signals held. A failed,
 refused (busy) or interrupted run leaves docs/ as it was and names the staged records; a kind met for the first
 time gets its table's markers appended to docs/benchmarks.md and a column in README's table. It prints how long
-it took (quiet: `kinds.RECORDS_MINUTES`).
+it took (quiet: `kinds.records_minutes`, from the committed records).
 """
 from __future__ import annotations
 
@@ -314,7 +314,7 @@ def record_kind(threads: int, allow_busy: bool = False) -> int:
     and none was busy (or `allow_busy`), publish them as this kind's records and tables (`publish`). Otherwise the
     docs stay as they were, and the staged records are kept and named. Returns 0, or 1 when nothing was published."""
     from ..records import cpu_kind
-    from .kinds import RECORDS_COMMAND, RECORDS_MINUTES
+    from .kinds import RECORDS_COMMAND, records_minutes
     kind = cpu_kind()['kind']
     began = time.monotonic()
     staged = Path(tempfile.mkdtemp(prefix=f'structformer-records-{kind}-'))
@@ -341,7 +341,7 @@ def record_kind(threads: int, allow_busy: bool = False) -> int:
             if busy and not allow_busy else [])
         print(f"\nnothing published for {kind} after {minutes:.1f} min ({'; '.join(reasons)}); the records and tables "
               f"in docs/ are as they were, this run's records are in {staged}. Re-run `{RECORDS_COMMAND}` on a quiet "
-              f"machine: about {RECORDS_MINUTES} min at 1 thread on the project's 2-core machine", file=sys.stderr)
+              f"machine: {records_minutes(kind, KINDS_DIR.parent)} at {threads} thread(s)", file=sys.stderr)
         return 1
     try:
         folder = publish(kind, staged)

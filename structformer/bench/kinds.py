@@ -39,8 +39,40 @@ GOALS = {
 # the project's docs folder: records written here must come from a quiet run (tests point it elsewhere)
 DOCS_DIR = Path(__file__).resolve().parents[2] / 'docs'
 RECORDS_COMMAND = 'make bench-records'
-RECORDS_MINUTES = 9             # what `make bench-records` took at 1 thread on the quiet 2-core Zen 5 machine: 7.7 min,
-                                # 9.1 min with its kernels capped to AVX2 (docs/benchmarks.md)
+RECORDS_MINUTES = 9             # without committed records to go by: the quiet 2-core Zen 5 took 7.7 min, 9.1 min with
+                                # its kernels capped to AVX2, and the AVX2-only Zen 1 26.9 min (docs/benchmarks.md)
+
+
+# the records `make bench-records` writes into docs/kinds/KIND/ (kind_tables.RECORDS runs them; a test keeps the two
+# lists equal); a kind's folder may hold others beside them (models_bf16.json), which that run does not make
+RECORD_FILES = ('sparse_attention.json', 'attention.json', 'lowrank.json', 'mlp/mlp.json', 'models.json')
+
+
+def records_minutes(kind: Optional[str] = None, docs: Optional[Path] = None) -> str:
+    """How long `make bench-records` takes, as a phrase, from the committed records rather than one machine's
+    figure: the wall time of `kind`'s records (docs/kinds/KIND/`RECORD_FILES`, each benchmark's measuring time) where that
+    kind has them, else the range over every kind measured, else `RECORDS_MINUTES`. Records are read as JSON only;
+    an unreadable one is skipped."""
+    import json
+    folder = (docs or DOCS_DIR) / 'kinds'
+
+    def minutes(kind_folder: Path) -> Optional[float]:
+        total = 0.0
+        for path in (kind_folder / name for name in RECORD_FILES):
+            try:
+                wall = (json.loads(path.read_text()).get('machine_load') or {}).get('wall_s')
+            except (OSError, ValueError, AttributeError, RecursionError):
+                continue
+            total += wall if isinstance(wall, (int, float)) else 0.0
+        return total / 60 if total > 0 else None
+
+    if kind and (folder / kind).is_dir() and minutes(folder / kind):
+        return f"about {minutes(folder / kind):.0f} min on this kind of CPU (its committed records' measuring time)"
+    known = sorted(m for m in (minutes(f) for f in (folder.iterdir() if folder.is_dir() else []) if f.is_dir()) if m)
+    if known:
+        return (f"{known[0]:.0f}–{known[-1]:.0f} min by CPU kind (the committed records' measuring time; "
+                f"this kind has none yet)" if known[-1] - known[0] >= 1 else f"about {known[0]:.0f} min")
+    return f"about {RECORDS_MINUTES} min"
 
 
 def met(goal: str, value: Optional[float]) -> Optional[bool]:
@@ -281,7 +313,8 @@ def write_record(path, obj: dict, allow_busy: bool = False) -> str:
         took = f"this run took {elapsed:.1f} min, a quiet rerun about as long; " if elapsed else ''
         print(f"not written to {path}: the machine was BUSY while this was measured (other processes used "
               f"{load.get('other_cores')} cores); the record is in {written}. Re-run on a quiet machine ({took}"
-              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in about {RECORDS_MINUTES} min on a "
+              f"`{RECORDS_COMMAND}` re-measures every record of this CPU kind in "
+              f"{records_minutes(((obj.get('environment') or {}).get('cpu_kind') or {}).get('kind'))} on a "
               f"quiet machine), or "
               f"pass --allow-busy to write it anyway", file=sys.stderr)
         return written
