@@ -143,3 +143,34 @@ def test_old_state_without_a_recipe_still_loads():
     recipe = ModelRecipe.from_state(state)
     assert recipe.name == 'crate_digits' and recipe.transforms == []
     assert len(rebuild(recipe).blocks) == 1
+
+
+def test_timms_own_vit_with_linformer_has_its_projections_at_build():
+    """timm's vit_* with Linformer attention through structformer (build_model's attn_layer='linformer', the
+    swap_attention transform, swap_attention on a built model): E, F exist when the call returns, so an optimiser made
+    right after sees them; no lazy-parameter warning at the first forward. Built by timm.create_model directly with
+    the class, timm tells the layer no token count: lazy until shape_sequence_projections (or the first forward)."""
+    import warnings
+
+    import timm
+
+    from structformer.layers.attention.linformer import LinformerAttention
+    from structformer.layers.attention.registry import with_defaults
+    from structformer.models.attention_swap import shape_sequence_projections, swap_attention
+    kwargs = dict(img_size=16, patch_size=4, depth=1, embed_dim=32, num_heads=2, num_classes=3)
+    linformer = {'attn_layer': 'linformer', 'attn_kwargs': {'num_landmarks': 4}}
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        built = [build_model('vit_tiny_patch16_224', dict(kwargs, **linformer))[0],
+                 build_model('vit_tiny_patch16_224', kwargs, transforms=[
+                     {'name': 'swap_attention', 'kwargs': {'attn': 'linformer', 'num_landmarks': 4}}])[0],
+                 swap_attention(timm.create_model('vit_tiny_patch16_224', **kwargs), 'linformer', num_landmarks=4),
+                 shape_sequence_projections(timm.create_model(
+                     'vit_tiny_patch16_224', attn_layer=with_defaults(LinformerAttention, num_landmarks=4), **kwargs))]
+        for model in built:
+            e = model.blocks[0].attn.seq_proj.e
+            assert not isinstance(e, torch.nn.parameter.UninitializedParameter) and e.shape == (4, 17)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            assert any(p is e for group in optimizer.param_groups for p in group['params'])
+            model(torch.randn(2, 3, 16, 16)).sum().backward()
+            assert e.grad is not None

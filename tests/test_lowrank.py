@@ -254,6 +254,29 @@ def test_transformer_preset_takes_qkv_and_ffn_not_the_attention_output():
     model(torch.randn(2, 3, 16, 16)).sum().backward()
 
 
+@pytest.mark.parametrize('model_kwargs, expected', [
+    # timm's EVA with q, k, v apart and a SwiGLU FFN (EVA-02's layout): the preset left q_proj / k_proj / v_proj and
+    # fc1_g / fc1_x dense, two thirds of what the paper factorises
+    (dict(model_name='eva02_tiny_patch14_224', qkv_fused=False, scale_mlp=True),
+     ['attn.q_proj', 'attn.k_proj', 'attn.v_proj', 'mlp.fc1_g', 'mlp.fc1_x', 'mlp.fc2']),
+    # timm's ViT with fused qkv and a SwiGLU FFN
+    (dict(model_name='vit_tiny_patch16_224', mlp_layer='swiglu'), ['attn.qkv', 'mlp.fc1_g', 'mlp.fc1_x', 'mlp.fc2']),
+])
+def test_transformer_preset_takes_every_qkv_and_ffn_spelling(model_kwargs, expected):
+    """SPEC §5: Q, K, V and both FFN matrices, whatever the model calls them; never the attention output."""
+    kwargs = dict(model_kwargs)
+    name = kwargs.pop('model_name')
+    if kwargs.get('mlp_layer') == 'swiglu':
+        from timm.layers import SwiGLU
+        kwargs['mlp_layer'] = SwiGLU
+    model = timm.create_model(name, img_size=16, patch_size=4, depth=1, embed_dim=32, num_heads=2, num_classes=3,
+                              **kwargs)
+    factorize(model, rank=0.25, verbose=False)
+    assert sorted(factorized_layers(model)) == sorted(f'blocks.0.{n}' for n in expected)
+    assert type(model.blocks[0].attn.proj) is nn.Linear and type(model.head) is nn.Linear
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+
+
 @pytest.mark.parametrize('tied_output', [False, True])
 def test_factorized_crate_keeps_its_subspaces_and_tied_output(tied_output):
     """MSSA reads its qkv weight as the subspace bases U_k (white-box analysis) and, tied, as the output map

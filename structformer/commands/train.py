@@ -190,7 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument('--warmup-prefix', action=argparse.BooleanOptionalAction, default=S,
                    help="the schedule starts after the warm-up instead of under it (timm's --warmup-prefix)")
     g.add_argument('--min-lr', type=float, default=S, help='(1e-6, or lr if lower)')
-    g.add_argument('--smoothing', dest='label_smoothing', type=float, default=S, help='label smoothing (0.1)')
+    g.add_argument('--smoothing', dest='label_smoothing', type=float, default=S,
+                   help='label smoothing (0.1; 0 for a language model: text data or a model that takes token ids)')
     g.add_argument('--bce-loss', action=argparse.BooleanOptionalAction, default=S,
                    help="timm's BinaryCrossEntropy instead of cross-entropy (Mixup / CutMix targets included)")
     g.add_argument('--bce-target-thresh', type=float, default=S, metavar='T',

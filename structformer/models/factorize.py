@@ -10,8 +10,11 @@ rebuilds it on `--resume`, `eval` and `analyze`:
 Which layers (`include`, fnmatch patterns over module names, or a preset name):
   'vision'       every nn.Conv2d except the model's first convolution (the stem, of whatever class), as the paper
                  does for WRN / ResNet-50;
-  'transformer'  the QKV projection and both FFN matrices (`*qkv`, `*mlp.fc1`, `*mlp.fc2`), not the
-                 attention output, as the paper does for GPT-2 (timm ViTs and our GPT use these names);
+  'transformer'  the Q, K, V projections and both FFN matrices, not the attention output, as the paper does for
+                 GPT-2 (SPEC §5): the q/k/v projection fused (`*qkv`: timm's ViT, our GPT, CRATE) or apart
+                 (`*attn.q_proj` / `k_proj` / `v_proj`: timm's EVA; `*attn.q` / `k` / `v` / `kv`: CaiT, MViTv2,
+                 PVTv2, Twins), and the FFN's (`*mlp.fc1`, `*mlp.fc2`; a SwiGLU's first matrix is the two halves
+                 `*mlp.fc1_g`, `*mlp.fc1_x`: EVA-02, timm's ViTs built with mlp_layer=SwiGLU);
   'all'          every nn.Linear and nn.Conv2d;
   None           'vision' when the model has more than one conv, else 'transformer'.
 `exclude` patterns then remove layers. Every pattern must match at least one layer, so a typo fails.
@@ -33,9 +36,14 @@ from ..models.transforms import TransformContext, register_transform
 
 __all__ = ['factorize', 'plan_factorization', 'PRESETS', 'LayerPlan', 'eligible_layers']
 
+# every spelling of a transformer's Q, K, V projections and FFN matrices in timm and here: a model whose names the
+# preset missed trained with those layers dense (timm's EVA-02: its separate q/k/v and SwiGLU halves, a third of the
+# preset's layers, were left out, and the run looked factorised)
+TRANSFORMER_LAYERS = ['*qkv', '*attn.q_proj', '*attn.k_proj', '*attn.v_proj', '*attn.q', '*attn.k', '*attn.v',
+                      '*attn.kv', '*mlp.fc1', '*mlp.fc1_g', '*mlp.fc1_x', '*mlp.fc2']
 PRESETS = {
-    'transformer': ['*qkv', '*mlp.fc1', '*mlp.fc2'],
-    'lm': ['*qkv', '*mlp.fc1', '*mlp.fc2'],
+    'transformer': TRANSFORMER_LAYERS,
+    'lm': TRANSFORMER_LAYERS,
     # 'vision' and 'all' are rules over layer types, not name patterns (see _preset_names)
     'vision': None,
     'all': None,

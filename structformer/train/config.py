@@ -17,6 +17,7 @@ from .config_file import _KIND_WORDS, _coerce, _describe, _field_kind, flag_name
 
 # the learning rate that the warm-up starts from and the cosine schedule ends at, unless given (at most lr)
 DEFAULT_FLOOR_LR = 1e-6
+DEFAULT_LABEL_SMOOTHING = 0.1      # timm train.py's --smoothing, for image classes (a language model's is 0)
 FLOAT32_MAX = 3.4028234663852886e38
 # timm.utils.dispatch_clip_grad's modes (--clip-mode)
 CLIP_MODES = ('norm', 'value', 'agc')
@@ -81,7 +82,10 @@ class TrainConfig:
     # (default: the warm-up overlaps the schedule's first epochs, timm's default)
     warmup_prefix: bool = False
     min_lr: Optional[float] = None
-    label_smoothing: float = 0.1
+    # None: timm's 0.1 for image classes, 0 for a language model (text data or a model that takes token ids): the
+    # seed's GPT-2 runs (SPEC §5) and LM training generally use none, and smoothing next-token targets moves the
+    # training loss off the per-token NLL the perplexity is read from. Resolved by validate(), so the run records it
+    label_smoothing: Optional[float] = None
     clip_grad: Optional[float] = None
     # timm's --clip-mode: what --clip-grad bounds: the global gradient norm ('norm'), each gradient element ('value')
     # or each unit's gradient relative to its weight's norm ('agc', adaptive clipping, the head excluded as timm does)
@@ -226,6 +230,9 @@ class TrainConfig:
         return min(DEFAULT_FLOOR_LR, self.lr) if self.min_lr is None else self.min_lr
 
     def validate(self) -> 'TrainConfig':
+        if self.label_smoothing is None:
+            from .config_checks import language_modelling
+            self.label_smoothing = 0.0 if language_modelling(self) else DEFAULT_LABEL_SMOOTHING
         self._validate_numbers()
         self._validate_optimizer()
         checks = [

@@ -333,6 +333,17 @@ def validate_lowrank(config) -> None:
                          "(the factorised epochs)")
 
 
+def language_modelling(config) -> bool:
+    """Whether the run trains a language model: text data (`pysource`, `text:`) or a registered language model."""
+    from ..data.spec import parse_data_spec
+    try:
+        if parse_data_spec(config.data)[0] in ('pysource', 'text'):
+            return True
+    except ValueError:
+        pass                        # the dataset builder names --data
+    return _takes_token_ids(config.model)
+
+
 def _takes_token_ids(model: str) -> bool:
     """True for a registered language model (its input is token ids [B, T], not images)."""
     from ..models import list_structformer_language_models

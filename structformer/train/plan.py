@@ -492,6 +492,10 @@ def dry_run(config: TrainConfig) -> str:
         # the notes describe the recipe as it ships: say which of its settings this plan no longer has
         from .config_file import config_defaults
         shipped = {name: recipe_values.get(name, default) for name, default in config_defaults(TrainConfig).items()}
+        if shipped.get('label_smoothing') is None:      # left to the task: what validate() resolves for this run
+            from .config import DEFAULT_LABEL_SMOOTHING
+            from .config_checks import language_modelling
+            shipped['label_smoothing'] = 0.0 if language_modelling(config) else DEFAULT_LABEL_SMOOTHING
         changed = sorted(k for k, v in shipped.items() if getattr(config, k) != v and k not in _WHERE_NOT_HOW)
         if changed:
             lines.append(f"  (the recipe's own notes: -c / the flags given changed {', '.join(changed)})")

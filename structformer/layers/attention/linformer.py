@@ -95,7 +95,9 @@ class SequenceProjection(LazyModuleMixin, nn.Module):
             n = k.shape[-2]
             self.materialize(n, device=k.device)
             warnings.warn(f"Linformer projections E, F created at the first forward for seq_len={n}; build the "
-                          "optimizer after one forward pass, or pass seq_len= at construction")
+                          "optimizer after one forward pass, pass seq_len= at construction, or shape them when the "
+                          "model is built (structformer.models.attention_swap.shape_sequence_projections(model), "
+                          "or build it with structformer's build_model / swap_attention, which do)")
 
     def forward(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """-> (E, F) after checking that the token count matches."""
