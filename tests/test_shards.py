@@ -170,6 +170,8 @@ def bad_shards(shards, tmp_path):
     _tar(tmp_path / 'nocls.tar', [('a.png', png), ('b.png', png)])
     (tmp_path / 'corrupt.tar').write_bytes(good[:len(good) // 2 + 100])
     (tmp_path / 'garbage.tar').write_bytes(b'\x01' * 1024)
+    import gzip        # what webdataset's ShardWriter('...%06d.tar.gz') writes, and timm reads as a stream
+    (tmp_path / 'packed.tar.gz').write_bytes(gzip.compress(good))
     return tmp_path
 
 
@@ -179,6 +181,7 @@ def bad_shards(shards, tmp_path):
     ('wds:{d}/nocls.tar', ['nocls.tar', "'a'", 'lacks a class member']),
     ('wds:{d}/corrupt.tar', ['corrupt.tar', 'truncated']),
     ('wds:{d}/garbage.tar', ['garbage.tar', 'not a readable tar']),
+    ('wds:{d}/packed.tar.gz', ['packed.tar.gz', 'gzip-compressed', 'read by seeking', 'gunzip']),
     ('wds:{s}/train-000000.tar,', ['expected TRAIN_PATTERN']),
 ])
 def test_bad_shards_are_one_line_exit_2_nothing_written(data, needles, bad_shards, shards, tmp_path, capsys):

@@ -246,11 +246,31 @@ def iter_shard(url: str) -> Iterator[Tuple[str, str, bytes, int]]:
         yield key, ext, data, label
 
 
+# a tar starts with its first member's name, so a magic must be one no file name starts with: bzip2's 'BZh' is
+# taken with its level digit and its block magic '1AY&SY'
+_MAGIC = {b'\x1f\x8b': 'gzip', b'\xfd7zXZ\x00': 'xz', b'\x28\xb5\x2f\xfd': 'zstd'}
+_UNPACK = {'gzip': 'gunzip', 'bzip2': 'bunzip2', 'xz': 'unxz', 'zstd': 'unzstd'}
+
+
+def compression(head: bytes) -> Optional[str]:
+    """The compression a file's first bytes announce, or None."""
+    if head[:3] == b'BZh' and head[3:4] in b'123456789' and head[4:10] == b'1AY&SY':
+        return 'bzip2'
+    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
+
+
 def check_shard(url: str, spec: str) -> None:
     """Cheap up-front check of a local shard: whole tar blocks and a first sample with image and class."""
     if not is_local(url):
         return
     size = os.path.getsize(_local(url))
+    with open(_local(url), 'rb') as f:
+        packed = compression(f.read(10))
+    if packed:
+        # webdataset's ShardWriter writes NAME.tar.gz when asked; such a shard was 'truncated or not a tar'
+        raise ShardError(f'--data {spec!r}: shard {url} is {packed}-compressed; local shards are read by seeking '
+                         f'(the validation index, passing over other workers\' samples), which a compressed tar does '
+                         f'not allow: decompress them ({_UNPACK[packed]} each shard) and give the .tar files')
     if size == 0 or size % TAR_BLOCK:
         raise ShardError(f'--data {spec!r}: shard {url} is truncated or not a tar ({size} bytes, not a '
                          f'multiple of {TAR_BLOCK})')
