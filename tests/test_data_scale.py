@@ -302,3 +302,23 @@ def test_bench_data_up_front_records_the_cpu_kind_and_the_load(tmp_path):
     record = json.loads(out.read_text())
     assert record['environment']['cpu_kind']['kind'] and 'busy' in record['machine_load']
     assert set(record['up_front_seconds']) == {'decode (before)', 'header, first run', 'header, cached', 'none'}
+
+
+def test_class_folders_differing_only_in_unicode_normalisation_are_named_so(tmp_path, cache, capsys):
+    """val/ copied on a Mac (or unzipped from an archive made there) names 'éclair' in NFD, train/ in NFC: the two
+    sort differently ('e' + U+0301 before 'fraise', U+00E9 after) and print alike, so the refusal listed two lists
+    that looked the same. It now says what differs; data shard says the same."""
+    import unicodedata
+    from PIL import Image
+    for split, form in (('train', 'NFC'), ('val', 'NFD')):
+        for c in ('éclair', 'fraise', 'Zèbre'):
+            folder = tmp_path / 'src' / split / unicodedata.normalize(form, c)
+            folder.mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(np.full((8, 8, 3), 9 * i, np.uint8)).save(folder / f'{i}.png')
+    with pytest.raises(ValueError, match=r'Unicode normalisation: .*NFC.*NFD'):
+        build_datasets(f"imagefolder:{tmp_path / 'src'}", img_size=8, augment=False)
+    rc = main(['data', 'shard', str(tmp_path / 'src'), str(tmp_path / 'out')])
+    err = capsys.readouterr().err
+    assert rc == 2 and 'Unicode normalisation' in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / 'out').exists()

@@ -294,6 +294,10 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'], check)
         val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'], check)
         if train.classes != val.classes:
+            from .classes import normalisation_note
+            note = normalisation_note(train.classes, val.classes)
+            if note:
+                raise UsageError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold {note}')
             raise ValueError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold different class '
                              f'folders: {train.classes} vs {val.classes}')
         classes = train.classes

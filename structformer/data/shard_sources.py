@@ -147,7 +147,9 @@ def folder_source(folder: str) -> Source:
             raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})'
                              + imagenet_hint(root).replace('pass imagenet:', 'give SOURCE imagenet:')) from None
         if classes is not None and ds.classes != classes:
-            raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold different class folders')
+            from .classes import normalisation_note
+            note = normalisation_note(classes, ds.classes)
+            raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold ' + (note or 'different class folders'))
         classes = ds.classes
         splits[split] = FileSplit([p for p, _ in ds.samples], [t for _, t in ds.samples])
     from .imagefolder import FOLDER_CLASS_ORDER
