@@ -129,7 +129,7 @@ class Source:
 # ----------------------------------------------------------------------------- the forms
 
 def folder_source(folder: str) -> Source:
-    from torchvision.datasets import ImageFolder
+    from .imagefolder import image_folder
     folder = os.path.expanduser(folder)
     if not os.path.isdir(folder):
         raise UsageError(f'SOURCE {folder}: not a folder (accepted: an image folder, imagefolder:PATH, hfds:PATH, '
@@ -141,7 +141,7 @@ def folder_source(folder: str) -> Source:
     splits, classes = {}, None
     for split, root in roots.items():
         try:
-            ds = ImageFolder(root)
+            ds = image_folder(root)
         except FileNotFoundError as e:
             from .imagefolder import imagenet_hint
             raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})'
