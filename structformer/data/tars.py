@@ -119,8 +119,20 @@ def read_info(urls: Sequence[str]) -> Dict:
     return {}
 
 
-def known_lengths(urls: Sequence[str], info: Dict) -> Optional[List[int]]:
-    """Samples per shard from the info file's splits, matched by file name; None if any shard is not listed."""
+def known_lengths(urls: Sequence[str], info: Optional[Dict] = None) -> Optional[List[int]]:
+    """Samples per shard from the info file's splits, matched by file name; None if any shard is not listed.
+    `info` None: each shard's own folder's _info.json (the names are matched within a folder: train/shard-0000.tar
+    and val/shard-0000.tar, each folder with its _info.json, were both given the first folder's length)."""
+    if info is None:
+        by_folder: Dict[str, Dict] = {}
+        out = []
+        for u in urls:
+            folder = os.path.dirname(os.path.abspath(_local(u))) if is_local(u) else ''
+            if folder not in by_folder:
+                by_folder[folder] = read_info([u])
+            found = known_lengths([u], by_folder[folder])
+            out.append(found[0] if found else None)
+        return None if any(n is None for n in out) else out
     lengths = {}
     for split in info.get('splits', {}).values():
         lengths.update(zip(split.get('filenames', ()), split.get('shard_lengths', ())))
