@@ -2,6 +2,7 @@
 only, is cached by file list + sizes + mtimes and invalidated by a change; an image that fails to decode in training
 under bad_images=skip is replaced and named; the image size follows the model; a size the model cannot take is one
 line naming both sizes."""
+import json
 import os
 import sys
 from pathlib import Path
@@ -302,3 +303,46 @@ def test_bench_data_up_front_records_the_cpu_kind_and_the_load(tmp_path):
     record = json.loads(out.read_text())
     assert record['environment']['cpu_kind']['kind'] and 'busy' in record['machine_load']
     assert set(record['up_front_seconds']) == {'decode (before)', 'header, first run', 'header, cached', 'none'}
+
+
+def test_class_folders_differing_only_in_unicode_normalisation_are_named_so(tmp_path, cache, capsys):
+    """val/ copied on a Mac (or unzipped from an archive made there) names 'éclair' in NFD, train/ in NFC: the two
+    sort differently ('e' + U+0301 before 'fraise', U+00E9 after) and print alike, so the refusal listed two lists
+    that looked the same. It now says what differs; data shard says the same."""
+    import unicodedata
+    from PIL import Image
+    for split, form in (('train', 'NFC'), ('val', 'NFD')):
+        for c in ('éclair', 'fraise', 'Zèbre'):
+            folder = tmp_path / 'src' / split / unicodedata.normalize(form, c)
+            folder.mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(np.full((8, 8, 3), 9 * i, np.uint8)).save(folder / f'{i}.png')
+    with pytest.raises(ValueError, match=r'Unicode normalisation: .*NFC.*NFD'):
+        build_datasets(f"imagefolder:{tmp_path / 'src'}", img_size=8, augment=False)
+    rc = main(['data', 'shard', str(tmp_path / 'src'), str(tmp_path / 'out')])
+    err = capsys.readouterr().err
+    assert rc == 2 and 'Unicode normalisation' in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / 'out').exists()
+
+
+def test_hidden_folders_and_files_of_an_image_folder_are_passed_over(tmp_path, cache, capsys):
+    """torchvision's ImageFolder takes every folder for a class and every '*.jpg' for an image: an empty
+    .ipynb_checkpoints/ made the folder 'not an image folder', and the AppleDouble '._NAME.jpg' a copy on a Mac leaves
+    beside each file (4 bytes of magic) failed the header check, so the run stopped naming files that are no images."""
+    from PIL import Image
+    for split in ('train', 'val'):
+        for c in ('ant', 'bee'):
+            folder = tmp_path / 'src' / split / c
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(folder / f'{i}.jpg')
+                (folder / f'._{i}.jpg').write_bytes(b'\0\5\26\7 apple double')
+            (folder / '.DS_Store').write_bytes(b'\0\0\0\1Bud1')
+        (tmp_path / 'src' / split / '.ipynb_checkpoints').mkdir()
+    train, val, info = build_datasets(f"imagefolder:{tmp_path / 'src'}", img_size=8, augment=False)
+    assert info.extra['classes'] == ['ant', 'bee'] and (len(train), len(val)) == (6, 6)
+    assert not any(os.path.basename(p).startswith('.') for p, _ in train.samples + val.samples)
+    rc = main(['data', 'shard', str(tmp_path / 'src'), str(tmp_path / 'out')])
+    assert rc == 0, capsys.readouterr().err
+    info = json.loads((tmp_path / 'out' / '_info.json').read_text())
+    assert info['classes'] == ['ant', 'bee'] and info['splits']['train']['num_samples'] == 6

@@ -483,3 +483,47 @@ def test_the_download_kept_inside_train_is_not_a_class_tar(extracted, tmp_path, 
     got = {n.replace('\\', '/').split('/')[-2] + '/' + Path(n).name: WNIDS[y]
            for n, y in zip(train.split.names, train.split.labels)}
     assert got == {k: w for k, (w, _) in truth['train'].items()}
+
+
+def _hidden(root: Path) -> None:
+    """What a desktop, a notebook or a copy on a Mac leaves in a download: .DS_Store, a trash or checkpoint folder,
+    and the AppleDouble '._NAME' file beside each copied file (4 bytes of magic, no image)."""
+    for folder in (root / 'train', root / 'val'):
+        if folder.is_dir():
+            (folder / '.DS_Store').write_bytes(b'\0\0\0\1Bud1')
+            (folder / '.ipynb_checkpoints').mkdir()
+            for p in list(folder.iterdir()):
+                if not p.name.startswith('.'):
+                    (folder / f'._{p.name}').write_bytes(b'\0\5\26\7 apple double')
+                if p.is_dir() and not p.name.startswith('.'):
+                    for q in list(p.iterdir()):
+                        (p / f'._{q.name}').write_bytes(b'\0\5\26\7 apple double')
+
+
+@pytest.mark.parametrize('layout', ['train of class tars + flat val', 'train folders (no synset list) + valprep val',
+                                    'train folders + val tar in an otherwise empty val/'])
+def test_hidden_files_and_folders_are_neither_classes_nor_images(layout, tmp_path, cache):
+    """Entries named '.…' are not ImageNet's: a hidden folder beside class tars was 'class folders and class tars'
+    (an extraction cut short), one in the flat val/ 'class folders and images outside them', an AppleDouble
+    '._ILSVRC2012_val_00000001.JPEG' an unlabelled seventh validation image, a val/ holding .DS_Store alone was
+    not passed over for the val tar, and an empty .ipynb_checkpoints an empty training class."""
+    root = tmp_path / 'in'
+    truth = download(root, 'kaggle')
+    if layout.startswith('train of class tars'):
+        _extract_train(root, as_tars=True)
+        tar = root / 'train' / f'{WNIDS[0]}.tar'        # tarred on a Mac: '._NAME' members beside the images
+        with tarfile.open(tar) as t:
+            members = [(m.name, t.extractfile(m).read()) for m in t]
+        tar.write_bytes(_tar_bytes([m for name, data in members for m in ((f'._{name}', b'\0\5\26\7'), (name, data))]))
+    elif layout.startswith('train folders (no synset list)'):
+        _extract_train(root)
+        _valprep(root, truth)
+        (root / 'LOC_synset_mapping.txt').unlink()
+    else:
+        _extract_train(root)
+        _val_as_tar(root, keep_empty_folder=True)
+    _hidden(root)
+    train, val, info = build_datasets(f'imagenet:{root}', img_size=8, augment=False)
+    assert info.extra['classes'] == WNIDS and (len(train), len(val)) == (9, 6)
+    assert not any(Path(n).name.startswith('.') for n in train.split.names + val.split.names)
+    assert {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)} == truth['val']

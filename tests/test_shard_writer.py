@@ -374,3 +374,24 @@ def test_a_timm_source_without_a_timm_name_or_root_is_one_line(form, needle, tmp
     assert err.startswith(f"structformer data shard: error: SOURCE {text!r}: {needle}") and len(err.splitlines()) == 1
     assert 'timm:torch/NAME:ROOT' in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ['src']
+
+
+def test_long_and_unicode_file_names_fit_a_tar_header(tmp_path, cache):
+    """A tar (ustar) member name holds 100 bytes of UTF-8; file names hold 255. A 130-character name or a 60-
+    character Japanese one (180 bytes) stopped the writer with tarfile's 'name is too long' traceback."""
+    from PIL import Image
+    names = {'ant': ['x' * 130 + '.jpg', '写真' * 30 + '.jpg', 'short.jpg'], 'Bee': ['é' * 100 + '.jpg', 'b.jpg']}
+    for c, files in names.items():
+        (tmp_path / 'src' / c).mkdir(parents=True)
+        for k, name in enumerate(files):
+            Image.fromarray(np.full((8, 8, 3), 40 * k, np.uint8)).save(tmp_path / 'src' / c / name)
+    info = write_shards(str(tmp_path / 'src'), str(tmp_path / 'out'), 10)
+    with tarfile.open(tmp_path / 'out' / 'train-000000.tar') as tar:
+        members = tar.getnames()
+    assert len(members) == 10 and all(len(m.encode('utf-8')) <= 100 for m in members)
+    got = sorted((d, label) for _, _, d, label in iter_shard(str(tmp_path / 'out' / 'train-000000.tar')))
+    assert got == sorted(((tmp_path / 'src' / c / n).read_bytes(), ['Bee', 'ant'].index(c))
+                         for c, files in names.items() for n in files)
+    assert info['splits']['train']['num_samples'] == 5
+    # the readable part of the name is kept: the 8-digit position, then as much of the stem as fits
+    assert any(m.startswith(tuple(f'{i:08d}_写真写真' for i in range(5))) for m in members)

@@ -170,6 +170,8 @@ def bad_shards(shards, tmp_path):
     _tar(tmp_path / 'nocls.tar', [('a.png', png), ('b.png', png)])
     (tmp_path / 'corrupt.tar').write_bytes(good[:len(good) // 2 + 100])
     (tmp_path / 'garbage.tar').write_bytes(b'\x01' * 1024)
+    import gzip        # what webdataset's ShardWriter('...%06d.tar.gz') writes, and timm reads as a stream
+    (tmp_path / 'packed.tar.gz').write_bytes(gzip.compress(good))
     return tmp_path
 
 
@@ -179,6 +181,7 @@ def bad_shards(shards, tmp_path):
     ('wds:{d}/nocls.tar', ['nocls.tar', "'a'", 'lacks a class member']),
     ('wds:{d}/corrupt.tar', ['corrupt.tar', 'truncated']),
     ('wds:{d}/garbage.tar', ['garbage.tar', 'not a readable tar']),
+    ('wds:{d}/packed.tar.gz', ['packed.tar.gz', 'gzip-compressed', 'read by seeking', 'gunzip']),
     ('wds:{s}/train-000000.tar,', ['expected TRAIN_PATTERN']),
 ])
 def test_bad_shards_are_one_line_exit_2_nothing_written(data, needles, bad_shards, shards, tmp_path, capsys):
@@ -347,3 +350,31 @@ def test_num_classes_that_disagrees_with_the_info_json_is_one_line(given, shards
     assert f'num_classes={given}' in message and 'names 3 classes' in message and '\n' not in message, message
     _, _, info = build_datasets(f"wds:{shards / 'wds'}", img_size=8, augment=False, val_fraction=0.25, num_classes=3)
     assert info.num_classes == 3
+
+
+def test_validation_shards_in_their_own_folder_are_counted_by_their_own_info_json(tmp_path):
+    """train/shard-0000.tar and val/shard-0000.tar, each folder with its _info.json (shards written per split): the
+    validation shards' stated lengths were looked up by file name in the training folder's _info.json, so
+    val/shard-0000.tar (3 samples) was 'damaged: _info.json says 6' and the run refused."""
+    from PIL import Image
+    image = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 50, np.uint8)).save(image, 'PNG')
+    for split, lengths in (('train', [6, 5]), ('val', [3, 2])):
+        (tmp_path / split).mkdir()
+        for s, n in enumerate(lengths):
+            _tar(tmp_path / split / f'shard-{s:04d}.tar', [m for i in range(n) for m in (
+                (f'{split}{s}_{i}.png', image.getvalue()), (f'{split}{s}_{i}.cls', str(i % 3).encode()))])
+        (tmp_path / split / '_info.json').write_text(json.dumps({'splits': {split: {
+            'name': split, 'num_samples': sum(lengths), 'filenames': [f'shard-{s:04d}.tar' for s in range(2)],
+            'shard_lengths': lengths}}}))
+    train, val, info = build_datasets(f"wds:{tmp_path}/train/shard-{{0000..0001}}.tar,"
+                                      f"{tmp_path}/val/shard-{{0000..0001}}.tar", img_size=8, augment=False)
+    assert (len(train), len(val)) == (11, 5)
+    (tmp_path / 'val' / 'shard-0001.tar').write_bytes((tmp_path / 'val' / 'shard-0000.tar').read_bytes())
+    with pytest.raises(ValueError, match=r'val/shard-0001\.tar holds 3 samples; _info.json says 2'):
+        build_datasets(f"wds:{tmp_path}/train/shard-{{0000..0001}}.tar,{tmp_path}/val/shard-{{0000..0001}}.tar",
+                       img_size=8, augment=False)           # the validation folder's own statement still holds
+    # two folders' training shards joined with '::': each is counted by its own folder's _info.json
+    train, _, _ = build_datasets(f"wds:{tmp_path}/train/shard-{{0000..0001}}.tar::{tmp_path}/val/shard-0000.tar,"
+                                 f"{tmp_path}/val/shard-0000.tar", img_size=8, augment=False)
+    assert len(train) == 14 and train.lengths == [6, 5, 3]

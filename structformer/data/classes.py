@@ -24,6 +24,9 @@ def class_mismatch(stored: Optional[List[str]], found: Optional[List[str]], stor
             a == b or (found_words and a == found_words[k]) or (stored_words and stored_words[k] == b)
             for k, (a, b) in enumerate(zip(stored, found))):
         return None
+    note = normalisation_note(stored, found)
+    if note:
+        return note
     if sorted(stored) == sorted(found):
         k = next(i for i, (a, b) in enumerate(zip(stored, found)) if a != b)
         return (f'the same {len(stored)} class names in another order: class {k} is {stored[k]!r} for the run, '
@@ -37,3 +40,30 @@ def class_mismatch(stored: Optional[List[str]], found: Optional[List[str]], stor
 
 def _few(names: List[str]) -> str:
     return ', '.join(repr(n) for n in names[:3]) + (f' and {len(names) - 3} more' if len(names) > 3 else '')
+
+
+def normalisation_note(a: List[str], b: List[str]) -> Optional[str]:
+    """What differs, where two class name lists are the same names in another Unicode normalisation: a folder copied
+    on a Mac (or unzipped from an archive made there) names 'éclair' as 'e' + U+0301 (NFD) where Linux keeps U+00E9
+    (NFC). The two print alike and sort differently, so a plain comparison showed two lists that looked the same."""
+    import unicodedata
+    nfc = lambda names: sorted(unicodedata.normalize('NFC', n) for n in names)      # noqa: E731
+    if sorted(a) == sorted(b) or nfc(a) != nfc(b):
+        return None
+    k = next(i for i, (x, y) in enumerate(zip(sorted(a, key=nfc_key), sorted(b, key=nfc_key))) if x != y)
+    x, y = sorted(a, key=nfc_key)[k], sorted(b, key=nfc_key)[k]
+    return (f'the same class names in another Unicode normalisation: {x!r} is {_form(x)} on one side, {_form(y)} on '
+            f'the other ({x.encode("unicode_escape").decode()} vs {y.encode("unicode_escape").decode()}); the two sort '
+            'differently, so their class indices differ: rename the folders to one form (NFC, as Linux keeps them: '
+            "e.g. convmv -f utf8 -t utf8 --nfc -r --notest DIR)")
+
+
+def nfc_key(name: str) -> str:
+    import unicodedata
+    return unicodedata.normalize('NFC', name)
+
+
+def _form(name: str) -> str:
+    import unicodedata
+    return 'NFC' if unicodedata.is_normalized('NFC', name) else 'NFD' if unicodedata.is_normalized('NFD', name) \
+        else 'neither NFC nor NFD'

@@ -243,10 +243,36 @@ def imagenet_hint(root: str) -> str:
             f'imagenet:{os.path.dirname(os.path.abspath(root))} (docs/data.md)') if flat else ''
 
 
-def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
+def image_folder(root: str, **kwargs):
+    """torchvision's ImageFolder (its classes, order and file list), passing over entries named '.…': a desktop, a
+    notebook or a copy on a Mac leaves .DS_Store, .ipynb_checkpoints/, .Trash-1000/ and an AppleDouble '._NAME.jpg'
+    (no image) beside every file; the empty hidden folder made the folder 'not an image folder' (a class without
+    images), the AppleDouble files failed the header check, and the run stopped naming files that are no images."""
     from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
+    class VisibleImageFolder(ImageFolder):
+        def find_classes(self, directory):
+            classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith('.'))
+            if not classes:
+                raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+            return classes, {c: i for i, c in enumerate(classes)}
+
+        @staticmethod
+        def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+            def visible_image(path: str) -> bool:
+                parts = os.path.relpath(path, directory).split(os.sep)
+                return path.lower().endswith(IMG_EXTENSIONS) and not any(p.startswith('.') for p in parts)
+            return make_dataset(directory, class_to_idx, is_valid_file=visible_image, allow_empty=allow_empty)
+
+    folder = VisibleImageFolder(root, **kwargs)
+    folder.__class__ = ImageFolder             # picklable for loader workers (a class local to this function is not)
+    return folder
+
+
+def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
     try:
-        folder = ImageFolder(root, transform=transform, loader=load_rgb)
+        folder = image_folder(root, transform=transform, loader=load_rgb)
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
                                 f'{root}/<class name>/<image file> ({e}){imagenet_hint(root)}') from None
@@ -277,8 +303,8 @@ def split_folders(root: str) -> Tuple[Optional[str], Optional[str]]:
     from torchvision.datasets.folder import IMG_EXTENSIONS     # the files torchvision's ImageFolder reads
     entries = list(os.scandir(train))
     beside = [e.name for e in os.scandir(root) if e.is_dir() and e.name != 'train' and not e.name.startswith('.')]
-    split = not beside and any(e.is_dir() for e in entries) and not any(
-        e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries)
+    split = not beside and any(e.is_dir() and not e.name.startswith('.') for e in entries) and not any(
+        e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) and not e.name.startswith('.') for e in entries)
     return (train, None) if split else (None, None)
 
 
@@ -294,6 +320,10 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
         train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'], check)
         val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'], check)
         if train.classes != val.classes:
+            from .classes import normalisation_note
+            note = normalisation_note(train.classes, val.classes)
+            if note:
+                raise UsageError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold {note}')
             raise ValueError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold different class '
                              f'folders: {train.classes} vs {val.classes}')
         classes = train.classes

@@ -39,6 +39,18 @@ _WNID = re.compile(r'^n\d{8}$')
 _VAL_NUMBER = re.compile(r'ILSVRC2012_val_(\d+)')
 
 
+def _listdir(path: str) -> List[str]:
+    """The entries of a folder that can be ImageNet's: no synset, image or tar of it starts with '.', while a
+    desktop, a notebook or a copy on a Mac leaves .DS_Store, .Trash-1000/, .ipynb_checkpoints/ and an AppleDouble
+    '._NAME' (no image) beside every file; those were read as classes, images or a half-done extraction."""
+    return [n for n in os.listdir(path) if not n.startswith('.')]
+
+
+def _hidden(name: str) -> bool:
+    """A tar member of the same kind ('._n01440764_10026.JPEG' from a tar made on a Mac)."""
+    return os.path.basename(name).startswith('.')
+
+
 class Layout:
     """Where the parts of a download are: train (kind, path), val (kind, path), the label files."""
 
@@ -53,7 +65,7 @@ class Layout:
             if kind == 'tar-of-tars' and os.path.isfile(path):
                 return kind, path
             if kind == 'dir' and os.path.isdir(path):
-                names = os.listdir(path)
+                names = _listdir(path)
                 # the download moved into train/ to be extracted there (and kept) is not a class tar
                 tars = sorted(n for n in names if n.endswith('.tar') and n != TRAIN_TAR)
                 folders = [n for n in names if os.path.isdir(os.path.join(path, n))]
@@ -68,7 +80,7 @@ class Layout:
 
     def _val(self) -> Optional[Tuple[str, str]]:
         for path in (os.path.join(self.root, 'val'), os.path.join(self.root, KAGGLE, 'val')):
-            names = os.listdir(path) if os.path.isdir(path) else []
+            names = _listdir(path) if os.path.isdir(path) else []
             if names:                                          # an empty val/ (made to extract into): the tar is read
                 folders = any(os.path.isdir(os.path.join(path, n)) for n in names)
                 flat = sorted(n for n in names if n.lower().endswith(IMAGE_SUFFIXES)
@@ -155,7 +167,8 @@ def val_labels(layout: Layout, ids: Optional[Dict[int, str]]) -> Optional[Dict[i
 
 # ----------------------------------------------------------------------------- indexing tars in place
 
-INDEX_FORMAT = 3          # in the cache key: bump when what an index holds changes (2: per_class names; 3: UTF-8)
+INDEX_FORMAT = 4          # in the cache key: bump when what an index holds changes (2: per_class names; 3: UTF-8;
+                          # 4: hidden members '._NAME' left out)
 KEEP_INDEXES = 8          # index files kept in the cache, the most recently used
 
 
@@ -197,11 +210,13 @@ def index_tars(paths: List[str], nested: bool, what: str,
         try:
             with tarfile.open(path, 'r:', tarinfo=_Watched) as outer:
                 for member in _members(outer, f'{what}: {path}'):
+                    if _hidden(member.name):
+                        continue
                     if nested and member.name.lower().endswith('.tar'):
                         wnid = os.path.splitext(os.path.basename(member.name))[0]
                         with tarfile.open(fileobj=outer.extractfile(member), mode='r:', tarinfo=_Watched) as inner:
                             for m in _members(inner, f'{what}: {path}: {member.name}'):
-                                if m.name.lower().endswith(IMAGE_SUFFIXES):
+                                if m.name.lower().endswith(IMAGE_SUFFIXES) and not _hidden(m.name):
                                     names.append(f'{wnid}/{os.path.basename(m.name)}')
                                     ranges.append((path, member.offset_data + m.offset_data, m.size))
                     elif member.name.lower().endswith(IMAGE_SUFFIXES):
@@ -271,13 +286,13 @@ def _labelled(names: List[str], classes: List[str], what: str) -> List[int]:
 def _train_split(layout: Layout, classes: Optional[List[str]]):
     kind, path = layout.train
     if kind == 'class-folders':
-        folders = sorted(c for c in os.listdir(path) if os.path.isdir(os.path.join(path, c)))
+        folders = sorted(c for c in _listdir(path) if os.path.isdir(os.path.join(path, c)))
         files = sorted(os.path.join(c, n) for c in folders
-                       for n in os.listdir(os.path.join(path, c)) if n.lower().endswith(IMAGE_SUFFIXES))
+                       for n in _listdir(os.path.join(path, c)) if n.lower().endswith(IMAGE_SUFFIXES))
         classes = classes or _found_classes(folders, files, os.sep, layout.what, path)
         labels = _labelled([f.replace(os.sep, '/') for f in files], classes, layout.what)
         return classes, FileSplit([os.path.join(path, f) for f in files], labels)
-    tars = [path] if kind == 'tar-of-tars' else sorted(os.path.join(path, n) for n in os.listdir(path)
+    tars = [path] if kind == 'tar-of-tars' else sorted(os.path.join(path, n) for n in _listdir(path)
                                                       if n.endswith('.tar'))
     names, ranges = index_tars(tars, nested=kind == 'tar-of-tars', what=layout.what, per_class=kind == 'class-tars')
     if not classes and kind == 'class-tars':
@@ -302,8 +317,8 @@ def _found_classes(expected: List[str], names: List[str], sep: str, what: str, p
 def _val_split(layout: Layout, classes: List[str], ids):
     kind, path = layout.val
     if kind == 'class-folders':
-        files = sorted(os.path.join(c, n) for c in os.listdir(path) if os.path.isdir(os.path.join(path, c))
-                       for n in os.listdir(os.path.join(path, c)) if n.lower().endswith(IMAGE_SUFFIXES))
+        files = sorted(os.path.join(c, n) for c in _listdir(path) if os.path.isdir(os.path.join(path, c))
+                       for n in _listdir(os.path.join(path, c)) if n.lower().endswith(IMAGE_SUFFIXES))
         return FileSplit([os.path.join(path, f) for f in files],
                          _labelled([f.replace(os.sep, '/') for f in files], classes, layout.what))
     truth = val_labels(layout, ids)
@@ -312,7 +327,7 @@ def _val_split(layout: Layout, classes: List[str], ids):
                          f'({DEVKIT}/ or {DEVKIT}.tar.gz, with ILSVRC2012_validation_ground_truth.txt and meta.mat) '
                          'or LOC_val_solution.csv with LOC_synset_mapping.txt, in the same folder')
     if kind == 'flat':
-        names = sorted(n for n in os.listdir(path) if n.lower().endswith(IMAGE_SUFFIXES))
+        names = sorted(n for n in _listdir(path) if n.lower().endswith(IMAGE_SUFFIXES))
         split_of = lambda names, labels: FileSplit([os.path.join(path, n) for n in names], labels)   # noqa: E731
     else:
         names, ranges = index_tars([path], nested=False, what=layout.what)
@@ -348,7 +363,7 @@ def imagenet_source(path: str, what: str, validation_only: bool = False) -> Sour
     if layout.train is not None:
         classes, splits['train'] = _train_split(layout, classes)
     elif classes is None and layout.val[0] == 'class-folders':
-        classes = sorted(c for c in os.listdir(layout.val[1]) if os.path.isdir(os.path.join(layout.val[1], c)))
+        classes = sorted(c for c in _listdir(layout.val[1]) if os.path.isdir(os.path.join(layout.val[1], c)))
     elif classes is None:
         raise UsageError(f'{no_train}; and no synset list (LOC_synset_mapping.txt or the devkit\'s meta.mat) to '
                          'name the classes of the validation images by')

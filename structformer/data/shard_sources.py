@@ -129,7 +129,7 @@ class Source:
 # ----------------------------------------------------------------------------- the forms
 
 def folder_source(folder: str) -> Source:
-    from torchvision.datasets import ImageFolder
+    from .imagefolder import image_folder
     folder = os.path.expanduser(folder)
     if not os.path.isdir(folder):
         raise UsageError(f'SOURCE {folder}: not a folder (accepted: an image folder, imagefolder:PATH, hfds:PATH, '
@@ -141,13 +141,15 @@ def folder_source(folder: str) -> Source:
     splits, classes = {}, None
     for split, root in roots.items():
         try:
-            ds = ImageFolder(root)
+            ds = image_folder(root)
         except FileNotFoundError as e:
             from .imagefolder import imagenet_hint
             raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})'
                              + imagenet_hint(root).replace('pass imagenet:', 'give SOURCE imagenet:')) from None
         if classes is not None and ds.classes != classes:
-            raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold different class folders')
+            from .classes import normalisation_note
+            note = normalisation_note(classes, ds.classes)
+            raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold ' + (note or 'different class folders'))
         classes = ds.classes
         splits[split] = FileSplit([p for p, _ in ds.samples], [t for _, t in ds.samples])
     from .imagefolder import FOLDER_CLASS_ORDER

@@ -216,9 +216,16 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+# a ustar member name holds 100 bytes (tarfile's 'name is too long' beyond, as a traceback: a 130-character file
+# name, or a 60-character Japanese one at 3 bytes a character, stopped the writer); the longest extension written
+# is '.webp', so a key keeps 95 bytes of UTF-8, the position that makes it unique first
+_KEY_BYTES = 100 - len('.webp')
+
+
 def _key(position: int, name: str) -> str:
     stem = os.path.splitext(os.path.basename(name))[0]
-    return f'{position:08d}_' + ''.join(c if c.isalnum() or c in '-_' else '_' for c in stem)
+    key = f'{position:08d}_' + ''.join(c if c.isalnum() or c in '-_' else '_' for c in stem)
+    return key.encode('utf-8')[:_KEY_BYTES].decode('utf-8', 'ignore')      # 'ignore': a character cut in two
 
 
 def decode_problem(data: bytes) -> Optional[str]:

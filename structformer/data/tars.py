@@ -119,8 +119,20 @@ def read_info(urls: Sequence[str]) -> Dict:
     return {}
 
 
-def known_lengths(urls: Sequence[str], info: Dict) -> Optional[List[int]]:
-    """Samples per shard from the info file's splits, matched by file name; None if any shard is not listed."""
+def known_lengths(urls: Sequence[str], info: Optional[Dict] = None) -> Optional[List[int]]:
+    """Samples per shard from the info file's splits, matched by file name; None if any shard is not listed.
+    `info` None: each shard's own folder's _info.json (the names are matched within a folder: train/shard-0000.tar
+    and val/shard-0000.tar, each folder with its _info.json, were both given the first folder's length)."""
+    if info is None:
+        by_folder: Dict[str, Dict] = {}
+        out = []
+        for u in urls:
+            folder = os.path.dirname(os.path.abspath(_local(u))) if is_local(u) else ''
+            if folder not in by_folder:
+                by_folder[folder] = read_info([u])
+            found = known_lengths([u], by_folder[folder])
+            out.append(found[0] if found else None)
+        return None if any(n is None for n in out) else out
     lengths = {}
     for split in info.get('splits', {}).values():
         lengths.update(zip(split.get('filenames', ()), split.get('shard_lengths', ())))
@@ -246,11 +258,31 @@ def iter_shard(url: str) -> Iterator[Tuple[str, str, bytes, int]]:
         yield key, ext, data, label
 
 
+# a tar starts with its first member's name, so a magic must be one no file name starts with: bzip2's 'BZh' is
+# taken with its level digit and its block magic '1AY&SY'
+_MAGIC = {b'\x1f\x8b': 'gzip', b'\xfd7zXZ\x00': 'xz', b'\x28\xb5\x2f\xfd': 'zstd'}
+_UNPACK = {'gzip': 'gunzip', 'bzip2': 'bunzip2', 'xz': 'unxz', 'zstd': 'unzstd'}
+
+
+def compression(head: bytes) -> Optional[str]:
+    """The compression a file's first bytes announce, or None."""
+    if head[:3] == b'BZh' and head[3:4] in b'123456789' and head[4:10] == b'1AY&SY':
+        return 'bzip2'
+    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
+
+
 def check_shard(url: str, spec: str) -> None:
     """Cheap up-front check of a local shard: whole tar blocks and a first sample with image and class."""
     if not is_local(url):
         return
     size = os.path.getsize(_local(url))
+    with open(_local(url), 'rb') as f:
+        packed = compression(f.read(10))
+    if packed:
+        # webdataset's ShardWriter writes NAME.tar.gz when asked; such a shard was 'truncated or not a tar'
+        raise ShardError(f'--data {spec!r}: shard {url} is {packed}-compressed; local shards are read by seeking '
+                         f'(the validation index, passing over other workers\' samples), which a compressed tar does '
+                         f'not allow: decompress them ({_UNPACK[packed]} each shard) and give the .tar files')
     if size == 0 or size % TAR_BLOCK:
         raise ShardError(f'--data {spec!r}: shard {url} is truncated or not a tar ({size} bytes, not a '
                          f'multiple of {TAR_BLOCK})')

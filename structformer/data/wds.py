@@ -77,7 +77,9 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
     if any(not is_local(u) for u in (val_urls or urls)):
         raise UsageError(f'--data {spec!r}: validation shards must be local files (they are read by seeking)')
     entries, scans = [], {}
-    stated_val = known_lengths(val_urls, info) if val_urls else None
+    # each shard's length from its own folder's _info.json: looked up in the training folder's by file name, a
+    # val/shard-0000.tar was held to train/shard-0000.tar's length and refused as damaged
+    stated_val = known_lengths(val_urls) if val_urls else None
     for shard, url in enumerate(val_urls or urls):
         scans[url] = _scan(url, spec, opts['bad_images'], 'validation')
         if stated_val and scans[url] is not None and len(scans[url]) != stated_val[shard]:
@@ -88,7 +90,7 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
                 entries.append((url, offset, size, label))
     labels = [e[3] for e in entries]
     n_train = opts['train_samples']
-    lengths, lengths_from = (known_lengths(urls, info), '_info.json') if held_out is None else (None, '')
+    lengths, lengths_from = (known_lengths(urls), '_info.json') if held_out is None else (None, '')
     if held_out is not None:           # the scan above read every training shard's headers already
         lengths = [sum(1 for j in range(len(scans[u] or ())) if not held_out(s, j)) for s, u in enumerate(urls)]
         lengths_from = 'the header scan'
