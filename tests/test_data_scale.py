@@ -346,3 +346,22 @@ def test_hidden_folders_and_files_of_an_image_folder_are_passed_over(tmp_path, c
     assert rc == 0, capsys.readouterr().err
     info = json.loads((tmp_path / 'out' / '_info.json').read_text())
     assert info['classes'] == ['ant', 'bee'] and info['splits']['train']['num_samples'] == 6
+
+
+@pytest.mark.parametrize('name', ['validation', 'valid'])
+def test_a_validation_folder_named_as_timm_searches_is_the_validation_split(name, tmp_path, cache, capsys):
+    """train/ + validation/ (the name timm's split search, Hugging Face and our own shards use) or valid/ (Kaggle's
+    train/valid/test) was read as an image folder of two classes, 'train' and 'validation', silently; valid/ beside
+    test/ is the validation split, test/ stays held out."""
+    from PIL import Image
+    for split, n in (('train', 3), (name, 1), ('test', 2)):
+        for c in ('ant', 'bee'):
+            (tmp_path / 'src' / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(tmp_path / 'src' / split / c / f'{i}.png')
+    train, val, info = build_datasets(f"imagefolder:{tmp_path / 'src'}", img_size=8, augment=False)
+    assert info.extra['classes'] == ['ant', 'bee'] and (len(train), len(val)) == (6, 2)
+    assert all(f'{os.sep}{name}{os.sep}' in p for p, _ in val.samples)
+    assert main(['data', 'shard', str(tmp_path / 'src'), str(tmp_path / 'out')]) == 0
+    info = json.loads((tmp_path / 'out' / '_info.json').read_text())
+    assert info['classes'] == ['ant', 'bee'] and info['splits']['validation']['num_samples'] == 2

@@ -22,7 +22,8 @@ def add_arguments(p) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
                            allow_abbrev=False)
     s.add_argument('source', metavar='SOURCE',
-                   help='an image folder (class sub-folders; train/ and val/ or test/ become two splits), '
+                   help='an image folder (class sub-folders; train/ and val/, valid/, validation/ or test/ become '
+                        'two splits), '
                         'hfds:PATH, imagenet:PATH (ILSVRC-2012 as downloaded), or timm:NAME:ROOT (timm\'s '
                         'create_dataset; timm::ROOT for its folder or tar reader)')
     s.add_argument('out', metavar='OUT', help='a new (or empty) folder; renamed into place when complete')

@@ -33,8 +33,8 @@ FLAG_HINTS = {
     '--data-dir': 'give the data as --data FORM:PATH (e.g. --data imagefolder:/data/imagenet; docs/data.md)',
     '--dataset': 'give the data as --data FORM:PATH (e.g. --data imagefolder:/data/imagenet, wds:..., hfds:...; '
                  'docs/data.md)',
-    '--train-split': "the splits are read from the data (train/ and val/ or test/; else --val-fraction)",
-    '--val-split': "the splits are read from the data (train/ and val/ or test/; else --val-fraction)",
+    '--train-split': "the splits are read from the data (train/ and val/, valid/, validation/ or test/; else --val-fraction)",
+    '--val-split': "the splits are read from the data (train/ and val/, valid/, validation/ or test/; else --val-fraction)",
     '--num-classes': _FOLLOWS_DATA, '--in-chans': _FOLLOWS_DATA,
     '--img-size': _FOLLOWS_MODEL, '--input-size': _FOLLOWS_MODEL,
     '-j': 'use --workers N', '-vb': 'use --eval-batch-size N', '--validation-batch-size': 'use --eval-batch-size N',

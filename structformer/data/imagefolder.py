@@ -289,12 +289,18 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     return folder
 
 
+# the validation folder beside train/: timm's split search names (val, valid, validation), then test/. validation/
+# (timm's, Hugging Face's and our shards' name) and valid/ (Kaggle's train/valid/test) were not split folders, so
+# train/ + validation/ was read as two classes named 'train' and 'validation'; valid/ is taken before test/
+VAL_FOLDERS = ('val', 'valid', 'validation', 'test')
+
+
 def split_folders(root: str) -> Tuple[Optional[str], Optional[str]]:
-    """(train folder, val folder) of an image folder split into `train/` and `val/` (or `test/`), else (None, None):
-    the folder itself holds the class folders. `train/` without a val/ or test/ is the training split when it is
+    """(train folder, val folder) of an image folder split into `train/` and one of VAL_FOLDERS, else (None, None):
+    the folder itself holds the class folders. `train/` without one of them is the training split when it is
     the only folder there and holds folders and no image of its own (it was read as one class named 'train', every
     image in it; a class folder named 'train', e.g. of vehicles, holds images or has other classes beside it)."""
-    val = next((os.path.join(root, d) for d in ('val', 'test') if os.path.isdir(os.path.join(root, d))), None)
+    val = next((os.path.join(root, d) for d in VAL_FOLDERS if os.path.isdir(os.path.join(root, d))), None)
     train = os.path.join(root, 'train')
     if not os.path.isdir(train):
         return None, None

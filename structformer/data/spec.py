@@ -11,7 +11,7 @@ DATASET_FORMS: Dict[str, str] = {
                            'token_dim, num_tokens, num_samples, noise, purity',
     'mnist:PATH': 'a folder of MNIST IDX files (t10k-* and/or train-*, gzip or raw), 28x28 grey, 10 classes',
     'cifar10:PATH': 'the CIFAR-10 python folder (data_batch_1..5, test_batch), 32x32 RGB, 10 classes',
-    'imagefolder:PATH': 'a torchvision ImageFolder tree (class sub-folders; train/ and val/ or test/ used if present)',
+    'imagefolder:PATH': 'a torchvision ImageFolder tree (class sub-folders; train/ and val/, valid/, validation/ or test/ used if present)',
     'wds:TRAIN[,VAL]': 'webdataset tar shards (KEY.jpg + KEY.cls), brace patterns, e.g. '
                        'DIR/train-{000000..000146}.tar,DIR/validation-000000.tar, or DIR with _info.json; '
                        'streamed (docs/data.md)',
