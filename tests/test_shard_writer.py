@@ -395,3 +395,16 @@ def test_long_and_unicode_file_names_fit_a_tar_header(tmp_path, cache):
     assert info['splits']['train']['num_samples'] == 5
     # the readable part of the name is kept: the 8-digit position, then as much of the stem as fits
     assert any(m.startswith(tuple(f'{i:08d}_写真写真' for i in range(5))) for m in members)
+
+
+@pytest.mark.parametrize('form, said', [('wds:', 'shards already'), ('digits:', "'digits:' is not a form of SOURCE")])
+def test_a_data_form_that_is_not_a_source_is_named_as_such(tmp_path, form, said, capsys):
+    """`data shard wds:DIR OUT` (shards given to be re-sharded): one line saying they are shards already, not that
+    DIR, which exists, is 'not a folder'; nothing written."""
+    from structformer.cli import main
+    shards = tmp_path / 'shards'
+    shards.mkdir()
+    assert main(['data', 'shard', f'{form}{shards}', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err and 'not a folder' not in err, err
+    assert not (tmp_path / 'out').exists()

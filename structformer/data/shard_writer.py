@@ -77,6 +77,13 @@ def open_source(text: str) -> Source:
     if form == 'timm':
         _check_timm_source(text, name, path)
         return timm_source(name, path)
+    prefix, sep, _ = text.partition(':')
+    if sep and prefix.isidentifier() and not os.path.isdir(os.path.expanduser(text)):
+        # a form of --data that is not a SOURCE (wds:DIR, digits:): say so, not that DIR is "not a folder"
+        what = ('shards already: training reads them as they are (--data wds:DIR)' if prefix.lower() == 'wds'
+                else f"'{prefix}:' is not a form of SOURCE")
+        raise UsageError(f'SOURCE {text}: {what} (accepted: an image folder, imagefolder:PATH, hfds:PATH, '
+                         'imagenet:PATH, timm:NAME:ROOT)')
     return folder_source(path)
 
 
