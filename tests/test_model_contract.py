@@ -406,3 +406,31 @@ def test_hook_feature_extractor_hooks_modules_that_run(name):
     assert len(got) == len(want) == len(model.feature_info)
     for g, w in zip(got, want):
         torch.testing.assert_close(g[:, -w.shape[1]:] if g.dim() == 3 else g, w)
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'mixer_digits', 'swmlp_digits', 'soft_digits', 'sparsifiner_digits',
+                                  'wrn_10_2_digits', 'gpt2_byte_tiny'])
+def test_create_model_takes_timm_device_and_dtype(name):
+    """timm.create_model passes `device` / `dtype` to the model (timm's own ViT and ResNet build there); every
+    family of ours raised TypeError on them. The model built in float64 is the float32 one, converted (same seed)."""
+    torch.manual_seed(0)
+    ref = timm.create_model(name).eval()
+    torch.manual_seed(0)
+    model = timm.create_model(name, dtype=torch.float64).eval()
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
+    size = model.pretrained_cfg['input_size']
+    if hasattr(model, 'vocab_size'):
+        x = torch.randint(0, 256, (2, 8))
+        x64 = x
+    else:
+        x = torch.randn(2, *size)
+        x64 = x.double()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x64), ref(x).double(), rtol=1e-4, atol=1e-5)
+    meta = timm.create_model(name, device='meta', dtype=torch.bfloat16)
+    assert all(t.device.type == 'meta' for t in meta.parameters())
+    assert all(t.dtype == torch.bfloat16 for t in meta.parameters())
+    assert '_model_args' not in vars(meta) or not {'device', 'dtype'} & set(meta._model_args)
+    features = timm.create_model(name, features_only=True, device='meta')
+    assert all(t.device.type == 'meta' for t in features.parameters())

@@ -228,7 +228,14 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     grid, whose forward_intermediates refuses NCHW, so that features_only works for it). `pretrained=True` goes
     through timm's `load_pretrained` with the family's filter (`structformer.weights.filters`: classifier, input
     channels, position embeddings adapted, anything else that does not fit refused by name); with no weights
-    configured it fails in one line naming what to pass."""
+    configured it fails in one line naming what to pass. `device` / `dtype` (which timm.create_model hands every
+    entry point; timm's own models build there) move the built model there, as `model.to(device, dtype)` would:
+    our layers take no factory arguments, and moving after building keeps every initialiser (seeded masks and
+    permutations drawn on the CPU) as it is."""
+    placement = {k: kwargs.pop(k) for k in ('device', 'dtype') if kwargs.get(k) is not None}
+    kwargs.pop('device', None), kwargs.pop('dtype', None)
+    if placement:
+        return create_model(cls, variant, pretrained, default_out_indices, feature_output_fmt, **kwargs).to(**placement)
     if pretrained:
         check_pretrained_source(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
     depth = kwargs.get('depth')
