@@ -434,3 +434,19 @@ def test_create_model_takes_timm_device_and_dtype(name):
     assert '_model_args' not in vars(meta) or not {'device', 'dtype'} & set(meta._model_args)
     features = timm.create_model(name, features_only=True, device='meta')
     assert all(t.device.type == 'meta' for t in features.parameters())
+
+
+@pytest.mark.parametrize('name', ['smixer_cifar', 'rp_smixer_cifar', 'mixer_cifar', 'rp_mixer_cifar'])
+def test_cifar_mixers_built_at_another_size_mix_their_own_patches(name):
+    """The CIFAR Mixers' S = S₀ = 64 holds at 32 px; built at another img_size (timm's scripts pass --img-size) they
+    kept S = 64, so a skip layer remapped the new patch count to 64 tokens, which have no grid: forward_intermediates
+    refused its default NCHW. At 32 px the model is the one with S = 64 given explicitly."""
+    torch.manual_seed(0)
+    default = timm.create_model(name)
+    torch.manual_seed(0)
+    explicit = timm.create_model(name, num_tokens=64)
+    assert {k: v.shape for k, v in default.state_dict().items()} == {k: v.shape for k, v in explicit.state_dict().items()}
+    model = timm.create_model(name, img_size=(16, 32)).eval()
+    assert model.num_tokens == model.patch_tokens == 32
+    maps = model.forward_intermediates(torch.randn(1, 3, 16, 32), intermediates_only=True)
+    assert maps[-1].shape == (1, model.embed_dim, 4, 8)
