@@ -450,3 +450,22 @@ def test_cifar_mixers_built_at_another_size_mix_their_own_patches(name):
     assert model.num_tokens == model.patch_tokens == 32
     maps = model.forward_intermediates(torch.randn(1, 3, 16, 32), intermediates_only=True)
     assert maps[-1].shape == (1, model.embed_dim, 4, 8)
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'wrn_10_2_digits'])
+def test_pretrained_in_chans_change_says_what_was_done(name, tmp_path, caplog):
+    """pretrained=True with another in_chans: our filter adapts the first layer (timm's adapt_input_conv) and says so;
+    timm's loader then found the adapted weights fitting and warned 'Loading unchanged', the opposite of what
+    happened."""
+    import logging
+    from safetensors.torch import save_file
+    from timm.models._manipulate import adapt_input_conv
+    source = timm.create_model(name)
+    path = tmp_path / 'w.safetensors'
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(path))
+    with caplog.at_level(logging.INFO):
+        model = timm.create_model(name, pretrained=True, in_chans=3, pretrained_cfg_overlay=dict(file=str(path)))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert any('input channels 1 -> 3' in r.getMessage() for r in caplog.records)
+    if name.startswith('wrn'):
+        torch.testing.assert_close(model.stem.weight, adapt_input_conv(3, source.stem.weight.detach(), base_chans=1))

@@ -7,6 +7,7 @@ Each registered name stays an explicit `@register_model` function in the family'
 calling `create_model(cls, variant, pretrained, **kwargs)`.
 """
 import functools
+import logging
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, List, Optional, Set, Type, Union
 
@@ -254,8 +255,20 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     # timm's loader reads a torch file with weights_only=True and argparse.Namespace allowed; a trainer's checkpoint
     # may also hold paths or numpy scalars in it (convert and the training flags read those): the same allow-list
     from ..weights.torch_file import ALLOWED_GLOBALS
-    with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-        return _record_built_size(build(), kwargs)
+    builder_log = logging.getLogger('timm.models._builder')
+    builder_log.addFilter(_adapted_first_layer_note)
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            return _record_built_size(build(), kwargs)
+    finally:
+        builder_log.removeFilter(_adapted_first_layer_note)
+
+
+def _adapted_first_layer_note(record: logging.LogRecord) -> bool:
+    """False for timm's 'weights already match the model ... Loading unchanged' warning. Our filter adapts the first
+    layer to the model's channels from the weights' own shape (and logs that it did) before timm's loader checks it
+    against the registry's channel count, so timm then finds a fit and says the opposite of what happened."""
+    return 'weights already match the model' not in record.getMessage()
 
 
 def _record_built_size(model: nn.Module, kwargs) -> nn.Module:
