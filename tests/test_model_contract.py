@@ -406,3 +406,67 @@ def test_hook_feature_extractor_hooks_modules_that_run(name):
     assert len(got) == len(want) == len(model.feature_info)
     for g, w in zip(got, want):
         torch.testing.assert_close(g[:, -w.shape[1]:] if g.dim() == 3 else g, w)
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'mixer_digits', 'swmlp_digits', 'soft_digits', 'sparsifiner_digits',
+                                  'wrn_10_2_digits', 'gpt2_byte_tiny'])
+def test_create_model_takes_timm_device_and_dtype(name):
+    """timm.create_model passes `device` / `dtype` to the model (timm's own ViT and ResNet build there); every
+    family of ours raised TypeError on them. The model built in float64 is the float32 one, converted (same seed)."""
+    torch.manual_seed(0)
+    ref = timm.create_model(name).eval()
+    torch.manual_seed(0)
+    model = timm.create_model(name, dtype=torch.float64).eval()
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
+    size = model.pretrained_cfg['input_size']
+    if hasattr(model, 'vocab_size'):
+        x = torch.randint(0, 256, (2, 8))
+        x64 = x
+    else:
+        x = torch.randn(2, *size)
+        x64 = x.double()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x64), ref(x).double(), rtol=1e-4, atol=1e-5)
+    meta = timm.create_model(name, device='meta', dtype=torch.bfloat16)
+    assert all(t.device.type == 'meta' for t in meta.parameters())
+    assert all(t.dtype == torch.bfloat16 for t in meta.parameters())
+    assert '_model_args' not in vars(meta) or not {'device', 'dtype'} & set(meta._model_args)
+    features = timm.create_model(name, features_only=True, device='meta')
+    assert all(t.device.type == 'meta' for t in features.parameters())
+
+
+@pytest.mark.parametrize('name', ['smixer_cifar', 'rp_smixer_cifar', 'mixer_cifar', 'rp_mixer_cifar'])
+def test_cifar_mixers_built_at_another_size_mix_their_own_patches(name):
+    """The CIFAR Mixers' S = S₀ = 64 holds at 32 px; built at another img_size (timm's scripts pass --img-size) they
+    kept S = 64, so a skip layer remapped the new patch count to 64 tokens, which have no grid: forward_intermediates
+    refused its default NCHW. At 32 px the model is the one with S = 64 given explicitly."""
+    torch.manual_seed(0)
+    default = timm.create_model(name)
+    torch.manual_seed(0)
+    explicit = timm.create_model(name, num_tokens=64)
+    shapes = [{k: v.shape for k, v in m.state_dict().items()} for m in (default, explicit)]
+    assert shapes[0] == shapes[1]
+    model = timm.create_model(name, img_size=(16, 32)).eval()
+    assert model.num_tokens == model.patch_tokens == 32
+    maps = model.forward_intermediates(torch.randn(1, 3, 16, 32), intermediates_only=True)
+    assert maps[-1].shape == (1, model.embed_dim, 4, 8)
+
+
+@pytest.mark.parametrize('name', ['crate_digits', 'wrn_10_2_digits'])
+def test_pretrained_in_chans_change_says_what_was_done(name, tmp_path, caplog):
+    """pretrained=True with another in_chans: our filter adapts the first layer (timm's adapt_input_conv) and says so;
+    timm's loader then found the adapted weights fitting and warned 'Loading unchanged', the opposite of what
+    happened."""
+    import logging
+    from safetensors.torch import save_file
+    from timm.models._manipulate import adapt_input_conv
+    source = timm.create_model(name)
+    path = tmp_path / 'w.safetensors'
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(path))
+    with caplog.at_level(logging.INFO):
+        model = timm.create_model(name, pretrained=True, in_chans=3, pretrained_cfg_overlay=dict(file=str(path)))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert any('input channels 1 -> 3' in r.getMessage() for r in caplog.records)
+    if name.startswith('wrn'):
+        torch.testing.assert_close(model.stem.weight, adapt_input_conv(3, source.stem.weight.detach(), base_chans=1))

@@ -7,6 +7,7 @@ Each registered name stays an explicit `@register_model` function in the family'
 calling `create_model(cls, variant, pretrained, **kwargs)`.
 """
 import functools
+import logging
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, List, Optional, Set, Type, Union
 
@@ -228,7 +229,14 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     grid, whose forward_intermediates refuses NCHW, so that features_only works for it). `pretrained=True` goes
     through timm's `load_pretrained` with the family's filter (`structformer.weights.filters`: classifier, input
     channels, position embeddings adapted, anything else that does not fit refused by name); with no weights
-    configured it fails in one line naming what to pass."""
+    configured it fails in one line naming what to pass. `device` / `dtype` (which timm.create_model hands every
+    entry point; timm's own models build there) move the built model there, as `model.to(device, dtype)` would:
+    our layers take no factory arguments, and moving after building keeps every initialiser (seeded masks and
+    permutations drawn on the CPU) as it is."""
+    placement = {k: kwargs.pop(k) for k in ('device', 'dtype') if kwargs.get(k) is not None}
+    kwargs.pop('device', None), kwargs.pop('dtype', None)
+    if placement:
+        return create_model(cls, variant, pretrained, default_out_indices, feature_output_fmt, **kwargs).to(**placement)
     if pretrained:
         check_pretrained_source(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
     depth = kwargs.get('depth')
@@ -247,8 +255,20 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     # timm's loader reads a torch file with weights_only=True and argparse.Namespace allowed; a trainer's checkpoint
     # may also hold paths or numpy scalars in it (convert and the training flags read those): the same allow-list
     from ..weights.torch_file import ALLOWED_GLOBALS
-    with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-        return _record_built_size(build(), kwargs)
+    builder_log = logging.getLogger('timm.models._builder')
+    builder_log.addFilter(_adapted_first_layer_note)
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            return _record_built_size(build(), kwargs)
+    finally:
+        builder_log.removeFilter(_adapted_first_layer_note)
+
+
+def _adapted_first_layer_note(record: logging.LogRecord) -> bool:
+    """False for timm's 'weights already match the model ... Loading unchanged' warning. Our filter adapts the first
+    layer to the model's channels from the weights' own shape (and logs that it did) before timm's loader checks it
+    against the registry's channel count, so timm then finds a fit and says the opposite of what happened."""
+    return 'weights already match the model' not in record.getMessage()
 
 
 def _record_built_size(model: nn.Module, kwargs) -> nn.Module:

@@ -355,6 +355,8 @@ def _swmlp(variant, pretrained, defaults, kwargs):
 _DIGITS_ARGS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10)      # S₀ = 16, C₀ = 4
 _MNIST_ARGS = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10)      # S₀ = 49, C₀ = 16
 _CIFAR_ARGS = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10)      # S₀ = 64, C₀ = 48 (App. C)
+# the CIFAR variants' S = 64 is S = S₀ at 32 px: num_tokens stays unset (S₀), so a model built at another img_size
+# mixes its own patches (a pinned 64 added a skip layer remapping them to 64 tokens without a grid)
 # Mixer-B/16 at the paper's ImageNet setting (App. C.5): P = 16, S = S₀ = 196, C = 768, 12 blocks, γ = 4 for both
 # MLPs (so the token MLP is 4·S = 784 wide, not the original Mixer-B/16's 384)
 _B16_ARGS = dict(img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=768, depth=12, mlp_ratio=4.0)
@@ -401,27 +403,27 @@ def swmlp_mnist(pretrained: bool = False, **kwargs) -> SWMLP:
 @register_model
 def smixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
     """S-Mixer at the paper's CIFAR setting (App. C): patch 4, S₀ = 64, S = C = 64, 8 blocks."""
-    return _mixer('smixer_cifar', pretrained, dict(_CIFAR_ARGS, num_tokens=64, embed_dim=64, depth=8), kwargs)
+    return _mixer('smixer_cifar', pretrained, dict(_CIFAR_ARGS, embed_dim=64, depth=8), kwargs)
 
 
 @register_model
 def rp_smixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
     """RP S-Mixer at the paper's CIFAR setting."""
     return _mixer('rp_smixer_cifar', pretrained,
-                  dict(_CIFAR_ARGS, num_tokens=64, embed_dim=64, depth=8, permutation='random'), kwargs)
+                  dict(_CIFAR_ARGS, embed_dim=64, depth=8, permutation='random'), kwargs)
 
 
 @register_model
 def mixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
     """MLP-Mixer at the resource-table CIFAR setting (Table S.3): S = 64, C = 48, L = 3, γ = 2."""
-    return _mixer('mixer_cifar', pretrained, dict(_CIFAR_ARGS, num_tokens=64, embed_dim=48, depth=3, mlp_ratio=2.0),
+    return _mixer('mixer_cifar', pretrained, dict(_CIFAR_ARGS, embed_dim=48, depth=3, mlp_ratio=2.0),
                   kwargs)
 
 
 @register_model
 def rp_mixer_cifar(pretrained: bool = False, **kwargs) -> SparseMixer:
     """RP MLP-Mixer at the resource-table CIFAR setting (Table S.3)."""
-    return _mixer('rp_mixer_cifar', pretrained, dict(_CIFAR_ARGS, num_tokens=64, embed_dim=48, depth=3,
+    return _mixer('rp_mixer_cifar', pretrained, dict(_CIFAR_ARGS, embed_dim=48, depth=3,
                                                      mlp_ratio=2.0, permutation='random'), kwargs)
 
 
