@@ -349,6 +349,9 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
             continue                                   # the run directory given again: the recorded checkpoint
         if key == 'data' and isinstance(value, str) and _moved_data(value, saved, values):
             continue
+        if (key in ('initial_checkpoint', 'pretrained_path') and value and saved
+                and Path(value).absolute() == Path(saved).absolute()):
+            continue                                   # recorded absolute (train/build.py): the same path given again
         if value != saved and not (key == 'warmup_epochs' and value == values.get(key)):
             raise UsageError(f"{flag} cannot change on --resume (saved {saved!r}, given {value!r}); "
                              "start a new run with --output")
