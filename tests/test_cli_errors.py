@@ -164,6 +164,10 @@ CASES = [
     ('dry-run-device-absent', ['train', '--device', 'cuda:99', '--dry-run'], ['--device cuda:99']),
     ('recipe-other-family', ['train', '--recipe', 'crate_tiny_in1k', '--model', 'soft_digits', '--data', 'digits',
                              '--output', OUT], ['--model soft_digits', '--recipe crate_tiny_in1k', '--allow-other-model']),
+    # a smoke run of a recipe: --epochs 1 under the recipe's 5-epoch warm-up named --warmup-epochs, never typed
+    ('recipe-warmup-over-epochs', ['train', '--recipe', 'crate_tiny_in1k', '--model', 'crate_digits', '--data', 'digits',
+                                   '--epochs', '1', '--output', OUT],
+     ['--warmup-epochs=5.0 is out of range', "--recipe crate_tiny_in1k's value", 'give --warmup-epochs']),
     # the training controls (timm train.py's names)
     ('sched-unknown', ['train', '--sched', 'plateau', '--output', OUT], ['--sched', 'multistep']),
     ('decay-rate-range', ['train', '--sched', 'step', '--decay-rate', '2', '--output', OUT], ['--decay-rate', '(0, 1]']),
