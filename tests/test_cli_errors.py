@@ -184,6 +184,10 @@ CASES = [
     ('decay-milestones-order', ['train', '--sched', 'multistep', '--decay-milestones', '20', '10', '--output', OUT],
      ['--decay-milestones', 'increasing']),
     ('cooldown-too-long', ['train', '--epochs', '3', '--cooldown-epochs', '3', '--output', OUT], ['--cooldown-epochs']),
+    # timm's step / multistep schedulers take no cooldown and 'none' has no schedule: the plan said "the last 2
+    # epochs at 1e-06 (cooldown)" while the lr stayed the step schedule's (0.001 at the end)
+    *[(f'cooldown-{sched}-idle', ['train', '--sched', sched, '--epochs', '10', '--cooldown-epochs', '2', '--output', OUT],
+       ['--cooldown-epochs 2 does nothing in this run', f'--sched {sched}']) for sched in ('step', 'multistep', 'none')],
     ('layer-decay-range', ['train', '--layer-decay', '1.5', '--output', OUT], ['--layer-decay', '(0, 1]']),
     ('opt-betas-one', ['train', '--opt-betas', '0.9', '--output', OUT], ['--opt-betas']),
     ('opt-betas-sgd', ['train', '--opt', 'sgd', '--opt-betas', '0.9', '0.99', '--output', OUT],
