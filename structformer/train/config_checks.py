@@ -212,9 +212,9 @@ def idle_settings(config) -> Dict[str, str]:
     # (its train.py then trains no extra epochs) and 'none' has no schedule
     if not any(values['sched'] in TO_MIN_LR for values in schedules) and not any('cooldown_epochs' in p
                                                                                  for p in phases):
-        idle['cooldown_epochs'] = (f"only a --sched cosine / tanh / poly holds the last epochs at --min-lr (timm's step "
-                                   f"and multistep schedulers take no cooldown, none keeps --lr), and the run has "
-                                   f"--sched {config.sched}")
+        idle['cooldown_epochs'] = ("only a --sched cosine / tanh / poly holds the last epochs at --min-lr (timm's "
+                                   "step and multistep schedulers take no cooldown, none keeps --lr), and the run "
+                                   f"has --sched {config.sched}")
     if config.lr_noise is None and all(p.get('lr_noise') is None for p in phases):
         for key in ('lr_noise_pct', 'lr_noise_std'):
             idle[key] = "it shapes --lr-noise, which is not given"
