@@ -164,6 +164,10 @@ CASES = [
     ('dry-run-device-absent', ['train', '--device', 'cuda:99', '--dry-run'], ['--device cuda:99']),
     ('recipe-other-family', ['train', '--recipe', 'crate_tiny_in1k', '--model', 'soft_digits', '--data', 'digits',
                              '--output', OUT], ['--model soft_digits', '--recipe crate_tiny_in1k', '--allow-other-model']),
+    # a smoke run of a recipe: --epochs 1 under the recipe's 5-epoch warm-up named --warmup-epochs, never typed
+    ('recipe-warmup-over-epochs', ['train', '--recipe', 'crate_tiny_in1k', '--model', 'crate_digits', '--data', 'digits',
+                                   '--epochs', '1', '--output', OUT],
+     ['--warmup-epochs=5.0 is out of range', "--recipe crate_tiny_in1k's value", 'give --warmup-epochs']),
     # the training controls (timm train.py's names)
     ('sched-unknown', ['train', '--sched', 'plateau', '--output', OUT], ['--sched', 'multistep']),
     ('decay-rate-range', ['train', '--sched', 'step', '--decay-rate', '2', '--output', OUT], ['--decay-rate', '(0, 1]']),
@@ -180,6 +184,10 @@ CASES = [
     ('decay-milestones-order', ['train', '--sched', 'multistep', '--decay-milestones', '20', '10', '--output', OUT],
      ['--decay-milestones', 'increasing']),
     ('cooldown-too-long', ['train', '--epochs', '3', '--cooldown-epochs', '3', '--output', OUT], ['--cooldown-epochs']),
+    # timm's step / multistep schedulers take no cooldown and 'none' has no schedule: the plan said "the last 2
+    # epochs at 1e-06 (cooldown)" while the lr stayed the step schedule's (0.001 at the end)
+    *[(f'cooldown-{sched}-idle', ['train', '--sched', sched, '--epochs', '10', '--cooldown-epochs', '2', '--output', OUT],
+       ['--cooldown-epochs 2 does nothing in this run', f'--sched {sched}']) for sched in ('step', 'multistep', 'none')],
     ('layer-decay-range', ['train', '--layer-decay', '1.5', '--output', OUT], ['--layer-decay', '(0, 1]']),
     ('opt-betas-one', ['train', '--opt-betas', '0.9', '--output', OUT], ['--opt-betas']),
     ('opt-betas-sgd', ['train', '--opt', 'sgd', '--opt-betas', '0.9', '0.99', '--output', OUT],

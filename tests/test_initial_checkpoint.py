@@ -81,3 +81,21 @@ def test_bad_initial_checkpoints_are_one_line(tmp_path, digits_vit, capsys):
         assert code == 2 and '--initial-checkpoint' in err and words in err, err
         assert 'ran code' not in err
         assert not (tmp_path / 'out').exists()
+
+
+def test_same_command_with_resume_takes_a_relative_initial_checkpoint(tmp_path, digits_vit, monkeypatch, capsys):
+    """timm's habit: the interrupted command again with --resume. The run records --initial-checkpoint as an
+    absolute path, and the same relative path given again was refused as a change (saved '/abs/run', given
+    'run'); another place is still refused."""
+    monkeypatch.chdir(digits_vit.parent)
+    command = ['train', '--model', 'vit_tiny_patch16_224', '--model-kwargs', *[f'{k}={v}' for k, v in VIT.items()],
+               '--data', 'digits', '--limit-train-batches', '1', '--warmup-epochs', '0', '--log-interval', '0',
+               '--initial-checkpoint', digits_vit.name, '--output', str(tmp_path / 'ft'), '--no-progress']
+    assert main([*command, '--epochs', '1']) == 0
+    capsys.readouterr()
+    assert main([*command, '--epochs', '2', '--resume']) == 0, capsys.readouterr().err
+    assert 'resumed from epoch 1 of 2' in capsys.readouterr().out
+    (tmp_path / 'other').mkdir()
+    monkeypatch.chdir(tmp_path / 'other')
+    assert main([*command, '--epochs', '2', '--resume']) == 2
+    assert '--initial-checkpoint cannot change on --resume' in capsys.readouterr().err

@@ -350,6 +350,9 @@ def _resume_config(args, given: dict, from_file: dict, config_path) -> dict:
             continue                                   # the run directory given again: the recorded checkpoint
         if key == 'data' and isinstance(value, str) and _moved_data(value, saved, values):
             continue
+        if (key in ('initial_checkpoint', 'pretrained_path') and value and saved
+                and Path(value).absolute() == Path(saved).absolute()):
+            continue                                   # recorded absolute (train/build.py): the same path given again
         if value != saved and not (key == 'warmup_epochs' and value == values.get(key)):
             raise UsageError(f"{flag} cannot change on --resume (saved {saved!r}, given {value!r}); "
                              "start a new run with --output")
@@ -410,6 +413,19 @@ def _refuse_idle_flags(config, given: dict) -> None:
             raise UsageError(f"{_flag(key)}{shown} does nothing in this run: {why}; leave it out")
 
 
+def _named_source(message: str, given: dict, from_file: dict, config_path, from_recipe: dict, recipe) -> str:
+    """A range error names the value's flag; where that value was not given but came from -c FILE or --recipe NAME
+    (e.g. `--recipe R --epochs 1` under R's 5-epoch warm-up), the line says so, and that the flag changes it."""
+    from ..train.config import flag_name
+    named = message.split(' ', 1)[0].split('=', 1)[0]
+    key = next((k for k in {**from_recipe, **from_file} if flag_name(k) == named), None)
+    if key is None or key in given:
+        return message
+    source = f"-c/--config {config_path}'s" if key in from_file else f"--recipe {recipe}'s"
+    return f"{message} ({named.split('/')[-1]} {from_file.get(key, from_recipe.get(key))} is {source} value: " \
+           f"give {named.split('/')[-1]} to change it)"
+
+
 def train_config(args):
     """TrainConfig from (in increasing priority) the defaults, --recipe NAME, -c FILE and the flags given
     explicitly; with --resume, the saved configuration (see `_resume_config`)."""
@@ -419,10 +435,10 @@ def train_config(args):
     # timm's keys (its flags' dest names) that are not ours say where their setting is, as the flags do
     timm_hints = {flag[2:].replace('-', '_'): hint for flag, hint in FLAG_HINTS.items() if flag.startswith('--')}
     from_file = load_config_file(config_path, hints=timm_hints) if config_path else {}
+    from_recipe: dict = {}
     if args.resume:
         values = _resume_config(args, given, from_file, config_path)
     else:
-        from_recipe = {}
         if 'recipe' in given:                      # the recipe's values sit under -c FILE and the flags
             from ..train.recipes import load_recipe
             from_recipe, _ = load_recipe(given['recipe'])
@@ -436,7 +452,11 @@ def train_config(args):
         values.update(_peak_lr(from_recipe, from_file, given))
     config = TrainConfig.from_dict(values, source='-c/--config ' + config_path if config_path else 'configuration')
     if not args.resume:
-        config.validate()                          # a value out of range is named as such first
+        try:
+            config.validate()                      # a value out of range is named as such first
+        except UsageError as e:
+            raise UsageError(_named_source(str(e), given, from_file, config_path, from_recipe,
+                                           given.get('recipe'))) from None
         _refuse_idle_flags(config, given)
     if 'recipe' in given:                          # another family's model with a recipe: refused by name
         from ..train.recipes import check_recipe_model

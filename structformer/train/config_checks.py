@@ -208,6 +208,13 @@ def idle_settings(config) -> Dict[str, str]:
             shape = f"--sched {config.sched}" + (f", --warmup-epochs {config.resolved_warmup_epochs():g}"
                                                  if floor == 'warmup_lr' and config.sched != 'none' else '')
             idle[key] = f"only {needs} reads it, and the run has {shape}"
+    # the cooldown holds min_lr: timm's cosine / tanh / poly schedulers take it, its step / multistep ones ignore it
+    # (its train.py then trains no extra epochs) and 'none' has no schedule
+    if not any(values['sched'] in TO_MIN_LR for values in schedules) and not any('cooldown_epochs' in p
+                                                                                 for p in phases):
+        idle['cooldown_epochs'] = ("only a --sched cosine / tanh / poly holds the last epochs at --min-lr (timm's "
+                                   "step and multistep schedulers take no cooldown, none keeps --lr), and the run "
+                                   f"has --sched {config.sched}")
     if config.lr_noise is None and all(p.get('lr_noise') is None for p in phases):
         for key in ('lr_noise_pct', 'lr_noise_std'):
             idle[key] = "it shapes --lr-noise, which is not given"

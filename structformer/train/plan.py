@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 from .config import TrainConfig
-from .config_checks import CYCLING, floor_read
+from .config_checks import CYCLING, TO_MIN_LR, floor_read
 from .recipes import load_recipe, recipe_model_relation
 
 # --data forms a dry run reads: bundled or small, in memory (imagefolder decodes every image once and text
@@ -154,7 +154,7 @@ def schedule_shape(values: dict) -> str:
         span = f"from {noise[0]:g} of a cycle on" if len(noise) == 1 else f"over {noise[0]:g}-{noise[1]:g} of a cycle"
         shape += (f", lr noise {span} (std {values['lr_noise_std']:g}, |noise| < {values['lr_noise_pct']:g} of the "
                   f"lr, seed {values['seed']})")
-    if values['cooldown_epochs']:
+    if values['cooldown_epochs'] and values['sched'] in TO_MIN_LR:      # step / multistep / none take no cooldown
         shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
     return shape
 
