@@ -44,9 +44,53 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# the packages whose code decides what a trained model is: how it is built (functional, layers, models, csrc), fed
+# (data) and trained (train). A change to any of their files changes `source_digest`, so a result kept for reuse
+# (compare's cells and timings) is known to be another code's; coarse on purpose: a change the stamp missed would
+# reuse a wrong number silently, one it over-counts costs a retrain or a mark
+SOURCE_PACKAGES = ('functional', 'layers', 'models', 'train', 'data', 'csrc')
+SOURCE_SUFFIXES = ('.py', '.cpp', '.h')
+
+
+def source_digest(root: Path = None) -> str:
+    """SHA-256 (hex, 16 digits) of the structformer release, timm's version and every source file of
+    SOURCE_PACKAGES (path and bytes, in path order): the stamp of the code that builds and trains a model, the same
+    in a git checkout and an installed wheel, and different after any edit there (a commit that touches only docs,
+    the CLI or the benchmarks leaves it as it was)."""
+    if root is None:
+        return _installed_source_digest()
+    import hashlib
+
+    from . import __version__
+    digest = hashlib.sha256(f"structformer {__version__}\n".encode())
+    try:                                              # the installed timm's version, without importing it
+        from importlib.metadata import PackageNotFoundError, version
+        digest.update(f"timm {version('timm')}\n".encode())
+    except PackageNotFoundError:
+        pass
+    root = Path(root)
+    files = sorted(p for package in SOURCE_PACKAGES for p in (root / package).rglob('*')
+                   if p.suffix in SOURCE_SUFFIXES and p.is_file())
+    for path in files:
+        digest.update(f"{path.relative_to(root).as_posix()}\n".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_DIGEST: dict = {}
+
+
+def _installed_source_digest() -> str:
+    # once per process: the files do not change under a running command (a --jobs worker hashes them itself)
+    if 'source' not in _DIGEST:
+        _DIGEST['source'] = source_digest(Path(__file__).resolve().parent)
+    return _DIGEST['source']
+
+
 def code_version() -> dict:
-    """The structformer release and, in a git checkout, its commit (with `+dirty` when the tree has uncommitted
-    changes): the code a number was measured with, so a record can be traced to the commit that made it."""
+    """The structformer release, the stamp of its model and training code (`source_digest`) and, in a git checkout,
+    its commit (with `+dirty` when the tree has uncommitted changes): the code a number was measured with, so a
+    record can be traced to the commit that made it, and a kept result to the code that made it."""
     import subprocess
 
     from . import __version__
@@ -58,7 +102,7 @@ def code_version() -> dict:
                                     capture_output=True, text=True, timeout=5).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             commit = None
-    return {'structformer': __version__, 'commit': commit}
+    return {'structformer': __version__, 'source': source_digest(), 'commit': commit}
 
 
 def environment(device='cpu') -> dict:

@@ -713,3 +713,85 @@ def test_publish_is_all_or_nothing(tmp_path, monkeypatch, failure):
     with pytest.raises(KeyboardInterrupt if failure == 'interrupted' else FileNotFoundError):
         report.publish(record, output, docs)
     assert _tree(docs) == before and sorted(p.name for p in docs.iterdir()) == ['leaderboard', 'leaderboard.md']
+
+
+# ---- reuse keyed on the code that made a result ---------------------------------------------------------------
+def test_a_cell_trained_by_other_code_is_marked_then_retrained_with_overwrite(tmp_path, monkeypatch, capsys):
+    """A finished cell was reused on its configuration alone: one trained by older code (another model definition
+    or training loop) went into the record as current. Now each cell keeps the stamps of the code that trained it
+    (code.json): under other code the cell is kept but marked stale (its row †, named on the page), and --overwrite
+    trains it anew under this code's stamp."""
+    from structformer import records
+    from structformer.compare.report import current_timings
+    out = tmp_path / 'grid'
+    argv = ['compare', '--models', 'swmlp', '--seeds', '1', '--output', str(out), '--skip-speed', '--epochs', '1',
+            '--limit-train-batches', '1', '--threads', '1']
+    assert main(argv) == 0
+    first = records.source_digest()
+    cell = out / 'cells' / 'swmlp' / 'seed_0'
+    assert json.loads((cell / 'code.json').read_text()) == {'source': [first]}
+    record = _record(out)
+    assert record['code'] == {'source': first} and 'stale' not in record['rows'][0]['cells'][0]
+    written = {p: p.stat().st_mtime_ns for p in cell.rglob('model.safetensors')}
+
+    monkeypatch.setitem(records._DIGEST, 'source', 'f' * 16)             # the code changed since
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert 'were trained by other code than this (swmlp/seed_0)' in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in cell.rglob('model.safetensors')} == written     # kept, not retrained
+    row = _record(out)['rows'][0]
+    assert row['stale'] == 1 and first in row['cells'][0]['stale'] and 'f' * 16 in row['cells'][0]['stale']
+    page = (out / 'leaderboard.md').read_text()
+    assert '| SW-MLP † |' in page and f"swmlp/seed_0 (trained by other code (source {first};" in page
+    # timings taken by the other code are not this code's either
+    assert current_timings({'environment': {'source': first}, 'train': {}}, []) is None
+
+    assert main(argv + ['--overwrite']) == 0
+    assert json.loads((cell / 'code.json').read_text()) == {'source': ['f' * 16]}
+    retrained = {p: p.stat().st_mtime_ns for p in cell.rglob('model.safetensors')}
+    assert retrained and all(retrained.get(p) != t for p, t in written.items())        # trained anew
+    row = _record(out)['rows'][0]
+    assert row['stale'] == 0 and 'stale' not in row['cells'][0] and '| SW-MLP |' in (out / 'leaderboard.md').read_text()
+
+    (cell / 'code.json').unlink()                                   # a cell from before the stamps were kept
+    assert main(argv) == 0
+    assert _record(out)['rows'][0]['cells'][0]['stale'] == 'trained before compare kept code stamps'
+
+
+def test_the_source_stamp_changes_with_the_model_code_only(tmp_path):
+    """records.source_digest hashes the packages that build, feed and train a model: an edit there changes it, an
+    edit elsewhere (the CLI, the docs) does not."""
+    import shutil
+
+    from structformer import records
+    package = Path(records.__file__).resolve().parent
+    copy = tmp_path / 'structformer'
+    for name in ('models', 'train'):
+        shutil.copytree(package / name, copy / name, ignore=shutil.ignore_patterns('__pycache__'))
+    (copy / 'cli.py').write_text('# the command line\n')
+    before = records.source_digest(copy)
+    (copy / 'cli.py').write_text('# the command line, edited\n')
+    assert records.source_digest(copy) == before
+    engine = copy / 'train' / 'engine.py'
+    engine.write_text(engine.read_text() + '\n# a change to the training loop\n')
+    assert records.source_digest(copy) != before
+
+
+def test_a_pretrained_low_rank_cell_inherits_the_dense_cells_code(tmp_path, monkeypatch):
+    """The pre-trained low-rank cell's dense epochs are the dense cell's, copied in: a dense cell trained by other
+    code makes it stale too, though its own epochs ran under this code."""
+    from structformer import records
+    out = tmp_path / 'grid'
+    argv = ['--seeds', '1', '--output', str(out), '--skip-speed', '--epochs', '2', '--limit-train-batches', '1',
+            '--threads', '1']
+    import shutil
+    monkeypatch.setitem(records._DIGEST, 'source', 'a' * 16)
+    assert main(['compare', '--models', 'vit_lowrank_0.5_pretrained', *argv]) == 0
+    cell = out / 'cells' / 'vit_lowrank_0.5_pretrained' / 'seed_0'
+    shutil.rmtree(cell)                           # the dense cell keeps its checkpoint at the switch for it
+    monkeypatch.setitem(records._DIGEST, 'source', 'b' * 16)
+    assert main(['compare', '--models', 'vit_lowrank_0.5_pretrained', *argv]) == 0
+    assert json.loads((cell / 'code.json').read_text()) == {'source': ['a' * 16, 'b' * 16]}
+    rows = {r['key']: r for r in _record(out)['rows']}
+    assert rows['vit']['stale'] == rows['vit_lowrank_0.5_pretrained']['stale'] == 1
+    assert 'a' * 16 in rows['vit_lowrank_0.5_pretrained']['cells'][0]['stale']

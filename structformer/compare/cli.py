@@ -88,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='print the grid, each row\'s size and the estimated time (one measured step per row) and '
                         'exit; nothing is trained or written')
     p.add_argument('--overwrite', action='store_true',
-                   help='retrain cells trained with another recipe, budget or matching (refused without it), and '
-                        'cells that diverged (kept as diverged without it)')
+                   help='retrain cells trained with another recipe, budget or matching (refused without it), '
+                        'cells that diverged (kept as diverged without it), and cells trained by other code '
+                        '(kept and marked stale without it)')
     p.add_argument('--measure-only', action='store_true',
                    help='train nothing: time the trained rows again (e.g. in a quiet window) and rewrite the record')
     p.add_argument('--skip-speed', action='store_true',
@@ -217,6 +218,13 @@ def _dry_run(args, set_name, kind, rows, cells, shared, data, notes) -> int:
           f"{kind}; budget {rows[0].budget or 'registry sizes'}; output {args.output or '(default)'}")
     for note in notes:
         print(f"note: {note}")
+    from .grid import stale_code
+    stale = [c.name for c in cells if stale_code(c)]
+    if stale and not args.measure_only:
+        print(f"note: {len(stale)} cell(s) were trained by other code than this ({', '.join(stale[:4])}"
+              f"{', ...' if len(stale) > 4 else ''}): "
+              + ('trained anew (--overwrite)' if args.overwrite else
+                 'kept and marked stale in the record; --overwrite trains them anew'))
     print('recipe: ' + ', '.join(f"{k} {v}" for k, v in sorted(shared.items())))
     width = max(len(r.key) for r in rows)
     print(f"{'row':<{width}}  {'model':<18} {'size':<15} {'params':>8} {'step ms':>8} {'cpu ms':>8} {'epoch s':>8} "
@@ -282,6 +290,13 @@ def run(args) -> int:
         return _dry_run(args, set_name, kind, rows, cells, shared, data, notes)
     for note in notes:
         print(f"note: {note}")
+    from .grid import stale_code
+    stale = [c.name for c in cells if stale_code(c)]
+    if stale and not args.measure_only:
+        print(f"note: {len(stale)} cell(s) were trained by other code than this ({', '.join(stale[:4])}"
+              f"{', ...' if len(stale) > 4 else ''}): "
+              + ('trained anew (--overwrite)' if args.overwrite else
+                 'kept and marked stale in the record; --overwrite trains them anew'))
     from ..records import check_writable
     from .grid import CellFailed, run_cell, run_parallel, write_manifest
     check_writable(output, '--output')

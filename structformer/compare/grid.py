@@ -13,6 +13,12 @@ Dependencies inside the grid, in the order cells run (seeds outermost, rows in t
                then resumes with the factorisation planned, exactly what `--factorize-at` from scratch would do
                (the dense epochs are the dense cell's, bit for bit), without training them twice.
 A cell whose loss diverges is recorded as such (`diverged.json`) and the grid goes on.
+
+Reuse is keyed on the code as well as the configuration: each cell keeps in `code.json` the stamps
+(`records.source_digest`: the release, timm's version and every source file that builds, feeds or trains a model) of
+the code that trained it, one per start or resume. A cell trained by other code than the command's (or before the
+stamps were kept) is stale: it is not retrained silently, nor taken as current, but kept and marked in the record
+(`stale` in its result, a † on its row), and `--overwrite` trains it anew.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ NOT_COMPARED = ('output', 'data', 'data_as_given', 'teacher', 'recipe', 'keep_la
                 'device', 'log_interval', 'log_tb', 'compile', 'eval_batch_size', 'allow_world_size_change',
                 'transforms')
 DIVERGED = 'diverged.json'
+CODE = 'code.json'          # the source stamps of the code that trained the cell, oldest first
+UNKNOWN_CODE = 'unknown'    # a part trained before the stamps were kept
 MANIFEST = 'grid.json'
 
 
@@ -219,6 +227,49 @@ def cell_state(cell: Cell) -> str:
     return 'partial'
 
 
+def cell_code(cell: Cell) -> Optional[List[str]]:
+    """The source stamps of the code that trained the cell (code.json), or None where it keeps none."""
+    if not (cell.folder / CODE).is_file():
+        return None
+    stamps = _read_cell_record(cell, CODE, 'the code stamps of a cell (code.json)', ('source',))['source']
+    if not isinstance(stamps, list) or not all(isinstance(s, str) for s in stamps):
+        raise UsageError(f"{cell.folder / CODE}: 'source' is not a list of stamps; delete the cell folder "
+                         f"{cell.folder} to train it anew")
+    return stamps
+
+
+def stale_code(cell: Cell) -> Optional[str]:
+    """Why the cell's run was made by other code than this process's, or None (no run yet, or every part of it
+    trained by this code)."""
+    from ..records import source_digest
+    from ..train.run_dir import holds_run
+    if not holds_run(cell.folder) and not (cell.folder / DIVERGED).is_file():
+        return None
+    stamps = cell_code(cell)
+    if stamps is None:
+        return 'trained before compare kept code stamps'
+    current = source_digest()
+    other = [s for s in dict.fromkeys(stamps) if s != current]
+    if not other:
+        return None
+    return f"trained by other code (source {', '.join(other)}; this code is {current})"
+
+
+def _stamp_code(cell: Cell, fresh: bool) -> None:
+    """Add this code's stamp to the cell's code.json as it starts (fresh: a new run, the earlier stamps go) or
+    resumes. A pre-trained low-rank cell starts from the dense cell's epochs, and takes that cell's stamps."""
+    from ..records import source_digest, write_json
+    if fresh:
+        earlier = []
+        if cell.row.entry.pretrained and (cell.folder / 'checkpoints').is_dir():     # its start copied in
+            earlier = cell_code(cell.depends) or [UNKNOWN_CODE]
+    else:
+        earlier = cell_code(cell) or [UNKNOWN_CODE]
+    stamps = earlier + [source_digest()] if (earlier[-1:] != [source_digest()]) else earlier
+    cell.folder.mkdir(parents=True, exist_ok=True)
+    write_json(cell.folder / CODE, {'source': stamps})
+
+
 def check_cells(cells: List[Cell], overwrite: bool) -> None:
     """Before anything trains: a cell trained with another configuration is refused by name (unless --overwrite)."""
     if overwrite:
@@ -266,11 +317,18 @@ def prepare_cell(cell: Cell, overwrite: bool = False):
     reason is printed) or (resume, overwrite) for the engine. A new pre-trained low-rank cell gets its start
     copied from the dense cell here."""
     state = cell_state(cell)
-    if state == 'finished' or (state == 'diverged' and not overwrite):
+    if state == 'diverged' and not overwrite:
+        return None
+    stale = overwrite and state in ('finished', 'partial') and stale_code(cell)
+    if state == 'finished' and not stale:
         return None
     if cell.depends is not None and cell_state(cell.depends) != 'finished':
         print(f"== {cell.name}: skipped, {cell.depends.name} did not finish ({cell_state(cell.depends)})", flush=True)
         return None
+    if stale:                                  # another code's run, retrained from the start: it goes first
+        print(f"== {cell.name}: {stale}: trained anew (--overwrite)", flush=True)
+        shutil.rmtree(cell.folder, ignore_errors=True)
+        state = 'new'
     if state in ('changed', 'diverged'):
         (cell.folder / DIVERGED).unlink(missing_ok=True)
         if cell.row.entry.pretrained:          # its start is copied in: the old run goes first
@@ -279,6 +337,7 @@ def prepare_cell(cell: Cell, overwrite: bool = False):
     resume = state == 'partial'
     if state == 'new' and cell.row.entry.pretrained:
         resume = _start_from_dense(cell)
+    _stamp_code(cell, fresh=not resume or state == 'new')
     print(f"== {cell.name}: {'resuming' if resume else 'training'} {cell.row.model} ({cell.config.epochs} epochs)",
           flush=True)
     # the engine's overwrite: a changed or diverged cell's folder holds the old run, which it replaces
@@ -382,6 +441,9 @@ def cell_result(cell: Cell) -> Dict:
     from ..train.run_dir import read_metrics
     state = cell_state(cell)
     out = {'seed': cell.seed, 'run': str(cell.folder), 'state': state}
+    stale = stale_code(cell)
+    if stale:
+        out['stale'] = stale
     if state == 'diverged':
         out['message'] = _read_cell_record(cell, DIVERGED, 'the message of a diverged cell', ()).get('message')
     if state != 'finished':

@@ -200,6 +200,12 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
               'seeds, sized to one parameter budget, and timed on one machine (`structformer compare`, '
               '[design](design.md)). Regenerate the record, its plots and this page with:', '',
               '```text', record['record_command'], '```', '',
+              'Run again, it reuses what its folder holds only where that is still this code\'s: a finished cell is '
+              'kept while its configuration and the stamp of the code that trained it (the release, timm\'s version '
+              'and every source file that builds, feeds or trains a model: `records.source_digest`) are this '
+              'command\'s, and the timings while theirs are; a cell trained by other code is kept, marked † in the '
+              'table and named below it, and `--overwrite` trains it anew; timings taken by other code are taken '
+              'again.', '',
               f"This record: `{record.get('command')}`." + _placeholders(record), '',
               f"- data: {data.get('kind')} ({data.get('train_images')} training / {data.get('val_images')} held-out "
               f"images{', the split follows the seed' if data.get('kind') == 'digits' else ''}); seeds "
@@ -232,6 +238,14 @@ def render(record: Dict, figures: str = 'leaderboard') -> str:
     notes = readings(record)
     if notes:
         lines += ['', '## Reading this table', ''] + [f"- {n}" for n in notes]
+    if record.get('code'):                              # records from before the stamps say nothing here
+        stale = [f"{r['key']}/seed_{c['seed']} ({c['stale']})" for r in record['rows'] for c in r['cells']
+                 if c.get('stale')]
+        lines += ['', f"Code: every cell's run and the timings are kept for reuse keyed on its configuration and the "
+                      f"stamp of the code that made it (the release, timm's version and the source that builds, feeds "
+                      f"and trains a model; this record's is `{record['code']['source']}`). Cells trained by other "
+                      f"code, kept and marked † (`--overwrite` trains them anew): "
+                      + ('; '.join(stale) if stale else 'none') + '.']
     lines += ['', 'Cells that did not finish: ' + (', '.join(
         f"{r['key']}/seed_{c['seed']} ({c['state']})" for r in record['rows'] for c in r['cells']
         if c['state'] != 'finished') or 'none') + '.', '']

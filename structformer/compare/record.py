@@ -48,6 +48,7 @@ def summarise_row(row_facts: Dict, cells: List[Dict], speed: Optional[Dict], mem
     ema = [c['ema_top1'] for c in finished if c.get('ema_top1') is not None]
     ema_mean, ema_se = mean_se(ema) if ema else (None, None)
     row = dict(row_facts, seeds=[c['seed'] for c in cells], cells=cells, finished=len(finished),
+               stale=sum(1 for c in cells if c.get('stale')),
                top1_mean=top1, top1_se=top1_se, ema_top1_mean=ema_mean, ema_top1_se=ema_se)
     train, infer = (speed or {}).get('train'), (speed or {}).get('infer')
     row['train_img_per_s'] = train['img_per_s'] if train else None
@@ -109,7 +110,8 @@ def markdown_table(record: Dict) -> str:
         flops = f"{r['flops_per_image'] / 1e6:.2f}" if r.get('flops_per_image') is not None else '–'
         number = (lambda v, f: '–' if v is None else format(v, f))
         lines.append(
-            f"| {r['label']} | {_size(r)} | {flops} | {_fmt_top1(r['top1_mean'], r['top1_se'])} | {seeds} | "
+            f"| {r['label']}{' †' if r.get('stale') else ''} | {_size(r)} | {flops} | "
+            f"{_fmt_top1(r['top1_mean'], r['top1_se'])} | {seeds} | "
             f"{_fmt_top1(r.get('ema_top1_mean'), r.get('ema_top1_se'))} | {number(r.get('train_img_per_s'), '.0f')} | "
             f"{number(r.get('infer_img_per_s'), '.0f')} | {number(r.get('train_ms_per_image'), '.3f')} | {ratio_text} | "
             f"{number(r.get('peak_train_mib'), '.0f')}{' BUSY' if r.get('memory_busy') else ''} | {front} |")

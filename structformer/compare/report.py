@@ -74,7 +74,11 @@ def model_stamp(folder) -> Optional[str]:
 def current_timings(speed: Optional[Dict], cells) -> Optional[Dict]:
     """`speed` when every model it timed is still the model its row's first finished cell holds, else None: a cell
     retrained since (--overwrite after its configuration changed, with --skip-speed) makes the paired timings,
-    taken together against the ViT, another grid's. Timings written before stamps were kept are taken as they are."""
+    taken together against the ViT, another grid's. Timings written before model stamps were kept are taken as they
+    are; timings taken by other code than this (their environment's `source` stamp) are not."""
+    from ..records import source_digest
+    if speed and (speed.get('environment') or {}).get('source') != source_digest():
+        return None                    # timed by other code (or before its stamp was kept): a kernel may have changed
     stamps = (speed or {}).get('models')
     if not speed or not stamps:
         return speed
@@ -140,7 +144,7 @@ def write_record(output: Path, set_name: Optional[str], kind: str, rows, cells, 
     import torch
 
     from ..data import build_datasets
-    from ..records import environment, write_json, write_text
+    from ..records import environment, source_digest, write_json, write_text
     from ..train.checkpoint import load_model
     from .grid import cell_result
     from .leaderboard import render
@@ -181,7 +185,8 @@ def write_record(output: Path, set_name: Optional[str], kind: str, rows, cells, 
               'recipe': json.loads(json.dumps(shared)), 'rows': out_rows,
               'speed': {k: speed.get(k) for k in ('environment', 'machine_load', 'batch_size', 'rounds', 'reference')}
               if speed else None,
-              'environment': training_environment(cells) or environment(torch.device('cpu')), 'command': command,
+              'environment': training_environment(cells) or environment(torch.device('cpu')),
+              'code': {'source': source_digest()}, 'command': command,
               'record_command': record_command}
     record['figures'] = plot_fronts(record, output)
     write_json(output / RECORD, record)
