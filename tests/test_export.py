@@ -357,3 +357,35 @@ def test_the_onnx_cost_script_exports_both_ways(tmp_path, capsys):
     for r in rows:
         assert r['nodes'] > 0 and r['export_s'] > 0 and r['ort_ms'] > 0 and r['error'] <= 1e-4
     assert rows[1]['nodes'] <= rows[0]['nodes']             # the optimiser never adds nodes
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+    """A tiny byte GPT (context 32) trained one batch on pysource through the CLI."""
+    from structformer.cli import main
+    run = tmp_path_factory.mktemp('lm') / 'lm'
+    assert main(['train', '--model', 'gpt2_byte_tiny', '--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2',
+                 'img_size=32', '--data', 'pysource', '--data-kwargs', 'max_bytes=6000', '--epochs', '1',
+                 '--limit-train-batches', '1', '--output', str(run), '--no-progress']) == 0
+    return run
+
+
+def test_timm_local_dir_loads_a_language_models_hf_folder(lm_run, tmp_path):
+    """`--format hf` of a GPT wrote config.json model_args global_pool='' and img_size=[32, 32] (timm's spatial
+    size), which GPT did not accept: timm.create_model('local-dir:...') failed ('unexpected keyword argument
+    global_pool'). Its card was tagged image-classification."""
+    from structformer.train import load_model
+    out = tmp_path / 'hf'
+    export(lm_run, 'hf', out)
+    model, _ = load_model(lm_run)
+    loaded = timm.create_model(f'local-dir:{out}', pretrained=True).eval()
+    assert loaded.context == model.context == 32
+    x = example_input(model, 2)
+    with torch.no_grad():                  # two models built apart: within float32 rounding, not bitwise
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-6)
+    assert json.loads((out / 'config.json').read_text())['pretrained_cfg']['input_size'] == [1, 1, 32]
+    card = (out / 'README.md').read_text()
+    assert 'pipeline_tag: text-generation' in card and 'image-classification' not in card
+    with pytest.raises(ValueError, match="global_pool='avg'"):        # accepted for timm's config, pools nothing
+        timm.create_model('gpt2_byte_tiny', embed_dim=16, depth=1, num_heads=2, global_pool='avg')
+
