@@ -389,3 +389,15 @@ def test_timm_local_dir_loads_a_language_models_hf_folder(lm_run, tmp_path):
     with pytest.raises(ValueError, match="global_pool='avg'"):        # accepted for timm's config, pools nothing
         timm.create_model('gpt2_byte_tiny', embed_dim=16, depth=1, num_heads=2, global_pool='avg')
 
+
+def test_a_language_models_export_takes_shorter_sequences(lm_run, tmp_path):
+    """An exported GPT took exactly `context` tokens (32 here): torch.export and ONNX fixed the sequence length of
+    the traced example, so a prompt of 7 tokens could not be run. The token dimension is free up to the context."""
+    from structformer.train import load_model
+    model, _ = load_model(lm_run)
+    report = export(lm_run, 'onnx', tmp_path / 'lm.onnx')
+    export(lm_run, 'torch-export', tmp_path / 'lm.pt2')
+    assert report['max_relative_error'] <= BOUND
+    inputs = [torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(t)) for b, t in ((1, 1), (3, 7))]
+    assert onnx_error(tmp_path / 'lm.onnx', model, inputs) <= BOUND
+    assert program_error(torch.export.load(str(tmp_path / 'lm.pt2')), model, inputs) <= BOUND
