@@ -1,6 +1,7 @@
 """`structformer export SOURCE --format onnx|torch-export|hf --output OUT`: a trained model in a form other tools run.
 
-    onnx          one .onnx file (free batch dimension; a language model's tokens up to its context), checked against eager torch with ONNX Runtime
+    onnx          one .onnx file (free batch dimension; a language model's tokens up to its context), checked
+                  against eager torch with ONNX Runtime
     torch-export  one .pt2 file (`torch.export.save`, free batch dimension), checked against eager torch
     hf            a folder in timm's Hugging Face layout (config.json, model.safetensors, README.md model card)
 
