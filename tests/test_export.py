@@ -401,3 +401,16 @@ def test_a_language_models_export_takes_shorter_sequences(lm_run, tmp_path):
     inputs = [torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(t)) for b, t in ((1, 1), (3, 7))]
     assert onnx_error(tmp_path / 'lm.onnx', model, inputs) <= BOUND
     assert program_error(torch.export.load(str(tmp_path / 'lm.pt2')), model, inputs) <= BOUND
+
+
+def test_an_onnx_export_leaves_a_data_file_beside_out_alone(run, tmp_path, capsys):
+    """`--format onnx --output m.onnx` deleted an m.onnx.data already there (the name of an ONNX file's external
+    weights), though OUT did not exist and --overwrite was not given. It is refused now, in one line, and kept."""
+    from structformer.cli import main
+    data = tmp_path / 'm.onnx.data'
+    data.write_text('not ours')
+    capsys.readouterr()
+    assert main(['export', str(run), '--format', 'onnx', '--output', str(tmp_path / 'm.onnx')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and '--output' in err[0] and 'm.onnx.data' in err[0] and '--overwrite' in err[0], err
+    assert data.read_text() == 'not ours' and sorted(p.name for p in tmp_path.iterdir()) == ['m.onnx.data']
