@@ -414,3 +414,16 @@ def test_an_onnx_export_leaves_a_data_file_beside_out_alone(run, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and '--output' in err[0] and 'm.onnx.data' in err[0] and '--overwrite' in err[0], err
     assert data.read_text() == 'not ours' and sorted(p.name for p in tmp_path.iterdir()) == ['m.onnx.data']
+
+
+def test_an_output_not_named_for_its_format_is_one_line(run, tmp_path, capsys):
+    """`--format onnx --output m.pt2` (or no suffix) wrote an ONNX file under that name, which a later `--overwrite`
+    of the same OUT then refused as 'not an earlier export'; the suffix is asked for before anything is written."""
+    from structformer.cli import main
+    for fmt, name, suffix in (('onnx', 'm.pt2', '.onnx'), ('torch-export', 'noext', '.pt2'),
+                              ('torch-export', 'm.onnx', '.pt2')):
+        capsys.readouterr()
+        assert main(['export', str(run), '--format', fmt, '--output', str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f'--output {tmp_path / name}' in err[0] and suffix in err[0], err
+    assert list(tmp_path.iterdir()) == []

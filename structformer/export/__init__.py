@@ -61,6 +61,11 @@ def check_output(output, fmt: str, overwrite: bool, source=None) -> Path:
             shown = ', '.join(others[:3]) + (f' and {len(others) - 3} more' if len(others) > 3 else '')
             raise UsageError(f"--output {output}: holds files an export does not write ({shown}); --overwrite "
                              "replaces an earlier --format hf folder only: give a new folder")
+    elif fmt != 'hf' and out.suffix != SUFFIX[fmt]:
+        # what --overwrite will know as an earlier export (above) is a file with the format's suffix: one named
+        # otherwise could be written once and never replaced
+        raise UsageError(f"--output {output}: --format {fmt} writes a {SUFFIX[fmt]} file; give a path ending in "
+                         f"{SUFFIX[fmt]}")
     data = out.absolute().parent / f'{out.name}.data'
     if fmt == 'onnx' and not overwrite and (data.exists() or data.is_symlink()):
         # the name of an ONNX file's external weights: the commit writes it, or removes a replaced export's
