@@ -408,10 +408,10 @@ CASES = [
                                   '--model', 'crate_digits', '--output', '{run}'], ['--output', 'not an empty folder']),
     # weights out (issue 32.5): export
     ('export-unknown-format', ['export', '{run}', '--format', 'tflite', '--output', OUT], ['--format', "'tflite'", 'onnx']),
-    ('export-missing-run', ['export', '{base}/no_such_run', '--format', 'onnx', '--output', OUT], ['no_such_run', 'does not exist']),
+    ('export-missing-run', ['export', '{base}/no_such_run', '--format', 'onnx', '--output', OUT + '.onnx'], ['no_such_run', 'does not exist']),
     ('export-pickle', ['export', '{pickle}', '--format', 'hf', '--output', OUT], ['pickle.pth', 'is a pickle']),
     ('export-truncated', ['export', '{truncated}', '--format', 'hf', '--output', OUT], ['truncated.safetensors']),
-    ('export-corrupt', ['export', '{corrupt}', '--format', 'torch-export', '--output', OUT], ['corrupt']),
+    ('export-corrupt', ['export', '{corrupt}', '--format', 'torch-export', '--output', OUT + '.pt2'], ['corrupt']),
     ('export-output-exists', ['export', '{run}', '--format', 'hf', '--output', '{run}'], ['--output', 'exists']),
     ('pretrained-path-other-family', ['train', '--model', 'soft_digits', '--pretrained-path', '{run}', '--output', OUT],
      ['--pretrained-path', 'do not fit --model soft_digits', 'missing']),

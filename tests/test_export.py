@@ -357,3 +357,73 @@ def test_the_onnx_cost_script_exports_both_ways(tmp_path, capsys):
     for r in rows:
         assert r['nodes'] > 0 and r['export_s'] > 0 and r['ort_ms'] > 0 and r['error'] <= 1e-4
     assert rows[1]['nodes'] <= rows[0]['nodes']             # the optimiser never adds nodes
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+    """A tiny byte GPT (context 32) trained one batch on pysource through the CLI."""
+    from structformer.cli import main
+    run = tmp_path_factory.mktemp('lm') / 'lm'
+    assert main(['train', '--model', 'gpt2_byte_tiny', '--model-kwargs', 'embed_dim=16', 'depth=1', 'num_heads=2',
+                 'img_size=32', '--data', 'pysource', '--data-kwargs', 'max_bytes=6000', '--epochs', '1',
+                 '--limit-train-batches', '1', '--output', str(run), '--no-progress']) == 0
+    return run
+
+
+def test_timm_local_dir_loads_a_language_models_hf_folder(lm_run, tmp_path):
+    """`--format hf` of a GPT wrote config.json model_args global_pool='' and img_size=[32, 32] (timm's spatial
+    size), which GPT did not accept: timm.create_model('local-dir:...') failed ('unexpected keyword argument
+    global_pool'). Its card was tagged image-classification."""
+    from structformer.train import load_model
+    out = tmp_path / 'hf'
+    export(lm_run, 'hf', out)
+    model, _ = load_model(lm_run)
+    loaded = timm.create_model(f'local-dir:{out}', pretrained=True).eval()
+    assert loaded.context == model.context == 32
+    x = example_input(model, 2)
+    with torch.no_grad():                  # two models built apart: within float32 rounding, not bitwise
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-6)
+    assert json.loads((out / 'config.json').read_text())['pretrained_cfg']['input_size'] == [1, 1, 32]
+    card = (out / 'README.md').read_text()
+    assert 'pipeline_tag: text-generation' in card and 'image-classification' not in card
+    with pytest.raises(ValueError, match="global_pool='avg'"):        # accepted for timm's config, pools nothing
+        timm.create_model('gpt2_byte_tiny', embed_dim=16, depth=1, num_heads=2, global_pool='avg')
+
+
+def test_a_language_models_export_takes_shorter_sequences(lm_run, tmp_path):
+    """An exported GPT took exactly `context` tokens (32 here): torch.export and ONNX fixed the sequence length of
+    the traced example, so a prompt of 7 tokens could not be run. The token dimension is free up to the context."""
+    from structformer.train import load_model
+    model, _ = load_model(lm_run)
+    report = export(lm_run, 'onnx', tmp_path / 'lm.onnx')
+    export(lm_run, 'torch-export', tmp_path / 'lm.pt2')
+    assert report['max_relative_error'] <= BOUND
+    inputs = [torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(t)) for b, t in ((1, 1), (3, 7))]
+    assert onnx_error(tmp_path / 'lm.onnx', model, inputs) <= BOUND
+    assert program_error(torch.export.load(str(tmp_path / 'lm.pt2')), model, inputs) <= BOUND
+
+
+def test_an_onnx_export_leaves_a_data_file_beside_out_alone(run, tmp_path, capsys):
+    """`--format onnx --output m.onnx` deleted an m.onnx.data already there (the name of an ONNX file's external
+    weights), though OUT did not exist and --overwrite was not given. It is refused now, in one line, and kept."""
+    from structformer.cli import main
+    data = tmp_path / 'm.onnx.data'
+    data.write_text('not ours')
+    capsys.readouterr()
+    assert main(['export', str(run), '--format', 'onnx', '--output', str(tmp_path / 'm.onnx')]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and '--output' in err[0] and 'm.onnx.data' in err[0] and '--overwrite' in err[0], err
+    assert data.read_text() == 'not ours' and sorted(p.name for p in tmp_path.iterdir()) == ['m.onnx.data']
+
+
+def test_an_output_not_named_for_its_format_is_one_line(run, tmp_path, capsys):
+    """`--format onnx --output m.pt2` (or no suffix) wrote an ONNX file under that name, which a later `--overwrite`
+    of the same OUT then refused as 'not an earlier export'; the suffix is asked for before anything is written."""
+    from structformer.cli import main
+    for fmt, name, suffix in (('onnx', 'm.pt2', '.onnx'), ('torch-export', 'noext', '.pt2'),
+                              ('torch-export', 'm.onnx', '.pt2')):
+        capsys.readouterr()
+        assert main(['export', str(run), '--format', fmt, '--output', str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f'--output {tmp_path / name}' in err[0] and suffix in err[0], err
+    assert list(tmp_path.iterdir()) == []

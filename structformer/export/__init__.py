@@ -1,6 +1,7 @@
 """`structformer export SOURCE --format onnx|torch-export|hf --output OUT`: a trained model in a form other tools run.
 
-    onnx          one .onnx file (free batch dimension), checked against eager torch with ONNX Runtime
+    onnx          one .onnx file (free batch dimension; a language model's tokens up to its context), checked
+                  against eager torch with ONNX Runtime
     torch-export  one .pt2 file (`torch.export.save`, free batch dimension), checked against eager torch
     hf            a folder in timm's Hugging Face layout (config.json, model.safetensors, README.md model card)
 
@@ -60,6 +61,16 @@ def check_output(output, fmt: str, overwrite: bool, source=None) -> Path:
             shown = ', '.join(others[:3]) + (f' and {len(others) - 3} more' if len(others) > 3 else '')
             raise UsageError(f"--output {output}: holds files an export does not write ({shown}); --overwrite "
                              "replaces an earlier --format hf folder only: give a new folder")
+    elif fmt != 'hf' and out.suffix != SUFFIX[fmt]:
+        # what --overwrite will know as an earlier export (above) is a file with the format's suffix: one named
+        # otherwise could be written once and never replaced
+        raise UsageError(f"--output {output}: --format {fmt} writes a {SUFFIX[fmt]} file; give a path ending in "
+                         f"{SUFFIX[fmt]}")
+    data = out.absolute().parent / f'{out.name}.data'
+    if fmt == 'onnx' and not overwrite and (data.exists() or data.is_symlink()):
+        # the name of an ONNX file's external weights: the commit writes it, or removes a replaced export's
+        raise UsageError(f"--output {output}: {data.name} exists beside it (the name of an ONNX file's external "
+                         "weights); give a new path or pass --overwrite")
     check_writable(out.absolute().parent, '--output', shown=output)
     return out
 
@@ -128,6 +139,8 @@ def _write(model, state, fmt: str, tmp: Path, batch_size: int) -> Dict:
     from .graphs import example_input, onnx_error, program_error, to_onnx, to_program
     example = example_input(model, max(batch_size, 2))
     checks = [example_input(model, 1, seed=1), example_input(model, 3, seed=2)]     # other batch sizes than traced
+    if not example.is_floating_point() and example.shape[1] > 2:                     # token ids: a shorter sequence too
+        checks[1] = checks[1][:, :example.shape[1] // 2 + 1]
     if fmt == 'hf':
         from .hf import save_hf_folder
         save_hf_folder(model, state, tmp)

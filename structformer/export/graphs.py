@@ -67,7 +67,12 @@ def _batch_dim(example: torch.Tensor):
     # min 1: a free batch size; the example itself should have batch >= 2 (torch.export specialises 0 and 1).
     # max 65,535, not 65,536: traced on a CUDA device, convolution and batch-norm kernels guard the batch below
     # CUDA's 2**16 grid-dimension limit, and a range past it fails the export (found on an H200, docs/gpu.md)
-    return ({0: torch.export.Dim('batch', min=1, max=(1 << 16) - 1)},)
+    dims = {0: torch.export.Dim('batch', min=1, max=(1 << 16) - 1)}
+    if not example.is_floating_point() and example.dim() == 2 and example.shape[1] >= 2:
+        # token ids [B, T] at the full context: a language model takes any T up to it (a prompt, generation), and
+        # a graph fixed at the traced T took the full context only
+        dims[1] = torch.export.Dim('tokens', min=1, max=int(example.shape[1]))
+    return (dims,)
 
 
 def to_onnx(model: torch.nn.Module, example: torch.Tensor, path, opset: Optional[int] = None) -> Path:

@@ -121,18 +121,22 @@ def model_card(model: torch.nn.Module, state: Dict[str, Any], name: str) -> str:
     papers = papers_of(model)
     if papers:
         details['Papers'] = [PAPERS[p][0] for p in papers]
+    language = hasattr(model, 'vocab_size')
     usage = ("```python\nimport structformer, timm  # structformer registers the architecture with timm\n"
-             "model = timm.create_model('local-dir:PATH/TO/THIS/FOLDER', pretrained=True).eval()\n"
-             "config = timm.data.resolve_data_config({}, model=model)\n"
-             "transform = timm.data.create_transform(**config)\n```\n")
+             "model = timm.create_model('local-dir:PATH/TO/THIS/FOLDER', pretrained=True).eval()\n" +
+             ("logits = model(token_ids)  # int64 [B, T], T <= the context; logits [B, T, vocabulary]\n```\n"
+              if language else "config = timm.data.resolve_data_config({}, model=model)\n"
+                               "transform = timm.data.create_transform(**config)\n```\n"))
+    # the Hub's task: a language model is no image classifier (timm's card defaults to one)
+    task = 'text-generation' if language else 'image-classification'
     made = f"with weights {origin}" if origin else f"trained with `structformer train` on `{data}`"
     card = {'description': f"`{state['model']}` {made}, exported by `structformer export --format hf`.",
             'details': details, 'usage': usage, 'license': cfg.get('license', 'apache-2.0'),
-            'tags': ['image-classification', 'timm', 'structformer'] + papers,
+            'tags': [task, 'timm', 'structformer'] + papers,
             'citation': [PAPERS[p][1] for p in papers]}
     if not papers:
         card.pop('citation')
-    return generate_readme(card, state['model'])
+    return generate_readme(card, state['model'], task_name=task)
 
 
 def _check_timm_can_rebuild(state: Dict[str, Any]) -> None:

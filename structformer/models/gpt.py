@@ -79,8 +79,12 @@ class GPT(StructuredModel):
     global_pool = ''                 # logits at every position: nothing is pooled
 
     def __init__(self, num_classes: int = 256, img_size: int = 128, in_chans: int = 1, embed_dim: int = 128,
-                 depth: int = 4, num_heads: int = 4, mlp_ratio: float = 4.0, drop_rate: float = 0.0):
+                 depth: int = 4, num_heads: int = 4, mlp_ratio: float = 4.0, drop_rate: float = 0.0,
+                 global_pool: str = ''):
         super().__init__()
+        if global_pool != '':         # timm's save_for_hf writes the model's global_pool ('') into config.json
+            raise ValueError(f"global_pool={global_pool!r}: a language model predicts at every position and pools "
+                             "nothing; accepted '' (or leave it out)")
         if in_chans != 1:
             raise ValueError(f"in_chans={in_chans}: a language model takes token ids, in_chans must be 1")
         if num_classes < 1:
@@ -161,7 +165,14 @@ default_cfgs = generate_default_cfgs({
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> GPT:
     # features_only: hidden states [B, T, D] (timm's getter asked for NCHW, which a sequence has not)
-    return create_model(GPT, variant, pretrained, feature_output_fmt='NLC', **kwargs)
+    model = create_model(GPT, variant, pretrained, feature_output_fmt='NLC', **kwargs)
+    if isinstance(model, GPT):
+        # timm records img_size as a spatial trait (T, T), which save_for_hf wrote into config.json's model_args
+        # (img_size=[T, T]) for `local-dir:` to build from; a sequence has no grid: its context stays the int
+        # model argument. The config's input size is (1, 1, context) for the context built, not the registry's
+        model._traits = dict(getattr(model, '_traits', None) or {}, img_size=None)
+        model.pretrained_cfg = dict(model.pretrained_cfg, input_size=(1, 1, model.context))
+    return model
 
 
 @register_language_model
