@@ -89,9 +89,13 @@ def test_bench_lowrank_records_the_gemm_ceiling_and_a_miss_cites_it(tmp_path):
     report = json.loads(out.read_text())
     [ceiling] = report['gemms']
     assert ceiling['r'] == 4 and len(ceiling['dense']) == 3 and len(ceiling['products']) == 6
-    assert ceiling['dense_ms'] == pytest.approx(sum(p['ms'] for p in ceiling['dense']))
-    assert ceiling['ceiling'] == pytest.approx(ceiling['dense_ms'] / ceiling['factorised_ms'])
+    assert [p['shape'] for p in ceiling['products']] == [[32, 16, 4], [32, 4, 64], [32, 64, 4], [64, 32, 4],
+                                                         [32, 4, 16], [4, 32, 16]]
+    assert ceiling['ceiling_q1'] <= ceiling['ceiling'] <= ceiling['ceiling_q3'] and ceiling['rounds'] == 5
     assert ceiling['efficiency'] == pytest.approx(ceiling['ceiling'] / (16 * 64 / (4 * 80)))
+    for p in ceiling['dense'] + ceiling['products']:
+        a, k, b = p['shape']
+        assert p['gflops'] == pytest.approx(2 * a * k * b / p['ms'] / 1e6)
     # at the goal's shape, a miss names what the GEMMs alone allow (rows and ceiling made up: no timing here)
     args = type('A', (), {'tokens': 4096, 'in_features': 1024, 'out_features': 4096})()
     rows = [{'label': 'dense nn.Linear', 'rank': None, 'step_s': 3.0, 'speedup': 1.0, 'speedup_q1': 1, 'speedup_q3': 1,

@@ -247,38 +247,50 @@ def _time_products(products, repeats: int = 3) -> List[dict]:
     return rows
 
 
-def _gemm_ceiling(args) -> List[dict]:
-    """The speed-up the layer's GEMMs alone allow, per rank: the dense step's three products over the factorised
-    step's six, each timed by itself. A step that adds nothing to its GEMMs reaches it; past it only faster GEMMs
-    go. `efficiency` is the factorised products' FLOP rate over the dense ones' (the ceiling over the FLOP
-    ratio): where the goal needs more than it, the kernels, not our code, decide the goal."""
-    n, m, t = args.in_features, args.out_features, args.tokens
+def _gemm_ceiling(args, rounds: int = 5) -> List[dict]:
+    """The speed-up the layer's GEMMs alone allow, per rank: the dense step's three products against the factorised
+    step's six, the two sets timed back to back for `rounds` paired rounds (`harness.paired_ratios`: the machine's
+    speed drifts by more than the effect between two unpaired timings). A step that adds nothing to its GEMMs
+    reaches the ceiling; past it only faster GEMMs go. `efficiency` is the factorised products' FLOP rate over the
+    dense ones' (the ceiling over the FLOP ratio): where the goal needs more than it, the kernels, not our code,
+    decide the goal. Each product's own rate (timed by itself, median of 3) is the breakdown."""
+    import torch
+
     from ..layers.linear.factorized import resolve_rank
-    dense = _time_products(gemm_products(t, n, m, None))
-    dense_ms = sum(p['ms'] for p in dense)
+    n, m, t = args.in_features, args.out_features, args.tokens
+
+    def runner(products):
+        operands = [(torch.randn(a, k), torch.randn(k, b)) for _, (a, k, b) in products]
+        return lambda: [torch.mm(left, right) for left, right in operands]
+
+    dense_products = gemm_products(t, n, m, None)
+    dense = _time_products(dense_products)
     found = []
     for frac in args.ranks:
         r = resolve_rank(frac, m, n)
-        products = _time_products(gemm_products(t, n, m, r))
-        ms = sum(p['ms'] for p in products)
-        ceiling = dense_ms / ms
-        found.append({'rank': frac, 'r': r, 'dense_ms': dense_ms, 'factorised_ms': ms, 'ceiling': ceiling,
-                      'efficiency': ceiling / (m * n / (r * (m + n))), 'dense': dense, 'products': products})
+        products = gemm_products(t, n, m, r)
+        paired = paired_ratios({'dense': runner(dense_products), 'factorised': runner(products)}, 'dense',
+                               rounds, warmup=1)['factorised']
+        ceiling = paired['ratio']
+        found.append({'rank': frac, 'r': r, 'ceiling': ceiling, 'ceiling_q1': paired['ratio_q1'],
+                      'ceiling_q3': paired['ratio_q3'], 'rounds': rounds,
+                      'efficiency': ceiling / (m * n / (r * (m + n))), 'dense': dense,
+                      'products': _time_products(products)})
     return found
 
 
 def _print_ceiling(ceilings: List[dict]) -> None:
     if not ceilings:
         return
-    dense = ceilings[0]['dense']
-    print("\nthe layer's GEMMs alone (torch.mm, each timed by itself, median of 3): what a step adding nothing to them "
-          "would reach")
-    rates = ', '.join(f"{p['product']} {p['gflops']:.1f}" for p in dense)
-    print(f"  dense: {rates} GFLOP/s; {ceilings[0]['dense_ms']:.1f} ms")
+    print("\nthe layer's GEMMs alone on torch.mm (the dense step's 3 against the factorised step's 6, paired rounds): "
+          "what a step adding nothing to them would reach; each product's GFLOP/s timed by itself")
+    rates = ', '.join(f"{p['product']} {p['gflops']:.1f}" for p in ceilings[0]['dense'])
+    print(f"  dense: {rates}")
     for c in ceilings:
         rates = ', '.join(f"{p['product']} {p['gflops']:.1f}" for p in c['products'])
-        print(f"  rank {c['rank']:g} (r={c['r']}): {rates} GFLOP/s; {c['factorised_ms']:.1f} ms: ceiling "
-              f"{c['ceiling']:.2f}x, the thin products at {c['efficiency']:.0%} of the dense ones' FLOP rate")
+        print(f"  rank {c['rank']:g} (r={c['r']}): {rates}; ceiling {c['ceiling']:.2f}x (quartiles "
+              f"{c['ceiling_q1']:.2f}–{c['ceiling_q3']:.2f}, {c['rounds']} rounds): the thin products at "
+              f"{c['efficiency']:.0%} of the dense ones' FLOP rate")
 
 
 def _print(title: str, rows) -> None:
@@ -369,7 +381,7 @@ def kind_goals(layer_rows, stack_rows, args, env: dict, load, ceilings=()) -> li
             ceiling = [c for c in ceilings if c['rank'] == rank]
             if part == 'layer' and ceiling:
                 c = ceiling[0]
-                bound += (f"; its GEMMs alone, each timed on torch.mm, allow {c['ceiling']:.2f}× (the thin products "
+                bound += (f"; its GEMMs alone on torch.mm, paired, allow {c['ceiling']:.2f}× (the thin products "
                           f"at {c['efficiency']:.0%} of the dense ones' FLOP rate)"
                           + (": the kernels, not the layer's code, keep it under the goal" if c['ceiling'] < target
                              else ''))
