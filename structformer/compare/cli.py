@@ -206,6 +206,17 @@ def _preflight(cells, data: str) -> None:
             raise UsageError(f"--models {key}: {cfg.model} cannot take this recipe and data: {one_line(e)}") from None
 
 
+def _print_stale(cells, args) -> None:
+    """The note on cells kept from other code (records.source_digest differs): what this run does with them."""
+    from .grid import stale_code
+    stale = [c.name for c in cells if stale_code(c)]
+    if stale and not args.measure_only:
+        print(f"note: {len(stale)} cell(s) were trained by other code than this ({', '.join(stale[:4])}"
+              f"{', ...' if len(stale) > 4 else ''}): "
+              + ('trained anew (--overwrite)' if args.overwrite else
+                 'kept and marked stale in the record; --overwrite trains them anew'))
+
+
 def _dry_run(args, set_name, kind, rows, cells, shared, data, notes) -> int:
     from ..bench.load import LoadWatch, summary_line
     from .grid import cell_state
@@ -218,13 +229,7 @@ def _dry_run(args, set_name, kind, rows, cells, shared, data, notes) -> int:
           f"{kind}; budget {rows[0].budget or 'registry sizes'}; output {args.output or '(default)'}")
     for note in notes:
         print(f"note: {note}")
-    from .grid import stale_code
-    stale = [c.name for c in cells if stale_code(c)]
-    if stale and not args.measure_only:
-        print(f"note: {len(stale)} cell(s) were trained by other code than this ({', '.join(stale[:4])}"
-              f"{', ...' if len(stale) > 4 else ''}): "
-              + ('trained anew (--overwrite)' if args.overwrite else
-                 'kept and marked stale in the record; --overwrite trains them anew'))
+    _print_stale(cells, args)
     print('recipe: ' + ', '.join(f"{k} {v}" for k, v in sorted(shared.items())))
     width = max(len(r.key) for r in rows)
     print(f"{'row':<{width}}  {'model':<18} {'size':<15} {'params':>8} {'step ms':>8} {'cpu ms':>8} {'epoch s':>8} "
@@ -290,13 +295,7 @@ def run(args) -> int:
         return _dry_run(args, set_name, kind, rows, cells, shared, data, notes)
     for note in notes:
         print(f"note: {note}")
-    from .grid import stale_code
-    stale = [c.name for c in cells if stale_code(c)]
-    if stale and not args.measure_only:
-        print(f"note: {len(stale)} cell(s) were trained by other code than this ({', '.join(stale[:4])}"
-              f"{', ...' if len(stale) > 4 else ''}): "
-              + ('trained anew (--overwrite)' if args.overwrite else
-                 'kept and marked stale in the record; --overwrite trains them anew'))
+    _print_stale(cells, args)
     from ..records import check_writable
     from .grid import CellFailed, run_cell, run_parallel, write_manifest
     check_writable(output, '--output')
