@@ -66,8 +66,9 @@ def records_minutes(kind: Optional[str] = None, docs: Optional[Path] = None) -> 
             total += wall if isinstance(wall, (int, float)) else 0.0
         return total / 60 if total > 0 else None
 
-    if kind and (folder / kind).is_dir() and minutes(folder / kind):
-        return f"about {minutes(folder / kind):.0f} min on this kind of CPU (its committed records' measuring time)"
+    own = minutes(folder / kind) if kind and (folder / kind).is_dir() else None
+    if own:
+        return f"about {own:.0f} min on this kind of CPU (its committed records' measuring time)"
     known = sorted(m for m in (minutes(f) for f in (folder.iterdir() if folder.is_dir() else []) if f.is_dir()) if m)
     if known:
         return (f"{known[0]:.0f}–{known[-1]:.0f} min by CPU kind (the committed records' measuring time; "
