@@ -501,3 +501,28 @@ def test_a_stratified_split_too_small_for_the_classes_names_the_fractions_that_f
     for fraction in (0.34, 0.66):
         train, val = stratified_split(labels, fraction, 0)
         assert set(labels[train]) == set(labels[val]) == set(range(10))
+
+
+def test_imagefolder_val_lacking_a_train_class_is_labelled_by_train_index(tmp_path):
+    # val/ without one of train/'s class folders (a class with no held-out images): labelled by train/'s index, as
+    # imagenet:PATH does; it was refused as 'different class folders'
+    _write_pngs(tmp_path / 'tv' / 'train', classes=('ant', 'bee', 'cat'), per_class=2)
+    _write_pngs(tmp_path / 'tv' / 'val', classes=('ant', 'cat'), per_class=2)
+    train, val, info = build_datasets(f'imagefolder:{tmp_path / "tv"}', img_size=8)
+    assert info.num_classes == 3 and info.extra['classes'] == ['ant', 'bee', 'cat']
+    assert sorted(val[i][1] for i in range(len(val))) == [0, 0, 2, 2]
+    assert [os.path.basename(os.path.dirname(p)) for p, _ in val.samples] == ['ant', 'ant', 'cat', 'cat']
+    assert val.targets == [0, 0, 2, 2] and val.classes == train.classes
+    # one held-out class is a legal val/ too (train/ has the classes)
+    _write_pngs(tmp_path / 'one' / 'train', classes=('ant', 'bee'), per_class=2)
+    _write_pngs(tmp_path / 'one' / 'val', classes=('bee',), per_class=2)
+    _, val, info = build_datasets(f'imagefolder:{tmp_path / "one"}', img_size=8)
+    assert [val[i][1] for i in range(len(val))] == [1, 1] and info.num_classes == 2
+
+
+def test_imagefolder_val_class_that_train_lacks_is_refused(tmp_path):
+    from structformer.errors import UsageError
+    _write_pngs(tmp_path / 'tv' / 'train', classes=('ant', 'bee'), per_class=2)
+    _write_pngs(tmp_path / 'tv' / 'val', classes=('ant', 'wasp'), per_class=2)
+    with pytest.raises(UsageError, match=r"--data .*val/ holds class folder 'wasp'.*train/ lacks"):
+        build_datasets(f'imagefolder:{tmp_path / "tv"}', img_size=8)

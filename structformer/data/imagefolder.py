@@ -270,7 +270,8 @@ def image_folder(root: str, **kwargs):
     return folder
 
 
-def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header'):
+def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header',
+                  held_out: bool = False):
     try:
         folder = image_folder(root, transform=transform, loader=load_rgb)
     except FileNotFoundError as e:     # no class folders, or class folders without images
@@ -279,7 +280,7 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     loop = symlink_loop(root, folder.samples)
     if loop:
         raise UsageError(f'--data {spec!r}: {loop}')
-    if len(folder.classes) < 2:         # one class trains to loss 0 and 100 %, which measures nothing
+    if len(folder.classes) < 2 and not held_out:     # one class trains to loss 0 and 100 %, which measures nothing
         raise UsageError(f'--data {spec!r}: {root!r} holds one class ({folder.classes[0]!r}); a classifier needs '
                          f'at least two class folders, {root}/<class name>/<image file>')
     folder.skipped_images = 0
@@ -287,6 +288,40 @@ def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', ch
     folder = _drop_unreadable(folder, spec, bad_images, check)
     folder.skipped_images = before - len(folder.samples)
     return folder
+
+
+def val_targets(train_classes: Sequence[str], val_classes: Sequence[str], val_targets: Sequence[int], what: str,
+                val_name: str) -> List[int]:
+    """The targets of a validation folder (indices into its own sorted `val_classes`) as indices into train/'s
+    classes. val/ may lack some of train/'s class folders (a class without held-out images): its folders are
+    labelled by train/'s index, as imagenet:PATH labels its validation images (each folder's own sorted index was
+    another class's; the folder form refused it). A class folder that train/ lacks has no output of the model:
+    refused, naming it."""
+    index = {c: i for i, c in enumerate(train_classes)}
+    missing = [c for c in val_classes if c not in index]
+    if missing:
+        from .classes import nfc_key, normalisation_note
+        note = normalisation_note(list(train_classes), list(val_classes))
+        if note is None and any(nfc_key(c) in {nfc_key(t) for t in train_classes} for c in missing):
+            note = normalisation_note([nfc_key(c) for c in missing], missing)
+        if note:
+            raise UsageError(f'{what}: train/ and {val_name}/ hold {note}')
+        raise UsageError(f'{what}: {val_name}/ holds class folder {missing[0]!r}'
+                         + (f' (and {len(missing) - 1} more)' if len(missing) > 1 else '')
+                         + f', which train/ lacks: the model has no output for it; train/ holds {len(train_classes)} '
+                         'class folders, and val/ may hold those or fewer of them')
+    return [index[val_classes[t]] for t in val_targets]
+
+
+def label_by_train_classes(folder, train_classes: Sequence[str], what: str, val_name: str) -> None:
+    """A validation ImageFolder relabelled in place by train/'s class index (val_targets)."""
+    if list(folder.classes) == list(train_classes):
+        return
+    targets = val_targets(train_classes, folder.classes, folder.targets, what, val_name)
+    folder.samples = [(path, t) for (path, _), t in zip(folder.samples, targets)]
+    folder.imgs, folder.targets = folder.samples, targets
+    folder.classes = list(train_classes)
+    folder.class_to_idx = {c: i for i, c in enumerate(train_classes)}
 
 
 # the validation folder beside train/: timm's split search names (val, valid, validation), then test/. validation/
@@ -324,14 +359,8 @@ def build_imagefolder(path, *, spec, seed, val_fraction, train_transform, eval_t
     train_dir, val_dir = split_folders(root)
     if val_dir:
         train = _image_folder(os.path.join(root, 'train'), train_tf, spec, opts['bad_images'], check)
-        val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'], check)
-        if train.classes != val.classes:
-            from .classes import normalisation_note
-            note = normalisation_note(train.classes, val.classes)
-            if note:
-                raise UsageError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold {note}')
-            raise ValueError(f'--data {spec!r}: train/ and {os.path.basename(val_dir)}/ hold different class '
-                             f'folders: {train.classes} vs {val.classes}')
+        val = _image_folder(val_dir, eval_tf, spec, opts['bad_images'], check, held_out=True)
+        label_by_train_classes(val, train.classes, f'--data {spec!r}', os.path.basename(val_dir))
         classes = train.classes
         split = f'train/ ({len(train)}) train, {os.path.basename(val_dir)}/ ({len(val)}) val'
         skipped = train.skipped_images + val.skipped_images

@@ -146,10 +146,9 @@ def folder_source(folder: str) -> Source:
             from .imagefolder import imagenet_hint
             raise UsageError(f'SOURCE {root}: not an image folder: expected {root}/<class>/<image> ({e})'
                              + imagenet_hint(root).replace('pass imagenet:', 'give SOURCE imagenet:')) from None
-        if classes is not None and ds.classes != classes:
-            from .classes import normalisation_note
-            note = normalisation_note(classes, ds.classes)
-            raise UsageError(f'SOURCE {folder}: train/ and {val_dir}/ hold ' + (note or 'different class folders'))
+        if classes is not None:          # val/ labelled by train/'s class index (it may lack some of its classes)
+            from .imagefolder import label_by_train_classes
+            label_by_train_classes(ds, classes, f'SOURCE {folder}', val_dir)
         classes = ds.classes
         splits[split] = FileSplit([p for p, _ in ds.samples], [t for _, t in ds.samples])
     from .imagefolder import FOLDER_CLASS_ORDER
