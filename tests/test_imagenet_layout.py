@@ -527,3 +527,30 @@ def test_hidden_files_and_folders_are_neither_classes_nor_images(layout, tmp_pat
     assert info.extra['classes'] == WNIDS and (len(train), len(val)) == (9, 6)
     assert not any(Path(n).name.startswith('.') for n in train.split.names + val.split.names)
     assert {Path(n).name: WNIDS[y] for n, y in zip(val.split.names, val.split.labels)} == truth['val']
+
+
+def test_an_undecodable_image_met_while_training_names_bad_images_skip(tmp_path, cache, capsys):
+    """An image inside the train tar cut after its header is met mid-run (the tars get no up-front check): the stop
+    said 'image … cannot be read: …' alone, while the wds form's line names --data-kwargs bad_images=skip, which
+    trains past it. It now names the option too; with it the image is replaced (and named in the log)."""
+    from structformer.cli import main
+    root = tmp_path / 'in'
+    download(root)
+    with tarfile.open(root / 'ILSVRC2012_img_train.tar') as outer:
+        inner = [(m.name, outer.extractfile(m).read()) for m in outer]
+    with tarfile.open(fileobj=io.BytesIO(inner[2][1])) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar]
+    members[1] = (members[1][0], members[1][1][:60])                 # cut after its header
+    inner[2] = (inner[2][0], _tar_bytes(members))
+    (root / 'ILSVRC2012_img_train.tar').write_bytes(_tar_bytes(inner))
+    train, _, _ = build_datasets(f'imagenet:{root}', img_size=8)
+    bad = train.split.names.index(f'{WNIDS[2]}/{WNIDS[2]}_1.JPEG')
+    with pytest.raises(ValueError, match=r'^--data .imagenet:.*cannot be read: .*--data-kwargs bad_images=skip'):
+        train[bad]
+    argv = ['train', '--model', 'crate_digits', '--data', f'imagenet:{root}', '--epochs', '1', '--batch-size', '3',
+            '--workers', '0', '--no-progress', '--output', str(tmp_path / 'run')]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'cannot be read' in err and '--data-kwargs bad_images=skip' in err, err
+    skipping, _, _ = build_datasets(f'imagenet:{root}', img_size=8, bad_images='skip')
+    assert skipping[bad][1] == 2 and f'{WNIDS[2]}_1.JPEG cannot be read' in capsys.readouterr().out

@@ -408,10 +408,14 @@ class NoTrainingImages:
 
 
 class SplitImages:
-    """(transformed image, class) of a Split, decoded on access (a map-style data set for the loaders)."""
+    """(transformed image, class) of a Split, decoded on access (a map-style data set for the loaders).
 
-    def __init__(self, split, transform, indices=None):
-        self.split, self.transform = split, transform
+    `spec` given (bad_images=error): an image that does not decode stops the run with one line naming it and
+    --data-kwargs bad_images=skip, which trains past it (the wds form's line said so, this one did not); under
+    bad_images=skip ReplaceUnreadable reads the bare UnreadableImage instead."""
+
+    def __init__(self, split, transform, indices=None, spec: Optional[str] = None):
+        self.split, self.transform, self.spec = split, transform, spec
         self.indices = list(range(len(split))) if indices is None else [int(i) for i in indices]
 
     def __len__(self) -> int:
@@ -422,10 +426,17 @@ class SplitImages:
         return [self.split.labels[i] for i in self.indices]
 
     def __getitem__(self, index: int):
+        from .imagefolder import UnreadableImage
         from .tars import decode_rgb
         i = self.indices[index]
         _, data = self.split.read(i)
-        image = decode_rgb(data, self.split.names[i])
+        try:
+            image = decode_rgb(data, self.split.names[i])
+        except UnreadableImage as e:
+            if self.spec is None:
+                raise
+            raise UnreadableImage(f'--data {self.spec!r}: {e}; pass --data-kwargs bad_images=skip to go on past '
+                                  'such images (each replaced by the next one, named in the log)') from None
         return (self.transform(image) if self.transform else image), self.split.labels[i]
 
 
@@ -438,19 +449,21 @@ def build_imagenet(path, *, spec, seed, val_fraction, train_transform, eval_tran
     opts = resolve_options('imagenet', _options(), options)
     train_tf, eval_tf, applied = image_transforms(spec, opts, augmentation, train_transform, eval_transform)
     source = imagenet_source(path, '--data imagenet:', validation_only=True)
+    named = spec if opts['bad_images'] == 'error' else None      # the stop on an undecodable image names the option
+    images = lambda split, transform, indices=None: SplitImages(split, transform, indices, named)   # noqa: E731
     train_split = source.splits.get('train')
     if train_split is None:         # the val tar and the devkit alone, as downloaded to score pretrained models
-        val = SplitImages(source.splits['validation'], eval_tf)
+        val = images(source.splits['validation'], eval_tf)
         train = NoTrainingImages(f'--data {spec}: holds the validation images alone (no {TRAIN_TAR}, train/ or '
                                  f'{KAGGLE}/train/): enough to score a model on them, not to train one or score '
                                  'its training split')
         split = f'validation images alone: {len(val)} (no training images)'
     elif 'validation' in source.splits:
-        train, val = SplitImages(train_split, train_tf), SplitImages(source.splits['validation'], eval_tf)
+        train, val = images(train_split, train_tf), images(source.splits['validation'], eval_tf)
         split = f'{len(train)} train, {len(val)} validation images'
     else:
         train_idx, val_idx = stratified_split(np.asarray(train_split.labels), val_fraction, seed)
-        train, val = SplitImages(train_split, train_tf, train_idx), SplitImages(train_split, eval_tf, val_idx)
+        train, val = images(train_split, train_tf, train_idx), images(train_split, eval_tf, val_idx)
         split = (f'no validation images found: stratified split {len(train)} train / {len(val)} val '
                  f'(val_fraction={val_fraction}, seed={seed})')
     if opts['bad_images'] == 'skip':
