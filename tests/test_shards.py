@@ -378,3 +378,29 @@ def test_validation_shards_in_their_own_folder_are_counted_by_their_own_info_jso
     train, _, _ = build_datasets(f"wds:{tmp_path}/train/shard-{{0000..0001}}.tar::{tmp_path}/val/shard-0000.tar,"
                                  f"{tmp_path}/val/shard-0000.tar", img_size=8, augment=False)
     assert len(train) == 14 and train.lengths == [6, 5, 3]
+
+
+def test_a_glob_over_our_shards_is_validated_on_the_validation_split_its_info_json_names(tmp_path, capsys):
+    """wds:OUT/train-*.tar over `data shard` output of train/ + val/: no validation pattern, so the last of the
+    training shards were held out (the model trained on 10 % fewer images and was scored on training ones) while
+    _info.json beside them names the validation split. Now that split is the validation; the log says so.
+    An explicit holdout= keeps its meaning."""
+    n = _folder(tmp_path / 'tv' / 'train', 5)
+    _folder(tmp_path / 'tv' / 'val', 2, offset=n)
+    assert main(['data', 'shard', str(tmp_path / 'tv'), str(tmp_path / 'out'), '--shard-size', '4']) == 0
+    capsys.readouterr()
+    train, val, info = build_datasets(f"wds:{tmp_path / 'out'}/train-*.tar", img_size=8, train_transform=pixel_id,
+                                      eval_transform=pixel_id)
+    out = capsys.readouterr().out
+    assert (len(train), len(val), len(train.urls)) == (15, 6, 4)
+    assert sorted(int(val[i][0]) for i in range(len(val))) == list(range(n, n + 6))   # the val/ images, all
+    assert "validation split of _info.json" in out and 'held out' not in out, out
+    assert 'validation split of _info.json' in info.extra['holdout']
+    train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}/train-*.tar", img_size=8, holdout='shards')
+    assert (len(train.urls), len(val)) == (3, 3) and 'held out the last 1 of 4' in capsys.readouterr().out
+    # its validation shards gone: the hold-out, as for shards without _info.json
+    for name in json.loads((tmp_path / 'out' / '_info.json').read_text())['splits']['validation']['filenames']:
+        (tmp_path / 'out' / name).unlink()
+    train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}/train-*.tar", img_size=8)
+    assert len(train.urls) == 3 and 'held out the last 1 of 4' in capsys.readouterr().out
+

@@ -41,6 +41,28 @@ def _folder_patterns(folder: str, spec: str):
     return '::'.join(paths), ('::'.join(val_paths) if val_paths else None)
 
 
+def _info_validation(urls: List[str], info, spec: str):
+    """(validation shards, how chosen) named by the _info.json beside the training shards (a glob over `data shard`
+    output, wds:OUT/train-*.tar), else (None, ''). Holding out the last training shards there trained on ~10 %
+    fewer images and scored on training ones while the folder holds its validation split. Only when every one of
+    those shards exists and none is among the training shards (a glob over all of OUT keeps the hold-out)."""
+    if not is_local(urls[0]):
+        return None, ''
+    folder = os.path.dirname(os.path.abspath(_local(urls[0])))
+    name = next((s for s in VAL_SPLITS if s in info.get('splits', {})), None)
+    names = info['splits'][name].get('filenames') if name else None
+    if not names:
+        return None, ''
+    val_urls = [os.path.join(folder, f) for f in names]
+    training = {os.path.abspath(_local(u)) for u in urls}
+    if not all(os.path.isfile(u) for u in val_urls) or any(u in training for u in val_urls):
+        return None, ''
+    holdout = (f'no validation pattern: the {name} split of _info.json in {folder} ({_abbreviate(val_urls)}, '
+               f'{sum(info["splits"][name].get("shard_lengths") or [0])} samples) is the validation')
+    print(f'--data {spec}: {holdout}', flush=True)
+    return val_urls, holdout
+
+
 def _abbreviate(urls: List[str]) -> str:
     names = [os.path.basename(_local(u)) for u in urls]
     return ', '.join(names) if len(names) <= 3 else f'{names[0]} .. {names[-1]} ({len(names)} shards)'
@@ -55,10 +77,12 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         train_pat, val_pat = _folder_patterns(os.path.expanduser(train_pat), spec)
     urls = expand_shards(train_pat, spec, 'training')
     val_urls = expand_shards(val_pat, spec, 'validation') if val_pat else None
-    for url in urls + (val_urls or []):
-        check_shard(url, spec)
     info = read_info(urls)
     held_out, holdout = None, 'validation pattern'
+    if val_urls is None and opts['holdout'] == 'auto':
+        val_urls, holdout = _info_validation(urls, info, spec)
+    for url in urls + (val_urls or []):
+        check_shard(url, spec)
     if val_urls is None:
         mode = opts['holdout'] if opts['holdout'] != 'auto' else ('shards' if len(urls) >= 2 else 'samples')
         if mode == 'shards':
