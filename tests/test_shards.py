@@ -404,3 +404,28 @@ def test_a_glob_over_our_shards_is_validated_on_the_validation_split_its_info_js
     train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}/train-*.tar", img_size=8)
     assert len(train.urls) == 3 and 'held out the last 1 of 4' in capsys.readouterr().out
 
+
+@pytest.mark.parametrize('classes, needle', [
+    (['ant', 'cow', 'bee'], r"class 1 is 'bee' in .*wds, 'cow' in .*val"),
+    (['ant', 'bee'], r'3 classes in .*wds, 2 in .*val'),
+])
+def test_validation_shards_whose_info_json_names_other_classes_are_refused(classes, needle, shards, tmp_path,
+                                                                            capsys):
+    """wds:TRAIN,VAL with VAL in a folder of its own: the classes came from the training folder's _info.json only,
+    so validation shards of another class list (another data set, or the same names in another order) were scored
+    against the training index without a word. Now one line names both folders and the first difference."""
+    import shutil
+    (tmp_path / 'val').mkdir()
+    shutil.copy(shards / 'wds' / 'train-000000.tar', tmp_path / 'val' / 'v-0.tar')
+    info = {'classes': classes, 'splits': {'validation': {'filenames': ['v-0.tar'], 'shard_lengths': [6]}}}
+    (tmp_path / 'val' / '_info.json').write_text(json.dumps(info))
+    data = f"wds:{shards / 'wds' / 'train-{000000..000003}.tar'},{tmp_path / 'val' / 'v-0.tar'}"
+    with pytest.raises(ValueError, match=needle):
+        build_datasets(data, img_size=8)
+    assert main(['train', '--model', 'crate_digits', '--data', data, '--epochs', '1', '--workers', '0',
+                 '--output', str(tmp_path / 'run')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'classes' in err and not (tmp_path / 'run').exists(), err
+    info['classes'] = list(CLASSES)                   # the same list: accepted
+    (tmp_path / 'val' / '_info.json').write_text(json.dumps(info))
+    assert len(build_datasets(data, img_size=8)[1]) == 6

@@ -132,6 +132,8 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         print(f'--data {spec}: counted {n_train} training samples in the headers of {len(urls)} shards (pass '
               '--data-kwargs train_samples=N, or keep an _info.json beside the shards, to skip this)', flush=True)
     classes = info.get('classes')
+    if val_urls:
+        _check_val_classes(spec, urls, val_urls, info)
     _check_num_classes(spec, opts['num_classes'], classes, info.get('num_classes'))
     num_classes = opts['num_classes'] or (len(classes) if classes else 0) or int(info.get('num_classes', 0)) \
         or (max(labels) + 1 if labels else 0)
@@ -171,6 +173,41 @@ def _check_num_classes(spec: str, given: int, classes, stated) -> None:
     if not classes and stated and given != int(stated):
         raise UsageError(f'--data {spec!r}: num_classes={given} but the shards\' _info.json says num_classes='
                          f'{int(stated)}; give num_classes={int(stated)} or leave it out')
+
+
+def _check_val_classes(spec: str, urls: List[str], val_urls: List[str], info) -> None:
+    """Validation shards in another folder, whose own _info.json names other classes than the training folder's (or
+    states another number of them): one line naming both folders and the first difference. The classes come from
+    the training folder; the validation labels were read by that index without a word (shards of another data
+    set, or the same names in another order)."""
+    if not is_local(urls[0]) or not is_local(val_urls[0]):
+        return
+    train_dir = os.path.dirname(os.path.abspath(_local(urls[0])))
+    val_dir = os.path.dirname(os.path.abspath(_local(val_urls[0])))
+    if train_dir == val_dir:
+        return
+    val_info = read_info(val_urls)
+    ours, theirs = info.get('classes'), val_info.get('classes')
+    if ours and theirs:
+        ours, theirs = list(ours), list(theirs)
+        if ours == theirs:
+            return
+        if len(ours) != len(theirs):
+            k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            first = f'; class {k} is {ours[k]!r} there, {theirs[k]!r} here' if k is not None else ''
+            difference = f'{len(ours)} classes in {train_dir}, {len(theirs)} in {val_dir}{first}'
+        else:
+            k = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            difference = f'class {k} is {ours[k]!r} in {train_dir}, {theirs[k]!r} in {val_dir}'
+    else:
+        a, b = info.get('num_classes'), val_info.get('num_classes')
+        a = len(ours) if ours else a
+        b = len(theirs) if theirs else b
+        if a is None or b is None or int(a) == int(b):
+            return
+        difference = f'{int(a)} classes in {train_dir}, {int(b)} in {val_dir}'
+    raise UsageError(f'--data {spec!r}: the _info.json of the training shards and of the validation shards name '
+                     f'other classes: {difference}; give validation shards of the same data set and class list')
 
 
 def _damaged(spec: str, bad_images: str, problem: str) -> None:
