@@ -429,3 +429,46 @@ def test_validation_shards_whose_info_json_names_other_classes_are_refused(class
     info['classes'] = list(CLASSES)                   # the same list: accepted
     (tmp_path / 'val' / '_info.json').write_text(json.dumps(info))
     assert len(build_datasets(data, img_size=8)[1]) == 6
+
+
+
+def _build_on_rank(rank, world, init_file, data, out):
+    """One process of a gloo group: build `data` twice (held-out shards, held-out samples), counting shard opens."""
+    import torch.distributed as dist
+    from structformer.data import tars
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    opened, real = [], tars.open_tar
+    tars.open_tar = lambda url, *a: opened.append(url) or real(url, *a)
+    record = {}
+    for name, options in (('shards', {}), ('samples', {'holdout': 'samples'})):
+        train, val, info = build_datasets(data, img_size=8, **options)
+        record[name] = [len(opened), len(train), [list(e) for e in val.entries], info.extra['holdout']]
+        opened.clear()
+    try:                                        # process 0's error is every process's (none waits for good)
+        build_datasets(f"wds:{Path(out, 'bad', 'train-{000000..000003}.tar')}", img_size=8)
+    except ValueError as e:
+        record['bad'] = [len(opened), str(e)]
+    Path(out, f'rank{rank}.json').write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def test_under_ddp_process_0_alone_opens_the_shards_to_index_them(shards, tmp_path):
+    """Two gloo processes build wds:TRAIN (no VAL: a shard held out). Each process opened every shard to check it and
+    read every validation shard's headers to index it (and, holding out samples or without _info.json, every
+    training shard's), P times the reads of one, at once on one disk. Now process 0 does it and shares the index:
+    process 1 opens no shard while building, and both hold the same validation index and epoch."""
+    import shutil
+    import torch.multiprocessing as tmp
+    data = f"wds:{shards / 'wds' / 'train-{000000..000003}.tar'}"
+    shutil.copytree(shards / 'wds', tmp_path / 'bad')
+    with open(tmp_path / 'bad' / 'train-000002.tar', 'r+b') as f:
+        f.truncate(1000)
+    tmp.start_processes(_build_on_rank, args=(2, str(tmp_path / 'init'), data, str(tmp_path)), nprocs=2,
+                        start_method='fork')
+    first, second = (json.loads((tmp_path / f'rank{r}.json').read_text()) for r in (0, 1))
+    assert first['shards'][0] == 4 + 1 and first['samples'][0] == 4 + 4      # checks, then the scans
+    assert second['shards'][0] == 0 and second['samples'][0] == 0
+    for name in ('shards', 'samples'):
+        assert first[name][1:] == second[name][1:] and first[name][2]          # the same index and epoch
+    assert first['bad'][0] == 2 and second['bad'][0] == 0 and first['bad'][1] == second['bad'][1]
+    assert 'train-000002.tar is truncated' in second['bad'][1]

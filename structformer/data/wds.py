@@ -1,10 +1,11 @@
 """`--data wds:TRAIN_PATTERN[,VAL_PATTERN]` (or `wds:FOLDER` holding `_info.json`): the training stream
 (shards.py), the validation index (tars.py) and the hold-out. The writer is shard_writer.py; docs/data.md."""
 import os
-from typing import List
+from typing import List, Optional
 
 from ..errors import UsageError
 from .imagefolder import CROP_MODE, CROP_PCT, INTERPOLATION, ReplaceUnreadable, image_transforms
+from .process0 import on_process_0
 from .shards import ShardStream
 from .tars import (IndexedShards, ShardError, _local, _seed, check_shard, expand_shards, is_local, known_lengths,
                    read_info, scan_shard, split_patterns)
@@ -81,8 +82,9 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
     held_out, holdout = None, 'validation pattern'
     if val_urls is None and opts['holdout'] == 'auto':
         val_urls, holdout = _info_validation(urls, info, spec)
-    for url in urls + (val_urls or []):
-        check_shard(url, spec)
+    # under torchrun process 0 alone opens the shards before training (check, index, count), the others take its
+    # result: each process did it all, P times the reads of one at once on one disk (data/process0.py)
+    on_process_0(lambda: [check_shard(url, spec) for url in urls + (val_urls or [])])
     if val_urls is None:
         mode = opts['holdout'] if opts['holdout'] != 'auto' else ('shards' if len(urls) >= 2 else 'samples')
         if mode == 'shards':
@@ -100,35 +102,22 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
         print(f'--data {spec}: no validation pattern; {holdout}', flush=True)
     if any(not is_local(u) for u in (val_urls or urls)):
         raise UsageError(f'--data {spec!r}: validation shards must be local files (they are read by seeking)')
-    entries, scans = [], {}
-    # each shard's length from its own folder's _info.json: looked up in the training folder's by file name, a
-    # val/shard-0000.tar was held to train/shard-0000.tar's length and refused as damaged
-    stated_val = known_lengths(val_urls) if val_urls else None
-    for shard, url in enumerate(val_urls or urls):
-        scans[url] = _scan(url, spec, opts['bad_images'], 'validation')
-        if stated_val and scans[url] is not None and len(scans[url]) != stated_val[shard]:
-            _damaged(spec, opts['bad_images'], f'validation shard {url} holds {len(scans[url])} samples; _info.json '
-                                               f'says {stated_val[shard]}')
-        for j, (offset, size, label) in enumerate(scans[url] or ()):
-            if held_out is None or held_out(shard, j):
-                entries.append((url, offset, size, label))
-    labels = [e[3] for e in entries]
     n_train = opts['train_samples']
     lengths, lengths_from = (known_lengths(urls), '_info.json') if held_out is None else (None, '')
+    stated_val = known_lengths(val_urls) if val_urls else None
+    entries, labels, scanned = on_process_0(lambda: _index(val_urls or urls, stated_val, held_out, spec,
+                                                           opts['bad_images']))
     if held_out is not None:           # the scan above read every training shard's headers already
-        lengths = [sum(1 for j in range(len(scans[u] or ())) if not held_out(s, j)) for s, u in enumerate(urls)]
-        lengths_from = 'the header scan'
-        labels += [e[2] for s, u in enumerate(urls) for j, e in enumerate(scans[u] or ()) if not held_out(s, j)]
+        lengths, lengths_from = scanned, 'the header scan'
     if not n_train and lengths is not None:
         n_train = sum(lengths)
     if not n_train:
         if not all(is_local(u) for u in urls):
             raise UsageError(f'--data {spec!r}: remote training shards need --data-kwargs train_samples=N '
                              '(samples per epoch) or an _info.json beside them')
-        scanned = [_scan(u, spec, opts['bad_images'], 'training') or [] for u in urls]
-        lengths, lengths_from = [len(s) for s in scanned], 'the header scan'
-        n_train = sum(lengths)
-        labels += [e[2] for s in scanned for e in s]
+        lengths, train_labels = on_process_0(lambda: _count(urls, spec, opts['bad_images']))
+        lengths_from, n_train = 'the header scan', sum(lengths)
+        labels += train_labels
         print(f'--data {spec}: counted {n_train} training samples in the headers of {len(urls)} shards (pass '
               '--data-kwargs train_samples=N, or keep an _info.json beside the shards, to skip this)', flush=True)
     classes = info.get('classes')
@@ -208,6 +197,36 @@ def _check_val_classes(spec: str, urls: List[str], val_urls: List[str], info) ->
         difference = f'{int(a)} classes in {train_dir}, {int(b)} in {val_dir}'
     raise UsageError(f'--data {spec!r}: the _info.json of the training shards and of the validation shards name '
                      f'other classes: {difference}; give validation shards of the same data set and class list')
+
+
+def _index(urls: List[str], stated: Optional[List[int]], held_out, spec: str, bad_images: str):
+    """(validation entries (url, offset, size, label), the labels the run reads before training, the training
+    shards' lengths after the held-out samples or None) from the tar headers of `urls`: the validation shards, or
+    (`held_out`, samples held out) the training ones. Each shard's stated length is its own folder's _info.json's:
+    looked up in the training folder's by file name, a val/shard-0000.tar was held to train/shard-0000.tar's length
+    and refused as damaged."""
+    entries, train_labels, lengths = [], [], []
+    for shard, url in enumerate(urls):
+        scan = _scan(url, spec, bad_images, 'validation')         # None: damaged, passed over (named in the log)
+        if stated and scan is not None and len(scan) != stated[shard]:
+            _damaged(spec, bad_images, f'validation shard {url} holds {len(scan)} samples; _info.json says '
+                                       f'{stated[shard]}')
+        kept = 0
+        for j, (offset, size, label) in enumerate(scan or ()):
+            if held_out is None or held_out(shard, j):
+                entries.append((url, offset, size, label))
+            else:
+                train_labels.append(label)
+                kept += 1
+        lengths.append(kept)
+    labels = [e[3] for e in entries] + train_labels
+    return entries, labels, (lengths if held_out is not None else None)
+
+
+def _count(urls: List[str], spec: str, bad_images: str):
+    """(samples of each training shard, their labels) from the tar headers: shards without _info.json."""
+    scans = [_scan(u, spec, bad_images, 'training') or [] for u in urls]
+    return [len(s) for s in scans], [e[2] for s in scans for e in s]
 
 
 def _damaged(spec: str, bad_images: str, problem: str) -> None:
