@@ -554,3 +554,29 @@ def test_an_undecodable_image_met_while_training_names_bad_images_skip(tmp_path,
     assert len(err.splitlines()) == 1 and 'cannot be read' in err and '--data-kwargs bad_images=skip' in err, err
     skipping, _, _ = build_datasets(f'imagenet:{root}', img_size=8, bad_images='skip')
     assert skipping[bad][1] == 2 and f'{WNIDS[2]}_1.JPEG cannot be read' in capsys.readouterr().out
+
+
+def _build_on_rank(rank, world, init_file, root, out):
+    """One process of a gloo group: build imagenet:ROOT, counting the tars it walks to index them."""
+    import torch.distributed as dist
+    from structformer.data import imagenet
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    walked, real = [], imagenet._members
+    imagenet._members = lambda tar, where: walked.append(where) or real(tar, where)
+    train, val, _ = build_datasets(f'imagenet:{root}', img_size=8)
+    Path(out, f'rank{rank}.json').write_text(json.dumps([len(walked), train.split.names, val.split.names]))
+    dist.destroy_process_group()
+
+
+def test_under_ddp_process_0_alone_indexes_the_tars(tmp_path, cache):
+    """The train tar (a tar of class tars) and the val tar: on a first run each torchrun process indexed them, at once
+    (1.28 M headers each on ImageNet). Now process 0 indexes and the others read its cache: the same index."""
+    import torch.multiprocessing as tmp
+    root = tmp_path / 'in'
+    download(root)
+    _val_as_tar(root)
+    tmp.start_processes(_build_on_rank, args=(2, str(tmp_path / 'init'), str(root), str(tmp_path)), nprocs=2,
+                        start_method='fork')
+    first, second = (json.loads((tmp_path / f'rank{r}.json').read_text()) for r in (0, 1))
+    assert first[0] == 1 + len(WNIDS) + 1 and second[0] == 0          # outer tar, its class tars, the val tar
+    assert first[1:] == second[1:] and len(first[1]) == 9 and len(first[2]) == 6

@@ -195,7 +195,14 @@ def index_tars(paths: List[str], nested: bool, what: str,
                per_class: bool = False) -> Tuple[List[str], List[Tuple[str, int, int]]]:
     """(member names, (file, offset, size)) of the images in uncompressed tars, or in the tars inside them
     (`nested`: a tar of per-class tars, the names then 'n01440764/n01440764_10026.JPEG'; `per_class`: each tar is a
-    class, its name the prefix, 'n01440764/...'); cached."""
+    class, its name the prefix, 'n01440764/...'); cached. Under torchrun process 0 indexes first and the others read
+    its cache (each process indexed the 1.28 M headers at once on a first run; where the cache cannot be written
+    they index again)."""
+    from .process0 import process_0_first
+    return process_0_first(lambda: _index_tars(paths, nested, what, per_class))
+
+
+def _index_tars(paths: List[str], nested: bool, what: str, per_class: bool):
     cache = _cache_path(paths, nested, per_class)
     try:
         with np.load(cache, allow_pickle=False) as z:
