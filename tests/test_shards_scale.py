@@ -106,6 +106,35 @@ def test_every_sample_once_per_epoch_at_any_counts(lengths, world, workers, tmp_
     assert read_slots(stream, 1, world, workers, monkeypatch) == orders[0]   # and the same order again
 
 
+
+@pytest.mark.parametrize('lengths, world, workers', [((1, 7, 3, 5, 2), 3, 2), ((5,) * 7, 2, 3)])
+def test_each_slot_opens_only_the_shards_its_run_covers(lengths, world, workers, tmp_path, monkeypatch):
+    """Shard and slot counts that do not divide (18 samples in 5 unequal shards on 3 x 2 slots; 35 in 7 on 2 x 3): a
+    (process, worker) slot opens the shards its run of the sequence covers, no other (the stream adds no work per
+    process); over all slots the opens are the shards plus at most one per boundary of the runs and the left-out gap."""
+    from structformer.data import tars
+    n = write_shards(tmp_path, lengths)
+    write_shards(tmp_path, (2,), 'validation', start=n)
+    stream = _stream(tmp_path, len(lengths))
+    opened, real = [], tars.open_tar
+    monkeypatch.setattr(tars, 'open_tar', lambda url, *a: opened.append(url) or real(url, *a))
+    monkeypatch.setattr(shards_module, 'read_shard', tars.read_shard)
+    stream.set_epoch(1)
+    total = 0
+    for rank in range(world):
+        stream.configure(rank, world)
+        for w in range(workers):
+            monkeypatch.setattr(shards_module, 'get_worker_info', lambda w=w: _Worker(w, workers))
+            opened.clear()
+            got = [int(x) for x, _ in stream]
+            start, stop = stream.slot_range(w, workers)
+            cut, gap = stream.left_out_at(1), n % world
+            covered = {stream.urls[k] for lo, hi in ((start, min(stop, cut)), (max(start, cut) + gap, stop + gap))
+                       if lo < hi for k, _, _ in stream.segments(1, lo, hi)}
+            assert got and sorted(set(opened)) == sorted(covered)
+            total += len(opened)
+    assert total <= len(lengths) + world * workers - 1 + (n % world > 0)
+
 def test_the_left_over_samples_are_said_and_differ_by_epoch(tmp_path, monkeypatch, capsys):
     n = write_shards(tmp_path, (5,) * 5)
     write_shards(tmp_path, (2,), 'validation', start=n)
