@@ -17,7 +17,7 @@ import torch
 from ..errors import UsageError
 from .config_checks import CYCLING
 
-__all__ = ['param_groups', 'make_optimizer', 'make_scheduler', 'scheduled_lr']
+__all__ = ['param_groups', 'make_optimizer', 'make_scheduler', 'scheduled_lr', 'never_decays']
 
 
 def param_groups(model: torch.nn.Module, config, weight_decay: float, exempt: Collection[str] = ()) -> List[Dict]:
@@ -114,6 +114,38 @@ def scheduled_lr(values: Dict[str, Any], lr: float, steps_per_epoch: int, steps:
             scheduler.step_update(num_updates=step)
         out.append(optimizer.param_groups[0]['lr'])
     return out
+
+
+def never_decays(values: Dict[str, Any], steps_per_epoch: Optional[int], where: str = '--') -> Optional[str]:
+    """A warning where a step / multistep schedule (`values`, as `make_scheduler` takes them) never decays within its
+    epochs, else None: timm's train.py says nothing, and its defaults (--decay-epochs 90, --decay-milestones 90 180
+    270) are ImageNet's, so a short run trains at the peak throughout. Judged as timm's scheduler steps: an optimiser
+    step uses the lr of index t = steps made so far (0 .. total - 1); the warm-up covers t < warmup_t; step decays
+    at t - prefix >= decay_t, multistep at t - prefix + 1 >= a milestone (timm's convention), in optimiser steps
+    (epochs x steps_per_epoch, timm's own products). Without steps_per_epoch the judgement is on epochs alone.
+    `where` prefixes the setting's name (`--`, or `phase_settings.NAME.`)."""
+    sched = values['sched']
+    if sched not in ('step', 'multistep'):
+        return None
+    per = steps_per_epoch or 10 ** 6        # unknown: a fine grain, so the test is on epochs
+    warm = values['warmup_epochs'] * per
+    prefix = warm if values['warmup_prefix'] else 0
+    last = values['epochs'] * per - 1
+    def named(key: str) -> str:
+        return f"--{key.replace('_', '-')}" if where == '--' else f"{where}{key}"
+    if sched == 'step':
+        first = max(values['decay_epochs'] * per + prefix, warm)
+        setting = f"{named('decay_epochs')} {values['decay_epochs']:g}"
+    else:
+        milestones = [m * per for m in values['decay_milestones']]
+        first = max(min(milestones) + prefix - 1, warm) if milestones else float('inf')
+        setting = f"{named('decay_milestones')} {' '.join(f'{m:g}' for m in values['decay_milestones'])}"
+    if first <= last:
+        return None
+    after = ' (after the warm-up prefix)' if prefix else ''
+    return (f"warning: {setting} with {named('sched')} {sched}: the lr never decays in this "
+            f"{values['epochs']:g}-epoch run, its first decay{after} falls past the last optimiser step; give a smaller "
+            f"{named('decay_epochs' if sched == 'step' else 'decay_milestones')} for it to decay")
 
 
 def lr_at(optimizer: Optional[torch.optim.Optimizer]) -> float:

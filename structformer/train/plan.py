@@ -160,7 +160,7 @@ def schedule_shape(values: dict) -> str:
 
 
 def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str]:
-    from .optim import scheduled_lr
+    from .optim import never_decays, scheduled_lr
     lines = []
     own = bool(config.phase_settings)
     phases = phase_plan(config) if own else [(None, config.epochs)]
@@ -190,6 +190,9 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
                 shown.append(f"{label} (step {_count(start * steps + step)}): "
                              f"{scheduled_lr(values, lr, steps, [step])[0]:.4g}")
             lines.append("  " + ("  " if own else '') + " | ".join(shown))
+        never = never_decays(values, steps, f"phase_settings.{name}." if own else '--')
+        if never:
+            lines.append("  " + ("  " if own else '') + never)
         start += epochs
     return lines
 
