@@ -62,3 +62,17 @@ def test_a_run_whose_schedule_never_decays_says_so_at_its_start(tmp_path, capsys
     assert ("warning: --decay-milestones 90 180 270 with --sched multistep: the lr never decays in this 1-epoch "
             "run") in err
 
+
+def test_a_step_larger_than_the_training_set_is_noted_with_timms_arithmetic_kept(capsys):
+    """digits trains on 1,437 images: 512 x 8 accumulated is 4,096 a step as timm counts it (and --lr-base scales
+    by it), but each epoch makes one step of the 3 batches it has; the plan says both."""
+    assert main([*DIGITS, '-b', '512', '--grad-accum-steps', '8', '--lr-base', '1e-3', '--dry-run']) == 0
+    out = capsys.readouterr().out
+    assert '= 4,096 per optimiser step' in out and 'lr_base 0.001 x (4,096 / 256)' in out
+    assert "steps         1 optimiser steps per epoch (3 batches per process)" in out
+    assert ("  note: one optimiser step of 4,096 images spans more than the 1,437 one epoch holds: each epoch makes "
+            "1 optimiser step of what it has (3 batches per process), while the batch above and --lr-base scaling "
+            "count 4,096, as timm's train.py does") in out
+    assert main([*DIGITS, '-b', '512', '--grad-accum-steps', '2', '--dry-run']) == 0       # 1,024: no note
+    assert 'spans more than' not in capsys.readouterr().out
+

@@ -401,6 +401,14 @@ def dry_run(config: TrainConfig) -> str:
                      + (', last partial batch dropped (mixing)' if mixing and samples % config.batch_size else '')
                      + (f', limited by --limit-train-batches {config.limit_train_batches}' if config.limit_train_batches else '')
                      + f"), {_count(steps * config.epochs)} in total over {config.epochs} epochs")
+        held = samples * world            # the images one epoch feeds, over every process
+        if eff > held:
+            # timm's arithmetic is kept (the batch above, --lr-base scaled by it): users compare with timm's train.py
+            lines.append(f"  note: one optimiser step of {_count(eff)} images spans more than the {_count(held)} one "
+                         f"epoch holds: each epoch makes {_count(steps)} optimiser step{'s' if steps != 1 else ''} of "
+                         f"what it has ({_count(batches)} batch{'es' if batches != 1 else ''} per process), while "
+                         f"the batch above{' and --lr-base scaling' if config.lr_base is not None else ''} "
+                         f"count {_count(eff)}, as timm's train.py does")
     else:
         lines.append(f"steps         unknown without a dataset size; {config.epochs} epochs")
 
