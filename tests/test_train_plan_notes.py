@@ -76,3 +76,18 @@ def test_a_step_larger_than_the_training_set_is_noted_with_timms_arithmetic_kept
     assert main([*DIGITS, '-b', '512', '--grad-accum-steps', '2', '--dry-run']) == 0       # 1,024: no note
     assert 'spans more than' not in capsys.readouterr().out
 
+
+@pytest.mark.parametrize('warmup', [0.25, 0.14, 0.3, 0.2])
+def test_the_plans_end_of_warm_up_is_the_first_step_at_the_peak(warmup, capsys):
+    """-b 144 makes 10 steps an epoch (1,437 images); a step schedule that does not decay in the run holds the peak
+    right after the warm-up, so the printed step is the first whose lr is the peak (timm's warm-up covers
+    t < warmup_epochs x steps: 2.5 steps end at step 3, where rounding said 2)."""
+    assert main([*DIGITS, '-b', '144', '--epochs', '2', '--sched', 'step', '--decay-epochs', '5', '--lr', '0.1',
+                 '--warmup-lr', '0', '--warmup-epochs', str(warmup), '--dry-run']) == 0
+    out = capsys.readouterr().out
+    assert 'steps         10 optimiser steps per epoch' in out
+    end = int(out.split('end of warm-up (step ')[1].split(')')[0])
+    values = TrainConfig(model='crate_digits', data='digits', epochs=2, sched='step', decay_epochs=5, lr=0.1,
+                         warmup_lr=0.0, warmup_epochs=warmup).schedule_values()
+    before, at = scheduled_lr(values, 0.1, 10, [end - 1, end])
+    assert before < 0.1 and at == 0.1

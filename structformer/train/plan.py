@@ -181,7 +181,9 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
                                  f"the recipe's effective batch or --phase-settings {name} {key}=...")
         if steps:
             total = steps * epochs
-            warm = round(values['warmup_epochs'] * steps) if values['sched'] != 'none' else 0
+            # timm's warm-up covers the steps t < warmup_epochs x steps (its own product): it ends at the first
+            # whole step at or past that, not at the nearest one
+            warm = math.ceil(values['warmup_epochs'] * steps) if values['sched'] != 'none' else 0
             points = [('end of warm-up' if warm else 'start (no warm-up)', warm), ('half-way', total // 2),
                       ('end', total)]
             shown = []
