@@ -91,3 +91,16 @@ def test_the_plans_end_of_warm_up_is_the_first_step_at_the_peak(warmup, capsys):
                          warmup_lr=0.0, warmup_epochs=warmup).schedule_values()
     before, at = scheduled_lr(values, 0.1, 10, [end - 1, end])
     assert before < 0.1 and at == 0.1
+
+
+def test_the_plan_refuses_a_batch_that_leaves_no_training_batch_as_training_does(tmp_path, capsys):
+    """--mixup drops an epoch's last, smaller batch: -b 2048 over 1,437 images leaves none, which training refuses in
+    one line before anything is written; the plan printed '0 optimiser steps per epoch' and exit 0."""
+    argv = [*DIGITS, '-b', '2048', '--mixup', '0.8', '--epochs', '1', '--no-progress', '--output', str(tmp_path / 'r')]
+    assert main(argv) == 2
+    refused = capsys.readouterr().err
+    assert '-b/--batch-size 2048 leaves no training batch: this process has 1437 training samples and --mixup' \
+           in refused and not (tmp_path / 'r').exists()
+    assert main([*argv, '--dry-run']) == 2
+    out, err = capsys.readouterr()
+    assert err == refused and 'optimiser steps per epoch' not in out

@@ -398,6 +398,9 @@ def dry_run(config: TrainConfig) -> str:
             batches = worker_batches(samples, config.batch_size, workers, mixing)
             if config.limit_train_batches:
                 batches = min(batches, config.limit_train_batches)
+        if batches == 0:                  # refused as training refuses it (train/loaders.py), before any step count
+            from .loaders import no_training_batch
+            raise no_training_batch(config.batch_size, samples, mixing)
         steps = math.ceil(batches / config.grad_accum_steps)
         lines.append(f"steps         {_count(steps)} optimiser steps per epoch ({_count(batches)} batches per process"
                      + (', last partial batch dropped (mixing)' if mixing and samples % config.batch_size else '')
