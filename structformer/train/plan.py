@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 from .config import TrainConfig
-from .config_checks import CYCLING, TO_MIN_LR, floor_read
+from .config_checks import floor_read
 from .recipes import load_recipe, recipe_model_relation
 
 # --data forms a dry run reads: bundled or small, in memory (imagefolder decodes every image once and text
@@ -135,32 +135,8 @@ def check_phase_settings(config: TrainConfig, phases: List[Tuple[str, int]]) -> 
             config._validate_schedule(config.schedule_values(name, epochs), f"phase_settings.{name}.")
 
 
-def schedule_shape(values: dict) -> str:
-    """The schedule of `values` (TrainConfig.schedule_values) in words: its name, warm-up, and what it decays to."""
-    sched = values['sched']
-    shape = sched + (f", warm-up {values['warmup_epochs']:g} epochs from {values['warmup_lr']:.3g}"
-                     if sched != 'none' else '')
-    floor = f", floor {values['min_lr']:.3g}"
-    shape += {'cosine': floor, 'tanh': floor, 'poly': f", power {values['decay_rate']:g}{floor}",
-              'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
-              'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(sched, '')
-    if sched in CYCLING and values['lr_cycle_limit'] > 1:
-        shape += (f", {values['lr_cycle_limit']} cycles (each x{values['lr_cycle_mul']:g} as long, its peak "
-                  f"x{values['lr_cycle_decay']:g})")
-    if values['lr_k_decay'] != 1:
-        shape += f", k-decay {values['lr_k_decay']:g}"
-    noise = values['lr_noise']
-    if noise is not None:
-        span = f"from {noise[0]:g} of a cycle on" if len(noise) == 1 else f"over {noise[0]:g}-{noise[1]:g} of a cycle"
-        shape += (f", lr noise {span} (std {values['lr_noise_std']:g}, |noise| < {values['lr_noise_pct']:g} of the "
-                  f"lr, seed {values['seed']})")
-    if values['cooldown_epochs'] and values['sched'] in TO_MIN_LR:      # step / multistep / none take no cooldown
-        shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
-    return shape
-
-
 def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str]:
-    from .optim import never_decays, scheduled_lr
+    from .optim import never_decays, schedule_shape, scheduled_lr
     lines = []
     own = bool(config.phase_settings)
     phases = phase_plan(config) if own else [(None, config.epochs)]
@@ -448,6 +424,7 @@ def dry_run(config: TrainConfig) -> str:
         when = f"from epoch {config.factorize_at + 1} on" if config.factorize_at else 'the whole run'
         factorised = (f"; x {config.factorize_lr_scale:g} while factorised ({when}): peak "
                       f"{peak * config.factorize_lr_scale:.4g}")
+    from .optim import schedule_shape
     lines.append(f"lr            peak {peak:.4g} ({how}){factorised}; {schedule_shape(values)}")
     for key in ('min_lr', 'warmup_lr'):
         value = values[key]
