@@ -158,3 +158,34 @@ def test_a_recovery_point_in_the_switch_epoch_keeps_what_the_switch_cost(tmp_pat
     for key in first:
         if not key.endswith(('_per_s', '_s')):
             assert first[key] == second.get(key), key
+
+
+def test_the_weight_averages_decay_warm_up_restarts_with_it_at_the_switch(tmp_path, monkeypatch):
+    """--model-ema restarts its average from the factorised network at the switch (another architecture); timm's
+    ModelEmaV3 warms its decay up from `step`, so the restarted average must get the steps since the restart: the
+    decays of the factorised epoch are the dense epoch's, from the warm-up's first value (decay 0: a copy) on.
+    Given the global step instead, the restarted average started at the decay the run had reached. The steps are
+    the loop's (global_step, then the parts' after_step), without the training between them."""
+    from timm.utils import ModelEmaV3
+    used = []
+    get_decay = ModelEmaV3.get_decay
+    monkeypatch.setattr(ModelEmaV3, 'get_decay', lambda self, step=None: used.append(get_decay(self, step)) or used[-1])
+    trainer = Trainer(_config(tmp_path, epochs=2, limit_train_batches=4, val_fraction=0.05, model_ema=True,
+                              model_ema_warmup=True, model_ema_decay=0.99), progress=False)
+    trainer._build()
+    trainer.global_step = 0
+    average = trainer.parts[-1]
+    assert trainer.steps_per_epoch == 4 and type(average).__name__ == 'WeightAveragePart'
+
+    def epoch():
+        used.clear()
+        for _ in range(trainer.steps_per_epoch):
+            trainer.global_step += 1
+            average.after_step(trainer)
+        return list(used)
+
+    dense = epoch()
+    assert dense[0] == 0.0 and 0 < dense[1] < dense[2] < dense[3] < 0.99
+    trainer.lowrank.before_epoch(trainer, trainer.config.factorize_at + 1)     # the switch, as the loop makes it
+    assert 'blocks.0.mlp.fc1.U' in average.average.module.state_dict()          # the average restarted on it
+    assert epoch() == dense

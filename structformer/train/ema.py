@@ -1,6 +1,7 @@
 """An exponential moving average of the weights (timm.utils.ModelEmaV3), as a part the training loop calls.
 
-Updated after every optimiser step with the step count (so timm's optional decay warm-up follows the run),
+Updated after every optimiser step with the step count since the average started (so timm's optional decay
+warm-up follows the run, and starts again with an average restarted on a factorised network: train/parts.py),
 evaluated beside the model every epoch (`ema_val_*` in metrics.jsonl), saved as `ema.safetensors` in each
 checkpoint and restored on --resume; `structformer eval --ema` scores it.
 """

@@ -214,6 +214,16 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
                 + (f" (x {cfg.factorize_lr_scale:g} while factorised)" if cfg.factorises()
                    and cfg.factorize_lr_scale != 1 else ''))
 
+    def _schedule_warnings(self) -> List[str]:
+        """A step / multistep schedule that never decays within the run, or within a phase with its own schedule
+        (optim.never_decays): timm's train.py trains on at the peak without a word."""
+        from .optim import never_decays
+        if not self.config.phase_settings:
+            return [w for w in [never_decays(self.config.schedule_values(), self.steps_per_epoch)] if w]
+        found = (never_decays(self.config.schedule_values(p.name, p.epochs), self.steps_per_epoch,
+                              f"phase_settings.{p.name}.") for p in self.phases)
+        return [w for w in found if w]
+
     def _fit(self, start_epoch: int, aside: Optional[Path]) -> TrainResult:
         cfg = self.config
         if self.resume:
@@ -231,6 +241,8 @@ class Trainer(RunBuild, LoaderSetup, TrainStep, CheckpointGlue):
             self._save(0, {})                    # the random init, for white-box comparisons
         if self.is_main:
             print(self._describe_plan(), flush=True)
+            for warning in self._schedule_warnings():
+                print(warning, file=sys.stderr, flush=True)
         history: List[Dict] = []
         last_path = None
         if self.is_main:                  # `--resume PATH` into a fresh --output: nothing committed here yet

@@ -10,6 +10,13 @@ from ..data.seeding import EpochOrder, SeededSamples, ShuffledOrder, repeat_aug_
 from ..errors import UsageError
 
 
+def no_training_batch(batch_size: int, samples: int, mixing: bool) -> UsageError:
+    """The refusal of a batch larger than a process's share of the data when mixing drops the partial batch (also
+    the plan's, train/plan.py, so --dry-run refuses what training refuses)."""
+    return UsageError(f"-b/--batch-size {batch_size} leaves no training batch: this process has {samples} training "
+                      "samples" + (" and --mixup drops a partial batch" if mixing else ''))
+
+
 class LoaderSetup:
     """`Trainer`'s loaders: reads `config`, `train_ds`, `val_ds`, `info`, `mixup`, `rank`, `world_size`, `device`;
     sets `train_loader`, `train_order`, `batches_per_epoch`, `steps_per_epoch`, `eval_loader`."""
@@ -48,9 +55,7 @@ class LoaderSetup:
         if self.batches_per_epoch == 0 and getattr(self.train_ds, 'empty_because', None):
             raise UsageError(self.train_ds.empty_because)     # e.g. ImageNet's validation images alone
         if self.batches_per_epoch == 0:
-            raise UsageError(f"-b/--batch-size {cfg.batch_size} leaves no training batch: this process has "
-                             f"{len(self.train_order)} training samples" + (" and --mixup drops a partial batch"
-                                                                              if self.mixup is not None else ''))
+            raise no_training_batch(cfg.batch_size, len(self.train_order), self.mixup is not None)
         # the schedule counts optimiser steps: --limit-train-batches shortens every epoch, accumulation divides it
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.grad_accum_steps)
         val = self.val_ds if self.world_size == 1 else Subset(self.val_ds, range(self.rank, len(self.val_ds),

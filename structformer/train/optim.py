@@ -6,6 +6,8 @@
     make_scheduler    timm's create_scheduler_v2, stepped per optimiser step (cosine, tanh, poly, step, multistep;
                       'none' is a constant lr), with --cooldown-epochs, a --warmup-prefix warm-up and every
                       restart (--lr-cycle-*) counted inside --epochs; --lr-k-decay, --lr-noise as timm's
+    never_decays      a warning where a step / multistep schedule never decays within its epochs
+    schedule_shape    a schedule in words (the plan's lr line)
 
 `values` is `TrainConfig.schedule_values()`: the run's settings, or a phase's (`phase_settings`) over them.
 The trainer and `--dry-run` both call these, so the plan prints the learning rates training will use.
@@ -15,9 +17,9 @@ from typing import Any, Collection, Dict, List, Optional
 import torch
 
 from ..errors import UsageError
-from .config_checks import CYCLING
+from .config_checks import CYCLING, TO_MIN_LR
 
-__all__ = ['param_groups', 'make_optimizer', 'make_scheduler', 'scheduled_lr']
+__all__ = ['param_groups', 'make_optimizer', 'make_scheduler', 'scheduled_lr', 'never_decays', 'schedule_shape']
 
 
 def param_groups(model: torch.nn.Module, config, weight_decay: float, exempt: Collection[str] = ()) -> List[Dict]:
@@ -114,6 +116,62 @@ def scheduled_lr(values: Dict[str, Any], lr: float, steps_per_epoch: int, steps:
             scheduler.step_update(num_updates=step)
         out.append(optimizer.param_groups[0]['lr'])
     return out
+
+
+def never_decays(values: Dict[str, Any], steps_per_epoch: Optional[int], where: str = '--') -> Optional[str]:
+    """A warning where a step / multistep schedule (`values`, as `make_scheduler` takes them) never decays within its
+    epochs, else None: timm's train.py says nothing, and its defaults (--decay-epochs 90, --decay-milestones 90 180
+    270) are ImageNet's, so a short run trains at the peak throughout. Judged as timm's scheduler steps: an optimiser
+    step uses the lr of index t = steps made so far (0 .. total - 1); the warm-up covers t < warmup_t; step decays
+    at t - prefix >= decay_t, multistep at t - prefix + 1 >= a milestone (timm's convention), in optimiser steps
+    (epochs x steps_per_epoch, timm's own products). Without steps_per_epoch the judgement is on epochs alone.
+    `where` prefixes the setting's name (`--`, or `phase_settings.NAME.`)."""
+    sched = values['sched']
+    if sched not in ('step', 'multistep'):
+        return None
+    per = steps_per_epoch or 10 ** 6        # unknown: a fine grain, so the test is on epochs
+    warm = values['warmup_epochs'] * per
+    prefix = warm if values['warmup_prefix'] else 0
+    last = values['epochs'] * per - 1
+    def named(key: str) -> str:
+        return f"--{key.replace('_', '-')}" if where == '--' else f"{where}{key}"
+    if sched == 'step':
+        first = max(values['decay_epochs'] * per + prefix, warm)
+        setting = f"{named('decay_epochs')} {values['decay_epochs']:g}"
+    else:
+        milestones = [m * per for m in values['decay_milestones']]
+        first = max(min(milestones) + prefix - 1, warm) if milestones else float('inf')
+        setting = f"{named('decay_milestones')} {' '.join(f'{m:g}' for m in values['decay_milestones'])}"
+    if first <= last:
+        return None
+    after = ' (after the warm-up prefix)' if prefix else ''
+    return (f"warning: {setting} with {named('sched')} {sched}: the lr never decays in this "
+            f"{values['epochs']:g}-epoch run, its first decay{after} falls past the last optimiser step; give a smaller "
+            f"{named('decay_epochs' if sched == 'step' else 'decay_milestones')} for it to decay")
+
+
+def schedule_shape(values: dict) -> str:
+    """The schedule of `values` (TrainConfig.schedule_values) in words: its name, warm-up, and what it decays to."""
+    sched = values['sched']
+    shape = sched + (f", warm-up {values['warmup_epochs']:g} epochs from {values['warmup_lr']:.3g}"
+                     if sched != 'none' else '')
+    floor = f", floor {values['min_lr']:.3g}"
+    shape += {'cosine': floor, 'tanh': floor, 'poly': f", power {values['decay_rate']:g}{floor}",
+              'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
+              'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(sched, '')
+    if sched in CYCLING and values['lr_cycle_limit'] > 1:
+        shape += (f", {values['lr_cycle_limit']} cycles (each x{values['lr_cycle_mul']:g} as long, its peak "
+                  f"x{values['lr_cycle_decay']:g})")
+    if values['lr_k_decay'] != 1:
+        shape += f", k-decay {values['lr_k_decay']:g}"
+    noise = values['lr_noise']
+    if noise is not None:
+        span = f"from {noise[0]:g} of a cycle on" if len(noise) == 1 else f"over {noise[0]:g}-{noise[1]:g} of a cycle"
+        shape += (f", lr noise {span} (std {values['lr_noise_std']:g}, |noise| < {values['lr_noise_pct']:g} of the "
+                  f"lr, seed {values['seed']})")
+    if values['cooldown_epochs'] and values['sched'] in TO_MIN_LR:      # step / multistep / none take no cooldown
+        shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
+    return shape
 
 
 def lr_at(optimizer: Optional[torch.optim.Optimizer]) -> float:

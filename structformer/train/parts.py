@@ -151,10 +151,22 @@ class WeightAveragePart(Part):
     def __init__(self, model, config, rank: int = 0):
         from .ema import WeightAverage
         self.average = WeightAverage(model, config.model_ema_decay, config.model_ema_warmup)
-        self.rank = rank
+        self.config, self.rank = config, rank
 
     def after_step(self, trainer) -> None:
-        self.average.update(trainer.model, trainer.global_step)
+        # timm's ModelEmaV3 warms its decay up from `step` (a copy at step 1, then 1 - (1 + step)^-2/3 up to the
+        # decay): an average restarted at the switch gets the steps since it, as the run's average got them from the
+        # run's start; the global step would start it at the decay the run had reached
+        self.average.update(trainer.model, trainer.global_step - self.restart_step(trainer))
+
+    def restart_step(self, trainer) -> int:
+        """The optimiser step the average last started at: after `factorize_at` dense epochs once the network is
+        factorised (`model_replaced`), else 0. From the configuration and the recipe rather than remembered, so a run
+        resumed after the switch counts from the same step (the global step of a resume on another process count
+        is re-counted in whole epochs of this one, save_resume.py, as this is)."""
+        cfg = self.config
+        switched = bool(cfg.factorize_at) and any(t['name'] == 'factorize' for t in trainer.recipe.transforms)
+        return cfg.factorize_at * trainer.steps_per_epoch if switched else 0
 
     def model_replaced(self, trainer) -> None:
         # another architecture (e.g. factorised): the average restarts from the new weights

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UsageError
 from .config import TrainConfig
-from .config_checks import CYCLING, TO_MIN_LR, floor_read
+from .config_checks import floor_read
 from .recipes import load_recipe, recipe_model_relation
 
 # --data forms a dry run reads: bundled or small, in memory (imagefolder decodes every image once and text
@@ -135,32 +135,8 @@ def check_phase_settings(config: TrainConfig, phases: List[Tuple[str, int]]) -> 
             config._validate_schedule(config.schedule_values(name, epochs), f"phase_settings.{name}.")
 
 
-def schedule_shape(values: dict) -> str:
-    """The schedule of `values` (TrainConfig.schedule_values) in words: its name, warm-up, and what it decays to."""
-    sched = values['sched']
-    shape = sched + (f", warm-up {values['warmup_epochs']:g} epochs from {values['warmup_lr']:.3g}"
-                     if sched != 'none' else '')
-    floor = f", floor {values['min_lr']:.3g}"
-    shape += {'cosine': floor, 'tanh': floor, 'poly': f", power {values['decay_rate']:g}{floor}",
-              'step': f", x{values['decay_rate']:g} every {values['decay_epochs']:g} epochs",
-              'multistep': f", x{values['decay_rate']:g} at epochs {values['decay_milestones']}"}.get(sched, '')
-    if sched in CYCLING and values['lr_cycle_limit'] > 1:
-        shape += (f", {values['lr_cycle_limit']} cycles (each x{values['lr_cycle_mul']:g} as long, its peak "
-                  f"x{values['lr_cycle_decay']:g})")
-    if values['lr_k_decay'] != 1:
-        shape += f", k-decay {values['lr_k_decay']:g}"
-    noise = values['lr_noise']
-    if noise is not None:
-        span = f"from {noise[0]:g} of a cycle on" if len(noise) == 1 else f"over {noise[0]:g}-{noise[1]:g} of a cycle"
-        shape += (f", lr noise {span} (std {values['lr_noise_std']:g}, |noise| < {values['lr_noise_pct']:g} of the "
-                  f"lr, seed {values['seed']})")
-    if values['cooldown_epochs'] and values['sched'] in TO_MIN_LR:      # step / multistep / none take no cooldown
-        shape += f", the last {values['cooldown_epochs']} epochs at {values['min_lr']:.3g} (cooldown)"
-    return shape
-
-
 def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str]:
-    from .optim import scheduled_lr
+    from .optim import never_decays, schedule_shape, scheduled_lr
     lines = []
     own = bool(config.phase_settings)
     phases = phase_plan(config) if own else [(None, config.epochs)]
@@ -181,7 +157,9 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
                                  f"the recipe's effective batch or --phase-settings {name} {key}=...")
         if steps:
             total = steps * epochs
-            warm = round(values['warmup_epochs'] * steps) if values['sched'] != 'none' else 0
+            # timm's warm-up covers the steps t < warmup_epochs x steps (its own product): it ends at the first
+            # whole step at or past that, not at the nearest one
+            warm = math.ceil(values['warmup_epochs'] * steps) if values['sched'] != 'none' else 0
             points = [('end of warm-up' if warm else 'start (no warm-up)', warm), ('half-way', total // 2),
                       ('end', total)]
             shown = []
@@ -190,6 +168,9 @@ def _lr_lines(config: TrainConfig, world: int, steps: Optional[int]) -> List[str
                 shown.append(f"{label} (step {_count(start * steps + step)}): "
                              f"{scheduled_lr(values, lr, steps, [step])[0]:.4g}")
             lines.append("  " + ("  " if own else '') + " | ".join(shown))
+        never = never_decays(values, steps, f"phase_settings.{name}." if own else '--')
+        if never:
+            lines.append("  " + ("  " if own else '') + never)
         start += epochs
     return lines
 
@@ -393,11 +374,22 @@ def dry_run(config: TrainConfig) -> str:
             batches = worker_batches(samples, config.batch_size, workers, mixing)
             if config.limit_train_batches:
                 batches = min(batches, config.limit_train_batches)
+        if batches == 0:                  # refused as training refuses it (train/loaders.py), before any step count
+            from .loaders import no_training_batch
+            raise no_training_batch(config.batch_size, samples, mixing)
         steps = math.ceil(batches / config.grad_accum_steps)
         lines.append(f"steps         {_count(steps)} optimiser steps per epoch ({_count(batches)} batches per process"
                      + (', last partial batch dropped (mixing)' if mixing and samples % config.batch_size else '')
                      + (f', limited by --limit-train-batches {config.limit_train_batches}' if config.limit_train_batches else '')
                      + f"), {_count(steps * config.epochs)} in total over {config.epochs} epochs")
+        held = samples * world            # the images one epoch feeds, over every process
+        if eff > held:
+            # timm's arithmetic is kept (the batch above, --lr-base scaled by it): users compare with timm's train.py
+            lines.append(f"  note: one optimiser step of {_count(eff)} images spans more than the {_count(held)} one "
+                         f"epoch holds: each epoch makes {_count(steps)} optimiser step{'s' if steps != 1 else ''} of "
+                         f"what it has ({_count(batches)} batch{'es' if batches != 1 else ''} per process), while "
+                         f"the batch above{' and --lr-base scaling' if config.lr_base is not None else ''} "
+                         f"count {_count(eff)}, as timm's train.py does")
     else:
         lines.append(f"steps         unknown without a dataset size; {config.epochs} epochs")
 
@@ -432,6 +424,7 @@ def dry_run(config: TrainConfig) -> str:
         when = f"from epoch {config.factorize_at + 1} on" if config.factorize_at else 'the whole run'
         factorised = (f"; x {config.factorize_lr_scale:g} while factorised ({when}): peak "
                       f"{peak * config.factorize_lr_scale:.4g}")
+    from .optim import schedule_shape
     lines.append(f"lr            peak {peak:.4g} ({how}){factorised}; {schedule_shape(values)}")
     for key in ('min_lr', 'warmup_lr'):
         value = values[key]
