@@ -50,9 +50,13 @@ def temporary_sibling(target, directory: bool = False, suffix: str = '', kind: s
         raise ValueError(f"kind={kind!r}: accepted {', '.join(_KINDS)}")
     target = Path(target).absolute()
     prefix = f"{target.name}.{kind}-{os.getpid()}-{_HOST}-"
-    if directory:
-        return Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=suffix))
-    handle, name = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=suffix)
+    try:
+        if directory:
+            return Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=suffix))
+        handle, name = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=suffix)
+    except OSError as e:
+        # said of the temporary, the error would name a file the user never gave (OUT.tmp-PID-HOST-X): it names OUT
+        raise type(e)(e.errno, e.strerror, str(target)) from None
     os.close(handle)
     return Path(name)
 

@@ -124,19 +124,32 @@ def environment(device='cpu') -> dict:
 
 def check_writable(path, flag: str, shown=None) -> None:
     """Raise ValueError naming `flag` and the path the user gave (`shown`, default `path`) unless `path` (or the
-    nearest folder that exists above it) can be written, saying which folder is read-only: checked before any
-    work, so a long run never dies at its first output."""
+    nearest folder that exists above it) can be written, saying which folder is read-only, or where no file can be
+    created (a file is made there and removed): checked before any work, so a long run never dies at its first
+    output."""
     shown = path if shown is None else shown
     probe = Path(path).absolute()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
         raise ValueError(f"{flag} {shown}: {probe} is a file, not a folder")
+    where = 'it' if probe == Path(shown).absolute() else (
+        f"its folder {probe}" if probe == Path(shown).absolute().parent else f"its nearest existing folder {probe}")
     if not os.access(probe, os.W_OK | os.X_OK):
-        where = 'it' if probe == Path(shown).absolute() else (
-            f"its folder {probe}" if probe == Path(shown).absolute().parent else f"its nearest existing folder {probe}")
         raise ValueError(f"{flag} {shown}: cannot be written: {where} is not writable (read-only file system or "
                          "no permission)")
+    # access(2) answers for the permission bits, which root passes everywhere: /proc and /sys say writable, yet no
+    # file can be made there. A file is made and removed, so that the failure is said here, naming `flag`, and not
+    # by the first temporary of the output (OUT.tmp-PID-...), a name the user never gave
+    from .atomic import temporary_sibling
+    before = probe.stat()
+    try:
+        temporary_sibling(probe / '.write-check').unlink()
+    except OSError as e:
+        reason = (e.strerror or str(e)).lower()
+        raise ValueError(f"{flag} {shown}: cannot be written: no file can be created in {where} ({reason})") from None
+    with contextlib.suppress(OSError):            # a check leaves the folder as it found it, its time included
+        os.utime(probe, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
 @contextlib.contextmanager

@@ -545,7 +545,7 @@ def _check_one_error(argv, needles, files, tmp_path, capsys):
     except SystemExit as e:                        # argparse's own errors
         rc = e.code
     out, err = capsys.readouterr()
-    command = ' '.join(argv[:2] if argv[0] in ('bench', 'reproduce') else argv[:1])
+    command = ' '.join(argv[:2] if argv[0] in ('bench', 'reproduce', 'data') else argv[:1])
     errors = [line for line in err.splitlines() if 'error:' in line]
     assert rc == 2, (argv, rc, err)
     assert 'Traceback' not in err
@@ -667,3 +667,65 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     proc.stdout.close()                        # no reader: the command's first write meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and 'Traceback' not in err and 'BrokenPipe' not in err, err
+
+
+@pytest.fixture
+def uncreatable_folder(files, tmp_path, monkeypatch):
+    """A folder that access(2) calls writable but where nothing can be created: /proc as root (creating
+    /proc/x.pt2 fails with 'no such file or directory'). Simulated for every user: os.open and os.mkdir, which
+    tempfile and Path.mkdir call, fail there."""
+    folder = tmp_path / 'proc_like'
+    folder.mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def inside(path) -> bool:
+        path = Path(os.path.abspath(os.fsdecode(path)))
+        return path.is_relative_to(folder) and path != folder and not path.exists()
+
+    def fail(path):
+        import errno
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(path))
+
+    def open_(path, flags, *args, **kwargs):
+        return fail(path) if inside(path) and flags & os.O_CREAT else real_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        return fail(path) if inside(path) else real_mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, 'open', open_)
+    monkeypatch.setattr(os, 'mkdir', mkdir)
+    return folder
+
+
+UNCREATABLE_CASES = [
+    ('export-torch-export', ['export', '{run}', '--format', 'torch-export', '--output', '{nc}/x.pt2'], '--output'),
+    ('export-onnx', ['export', '{run}', '--format', 'onnx', '--output', '{nc}/x.onnx'], '--output'),
+    ('export-hf', ['export', '{run}', '--format', 'hf', '--output', '{nc}/hf'], '--output'),
+    ('export-new-subfolder', ['export', '{run}', '--format', 'hf', '--output', '{nc}/sub/hf'], '--output'),
+    ('convert', ['convert', '--from', 'timm', '{run}/checkpoints/epoch_0001/model.safetensors', '--model',
+                 'crate_digits', '--output', '{nc}/converted'], '--output'),
+    ('train-new-run', ['train', '--output', '{nc}/run'], '--output'),
+    ('train-into-the-folder', ['train', '--output', '{nc}'], '--output'),
+    ('data-shard', ['data', 'shard', '{rgb10}', '{nc}/shards'], 'OUT'),
+    ('compare', ['compare', '--models', 'vit', '--epochs', '1', '--output', '{nc}/compare'], '--output'),
+    ('analyze', ['analyze', '--checkpoint', '{run}', '--output', '{nc}/analysis'], '--output'),
+]
+
+
+@pytest.mark.parametrize('argv, flag', [c[1:] for c in UNCREATABLE_CASES], ids=[c[0] for c in UNCREATABLE_CASES])
+def test_an_output_that_cannot_be_created_is_named_as_given(argv, flag, files, uncreatable_folder, tmp_path, capsys):
+    """`export --output /proc/x.pt2` as root: the folder passes access(2), the file cannot be created, and the one
+    line named the temporary (/proc/x.pt2.tmp-PID-HOST-X.pt2: no such file or directory), not --output or the path
+    given; data shard named its work folder (/proc/.shards.shard-work), train its lock (/proc/.lock). Now every
+    command refuses before any work, naming its argument and the path as given."""
+    shown = argv[-1].format(nc=uncreatable_folder, **{k: str(v) for k, v in files.items()})
+    argv = [a.format(nc=uncreatable_folder, tmp=tmp_path, **{k: '{' + k + '}' for k in files}) for a in argv]
+    _check_one_error(argv, [f'{flag} {shown}: cannot be written', 'no such file or directory'], files, tmp_path,
+                     capsys)
+    assert 'tmp-' not in capsys.readouterr().err
+
+
+def test_a_bench_output_file_that_cannot_be_created_is_refused_before_the_run(uncreatable_folder):
+    """The bench targets check --output with check_output_file before measuring (run here without measuring)."""
+    from structformer.records import check_output_file
+    with pytest.raises(ValueError, match=rf'^--output {uncreatable_folder}/b.json: cannot be written: no file can be created in its folder '):
+        check_output_file(uncreatable_folder / 'b.json', '--output')

@@ -484,3 +484,39 @@ def test_pretrained_in_chans_change_says_what_was_done(name, tmp_path, caplog):
     assert any('input channels 1 -> 3' in r.getMessage() for r in caplog.records)
     if name.startswith('wrn'):
         torch.testing.assert_close(model.stem.weight, adapt_input_conv(3, source.stem.weight.detach(), base_chans=1))
+
+
+class _CpuTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (dtype, shape) of every tensor an aten op makes on the CPU while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == 'cpu':
+                self.made.append((t.dtype, tuple(t.shape)))
+        return out
+
+
+# the largest variant of each family (77M-113M weights): on 'meta' none of them may be made on the CPU first
+@pytest.mark.parametrize('name', ['crate_large_patch16_224', 'soft_huge_official_224', 'softpp_huge_official_224',
+                                  'sparsifiner_deit_small_patch16_224', 'sparse_mixer_b16_224', 'rp_mixer_b16_224',
+                                  'swmlp_cifar', 'wrn_28_10', 'gpt2_byte_small'])
+def test_create_model_on_meta_makes_no_weight_on_the_cpu(name):
+    """timm.create_model(name, device='meta') builds on the meta device, as timm's own models do: no weight or buffer
+    of the model is ever made on the CPU (ours were built on the CPU, all 87M weights of SOFT-Huge filled there by
+    their initialisers, then moved). The low-rank transform then factorises the meta model without the CPU too."""
+    from structformer import factorize
+    made = _CpuTensors()
+    with made:
+        model = timm.create_model(name, device='meta', dtype=torch.bfloat16)
+        if name == 'wrn_28_10':
+            model = factorize(model, 0.25)
+    tensors = dict(model.named_parameters(), **dict(model.named_buffers()))
+    assert {t.device.type for t in tensors.values()} == {'meta'}
+    shapes = {tuple(t.shape) for t in tensors.values() if t.is_floating_point() and t.numel() > 1}
+    on_cpu = sorted({shape for dtype, shape in made.made if dtype.is_floating_point and shape in shapes})
+    assert not on_cpu, f"{name}: weights of shapes {on_cpu[:4]} were made on the CPU"

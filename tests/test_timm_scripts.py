@@ -82,3 +82,25 @@ def test_eval_and_export_of_a_timm_checkpoint_point_to_convert(tmp_path, capsys)
     assert 'structformer convert FILE --from timm' in capsys.readouterr().err
     assert main(['export', str(checkpoint), '--format', 'hf', '--output', str(tmp_path / 'hf')]) == 2
     assert 'structformer convert FILE --from timm' in capsys.readouterr().err and not (tmp_path / 'hf').exists()
+
+
+def test_eval_of_a_folder_without_a_split_takes_the_val_fraction_its_error_names(tmp_path, capsys):
+    """A folder of class folders alone (no train/ and val/, as validate.py reads one) is split by the held-out
+    fraction; too few images for the run's 0.2 and eval's one line said 'give --val-fraction in [0.34, 0.66]', a flag
+    eval did not take (argparse: unrecognized arguments). eval now takes it, and the remedy works."""
+    torch.manual_seed(0)
+    model = timm.create_model('crate_digits', in_chans=3, num_classes=3)
+    weights = save_weights_folder(model.eval(), tmp_path / 'weights', {'in_chans': 3, 'num_classes': 3})
+    for c in range(3):
+        (tmp_path / 'flat' / f'class{c}').mkdir(parents=True)
+        for i in range(3):
+            Image.new('RGB', (8, 8), (40 * c, 10 * i, 0)).save(tmp_path / 'flat' / f'class{c}' / f'{i}.png')
+    argv = ['eval', '--checkpoint', str(weights), '--data', f"imagefolder:{tmp_path / 'flat'}"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert '--val-fraction in [0.34, 0.66]' in error
+    assert main(argv + ['--val-fraction', '0.5', '--json']) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['images'] == 5      # sklearn holds out ceil(9 * 0.5)
+    with pytest.raises(SystemExit):
+        main(argv + ['--val-fraction', '1'])
+    assert '--val-fraction' in capsys.readouterr().err

@@ -24,6 +24,10 @@ def add_arguments(p) -> None:
                    help='the held-out images (val, or validation as timm spells it) or the training images (train), '
                         'either read with the evaluation transform, without augmentation (as timm\'s validate.py '
                         'reads a split)')
+    p.add_argument('--val-fraction', type=_fraction, default=None, metavar='F',
+                   help="the held-out fraction where the data has no split of its own (an image folder of class "
+                        "folders alone), as train's: default the run's (0.2 for converted weights); on the run's own "
+                        "data another fraction holds out other images, some of them trained on")
     p.add_argument('-b', '--batch-size', type=positive_int('--batch-size'), default=None,
                    help="(default: the run's --eval-batch-size, else 256)")
     p.add_argument('--amp', action=argparse.BooleanOptionalAction, default=None,
@@ -35,6 +39,16 @@ def add_arguments(p) -> None:
     p.add_argument('--ema', action='store_true', help='score the weight average of a run trained with --model-ema')
     p.add_argument('--per-class', action='store_true',
                    help="also each class's images and top-1, by the class names the run recorded")
+
+
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not 0.0 < number < 1.0:
+        raise argparse.ArgumentTypeError(f"--val-fraction must be a number in (0, 1), got {value!r}")
+    return number
 
 
 def run(args) -> int:
@@ -64,8 +78,9 @@ def _run(args, out=None) -> int:
     from ..train.scoring_data import check_model_input, checkpoint_data_options, trained_input_size, unaugmented
     data_kwargs = checkpoint_data_options(state, args.data, args.data_kwargs)   # the run's on its own data only
     data_kwargs = unaugmented(data, data_kwargs)      # every split scored with the evaluation transform
-    train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=cfg.get('val_fraction', 0.2),
-                                            **data_kwargs)
+    # the stratified split's refusal names --val-fraction as its remedy: eval takes it too
+    val_fraction = args.val_fraction if args.val_fraction is not None else cfg.get('val_fraction', 0.2)
+    train_ds, val_ds, info = build_datasets(data, seed=cfg.get('seed', 0), val_fraction=val_fraction, **data_kwargs)
     if info.num_classes != model.num_classes:
         raise ValueError(f"--data {data} has {info.num_classes} classes but the checkpoint's model predicts "
                          f"{model.num_classes}")

@@ -230,13 +230,20 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     through timm's `load_pretrained` with the family's filter (`structformer.weights.filters`: classifier, input
     channels, position embeddings adapted, anything else that does not fit refused by name); with no weights
     configured it fails in one line naming what to pass. `device` / `dtype` (which timm.create_model hands every
-    entry point; timm's own models build there) move the built model there, as `model.to(device, dtype)` would:
-    our layers take no factory arguments, and moving after building keeps every initialiser (seeded masks and
-    permutations drawn on the CPU) as it is."""
+    entry point; timm's own models build there): `device='meta'` builds on the meta device (under its device
+    context: no weight is ever made, so a model of any size costs no memory, as timm's own models on 'meta'); any
+    other device gets the model built on the CPU and moved, as `model.to(device, dtype)` would: our layers take no
+    factory arguments, and building on the CPU keeps every initialiser (seeded masks and permutations drawn on the
+    CPU) the same on every device."""
     placement = {k: kwargs.pop(k) for k in ('device', 'dtype') if kwargs.get(k) is not None}
     kwargs.pop('device', None), kwargs.pop('dtype', None)
     if placement:
-        return create_model(cls, variant, pretrained, default_out_indices, feature_output_fmt, **kwargs).to(**placement)
+        # the index vectors (permutations) are made on the CPU on purpose (layers/linear/permutation.py): the
+        # final .to() moves those few integers to meta too
+        on_meta = torch.device(placement['device']).type == 'meta' if 'device' in placement else False
+        with torch.device('meta') if on_meta else nullcontext():
+            model = create_model(cls, variant, pretrained, default_out_indices, feature_output_fmt, **kwargs)
+        return model.to(**placement)
     if pretrained:
         check_pretrained_source(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
     depth = kwargs.get('depth')
