@@ -395,20 +395,26 @@ def test_the_index_cache_keeps_the_newest_few_and_non_ascii_names(tmp_path, cach
     assert again.names == first.names and f'{WNIDS[0]}/n01440764_é.JPEG' in again.names
 
 
-def test_a_bad_image_met_while_writing_shards_says_skip_resumes(tmp_path, cache, capsys):
-    """An image inside the train tar that does not decode stops `data shard` hours in (the tars get no up-front
-    check). The line said 'fix or remove it': removing it changes what every shard holds, so every finished shard
-    was written again. It now says so, and that --bad-images skip resumes from the finished shards."""
-    from structformer.cli import main
-    root = tmp_path / 'in'
+def _download_with_a_cut_image(root: Path) -> Path:
+    """The ImageNet download at `root` with the second image of the third class's train tar cut after its header
+    (it passes the tars' listing and fails to decode when it is read)."""
     download(root)
     with tarfile.open(root / 'ILSVRC2012_img_train.tar') as outer:
         inner = [(m.name, outer.extractfile(m).read()) for m in outer]
     with tarfile.open(fileobj=io.BytesIO(inner[2][1])) as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar]
-    members[1] = (members[1][0], members[1][1][:60])                 # cut after its header
+    members[1] = (members[1][0], members[1][1][:60])
     inner[2] = (inner[2][0], _tar_bytes(members))
     (root / 'ILSVRC2012_img_train.tar').write_bytes(_tar_bytes(inner))
+    return root
+
+
+def test_a_bad_image_met_while_writing_shards_says_skip_resumes(tmp_path, cache, capsys):
+    """An image inside the train tar that does not decode stops `data shard` hours in (the tars get no up-front
+    check). The line said 'fix or remove it': removing it changes what every shard holds, so every finished shard
+    was written again. It now says so, and that --bad-images skip resumes from the finished shards."""
+    from structformer.cli import main
+    root = _download_with_a_cut_image(tmp_path / 'in')
     argv = ['data', 'shard', f'imagenet:{root}', str(tmp_path / 'wds'), '--shard-size', '1']
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -534,15 +540,7 @@ def test_an_undecodable_image_met_while_training_names_bad_images_skip(tmp_path,
     said 'image … cannot be read: …' alone, while the wds form's line names --data-kwargs bad_images=skip, which
     trains past it. It now names the option too; with it the image is replaced (and named in the log)."""
     from structformer.cli import main
-    root = tmp_path / 'in'
-    download(root)
-    with tarfile.open(root / 'ILSVRC2012_img_train.tar') as outer:
-        inner = [(m.name, outer.extractfile(m).read()) for m in outer]
-    with tarfile.open(fileobj=io.BytesIO(inner[2][1])) as tar:
-        members = [(m.name, tar.extractfile(m).read()) for m in tar]
-    members[1] = (members[1][0], members[1][1][:60])                 # cut after its header
-    inner[2] = (inner[2][0], _tar_bytes(members))
-    (root / 'ILSVRC2012_img_train.tar').write_bytes(_tar_bytes(inner))
+    root = _download_with_a_cut_image(tmp_path / 'in')
     train, _, _ = build_datasets(f'imagenet:{root}', img_size=8)
     bad = train.split.names.index(f'{WNIDS[2]}/{WNIDS[2]}_1.JPEG')
     with pytest.raises(ValueError, match=r'^--data .imagenet:.*cannot be read: .*--data-kwargs bad_images=skip'):
