@@ -5,10 +5,17 @@ validation shards' tar headers, the header scan of shards without `_info.json`, 
 by each process, P times the reads of one, all at once on the same disk. Here process 0 does it and the others
 take its result. An error raised on process 0 (a damaged shard) is raised on every process with the same
 message: the others would otherwise wait in the broadcast for good.
+
+The others wait in a broadcast on a gloo group of their own with a day's timeout, not on the training group: a first
+run's ImageNet index (1.28 M tar headers) can outlast the training group's collective timeout (NCCL's default is 10
+minutes), and its watchdog stopped the waiting processes. Should process 0 die instead, torchrun stops the others.
 """
+from datetime import timedelta
 from typing import Callable, TypeVar
 
 T = TypeVar('T')
+WAIT = timedelta(hours=24)
+_groups = {}          # the training group (torch's WORLD object) -> the waiting group made for it
 
 
 def distributed() -> bool:
@@ -30,18 +37,30 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f'{type(error).__name__}: {error}')
 
 
+def _waiting_group():
+    """A gloo group of every process with the WAIT timeout, made once per training group (every process calls this,
+    in the same order, as new_group requires). gloo: CPU objects, whichever backend trains."""
+    import torch.distributed as dist
+    world = dist.group.WORLD
+    if world not in _groups:
+        _groups.clear()                # a group of an earlier, destroyed training group is not kept
+        _groups[world] = dist.new_group(backend='gloo', timeout=WAIT)
+    return _groups[world]
+
+
 def on_process_0(work: Callable[[], T]) -> T:
     """work() on process 0, its result broadcast to the others (a plain call without torch.distributed)."""
     if not distributed():
         return work()
     import torch.distributed as dist
+    group = _waiting_group()
     box = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ('ok', work())
         except Exception as e:
             box[0] = ('error', _portable(e))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     kind, value = box[0]
     if kind == 'error':
         raise value
