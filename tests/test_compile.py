@@ -19,7 +19,7 @@ from structformer.models.sparsifiner import predictor_parameter_names
 SMALL_MODELS = [name for name in list_structformer_models() if name.endswith('_digits')]
 # the SOFT pyramid with each baseline attention, at 28 px: every attention class compiles too, traced with one
 # block per stage (a graph break or a recompile is a property of the block's code, not of how many there are;
-# the Tiny depths made these five a tenth of the suite's time)
+# at the Tiny depths these five took 4 % of the suite's time)
 BASELINE_MODELS = [name for name in list_structformer_models()
                    if name.startswith('soft_tiny_') and name.endswith('_mnist')]
 ONE_BLOCK_PER_STAGE = {'depths': (1, 1, 1, 1)}
