@@ -181,13 +181,12 @@ def _check_val_classes(spec: str, urls: List[str], val_urls: List[str], info) ->
         ours, theirs = list(ours), list(theirs)
         if ours == theirs:
             return
-        if len(ours) != len(theirs):
-            k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)    # None: one extends the other
+        if len(ours) == len(theirs):
+            difference = f'class {k} is {ours[k]!r} in {train_dir}, {theirs[k]!r} in {val_dir}'
+        else:
             first = f'; class {k} is {ours[k]!r} there, {theirs[k]!r} here' if k is not None else ''
             difference = f'{len(ours)} classes in {train_dir}, {len(theirs)} in {val_dir}{first}'
-        else:
-            k = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-            difference = f'class {k} is {ours[k]!r} in {train_dir}, {theirs[k]!r} in {val_dir}'
     else:
         a, b = info.get('num_classes'), val_info.get('num_classes')
         a = len(ours) if ours else a
