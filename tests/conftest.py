@@ -42,6 +42,17 @@ def _seed_and_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope='module')
+def one_torch_thread():
+    """A module whose tests fork a command (tests/forking.py) runs at one torch thread, its module-scoped runs too
+    (`pytestmark = pytest.mark.usefixtures('one_torch_thread')`): a child forked after a parallel region hangs, and
+    runs compared bit for bit across parent and child must round alike. `make test` runs at one thread anyway."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 _INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
 
 

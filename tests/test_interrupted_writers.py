@@ -1,7 +1,8 @@
 """Writers killed mid-write (issue 45): `convert` and `export` write OUT through a temporary sibling named for its
 process (`structformer.atomic`); after a SIGKILL the temporary stays, is refused as input, and the next command
 writing OUT removes it (a folder moved aside while being replaced is put back first). Each case runs the real
-command in a subprocess that pauses inside the write and is then killed with SIGKILL."""
+command in a process of its own that pauses inside the write and is then killed with SIGKILL."""
+import importlib
 import os
 import signal
 import subprocess
@@ -17,49 +18,44 @@ from structformer.atomic import prepare_output, stale_temporaries, temporary_sib
 from structformer.cli import main
 from structformer.errors import UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+from forking import Forked
 
-# the child: pause for good once `target` (a dotted function) has run, or once os.replace moved OUT aside
-CHILD = """
-import importlib, os, sys, time
-module, name = sys.argv[1].rsplit('.', 1)
-argv = sys.argv[2:]
-if name == 'replace':                       # pause between moving the old OUT aside and renaming the new one in
-    real = os.replace
-    def replace(src, dst, *a, **k):
-        real(src, dst, *a, **k)
-        if '.old-' in str(dst):
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
+
+
+def _pausing_inside(target: str, argv):
+    """In the child: pause for good once `target` (a dotted function) has run, or once os.replace moved OUT
+    aside (`target` 'os.replace'); then run `structformer ARGV`."""
+    module, name = target.rsplit('.', 1)
+    if name == 'replace':                   # between moving the old OUT aside and renaming the new one in
+        real = os.replace
+
+        def replace(src, dst, *a, **k):
+            real(src, dst, *a, **k)
+            if '.old-' in str(dst):
+                print('PAUSED', flush=True)
+                time.sleep(600)
+        os.replace = replace
+    else:
+        owner = importlib.import_module(module)
+        real = getattr(owner, name)
+
+        def paused(*a, **k):
+            real(*a, **k)
             print('PAUSED', flush=True)
             time.sleep(600)
-    os.replace = replace
-else:
-    owner = importlib.import_module(module)
-    real = getattr(owner, name)
-    def paused(*a, **k):
-        real(*a, **k)
-        print('PAUSED', flush=True)
-        time.sleep(600)
-    setattr(owner, name, paused)
-from structformer.cli import main
-main(argv)
-"""
+        setattr(owner, name, paused)
+    return main(argv)
 
 
 def _killed_mid_write(target: str, argv) -> int:
-    """Run `structformer ARGV` in a child that pauses inside the write; SIGKILL it there. Returns its PID."""
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS='1')
-    child = subprocess.Popen([sys.executable, '-c', CHILD, target, *argv], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = child.stdout.readline()
-        assert line.strip() == 'PAUSED', (line, child.stderr.read() if child.poll() is not None else '')
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert child.returncode == -signal.SIGKILL
-    return child.pid
+    """Run `structformer ARGV` in a process of its own (forked: tests/forking.py) that pauses inside the write;
+    SIGKILL it there. Returns its PID."""
+    with Forked(_pausing_inside, target, argv) as child:
+        child.wait_for_output('PAUSED', timeout=120)
+        child.kill()
+        assert child.returncode == -signal.SIGKILL
+        return child.pid
 
 
 @pytest.fixture(scope='module')

@@ -3,11 +3,7 @@ an --overwrite stopped by Ctrl-C or SIGTERM before its first epoch puts the old 
 paths are stored absolute, benchmarks check their output before measuring, a full disk and a corrupt
 latest.json end in one line that says what is intact."""
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +11,10 @@ import pytest
 import yaml
 
 from structformer.cli import main
+
+from forking import run_forked
+
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ['--model', 'crate_digits', '--model-kwargs', 'depth=1', '--data', 'digits', '--warmup-epochs', '0',
@@ -99,16 +99,14 @@ def test_resume_from_an_older_checkpoint_of_the_run_into_its_own_folder_is_refus
 # ---------------------------------------------------------------- 2. an interrupted --overwrite
 
 def _interrupted(output, kill_at, signal_name=None, seed=5):
-    """`structformer train --overwrite` in a fresh process, stopped at test hook `kill_at` by `signal_name` sent
-    to itself (None: ended on the spot, as kill -9)."""
-    env = dict(os.environ, STRUCTFORMER_TEST_KILL_AT=kill_at, OMP_NUM_THREADS='1')
+    """`structformer train --overwrite` in a process of its own (forked: tests/forking.py; Ctrl-C and SIGTERM
+    there as Python sets them up), stopped at test hook `kill_at` by `signal_name` sent to itself (None: ended on
+    the spot, as kill -9)."""
+    env = {'STRUCTFORMER_TEST_KILL_AT': kill_at}
     if signal_name:
         env['STRUCTFORMER_TEST_KILL_WITH'] = signal_name
-    # SIGINT back to its default in the child: a suite started in the background (`make test &`, CI runners)
-    # hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt for it
-    return subprocess.run([sys.executable, '-m', 'structformer', 'train', *TINY, '--epochs', '2', '--seed', str(seed),
-                           '--output', str(output), '--overwrite'], env=env, capture_output=True, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return run_forked(main, ['train', *TINY, '--epochs', '2', '--seed', str(seed), '--output', str(output),
+                             '--overwrite'], env=env)
 
 
 def _eval(run, capsys):

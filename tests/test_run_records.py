@@ -3,8 +3,6 @@ commit, --overwrite that fails, schedules of shortened epochs, permissions, fore
 import json
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,10 @@ from structformer.train.checkpoint import resolve_checkpoint
 from structformer.train.engine import Trainer
 from structformer.train.run_dir import committed_checkpoints, read_metrics, reconcile
 
+from forking import run_forked
+
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
+
 EPOCHS = 2
 TINY = dict(model='crate_digits', data='digits', epochs=EPOCHS, batch_size=64, lr=3e-3, warmup_epochs=0,
             limit_train_batches=2, model_kwargs={'depth': 1})
@@ -24,15 +26,12 @@ def _config(output, **overrides):
     return TrainConfig(**dict(TINY, output=str(output), **overrides))
 
 
-def _train_in_subprocess(output, kill_at, overwrite=False):
-    """Train TINY in a fresh process that the test hook ends (os._exit, as kill -9) at `kill_at`."""
-    # the parent's thread count: the resumed half runs in this process and must round the same way
-    code = ('import json, sys, torch; from structformer.train import TrainConfig, train; '
-            f'torch.set_num_threads({torch.get_num_threads()}); '
-            'train(TrainConfig(**json.loads(sys.argv[1])), progress=False, overwrite=sys.argv[2] == "1")')
-    env = dict(os.environ, STRUCTFORMER_TEST_KILL_AT=kill_at)
-    done = subprocess.run([sys.executable, '-c', code, json.dumps(dict(TINY, output=str(output))), str(int(overwrite))],
-                          env=env, capture_output=True, text=True)
+def _train_killed(output, kill_at, overwrite=False):
+    """Train TINY in a process of its own (forked: tests/forking.py) that the test hook ends, as kill -9 would
+    (os._exit(137)), at `kill_at`. The fork keeps this process's thread count: the resumed half runs here and must
+    round the same way."""
+    done = run_forked(lambda: train(_config(output), progress=False, overwrite=overwrite),
+                      env={'STRUCTFORMER_TEST_KILL_AT': kill_at})
     assert done.returncode == 137, (kill_at, done.returncode, done.stderr[-2000:])
 
 
@@ -64,7 +63,7 @@ EXPECTED_NEWEST = [None, 0, 0, 0, 1, 1, 1, 2]      # the newest committed checkp
 @pytest.mark.parametrize('kill_at, newest', list(zip(KILL_STEPS, EXPECTED_NEWEST)), ids=KILL_STEPS)
 def test_kill_at_each_commit_step_leaves_true_records_and_a_resumable_run(tmp_path, straight, kill_at, newest):
     output = tmp_path / 'run'
-    _train_in_subprocess(output, kill_at)
+    _train_killed(output, kill_at)
     reconcile(output)                                  # what every start (new, --resume, --overwrite) does first
     if newest is None:                                 # nothing committed: no run to resume, a new one starts
         assert not committed_checkpoints(output / 'checkpoints')
@@ -104,7 +103,7 @@ def test_overwrite_killed_before_its_first_trained_epoch_brings_the_old_run_back
     output = tmp_path / 'run'
     train(_config(output), progress=False)
     before = _snapshot(output)
-    _train_in_subprocess(output, kill_at, overwrite=True)
+    _train_killed(output, kill_at, overwrite=True)
     reconcile(output)
     assert _snapshot(output) == before and not list(output.glob('.replaced-*'))
 
@@ -203,10 +202,7 @@ def test_a_second_process_cannot_train_into_a_run_in_use(tmp_path):
     from structformer.train.run_dir import RunLock
     output = tmp_path / 'run'
     with RunLock(output):                            # as a running `train` holds it
-        code = ('import json, sys; from structformer.train import TrainConfig, train; '
-                'train(TrainConfig(**json.loads(sys.argv[1])), progress=False)')
-        done = subprocess.run([sys.executable, '-c', code, json.dumps(dict(TINY, output=str(output)))],
-                              capture_output=True, text=True)
+        done = run_forked(lambda: train(_config(output), progress=False))
         assert done.returncode != 0 and 'is in use by another training process' in done.stderr, done.stderr[-800:]
         assert not (output / 'config.yaml').exists() and not (output / 'checkpoints').exists()
     train(_config(output), progress=False)        # released: the folder is usable again
@@ -221,13 +217,17 @@ def test_a_forked_child_that_outlives_the_trainer_does_not_hold_the_run(tmp_path
 
     from structformer.train.run_dir import RunLock, training_now
     output = tmp_path / 'run'
-    code = ('import multiprocessing as mp, os, sys, time; from structformer.train.run_dir import RunLock\n'
-            'lock = RunLock(sys.argv[1]).__enter__()\n'
-            'child = mp.get_context("fork").Process(target=time.sleep, args=(60,)); child.start()\n'
-            'open(sys.argv[2], "w").write(str(child.pid)); os._exit(137)\n')
-    pid_file = tmp_path / 'child.pid'                      # not a pipe: the orphan would keep it open
-    subprocess.run([sys.executable, '-c', code, str(output), str(pid_file)], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=60)
+
+    def trainer_killed_with_a_worker_left():
+        import multiprocessing as mp
+        RunLock(output).__enter__()
+        worker = mp.get_context('fork').Process(target=time.sleep, args=(60,))
+        worker.start()
+        pid_file.write_text(str(worker.pid))
+        os._exit(137)
+
+    pid_file = tmp_path / 'child.pid'
+    assert run_forked(trainer_killed_with_a_worker_left, timeout=60).returncode == 137
     child = int(pid_file.read_text())
     try:
         os.kill(child, 0)                                  # the orphan still runs ...
