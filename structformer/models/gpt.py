@@ -100,6 +100,10 @@ class GPT(StructuredModel):
         self.head = nn.Linear(embed_dim, num_classes)
         self.no_weight_decay_names = frozenset({'pos_embed', 'tok_embed.weight'})
         self.feature_info = [dict(num_chs=embed_dim, reduction=1, module=f'blocks.{i}') for i in range(depth)]
+        if not self.pos_embed.is_meta:    # on the meta device there are no values to draw (timm's clamp_: 3 ms a call)
+            self._init_weights(depth)
+
+    def _init_weights(self, depth: int) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear):

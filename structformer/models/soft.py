@@ -246,6 +246,8 @@ class SoftNet(StructuredModel):
         self._init_weights()
 
     def _init_weights(self) -> None:
+        if self.cls_token.is_meta:    # built on the meta device: no values to draw (timm's clamp_ there: 3 ms a call)
+            return
         trunc_normal_(self.cls_token, std=.02)
         if self.pos_embeds is not None:
             for p in self.pos_embeds:
