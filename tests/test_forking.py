@@ -1,0 +1,80 @@
+"""tests/forking.py, which the kill, signal and lock tests run their commands with: the forked child behaves as a
+fresh process does where those tests depend on it (exit status, output, Ctrl-C, SIGTERM, environment, no state
+back to the parent), and it refuses to fork a process whose torch runs more than one thread."""
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+from forking import Forked, run_forked
+
+pytestmark = pytest.mark.usefixtures('one_torch_thread')
+
+
+def _speaks(code):
+    print('out line')
+    print('err line', file=sys.stderr)
+    return code
+
+
+def test_exit_status_and_output_come_back():
+    done = run_forked(_speaks, 3)
+    assert (done.returncode, done.stdout, done.stderr) == (3, 'out line\n', 'err line\n')
+    assert run_forked(sys.exit, 4).returncode == 4
+    assert run_forked(sys.exit, None).returncode == 0
+
+
+def test_an_uncaught_exception_is_status_1_with_its_trace():
+    def fails():
+        raise RuntimeError('simulated failure')
+    done = run_forked(fails)
+    assert done.returncode == 1 and 'Traceback' in done.stderr and 'RuntimeError: simulated failure' in done.stderr
+
+
+def test_ctrl_c_and_sigterm_are_pythons_even_when_the_parent_ignores_them():
+    def interrupted(number):
+        try:
+            os.kill(os.getpid(), number)
+        except KeyboardInterrupt:
+            return 130
+        return 0
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)        # as a suite started in the background has it
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        assert run_forked(interrupted, signal.SIGINT).returncode == 130
+        assert run_forked(interrupted, signal.SIGTERM).returncode == -signal.SIGTERM
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
+def test_the_environment_is_the_childs_and_nothing_comes_back():
+    marker = 'STRUCTFORMER_TEST_FORK_MARKER'
+    assert marker not in os.environ
+
+    def reads():
+        os.environ['ONLY_IN_THE_CHILD'] = '1'
+        return int(os.environ[marker])
+    assert run_forked(reads, env={marker: '7'}).returncode == 7
+    assert marker not in os.environ and 'ONLY_IN_THE_CHILD' not in os.environ
+
+
+def test_a_child_is_killed_and_reaped_and_waits_time_out():
+    import time
+    with Forked(time.sleep, 60) as child:
+        assert child.poll() is None and child.pid != os.getpid()
+        with pytest.raises(TimeoutError, match='killed'):
+            child.wait(timeout=0.2)
+        assert child.returncode == -signal.SIGKILL
+    with Forked(_speaks, 0) as child:
+        child.wait_for_output('out line', timeout=60)
+        assert child.wait() == 0 and child.stderr == 'err line\n'
+
+
+def test_more_than_one_torch_thread_is_refused():
+    torch.set_num_threads(2)                  # conftest's fixtures put the count back
+    with pytest.raises(RuntimeError, match='one thread'):
+        Forked(_speaks, 0)
