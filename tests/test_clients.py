@@ -2,7 +2,7 @@
 the models registered, as timm's validate.py / inference.py need (train.py imports us itself through
 `--device-modules structformer`). The script here makes timm's calls that validate.py makes for a model and its
 weights (create_model with --model / --pretrained, load_checkpoint with --checkpoint / --use-ema,
-resolve_data_config), in a fresh process. A model built in Python saved as a weights folder that export, eval and
+resolve_data_config), in this process and, as the documented command line, in a fresh one. A model built in Python saved as a weights folder that export, eval and
 local-dir: read; export of a run that is still training says so and which epoch it took."""
 import os
 import subprocess
@@ -34,19 +34,20 @@ print(__name__, type(model).__name__, tuple(config['input_size']), float(model.h
 """
 
 
-def test_run_script_runs_a_timm_script_with_our_models(tmp_path):
+def test_run_script_runs_a_timm_script_with_our_models(tmp_path, monkeypatch, capsys):
     model = timm.create_model('crate_digits')
     folder = save_weights_folder(model, tmp_path / 'weights')
     (tmp_path / 'validate.py').write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1')
     bias = float(model.head.bias.detach().sum())
-    code = '; '.join(f"sys.argv = ['x', 'validate.py'] + {args!r}; structformer.run_script.main()" for args in (
-        ['--model', 'crate_digits'], ['--model', f'local-dir:{folder}', '--pretrained'],
-        ['--model', 'crate_digits', '--checkpoint', str(folder / 'model.safetensors')]))
-    out = subprocess.run([sys.executable, '-c', f"import sys, structformer.run_script; {code}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = out.stdout.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, 'argv', list(sys.argv))           # run_script sets both for the script
+    monkeypatch.setattr(sys, 'path', list(sys.path))
+    capsys.readouterr()
+    for args in (['--model', 'crate_digits'], ['--model', f'local-dir:{folder}', '--pretrained'],
+                 ['--model', 'crate_digits', '--checkpoint', str(folder / 'model.safetensors')]):
+        assert main(['validate.py', *args]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
     assert len(rows) == 3 and all(r.startswith('__main__ CRATE (1, 8, 8) ') for r in rows), rows
     assert float(rows[1].split()[-1]) == bias and float(rows[2].split()[-1]) == bias     # the saved weights
     # and as the documented command line, in its own process
