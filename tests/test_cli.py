@@ -359,3 +359,35 @@ def test_eval_json_prints_only_the_json_object(tmp_path, monkeypatch, capsys):
     # and it names the geometry the images were read at (an image form's resize and centre crop)
     assert {k: json.loads(out[0])[k] for k in ('img_size', 'crop_pct', 'interpolation')} == \
         {'img_size': 8, 'crop_pct': 0.9, 'interpolation': 'bicubic'}
+
+
+def _rgb_folder(root, per_class=3):
+    """A tiny image folder of 8x8 RGB PNGs, two classes."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for c in ('a', 'b'):
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / c / f'{i}.png')
+    return root
+
+
+def test_eval_on_unreadable_images_names_its_own_option(tmp_path, monkeypatch, capsys):
+    """eval on an image folder with a file that is no image said '... pass --data-kwargs bad_images=skip to train
+    without them': eval trains nothing. The line names the option (eval takes --data-kwargs too) in words that fit
+    every command, and the option does what it says there."""
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    images = _rgb_folder(tmp_path / 'imgs')
+    (images / 'a' / 'broken.png').write_bytes(b'not an image')
+    kwargs = {'in_chans': 3, 'num_classes': 2}
+    save_weights_folder(timm.create_model('vit_digits', **kwargs), tmp_path / 'w', kwargs)
+    argv = ['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f'imagefolder:{images}', '--data-kwargs', 'img_size=8']
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'broken.png' in lines[0] and 'Traceback' not in err, err
+    assert 'pass --data-kwargs bad_images=skip to leave them out' in lines[0] and 'train' not in lines[0], lines[0]
+    assert main(argv + ['bad_images=skip']) == 0 and 'skipped 1 unreadable image' in capsys.readouterr().out

@@ -160,7 +160,7 @@ def _drop_unreadable(folder, spec: str, mode: str, check: str = 'header'):
     if mode == 'error' or len(bad) == total:
         raise UnreadableImage(
             f'--data {spec!r}: {len(bad)} of {total} images cannot be read: {_name_files(bad)}. '
-            + ('Fix or remove them, or pass --data-kwargs bad_images=skip to train without them'
+            + ('Fix or remove them, or pass --data-kwargs bad_images=skip to leave them out'
                if len(bad) < total else 'No image of the folder can be read'))
     skipped = {p for p, _ in bad}
     folder.samples = [s for s in folder.samples if s[0] not in skipped]
