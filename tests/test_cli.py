@@ -391,3 +391,34 @@ def test_eval_on_unreadable_images_names_its_own_option(tmp_path, monkeypatch, c
     assert len(lines) == 1 and 'broken.png' in lines[0] and 'Traceback' not in err, err
     assert 'pass --data-kwargs bad_images=skip to leave them out' in lines[0] and 'train' not in lines[0], lines[0]
     assert main(argv + ['bad_images=skip']) == 0 and 'skipped 1 unreadable image' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('name', ['vit_digits', 'crate_digits'])
+def test_a_one_channel_model_on_rgb_images_is_one_line_naming_both_channel_counts(name, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A 1-channel model (digits-sized) and an image folder of RGB images: train refuses a model built with
+    in_chans=1 for them, and so does eval; each said only what the model's forward raised (torch's conv message, or
+    CRATE's 'build the model with matching in_chans=', no remedy for a trained checkpoint). Now both lines name
+    --data, the images' 3 channels and the model's in_chans=1, and what to do in that command."""
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    images = _rgb_folder(tmp_path / 'imgs')
+    kwargs = {'in_chans': 1, 'num_classes': 2}
+    save_weights_folder(timm.create_model(name, **kwargs), tmp_path / 'w', kwargs)
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f'imagefolder:{images}',
+                 '--data-kwargs', 'img_size=8']) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in (f'--data imagefolder:{images}', 'images have 3 channels', 'in_chans=1',
+                   '--initial-checkpoint'):
+        assert needle in lines[0], (needle, lines[0])
+    assert main(['train', '--model', name, '--model-kwargs', 'in_chans=1', '--data', f'imagefolder:{images}',
+                 '--data-kwargs', 'img_size=8', '--output', str(tmp_path / 'run'), '--no-progress']) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in (f'--data imagefolder:{images}', 'images have 3 channels', 'in_chans=1', 'in_chans=3'):
+        assert needle in lines[0], (needle, lines[0])
+    assert not (tmp_path / 'run').exists()
