@@ -422,3 +422,32 @@ def test_a_one_channel_model_on_rgb_images_is_one_line_naming_both_channel_count
     for needle in (f'--data imagefolder:{images}', 'images have 3 channels', 'in_chans=1', 'in_chans=3'):
         assert needle in lines[0], (needle, lines[0])
     assert not (tmp_path / 'run').exists()
+
+
+def test_eval_stopped_by_an_image_that_fails_to_decode_names_data_and_the_skip_option(tmp_path, monkeypatch, capsys):
+    """A PNG cut after its header passes the header check and fails when eval decodes it: the line was 'image X
+    cannot be read: image file is truncated' alone (imagenet:PATH's names --data and bad_images=skip). Now the image
+    folder's names them too, and bad_images=skip leaves the image out of the score."""
+    import numpy as np
+    from PIL import Image
+
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    _rgb_folder(tmp_path / 'imgs' / 'train')
+    _rgb_folder(tmp_path / 'imgs' / 'val', per_class=2)
+    cut = tmp_path / 'imgs' / 'val' / 'a' / 'cut.png'
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(cut)
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    kwargs = {'in_chans': 3, 'num_classes': 2}
+    save_weights_folder(timm.create_model('vit_digits', **kwargs), tmp_path / 'w', kwargs)
+    argv = ['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f"imagefolder:{tmp_path / 'imgs'}",
+            '--data-kwargs', 'img_size=8']
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in (f"--data 'imagefolder:{tmp_path / 'imgs'}'", 'cut.png cannot be read', 'bad_images=skip'):
+        assert needle in lines[0], (needle, lines[0])
+    assert main(argv + ['bad_images=skip']) == 0
+    assert '(val, 4 images, 1 unreadable left out)' in capsys.readouterr().out
