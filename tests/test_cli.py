@@ -359,3 +359,95 @@ def test_eval_json_prints_only_the_json_object(tmp_path, monkeypatch, capsys):
     # and it names the geometry the images were read at (an image form's resize and centre crop)
     assert {k: json.loads(out[0])[k] for k in ('img_size', 'crop_pct', 'interpolation')} == \
         {'img_size': 8, 'crop_pct': 0.9, 'interpolation': 'bicubic'}
+
+
+def _rgb_folder(root, per_class=3):
+    """A tiny image folder of 8x8 RGB PNGs, two classes."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for c in ('a', 'b'):
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / c / f'{i}.png')
+    return root
+
+
+def test_eval_on_unreadable_images_names_its_own_option(tmp_path, monkeypatch, capsys):
+    """eval on an image folder with a file that is no image said '... pass --data-kwargs bad_images=skip to train
+    without them': eval trains nothing. The line names the option (eval takes --data-kwargs too) in words that fit
+    every command, and the option does what it says there."""
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    images = _rgb_folder(tmp_path / 'imgs')
+    (images / 'a' / 'broken.png').write_bytes(b'not an image')
+    kwargs = {'in_chans': 3, 'num_classes': 2}
+    save_weights_folder(timm.create_model('vit_digits', **kwargs), tmp_path / 'w', kwargs)
+    argv = ['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f'imagefolder:{images}', '--data-kwargs', 'img_size=8']
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'broken.png' in lines[0] and 'Traceback' not in err, err
+    assert 'pass --data-kwargs bad_images=skip to leave them out' in lines[0] and 'train' not in lines[0], lines[0]
+    assert main(argv + ['bad_images=skip']) == 0 and 'skipped 1 unreadable image' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('name', ['vit_digits', 'crate_digits'])
+def test_a_one_channel_model_on_rgb_images_is_one_line_naming_both_channel_counts(name, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A 1-channel model (digits-sized) and an image folder of RGB images: train refuses a model built with
+    in_chans=1 for them, and so does eval; each said only what the model's forward raised (torch's conv message, or
+    CRATE's 'build the model with matching in_chans=', no remedy for a trained checkpoint). Now both lines name
+    --data, the images' 3 channels and the model's in_chans=1, and what to do in that command."""
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    images = _rgb_folder(tmp_path / 'imgs')
+    kwargs = {'in_chans': 1, 'num_classes': 2}
+    save_weights_folder(timm.create_model(name, **kwargs), tmp_path / 'w', kwargs)
+    capsys.readouterr()
+    assert main(['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f'imagefolder:{images}',
+                 '--data-kwargs', 'img_size=8']) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in (f'--data imagefolder:{images}', 'images have 3 channels', 'in_chans=1',
+                   '--initial-checkpoint'):
+        assert needle in lines[0], (needle, lines[0])
+    assert main(['train', '--model', name, '--model-kwargs', 'in_chans=1', '--data', f'imagefolder:{images}',
+                 '--data-kwargs', 'img_size=8', '--output', str(tmp_path / 'run'), '--no-progress']) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in (f'--data imagefolder:{images}', 'images have 3 channels', 'in_chans=1', 'in_chans=3'):
+        assert needle in lines[0], (needle, lines[0])
+    assert not (tmp_path / 'run').exists()
+
+
+def test_eval_stopped_by_an_image_that_fails_to_decode_names_data_and_the_skip_option(tmp_path, monkeypatch, capsys):
+    """A PNG cut after its header passes the header check and fails when eval decodes it: the line was 'image X
+    cannot be read: image file is truncated' alone (imagenet:PATH's names --data and bad_images=skip). Now the image
+    folder's names them too, and bad_images=skip leaves the image out of the score."""
+    import numpy as np
+    from PIL import Image
+
+    from structformer.weights import save_weights_folder
+    monkeypatch.setenv('STRUCTFORMER_CACHE', str(tmp_path / 'cache'))
+    _rgb_folder(tmp_path / 'imgs' / 'train')
+    _rgb_folder(tmp_path / 'imgs' / 'val', per_class=2)
+    cut = tmp_path / 'imgs' / 'val' / 'a' / 'cut.png'
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(cut)
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    kwargs = {'in_chans': 3, 'num_classes': 2}
+    save_weights_folder(timm.create_model('vit_digits', **kwargs), tmp_path / 'w', kwargs)
+    argv = ['eval', '--checkpoint', str(tmp_path / 'w'), '--data', f"imagefolder:{tmp_path / 'imgs'}",
+            '--data-kwargs', 'img_size=8']
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and 'Traceback' not in err, err
+    for needle in (f"--data 'imagefolder:{tmp_path / 'imgs'}'", 'cut.png cannot be read', 'bad_images=skip'):
+        assert needle in lines[0], (needle, lines[0])
+    assert main(argv + ['bad_images=skip']) == 0
+    assert '(val, 4 images, 1 unreadable left out)' in capsys.readouterr().out

@@ -290,7 +290,7 @@ CASES = [
     ('eval-on-other-channels', ['eval', '--checkpoint', '{vit_run}', '--data', 'imagefolder:{rgb10}'],
      ['--data imagefolder:', 'vit_digits', 'inputs [1, 8, 8]', '[2, 3, 8, 8]']),
     ('eval-cnn-on-other-channels', ['eval', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}'],
-     ['--data imagefolder:', 'crate_digits', 'expects images [B, 1, 8, 8]']),
+     ['--data imagefolder:', 'crate_digits', 'images have 3 channels, the model takes 1 (in_chans=1)']),
     # low-rank training (seed 004)
     ('rank-zero', ['train', '--rank', '0', '--output', OUT], ['--rank', 'out of range']),
     ('rank-fraction-above-one', ['train', '--rank', '1.5', '--output', OUT], ['--rank', '(0, 1]']),
@@ -316,9 +316,9 @@ CASES = [
     ('analyze-num-samples', ['analyze', '--checkpoint', '{run}', '--num-samples', '0'], ['--num-samples']),
     # the measurement fails on data the model cannot take: no output folder left behind (the table checks the tree)
     ('analyze-other-channels', ['analyze', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}', '--output',
-                                '{tmp}/analysis/deep'], ['expects images [B, 1, 8, 8]']),
+                                '{tmp}/analysis/deep'], ['images have 3 channels, the model takes 1 (in_chans=1)']),
     ('analyze-other-channels-default-output', ['analyze', '--checkpoint', '{run}', '--data', 'imagefolder:{rgb10}'],
-     ['expects images [B, 1, 8, 8]']),
+     ['images have 3 channels, the model takes 1 (in_chans=1)']),
     ('analyze-eps', ['analyze', '--checkpoint', '{run}', '--eps', '-1'], ['--eps']),
     ('analyze-compare-missing', ['analyze', '--checkpoint', '{run}', '--compare', 'epoch:7'], ['--compare']),
     ('analyze-estimator', ['analyze', '--checkpoint', '{run}', '--estimator', 'raw'], ['--estimator', 'official']),

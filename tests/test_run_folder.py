@@ -363,3 +363,29 @@ def test_undoing_a_new_run_spares_a_sibling_run_under_the_folders_both_made(tmp_
     # the first run failing as well leaves the tree as it found it: nothing above tmp_path
     undo_new_run(committed, None, first)
     assert not (tmp_path / 'grid').exists() and tmp_path.exists()
+
+
+def test_a_dry_run_of_resume_names_the_checkpoint_and_where_training_goes_on(tmp_path, monkeypatch, capsys):
+    """`train --dry-run --resume` printed the plan without a word of where it would resume from. Now one line names
+    the checkpoint --resume takes (a recovery point inside the next epoch before the epoch checkpoint) and the epoch
+    (and batch) training goes on at, and the run folder stays as it was."""
+    run = tmp_path / 'run'
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_AT', 'epoch 1:recovery 1')
+    monkeypatch.setenv('STRUCTFORMER_TEST_KILL_WITH', 'SIGINT')
+    main(['train', *TINY, '--epochs', '1', '--output', str(run), '--recovery-interval', '1'])
+    monkeypatch.delenv('STRUCTFORMER_TEST_KILL_AT')
+    point = run / 'checkpoints' / 'recovery_0001_00000001'
+    assert point.is_dir()
+    before = _tree(run)
+    capsys.readouterr()
+    assert main(['train', '--dry-run', '--resume', '--output', str(run)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('resume ')]
+    assert len(lines) == 1 and str(point) in lines[0], lines
+    assert 'inside epoch 1 of 1, after 1 of its 2 batches' in lines[0] and 'at epoch 1, batch 2' in lines[0], lines
+    # --resume CHECKPOINT into another folder: that epoch checkpoint, the epoch after it; nothing written anywhere
+    assert main(['train', '--dry-run', '--resume', str(run / 'checkpoints' / 'epoch_0000'),
+                 '--output', str(tmp_path / 'other')]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('resume ')]
+    assert len(lines) == 1 and str(run / 'checkpoints' / 'epoch_0000') in lines[0], lines
+    assert 'epoch 0 of 1' in lines[0] and 'training goes on at epoch 1' in lines[0], lines
+    assert _tree(run) == before and not (tmp_path / 'other').exists()

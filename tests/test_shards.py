@@ -405,6 +405,26 @@ def test_a_glob_over_our_shards_is_validated_on_the_validation_split_its_info_js
     assert len(train.urls) == 3 and 'held out the last 1 of 4' in capsys.readouterr().out
 
 
+def test_a_glob_over_all_of_our_shards_leaves_the_validation_split_out_of_training(tmp_path, capsys):
+    """wds:OUT/*.tar over `data shard` output of train/ + val/ matched the validation shards too: they were trained
+    on, and the last shard (a validation one) held out from them. Now the shards _info.json names as the validation
+    split are left out of training (one line says so) and are the validation; an explicit holdout= holds out
+    training shards."""
+    n = _folder(tmp_path / 'tv' / 'train', 5)
+    _folder(tmp_path / 'tv' / 'val', 2, offset=n)
+    assert main(['data', 'shard', str(tmp_path / 'tv'), str(tmp_path / 'out'), '--shard-size', '4']) == 0
+    capsys.readouterr()
+    train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}/*.tar", img_size=8, train_transform=pixel_id,
+                                   eval_transform=pixel_id)
+    out = capsys.readouterr().out
+    assert [os.path.basename(u) for u in train.urls] == [f'train-{k:06d}.tar' for k in range(4)] and len(train) == 15
+    assert sorted(int(val[i][0]) for i in range(len(val))) == list(range(n, n + 6))   # the val/ images, all
+    lines = [line for line in out.splitlines() if 'left out of training' in line]
+    assert len(lines) == 1 and 'validation-000000.tar, validation-000001.tar' in lines[0], out
+    train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}/*.tar", img_size=8, holdout='shards')
+    assert [os.path.basename(u) for u in train.urls] == [f'train-{k:06d}.tar' for k in range(3)] and len(val) == 3
+
+
 @pytest.mark.parametrize('classes, needle', [
     (['ant', 'cow', 'bee'], r"class 1 is 'bee' in .*wds, 'cow' in .*val"),
     (['ant', 'bee'], r'3 classes in .*wds, 2 in .*val'),

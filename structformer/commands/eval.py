@@ -106,7 +106,11 @@ def _run(args, out=None) -> int:
         size = trained_input_size(state)
         check_model_input(model, default_collate([dataset[i] for i in range(min(2, len(dataset)))])[0], precision,
                           f"--data {data}: {state['path']} ({state['model']}"
-                          + (f", trained on inputs {list(size)}" if size else '') + ') cannot take its batch')
+                          + (f", trained on inputs {list(size)}" if size else '') + ') cannot take its batch',
+                          lambda given, takes: f"score it on {takes}-channel images (data like its training data), "
+                                               f"or fine-tune it on these: structformer train --model {state['model']} "
+                                               f"--initial-checkpoint {args.checkpoint} --data {data} (its input layer adapts to {given} "
+                                               "channels, as timm's does)")
     batch_size = args.batch_size or cfg.get('eval_batch_size') or 256
     metrics = evaluate(model, DataLoader(dataset, batch_size=batch_size), 'cpu', precision, per_class=args.per_class)
     unit = 'sequences' if 'perplexity' in metrics else 'images'     # a language model's samples are windows

@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "train, nor a registered shrink of it (refused otherwise)")
     p.add_argument('--dry-run', action='store_true',
                    help='print the resolved plan (model and parameters, data, batch, steps, learning rates, '
-                        'augmentation, precision, EMA, stages) and exit without training or writing anything')
+                        'augmentation, precision, EMA, stages; with --resume the checkpoint it continues from and the epoch '
+                        'and batch it goes on at) and exit without training or writing anything')
     p.add_argument('--dataset-size', type=int, default=S, metavar='N',
                    help="training images (sequences) of --data, for a dry run that does not read the data "
                         "(recipes state their data's)")
@@ -467,7 +468,7 @@ def train_config(args):
 def run(args) -> int:
     if args.dry_run:                               # the plan only: nothing trained, nothing written
         from ..train.plan import dry_run
-        print(dry_run(train_config(args)))
+        print(dry_run(train_config(args), resume=args.resume))
         return 0
     from ..train import Trainer
     config = train_config(args)

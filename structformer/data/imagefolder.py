@@ -150,6 +150,23 @@ def load_rgb(path: str):
         raise UnreadableImage(f'image {path} cannot be read: {e}') from None
 
 
+class NamingLoader:
+    """`load_rgb` for bad_images=error: an image that passed the header check and still fails to decode (a PNG or
+    JPEG cut after its header) stops the command with one line naming --data and the option that goes on without
+    it (it said 'image X cannot be read' alone; imagenet:PATH's SplitImages names both). Picklable for loader
+    workers. Under bad_images=skip ReplaceUnreadable reads the bare UnreadableImage instead."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    def __call__(self, path: str):
+        try:
+            return load_rgb(path)
+        except UnreadableImage as e:
+            raise UnreadableImage(f'--data {self.spec!r}: {e}; pass --data-kwargs bad_images=skip to go on without '
+                                  'such images (named in the log)') from None
+
+
 def _drop_unreadable(folder, spec: str, mode: str, check: str = 'header'):
     """Check every image of an ImageFolder (imagecheck.py); stop ('error') or leave the bad ones out ('skip')."""
     from .imagecheck import shared_check
@@ -160,7 +177,7 @@ def _drop_unreadable(folder, spec: str, mode: str, check: str = 'header'):
     if mode == 'error' or len(bad) == total:
         raise UnreadableImage(
             f'--data {spec!r}: {len(bad)} of {total} images cannot be read: {_name_files(bad)}. '
-            + ('Fix or remove them, or pass --data-kwargs bad_images=skip to train without them'
+            + ('Fix or remove them, or pass --data-kwargs bad_images=skip to leave them out'
                if len(bad) < total else 'No image of the folder can be read'))
     skipped = {p for p, _ in bad}
     folder.samples = [s for s in folder.samples if s[0] not in skipped]
@@ -273,7 +290,8 @@ def image_folder(root: str, **kwargs):
 def _image_folder(root: str, transform, spec: str, bad_images: str = 'error', check: str = 'header',
                   held_out: bool = False):
     try:
-        folder = image_folder(root, transform=transform, loader=load_rgb)
+        loader = load_rgb if bad_images == 'skip' else NamingLoader(spec)     # skip: ReplaceUnreadable names it
+        folder = image_folder(root, transform=transform, loader=loader)
     except FileNotFoundError as e:     # no class folders, or class folders without images
         raise FileNotFoundError(f'--data {spec!r}: {root!r} is not an image folder: expected '
                                 f'{root}/<class name>/<image file> ({e}){imagenet_hint(root)}') from None

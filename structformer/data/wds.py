@@ -64,6 +64,25 @@ def _info_validation(urls: List[str], info, spec: str):
     return val_urls, holdout
 
 
+def _without_held_out_splits(urls: List[str], info, spec: str) -> List[str]:
+    """The training shards less those the _info.json beside them names as a held-out split (validation, val, test):
+    a pattern over all of `data shard`'s output (wds:OUT/*.tar) trained on the validation shards too, and scored on
+    some of them. Said in one line. A pattern over nothing but such shards is taken as given (named on purpose)."""
+    if not urls or not is_local(urls[0]):
+        return urls
+    folder = os.path.dirname(os.path.abspath(_local(urls[0])))
+    held = {os.path.join(folder, f): name for name in VAL_SPLITS
+            for f in (info.get('splits', {}).get(name) or {}).get('filenames') or ()}
+    kept = [u for u in urls if not is_local(u) or os.path.abspath(_local(u)) not in held]
+    if not kept or len(kept) == len(urls):
+        return urls
+    dropped = [u for u in urls if u not in kept]
+    splits = sorted({held[os.path.abspath(_local(u))] for u in dropped})
+    print(f"--data {spec}: the training pattern also matches the {' and '.join(splits)} split of _info.json in "
+          f"{folder} ({_abbreviate(dropped)}): left out of training", flush=True)
+    return kept
+
+
 def _abbreviate(urls: List[str]) -> str:
     names = [os.path.basename(_local(u)) for u in urls]
     return ', '.join(names) if len(names) <= 3 else f'{names[0]} .. {names[-1]} ({len(names)} shards)'
@@ -79,6 +98,7 @@ def build_wds(path, *, spec, seed, val_fraction, train_transform, eval_transform
     urls = expand_shards(train_pat, spec, 'training')
     val_urls = expand_shards(val_pat, spec, 'validation') if val_pat else None
     info = read_info(urls)
+    urls = _without_held_out_splits(urls, info, spec)     # every process alike: file names and _info.json only
     held_out, holdout = None, 'validation pattern'
     if val_urls is None and opts['holdout'] == 'auto':
         val_urls, holdout = _info_validation(urls, info, spec)

@@ -203,7 +203,9 @@ class RunBuild:
             refuse_classes(vocabulary)
         batch = default_collate([self.val_ds[i] for i in range(min(2, len(self.val_ds)))])[0].to(self.device)
         logits = check_model_input(self.model, batch, self.precision,
-                                   f"--model {self.config.model} cannot take a batch of --data {self.config.data}")
+                                   f"--model {self.config.model} cannot take a batch of --data {self.config.data}",
+                                   lambda given, takes: f"give --model-kwargs in_chans={given}, or leave in_chans "
+                                                        "out (the model follows the data)")
         if torch.is_tensor(logits):
             refuse_classes(logits.shape[-1])
 

@@ -276,8 +276,9 @@ def _reported_lines(config: TrainConfig, recipe_values: Dict[str, Any], about: D
 
 
 # ------------------------------------------------------------------------------------------------ the plan
-def dry_run(config: TrainConfig) -> str:
-    """The plan of `config` as text: what `structformer train` would do, without training or writing."""
+def dry_run(config: TrainConfig, resume=None) -> str:
+    """The plan of `config` as text: what `structformer train` would do, without training or writing; with `resume`
+    (--resume, or its CHECKPOINT) also the checkpoint it would continue from and where (recovery.resume_plan)."""
     from ..data.spec import parse_data_spec
     from .distributed import resolve_device
     config.validate()
@@ -292,6 +293,10 @@ def dry_run(config: TrainConfig) -> str:
     device = resolve_device(config.device, int(os.environ.get('LOCAL_RANK', '0') or 0))   # as training refuses
     form, path = parse_data_spec(config.data)
     lines = ["dry run: the plan below is resolved; nothing is trained or written"]
+    if resume:
+        from .recovery import resume_plan
+        lines.append(resume_plan(resume, config.output or f"outputs/{config.model}_{config.data.split(':')[0]}",
+                                 config.epochs))
     if config.recipe:
         lines.append(f"recipe        {config.recipe}" + (f": {about['paper']}; {about['source']}" if about else ''))
         if about:

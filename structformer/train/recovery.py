@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .checkpoint import checkpoint_epoch, checkpoint_folders, checkpoint_name
+from .checkpoint import checkpoint_epoch, checkpoint_folders, checkpoint_name, committed_checkpoints
 
 
 def recovery_name(epoch: int, global_step: int) -> str:
@@ -40,6 +40,39 @@ def newer_than(ckpt_dir: Path, completed_epochs: int) -> Optional[Path]:
     """The newest recovery point inside an epoch after `completed_epochs`, or None."""
     points = [p for p in recovery_points(ckpt_dir) if epoch_of(p) > completed_epochs]
     return points[-1] if points else None
+
+
+def resume_source(resume, ckpt_dir: Path):
+    """What `--resume` continues: alone, the run's latest checkpoint or a recovery point inside the epoch after it;
+    `--resume PATH`, that checkpoint (`Trainer` and `train --dry-run --resume` both ask here)."""
+    if resume not in (True, 'latest', ''):
+        return resume
+    done = committed_checkpoints(ckpt_dir)
+    return newer_than(ckpt_dir, checkpoint_epoch(done[-1]) if done else -1) or ckpt_dir
+
+
+def resume_plan(resume, output, epochs: int) -> str:
+    """The line of `train --dry-run --resume`: the checkpoint the run would continue from and where training goes
+    on (the epoch, and the batch inside it from a recovery point), in the words the resumed run prints. Reads
+    only."""
+    from ..errors import UsageError, one_line
+    from .checkpoint import load_checkpoint
+    try:
+        _, state, _ = load_checkpoint(resume_source(resume, Path(output) / 'checkpoints'))
+    except (FileNotFoundError, ValueError) as e:       # CheckpointError is a ValueError
+        raise UsageError(f"--resume: {one_line(e).split('--checkpoint: ', 1)[-1]}") from None
+    source, step, within = state['path'], state.get('global_step'), state.get('recovery')
+    at_step = f" (optimiser step {step})" if step is not None else ''
+    if within:
+        batches = within.get('batches_per_epoch')
+        return (f"resume        from {source}: a recovery point inside epoch {within['epoch']} of {epochs}, after "
+                f"{within['batches']}" + (f" of its {batches}" if batches else '') + f" batches{at_step}; training "
+                f"goes on at epoch {within['epoch']}, batch {within['batches'] + 1}")
+    done = int(state.get('epoch', 0))
+    if done >= epochs:
+        return (f"resume        from {source}: epoch {done} of {epochs}{at_step}, the last; nothing is left to "
+                f"train (--epochs N above {done} extends the run)")
+    return f"resume        from {source}: epoch {done} of {epochs}{at_step}; training goes on at epoch {done + 1}"
 
 
 def prune(ckpt_dir: Path, keep: Optional[Path] = None, completed_epochs: int = -1) -> None:

@@ -9,7 +9,7 @@ from .checkpoint import (CheckpointError, checkpoint_folders, checkpoint_name, d
 from ..data.classes import class_mismatch, class_record
 from ..errors import UsageError
 from .distributed import all_reduce_sum, broadcast_module
-from .recovery import newer_than, prune, recovery_name
+from .recovery import prune, recovery_name, resume_source
 from .run_dir import checkpoint_epoch, committed_checkpoints, disk_full, read_metrics
 
 
@@ -179,10 +179,7 @@ class CheckpointGlue:
     def _resume_source(self):
         """`--resume` alone continues this run's latest checkpoint, or a recovery point inside the epoch after it;
         `--resume PATH` a given one."""
-        if self.resume not in (True, 'latest', ''):
-            return self.resume
-        done = committed_checkpoints(self.ckpt_dir)
-        return newer_than(self.ckpt_dir, checkpoint_epoch(done[-1]) if done else -1) or self.ckpt_dir
+        return resume_source(self.resume, self.ckpt_dir)
 
     def _restore(self) -> int:
         source = resolve_checkpoint(self._resume_source())

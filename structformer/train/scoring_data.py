@@ -12,7 +12,7 @@ in one line naming both, whichever library's check caught it: torch's convolutio
 patch embedding an AssertionError (`_assert`) or a ValueError from unpacking the shape, our models a ValueError.
 """
 import contextlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -99,11 +99,24 @@ def _weights_folder_geometry(state: Dict[str, Any], name: str) -> Dict[str, Any]
     return out
 
 
+def model_in_chans(model: torch.nn.Module) -> Optional[int]:
+    """The input channels `model` takes: the first `in_chans` of the model or a submodule (timm's models, CRATE's
+    patch embedding), else the first Conv2d's in_channels; None where neither is found."""
+    for module in model.modules():
+        value = getattr(module, 'in_chans', None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return next((m.in_channels for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+
+
 def check_model_input(model: torch.nn.Module, batch: torch.Tensor, precision: Optional[Precision],
-                      refusal: str) -> torch.Tensor:
+                      refusal: str, channel_remedy: Optional[Callable[[int, int], str]] = None) -> torch.Tensor:
     """Logits of one forward of `batch` in eval mode, without gradients and with torch's RNG restored afterwards
     (the caller's run is unchanged). A failure that is the input's shape becomes one UsageError line,
-    '`refusal` (shape [...]): <the model's own first line>'; one that is autocast's low precision, its own line."""
+    '`refusal` (shape [...]): <the model's own first line>'; where the images' channels are not the model's
+    in_chans, '`refusal` (shape [...]): its images have C channels, the model takes M (in_chans=M); <channel_remedy(C, M)>' (the
+    model's own line was torch's conv message, or advice to rebuild a trained model); one that is autocast's low
+    precision, its own line."""
     was_training = model.training
     model.eval()
     device = batch.device
@@ -118,6 +131,12 @@ def check_model_input(model: torch.nn.Module, batch: torch.Tensor, precision: Op
         low = low_precision_failure(e, precision)
         if low is not None:
             raise low from None
+        takes = model_in_chans(model) if batch.dim() == 4 and batch.is_floating_point() else None
+        if takes is not None and takes != batch.shape[1]:
+            given = int(batch.shape[1])
+            raise UsageError(f"{refusal} (shape {list(batch.shape)}): its images have {given} channels, the model "
+                             f"takes {takes} (in_chans="
+                             f"{takes})" + (f"; {channel_remedy(given, takes)}" if channel_remedy else '')) from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"{refusal} (shape {list(batch.shape)}): {first}") from None
     finally:
