@@ -475,7 +475,7 @@ def test_the_input_check_runs_on_the_runs_device(monkeypatch, tmp_path):
     from structformer.train import engine, scoring_data
     seen = []
 
-    def check(model, batch, precision, refusal):
+    def check(model, batch, precision, refusal, channel_remedy=None):
         seen.append((next(model.parameters()).device.type, batch.device.type, precision.device.type))
         raise _Checked
     monkeypatch.setattr(engine, 'init_distributed', lambda device: (0, 1, torch.device('meta')))
