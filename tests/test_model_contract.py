@@ -17,11 +17,12 @@ def _cheap_side(name):
     """A small input side for the contract tests, so 24-layer / 87M-parameter models stay cheap on CPU: the
     224-px models at 32 px (SOFT's four stages on grids 8², 4², 2², 1²: the smallest side at which every stage
     still sees a token; the attention's numerics are tested at full grids in test_soft*.py), SW-MLP on CIFAR at
-    16 px (its m = 3072 at 32 px is 113M weights); None: the model's own size. (Not the pretrained config's
+    16 px (its m = 3072 at 32 px is 113M weights), WRN-28-10 at 16 px (its three groups on 16², 8², 4² maps; at 32
+    px its forward and backward alone took 2.2 s); None: the model's own size. (Not the pretrained config's
     `test_input_size`: timm's validate.py evaluates at that size.)"""
     if name.endswith('_224'):
         return 32
-    return 16 if name == 'swmlp_cifar' else None
+    return 16 if name in ('swmlp_cifar', 'wrn_28_10') else None
 
 
 def _small_kwargs(name):
@@ -232,7 +233,8 @@ def test_drop_path_rate_is_stochastic_depth_growing_over_the_blocks(name):
 # the small size, the deep ones cut to a few blocks (tracing time grows with the blocks; a graph break is a property
 # of a block's code). Before: the first six registered models, all CRATE, 60 s for one layout.
 EAGER_COMPILED = {'crate_tiny_patch16_224': {'depth': 2}, 'soft_tiny_official_224': {'depths': (1, 1, 1, 1)},
-                  'sparse_mixer_b16_224': {}, 'rp_mixer_b16_224': {}, 'swmlp_cifar': {}, 'wrn_16_4': {}}
+                  'sparse_mixer_b16_224': {'depth': 2}, 'rp_mixer_b16_224': {'depth': 2}, 'swmlp_cifar': {},
+                  'wrn_16_4': {}}
 
 
 @pytest.mark.parametrize('name', EAGER_COMPILED)
