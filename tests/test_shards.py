@@ -380,15 +380,22 @@ def test_validation_shards_in_their_own_folder_are_counted_by_their_own_info_jso
     assert len(train) == 14 and train.lengths == [6, 5, 3]
 
 
+def _sharded_train_and_val(tmp_path, capsys) -> int:
+    """`data shard` of a train/ (5 a class) and val/ (2 a class) folder into tmp_path/out, 4 images a shard; returns
+    the number of training images (the val/ images are numbered after them)."""
+    n = _folder(tmp_path / 'tv' / 'train', 5)
+    _folder(tmp_path / 'tv' / 'val', 2, offset=n)
+    assert main(['data', 'shard', str(tmp_path / 'tv'), str(tmp_path / 'out'), '--shard-size', '4']) == 0
+    capsys.readouterr()
+    return n
+
+
 def test_a_glob_over_our_shards_is_validated_on_the_validation_split_its_info_json_names(tmp_path, capsys):
     """wds:OUT/train-*.tar over `data shard` output of train/ + val/: no validation pattern, so the last of the
     training shards were held out (the model trained on 10 % fewer images and was scored on training ones) while
     _info.json beside them names the validation split. Now that split is the validation; the log says so.
     An explicit holdout= keeps its meaning."""
-    n = _folder(tmp_path / 'tv' / 'train', 5)
-    _folder(tmp_path / 'tv' / 'val', 2, offset=n)
-    assert main(['data', 'shard', str(tmp_path / 'tv'), str(tmp_path / 'out'), '--shard-size', '4']) == 0
-    capsys.readouterr()
+    n = _sharded_train_and_val(tmp_path, capsys)
     train, val, info = build_datasets(f"wds:{tmp_path / 'out'}/train-*.tar", img_size=8, train_transform=pixel_id,
                                       eval_transform=pixel_id)
     out = capsys.readouterr().out
@@ -410,10 +417,7 @@ def test_a_glob_over_all_of_our_shards_leaves_the_validation_split_out_of_traini
     on, and the last shard (a validation one) held out from them. Now the shards _info.json names as the validation
     split are left out of training (one line says so) and are the validation; an explicit holdout= holds out
     training shards."""
-    n = _folder(tmp_path / 'tv' / 'train', 5)
-    _folder(tmp_path / 'tv' / 'val', 2, offset=n)
-    assert main(['data', 'shard', str(tmp_path / 'tv'), str(tmp_path / 'out'), '--shard-size', '4']) == 0
-    capsys.readouterr()
+    n = _sharded_train_and_val(tmp_path, capsys)
     train, val, _ = build_datasets(f"wds:{tmp_path / 'out'}/*.tar", img_size=8, train_transform=pixel_id,
                                    eval_transform=pixel_id)
     out = capsys.readouterr().out
