@@ -46,7 +46,8 @@ def _info_validation(urls: List[str], info, spec: str):
     """(validation shards, how chosen) named by the _info.json beside the training shards (a glob over `data shard`
     output, wds:OUT/train-*.tar), else (None, ''). Holding out the last training shards there trained on ~10 %
     fewer images and scored on training ones while the folder holds its validation split. Only when every one of
-    those shards exists and none is among the training shards (a glob over all of OUT keeps the hold-out)."""
+    those shards exists and none is among the training shards (`_without_held_out_splits` has taken them out of a
+    glob over all of OUT; one over nothing but them keeps the hold-out)."""
     if not is_local(urls[0]):
         return None, ''
     folder = os.path.dirname(os.path.abspath(_local(urls[0])))
@@ -73,11 +74,12 @@ def _without_held_out_splits(urls: List[str], info, spec: str) -> List[str]:
     folder = os.path.dirname(os.path.abspath(_local(urls[0])))
     held = {os.path.join(folder, f): name for name in VAL_SPLITS
             for f in (info.get('splits', {}).get(name) or {}).get('filenames') or ()}
-    kept = [u for u in urls if not is_local(u) or os.path.abspath(_local(u)) not in held]
+    split_of = {u: held.get(os.path.abspath(_local(u))) if is_local(u) else None for u in urls}
+    kept = [u for u in urls if split_of[u] is None]
     if not kept or len(kept) == len(urls):
         return urls
-    dropped = [u for u in urls if u not in kept]
-    splits = sorted({held[os.path.abspath(_local(u))] for u in dropped})
+    dropped = [u for u in urls if split_of[u] is not None]
+    splits = sorted({split_of[u] for u in dropped})
     print(f"--data {spec}: the training pattern also matches the {' and '.join(splits)} split of _info.json in "
           f"{folder} ({_abbreviate(dropped)}): left out of training", flush=True)
     return kept
