@@ -1,4 +1,5 @@
 """The timm model contract, for every model structformer registers."""
+import functools
 import json
 import math
 
@@ -36,9 +37,34 @@ def _small_size(name):
     return (c, side, side) if side else (c, h, w)
 
 
+@functools.lru_cache(maxsize=1)
+def _initial_state(name):
+    """A freshly initialised model's weights at its small size, kept while that model's tests run (the `model_name`
+    fixture groups them): drawing the initial values was most of these tests' time (timm's trunc_normal_ after
+    nn.Linear's own uniform_: 1.5 s for SOFT-Huge's 87M weights, four times over)."""
+    return timm.create_model(name, **_small_kwargs(name)).state_dict()
+
+
+def _with_initial_weights(model, name):
+    """`model` (built on the meta device) given copies of `_initial_state(name)`'s tensors for its own keys: copies,
+    as a forward in training mode updates BatchNorm's statistics in place."""
+    state = _initial_state(name)
+    model.load_state_dict({k: state[k].clone() for k in model.state_dict()}, assign=True)
+    return model
+
+
 def _small(name):
-    """Build a model at a small input size (`_cheap_side`)."""
-    return timm.create_model(name, **_small_kwargs(name)), _small_size(name)
+    """A model at a small input size (`_cheap_side`), with the initial weights its tests share."""
+    with torch.device('meta'):
+        model = timm.create_model(name, **_small_kwargs(name))
+    return _with_initial_weights(model, name), _small_size(name)
+
+
+@pytest.fixture(scope='module', params=MODELS)
+def model_name(request):
+    """Each registered model; module-scoped, so pytest runs one model's tests together and `_initial_state` draws
+    its weights once per test process."""
+    return request.param
 
 
 def _structure(name):
@@ -48,8 +74,8 @@ def _structure(name):
         return timm.create_model(name, **_small_kwargs(name))
 
 
-@pytest.mark.parametrize('name', MODELS)
-def test_model_contract(name):
+def test_model_contract(model_name):
+    name = model_name
     model, (c, h, w) = _small(name)
     x = torch.randn(2, c, h, w)
     out = model(x)
@@ -80,10 +106,10 @@ def test_model_contract(name):
     assert embeddings <= model.no_weight_decay() <= set(names)
 
 
-@pytest.mark.parametrize('name', MODELS)
-def test_forward_intermediates_follow_timm(name):
+def test_forward_intermediates_follow_timm(model_name):
     """timm's feature interface: one intermediate per feature_info entry, of its width and reduction;
     the final output is forward_features'; index selection, NLC, stop_early and features_only agree."""
+    name = model_name
     model, (c, h, w) = _small(name)
     model.eval()
     x = torch.randn(2, c, h, w)
@@ -109,11 +135,11 @@ def test_forward_intermediates_follow_timm(name):
         with pytest.raises(ValueError, match='output_fmt'):
             model.forward_intermediates(x, output_fmt='NHWC')
 
-        features = timm.create_model(name, features_only=True, out_indices=(0, -1),
-                                     **_small_kwargs(name))
+        with torch.device('meta'):
+            features = timm.create_model(name, features_only=True, out_indices=(0, -1), **_small_kwargs(name))
         kept = features.model.state_dict()                 # pruned: later blocks / stages and the head are gone
         assert set(kept) < set(model.state_dict())
-        features.model.load_state_dict({k: v for k, v in model.state_dict().items() if k in kept})
+        _with_initial_weights(features.model, name)        # the weights `model` has
         features.eval()
         got = features(x)
         assert features.feature_info.channels() == [info[0]['num_chs'], info[-1]['num_chs']]
@@ -121,17 +147,20 @@ def test_forward_intermediates_follow_timm(name):
         torch.testing.assert_close(got[1], maps[-1])
 
 
-@pytest.mark.parametrize('name', MODELS)
-def test_features_only_with_default_out_indices(name):
+def test_features_only_with_default_out_indices(model_name):
     """`features_only=True` alone (timm's default out_indices: the last 3 blocks, SOFT's last 4 stages) builds
     and runs for every model, a variant shallower than that included; the predictors of a Sparsifiner
     model are shaped at construction inside timm's wrapper too (no lazy-parameter warning)."""
+    name = model_name
     import warnings
     size, kwargs = _small_size(name), _small_kwargs(name)
     info = _structure(name).feature_info
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        features = timm.create_model(name, features_only=True, **kwargs).eval()
+        with torch.device('meta'):
+            features = timm.create_model(name, features_only=True, **kwargs)
+        _with_initial_weights(features.model, name)
+        features.eval()
         with torch.no_grad():
             maps = features(torch.randn(1, *size))
     last = 4 if name.startswith('soft') else 3
