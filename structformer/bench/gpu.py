@@ -80,7 +80,10 @@ SIZES = {
     'tiny': dict(batch_size=2, img_size=32, steps=1, warmup=1, repeats=2, attention_batch=1, attention_dim=16,
                  attention_heads=2, attention_landmarks=4, sparse_batch=1, sparse_max_gib=1.0,
                  grids=[[4, 4]], sparse_tokens=[65], sparse_paths=['masked', 'block-gather'],
-                 models=['ViT-T', 'ViT-S factorised rank 0.25'], pairs=[['CRATE-T', 'ViT-T']], pair_rounds=2),
+                 models=['ViT-T', 'ViT-S factorised rank 0.25'], pairs=[['CRATE-T', 'ViT-T']], pair_rounds=2,
+                 # two blocks of each model: a block's code is what runs, depth only repeats it (ViT-S's 12 blocks
+                 # took 12 s a row on a Zen 1 core, 6 of them the 36 SVDs of its spectral factorisation)
+                 model_kwargs={'depth': 2}),
 }
 # each section's share of the budget; a section's deadline is the sum of the shares up to it, so time one leaves
 # unused passes on
@@ -144,7 +147,8 @@ def _spec(model: tuple) -> dict:
 def make_plan(size: dict, compiled: bool) -> List[dict]:
     """Every item to measure, in order: eager (the goals' model pairs, models, attention, Sparsifiner), then the
     compiled ones in `COMPILED_ORDER`, the same order as their `SHARES` (a section's deadline is cumulative)."""
-    models = {m[0]: m for m in MODELS}
+    extra = size.get('model_kwargs', {})
+    models = {label: (label, name, dict(kwargs, **extra), transforms) for label, name, kwargs, transforms in MODELS}
     items = []
     for mode in ('eager', 'compiled') if compiled else ('eager',):
         sections = {'pairs': [], 'models': [], 'attention': [], 'sparse': []}
