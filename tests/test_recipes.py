@@ -628,7 +628,7 @@ _SMALL = {
     'swmlp': ['img_size=8', 'patch_size=2', 'embed_dim=4', 'depth=2', 'density=0.5'],
     'gpt': ['embed_dim=64', 'num_heads=2', 'depth=2'],
     'wrn': ['depth=10', 'widen_factor=2'],
-    'resnet': ['layers=(1,1,1,1)'],
+    'resnet': ['layers=(1,1,1,1)', 'stem_width=8', 'channels=(8,16,32,64)'],   # ResNet-50's blocks, 1/8 wide
 }
 REPRESENTATIVES = ['crate_base_in1k', 'soft_tiny_in1k', 'sparsifiner_deit_small_in1k', 'mixer_b16_in1k',
                    'wrn28_10_lowrank_pretrain_cifar100', 'gpt2_lowrank_lm1b']
