@@ -6,7 +6,8 @@ command starts. A forked child starts from this process's imports and runs the s
 runs (`structformer.cli.main`, or the library call under test); it has its own PID, is killed, signalled and reaped
 as any process is, and what it writes is on disk for the parent to read. What a fork cannot test (the console
 script, `python -m structformer`, imports in a fresh interpreter, torchrun) stays with the tests that start a new
-interpreter: test_new_user, test_cli_errors, test_lazy_imports, test_ddp_*.
+interpreter: test_new_user, test_cli_errors, test_lazy_imports, and some of test_ddp_* (`torchrun_forked` runs the
+others' workers as forks too).
 
 The child is made to look like a fresh process where that matters: Ctrl-C raises KeyboardInterrupt and SIGTERM
 ends it (as Python sets them up), no signal is blocked, stdin is empty, stdout and stderr go to files of its own,
@@ -145,3 +146,39 @@ def run_forked(function, *args, env=None, timeout=300) -> subprocess.CompletedPr
         code = child.wait(timeout)
         return subprocess.CompletedProcess([getattr(function, '__name__', str(function)), *map(str, args)], code,
                                            child.stdout, child.stderr)
+
+
+def _elastic_launch(nproc, function, args):
+    """In the forked child: torch's elastic agent (what torchrun runs) starting `nproc` workers that fork from
+    this process and call `function(*args)`; exit status 0 where every worker returned 0."""
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    os.setpgid(0, 0)                       # the agent and its workers one process group: a timeout ends them all
+    # as `torchrun --standalone`: a c10d rendezvous on a free local port, one node, no restarts
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend='c10d',
+                          rdzv_endpoint='localhost:0', run_id=uuid.uuid4().hex, max_restarts=0, start_method='fork',
+                          monitor_interval=0.1)
+    results = elastic_launch(config, function)(*args)        # raises ChildFailedError where a worker failed
+    return max(int(r or 0) for r in results.values())
+
+
+def torchrun_forked(function, *args, nproc=2, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """`function(*args)` on `nproc` processes as torchrun starts them, without a fresh interpreter: a forked child
+    runs torch's elastic agent (the LocalElasticAgent torchrun runs, rendezvous as `--standalone`), whose workers are
+    forks of it with the environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    TORCHELASTIC_*). Each torchrun of `python -m structformer train` started an agent and `nproc` interpreters that
+    imported torch and timm before the first step (~13 s of a 2-core Zen 1 for one run of a digits model; ~5 s so).
+    torchrun's command line and a fresh worker's imports stay with the tests that run the real thing
+    (test_ddp_families' CRATE resume, test_ddp_draws' non-finite loss, test_shards, test_data_scale)."""
+    with Forked(_elastic_launch, nproc, function, args, env=env) as agent:
+        try:
+            code = agent.wait(timeout)
+        except TimeoutError:              # a worker waiting in a collective another skipped: end the workers too
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise
+        return subprocess.CompletedProcess(['torchrun_forked', getattr(function, '__name__', str(function)),
+                                            *map(str, args)], code, agent.stdout, agent.stderr)

@@ -12,10 +12,11 @@ factorisation: what each process draws and what they must share.
 - one SGD step on two processes with accumulation equals the one-process step on the same 36 samples;
 - a loss not finite on one process stops both with the line (no gloo error); the step log's loss is the mean.
 
-Five torchruns (about 12 s of CPU each); slow."""
+Six runs on two processes: the non-finite loss one through the real torchrun (about 12 s of CPU, mostly three
+interpreters' imports), the others with their processes forked from this one by torch's elastic agent
+(tests/forking.py's `torchrun_forked`); slow."""
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,53 +26,48 @@ import torch
 
 from structformer.cli import main
 
+from forking import torchrun_forked
+
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures('one_torch_thread')]
 
-PROBE = r'''
-import hashlib, json, sys
-import numpy as np, torch
-from structformer.train import TrainConfig, Trainer
-from structformer.train.evaluation import parameter_digest
+def _probe_run(out):
+    """Each process's draws, weight average and epoch metrics after each epoch, in probe_rank{R}.json (a worker)."""
+    import hashlib
 
-out = sys.argv[1]
-records = []
-if trainer_rank := int(__import__('os').environ['RANK']):     # as if on another machine: rank 0's files unseen
-    import structformer.train.save_resume as save_resume
-    save_resume.committed_checkpoints = lambda folder: []
+    import numpy as np
 
-def probe(trainer, epoch, record):
-    ema = next(p for p in trainer.parts if hasattr(p, 'average')).average.module
-    records.append({'epoch': epoch, 'rank': trainer.rank,
-                    'torch_rng': hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
-                    'numpy_rng': hashlib.sha256(np.random.get_state()[1].tobytes()).hexdigest(),
-                    'ema': parameter_digest(ema), 'train': {k: v for k, v in record.items()
-                                                             if k in ('train_loss', 'train_ce', 'train_top1')}})
-    with open(f'{out}/probe_rank{trainer.rank}.json', 'w') as f:
-        json.dump(records, f)
+    from structformer.train import TrainConfig, Trainer
+    from structformer.train.evaluation import parameter_digest
+    records = []
+    if int(os.environ['RANK']):                  # as if on another machine: rank 0's files unseen
+        import structformer.train.save_resume as save_resume
+        save_resume.committed_checkpoints = lambda folder: []
 
-config = TrainConfig(model='wrn_10_2_digits', data='digits', epochs=2, batch_size=16, warmup_epochs=0,
-                     limit_train_batches=3, log_interval=0, model_ema=True, model_ema_decay=0.5, mixup=0.8,
-                     model_kwargs={'drop_rate': 0.2}, factorize_at=1, factorize_rank=0.5, factorize_init='spectral',
-                     avg_last=1, output=out)
-Trainer(config, progress=False, callbacks=[probe]).fit()
-'''
+    def probe(trainer, epoch, record):
+        ema = next(p for p in trainer.parts if hasattr(p, 'average')).average.module
+        records.append({'epoch': epoch, 'rank': trainer.rank,
+                        'torch_rng': hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+                        'numpy_rng': hashlib.sha256(np.random.get_state()[1].tobytes()).hexdigest(),
+                        'ema': parameter_digest(ema), 'train': {k: v for k, v in record.items()
+                                                                 if k in ('train_loss', 'train_ce', 'train_top1')}})
+        with open(f'{out}/probe_rank{trainer.rank}.json', 'w') as f:
+            json.dump(records, f)
+
+    config = TrainConfig(model='wrn_10_2_digits', data='digits', epochs=2, batch_size=16, warmup_epochs=0,
+                         limit_train_batches=3, log_interval=0, model_ema=True, model_ema_decay=0.5, mixup=0.8,
+                         model_kwargs={'drop_rate': 0.2}, factorize_at=1, factorize_rank=0.5,
+                         factorize_init='spectral', avg_last=1, output=str(out))
+    Trainer(config, progress=False, callbacks=[probe]).fit()
+    return 0
 
 
 def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
     out = tmp_path / 'run'
-    script = tmp_path / 'probe.py'
-    script.write_text(PROBE)
-    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT)), start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:          # a process waiting in a collective the other skipped: end them all
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail('the processes hung (one skipped a collective the other waited in)')
-    assert proc.returncode == 0, stderr[-3000:]
+    # the two processes fork from this one (tests/forking.py); one that hangs in a collective the other skipped
+    # is killed with its agent at the timeout
+    proc = torchrun_forked(_probe_run, out, env={'OMP_NUM_THREADS': '1'}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f'probe_rank{r}.json').read_text()) for r in (0, 1)]
     for first, second in zip(*ranks):
         # the processes' training draws differ (they were one stream: the same masks and Mixup on both)
@@ -94,9 +90,8 @@ def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
 
 
 def _torchrun(*args, env=None):
-    return subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                           '-m', 'structformer', 'train', *args], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT), **(env or {})))
+    """`torchrun --standalone --nproc_per_node=2 -m structformer train ARGS`, its workers forked from this process."""
+    return torchrun_forked(main, ['train', *args], env=dict(OMP_NUM_THREADS='1', **(env or {})))
 
 
 def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):

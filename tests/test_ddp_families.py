@@ -2,7 +2,9 @@
 stages, low-rank factorised mid-run; evaluation counted over both processes; a resume on the same and on another
 process count (CRATE's run: stopped after its first epoch, refused on one process, resumed on two).
 
-Each torchrun starts three Python processes (about 12 s of CPU, mostly imports): one run per family, no more."""
+Each torchrun starts three Python processes (about 12 s of CPU, mostly imports): the families' runs start their two
+processes as forks of this one through torch's elastic agent (tests/forking.py's `torchrun_forked`); CRATE's run is
+the real `torchrun -m structformer train`."""
 import json
 import os
 import subprocess
@@ -15,15 +17,18 @@ from safetensors.torch import load_file
 
 from structformer.cli import main
 
+from forking import torchrun_forked
+
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures('one_torch_thread')]
+COMMON = ['train', '--data', 'digits', '--warmup-epochs', '0', '--limit-train-batches', '3', '--no-progress',
+          '--log-interval', '0']
 
 
 def _torchrun(*args, nproc=2):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT))
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-           '-m', 'structformer', 'train', '--data', 'digits', '--warmup-epochs', '0', '--limit-train-batches', '3',
-           '--no-progress', '--log-interval', '0', *args]
+           '-m', 'structformer', *COMMON, *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -59,7 +64,7 @@ def _check_run(out: Path, capsys):
 def test_family_trains_on_two_processes(tmp_path, family, teacher, capsys):
     out = tmp_path / family
     args = [a.format(teacher=teacher) for a in FAMILIES[family]]
-    proc = _torchrun(*args, '--output', str(out))
+    proc = torchrun_forked(main, [*COMMON, *args, '--output', str(out)], env={'OMP_NUM_THREADS': '1'})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _check_run(out, capsys)
     if family == 'sparsifiner':
