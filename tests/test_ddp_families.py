@@ -2,9 +2,9 @@
 stages, low-rank factorised mid-run; evaluation counted over both processes; a resume on the same and on another
 process count (CRATE's run: stopped after its first epoch, refused on one process, resumed on two).
 
-Each torchrun starts three Python processes (about 12 s of CPU, mostly imports): the families' runs start their two
-processes as forks of this one through torch's elastic agent (tests/forking.py's `torchrun_forked`); CRATE's run is
-the real `torchrun -m structformer train`."""
+Each torchrun starts three Python processes (about 12 s of CPU, mostly imports): the families' runs and CRATE's resume
+start their two processes as forks of this one through torch's elastic agent (tests/forking.py's `torchrun_forked`);
+CRATE's first run is the real `torchrun -m structformer train`."""
 import json
 import os
 import subprocess
@@ -86,10 +86,9 @@ def test_crate_stops_resumes_and_is_refused_on_one_process(tmp_path, capsys):
     err = capsys.readouterr().err
     assert 'trained on 2 process(es), this is 1' in err and '--allow-world-size-change' in err
     assert sorted(p.name for p in (out / 'checkpoints').iterdir()) == before
-    resumed = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                              '-m', 'structformer', 'train', '--resume', '--output', str(out), '--no-progress'],
-                             capture_output=True, text=True, timeout=600,
-                             env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT)))
+    # the first run was the real torchrun; the resume forks its processes from this one (the same agent)
+    resumed = torchrun_forked(main, ['train', '--resume', '--output', str(out), '--no-progress'],
+                              env={'OMP_NUM_THREADS': '1'})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert 'resumed from epoch 1 of 2' in resumed.stdout
     _check_run(out, capsys)
