@@ -167,10 +167,10 @@ def torchrun_forked(function, *args, nproc=2, env=None, timeout=600) -> subproce
     """`function(*args)` on `nproc` processes as torchrun starts them, without a fresh interpreter: a forked child
     runs torch's elastic agent (the LocalElasticAgent torchrun runs, rendezvous as `--standalone`), whose workers are
     forks of it with the environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-    TORCHELASTIC_*). Each torchrun of `python -m structformer train` started an agent and `nproc` interpreters that
-    imported torch and timm before the first step (~13 s of a 2-core Zen 1 for one run of a digits model; ~5 s so).
-    torchrun's command line and a fresh worker's imports stay with the tests that run the real thing
-    (test_ddp_families' CRATE resume, test_ddp_draws' non-finite loss, test_shards, test_data_scale)."""
+    TORCHELASTIC_*). A real torchrun of `python -m structformer train` starts an agent and `nproc` interpreters that
+    import torch and timm before the first step: 12.7 s of wall on a 2-core Zen 1 for one run of a digits model,
+    3-6 s this way. torchrun's command line and a fresh worker's imports stay with the tests that run the real thing
+    (test_ddp_families' first CRATE run, test_ddp_draws' non-finite loss, test_shards, test_data_scale)."""
     with Forked(_elastic_launch, nproc, function, args, env=env) as agent:
         try:
             code = agent.wait(timeout)

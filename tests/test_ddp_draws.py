@@ -31,6 +31,7 @@ from forking import torchrun_forked
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures('one_torch_thread')]
 
+
 def _probe_run(out):
     """Each process's draws, weight average and epoch metrics after each epoch, in probe_rank{R}.json (a worker)."""
     import hashlib

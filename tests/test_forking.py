@@ -1,6 +1,7 @@
 """tests/forking.py, which the kill, signal and lock tests run their commands with: the forked child behaves as a
 fresh process does where those tests depend on it (exit status, output, Ctrl-C, SIGTERM, environment, no state
-back to the parent), and it refuses to fork a process whose torch runs more than one thread."""
+back to the parent), and it refuses to fork a process whose torch runs more than one thread; `torchrun_forked`
+gives its workers torchrun's environment, returns their status and ends a hung one with its agent."""
 import os
 import signal
 import sys
@@ -78,3 +79,51 @@ def test_more_than_one_torch_thread_is_refused():
     torch.set_num_threads(2)                  # conftest's fixtures put the count back
     with pytest.raises(RuntimeError, match='one thread'):
         Forked(_speaks, 0)
+
+
+def _report_rank(folder, hang_rank=None, code_rank=None):
+    """A worker: writes its rank, pid and torchrun's variables; rank `hang_rank` then sleeps, rank `code_rank`
+    returns 2."""
+    import json
+    import time
+    rank = int(os.environ['RANK'])
+    keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'TORCHELASTIC_RUN_ID', 'MARK')
+    with open(os.path.join(folder, f'rank{rank}.json'), 'w') as f:
+        json.dump({'pid': os.getpid(), 'threads': torch.get_num_threads(), **{k: os.environ.get(k) for k in keys}}, f)
+    if rank == hang_rank:
+        time.sleep(600)
+    return 2 if rank == code_rank else 0
+
+
+def test_torchrun_forked_gives_each_worker_torchruns_environment(tmp_path):
+    import json
+
+    from forking import torchrun_forked
+    done = torchrun_forked(_report_rank, str(tmp_path), nproc=2, env={'MARK': 'passed on'})
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = [json.loads((tmp_path / f'rank{r}.json').read_text()) for r in (0, 1)]
+    assert [(r['RANK'], r['LOCAL_RANK'], r['WORLD_SIZE']) for r in ranks] == [('0', '0', '2'), ('1', '1', '2')]
+    assert ranks[0]['MASTER_PORT'] == ranks[1]['MASTER_PORT'] and ranks[0]['TORCHELASTIC_RUN_ID']
+    assert all(r['MARK'] == 'passed on' and r['threads'] == 1 for r in ranks)
+    assert ranks[0]['pid'] != ranks[1]['pid'] != os.getpid()
+
+
+def test_torchrun_forked_reports_a_failed_worker_and_ends_a_hung_one(tmp_path):
+    import json
+    import time
+
+    from forking import torchrun_forked
+    failed = torchrun_forked(_report_rank, str(tmp_path), None, 1)           # rank 1 returns 2
+    assert failed.returncode == 2
+    with pytest.raises(TimeoutError):
+        torchrun_forked(_report_rank, str(tmp_path), 1, timeout=8)          # rank 1 sleeps past the timeout
+    hung = json.loads((tmp_path / 'rank1.json').read_text())['pid']
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:                                      # killed with its agent, then reaped
+        try:
+            os.kill(hung, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f'the hung worker {hung} outlived its agent')
