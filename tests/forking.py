@@ -171,6 +171,8 @@ def torchrun_forked(function, *args, nproc=2, env=None, timeout=600) -> subproce
     import torch and timm before the first step: 12.7 s of wall on a 2-core Zen 1 for one run of a digits model,
     3-6 s this way. torchrun's command line and a fresh worker's imports stay with the tests that run the real thing
     (test_ddp_families' first CRATE run, test_ddp_draws' non-finite loss, test_shards, test_data_scale)."""
+    if 'OMP_NUM_THREADS' not in os.environ and nproc > 1:       # as torchrun sets it for its workers
+        env = {'OMP_NUM_THREADS': '1', **(env or {})}
     with Forked(_elastic_launch, nproc, function, args, env=env) as agent:
         try:
             code = agent.wait(timeout)

@@ -67,7 +67,7 @@ def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
     out = tmp_path / 'run'
     # the two processes fork from this one (tests/forking.py); one that hangs in a collective the other skipped
     # is killed with its agent at the timeout
-    proc = torchrun_forked(_probe_run, out, env={'OMP_NUM_THREADS': '1'}, timeout=300)
+    proc = torchrun_forked(_probe_run, out, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f'probe_rank{r}.json').read_text()) for r in (0, 1)]
     for first, second in zip(*ranks):
@@ -92,7 +92,7 @@ def test_processes_draw_their_own_and_share_the_average(tmp_path, capsys):
 
 def _torchrun(*args, env=None):
     """`torchrun --standalone --nproc_per_node=2 -m structformer train ARGS`, its workers forked from this process."""
-    return torchrun_forked(main, ['train', *args], env=dict(OMP_NUM_THREADS='1', **(env or {})))
+    return torchrun_forked(main, ['train', *args], env=env)
 
 
 def test_a_recovery_point_on_two_processes_keeps_both_processes_sums(tmp_path):

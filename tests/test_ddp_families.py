@@ -64,7 +64,7 @@ def _check_run(out: Path, capsys):
 def test_family_trains_on_two_processes(tmp_path, family, teacher, capsys):
     out = tmp_path / family
     args = [a.format(teacher=teacher) for a in FAMILIES[family]]
-    proc = torchrun_forked(main, [*COMMON, *args, '--output', str(out)], env={'OMP_NUM_THREADS': '1'})
+    proc = torchrun_forked(main, [*COMMON, *args, '--output', str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _check_run(out, capsys)
     if family == 'sparsifiner':
@@ -87,8 +87,7 @@ def test_crate_stops_resumes_and_is_refused_on_one_process(tmp_path, capsys):
     assert 'trained on 2 process(es), this is 1' in err and '--allow-world-size-change' in err
     assert sorted(p.name for p in (out / 'checkpoints').iterdir()) == before
     # the first run was the real torchrun; the resume forks its processes from this one (the same agent)
-    resumed = torchrun_forked(main, ['train', '--resume', '--output', str(out), '--no-progress'],
-                              env={'OMP_NUM_THREADS': '1'})
+    resumed = torchrun_forked(main, ['train', '--resume', '--output', str(out), '--no-progress'])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert 'resumed from epoch 1 of 2' in resumed.stdout
     _check_run(out, capsys)
