@@ -1,4 +1,5 @@
 """`import structformer` and `structformer --help` stay light, and our models still reach timm's registry."""
+import os
 import subprocess
 import sys
 
@@ -16,3 +17,21 @@ def test_cli_help_imports_neither_torch_nor_timm():
             'heavy = sorted(m for m in ("torch", "timm") if m in sys.modules); '
             'assert not heavy, heavy')
     subprocess.run([sys.executable, '-c', code], check=True)
+
+
+def test_train_refuses_a_bad_flag_or_config_path_before_importing_torch(tmp_path):
+    """A value out of range or a -c that is a folder is one line at once, not after the engine's imports (torch and
+    timm: ~7 s on a 2-core Zen 1); `structformer.train`'s names load on first use."""
+    code = ('import sys; from structformer.cli import main; rc = main(sys.argv[1:]); '
+            'heavy = sorted(m for m in ("torch", "timm", "structformer.train.engine") if m in sys.modules); '
+            'assert not heavy, heavy; sys.exit(rc)')
+    # without the kernel-choice settings (conftest sets one), which are checked against torch before any command
+    env = {k: v for k, v in os.environ.items() if not (k.startswith('STRUCTFORMER_CHOICE_') or k == 'STRUCTFORMER_AUTOTUNE')}
+    for argv in (['train', '--epochs', '-1', '--model', 'crate_digits'], ['train', '--lr', '0'],
+                 ['train', '-c', str(tmp_path)]):
+        done = subprocess.run([sys.executable, '-c', code, *argv], capture_output=True, text=True, env=env)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count('\n') == 1 and argv[1] in done.stderr, done.stderr
+    import structformer.train
+    assert structformer.train.Trainer.__module__ == 'structformer.train.engine'
+    assert 'TrainConfig' in dir(structformer.train)

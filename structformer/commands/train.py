@@ -470,8 +470,8 @@ def run(args) -> int:
         from ..train.plan import dry_run
         print(dry_run(train_config(args), resume=args.resume))
         return 0
+    config = train_config(args)                    # refused here, before the engine's imports (torch, timm)
     from ..train import Trainer
-    config = train_config(args)
     trainer = Trainer(config, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
                       progress=not args.no_progress)
     result = trainer.fit()

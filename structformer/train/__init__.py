@@ -1,5 +1,24 @@
-"""One training engine: loop, phases, checkpoints, DDP."""
-from .checkpoint import CheckpointError, load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
-from .config import TrainConfig, load_config_file
-from .engine import Trainer, TrainingDiverged, evaluate, train
-from .phases import LOSS_TERMS, LossContext, Phase, register_loss_term
+"""One training engine: loop, phases, checkpoints, DDP.
+
+The names below load on first use (PEP 562), not with the package: `structformer train` checks its flags and
+its config file through `structformer.train.config`, which needs neither torch nor timm, so a bad argument is
+refused in a fraction of a second instead of after the engine's imports (about 7 s on a 2-core Zen 1).
+"""
+import importlib
+
+_EXPORTS = {'CheckpointError': 'checkpoint', 'load_checkpoint': 'checkpoint', 'load_model': 'checkpoint',
+            'resolve_checkpoint': 'checkpoint', 'save_checkpoint': 'checkpoint',
+            'TrainConfig': 'config', 'load_config_file': 'config',
+            'Trainer': 'engine', 'TrainingDiverged': 'engine', 'evaluate': 'engine', 'train': 'engine',
+            'LOSS_TERMS': 'phases', 'LossContext': 'phases', 'Phase': 'phases', 'register_loss_term': 'phases'}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f'{__name__}.{_EXPORTS[name]}'), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

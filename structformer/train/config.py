@@ -230,11 +230,7 @@ class TrainConfig:
         return min(DEFAULT_FLOOR_LR, self.lr) if self.min_lr is None else self.min_lr
 
     def validate(self) -> 'TrainConfig':
-        if self.label_smoothing is None:
-            from .config_checks import language_modelling
-            self.label_smoothing = 0.0 if language_modelling(self) else DEFAULT_LABEL_SMOOTHING
         self._validate_numbers()
-        self._validate_optimizer()
         checks = [
             ('epochs', self.epochs >= 1, '>= 1'),
             ('batch_size', self.batch_size >= 1, '>= 1'),
@@ -249,7 +245,7 @@ class TrainConfig:
             ('momentum', 0 <= self.momentum < 1, 'in [0, 1)'),
             ('seed', 0 <= self.seed < 2 ** 32, 'in [0, 2**32)'),
             ('warmup_epochs', 0 <= self.resolved_warmup_epochs() < self.epochs, f'in [0, epochs={self.epochs})'),
-            ('label_smoothing', 0 <= self.label_smoothing < 1, 'in [0, 1)'),
+            ('label_smoothing', self.label_smoothing is None or 0 <= self.label_smoothing < 1, 'in [0, 1)'),
             ('val_fraction', 0 < self.val_fraction < 1, 'in (0, 1)'),
             ('keep_last', self.keep_last >= 1, '>= 1'),
             ('save_every', self.save_every >= 0, '>= 0'),
@@ -263,6 +259,10 @@ class TrainConfig:
         for name, ok, accepted in checks:
             if not ok:
                 raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
+        if self.label_smoothing is None:           # after the plain ranges, which need no torch or timm
+            from .config_checks import language_modelling
+            self.label_smoothing = 0.0 if language_modelling(self) else DEFAULT_LABEL_SMOOTHING
+        self._validate_optimizer()
         if self.avg_last > self.keep_last:
             raise UsageError(f"--avg-last {self.avg_last} averages the last {self.avg_last} epochs' checkpoints, but "
                              f"--keep-last {self.keep_last} keeps only {self.keep_last}: give --keep-last "
