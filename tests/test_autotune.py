@@ -480,7 +480,7 @@ def test_isa_caps_below_avx512():
 def test_an_isa_cap_below_avx512_makes_bfloat16_not_native(monkeypatch):
     """The bench's bfloat16 verdict and the trainer's warning read `cpu_bfloat16_native`: under
     ONEDNN_MAX_CPU_ISA=AVX2 the kernels cannot use AVX-512 BF16 or AMX even where the CPU has them."""
-    from structformer.bench.models import cpu_capability
+    from structformer.bench.model_goals import cpu_capability
     from structformer.train.precision import cpu_bfloat16_native
     monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
     assert cpu_bfloat16_native() is False

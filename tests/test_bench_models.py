@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from structformer.bench import model_goals
 from structformer.bench import models as bench_models
 from structformer.cli import main
 
@@ -55,7 +56,7 @@ def test_report_has_ratios_to_vit_in_the_same_mode(tmp_path, monkeypatch, capsys
     # the goal is judged on the paired ratios (0.95 here), not the best-of-rounds ones (0.80)
     assert rows['CRATE-T']['paired_train']['ratio'] == 0.95
     assert 'met (paired: 0.950× eager, 0.950× compiled)' in printed
-    assert bench_models.goal([dict(r, paired_train=None) for r in rows.values()]).startswith(
+    assert model_goals.goal([dict(r, paired_train=None) for r in rows.values()]).startswith(
         "goal: CRATE-T trains at >= 0.9x ViT-T's speed (eager or compiled): not met (best-of-rounds: 0.800× eager")
 
 
@@ -82,9 +83,9 @@ def test_goal_is_not_met_by_a_ratio_that_only_rounds_to_it():
     vit, crate = bench_models.CANDIDATES[0], bench_models.CANDIDATES[1]
     rows = [{'model': vit[1], 'kwargs': vit[2], 'mode': 'eager', 'paired_train': {'ratio': 1.0}},
             {'model': crate[1], 'kwargs': crate[2], 'mode': 'eager', 'paired_train': {'ratio': 0.8961}}]
-    assert bench_models.goal(rows).endswith('not met (paired: 0.896× eager)')
+    assert model_goals.goal(rows).endswith('not met (paired: 0.896× eager)')
     rows[1]['paired_train']['ratio'] = 0.9
-    assert bench_models.goal(rows).endswith(': met (paired: 0.900× eager)')
+    assert model_goals.goal(rows).endswith(': met (paired: 0.900× eager)')
 
 
 # ---- --amp (float32 and bfloat16 rows) and --families ---------------------------------------------------
@@ -145,14 +146,14 @@ def test_amp_run_measures_float32_and_bfloat16_rows_and_pairs_them(tmp_path, mon
     families = [g for g in goals if g.get('family')]
     assert [g['family'] for g in families] == ['CRATE', 'low-rank']
     assert all(isinstance(g['met'], bool) and g['source'] == 'paired' and g['target'] == 2.0 for g in families)
-    assert all(g['cpu']['native'] == bench_models.cpu_capability('bfloat16')['native'] for g in goals)
+    assert all(g['cpu']['native'] == model_goals.cpu_capability('bfloat16')['native'] for g in goals)
     crate = [g for g in goals if g['goal'] == 'crate_over_vit']
     assert len(crate) == 1 and crate[0]['target'] == 1.25
     assert result['goal'].startswith("goal: CRATE-T trains at >= 0.9x ViT-T's speed")   # float32 rows only
     printed = capsys.readouterr().out
     assert 'bfloat16 over float32' in printed
     assert 'goal: each family trains >= 2.0x faster in bfloat16 than in float32' in printed
-    assert bench_models.cpu_capability('bfloat16')['text'] in printed
+    assert model_goals.cpu_capability('bfloat16')['text'] in printed
     assert "goal: CRATE-T in bfloat16 trains at >= 1.25x ViT-T's bfloat16 speed" in printed
     assert 'no mixer is registered at 224 px' in printed
 
@@ -196,19 +197,19 @@ def test_amp_goals_name_the_cpu_and_do_not_round_up(monkeypatch):
     import structformer.train.precision as precision
     families = [('CRATE', 'CRATE-T', 'crate_tiny_patch16_224', {}, [])]
     monkeypatch.setattr(precision, 'cpu_bfloat16_native', lambda: False)
-    goals = bench_models.amp_goals(_amp_rows(1.998, 1.25), families, 'bfloat16')
+    goals = model_goals.amp_goals(_amp_rows(1.998, 1.25), families, 'bfloat16')
     assert goals[0]['line'].endswith('this CPU has no AVX512-BF16 or AMX: a bfloat16 matmul is emulated, '
                                      'so no speed-up is expected')
     assert goals[1]['line'] == '  CRATE (CRATE-T): not met (paired: 1.998× eager (quartiles 1.998–1.998))'
     assert goals[1]['met'] is False and goals[2]['met'] is True and goals[2]['line'].startswith(
         "goal: CRATE-T in bfloat16 trains at >= 1.25x ViT-T's bfloat16 speed (eager or compiled): met (paired: 1.250×")
     monkeypatch.setattr(precision, 'cpu_bfloat16_native', lambda: True)
-    goals = bench_models.amp_goals(_amp_rows(2.0, 1.2), families, 'bfloat16')
+    goals = model_goals.amp_goals(_amp_rows(2.0, 1.2), families, 'bfloat16')
     assert 'has AVX512-BF16/AMX' in goals[0]['line'] and goals[1]['met'] is True and goals[2]['met'] is False
-    assert [g['goal'] for g in bench_models.amp_goals(_amp_rows(2.0, 1.2), [], 'bfloat16')] == ['crate_over_vit']
+    assert [g['goal'] for g in model_goals.amp_goals(_amp_rows(2.0, 1.2), [], 'bfloat16')] == ['crate_over_vit']
     # no paired rounds (--pairs 0): judged on the best-of-rounds ratios
     rows = [dict(r, paired_over_float32=None, paired_train=None) for r in _amp_rows(2.5, 1.0)]
-    assert 'met (best-of-rounds: 2.500× eager)' in bench_models.amp_goals(rows, families, 'bfloat16')[1]['line']
+    assert 'met (best-of-rounds: 2.500× eager)' in model_goals.amp_goals(rows, families, 'bfloat16')[1]['line']
 
 
 @pytest.mark.parametrize('supported', [False, True])

@@ -190,7 +190,7 @@ def test_the_plan_line_says_why_bfloat16_will_not_be_faster(monkeypatch):
 
 def test_the_bench_verdict_names_the_cap_too(monkeypatch):
     from structformer import machine
-    from structformer.bench.models import cpu_capability
+    from structformer.bench.model_goals import cpu_capability
     for name in machine.ISA_CAPS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)

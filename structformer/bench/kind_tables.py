@@ -125,7 +125,7 @@ def goal_flop_ratios(folder: Path = KINDS_DIR / COUNTS_FROM) -> Dict[str, float]
     from a measured kind's benchmark records (a FLOP count is arithmetic, the same on every CPU), CRATE-T / ViT-T
     counted here (`bench models` records no FLOPs)."""
     from .flops import row_forward_flops
-    from .models import vit_over_crate_flops
+    from .model_goals import vit_over_crate_flops
     read = lambda name: json.loads((folder / name).read_text())          # noqa: E731
     sweep = {r['attention']: r for r in read('attention.json')['rows'] if r['tokens'] == 12544}
     core = next(r for r in read('sparse_attention.json')['rows'] if r['tokens'] == 577 and r['keep'] == 0.25

@@ -20,17 +20,17 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Optional
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from ..records import check_output_file, environment
-from .kinds import add_record_arguments, flop_rate_split, goal_entry, print_header, verdict_line, write_record
+from .kinds import add_record_arguments, print_header, verdict_line, write_record
 from .load import row_flag, row_mark, row_record, run_record
+from .model_goals import CRATE_T, GOAL_AMP_SPEEDUP, VIT_T, amp_goals, goal, kind_goals
 
 CANDIDATES = [
     # (label, model name, model kwargs, also measured compiled by default)
-    ('ViT-T (timm)', 'vit_tiny_patch16_224', {}, True),
-    ('CRATE-T', 'crate_tiny_patch16_224', {}, True),
+    ('ViT-T (timm)', VIT_T, {}, True),
+    ('CRATE-T', CRATE_T, {}, True),
     ('CRATE-T, SDPA attention', 'crate_tiny_patch16_224', {'ssa_impl': 'sdpa'}, False),
     ('CRATE-T reference ISTA', 'crate_tiny_patch16_224', {'fused_ista': False}, False),
 ]
@@ -46,9 +46,6 @@ FAMILIES = [
 PATCH_SIZE = 16                        # of every candidate
 MODES = ('eager', 'compiled')
 AMP_DTYPES = ('bfloat16', 'float16')
-GOAL_RATIO = 0.9                       # CRATE-T's training speed over ViT-T's, eager or compiled
-GOAL_AMP_SPEEDUP = 2.0                 # each family's --amp training speed over its float32 speed
-GOAL_AMP_CRATE = 1.25                  # CRATE-T's --amp training speed over ViT-T's --amp speed
 EXAMPLES = """examples:
   structformer bench models                      # CRATE-T vs ViT-T, train/infer img/s and peak memory
   structformer bench models --batch-size 16 --img-size 224 --steps 5
@@ -391,14 +388,15 @@ def run(args) -> int:
         print(f"paired ratios: {paired_load['advice']}")
     if args.amp:
         _print_over_float32(rows, args, width)
-    verdict = goal(rows)
+    measured_pair = tuple(c[1:3] for c in CANDIDATES[:2])     # the reference and CRATE-T as measured here
+    verdict = goal(rows, measured_pair)
     if verdict:
         print(verdict)
-    entries = kind_goals(rows, paired_load or run_record(), args.batch_size, args.img_size)
+    entries = kind_goals(rows, paired_load or run_record(), args.batch_size, args.img_size, measured_pair)
     for entry in entries:
         print(verdict_line(entry))
     families = _families(args)
-    verdicts = amp_goals(rows, families, args.amp) if args.amp else []
+    verdicts = amp_goals(rows, families, args.amp, measured_pair) if args.amp else []
     for v in verdicts:
         print(v['line'])
     if args.families and not any(f[0] == 'mixer' for f in families):
@@ -435,103 +433,3 @@ def _measure_paired_in_subprocess(plan, args, dtypes=('float32',)) -> dict:
                                      args.img_size, args.pairs, args.threads, list(dtypes))
     except MeasurementFailed as e:
         raise RuntimeError(f"the paired timing failed: {e}") from None
-
-
-def goal(rows) -> str:
-    """The CRATE-T goal (≥ 0.9× ViT-T's training speed, eager or compiled, float32) judged on the paired
-    ratios when they were taken (steadier on a drifting machine), else on the best-of-rounds ratios."""
-    rows = [r for r in rows if r.get('dtype', 'float32') == 'float32']
-    crate = [r for r in rows if r['model'] == CANDIDATES[1][1] and r['kwargs'] == CANDIDATES[1][2]
-             and not r.get('transforms')]
-    if not crate or not any(r['model'] == CANDIDATES[0][1] for r in rows):
-        return ''
-    source = 'paired' if all(r.get('paired_train') for r in crate) else 'best-of-rounds'
-    measured = {r['mode']: r['paired_train']['ratio'] if source == 'paired' else r['train_ratio'] for r in crate}
-    best = max(measured.values())
-    found = ", ".join(f"{value:.3f}× {mode}" for mode, value in measured.items())   # 0.896 is not 0.90
-    return (f"goal: CRATE-T trains at >= {GOAL_RATIO}x ViT-T's speed (eager or compiled): "
-            f"{'met' if best >= GOAL_RATIO else 'not met'} ({source}: {found})")
-
-
-def vit_over_crate_flops(img_size: int) -> Optional[float]:
-    """ViT-T's forward FLOPs per image over CRATE-T's. (A training step's ratio depends on CRATE's attention path:
-    1/1.37 with the shared backward, 1/1.46 with SDPA, against 1/1.44 forward at 224 px; docs/crate.md.)"""
-    from .flops import model_flops
-    vit, crate = (model_flops(CANDIDATES[i][1], img_size=img_size, **CANDIDATES[i][2])['flops'] for i in (0, 1))
-    return vit / crate if crate else None
-
-
-def kind_goals(rows, load, batch_size: int, img_size: int = 224) -> list:
-    """The CRATE-T goal as a `kinds.goal_entry` (float32; the best mode, paired where measured), [] where CRATE-T
-    or ViT-T was not measured. Missed, it carries the FLOP / FLOP-rate split (`kinds.flop_rate_split`)."""
-    crate = [r for r in rows if r.get('dtype', 'float32') == 'float32' and r['model'] == CANDIDATES[1][1]
-             and r['kwargs'] == CANDIDATES[1][2] and not r.get('transforms')]
-    if not crate or not any(r['model'] == CANDIDATES[0][1] for r in rows):
-        return []
-    paired = all(r.get('paired_train') for r in crate)
-    value = lambda r: r['paired_train']['ratio'] if paired else r['train_ratio']       # noqa: E731
-    best = max(crate, key=value)
-    quartiles = [best['paired_train']['ratio_q1'], best['paired_train']['ratio_q3']] if paired else None
-    detail = f"{best['mode']}, {'paired' if paired else 'best-of-rounds'}, batch {batch_size}"
-    rates, bound = flop_rate_split('crate_vit', value(best), vit_over_crate_flops(img_size))
-    return [goal_entry('crate_vit', value(best), quartiles, best.get('threads'), detail, bound,
-                       busy=bool(load and load.get('busy')), rates=rates)]
-
-
-def cpu_capability(dtype: str) -> dict:
-    """Whether this CPU computes `dtype` in hardware, and the plain sentence printed beside the verdicts."""
-    from ..train.precision import cpu_bfloat16_native, cpu_bfloat16_note, cpu_float16_supported
-    if dtype == 'float16':
-        native = cpu_float16_supported()
-        text = ('this CPU has float16 arithmetic in hardware (AVX-512 FP16 or AMX-FP16)' if native else
-                'this CPU has no AVX-512 FP16 or AMX-FP16: float16 is emulated through float32, no speed-up is '
-                'expected')
-    else:
-        native = cpu_bfloat16_native()
-        note = '' if native else cpu_bfloat16_note()
-        text = ('this CPU has AVX512-BF16/AMX (bfloat16 dot products in hardware)' if native else
-                (note.replace(': expect no speed-up', '') if 'capped off' in note else
-                 'this CPU has no AVX512-BF16 or AMX') + ': a bfloat16 matmul is emulated, so no speed-up is expected')
-    return {'dtype': dtype, 'native': native, 'text': text}
-
-
-def _judge(selected, ratio_key, paired_key, target) -> dict:
-    """{mode: ratio} of `selected` rows, judged on the paired ratios when every row has them (steadier on a
-    drifting machine), else on the best-of-rounds ones; met when the best mode reaches `target`."""
-    paired = all(r.get(paired_key) for r in selected)
-    measured = {r['mode']: (r[paired_key]['ratio'] if paired else r[ratio_key]) for r in selected}
-    quartiles = {r['mode']: [r[paired_key]['ratio_q1'], r[paired_key]['ratio_q3']] for r in selected} if paired else {}
-    source = 'paired' if paired else 'best-of-rounds'
-    met = max(measured.values()) >= target
-    found = ", ".join(f"{value:.3f}× {mode}" + (f" (quartiles {quartiles[mode][0]:.3f}–{quartiles[mode][1]:.3f})"
-                                                if mode in quartiles else '')
-                      for mode, value in measured.items())            # 0.896 is not 0.90
-    return {'target': target, 'measured': measured, 'quartiles': quartiles, 'source': source, 'met': met,
-            'text': f"{'met' if met else 'not met'} ({source}: {found})"}
-
-
-def amp_goals(rows, families, amp: str) -> list:
-    """The --amp verdicts, each a dict with its printed 'line': with --families, every family's training speed
-    in `amp` over its float32 speed (goal >= 2.0x, eager or compiled), headed by what this CPU does in `amp`;
-    and CRATE-T's `amp` training speed over ViT-T's `amp` speed (goal >= 1.25x)."""
-    capability = cpu_capability(amp)
-    out = []
-    if families:
-        out.append({'goal': 'family_speedup', 'target': GOAL_AMP_SPEEDUP, 'cpu': capability,
-                    'line': f"goal: each family trains >= {GOAL_AMP_SPEEDUP}x faster in {amp} than in float32 "
-                            f"(eager or compiled); {capability['text']}"})
-        for family, label, name, _, _ in families:
-            selected = [r for r in rows if r['dtype'] == amp and r['label'] in (label, f'{label}, compiled')]
-            if not selected:
-                continue
-            verdict = _judge(selected, 'train_over_float32', 'paired_over_float32', GOAL_AMP_SPEEDUP)
-            out.append(dict(verdict, goal='family_speedup', family=family, label=label, model=name, cpu=capability,
-                            line=f"  {family} ({label}): {verdict['text']}"))
-    crate = [r for r in rows if r['dtype'] == amp and r['model'] == CANDIDATES[1][1]
-             and r['kwargs'] == CANDIDATES[1][2] and not r['transforms']]
-    if crate and any(r['dtype'] == amp and r['model'] == CANDIDATES[0][1] for r in rows):
-        verdict = _judge(crate, 'train_ratio', 'paired_train', GOAL_AMP_CRATE)
-        out.append(dict(verdict, goal='crate_over_vit', label='CRATE-T', cpu=capability,
-                        line=f"goal: CRATE-T in {amp} trains at >= {GOAL_AMP_CRATE}x ViT-T's {amp} speed "
-                             f"(eager or compiled): {verdict['text']}"))
-    return out
