@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_import_structformer_registers_models_whichever_comes_first():
@@ -19,16 +20,19 @@ def test_cli_help_imports_neither_torch_nor_timm():
     subprocess.run([sys.executable, '-c', code], check=True)
 
 
-def test_train_refuses_a_bad_flag_or_config_path_before_importing_torch(tmp_path):
-    """A value out of range or a -c that is a folder is one line at once, not after the engine's imports (torch and
-    timm: ~7 s on a 2-core Zen 1); `structformer.train`'s names load on first use."""
+def test_train_eval_and_analyze_refuse_bad_input_before_importing_torch(tmp_path):
+    """A value out of range, a -c that is a folder, a --checkpoint that is missing or no checkpoint: one line at
+    once, not after the engine's imports (torch and timm: ~7 s on a 2-core Zen 1). `structformer.train`'s names
+    load on first use; `train.checkpoint_paths` finds a checkpoint without torch."""
     code = ('import sys; from structformer.cli import main; rc = main(sys.argv[1:]); '
             'heavy = sorted(m for m in ("torch", "timm", "structformer.train.engine") if m in sys.modules); '
             'assert not heavy, heavy; sys.exit(rc)')
     # without the kernel-choice settings (conftest sets one), which are checked against torch before any command
     env = {k: v for k, v in os.environ.items() if not (k.startswith('STRUCTFORMER_CHOICE_') or k == 'STRUCTFORMER_AUTOTUNE')}
+    missing = str(tmp_path / 'missing')
     for argv in (['train', '--epochs', '-1', '--model', 'crate_digits'], ['train', '--lr', '0'],
-                 ['train', '-c', str(tmp_path)]):
+                 ['train', '-c', str(tmp_path)], ['eval', '--checkpoint', missing],
+                 ['eval', '--checkpoint', str(Path(__file__))], ['analyze', '--checkpoint', missing]):
         done = subprocess.run([sys.executable, '-c', code, *argv], capture_output=True, text=True, env=env)
         assert done.returncode == 2, done.stderr
         assert done.stderr.count('\n') == 1 and argv[1] in done.stderr, done.stderr

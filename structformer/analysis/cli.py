@@ -234,7 +234,7 @@ def run_analyze(args) -> int:
     """`structformer analyze`; an analysis that fails (bad data for the model, an unreadable second checkpoint)
     leaves no output folder it created behind."""
     from ..records import check_writable, removed_on_failure
-    from ..train.checkpoint import resolve_checkpoint
+    from ..train.checkpoint_paths import resolve_checkpoint
     _check_args(args)
     main_path = resolve_checkpoint(args.checkpoint)
     run = _run_dir(main_path)

@@ -62,12 +62,14 @@ def run(args) -> int:
 
 
 def _run(args, out=None) -> int:
+    from ..train.checkpoint_paths import resolve_checkpoint
+    checkpoint = resolve_checkpoint(args.checkpoint)     # a wrong path refused before torch's import (seconds)
     from torch.utils.data import DataLoader
 
     from ..data import build_datasets
     from ..train import evaluate, load_model
     split = 'val' if args.split == 'validation' else args.split     # timm's spelling of the same split
-    model, state = load_model(args.checkpoint, ema=args.ema)
+    model, state = load_model(checkpoint, ema=args.ema)
     cfg = state.get('config') or {}
     data = args.data or cfg.get('data')
     if not data:                                   # converted weights (`structformer convert`) record no data set
