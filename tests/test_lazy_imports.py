@@ -20,22 +20,37 @@ def test_cli_help_imports_neither_torch_nor_timm():
     subprocess.run([sys.executable, '-c', code], check=True)
 
 
+# without the kernel-choice settings (conftest sets one), which are checked against torch before any command
+LIGHT_ENV = {k: v for k, v in os.environ.items() if not (k.startswith('STRUCTFORMER_CHOICE_') or k == 'STRUCTFORMER_AUTOTUNE')}
+
+
+def _refused_without_importing(heavy, argv):
+    """`structformer ARGV` in a fresh interpreter: its exit status and stderr, asserting none of `heavy` was imported."""
+    code = ('import sys; from structformer.cli import main; rc = main(sys.argv[1:]); '
+            f'heavy = sorted(m for m in {tuple(heavy)!r} if m in sys.modules); assert not heavy, heavy; sys.exit(rc)')
+    done = subprocess.run([sys.executable, '-c', code, *argv], capture_output=True, text=True, env=LIGHT_ENV)
+    return done.returncode, done.stderr
+
+
 def test_train_eval_and_analyze_refuse_bad_input_before_importing_torch(tmp_path):
     """A value out of range, a -c that is a folder, a --checkpoint that is missing or no checkpoint: one line at
     once, not after the engine's imports (torch and timm: ~7 s on a 2-core Zen 1). `structformer.train`'s names
     load on first use; `train.checkpoint_paths` finds a checkpoint without torch."""
-    code = ('import sys; from structformer.cli import main; rc = main(sys.argv[1:]); '
-            'heavy = sorted(m for m in ("torch", "timm", "structformer.train.engine") if m in sys.modules); '
-            'assert not heavy, heavy; sys.exit(rc)')
-    # without the kernel-choice settings (conftest sets one), which are checked against torch before any command
-    env = {k: v for k, v in os.environ.items() if not (k.startswith('STRUCTFORMER_CHOICE_') or k == 'STRUCTFORMER_AUTOTUNE')}
     missing = str(tmp_path / 'missing')
     for argv in (['train', '--epochs', '-1', '--model', 'crate_digits'], ['train', '--lr', '0'],
                  ['train', '-c', str(tmp_path)], ['eval', '--checkpoint', missing],
                  ['eval', '--checkpoint', str(Path(__file__))], ['analyze', '--checkpoint', missing]):
-        done = subprocess.run([sys.executable, '-c', code, *argv], capture_output=True, text=True, env=env)
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.count('\n') == 1 and argv[1] in done.stderr, done.stderr
+        status, stderr = _refused_without_importing(('torch', 'timm', 'structformer.train.engine'), argv)
+        assert status == 2 and stderr.count('\n') == 1 and argv[1] in stderr, stderr
     import structformer.train
     assert structformer.train.Trainer.__module__ == 'structformer.train.engine'
     assert 'TrainConfig' in dir(structformer.train)
+
+
+def test_export_refuses_a_missing_source_before_importing_torch_or_onnx(tmp_path):
+    """`structformer export` checks SOURCE (paths and file headers) before onnx's and torch's imports."""
+    for fmt, suffix in (('onnx', '.onnx'), ('torch-export', '.pt2')):
+        status, stderr = _refused_without_importing(('torch', 'timm', 'onnx', 'onnxruntime'), [
+            'export', str(tmp_path / 'missing'), '--format', fmt, '--output', str(tmp_path / f'model{suffix}')])
+        assert status == 2 and stderr.count('\n') == 1 and 'does not exist' in stderr, stderr
+    assert list(tmp_path.iterdir()) == []

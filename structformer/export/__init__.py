@@ -105,6 +105,8 @@ def export(source, fmt: str, output, overwrite: bool = False, batch_size: int = 
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r}: accepted {', '.join(FORMATS)}")
     out = check_output(output, fmt, overwrite, source)
+    from .source import check_source
+    check_source(source)                                     # before onnx's imports (seconds)
     if fmt == 'onnx':
         from .graphs import require_onnx
         require_onnx(runtime=True)                           # before loading anything

@@ -47,12 +47,10 @@ def _epoch_notes(source, state: Dict[str, Any]) -> List[str]:
                                                            ', the run stopped before its last epoch') + ')']
 
 
-def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
-    """(model in eval mode on the CPU, its checkpoint's state.json with `notes`) from RUN (a `structformer train`
-    output folder: its latest checkpoint), a checkpoint folder, or its model.safetensors / state.json; `ema`: the
-    weight average the run kept with --model-ema instead of its weights."""
+def check_source(source) -> Path:
+    """SOURCE's path, refused in one line (UsageError) where it is missing, an unfinished writer's temporary, or a
+    file that is no checkpoint (a pickle is never opened): paths and file headers only, no torch."""
     from ..atomic import describe_temporary
-    from ..train.checkpoint import CheckpointError, load_model
     path = Path(source)
     if not path.exists():
         raise UsageError(f"SOURCE {source}: does not exist; give a run folder from `structformer train`, a "
@@ -75,6 +73,15 @@ def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
                              "--output DIR) and export that folder")
         raise UsageError(f"SOURCE {source}: is not a checkpoint file; give a run folder, a checkpoint folder or "
                          "its model.safetensors / state.json")
+    return path
+
+
+def load_source(source, ema: bool = False) -> Tuple[Any, Dict[str, Any]]:
+    """(model in eval mode on the CPU, its checkpoint's state.json with `notes`) from RUN (a `structformer train`
+    output folder: its latest checkpoint), a checkpoint folder, or its model.safetensors / state.json; `ema`: the
+    weight average the run kept with --model-ema instead of its weights."""
+    path = check_source(source)
+    from ..train.checkpoint import CheckpointError, load_model     # torch: after the checks that need none
     try:
         model, state = load_model(path, ema=ema)
     except (CheckpointError, FileNotFoundError) as e:
