@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import structformer  # noqa: F401  (registers models)
+from forking import first_backward
 
 # The image-folder check cache (data/imagecheck.py) of the test session: a fresh folder, not the user's ~/.cache,
 # removed when the session ends. Made only where the environment names none: pytest-xdist's workers and the CLI
@@ -27,6 +28,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # Kernel choices (functional/autotune.py) without timing: each takes its rule's default, so a test sees the same
 # path on every run and machine; the chooser's own tests turn timing on with an injected timer.
 os.environ.setdefault('STRUCTFORMER_AUTOTUNE', 'off')
+
+# Autograd's once-per-process start before any test enters a FakeTensorMode (compile, export): else a command
+# forked after such a test (tests/forking.py) could not run backward
+first_backward()
 
 # The real MNIST test set lives beside the project (never committed); tests that use it skip without it.
 SHARED_MNIST = Path(__file__).resolve().parents[1].parent / 'shared' / 'data' / 'mnist'

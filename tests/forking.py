@@ -16,6 +16,13 @@ and it ends with os._exit (no atexit handler or pytest teardown of the parent ru
 Torch must be at one thread in the parent (conftest's `one_torch_thread` fixture): GNU OpenMP is not fork-safe,
 and a child of a process that ran a parallel region hangs in its first one (measured: a 2000x2000 matmul at two
 threads, fork, the same matmul in the child never returned). At one thread torch enters no parallel region.
+
+Autograd's first backward in the parent must come before any FakeTensorMode (torch.compile, torch.export, the dynamo
+ONNX exporter enter one): torch's autograd engine decides once, at a process's first backward, whether it has
+devices that need threads of their own, and after a FakeTensorMode it starts them and marks every later fork as
+one whose backward raises "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+(torch 2.14; on this CPU-only machine too). conftest calls `first_backward` when the session starts, so a forked
+training run does not fail or pass by which tests its xdist worker happened to run before it.
 """
 import os
 import signal
@@ -24,6 +31,13 @@ import sys
 import tempfile
 import time
 import traceback
+
+
+def first_backward():
+    """One backward of a one-element tensor: the autograd engine's once-per-process start, made here (see above)."""
+    import torch
+    leaf = torch.ones(1, requires_grad=True)
+    leaf.sum().backward()
 
 
 def _child(function, args, env, out_fd, err_fd):

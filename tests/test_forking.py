@@ -81,6 +81,22 @@ def test_more_than_one_torch_thread_is_refused():
         Forked(_speaks, 0)
 
 
+def test_a_child_forked_after_an_export_and_a_backward_runs_backward():
+    """In a fresh interpreter, so that nothing before it has run a backward: `first_backward` (conftest calls it at
+    the session's start) then torch.export (a FakeTensorMode) and a backward in the parent; a forked child's
+    backward (a training run's) works. Without `first_backward` torch 2.14 raises in the child ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing")."""
+    import subprocess
+    code = (
+        'import os, torch; from forking import first_backward, run_forked; torch.set_num_threads(1); '
+        'first_backward(); torch.export.export(torch.nn.Linear(3, 3), (torch.randn(2, 3),)); '
+        'step = lambda: torch.nn.Linear(3, 3)(torch.randn(2, 3)).sum().backward() or 0; step(); '
+        'done = run_forked(step); assert done.returncode == 0, done.stderr[-300:]')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')]))
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def _report_rank(folder, hang_rank=None, code_rank=None):
     """A worker: writes its rank, pid and torchrun's variables; rank `hang_rank` then sleeps, rank `code_rank`
     returns 2."""

@@ -60,9 +60,8 @@ def check_source(source) -> Path:
         if unfinished:
             raise UsageError(f"SOURCE {source}: {unfinished}")
     if path.is_file() and path.name not in ('model.safetensors', 'state.json'):
-        from ..weights.file_kind import TORCH, program_archive, sniff
-        torch_file = sniff(path) == TORCH
-        program = program_archive(path) if torch_file else ''      # a .pt2 opens as a torch.save archive does
+        from ..weights.file_kind import torch_archive
+        torch_file, program = torch_archive(path)
         if program:
             raise UsageError(f"SOURCE {source}: {program}")
         if torch_file:

@@ -65,9 +65,8 @@ def resolve_checkpoint(path) -> Path:
                                   "as one; `structformer convert FILE --from timm --model NAME --output FOLDER` makes "
                                   "a weights folder of it that eval and export take")
         if path.name not in ('model.safetensors', 'state.json'):
-            from ..weights.file_kind import TORCH, program_archive, sniff
-            torch_file = sniff(path) == TORCH
-            program = program_archive(path) if torch_file else ''   # a .pt2 opens as a torch.save archive does
+            from ..weights.file_kind import torch_archive
+            torch_file, program = torch_archive(path)
             if program:
                 raise CheckpointError(f"--checkpoint: {path} {program}")
             if torch_file:

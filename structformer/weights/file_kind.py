@@ -10,9 +10,9 @@ called a pickle by both or by neither.
 Standard library only: the export command asks before torch is needed.
 """
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
-__all__ = ['sniff', 'program_archive', 'TORCH', 'SAFETENSORS', 'EMPTY']
+__all__ = ['sniff', 'program_archive', 'torch_archive', 'TORCH', 'SAFETENSORS', 'EMPTY']
 
 TORCH, SAFETENSORS, EMPTY = 'torch', 'safetensors', 'empty'
 _ZIP_HEADER = b'PK\x03\x04'
@@ -54,3 +54,10 @@ def program_archive(path) -> str:
                 "torch-export`), a program rather than weights, and is not loaded; give the checkpoint it was "
                 "exported from, or save model.state_dict() where it was made")
     return ''
+
+
+def torch_archive(path) -> Tuple[bool, str]:
+    """(whether `path` is torch.save's, by its first bytes, and `program_archive`'s phrase for it or ''): what a
+    reader that takes no pickles says of a file given where a checkpoint belongs (a .pt2 is not weights either)."""
+    torch_file = sniff(path) == TORCH
+    return torch_file, program_archive(path) if torch_file else ''
