@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from forking import Forked, run_forked
+from forking import Forked, run_forked, torchrun_forked
 
 pytestmark = pytest.mark.usefixtures('one_torch_thread')
 
@@ -113,8 +113,6 @@ def _report_rank(folder, hang_rank=None, code_rank=None):
 
 def test_torchrun_forked_gives_each_worker_torchruns_environment(tmp_path):
     import json
-
-    from forking import torchrun_forked
     done = torchrun_forked(_report_rank, str(tmp_path), nproc=2, env={'MARK': 'passed on'})
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = [json.loads((tmp_path / f'rank{r}.json').read_text()) for r in (0, 1)]
@@ -127,8 +125,6 @@ def test_torchrun_forked_gives_each_worker_torchruns_environment(tmp_path):
 def test_torchrun_forked_reports_a_failed_worker_and_ends_a_hung_one(tmp_path):
     import json
     import time
-
-    from forking import torchrun_forked
     failed = torchrun_forked(_report_rank, str(tmp_path), None, 1)           # rank 1 returns 2
     assert failed.returncode == 2
     with pytest.raises(TimeoutError):
