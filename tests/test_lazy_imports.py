@@ -42,6 +42,8 @@ def test_train_eval_and_analyze_refuse_bad_input_before_importing_torch(tmp_path
                  ['eval', '--checkpoint', str(Path(__file__))], ['analyze', '--checkpoint', missing]):
         status, stderr = _refused_without_importing(('torch', 'timm', 'structformer.train.engine'), argv)
         assert status == 2 and stderr.count('\n') == 1 and argv[1] in stderr, stderr
+    status, stderr = _refused_without_importing(('torch', 'timm'), ['train', '--drop', '2'])   # data.augment's names
+    assert status == 2 and stderr.strip().endswith('--drop=2.0 is out of range: accepted in [0, 1)'), stderr
     import structformer.train
     assert structformer.train.Trainer.__module__ == 'structformer.train.engine'
     assert 'TrainConfig' in dir(structformer.train)
@@ -53,4 +55,17 @@ def test_export_refuses_a_missing_source_before_importing_torch_or_onnx(tmp_path
         status, stderr = _refused_without_importing(('torch', 'timm', 'onnx', 'onnxruntime'), [
             'export', str(tmp_path / 'missing'), '--format', fmt, '--output', str(tmp_path / f'model{suffix}')])
         assert status == 2 and stderr.count('\n') == 1 and 'does not exist' in stderr, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_refuses_the_shared_recipe_out_of_range_before_importing_torch(tmp_path):
+    """`structformer compare` checks the shared recipe's ranges before torch and the rows' sizing (~10 s on a Zen 1);
+    --epochs -1 is named as out of range, not as too short for the pre-trained low-rank rows."""
+    for argv, line in ((['--epochs', '-1'], '--epochs=-1 is out of range: accepted >= 1'),
+                       (['--lr', '0'], '--lr=0.0 is out of range: accepted > 0'),
+                       (['--models', 'vit', '-b', '0'], '-b/--batch-size=0 is out of range: accepted >= 1'),
+                       (['--reprob', '3'], '--reprob=3.0 is out of range: accepted in [0, 1]')):
+        status, stderr = _refused_without_importing(
+            ('torch', 'timm'), ['compare', *argv, '--dry-run', '--output', str(tmp_path / 'grid')])
+        assert status == 2 and stderr.count('\n') == 1 and stderr.strip().endswith(line), stderr
     assert list(tmp_path.iterdir()) == []

@@ -276,11 +276,12 @@ def run(args) -> int:
     keys = resolve_keys(set_name, args.models)
     seeds = list(range(args.seeds or defaults['seeds']))
     budget = args.budget or defaults['budget']
+    from .grid import check_cells, check_manifest, check_shared, manifest, plan_cells, pretrain_epochs, shared_recipe
+    shared, notes = shared_recipe(defaults['recipe'], args.recipe, args.config, args.train_flags)
+    check_shared(shared)                   # a value out of range at once, before torch and the rows' sizing
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .grid import check_cells, check_manifest, manifest, plan_cells, pretrain_epochs, shared_recipe
-    shared, notes = shared_recipe(defaults['recipe'], args.recipe, args.config, args.train_flags)
     output = Path(args.output or f"outputs/compare_{set_name or 'custom'}")
     rows = match_rows(keys, kind, budget, match=not args.no_match)
     if any(r.entry.pretrained for r in rows) and int(shared.get('epochs', 1)) < 2:

@@ -67,6 +67,13 @@ def shared_recipe(defaults: Dict, recipe: Optional[str], config_file: Optional[s
     return values, notes
 
 
+def check_shared(shared: Dict) -> None:
+    """The shared recipe's plain ranges (epochs, lr, batch size, augmentation, ...) as `structformer train` names
+    them, without torch: each cell's whole validation (`plan_cells`) comes after the rows are sized."""
+    from ..train.config import TrainConfig
+    TrainConfig.from_dict(shared, source='the shared recipe').check_ranges()
+
+
 @dataclass
 class Cell:
     row: Row

@@ -1,13 +1,24 @@
-"""Datasets for `--data`: digits, synthetic subspaces (CRATE §2.2), MNIST, CIFAR-10, image folders."""
-from .build import build_datasets
-from .cifar import CIFAR10_MEAN, CIFAR10_STD, read_cifar_batch
-from .digits import DIGITS_MEAN, DIGITS_STD
-from .mnist import MNIST_MEAN, MNIST_STD, read_idx
-from .spec import DATASET_FORMS, DatasetInfo, parse_data_spec
-from .synthetic import image_to_tokens, random_subspace_bases, sample_tokens, tokens_to_image
-from .tensor import TensorImageDataset
+"""Datasets for `--data`: digits, synthetic subspaces (CRATE §2.2), MNIST, CIFAR-10, image folders.
 
-__all__ = ['build_datasets', 'parse_data_spec', 'DATASET_FORMS', 'DatasetInfo', 'TensorImageDataset',
-           'tokens_to_image', 'image_to_tokens', 'random_subspace_bases', 'sample_tokens', 'read_idx',
-           'read_cifar_batch', 'DIGITS_MEAN', 'DIGITS_STD', 'MNIST_MEAN', 'MNIST_STD', 'CIFAR10_MEAN',
-           'CIFAR10_STD']
+The names below load on first use (PEP 562), not with the package: a config's checks read `data.spec` and
+`data.augment`'s names, which need no torch, so a value out of range is refused before torch's import (as
+`structformer.train` does).
+"""
+import importlib
+
+_EXPORTS = {'build_datasets': 'build', 'CIFAR10_MEAN': 'cifar', 'CIFAR10_STD': 'cifar', 'read_cifar_batch': 'cifar',
+            'DIGITS_MEAN': 'digits', 'DIGITS_STD': 'digits', 'MNIST_MEAN': 'mnist', 'MNIST_STD': 'mnist',
+            'read_idx': 'mnist', 'DATASET_FORMS': 'spec', 'DatasetInfo': 'spec', 'parse_data_spec': 'spec',
+            'image_to_tokens': 'synthetic', 'random_subspace_bases': 'synthetic', 'sample_tokens': 'synthetic',
+            'tokens_to_image': 'synthetic', 'TensorImageDataset': 'tensor'}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f'{__name__}.{_EXPORTS[name]}'), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -229,7 +229,10 @@ class TrainConfig:
         """The cosine schedule's floor: as given, or 1e-6 (at most lr) when left unset."""
         return min(DEFAULT_FLOOR_LR, self.lr) if self.min_lr is None else self.min_lr
 
-    def validate(self) -> 'TrainConfig':
+    def check_ranges(self) -> 'TrainConfig':
+        """The plain ranges and names of the settings (each on its own, or against epochs and lr), without torch or
+        the model registry (timm only to parse an --aa policy): a command refuses a value out of range before its
+        heavy imports. `validate` runs these first."""
         self._validate_numbers()
         checks = [
             ('epochs', self.epochs >= 1, '>= 1'),
@@ -259,6 +262,11 @@ class TrainConfig:
         for name, ok, accepted in checks:
             if not ok:
                 raise UsageError(f"{flag_name(name)}={getattr(self, name)!r} is out of range: accepted {accepted}")
+        self._validate_paper_scale()
+        return self
+
+    def validate(self) -> 'TrainConfig':
+        self.check_ranges()
         if self.label_smoothing is None:           # after the plain ranges, which need no torch or timm
             from .config_checks import language_modelling
             self.label_smoothing = 0.0 if language_modelling(self) else DEFAULT_LABEL_SMOOTHING
@@ -276,7 +284,6 @@ class TrainConfig:
                              "threshold); give both, or leave --clip-mode out")
         validate_lowrank(self)
         self._validate_distillation()
-        self._validate_paper_scale()
         self._validate_schedule(self.schedule_values(), '')
         self._validate_controls()
         self._validate_phase_settings()
