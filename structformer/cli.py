@@ -13,8 +13,19 @@ from .errors import expected_failure, one_line
 # Nothing heavy at module level: `structformer --help` must answer without importing torch or timm.
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser with its errors in one line, the rule for bad input: argparse's message (the argument and
+    what was wrong with it) and where the command's flags are listed, without the usage printed above it (65 lines
+    for `train`, where the message scrolled away). The commands' sub-parsers are of this class too (argparse
+    makes them of their parent's)."""
+
+    def error(self, message: str):
+        hint = '' if '--help' in message else f"; `{self.prog} --help` lists what it takes"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog='structformer', formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description='Structured deep networks (CRATE, SOFT, ...) as timm models: train, evaluate, analyse, benchmark.',
         epilog='run `structformer COMMAND --help` for the options and examples of each command')
@@ -91,6 +102,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     line, `structformer CMD: error: ...`, and exit status 2, as argparse's own errors do. Anything else is
     a bug and keeps its traceback."""
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):     # a bare `structformer`: its commands, as --help lists them
+        parser.print_help(sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra:                                  # argparse's error, from the command's parser, saying where to look
         _command_parser(parser, args).error(unrecognized(extra, _command_parser(parser, args)))

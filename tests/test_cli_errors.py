@@ -458,7 +458,17 @@ CASES = [
     ('mixup-on-text', ['train', '--model', 'gpt2_byte_tiny', '--data', 'pysource', '--data-kwargs', 'max_bytes=20000',
                        '--mixup', '0.8', '--output', OUT], ['--mixup', 'language']),
     ('ema-decay-one', ['train', '--model-ema', '--model-ema-decay', '1', '--output', OUT], ['--model-ema-decay', '(0, 1)']),
-    ('aug-repeats-one', ['train', '--aug-repeats', '1', '--output', OUT], ['--aug-repeats', '>= 2']),
+    ('aug-repeats-one', ['train', '--aug-repeats', '1', '--output', OUT], ['--aug-repeats', '[2, 64]']),
+    # the sampler's list of 1e11 repeats failed inside torch's allocator
+    ('aug-repeats-huge', ['train', '--aug-repeats', '99999999999', '--output', OUT], ['--aug-repeats', '[2, 64]']),
+    # log(inf) made timm's crop ratio nan ("cannot convert float NaN to integer" from timm's transforms)
+    ('ratio-infinite', ['train', '--ratio', '1', 'inf', '--output', OUT], ['--ratio', '(0, inf)']),
+    ('scale-nan', ['train', '--scale', 'nan', '1', '--output', OUT], ['--scale', '(0, 1]']),
+    # argparse's own errors in one line, without the usage above them (65 lines for train)
+    ('argparse-type', ['train', '--epochs', 'abc', '--output', OUT], ["--epochs: invalid int value: 'abc'",
+                                                                       '`structformer train --help`']),
+    ('argparse-choice', ['train', '--sched', 'nosuch', '--output', OUT], ['--sched: invalid choice', 'cosine']),
+    ('argparse-required', ['eval'], ['required: --checkpoint']),
     ('drop-path-one', ['train', '--drop-path', '1', '--output', OUT], ['--drop-path', '[0, 1)']),
     ('device-unknown', ['train', '--device', 'tpu', '--output', OUT], ['--device', 'cuda:N']),
     ('lr-base-scale', ['train', '--lr-base', '1e-3', '--lr-base-scale', 'cube', '--output', OUT],
@@ -550,6 +560,7 @@ def _check_one_error(argv, needles, files, tmp_path, capsys):
     assert rc == 2, (argv, rc, err)
     assert 'Traceback' not in err
     assert len(errors) == 1 and errors[0].startswith(f'structformer {command}: error: '), err
+    assert err.strip() == errors[0], err              # and nothing else: not argparse's usage above it
     for needle in needles:
         assert needle in errors[0], (needle, errors[0])
     assert [_tree(w) for w in watched] == before, 'the failed command created or changed files'

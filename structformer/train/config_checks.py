@@ -1,6 +1,7 @@
 """The checks of the schedule, the paper-scale settings (precision, augmentation, EMA, accumulation), the training
 controls and the per-phase settings of a `TrainConfig` (timm train.py's names): ranges, and what each needs, as
 one-line UsageErrors naming the flag (or `phase_settings.NAME.KEY`)."""
+import math
 import typing
 from typing import Any, Dict
 
@@ -12,6 +13,7 @@ from .config_file import _KIND_WORDS, _coerce, _field_kind, flag_name
 PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
                       'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs', 'lr_cycle_mul',
                       'lr_cycle_decay', 'lr_cycle_limit', 'lr_k_decay', 'lr_noise', 'lr_noise_pct', 'lr_noise_std')
+MAX_AUG_REPEATS = 64                             # --aug-repeats' bound (validate_paper_scale)
 CYCLING = ('cosine', 'tanh', 'poly')             # the schedules timm restarts (cycle_mul / decay / limit)
 K_DECAYING = ('cosine', 'poly')                  # the schedules with timm's k-decay
 TO_MIN_LR = ('cosine', 'tanh', 'poly')           # the schedules that end at min_lr (step / multistep decay by rate)
@@ -96,7 +98,10 @@ def validate_paper_scale(config) -> None:
         ('hflip', config.hflip is None or 0 <= config.hflip <= 1, 'in [0, 1]'),
         ('train_interpolation', config.train_interpolation in (None,) + TRAIN_INTERPOLATIONS,
          ', '.join(TRAIN_INTERPOLATIONS[:-1]) + ' or ' + TRAIN_INTERPOLATIONS[-1]),
-        ('aug_repeats', config.aug_repeats == 0 or config.aug_repeats >= 2, '0 (off) or >= 2'),
+        # the sampler lists every image `aug_repeats` times (timm's RepeatAugSampler; DeiT repeats 3 times): a bound
+        # that keeps ImageNet's list within a few GiB, where 1e11 failed inside torch's allocator
+        ('aug_repeats', config.aug_repeats == 0 or 2 <= config.aug_repeats <= MAX_AUG_REPEATS,
+         f'0 (off) or an integer in [2, {MAX_AUG_REPEATS}]'),
         ('mixup', config.mixup >= 0, '>= 0 (0 = off)'),
         ('cutmix', config.cutmix >= 0, '>= 0 (0 = off)'),
         ('mixup_prob', 0 <= config.mixup_prob <= 1, 'in [0, 1]'),
@@ -116,9 +121,9 @@ def validate_paper_scale(config) -> None:
         if not ok:
             raise UsageError(f"{flag_name(name)}={getattr(config, name)!r} is out of range: accepted {accepted}")
     for name, low, high in (('scale', 0.0, 1.0), ('ratio', 0.0, float('inf')), ('cutmix_minmax', 0.0, 1.0)):
-        value = getattr(config, name)
+        value = getattr(config, name)      # finite: timm's crop takes log(ratio), which an infinite one makes nan
         if value is not None and not (len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
-                                      and low < value[0] <= value[1] <= high):
+                                      and all(math.isfinite(v) for v in value) and low < value[0] <= value[1] <= high):
             span = f"({low:g}, {high:g}]" if high != float('inf') else '(0, inf)'
             raise UsageError(f"{flag_name(name)}={value!r} is out of range: accepted two numbers MIN MAX with "
                              f"MIN <= MAX in {span}")
