@@ -5,6 +5,7 @@ import argparse
 import ast
 import math
 import re
+from typing import Optional
 
 
 def parse_value(text: str):
@@ -78,17 +79,34 @@ class StoreOnce(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def positive_int(flag: str):
-    """argparse type: an int >= 1, else a one-line error naming the flag and the accepted range."""
+def positive_int(flag: str, most: Optional[int] = None):
+    """argparse type: an int >= 1 (and <= `most`, where given), else a one-line error naming the flag and the
+    accepted range."""
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
             number = 0
-        if number < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {value!r}")
+        if number < 1 or (most is not None and number > most):
+            accepted = f"in [1, {most}]" if most is not None else ">= 1"
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer {accepted}, got {value!r}")
         return number
     return parse
+
+
+MAX_THREADS = 4096            # beyond any CPU torch runs on; torch.set_num_threads overflows past 2**31 - 1
+
+
+def thread_count(value: str) -> int:
+    """argparse type for --threads: an int in [0, MAX_THREADS] (0: torch's own count), else one line naming it."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"--threads must be an integer in [0, {MAX_THREADS}] (0: torch's own "
+                                         f"count), got {value!r}")
+    return number
 
 
 def rank_value(text: str):

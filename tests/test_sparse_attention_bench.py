@@ -1,5 +1,6 @@
 """The block path without n×n tensors (functional/sparsifiner.py) and `structformer bench sparse-attention`."""
 import argparse
+import itertools
 import json
 
 import pytest
@@ -36,6 +37,19 @@ def test_block_gathered_attention_equals_masked_attention_with_gradients(n, bloc
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('n, block_size, dense_rows', [(16, 4, 0), (19, 4, 1), (5, 8, 2), (7, 10 ** 12, 1)])
+def test_block_indices_to_mask_is_each_tokens_tile(n, block_size, dense_rows):
+    """Query i sees key j where j's tile is among i's tile's kept tiles (the first `dense_rows` rows see all): the
+    obvious loop. A block size far above n (one tile) builds the n × n mask, not the padded tile square."""
+    tiles = -(-n // block_size)
+    g = torch.Generator().manual_seed(2)
+    indices = torch.rand(2, 3, tiles, tiles, generator=g).topk(budget(tiles, 0.5), dim=-1).indices
+    want = torch.zeros(2, 3, n, n, dtype=torch.bool)
+    for b, h, i, j in itertools.product(range(2), range(3), range(n), range(n)):
+        want[b, h, i, j] = i < dense_rows or bool((indices[b, h, i // block_size] == j // block_size).any())
+    assert torch.equal(block_indices_to_mask(indices, n, block_size, dense_rows), want)
 
 
 # a head's gathered K and V here: 2 · batch 2 · 5 tiles · 2 kept · 4 tokens · d 8 · 8 bytes = 10240

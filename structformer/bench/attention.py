@@ -40,6 +40,7 @@ from typing import List, Optional, Tuple
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from .load import run_record
+from ..cli_args import thread_count
 from ..records import check_output_file, environment, write_png
 from .attention_report import FOLDED_PROJECTIONS, plot, print_report
 from .kinds import add_record_arguments, soft_goal_entries, verdict_line, write_record
@@ -75,7 +76,7 @@ def add_arguments(p):
     p.add_argument('--max-quadratic-gib', type=float, default=8.0,
                    help='skip configurations whose n×n buffers would exceed this (GiB, default 8)')
     p.add_argument('--device', default='cpu', help='cpu | cuda')
-    p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
+    p.add_argument('--threads', type=thread_count, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--in-process', action='store_true',
                    help='measure in this process (fast; peaks then share one allocator, so less clean)')
     p.add_argument('--compile', nargs='?', const='inductor', default=None, metavar='BACKEND',
@@ -102,8 +103,8 @@ def _check_args(args) -> None:
     for flag in ('base_tokens', 'dim', 'heads', 'landmarks', 'repeats'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or args.threads < 0:
-        raise ValueError("--warmup and --threads must be >= 0")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.pairs < 0:
         raise ValueError(f"--pairs must be >= 0 (0 skips the paired timing), got {args.pairs}")
     if args.dim % args.heads:

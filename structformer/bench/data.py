@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from .kinds import add_record_arguments, print_header, write_record
+from ..cli_args import thread_count
 from .load import run_record
 
 EXAMPLES = """examples:
@@ -32,7 +33,7 @@ def add_arguments(p):
                    help="side of the training crops, and of the timed training step's input (224)")
     p.add_argument('--model', default='crate_tiny_patch16_224', help='the model whose training step is timed')
     p.add_argument('--step-batch', type=int, default=8, help='batch of the timed training step (8)')
-    p.add_argument('--threads', type=int, default=0,
+    p.add_argument('--threads', type=thread_count, default=0,
                    help="torch threads of this process: the timed training step and the main process's part of "
                         "loading (0: torch's default); each loader worker is a process of one thread")
     p.add_argument('--folder', default=None, help='keep the generated images here (default: a temporary folder)')
@@ -174,13 +175,35 @@ def up_front(n: int, folder: str) -> dict:
     return out
 
 
+def _check_room(args) -> None:
+    """Refuse, before writing a file, what cannot fit: the generated JPEGs on the disk that holds them (~100 kB each at
+    500x375, ~10 kB at the up-front check's 160x120) and a batch of crops in memory (float32, with a generous 16x for
+    the loader's copies and the timed step's activations)."""
+    import shutil
+    from ..errors import UsageError
+    images, each = (args.up_front, 10_000) if args.up_front else (args.images, 100_000)
+    where = args.folder or tempfile.gettempdir()
+    existing = where
+    while not os.path.exists(existing):                  # the folder is made later: the disk of its nearest parent
+        existing = os.path.dirname(os.path.abspath(existing))
+    free = shutil.disk_usage(existing).free
+    if images * each > free:
+        flag = '--up-front' if args.up_front else '--images'
+        raise UsageError(f"{flag} {images}: the generated JPEGs need about {images * each / 2 ** 30:,.1f} GiB, more "
+                         f"than the {free / 2 ** 30:.1f} GiB free in {where}; give fewer images")
+    memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    batch = max(args.batch_size, args.step_batch) * 3 * args.img_size ** 2 * 4 * 16
+    if not args.up_front and batch > memory:
+        raise UsageError(f"--img-size {args.img_size} with batches of {max(args.batch_size, args.step_batch)}: about "
+                         f"{batch / 2 ** 30:,.0f} GiB, more than this machine's {memory / 2 ** 30:.0f} GiB; give a "
+                         "smaller size or batch")
+
+
 def run(args) -> int:
     from ..errors import UsageError
     from ..records import check_output_file
     if args.output:
         check_output_file(args.output, '--output')
-    if args.threads < 0:
-        raise UsageError(f'--threads {args.threads}: expected an integer >= 0 (0: torch\'s default)')
     for flag in ('batch_size', 'img_size', 'step_batch'):       # before generating images: no torch traceback later
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
@@ -191,6 +214,7 @@ def run(args) -> int:
             raise UsageError(f"--model {args.model!r} is not a registered model; `structformer models` lists them")
     if args.up_front < 0 or 0 < args.up_front < 10:
         raise UsageError(f'--up-front {args.up_front}: expected a number of images >= 10 (0: the loader benchmark)')
+    _check_room(args)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple
 
 from .harness import median_seconds, paired_ratios
 from .load import run_record
+from ..cli_args import thread_count
 from ..records import check_output_file, environment
 from .kinds import add_record_arguments, goal_entry, print_header, verdict_line, write_record
 
@@ -93,7 +94,7 @@ def add_arguments(p):
     p.add_argument('--batch-size', type=int, default=8, help='images of 197 tokens through the stack (8)')
     p.add_argument('--steps', type=int, default=5, help='paired rounds = --rounds x --steps, after 2 warm-up steps (5)')
     p.add_argument('--rounds', type=int, default=3, help='see --steps (3)')
-    p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
+    p.add_argument('--threads', type=thread_count, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--output', default=None, help='write the results as JSON here')
     add_record_arguments(p)
 
@@ -102,11 +103,29 @@ def _check(args) -> None:
     for flag in ('tokens', 'in_features', 'out_features', 'batch_size', 'steps', 'rounds'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.depth < 0 or args.threads < 0:
-        raise ValueError("--depth and --threads must be >= 0")
+    if args.depth < 0:
+        raise ValueError(f"--depth must be >= 0, got {args.depth}")
     for rank in args.ranks:
         if not 0 < rank <= 1:
             raise ValueError(f"--ranks: {rank} is out of range: accepted fractions in (0, 1]")
+    _check_memory(args)
+
+
+def _check_memory(args) -> None:
+    """Refuse sizes whose step cannot fit in this machine's memory, before allocating (where torch's allocator
+    failed with a trace, or the kernel's OOM killer ended the run). A rough upper estimate, float32: the layer's
+    candidates (dense, its oneDNN copy and the factorised ones: weights, gradients, momentum) and the tokens'
+    activations and their gradients; the stack's blocks with ~40 activations per token and channel."""
+    import os
+    total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    n, m = args.in_features, args.out_features
+    layer = 4 * (12 * n * m + 6 * args.tokens * (n + m))
+    stack = 4 * args.depth * (40 * args.batch_size * 197 * 384 + 8 * 1_800_000)
+    for need, sizes in ((layer, f"--tokens {args.tokens}, --in-features {n} and --out-features {m}"),
+                        (stack, f"--depth {args.depth} and --batch-size {args.batch_size}")):
+        if need > total:
+            raise ValueError(f"{sizes}: the step needs about {need / 2 ** 30:,.0f} GiB, more than this machine's "
+                             f"{total / 2 ** 30:.0f} GiB; give smaller sizes")
 
 
 def _step_fn(module, inputs):

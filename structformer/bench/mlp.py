@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
 from .kinds import add_record_arguments, flop_rate_split, goal_entry, print_header, verdict_line, write_record
 from .load import run_record
+from ..cli_args import thread_count
 from ..records import environment, write_png
 
 EXAMPLES = """examples:
@@ -46,7 +47,7 @@ def add_arguments(p):
                         'quadratically, for a quick look)')
     p.add_argument('--repeats', type=int, default=5, help='timed calls per measurement (median; default 5)')
     p.add_argument('--rounds', type=int, default=2, help='measure everything this many times, keep the best (2)')
-    p.add_argument('--threads', type=int, default=0, help='torch threads (default: torch\'s own)')
+    p.add_argument('--threads', type=thread_count, default=0, help='torch threads (default: torch\'s own)')
     p.add_argument('--pairs', type=int, default=6,
                    help='then time goals (b) and (c) as back-to-back training steps in one process for this many '
                         'rounds (Monarch against nn.Linear, RP-Mixer against the Mixer) and judge them on the median '
@@ -253,8 +254,6 @@ def _check(args) -> None:
         check_writable(Path(args.output), '--output')
     if args.side < 2:
         raise ValueError(f"--side must be >= 2 (a width of side² features), got {args.side}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.pairs < 0:
         raise ValueError(f"--pairs must be >= 0 (0 judges the best-of-rounds figures), got {args.pairs}")
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 from .harness import MeasurementFailed, PeakMemory, measure_in_subprocess, median_seconds, paired_ratios
+from ..cli_args import thread_count
 from ..records import check_output_file, environment
 from .kinds import add_record_arguments, print_header, verdict_line, write_record
 from .load import row_flag, row_mark, row_record, run_record
@@ -59,7 +60,7 @@ def add_arguments(p):
     p.add_argument('--rounds', type=int, default=2,
                    help='measure every model this many times, interleaved, and keep each one\'s best '
                         '(so a burst of load on a shared machine does not decide the ratio)')
-    p.add_argument('--threads', type=int, default=0, help='torch threads (0 = torch default)')
+    p.add_argument('--threads', type=thread_count, default=0, help='torch threads (0 = torch default)')
     p.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES,
                    help='eager, and/or torch.compile (inductor; the 2 warm-up steps include compiling, '
                         'whose time is reported apart). Compiled rows: ViT-T and CRATE-T, or all with --compile-all')
@@ -299,8 +300,6 @@ def run(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.pairs < 0:
         raise ValueError(f"--pairs must be >= 0 (0 skips the paired timing), got {args.pairs}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
     if args.img_size % PATCH_SIZE:
         raise ValueError(f"--img-size must be a multiple of the patch size {PATCH_SIZE} (ViT-T and CRATE-T are "
                          f"patch16 models), got {args.img_size}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import sys
 
+from ..cli_args import thread_count
 from ..errors import UsageError
 from .harness import median_seconds, paired_ratios
 from .load import run_record
@@ -57,7 +58,7 @@ def add_arguments(p):
     p.add_argument('--heads', type=int, default=6, help='heads (DeiT-S: 6 of 64)')
     p.add_argument('--block-size', type=int, default=64, help='tile size of the block connectivity (64)')
     p.add_argument('--batch', type=int, default=1, help='batch size (1)')
-    p.add_argument('--threads', type=int, default=0, help="torch threads (0 = torch's current setting)")
+    p.add_argument('--threads', type=thread_count, default=0, help="torch threads (0 = torch's current setting)")
     p.add_argument('--device', default='cpu', help='cpu | cuda (cpu)')
     p.add_argument('--dtype', default='float32', help=f"{' | '.join(DTYPES)} (float32)")
     p.add_argument('--train', action='store_true', help='time forward + backward instead of inference')
@@ -81,12 +82,18 @@ def _check(args) -> None:
     for flag in ('dim', 'heads', 'block_size', 'batch', 'repeats'):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or args.threads < 0:
-        raise UsageError(f"--warmup and --threads must be >= 0, got {args.warmup} and {args.threads}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     if not args.max_gib > 0:
         raise UsageError(f"--max-gib must be > 0, got {args.max_gib}")
+    for n in args.tokens:            # what every path holds (the layer, its input and output): refused, not skipped
+        need = _fixed_gib(n, args)
+        if need > args.max_gib:
+            raise UsageError(f"--tokens {n} with --batch {args.batch} and --dim {args.dim}: the layer and its input "
+                             f"alone need ~{need:.1f} GiB > --max-gib {args.max_gib:g}; give fewer tokens or a smaller "
+                             "batch or width")
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device not in ('cpu', 'cuda'):
@@ -96,13 +103,20 @@ def _check(args) -> None:
         raise UsageError("--device cuda: no CUDA device is available here")
 
 
+def _fixed_gib(n: int, args) -> float:
+    """GiB of float32 every path holds at n tokens: the input, its q, k, v and output (and their gradients in
+    training) and the predictor's two [32, n] bases, beside the two layers' weights."""
+    activations = 5 * args.batch * n * args.dim * 4
+    return (activations * (2 if args.train else 1) + 2 * 32 * n * 4 + 2 * 4 * args.dim ** 2 * 4) / 2 ** 30
+
+
 def _gib(path: str, n: int, keys: int, args) -> float:
     """The largest float32 intermediates of a path (GiB): n×n per head for the predictor and masked
     logits, the gathered [n, B, d] keys and values, the gathered tiles; ×3 in training."""
     from ..functional.sparsifiner import tile_budget
     b, h, d, bs = args.batch, args.heads, args.dim // args.heads, args.block_size
-    square = b * h * n * n * 4
     tiles = -(-n // bs)
+    square = b * h * (tiles * bs) ** 2 * 4                   # a tile mask covers whole tiles (--block-size > n too)
     kept = tile_budget(n, bs, keys / n) * bs                 # keys of a query tile
     size = {'masked': 4 * square, 'flex': 4 * square, 'block': 4 * square,
             'gather': square + 2 * b * h * n * keys * d * 4,

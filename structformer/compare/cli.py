@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Dict
 
-from ..cli_args import positive_int
+from ..cli_args import positive_int, thread_count
 from ..errors import UsageError
 
 DESCRIPTION = ('Train every (model, seed) cell of a grid with one shared recipe (each an ordinary run folder: '
@@ -54,6 +54,7 @@ TRAIN_FLAGS = (
 SWITCHES = (('--amp', 'amp'), ('--decay-everything', 'decay_everything'), ('--channels-last', 'channels_last'),
             ('--model-ema', 'model_ema'), ('--model-ema-warmup', 'model_ema_warmup'))
 TRAIN_KEYS = tuple(key for _, key, _, _ in TRAIN_FLAGS) + tuple(key for _, key in SWITCHES) + ('data_kwargs',)
+MAX_SEEDS = 1000             # a cell per row and seed: beyond that the grid's plan alone fills memory
 RECORD = 'compare.json'
 SPEED = 'speed.json'
 
@@ -73,13 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a shipped training recipe (`structformer recipes`) as the shared recipe, over the set's; its "
                         'model, data and other per-cell keys are left out')
     p.add_argument('-c', '--config', default=None, metavar='FILE', help='a YAML configuration over the recipe')
-    p.add_argument('--seeds', type=positive_int('--seeds'), default=None, metavar='N',
+    p.add_argument('--seeds', type=positive_int('--seeds', most=MAX_SEEDS), default=None, metavar='N',
                    help="seeds 0 .. N-1, the same for every row (default: the set's)")
     p.add_argument('--budget', type=positive_int('--budget'), default=None, metavar='PARAMS',
                    help="the parameter count every matched row is sized to, within ±15 %% (default: the set's)")
     p.add_argument('--no-match', action='store_true', help="keep the registry's sizes instead of matching them")
     p.add_argument('--output', default=None, metavar='DIR', help='the grid folder (default outputs/compare_<set>)')
-    p.add_argument('--threads', type=int, default=0, help="torch threads for training and timing (0: torch's own)")
+    p.add_argument('--threads', type=thread_count, default=0, help="torch threads for training and timing (0: torch's own)")
     p.add_argument('--jobs', type=positive_int('--jobs'), default=1, metavar='N',
                    help='train up to N cells at a time, each in its own process with --threads threads (1: one '
                         'after the other in this process); e.g. --jobs 2 --threads 1 on two cores')
@@ -258,8 +259,6 @@ def run(args) -> int:
     if args.jobs > 1 and not args.threads:
         raise UsageError(f"--jobs {args.jobs} needs --threads (the threads of each cell's process, e.g. --jobs 2 "
                          "--threads 1 on two cores): a resumed cell must run on as many threads as it started with")
-    if args.threads < 0:
-        raise UsageError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.measure_only and (args.skip_speed or args.dry_run or args.overwrite):
         raise UsageError("--measure-only times the rows already trained: leave out --skip-speed, --dry-run and "
                          "--overwrite")

@@ -290,11 +290,13 @@ def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up
 
 def block_indices_to_mask(block_indices: torch.Tensor, num_tokens: int, block_size: int,
                           dense_rows: int = 0) -> torch.Tensor:
-    """Token mask [B, H, n, n] of kept key tiles `block_indices` [B, H, query tiles, kept tiles]."""
+    """Token mask [B, H, n, n] of kept key tiles `block_indices` [B, H, query tiles, kept tiles]: each token's row
+    and column are its tile's (token // block_size), gathered straight to n × n (not the whole tiles' padded square,
+    which a block size far above n made enormous)."""
     tiles = block_indices.shape[-2]
     chosen = mask_from_indices(block_indices, tiles)
-    mask = chosen.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
-    mask = mask[..., :num_tokens, :num_tokens].contiguous()
+    tile_of = torch.arange(num_tokens, device=block_indices.device) // block_size
+    mask = chosen.index_select(-2, tile_of).index_select(-1, tile_of)
     if dense_rows:
         mask[..., :dense_rows, :] = True
     return mask

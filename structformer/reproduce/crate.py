@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import command_line, learned, start, trained_on
+from ..cli_args import thread_count
 from ..records import environment, write_json, write_text
 
 EXAMPLES = """examples:
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--num-samples', type=int, default=1000, help='held-out images measured (1000, as the paper)')
     p.add_argument('--estimator', default='official', choices=['official', 'paper'],
                    help='R_c estimator (see structformer.analysis.whitebox; default official)')
-    p.add_argument('--threads', type=int, default=0,
+    p.add_argument('--threads', type=thread_count, default=0,
                    help="torch threads (default: torch's own; 1 shares a busy machine far better)")
     p.add_argument('--output', default='outputs/reproduce_crate')
 
@@ -63,8 +64,6 @@ def _check(args) -> None:
     for flag in ('depth', 'epochs', 'batch_size', 'num_samples'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if not args.lr > 0 or args.weight_decay < 0 or not 0 <= args.smoothing < 1:
         raise ValueError(f"--lr must be > 0, --weight-decay >= 0, --smoothing in [0, 1); got {args.lr}, "
                          f"{args.weight_decay}, {args.smoothing}")

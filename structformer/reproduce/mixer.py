@@ -33,7 +33,7 @@ EXAMPLES = """examples:
   structformer reproduce mixer --data /data/mnist --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
-from ..cli_args import parse_omega  # noqa: E402  (the --omega type, shared with `design`)
+from ..cli_args import parse_omega, thread_count  # noqa: E402  (the --omega type, shared with `design`)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,15 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='random draws per width for Fig. 4 right (3; 0 skips the spectra)')
     p.add_argument('--report-only', action='store_true',
                    help='train nothing: rebuild report.md, the figures and the verdicts from --output/results.json')
-    p.add_argument('--threads', type=int, default=0,
+    p.add_argument('--threads', type=thread_count, default=0,
                    help="torch threads (default: torch's own; 1 trains these small models almost as fast and "
                         "shares a busy machine better)")
     p.add_argument('--output', default='outputs/reproduce_mixer')
 
 
 def _check(args) -> None:
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.spectra_trials < 0:
         raise ValueError(f"--spectra-trials must be >= 0, got {args.spectra_trials}")
     for flag in ('depth', 'seeds', 'epochs', 'batch_size'):
@@ -73,6 +71,8 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if any(c < 1 for c in args.channels) or any(d < 1 for d in args.depths):
         raise ValueError("--channels and --depths must be integers >= 1")
+    if any(not 0 < p <= 1 for p in args.sw_densities):     # before their widths are worked out (1 / p)
+        raise ValueError(f"--sw-densities must lie in (0, 1], got {' '.join(f'{p:g}' for p in args.sw_densities)}")
     for flag in ('channels', 'depths', 'sw_densities'):
         check_distinct(getattr(args, flag), f"--{flag.replace('_', '-')}")
     by_width: Dict[int, List[float]] = {}
@@ -83,8 +83,6 @@ def _check(args) -> None:
         raise ValueError(f"--sw-densities {' and '.join(f'{p:g}' for p in same[0])} give the same SW-MLP (width "
                          f"{sw_channels(args.omega, same[0][0]) * 49}, rounded to a multiple of 49 tokens) at --omega "
                          f"{args.omega}: give densities further apart")
-    if any(not 0 < p <= 1 for p in args.sw_densities):
-        raise ValueError(f"--sw-densities must lie in (0, 1], got {args.sw_densities}")
     from ..models.mixer_design import OFF_CURVE, fixed_omega_pairs, optimal_width
     off = [r['channels'] for r in fixed_omega_pairs(args.omega, args.channels, 1.0) if not r['on_curve']]
     if off:                  # S = 1 already spends more than 1.5 × Ω: not a point of the fixed-Ω sweep

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from . import check_distinct, command_line, start, trained_on
+from ..cli_args import thread_count
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -57,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--student-lr', type=float, default=5e-4, help='AdamW peak learning rate of the students')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
-    p.add_argument('--threads', type=int, default=0,
+    p.add_argument('--threads', type=thread_count, default=0,
                    help="torch threads (default: torch's own; 1 shares a busy machine far better)")
     p.add_argument('--output', default='outputs/reproduce_sparsifiner')
 
@@ -72,8 +73,8 @@ def _check(args) -> None:
     for keep in args.keep:
         if not 0 < keep <= 1:
             raise ValueError(f"--keep {keep}: keep ratios must be in (0, 1]")
-    if args.threads < 0 or args.limit_train_batches < 0:
-        raise ValueError(f"--threads and --limit-train-batches must be >= 0, got {args.threads}, {args.limit_train_batches}")
+    if args.limit_train_batches < 0:
+        raise ValueError(f"--limit-train-batches must be >= 0, got {args.limit_train_batches}")
     if not args.lr > 0 or not args.student_lr > 0:
         raise ValueError(f"--lr and --student-lr must be > 0, got {args.lr}, {args.student_lr}")
 

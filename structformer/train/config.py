@@ -258,6 +258,12 @@ class TrainConfig:
             ('sched', self.sched in SCHEDULES, SCHEDULES_ACCEPTED),
             ('keep_best', isinstance(self.keep_best, bool), 'true or false'),
             ('avg_last', 0 <= self.avg_last <= self.epochs, f'in [0, epochs={self.epochs}] (0 = off)'),
+            # the settings of some runs only (factorised layers, a distilled student): in range even where unused
+            ('factorize_lr_scale', not isinstance(self.factorize_lr_scale, bool)
+             and isinstance(self.factorize_lr_scale, (int, float)) and 0 < self.factorize_lr_scale <= 1,
+             'a factor in (0, 1]'),
+            ('predictor_epochs', self.predictor_epochs is None or 0 <= self.predictor_epochs <= self.epochs,
+             f'in [0, epochs={self.epochs}]'),
         ]
         for name, ok, accepted in checks:
             if not ok:
@@ -351,9 +357,6 @@ class TrainConfig:
             raise UsageError(f"--predictor-epochs={self.predictor_epochs} needs --teacher RUN_DIR")
         if self.phases:
             raise UsageError("--predictor-epochs and a config file's `phases` both set the stages; give one")
-        if not 0 <= self.predictor_epochs <= self.epochs:
-            raise UsageError(f"--predictor-epochs={self.predictor_epochs} is out of range: accepted [0, "
-                             f"epochs={self.epochs}]")
 
     def _validate_paper_scale(self) -> None:
         validate_paper_scale(self)

@@ -294,9 +294,6 @@ def validate_lowrank(config) -> None:
     refused rather than ignored."""
     if config.factor_decay not in ('l2', 'frobenius'):
         raise UsageError(f"--factor-decay={config.factor_decay!r}: accepted 'l2' or 'frobenius'")
-    scale = config.factorize_lr_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
-        raise UsageError(f"--factorize-lr-scale={scale!r} is out of range: accepted a factor in (0, 1]")
     _refuse_decay_counted_twice(config)
     inits = ('spectral', 'spectral_ones', 'he')          # structformer.layers.linear.factorized.INITS
     if config.factorize_init not in inits:
