@@ -371,6 +371,7 @@ CASES = [
     # each crashed before: a division by zero (mixer), a MemoryError planning 1e11 cells (compare), torch's allocator
     ('reproduce-mixer-density-zero', ['reproduce', 'mixer', '--sw-densities', '0', '--output', OUT],
      ['--sw-densities', '(0, 1]']),
+    ('reproduce-mixer-lr-nan', ['reproduce', 'mixer', '--lr', 'nan', '--output', OUT], ['--lr=nan', 'finite']),
     ('compare-seeds-huge', ['compare', '--seeds', '99999999999', '--output', OUT], ['--seeds', '[1, 1000]']),
     ('bench-lowrank-tokens-huge', ['bench', 'lowrank', '--tokens', '99999999999'], ['--tokens 99999999999', 'GiB']),
     ('bench-sparse-tokens-huge', ['bench', 'sparse-attention', '--tokens', '99999999999'], ['--tokens 99999999999',

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -259,6 +260,8 @@ def run(args) -> int:
     if args.jobs > 1 and not args.threads:
         raise UsageError(f"--jobs {args.jobs} needs --threads (the threads of each cell's process, e.g. --jobs 2 "
                          "--threads 1 on two cores): a resumed cell must run on as many threads as it started with")
+    if not math.isfinite(args.gpu_tflops) or args.gpu_tflops <= 0:      # --set in1k's alone, but never nonsense
+        raise UsageError(f"--gpu-tflops {args.gpu_tflops}: accepted a sustained rate > 0 (TFLOP/s per GPU)")
     if args.measure_only and (args.skip_speed or args.dry_run or args.overwrite):
         raise UsageError("--measure-only times the rows already trained: leave out --skip-speed, --dry-run and "
                          "--overwrite")

@@ -14,7 +14,6 @@ This machine has no GPU and no ImageNet: the set is planned here, not run.
 """
 from __future__ import annotations
 
-import math
 import shlex
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -146,8 +145,6 @@ def run(args) -> int:
     if not args.dry_run:
         raise UsageError("--set in1k is planned here, not run (no GPU, no ImageNet): add --dry-run for each cell's "
                          "torchrun command and its GPU-hours")
-    if not math.isfinite(args.gpu_tflops) or args.gpu_tflops <= 0:
-        raise UsageError(f"--gpu-tflops {args.gpu_tflops}: accepted a sustained rate > 0 (TFLOP/s per GPU)")
     keys = resolve_keys(args.models)
     seeds = list(range(args.seeds or 1))
     data = args.data or 'imagefolder:IMAGENET'

@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
+    from ..train.config import TrainConfig      # --lr, --weight-decay as train names them: before any work
+    TrainConfig(lr=args.lr, weight_decay=args.weight_decay).check_ranges()
     if args.spectra_trials < 0:
         raise ValueError(f"--spectra-trials must be >= 0, got {args.spectra_trials}")
     for flag in ('depth', 'seeds', 'epochs', 'batch_size'):
