@@ -208,6 +208,11 @@ CASES = [
     ('phase-settings-no-equals', ['train', '--phase-settings', 'main', 'lr', '--output', OUT], ['--phase-settings']),
     # model and data
     ('unknown-model', ['train', '--model', 'no_such_model', '--output', OUT], ['--model']),
+    # the nearest names by spelling (before: the first 8 of a glob on the first word, convit_* for vit_tny_*), and the
+    # run --overwrite would replace untouched
+    ('unknown-model-overwrite', ['train', '--model', 'vit_tny_patch16_224', '--output', '{run}', '--overwrite'],
+     ['--model', 'similar: vit_tiny_patch16_224']),
+    ('recount-huge', ['train', '--recount', '100', '--output', OUT], ['--recount', '[1, 64]']),
     ('model-kwargs-unknown', ['train', '--model-kwargs', 'no_such_option=3', '--output', OUT], ['--model-kwargs']),
     ('unknown-data', ['train', '--data', 'imagenet', '--output', OUT], ['--data', 'imagenet']),
     ('data-missing-path', ['train', '--data', 'mnist:{base}/nothing', '--output', OUT], ['--data', 'does not exist']),

@@ -24,6 +24,10 @@ from structformer.layers import SparsifinerAttention
 from structformer.weights.cli import convert_checkpoint
 from test_convert import _as_loaded, _fill, sparsifiner_official_shapes
 
+# torch warns (once per process, at whichever test comes first) that eager FlexAttention on the CPU is its unfused
+# reference: that path is the one compared here
+pytestmark = pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+
 F64 = torch.float64
 DIM, DEPTH, HEADS, PATCHES, CLASSES = 64, 4, 4, 16, 10      # sparsifiner_digits: 17 tokens, head_dim 16
 
@@ -158,8 +162,6 @@ def test_block_predictor_honours_top_k_coefficients_and_the_scale(kernel):
                                .sort(-1).values, indices.sort(-1).values), other
 
 
-# torch warns that eager FlexAttention on the CPU is its unfused reference: that path is the one compared here
-@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
 @pytest.mark.parametrize('impl', ['gather', 'kernel', 'flex'])
 def test_block_paths_follow_the_masked_block_path_with_the_public_options(impl):
     if impl == 'kernel' and not tile_kernel.available():

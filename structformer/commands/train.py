@@ -471,6 +471,8 @@ def run(args) -> int:
         print(dry_run(train_config(args), resume=args.resume))
         return 0
     config = train_config(args)                    # refused here, before the engine's imports (torch, timm)
+    from ..models.factory import check_registered
+    check_registered(config.model)                 # before the engine and the data, and before --overwrite moves a run
     from ..train import Trainer
     trainer = Trainer(config, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
                       progress=not args.no_progress)

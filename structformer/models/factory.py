@@ -49,10 +49,12 @@ class ModelRecipe:
         return cls(state['model'], dict(state.get('model_kwargs') or {}))
 
 
-def _registered(name: str) -> None:
+def check_registered(name: str) -> None:
+    """A ValueError naming --model and the closest registered names unless `name` is a timm model (ours included)."""
     import timm          # our models are registered: this module's package (models/__init__.py) ran first
     if not isinstance(name, str) or not timm.is_model(name):
-        close = timm.list_models(f'*{str(name).split("_")[0]}*')[:8]
+        import difflib   # the nearest names by spelling (a glob on the first word listed convit_* for vit_tny_*)
+        close = difflib.get_close_matches(str(name), timm.list_models(), n=5, cutoff=0.6)
         raise ValueError(f"--model {name!r} is not a registered model"
                          + (f"; similar: {', '.join(close)}" if close else '')
                          + "; `structformer models` lists them")
@@ -118,7 +120,7 @@ def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=N
                 transforms: Sequence[Any] = ()) -> Tuple[nn.Module, ModelRecipe]:
     """Build `name` for `data` (any object with num_classes, in_chans, img_size; None: the model's
     defaults), then apply `transforms` in order. Returns the model and the recipe that rebuilds it."""
-    _registered(name)
+    check_registered(name)
     model_kwargs = dict(model_kwargs or {})
     # timm.create_model drops every None (it means "the model's default"), so KEY=None would build the default
     # silently (swmlp_cifar with mlp_ratio=None kept its γ = 2); a run's recorded kwargs (rebuild) keep timm's way
@@ -141,7 +143,7 @@ def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=N
 
 def rebuild(recipe: ModelRecipe) -> nn.Module:
     """The model a recipe describes, with fresh weights: construction and transforms replayed as recorded."""
-    _registered(recipe.name)
+    check_registered(recipe.name)
     for spec in recipe.transforms:                     # fail before building, naming the missing transform
         get_transform(spec['name'], spec.get('module'))
     model, _ = _construct(recipe.name, dict(recipe.kwargs), dict(recipe.kwargs))

@@ -13,7 +13,7 @@ from .config_file import _KIND_WORDS, _coerce, _field_kind, flag_name
 PHASE_SETTING_KEYS = ('opt', 'lr', 'weight_decay', 'momentum', 'sched', 'warmup_epochs', 'warmup_lr', 'warmup_prefix',
                       'min_lr', 'decay_epochs', 'decay_milestones', 'decay_rate', 'cooldown_epochs', 'lr_cycle_mul',
                       'lr_cycle_decay', 'lr_cycle_limit', 'lr_k_decay', 'lr_noise', 'lr_noise_pct', 'lr_noise_std')
-MAX_AUG_REPEATS = 64                             # --aug-repeats' bound (validate_paper_scale)
+MAX_AUG_REPEATS = 64                             # --aug-repeats' and --recount's bound (validate_paper_scale)
 CYCLING = ('cosine', 'tanh', 'poly')             # the schedules timm restarts (cycle_mul / decay / limit)
 K_DECAYING = ('cosine', 'poly')                  # the schedules with timm's k-decay
 TO_MIN_LR = ('cosine', 'tanh', 'poly')           # the schedules that end at min_lr (step / multistep decay by rate)
@@ -93,7 +93,8 @@ def validate_paper_scale(config) -> None:
         ('amp_dtype', config.amp_dtype in (None, 'float16', 'bfloat16'), "'float16' or 'bfloat16'"),
         ('reprob', 0 <= config.reprob <= 1, 'in [0, 1]'),
         ('remode', config.remode in ('const', 'rand', 'pixel'), "'const', 'rand' or 'pixel'"),
-        ('recount', config.recount >= 1, '>= 1'),
+        # random erasing draws 1..recount boxes per image (timm's RandomErasing): 1e11 never finished an image
+        ('recount', 1 <= config.recount <= MAX_AUG_REPEATS, f'an integer in [1, {MAX_AUG_REPEATS}]'),
         ('color_jitter', config.color_jitter is None or 0 <= config.color_jitter <= 1, 'in [0, 1]'),
         ('hflip', config.hflip is None or 0 <= config.hflip <= 1, 'in [0, 1]'),
         ('train_interpolation', config.train_interpolation in (None,) + TRAIN_INTERPOLATIONS,
