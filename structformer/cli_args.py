@@ -109,6 +109,18 @@ def thread_count(value: str) -> int:
     return number
 
 
+def seed_value(value: str) -> int:
+    """argparse type for a command's --seed: an int in [0, 2**32), the range `train --seed` and numpy's generators
+    take, else one line naming it."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if not 0 <= number < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"--seed must be an integer in [0, 2**32), got {value!r}")
+    return number
+
+
 def rank_value(text: str):
     """argparse type for --rank: an integer count, or a fraction (validated with the configuration)."""
     try:

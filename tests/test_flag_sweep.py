@@ -7,10 +7,12 @@ the real MNIST folder for the reproductions), so the refusal is the flag's, not 
 import argparse
 
 import pytest
+from PIL import Image
 
 from structformer.cli import build_parser, main
 
-# otherwise-valid arguments of each command ({run}: a finished run folder, {mnist}: an MNIST folder, {tmp}: scratch)
+# otherwise-valid arguments of each command ({run}: a finished run folder, {mnist}: an MNIST folder, {images}: an
+# image folder of two classes, {tmp}: scratch)
 BASES = {
     'train': ['--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches', '1',
               '--output', '{tmp}/train', '--no-progress'],
@@ -32,6 +34,8 @@ BASES = {
                               '1', '--limit-train-batches', '1', '--output', '{tmp}/r'],
     'compare': ['--models', 'vit', '--dry-run', '--output', '{tmp}/grid'],
     'design': ['--omega', '100000'],
+    'data shard': ['{images}', '{tmp}/shards'],
+    'models': ['--filter', 'crate_digits'],
 }
 
 
@@ -57,20 +61,54 @@ def _real_valued_flags():
 FLAGS = list(_real_valued_flags())
 
 
+def _integer_flags():
+    """(command, flag, its other names, values of one use) for each flag that takes integers."""
+    for command, parser in _commands(build_parser()):
+        for action in parser._actions:
+            kind = getattr(action.type, '__qualname__', '')
+            if action.option_strings and (action.type is int or kind.startswith(('positive_int', 'thread_count'))):
+                count = action.nargs if isinstance(action.nargs, int) else 1
+                yield command, action.option_strings[-1], tuple(action.option_strings), count
+
+
+INTEGER_FLAGS = list(_integer_flags())
+
+
 def test_the_sweep_covers_every_command_with_such_a_flag():
     """A command with a float flag and no base here would be swept from arguments it refuses first."""
-    assert {f[0] for f in FLAGS} <= set(BASES), {f[0] for f in FLAGS} - set(BASES)
+    swept = {f[0] for f in FLAGS + INTEGER_FLAGS}
+    assert swept <= set(BASES), swept - set(BASES)
     assert len(FLAGS) > 60                      # train's alone are dozens: the walk found the parsers' actions
 
 
-@pytest.mark.parametrize('command, flag, names, count', FLAGS, ids=[f"{f[0].replace(' ', '-')}{f[1]}" for f in FLAGS])
+def _ids(flags):
+    return [f"{command.replace(' ', '-')}{flag}" for command, flag, _, _ in flags]
+
+
+@pytest.mark.parametrize('command, flag, names, count', FLAGS, ids=_ids(FLAGS))
 def test_nan_is_refused_in_one_line_naming_the_flag(command, flag, names, count, crate_digits_run, shared_mnist,
                                                     tmp_path, capsys):
-    base = [a.format(run=crate_digits_run, mnist=shared_mnist, tmp=tmp_path) for a in BASES[command]]
+    _refused(command, flag, names, ['nan'] * count, crate_digits_run, shared_mnist, tmp_path, capsys)
+
+
+@pytest.mark.parametrize('command, flag, names, count', INTEGER_FLAGS, ids=_ids(INTEGER_FLAGS))
+def test_a_negative_count_is_refused_in_one_line_naming_the_flag(command, flag, names, count, crate_digits_run,
+                                                                 shared_mnist, tmp_path, capsys):
+    """No integer setting here takes -1 (seeds, sizes, counts, epochs: all from 0 or 1 up)."""
+    _refused(command, flag, names, ['-1'] * count, crate_digits_run, shared_mnist, tmp_path, capsys)
+
+
+def _refused(command, flag, names, values, crate_digits_run, shared_mnist, tmp_path, capsys):
+    images = tmp_path / 'images'
+    for label in ('a', 'b'):
+        (images / label).mkdir(parents=True)
+        for i in range(2):
+            Image.new('RGB', (8, 8), (60 * i, 0, 0)).save(images / label / f'{i}.png')
+    base = [a.format(run=crate_digits_run, mnist=shared_mnist, images=images, tmp=tmp_path) for a in BASES[command]]
     if flag in base:                            # the base's own value of this flag: replaced
         at = base.index(flag)
         del base[at:at + 2]
-    argv = command.split() + base + [flag] + ['nan'] * count
+    argv = command.split() + base + [flag] + values
     try:
         status = main(argv)
     except SystemExit as e:                     # argparse's own errors

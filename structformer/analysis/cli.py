@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Dict, Optional
 
+from ..cli_args import seed_value
 from ..errors import UsageError
 from .samples import load_samples, recorded_data
 
@@ -99,7 +100,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument('--layers', nargs='+', default=None, metavar='L',
                         help='Sparsifiner models: the layers drawn, numbered from 1 (default: the first six); '
                              'the numbers in sparsifiner.json cover every layer')
-    parser.add_argument('--seed', type=int, default=None,
+    parser.add_argument('--seed', type=seed_value, default=None,
                         help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
                              'random baseline (default 0)')
     return parser
