@@ -1,7 +1,7 @@
 """`structformer data ACTION`: dataset tools; `shard` writes a data set as webdataset shards (data/shard_writer.py)."""
 import argparse
 
-from ..cli_args import positive_int, seed_value
+from ..cli_args import positive_int
 
 EXAMPLES = """examples:
   structformer data shard /data/images /data/images-wds --shard-size 1000 --workers 8   # train/ and val/ -> two splits
@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     s.add_argument('--bad-images', choices=['error', 'skip'], default='error',
                    help='an image that does not decode: stop naming it (error), or leave it out, listed in '
                         "_info.json's left_out (skip)")
-    s.add_argument('--seed', type=seed_value, default=0, help='seed of the order the training samples are written in')
+    s.add_argument('--seed', type=int, default=0, help='seed of the order the training samples are written in')
     s.add_argument('--check', choices=['header', 'decode', 'none'], default='header',
                    help="an image folder's cached up-front check, naming every bad file before anything is written "
                         '(header: open each file without decoding); every image is decoded as it is written anyway')
