@@ -4,7 +4,7 @@ The names below load on first use (PEP 562), not with the package: a config's ch
 `data.augment`'s names, which need no torch, so a value out of range is refused before torch's import (as
 `structformer.train` does).
 """
-import importlib
+from ..lazy_names import lazy_exports
 
 _EXPORTS = {'build_datasets': 'build', 'CIFAR10_MEAN': 'cifar', 'CIFAR10_STD': 'cifar', 'read_cifar_batch': 'cifar',
             'DIGITS_MEAN': 'digits', 'DIGITS_STD': 'digits', 'MNIST_MEAN': 'mnist', 'MNIST_STD': 'mnist',
@@ -12,13 +12,4 @@ _EXPORTS = {'build_datasets': 'build', 'CIFAR10_MEAN': 'cifar', 'CIFAR10_STD': '
             'image_to_tokens': 'synthetic', 'random_subspace_bases': 'synthetic', 'sample_tokens': 'synthetic',
             'tokens_to_image': 'synthetic', 'TensorImageDataset': 'tensor'}
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f'{__name__}.{_EXPORTS[name]}'), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

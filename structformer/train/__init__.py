@@ -4,7 +4,7 @@ The names below load on first use (PEP 562), not with the package: `structformer
 its config file through `structformer.train.config`, which needs neither torch nor timm, so a bad argument is
 refused in a fraction of a second instead of after the engine's imports (about 7 s on a 2-core Zen 1).
 """
-import importlib
+from ..lazy_names import lazy_exports
 
 _EXPORTS = {'CheckpointError': 'checkpoint', 'load_checkpoint': 'checkpoint', 'load_model': 'checkpoint',
             'resolve_checkpoint': 'checkpoint', 'save_checkpoint': 'checkpoint',
@@ -12,13 +12,4 @@ _EXPORTS = {'CheckpointError': 'checkpoint', 'load_checkpoint': 'checkpoint', 'l
             'Trainer': 'engine', 'TrainingDiverged': 'engine', 'evaluate': 'engine', 'train': 'engine',
             'LOSS_TERMS': 'phases', 'LossContext': 'phases', 'Phase': 'phases', 'register_loss_term': 'phases'}
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f'{__name__}.{_EXPORTS[name]}'), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
