@@ -245,6 +245,9 @@ CASES = [
     ('timm-short-workers', ['train', '-j', '4', '--output', OUT], ['-j', '--workers N']),
     ('abbreviated-flag', ['train', '--epoch', '3', '--output', OUT], ['--epoch', 'did you mean --epochs?']),
     ('eval-flag-typo', ['eval', '--checkpoint', '{run}', '--jsn'], ['--jsn', 'did you mean --json?']),
+    # a choice of argparse's now: refused before the checkpoint is loaded (and its rebuild printed)
+    ('eval-amp-dtype-unknown', ['eval', '--checkpoint', '{run}', '--amp-dtype', 'float8'],
+     ["--amp-dtype: invalid choice: 'float8'", 'bfloat16']),
     ('eval-amp-dtype-with-no-amp', ['eval', '--checkpoint', '{run}', '--no-amp', '--amp-dtype', 'bfloat16'],
      ['--amp-dtype bfloat16', 'needs --amp']),
     ('train-amp-dtype-with-no-amp', ['train', '--no-amp', '--amp-dtype', 'bfloat16', '--output', OUT],

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument('--amp', action=argparse.BooleanOptionalAction, default=None,
                    help='evaluate under autocast (--amp) or in float32 (--no-amp); default: as the run evaluated '
                         '(its config), float32 for converted weights')
-    p.add_argument('--amp-dtype', default=None, metavar='DTYPE',
+    p.add_argument('--amp-dtype', default=None, metavar='DTYPE', choices=('float16', 'bfloat16'),   # before loading
                    help="float16 or bfloat16 (default: the run's; else bfloat16 on a CPU)")
     p.add_argument('--json', action='store_true', help='print one JSON object')
     p.add_argument('--ema', action='store_true', help='score the weight average of a run trained with --model-ema')
