@@ -79,46 +79,32 @@ class StoreOnce(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def positive_int(flag: str, most: Optional[int] = None):
-    """argparse type: an int >= 1 (and <= `most`, where given), else a one-line error naming the flag and the
-    accepted range."""
+def bounded_int(flag: str, low: int, high: Optional[int] = None, accepted: Optional[str] = None):
+    """argparse type: an int in [low, high] (no upper bound where `high` is None), else a one-line error naming the
+    flag and what it accepts (`accepted`, by default the range)."""
+    accepted = accepted or (f">= {low}" if high is None else f"in [{low}, {high}]")
+
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
-            number = 0
-        if number < 1 or (most is not None and number > most):
-            accepted = f"in [1, {most}]" if most is not None else ">= 1"
+            number = None
+        if number is None or number < low or (high is not None and number > high):
             raise argparse.ArgumentTypeError(f"{flag} must be an integer {accepted}, got {value!r}")
         return number
     return parse
 
 
+def positive_int(flag: str, most: Optional[int] = None):
+    """argparse type: an int >= 1 (and <= `most`, where given)."""
+    return bounded_int(flag, 1, most)
+
+
 MAX_THREADS = 4096            # beyond any CPU torch runs on; torch.set_num_threads overflows past 2**31 - 1
-
-
-def thread_count(value: str) -> int:
-    """argparse type for --threads: an int in [0, MAX_THREADS] (0: torch's own count), else one line naming it."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"--threads must be an integer in [0, {MAX_THREADS}] (0: torch's own "
-                                         f"count), got {value!r}")
-    return number
-
-
-def seed_value(value: str) -> int:
-    """argparse type for a command's --seed: an int in [0, 2**32), the range `train --seed` and numpy's generators
-    take, else one line naming it."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if not 0 <= number < 2 ** 32:
-        raise argparse.ArgumentTypeError(f"--seed must be an integer in [0, 2**32), got {value!r}")
-    return number
+# --threads: 0 is torch's own count
+thread_count = bounded_int('--threads', 0, MAX_THREADS, f"in [0, {MAX_THREADS}] (0: torch's own count)")
+# a command's --seed: the range `train --seed` and numpy's generators take
+seed_value = bounded_int('--seed', 0, 2 ** 32 - 1, 'in [0, 2**32)')
 
 
 def rank_value(text: str):

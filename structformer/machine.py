@@ -31,6 +31,11 @@ _ONEDNN_CAPS = ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA')
 ISA_CAPS = ('ATEN_CPU_CAPABILITY', 'ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA', 'MKL_ENABLE_INSTRUCTIONS')
 
 
+def memory_bytes() -> int:
+    """This machine's physical memory: what a benchmark's sizes are checked against before allocating."""
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
 def isa_caps() -> dict:
     """The ISA caps set in this process's environment ({} for none): {variable: value}."""
     return {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name, '').strip()}

@@ -66,7 +66,7 @@ def _integer_flags():
     for command, parser in _commands(build_parser()):
         for action in parser._actions:
             kind = getattr(action.type, '__qualname__', '')
-            if action.option_strings and (action.type is int or kind.startswith(('positive_int', 'thread_count'))):
+            if action.option_strings and (action.type is int or kind.startswith('bounded_int')):
                 count = action.nargs if isinstance(action.nargs, int) else 1
                 yield command, action.option_strings[-1], tuple(action.option_strings), count
 

@@ -191,7 +191,8 @@ def _check_room(args) -> None:
         flag = '--up-front' if args.up_front else '--images'
         raise UsageError(f"{flag} {images}: the generated JPEGs need about {images * each / 2 ** 30:,.1f} GiB, more "
                          f"than the {free / 2 ** 30:.1f} GiB free in {where}; give fewer images")
-    memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    from ..machine import memory_bytes
+    memory = memory_bytes()
     batch = max(args.batch_size, args.step_batch) * 3 * args.img_size ** 2 * 4 * 16
     if not args.up_front and batch > memory:
         raise UsageError(f"--img-size {args.img_size} with batches of {max(args.batch_size, args.step_batch)}: about "

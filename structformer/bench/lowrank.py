@@ -116,8 +116,8 @@ def _check_memory(args) -> None:
     failed with a trace, or the kernel's OOM killer ended the run). A rough upper estimate, float32: the layer's
     candidates (dense, its oneDNN copy and the factorised ones: weights, gradients, momentum) and the tokens'
     activations and their gradients; the stack's blocks with ~40 activations per token and channel."""
-    import os
-    total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    from ..machine import memory_bytes
+    total = memory_bytes()
     n, m = args.in_features, args.out_features
     layer = 4 * (12 * n * m + 6 * args.tokens * (n + m))
     stack = 4 * args.depth * (40 * args.batch_size * 197 * 384 + 8 * 1_800_000)
