@@ -286,6 +286,23 @@ CASES = [
     ('model-kwargs-too-big', ['train', '--model-kwargs', 'img_size=100000', '--output', OUT],
      ['cannot build crate_digits', 'memory']),
     ('model-kwargs-string-for-number', ['train', '--model-kwargs', 'eta=abc', '--output', OUT], ['eta', "'abc'"]),
+    # timm's argument names checked for any model before it is built (models/arguments.py); before: a
+    # ZeroDivisionError traceback (patch_size=0), a traceback from the first training step's DropPath (1.5), an
+    # OverflowError (inf), NaN loss at the first step (a negative LayerNorm eps), no blocks at all (depth=-1)
+    ('model-kwargs-patch-zero', ['train', '--model-kwargs', 'patch_size=0', '--output', OUT],
+     ['--model-kwargs patch_size=0', 'positive integer']),
+    ('model-kwargs-drop-path-over-one', ['train', '--model', 'vit_digits', '--model-kwargs', 'drop_path_rate=1.5',
+                                         '--output', OUT], ['--model-kwargs drop_path_rate=1.5', '[0, 1)']),
+    ('model-kwargs-mlp-ratio-infinite', ['train', '--model', 'vit_digits', '--model-kwargs', 'mlp_ratio=1e400',
+                                         '--output', OUT], ['--model-kwargs mlp_ratio=inf', 'finite']),
+    ('model-kwargs-norm-eps-negative', ['train', '--model', 'mixer_digits', '--model-kwargs', 'norm_eps=-1.0',
+                                        '--output', OUT], ['--model-kwargs norm_eps=-1.0', '> 0']),
+    ('model-kwargs-depth-negative', ['train', '--model', 'mixer_digits', '--model-kwargs', 'depth=-1',
+                                     '--output', OUT], ['--model-kwargs depth=-1', 'integer >= 0']),
+    # the model's own checks, in the "cannot build" line (a ZeroDivisionError in SOFT's grid arithmetic before)
+    ('model-kwargs-soft-sampling-zero', ['train', '--model', 'soft_digits', '--model-kwargs',
+                                         'sampling_ratios=(0, 4, 2, 1)', '--output', OUT],
+     ['cannot build soft_digits', 'sampling_ratios=(0, 4, 2, 1)', 'integers >= 1']),
     ('model-for-other-images', ['train', '--model-kwargs', 'img_size=16', '--output', OUT],
      ['expects images', '[2, 1, 8, 8]']),
     ('image-model-on-text', ['train', '--data', 'pysource', '--data-kwargs', 'max_bytes=20000', '--output', OUT],

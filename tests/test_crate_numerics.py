@@ -1,4 +1,6 @@
 """CRATE operators against references written from the paper's equations (float64)."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -169,11 +171,13 @@ def test_bad_sizes_and_eps_are_named_at_construction():
     for bad in (0, -3):
         with pytest.raises(ValueError, match='in_features must be a positive integer'):
             ISTA(bad)
-    with pytest.raises(ValueError, match='eps must be a number > 0'):
+    with pytest.raises(ValueError, match='eps must be a finite number > 0'):
         ISTA(4, step='mm', eps=0)                      # α = d/(Nε²) would divide by zero at the first forward
-    for name, value in (('eta', 0), ('eta', 'abc'), ('lambd', -1), ('lambd', None)):
-        with pytest.raises(ValueError, match=f"{name} must be a number"):
-            ISTA(4, **{name: value})                  # a string failed inside a comparison (TypeError)
+    # a string failed inside a comparison (TypeError); an infinite η gave NaN codes, an infinite λ all-zero ones
+    for name, value in (('eta', 0), ('eta', 'abc'), ('lambd', -1), ('lambd', None), ('eta', math.inf),
+                        ('lambd', math.inf), ('eps', math.nan)):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+            ISTA(4, **{name: value})
     with pytest.raises(ValueError, match='eps must be > 0'):
         MSSA(8, 2, tied_output=True, eps=0.0)
 

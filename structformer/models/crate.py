@@ -11,7 +11,7 @@ from typing import List, Optional, Union
 
 import torch
 from einops import rearrange
-from timm.layers import DropPath, to_2tuple
+from timm.layers import DropPath
 from timm.models import generate_default_cfgs
 from torch import nn
 
@@ -20,6 +20,7 @@ from ..functional.tracing import checked_images
 from ..layers.linear.tuned import TunedLinear
 from ..layers.mlp.ista import ISTA
 from ._registry import register_model
+from .arguments import count, image_size, positive_int, rate
 from .base import (CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model,
                    model_cfg)
 
@@ -33,8 +34,8 @@ class CratePatchEmbed(nn.Module):
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=384):
         super().__init__()
-        self.img_size = to_2tuple(img_size)
-        self.patch_size = to_2tuple(patch_size)
+        self.img_size = image_size('img_size', img_size)
+        self.patch_size = image_size('patch_size', patch_size)     # 0 failed as "integer modulo by zero" below
         h, w = self.img_size
         ph, pw = self.patch_size
         if h % ph or w % pw:
@@ -96,8 +97,10 @@ class CRATE(StructuredModel):
                  attn_drop_rate=0., ista_drop_rate=0., eta=0.1, lambd=0.1, tied_output=False, sparse_step='ista',
                  eps=1.0, fused_ista=True, ssa_impl='auto', drop_path_rate=0.):
         super().__init__()
-        if not 0 <= drop_path_rate < 1:
-            raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
+        for name, value in (('drop_rate', drop_rate), ('pos_drop_rate', pos_drop_rate),
+                            ('attn_drop_rate', attn_drop_rate), ('ista_drop_rate', ista_drop_rate),
+                            ('drop_path_rate', drop_path_rate)):
+            rate(name, value)           # a rate over 1 failed in the first training step, inside torch's dropout
         # options that only one variant reads: a value the model would never use is a mistake, not a no-op
         if eps != 1.0 and not tied_output and sparse_step != 'mm':
             raise ValueError(f"eps={eps!r} is the ε of the tied MSSA (Eq. 12) and of the mm step (Eq. 92); this model "
@@ -107,8 +110,8 @@ class CRATE(StructuredModel):
                              "leave eta out or use sparse_step='ista'")
         for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                             ('dim_head', dim_head), ('in_chans', in_chans)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
+        count('num_classes', num_classes)
         self.num_classes = num_classes
         self.global_pool = check_global_pool(global_pool)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim

@@ -91,7 +91,10 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
     import timm
 
     from ..layers.attention.registry import resolve_layer_kwargs
+    from .arguments import check_conventional_kwargs
     from .attention_swap import check_attention_fits, check_patch_dropout
+    # timm's names have one meaning in every model: a bad value is named here, before a layer is built
+    check_conventional_kwargs(user_kwargs, '--model-kwargs ')
     try:
         model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
         return check_attention_fits(check_patch_dropout(model)), kwargs
@@ -109,11 +112,25 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
     except (AssertionError, ValueError) as e:
         raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
     except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and 'alloc' not in str(e):
-            raise
-        raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
-                         f"({str(e).splitlines()[0][:160]}); check --model-kwargs sizes (img_size, embed_dim, "
-                         "depth)") from None
+        if isinstance(e, MemoryError) or 'alloc' in str(e):
+            raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
+                             f"({_first_line(e)}); check --model-kwargs sizes (img_size, embed_dim, depth)") from None
+        _refuse_unless_defaults(name, kwargs, e)
+    except Exception as e:          # noqa: BLE001 - the kwargs' failure, named (a ZeroDivisionError in a layer)
+        _refuse_unless_defaults(name, kwargs, e)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [''])[0][:160]
+
+
+def _refuse_unless_defaults(name: str, kwargs: Dict[str, Any], error: Exception) -> None:
+    """A failure to build with the data's or the user's kwargs is theirs: one ValueError naming them and the
+    layer's own words (`patch_size=0`: "integer modulo by zero" in timm's PatchEmbed). Built with no kwargs at all,
+    the model itself is broken: the error is raised as it came."""
+    if not kwargs:
+        raise error
+    raise ValueError(f"cannot build {name} with {kwargs}: {type(error).__name__}: {_first_line(error)}") from None
 
 
 def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=None,

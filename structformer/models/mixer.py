@@ -24,6 +24,7 @@ from torch import nn
 from ..functional.tracing import checked_images
 from ..layers.linear import MaskedLinear, PKLinear
 from ._registry import register_model
+from .arguments import count, image_size, nonnegative_number, positive_int, positive_number, rate
 from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SparseMixer', 'SWMLP', 'PKMixing', 'SparseMixerBlock']
@@ -110,6 +111,10 @@ class _PatchTableModel(StructuredModel):
     pooling = 'its head pools by the token mean (the paper\'s); no cls token, no max pooling'   # why only 'avg' / ''
 
     def _stem(self, img_size, patch_size, in_chans, embed_dim):
+        image_size('img_size', img_size)            # 0 failed in timm's PatchEmbed as a ZeroDivisionError
+        image_size('patch_size', patch_size)
+        positive_int('in_chans', in_chans)
+        positive_int('embed_dim', embed_dim)        # -1 failed inside the patch convolution
         # timm's PatchEmbed: a P×P stride-P conv is the per-patch FC C₀ = in_chans·P² → C
         self.stem = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.in_chans, self.patch_tokens = in_chans, self.stem.num_patches
@@ -122,6 +127,17 @@ class _PatchTableModel(StructuredModel):
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         return checked_images(x, type(self).__name__, self.in_chans, self.stem.img_size)   # an FX leaf: traceable
+
+
+def _check_blocks(depth, norm_eps, num_classes, **rates) -> None:
+    """The arguments every patch-table model shares, named before a layer is built: a negative depth built no
+    block silently, a negative LayerNorm eps gave NaN at the first step, a rate over 1 failed in the first training
+    step (timm's DropPath)."""
+    positive_int('depth', depth)
+    positive_number('norm_eps', norm_eps)
+    count('num_classes', num_classes)
+    for name, value in rates.items():
+        rate(name, value)
 
 
 class SparseMixer(_PatchTableModel):
@@ -155,6 +171,15 @@ class SparseMixer(_PatchTableModel):
                              f"permutation='random' (got {permutation!r})")
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: a Mixer: {self.pooling}; accepted 'avg' or ''")
+        _check_blocks(depth, norm_eps, num_classes, drop_rate=drop_rate, proj_drop_rate=proj_drop_rate,
+                      drop_path_rate=drop_path_rate)
+        count('perm_seed', perm_seed)               # 2.5 was truncated to seed 2 silently
+        for r in (mlp_ratio if isinstance(mlp_ratio, (tuple, list)) else (mlp_ratio,)):
+            if r is not None:
+                nonnegative_number('mlp_ratio', r)
+        for name, value in (('token_mlp_dim', token_mlp_dim), ('channel_mlp_dim', channel_mlp_dim)):
+            if value is not None:
+                positive_int(name, value)
         self.num_classes, self.global_pool = num_classes, check_global_pool(global_pool)
         self._stem(img_size, patch_size, in_chans, embed_dim)
         tokens = self.patch_tokens if num_tokens is None else int(num_tokens)
@@ -241,8 +266,10 @@ class SWMLP(_PatchTableModel):
                  density: float = 0.1, mlp_ratio: Optional[float] = None, mask_seed: int = 0, norm_eps: float = 1e-5,
                  drop_rate: float = 0., global_pool: str = 'avg', drop_path_rate: float = 0.):
         super().__init__()
-        if not 0 <= drop_path_rate < 1:
-            raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
+        _check_blocks(depth, norm_eps, num_classes, drop_rate=drop_rate, drop_path_rate=drop_path_rate)
+        count('mask_seed', mask_seed)
+        if mlp_ratio is not None:
+            nonnegative_number('mlp_ratio', mlp_ratio)
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: SW-MLP: {self.pooling}; accepted 'avg' or ''")
         self.num_classes, self.global_pool = num_classes, global_pool

@@ -42,6 +42,7 @@ from torch import nn
 from ..functional.tracing import checked_images
 from ..layers.attention.registry import accepted_options, check_options, get_attention, select_options
 from ..layers.attention.softmax import AttentionBase
+from .arguments import count, image_size, positive_int, positive_ints, positive_number, rate
 from .base import StructuredModel, check_global_pool
 
 __all__ = ['SoftNet', 'SoftBlock']
@@ -145,8 +146,19 @@ class SoftNet(StructuredModel):
                  value_conv: Optional[Union[int, Tuple[int, ...]]] = None,
                  branch_dropout: Optional[Union[bool, Tuple[bool, ...]]] = None):
         super().__init__()
-        if not (len(dims) == len(num_heads) == len(depths) == len(sampling_ratios) == 4):
-            raise ValueError("dims, num_heads, depths and sampling_ratios need one entry per stage (4)")
+        # each before a layer is built: a 0 or a missing entry failed as a ZeroDivisionError or IndexError in the
+        # grid arithmetic, a negative width inside a convolution, a negative depth built an empty stage silently
+        dims, num_heads = positive_ints('dims', dims, 4), positive_ints('num_heads', num_heads, 4)
+        depths = positive_ints('depths', depths, 4, least=0)
+        sampling_ratios = positive_ints('sampling_ratios', sampling_ratios, 4)
+        stem_strides = positive_ints('stem_strides', stem_strides, 3)
+        image_size('img_size', img_size)
+        positive_int('in_chans', in_chans)
+        count('num_classes', num_classes)
+        positive_number('mlp_ratio', mlp_ratio)
+        for name, value in (('drop_rate', drop_rate), ('attn_drop_rate', attn_drop_rate),
+                            ('drop_path_rate', drop_path_rate)):
+            rate(name, value)
         pos_embed = official if pos_embed is None else pos_embed
         post_norm = _per_stage('post_norm', ((True, True, True, False) if official else False)
                                if post_norm is None else post_norm, (bool,))

@@ -18,6 +18,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
+from .arguments import check_conventional_kwargs
 from .attention_swap import (attention_misfit, check_attention_fits, check_patch_dropout, cls_row_options,
                              shape_sequence_projections, swap_attention, token_count)
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg
@@ -67,6 +68,9 @@ class ContractViT(VisionTransformer):
     `attn_layer` built without seq_len gets its E, F shaped for the token count now (`shape_sequence_projections`)."""
 
     def __init__(self, *args, **kwargs):
+        # timm's own checks come late or not at all (patch_size=0: a ZeroDivisionError in PatchEmbed; depth=-1:
+        # "number of steps must be non-negative"; drop_path_rate=1.5: the first training step's DropPath)
+        check_conventional_kwargs(kwargs)
         super().__init__(*args, **kwargs)
         check_attention_fits(self)
         check_patch_dropout(self)         # per-token E, F (and Sparsifiner's W_down, W_up) cannot take dropped patches

@@ -2,6 +2,7 @@
 
 One proximal-gradient step on min λ‖Z‖₁ + ½‖Z_½ − D Z‖² (non-negative), started at Z = Z_½.
 """
+import math
 from typing import Optional
 
 import torch
@@ -47,11 +48,13 @@ class ISTA(nn.Module):
                              f"in_features={in_features}")
         if step not in ('ista', 'mm'):
             raise ValueError(f"step={step!r}: accepted 'ista' (Eq. 17) or 'mm' (Eq. 92)")
+        # finite: an infinite η or λ gave NaN codes at the first step (η) or silently all-zero codes (λ)
         for name, value, ok, accepted in (('eta', eta, lambda v: v > 0, '> 0 (the ISTA step size η)'),
                                           ('lambd', lambd, lambda v: v >= 0, '>= 0 (the sparsity weight λ)'),
                                           ('eps', eps, lambda v: v > 0, '> 0 (α = d/(Nε²) of Eq. 92)')):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"{name} must be a number {accepted}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not ok(value):
+                raise ValueError(f"{name} must be a finite number {accepted}, got {value!r}")
         self.dim = in_features
         self.eta = eta
         self.lambd = lambd

@@ -1,0 +1,111 @@
+"""Model constructor arguments: a bad value is a ValueError naming the argument and its range, before any layer
+is built, from the Python API (`timm.create_model`) and through `build_model` (`--model-kwargs`) for any model,
+timm's own included. Each case failed before as named in its comment: deep inside torch or timm, silently, or only
+in the first training step."""
+import math
+
+import pytest
+import timm
+
+import structformer  # noqa: F401  (registers the models)
+from structformer.models.arguments import (check_conventional_kwargs, count, image_size, nonnegative_number,
+                                           positive_int, positive_ints, positive_number, rate)
+from structformer.models.factory import build_model
+
+
+@pytest.mark.parametrize('check, good, bad', [
+    (positive_int, [1, 7], [0, -1, 2.5, True, '3', None]),
+    (count, [0, 3], [-1, 1.0, False]),
+    (rate, [0, 0.0, 0.5, 0.999], [1, 1.0, -0.1, math.nan, math.inf, True, '0.1']),
+    (positive_number, [1e-6, 2], [0, -1e-6, math.nan, math.inf, True]),
+    (nonnegative_number, [0, 4.0], [-1, math.nan, -math.inf, math.inf]),
+    (image_size, [8, (8, 16), [4, 4]], [0, -1, 2.5, (8,), (8, 0), (8, 8, 8), '8', None]),
+])
+def test_each_check_takes_its_range_and_names_the_argument(check, good, bad):
+    for value in good:
+        check('arg', value)
+    for value in bad:
+        with pytest.raises(ValueError, match=r'^arg='):
+            check('arg', value)
+
+
+def test_per_stage_sequences_take_their_length_and_least_value():
+    assert positive_ints('dims', [8, 16, 32, 64], 4) == (8, 16, 32, 64)
+    assert positive_ints('depths', (0, 1, 0, 2), 4, least=0) == (0, 1, 0, 2)
+    for bad in [(8, 16, 32), (8, 0, 32, 64), (8, 16, 32, 64.0), 8, 'abcd']:
+        with pytest.raises(ValueError, match=r'^dims='):
+            positive_ints('dims', bad, 4)
+
+
+def test_timms_names_are_checked_with_their_one_meaning():
+    check_conventional_kwargs({'num_heads': (3, 6, 12, 24), 'depth': 0, 'mlp_ratio': 4.0, 'attn_drop_rate': 0.1,
+                               'norm_eps': 1e-6, 'img_size': None, 'anything_else': -5})    # Swin's per-stage heads
+    for kwargs, needle in [({'num_heads': (3, 0)}, 'num_heads[1]=0'), ({'patch_drop_rate': 1.0}, 'patch_drop_rate'),
+                           ({'drop_path_rate': -0.1}, 'drop_path_rate'), ({'layer_norm_eps': 0.0}, 'layer_norm_eps'),
+                           ({'mlp_ratio': math.inf}, 'mlp_ratio'), ({'reg_tokens': -1}, 'reg_tokens'),
+                           ({'embed_dim': ()}, 'embed_dim'), ({'patch_size': 0}, 'patch_size')]:
+        with pytest.raises(ValueError, match=f'^--model-kwargs {needle}'.replace('[', r'\[').replace(']', r'\]')):
+            check_conventional_kwargs(kwargs, '--model-kwargs ')
+
+
+# (model, kwargs, words of the error): the model classes' own checks, as a Python user meets them
+MODEL_CASES = [
+    ('crate_digits', {'patch_size': 0}, 'patch_size=0'),                     # ZeroDivisionError (h % ph)
+    ('crate_digits', {'drop_path_rate': 1.5}, 'drop_path_rate=1.5'),
+    ('crate_digits', {'attn_drop_rate': -1.0}, 'attn_drop_rate=-1.0'),       # torch's dropout, unnamed
+    ('crate_digits', {'num_classes': -1}, 'num_classes=-1'),                 # accepted as "no head"
+    ('crate_digits', {'eta': math.inf}, 'eta must be a finite number'),      # NaN loss at the first step
+    ('crate_digits', {'lambd': math.inf}, 'lambd must be a finite number'),  # all-zero codes, silently
+    ('soft_digits', {'sampling_ratios': (0, 4, 2, 1)}, 'sampling_ratios'),   # ZeroDivisionError
+    ('soft_digits', {'stem_strides': (2, 1)}, 'stem_strides'),               # IndexError
+    ('soft_digits', {'stem_strides': (0, 1, 2)}, 'stem_strides'),            # ZeroDivisionError
+    ('soft_digits', {'dims': (-1, 128, 320, 512)}, 'dims'),                  # a negative conv width
+    ('soft_digits', {'depths': (-1, 2, 5, 2)}, 'depths'),                    # an empty stage, silently
+    ('soft_digits', {'mlp_ratio': math.inf}, 'mlp_ratio=inf'),               # OverflowError
+    ('soft_digits', {'drop_path_rate': 1.5}, 'drop_path_rate=1.5'),          # the first training step
+    ('mixer_digits', {'depth': -1}, 'depth=-1'),                             # no blocks, silently
+    ('mixer_digits', {'norm_eps': -1.0}, 'norm_eps=-1.0'),                   # NaN loss at the first step
+    ('mixer_digits', {'patch_size': 0}, 'patch_size=0'),                     # timm's PatchEmbed: ZeroDivisionError
+    ('rp_mixer_digits', {'embed_dim': -1}, 'embed_dim=-1'),                  # a negative conv width
+    ('rp_mixer_digits', {'mlp_ratio': -1.0}, 'mlp_ratio=-1.0'),
+    ('swmlp_digits', {'drop_rate': 1.5}, 'drop_rate=1.5'),
+    ('swmlp_digits', {'depth': 0}, 'depth=0'),
+    ('swmlp_digits', {'mask_seed': 2.5}, 'mask_seed=2.5'),                   # truncated to seed 2, silently
+    ('rp_mixer_digits', {'perm_seed': -1}, 'perm_seed=-1'),
+    ('vit_digits', {'depth': -1}, 'depth=-1'),                               # timm: "number of steps must be ..."
+    ('vit_digits', {'num_heads': 0}, 'num_heads=0'),                         # timm: ZeroDivisionError
+    ('sparsifiner_digits', {'mlp_ratio': math.inf}, 'mlp_ratio=inf'),        # timm: OverflowError
+    ('sparsifiner_digits', {'drop_path_rate': 1.5}, 'drop_path_rate=1.5'),   # the first training step
+]
+
+
+@pytest.mark.parametrize('name, kwargs, needle', MODEL_CASES,
+                         ids=[f"{n}-{'-'.join(k)}-{i}" for i, (n, k, _) in enumerate(MODEL_CASES)])
+def test_a_models_bad_argument_is_named_before_it_is_built(name, kwargs, needle):
+    with pytest.raises(ValueError) as caught:
+        timm.create_model(name, **kwargs)
+    assert needle in str(caught.value)
+
+
+def test_build_model_names_the_model_kwargs_of_any_timm_model():
+    """`--model-kwargs` of timm's own ViT: checked by timm's names before timm builds anything (before, a rate
+    over 1 built and failed in the first training step's DropPath)."""
+    with pytest.raises(ValueError, match=r'^--model-kwargs drop_path_rate=1\.5 must be a number in \[0, 1\)'):
+        build_model('vit_tiny_patch16_224', {'drop_path_rate': 1.5, 'img_size': 8, 'patch_size': 2})
+    with pytest.raises(ValueError, match=r'^--model-kwargs patch_size=0 must be a positive integer'):
+        build_model('resmlp_12_224', {'patch_size': 0})
+
+
+def test_any_failure_to_build_with_kwargs_is_one_error_naming_them(monkeypatch):
+    """What the checks do not foresee (a layer's ZeroDivisionError, IndexError, OverflowError) is still a
+    ValueError naming the model and its kwargs; built without any kwargs, the model itself is broken, and its
+    error comes out as it was."""
+    def broken(name, **kwargs):
+        raise ZeroDivisionError('integer modulo by zero')
+    monkeypatch.setattr(timm, 'create_model', broken)
+    with pytest.raises(ValueError, match=r"^cannot build crate_digits with \{'dim_head': 4\}: ZeroDivisionError: "
+                                         r"integer modulo by zero$"):
+        build_model('crate_digits', {'dim_head': 4})
+    with pytest.raises(ZeroDivisionError):
+        build_model('crate_digits')
+
