@@ -289,6 +289,13 @@ CASES = [
     # timm's argument names checked for any model before it is built (models/arguments.py); before: a
     # ZeroDivisionError traceback (patch_size=0), a traceback from the first training step's DropPath (1.5), an
     # OverflowError (inf), NaN loss at the first step (a negative LayerNorm eps), no blocks at all (depth=-1)
+    # build_datasets' own keywords (a TypeError traceback: "got multiple values for keyword argument")
+    ('data-kwargs-val-fraction', ['train', '--data-kwargs', 'val_fraction=0.5', '--output', OUT],
+     ['--data-kwargs val_fraction', 'not a dataset option', '--val-fraction']),
+    ('eval-data-kwargs-seed', ['eval', '--checkpoint', '{run}', '--data-kwargs', 'seed=3'],
+     ['--data-kwargs seed', 'not a dataset option']),
+    ('compare-data-kwargs-model', ['compare', '--models', 'vit', '--epochs', '1', '--output', '{tmp}/compare',
+                                   '--data-kwargs', 'model=vit_digits'], ['--data-kwargs model', '--model']),
     ('model-kwargs-patch-zero', ['train', '--model-kwargs', 'patch_size=0', '--output', OUT],
      ['--model-kwargs patch_size=0', 'positive integer']),
     ('model-kwargs-drop-path-over-one', ['train', '--model', 'vit_digits', '--model-kwargs', 'drop_path_rate=1.5',

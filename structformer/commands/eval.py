@@ -64,6 +64,8 @@ def run(args) -> int:
 def _run(args, out=None) -> int:
     from ..train.checkpoint_paths import resolve_checkpoint
     checkpoint = resolve_checkpoint(args.checkpoint)     # a wrong path refused before torch's import (seconds)
+    from ..data.spec import check_data_kwargs
+    check_data_kwargs(args.data_kwargs)
     from torch.utils.data import DataLoader
 
     from ..data import build_datasets

@@ -86,6 +86,20 @@ def check_folder(path: str, spec: str) -> str:
     return path
 
 
+# build_datasets' own keywords, each set by a flag of its own: as a --data-kwargs key it collided with the flag's
+# value ("build_datasets() got multiple values for keyword argument 'val_fraction'", a traceback)
+SET_BY_FLAGS = {'seed': '--seed', 'val_fraction': '--val-fraction', 'model': '--model', 'model_kwargs': '--model-kwargs',
+                'augmentation': 'the augmentation flags (--aa, --reprob, --scale, ...)',
+                'train_transform': "build_datasets' own argument (Python)", 'eval_transform': "build_datasets' own argument (Python)"}
+
+
+def check_data_kwargs(options: Dict[str, Any]) -> None:
+    """A ValueError for a --data-kwargs key that is not a dataset option but build_datasets' own keyword."""
+    for key in options or {}:
+        if key in SET_BY_FLAGS:
+            raise ValueError(f"--data-kwargs {key}: not a dataset option but the setting of {SET_BY_FLAGS[key]}")
+
+
 def check_val_fraction(val_fraction) -> float:
     try:
         v = float(val_fraction)

@@ -234,6 +234,8 @@ class TrainConfig:
         the model registry (timm only to parse an --aa policy): a command refuses a value out of range before its
         heavy imports. `validate` runs these first."""
         self._validate_numbers()
+        from ..data.spec import check_data_kwargs
+        check_data_kwargs(self.data_kwargs)
         checks = [
             ('epochs', self.epochs >= 1, '>= 1'),
             ('batch_size', self.batch_size >= 1, '>= 1'),
