@@ -296,6 +296,12 @@ CASES = [
      ['--data-kwargs seed', 'not a dataset option']),
     ('compare-data-kwargs-model', ['compare', '--models', 'vit', '--epochs', '1', '--output', '{tmp}/compare',
                                    '--data-kwargs', 'model=vit_digits'], ['--data-kwargs model', '--model']),
+    # synthetic-subspaces: sizes against this machine's memory (an allocator traceback), noise finite (NaN loss)
+    ('synthetic-too-many-samples', ['train', '--model', 'crate_synthetic', '--data', 'synthetic-subspaces',
+                                    '--data-kwargs', 'num_samples=1000000000000', '--output', OUT],
+     ['--data-kwargs num_samples=1000000000000', 'GiB', 'memory']),
+    ('synthetic-noise-infinite', ['train', '--model', 'crate_synthetic', '--data', 'synthetic-subspaces',
+                                  '--data-kwargs', 'noise=1e400', '--output', OUT], ['--data-kwargs noise', 'finite']),
     ('model-kwargs-patch-zero', ['train', '--model-kwargs', 'patch_size=0', '--output', OUT],
      ['--model-kwargs patch_size=0', 'positive integer']),
     ('model-kwargs-drop-path-over-one', ['train', '--model', 'vit_digits', '--model-kwargs', 'drop_path_rate=1.5',

@@ -24,7 +24,7 @@ OPTIONS = {
     'token_dim': Option(int, 16, 'a perfect square >= 1 (each token is a √D x √D patch)', is_square),
     'num_tokens': Option(int, 16, 'a perfect square >= 1 (tokens tile a √N x √N grid)', is_square),
     'num_samples': Option(int, 2000, 'an integer >= 4', lambda v: v >= 4),
-    'noise': Option(float, 0.05, 'a number >= 0', lambda v: v >= 0),
+    'noise': Option(float, 0.05, 'a finite number >= 0', lambda v: math.isfinite(v) and v >= 0),     # inf: NaN loss
     'purity': Option(float, 0.75, 'a number in [0, 1]', lambda v: 0 <= v <= 1),
     'augment': Option(bool, False, 'false (shifting or flipping would move tokens across patches)',
                       lambda v: not v),
@@ -72,6 +72,19 @@ def sample_tokens(bases: torch.Tensor, labels: torch.Tensor, num_tokens: int, pu
     return tokens, subspace
 
 
+def _check_memory(num_samples: int, num_tokens: int, token_dim: int, num_classes: int, subspace_dim: int) -> None:
+    """Refuse sizes whose generated tensors cannot fit this machine's memory, before any is allocated (before:
+    the allocator's traceback). Peak: the noise, the tokens and their image layout, float32 [n, N, D] each, and
+    the float64 bases and their QR input."""
+    from ..machine import memory_bytes
+    need = 3 * 4 * num_samples * num_tokens * token_dim + 2 * 8 * token_dim * num_classes * subspace_dim
+    have = memory_bytes()
+    if need > have:
+        raise ValueError(f"--data-kwargs num_samples={num_samples}, num_tokens={num_tokens}, token_dim={token_dim}, "
+                         f"num_classes={num_classes}, subspace_dim={subspace_dim}: the generated data needs about {need / 2 ** 30:.3g} GiB, more than this machine's "
+                         f"{have / 2 ** 30:.3g} GiB of memory")
+
+
 def build_synthetic(*, seed, val_fraction, train_transform, eval_transform, augmentation=None, **options):
     # the pixels are tokens of subspaces: cropping, flipping or recolouring them would break the data model
     refuse_augmentation(augmentation, 'synthetic-subspaces')
@@ -79,6 +92,7 @@ def build_synthetic(*, seed, val_fraction, train_transform, eval_transform, augm
     k, p, d, n_tok = o['num_classes'], o['subspace_dim'], o['token_dim'], o['num_tokens']
     if p > d:
         raise ValueError(f'option subspace_dim: expected an integer >= 1 and <= token_dim={d}; got {p}')
+    _check_memory(o['num_samples'], n_tok, d, k, p)
     gen = torch.Generator().manual_seed(int(seed))
     bases = random_subspace_bases(k, d, p, gen)
     labels = (torch.arange(o['num_samples']) % k)[torch.randperm(o['num_samples'], generator=gen)]
