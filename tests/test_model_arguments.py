@@ -109,3 +109,41 @@ def test_any_failure_to_build_with_kwargs_is_one_error_naming_them(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         build_model('crate_digits')
 
+
+
+def _numeric_arguments():
+    """(registered name, class, argument, default) for every int or float argument of every registered model class
+    (one registered name per class), found by signature: a new argument is swept without a row."""
+    import inspect
+
+    import torch
+
+    from structformer.models import list_structformer_models
+    seen = {}
+    for name in list_structformer_models() + timm.list_models('gpt2_byte_*'):      # the language models too
+        with torch.device('meta'):
+            cls = type(timm.create_model(name))
+        if cls in seen:
+            continue
+        seen[cls] = name
+        owner = next(k for k in cls.__mro__ if '__init__' in vars(k) and any(
+            p.kind is p.POSITIONAL_OR_KEYWORD and p.name != 'self' for p in inspect.signature(k.__init__).parameters.values()))
+        for p in inspect.signature(owner.__init__).parameters.values():
+            if isinstance(p.default, (int, float)) and not isinstance(p.default, bool):
+                yield name, cls.__name__, p.name, p.default
+
+
+def test_every_numeric_model_argument_refuses_a_negative_or_nan_by_name():
+    """-1 for every int or float constructor argument of every registered model class (and NaN for the floats):
+    a ValueError naming the argument, raised before a layer is built (on the meta device: nothing is allocated).
+    Before: WRN's in_chans=-1 failed inside a convolution, its num_classes=-1 built a model without a head, its
+    drop_rate=-1 was refused by torch's dropout without a name."""
+    import torch
+    arguments = list(_numeric_arguments())
+    assert len(arguments) > 60 and {c for _, c, _, _ in arguments} >= {'CRATE', 'SoftNet', 'SparseMixer', 'SWMLP',
+                                                                      'WideResNet', 'SparsifinerViT', 'GPT'}
+    for name, cls, arg, default in arguments:
+        for bad in ([-1, math.nan] if isinstance(default, float) else [-1]):
+            with pytest.raises(ValueError) as caught, torch.device('meta'):
+                timm.create_model(name, **{arg: bad})
+            assert arg in str(caught.value), (name, cls, arg, bad, str(caught.value))

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..functional.tracing import checked_token_ids
 from ._registry import register_language_model
+from .arguments import nonnegative_number, positive_int, rate
 from .base import TOKEN_IDS_NOTE, StructuredModel, create_model, model_cfg
 
 __all__ = ['GPT', 'CausalSelfAttention', 'GPTBlock']
@@ -89,6 +90,11 @@ class GPT(StructuredModel):
             raise ValueError(f"in_chans={in_chans}: a language model takes token ids, in_chans must be 1")
         if num_classes < 1:
             raise ValueError(f"num_classes={num_classes}: the vocabulary size must be >= 1")
+        positive_int('img_size', img_size)              # the context length: -1 failed inside torch.zeros
+        for name, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads)):
+            positive_int(name, value)
+        nonnegative_number('mlp_ratio', mlp_ratio)
+        rate('drop_rate', drop_rate)
         self.num_classes = self.vocab_size = num_classes
         self.context = img_size
         self.tok_embed = nn.Embedding(num_classes, embed_dim)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..functional.tracing import checked_images
 from ._registry import register_model
+from .arguments import count, image_size, positive_int, rate
 from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, create_model, model_cfg
 
 __all__ = ['WideResNet', 'WideBasicBlock']
@@ -65,8 +66,12 @@ class WideResNet(StructuredModel):
             raise ValueError(f"widen_factor={widen_factor!r} must be an integer >= 1")
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: accepted 'avg' or ''")
-        if not 0 <= drop_path_rate < 1:
-            raise ValueError(f"drop_path_rate={drop_path_rate!r} must be in [0, 1)")
+        rate('drop_rate', drop_rate)                    # torch's dropout named no argument
+        rate('drop_path_rate', drop_path_rate)
+        positive_int('in_chans', in_chans)              # -1 failed inside the stem convolution
+        count('num_classes', num_classes)
+        if img_size is not None:
+            image_size('img_size', img_size)
         n = (depth - 4) // 6
         # timm's rule: the drop-path rate grows linearly from 0 at the first block to drop_path_rate at the last
         rates = [drop_path_rate * i / max(3 * n - 1, 1) for i in range(3 * n)]
