@@ -286,7 +286,7 @@ CASES = [
     ('model-kwargs-too-big', ['train', '--model-kwargs', 'img_size=100000', '--output', OUT],
      ['cannot build crate_digits', 'memory']),
     ('model-kwargs-string-for-number', ['train', '--model-kwargs', 'eta=abc', '--output', OUT], ['eta', "'abc'"]),
-    # timm's argument names checked for any model before it is built (models/arguments.py); before: a
+    # timm's argument names checked for any model before it is built (arguments.py); before: a
     # ZeroDivisionError traceback (patch_size=0), a traceback from the first training step's DropPath (1.5), an
     # OverflowError (inf), NaN loss at the first step (a negative LayerNorm eps), no blocks at all (depth=-1)
     # build_datasets' own keywords (a TypeError traceback: "got multiple values for keyword argument")

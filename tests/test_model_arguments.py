@@ -8,7 +8,7 @@ import pytest
 import timm
 
 import structformer  # noqa: F401  (registers the models)
-from structformer.models.arguments import (check_conventional_kwargs, count, image_size, nonnegative_number,
+from structformer.arguments import (check_conventional_kwargs, count, image_size, nonnegative_number,
                                            positive_int, positive_ints, positive_number, rate)
 from structformer.models.factory import build_model
 
@@ -147,3 +147,41 @@ def test_every_numeric_model_argument_refuses_a_negative_or_nan_by_name():
             with pytest.raises(ValueError) as caught, torch.device('meta'):
                 timm.create_model(name, **{arg: bad})
             assert arg in str(caught.value), (name, cls, arg, bad, str(caught.value))
+
+
+def test_every_numeric_attention_argument_refuses_a_negative_or_nan_by_name():
+    """The same walk over every registered attention class (dim 64, 4 heads otherwise): its dropout rates were
+    refused by torch's nn.Dropout without a name, and NaN was taken; SOFT's eval seed -1 was taken."""
+    import inspect
+
+    import torch
+
+    from structformer.layers.attention.registry import ATTENTION_LAYERS
+    swept = 0
+    for name, cls in sorted(ATTENTION_LAYERS.items()):
+        for p in inspect.signature(cls.__init__).parameters.values():
+            if isinstance(p.default, bool) or not isinstance(p.default, (int, float)):
+                continue
+            for bad in ([-1, math.nan] if isinstance(p.default, float) else [-1]):
+                with pytest.raises(ValueError) as caught, torch.device('meta'):
+                    cls(**{'dim': 64, 'num_heads': 4, p.name: bad})
+                assert p.name in str(caught.value), (name, p.name, bad, str(caught.value))
+                swept += 1
+    assert swept > 30
+
+
+@pytest.mark.parametrize('build, argument', [
+    (lambda: __import__('structformer.layers.linear', fromlist=['TunedLinear']).TunedLinear(-1, 4), 'in_features'),
+    (lambda: __import__('structformer.layers.linear', fromlist=['PKLinear']).PKLinear(2, 4, 4, seed=2.5), 'seed'),
+    (lambda: __import__('structformer.layers.linear', fromlist=['MaskedLinear']).MaskedLinear(8, 8, seed=-1), 'seed'),
+    (lambda: __import__('structformer.layers.linear', fromlist=['FactorizedConv2d']).FactorizedConv2d(4, 4, 3, stride=0),
+     'stride'),
+    (lambda: __import__('structformer.layers.linear', fromlist=['FactorizedConv2d']).FactorizedConv2d(
+        4, 4, 3, padding=(1, -1)), 'padding'),
+    (lambda: __import__('structformer.layers.mlp', fromlist=['ISTA']).ISTA(8, drop=1.5), 'drop'),
+])
+def test_linear_layers_name_their_bad_arguments(build, argument):
+    """Before: TunedLinear's -1 failed in nn.Linear ("negative dimension"), seeds were truncated or taken
+    negative, a factorised convolution took stride 0 and failed at its first forward, ISTA's dropout was torch's."""
+    with pytest.raises(ValueError, match=rf'^{argument}='):
+        build()

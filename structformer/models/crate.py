@@ -20,7 +20,7 @@ from ..functional.tracing import checked_images
 from ..layers.linear.tuned import TunedLinear
 from ..layers.mlp.ista import ISTA
 from ._registry import register_model
-from .arguments import count, image_size, positive_int, rate
+from ..arguments import count, image_size, positive_int, rate
 from .base import (CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, SMALL_IMAGE_CFG, StructuredModel, check_global_pool, create_model,
                    model_cfg)
 

@@ -91,7 +91,7 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
     import timm
 
     from ..layers.attention.registry import resolve_layer_kwargs
-    from .arguments import check_conventional_kwargs
+    from ..arguments import check_conventional_kwargs
     from .attention_swap import check_attention_fits, check_patch_dropout
     # timm's names have one meaning in every model: a bad value is named here, before a layer is built
     check_conventional_kwargs(user_kwargs, '--model-kwargs ')

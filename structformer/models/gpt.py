@@ -23,7 +23,7 @@ from torch import nn
 
 from ..functional.tracing import checked_token_ids
 from ._registry import register_language_model
-from .arguments import nonnegative_number, positive_int, rate
+from ..arguments import nonnegative_number, positive_int, rate
 from .base import TOKEN_IDS_NOTE, StructuredModel, create_model, model_cfg
 
 __all__ = ['GPT', 'CausalSelfAttention', 'GPTBlock']

@@ -24,7 +24,7 @@ from torch import nn
 from ..functional.tracing import checked_images
 from ..layers.linear import MaskedLinear, PKLinear
 from ._registry import register_model
-from .arguments import count, image_size, nonnegative_number, positive_int, positive_number, rate
+from ..arguments import count, image_size, nonnegative_number, positive_int, positive_number, rate
 from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, check_global_pool, create_model, model_cfg
 
 __all__ = ['SparseMixer', 'SWMLP', 'PKMixing', 'SparseMixerBlock']

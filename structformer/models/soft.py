@@ -42,7 +42,7 @@ from torch import nn
 from ..functional.tracing import checked_images
 from ..layers.attention.registry import accepted_options, check_options, get_attention, select_options
 from ..layers.attention.softmax import AttentionBase
-from .arguments import count, image_size, positive_int, positive_ints, positive_number, rate
+from ..arguments import count, image_size, positive_int, positive_ints, positive_number, rate
 from .base import StructuredModel, check_global_pool
 
 __all__ = ['SoftNet', 'SoftBlock']

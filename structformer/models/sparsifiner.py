@@ -18,7 +18,7 @@ from torch import nn
 from ..layers.attention.registry import with_defaults
 from ..layers.attention.sparsifiner import SparsifinerAttention
 from ._registry import register_model
-from .arguments import check_conventional_kwargs
+from ..arguments import check_conventional_kwargs
 from .attention_swap import (attention_misfit, check_attention_fits, check_patch_dropout, cls_row_options,
                              shape_sequence_projections, swap_attention, token_count)
 from .base import DIGITS_CFG, MNIST_CFG, create_model, model_cfg

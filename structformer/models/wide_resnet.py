@@ -21,7 +21,7 @@ from torch import nn
 
 from ..functional.tracing import checked_images
 from ._registry import register_model
-from .arguments import count, image_size, positive_int, rate
+from ..arguments import count, image_size, positive_int, rate
 from .base import CIFAR10_CFG, DIGITS_CFG, MNIST_CFG, StructuredModel, create_model, model_cfg
 
 __all__ = ['WideResNet', 'WideBasicBlock']

@@ -17,7 +17,7 @@ from ...functional.tracing import recording_graph
 from ..linear.base import linear_weight
 from ..linear.tuned import TunedLinear
 from .registry import register_attention
-from .softmax import check_head_sizes
+from .softmax import check_dropouts, check_head_sizes
 
 # how SSA runs when a backward follows (see MSSA)
 SSA_IMPLS = ('auto', 'shared', 'sdpa')
@@ -100,6 +100,7 @@ class MSSA(nn.Module):
             raise ValueError("MSSA shares one projection for Q, K and V (CRATE Eq. 11): "
                              "qk_norm / scale_norm are not defined for it; pass qk_norm=False")
         attn_head_dim = check_head_sizes(dim, num_heads, attn_head_dim)
+        check_dropouts(attn_drop, proj_drop)
         if not eps > 0:
             raise ValueError(f"eps must be > 0 (the ε of Eq. 12's (p/(Nε²)) scaling), got {eps!r}")
         if ssa_impl not in SSA_IMPLS:

@@ -219,6 +219,7 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         check_count('newton_iter', newton_iter)        # True would have run one step
         check_count('num_landmarks', num_landmarks)
+        check_count('seed', seed, minimum=0)            # 2.5 failed at the first eval forward (manual_seed)
         if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
             raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
         if sampling_ratio is not None:

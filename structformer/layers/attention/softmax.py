@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ...arguments import rate
 from .registry import register_attention
 
 
@@ -34,6 +35,13 @@ def check_count(name: str, value, minimum: int = 1) -> None:
     built and failed inside the first forward with a torch TypeError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_dropouts(attn_drop, proj_drop) -> None:
+    """Both dropout rates in [0, 1): torch's nn.Dropout named neither ("dropout probability has to be between 0
+    and 1") and took NaN."""
+    rate('attn_drop', attn_drop)
+    rate('proj_drop', proj_drop)
 
 
 def check_head_sizes(dim: int, num_heads: int, attn_head_dim: Optional[int]) -> int:
@@ -65,6 +73,7 @@ class AttentionBase(nn.Module):
                  shared_qk: bool = False, device=None, dtype=None):
         super().__init__()
         attn_head_dim = check_head_sizes(dim, num_heads, attn_head_dim)
+        check_dropouts(attn_drop, proj_drop)
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("qk_norm / scale_norm need a norm_layer (timm's Block passes one)")
         dd = {'device': device, 'dtype': dtype}

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...arguments import count, positive_int
 from ...functional.onednn_linear import linear
 from .base import StructuredLinear
 
@@ -157,6 +158,11 @@ class FactorizedConv2d(nn.Module):
                 ('kernel_size', k) for k in sizes):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        # nn.Conv2d took a negative stride, padding or dilation and failed at the first forward
+        for name, value, check in (('stride', stride, positive_int), ('padding', padding, count),
+                                   ('dilation', dilation, positive_int)):
+            for entry in (value if isinstance(value, (tuple, list)) else () if isinstance(value, str) else (value,)):
+                check(name, entry)
         dense = nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                           dilation=dilation, bias=bias, device=device, dtype=dtype)
         self.in_channels, self.out_channels = in_channels, out_channels

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...arguments import count
 from .base import StructuredLinear
 
 __all__ = ['MaskedLinear', 'masked_linear_bytes']
@@ -40,6 +41,8 @@ class MaskedLinear(StructuredLinear):
                  warn_bytes: int = WARN_BYTES, device=None, dtype=None):
         if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"MaskedLinear density must be in (0, 1] (the kept fraction p), got {density!r}")
+        count('seed', seed)
+        count('warn_bytes', warn_bytes)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         bytes_needed = masked_linear_bytes(in_features, out_features,
                                            torch.empty((), dtype=dtype).element_size())

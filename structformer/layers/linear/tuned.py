@@ -12,6 +12,7 @@ rounding (tests/test_autotune.py).
 import torch.nn.functional as F
 from torch import nn
 
+from ...arguments import positive_int
 from ...functional.onednn_linear import linear
 from ...functional.tracing import recording_graph
 
@@ -20,6 +21,11 @@ __all__ = ['TunedLinear']
 
 class TunedLinear(nn.Linear):
     """nn.Linear on the kernels this machine chose (module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
+        positive_int('in_features', in_features)        # nn.Linear's -1: "Trying to create tensor with negative ..."
+        positive_int('out_features', out_features)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x):
         if recording_graph():              # export / tracing / FX: nn.Linear's own op, which every exporter knows

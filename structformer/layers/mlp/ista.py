@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ...arguments import rate
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
 from ...functional.onednn_linear import linear
 from ...functional.precision import autocast_dtype
@@ -46,6 +47,7 @@ class ISTA(nn.Module):
         if out_features not in (None, in_features):
             raise ValueError(f"ISTA maps R^d to R^d: out_features={out_features} must equal "
                              f"in_features={in_features}")
+        rate('drop', drop)
         if step not in ('ista', 'mm'):
             raise ValueError(f"step={step!r}: accepted 'ista' (Eq. 17) or 'mm' (Eq. 92)")
         # finite: an infinite η or λ gave NaN codes at the first step (η) or silently all-zero codes (λ)
