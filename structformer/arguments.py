@@ -107,7 +107,7 @@ _CONVENTIONS: Dict[str, Callable[[str, Any], Any]] = {
 def _convention(key: str) -> Optional[Callable[[str, Any], Any]]:
     if key in _CONVENTIONS:
         return _CONVENTIONS[key]
-    if key.endswith('drop_rate') or key == 'drop_path_rate':      # drop_rate, attn_drop_rate, patch_drop_rate, ...
+    if key.endswith('_rate') and 'drop' in key:     # drop_rate, drop_path_rate, drop_block_rate, attn_drop_rate, ...
         return rate
     if key == 'eps' or key.endswith('_eps'):                        # norm_eps, layer_norm_eps
         return positive_number

@@ -94,6 +94,11 @@ def test_build_model_names_the_model_kwargs_of_any_timm_model():
         build_model('vit_tiny_patch16_224', {'drop_path_rate': 1.5, 'img_size': 8, 'patch_size': 2})
     with pytest.raises(ValueError, match=r'^--model-kwargs patch_size=0 must be a positive integer'):
         build_model('resmlp_12_224', {'patch_size': 0})
+    with pytest.raises(ValueError, match=r'^--model-kwargs drop_block_rate=2\.0 must be a number in \[0, 1\)'):
+        build_model('resnet18', {'drop_block_rate': 2.0})        # DropBlock's bernoulli_ at the first step
+    # timm's assert without a message: its kind, not an empty reason after the colon
+    with pytest.raises(ValueError, match=r"^cannot build resnet18 with \{'output_stride': 3\}: AssertionError$"):
+        build_model('resnet18', {'output_stride': 3})
 
 
 def test_any_failure_to_build_with_kwargs_is_one_error_naming_them(monkeypatch):

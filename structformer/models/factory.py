@@ -109,8 +109,8 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
             raise ValueError(f"--model-kwargs {', '.join(strings)}: {name} expects another type there ({e}); "
                              "write numbers, true/false and lists as such (eta=0.1, qkv_bias=true)") from None
         raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
-    except (AssertionError, ValueError) as e:
-        raise ValueError(f"cannot build {name} with {kwargs}: {e}") from None
+    except (AssertionError, ValueError) as e:      # timm's asserts often carry no message: their kind, then
+        raise ValueError(f"cannot build {name} with {kwargs}: {_first_line(e) or type(e).__name__}") from None
     except (MemoryError, RuntimeError) as e:
         if isinstance(e, MemoryError) or 'alloc' in str(e):
             raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
@@ -130,7 +130,8 @@ def _refuse_unless_defaults(name: str, kwargs: Dict[str, Any], error: Exception)
     the model itself is broken: the error is raised as it came."""
     if not kwargs:
         raise error
-    raise ValueError(f"cannot build {name} with {kwargs}: {type(error).__name__}: {_first_line(error)}") from None
+    raise ValueError(f"cannot build {name} with {kwargs}: {type(error).__name__}"
+                     + (f": {_first_line(error)}" if _first_line(error) else '')) from None
 
 
 def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=None,
