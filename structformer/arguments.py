@@ -1,5 +1,5 @@
-"""Constructor arguments checked where they enter a model: a bad value is a ValueError naming the argument and
-the range it takes, raised before any layer is built.
+"""Constructor arguments checked where they enter a layer or a model: a bad value is a ValueError naming the
+argument and the range it takes, raised before any tensor is built.
 
 Without these, a bad size or rate surfaced far from its cause: `patch_size=0` as a ZeroDivisionError in timm's
 PatchEmbed, `embed_dim=-1` as "Trying to create tensor with negative dimension" in a convolution,
@@ -107,9 +107,9 @@ _CONVENTIONS: Dict[str, Callable[[str, Any], Any]] = {
 def _convention(key: str) -> Optional[Callable[[str, Any], Any]]:
     if key in _CONVENTIONS:
         return _CONVENTIONS[key]
-    if key.endswith('_rate') and 'drop' in key:     # drop_rate, drop_path_rate, drop_block_rate, attn_drop_rate, ...
+    if key.endswith('_rate') and 'drop' in key:     # drop_rate, drop_path_rate, drop_block_rate, ...
         return rate
-    if key == 'eps' or key.endswith('_eps'):                        # norm_eps, layer_norm_eps
+    if key == 'eps' or key.endswith('_eps'):        # norm_eps, layer_norm_eps
         return positive_number
     return None
 

@@ -88,9 +88,10 @@ def check_folder(path: str, spec: str) -> str:
 
 # build_datasets' own keywords, each set by a flag of its own: as a --data-kwargs key it collided with the flag's
 # value ("build_datasets() got multiple values for keyword argument 'val_fraction'", a traceback)
-SET_BY_FLAGS = {'seed': '--seed', 'val_fraction': '--val-fraction', 'model': '--model', 'model_kwargs': '--model-kwargs',
-                'augmentation': 'the augmentation flags (--aa, --reprob, --scale, ...)',
-                'train_transform': "build_datasets' own argument (Python)", 'eval_transform': "build_datasets' own argument (Python)"}
+SET_BY_FLAGS = {'seed': '--seed', 'val_fraction': '--val-fraction', 'model': '--model',
+                'model_kwargs': '--model-kwargs', 'augmentation': 'the augmentation flags (--aa, --reprob, --scale, ...)',
+                'train_transform': "build_datasets' own argument (Python)",
+                'eval_transform': "build_datasets' own argument (Python)"}
 
 
 def check_data_kwargs(options: Dict[str, Any]) -> None:

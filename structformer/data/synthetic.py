@@ -81,8 +81,8 @@ def _check_memory(num_samples: int, num_tokens: int, token_dim: int, num_classes
     have = memory_bytes()
     if need > have:
         raise ValueError(f"--data-kwargs num_samples={num_samples}, num_tokens={num_tokens}, token_dim={token_dim}, "
-                         f"num_classes={num_classes}, subspace_dim={subspace_dim}: the generated data needs about {need / 2 ** 30:.3g} GiB, more than this machine's "
-                         f"{have / 2 ** 30:.3g} GiB of memory")
+                         f"num_classes={num_classes}, subspace_dim={subspace_dim}: the generated data needs about "
+                         f"{need / 2 ** 30:.3g} GiB, more than this machine's {have / 2 ** 30:.3g} GiB of memory")
 
 
 def build_synthetic(*, seed, val_fraction, train_transform, eval_transform, augmentation=None, **options):
