@@ -110,7 +110,7 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
                              "write numbers, true/false and lists as such (eta=0.1, qkv_bias=true)") from None
         raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
     except (AssertionError, ValueError) as e:      # timm's asserts often carry no message: their kind, then
-        raise ValueError(f"cannot build {name} with {kwargs}: {_first_line(e) or type(e).__name__}") from None
+        raise ValueError(f"cannot build {name} with {kwargs}: {str(e) or type(e).__name__}") from None
     except (MemoryError, RuntimeError) as e:
         if isinstance(e, MemoryError) or 'alloc' in str(e):
             raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
