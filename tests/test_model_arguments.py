@@ -1,5 +1,5 @@
-"""Model constructor arguments: a bad value is a ValueError naming the argument and its range, before any layer
-is built, from the Python API (`timm.create_model`) and through `build_model` (`--model-kwargs`) for any model,
+"""Model and layer constructor arguments: a bad value is a ValueError naming the argument and its range, before
+any layer is built, from the Python API (`timm.create_model`) and through `build_model` (`--model-kwargs`) for any model,
 timm's own included. Each case failed before as named in its comment: deep inside torch or timm, silently, or only
 in the first training step."""
 import math
@@ -8,8 +8,8 @@ import pytest
 import timm
 
 import structformer  # noqa: F401  (registers the models)
-from structformer.arguments import (check_conventional_kwargs, count, image_size, nonnegative_number,
-                                           positive_int, positive_ints, positive_number, rate)
+from structformer.arguments import (check_conventional_kwargs, count, image_size, nonnegative_number, positive_int,
+                                    positive_ints, positive_number, rate)
 from structformer.models.factory import build_model
 
 
