@@ -39,7 +39,8 @@ test: $(STAMP)
 FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py, \
 	soft_functional crate_numerics whitebox_estimators sparsifiner_tiles sparse_flops flops onednn_linear \
 	mixer_fidelity autocast_policy attention_layers shared_qkv_attention mixer_layers lowrank sparsifiner \
-	sparsifiner_kernel token_pruning hooks strict_options cli_errors flag_sweep help_examples layout records docs_records))
+	sparsifiner_kernel token_pruning hooks strict_options cli_errors flag_sweep model_arguments help_examples layout records \
+	docs_records))
 # one process: for a run this short, starting a second one costs more than it saves
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --timeout=300 $(FAST_TESTS)
