@@ -231,6 +231,17 @@ CASES = [
     ('pysource-seq-len', ['train', '--data', 'pysource', '--data-kwargs', 'seq_len=1', '--output', OUT],
      ['--data-kwargs seq_len', '>= 2']),
     ('data-kwargs-unknown', ['train', '--data-kwargs', 'colour=red', '--output', OUT], ['--data-kwargs', 'colour']),
+    # an image side PIL refuses (a DecompressionBombError traceback from a loader at 30,000; killed for memory at
+    # 100,000 or at crop_pct 0.0001), and a batch whose images alone outgrow this machine's memory
+    ('img-size-beyond-pil', ['train', '--model', 'wrn_10_2_digits', '--data', 'imagefolder:{images}',
+                             '--data-kwargs', 'img_size=30000', '--output', OUT],
+     ['--data-kwargs img_size=30000', "PIL's limit", 'up to 8,276']),
+    ('crop-pct-beyond-pil', ['train', '--model', 'wrn_10_2_digits', '--data', 'imagefolder:{images}',
+                             '--data-kwargs', 'img_size=8', 'crop_pct=0.0001', '--output', OUT],
+     ['crop_pct=0.0001', 'raise crop_pct']),
+    ('batch-beyond-memory', ['train', '--model', 'wrn_10_2_digits', '--data', 'imagefolder:{rgb10}',
+                             '--data-kwargs', 'img_size=8000', '--batch-size', '4096', '--output', OUT],
+     ['--batch-size 4096', 'GiB', 'memory']),
     ('data-kwargs-bad-value', ['train', '--data', 'imagefolder:{images}', '--data-kwargs', 'bad_images=maybe',
                                '--output', OUT], ['--data-kwargs bad_images', "'skip'"]),
     ('truncated-image', ['train', '--data', 'imagefolder:{images}', '--data-kwargs', 'img_size=16',

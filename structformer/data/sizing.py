@@ -6,7 +6,8 @@ config's input_size), so an 8-px `crate_digits` gets 8-px images, not 224-px one
 img_size that the model cannot be built for (e.g. not a multiple of its patch) is refused in one line
 naming both sizes, before anything is read.
 """
-from typing import Dict
+import math
+from typing import Dict, Optional
 
 from ..errors import UsageError
 
@@ -58,6 +59,36 @@ def resolve_img_size(name: str, options: Dict, model: str, model_kwargs: Dict) -
     if name == 'cifar10' and native[0] == 32:
         return {}
     return {'img_size': int(native[0])}
+
+
+def check_image_side(img_size: int, crop_pct: Optional[float] = None) -> None:
+    """Refuse an image size PIL will not make: held-out images are resized to img_size / crop_pct a side (timm's
+    crop_pct 0.875 when None) before their centre crop, and PIL refuses an image beyond Image.MAX_IMAGE_PIXELS
+    (its decompression-bomb guard; twice it is an error). Before: img_size=30000 was PIL's DecompressionBombError
+    traceback from a loader, img_size=100000 (or crop_pct=0.0001 at 8 px) a process killed for memory."""
+    from PIL import Image
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is None:                    # a user who lifted PIL's guard takes the sizes on
+        return
+    pct = crop_pct or 0.875
+    side = math.ceil(img_size / pct)
+    if side * side > limit:
+        largest = math.floor(math.isqrt(limit) * pct)
+        remedy = (f"at this crop_pct img_size goes up to {largest:,}" if largest >= 8 else
+                  "this crop_pct leaves no img_size >= 8 within it: raise crop_pct")
+        raise UsageError(f"--data-kwargs img_size={img_size}" + (f" crop_pct={crop_pct}" if crop_pct else '')
+                         + f": held-out images are resized to {side:,} px a side ({side * side:,} pixels), beyond "
+                         f"PIL's limit of {limit:,} pixels (Image.MAX_IMAGE_PIXELS); {remedy}")
+
+
+def check_batch_memory(flag: str, batch_size: int, in_chans: int, img_size: int, have: int) -> None:
+    """Refuse a batch whose float32 images alone exceed `have` bytes (this machine's memory): a lower bound on the
+    step's need, so it refuses only what cannot run (before: the allocator's traceback, or a process killed)."""
+    need = batch_size * in_chans * img_size * img_size * 4
+    if need > have:
+        raise UsageError(f"{flag} {batch_size} of {in_chans}×{img_size}×{img_size} images: {need / 2 ** 30:.3g} GiB "
+                         f"for one float32 batch, more than this machine's {have / 2 ** 30:.3g} GiB of memory; lower "
+                         f"{flag} or img_size")
 
 
 class TensorResize:
