@@ -219,8 +219,9 @@ def image_transforms(spec: str, opts, augmentation, train_transform, eval_transf
     if aug is not None and train_transform is not None:
         raise ValueError('train_transform replaces the training transform that augmentation configures; '
                          'give one or the other')
-    from .sizing import check_image_side
-    check_image_side(opts['img_size'], opts.get('crop_pct'))
+    if train_transform is None or eval_transform is None:      # a default transform will resize to img_size
+        from .sizing import check_image_side
+        check_image_side(opts['img_size'], opts.get('crop_pct'))
     default_train, default_eval = default_transforms(opts['img_size'], opts['augment'], opts.get('crop_pct'),
                                                      opts.get('interpolation'), opts.get('crop_mode'))
     applied = None
