@@ -10,6 +10,8 @@ import timm
 import structformer  # noqa: F401  (registers the models)
 from structformer.arguments import (check_conventional_kwargs, count, image_size, nonnegative_number, positive_int,
                                     positive_ints, positive_number, rate)
+from structformer.layers.linear import FactorizedConv2d, MaskedLinear, PKLinear, TunedLinear
+from structformer.layers.mlp import ISTA
 from structformer.models.factory import build_model
 
 
@@ -176,14 +178,12 @@ def test_every_numeric_attention_argument_refuses_a_negative_or_nan_by_name():
 
 
 @pytest.mark.parametrize('build, argument', [
-    (lambda: __import__('structformer.layers.linear', fromlist=['TunedLinear']).TunedLinear(-1, 4), 'in_features'),
-    (lambda: __import__('structformer.layers.linear', fromlist=['PKLinear']).PKLinear(2, 4, 4, seed=2.5), 'seed'),
-    (lambda: __import__('structformer.layers.linear', fromlist=['MaskedLinear']).MaskedLinear(8, 8, seed=-1), 'seed'),
-    (lambda: __import__('structformer.layers.linear', fromlist=['FactorizedConv2d']).FactorizedConv2d(4, 4, 3, stride=0),
-     'stride'),
-    (lambda: __import__('structformer.layers.linear', fromlist=['FactorizedConv2d']).FactorizedConv2d(
-        4, 4, 3, padding=(1, -1)), 'padding'),
-    (lambda: __import__('structformer.layers.mlp', fromlist=['ISTA']).ISTA(8, drop=1.5), 'drop'),
+    (lambda: TunedLinear(-1, 4), 'in_features'),
+    (lambda: PKLinear(2, 4, 4, seed=2.5), 'seed'),
+    (lambda: MaskedLinear(8, 8, seed=-1), 'seed'),
+    (lambda: FactorizedConv2d(4, 4, 3, stride=0), 'stride'),
+    (lambda: FactorizedConv2d(4, 4, 3, padding=(1, -1)), 'padding'),
+    (lambda: ISTA(8, drop=1.5), 'drop'),
 ])
 def test_linear_layers_name_their_bad_arguments(build, argument):
     """Before: TunedLinear's -1 failed in nn.Linear ("negative dimension"), seeds were truncated or taken

@@ -111,12 +111,10 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
         raise ValueError(f"--model-kwargs do not fit {name}: {e}") from None
     except (AssertionError, ValueError) as e:      # timm's asserts often carry no message: their kind, then
         raise ValueError(f"cannot build {name} with {kwargs}: {str(e) or type(e).__name__}") from None
-    except (MemoryError, RuntimeError) as e:
-        if isinstance(e, MemoryError) or 'alloc' in str(e):
+    except Exception as e:          # noqa: BLE001 - the kwargs' failure, named (a ZeroDivisionError in a layer)
+        if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and 'alloc' in str(e)):
             raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
                              f"({_first_line(e)}); check --model-kwargs sizes (img_size, embed_dim, depth)") from None
-        _refuse_unless_defaults(name, kwargs, e)
-    except Exception as e:          # noqa: BLE001 - the kwargs' failure, named (a ZeroDivisionError in a layer)
         _refuse_unless_defaults(name, kwargs, e)
 
 
