@@ -15,7 +15,7 @@ import math
 from numbers import Integral, Real
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-__all__ = ['positive_int', 'count', 'positive_ints', 'rate', 'positive_number', 'nonnegative_number',
+__all__ = ['positive_int', 'count', 'optional_positive_int', 'positive_ints', 'rate', 'positive_number', 'nonnegative_number',
            'image_size', 'check_conventional_kwargs']
 
 
@@ -27,10 +27,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def positive_int(name: str, value: Any) -> int:
-    """An integer >= 1 (a width, a head count, a patch side)."""
+def positive_int(name: str, value: Any, meaning: str = '') -> int:
+    """An integer >= 1 (a width, a head count, a patch side); `meaning` says what it counts, in the message."""
     if not _is_int(value) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (f" ({meaning})" if meaning else ''))
     return int(value)
 
 
@@ -38,6 +38,15 @@ def count(name: str, value: Any) -> int:
     """An integer >= 0 (a number of blocks or of register tokens, where none is a model timm builds)."""
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name}={value!r} must be an integer >= 0")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: Any, meaning: str = '') -> Optional[int]:
+    """None, or an integer >= 1 (a size that is otherwise inferred)."""
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name}={value!r} must be None or a positive integer" + (f" ({meaning})" if meaning else ''))
     return int(value)
 
 

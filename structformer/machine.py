@@ -31,9 +31,36 @@ _ONEDNN_CAPS = ('ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA')
 ISA_CAPS = ('ATEN_CPU_CAPABILITY', 'ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA', 'MKL_ENABLE_INSTRUCTIONS')
 
 
+# where a container's or a batch scheduler's memory limit is kept (cgroup v2, then v1); "max" or a v1 value near
+# 2^63 means none
+_CGROUP_LIMITS = ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes')
+
+
 def memory_bytes() -> int:
-    """This machine's physical memory: what a benchmark's sizes are checked against before allocating."""
-    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    """The memory this process may use: the machine's physical memory, or a cgroup's limit where that is lower
+    (a container, a SLURM job), which is where the kernel's OOM killer acts. What sizes are checked against before
+    allocating."""
+    physical = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    return min([physical] + [limit for limit in map(_read_limit, _CGROUP_LIMITS) if limit])
+
+
+def _read_limit(path: str) -> Optional[int]:
+    try:
+        with open(path) as file:
+            text = file.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and 0 < int(text) < 2 ** 62 else None
+
+
+def check_fits_memory(need: float, what: str, remedy: str = '', error: type = ValueError) -> None:
+    """Refuse `need` bytes beyond `memory_bytes()` before anything is allocated (where torch's allocator failed
+    with a traceback, or the kernel's OOM killer ended the run without a word): one message naming `what` asked
+    for it (the arguments, then the thing that needs the memory) and `remedy`."""
+    have = memory_bytes()
+    if need > have:
+        raise error(f"{what} needs about {need / 2 ** 30:.3g} GiB, more than this machine's {have / 2 ** 30:.3g} GiB "
+                    f"of memory" + (f"; {remedy}" if remedy else ''))
 
 
 def isa_caps() -> dict:

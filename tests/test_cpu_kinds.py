@@ -191,3 +191,33 @@ def test_an_aten_cap_alone_leaves_the_gemms_avx512_facts(monkeypatch):
     facts = hardware_facts(machine.cpu_kind(CASCADE_LAKE))
     assert any("MKL's kernels run 256-bit code, oneDNN's (not capped) still use AVX-512" in f for f in facts)
     assert not any('AVX2 only' in f or 'AVX-512 on' in f for f in facts)
+
+
+@pytest.mark.parametrize('files, expected_gib', [
+    ({}, None),                                                              # no cgroup: physical memory
+    ({'memory.max': 'max\n'}, None),                                         # cgroup v2, no limit
+    ({'memory.max': f'{8 * 2 ** 30}\n'}, 8),                                 # a container's or a job's limit
+    ({'memory/memory.limit_in_bytes': '9223372036854771712\n'}, None),       # cgroup v1's "no limit"
+    ({'memory/memory.limit_in_bytes': f'{3 * 2 ** 30}\n'}, 3),
+    ({'memory.max': f'{2 ** 80}\n'}, None),                                  # beyond any machine: physical memory
+])
+def test_memory_is_the_lower_of_the_machines_and_its_cgroups_limit(tmp_path, monkeypatch, files, expected_gib):
+    """A SLURM job or a container gets a cgroup limit below the machine's memory; the OOM killer acts at the limit,
+    so sizes are checked against it."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(machine, '_CGROUP_LIMITS', (str(tmp_path / 'memory.max'),
+                                                    str(tmp_path / 'memory/memory.limit_in_bytes')))
+    physical = machine.os.sysconf('SC_PAGE_SIZE') * machine.os.sysconf('SC_PHYS_PAGES')
+    expected = physical if expected_gib is None else min(physical, expected_gib * 2 ** 30)
+    assert machine.memory_bytes() == expected
+
+
+def test_a_size_beyond_memory_is_one_message_naming_what_asked_and_the_remedy(monkeypatch):
+    from structformer.errors import UsageError
+    monkeypatch.setattr(machine, 'memory_bytes', lambda: 4 * 2 ** 30)
+    machine.check_fits_memory(4 * 2 ** 30, '--batch-size 8: one batch')              # exactly what there is: fits
+    with pytest.raises(UsageError, match=r"^--batch-size 9: one batch needs about 4\.5 GiB, more than this machine's "
+                                         r"4 GiB of memory; lower --batch-size$"):
+        machine.check_fits_memory(4.5 * 2 ** 30, '--batch-size 9: one batch', 'lower --batch-size', UsageError)

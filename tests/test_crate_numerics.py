@@ -169,7 +169,7 @@ def test_mm_step_is_eq92():
 
 def test_bad_sizes_and_eps_are_named_at_construction():
     for bad in (0, -3):
-        with pytest.raises(ValueError, match='in_features must be a positive integer'):
+        with pytest.raises(ValueError, match=rf'^in_features={bad} must be a positive integer \(the width d of D\)$'):
             ISTA(bad)
     with pytest.raises(ValueError, match='eps must be a finite number > 0'):
         ISTA(4, step='mm', eps=0)                      # α = d/(Nε²) would divide by zero at the first forward

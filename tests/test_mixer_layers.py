@@ -249,7 +249,7 @@ def test_loaded_permutations_win_and_bad_ones_are_refused():
     (lambda: PKLinear(2, 3, 3, torch.tensor([0, 1, 2, 3, 4, 6])), r'indices in \[0, 5\]'),
     (lambda: PKLinear(2, 3, 3, torch.rand(6)), 'integer index vector'),
     (lambda: PKLinear(2, 3, 3, 'shuffle'), "'identity', 'transpose', 'random'"),
-    (lambda: PKLinear(0, 3, 3), 'num_blocks must be a positive integer'),
+    (lambda: PKLinear(0, 3, 3), '^PKLinear num_blocks=0 must be a positive integer$'),
     (lambda: MaskedLinear(4, 4, density=0.0), r'density must be in \(0, 1\]'),
     (lambda: MaskedLinear(4, 4, density=1.5), r'density must be in \(0, 1\]'),
     (lambda: MonarchLinear(12, 16, nblocks=5), 'nblocks=5 must divide in_features=12'),

@@ -216,7 +216,7 @@ def test_wrong_token_count_and_options_are_named():
             SparsifinerAttention(32, 4, up_threshold=bad)
     with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
         SparsifinerAttention(32, 4, tau=float('nan'))
-    with pytest.raises(ValueError, match='seq_len must be a positive integer'):
+    with pytest.raises(ValueError, match=r'^seq_len=0 must be None or a positive integer \(tokens per image\)$'):
         SparsifinerAttention(32, 4, seq_len=0)
 
 
@@ -252,7 +252,7 @@ def test_keys_per_query_fixes_the_budget_and_refuses_more_than_n():
         warnings.simplefilter('ignore')                    # W_down, W_up created at the first forward
         lazy(torch.randn(1, 5, 32))
     for bad in (0, 2.5, True):
-        with pytest.raises(ValueError, match='keys_per_query must be a positive integer'):
+        with pytest.raises(ValueError, match=rf'^keys_per_query={bad!r} must be a positive integer \(the budget B\)$'):
             SparsifinerAttention(32, 4, keys_per_query=bad)
 
 

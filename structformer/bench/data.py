@@ -191,13 +191,12 @@ def _check_room(args) -> None:
         flag = '--up-front' if args.up_front else '--images'
         raise UsageError(f"{flag} {images}: the generated JPEGs need about {images * each / 2 ** 30:,.1f} GiB, more "
                          f"than the {free / 2 ** 30:.1f} GiB free in {where}; give fewer images")
-    from ..machine import memory_bytes
-    memory = memory_bytes()
-    batch = max(args.batch_size, args.step_batch) * 3 * args.img_size ** 2 * 4 * 16
-    if not args.up_front and batch > memory:
-        raise UsageError(f"--img-size {args.img_size} with batches of {max(args.batch_size, args.step_batch)}: about "
-                         f"{batch / 2 ** 30:,.0f} GiB, more than this machine's {memory / 2 ** 30:.0f} GiB; give a "
-                         "smaller size or batch")
+    if not args.up_front:
+        from ..machine import check_fits_memory
+        batch = max(args.batch_size, args.step_batch)
+        check_fits_memory(batch * 3 * args.img_size ** 2 * 4 * 16,
+                          f"--img-size {args.img_size} with batches of {batch}: the loader and the step",
+                          'give a smaller size or batch', UsageError)
 
 
 def run(args) -> int:

@@ -116,16 +116,13 @@ def _check_memory(args) -> None:
     failed with a trace, or the kernel's OOM killer ended the run). A rough upper estimate, float32: the layer's
     candidates (dense, its oneDNN copy and the factorised ones: weights, gradients, momentum) and the tokens'
     activations and their gradients; the stack's blocks with ~40 activations per token and channel."""
-    from ..machine import memory_bytes
-    total = memory_bytes()
+    from ..machine import check_fits_memory
     n, m = args.in_features, args.out_features
     layer = 4 * (12 * n * m + 6 * args.tokens * (n + m))
     stack = 4 * args.depth * (40 * args.batch_size * 197 * 384 + 8 * 1_800_000)
     for need, sizes in ((layer, f"--tokens {args.tokens}, --in-features {n} and --out-features {m}"),
                         (stack, f"--depth {args.depth} and --batch-size {args.batch_size}")):
-        if need > total:
-            raise ValueError(f"{sizes}: the step needs about {need / 2 ** 30:,.0f} GiB, more than this machine's "
-                             f"{total / 2 ** 30:.0f} GiB; give smaller sizes")
+        check_fits_memory(need, f"{sizes}: the step", 'give smaller sizes')
 
 
 def _step_fn(module, inputs):

@@ -81,14 +81,13 @@ def check_image_side(img_size: int, crop_pct: Optional[float] = None) -> None:
                          f"PIL's limit of {limit:,} pixels (Image.MAX_IMAGE_PIXELS); {remedy}")
 
 
-def check_batch_memory(flag: str, batch_size: int, in_chans: int, img_size: int, have: int) -> None:
-    """Refuse a batch whose float32 images alone exceed `have` bytes (this machine's memory): a lower bound on the
-    step's need, so it refuses only what cannot run (before: the allocator's traceback, or a process killed)."""
-    need = batch_size * in_chans * img_size * img_size * 4
-    if need > have:
-        raise UsageError(f"{flag} {batch_size} of {in_chans}×{img_size}×{img_size} images: {need / 2 ** 30:.3g} GiB "
-                         f"for one float32 batch, more than this machine's {have / 2 ** 30:.3g} GiB of memory; lower "
-                         f"{flag} or img_size")
+def check_batch_memory(flag: str, batch_size: int, in_chans: int, img_size: int) -> None:
+    """Refuse a batch whose float32 images alone exceed this machine's memory: a lower bound on the step's need, so
+    it refuses only what cannot run (before: the allocator's traceback, or a process killed)."""
+    from ..machine import check_fits_memory
+    check_fits_memory(batch_size * in_chans * img_size * img_size * 4,
+                      f"{flag} {batch_size} of {in_chans}×{img_size}×{img_size} images: one float32 batch",
+                      f"lower {flag} or img_size", UsageError)
 
 
 class TensorResize:

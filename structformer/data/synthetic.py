@@ -76,13 +76,11 @@ def _check_memory(num_samples: int, num_tokens: int, token_dim: int, num_classes
     """Refuse sizes whose generated tensors cannot fit this machine's memory, before any is allocated (before:
     the allocator's traceback). Peak: the noise, the tokens and their image layout, float32 [n, N, D] each, and
     the float64 bases and their QR input."""
-    from ..machine import memory_bytes
+    from ..machine import check_fits_memory
     need = 3 * 4 * num_samples * num_tokens * token_dim + 2 * 8 * token_dim * num_classes * subspace_dim
-    have = memory_bytes()
-    if need > have:
-        raise ValueError(f"--data-kwargs num_samples={num_samples}, num_tokens={num_tokens}, token_dim={token_dim}, "
-                         f"num_classes={num_classes}, subspace_dim={subspace_dim}: the generated data needs about "
-                         f"{need / 2 ** 30:.3g} GiB, more than this machine's {have / 2 ** 30:.3g} GiB of memory")
+    check_fits_memory(need, f"--data-kwargs num_samples={num_samples}, num_tokens={num_tokens}, token_dim={token_dim}, "
+                            f"num_classes={num_classes}, subspace_dim={subspace_dim}: the generated data",
+                      'give fewer or smaller samples')
 
 
 def build_synthetic(*, seed, val_fraction, train_transform, eval_transform, augmentation=None, **options):

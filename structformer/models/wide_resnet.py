@@ -62,8 +62,7 @@ class WideResNet(StructuredModel):
         super().__init__()
         if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
             raise ValueError(f"depth={depth!r}: a WRN depth is 6n + 4 with n >= 1 (10, 16, 22, 28, 40, ...)")
-        if not isinstance(widen_factor, int) or widen_factor < 1:
-            raise ValueError(f"widen_factor={widen_factor!r} must be an integer >= 1")
+        positive_int('widen_factor', widen_factor)
         if global_pool not in ('avg', ''):
             raise ValueError(f"global_pool={global_pool!r}: accepted 'avg' or ''")
         rate('drop_rate', drop_rate)                    # torch's dropout named no argument

@@ -46,10 +46,9 @@ class RunBuild:
             **extra, **options)
         from ..data.sizing import FOLLOWS_MODEL, check_batch_memory
         if self.info.img_size and self.info.name not in TEXT_FOLLOWS_MODEL:
-            from ..machine import memory_bytes
             flag, largest = max(('--batch-size', cfg.batch_size), ('--eval-batch-size', cfg.eval_batch_size),
                                 key=lambda pair: pair[1])
-            check_batch_memory(flag, largest, self.info.in_chans, self.info.img_size, memory_bytes())
+            check_batch_memory(flag, largest, self.info.in_chans, self.info.img_size)
         if self.info.img_size and 'img_size' not in cfg.data_kwargs and self.info.name in FOLLOWS_MODEL:
             cfg.data_kwargs['img_size'] = self.info.img_size     # it followed the model: recorded for eval and resume
         seq_len = (self.info.extra or {}).get('seq_len')

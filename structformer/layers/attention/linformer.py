@@ -20,7 +20,8 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ..lazy import drop_lazy_hooks, is_uninitialized
 
 from .registry import register_attention
-from .softmax import AttentionBase, check_count, check_no_mask
+from ...arguments import positive_int
+from .softmax import AttentionBase, check_no_mask
 
 
 def linformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor,
@@ -120,9 +121,9 @@ class LinformerAttention(AttentionBase):
                  attn_head_dim: Optional[int] = None, device=None, dtype=None):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
-        check_count('num_landmarks', num_landmarks)
+        positive_int('num_landmarks', num_landmarks)
         if seq_len is not None:
-            check_count('seq_len', seq_len)
+            positive_int('seq_len', seq_len)
         self.num_landmarks = num_landmarks
         self.seq_proj = SequenceProjection(num_landmarks, seq_len, share_kv, device=device, dtype=dtype)
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from ...functional.newton_pinv import newton_pinv
 from .registry import register_attention
-from .softmax import AttentionBase, check_count, check_no_mask, refuse_attn_drop
+from ...arguments import positive_int
+from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -74,10 +75,10 @@ class NystromAttention(AttentionBase):
         super().__init__(dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         refuse_attn_drop(type(self).__name__, attn_drop)
-        check_count('num_landmarks', num_landmarks)
+        positive_int('num_landmarks', num_landmarks)
         if conv_kernel_size is not None:
-            check_count('conv_kernel_size', conv_kernel_size)
-        check_count('newton_iter', newton_iter)        # True would have run one step
+            positive_int('conv_kernel_size', conv_kernel_size)
+        positive_int('newton_iter', newton_iter)        # True would have run one step
         self.num_landmarks = num_landmarks
         self.newton_iter = newton_iter
         self.conv = None

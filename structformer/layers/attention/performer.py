@@ -16,7 +16,8 @@ from typing import Optional, Tuple
 import torch
 
 from .registry import register_attention
-from .softmax import AttentionBase, check_count, check_no_mask, refuse_attn_drop
+from ...arguments import positive_int
+from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
 
 
 def orthogonal_random_features(num_features: int, dim: int, generator: Optional[torch.Generator] = None,
@@ -95,12 +96,12 @@ class PerformerAttention(AttentionBase):
         refuse_attn_drop(type(self).__name__, attn_drop)
         if num_features is None:
             num_features = max(self.head_dim, math.ceil(self.head_dim * math.log(self.head_dim)))
-        check_count('num_features', num_features)
+        positive_int('num_features', num_features)
         self.num_features = num_features
         self.register_buffer('projection', orthogonal_random_features(num_features, self.head_dim, device=device,
                                                                       dtype=_feature_dtype(dtype)))
         if redraw_interval is not None:
-            check_count('redraw_interval', redraw_interval)
+            positive_int('redraw_interval', redraw_interval)
             # only with redrawing on: the state dict of a fixed-feature layer is unchanged
             self.register_buffer('training_forwards', torch.zeros((), dtype=torch.long, device=device))
         self.redraw_interval = redraw_interval

@@ -66,7 +66,8 @@ from ...functional.precision import autocast_dtype, float32_island
 from ...functional.precision import upcast as _upcast
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
-from .softmax import AttentionBase, check_count, check_no_mask
+from ...arguments import count, positive_int
+from .softmax import AttentionBase, check_no_mask
 
 SAMPLERS = ('conv', 'avgpool', 'random')
 
@@ -217,15 +218,15 @@ class SoftAttention(AttentionBase):
                          norm_layer, attn_head_dim=attn_head_dim, shared_qk=True, device=device, dtype=dtype)
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-        check_count('newton_iter', newton_iter)        # True would have run one step
-        check_count('num_landmarks', num_landmarks)
-        check_count('seed', seed, minimum=0)            # 2.5 failed at the first eval forward (manual_seed)
+        positive_int('newton_iter', newton_iter)        # True would have run one step
+        positive_int('num_landmarks', num_landmarks)
+        count('seed', seed)            # 2.5 failed at the first eval forward (manual_seed)
         if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
             raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
         if sampling_ratio is not None:
-            check_count('sampling_ratio', sampling_ratio)
+            positive_int('sampling_ratio', sampling_ratio)
         if num_prefix_tokens is not None:
-            check_count('num_prefix_tokens', num_prefix_tokens, minimum=0)
+            count('num_prefix_tokens', num_prefix_tokens)
         # public-code options: None follows `official` (each its own argument, so each can be ablated)
         landmark_norm = official if landmark_norm is None else landmark_norm
         value_conv = (3 if official else 0) if value_conv is None else value_conv

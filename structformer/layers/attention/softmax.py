@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ...arguments import rate
+from ...arguments import optional_positive_int, positive_int, rate
 from .registry import register_attention
 
 
@@ -30,13 +30,6 @@ def refuse_attn_drop(name: str, attn_drop: float) -> None:
                          "drop; pass attn_drop=0 (attn_drop_rate=0 in a ViT; proj_drop and drop_path still apply)")
 
 
-def check_count(name: str, value, minimum: int = 1) -> None:
-    """An integer option (landmarks, features, a kernel size, a sequence length) checked at build: 4.0 or '4'
-    built and failed inside the first forward with a torch TypeError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def check_dropouts(attn_drop, proj_drop) -> None:
     """Both dropout rates in [0, 1): torch's nn.Dropout named neither ("dropout probability has to be between 0
     and 1") and took NaN."""
@@ -47,11 +40,9 @@ def check_dropouts(attn_drop, proj_drop) -> None:
 def check_head_sizes(dim: int, num_heads: int, attn_head_dim: Optional[int]) -> int:
     """Validate timm's attention sizes before any tensor is built; returns the head width (dim // num_heads
     unless attn_head_dim is given). Raises a ValueError naming the argument, not a torch shape error."""
-    for name, value in (('dim', dim), ('num_heads', num_heads), ('attn_head_dim', attn_head_dim)):
-        if value is None and name == 'attn_head_dim':
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    positive_int('dim', dim)
+    positive_int('num_heads', num_heads)
+    optional_positive_int('attn_head_dim', attn_head_dim)
     if attn_head_dim is None:
         if dim % num_heads:
             raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads} (or pass attn_head_dim)")

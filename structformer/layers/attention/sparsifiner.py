@@ -83,6 +83,7 @@ from ...functional.tracing import recording_graph
 from ..lazy import drop_lazy_hooks, is_uninitialized
 from ..linear.base import linear_weight
 from .registry import register_attention
+from ...arguments import optional_positive_int, positive_int
 from .softmax import AttentionBase, check_no_mask
 
 IMPLS = ('auto', 'masked', 'gather', 'flex', 'kernel')
@@ -98,8 +99,7 @@ class ConnectivityBasis(LazyModuleMixin, nn.Module):
 
     def __init__(self, n_down: int, seq_len: Optional[int] = None, device=None, dtype=None, init: str = 'trunc_normal'):
         super().__init__()
-        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-            raise ValueError(f"seq_len must be a positive integer (tokens per image) or None, got {seq_len!r}")
+        optional_positive_int('seq_len', seq_len, 'tokens per image')
         if init not in BASIS_INITS:
             raise ValueError(f"basis_init={init!r}: accepted {', '.join(map(repr, BASIS_INITS))}")
         self.n_down, self.init = n_down, init
@@ -180,17 +180,15 @@ class SparsifinerAttention(AttentionBase):
                          norm_layer, attn_head_dim=attn_head_dim, device=device, dtype=dtype)
         budget(1, keep_ratio)                                     # validates keep_ratio
         if keys_per_query is not None:
-            if isinstance(keys_per_query, bool) or not isinstance(keys_per_query, int) or keys_per_query < 1:
-                raise ValueError(f"keys_per_query must be a positive integer (the budget B), got {keys_per_query!r}")
+            positive_int('keys_per_query', keys_per_query, 'the budget B')
             if seq_len is not None and keys_per_query > seq_len:
                 raise ValueError(f"keys_per_query={keys_per_query} is larger than the seq_len={seq_len} tokens; "
                                  f"accepted 1..{seq_len}")
             if connectivity == 'block':
                 raise ValueError("keys_per_query applies to connectivity='token'; a block mask keeps keep_ratio of the tiles")
         self.keys_per_query = keys_per_query
-        for name, value in (('n_down', n_down), ('block_size', block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive_int('n_down', n_down)
+        positive_int('block_size', block_size)
         if coef_topk is not None and (isinstance(coef_topk, bool) or not isinstance(coef_topk, int) or coef_topk < 1):
             raise ValueError(f"coef_topk must be None (Eq. 2's threshold tau) or a positive integer (coefficients "
                              f"kept per row; n_down={n_down} or more keeps them all), got {coef_topk!r}")

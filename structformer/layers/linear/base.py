@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...arguments import positive_int
+
 
 class StructuredLinear(nn.Module):
     """A linear map x ↦ x Wᵀ + b whose W ([out_features, in_features]) has structure.
@@ -22,9 +24,8 @@ class StructuredLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__()
-        for name, value in (('in_features', in_features), ('out_features', out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive_int('in_features', in_features)
+        positive_int('out_features', out_features)
         self.in_features = in_features
         self.out_features = out_features
         self.bias: Optional[nn.Parameter] = (

@@ -156,8 +156,7 @@ class FactorizedConv2d(nn.Module):
         sizes = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
         for name, value in (('in_channels', in_channels), ('out_channels', out_channels)) + tuple(
                 ('kernel_size', k) for k in sizes):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, value)
         # nn.Conv2d took a negative stride, padding or dilation and failed at the first forward
         for name, value, check in (('stride', stride, positive_int), ('padding', padding, count),
                                    ('dilation', dilation, positive_int)):

@@ -27,6 +27,7 @@ import math
 import torch
 from torch import nn
 
+from ...arguments import positive_int
 from ...functional.tracing import recording_graph
 from .base import StructuredLinear
 
@@ -65,8 +66,7 @@ class MonarchLinear(StructuredLinear):
     def __init__(self, in_features: int, out_features: int, nblocks: int = 4, bias: bool = True, device=None,
                  dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if isinstance(nblocks, bool) or not isinstance(nblocks, int) or nblocks < 1:
-            raise ValueError(f"MonarchLinear nblocks must be a positive integer, got {nblocks!r}")
+        positive_int('MonarchLinear nblocks', nblocks)
         for name, size in (('in_features', in_features), ('out_features', out_features)):
             if size % nblocks:
                 raise ValueError(f"MonarchLinear nblocks={nblocks} must divide {name}={size} "

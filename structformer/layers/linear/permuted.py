@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...arguments import count
+from ...arguments import count, positive_int
 from .base import StructuredLinear
 from .permutation import (PermutationSpec, check_permutation, identity_permutation, permute_features,
                           random_permutation, transpose_permutation)
@@ -47,8 +47,7 @@ class PKLinear(StructuredLinear):
     def __init__(self, num_blocks: int, block_in: int, block_out: int, perm_in: PermutationSpec = 'identity',
                  perm_out: PermutationSpec = 'identity', seed: int = 0, bias: bool = True, device=None, dtype=None):
         for name, value in (('num_blocks', num_blocks), ('block_in', block_in), ('block_out', block_out)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PKLinear {name} must be a positive integer, got {value!r}")
+            positive_int(f'PKLinear {name}', value)
         count('seed', seed)                              # 2.5 was truncated to seed 2 silently
         super().__init__(num_blocks * block_in, num_blocks * block_out, bias=False, device=device, dtype=dtype)
         self.num_blocks, self.block_in, self.block_out, self.seed = num_blocks, block_in, block_out, int(seed)

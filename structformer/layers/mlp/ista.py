@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...arguments import rate
+from ...arguments import positive_int, rate
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
 from ...functional.onednn_linear import linear
 from ...functional.precision import autocast_dtype
@@ -42,8 +42,7 @@ class ISTA(nn.Module):
                  step: str = 'ista', eps: float = 1.0, fused: bool = True,
                  device=None, dtype=None):
         super().__init__()
-        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
-            raise ValueError(f"in_features must be a positive integer (the width d of D), got {in_features!r}")
+        positive_int('in_features', in_features, 'the width d of D')
         if out_features not in (None, in_features):
             raise ValueError(f"ISTA maps R^d to R^d: out_features={out_features} must equal "
                              f"in_features={in_features}")
