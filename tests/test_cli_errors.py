@@ -295,7 +295,7 @@ CASES = [
     ('seed-negative', ['train', '--seed', '-1', '--output', OUT], ['--seed', '[0, 2**32)']),
     ('workers-huge', ['train', '--workers', '100000', '--output', OUT], ['--workers', 'out of range']),
     ('model-kwargs-too-big', ['train', '--model-kwargs', 'img_size=100000', '--output', OUT],
-     ['cannot build crate_digits', 'memory']),
+     ['--model-kwargs img_size=100000: crate_digits in float32', 'memory']),
     ('model-kwargs-string-for-number', ['train', '--model-kwargs', 'eta=abc', '--output', OUT], ['eta', "'abc'"]),
     # timm's argument names checked for any model before it is built (arguments.py); before: a
     # ZeroDivisionError traceback (patch_size=0), a traceback from the first training step's DropPath (1.5), an
@@ -313,6 +313,8 @@ CASES = [
      ['--data-kwargs num_samples=1000000000000', 'GiB', 'memory']),
     ('synthetic-noise-infinite', ['train', '--model', 'crate_synthetic', '--data', 'synthetic-subspaces',
                                   '--data-kwargs', 'noise=1e400', '--output', OUT], ['--data-kwargs noise', 'finite']),
+    ('model-kwargs-depth-beyond-memory', ['train', '--model-kwargs', 'depth=1000000000000', '--output', OUT],
+     ['--model-kwargs depth=1000000000000', 'parameters', 'GiB', 'memory']),
     ('model-kwargs-patch-zero', ['train', '--model-kwargs', 'patch_size=0', '--output', OUT],
      ['--model-kwargs patch_size=0', 'positive integer']),
     ('model-kwargs-drop-path-over-one', ['train', '--model', 'vit_digits', '--model-kwargs', 'drop_path_rate=1.5',

@@ -190,3 +190,44 @@ def test_linear_layers_name_their_bad_arguments(build, argument):
     negative, a factorised convolution took stride 0 and failed at its first forward, ISTA's dropout was torch's."""
     with pytest.raises(ValueError, match=rf'^{argument}='):
         build()
+
+
+@pytest.mark.parametrize('name, kwargs', [('vit_digits', {'depth': 5}), ('crate_digits', {'depth': 6}),
+                                          ('mixer_digits', {'depth': 5, 'embed_dim': 24}),
+                                          ('soft_digits', {'depths': (2, 3, 1, 2)})])
+def test_the_weights_of_many_blocks_are_counted_on_two_small_copies(monkeypatch, name, kwargs):
+    """Beyond _COUNTED_BLOCKS blocks the count is extrapolated from builds with one and two blocks per stage; it is
+    the count of the model built (parameters and buffers), here with the threshold lowered so the model is small."""
+    from structformer.models import factory
+    model, _ = build_model(name, kwargs)
+    built = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()))
+    monkeypatch.setattr(factory, '_COUNTED_BLOCKS', 1)
+    assert factory._estimated_parameters(name, kwargs) == built
+
+
+@pytest.mark.parametrize('kwargs, needle', [({'depth': 10 ** 12}, 'depth=1000000000000'),
+                                            ({'embed_dim': 200_000}, 'embed_dim=200000')])
+def test_weights_beyond_memory_are_refused_before_a_block_is_built(monkeypatch, kwargs, needle):
+    """depth=10**12 looped over its blocks until memory ran out; a width typo filled the memory layer by layer until
+    the OOM killer ended the process without a word. Refused from a meta-device count, at once."""
+    from structformer import machine
+    with pytest.raises(ValueError, match=rf"^--model-kwargs {needle}: crate_digits in float32 \(~.* parameters\) "
+                                         r"needs about .* GiB, more than this machine's"):
+        build_model('crate_digits', kwargs)
+    monkeypatch.setattr(machine, 'memory_bytes', lambda: 10 ** 6)        # 1 MB: crate_digits' 60 kB of weights fit
+    build_model('crate_digits', {'depth': 2})
+    with pytest.raises(ValueError, match=r'^--model-kwargs depth=100: crate_digits in float32'):
+        build_model('crate_digits', {'depth': 100})                      # 1.25M parameters: 5 MB
+
+
+def test_an_allocation_failure_where_nothing_could_be_counted_is_named(monkeypatch):
+    """A model the meta device cannot build is not counted: the real build's allocator error is still one line."""
+    from structformer.models import factory
+
+    def allocate(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(factory, '_estimated_parameters', lambda name, kwargs: None)
+    monkeypatch.setattr(timm, 'create_model', allocate)
+    with pytest.raises(ValueError, match=r"^cannot build crate_digits with .*: its weights do not fit in memory "
+                                         r"\(\[enforce fail"):
+        build_model('crate_digits', {'depth': 2})

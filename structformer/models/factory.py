@@ -87,7 +87,8 @@ def _data_kwargs(name: str, model_kwargs: Dict[str, Any], data) -> Dict[str, Any
     return kwargs
 
 
-def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -> Tuple[nn.Module, Dict[str, Any]]:
+def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any],
+               check_fit: bool = True) -> Tuple[nn.Module, Dict[str, Any]]:
     import timm
 
     from ..layers.attention.registry import resolve_layer_kwargs
@@ -95,13 +96,15 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
     from .attention_swap import check_attention_fits, check_patch_dropout
     # timm's names have one meaning in every model: a bad value is named here, before a layer is built
     check_conventional_kwargs(user_kwargs, '--model-kwargs ')
+    if user_kwargs and check_fit:          # a recorded recipe (rebuild) was built once already: no second build
+        _check_weights_fit(name, resolve_layer_kwargs(kwargs), user_kwargs)
     try:
         model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
         return check_attention_fits(check_patch_dropout(model)), kwargs
     except TypeError as e:
         if 'img_size' in kwargs and 'img_size' not in user_kwargs and 'img_size' in str(e):
             kwargs = {k: v for k, v in kwargs.items() if k != 'img_size'}   # convolutional nets take any size
-            return _construct(name, kwargs, user_kwargs)
+            return _construct(name, kwargs, user_kwargs, check_fit)
         strings = [f"{k}={v!r}" for k, v in user_kwargs.items() if isinstance(v, str)]
         # e.g. eta=abc: a comparison deep in the constructor failed ("'<' not supported ... 'str'"); img_size=abc:
         # "not all arguments converted during string formatting" (h % ph), "can only concatenate str" (SOFT)
@@ -116,6 +119,58 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -
             raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
                              f"({_first_line(e)}); check --model-kwargs sizes (img_size, embed_dim, depth)") from None
         _refuse_unless_defaults(name, kwargs, e)
+
+
+# blocks beyond which the weights are counted on smaller copies and extrapolated: a meta-device build loops over
+# every block in Python, as long as a real one for depth=10**12
+_COUNTED_BLOCKS = 64
+
+
+def _meta_parameters(name: str, kwargs: Dict[str, Any]) -> Optional[int]:
+    """Parameters and buffers of `name` built on the meta device (no memory, no initialisation), or None where
+    it cannot be built there."""
+    import timm
+    import torch
+    from torch.nn.parameter import UninitializedParameter
+    try:
+        with torch.device('meta'):
+            model = timm.create_model(name, **kwargs)
+    except Exception:               # noqa: BLE001 - the real build names the failure; this is only an estimate
+        return None
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() for t in tensors if not isinstance(t, UninitializedParameter))
+
+
+def _estimated_parameters(name: str, kwargs: Dict[str, Any]) -> Optional[int]:
+    """The parameter count `kwargs` give `name`; with more than _COUNTED_BLOCKS blocks (timm's `depth`, or
+    per-stage `depths`), counted with one and two blocks per stage and extrapolated linearly in each stage."""
+    depth, depths = kwargs.get('depth'), kwargs.get('depths')
+    if isinstance(depth, int) and depth > _COUNTED_BLOCKS:
+        one, two = (_meta_parameters(name, {**kwargs, 'depth': d}) for d in (1, 2))
+        return None if one is None or two is None else one + (depth - 1) * (two - one)
+    if isinstance(depths, (list, tuple)) and all(isinstance(d, int) for d in depths) and sum(depths) > _COUNTED_BLOCKS:
+        ones = [1] * len(depths)
+        base = _meta_parameters(name, {**kwargs, 'depths': tuple(ones)})
+        total = base
+        for stage, blocks in enumerate(depths):
+            grown = _meta_parameters(name, {**kwargs, 'depths': tuple(ones[:stage] + [2] + ones[stage + 1:])})
+            if base is None or grown is None:
+                return None
+            total += (blocks - 1) * (grown - base)
+        return total
+    return _meta_parameters(name, kwargs)
+
+
+def _check_weights_fit(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -> None:
+    """Refuse sizes whose float32 weights alone exceed this machine's memory (a lower bound on any run's need)
+    before building: `depth=10**12` looped over its blocks until the memory ran out, and a width typo filled the
+    memory layer by layer until the kernel's OOM killer ended the process without a word."""
+    from ..machine import check_fits_memory
+    params = _estimated_parameters(name, kwargs)
+    if params is not None:
+        given = ' '.join(f"{k}={v!r}" for k, v in user_kwargs.items())
+        check_fits_memory(4 * params, f"--model-kwargs {given}: {name} in float32 (~{params:.3g} parameters)",
+                          'check the sizes (depth, widths, img_size)')
 
 
 def _first_line(error: BaseException) -> str:
@@ -162,5 +217,5 @@ def rebuild(recipe: ModelRecipe) -> nn.Module:
     check_registered(recipe.name)
     for spec in recipe.transforms:                     # fail before building, naming the missing transform
         get_transform(spec['name'], spec.get('module'))
-    model, _ = _construct(recipe.name, dict(recipe.kwargs), dict(recipe.kwargs))
+    model, _ = _construct(recipe.name, dict(recipe.kwargs), dict(recipe.kwargs), check_fit=False)
     return apply_transforms(model, recipe.transforms, TransformContext(input_size=recipe.input_size))
