@@ -191,7 +191,7 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
             raise UsageError(f"--weights ema: {path} is one state dict, with no EMA weights beside it")
         state = loaded
     else:
-        state, note = _choose(loaded, path, kind)
+        state, note = _choose(loaded, path, kind, flag)
     if not _is_tensor_mapping(state):
         inner = [str(k) for k, v in loaded.items() if _is_tensor_mapping(v)]
         # weights under a key no trainer above uses are not guessed at (a teacher's, a discriminator's?): named
@@ -201,9 +201,10 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
     return state, note
 
 
-def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
+def _choose(loaded: dict, path, kind: Optional[str], flag: str = 'convert FILE') -> Tuple[Any, str]:
     """(the weights, the line saying which) of a trainer's checkpoint: `LAYOUTS` where an EMA is present, else the
-    model's weights under one of `_MODEL_KEYS`."""
+    model's weights under one of `_MODEL_KEYS`. The line names how to take the other kind: convert's --weights; the
+    training flags and timm's loader have no such choice, so for them it names the convert command."""
     epoch = loaded.get('epoch')
     # Sparsifiner's save_model names its best files' epoch 'best' / 'best-ema' (checkpoint-best-ema.pth: saved when
     # the EMA scored best, its 'model' still the model's weights): said, so --weights ema is seen to be the choice
@@ -222,7 +223,9 @@ def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
         why = f"the default of {who}" if kind is None else 'as --weights asked'
         key = ema_key if take == 'ema' else model_name
         label = 'the EMA weights' if take == 'ema' else "the model's weights (not the EMA)"
-        switch = f"; --weights {other} takes the other" if model is not None else ''
+        label_other = 'the EMA weights' if other == 'ema' else "the model's weights"
+        switch = ('' if model is None else f"; --weights {other} takes the other" if flag == 'convert FILE' else
+                  f"; to start from {label_other}, convert the file with structformer convert --weights {other}")
         return (ema if take == 'ema' else model), f"took {key}{at}: {label}, {why}{switch}"
     if kind == 'ema':
         raise UsageError(f"--weights ema: {path} holds no EMA weights (no state_dict_ema or model_ema; keys: "
