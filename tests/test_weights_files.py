@@ -502,3 +502,29 @@ def test_a_torch_export_program_is_named_as_such_wherever_weights_are_expected(t
                           (lambda: resolve_checkpoint(program), CheckpointError)):
         with pytest.raises(error, match=r'model\.pt2:? is a torch\.export program'):
             refuse()
+
+
+@pytest.mark.parametrize('zipped', [True, False], ids=['zip', 'legacy'])
+@pytest.mark.parametrize('protocol', [4, 5])
+def test_a_pickle_protocol_the_weights_only_reader_lacks_is_named(protocol, zipped, tmp_path, capsys):
+    """torch.save(..., pickle_protocol=4 or 5) writes opcodes (FRAME, MEMOIZE, ...) that torch's weights-only
+    unpickler does not read: the file is whole, and the refusal says why and what to do instead of calling it 'not
+    a readable torch file (Unsupported operand 149)'. Where torch reads it (a later release), it is read."""
+    path = tmp_path / 'ckpt.pth.tar'
+    torch.save({'state_dict': WEIGHTS, 'epoch': 3}, path, pickle_protocol=protocol,
+               _use_new_zipfile_serialization=zipped)
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:
+        pass
+    else:                                            # a torch whose weights-only reader takes the protocol
+        _same(read_weights(path, '--pretrained-path'))
+        return
+    assert main(['convert', '--from', 'timm', str(path), '--model', 'crate_digits',
+                 '--output', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"structformer convert: error: convert FILE {path}: saved with pickle protocol {protocol} "
+                   f"(torch.save(..., pickle_protocol={protocol})), which torch's weights-only reader does not read "
+                   "(it reads protocol 2, torch.save's default); re-save it with the default protocol where it was "
+                   "made, or as safetensors"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pth.tar']
