@@ -528,3 +528,20 @@ def test_a_pickle_protocol_the_weights_only_reader_lacks_is_named(protocol, zipp
                    "(it reads protocol 2, torch.save's default); re-save it with the default protocol where it was "
                    "made, or as safetensors"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pth.tar']
+
+
+def test_a_numpy_npz_archive_is_named_as_such_wherever_weights_are_expected(tmp_path):
+    """Google's JAX / Flax checkpoints (ViT, MLP-Mixer) are NumPy .npz archives: a zip, so torch.save's header, and
+    convert / --pretrained-path said 'not a readable torch file (Expected hasRecord("version") ...)', export 'is a
+    pickle'. Each now says it is an .npz archive that is not read (docs/weights.md claims no .npz support)."""
+    import numpy as np
+
+    from structformer.export.source import load_source
+    from structformer.train.checkpoint import CheckpointError, resolve_checkpoint
+    path = tmp_path / 'imagenet21k_Mixer-B_16.npz'
+    np.savez(path, **{'stem/kernel': np.zeros((16, 16, 3, 8), 'float32'), 'head/bias': np.zeros(10, 'float32')})
+    for refuse, error in ((lambda: read_weights(path, '--pretrained-path'), UsageError),
+                          (lambda: load_source(path), UsageError),
+                          (lambda: resolve_checkpoint(path), CheckpointError)):
+        with pytest.raises(error, match=r'Mixer-B_16\.npz:? is a NumPy \.npz archive \(JAX / Flax weights'):
+            refuse()
