@@ -258,3 +258,20 @@ def test_timm_pretrained_unwraps_what_its_loader_leaves_wrapped(public_crate, tm
     with pytest.raises(ValueError, match=r"pretrained weights .*gan\.pth: holds no state dict under .*tensors are "
                                          r"under generator"):
         timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(other)))
+
+
+def test_crate_finetunes_checkpoint_folder_names_its_t7_file(public_crate, tmp_path):
+    """CRATE's finetune.py saves `./checkpoint/{net}-{patch}-ckpt.t7` ({'model': DataParallel's state dict, 'optimizer',
+    'scaler'}): the file is read by its content whatever its suffix, and its folder given instead is refused naming
+    it (it said 'not a structformer checkpoint or run directory' without naming the file)."""
+    folder = tmp_path / 'checkpoint'
+    folder.mkdir()
+    path = folder / 'CRATE_small-16-ckpt.t7'
+    torch.save({'model': {'module.' + k: v for k, v in public_crate.items()}, 'optimizer': {'state': {}},
+                'scaler': {}}, path)
+    with pytest.raises(UsageError, match=r"give one of its files: CRATE_small-16-ckpt\.t7$"):
+        load_initial_weights(timm.create_model('crate_digits'), folder)
+    notes = []
+    assert load_initial_weights(timm.create_model('crate_digits'), path, notes=notes) == [
+        'converted from the crate-official layout']
+    assert notes[0] == 'took model' and "removed the prefix 'module.' from 44 keys" in notes[1], notes
