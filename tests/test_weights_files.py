@@ -545,3 +545,25 @@ def test_a_numpy_npz_archive_is_named_as_such_wherever_weights_are_expected(tmp_
                           (lambda: resolve_checkpoint(path), CheckpointError)):
         with pytest.raises(error, match=r'Mixer-B_16\.npz:? is a NumPy \.npz archive \(JAX / Flax weights'):
             refuse()
+
+
+def test_eval_of_a_timm_hub_folder_of_pytorch_model_bin_offers_the_convert_line(tmp_path, capsys):
+    """timm's save_for_hf / push_to_hf_hub with safe_serialization=False writes config.json + pytorch_model.bin (the
+    training flags and convert read it). eval of that folder said only 'not a structformer checkpoint or run
+    directory'; it now says what it is and offers the convert line, as for a model.safetensors Hub folder, which runs
+    as given."""
+    import shlex
+
+    import timm
+    from safetensors.torch import load_file
+    from timm.models._hub import save_for_hf
+    model = timm.create_model('crate_digits', depth=1)
+    save_for_hf(model, str(tmp_path / 'hub'), model_args={'depth': 1}, safe_serialization=False)
+    assert sorted(p.name for p in (tmp_path / 'hub').iterdir()) == ['config.json', 'pytorch_model.bin']
+    assert main(['eval', '--checkpoint', str(tmp_path / 'hub'), '--data', 'digits']) == 2
+    err = capsys.readouterr().err
+    assert 'is a timm Hugging Face folder (config.json + pytorch_model.bin' in err, err
+    argv = shlex.split(err.split('make one: ', 1)[1].replace('NEW_FOLDER', str(tmp_path / 'new')))
+    assert main(argv[1:]) == 0, capsys.readouterr().err
+    written = load_file(str(tmp_path / 'new' / 'model.safetensors'))
+    assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())
