@@ -212,6 +212,13 @@ def check_pretrained_source(variant: str, pretrained_cfg=None, pretrained_cfg_ov
         raise ValueError(f"{variant}: pretrained=True: {NO_WEIGHTS}")
     if load_from in ('file', 'local-dir') and not Path(location).exists():
         raise FileNotFoundError(f"{variant}: pretrained weights {location}: does not exist")
+    if load_from == 'file' and Path(location).is_dir():
+        # timm's loader takes file= as a file: for a folder it raised a FileNotFoundError with no message at all
+        inner = next((Path(location) / n for n in ('model.safetensors', 'pytorch_model.bin')
+                      if (Path(location) / n).is_file()), None)
+        raise IsADirectoryError(f"{variant}: pretrained weights {location}: is a folder; load it with "
+                                f"timm.create_model('local-dir:{location}', pretrained=True), or give its weights file "
+                                f"as file={' (' + str(inner) + ')' if inner else ''}")
     if load_from == 'file' and Path(location).is_file():
         from ..weights.file_kind import SAFETENSORS, sniff
         if sniff(location) != SAFETENSORS:
