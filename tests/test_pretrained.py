@@ -233,3 +233,18 @@ def test_public_checkpoint_given_straight_to_pretrained_is_converted(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), crate_official_forward(_as_loaded(state), x, 2, 4, 4), rtol=1e-10,
                                    atol=1e-10)
+
+
+def test_a_weights_folder_given_as_file_names_local_dir(tmp_path):
+    """A convert / save_weights_folder folder given as `pretrained_cfg_overlay=dict(file=FOLDER)` reached timm's
+    loader, which raised a FileNotFoundError with no message at all; it is named, with the two ways to load it."""
+    from structformer.weights import save_weights_folder
+    folder = tmp_path / 'crate_w'
+    save_weights_folder(timm.create_model('crate_digits', depth=1), folder, model_kwargs={'depth': 1})
+    with pytest.raises(IsADirectoryError) as info:
+        timm.create_model('crate_digits', depth=1, pretrained=True, pretrained_cfg_overlay=dict(file=str(folder)))
+    assert str(info.value) == (f"crate_digits: pretrained weights {folder}: is a folder; load it with "
+                               f"timm.create_model('local-dir:{folder}', pretrained=True), or give its weights file "
+                               f"as file= ({folder / 'model.safetensors'})")
+    loaded = timm.create_model(f'local-dir:{folder}', pretrained=True)                   # the way named works
+    assert loaded.pretrained_cfg['architecture'] == 'crate_digits'

@@ -170,3 +170,17 @@ def test_weights_asked_for_that_the_file_does_not_hold(weights, tmp_path):
         convert_checkpoint('crate-official', plain, 'crate_digits', weights='ema')
     model, notes = convert_checkpoint('crate-official', plain, 'crate_digits', weights='model')
     assert 'took state_dict, epoch 3' in notes
+
+
+def test_the_training_flags_point_to_convert_for_the_other_weights(save_model_file, tmp_path, capsys):
+    """`structformer train` has no --weights: the line saying which weights a training flag took names the command
+    that takes the other kind (convert --weights), not a flag train would refuse; convert's own line names its flag."""
+    run = tmp_path / 'run'
+    assert main(['train', '--model', 'crate_digits', '--data', 'digits', '--epochs', '1', '--limit-train-batches',
+                 '1', '--pretrained-path', str(save_model_file), '--output', str(run), '--no-progress']) == 0
+    out = capsys.readouterr().out
+    taken = next(line for line in out.splitlines() if 'took model, epoch 29' in line)
+    assert taken.endswith('; to start from the EMA weights, convert the file with structformer convert --weights ema'
+                          ), taken
+    _, notes = convert_checkpoint('crate-official', save_model_file, 'crate_digits')
+    assert next(n for n in notes if n.startswith('took ')).endswith('; --weights ema takes the other')

@@ -258,3 +258,45 @@ def test_timm_pretrained_unwraps_what_its_loader_leaves_wrapped(public_crate, tm
     with pytest.raises(ValueError, match=r"pretrained weights .*gan\.pth: holds no state dict under .*tensors are "
                                          r"under generator"):
         timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(other)))
+
+
+def test_crate_finetunes_checkpoint_folder_names_its_t7_file(public_crate, tmp_path):
+    """CRATE's finetune.py saves `./checkpoint/{net}-{patch}-ckpt.t7` ({'model': DataParallel's state dict, 'optimizer',
+    'scaler'}): the file is read by its content whatever its suffix, and its folder given instead is refused naming
+    it (it said 'not a structformer checkpoint or run directory' without naming the file)."""
+    folder = tmp_path / 'checkpoint'
+    folder.mkdir()
+    path = folder / 'CRATE_small-16-ckpt.t7'
+    torch.save({'model': {'module.' + k: v for k, v in public_crate.items()}, 'optimizer': {'state': {}},
+                'scaler': {}}, path)
+    with pytest.raises(UsageError, match=r"give one of its files: CRATE_small-16-ckpt\.t7$"):
+        load_initial_weights(timm.create_model('crate_digits'), folder)
+    notes = []
+    assert load_initial_weights(timm.create_model('crate_digits'), path, notes=notes) == [
+        'converted from the crate-official layout']
+    assert notes[0] == 'took model' and "removed the prefix 'module.' from 44 keys" in notes[1], notes
+
+
+@pytest.mark.parametrize('case', ['protocol 4', 'legacy format, another global'])
+def test_timm_pretrained_of_a_file_torch_cannot_read_safely_says_why_as_convert_does(case, public_crate, tmp_path):
+    """timm's loader called a torch.save(..., pickle_protocol=4) file 'non-allowlisted pickle globals' and offered
+    weights_only=False (no global is involved: torch's weights-only reader lacks the protocol's opcodes), and a
+    legacy-format (_use_new_zipfile_serialization=False) file needing datetime did not name the global. Our models'
+    pretrained=True now gives convert's one line for both, and offers no unsafe load."""
+    import datetime
+    path = tmp_path / 'checkpoint-3.pth.tar'
+    if case == 'protocol 4':
+        torch.save({'state_dict': public_crate}, path, pickle_protocol=4)
+        said = "saved with pickle protocol 4 (torch.save(..., pickle_protocol=4)), which torch's weights-only reader"
+    else:
+        torch.save({'state_dict': public_crate, 'when': datetime.datetime(2024, 5, 1)}, path,
+                   _use_new_zipfile_serialization=False)
+        said = 'refused: it needs the Python global datetime.datetime, which loading would have to run'
+    try:
+        timm.create_model('crate_digits', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    except Exception as e:          # noqa: BLE001 (the type is timm's or ours: the words are checked)
+        message = str(e)
+    else:
+        message = ''
+    assert message.startswith(f'crate_digits: pretrained weights {path}: {said}'), message
+    assert 'weights_only=False' not in message and '\n' not in message

@@ -502,3 +502,68 @@ def test_a_torch_export_program_is_named_as_such_wherever_weights_are_expected(t
                           (lambda: resolve_checkpoint(program), CheckpointError)):
         with pytest.raises(error, match=r'model\.pt2:? is a torch\.export program'):
             refuse()
+
+
+@pytest.mark.parametrize('zipped', [True, False], ids=['zip', 'legacy'])
+@pytest.mark.parametrize('protocol', [4, 5])
+def test_a_pickle_protocol_the_weights_only_reader_lacks_is_named(protocol, zipped, tmp_path, capsys):
+    """torch.save(..., pickle_protocol=4 or 5) writes opcodes (FRAME, MEMOIZE, ...) that torch's weights-only
+    unpickler does not read: the file is whole, and the refusal says why and what to do instead of calling it 'not
+    a readable torch file (Unsupported operand 149)'. Where torch reads it (a later release), it is read."""
+    path = tmp_path / 'ckpt.pth.tar'
+    torch.save({'state_dict': WEIGHTS, 'epoch': 3}, path, pickle_protocol=protocol,
+               _use_new_zipfile_serialization=zipped)
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:
+        pass
+    else:                                            # a torch whose weights-only reader takes the protocol
+        _same(read_weights(path, '--pretrained-path'))
+        return
+    assert main(['convert', '--from', 'timm', str(path), '--model', 'crate_digits',
+                 '--output', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"structformer convert: error: convert FILE {path}: saved with pickle protocol {protocol} "
+                   f"(torch.save(..., pickle_protocol={protocol})), which torch's weights-only reader does not read "
+                   "(it reads protocol 2, torch.save's default); re-save it with the default protocol where it was "
+                   "made, or as safetensors"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pth.tar']
+
+
+def test_a_numpy_npz_archive_is_named_as_such_wherever_weights_are_expected(tmp_path):
+    """Google's JAX / Flax checkpoints (ViT, MLP-Mixer) are NumPy .npz archives: a zip, so torch.save's header, and
+    convert / --pretrained-path said 'not a readable torch file (Expected hasRecord("version") ...)', export 'is a
+    pickle'. Each now says it is an .npz archive that is not read (docs/weights.md claims no .npz support)."""
+    import numpy as np
+
+    from structformer.export.source import load_source
+    from structformer.train.checkpoint import CheckpointError, resolve_checkpoint
+    path = tmp_path / 'imagenet21k_Mixer-B_16.npz'
+    np.savez(path, **{'stem/kernel': np.zeros((16, 16, 3, 8), 'float32'), 'head/bias': np.zeros(10, 'float32')})
+    for refuse, error in ((lambda: read_weights(path, '--pretrained-path'), UsageError),
+                          (lambda: load_source(path), UsageError),
+                          (lambda: resolve_checkpoint(path), CheckpointError)):
+        with pytest.raises(error, match=r'Mixer-B_16\.npz:? is a NumPy \.npz archive \(JAX / Flax weights'):
+            refuse()
+
+
+def test_eval_of_a_timm_hub_folder_of_pytorch_model_bin_offers_the_convert_line(tmp_path, capsys):
+    """timm's save_for_hf / push_to_hf_hub with safe_serialization=False writes config.json + pytorch_model.bin (the
+    training flags and convert read it). eval of that folder said only 'not a structformer checkpoint or run
+    directory'; it now says what it is and offers the convert line, as for a model.safetensors Hub folder, which runs
+    as given."""
+    import shlex
+
+    import timm
+    from safetensors.torch import load_file
+    from timm.models._hub import save_for_hf
+    model = timm.create_model('crate_digits', depth=1)
+    save_for_hf(model, str(tmp_path / 'hub'), model_args={'depth': 1}, safe_serialization=False)
+    assert sorted(p.name for p in (tmp_path / 'hub').iterdir()) == ['config.json', 'pytorch_model.bin']
+    assert main(['eval', '--checkpoint', str(tmp_path / 'hub'), '--data', 'digits']) == 2
+    err = capsys.readouterr().err
+    assert 'is a timm Hugging Face folder (config.json + pytorch_model.bin' in err, err
+    argv = shlex.split(err.split('make one: ', 1)[1].replace('NEW_FOLDER', str(tmp_path / 'new')))
+    assert main(argv[1:]) == 0, capsys.readouterr().err
+    written = load_file(str(tmp_path / 'new' / 'model.safetensors'))
+    assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())

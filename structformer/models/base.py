@@ -8,6 +8,7 @@ calling `create_model(cls, variant, pretrained, **kwargs)`.
 """
 import functools
 import logging
+import pickle
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, List, Optional, Set, Type, Union
 
@@ -212,6 +213,13 @@ def check_pretrained_source(variant: str, pretrained_cfg=None, pretrained_cfg_ov
         raise ValueError(f"{variant}: pretrained=True: {NO_WEIGHTS}")
     if load_from in ('file', 'local-dir') and not Path(location).exists():
         raise FileNotFoundError(f"{variant}: pretrained weights {location}: does not exist")
+    if load_from == 'file' and Path(location).is_dir():
+        # timm's loader takes file= as a file: for a folder it raised a FileNotFoundError with no message at all
+        inner = next((Path(location) / n for n in ('model.safetensors', 'pytorch_model.bin')
+                      if (Path(location) / n).is_file()), None)
+        raise IsADirectoryError(f"{variant}: pretrained weights {location}: is a folder; load it with "
+                                f"timm.create_model('local-dir:{location}', pretrained=True), or give its weights file "
+                                f"as file={' (' + str(inner) + ')' if inner else ''}")
     if load_from == 'file' and Path(location).is_file():
         from ..weights.file_kind import SAFETENSORS, sniff
         if sniff(location) != SAFETENSORS:
@@ -267,8 +275,28 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     try:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS):
             return _record_built_size(build(), kwargs)
+    except (RuntimeError, pickle.UnpicklingError):
+        _refuse_as_our_reader(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
+        raise
     finally:
         builder_log.removeFilter(_adapted_first_layer_note)
+
+
+def _refuse_as_our_reader(variant: str, pretrained_cfg=None, pretrained_cfg_overlay=None) -> None:
+    """After timm's loader failed on a torch file: our reader's one line if it refuses the file too. timm's words are
+    'non-allowlisted pickle globals ... retry with weights_only=False' for a file of pickle protocol 4 (no global is
+    involved) and name no global for a legacy-format file; convert's line says which and what to do. Only on failure:
+    a file that loads is read once."""
+    from pathlib import Path
+
+    from timm.models._builder import _resolve_pretrained_source, resolve_pretrained_cfg
+
+    from ..weights.file_kind import TORCH, sniff
+    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=pretrained_cfg_overlay)
+    load_from, location = _resolve_pretrained_source(cfg.to_dict())
+    if load_from == 'file' and sniff(location) == TORCH:
+        from ..weights.torch_file import load_torch_file
+        load_torch_file(Path(location), f"{variant}: pretrained weights")      # a UsageError where it refuses
 
 
 def _adapted_first_layer_note(record: logging.LogRecord) -> bool:

@@ -190,8 +190,10 @@ def load_checkpoint(path, with_train_state: bool = False):
     directory = resolve_checkpoint(path)
     if not (directory / 'state.json').exists() and (directory / 'config.json').is_file():
         # complete, but another format: not 'incomplete', and what to give instead
+        saved = ('model.safetensors, as `export --format hf` writes' if (directory / 'model.safetensors').exists()
+                 else "pytorch_model.bin, as timm's save_for_hf writes with safe_serialization=False")
         raise CheckpointError(f"--checkpoint: {directory} is a timm Hugging Face folder (config.json + "
-                              "model.safetensors, as `export --format hf` writes), not a structformer checkpoint; give "
+                              f"{saved}), not a structformer checkpoint; give "
                               f"the run it came from, or make one: {_convert_command(directory)}")
     for name in ('state.json', 'model.safetensors'):
         if not (directory / name).is_file():

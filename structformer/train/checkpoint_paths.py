@@ -83,8 +83,9 @@ def resolve_checkpoint(path) -> Path:
               f"replaced, which the next `train --output` into this folder puts back", file=sys.stderr)
         path = replaced
     for candidate in (path, path / 'checkpoints'):
-        if (candidate / 'model.safetensors').exists() or (candidate / 'state.json').exists():
-            return candidate
+        if (candidate / 'model.safetensors').exists() or (candidate / 'state.json').exists() or (
+                (candidate / 'config.json').is_file() and (candidate / 'pytorch_model.bin').is_file()):
+            return candidate            # a timm Hub folder (pytorch_model.bin: saved unsafe) is named by the reader
         committed = committed_checkpoints(candidate)
         latest = candidate / LATEST
         if latest.exists():

@@ -80,7 +80,8 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
                      ".pth / .pt / .bin / .pth.tar")
 
 
-_TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar')
+# .t7: what CRATE's finetune.py (and the CIFAR scripts it follows) names its torch.save checkpoint
+_TORCH_SUFFIXES = ('.pth', '.pt', '.bin', '.tar', '.t7')
 
 
 def _refuse_folder_of_files(folder: Path, flag: str) -> None:

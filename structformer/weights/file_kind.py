@@ -39,10 +39,11 @@ def sniff(path) -> Optional[str]:
 
 
 def program_archive(path) -> str:
-    """For a zip archive that holds a program rather than torch.save's pickled data, a phrase saying which, else ''.
-    torch.export.save's `.pt2` opens with the same zip header as torch.save's archive (so `sniff` calls it TORCH)
-    but holds an `archive_format` record and serialized graphs instead of `data.pkl`; torch.load could only fail on
-    it with 'failed locating file data.pkl'."""
+    """For a zip archive that holds a program or NumPy arrays rather than torch.save's pickled data, a phrase saying
+    which, else ''. Both open with the same zip header as torch.save's archive (so `sniff` calls them TORCH), and
+    torch.load could only fail on them with 'failed locating file data.pkl' or 'Expected hasRecord("version")':
+    torch.export.save's `.pt2` holds an `archive_format` record and serialized graphs; numpy's `.npz` (how Google
+    publishes its JAX / Flax ViT and MLP-Mixer checkpoints) holds one `.npy` file per array."""
     import zipfile
     try:
         with zipfile.ZipFile(path) as archive:
@@ -53,11 +54,15 @@ def program_archive(path) -> str:
         return ("is a torch.export program (a .pt2 archive from torch.export.save or `structformer export --format "
                 "torch-export`), a program rather than weights, and is not loaded; give the checkpoint it was "
                 "exported from, or save model.state_dict() where it was made")
+    if names and 'data.pkl' not in names and all(name.endswith('.npy') for name in names):
+        return ("is a NumPy .npz archive (JAX / Flax weights, as Google publishes its ViT and MLP-Mixer checkpoints), "
+                "not a torch file, and is not read here; load it into a model of its own layout (timm's "
+                "load_checkpoint reads Google's ViT .npz) and give that model's state_dict() saved as safetensors")
     return ''
 
 
 def torch_archive(path) -> Tuple[bool, str]:
     """(whether `path` is torch.save's, by its first bytes, and `program_archive`'s phrase for it or ''): what a
-    reader that takes no pickles says of a file given where a checkpoint belongs (a .pt2 is not weights either)."""
+    reader that takes no pickles says of a file given where a checkpoint belongs (a .pt2 or .npz is no pickle)."""
     torch_file = sniff(path) == TORCH
     return torch_file, program_archive(path) if torch_file else ''

@@ -30,6 +30,7 @@ when asked (`convert --weights ema|model`):
 """
 import argparse
 import pathlib
+import pickletools
 import re
 import warnings
 from pathlib import Path
@@ -88,6 +89,10 @@ def _path_globals() -> List[Any]:
 
 ALLOWED_GLOBALS = [argparse.Namespace] + _path_globals() + _numpy_globals()
 
+# the opcodes of pickle protocols 3 to 5 (FRAME, MEMOIZE, SHORT_BINUNICODE, ...), which the weights-only unpickler
+# lacks; any other unsupported operand is a damaged file, not a newer protocol
+_NEWER_OPCODES = {ord(op.code) for op in pickletools.opcodes if op.proto > 2}
+
 _GLOBAL_IN_MESSAGE = re.compile(r'GLOBAL ([\w.]+) was not an allowed global')
 
 
@@ -109,7 +114,7 @@ def load_torch_file(path, flag: str) -> Any:
     try:
         # an open file, not its name: torch.load reads a name ending in .safetensors as safetensors, whatever it is
         with torch.serialization.safe_globals(ALLOWED_GLOBALS), open(path, 'rb') as f, warnings.catch_warnings():
-            # torch.save(..., pickle_protocol=4) (needed past 4 GB) makes torch ask the user to file an issue
+            # a protocol other than 2 makes torch ask the user to file an issue; a file it cannot read is named below
             warnings.filterwarnings('ignore', message='Detected pickle protocol')
             warnings.filterwarnings('ignore', message='.*looks like a TorchScript archive')     # refused below
             return torch.load(f, map_location='cpu', weights_only=True)
@@ -120,6 +125,15 @@ def load_torch_file(path, flag: str) -> Any:
             raise UsageError(f"{flag} {path}: is a TorchScript archive (torch.jit.save), a program rather than "
                              "weights, and is not loaded; save model.state_dict() where it was made and give that"
                              ) from None
+        operand = re.search(r'Unsupported operand (\d+)', text)
+        protocol = _pickle_protocol(path) if operand and int(operand.group(1)) in _NEWER_OPCODES else None
+        if protocol is not None and protocol > 2:
+            # torch's weights-only unpickler reads protocol 2's opcodes only (torch.save's default): a file saved
+            # with pickle_protocol=4 or 5 is whole, but only the unrestricted unpickler, which runs code, reads it
+            raise UsageError(f"{flag} {path}: saved with pickle protocol {protocol} (torch.save(..., "
+                             f"pickle_protocol={protocol})), which torch's weights-only reader does not read (it reads "
+                             "protocol 2, torch.save's default); re-save it with the default protocol where it was "
+                             "made, or as safetensors") from None
         refused = _refused_globals(path, e) if 'Weights only load failed' in text else []
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ''
@@ -135,6 +149,26 @@ def load_torch_file(path, flag: str) -> Any:
         first = cause.group(1) if cause else (text.strip().splitlines()[0] if text.strip() else '')
         first = re.split(r'(?<=\.) ', first, maxsplit=1)[0]      # its first sentence (miniz adds a paragraph)
         raise UsageError(f"{flag} {path}: not a readable torch file ({type(e).__name__}: {first[:200]})") from None
+
+
+def _pickle_protocol(path: Path) -> Optional[int]:
+    """The pickle protocol of a torch file (the PROTO opcode's byte opening its `data.pkl`, or a legacy file's first
+    pickle), or None where it cannot be told. Reads bytes only."""
+    import zipfile
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                name = next((n for n in archive.namelist() if n.rsplit('/', 1)[-1] == 'data.pkl'), None)
+                if name is None:
+                    return None
+                with archive.open(name) as f:
+                    head = f.read(2)
+        else:
+            with open(path, 'rb') as f:
+                head = f.read(2)
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    return head[1] if len(head) == 2 and head[0] == 0x80 else None
 
 
 def refuse_what_is_no_torch_file(path: Path, flag: str) -> None:
@@ -191,7 +225,7 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
             raise UsageError(f"--weights ema: {path} is one state dict, with no EMA weights beside it")
         state = loaded
     else:
-        state, note = _choose(loaded, path, kind)
+        state, note = _choose(loaded, path, kind, flag)
     if not _is_tensor_mapping(state):
         inner = [str(k) for k, v in loaded.items() if _is_tensor_mapping(v)]
         # weights under a key no trainer above uses are not guessed at (a teacher's, a discriminator's?): named
@@ -201,9 +235,10 @@ def trainer_weights(loaded: Any, flag: str, path, kind: Optional[str] = None) ->
     return state, note
 
 
-def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
+def _choose(loaded: dict, path, kind: Optional[str], flag: str = 'convert FILE') -> Tuple[Any, str]:
     """(the weights, the line saying which) of a trainer's checkpoint: `LAYOUTS` where an EMA is present, else the
-    model's weights under one of `_MODEL_KEYS`."""
+    model's weights under one of `_MODEL_KEYS`. The line names how to take the other kind: convert's --weights; the
+    training flags and timm's loader have no such choice, so for them it names the convert command."""
     epoch = loaded.get('epoch')
     # Sparsifiner's save_model names its best files' epoch 'best' / 'best-ema' (checkpoint-best-ema.pth: saved when
     # the EMA scored best, its 'model' still the model's weights): said, so --weights ema is seen to be the choice
@@ -222,7 +257,9 @@ def _choose(loaded: dict, path, kind: Optional[str]) -> Tuple[Any, str]:
         why = f"the default of {who}" if kind is None else 'as --weights asked'
         key = ema_key if take == 'ema' else model_name
         label = 'the EMA weights' if take == 'ema' else "the model's weights (not the EMA)"
-        switch = f"; --weights {other} takes the other" if model is not None else ''
+        label_other = 'the EMA weights' if other == 'ema' else "the model's weights"
+        switch = ('' if model is None else f"; --weights {other} takes the other" if flag == 'convert FILE' else
+                  f"; to start from {label_other}, convert the file with structformer convert --weights {other}")
         return (ema if take == 'ema' else model), f"took {key}{at}: {label}, {why}{switch}"
     if kind == 'ema':
         raise UsageError(f"--weights ema: {path} holds no EMA weights (no state_dict_ema or model_ema; keys: "
