@@ -152,3 +152,19 @@ def test_a_student_of_a_retrained_teacher_is_not_reused(tmp_path):
     assert repro._finished(run, config, spec)
     (teacher / 'summary.json').write_text(json.dumps({'epochs': 2, 'final_val_top1': 95.0}))   # retrained
     assert not repro._finished(run, config, spec)
+
+
+def test_a_teacher_that_did_not_learn_gives_no_verdict():
+    """A smoke run whose teacher stayed at chance (9.90 % on held-out digits whose most frequent class is 11.5 %)
+    read 'does not hold' for both claims: students converted from an untrained teacher are no test of a method that
+    converts a trained one. As `reproduce crate` and `soft`: cannot tell, said so."""
+    rows = [_row('dense', 1.0, 18.05), _row('sparsifiner', 0.25, 9.90), _row('linformer', 0.25, 13.30)]
+    labels = [1] * 230 + [i % 10 for i in range(1770)]                  # class 1: 11.5 % + its share of the rest
+    teacher = repro.learned(9.90, labels)
+    assert not teacher['learned']
+    v = repro._verdicts(rows, 2000, teacher)
+    for claim in ('small_drop_at_0.25', 'beats_linformer'):
+        assert v[claim]['holds'] is None
+        assert v[claim]['text'].startswith('cannot tell at this scale: the teacher did not learn')
+    learnt = repro.learned(96.4, labels)
+    assert repro._verdicts(rows, 2000, learnt)['small_drop_at_0.25']['holds'] is False     # a trained teacher: read
