@@ -82,3 +82,22 @@ def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
     assert 'NOT TESTED: --attn has no softmax' in alone['soft_accuracy'] and 'NOT TESTED' in alone['speed_memory']
     text = _report(rows, {'width': 'half'}, 'mnist', verdicts(rows, labels))
     assert '## Verdicts' in text and 'NOT TESTED' in text
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
+def test_measure_only_records_the_command_of_the_runs_it_timed(tmp_path):
+    """After --measure-only the record's command spelled the flags' defaults (--width half --epochs 4
+    --limit-train-batches 0) beside a recipe of quarter width, 1 epoch, 1 batch: the command that 'repeats this run'
+    trained other networks. It now carries the saved runs' recipe, as it already did their seed and split."""
+    import shlex
+    out = tmp_path / 'soft'
+    assert main(['reproduce', 'soft', '--data', str(MNIST), '--attn', 'softmax', '--width', 'quarter', '--epochs', '1',
+                 '--limit-train-batches', '1', '--lr', '0.002', '--model-kwargs', 'depths=(1,1,1,1)',
+                 '--output', str(out)]) == 0
+    trained = json.loads((out / 'results.json').read_text())
+    assert main(['reproduce', 'soft', '--data', str(MNIST), '--measure-only', '--output', str(out)]) == 0
+    again = json.loads((out / 'results.json').read_text())
+    words = shlex.split(again['command'])
+    assert '--measure-only' in words
+    assert words[:words.index('--measure-only')] == shlex.split(trained['command'])    # the same flags, then measure
+    assert again['recipe'] == trained['recipe']
