@@ -1,5 +1,6 @@
 """`structformer reproduce soft`: what its report quotes from SOFT Table 2, and one tiny run's record."""
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,11 @@ def test_tiny_run_records_its_command_and_load(tmp_path, capsys):
     again = json.loads((out / 'results.json').read_text())
     assert [r['attention'] for r in again['rows']] == ['softmax'] and again['rows'][0]['val_top1'] == row['val_top1']
     assert '--measure-only' in again['command'] and '--val-fraction 0.2' in again['command']
+    # and the saved runs' recipe: the command read --width half --epochs 4 --limit-train-batches 0 (the flags'
+    # defaults) beside a quarter-width, 1-epoch, 1-batch recipe, so it named networks it never timed
+    words = shlex.split(again['command'])
+    assert words[:words.index('--measure-only')] == shlex.split(record['command'])
+    assert again['recipe'] == record['recipe']
 
 
 def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
@@ -83,21 +89,3 @@ def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
     text = _report(rows, {'width': 'half'}, 'mnist', verdicts(rows, labels))
     assert '## Verdicts' in text and 'NOT TESTED' in text
 
-
-@pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
-def test_measure_only_records_the_command_of_the_runs_it_timed(tmp_path):
-    """After --measure-only the record's command spelled the flags' defaults (--width half --epochs 4
-    --limit-train-batches 0) beside a recipe of quarter width, 1 epoch, 1 batch: the command that 'repeats this run'
-    trained other networks. It now carries the saved runs' recipe, as it already did their seed and split."""
-    import shlex
-    out = tmp_path / 'soft'
-    assert main(['reproduce', 'soft', '--data', str(MNIST), '--attn', 'softmax', '--width', 'quarter', '--epochs', '1',
-                 '--limit-train-batches', '1', '--lr', '0.002', '--model-kwargs', 'depths=(1,1,1,1)',
-                 '--output', str(out)]) == 0
-    trained = json.loads((out / 'results.json').read_text())
-    assert main(['reproduce', 'soft', '--data', str(MNIST), '--measure-only', '--output', str(out)]) == 0
-    again = json.loads((out / 'results.json').read_text())
-    words = shlex.split(again['command'])
-    assert '--measure-only' in words
-    assert words[:words.index('--measure-only')] == shlex.split(trained['command'])    # the same flags, then measure
-    assert again['recipe'] == trained['recipe']
