@@ -168,3 +168,14 @@ def test_a_teacher_that_did_not_learn_gives_no_verdict():
         assert v[claim]['text'].startswith('cannot tell at this scale: the teacher did not learn')
     learnt = repro.learned(96.4, labels)
     assert repro._verdicts(rows, 2000, learnt)['small_drop_at_0.25']['holds'] is False     # a trained teacher: read
+
+
+def test_keep_ratios_that_name_one_run_folder_are_refused(tmp_path, capsys):
+    """--keep 0.25 0.2500001 passed the distinct check (two floats) but both rows trained in sparsifiner_0.25 (the
+    folder names keep with :g): the second overwrote the first, and each rerun retrained both in turn."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'sparsifiner', '--data', str(tmp_path), '--keep', '0.25', '0.2500001',
+                 '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err and '--keep names 0.25 more than once' in err
+    assert not out.exists()

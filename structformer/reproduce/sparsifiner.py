@@ -71,7 +71,7 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.predictor_epochs < args.epochs:
         raise ValueError(f"--predictor-epochs must be in [0, --epochs={args.epochs}), got {args.predictor_epochs}")
-    check_distinct(args.keep, '--keep')
+    check_distinct([f'{k:g}' for k in args.keep], '--keep')     # as the run folders name them (sparsifiner_0.25)
     for keep in args.keep:
         if not 0 < keep <= 1:
             raise ValueError(f"--keep {keep}: keep ratios must be in (0, 1]")
