@@ -271,6 +271,8 @@ def test_design_counts_the_connections_of_a_pair_exactly(capsys):
     pair = json.loads(capsys.readouterr().out)['pairs'][0]
     S = pair['tokens']
     assert pair['omega'] == S * (S + 1) // 2 == 18_446_744_070_963_499_500
+    assert main(['design', '--omega', '2^64', '--channels', '1']) == 0           # the table too (it went through float)
+    assert ' 18,446,744,070,963,499,500 ' in capsys.readouterr().out
     assert omega(173, 16, 2.0) == 2 * 16 * 173 * 189 // 2 and isinstance(omega(173, 16, 2.0), int)
     for r in fixed_omega_pairs(2 ** 19, [4, 64], 2.0):           # Fig. 4's widths, built: mean nnz per mixing layer
         with torch.device('meta'):
