@@ -70,6 +70,8 @@ def run(args) -> int:
 
 def _integral(value: float):
     """`value` as an int where it is one up to float rounding (C* = (2^18)^{1/3} came out 63.999999999999986),
-    else unchanged (full precision: C* at Ω = 2^10 is 10.079...)."""
+    else unchanged (full precision: C* at Ω = 2^10 is 10.079...). The tolerance is relative, some fifty ulps
+    (a cube root and a square): at 1e-9 every value above 1e9 was 'integral', m* = 6981463658331.55 at Ω = 2^64
+    printed 6981463658332."""
     nearest = round(value)
-    return int(nearest) if abs(value - nearest) <= 1e-9 * max(1.0, abs(value)) else value
+    return int(nearest) if abs(value - nearest) <= 1e-14 * max(1.0, abs(value)) else value

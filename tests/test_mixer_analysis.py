@@ -238,6 +238,9 @@ def test_design_rounds_an_integral_optimum_and_names_the_dropped_channels(capsys
     assert main(['design', '--omega', '2^10', '--channels', '16', '173', '--json']) == 0      # given: kept, marked
     record = json.loads(capsys.readouterr().out)
     assert record['dropped_channels'] == [] and [r['on_curve'] for r in record['pairs']] == [True, False]
+    assert main(['design', '--omega', '2^64', '--json']) == 0      # m* = 2^(128/3) = 6981463658331.56: not an integer
+    width = json.loads(capsys.readouterr().out)['optimal']['width']
+    assert width == pytest.approx(2 ** (128 / 3), rel=1e-15) and not isinstance(width, int)
 
 
 def test_analyze_cka_with_too_few_samples_names_the_flag(tmp_path, capsys):
