@@ -89,3 +89,14 @@ def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
     text = _report(rows, {'width': 'half'}, 'mnist', verdicts(rows, labels))
     assert '## Verdicts' in text and 'NOT TESTED' in text
 
+
+
+@pytest.mark.parametrize('value', ['0', '1', '1.5', 'nan'])
+def test_a_bad_val_fraction_is_refused_by_its_flag(tmp_path, capsys, value):
+    """--val-fraction 1.5 was refused as 'val_fraction must be ...' by the data reader, a name the command does not
+    take; the flag is named now, with its range, before anything is read."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'soft', '--data', str(tmp_path), '--val-fraction', value, '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and f'--val-fraction must be in (0, 1), got {value}' in err
+    assert not out.exists()

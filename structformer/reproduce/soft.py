@@ -279,6 +279,8 @@ def _check(args: argparse.Namespace) -> None:
     measures and probes is read with --batch-size, so 0 must be refused here, not by the DataLoader."""
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if not 0 < args.val_fraction < 1:           # by its flag: the data reader names it val_fraction
+        raise UsageError(f"--val-fraction must be in (0, 1), got {args.val_fraction:g}")
     check_distinct(args.attn, '--attn')
     check_distinct(args.variants, '--variants')
 
