@@ -55,7 +55,9 @@ def run(args) -> int:
     print(f"widest Mixer: C* = S* = {best['channels']:.1f}, effective width m* = {best['width']:,.0f}")
     print(f"{'C':>6} {'S':>6} {'m = SC':>9} {'Ω of the pair':>14} {'token nnz':>10} {'channel nnz':>12}")
     for r in pairs:
-        print(f"{r['channels']:>6} {r['tokens']:>6} {r['width']:>9,} {r['omega']:>14,.0f}{' ' if r['on_curve'] else '!'}"
+        # an exact int as it is (through a float the last digits went from 2^53 on); a float (γ not an integer) rounded
+        count = f"{r['omega']:>14,}" if isinstance(r['omega'], int) else f"{r['omega']:>14,.0f}"
+        print(f"{r['channels']:>6} {r['tokens']:>6} {r['width']:>9,} {count}{' ' if r['on_curve'] else '!'}"
               f"{r['nonzero_token_mixing']:>10.4f} {r['nonzero_channel_mixing']:>12.4f}")
     if not all(r['on_curve'] for r in pairs):
         print("! off the fixed-Ω curve: even S = 1 spends more than 1.5 × Ω at this C (C too large for this Ω)")
@@ -68,6 +70,8 @@ def run(args) -> int:
 
 def _integral(value: float):
     """`value` as an int where it is one up to float rounding (C* = (2^18)^{1/3} came out 63.999999999999986),
-    else unchanged (full precision: C* at Ω = 2^10 is 10.079...)."""
+    else unchanged (full precision: C* at Ω = 2^10 is 10.079...). The tolerance is relative, some fifty ulps
+    (a cube root and a square): at 1e-9 every value above 1e9 was 'integral', m* = 6981463658331.55 at Ω = 2^64
+    printed 6981463658332."""
     nearest = round(value)
-    return int(nearest) if abs(value - nearest) <= 1e-9 * max(1.0, abs(value)) else value
+    return int(nearest) if abs(value - nearest) <= 1e-14 * max(1.0, abs(value)) else value

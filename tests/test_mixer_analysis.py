@@ -238,6 +238,9 @@ def test_design_rounds_an_integral_optimum_and_names_the_dropped_channels(capsys
     assert main(['design', '--omega', '2^10', '--channels', '16', '173', '--json']) == 0      # given: kept, marked
     record = json.loads(capsys.readouterr().out)
     assert record['dropped_channels'] == [] and [r['on_curve'] for r in record['pairs']] == [True, False]
+    assert main(['design', '--omega', '2^64', '--json']) == 0      # m* = 2^(128/3) = 6981463658331.56: not an integer
+    width = json.loads(capsys.readouterr().out)['optimal']['width']
+    assert width == pytest.approx(2 ** (128 / 3), rel=1e-15) and not isinstance(width, int)
 
 
 def test_analyze_cka_with_too_few_samples_names_the_flag(tmp_path, capsys):
@@ -271,6 +274,8 @@ def test_design_counts_the_connections_of_a_pair_exactly(capsys):
     pair = json.loads(capsys.readouterr().out)['pairs'][0]
     S = pair['tokens']
     assert pair['omega'] == S * (S + 1) // 2 == 18_446_744_070_963_499_500
+    assert main(['design', '--omega', '2^64', '--channels', '1']) == 0           # the table too (it went through float)
+    assert ' 18,446,744,070,963,499,500 ' in capsys.readouterr().out
     assert omega(173, 16, 2.0) == 2 * 16 * 173 * 189 // 2 and isinstance(omega(173, 16, 2.0), int)
     for r in fixed_omega_pairs(2 ** 19, [4, 64], 2.0):           # Fig. 4's widths, built: mean nnz per mixing layer
         with torch.device('meta'):

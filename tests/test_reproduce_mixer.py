@@ -192,15 +192,20 @@ def omega_pairs(omega_, channels):
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
-def test_a_model_that_cannot_be_built_is_refused_before_anything_trains(tmp_path, capsys):
+def test_a_model_that_cannot_be_built_is_refused_before_anything_trains(tmp_path, capsys, monkeypatch):
     """--sw-densities 1e-9 asks for a width-5.7M SW-MLP (131 TB of dense weights): refused in one line before the
-    first run trains (it failed after the S-Mixer rows had trained), and no output folder is left."""
+    first run trains (it failed after the S-Mixer rows had trained), and no output folder is left. Before the
+    init-spectra sweep too (a minute of SVDs with the default --spectra-trials 3: it ran first)."""
+    import structformer.analysis.mixer_spectra as spectra
+    swept = []
+    monkeypatch.setattr(spectra, 'init_spectrum_sweep', lambda **kw: swept.append(kw) or [])
     out = tmp_path / 'out'
     assert main(['reproduce', 'mixer', '--data', str(MNIST), '--channels', '32', '--depths', '2', '--seeds', '1',
-                 '--sw-densities', '1e-9', '--epochs', '1', '--limit-train-batches', '1', '--spectra-trials', '0',
-                 '--output', str(out)]) == 2
+                 '--sw-densities', '1e-9', '--epochs', '1', '--limit-train-batches', '1', '--output', str(out)]) == 2
+    assert swept == []
     err = capsys.readouterr().err
     assert err.count('error:') == 1 and 'Traceback' not in err
     assert '--sw-densities: density 1e-09 at --omega 32768 is a width-5724327 SW-MLP' in err
     assert '--model-kwargs' not in err                      # this command has no such flag
     assert not out.exists()
+

@@ -1,5 +1,6 @@
 """`structformer reproduce soft`: what its report quotes from SOFT Table 2, and one tiny run's record."""
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,11 @@ def test_tiny_run_records_its_command_and_load(tmp_path, capsys):
     again = json.loads((out / 'results.json').read_text())
     assert [r['attention'] for r in again['rows']] == ['softmax'] and again['rows'][0]['val_top1'] == row['val_top1']
     assert '--measure-only' in again['command'] and '--val-fraction 0.2' in again['command']
+    # and the saved runs' recipe: the command read --width half --epochs 4 --limit-train-batches 0 (the flags'
+    # defaults) beside a quarter-width, 1-epoch, 1-batch recipe, so it named networks it never timed
+    words = shlex.split(again['command'])
+    assert words[:words.index('--measure-only')] == shlex.split(record['command'])
+    assert again['recipe'] == record['recipe']
 
 
 def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
@@ -82,3 +88,15 @@ def test_verdicts_follow_the_numbers_and_say_what_is_not_tested():
     assert 'NOT TESTED: --attn has no softmax' in alone['soft_accuracy'] and 'NOT TESTED' in alone['speed_memory']
     text = _report(rows, {'width': 'half'}, 'mnist', verdicts(rows, labels))
     assert '## Verdicts' in text and 'NOT TESTED' in text
+
+
+
+@pytest.mark.parametrize('value', ['0', '1', '1.5', 'nan'])
+def test_a_bad_val_fraction_is_refused_by_its_flag(tmp_path, capsys, value):
+    """--val-fraction 1.5 was refused as 'val_fraction must be ...' by the data reader, a name the command does not
+    take; the flag is named now, with its range, before anything is read."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'soft', '--data', str(tmp_path), '--val-fraction', value, '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and f'--val-fraction must be in (0, 1), got {value}' in err
+    assert not out.exists()

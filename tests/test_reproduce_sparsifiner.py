@@ -152,3 +152,30 @@ def test_a_student_of_a_retrained_teacher_is_not_reused(tmp_path):
     assert repro._finished(run, config, spec)
     (teacher / 'summary.json').write_text(json.dumps({'epochs': 2, 'final_val_top1': 95.0}))   # retrained
     assert not repro._finished(run, config, spec)
+
+
+def test_a_teacher_that_did_not_learn_gives_no_verdict():
+    """A smoke run whose teacher stayed at chance (9.90 % on held-out digits whose most frequent class is 11.5 %)
+    read 'does not hold' for both claims: students converted from an untrained teacher are no test of a method that
+    converts a trained one. As `reproduce crate` and `soft`: cannot tell, said so."""
+    rows = [_row('dense', 1.0, 18.05), _row('sparsifiner', 0.25, 9.90), _row('linformer', 0.25, 13.30)]
+    labels = [1] * 230 + [i % 10 for i in range(1770)]                  # class 1: 11.5 % + its share of the rest
+    teacher = repro.learned(9.90, labels)
+    assert not teacher['learned']
+    v = repro._verdicts(rows, 2000, teacher)
+    for claim in ('small_drop_at_0.25', 'beats_linformer'):
+        assert v[claim]['holds'] is None
+        assert v[claim]['text'].startswith('cannot tell at this scale: the teacher did not learn')
+    learnt = repro.learned(96.4, labels)
+    assert repro._verdicts(rows, 2000, learnt)['small_drop_at_0.25']['holds'] is False     # a trained teacher: read
+
+
+def test_keep_ratios_that_name_one_run_folder_are_refused(tmp_path, capsys):
+    """--keep 0.25 0.2500001 passed the distinct check (two floats) but both rows trained in sparsifiner_0.25 (the
+    folder names keep with :g): the second overwrote the first, and each rerun retrained both in turn."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'sparsifiner', '--data', str(tmp_path), '--keep', '0.25', '0.2500001',
+                 '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err and '--keep names 0.25 more than once' in err
+    assert not out.exists()

@@ -420,14 +420,14 @@ def run(args: argparse.Namespace) -> int:
     recipe = dict(epochs=args.epochs, batch_size=args.batch_size, opt='adamw', lr=args.lr,
                   weight_decay=args.weight_decay, sched='cosine', warmup_epochs=min(1.0, args.epochs / 5),
                   label_smoothing=0.0, val_fraction=0.2, limit_train_batches=args.limit_train_batches)
+    runs = plan(args)
+    _preflight(runs, spec, args.omega)        # before the spectra: a model this machine cannot build is refused first
     spectra = init_spectrum_sweep(trials=args.spectra_trials) if args.spectra_trials else []
     if spectra:
         print("init spectra (Ω = 2^19, γ = 2): C, m, Mixer W σ_max, SW-MLP σ_max:", flush=True)
     for r in spectra:
         print(f"  C={r['channels']:>3} m={r['width']:>5}  {r['mixer_token']:.3f}  {r['sw_mlp']:.3f}", flush=True)
     rows = []
-    runs = plan(args)
-    _preflight(runs, spec, args.omega)
     for i, r in enumerate(runs):
         run_dir = out / 'runs' / _run_name(r)
         result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=spec,

@@ -279,8 +279,23 @@ def _check(args: argparse.Namespace) -> None:
     measures and probes is read with --batch-size, so 0 must be refused here, not by the DataLoader."""
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if not 0 < args.val_fraction < 1:           # by its flag: the data reader names it val_fraction
+        raise UsageError(f"--val-fraction must be in (0, 1), got {args.val_fraction:g}")
     check_distinct(args.attn, '--attn')
     check_distinct(args.variants, '--variants')
+
+
+def _recipe_flags(args: argparse.Namespace, recipe: Dict) -> None:
+    """--measure-only: the training flags set to the saved runs' recipe, so the record's `command` names the runs it
+    timed (with the flags' defaults it read --width half --epochs 4 beside a quarter-width, 1-epoch recipe), and the
+    timed AdamW step uses their lr and weight decay. --model-kwargs keeps what the width does not already give."""
+    for key in ('epochs', 'lr', 'weight_decay', 'limit_train_batches', 'width'):
+        if key in recipe:
+            setattr(args, key, recipe[key])
+    if 'model_kwargs' in recipe:
+        width = {k: list(v) for k, v in WIDTHS.get(args.width, {}).items()}     # the record holds tuples as lists
+        args.model_kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in recipe['model_kwargs'].items()
+                             if width.get(k) != v}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -304,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"--measure-only: the saved runs' --{key.replace('_', '-')} {value} "
                       f"(not {getattr(args, key)})", flush=True)
             setattr(args, key, value)
+        _recipe_flags(args, saved['recipe'])
     if args.attn is None:
         args.attn = list(ATTENTIONS)
     import torch

@@ -22,7 +22,9 @@ points on ImageNet; our bar max(0.4, 0.5)): holds when the drop plus 2 SE is ins
 the drop minus 2 SE is beyond it, and otherwise cannot tell at this scale; (2) "better than Linformer at equal
 budget": holds when Sparsifiner's top-1 is above Linformer's by more than 2 SE at every keep ratio, does not
 hold when it is below by more than 2 SE at one, and otherwise cannot tell. `holds` is True, False or None
-(cannot tell); a difference inside its noise is never read as a result.
+(cannot tell); a difference inside its noise is never read as a result, and neither is a run whose teacher did not
+learn (held-out top-1 within two binomial standard errors of the most frequent class's share, `reproduce.learned`):
+both claims then cannot tell.
 Finished runs in --output are reused when their recipe matches.
 """
 from __future__ import annotations
@@ -31,9 +33,9 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from . import check_distinct, command_line, start, trained_on
+from . import check_distinct, command_line, learned, start, trained_on
 from ..cli_args import thread_count
 from ..records import environment, label_axes, write_json, write_png, write_text
 
@@ -69,7 +71,7 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.predictor_epochs < args.epochs:
         raise ValueError(f"--predictor-epochs must be in [0, --epochs={args.epochs}), got {args.predictor_epochs}")
-    check_distinct(args.keep, '--keep')
+    check_distinct([f'{k:g}' for k in args.keep], '--keep')     # as the run folders name them (sparsifiner_0.25)
     for keep in args.keep:
         if not 0 < keep <= 1:
             raise ValueError(f"--keep {keep}: keep ratios must be in (0, 1]")
@@ -191,12 +193,20 @@ def _reading(holds) -> str:
     return 'holds' if holds else 'cannot tell at this scale' if holds is None else 'does not hold'
 
 
-def _verdicts(rows: List[Dict], val_images: int) -> Dict:
+def _verdicts(rows: List[Dict], val_images: int, teacher: Optional[Dict] = None) -> Dict:
+    """The two claims of the module docstring. `teacher` (`reproduce.learned` of the teacher's held-out top-1): every
+    student is converted from the teacher, as the paper converts a trained DeiT-S; a teacher that did not learn leaves
+    nothing to test (a run too short reads as no result, not as a refutation), so both claims cannot tell."""
     dense = next(r for r in rows if r['kind'] == 'dense')
     by_keep = {}
     for r in rows:
         by_keep.setdefault(r['keep'], {})[r['kind']] = r
     out = {}
+    if teacher is not None and not teacher['learned']:
+        text = (f"cannot tell at this scale: the teacher did not learn (held-out top-1 {teacher['top1']:.2f}% is within "
+                f"two standard errors, {teacher['two_standard_errors']:.2f} points, of the most frequent class's share "
+                f"{teacher['majority_class']:.2f}%), so its students test no conversion of a trained network")
+        return {claim: {'holds': None, 'text': text} for claim in ('small_drop_at_0.25', 'beats_linformer')}
     if 0.25 in by_keep and 'sparsifiner' in by_keep[0.25]:
         s = by_keep[0.25]['sparsifiner']
         drop = dense['top1'] - s['top1']
@@ -271,8 +281,10 @@ def run(args: argparse.Namespace) -> int:
                         'mhsa_mflops': flops['mhsa'] / 1e6, 'total_mflops': flops['total'] / 1e6,
                         'attention_ms': attention_ms, 'load': watch.since(mark), **_predictor_options(model)})
     from ..data import build_datasets
-    val_images = len(build_datasets(spec, seed=args.seed, val_fraction=0.2)[1])
-    verdicts = _verdicts(results, val_images)
+    held_out = build_datasets(spec, seed=args.seed, val_fraction=0.2)[1]
+    val_images = len(held_out)
+    verdicts = _verdicts(results, val_images, learned(teacher_summary['final_val_top1'],
+                                                      [int(y) for y in held_out.targets]))
     dense = next(r for r in results if r['kind'] == 'dense')
     header = ('| model | top-1 % (best) | Δ vs dense | MHSA MFLOPs | vs dense | total MFLOPs | attention layer ms '
               '(batch 64) |\n|---|---|---|---|---|---|---|')
