@@ -87,24 +87,24 @@ def _data_kwargs(name: str, model_kwargs: Dict[str, Any], data) -> Dict[str, Any
     return kwargs
 
 
-def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any],
-               check_fit: bool = True) -> Tuple[nn.Module, Dict[str, Any]]:
+def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any], check_fit: bool = True,
+               flag: Optional[str] = '--model-kwargs') -> Tuple[nn.Module, Dict[str, Any]]:
     import timm
 
     from ..layers.attention.registry import resolve_layer_kwargs
     from ..arguments import check_conventional_kwargs
     from .attention_swap import check_attention_fits, check_patch_dropout
     # timm's names have one meaning in every model: a bad value is named here, before a layer is built
-    check_conventional_kwargs(user_kwargs, '--model-kwargs ')
+    check_conventional_kwargs(user_kwargs, f'{flag} ' if flag else '')
     if user_kwargs and check_fit:          # a recorded recipe (rebuild) was built once already: no second build
-        _check_weights_fit(name, resolve_layer_kwargs(kwargs), user_kwargs)
+        _check_weights_fit(name, resolve_layer_kwargs(kwargs), user_kwargs, flag)
     try:
         model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
         return check_attention_fits(check_patch_dropout(model)), kwargs
     except TypeError as e:
         if 'img_size' in kwargs and 'img_size' not in user_kwargs and 'img_size' in str(e):
             kwargs = {k: v for k, v in kwargs.items() if k != 'img_size'}   # convolutional nets take any size
-            return _construct(name, kwargs, user_kwargs, check_fit)
+            return _construct(name, kwargs, user_kwargs, check_fit, flag)
         strings = [f"{k}={v!r}" for k, v in user_kwargs.items() if isinstance(v, str)]
         # e.g. eta=abc: a comparison deep in the constructor failed ("'<' not supported ... 'str'"); img_size=abc:
         # "not all arguments converted during string formatting" (h % ph), "can only concatenate str" (SOFT)
@@ -117,7 +117,8 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any],
     except Exception as e:          # noqa: BLE001 - the kwargs' failure, named (a ZeroDivisionError in a layer)
         if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and 'alloc' in str(e)):
             raise ValueError(f"cannot build {name} with {kwargs}: its weights do not fit in memory "
-                             f"({_first_line(e)}); check --model-kwargs sizes (img_size, embed_dim, depth)") from None
+                             f"({_first_line(e)})" + (f"; check {flag} sizes (img_size, embed_dim, depth)" if flag
+                                                      else '')) from None
         _refuse_unless_defaults(name, kwargs, e)
 
 
@@ -161,7 +162,7 @@ def _estimated_parameters(name: str, kwargs: Dict[str, Any]) -> Optional[int]:
     return _meta_parameters(name, kwargs)
 
 
-def _check_weights_fit(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any]) -> None:
+def _check_weights_fit(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any], flag: Optional[str]) -> None:
     """Refuse sizes whose float32 weights alone exceed this machine's memory (a lower bound on any run's need)
     before building: `depth=10**12` looped over its blocks until the memory ran out, and a width typo filled the
     memory layer by layer until the kernel's OOM killer ended the process without a word."""
@@ -169,8 +170,9 @@ def _check_weights_fit(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str,
     params = _estimated_parameters(name, kwargs)
     if params is not None:
         given = ' '.join(f"{k}={v!r}" for k, v in user_kwargs.items())
-        check_fits_memory(4 * params, f"--model-kwargs {given}: {name} in float32 (~{params:.3g} parameters)",
-                          'check the sizes (depth, widths, img_size)')
+        what = f"{flag} {given}: {name}" if flag else f"{name} with {given}"
+        check_fits_memory(4 * params, f"{what} in float32 (~{params:.3g} parameters)",
+                          'check the sizes (depth, widths, img_size)' if flag else '')
 
 
 def _first_line(error: BaseException) -> str:
@@ -188,20 +190,23 @@ def _refuse_unless_defaults(name: str, kwargs: Dict[str, Any], error: Exception)
 
 
 def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=None,
-                transforms: Sequence[Any] = ()) -> Tuple[nn.Module, ModelRecipe]:
+                transforms: Sequence[Any] = (), kwargs_flag: Optional[str] = '--model-kwargs'
+                ) -> Tuple[nn.Module, ModelRecipe]:
     """Build `name` for `data` (any object with num_classes, in_chans, img_size; None: the model's
-    defaults), then apply `transforms` in order. Returns the model and the recipe that rebuilds it."""
+    defaults), then apply `transforms` in order. Returns the model and the recipe that rebuilds it.
+    `kwargs_flag` is what a refusal of `model_kwargs` names: the flag they came from, or None for a command that
+    chose them itself (the message then names the model and its kwargs)."""
     check_registered(name)
     model_kwargs = dict(model_kwargs or {})
     # timm.create_model drops every None (it means "the model's default"), so KEY=None would build the default
     # silently (swmlp_cifar with mlp_ratio=None kept its γ = 2); a run's recorded kwargs (rebuild) keep timm's way
     unset = sorted(k for k, v in model_kwargs.items() if v is None)
     if unset:
-        raise ValueError(f"--model-kwargs {' '.join(k + '=None' for k in unset)}: timm.create_model drops a None, so "
+        raise ValueError(f"{kwargs_flag or name} {' '.join(k + '=None' for k in unset)}: timm.create_model drops a None, so "
                          f"{name} would keep its own default there; give the value (a Mixer's or SW-MLP's single-layer "
                          "blocks: mlp_ratio=0), or leave the key out for the default")
     specs = normalize_transforms(transforms)
-    model, kwargs = _construct(name, _data_kwargs(name, model_kwargs, data), model_kwargs)
+    model, kwargs = _construct(name, _data_kwargs(name, model_kwargs, data), model_kwargs, flag=kwargs_flag)
     input_size = (data.in_chans, data.img_size, data.img_size) if data is not None else default_input_size(name, kwargs)
     context = TransformContext(input_size=input_size)
     model = apply_transforms(model, specs, context)

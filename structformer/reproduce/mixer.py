@@ -148,9 +148,9 @@ def _preflight(runs: List[Dict], spec: str, omega_: int) -> None:
             continue
         seen.add(key)
         try:
-            build_model(r['model'], r['kwargs'], info)
+            build_model(r['model'], r['kwargs'], info, kwargs_flag=None)     # this command has no --model-kwargs
         except ValueError as e:
-            reason = str(e).split('; check --model-kwargs')[0]          # this command has no --model-kwargs
+            reason = str(e)
             flag = (f"--sw-densities: density {r['density']:.3g} at --omega {omega_} is a width-{r['width']} SW-MLP"
                     if r['kind'] == 'SW-MLP'
                     else f"--channels {r['channels']}: C = {r['channels']}, S = {r['tokens']}")
