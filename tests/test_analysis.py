@@ -429,3 +429,34 @@ def test_subspace_energy_takes_a_float64_model(model, images):
     model.blocks[1].eval()                          # a part held in eval keeps its mode (the top one's was restored)
     subspace_energy(model, images, labels, 4, permutations=5)
     assert model.training and model.blocks[0].training and not model.blocks[1].training
+
+
+def test_sigterm_mid_analysis_removes_the_folder_it_made(tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's stop, `kill`) during analyze ended the process on the spot: the output folder it had
+    made stayed behind holding a figure's empty temporary file. It is now an interrupt (exit 143) whose clean-up
+    removes that folder, as Ctrl-C's does."""
+    import os
+    import signal
+
+    import structformer.analysis.cli as analyze_cli
+    from structformer.cli import main
+    run = _make_run(tmp_path)
+    out = tmp_path / 'fresh' / 'analysis'
+    ended = []
+
+    def analysis_killed_mid_figure(args, main_path, run, out_dir):
+        out_dir.mkdir(parents=True)
+        (out_dir / 'coherence_epoch_2.png.tmp-1-x').write_bytes(b'')     # a figure being written
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+    monkeypatch.setattr(analyze_cli, '_analyze', analysis_killed_mid_figure)
+    # stands for the default action (the end of the process), which a test cannot take
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
+    try:
+        status = main(['analyze', '--checkpoint', str(run), '--output', str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not ended and status == 128 + signal.SIGTERM
+    assert not (tmp_path / 'fresh').exists()
+    err = capsys.readouterr().err
+    assert 'interrupted' in err and 'checkpoints already written' not in err and str(out) in err

@@ -240,10 +240,18 @@ def run_analyze(args) -> int:
     main_path = resolve_checkpoint(args.checkpoint)
     run = _run_dir(main_path)
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
+    from ..train.run_dir import sigterm_as_interrupt
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
-    before = _file_stamps(out)
-    with removed_on_failure(out):
-        status = _analyze(args, main_path, run, out)
+    before, existed = _file_stamps(out), out.exists()
+    try:
+        # SIGTERM (a scheduler's stop, `kill`) as Ctrl-C: it ended the process on the spot, leaving the folder this
+        # analysis had made, with a figure's empty temporary in it
+        with sigterm_as_interrupt(), removed_on_failure(out):
+            status = _analyze(args, main_path, run, out)
+    except KeyboardInterrupt as e:
+        e.said = (f"the files already written into {out} are complete (each written by a rename)" if existed
+                  else f"the output folder it had made, {out}, was removed")
+        raise
     _remove_stale_figures(out, before)
     return status
 
