@@ -210,3 +210,20 @@ def test_layers_after_pruning_that_keeps_the_token_count():
     assert [r['num_tokens'] for r in result['layers']] == [17, 17, 17, 17]
     assert [rows is None for rows in result['rows']] == [False, False, True, True]
     assert [r['a_down_sparsity'] is None for r in result['layers']] == [False, False, True, True]
+
+
+def test_measuring_leaves_every_module_mode_and_takes_a_float64_model():
+    """measure_sparsifiner put the whole model in eval mode and left it there (a model measured between training
+    steps went on without dropout, and its Sparsifiner layers out of their training-only dense stage 1), and fed
+    the caller's float32 images to a float64 model (a dtype error in the first layer), unlike measure_layers and
+    the CKA features."""
+    model = _model()
+    model.train()
+    model.blocks[0].eval()                                   # a part the caller holds in eval stays so
+    modes = {name: m.training for name, m in model.named_modules()}
+    reference = measure_sparsifiner(model, _images(), batch_size=2)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    wide = measure_sparsifiner(_model().double(), _images(), batch_size=2)
+    for a, b in zip(reference['layers'], wide['layers']):
+        assert a['mask_density'] == pytest.approx(b['mask_density'], abs=1e-3)
+        assert a['attention_recall'] == pytest.approx(b['attention_recall'], abs=1e-3)

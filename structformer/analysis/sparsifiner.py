@@ -170,14 +170,16 @@ def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_toke
     A layer after token pruning (fewer tokens than W_up's columns) gets its density and recall on the tokens
     it sees, no Ã_down sparsity (its bases depend on which tokens were kept) and no rows (None)."""
     from ..hooks import capture
+    from .whitebox import _eval_no_grad, _to_model
     layers = sparsifiner_layers(model)
     if not layers:
         raise ValueError("--checkpoint: the model has no SparsifinerAttention layer")
-    model.eval()
+    images = _to_model(images, model)      # a float64 (or bf16) model takes the caller's float32 images
     sums: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in layers}
     rows: Dict[str, Dict[str, List[torch.Tensor]]] = {name: {'mask': [], 'dense': [], 'sparse': []} for name in layers}
     seen = 0
-    with torch.no_grad(), _recording(list(layers.values())):
+    # eval for the forwards, each module's own mode back after (measuring between training steps is no side effect)
+    with _eval_no_grad(model), _recording(list(layers.values())):
         for start in range(0, len(images), batch_size):
             batch = images[start:start + batch_size]
             with capture(model, inputs=list(layers)) as got:
