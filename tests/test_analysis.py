@@ -460,3 +460,27 @@ def test_sigterm_mid_analysis_removes_the_folder_it_made(tmp_path, monkeypatch, 
     assert not (tmp_path / 'fresh').exists()
     err = capsys.readouterr().err
     assert 'interrupted' in err and 'checkpoints already written' not in err and str(out) in err
+
+
+def test_spectra_of_an_earlier_checkpoint_stop_at_its_epoch(tmp_path):
+    """analyze --checkpoint <run>/checkpoints/epoch_0001 of a low-rank run drew every epoch the run logged: its
+    singular values and 'last epoch' were epoch 2's, not the chosen checkpoint's."""
+    run = tmp_path / 'run'
+    model = timm.create_model('test_vit')
+    for epoch in (0, 1, 2):
+        save_checkpoint(run / 'checkpoints' / f'epoch_{epoch:04d}', model, with_rng=False,
+                        state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': epoch, 'config': CONFIG})
+    mark_latest(run / 'checkpoints', run / 'checkpoints' / 'epoch_0002')
+    logged = [{'epoch': e, 'effective_rank': {'fc': 4.0 - e}, 'effective_rank_mean': 4.0 - e,
+               'singular_values': {'fc': [2.0, 1.0 / e]}} for e in (1, 2)]
+    (run / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in logged))
+    out = tmp_path / 'one'
+    assert run_analyze(_parse('--checkpoint', str(run / 'checkpoints' / 'epoch_0001'), '--output', str(out))) == 0
+    summary = json.loads((out / 'spectra.json').read_text())
+    assert summary['epochs'] == [1] and summary['last_epoch'] == 1
+    assert summary['singular_values'] == {'fc': [2.0, 1.0]} and summary['effective_rank'] == {'fc': [3.0]}
+    assert run_analyze(_parse('--checkpoint', str(run), '--output', str(tmp_path / 'all'))) == 0
+    assert json.loads((tmp_path / 'all' / 'spectra.json').read_text())['epochs'] == [1, 2]
+    with pytest.raises(ValueError, match=r'epoch 0.*from epoch 1 on'):
+        run_analyze(_parse('--checkpoint', str(run / 'checkpoints' / 'epoch_0000'), '--output', str(tmp_path / 'z')))
+    assert not (tmp_path / 'z').exists()

@@ -332,7 +332,7 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
                 from .lowrank_runs import run_spectra_analysis, spectra_history
                 if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
                     refuse_unused_options(args, 'spectra', what)
-                    return run_spectra_analysis(run, out)
+                    return run_spectra_analysis(run, out, state.get('epoch'))     # up to this checkpoint
             flag = '--checkpoint' if p is main_path else '--compare'       # blame the flag that named it
             raise ValueError(f"{flag} {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
                              "models: --cka CHECKPOINT, --interpolate CHECKPOINT, and for runs trained with "
