@@ -227,3 +227,18 @@ def test_measuring_leaves_every_module_mode_and_takes_a_float64_model():
     for a, b in zip(reference['layers'], wide['layers']):
         assert a['mask_density'] == pytest.approx(b['mask_density'], abs=1e-3)
         assert a['attention_recall'] == pytest.approx(b['attention_recall'], abs=1e-3)
+
+
+def test_cli_refuses_data_the_model_cannot_take(tmp_path, capsys):
+    """--data whose images the Sparsifiner model cannot take (16 px for an 8 px model) ended in a traceback from
+    inside timm's patch embedding; now one line naming --data, exit 2, no output folder (as for CRATE)."""
+    model, recipe = build_model('sparsifiner_digits')
+    ckpt = save_checkpoint(tmp_path / 'ckpt', model, with_rng=False,
+                           state={'model': 'sparsifiner_digits', 'model_kwargs': {}, 'recipe': recipe.to_dict(),
+                                  'epoch': 1, 'config': CONFIG})
+    out = tmp_path / 'out'
+    status = main(['analyze', '--checkpoint', str(ckpt), '--data', 'synthetic-subspaces', '--num-samples', '4',
+                   '--output', str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and '--data synthetic-subspaces' in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
