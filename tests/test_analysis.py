@@ -484,3 +484,20 @@ def test_spectra_of_an_earlier_checkpoint_stop_at_its_epoch(tmp_path):
     with pytest.raises(ValueError, match=r'epoch 0.*from epoch 1 on'):
         run_analyze(_parse('--checkpoint', str(run / 'checkpoints' / 'epoch_0000'), '--output', str(tmp_path / 'z')))
     assert not (tmp_path / 'z').exists()
+
+
+@pytest.mark.parametrize('flag', ['--cka', '--interpolate'])
+def test_cka_and_interpolation_refuse_data_the_models_cannot_take(tmp_path, capsys, flag):
+    """--cka / --interpolate of two 8 px ViTs on --data synthetic-subspaces (16 px images) ended in a traceback
+    from inside timm's patch embedding (an AssertionError, which --cka's own catch did not take): one line naming
+    --data, exit 2, no output folder."""
+    from structformer.cli import main
+    ckpt = save_checkpoint(tmp_path / 'vit', timm.create_model('vit_digits'), with_rng=False,
+                           state={'model': 'vit_digits', 'model_kwargs': {}, 'epoch': 1,
+                                  'config': dict(CONFIG, data='digits', data_kwargs={})})
+    out = tmp_path / 'out'
+    status = main(['analyze', '--checkpoint', str(ckpt), flag, str(ckpt), '--data', 'synthetic-subspaces',
+                   '--num-samples', '4', '--output', str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and '--data synthetic-subspaces' in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

@@ -90,6 +90,13 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     model_b, state_b = load_model(other)
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     _, val, _ = build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
+    if len(val):               # data a model cannot take: one line naming --data, not a traceback from inside timm
+        from ..train.scoring_data import check_model_input
+        batch = torch.stack([val[i][0] for i in range(min(2, len(val)))])
+        for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a),
+                                         ('--interpolate', other, model_b, state_b)):
+            check_model_input(model, batch, None, f"--data {spec}: {flag} {path} ({state.get('model')}) cannot take "
+                                                  "its images")
     if len(val) > args.num_samples:
         val = torch.utils.data.Subset(val, torch.randperm(len(val), generator=torch.Generator().manual_seed(args.seed))
                                       [:args.num_samples].sort().values.tolist())
