@@ -501,3 +501,20 @@ def test_cka_and_interpolation_refuse_data_the_models_cannot_take(tmp_path, caps
     err = capsys.readouterr().err
     assert status == 2 and '--data synthetic-subspaces' in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize('flag', ['--cka', '--interpolate', '--compare'])
+def test_an_unloadable_second_checkpoint_is_blamed_on_its_flag(tmp_path, capsys, flag):
+    """A second checkpoint that exists but cannot be loaded (a file missing) was refused as '--checkpoint: ... is
+    incomplete', naming the flag whose checkpoint was fine."""
+    import shutil
+
+    from structformer.cli import main
+    run = _make_run(tmp_path)
+    broken = tmp_path / 'broken'
+    shutil.copytree(run / 'checkpoints' / 'epoch_0000', broken)
+    (broken / 'state.json').unlink()
+    status = main(['analyze', '--checkpoint', str(run), flag, str(broken), '--output', str(tmp_path / 'out')])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert f'error: {flag}' in err and '--checkpoint' not in err and 'incomplete' in err

@@ -21,10 +21,10 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     from ..errors import UsageError
     from ..train.checkpoint import load_model
     from .cka import branch_modules, minibatch_cka
-    from .samples import recorded_data, second_checkpoint
+    from .samples import load_named, recorded_data, second_checkpoint
     other_path = second_checkpoint('--cka', args.cka)
     model_a, state_a = load_model(main_path)
-    model_b, state_b = load_model(other_path)
+    model_b, state_b = load_named('--cka', other_path)
     features = args.cka_features
     if features == 'branches':
         for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a), ('--cka', other_path, model_b, state_b)):

@@ -319,8 +319,9 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
             if p.resolve() not in {q.resolve() for q in paths}:       # the same checkpoint twice adds nothing
                 paths.append(p)
     loaded = []
+    from .samples import load_named
     for p in paths:
-        model, state = load_model(p)
+        model, state = load_model(p) if p is main_path else load_named('--compare', p)
         what = f"{p} (model {state.get('model')!r})"
         if p is main_path and sparsifiner_layers(model):      # Sparsifiner: its own accounting and pictures
             refuse_unused_options(args, 'sparsifiner', what)

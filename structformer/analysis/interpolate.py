@@ -82,12 +82,12 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     from ..records import write_json, write_png
     from ..data import build_datasets
     from ..train.checkpoint import load_model
-    from .samples import recorded_data, second_checkpoint
+    from .samples import load_named, recorded_data, second_checkpoint
     other = second_checkpoint('--interpolate', args.interpolate)
     if args.interpolate_steps < 2:
         raise ValueError(f"--interpolate-steps must be an integer >= 2; got {args.interpolate_steps}")
     model_a, state_a = load_model(main_path)
-    model_b, state_b = load_model(other)
+    model_b, state_b = load_named('--interpolate', other)
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     _, val, _ = build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
     if len(val):               # data a model cannot take: one line naming --data, not a traceback from inside timm
