@@ -319,7 +319,7 @@ def test_run_analyze_bad_input(tmp_path):
     run = _make_run(tmp_path)
     with pytest.raises(ValueError, match=r'--num-samples must be an integer >= 1; got 0'):
         run_analyze(_parse('--checkpoint', str(run), '--num-samples', '0'))
-    with pytest.raises(ValueError, match=r'--eps must be a finite number > 0'):
+    with pytest.raises(ValueError, match=r'--eps must be a number in \[1e-100, 1e\+100\]'):
         run_analyze(_parse('--checkpoint', str(run), '--eps', '-1'))
     vit_dir = tmp_path / 'vit'
     save_checkpoint(vit_dir, timm.create_model('test_vit'),
@@ -518,3 +518,19 @@ def test_an_unloadable_second_checkpoint_is_blamed_on_its_flag(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1
     assert f'error: {flag}' in err and '--checkpoint' not in err and 'incomplete' in err
+
+
+@pytest.mark.parametrize('eps', ['1e-300', '1e300'])
+def test_eps_whose_square_leaves_float64_is_refused(tmp_path, model, images, eps):
+    """--eps 1e-300 (ε² underflows to 0) ended in a ZeroDivisionError traceback, --eps 1e300 (ε² overflows) in an
+    OverflowError one, after the model had run: refused up front, naming --eps and its range."""
+    run = _make_run(tmp_path)
+    with pytest.raises(ValueError, match=r'--eps must be a number in \[1e-100, 1e\+100\]'):
+        run_analyze(_parse('--checkpoint', str(run), '--eps', eps, '--num-samples', '2'))
+    assert not (run / 'analysis').exists()
+    with pytest.raises(ValueError, match=r'eps must be a number in \[1e-100, 1e\+100\]'):
+        measure_layers(model, images[:1], eps=float(eps))
+    for estimator in ('official', 'paper'):                    # the ends of the range measure
+        for edge in (1e-100, 1e100):
+            values = measure_layers(model, images[:2], eps=edge, estimator=estimator)['samples']['R_c']
+            assert torch.isfinite(values).all()

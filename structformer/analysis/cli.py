@@ -10,7 +10,6 @@ Figures of the same kind that an earlier analysis left in --output and this one 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from pathlib import Path
 from typing import Dict, Optional
@@ -72,7 +71,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="R_c estimator: 'official' (CRATE's public code: tokens scaled to unit norm per head, "
                              "ε² = 0.01; default) or 'paper' (Eq. 8 with orthonormalised U_k); both on LN1(Z)")
     parser.add_argument('--eps', type=float, default=None,
-                        help='ε of the R_c estimator (> 0; default 0.1 for official, 0.5 for paper)')
+                        help='ε of the R_c estimator (1e-100 … 1e100; default 0.1 for official, 0.5 for paper)')
     parser.add_argument('--exclude-cls', action='store_true',
                         help='measure patch tokens only (default: all tokens, cls included, as the model sees them)')
     parser.add_argument('--output', default=None, metavar='DIR',
@@ -121,10 +120,9 @@ def _check_args(args) -> None:
     if getattr(args, 'cka_batch_size', None) is not None and args.cka_batch_size < 4:
         raise ValueError(f"--cka-batch-size must be an integer >= 4 (the unbiased HSIC needs 4 samples); "
                          f"got {args.cka_batch_size}")
-    eps = args.eps
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
-                            or eps <= 0):
-        raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
+    if args.eps is not None:
+        from .whitebox import check_eps
+        check_eps(args.eps, '--eps')
 
 
 # options with no effect in some analyses, and the analyses that use them (an option not given is None, so not
