@@ -534,3 +534,19 @@ def test_eps_whose_square_leaves_float64_is_refused(tmp_path, model, images, eps
         for edge in (1e-100, 1e100):
             values = measure_layers(model, images[:2], eps=edge, estimator=estimator)['samples']['R_c']
             assert torch.isfinite(values).all()
+
+
+def test_a_compare_checkpoint_that_cannot_take_the_data_is_blamed_on_compare(tmp_path, capsys):
+    """--compare with a checkpoint of another image size (no --data given) was refused as '--data
+    synthetic-subspaces: ... cannot take its images', naming a flag the user never gave."""
+    from structformer.cli import main
+    run = _make_run(tmp_path)
+    small = save_checkpoint(tmp_path / 'digits', timm.create_model('crate_digits'), with_rng=False,
+                            state={'model': 'crate_digits', 'model_kwargs': {}, 'epoch': 1,
+                                   'config': dict(CONFIG, data='digits', data_kwargs={})})
+    status = main(['analyze', '--checkpoint', str(run), '--compare', str(small), '--num-samples', '2',
+                   '--output', str(tmp_path / 'out')])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert f'error: --compare {small}' in err and 'synthetic-subspaces' in err
+    assert not (tmp_path / 'out').exists()

@@ -347,7 +347,11 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
               f"instead of --num-samples {args.num_samples}")
     from ..train.scoring_data import check_model_input
     for model, state, p in loaded:      # data the models cannot take: one line before the output folder is made
-        check_model_input(model, images[:2], None, f"--data {spec}: {p} ({state.get('model')}) cannot take its images")
+        # a --compare checkpoint is blamed on --compare: the data is --checkpoint's (or --data's when given)
+        refusal = (f"--data {spec}: {p} ({state.get('model')}) cannot take its images" if p is main_path else
+                   f"--compare {p}: its model ({state.get('model')}) cannot take the images of {spec}, the data "
+                   "--checkpoint is measured on")
+        check_model_input(model, images[:2], None, refusal)
 
     out.mkdir(parents=True, exist_ok=True)
     taken: set = set()
