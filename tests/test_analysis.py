@@ -319,7 +319,7 @@ def test_run_analyze_bad_input(tmp_path):
     run = _make_run(tmp_path)
     with pytest.raises(ValueError, match=r'--num-samples must be an integer >= 1; got 0'):
         run_analyze(_parse('--checkpoint', str(run), '--num-samples', '0'))
-    with pytest.raises(ValueError, match=r'--eps must be a finite number > 0'):
+    with pytest.raises(ValueError, match=r'--eps must be a number in \[1e-100, 1e\+100\]'):
         run_analyze(_parse('--checkpoint', str(run), '--eps', '-1'))
     vit_dir = tmp_path / 'vit'
     save_checkpoint(vit_dir, timm.create_model('test_vit'),
@@ -429,3 +429,124 @@ def test_subspace_energy_takes_a_float64_model(model, images):
     model.blocks[1].eval()                          # a part held in eval keeps its mode (the top one's was restored)
     subspace_energy(model, images, labels, 4, permutations=5)
     assert model.training and model.blocks[0].training and not model.blocks[1].training
+
+
+def test_sigterm_mid_analysis_removes_the_folder_it_made(tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's stop, `kill`) during analyze ended the process on the spot: the output folder it had
+    made stayed behind holding a figure's empty temporary file. It is now an interrupt (exit 143) whose clean-up
+    removes that folder, as Ctrl-C's does."""
+    import os
+    import signal
+
+    import structformer.analysis.cli as analyze_cli
+    from structformer.cli import main
+    run = _make_run(tmp_path)
+    out = tmp_path / 'fresh' / 'analysis'
+    ended = []
+
+    def analysis_killed_mid_figure(args, main_path, run, out_dir):
+        out_dir.mkdir(parents=True)
+        (out_dir / 'coherence_epoch_2.png.tmp-1-x').write_bytes(b'')     # a figure being written
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+    monkeypatch.setattr(analyze_cli, '_analyze', analysis_killed_mid_figure)
+    # stands for the default action (the end of the process), which a test cannot take
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
+    try:
+        status = main(['analyze', '--checkpoint', str(run), '--output', str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not ended and status == 128 + signal.SIGTERM
+    assert not (tmp_path / 'fresh').exists()
+    err = capsys.readouterr().err
+    assert 'interrupted' in err and 'checkpoints already written' not in err and str(out) in err
+
+
+def test_spectra_of_an_earlier_checkpoint_stop_at_its_epoch(tmp_path):
+    """analyze --checkpoint <run>/checkpoints/epoch_0001 of a low-rank run drew every epoch the run logged: its
+    singular values and 'last epoch' were epoch 2's, not the chosen checkpoint's."""
+    run = tmp_path / 'run'
+    model = timm.create_model('test_vit')
+    for epoch in (0, 1, 2):
+        save_checkpoint(run / 'checkpoints' / f'epoch_{epoch:04d}', model, with_rng=False,
+                        state={'model': 'test_vit', 'model_kwargs': {}, 'epoch': epoch, 'config': CONFIG})
+    mark_latest(run / 'checkpoints', run / 'checkpoints' / 'epoch_0002')
+    logged = [{'epoch': e, 'effective_rank': {'fc': 4.0 - e}, 'effective_rank_mean': 4.0 - e,
+               'singular_values': {'fc': [2.0, 1.0 / e]}} for e in (1, 2)]
+    (run / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in logged))
+    out = tmp_path / 'one'
+    assert run_analyze(_parse('--checkpoint', str(run / 'checkpoints' / 'epoch_0001'), '--output', str(out))) == 0
+    summary = json.loads((out / 'spectra.json').read_text())
+    assert summary['epochs'] == [1] and summary['last_epoch'] == 1
+    assert summary['singular_values'] == {'fc': [2.0, 1.0]} and summary['effective_rank'] == {'fc': [3.0]}
+    assert run_analyze(_parse('--checkpoint', str(run), '--output', str(tmp_path / 'all'))) == 0
+    assert json.loads((tmp_path / 'all' / 'spectra.json').read_text())['epochs'] == [1, 2]
+    with pytest.raises(ValueError, match=r'epoch 0.*from epoch 1 on'):
+        run_analyze(_parse('--checkpoint', str(run / 'checkpoints' / 'epoch_0000'), '--output', str(tmp_path / 'z')))
+    assert not (tmp_path / 'z').exists()
+
+
+@pytest.mark.parametrize('flag', ['--cka', '--interpolate'])
+def test_cka_and_interpolation_refuse_data_the_models_cannot_take(tmp_path, capsys, flag):
+    """--cka / --interpolate of two 8 px ViTs on --data synthetic-subspaces (16 px images) ended in a traceback
+    from inside timm's patch embedding (an AssertionError, which --cka's own catch did not take): one line naming
+    --data, exit 2, no output folder."""
+    from structformer.cli import main
+    ckpt = save_checkpoint(tmp_path / 'vit', timm.create_model('vit_digits'), with_rng=False,
+                           state={'model': 'vit_digits', 'model_kwargs': {}, 'epoch': 1,
+                                  'config': dict(CONFIG, data='digits', data_kwargs={})})
+    out = tmp_path / 'out'
+    status = main(['analyze', '--checkpoint', str(ckpt), flag, str(ckpt), '--data', 'synthetic-subspaces',
+                   '--num-samples', '4', '--output', str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and '--data synthetic-subspaces' in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize('flag', ['--cka', '--interpolate', '--compare'])
+def test_an_unloadable_second_checkpoint_is_blamed_on_its_flag(tmp_path, capsys, flag):
+    """A second checkpoint that exists but cannot be loaded (a file missing) was refused as '--checkpoint: ... is
+    incomplete', naming the flag whose checkpoint was fine."""
+    import shutil
+
+    from structformer.cli import main
+    run = _make_run(tmp_path)
+    broken = tmp_path / 'broken'
+    shutil.copytree(run / 'checkpoints' / 'epoch_0000', broken)
+    (broken / 'state.json').unlink()
+    status = main(['analyze', '--checkpoint', str(run), flag, str(broken), '--output', str(tmp_path / 'out')])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert f'error: {flag}' in err and '--checkpoint' not in err and 'incomplete' in err
+
+
+@pytest.mark.parametrize('eps', ['1e-300', '1e300'])
+def test_eps_whose_square_leaves_float64_is_refused(tmp_path, model, images, eps):
+    """--eps 1e-300 (ε² underflows to 0) ended in a ZeroDivisionError traceback, --eps 1e300 (ε² overflows) in an
+    OverflowError one, after the model had run: refused up front, naming --eps and its range."""
+    run = _make_run(tmp_path)
+    with pytest.raises(ValueError, match=r'--eps must be a number in \[1e-100, 1e\+100\]'):
+        run_analyze(_parse('--checkpoint', str(run), '--eps', eps, '--num-samples', '2'))
+    assert not (run / 'analysis').exists()
+    with pytest.raises(ValueError, match=r'eps must be a number in \[1e-100, 1e\+100\]'):
+        measure_layers(model, images[:1], eps=float(eps))
+    for estimator in ('official', 'paper'):                    # the ends of the range measure
+        for edge in (1e-100, 1e100):
+            values = measure_layers(model, images[:2], eps=edge, estimator=estimator)['samples']['R_c']
+            assert torch.isfinite(values).all()
+
+
+def test_a_compare_checkpoint_that_cannot_take_the_data_is_blamed_on_compare(tmp_path, capsys):
+    """--compare with a checkpoint of another image size (no --data given) was refused as '--data
+    synthetic-subspaces: ... cannot take its images', naming a flag the user never gave."""
+    from structformer.cli import main
+    run = _make_run(tmp_path)
+    small = save_checkpoint(tmp_path / 'digits', timm.create_model('crate_digits'), with_rng=False,
+                            state={'model': 'crate_digits', 'model_kwargs': {}, 'epoch': 1,
+                                   'config': dict(CONFIG, data='digits', data_kwargs={})})
+    status = main(['analyze', '--checkpoint', str(run), '--compare', str(small), '--num-samples', '2',
+                   '--output', str(tmp_path / 'out')])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert f'error: --compare {small}' in err and 'synthetic-subspaces' in err
+    assert not (tmp_path / 'out').exists()

@@ -210,3 +210,35 @@ def test_layers_after_pruning_that_keeps_the_token_count():
     assert [r['num_tokens'] for r in result['layers']] == [17, 17, 17, 17]
     assert [rows is None for rows in result['rows']] == [False, False, True, True]
     assert [r['a_down_sparsity'] is None for r in result['layers']] == [False, False, True, True]
+
+
+def test_measuring_leaves_every_module_mode_and_takes_a_float64_model():
+    """measure_sparsifiner put the whole model in eval mode and left it there (a model measured between training
+    steps went on without dropout, and its Sparsifiner layers out of their training-only dense stage 1), and fed
+    the caller's float32 images to a float64 model (a dtype error in the first layer), unlike measure_layers and
+    the CKA features."""
+    model = _model()
+    model.train()
+    model.blocks[0].eval()                                   # a part the caller holds in eval stays so
+    modes = {name: m.training for name, m in model.named_modules()}
+    reference = measure_sparsifiner(model, _images(), batch_size=2)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    wide = measure_sparsifiner(_model().double(), _images(), batch_size=2)
+    for a, b in zip(reference['layers'], wide['layers']):
+        assert a['mask_density'] == pytest.approx(b['mask_density'], abs=1e-3)
+        assert a['attention_recall'] == pytest.approx(b['attention_recall'], abs=1e-3)
+
+
+def test_cli_refuses_data_the_model_cannot_take(tmp_path, capsys):
+    """--data whose images the Sparsifiner model cannot take (16 px for an 8 px model) ended in a traceback from
+    inside timm's patch embedding; now one line naming --data, exit 2, no output folder (as for CRATE)."""
+    model, recipe = build_model('sparsifiner_digits')
+    ckpt = save_checkpoint(tmp_path / 'ckpt', model, with_rng=False,
+                           state={'model': 'sparsifiner_digits', 'model_kwargs': {}, 'recipe': recipe.to_dict(),
+                                  'epoch': 1, 'config': CONFIG})
+    out = tmp_path / 'out'
+    status = main(['analyze', '--checkpoint', str(ckpt), '--data', 'synthetic-subspaces', '--num-samples', '4',
+                   '--output', str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and '--data synthetic-subspaces' in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

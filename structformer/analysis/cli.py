@@ -10,7 +10,6 @@ Figures of the same kind that an earlier analysis left in --output and this one 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from pathlib import Path
 from typing import Dict, Optional
@@ -72,7 +71,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="R_c estimator: 'official' (CRATE's public code: tokens scaled to unit norm per head, "
                              "ε² = 0.01; default) or 'paper' (Eq. 8 with orthonormalised U_k); both on LN1(Z)")
     parser.add_argument('--eps', type=float, default=None,
-                        help='ε of the R_c estimator (> 0; default 0.1 for official, 0.5 for paper)')
+                        help='ε of the R_c estimator (1e-100 … 1e100; default 0.1 for official, 0.5 for paper)')
     parser.add_argument('--exclude-cls', action='store_true',
                         help='measure patch tokens only (default: all tokens, cls included, as the model sees them)')
     parser.add_argument('--output', default=None, metavar='DIR',
@@ -121,10 +120,9 @@ def _check_args(args) -> None:
     if getattr(args, 'cka_batch_size', None) is not None and args.cka_batch_size < 4:
         raise ValueError(f"--cka-batch-size must be an integer >= 4 (the unbiased HSIC needs 4 samples); "
                          f"got {args.cka_batch_size}")
-    eps = args.eps
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
-                            or eps <= 0):
-        raise ValueError(f"--eps must be a finite number > 0; got {eps!r}")
+    if args.eps is not None:
+        from .whitebox import check_eps
+        check_eps(args.eps, '--eps')
 
 
 # options with no effect in some analyses, and the analyses that use them (an option not given is None, so not
@@ -240,10 +238,18 @@ def run_analyze(args) -> int:
     main_path = resolve_checkpoint(args.checkpoint)
     run = _run_dir(main_path)
     out = Path(args.output) if args.output else (run or main_path) / 'analysis'
+    from ..train.run_dir import sigterm_as_interrupt
     check_writable(out, '--output')              # before any work: a long analysis never dies at its first figure
-    before = _file_stamps(out)
-    with removed_on_failure(out):
-        status = _analyze(args, main_path, run, out)
+    before, existed = _file_stamps(out), out.exists()
+    try:
+        # SIGTERM (a scheduler's stop, `kill`) as Ctrl-C: it ended the process on the spot, leaving the folder this
+        # analysis had made, with a figure's empty temporary in it
+        with sigterm_as_interrupt(), removed_on_failure(out):
+            status = _analyze(args, main_path, run, out)
+    except KeyboardInterrupt as e:
+        e.said = (f"the files already written into {out} are complete (each written by a rename)" if existed
+                  else f"the output folder it had made, {out}, was removed")
+        raise
     _remove_stale_figures(out, before)
     return status
 
@@ -311,8 +317,9 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
             if p.resolve() not in {q.resolve() for q in paths}:       # the same checkpoint twice adds nothing
                 paths.append(p)
     loaded = []
+    from .samples import load_named
     for p in paths:
-        model, state = load_model(p)
+        model, state = load_model(p) if p is main_path else load_named('--compare', p)
         what = f"{p} (model {state.get('model')!r})"
         if p is main_path and sparsifiner_layers(model):      # Sparsifiner: its own accounting and pictures
             refuse_unused_options(args, 'sparsifiner', what)
@@ -324,7 +331,7 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
                 from .lowrank_runs import run_spectra_analysis, spectra_history
                 if spectra_history(run):                       # a low-rank run: its logged ranks and spectra
                     refuse_unused_options(args, 'spectra', what)
-                    return run_spectra_analysis(run, out)
+                    return run_spectra_analysis(run, out, state.get('epoch'))     # up to this checkpoint
             flag = '--checkpoint' if p is main_path else '--compare'       # blame the flag that named it
             raise ValueError(f"{flag} {p}: model {state.get('model')!r} is not CRATE: {e}. For other "
                              "models: --cka CHECKPOINT, --interpolate CHECKPOINT, and for runs trained with "
@@ -340,7 +347,11 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
               f"instead of --num-samples {args.num_samples}")
     from ..train.scoring_data import check_model_input
     for model, state, p in loaded:      # data the models cannot take: one line before the output folder is made
-        check_model_input(model, images[:2], None, f"--data {spec}: {p} ({state.get('model')}) cannot take its images")
+        # a --compare checkpoint is blamed on --compare: the data is --checkpoint's (or --data's when given)
+        refusal = (f"--data {spec}: {p} ({state.get('model')}) cannot take its images" if p is main_path else
+                   f"--compare {p}: its model ({state.get('model')}) cannot take the images of {spec}, the data "
+                   "--checkpoint is measured on")
+        check_model_input(model, images[:2], None, refusal)
 
     out.mkdir(parents=True, exist_ok=True)
     taken: set = set()

@@ -18,12 +18,15 @@ from ..records import write_json, write_png
 from ..train.run_dir import read_metrics
 
 
-def spectra_history(run: Optional[Path]) -> List[Dict]:
-    """The metrics.jsonl records of `run` that carry effective ranks, in file order ([] when none)."""
+def spectra_history(run: Optional[Path], up_to: Optional[int] = None) -> List[Dict]:
+    """The metrics.jsonl records of `run` that carry effective ranks, in file order ([] when none); with `up_to`,
+    those of epochs up to that one (the checkpoint analysed: an earlier checkpoint of the run drew the later
+    epochs too, its 'last epoch' spectra being another checkpoint's)."""
     if run is None:
         return []
     # the engine's reader: a torn last line of an interrupted run is dropped, not a JSON error
-    return [record for record in read_metrics(Path(run) / 'metrics.jsonl') if record.get('effective_rank')]
+    return [record for record in read_metrics(Path(run) / 'metrics.jsonl') if record.get('effective_rank')
+            and (up_to is None or record.get('epoch') is None or record['epoch'] <= up_to)]
 
 
 def summarise(history: List[Dict]) -> Dict:
@@ -65,11 +68,16 @@ def _draw(summary: Dict, plt):
     return fig
 
 
-def run_spectra_analysis(run: Path, out: Path) -> int:
-    """Write spectra.json and spectra.png for `run` into `out`; returns 0. Raises ValueError when the run
-    logged no effective ranks (it did not factorise)."""
-    history = spectra_history(run)
+def run_spectra_analysis(run: Path, out: Path, up_to: Optional[int] = None) -> int:
+    """Write spectra.json and spectra.png for `run` into `out`, the epochs up to `up_to` (the checkpoint analysed;
+    all when None); returns 0. Raises ValueError when the run logged no effective ranks (it did not factorise)
+    or none by epoch `up_to`."""
+    history = spectra_history(run, up_to)
     if not history:
+        if up_to is not None and spectra_history(run):
+            first = spectra_history(run)[0].get('epoch')
+            raise ValueError(f"--checkpoint {run}: the checkpoint is epoch {up_to}, and the run logged effective "
+                             f"ranks from epoch {first} on; pass a later checkpoint or the run")
         raise ValueError(f"--checkpoint {run}: its metrics.jsonl holds no effective ranks (the run did not "
                          "factorise: train with --rank)")
     summary = summarise(history)

@@ -1,6 +1,7 @@
 """What an analysis reads: the data a checkpoint is measured on (`recorded_data`), a seeded subset of its
 validation split (`load_samples`), and the second checkpoint of a comparison (`second_checkpoint`); used by
-`structformer analyze` (CRATE, Sparsifiner, CKA, interpolation) and the CRATE reproduction."""
+`structformer analyze` (CRATE, Sparsifiner, CKA, interpolation) and the CRATE reproduction; `load_named` loads one
+beside --checkpoint, its errors naming the flag that gave it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
@@ -56,3 +57,16 @@ def second_checkpoint(flag: str, value: str):
         return resolve_checkpoint(value)
     except (FileNotFoundError, ValueError) as e:          # CheckpointError is a ValueError
         raise ValueError(f"{flag} {value}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
+
+
+def load_named(flag: str, path):
+    """`load_model(path)` for the checkpoint `flag` names (--cka, --interpolate, --compare): the loader's errors
+    say '--checkpoint: ...', which blamed the flag whose checkpoint was fine."""
+    from ..train.checkpoint import load_model
+    try:
+        return load_model(path)
+    except (FileNotFoundError, ValueError) as e:          # CheckpointError is a ValueError
+        text = str(e)
+        if not text.startswith('--checkpoint'):
+            raise
+        raise type(e)(flag + text[len('--checkpoint'):]) from None

@@ -170,14 +170,16 @@ def measure_sparsifiner(model: torch.nn.Module, images: torch.Tensor, query_toke
     A layer after token pruning (fewer tokens than W_up's columns) gets its density and recall on the tokens
     it sees, no Ã_down sparsity (its bases depend on which tokens were kept) and no rows (None)."""
     from ..hooks import capture
+    from .whitebox import _eval_no_grad, _to_model
     layers = sparsifiner_layers(model)
     if not layers:
         raise ValueError("--checkpoint: the model has no SparsifinerAttention layer")
-    model.eval()
+    images = _to_model(images, model)      # a float64 (or bf16) model takes the caller's float32 images
     sums: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in layers}
     rows: Dict[str, Dict[str, List[torch.Tensor]]] = {name: {'mask': [], 'dense': [], 'sparse': []} for name in layers}
     seen = 0
-    with torch.no_grad(), _recording(list(layers.values())):
+    # eval for the forwards, each module's own mode back after (measuring between training steps is no side effect)
+    with _eval_no_grad(model), _recording(list(layers.values())):
         for start in range(0, len(images), batch_size):
             batch = images[start:start + batch_size]
             with capture(model, inputs=list(layers)) as got:
@@ -326,6 +328,9 @@ def run_sparsifiner_analysis(args, model, state: Dict, path: Path, out: Path, lo
     from .samples import recorded_data
     spec, options, data_seed, val_fraction = recorded_data(state, args.data, path)
     images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
+    from ..train.scoring_data import check_model_input
+    # data the model cannot take: one line naming --data (it was a traceback from inside the patch embedding)
+    check_model_input(model, images[:2], None, f"--data {spec}: {path} ({state.get('model')}) cannot take its images")
     grid = patch_grid(model, next(iter(layers.values())).basis.seq_len)    # W_up has one column per token
     query = parse_query_patch(getattr(args, 'query_patch', None), grid[1], grid[2])
     token = grid[0] + query[0] * grid[2] + query[1]

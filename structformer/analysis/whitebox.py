@@ -31,6 +31,7 @@ Precision: every measurement (the model's forward included) runs with autocast o
 the same numbers inside an autocast context as outside: a logdet or a sparsity count of bf16 activations would
 measure the rounding, not the network.
 """
+import numbers
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -43,7 +44,7 @@ from ..functional.coding_rate import (OFFICIAL_EPS, official_rate_bounds, offici
 from ..functional.precision import full_precision
 from ..hooks import capture
 
-__all__ = ['ESTIMATORS', 'check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
+__all__ = ['ESTIMATORS', 'EPS_RANGE', 'check_eps', 'check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
            'layer_bases', 'rate', 'default_eps']
 
 ESTIMATORS = ('official', 'paper')
@@ -51,6 +52,20 @@ _DEFAULT_EPS = {'official': OFFICIAL_EPS, 'paper': 0.5}
 
 METRICS = ('R_c', 'R_c_after_mssa', 'mssa_delta', 'sparsity_before_ista', 'sparsity',
            'token_norm', 'token_norm_half', 'token_norm_out')
+
+
+EPS_RANGE = (1e-100, 1e100)
+"""ε the measurements take: its square and p/(N ε²) stay finite and non-zero in float64 (ε = 1e-300 squared to 0, a
+ZeroDivisionError; 1e300 overflowed), far beyond any ε that means something (the paper's 0.5, the code's 0.1)."""
+
+
+def check_eps(eps, name: str = 'eps') -> float:
+    """`eps` if it is a number in EPS_RANGE, else ValueError naming `name` and the range."""
+    low, high = EPS_RANGE
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not np.isfinite(eps) or not low <= eps <= high:
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}] (the coding rate's precision ε, squared "
+                         f"in p/(N ε²)); got {eps!r}")
+    return eps
 
 
 def default_eps(estimator: str) -> float:
@@ -176,9 +191,7 @@ def measure_layers(model: nn.Module, images: torch.Tensor, eps: Optional[float] 
     check_crate(model)
     _check_images(images)
     _check_estimator(estimator)
-    eps = default_eps(estimator) if eps is None else eps
-    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
+    eps = check_eps(default_eps(estimator) if eps is None else eps)
     bases = [u.double() for u in layer_bases(model)]
     norms1 = [b.norm1 for b in model.blocks]
     norms2 = [b.norm2 for b in model.blocks]
