@@ -80,7 +80,8 @@ def _recipe(args) -> Dict:
 
 
 def _finished(run_dir: Path, recipe: Dict, spec: str) -> bool:
-    """A run in `run_dir` that finished with this recipe on this data (its summary and every epoch's checkpoint)."""
+    """A run in `run_dir` that finished with this recipe on this data: its summary.json is written (last, when the run
+    ends) and its checkpoint's configuration has the recipe's values and data."""
     summary = run_dir / 'summary.json'
     if not summary.is_file():
         return False

@@ -93,8 +93,10 @@ def _check(args) -> None:
         try:        # the text is on this machine and small: its refusal is --lm-max-bytes's, before any run
             build_datasets('pysource', seed=args.seed, val_fraction=held_out, max_bytes=args.lm_max_bytes)
         except ValueError as e:
+            # the data's own words name --data-kwargs seq_len, which this command does not take: its reason only
+            reason = str(e).splitlines()[0].split(': ', 1)[-1]
             raise UsageError(f"--lm-max-bytes {args.lm_max_bytes}: too little text for the LM part's windows of 128 "
-                             f"bytes ({str(e).splitlines()[0]})") from None
+                             f"bytes ({reason})") from None
     _check_ranks_save(args)
     if 'vision' in args.parts and not (args.data and Path(args.data).is_dir()):
         from ..data.spec import MNIST_HOWTO
