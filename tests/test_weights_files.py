@@ -504,6 +504,7 @@ def test_a_torch_export_program_is_named_as_such_wherever_weights_are_expected(t
             refuse()
 
 
+@pytest.mark.filterwarnings('ignore:Detected pickle protocol')      # torch's, from the probe below
 @pytest.mark.parametrize('zipped', [True, False], ids=['zip', 'legacy'])
 @pytest.mark.parametrize('protocol', [4, 5])
 def test_a_pickle_protocol_the_weights_only_reader_lacks_is_named(protocol, zipped, tmp_path, capsys):

@@ -9,6 +9,7 @@ calling `create_model(cls, variant, pretrained, **kwargs)`.
 import functools
 import logging
 import pickle
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, List, Optional, Set, Type, Union
 
@@ -273,7 +274,9 @@ def create_model(cls: Type[nn.Module], variant: str, pretrained: bool = False, d
     builder_log = logging.getLogger('timm.models._builder')
     builder_log.addFilter(_adapted_first_layer_note)
     try:
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
+            # torch asks the user to file an issue for a protocol other than 2; what it cannot read is named below
+            warnings.filterwarnings('ignore', message='Detected pickle protocol')
             return _record_built_size(build(), kwargs)
     except (RuntimeError, pickle.UnpicklingError):
         _refuse_as_our_reader(variant, kwargs.get('pretrained_cfg'), kwargs.get('pretrained_cfg_overlay'))
