@@ -15,8 +15,8 @@ import math
 from numbers import Integral, Real
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-__all__ = ['positive_int', 'count', 'optional_positive_int', 'positive_ints', 'rate', 'positive_number', 'nonnegative_number',
-           'image_size', 'check_conventional_kwargs']
+__all__ = ['positive_int', 'count', 'optional_positive_int', 'positive_ints', 'rate', 'positive_number',
+           'nonnegative_number', 'image_size', 'check_conventional_kwargs']
 
 
 def _is_int(value: Any) -> bool:

@@ -27,7 +27,8 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     model_b, state_b = load_named('--cka', other_path)
     features = args.cka_features
     if features == 'branches':
-        for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a), ('--cka', other_path, model_b, state_b)):
+        for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a),
+                                         ('--cka', other_path, model_b, state_b)):
             try:
                 branch_modules(model)
             except ValueError as e:
@@ -37,8 +38,10 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
     from ..train.scoring_data import check_model_input
     # data a model cannot take: one line naming --data (timm's patch embedding asserts, which the catch below missed)
-    for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a), ('--cka', other_path, model_b, state_b)):
-        check_model_input(model, images[:2], None, f"--data {spec}: {flag} {path} ({state.get('model')}) cannot take its images")
+    for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a),
+                                     ('--cka', other_path, model_b, state_b)):
+        check_model_input(model, images[:2], None,
+                          f"--data {spec}: {flag} {path} ({state.get('model')}) cannot take its images")
     if len(idx) < 4:
         raise ValueError(f"--cka: CKA's unbiased estimator needs at least 4 samples, and the validation split of "
                          f"{spec} has only {len(idx)}; pass --data with more held-out images")

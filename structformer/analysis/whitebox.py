@@ -44,8 +44,8 @@ from ..functional.coding_rate import (OFFICIAL_EPS, official_rate_bounds, offici
 from ..functional.precision import full_precision
 from ..hooks import capture
 
-__all__ = ['ESTIMATORS', 'EPS_RANGE', 'check_eps', 'check_crate', 'layer_hooks', 'capture_layers', 'measure_layers', 'token_heatmaps',
-           'layer_bases', 'rate', 'default_eps']
+__all__ = ['ESTIMATORS', 'EPS_RANGE', 'check_eps', 'check_crate', 'layer_hooks', 'capture_layers', 'measure_layers',
+           'token_heatmaps', 'layer_bases', 'rate', 'default_eps']
 
 ESTIMATORS = ('official', 'paper')
 _DEFAULT_EPS = {'official': OFFICIAL_EPS, 'paper': 0.5}

@@ -202,7 +202,8 @@ def build_model(name: str, model_kwargs: Optional[Dict[str, Any]] = None, data=N
     # silently (swmlp_cifar with mlp_ratio=None kept its γ = 2); a run's recorded kwargs (rebuild) keep timm's way
     unset = sorted(k for k, v in model_kwargs.items() if v is None)
     if unset:
-        raise ValueError(f"{kwargs_flag or name} {' '.join(k + '=None' for k in unset)}: timm.create_model drops a None, so "
+        given = ' '.join(k + '=None' for k in unset)
+        raise ValueError(f"{kwargs_flag or name} {given}: timm.create_model drops a None, so "
                          f"{name} would keep its own default there; give the value (a Mixer's or SW-MLP's single-layer "
                          "blocks: mlp_ratio=0), or leave the key out for the default")
     specs = normalize_transforms(transforms)

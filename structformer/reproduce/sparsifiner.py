@@ -203,8 +203,8 @@ def _verdicts(rows: List[Dict], val_images: int, teacher: Optional[Dict] = None)
         by_keep.setdefault(r['keep'], {})[r['kind']] = r
     out = {}
     if teacher is not None and not teacher['learned']:
-        text = (f"cannot tell at this scale: the teacher did not learn (held-out top-1 {teacher['top1']:.2f}% is within "
-                f"two standard errors, {teacher['two_standard_errors']:.2f} points, of the most frequent class's share "
+        text = (f"cannot tell at this scale: the teacher did not learn (held-out top-1 {teacher['top1']:.2f}% is "
+                f"within two standard errors, {teacher['two_standard_errors']:.2f} points, of the most frequent class's share "
                 f"{teacher['majority_class']:.2f}%), so its students test no conversion of a trained network")
         return {claim: {'holds': None, 'text': text} for claim in ('small_drop_at_0.25', 'beats_linformer')}
     if 0.25 in by_keep and 'sparsifiner' in by_keep[0.25]:
