@@ -21,7 +21,7 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     from ..errors import UsageError
     from ..train.checkpoint import load_model
     from .cka import branch_modules, minibatch_cka
-    from .samples import load_named, recorded_data, second_checkpoint
+    from .samples import check_takes_images, load_named, recorded_data, second_checkpoint
     other_path = second_checkpoint('--cka', args.cka)
     model_a, state_a = load_model(main_path)
     model_b, state_b = load_named('--cka', other_path)
@@ -36,12 +36,9 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
                                  "accepted for Mixers and SW-MLPs, or --cka-features blocks") from None
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
-    from ..train.scoring_data import check_model_input
     # data a model cannot take: one line naming --data (timm's patch embedding asserts, which the catch below missed)
-    for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a),
-                                     ('--cka', other_path, model_b, state_b)):
-        check_model_input(model, images[:2], None,
-                          f"--data {spec}: {flag} {path} ({state.get('model')}) cannot take its images")
+    check_takes_images(spec, images, main_path, model_a, state_a, '--checkpoint')
+    check_takes_images(spec, images, other_path, model_b, state_b, '--cka')
     if len(idx) < 4:
         raise ValueError(f"--cka: CKA's unbiased estimator needs at least 4 samples, and the validation split of "
                          f"{spec} has only {len(idx)}; pass --data with more held-out images")

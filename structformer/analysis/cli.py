@@ -346,12 +346,13 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
         print(f"note: the validation split of {spec} has {len(idx)} samples; measuring all of them "
               f"instead of --num-samples {args.num_samples}")
     from ..train.scoring_data import check_model_input
+    from .samples import check_takes_images
     for model, state, p in loaded:      # data the models cannot take: one line before the output folder is made
-        # a --compare checkpoint is blamed on --compare: the data is --checkpoint's (or --data's when given)
-        refusal = (f"--data {spec}: {p} ({state.get('model')}) cannot take its images" if p is main_path else
-                   f"--compare {p}: its model ({state.get('model')}) cannot take the images of {spec}, the data "
-                   "--checkpoint is measured on")
-        check_model_input(model, images[:2], None, refusal)
+        if p is main_path:
+            check_takes_images(spec, images, p, model, state)
+        else:       # blamed on --compare: the data is --checkpoint's (or --data's when given)
+            check_model_input(model, images[:2], None, f"--compare {p}: its model ({state.get('model')}) cannot take "
+                                                       f"the images of {spec}, the data --checkpoint is measured on")
 
     out.mkdir(parents=True, exist_ok=True)
     taken: set = set()

@@ -82,7 +82,7 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     from ..records import write_json, write_png
     from ..data import build_datasets
     from ..train.checkpoint import load_model
-    from .samples import load_named, recorded_data, second_checkpoint
+    from .samples import check_takes_images, load_named, recorded_data, second_checkpoint
     other = second_checkpoint('--interpolate', args.interpolate)
     if args.interpolate_steps < 2:
         raise ValueError(f"--interpolate-steps must be an integer >= 2; got {args.interpolate_steps}")
@@ -91,12 +91,9 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     _, val, _ = build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
     if len(val):               # data a model cannot take: one line naming --data, not a traceback from inside timm
-        from ..train.scoring_data import check_model_input
         batch = torch.stack([val[i][0] for i in range(min(2, len(val)))])
-        for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a),
-                                         ('--interpolate', other, model_b, state_b)):
-            check_model_input(model, batch, None, f"--data {spec}: {flag} {path} ({state.get('model')}) cannot take "
-                                                  "its images")
+        check_takes_images(spec, batch, main_path, model_a, state_a, '--checkpoint')
+        check_takes_images(spec, batch, other, model_b, state_b, '--interpolate')
     if len(val) > args.num_samples:
         val = torch.utils.data.Subset(val, torch.randperm(len(val), generator=torch.Generator().manual_seed(args.seed))
                                       [:args.num_samples].sort().values.tolist())

@@ -25,8 +25,13 @@ def spectra_history(run: Optional[Path], up_to: Optional[int] = None) -> List[Di
     if run is None:
         return []
     # the engine's reader: a torn last line of an interrupted run is dropped, not a JSON error
-    return [record for record in read_metrics(Path(run) / 'metrics.jsonl') if record.get('effective_rank')
-            and (up_to is None or record.get('epoch') is None or record['epoch'] <= up_to)]
+    return _up_to([record for record in read_metrics(Path(run) / 'metrics.jsonl') if record.get('effective_rank')],
+                  up_to)
+
+
+def _up_to(records: List[Dict], epoch: Optional[int]) -> List[Dict]:
+    """The records of epochs up to `epoch` (all when None; a record without an epoch is kept)."""
+    return [r for r in records if epoch is None or r.get('epoch') is None or r['epoch'] <= epoch]
 
 
 def summarise(history: List[Dict]) -> Dict:
@@ -72,10 +77,11 @@ def run_spectra_analysis(run: Path, out: Path, up_to: Optional[int] = None) -> i
     """Write spectra.json and spectra.png for `run` into `out`, the epochs up to `up_to` (the checkpoint analysed;
     all when None); returns 0. Raises ValueError when the run logged no effective ranks (it did not factorise)
     or none by epoch `up_to`."""
-    history = spectra_history(run, up_to)
+    logged = spectra_history(run)
+    history = _up_to(logged, up_to)
     if not history:
-        if up_to is not None and spectra_history(run):
-            first = spectra_history(run)[0].get('epoch')
+        if logged:
+            first = logged[0].get('epoch')
             raise ValueError(f"--checkpoint {run}: the checkpoint is epoch {up_to}, and the run logged effective "
                              f"ranks from epoch {first} on; pass a later checkpoint or the run")
         raise ValueError(f"--checkpoint {run}: its metrics.jsonl holds no effective ranks (the run did not "

@@ -1,7 +1,7 @@
 """What an analysis reads: the data a checkpoint is measured on (`recorded_data`), a seeded subset of its
 validation split (`load_samples`), and the second checkpoint of a comparison (`second_checkpoint`); used by
 `structformer analyze` (CRATE, Sparsifiner, CKA, interpolation) and the CRATE reproduction; `load_named` loads one
-beside --checkpoint, its errors naming the flag that gave it."""
+beside --checkpoint, its errors naming the flag that gave it; `check_takes_images` refuses data a model cannot take."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
@@ -70,3 +70,12 @@ def load_named(flag: str, path):
         if not text.startswith('--checkpoint'):
             raise
         raise type(e)(flag + text[len('--checkpoint'):]) from None
+
+
+def check_takes_images(spec: str, images, path, model, state: Dict, flag: str = '') -> None:
+    """Data a checkpoint's model cannot take (another channel count or image size): one line naming --data and the
+    checkpoint (with the flag that named it, beside --checkpoint), not a traceback from inside timm's patch
+    embedding. Tried on the first two of `images`."""
+    from ..train.scoring_data import check_model_input
+    named = f"{flag} {path}" if flag else str(path)
+    check_model_input(model, images[:2], None, f"--data {spec}: {named} ({state.get('model')}) cannot take its images")

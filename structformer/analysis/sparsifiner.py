@@ -325,12 +325,11 @@ def run_sparsifiner_analysis(args, model, state: Dict, path: Path, out: Path, lo
     from ..records import write_json
     layers = sparsifiner_layers(model)
     chosen = parse_layers(getattr(args, 'layers', None), len(layers))
-    from .samples import recorded_data
+    from .samples import check_takes_images, recorded_data
     spec, options, data_seed, val_fraction = recorded_data(state, args.data, path)
     images, _, idx = load_samples(spec, options, data_seed, val_fraction, args.num_samples, args.seed)
-    from ..train.scoring_data import check_model_input
     # data the model cannot take: one line naming --data (it was a traceback from inside the patch embedding)
-    check_model_input(model, images[:2], None, f"--data {spec}: {path} ({state.get('model')}) cannot take its images")
+    check_takes_images(spec, images, path, model, state)
     grid = patch_grid(model, next(iter(layers.values())).basis.seq_len)    # W_up has one column per token
     query = parse_query_patch(getattr(args, 'query_patch', None), grid[1], grid[2])
     token = grid[0] + query[0] * grid[2] + query[1]

@@ -96,10 +96,11 @@ def _construct(name: str, kwargs: Dict[str, Any], user_kwargs: Dict[str, Any], c
     from .attention_swap import check_attention_fits, check_patch_dropout
     # timm's names have one meaning in every model: a bad value is named here, before a layer is built
     check_conventional_kwargs(user_kwargs, f'{flag} ' if flag else '')
+    layer_kwargs = resolve_layer_kwargs(kwargs)
     if user_kwargs and check_fit:          # a recorded recipe (rebuild) was built once already: no second build
-        _check_weights_fit(name, resolve_layer_kwargs(kwargs), user_kwargs, flag)
+        _check_weights_fit(name, layer_kwargs, user_kwargs, flag)
     try:
-        model = timm.create_model(name, **resolve_layer_kwargs(kwargs))
+        model = timm.create_model(name, **layer_kwargs)
         return check_attention_fits(check_patch_dropout(model)), kwargs
     except TypeError as e:
         if 'img_size' in kwargs and 'img_size' not in user_kwargs and 'img_size' in str(e):
@@ -151,11 +152,12 @@ def _estimated_parameters(name: str, kwargs: Dict[str, Any]) -> Optional[int]:
         return None if one is None or two is None else one + (depth - 1) * (two - one)
     if isinstance(depths, (list, tuple)) and all(isinstance(d, int) for d in depths) and sum(depths) > _COUNTED_BLOCKS:
         ones = [1] * len(depths)
-        base = _meta_parameters(name, {**kwargs, 'depths': tuple(ones)})
-        total = base
+        total = base = _meta_parameters(name, {**kwargs, 'depths': tuple(ones)})
+        if base is None:
+            return None
         for stage, blocks in enumerate(depths):
             grown = _meta_parameters(name, {**kwargs, 'depths': tuple(ones[:stage] + [2] + ones[stage + 1:])})
-            if base is None or grown is None:
+            if grown is None:
                 return None
             total += (blocks - 1) * (grown - base)
         return total
