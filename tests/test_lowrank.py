@@ -26,6 +26,7 @@ def test_resolve_rank_int_and_fraction():
     assert resolve_rank(0.1, 100, 300) == 10
     assert resolve_rank(0.62, 768, 3072) == round(0.62 * 768)
     assert resolve_rank(1e-6, 10, 20) == 1            # a fraction never rounds to rank 0
+    assert (resolve_rank(0.26, 10, 20), resolve_rank(0.24, 10, 20)) == (3, 2)   # the nearest count, not truncated
     assert resolve_rank(1.0, 10, 20) == 10
     assert saves_parameters(4, 10, 10) and not saves_parameters(5, 10, 10)   # mn/(m+n) = 5
 

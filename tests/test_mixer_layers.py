@@ -224,8 +224,27 @@ def test_seeded_layers_rebuild_exactly():
     assert torch.equal(a.perm_in, b.perm_in) and torch.equal(a.perm_out, b.perm_out)
     assert a.perm_in.dtype == torch.int64 and set(a.state_dict()) == {'weight', 'bias', 'perm_in', 'perm_out'}
     assert not torch.equal(a.perm_in, PKLinear(3, 4, 4, 'random', 'random', seed=10).perm_in)
+    # J₁ from the seed, J₂ from seed + 1: two independent draws (one seed for both made J₂ = J₁ whenever the sizes
+    # agree, a correlated pair instead of the paper's two random permutations)
+    assert torch.equal(a.perm_in, random_permutation(12, 9)) and torch.equal(a.perm_out, random_permutation(12, 10))
+    assert not torch.equal(a.perm_in, a.perm_out)
     assert torch.equal(MaskedLinear(9, 9, 0.3, seed=1).mask, MaskedLinear(9, 9, 0.3, seed=1).mask)
 
+
+
+@pytest.mark.parametrize('make, factors', [
+    (lambda: KroneckerLinear((64, 48), (64, 48)), lambda m: [(m.weight_rows, 64), (m.weight_cols, 48)]),
+    (lambda: MonarchLinear(2304, 2304, nblocks=48), lambda m: [(m.weight_right, 48), (m.weight_left, 48)])])
+def test_structured_factors_start_at_the_dense_init_scale(make, factors):
+    """Each factor starts N(0, 1/fan_in of its own blocks), so the product's entries have the variance 1/in_features of
+    a dense N(0, 1/fan_in) init (one path per entry: a product of one entry of each factor). Checked on the factors'
+    sample second moments, within four standard errors of a mean of N squared normals (relative √(2/N))."""
+    torch.manual_seed(0)
+    layer = make()
+    for weight, fan_in in factors(layer):
+        moment = weight.detach().double().pow(2).mean().item() * fan_in
+        assert abs(moment - 1) <= 4 * math.sqrt(2 / weight.numel()), (tuple(weight.shape), moment)
+        assert abs(weight.detach().double().mean().item()) * math.sqrt(fan_in) <= 4 / math.sqrt(weight.numel())
 
 def test_loaded_permutations_win_and_bad_ones_are_refused():
     torch.manual_seed(8)

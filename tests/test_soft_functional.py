@@ -223,6 +223,18 @@ def test_newton_pinv_gradcheck_non_symmetric():
     assert torch.autograd.gradcheck(lambda m: newton_pinv(m, num_iter=80), (a,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+
+def test_newton_pinv_inverts_non_symmetric_matrices_from_its_transposed_start():
+    """X₀ = αAᵀ makes every error eigenvalue 1 − ασ² lie in [0, 1) for any A (module docstring), so the iteration
+    inverts non-symmetric matrices too: an orthogonal Q (pinv Qᵀ; Q² has eigenvalues on the unit circle, so a
+    start X₀ = αA diverges) and a random invertible matrix. Symmetric kernel matrices cannot tell the two starts
+    apart."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(3, 6, 6, generator=g, dtype=F64))
+    torch.testing.assert_close(newton_pinv(q, num_iter=30), q.mT, rtol=1e-12, atol=1e-12)
+    a = torch.randn(3, 6, 6, generator=g, dtype=F64) + 3 * torch.eye(6, dtype=F64)
+    torch.testing.assert_close(newton_pinv(a, num_iter=60), torch.linalg.inv(a), rtol=1e-10, atol=1e-10)
+
 def test_newton_pinv_backward_is_eq12():
     a = (_spd(6, 5) / 6 + torch.eye(6, dtype=F64)).requires_grad_()
     g = torch.randn(6, 6, dtype=F64)

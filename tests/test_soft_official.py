@@ -251,6 +251,38 @@ def test_public_rules_match_the_public_code_written_out():
     torch.testing.assert_close(newton_pinv(a, 20, rule='softpp'), public_softpp_inverse(a), rtol=1e-12, atol=1e-12)
 
 
+
+def _halvings(mat):
+    """How many times the public SOFT++ code halves α for this batch (its while loop, counted)."""
+    eye = torch.eye(mat.shape[-1], dtype=mat.dtype)
+    alpha, count = 2 / mat.sum(-1).max() ** 2, 0
+    while (eye - mat @ (alpha * mat)).abs().sum(-2).max() > 1.01 and count < 10:
+        alpha, count = alpha * 0.5, count + 1
+    return count
+
+
+def test_public_rules_match_the_public_code_after_one_and_two_steps():
+    """Before the iteration has converged the step size α still shows: after one or two steps X depends on α itself,
+    so the public rules' starts (SOFT's 0.9·2/‖A‖∞², SOFT++'s halving loop and its cap of ten halvings) are pinned
+    here, where after 20 steps every start has reached the same pseudo-inverse. Three batches: kernel matrices
+    (the loop stops early), a near-identity PSD batch (a few halvings) and a matrix whose square's column sums
+    dominate its row sums, where the test never passes and the cap decides α."""
+    torch.manual_seed(5)
+    lm = 0.5 * torch.randn(2, 3, 12, 8, dtype=F64)
+    sym = torch.rand(2, 6, 6, dtype=F64)
+    column = torch.zeros(1, 64, 64, dtype=F64)
+    column[..., 0] = 1.0
+    batches = {'kernel': gaussian_kernel(lm, lm), 'near-identity': torch.eye(6, dtype=F64) + 0.1 * (sym + sym.mT),
+               'dominant column': column + 0.01 * torch.eye(64, dtype=F64)}
+    halvings = {name: _halvings(a) for name, a in batches.items()}
+    assert 0 < halvings['near-identity'] < halvings['kernel'] < 10 and halvings['dominant column'] == 10, halvings
+    for name, a in batches.items():
+        for steps in (1, 2):
+            torch.testing.assert_close(newton_pinv(a, steps, rule='softpp'), public_softpp_inverse(a, steps),
+                                       rtol=1e-12, atol=1e-12, msg=lambda m: f'{name}, {steps} steps: {m}')
+            torch.testing.assert_close(newton_pinv(a, steps, rule='soft'), public_soft_inverse(a, steps),
+                                       rtol=1e-12, atol=1e-12, msg=lambda m: f'{name}, {steps} steps: {m}')
+
 @pytest.mark.parametrize('dtype', [F64, torch.float32])
 @pytest.mark.parametrize('backward', ['closed_form', 'unrolled'])
 @pytest.mark.parametrize('rule', ['ours', 'soft', 'softpp'])

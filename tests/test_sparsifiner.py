@@ -523,3 +523,31 @@ def test_predictors_are_shaped_inside_every_feature_wrapper(feature_cls):
             assert len(features(torch.randn(2, 1, 8, 8))) == 2
     w_down = [p for n, p in features.named_parameters() if n.endswith('blocks.1.attn.basis.w_down')]
     torch.testing.assert_close(w_down[0], plain.blocks[1].attn.basis.w_down)
+
+
+@pytest.mark.parametrize('up_basis', ['signed', 'abs'])
+def test_predictor_scores_are_eq1_to_eq3_written_out(up_basis):
+    """The layer's connectivity scores against Eq. 1–3 written out here in float64 (not through the layer's own
+    helpers): A_down = softmax(Q (W_down K)ᵀ / √d), Ã_down = A_down ⊙ 1[A_down > τ], S = Ã_down (W ⊙ 1[|W| ≥ t])
+    with W = W_up ('signed', the paper) or |W_up| ('abs', the public code). The data holds coefficients between τ/2
+    and τ and negative basis entries above t in magnitude, so a threshold at another τ, a basis thresholded by its
+    sign or a logit scale of 1/d instead of 1/√d changes S."""
+    n, d, heads, tau, t = 17, 8, 2, 0.05, 1e-2
+    layer = SparsifinerAttention(d * heads, heads, n_down=8, tau=tau, up_threshold=t, seq_len=n, up_basis=up_basis,
+                                 basis_init='scaled').double().eval()
+    q, k, _ = _qkv(b=2, h=heads, n=n, d=d)
+    w_down, w_up = layer.basis.w_down.detach(), layer.basis.w_up.detach()
+    a_down = torch.softmax(q @ (w_down @ k).transpose(-2, -1) / d ** 0.5, dim=-1)
+    basis = w_up if up_basis == 'signed' else w_up.abs()
+    expected = (a_down * (a_down > tau)) @ (basis * (basis.abs() >= t))
+    assert ((a_down > tau / 2) & (a_down <= tau)).any() and ((w_up < -t).any())
+    torch.testing.assert_close(layer.predict(q, k), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_low_rank_attention_defaults_to_the_inverse_square_root_of_the_head_width():
+    """Eq. 1's scale when none is given: 1/√d of the keys' width (d = 8 here), as `masked_attention`'s."""
+    from structformer.functional.sparsifiner import low_rank_attention
+    q, k, _ = _qkv(d=8)
+    w_down = torch.randn(4, k.shape[-2], dtype=D, generator=torch.Generator().manual_seed(3))
+    expected = torch.softmax(q @ (w_down @ k).transpose(-2, -1) / 8 ** 0.5, dim=-1)
+    torch.testing.assert_close(low_rank_attention(q, k, w_down), expected, rtol=1e-12, atol=1e-14)
