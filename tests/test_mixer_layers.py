@@ -234,7 +234,8 @@ def test_seeded_layers_rebuild_exactly():
 
 @pytest.mark.parametrize('make, factors', [
     (lambda: KroneckerLinear((64, 48), (64, 48)), lambda m: [(m.weight_rows, 64), (m.weight_cols, 48)]),
-    (lambda: MonarchLinear(2304, 2304, nblocks=48), lambda m: [(m.weight_right, 48), (m.weight_left, 48)])])
+    (lambda: MonarchLinear(2304, 2304, nblocks=48), lambda m: [(m.weight_right, 48), (m.weight_left, 48)])],
+    ids=['kronecker', 'monarch'])
 def test_structured_factors_start_at_the_dense_init_scale(make, factors):
     """Each factor starts N(0, 1/fan_in of its own blocks), so the product's entries have the variance 1/in_features of
     a dense N(0, 1/fan_in) init (one path per entry: a product of one entry of each factor). Checked on the factors'
