@@ -231,3 +231,14 @@ def test_rates_refuse_an_eps_outside_the_positive_reals(eps):
         with pytest.raises(ValueError, match=r'eps must be a finite number > 0 .*; got '):
             call()
     assert float(coding_rate(z, np.float32(0.5))) == pytest.approx(float(coding_rate(z, 0.5)))
+
+
+def test_sparsity_is_the_fraction_of_non_zero_codes():
+    """‖Z‖₀ / (d·N) per sample (CRATE §3.1, what `analyze` plots after every ISTA): exact zeros (ReLU's) do not
+    count, and with `tol` only |z| > tol does."""
+    from structformer.functional import sparsity
+    z = torch.zeros(2, 4, 5)
+    z[0, :2, :] = 1.0                                  # 10 of 20 non-zero
+    z[1, 0, 0], z[1, 1, 1], z[1, 2, 2] = -3.0, 0.05, 0.2   # 3 of 20 non-zero, 2 above 0.1
+    assert sparsity(z).tolist() == pytest.approx([0.5, 0.15], abs=1e-7)        # a float32 mean of 20 entries
+    assert sparsity(z, tol=0.1).tolist() == pytest.approx([0.5, 0.1], abs=1e-7)

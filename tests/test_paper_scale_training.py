@@ -115,6 +115,35 @@ def test_weight_average_is_evaluated_saved_and_scored_by_eval(tmp_path, capsys):
     assert scored['top1'] == pytest.approx(result.final['ema_val_top1'], abs=1e-9)   # the same 180 images counted
 
 
+
+@pytest.mark.parametrize('warmup', [False, True])
+def test_weight_average_follows_the_configured_decay(warmup):
+    """--model-ema-decay d, as timm's ModelEmaV3 applies it after each optimiser step s: the first step copies the
+    weights, every later one averages EMA ← δ·EMA + (1 − δ)·W with δ = d, or with --model-ema-warmup
+    δ = min(d, 1 − (1 + (s − 1))^(−2/3)) (timm's warm-up: gamma 1, power 2/3). Also after `model_replaced` (the
+    average restarted on a factorised network keeps the run's decay)."""
+    from types import SimpleNamespace
+    from structformer.train.parts import WeightAveragePart
+    decay = 0.75
+    config = SimpleNamespace(model_ema_decay=decay, model_ema_warmup=warmup, factorize_at=0)
+    model = torch.nn.Linear(3, 2)
+    trainer = SimpleNamespace(model=model, global_step=0, recipe=SimpleNamespace(transforms=[]))
+    part = WeightAveragePart(model, config)
+    for replaced in (False, True):
+        if replaced:
+            trainer.model = model = torch.nn.Linear(3, 2)
+            part.model_replaced(trainer)
+        expected = None
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(torch.randn(2, 3))
+            trainer.global_step = step
+            part.after_step(trainer)
+            current = model.weight.detach().clone()
+            delta = 0.0 if step == 1 else (min(decay, 1 - step ** (-2 / 3)) if warmup else decay)
+            expected = current if expected is None else delta * expected + (1 - delta) * current
+            torch.testing.assert_close(part.average.module.weight, expected, rtol=1e-6, atol=1e-6)
+
 def test_soft_targets_take_soft_target_cross_entropy():
     """Mixup folds label smoothing into soft targets; the ce term must not smooth them again."""
     from timm.loss import SoftTargetCrossEntropy

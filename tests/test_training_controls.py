@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from structformer.cli import main
@@ -586,3 +587,24 @@ def test_a_floor_the_schedule_never_reads_is_not_held_against_the_peak(tmp_path)
                        (dict(sched='step', warmup_epochs=1, warmup_lr=1e-3), '--warmup-lr')):
         with pytest.raises(UsageError, match=f'{flag} 0.001 is above the peak learning rate'):
             Trainer(_tiny(tmp_path / 'b', **common, **read))._build()
+
+
+def test_smoothing_reaches_the_training_loss(tmp_path, monkeypatch):
+    """--smoothing is the cross-entropy's label smoothing in every training step (each step's 'ce' term seen here
+    is F.cross_entropy(logits, targets, label_smoothing=0.3) of that step's own logits), and the run's logged
+    train loss is those terms' mean over its steps."""
+    from structformer.train import train
+    from structformer.train.phases import LOSS_TERMS
+    seen, original = [], LOSS_TERMS['ce']
+
+    def recording(ctx):
+        value = original(ctx)
+        seen.append((ctx.label_smoothing, value.item(),
+                     F.cross_entropy(ctx.logits, ctx.targets, label_smoothing=0.3).item(), ctx.targets.numel()))
+        return value
+    monkeypatch.setitem(LOSS_TERMS, 'ce', recording)
+    result = train(_tiny(tmp_path, epochs=1, limit_train_batches=2, label_smoothing=0.3), progress=False)
+    assert len(seen) == 2 and all(smoothing == 0.3 for smoothing, *_ in seen)
+    assert all(value == pytest.approx(expected, rel=1e-6) for _, value, expected, _ in seen)
+    mean = sum(value * n for _, value, _, n in seen) / sum(n for *_, n in seen)
+    assert result.final['train_loss'] == pytest.approx(mean, rel=1e-6)
