@@ -5,7 +5,6 @@ The references below are written from the public code's equations (its SoftmaxFr
 inverse rules), not imported: q is scaled by d^-¼, landmarks are GELU(LN(conv(q))), the kernel is
 exp(−‖·‖²/2), and a per-head depthwise conv of V is added to the attention output.
 """
-import math
 
 import pytest
 import timm

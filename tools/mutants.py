@@ -13,7 +13,6 @@ The copy is a detached `git worktree` of HEAD (uncommitted changes are not in it
 package through PYTHONPATH, and removed at the end whatever happens. Tests run with one thread and `-x`.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
