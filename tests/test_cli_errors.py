@@ -540,6 +540,7 @@ CASES = [
     ('dist-bn-unknown', ['train', '--dist-bn', 'sum', '--output', OUT], ['--dist-bn', "'broadcast'"]),
     ('log-interval-negative', ['train', '--log-interval', '-1', '--output', OUT], ['--log-interval', '>= 0']),
     ('eval-ema-without-average', ['eval', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
+    ('analyze-ema-without-average', ['analyze', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),
     ('output-is-file', ['train', '--output', '{a_file}'], ['--output', 'is a file']),

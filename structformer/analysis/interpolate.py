@@ -86,8 +86,8 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     other = second_checkpoint('--interpolate', args.interpolate)
     if args.interpolate_steps < 2:
         raise ValueError(f"--interpolate-steps must be an integer >= 2; got {args.interpolate_steps}")
-    model_a, state_a = load_model(main_path)
-    model_b, state_b = load_named('--interpolate', other)
+    model_a, state_a = load_model(main_path, ema=args.ema)
+    model_b, state_b = load_named('--interpolate', other, ema=args.ema)
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     _, val, _ = build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
     if len(val):               # data a model cannot take: one line naming --data, not a traceback from inside timm
@@ -102,7 +102,8 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / 'interpolation.json', {'a': str(main_path), 'b': str(other), 'data': spec, 'data_kwargs': options,
                                             'data_seed': data_seed, 'val_fraction': val_fraction,
-                                            'seed': args.seed, 'samples': len(val), 'curve': rows})
+                                            'seed': args.seed, 'weights': 'ema' if args.ema else 'model',
+                                            'samples': len(val), 'curve': rows})
 
     def draw(plt):
         fig = plt.figure(figsize=(8, 3.2))
