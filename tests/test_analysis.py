@@ -589,6 +589,8 @@ def test_analyze_ema_measures_the_weight_average(tmp_path):
     assert ema == pytest.approx(ref, rel=1e-5) and ema != pytest.approx(raw, rel=1e-3)
     assert json.loads((tmp_path / 'ema' / 'analysis.json').read_text())['weights'] == 'ema'
     assert json.loads((tmp_path / 'raw' / 'analysis.json').read_text())['weights'] == 'model'
+    assert '(--ema)' in (tmp_path / 'ema' / 'report.md').read_text()
+    assert '(--ema)' not in (tmp_path / 'raw' / 'report.md').read_text()
 
 
 def test_analyze_ema_reads_the_second_checkpoint_average_too(tmp_path):
