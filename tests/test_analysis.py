@@ -352,7 +352,7 @@ def test_a_figure_that_fails_mid_write_leaves_the_previous_one(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize('argv, words', [
-    (['--interpolate-steps', '1'], ['--interpolate-steps does not apply', 'is for --interpolate']),
+    (['--interpolate-steps', '3'], ['--interpolate-steps does not apply', 'is for --interpolate']),
     (['--cka-batch-size', '8'], ['--cka-batch-size does not apply', 'is for --cka']),
     (['--cka', '{run}', '--estimator', 'paper'], ['--estimator does not apply', 'analysed as --cka']),
     (['--interpolate', '{run}', '--cka-batch-size', '8'], ['--cka-batch-size does not apply']),

@@ -540,6 +540,14 @@ CASES = [
     ('dist-bn-unknown', ['train', '--dist-bn', 'sum', '--output', OUT], ['--dist-bn', "'broadcast'"]),
     ('log-interval-negative', ['train', '--log-interval', '-1', '--output', OUT], ['--log-interval', '>= 0']),
     ('eval-ema-without-average', ['eval', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
+    # a huge count of interpolation points allocated t for each and evaluated them one by one (after the whole
+    # study had trained, in reproduce lowrank)
+    ('analyze-interpolate-steps-huge', ['analyze', '--checkpoint', '{run}', '--interpolate', '{run}',
+                                        '--interpolate-steps', '1000000000'], ['--interpolate-steps', '[2, 1001]']),
+    ('reproduce-lowrank-interpolate-steps-huge', ['reproduce', 'lowrank', '--parts', 'lm', '--interpolate-steps',
+                                                  '1000000000', '--output', OUT], ['--interpolate-steps', '[2, 1001]']),
+    ('reproduce-lowrank-interpolate-steps-one', ['reproduce', 'lowrank', '--parts', 'lm', '--interpolate-steps', '1',
+                                                 '--output', OUT], ['--interpolate-steps', '[2, 1001]']),
     ('analyze-ema-without-average', ['analyze', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),

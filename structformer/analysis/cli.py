@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Dict, Optional
 
-from ..cli_args import seed_value
+from ..cli_args import MAX_INTERPOLATE_STEPS, interpolate_steps, seed_value
 from ..errors import UsageError
 from .samples import load_samples, recorded_data
 
@@ -91,8 +91,8 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help='instead of the white-box measures: held-out loss and accuracy along the straight line '
                              'from --checkpoint to this checkpoint, factorised layers read densely (low-rank '
                              'training Fig. 2), written to interpolation.json and interpolation.png')
-    parser.add_argument('--interpolate-steps', type=int, default=None, metavar='N',
-                        help='points on the line, t = 0, 1/(N-1), ..., 1 (>= 2; default 11)')
+    parser.add_argument('--interpolate-steps', type=interpolate_steps, default=None, metavar='N',
+                        help=f'points on the line, t = 0, 1/(N-1), ..., 1 (2 … {MAX_INTERPOLATE_STEPS}; default 11)')
     parser.add_argument('--query-patch', default=None, metavar='ROW,COL|INDEX',
                         help='Sparsifiner models: the query patch whose kept keys and attention rows are drawn, '
                              'as ROW,COL or a row-major patch index (default: the centre patch)')
