@@ -548,6 +548,12 @@ CASES = [
                                                   '1000000000', '--output', OUT], ['--interpolate-steps', '[2, 1001]']),
     ('reproduce-lowrank-interpolate-steps-one', ['reproduce', 'lowrank', '--parts', 'lm', '--interpolate-steps', '1',
                                                  '--output', OUT], ['--interpolate-steps', '[2, 1001]']),
+    # planned a run per seed and configuration (10**9 seeds: the plan alone filled memory) and drew 10**9 random
+    # spectra (20 s each), before any message
+    ('reproduce-mixer-seeds-huge', ['reproduce', 'mixer', '--seeds', '1000000000', '--output', OUT],
+     ['--seeds', '[1, 1000]']),
+    ('reproduce-mixer-spectra-trials-huge', ['reproduce', 'mixer', '--spectra-trials', '1000000000', '--output', OUT],
+     ['--spectra-trials', '[0, 100]']),
     ('analyze-ema-without-average', ['analyze', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),
