@@ -15,6 +15,10 @@ close its gap to the normal Mixer as depth grows; a difference of mean errors co
 over seeds, and inside that (or with one seed) the verdict says it cannot tell. "Error falls as the width grows" is
 a one-sided Spearman test at 5 % (`rank_trend`, exact up to 8 runs): holds on a significant fall, does not hold on
 a significant rise, and otherwise cannot tell.
+
+Each run is a `structformer train` run in --output/runs/<name>; a finished one of the same settings, trained by this
+code (`reproduce.finished_run`: its config.yaml and the code stamp in its checkpoints), is reused, so an interrupted
+study continues where it stopped; another setting or other code trains anew.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from . import check_distinct, command_line, mnist_spec, start
+from . import check_distinct, command_line, finished_run, mnist_spec, start
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -439,10 +443,12 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i, r in enumerate(runs):
         run_dir = out / 'runs' / _run_name(r)
-        result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=spec,
-                                   output=str(run_dir), seed=r['seed'], keep_last=1, **recipe),
-                       progress=False, overwrite=True)
-        summary = json.loads((Path(result.output) / 'summary.json').read_text())
+        settings = dict(model=r['model'], model_kwargs=r['kwargs'], seed=r['seed'], keep_last=1, **recipe)
+        if finished_run(run_dir, settings, spec):         # an interrupted study takes up where it stopped
+            print(f'reusing the finished run in {run_dir}', flush=True)
+        else:
+            train(TrainConfig(data=spec, output=str(run_dir), **settings), progress=False, overwrite=True)
+        summary = json.loads((run_dir / 'summary.json').read_text())
         row = dict(r, depth=r['kwargs'].get('depth'), val_top1=summary['final_val_top1'],
                    best_val_top1=summary['best_val_top1'], run=str(run_dir))
         rows.append(row)
