@@ -554,6 +554,15 @@ CASES = [
      ['--seeds', '[1, 1000]']),
     ('reproduce-mixer-spectra-trials-huge', ['reproduce', 'mixer', '--spectra-trials', '1000000000', '--output', OUT],
      ['--spectra-trials', '[0, 100]']),
+    # timm's model-name form of a folder, typed where a path is asked for: "does not exist", with the folder there
+    ('eval-local-dir-prefix', ['eval', '--checkpoint', 'local-dir:{run}'],
+     ['--checkpoint', 'local-dir:', "timm's", 'give the path itself', '(a folder)']),
+    ('export-local-dir-prefix', ['export', 'local-dir:{run}', '--format', 'onnx', '--output', OUT + '.onnx'],
+     ['SOURCE', "timm's", 'give the path itself']),
+    ('teacher-local-dir-prefix', ['train', '--model', 'crate_digits', '--teacher', 'local-dir:{run}', '--output', OUT],
+     ['--teacher', "timm's", 'give the path itself']),
+    ('initial-checkpoint-local-dir-prefix', ['train', '--initial-checkpoint', 'local-dir:{run}', '--output', OUT],
+     ['--initial-checkpoint', "timm's", 'give the path itself']),
     ('analyze-ema-without-average', ['analyze', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),
