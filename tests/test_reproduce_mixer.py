@@ -250,3 +250,18 @@ def test_an_interrupted_study_reuses_its_finished_runs(tmp_path, capsys):
     for run in again:                  # a reused row is its run's numbers, as the first pass recorded them
         if Path(run).name in kept:
             assert again[run] == first[run]
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
+@pytest.mark.parametrize('argv, blamed', [(['--depths', '1000000000'], '--depths 1000000000: C = S = 32'),
+                                          (['--depth', '1000000000'], '--channels 32 at --depth 1000000000')])
+def test_a_depth_the_machine_cannot_build_is_blamed_on_its_flag(tmp_path, capsys, argv, blamed):
+    """--depths 10**9 (the depth sweep) was refused as '--channels 32: C = 32, S = 32, which this machine cannot
+    build', naming a flag the user had not given (the sweep's C = S = C* happened to be 32)."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'mixer', '--data', str(MNIST), '--channels', '32', '--depths', '2', '--seeds', '1',
+                 '--sw-densities', '0.25', '--spectra-trials', '0', *argv, '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err
+    assert f'error: {blamed}' in err and 'which this machine cannot build' in err, err
+    assert not out.exists()

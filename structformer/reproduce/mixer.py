@@ -164,9 +164,12 @@ def _preflight(runs: List[Dict], spec: str, omega_: int) -> None:
             build_model(r['model'], r['kwargs'], info, kwargs_flag=None)     # this command has no --model-kwargs
         except ValueError as e:
             reason = str(e)
+            # the flag that set this run: the depth sweep's C = S = C* is no --channels value (it was blamed on one)
             flag = (f"--sw-densities: density {r['density']:.3g} at --omega {omega_} is a width-{r['width']} SW-MLP"
                     if r['kind'] == 'SW-MLP'
-                    else f"--channels {r['channels']}: C = {r['channels']}, S = {r['tokens']}")
+                    else f"--depths {r['kwargs']['depth']}: C = S = {r['channels']}" if r['group'] == 'depth'
+                    else f"--channels {r['channels']} at --depth {r['kwargs']['depth']}: C = {r['channels']}, "
+                         f"S = {r['tokens']}")
             raise ValueError(f"{flag}, which this machine cannot build: {reason}") from None
 
 
