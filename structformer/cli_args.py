@@ -106,6 +106,12 @@ thread_count = bounded_int('--threads', 0, MAX_THREADS, f"in [0, {MAX_THREADS}] 
 # a command's --seed: the range `train --seed` and numpy's generators take
 seed_value = bounded_int('--seed', 0, 2 ** 32 - 1, 'in [0, 2**32)')
 
+# --interpolate-steps (analyze, reproduce lowrank): points on the line between two models, each one evaluation of the
+# held-out split; 1001 puts t at steps of 0.001, finer than any figure reads (10**9 listed every t and evaluated
+# them one by one, for days)
+MAX_INTERPOLATE_STEPS = 1001
+interpolate_steps = bounded_int('--interpolate-steps', 2, MAX_INTERPOLATE_STEPS)
+
 
 def rank_value(text: str):
     """argparse type for --rank: an integer count, or a fraction (validated with the configuration)."""

@@ -6,6 +6,7 @@ import re
 import pytest
 import timm
 import torch
+from safetensors.torch import load_file, save_file
 
 import structformer  # noqa: F401  (registers the CRATE models)
 from structformer.analysis import (capture_layers, map_true_bases, measure_layers, principal_angles,
@@ -351,7 +352,7 @@ def test_a_figure_that_fails_mid_write_leaves_the_previous_one(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize('argv, words', [
-    (['--interpolate-steps', '1'], ['--interpolate-steps does not apply', 'is for --interpolate']),
+    (['--interpolate-steps', '3'], ['--interpolate-steps does not apply', 'is for --interpolate']),
     (['--cka-batch-size', '8'], ['--cka-batch-size does not apply', 'is for --cka']),
     (['--cka', '{run}', '--estimator', 'paper'], ['--estimator does not apply', 'analysed as --cka']),
     (['--interpolate', '{run}', '--cka-batch-size', '8'], ['--cka-batch-size does not apply']),
@@ -549,4 +550,76 @@ def test_a_compare_checkpoint_that_cannot_take_the_data_is_blamed_on_compare(tmp
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1
     assert f'error: --compare {small}' in err and 'synthetic-subspaces' in err
+    assert not (tmp_path / 'out').exists()
+
+
+def _run_with_average(tmp_path):
+    """A CRATE run whose epoch_0002 keeps a weight average (ema.safetensors, as --model-ema writes it) that differs
+    from its weights, and a checkpoint holding those averaged weights as its model weights (the reference)."""
+    run = _make_run(tmp_path)
+    last = run / 'checkpoints' / 'epoch_0002'
+    model = timm.create_model('crate_synthetic')
+    model.load_state_dict(load_file(str(last / 'model.safetensors')))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=generator))
+    average = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(average, str(last / 'ema.safetensors'))
+    reference = save_checkpoint(tmp_path / 'average_as_weights', model, with_rng=False,
+                                state={'model': 'crate_synthetic', 'model_kwargs': {}, 'epoch': 2, 'config': CONFIG})
+    return run, reference
+
+
+def _layers_rc(path):
+    return [row['R_c']['mean'] for row in json.loads(path.read_text())['checkpoints'][0]['measure']['layers']]
+
+
+def test_analyze_ema_measures_the_weight_average(tmp_path):
+    """`analyze --ema` (as `eval --ema` and `export --ema`): a run trained with --model-ema was measured on its
+    weights only (no such flag). The white-box measures of the average equal those of a checkpoint holding the
+    averaged weights as its model, and differ from the weights' own; the record says which weights it measured."""
+    run, reference = _run_with_average(tmp_path)
+    assert run_analyze(_parse('--checkpoint', str(run), '--ema', '--num-samples', '4',
+                              '--output', str(tmp_path / 'ema'))) == 0
+    assert run_analyze(_parse('--checkpoint', str(reference), '--num-samples', '4',
+                              '--output', str(tmp_path / 'ref'))) == 0
+    assert run_analyze(_parse('--checkpoint', str(run), '--num-samples', '4', '--output', str(tmp_path / 'raw'))) == 0
+    ema, ref, raw = (_layers_rc(tmp_path / name / 'analysis.json') for name in ('ema', 'ref', 'raw'))
+    assert ema == pytest.approx(ref, rel=1e-5) and ema != pytest.approx(raw, rel=1e-3)
+    assert json.loads((tmp_path / 'ema' / 'analysis.json').read_text())['weights'] == 'ema'
+    assert json.loads((tmp_path / 'raw' / 'analysis.json').read_text())['weights'] == 'model'
+    assert '(--ema)' in (tmp_path / 'ema' / 'report.md').read_text()
+    assert '(--ema)' not in (tmp_path / 'raw' / 'report.md').read_text()
+
+
+def test_analyze_ema_reads_the_second_checkpoint_average_too(tmp_path):
+    """--interpolate with --ema: both ends are the weight averages (the curve equals the one between the
+    checkpoints holding the averages as their weights)."""
+    run, reference = _run_with_average(tmp_path)
+    common = ['--interpolate-steps', '2', '--num-samples', '8']
+    assert run_analyze(_parse('--checkpoint', str(run), '--interpolate', str(run), '--ema', *common,
+                              '--output', str(tmp_path / 'ema'))) == 0
+    assert run_analyze(_parse('--checkpoint', str(reference), '--interpolate', str(reference), *common,
+                              '--output', str(tmp_path / 'ref'))) == 0
+    ema, ref = (json.loads((tmp_path / n / 'interpolation.json').read_text()) for n in ('ema', 'ref'))
+    assert [r['loss'] for r in ema['curve']] == pytest.approx([r['loss'] for r in ref['curve']], rel=1e-5)
+    assert ema['weights'] == 'ema' and ref['weights'] == 'model'
+
+
+@pytest.mark.parametrize('extra', [[], ['--cka', '{run}'], ['--interpolate', '{run}'], ['--compare', '{plain}']])
+def test_analyze_ema_without_an_average_is_one_line(tmp_path, capsys, extra):
+    """--ema where a checkpoint the analysis reads keeps no weight average: one line naming --ema and the
+    checkpoint, exit 2, no output folder."""
+    from structformer.cli import main
+    run, _ = _run_with_average(tmp_path)
+    plain = _make_run(tmp_path / 'plain')
+    checkpoint = plain if not extra else run
+    argv = [a.replace('{run}', str(plain)).replace('{plain}', str(plain / 'checkpoints' / 'epoch_0002'))
+            for a in extra]
+    status = main(['analyze', '--checkpoint', str(checkpoint), '--ema', '--num-samples', '4',
+                   '--output', str(tmp_path / 'out'), *argv])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert '--ema' in err and 'without --model-ema' in err and str(plain) in err
     assert not (tmp_path / 'out').exists()

@@ -540,6 +540,30 @@ CASES = [
     ('dist-bn-unknown', ['train', '--dist-bn', 'sum', '--output', OUT], ['--dist-bn', "'broadcast'"]),
     ('log-interval-negative', ['train', '--log-interval', '-1', '--output', OUT], ['--log-interval', '>= 0']),
     ('eval-ema-without-average', ['eval', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
+    # a huge count of interpolation points allocated t for each and evaluated them one by one (after the whole
+    # study had trained, in reproduce lowrank)
+    ('analyze-interpolate-steps-huge', ['analyze', '--checkpoint', '{run}', '--interpolate', '{run}',
+                                        '--interpolate-steps', '1000000000'], ['--interpolate-steps', '[2, 1001]']),
+    ('reproduce-lowrank-interpolate-steps-huge', ['reproduce', 'lowrank', '--parts', 'lm', '--interpolate-steps',
+                                                  '1000000000', '--output', OUT], ['--interpolate-steps', '[2, 1001]']),
+    ('reproduce-lowrank-interpolate-steps-one', ['reproduce', 'lowrank', '--parts', 'lm', '--interpolate-steps', '1',
+                                                 '--output', OUT], ['--interpolate-steps', '[2, 1001]']),
+    # planned a run per seed and configuration (10**9 seeds: the plan alone filled memory) and drew 10**9 random
+    # spectra (20 s each), before any message
+    ('reproduce-mixer-seeds-huge', ['reproduce', 'mixer', '--seeds', '1000000000', '--output', OUT],
+     ['--seeds', '[1, 1000]']),
+    ('reproduce-mixer-spectra-trials-huge', ['reproduce', 'mixer', '--spectra-trials', '1000000000', '--output', OUT],
+     ['--spectra-trials', '[0, 100]']),
+    # timm's model-name form of a folder, typed where a path is asked for: "does not exist", with the folder there
+    ('eval-local-dir-prefix', ['eval', '--checkpoint', 'local-dir:{run}'],
+     ['--checkpoint', 'local-dir:', "timm's", 'give the path itself', '(a folder)']),
+    ('export-local-dir-prefix', ['export', 'local-dir:{run}', '--format', 'onnx', '--output', OUT + '.onnx'],
+     ['SOURCE', "timm's", 'give the path itself']),
+    ('teacher-local-dir-prefix', ['train', '--model', 'crate_digits', '--teacher', 'local-dir:{run}', '--output', OUT],
+     ['--teacher', "timm's", 'give the path itself']),
+    ('initial-checkpoint-local-dir-prefix', ['train', '--initial-checkpoint', 'local-dir:{run}', '--output', OUT],
+     ['--initial-checkpoint', "timm's", 'give the path itself']),
+    ('analyze-ema-without-average', ['analyze', '--checkpoint', '{run}', '--ema'], ['--ema', 'without --model-ema']),
     # runs and output folders
     ('existing-run', ['train', '--output', '{run}'], ['--output', '--overwrite']),
     ('output-is-file', ['train', '--output', '{a_file}'], ['--output', 'is a file']),

@@ -1,5 +1,6 @@
 """model_flops (`structformer models --flops`): counted multiply-adds against closed forms, per component."""
 import pytest
+import torch
 import structformer  # noqa: F401  (registers the models)
 
 from structformer.bench.flops import COMPONENTS, model_flops
@@ -150,17 +151,36 @@ def test_every_family_counts_its_products(name, kwargs):
         assert not missing, (train, missing)
 
 
-def test_models_cli_prints_macs(capsys):
-    assert main(['models', '--filter', 'softpp_tiny_mnist', '--flops']) == 0
+_SCALES = {'G': 1e9, 'M': 1e6, 'K': 1e3}
+
+
+def _printed_count(text: str):
+    """'2.964G' -> (2.964e9, 1e9): a count as `models --flops` prints it, and the scale of its unit."""
+    if text[-1] in _SCALES:
+        return float(text[:-1]) * _SCALES[text[-1]], _SCALES[text[-1]]
+    return float(text), 1.0
+
+
+@pytest.mark.parametrize('name, size', [('softpp_tiny_mnist', '1x28x28'), ('mixer_digits', '1x8x8'),
+                                        ('crate_digits', '1x8x8')])
+def test_models_cli_prints_macs(capsys, name, size):
+    """Each count with its own unit (G, M, K, or none), three decimals: the digits models printed 0.000 in a GMACs
+    column (mixer_digits' 0.2 M multiply-adds, every component of them)."""
+    torch.manual_seed(0)        # SOFT++'s attention count moves by a few hundred MACs with the drawn weights
+    assert main(['models', '--filter', name, '--flops']) == 0
     lines = capsys.readouterr().out.splitlines()
     header, row = lines[0].split(), lines[1].split()
     columns = list(COMPONENTS) + ['other']
-    assert header == ['model', 'params', 'input', 'GMACs'] + columns       # every component named in full
-    expected = model_flops('softpp_tiny_mnist')
-    assert row[0] == 'softpp_tiny_mnist' and row[2] == '1x28x28'
-    assert float(row[3]) == pytest.approx(expected['macs'] / 1e9, abs=5e-4)   # printed with 3 decimals
-    for name, text in zip(columns, row[4:]):
-        assert float(text) == pytest.approx(expected['breakdown_macs'][name] / 1e9, abs=5e-4), name
+    assert header == ['model', 'params', 'input', 'MACs'] + columns       # every component named in full
+    torch.manual_seed(0)
+    expected = model_flops(name)
+    assert row[0] == name and row[2] == size
+    for key, text in [('total', row[3])] + list(zip(columns, row[4:])):
+        want = expected['macs'] if key == 'total' else expected['breakdown_macs'][key]
+        value, scale = _printed_count(text)
+        assert value == pytest.approx(want, abs=5e-4 * scale), (key, text)      # printed with 3 decimals
+        assert want == 0 or want < 1000 or 1 <= value / scale < 1000, (key, text)     # the unit that shows it
+    assert expected['macs'] > 0 and _printed_count(row[3])[0] > 0
 
 
 def test_models_cli_rejects_bad_img_size(capsys):

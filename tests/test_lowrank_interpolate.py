@@ -54,9 +54,11 @@ def test_analyze_interpolate_end_to_end(tmp_path, capsys):
     assert report['seed'] == 0 and report['data_seed'] == 0      # which held-out images (a --seed picks others)
     assert (out / 'interpolation.png').exists()
     capsys.readouterr()
-    assert main(['analyze', '--checkpoint', str(tmp_path / 'dense'), '--interpolate', str(tmp_path / 'low'),
-                 '--interpolate-steps', '1', '--output', str(out)]) == 2
-    assert '--interpolate-steps' in capsys.readouterr().err
+    for steps in ('1', '1002'):                  # refused by the parser: [2, 1001]
+        with pytest.raises(SystemExit) as e:
+            main(['analyze', '--checkpoint', str(tmp_path / 'dense'), '--interpolate', str(tmp_path / 'low'),
+                  '--interpolate-steps', steps, '--output', str(out)])
+        assert e.value.code == 2 and '--interpolate-steps must be an integer in [2, 1001]' in capsys.readouterr().err
     assert main(['analyze', '--checkpoint', str(tmp_path / 'dense'), '--interpolate', str(tmp_path / 'nothing'),
                  '--output', str(out)]) == 2
     assert '--interpolate' in capsys.readouterr().err

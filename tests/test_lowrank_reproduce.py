@@ -79,8 +79,12 @@ def test_vision_findings_do_not_count_a_lead_inside_the_noise():
                                            (['--parts', 'lm', '--lm-rank', '1.0'], '--lm-rank 1 (lm part'),
                                            (['--parts', 'vision', '--ranks', '0.2', '0.95'], '--ranks 0.95 (vision')])
 def test_reproduce_lowrank_bad_arguments(argv, message, capsys, tmp_path):
-    assert main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')]) == 2
+    try:
+        status = main(['reproduce', 'lowrank', *argv, '--output', str(tmp_path / 'out')])
+    except SystemExit as e:             # refused by the parser (a value outside its flag's range)
+        status = e.code
     err = capsys.readouterr().err
+    assert status == 2, err
     assert message in err and '--data-kwargs' not in err and '--transform' not in err    # flags it has not
     assert not (tmp_path / 'out').exists()
 

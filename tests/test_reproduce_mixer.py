@@ -209,3 +209,59 @@ def test_a_model_that_cannot_be_built_is_refused_before_anything_trains(tmp_path
     assert '--model-kwargs' not in err                      # this command has no such flag
     assert not out.exists()
 
+
+
+def _stamps(out):
+    """{run folder name: summary.json's (inode, mtime)}: a run trained again writes a new summary."""
+    return {p.parent.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / 'runs').glob('*/summary.json')}
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
+def test_an_interrupted_study_reuses_its_finished_runs(tmp_path, capsys):
+    """Run again into its --output, the study trained every run anew (an interrupted one started over). A finished
+    run of the planned settings made by this code is reused now; one that did not finish, one of another setting
+    and one stamped by other code (records.source_digest in its checkpoints' state.json) train anew."""
+    import yaml
+    out = tmp_path / 'mixer'
+    argv = ['reproduce', 'mixer', '--data', str(MNIST), '--epochs', '1', '--seeds', '1', '--channels', '32',
+            '--depths', '2', '--sw-densities', '0.25', '--depth', '1', '--limit-train-batches', '1',
+            '--spectra-trials', '0', '--output', str(out)]
+    assert main(argv) == 0
+    first = {r['run']: r for r in json.loads((out / 'results.json').read_text())['rows']}
+    before = _stamps(out)
+    assert len(before) == 5
+    unfinished, other_setting, other_code, *kept = sorted(before)
+    (out / 'runs' / unfinished / 'summary.json').unlink()                 # interrupted before its summary
+    config = out / 'runs' / other_setting / 'config.yaml'
+    config.write_text(yaml.safe_dump(dict(yaml.safe_load(config.read_text()), lr=0.5)))
+    for state in (out / 'runs' / other_code / 'checkpoints').glob('*/state.json'):
+        record = json.loads(state.read_text())
+        record['environment']['source'] = '0123456789abcdef'
+        state.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    after = _stamps(out)
+    assert sorted(name for name in before if after[name] != before[name]) == [unfinished, other_setting, other_code]
+    for name in kept:
+        assert f"reusing the finished run in {out / 'runs' / name}" in printed
+    again = {r['run']: r for r in json.loads((out / 'results.json').read_text())['rows']}
+    assert set(again) == set(first)
+    for run in again:                  # a reused row is its run's numbers, as the first pass recorded them
+        if Path(run).name in kept:
+            assert again[run] == first[run]
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs ../shared/data/mnist')
+@pytest.mark.parametrize('argv, blamed', [(['--depths', '1000000000'], '--depths 1000000000: C = S = 32'),
+                                          (['--depth', '1000000000'], '--channels 32 at --depth 1000000000')])
+def test_a_depth_the_machine_cannot_build_is_blamed_on_its_flag(tmp_path, capsys, argv, blamed):
+    """--depths 10**9 (the depth sweep) was refused as '--channels 32: C = 32, S = 32, which this machine cannot
+    build', naming a flag the user had not given (the sweep's C = S = C* happened to be 32)."""
+    out = tmp_path / 'out'
+    assert main(['reproduce', 'mixer', '--data', str(MNIST), '--channels', '32', '--depths', '2', '--seeds', '1',
+                 '--sw-densities', '0.25', '--spectra-trials', '0', *argv, '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('error:') == 1 and 'Traceback' not in err
+    assert f'error: {blamed}' in err and 'which this machine cannot build' in err, err
+    assert not out.exists()

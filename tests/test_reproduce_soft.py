@@ -100,3 +100,24 @@ def test_a_bad_val_fraction_is_refused_by_its_flag(tmp_path, capsys, value):
     err = capsys.readouterr().err
     assert err.count('error:') == 1 and f'--val-fraction must be in (0, 1), got {value}' in err
     assert not out.exists()
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason='needs the MNIST test set in ../shared/data/mnist')
+def test_a_finished_run_is_reused_when_run_again(tmp_path, capsys):
+    """Run again into its --output (after an interruption), every run trained anew: a finished run of the same
+    settings by this code is reused now (its tuple --model-kwargs read back from config.yaml as a list), and one of
+    another setting (--lr) trains anew."""
+    out = tmp_path / 'soft'
+    argv = ['reproduce', 'soft', '--data', str(MNIST), '--attn', 'softmax', '--width', 'quarter', '--epochs', '1',
+            '--limit-train-batches', '1', '--model-kwargs', 'depths=(1,1,1,1)', '--output', str(out)]
+    assert main(argv) == 0
+    (summary,) = (out / 'runs').glob('*/summary.json')
+    first = (summary.stat().st_ino, summary.stat().st_mtime_ns)
+    top1 = json.loads((out / 'results.json').read_text())['rows'][0]['val_top1']
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert f'reusing the finished run in {summary.parent}' in capsys.readouterr().out
+    assert (summary.stat().st_ino, summary.stat().st_mtime_ns) == first
+    assert json.loads((out / 'results.json').read_text())['rows'][0]['val_top1'] == top1
+    assert main(argv + ['--lr', '2e-3']) == 0
+    assert 'reusing' not in capsys.readouterr().out and (summary.stat().st_ino, summary.stat().st_mtime_ns) != first

@@ -23,8 +23,8 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     from .cka import branch_modules, minibatch_cka
     from .samples import check_takes_images, load_named, recorded_data, second_checkpoint
     other_path = second_checkpoint('--cka', args.cka)
-    model_a, state_a = load_model(main_path)
-    model_b, state_b = load_named('--cka', other_path)
+    model_a, state_a = load_model(main_path, ema=args.ema)
+    model_b, state_b = load_named('--cka', other_path, ema=args.ema)
     features = args.cka_features
     if features == 'branches':
         for flag, path, model, state in (('--checkpoint', main_path, model_a, state_a),
@@ -54,7 +54,7 @@ def run_cka_analysis(args, main_path: Path, out: Path, load_samples) -> int:
     record = {'a': {'checkpoint': str(main_path), 'model': name_a, 'epoch': state_a.get('epoch')},
               'b': {'checkpoint': str(other_path), 'model': name_b, 'epoch': state_b.get('epoch')},
               'data': spec, 'data_kwargs': options, 'data_seed': data_seed, 'val_fraction': val_fraction,
-              'seed': args.seed, 'sample_indices': idx[:sum(len(b) for b in batches)],
+              'seed': args.seed, 'weights': 'ema' if args.ema else 'model', 'sample_indices': idx[:sum(len(b) for b in batches)],
               'samples': sum(len(b) for b in batches), 'batch_size': batch,
               'estimator': 'minibatch linear CKA, unbiased HSIC (Nguyen et al. 2021)', 'features': features,
               'features_meaning': _MEANING[features], 'numbering': 'from 1, the input side first',

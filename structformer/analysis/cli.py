@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Dict, Optional
 
-from ..cli_args import seed_value
+from ..cli_args import MAX_INTERPOLATE_STEPS, interpolate_steps, seed_value
 from ..errors import UsageError
 from .samples import load_samples, recorded_data
 
@@ -91,14 +91,17 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help='instead of the white-box measures: held-out loss and accuracy along the straight line '
                              'from --checkpoint to this checkpoint, factorised layers read densely (low-rank '
                              'training Fig. 2), written to interpolation.json and interpolation.png')
-    parser.add_argument('--interpolate-steps', type=int, default=None, metavar='N',
-                        help='points on the line, t = 0, 1/(N-1), ..., 1 (>= 2; default 11)')
+    parser.add_argument('--interpolate-steps', type=interpolate_steps, default=None, metavar='N',
+                        help=f'points on the line, t = 0, 1/(N-1), ..., 1 (2 … {MAX_INTERPOLATE_STEPS}; default 11)')
     parser.add_argument('--query-patch', default=None, metavar='ROW,COL|INDEX',
                         help='Sparsifiner models: the query patch whose kept keys and attention rows are drawn, '
                              'as ROW,COL or a row-major patch index (default: the centre patch)')
     parser.add_argument('--layers', nargs='+', default=None, metavar='L',
                         help='Sparsifiner models: the layers drawn, numbered from 1 (default: the first six); '
                              'the numbers in sparsifiner.json cover every layer')
+    parser.add_argument('--ema', action='store_true',
+                        help='measure the weight average of runs trained with --model-ema instead of their weights '
+                             '(as eval --ema): every checkpoint read, --compare, --cka and --interpolate too')
     parser.add_argument('--seed', type=seed_value, default=None,
                         help='seed of the analysis itself: which validation samples, heat-map rows/columns, '
                              'random baseline (default 0)')
@@ -134,6 +137,7 @@ _USED_BY = {'--compare': ('compare', ('crate',)), '--eps': ('eps', ('crate',)),
             '--query-patch': ('query_patch', ('sparsifiner',)), '--layers': ('layers', ('sparsifiner',)),
             '--cka-batch-size': ('cka_batch_size', ('cka',)), '--cka-features': ('cka_features', ('cka',)),
             '--interpolate-steps': ('interpolate_steps', ('interpolate',)),
+            '--ema': ('ema', _SAMPLED),     # a low-rank run's spectra were logged from its weights, not the average
             '--data': ('data', _SAMPLED), '--num-samples': ('num_samples', _SAMPLED), '--seed': ('seed', _SAMPLED)}
 _DEFAULTS = {'estimator': 'official', 'cka_batch_size': 64, 'cka_features': 'blocks', 'interpolate_steps': 11, 'num_samples': 256, 'seed': 0}
 _ANALYSES = {'crate': 'the white-box measures of a CRATE checkpoint', 'sparsifiner': 'a Sparsifiner checkpoint',
@@ -319,7 +323,7 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
     loaded = []
     from .samples import load_named
     for p in paths:
-        model, state = load_model(p) if p is main_path else load_named('--compare', p)
+        model, state = load_model(p, ema=args.ema) if p is main_path else load_named('--compare', p, ema=args.ema)
         what = f"{p} (model {state.get('model')!r})"
         if p is main_path and sparsifiner_layers(model):      # Sparsifiner: its own accounting and pictures
             refuse_unused_options(args, 'sparsifiner', what)
@@ -368,7 +372,7 @@ def _analyze(args, main_path: Path, run, out: Path) -> int:
         'data': spec, 'data_kwargs': options, 'data_seed': data_seed, 'val_fraction': val_fraction,
         'num_samples': len(idx), 'sample_indices': idx, 'estimator': args.estimator,
         'eps': results[0]['measure']['eps'],
-        'include_cls': not args.exclude_cls, 'seed': args.seed,
+        'include_cls': not args.exclude_cls, 'seed': args.seed, 'weights': 'ema' if args.ema else 'model',
         'figures': {'R_c': plot_layer_curves(measures, 'R_c', out / 'compression_per_layer.png').name,
                     'sparsity': plot_layer_curves(measures, 'sparsity', out / 'sparsity_per_layer.png').name},
         'checkpoints': results,

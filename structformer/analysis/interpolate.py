@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence
 import torch
 from torch import nn
 
+from ..cli_args import MAX_INTERPOLATE_STEPS
 from ..layers.linear.factorized import FactorizedConv2d, FactorizedLinear
 
 __all__ = ['densify', 'interpolate_parameters', 'interpolation_curve', 'run_interpolation']
@@ -84,10 +85,11 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     from ..train.checkpoint import load_model
     from .samples import check_takes_images, load_named, recorded_data, second_checkpoint
     other = second_checkpoint('--interpolate', args.interpolate)
-    if args.interpolate_steps < 2:
-        raise ValueError(f"--interpolate-steps must be an integer >= 2; got {args.interpolate_steps}")
-    model_a, state_a = load_model(main_path)
-    model_b, state_b = load_named('--interpolate', other)
+    if not 2 <= args.interpolate_steps <= MAX_INTERPOLATE_STEPS:       # the parser's range, for a Namespace built by hand
+        raise ValueError(f"--interpolate-steps must be an integer in [2, {MAX_INTERPOLATE_STEPS}], got "
+                         f"{args.interpolate_steps!r}")
+    model_a, state_a = load_model(main_path, ema=args.ema)
+    model_b, state_b = load_named('--interpolate', other, ema=args.ema)
     spec, options, data_seed, val_fraction = recorded_data(state_a, args.data, main_path)
     _, val, _ = build_datasets(spec, seed=data_seed, val_fraction=val_fraction, **options)
     if len(val):               # data a model cannot take: one line naming --data, not a traceback from inside timm
@@ -102,7 +104,8 @@ def run_interpolation(args, main_path: Path, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / 'interpolation.json', {'a': str(main_path), 'b': str(other), 'data': spec, 'data_kwargs': options,
                                             'data_seed': data_seed, 'val_fraction': val_fraction,
-                                            'seed': args.seed, 'samples': len(val), 'curve': rows})
+                                            'seed': args.seed, 'weights': 'ema' if args.ema else 'model',
+                                            'samples': len(val), 'curve': rows})
 
     def draw(plt):
         fig = plt.figure(figsize=(8, 3.2))

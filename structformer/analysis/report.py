@@ -89,7 +89,9 @@ def render_report(analysis: Dict) -> str:
     out = [
         '# White-box analysis (CRATE §3.1)', '',
         f"Data: `{analysis['data']}` (options {analysis['data_kwargs'] or 'none'}, split seed "
-        f"{analysis['data_seed']}), B = {analysis['num_samples']} validation samples, {tokens}.", '',
+        f"{analysis['data_seed']}), B = {analysis['num_samples']} validation samples, {tokens}."
+        + (' Weights: the weight average each run kept with --model-ema (--ema).'
+           if analysis.get('weights') == 'ema' else ''), '',
         estimator_sentence(analysis['checkpoints'][0]['measure']), '',
         'Per layer ℓ, with the layer\'s own LN1 and U^ℓ: R_c at the MSSA input LN1(Z^ℓ) (where the official code '
         'measures) and at LN1(Z^{ℓ+½}) after the MSSA step, their difference (< 0: the step compresses); the '

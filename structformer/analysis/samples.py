@@ -59,12 +59,12 @@ def second_checkpoint(flag: str, value: str):
         raise ValueError(f"{flag} {value}: {str(e).split('--checkpoint: ', 1)[-1]}") from None
 
 
-def load_named(flag: str, path):
-    """`load_model(path)` for the checkpoint `flag` names (--cka, --interpolate, --compare): the loader's errors
-    say '--checkpoint: ...', which blamed the flag whose checkpoint was fine."""
+def load_named(flag: str, path, ema: bool = False):
+    """`load_model(path, ema=ema)` for the checkpoint `flag` names (--cka, --interpolate, --compare): the loader's
+    errors say '--checkpoint: ...', which blamed the flag whose checkpoint was fine."""
     from ..train.checkpoint import load_model
     try:
-        return load_model(path)
+        return load_model(path, ema=ema)
     except (FileNotFoundError, ValueError) as e:          # CheckpointError is a ValueError
         text = str(e)
         if not text.startswith('--checkpoint'):

@@ -358,6 +358,7 @@ def run_sparsifiner_analysis(args, model, state: Dict, path: Path, out: Path, lo
             figures[f.stem] = f.name
     record = {'checkpoint': str(path), 'model': name, 'epoch': state.get('epoch'), 'data': spec,
               'data_kwargs': options, 'num_samples': len(idx), 'sample_indices': idx, 'seed': args.seed,
+              'weights': 'ema' if getattr(args, 'ema', False) else 'model',
               'grid': list(grid[1:]), 'prefix_tokens': grid[0],
               'query_patch': {'row': query[0], 'col': query[1], 'index': query[0] * grid[2] + query[1],
                               'token': token},

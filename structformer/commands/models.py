@@ -38,6 +38,16 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def macs_text(n: float) -> str:
+    """A multiply-add count in its own unit, three decimals: 2.964G, 652.312K, 320. One unit for the table (GMACs)
+    printed 0.000 for every count of the digits models (mixer_digits: 0.2 M), whose table was all zeros."""
+    n = float(n)
+    for scale, unit in ((1e9, 'G'), (1e6, 'M'), (1e3, 'K')):
+        if round(abs(n) / scale, 3) >= 1:          # 999,999.9 is 1.000M, not 1000.000K
+            return f"{n / scale:.3f}{unit}"
+    return f"{n:.0f}"
+
+
 def matches(name: str, pattern: str) -> bool:
     """--filter: a substring ('crate'), or with a wildcard a pattern for the whole name ('crate_*_224'), as a timm
     user writes it for timm.list_models; a pattern read as a substring would match nothing, silently."""
@@ -91,14 +101,14 @@ def run(args) -> int:
         columns = COMPONENTS + ('other',)
         col = max(9, *(len(c) for c in columns))            # whole component names: no truncated headers
         parts = ''.join(f"  {c:>{col}}" for c in columns)
-        header = f"{'model':<{width}}  {'params':>12}  {'input':>10}  {'GMACs':>7}{parts}"
+        header = f"{'model':<{width}}  {'params':>12}  {'input':>10}  {'MACs':>9}{parts}"
     print(header)
     for r in rows:
         # a language model reads token ids [B, T]: its "input" is the context length
         size = f"T={r['input_size'][-1]}" if r['task'] == 'language model' else 'x'.join(map(str, r['input_size']))
         if args.flops:
-            parts = ''.join(f"  {r['breakdown_macs'][c] / 1e9:>{col}.3f}" for c in columns)
-            print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {r['macs'] / 1e9:>7.3f}{parts}")
+            parts = ''.join(f"  {macs_text(r['breakdown_macs'][c]):>{col}}" for c in columns)
+            print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size:>10}  {macs_text(r['macs']):>9}{parts}")
         else:
             print(f"{r['name']:<{width}}  {human_count(r['params']):>12}  {size}")
     for r in rows:         # SW-MLP: a dense weight of which its mask keeps a share p; the rest is zero, never trained
@@ -106,8 +116,9 @@ def run(args) -> int:
             print(f"{r['name']}: {human_count(r['effective_params'])} of its {human_count(r['params'])} weights are kept "
                   "by its masks (the rest are zero and get no gradient)")
     if args.flops:
-        print("GMACs: multiply-adds of one image's forward (a language model: one sequence of T tokens; "
-              "FlopCounterMode, matmul/conv only; papers quote these as FLOPs), split by component")
+        print("MACs: multiply-adds of one image's forward (a language model: one sequence of T tokens; "
+              "FlopCounterMode, matmul/conv only; papers quote these as FLOPs), split by component; "
+              "K, M, G: 10^3, 10^6, 10^9")
     return 0
 
 

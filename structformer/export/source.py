@@ -53,8 +53,9 @@ def check_source(source) -> Path:
     from ..atomic import describe_temporary
     path = Path(source)
     if not path.exists():
+        from ..train.checkpoint_paths import timm_name_hint
         raise UsageError(f"SOURCE {source}: does not exist; give a run folder from `structformer train`, a "
-                         "checkpoint folder or its model.safetensors")
+                         f"checkpoint folder or its model.safetensors{timm_name_hint(source)}")
     for part in (path, path.parent):
         unfinished = describe_temporary(part)
         if unfinished:

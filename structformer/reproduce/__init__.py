@@ -62,6 +62,43 @@ def trained_on(saved_config: dict, spec: str) -> bool:
     return saved_config.get('data') == absolute_data(spec)[0]
 
 
+def finished_run(run_dir: Path, settings: Dict, spec: str) -> bool:
+    """Whether `run_dir` holds a finished run of `settings` (the keyword arguments of the TrainConfig a reproduction
+    plans for it; its data and output aside) on the data `spec`, trained by this code: its summary.json at the planned
+    epochs, its config.yaml equal in every planned setting (compared as JSON: a tuple saved as a list is the same),
+    and every checkpoint it keeps stamped with this code's `records.source_digest` (state.json's environment, written
+    by the process that trained it). A study run again into its --output takes up where it stopped; a run of another
+    setting, of other code or without its summary (interrupted) trains anew."""
+    import json
+
+    import yaml
+
+    from ..records import source_digest
+    from ..train.checkpoint_paths import committed_checkpoints
+    try:
+        saved = yaml.safe_load((run_dir / 'config.yaml').read_text())
+        summary = json.loads((run_dir / 'summary.json').read_text())
+    except (OSError, ValueError, yaml.YAMLError):      # not there, or torn: nothing to reuse
+        return False
+    if not isinstance(saved, dict) or not isinstance(summary, dict) or not trained_on(saved, spec):
+        return False
+    if summary.get('epochs') != settings.get('epochs'):
+        return False
+
+    def plain(value):
+        return json.loads(json.dumps(value, default=str))
+    if any(plain(saved.get(key)) != plain(value) for key, value in settings.items() if key not in ('data', 'output')):
+        return False
+    stamps = []
+    for checkpoint in committed_checkpoints(run_dir / 'checkpoints'):
+        try:
+            stamps.append(((json.loads((checkpoint / 'state.json').read_text()) or {}).get('environment')
+                           or {}).get('source'))
+        except (OSError, ValueError, AttributeError):
+            return False
+    return bool(stamps) and all(stamp == source_digest() for stamp in stamps)
+
+
 def start(args) -> Tuple[str, Path]:
     """A reproduction's first steps once its arguments are checked: our models registered with timm, torch's
     thread count from --threads (0: torch's own), and its data (`mnist_spec`) and output folder."""

@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..cli_args import MAX_INTERPOLATE_STEPS, interpolate_steps
 from ..records import environment, label_axes, write_json, write_png, write_text
 from ..errors import UsageError
 from . import check_distinct, command_line
@@ -63,7 +64,9 @@ def add_arguments(p):
     p.add_argument('--epochs', type=int, default=3)
     p.add_argument('--limit-train-batches', type=int, default=20, help='batches per epoch (0 = all)')
     p.add_argument('--lm-max-bytes', type=int, default=600_000, help='standard-library bytes for the LM part')
-    p.add_argument('--interpolate-steps', type=int, default=11)
+    p.add_argument('--interpolate-steps', type=interpolate_steps, default=11, metavar='N',
+                   help=f'points on each interpolation line, t = 0, 1/(N-1), ..., 1 (2 … {MAX_INTERPOLATE_STEPS}; '
+                        'default 11)')
     p.add_argument('--groups', nargs='+', default=list(GROUPS), choices=GROUPS,
                    help='experiments to run (the dense baseline always runs): split a reproduction across processes')
     p.add_argument('--seed', type=int, default=0)
@@ -81,8 +84,9 @@ def _check(args) -> None:
             raise UsageError(f"--ranks / --lm-rank: {r} is out of range: accepted fractions in (0, 1]")
     if not 0 < args.lm_lr_scale <= 1:
         raise UsageError(f"--lm-lr-scale must be a factor in (0, 1]; got {args.lm_lr_scale}")
-    if args.interpolate_steps < 2:
-        raise UsageError(f"--interpolate-steps must be >= 2; got {args.interpolate_steps}")
+    if not 2 <= args.interpolate_steps <= MAX_INTERPOLATE_STEPS:       # the parser's range, for a Namespace built by hand
+        raise UsageError(f"--interpolate-steps must be an integer in [2, {MAX_INTERPOLATE_STEPS}], got "
+                         f"{args.interpolate_steps!r}")
     if 'lm' in args.parts:
         if args.lm_max_bytes < 0:
             raise UsageError(f"--lm-max-bytes must be an integer >= 0 (0 = all of the standard library); got "

@@ -15,6 +15,10 @@ close its gap to the normal Mixer as depth grows; a difference of mean errors co
 over seeds, and inside that (or with one seed) the verdict says it cannot tell. "Error falls as the width grows" is
 a one-sided Spearman test at 5 % (`rank_trend`, exact up to 8 runs): holds on a significant fall, does not hold on
 a significant rise, and otherwise cannot tell.
+
+Each run is a `structformer train` run in --output/runs/<name>; a finished one of the same settings, trained by this
+code (`reproduce.finished_run`: its config.yaml and the code stamp in its checkpoints), is reused, so an interrupted
+study continues where it stopped; another setting or other code trains anew.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from . import check_distinct, command_line, mnist_spec, start
+from . import check_distinct, command_line, finished_run, mnist_spec, start
 from ..records import environment, label_axes, write_json, write_png, write_text
 
 EXAMPLES = """examples:
@@ -33,7 +37,12 @@ EXAMPLES = """examples:
   structformer reproduce mixer --data /data/mnist --epochs 1 --seeds 1 --channels 8 32 --depths 2 --sw-densities 0.25 \\
       --limit-train-batches 5 --output /tmp/mixer_quick                          # a smoke run"""
 
-from ..cli_args import parse_omega, thread_count  # noqa: E402  (the --omega type, shared with `design`)
+from ..cli_args import bounded_int, parse_omega, thread_count  # noqa: E402  (the --omega type, shared with `design`)
+
+# a run per seed and configuration: 10**9 seeds filled memory with the plan; as `compare --seeds`
+MAX_SEEDS = 1000
+# one draw per width is about 20 s of SVDs (Ω = 2^19): 10**9 drew for centuries before training began
+MAX_SPECTRA_TRIALS = 100
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,14 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'uses and reports the realised density Ω/m²)')
     p.add_argument('--depth', type=int, default=4, help='blocks of the width sweep (default 4)')
     p.add_argument('--depths', type=int, nargs='+', default=[2, 4, 8], help='depths of the RP-vs-normal sweep')
-    p.add_argument('--seeds', type=int, default=2, help='seeds per configuration (default 2)')
+    p.add_argument('--seeds', type=bounded_int('--seeds', 1, MAX_SEEDS), default=2,
+                   help=f'seeds per configuration (1 … {MAX_SEEDS}; default 2)')
     p.add_argument('--epochs', type=int, default=15)
     p.add_argument('--batch-size', type=int, default=128)
     p.add_argument('--lr', type=float, default=3e-3)
     p.add_argument('--weight-decay', type=float, default=0.05)
     p.add_argument('--limit-train-batches', type=int, default=0, help='0 = every batch')
-    p.add_argument('--spectra-trials', type=int, default=3,
-                   help='random draws per width for Fig. 4 right (3; 0 skips the spectra)')
+    p.add_argument('--spectra-trials', type=bounded_int('--spectra-trials', 0, MAX_SPECTRA_TRIALS), default=3,
+                   help=f'random draws per width for Fig. 4 right (0 … {MAX_SPECTRA_TRIALS}, about 20 s each; default 3; '
+                        '0 skips the spectra)')
     p.add_argument('--report-only', action='store_true',
                    help='train nothing: rebuild report.md, the figures and the verdicts from --output/results.json')
     p.add_argument('--threads', type=thread_count, default=0,
@@ -66,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args) -> None:
     from ..train.config import TrainConfig      # --lr, --weight-decay as train names them: before any work
     TrainConfig(lr=args.lr, weight_decay=args.weight_decay).check_ranges()
-    if args.spectra_trials < 0:
-        raise ValueError(f"--spectra-trials must be >= 0, got {args.spectra_trials}")
+    if not 0 <= args.spectra_trials <= MAX_SPECTRA_TRIALS:      # the parser's range, for a Namespace built by hand
+        raise ValueError(f"--spectra-trials must be an integer in [0, {MAX_SPECTRA_TRIALS}], got {args.spectra_trials}")
+    if args.seeds > MAX_SEEDS:
+        raise ValueError(f"--seeds must be an integer in [1, {MAX_SEEDS}], got {args.seeds}")
     for flag in ('depth', 'seeds', 'epochs', 'batch_size'):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -151,9 +164,12 @@ def _preflight(runs: List[Dict], spec: str, omega_: int) -> None:
             build_model(r['model'], r['kwargs'], info, kwargs_flag=None)     # this command has no --model-kwargs
         except ValueError as e:
             reason = str(e)
+            # the flag that set this run: the depth sweep's C = S = C* is no --channels value (it was blamed on one)
             flag = (f"--sw-densities: density {r['density']:.3g} at --omega {omega_} is a width-{r['width']} SW-MLP"
                     if r['kind'] == 'SW-MLP'
-                    else f"--channels {r['channels']}: C = {r['channels']}, S = {r['tokens']}")
+                    else f"--depths {r['kwargs']['depth']}: C = S = {r['channels']}" if r['group'] == 'depth'
+                    else f"--channels {r['channels']} at --depth {r['kwargs']['depth']}: C = {r['channels']}, "
+                         f"S = {r['tokens']}")
             raise ValueError(f"{flag}, which this machine cannot build: {reason}") from None
 
 
@@ -430,10 +446,12 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i, r in enumerate(runs):
         run_dir = out / 'runs' / _run_name(r)
-        result = train(TrainConfig(model=r['model'], model_kwargs=r['kwargs'], data=spec,
-                                   output=str(run_dir), seed=r['seed'], keep_last=1, **recipe),
-                       progress=False, overwrite=True)
-        summary = json.loads((Path(result.output) / 'summary.json').read_text())
+        settings = dict(model=r['model'], model_kwargs=r['kwargs'], seed=r['seed'], keep_last=1, **recipe)
+        if finished_run(run_dir, settings, spec):         # an interrupted study takes up where it stopped
+            print(f'reusing the finished run in {run_dir}', flush=True)
+        else:
+            train(TrainConfig(data=spec, output=str(run_dir), **settings), progress=False, overwrite=True)
+        summary = json.loads((run_dir / 'summary.json').read_text())
         row = dict(r, depth=r['kwargs'].get('depth'), val_top1=summary['final_val_top1'],
                    best_val_top1=summary['best_val_top1'], run=str(run_dir))
         rows.append(row)

@@ -12,6 +12,9 @@ a machine busy during the long training phase does not skew them; the engine's o
 while it was timed (`bench.load`: `load` in results.json); a row timed while other processes used the cores is
 marked BUSY in the report, to be re-timed with `--measure-only` on a quiet machine. The report ends with
 `verdicts`: Table 2's accuracy claim read against two binomial standard errors, its speed claim marked untested.
+A finished run in --output/runs of the same settings, trained by this code (`reproduce.finished_run`), is reused
+(its speeds timed again), so an interrupted study continues where it stopped; another setting or other code trains
+anew.
 
 Memory: Table 2 reports training memory. Here `act_mem_mb` is the bytes of tensors autograd saves
 for backward in one training forward (the part of training memory that depends on the attention),
@@ -33,7 +36,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
-from . import check_distinct, command_line, mnist_spec
+from . import check_distinct, command_line, finished_run, mnist_spec
 from ..bench.harness import PeakMemory, median_seconds, saved_tensor_bytes
 from ..bench.load import row_flag
 from ..records import environment, write_json, write_text
@@ -346,9 +349,11 @@ def run(args: argparse.Namespace) -> int:
     for attn in args.attn:
         name = model_name(attn)
         run_dir = output / 'runs' / name
-        if not args.measure_only:
-            train(TrainConfig(model=name, model_kwargs=model_kwargs, data=spec, output=str(run_dir), **recipe),
-                  progress=False, overwrite=True)
+        settings = dict(model=name, model_kwargs=model_kwargs, **recipe)
+        if not args.measure_only and finished_run(run_dir, settings, spec):    # an interrupted study goes on
+            print(f'reusing the finished run in {run_dir}', flush=True)
+        elif not args.measure_only:
+            train(TrainConfig(data=spec, output=str(run_dir), **settings), progress=False, overwrite=True)
         elif not (run_dir / 'summary.json').is_file():
             raise FileNotFoundError(f"--measure-only: no finished run at {run_dir}; run without --measure-only first")
         model, _ = load_model(run_dir, map_location=device)

@@ -48,12 +48,24 @@ def checkpoint_folders(ckpt_dir: Path, recovery: bool = False) -> List[Path]:
     return sorted(kept, key=lambda p: (named[p][0], named[p][1] or 0))
 
 
+def timm_name_hint(given) -> str:
+    """For a path that does not exist: where it is timm's model-name form of a folder, `local-dir:FOLDER` (what
+    `timm.create_model` takes, and the pages show beside these flags), the folder to give instead; else ''."""
+    text = str(given)
+    if not text.startswith('local-dir:') or Path(text).exists():
+        return ''
+    rest = text[len('local-dir:'):]
+    there = (' (a folder)' if Path(rest).is_dir() else ' (a file)' if Path(rest).is_file() else '') if rest else ''
+    return (f"; local-dir: is timm's model-name prefix (timm.create_model('local-dir:FOLDER')); here give the path "
+            f"itself: {rest}{there}")
+
+
 def resolve_checkpoint(path) -> Path:
     """Accept a checkpoint directory, its model.safetensors, a run directory or its checkpoints/ folder."""
     from ..atomic import describe_temporary
-    path = Path(path)
+    given, path = path, Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist{timm_name_hint(given)}")
     unfinished = describe_temporary(path) or (describe_temporary(path.parent) if path.is_file() else '')
     if unfinished:                                      # an interrupted writer's temporary is never an output
         raise CheckpointError(f"--checkpoint: {path} {unfinished}")

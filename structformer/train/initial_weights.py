@@ -28,9 +28,10 @@ def read_weights(path, flag: str = FLAG, kind: Optional[str] = None,
     appended to `notes`). A temporary of an interrupted writer is refused, never read as weights."""
     from ..atomic import describe_temporary
     from .checkpoint import CheckpointError, load_checkpoint
-    path = Path(path)
+    given, path = path, Path(path)
     if not path.exists():
-        raise UsageError(f"{flag} {path}: does not exist")
+        from .checkpoint_paths import timm_name_hint
+        raise UsageError(f"{flag} {path}: does not exist{timm_name_hint(given)}")
     unfinished = describe_temporary(path)
     if unfinished:
         raise UsageError(f"{flag} {path}: {unfinished}")
@@ -239,8 +240,10 @@ def build_teacher(spec: str, config, data_info) -> torch.nn.Module:
         teacher, _ = build_model(spec, {}, data_info)
         _, done = load_timm_pretrained(teacher, spec, '--teacher-pretrained')
     else:
+        from .checkpoint_paths import timm_name_hint
         raise UsageError(f"--teacher {spec}: does not exist, and is not a registered model name (expected a run "
-                         "directory, a weights file or folder, or a model name with --teacher-pretrained)")
+                         "directory, a weights file or folder, or a model name with --teacher-pretrained)"
+                         + timm_name_hint(spec))
     wrong = [line for line in done if 'number of classes' in line or 'classifier' in line]
     if wrong:
         raise UsageError(f"--teacher {spec}: its classifier does not fit the data ({wrong[0]}); a teacher must be "
