@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.structformer-installed
 DEMO_OUT ?= outputs/demo
 
-.PHONY: demo test test-fast test-numerics test-gpu gpu-wheels gpu-check venv bench bench-records clean
+.PHONY: demo test test-fast test-numerics test-mutants test-gpu gpu-wheels gpu-check venv bench bench-records clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ NUMERICS_TESTS := $(addprefix tests/test_,$(addsuffix .py, \
 	sparsifiner sparsifiner_tiles sparsifiner_kernel sparse_attention_bench double_backward autotune lowrank))
 test-numerics: $(STAMP)
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --timeout=300 $(NUMERICS_TESTS)
+
+# Do the tests catch a wrong equation? Each of tools/mutants.py's mutants planted in a throw-away worktree of HEAD,
+# against the tests that guard it; the record in docs/mutants.json (docs/design.md; ~11 min on 2 cores)
+test-mutants: $(STAMP)
+	$(BIN)/python tools/mutants.py --output docs/mutants.json
 
 bench: $(STAMP)
 	$(BIN)/structformer bench models
