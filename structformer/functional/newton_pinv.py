@@ -251,7 +251,7 @@ class _NewtonPinv(torch.autograd.Function):
         # saved X is this function's output, so autograd differentiates Eq. 12 again through X's own backward, Eq. 12
         # (once_differentiable had dropped X's dependence on A silently when grad_x did not require grad)
         (x,) = ctx.saved_tensors
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with float32_island(x.device.type):
             xt = x.transpose(-2, -1)
             grad_a = -(xt @ grad_x.to(x.dtype) @ xt)
         return grad_a, None, None

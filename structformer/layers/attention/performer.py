@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...functional.precision import float32_island
 from .registry import register_attention
 from ...arguments import positive_int
 from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
@@ -134,7 +135,7 @@ class PerformerAttention(AttentionBase):
                 self.redraw_features()
             self.training_forwards += 1
         q, k, v = self.project(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with float32_island(x.device.type):
             # exp of a difference of large dot products: bf16 there gives wrong weights
             q, k, v32 = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
             out = performer_attention(q, k, v32, self.projection.to(q.dtype))

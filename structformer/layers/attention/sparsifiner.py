@@ -77,7 +77,7 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
                                        tile_attention, tile_budget, tile_candidates, tile_shape_class, top_tiles,
                                        topk_indices)
 from ...functional import autotune, tile_kernel
-from ...functional.precision import upcast
+from ...functional.precision import float32_island, upcast
 from ...functional.sparsifiner_flex import flex_attention_available
 from ...functional.tracing import recording_graph
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -296,7 +296,7 @@ class SparsifinerAttention(AttentionBase):
         q, k = upcast(q), upcast(k)
         if self.predictor_q is None:
             return q, k
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with float32_island(q.device.type):
             # linear_weight: the [out, in] matrix also after `factorize` swaps the maps; the bias (public code's
             # default, predictor_bias) where the map has one
             return tuple(F.linear(x, linear_weight(m).to(x.dtype), _bias(m, x.dtype))

@@ -22,6 +22,7 @@ from torch import nn
 
 from ...arguments import count, positive_int
 from ...functional.onednn_linear import linear
+from ...functional.precision import float32_island
 from .base import StructuredLinear
 
 __all__ = ['FactorizedLinear', 'FactorizedConv2d', 'resolve_rank', 'saves_parameters', 'INITS',
@@ -129,7 +130,7 @@ class FactorizedLinear(StructuredLinear):
         return self.U, self.V
 
     def to_dense(self) -> torch.Tensor:
-        with torch.autocast(device_type=self.U.device.type, enabled=False):   # the weight, not a bf16 copy
+        with float32_island(self.U.device.type):   # the weight, not a bf16 copy
             return self.U @ self.V.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ class FactorizedConv2d(nn.Module):
     def to_dense(self) -> torch.Tensor:
         """The [c_out, c_in, h, w] kernel this layer applies (in the parameters' dtype, autocast or not)."""
         u, v = self.factors()
-        with torch.autocast(device_type=u.device.type, enabled=False):
+        with float32_island(u.device.type):
             return (u @ v.T).reshape(self.out_channels, self.in_channels, *self.kernel_size)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:

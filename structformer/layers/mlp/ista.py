@@ -11,7 +11,7 @@ from torch import nn
 from ...arguments import positive_int, rate
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
 from ...functional.onednn_linear import linear
-from ...functional.precision import autocast_dtype
+from ...functional.precision import autocast_dtype, float32_island
 from ...functional.tracing import recording_graph
 
 
@@ -71,7 +71,7 @@ class ISTA(nn.Module):
         """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17. In the weight's
         dtype, autocast or not (d³ work, independent of batch and tokens)."""
         d = self.weight
-        with torch.autocast(device_type=d.device.type, enabled=False):
+        with float32_island(d.device.type):
             eye = torch.eye(self.dim, dtype=d.dtype, device=d.device)
             return eye + self.eta * (d - d.t() @ d)
 
