@@ -540,6 +540,31 @@ def test_softnet_refuses_num_landmarks_its_sampling_ratios_override():
         timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 2, 'sampler': 'random'})
 
 
+@pytest.mark.parametrize('context', [False, True])
+def test_performer_built_on_meta_is_filled_in_by_to_empty_and_reset_parameters(context):
+    """torch's deferred initialisation (build on the meta device, `to_empty`, `reset_parameters()` on every module):
+    ω and the redraw count are the layer's own state, so its reset_parameters draws ω afresh (as the constructor does,
+    from the global generator) and zeroes the count. Before, the layer had no reset_parameters and both kept
+    `to_empty`'s uninitialised memory: features of arbitrary size (NaN or garbage attention, silently) and a redraw
+    schedule counted from garbage."""
+    def build(**dd):
+        return PerformerAttention(16, num_heads=2, num_features=12, redraw_interval=3, **dd)
+    if context:
+        with torch.device('meta'):
+            layer = build()
+    else:
+        layer = build(device='meta')
+    layer.to_empty(device='cpu')
+    torch.manual_seed(5)
+    for module in layer.modules():
+        if hasattr(module, 'reset_parameters'):
+            module.reset_parameters()
+    torch.manual_seed(5)
+    features = orthogonal_random_features(12, 8)     # what the reset drew: modules() yields the layer before its maps
+    assert torch.equal(layer.projection, features) and int(layer.training_forwards) == 0
+    assert torch.isfinite(layer(torch.randn(2, 6, 16))).all()
+
+
 def test_performer_redraw_keeps_float64_orthogonality():
     """redraw_features drew ω in float32 and copied it into a float64 buffer: rows orthogonal to ~3e-7 only."""
     layer = PerformerAttention(64, num_heads=2, num_features=32, dtype=F64)

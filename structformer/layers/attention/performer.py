@@ -119,6 +119,15 @@ class PerformerAttention(AttentionBase):
             self.projection = features.to(device=self.projection.device, dtype=torch.float32)
         return self
 
+    def reset_parameters(self) -> None:
+        """A fresh ω (from the global generator, as the constructor draws it) and the redraw count at 0: the layer's own
+        state, which torch's deferred initialisation (a meta-device build, `to_empty`, then `reset_parameters` on every
+        module) must fill in; `to_empty` leaves it uninitialised memory. The q/k/v and output maps reset themselves."""
+        self.redraw_features()
+        if self.redraw_interval is not None:
+            with torch.no_grad():
+                self.training_forwards.zero_()
+
     @torch.no_grad()
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
         """Draw a new ω (the only time the features change), in the buffer's dtype: a float64 layer's redraw
