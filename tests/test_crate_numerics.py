@@ -231,3 +231,18 @@ def test_rates_refuse_an_eps_outside_the_positive_reals(eps):
         with pytest.raises(ValueError, match=r'eps must be a finite number > 0 .*; got '):
             call()
     assert float(coding_rate(z, np.float32(0.5))) == pytest.approx(float(coding_rate(z, 0.5)))
+
+
+def test_a_meta_built_ista_is_initialised_by_to_empty_and_reset_parameters():
+    """torch's deferred initialisation (build on the meta device, `to_empty`, `reset_parameters()` on every module)
+    draws the dictionary D as the constructor does (kaiming-uniform); ISTA had no reset_parameters, so D kept
+    `to_empty`'s uninitialised memory."""
+    torch.manual_seed(0)
+    reference = ISTA(8)
+    layer = ISTA(8, device='meta')
+    layer.to_empty(device='cpu')
+    torch.manual_seed(0)
+    for module in layer.modules():
+        if hasattr(module, 'reset_parameters'):
+            module.reset_parameters()
+    assert torch.equal(layer.weight, reference.weight)        # the same draw, one op

@@ -384,3 +384,23 @@ def test_layers_that_cannot_be_factorised_are_named_with_what_they_lack(capsys):
     assert "skipped 2: 1 (not factorisable: grouped (groups=16)), 2 (not factorisable: padding='same')" in \
         capsys.readouterr().err
     assert list(factorized_layers(model)) == ['3']
+
+
+@pytest.mark.parametrize('make', [lambda **dd: FactorizedLinear(12, 8, rank=3, **dd),
+                                  lambda **dd: FactorizedLinear(12, 8, rank=0.5, init='he', bias=False, **dd),
+                                  lambda **dd: FactorizedConv2d(3, 4, 3, rank=2, padding=1, **dd),
+                                  lambda **dd: FactorizedConv2d(3, 4, (3, 1), rank=2, init='spectral_ones', **dd)])
+def test_a_meta_built_factorised_layer_is_initialised_by_to_empty_and_reset_parameters(make):
+    """torch's deferred initialisation (build on the meta device, `to_empty`, `reset_parameters()` on every module)
+    gives the layer its constructor's initialisation (nn.Linear's / nn.Conv2d's init factorised by `init`); the
+    layers had no reset_parameters, so U, V and the bias kept `to_empty`'s uninitialised memory."""
+    torch.manual_seed(0)
+    reference = make()
+    layer = make(device='meta')
+    layer.to_empty(device='cpu')
+    torch.manual_seed(0)
+    for module in layer.modules():
+        module.reset_parameters()
+    expected = reference.state_dict()
+    for name, value in layer.state_dict().items():    # the same draws, the same SVD: float32 rounding at most
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6 * float(expected[name].abs().max()))

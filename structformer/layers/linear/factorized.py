@@ -98,11 +98,18 @@ class FactorizedLinear(StructuredLinear):
         if init not in INITS:
             raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
         self.rank = resolve_rank(rank, out_features, in_features)
+        self.init = init
         self.U = nn.Parameter(torch.empty(out_features, self.rank, device=device, dtype=dtype))
         self.V = nn.Parameter(torch.empty(in_features, self.rank, device=device, dtype=dtype))
-        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)   # nn.Linear's init
-        self.set_from_dense(dense.weight, init)
-        if bias:
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of the dense weight and bias, the weight factorised by `init` (the constructor's;
+        also what torch's deferred initialisation calls after a meta-device build and `to_empty`)."""
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.U.device,
+                          dtype=self.U.dtype)
+        self.set_from_dense(dense.weight, self.init)
+        if self.bias is not None:
             with torch.no_grad():
                 self.bias.copy_(dense.bias)
 
@@ -113,6 +120,7 @@ class FactorizedLinear(StructuredLinear):
         new = cls(layer.in_features, layer.out_features, rank, bias=layer.bias is not None, init='he',
                   device=w.device, dtype=w.dtype)
         new.set_from_dense(w, init)
+        new.init = init
         if layer.bias is not None:
             with torch.no_grad():
                 new.bias.copy_(layer.bias)
@@ -173,7 +181,18 @@ class FactorizedConv2d(nn.Module):
         self.V = nn.Parameter(torch.empty(self.rank, in_channels, *dense.kernel_size, device=device, dtype=dtype))
         self.U = nn.Parameter(torch.empty(out_channels, self.rank, 1, 1, device=device, dtype=dtype))
         self.bias = dense.bias
+        self.init = init
         self.set_from_dense(dense.weight, init)
+
+    def reset_parameters(self) -> None:
+        """nn.Conv2d's initialisation of the dense kernel and bias, the kernel factorised by `init` (the constructor's;
+        also what torch's deferred initialisation calls after a meta-device build and `to_empty`)."""
+        dense = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, bias=self.bias is not None,
+                          device=self.V.device, dtype=self.V.dtype)
+        self.set_from_dense(dense.weight, self.init)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(dense.bias)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, rank: Union[int, float], init: str = 'spectral') -> 'FactorizedConv2d':
@@ -185,6 +204,7 @@ class FactorizedConv2d(nn.Module):
                   padding=conv.padding, dilation=conv.dilation, bias=conv.bias is not None, init='he',
                   device=w.device, dtype=w.dtype)
         new.set_from_dense(w, init)
+        new.init = init
         if conv.bias is not None:
             with torch.no_grad():
                 new.bias.copy_(conv.bias)

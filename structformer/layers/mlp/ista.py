@@ -62,10 +62,14 @@ class ISTA(nn.Module):
         self.step = step
         self.eps = eps
         self.fused = fused
-        # the dictionary D (d×d), kaiming-uniform as in the paper's code
         self.weight = nn.Parameter(torch.empty(in_features, in_features, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight)
+        self.reset_parameters()
         self.drop = nn.Dropout(drop)
+
+    def reset_parameters(self) -> None:
+        """The dictionary D (d×d), kaiming-uniform as in the paper's code (also what torch's deferred initialisation
+        calls after a meta-device build and `to_empty`)."""
+        nn.init.kaiming_uniform_(self.weight)
 
     def effective_matrix(self) -> torch.Tensor:
         """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17. In the weight's
