@@ -196,11 +196,13 @@ class SparsifinerAttention(AttentionBase):
             raise ValueError(f"predictor_scale={predictor_scale!r}: accepted 'dim' (1/sqrt(d), Eq. 1) or 'heads' "
                              "(num_heads^-1/2, the public code)")
         self.coef_topk, self.predictor_scale = coef_topk, predictor_scale
-        if not 0 <= tau < 1:
-            raise ValueError(f"tau must be in [0, 1) (a threshold on softmax coefficients), got {tau!r}")
-        if not 0 <= up_threshold < float('inf'):          # NaN too: it zeroed the whole basis silently
-            raise ValueError(f"up_threshold must be a finite number >= 0 (|W_up| entries below it are zeroed), "
-                             f"got {up_threshold!r}")
+        if not _is_number(tau) or not 0 <= tau < 1:
+            raise ValueError(f"tau={tau!r} must be a number in [0, 1) (a threshold on softmax coefficients)")
+        if not _is_number(up_threshold) or not 0 <= up_threshold < float('inf'):   # NaN too: it zeroed the basis
+            raise ValueError(f"up_threshold={up_threshold!r} must be a finite number >= 0 (|W_up| entries below it "
+                             "are zeroed)")
+        # 0 built q/k maps to no channels (every score 0, silently); -1 failed inside torch.empty
+        optional_positive_int('predictor_dim', predictor_dim, "the predictor's q/k channels")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: accepted {', '.join(map(repr, IMPLS))}")
         if impl in ('flex', 'kernel') and attn_drop:
@@ -430,6 +432,10 @@ class SparsifinerAttention(AttentionBase):
         return (f"{budget_text}, {coefficients}{scale}, up_threshold={self.up_threshold}, "
                 f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}, "
                 f"up_basis={self.up_basis!r}, stage1={self.stage1!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _bias(layer: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
