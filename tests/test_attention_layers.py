@@ -155,10 +155,32 @@ def test_soft_bad_inputs():
     with pytest.raises(ValueError, match='sampler'):
         SoftAttention(8, num_heads=2, sampler='strided')
     for bad in (-0.1, float('nan'), float('inf')):              # NaN gave NaN outputs, silently
-        with pytest.raises(ValueError, match='ridge must be a finite number >= 0'):
+        with pytest.raises(ValueError, match=r'^ridge=\S+ must be a finite number >= 0'):
             SoftAttention(8, num_heads=2, ridge=bad)
     with pytest.raises(NotImplementedError, match='attn_mask'):
         SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 16, 8), is_causal=True)
+
+
+@pytest.mark.parametrize('sampler', ['conv', 'avgpool', 'random'])
+@pytest.mark.parametrize('grid', [(4,), (2.5, 4), (-4, -4), (0, 4), 4.0, 'ab'])
+def test_soft_names_a_bad_grid_size(sampler, grid):
+    """grid_size, at construction or in forward: (4,) failed with an IndexError or "not enough values to unpack",
+    (2.5, 4) with "slice indices must be integers", (-4, -4) with torch's "invalid shape dimension -2" at the first
+    forward (or was taken by the random sampler), 4.0 with "'float' object is not iterable", naming nothing."""
+    with pytest.raises(ValueError, match=rf'^grid_size={re.escape(repr(grid))} must be a positive integer or an '
+                                         r'\(H, W\) pair of them'):
+        SoftAttention(8, num_heads=2, num_landmarks=1, sampler=sampler, grid_size=grid)
+    layer = SoftAttention(8, num_heads=2, num_landmarks=1, sampler=sampler, sampling_ratio=2)
+    with pytest.raises(ValueError, match=rf'^grid_size={re.escape(repr(grid))} must be a positive integer or an '):
+        layer(torch.randn(1, 17, 8), grid_size=grid)
+
+
+@pytest.mark.parametrize('bad', [None, '0.1', True])
+def test_soft_names_a_ridge_that_is_not_a_number(bad):
+    """None / '0.1' failed inside a comparison ("'<=' not supported between instances of 'int' and 'NoneType'");
+    True was taken as a ridge of 1."""
+    with pytest.raises(ValueError, match=rf'^ridge={re.escape(repr(bad))} must be a finite number >= 0'):
+        SoftAttention(8, num_heads=2, ridge=bad)
 
 
 @pytest.mark.parametrize('border', ['replicate', 'drop'])          # ours, and the public unpadded conv (official)

@@ -66,7 +66,7 @@ from ...functional.precision import autocast_dtype, float32_island
 from ...functional.precision import upcast as _upcast
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
-from ...arguments import count, positive_int
+from ...arguments import count, image_size, positive_int
 from .softmax import AttentionBase, check_no_mask
 
 SAMPLERS = ('conv', 'avgpool', 'random')
@@ -178,6 +178,15 @@ def exact_gaussian_attention(q: torch.Tensor, v: torch.Tensor, scale: Optional[f
     return gaussian_kernel(q, q, scale) @ v
 
 
+def _grid_pair(grid_size) -> Tuple[int, int]:
+    """A forward's grid_size as (H, W), or a ValueError naming it (`arguments.image_size`'s rule), taking the sizes
+    torch.compile traces from an image's shape (SymInt) as the integers they stand for."""
+    if isinstance(grid_size, (tuple, list)) and len(grid_size) == 2 and all(
+            isinstance(v, torch.SymInt) and v >= 1 for v in grid_size):
+        return tuple(grid_size)
+    return image_size('grid_size', grid_size)
+
+
 @register_attention('soft')
 class SoftAttention(AttentionBase):
     """SOFT attention (Alg. 1, Eq. 9) with timm's `attn_layer` signature; `normalize=True` gives SOFT++ (Eq. 17).
@@ -221,8 +230,11 @@ class SoftAttention(AttentionBase):
         positive_int('newton_iter', newton_iter)        # True would have run one step
         positive_int('num_landmarks', num_landmarks)
         count('seed', seed)            # 2.5 failed at the first eval forward (manual_seed)
-        if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
-            raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
+        # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently; None or a string failed in the comparison
+        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not 0 <= ridge < float('inf'):
+            raise ValueError(f"ridge={ridge!r} must be a finite number >= 0 (added as ridge·I to A before inverting)")
+        if grid_size is not None:        # (4,), (2.5, 4), (-4, -4) failed at the first forward, naming nothing
+            grid_size = image_size('grid_size', grid_size)
         if sampling_ratio is not None:
             positive_int('sampling_ratio', sampling_ratio)
         if num_prefix_tokens is not None:
@@ -286,7 +298,7 @@ class SoftAttention(AttentionBase):
 
     def resolve_grid(self, num_tokens: int, grid_size: Optional[Tuple[int, int]] = None):
         """-> (num_prefix, (H, W) or None). H·W grid tokens follow the prefix tokens."""
-        grid_size = grid_size if grid_size is not None else self.grid_size
+        grid_size = _grid_pair(grid_size) if grid_size is not None else self.grid_size
         if grid_size is not None:
             h, w = grid_size
             prefix = num_tokens - h * w
