@@ -1,5 +1,6 @@
 """CRATE operators against references written from the paper's equations (float64)."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -178,8 +179,13 @@ def test_bad_sizes_and_eps_are_named_at_construction():
                         ('lambd', math.inf), ('eps', math.nan)):
         with pytest.raises(ValueError, match=f"{name} must be a finite number"):
             ISTA(4, **{name: value})
-    with pytest.raises(ValueError, match='eps must be > 0'):
+    with pytest.raises(ValueError, match=r'^eps=0.0 must be a finite number > 0'):
         MSSA(8, 2, tied_output=True, eps=0.0)
+    # an infinite ε made the tied output p/(N·∞²)·(...) = 0 for every input, silently; None and a string failed
+    # inside a comparison ("'>' not supported between instances of 'NoneType' and 'int'"), True was ε = 1
+    for value in (math.inf, math.nan, None, '1.0', True):
+        with pytest.raises(ValueError, match=rf'^eps={re.escape(repr(value))} must be a finite number > 0'):
+            MSSA(8, 2, tied_output=True, eps=value)
 
 
 def test_ista_output_is_sparse_and_nonnegative():
