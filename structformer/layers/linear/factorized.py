@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...arguments import count, positive_int
+from ...arguments import image_size, positive_int
 from ...functional.onednn_linear import linear
 from ...functional.precision import float32_island
 from .base import StructuredLinear
@@ -162,15 +162,17 @@ class FactorizedConv2d(nn.Module):
         super().__init__()
         if init not in INITS:
             raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
-        sizes = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-        for name, value in (('in_channels', in_channels), ('out_channels', out_channels)) + tuple(
-                ('kernel_size', k) for k in sizes):
-            positive_int(name, value)
-        # nn.Conv2d took a negative stride, padding or dilation and failed at the first forward
-        for name, value, check in (('stride', stride, positive_int), ('padding', padding, count),
-                                   ('dilation', dilation, positive_int)):
-            for entry in (value if isinstance(value, (tuple, list)) else () if isinstance(value, str) else (value,)):
-                check(name, entry)
+        positive_int('in_channels', in_channels)
+        positive_int('out_channels', out_channels)
+        # an integer or an (H, W) pair each: nn.Conv2d took a negative, a string or a three-entry stride (and the
+        # same padding or dilation) and failed at the first forward; kernel_size=2.5 failed as "not iterable"
+        kernel_size, stride, dilation = (image_size(name, value) for name, value in (
+            ('kernel_size', kernel_size), ('stride', stride), ('dilation', dilation)))
+        if not isinstance(padding, str):            # 'same' / 'valid': nn.Conv2d checks the name and the stride
+            pair = tuple(padding) if isinstance(padding, (tuple, list)) else (padding, padding)
+            if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair):
+                raise ValueError(f"padding={padding!r} must be an integer >= 0, an (H, W) pair of them, or "
+                                 "'same' / 'valid'")
         dense = nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                           dilation=dilation, bias=bias, device=device, dtype=dtype)
         self.in_channels, self.out_channels = in_channels, out_channels
