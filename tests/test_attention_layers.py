@@ -175,6 +175,30 @@ def test_soft_names_a_bad_grid_size(sampler, grid):
         layer(torch.randn(1, 17, 8), grid_size=grid)
 
 
+def test_an_exported_random_sampler_keeps_the_seeded_evaluation_subset():
+    """In evaluation the random sampler uses one subset per (n, m), drawn from `seed`, so evaluation is deterministic.
+    Exported before any eager forward, the draw (torch.randperm with the layer's generator) was recorded as a graph
+    op without its generator: the exported (or TorchScript-traced) program drew a new subset on every call (two calls
+    on one input differed by 0.5), not the eager layer's. The subset is now drawn eagerly while a graph is recorded."""
+    torch.manual_seed(0)
+    layer = SoftAttention(12, num_heads=3, num_landmarks=4, sampler='random', seed=3).eval()
+    x, other = torch.randn(2, 17, 12), torch.randn(2, 17, 12)
+    program = torch.export.export(layer, (x,))
+    assert not [n for n in program.graph.nodes if 'randperm' in str(n.target)]
+    exported = program.module()
+    fresh = SoftAttention(12, num_heads=3, num_landmarks=4, sampler='random', seed=3).eval()
+    fresh.load_state_dict(layer.state_dict())                  # an eager twin that never saw the export
+    for inputs in (x, other, x):
+        torch.testing.assert_close(exported(inputs), fresh(inputs))      # float32, the same ops in one order
+    layer = SoftAttention(12, num_heads=3, num_landmarks=4, sampler='random', seed=3).eval()
+    layer.load_state_dict(fresh.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                  # torch.jit.trace's deprecation, tracer warnings
+        traced = torch.jit.trace(layer, (x,), check_trace=False)    # the ONNX exporter's dynamo=False path
+    assert 'randperm' not in str(traced.graph)
+    torch.testing.assert_close(traced(other), fresh(other))
+
+
 @pytest.mark.parametrize('bad', [None, '0.1', True])
 def test_soft_names_a_ridge_that_is_not_a_number(bad):
     """None / '0.1' failed inside a comparison ("'<=' not supported between instances of 'int' and 'NoneType'");

@@ -53,6 +53,7 @@ unrolled backward, sampler init) so it can be ablated. docs/soft.md has the tabl
 public attention written from its equations is in tests/test_soft_official.py.
 """
 import math
+from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
@@ -64,6 +65,7 @@ from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_refer
 from ...functional.newton_pinv import check_rule, newton_pinv
 from ...functional.precision import autocast_dtype, float32_island
 from ...functional.precision import upcast as _upcast
+from ...functional.tracing import graph_constant, recording_graph
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
 from ...arguments import count, image_size, positive_int
@@ -338,8 +340,15 @@ class SoftAttention(AttentionBase):
             return torch.randperm(n, device=device)[:m]
         idx = self._eval_indices.get((n, m))
         if idx is None:
-            gen = torch.Generator().manual_seed(self.seed)
-            idx = self._eval_indices[(n, m)] = torch.randperm(n, generator=gen)[:m].sort().values
+            # exported or traced: the seeded subset as a constant, not a randperm op drawn per call (TorchScript's
+            # tracer hands n over as a 0-dim tensor; a token count torch.export leaves free, a SymInt, has no one
+            # subset: drawn in the graph, as before)
+            constant = not isinstance(n, torch.SymInt)
+            with graph_constant() if constant else nullcontext():
+                gen = torch.Generator().manual_seed(self.seed)
+                idx = torch.randperm(int(n) if constant else n, generator=gen)[:m].sort().values
+            if not recording_graph():          # an exported program cannot write module attributes (export warns)
+                self._eval_indices[(n, m)] = idx
         return idx.to(device)
 
     def landmarks(self, q: torch.Tensor, grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
