@@ -199,6 +199,28 @@ def test_an_exported_random_sampler_keeps_the_seeded_evaluation_subset():
     torch.testing.assert_close(traced(other), fresh(other))
 
 
+def test_soft_takes_the_grid_sizes_a_graph_recorder_hands_over():
+    """A model passes grid_size=(H, W) read from an image's shape: TorchScript's tracer (the ONNX dynamo=False path)
+    hands those over as 0-dim tensors, torch.export / torch.compile as SymInts; the grid_size check took them for bad
+    values ("grid_size=(tensor(4), tensor(4)) must be ...", the legacy ONNX export of soft_digits failed)."""
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = SoftAttention(8, num_heads=2, num_landmarks=4, sampler='avgpool')
+
+        def forward(self, image):
+            h, w = image.shape[-2:]
+            return self.attn(image.flatten(2).transpose(1, 2), grid_size=(h, w))
+    torch.manual_seed(0)
+    stage, image = Stage().eval(), torch.randn(2, 8, 4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                  # torch.jit.trace's deprecation, tracer warnings
+        traced = torch.jit.trace(stage, (image,), check_trace=False)
+    torch.testing.assert_close(traced(image), stage(image))
+    exported = torch.export.export(stage, (image,), dynamic_shapes=({0: torch.export.Dim('batch', max=8)},))
+    torch.testing.assert_close(exported.module()(image[:1]), stage(image[:1]))
+
+
 @pytest.mark.parametrize('bad', [None, '0.1', True])
 def test_soft_names_a_ridge_that_is_not_a_number(bad):
     """None / '0.1' failed inside a comparison ("'<=' not supported between instances of 'int' and 'NoneType'");

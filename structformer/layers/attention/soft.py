@@ -181,10 +181,12 @@ def exact_gaussian_attention(q: torch.Tensor, v: torch.Tensor, scale: Optional[f
 
 
 def _grid_pair(grid_size) -> Tuple[int, int]:
-    """A forward's grid_size as (H, W), or a ValueError naming it (`arguments.image_size`'s rule), taking the sizes
-    torch.compile traces from an image's shape (SymInt) as the integers they stand for."""
+    """A forward's grid_size as (H, W), or a ValueError naming it (`arguments.image_size`'s rule), taking the sizes a
+    graph recorder hands over for an image's shape as the integers they stand for: SymInts (torch.compile,
+    torch.export) and 0-dim integer tensors (TorchScript's tracer, the ONNX exporter's dynamo=False path)."""
     if isinstance(grid_size, (tuple, list)) and len(grid_size) == 2 and all(
-            isinstance(v, torch.SymInt) and v >= 1 for v in grid_size):
+            isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point()
+                                            and v.dtype != torch.bool) for v in grid_size):
         return tuple(grid_size)
     return image_size('grid_size', grid_size)
 
