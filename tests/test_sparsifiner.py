@@ -46,6 +46,25 @@ def test_bad_predictor_options_are_named(option, bad):
         SparsifinerAttention(32, 4, **{option: bad})
 
 
+@pytest.mark.parametrize('connectivity', ['token', 'block'])
+def test_a_layer_that_kept_its_scores_can_be_copied(connectivity):
+    """With keep_scores (the attention-distillation phases), `last_scores` holds the predictor's graph for the loss.
+    copy.deepcopy of the layer, or of a model holding it (timm's ModelEmaV3, weight averaging), then failed: "Only
+    Tensors created explicitly by the user (graph leaves) support the deepcopy protocol". A copy has run no forward:
+    it carries no scores, and the original keeps its own."""
+    import copy
+    import io
+    torch.manual_seed(0)
+    layer = SparsifinerAttention(16, 2, seq_len=9, keep_scores=True, connectivity=connectivity, block_size=4)
+    x = torch.randn(2, 9, 16)
+    layer(x)
+    assert layer.last_scores is not None and layer.last_scores.requires_grad
+    twin = copy.deepcopy(layer)
+    assert twin.last_scores is None and layer.last_scores is not None
+    torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)         # the same ops on the same weights
+    torch.save(layer, io.BytesIO())
+
+
 @pytest.mark.parametrize('b, h, n, keys, dense_rows', [(2, 3, 17, 5, 0), (2, 3, 17, 5, 1), (1, 1, 5, 1, 0),
                                                        (1, 2, 6, 6, 2), (1, 1, 1, 1, 1)])
 def test_masked_and_gathered_paths_agree_with_gradients(b, h, n, keys, dense_rows):

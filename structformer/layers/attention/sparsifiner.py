@@ -237,6 +237,13 @@ class SparsifinerAttention(AttentionBase):
         # what the path really computed, beside the nominal keep ratio (`functional.sparsifiner.realised_density`)
         self.last_density: Optional[torch.Tensor] = None
 
+    def __getstate__(self):
+        # a copy (copy.deepcopy: EMA, weight averaging; pickling) has run no forward: the last forward's scores, which
+        # hold the predictor's graph for the distillation loss, are left out (deepcopy refused that non-leaf tensor)
+        state = super().__getstate__()
+        state['last_scores'] = None
+        return state
+
     def budget(self, num_tokens: int) -> int:
         if self.keys_per_query is None:
             return budget(num_tokens, self.keep_ratio)
