@@ -1,4 +1,5 @@
 """SOFT / SOFT++ layers and the softmax, Linformer, Performer and Nyströmformer baselines."""
+import math
 import re
 import warnings
 
@@ -173,6 +174,23 @@ def test_soft_names_a_bad_grid_size(sampler, grid):
     layer = SoftAttention(8, num_heads=2, num_landmarks=1, sampler=sampler, sampling_ratio=2)
     with pytest.raises(ValueError, match=rf'^grid_size={re.escape(repr(grid))} must be a positive integer or an '):
         layer(torch.randn(1, 17, 8), grid_size=grid)
+
+
+@pytest.mark.parametrize('options', [dict(), dict(sampling_ratio=2), dict(grid_size=(3, 5)), dict(normalize=True),
+                                     dict(official=True, grid_size=(3, 5)), dict(landmark_border='drop', grid_size=(3, 5))])
+def test_soft_takes_an_empty_batch(options):
+    """A batch of 0 images (as nn.Linear, SDPA and the other attentions take): the conv sampler's reshape(..., -1, C)
+    of 0 elements raised "cannot reshape tensor of 0 elements ... ambiguous", the public V conv's rearrange a
+    ZeroDivisionError. The sampler's reference takes it too."""
+    layer = SoftAttention(8, num_heads=2, num_landmarks=4, **{'sampling_ratio': 2, **options})
+    x = torch.randn(0, 16, 8, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 16, 8) and x.grad.shape == x.shape
+    tokens, k = torch.randn(0, 2, 15, 4), layer.conv.kernel_size       # a 3×5 grid: 2·3 windows padded, 1·2 whole
+    landmarks = math.ceil(3 / k) * math.ceil(5 / k) if layer.conv.border == 'replicate' else (3 // k) * (5 // k)
+    assert layer.conv(tokens, (3, 5)).shape == layer.conv.forward_reference(tokens, (3, 5)).shape == \
+        (0, 2, landmarks, 4)
 
 
 def test_an_exported_random_sampler_keeps_the_seeded_evaluation_subset():

@@ -46,6 +46,18 @@ def test_bad_predictor_options_are_named(option, bad):
         SparsifinerAttention(32, 4, **{option: bad})
 
 
+@pytest.mark.parametrize('options', [dict(), dict(impl='gather'), dict(predictor_dim=4),
+                                     dict(connectivity='block', block_size=4), dict(keep_scores=True)])
+def test_an_empty_batch_is_attended(options):
+    """A batch of 0 images (as nn.Linear and SDPA take): the predictor's W_down K reshape(B, -1, H, d) of 0 elements
+    raised "cannot reshape tensor of 0 elements ... ambiguous"."""
+    layer = SparsifinerAttention(16, 2, seq_len=9, **options)
+    x = torch.randn(0, 9, 16, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 9, 16) and x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize('connectivity', ['token', 'block'])
 def test_a_layer_that_kept_its_scores_can_be_copied(connectivity):
     """With keep_scores (the attention-distillation phases), `last_scores` holds the predictor's graph for the loss.

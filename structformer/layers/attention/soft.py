@@ -395,7 +395,7 @@ class SoftAttention(AttentionBase):
         h, w = grid_size
         prefix = v.shape[-2] - h * w
         planes = rearrange(v[..., prefix:, :], 'b h (y x) d -> (b d) h y x', y=h, x=w)
-        out = rearrange(self.value_conv(planes), '(b d) h y x -> b h (y x) d', b=v.shape[0])
+        out = rearrange(self.value_conv(planes), '(b d) h y x -> b h (y x) d', d=v.shape[-1])   # d: B may be 0
         return F.pad(out, (0, 0, prefix, 0)) if prefix else out
 
     def folding_pays(self, num_landmarks: int) -> bool:
