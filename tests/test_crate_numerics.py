@@ -252,3 +252,13 @@ def test_a_meta_built_ista_is_initialised_by_to_empty_and_reset_parameters():
         if hasattr(module, 'reset_parameters'):
             module.reset_parameters()
     assert torch.equal(layer.weight, reference.weight)        # the same draw, one op
+
+
+def test_repr_says_the_configuration():
+    """print(model) showed `ISTA((drop): Dropout(p=0.0))` and MSSA's projections only: neither the ISTA step, η, λ
+    nor MSSA's heads, head width, tied output or SSA implementation."""
+    assert repr(ISTA(8, eta=0.5, lambd=0.2, step='mm', eps=2.0)).startswith(
+        "ISTA(\n  in_features=8, step='mm', eta=0.5, lambd=0.2, eps=2.0, fused=True\n")
+    assert repr(MSSA(8, 2, tied_output=True, eps=0.5, ssa_impl='sdpa')).startswith(
+        "MSSA(\n  num_heads=2, head_dim=4, tied_output=True, eps=0.5, project_out=False, ssa_impl='sdpa'")
+    assert "num_heads=2, head_dim=4, tied_output=False, project_out=True, ssa_impl='auto'" in repr(MSSA(8, 2))

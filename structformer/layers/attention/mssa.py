@@ -126,6 +126,11 @@ class MSSA(nn.Module):
         self.proj = TunedLinear(inner, dim, bias=proj_bias, **dd) if project_out and not tied_output else None
         self.proj_drop = nn.Dropout(proj_drop)
 
+    def extra_repr(self) -> str:
+        eps = f', eps={self.eps}' if self.tied_output else ''                # ε of Eq. 12: the tied output's only
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, tied_output={self.tied_output}{eps}, "
+                f"project_out={self.proj is not None}, ssa_impl={self.ssa_impl!r}")
+
     def subspace_bases(self) -> torch.Tensor:
         """The learned U_k as a [K, d, p] stack (columns of Wᵀ, head by head)."""
         w = linear_weight(self.qkv)                              # [K·p, d] (also after `factorize`)

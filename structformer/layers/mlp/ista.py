@@ -71,6 +71,10 @@ class ISTA(nn.Module):
         calls after a meta-device build and `to_empty`)."""
         nn.init.kaiming_uniform_(self.weight)
 
+    def extra_repr(self) -> str:
+        eps = f', eps={self.eps}' if self.step == 'mm' else ''                  # α = d/(Nε²): the MM step's only
+        return f"in_features={self.dim}, step={self.step!r}, eta={self.eta}, lambd={self.lambd}{eps}, fused={self.fused}"
+
     def effective_matrix(self) -> torch.Tensor:
         """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17. In the weight's
         dtype, autocast or not (d³ work, independent of batch and tokens)."""
