@@ -287,7 +287,10 @@ def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0, return_
     """
     _check_num_iter(num_iter)
     check_rule(rule, backward)
-    if a.shape[-1] != a.shape[-2]:
+    # as the layers check theirs: a negative ridge made A + ridge·I indefinite and NaN gave NaN inverses, silently
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not 0 <= ridge < float('inf'):
+        raise ValueError(f"ridge={ridge!r} must be a finite number >= 0 (added as ridge·I to A before inverting)")
+    if a.dim() < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"newton_pinv expects square matrices [..., m, m], got shape {tuple(a.shape)}")
     with float32_island(a.device.type):
         if a.dtype in _LOW_PRECISION:
