@@ -81,7 +81,8 @@ def performer_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 class PerformerAttention(AttentionBase):
     """FAVOR+ attention with timm's `attn_layer` signature.
 
-    Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice), `redraw_features()`
+    Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice, and at least d: a head of width 1
+    has ⌈d·ln d⌉ = 0), `redraw_features()`
     to draw new ω, `redraw_interval` (None: ω fixed, as before; N: a new ω before every N-th training forward, the
     public performer-pytorch's feature redrawing, 1000 there; the forward count is a buffer, so a reload keeps
     the schedule). `attn_drop` must be 0 (there are no attention weights to drop: refused, not ignored);
