@@ -763,6 +763,24 @@ def test_performer_redraws_features_on_its_interval_and_keeps_the_schedule_on_re
                                                                       'projection'}
 
 
+def test_soft_in_a_vit_whose_grid_it_would_misread_names_the_layout():
+    """Without grid_size / num_prefix_tokens SOFT infers a square grid from N: in a ViT of a non-square input, 1 cls +
+    3×5 patch tokens = 16 were read as a 4×4 grid without a prefix (at 224×256 px: 1 + 14×16 = 225 as 15×15), and
+    the landmarks pooled windows of a scrambled grid, silently. A model of a fixed size now refuses it when built,
+    naming the options that give the layer its layout, which then work."""
+    from structformer import build_model
+    with pytest.raises(ValueError, match=r'blocks\.0\.attn \(SoftAttention\) in a model of 16 tokens: .*1 prefix '
+                                         r'token\(s\) and a 3×5 grid.*0 prefix token\(s\) and a 4×4 grid.*'
+                                         r'grid_size=\(3, 5\), num_prefix_tokens=1'):
+        build_model('vit_digits', {'attn_layer': 'soft', 'img_size': (6, 10), 'attn_kwargs': {'num_landmarks': 4}})
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model, _ = build_model('vit_digits', {'attn_layer': 'soft', 'img_size': (6, 10), 'attn_kwargs': {
+            'num_landmarks': 4, 'grid_size': (3, 5), 'num_prefix_tokens': 1}})
+        square, _ = build_model('vit_digits', {'attn_layer': 'soft', 'attn_kwargs': {'num_landmarks': 4}})
+    assert model(torch.randn(2, 1, 6, 10)).shape == square(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
 def test_soft_in_a_vit_with_register_tokens_names_num_prefix_tokens():
     """SOFT cannot infer the grid of 1 + 4 register + 16 patch tokens; the refusal told a timm user to pass
     grid_size to forward, which timm's Block never does. It names the build option now, which then works."""

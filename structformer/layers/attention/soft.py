@@ -337,6 +337,20 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"landmark_border='drop' needs a token grid of at least k×k = {k}×{k}, got "
                              f"{grid[0]}×{grid[1]}; use landmark_border='replicate' or a smaller sampling_ratio")
 
+    def check_token_layout(self, num_prefix_tokens: int, grid_size: Tuple[int, int]) -> None:
+        """Refuse, when a model of a fixed input size is built, a layout this layer would read otherwise: without
+        grid_size / num_prefix_tokens it infers a square grid from N, which fits a non-square grid with the wrong
+        prefix (1 cls + 14×16 patches = 225 tokens read as a 15×15 grid without a prefix), silently. The random
+        sampler reads no grid, only the prefix (unless its V conv needs the grid)."""
+        h, w = grid_size
+        prefix, grid = self.resolve_grid(num_prefix_tokens + h * w)
+        reads_grid = self.sampler != 'random' or self.value_conv is not None
+        if prefix != num_prefix_tokens or (reads_grid and grid != (h, w)):
+            seen = f"a {grid[0]}×{grid[1]} grid" if grid is not None else "no grid"
+            raise ValueError(f"the model's tokens are {num_prefix_tokens} prefix token(s) and a {h}×{w} grid, which "
+                             f"this layer would read as {prefix} prefix token(s) and {seen}; pass attn_kwargs "
+                             f"grid_size=({h}, {w}), num_prefix_tokens={num_prefix_tokens}")
+
     def _random_indices(self, n: int, m: int, device) -> torch.Tensor:
         if self.training:
             return torch.randperm(n, device=device)[:m]
