@@ -177,7 +177,8 @@ def test_soft_names_a_bad_grid_size(sampler, grid):
 
 
 @pytest.mark.parametrize('options', [dict(), dict(sampling_ratio=2), dict(grid_size=(3, 5)), dict(normalize=True),
-                                     dict(official=True, grid_size=(3, 5)), dict(landmark_border='drop', grid_size=(3, 5))])
+                                     dict(official=True, grid_size=(3, 5)),
+                                     dict(landmark_border='drop', grid_size=(3, 5))])
 def test_soft_takes_an_empty_batch(options):
     """A batch of 0 images (as nn.Linear, SDPA and the other attentions take): the conv sampler's reshape(..., -1, C)
     of 0 elements raised "cannot reshape tensor of 0 elements ... ambiguous", the public V conv's rearrange a

@@ -121,9 +121,10 @@ class PerformerAttention(AttentionBase):
         return self
 
     def reset_parameters(self) -> None:
-        """A fresh ω (from the global generator, as the constructor draws it) and the redraw count at 0: the layer's own
-        state, which torch's deferred initialisation (a meta-device build, `to_empty`, then `reset_parameters` on every
-        module) must fill in; `to_empty` leaves it uninitialised memory. The q/k/v and output maps reset themselves."""
+        """A fresh ω (from the global generator, as the constructor draws it) and the redraw count at 0: the layer's
+        own state, which torch's deferred initialisation (a meta-device build, `to_empty`, then `reset_parameters` on
+        every module) must fill in; `to_empty` leaves it uninitialised memory. The q/k/v and output maps reset
+        themselves."""
         self.redraw_features()
         if self.redraw_interval is not None:
             with torch.no_grad():

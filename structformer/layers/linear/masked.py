@@ -52,7 +52,8 @@ class MaskedLinear(StructuredLinear):
         self.density, self.seed = float(density), int(seed)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         # drawn by reset_parameters (also what fills it in after a meta-device build and `to_empty`)
-        self.register_buffer('mask', torch.empty(out_features, in_features, dtype=torch.bool, device=self.weight.device))
+        self.register_buffer('mask', torch.empty(out_features, in_features, dtype=torch.bool,
+                                                 device=self.weight.device))
         self.reset_parameters()
 
     def _draw_mask(self) -> torch.Tensor:

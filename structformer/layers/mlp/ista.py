@@ -73,7 +73,8 @@ class ISTA(nn.Module):
 
     def extra_repr(self) -> str:
         eps = f', eps={self.eps}' if self.step == 'mm' else ''                  # α = d/(Nε²): the MM step's only
-        return f"in_features={self.dim}, step={self.step!r}, eta={self.eta}, lambd={self.lambd}{eps}, fused={self.fused}"
+        return (f"in_features={self.dim}, step={self.step!r}, eta={self.eta}, lambd={self.lambd}{eps}, "
+                f"fused={self.fused}")
 
     def effective_matrix(self) -> torch.Tensor:
         """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17. In the weight's
