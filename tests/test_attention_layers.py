@@ -1,4 +1,5 @@
 """SOFT / SOFT++ layers and the softmax, Linformer, Performer and Nyströmformer baselines."""
+import math
 import re
 import warnings
 
@@ -155,10 +156,96 @@ def test_soft_bad_inputs():
     with pytest.raises(ValueError, match='sampler'):
         SoftAttention(8, num_heads=2, sampler='strided')
     for bad in (-0.1, float('nan'), float('inf')):              # NaN gave NaN outputs, silently
-        with pytest.raises(ValueError, match='ridge must be a finite number >= 0'):
+        with pytest.raises(ValueError, match=r'^ridge=\S+ must be a finite number >= 0'):
             SoftAttention(8, num_heads=2, ridge=bad)
     with pytest.raises(NotImplementedError, match='attn_mask'):
         SoftAttention(8, num_heads=2, num_landmarks=4)(torch.randn(1, 16, 8), is_causal=True)
+
+
+@pytest.mark.parametrize('sampler', ['conv', 'avgpool', 'random'])
+@pytest.mark.parametrize('grid', [(4,), (2.5, 4), (-4, -4), (0, 4), 4.0, 'ab'])
+def test_soft_names_a_bad_grid_size(sampler, grid):
+    """grid_size, at construction or in forward: (4,) failed with an IndexError or "not enough values to unpack",
+    (2.5, 4) with "slice indices must be integers", (-4, -4) with torch's "invalid shape dimension -2" at the first
+    forward (or was taken by the random sampler), 4.0 with "'float' object is not iterable", naming nothing."""
+    with pytest.raises(ValueError, match=rf'^grid_size={re.escape(repr(grid))} must be a positive integer or an '
+                                         r'\(H, W\) pair of them'):
+        SoftAttention(8, num_heads=2, num_landmarks=1, sampler=sampler, grid_size=grid)
+    layer = SoftAttention(8, num_heads=2, num_landmarks=1, sampler=sampler, sampling_ratio=2)
+    with pytest.raises(ValueError, match=rf'^grid_size={re.escape(repr(grid))} must be a positive integer or an '):
+        layer(torch.randn(1, 17, 8), grid_size=grid)
+
+
+@pytest.mark.parametrize('options', [dict(), dict(sampling_ratio=2), dict(grid_size=(3, 5)), dict(normalize=True),
+                                     dict(official=True, grid_size=(3, 5)),
+                                     dict(landmark_border='drop', grid_size=(3, 5))])
+def test_soft_takes_an_empty_batch(options):
+    """A batch of 0 images (as nn.Linear, SDPA and the other attentions take): the conv sampler's reshape(..., -1, C)
+    of 0 elements raised "cannot reshape tensor of 0 elements ... ambiguous", the public V conv's rearrange a
+    ZeroDivisionError. The sampler's reference takes it too."""
+    layer = SoftAttention(8, num_heads=2, num_landmarks=4, **{'sampling_ratio': 2, **options})
+    x = torch.randn(0, 16, 8, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 16, 8) and x.grad.shape == x.shape
+    tokens, k = torch.randn(0, 2, 15, 4), layer.conv.kernel_size       # a 3×5 grid: 2·3 windows padded, 1·2 whole
+    landmarks = math.ceil(3 / k) * math.ceil(5 / k) if layer.conv.border == 'replicate' else (3 // k) * (5 // k)
+    assert layer.conv(tokens, (3, 5)).shape == layer.conv.forward_reference(tokens, (3, 5)).shape == \
+        (0, 2, landmarks, 4)
+
+
+def test_an_exported_random_sampler_keeps_the_seeded_evaluation_subset():
+    """In evaluation the random sampler uses one subset per (n, m), drawn from `seed`, so evaluation is deterministic.
+    Exported before any eager forward, the draw (torch.randperm with the layer's generator) was recorded as a graph
+    op without its generator: the exported (or TorchScript-traced) program drew a new subset on every call (two calls
+    on one input differed by 0.5), not the eager layer's. The subset is now drawn eagerly while a graph is recorded."""
+    torch.manual_seed(0)
+    layer = SoftAttention(12, num_heads=3, num_landmarks=4, sampler='random', seed=3).eval()
+    x, other = torch.randn(2, 17, 12), torch.randn(2, 17, 12)
+    program = torch.export.export(layer, (x,))
+    assert not [n for n in program.graph.nodes if 'randperm' in str(n.target)]
+    exported = program.module()
+    fresh = SoftAttention(12, num_heads=3, num_landmarks=4, sampler='random', seed=3).eval()
+    fresh.load_state_dict(layer.state_dict())                  # an eager twin that never saw the export
+    for inputs in (x, other, x):
+        torch.testing.assert_close(exported(inputs), fresh(inputs))      # float32, the same ops in one order
+    layer = SoftAttention(12, num_heads=3, num_landmarks=4, sampler='random', seed=3).eval()
+    layer.load_state_dict(fresh.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                  # torch.jit.trace's deprecation, tracer warnings
+        traced = torch.jit.trace(layer, (x,), check_trace=False)    # the ONNX exporter's dynamo=False path
+    assert 'randperm' not in str(traced.graph)
+    torch.testing.assert_close(traced(other), fresh(other))
+
+
+def test_soft_takes_the_grid_sizes_a_graph_recorder_hands_over():
+    """A model passes grid_size=(H, W) read from an image's shape: TorchScript's tracer (the ONNX dynamo=False path)
+    hands those over as 0-dim tensors, torch.export / torch.compile as SymInts; the grid_size check took them for bad
+    values ("grid_size=(tensor(4), tensor(4)) must be ...", the legacy ONNX export of soft_digits failed)."""
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = SoftAttention(8, num_heads=2, num_landmarks=4, sampler='avgpool')
+
+        def forward(self, image):
+            h, w = image.shape[-2:]
+            return self.attn(image.flatten(2).transpose(1, 2), grid_size=(h, w))
+    torch.manual_seed(0)
+    stage, image = Stage().eval(), torch.randn(2, 8, 4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                  # torch.jit.trace's deprecation, tracer warnings
+        traced = torch.jit.trace(stage, (image,), check_trace=False)
+    torch.testing.assert_close(traced(image), stage(image))
+    exported = torch.export.export(stage, (image,), dynamic_shapes=({0: torch.export.Dim('batch', max=8)},))
+    torch.testing.assert_close(exported.module()(image[:1]), stage(image[:1]))
+
+
+@pytest.mark.parametrize('bad', [None, '0.1', True])
+def test_soft_names_a_ridge_that_is_not_a_number(bad):
+    """None / '0.1' failed inside a comparison ("'<=' not supported between instances of 'int' and 'NoneType'");
+    True was taken as a ridge of 1."""
+    with pytest.raises(ValueError, match=rf'^ridge={re.escape(repr(bad))} must be a finite number >= 0'):
+        SoftAttention(8, num_heads=2, ridge=bad)
 
 
 @pytest.mark.parametrize('border', ['replicate', 'drop'])          # ours, and the public unpadded conv (official)
@@ -540,6 +627,31 @@ def test_softnet_refuses_num_landmarks_its_sampling_ratios_override():
         timm.create_model('soft_digits', attn_kwargs={'num_landmarks': 2, 'sampler': 'random'})
 
 
+@pytest.mark.parametrize('context', [False, True])
+def test_performer_built_on_meta_is_filled_in_by_to_empty_and_reset_parameters(context):
+    """torch's deferred initialisation (build on the meta device, `to_empty`, `reset_parameters()` on every module):
+    ω and the redraw count are the layer's own state, so its reset_parameters draws ω afresh (as the constructor does,
+    from the global generator) and zeroes the count. Before, the layer had no reset_parameters and both kept
+    `to_empty`'s uninitialised memory: features of arbitrary size (NaN or garbage attention, silently) and a redraw
+    schedule counted from garbage."""
+    def build(**dd):
+        return PerformerAttention(16, num_heads=2, num_features=12, redraw_interval=3, **dd)
+    if context:
+        with torch.device('meta'):
+            layer = build()
+    else:
+        layer = build(device='meta')
+    layer.to_empty(device='cpu')
+    torch.manual_seed(5)
+    for module in layer.modules():
+        if hasattr(module, 'reset_parameters'):
+            module.reset_parameters()
+    torch.manual_seed(5)
+    features = orthogonal_random_features(12, 8)     # what the reset drew: modules() yields the layer before its maps
+    assert torch.equal(layer.projection, features) and int(layer.training_forwards) == 0
+    assert torch.isfinite(layer(torch.randn(2, 6, 16))).all()
+
+
 def test_performer_redraw_keeps_float64_orthogonality():
     """redraw_features drew ω in float32 and copied it into a float64 buffer: rows orthogonal to ~3e-7 only."""
     layer = PerformerAttention(64, num_heads=2, num_features=32, dtype=F64)
@@ -650,6 +762,24 @@ def test_performer_redraws_features_on_its_interval_and_keeps_the_schedule_on_re
     assert not torch.equal(reloaded.projection, second)
     assert set(PerformerAttention(16, num_heads=2).state_dict()) == {'qkv.weight', 'proj.weight', 'proj.bias',
                                                                       'projection'}
+
+
+def test_soft_in_a_vit_whose_grid_it_would_misread_names_the_layout():
+    """Without grid_size / num_prefix_tokens SOFT infers a square grid from N: in a ViT of a non-square input, 1 cls +
+    3×5 patch tokens = 16 were read as a 4×4 grid without a prefix (at 224×256 px: 1 + 14×16 = 225 as 15×15), and
+    the landmarks pooled windows of a scrambled grid, silently. A model of a fixed size now refuses it when built,
+    naming the options that give the layer its layout, which then work."""
+    from structformer import build_model
+    with pytest.raises(ValueError, match=r'blocks\.0\.attn \(SoftAttention\) in a model of 16 tokens: .*1 prefix '
+                                         r'token\(s\) and a 3×5 grid.*0 prefix token\(s\) and a 4×4 grid.*'
+                                         r'grid_size=\(3, 5\), num_prefix_tokens=1'):
+        build_model('vit_digits', {'attn_layer': 'soft', 'img_size': (6, 10), 'attn_kwargs': {'num_landmarks': 4}})
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model, _ = build_model('vit_digits', {'attn_layer': 'soft', 'img_size': (6, 10), 'attn_kwargs': {
+            'num_landmarks': 4, 'grid_size': (3, 5), 'num_prefix_tokens': 1}})
+        square, _ = build_model('vit_digits', {'attn_layer': 'soft', 'attn_kwargs': {'num_landmarks': 4}})
+    assert model(torch.randn(2, 1, 6, 10)).shape == square(torch.randn(2, 1, 8, 8)).shape == (2, 10)
 
 
 def test_soft_in_a_vit_with_register_tokens_names_num_prefix_tokens():

@@ -40,6 +40,8 @@ from structformer.functional.shared_qkv_attention import shared_qkv_attention, s
 from structformer.functional.sparsifiner import (block_indices_to_mask, mask_from_indices, masked_attention,
                                                  predicted_tiles, topk_indices)
 from structformer.layers.attention.mssa import MSSA
+from structformer.layers.attention.nystrom import NystromAttention
+from structformer.layers.attention.performer import PerformerAttention
 from structformer.layers.attention.soft import SoftAttention, SoftPlusPlusAttention, soft_attention, soft_attention_projected
 from structformer.layers.attention.sparsifiner import SparsifinerAttention
 from structformer.layers.linear import (FactorizedConv2d, FactorizedLinear, KroneckerLinear, MaskedLinear,
@@ -294,6 +296,36 @@ def test_soft_layer_shapes_on_the_meta_device(fold):
     assert out.shape == (1, 17, 16) and out.device.type == 'meta'
     assert [(n, p.shape, p.device.type) for n, p in layer.named_parameters()] == \
         [(n, p.shape, 'meta') for n, p in shaped.named_parameters()]
+
+
+@pytest.mark.parametrize('build, shape', [
+    (lambda: ISTA(8), (2, 12, 8)),                                                  # the fused effective matrix
+    (lambda: NystromAttention(8, num_heads=2, num_landmarks=3), (2, 7, 8)),
+    (lambda: PerformerAttention(8, num_heads=2), (2, 7, 8)),
+    (lambda: SparsifinerAttention(8, num_heads=2, seq_len=7, predictor_dim=4), (2, 7, 8)),
+])
+def test_layers_that_turn_autocast_off_run_on_the_meta_device(build, shape):
+    """Every layer whose forward turns autocast off for a float32 step runs on the meta device, as `train --dry-run`
+    and the parameter counts build models there (a lazy layer is shaped by one forward there). Each called
+    `torch.autocast(device_type=x.device.type, enabled=False)` directly, which on 'meta' raised torch's bare
+    "RuntimeError: unsupported scalarType": `train --dry-run --model vit_tiny_patch16_224 --model-kwargs
+    attn_layer=sparsifiner attn_kwargs="{'predictor_dim': 32}"` ended in that traceback."""
+    torch.manual_seed(0)
+    shapes = build()(torch.randn(*shape)).shape
+    with torch.device('meta'):
+        out = build()(torch.randn(*shape))
+    assert out.device.type == 'meta' and out.shape == shapes
+
+
+@pytest.mark.parametrize('build', [lambda: MonarchLinear(8, 4, nblocks=2), lambda: FactorizedLinear(8, 4, rank=2),
+                                   lambda: FactorizedConv2d(2, 4, 3, rank=2)])
+def test_to_dense_runs_on_the_meta_device(build):
+    """`to_dense()` (the weight a structured layer applies, read by analysis and weight-tying code) turns autocast off
+    the same way: on the meta device it raised "unsupported scalarType" instead of giving the weight's shape."""
+    shape = build().to_dense().shape
+    with torch.device('meta'):
+        dense = build().to_dense()
+    assert dense.device.type == 'meta' and dense.shape == shape
 
 
 # ---------------------------------------------------------------- 2. CRATE: shared-QKV SSA and ISTA in bf16

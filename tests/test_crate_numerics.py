@@ -1,5 +1,6 @@
 """CRATE operators against references written from the paper's equations (float64)."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -178,8 +179,13 @@ def test_bad_sizes_and_eps_are_named_at_construction():
                         ('lambd', math.inf), ('eps', math.nan)):
         with pytest.raises(ValueError, match=f"{name} must be a finite number"):
             ISTA(4, **{name: value})
-    with pytest.raises(ValueError, match='eps must be > 0'):
+    with pytest.raises(ValueError, match=r'^eps=0.0 must be a finite number > 0'):
         MSSA(8, 2, tied_output=True, eps=0.0)
+    # an infinite ε made the tied output p/(N·∞²)·(...) = 0 for every input, silently; None and a string failed
+    # inside a comparison ("'>' not supported between instances of 'NoneType' and 'int'"), True was ε = 1
+    for value in (math.inf, math.nan, None, '1.0', True):
+        with pytest.raises(ValueError, match=rf'^eps={re.escape(repr(value))} must be a finite number > 0'):
+            MSSA(8, 2, tied_output=True, eps=value)
 
 
 def test_ista_output_is_sparse_and_nonnegative():
@@ -242,3 +248,28 @@ def test_sparsity_is_the_fraction_of_non_zero_codes():
     z[1, 0, 0], z[1, 1, 1], z[1, 2, 2] = -3.0, 0.05, 0.2   # 3 of 20 non-zero, 2 above 0.1
     assert sparsity(z).tolist() == pytest.approx([0.5, 0.15], abs=1e-7)        # a float32 mean of 20 entries
     assert sparsity(z, tol=0.1).tolist() == pytest.approx([0.5, 0.1], abs=1e-7)
+
+
+def test_a_meta_built_ista_is_initialised_by_to_empty_and_reset_parameters():
+    """torch's deferred initialisation (build on the meta device, `to_empty`, `reset_parameters()` on every module)
+    draws the dictionary D as the constructor does (kaiming-uniform); ISTA had no reset_parameters, so D kept
+    `to_empty`'s uninitialised memory."""
+    torch.manual_seed(0)
+    reference = ISTA(8)
+    layer = ISTA(8, device='meta')
+    layer.to_empty(device='cpu')
+    torch.manual_seed(0)
+    for module in layer.modules():
+        if hasattr(module, 'reset_parameters'):
+            module.reset_parameters()
+    assert torch.equal(layer.weight, reference.weight)        # the same draw, one op
+
+
+def test_repr_says_the_configuration():
+    """print(model) showed `ISTA((drop): Dropout(p=0.0))` and MSSA's projections only: neither the ISTA step, η, λ
+    nor MSSA's heads, head width, tied output or SSA implementation."""
+    assert repr(ISTA(8, eta=0.5, lambd=0.2, step='mm', eps=2.0)).startswith(
+        "ISTA(\n  in_features=8, step='mm', eta=0.5, lambd=0.2, eps=2.0, fused=True\n")
+    assert repr(MSSA(8, 2, tied_output=True, eps=0.5, ssa_impl='sdpa')).startswith(
+        "MSSA(\n  num_heads=2, head_dim=4, tied_output=True, eps=0.5, project_out=False, ssa_impl='sdpa'")
+    assert "num_heads=2, head_dim=4, tied_output=False, project_out=True, ssa_impl='auto'" in repr(MSSA(8, 2))

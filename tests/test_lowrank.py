@@ -1,6 +1,7 @@
 """Low-rank layers, `factorize`, inits, regularisers and effective rank (seed 004) against their
 definitions: dense references, SVD, autograd."""
 import math
+import re
 
 import pytest
 import timm
@@ -49,7 +50,7 @@ def test_unknown_init_is_a_clear_error():
 @pytest.mark.parametrize('args, name', [((0, 3, 3), 'in_channels'), ((2, -1, 3), 'out_channels'),
                                         ((2, 3, 0), 'kernel_size'), ((2, 3, (3, -1)), 'kernel_size')])
 def test_conv_sizes_are_named_before_the_rank(args, name):
-    with pytest.raises(ValueError, match=f'^{name}=-?[0-9]+ must be a positive integer$'):
+    with pytest.raises(ValueError, match=rf'^{name}=\S.* must be a positive integer'):   # the value as given
         FactorizedConv2d(*args, rank=1)
 
 
@@ -385,3 +386,36 @@ def test_layers_that_cannot_be_factorised_are_named_with_what_they_lack(capsys):
     assert "skipped 2: 1 (not factorisable: grouped (groups=16)), 2 (not factorisable: padding='same')" in \
         capsys.readouterr().err
     assert list(factorized_layers(model)) == ['3']
+
+
+@pytest.mark.parametrize('make', [lambda **dd: FactorizedLinear(12, 8, rank=3, **dd),
+                                  lambda **dd: FactorizedLinear(12, 8, rank=0.5, init='he', bias=False, **dd),
+                                  lambda **dd: FactorizedConv2d(3, 4, 3, rank=2, padding=1, **dd),
+                                  lambda **dd: FactorizedConv2d(3, 4, (3, 1), rank=2, init='spectral_ones', **dd)])
+def test_a_meta_built_factorised_layer_is_initialised_by_to_empty_and_reset_parameters(make):
+    """torch's deferred initialisation (build on the meta device, `to_empty`, `reset_parameters()` on every module)
+    gives the layer its constructor's initialisation (nn.Linear's / nn.Conv2d's init factorised by `init`); the
+    layers had no reset_parameters, so U, V and the bias kept `to_empty`'s uninitialised memory."""
+    torch.manual_seed(0)
+    reference = make()
+    layer = make(device='meta')
+    layer.to_empty(device='cpu')
+    torch.manual_seed(0)
+    for module in layer.modules():
+        module.reset_parameters()
+    expected = reference.state_dict()
+    for name, value in layer.state_dict().items():    # the same draws, the same SVD: float32 rounding at most
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6 * float(expected[name].abs().max()))
+
+
+@pytest.mark.parametrize('option, bad', [('kernel_size', 2.5), ('kernel_size', (3,)), ('kernel_size', (3, 3, 3)),
+                                         ('stride', '3'), ('stride', (1, 2, 3)), ('dilation', '2'),
+                                         ('padding', (1, 1, 1)), ('padding', 1.5)])
+def test_factorized_conv_names_a_bad_size_before_it_is_built(option, bad):
+    """A 2-D convolution's sizes are an integer or an (H, W) pair: kernel_size=2.5 failed with "'float' object is not
+    iterable", (3,) with an IndexError; (3, 3, 3), stride '3' or (1, 2, 3) built a layer whose first forward failed
+    inside F.conv2d ("expected stride to be a single integer value or a list of 2 values")."""
+    kwargs = dict(in_channels=3, out_channels=4, kernel_size=3, rank=2)
+    kwargs[option] = bad
+    with pytest.raises(ValueError, match=rf'^{option}={re.escape(repr(bad))} must be '):
+        FactorizedConv2d(**kwargs)

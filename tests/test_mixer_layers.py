@@ -247,6 +247,42 @@ def test_structured_factors_start_at_the_dense_init_scale(make, factors):
         assert abs(moment - 1) <= 4 * math.sqrt(2 / weight.numel()), (tuple(weight.shape), moment)
         assert abs(weight.detach().double().mean().item()) * math.sqrt(fan_in) <= 4 / math.sqrt(weight.numel())
 
+
+GIVEN_PERMUTATION = torch.tensor([3, 1, 0, 2, 11, 4, 5, 6, 7, 8, 9, 10])
+
+
+@pytest.mark.parametrize('make', [
+    lambda **dd: PKLinear(3, 4, 5, 'random', 'random', seed=4, **dd),
+    lambda **dd: PKLinear(3, 4, 4, GIVEN_PERMUTATION, 'transpose', **dd),      # made outside torch.device('meta')
+    lambda **dd: MaskedLinear(12, 8, density=0.3, seed=5, **dd),
+])
+@pytest.mark.parametrize('context', [False, True])
+def test_a_meta_built_layer_materialised_by_to_empty_and_reset_parameters_is_the_seeded_layer(make, context):
+    """torch's deferred initialisation: build on the meta device (the `device='meta'` argument, or under
+    `torch.device('meta')`), `to_empty(device=...)`, then `reset_parameters()` on every module. The layers' index and
+    mask buffers are part of their construction, so reset_parameters regenerates them (from the seed, or the vector
+    given), as BatchNorm's resets its running statistics. Before, they kept `to_empty`'s uninitialised memory: a
+    PKLinear's gather read indices such as 94421330960164 (IndexError, or other rows silently where the garbage was
+    in range), a MaskedLinear kept a random mask instead of its seed's."""
+    torch.manual_seed(0)
+    reference = make()
+    if context:
+        with torch.device('meta'):
+            layer = make()
+    else:
+        layer = make(device='meta')
+    layer.to_empty(device='cpu')
+    for module in layer.modules():
+        module.reset_parameters()
+    buffers, expected = dict(layer.named_buffers()), dict(reference.named_buffers())
+    assert set(buffers) == set(expected) and buffers
+    for name, buffer in buffers.items():
+        assert buffer.device.type == 'cpu' and torch.equal(buffer, expected[name]), name
+    layer.load_state_dict({k: v for k, v in reference.state_dict().items() if k not in buffers}, strict=False)
+    x = torch.randn(2, 12)
+    torch.testing.assert_close(layer(x), reference(x), rtol=0, atol=0)       # the same ops on the same values
+
+
 def test_loaded_permutations_win_and_bad_ones_are_refused():
     torch.manual_seed(8)
     source, target = PKLinear(3, 4, 4, 'random', 'random', seed=1), PKLinear(3, 4, 4, 'random', 'random', seed=2)

@@ -276,6 +276,20 @@ def test_newton_pinv_rejects_bad_num_iter(num_iter):
         newton_pinv(torch.eye(3), num_iter=num_iter)
 
 
+@pytest.mark.parametrize('ridge', [-1.0, float('nan'), float('inf'), None, 'x', True])
+def test_newton_pinv_names_a_bad_ridge(ridge):
+    """The layers check their ridge, the public function did not: -1 made A + ridge·I indefinite and NaN gave NaN
+    inverses, silently; 'x' failed as "only integer tensors of a single element can be converted to an index"."""
+    with pytest.raises(ValueError, match=r'^ridge=\S+ must be a finite number >= 0'):
+        newton_pinv(torch.eye(3), ridge=ridge)
+
+
+def test_newton_pinv_names_an_input_that_is_not_matrices():
+    """A vector failed with "IndexError: tuple index out of range"."""
+    with pytest.raises(ValueError, match=r'newton_pinv expects square matrices \[\.\.\., m, m\], got shape \(3,\)'):
+        newton_pinv(torch.ones(3))
+
+
 # ---------------------------------------------------------------- spectral properties (SOFT Props 3–6)
 
 @pytest.mark.parametrize('seed', range(4))

@@ -1,5 +1,6 @@
 """Sparsifiner attention (Eq. 1–6): its execution paths agree, it keeps exactly B keys per query, keep 1 is
 dense attention, `sparsify` keeps a ViT's function, and the mask is detached from the attention path."""
+import re
 import warnings
 
 import pytest
@@ -32,6 +33,48 @@ def test_budget_is_ceil_keep_times_n(n, keep, expected):
 def test_bad_keep_ratio_is_refused(keep):
     with pytest.raises(ValueError, match=r'keep_ratio must be in \(0, 1\]'):
         SparsifinerAttention(32, 4, keep_ratio=keep)
+
+
+@pytest.mark.parametrize('option, bad', [('predictor_dim', 0), ('predictor_dim', -1), ('predictor_dim', 2.5),
+                                         ('predictor_dim', True), ('tau', None), ('tau', '0.1'),
+                                         ('up_threshold', None), ('up_threshold', '0.01'), ('up_threshold', True)])
+def test_bad_predictor_options_are_named(option, bad):
+    """predictor_dim=0 built q/k maps to zero channels (every score 0, silently), -1 failed in torch.empty
+    ("negative dimension"), 2.5 / True in nn.Linear's size check; tau / up_threshold that are not numbers failed with
+    "'<=' not supported between instances of 'int' and 'NoneType'", naming neither."""
+    with pytest.raises(ValueError, match=rf'^{option}={re.escape(repr(bad))} '):
+        SparsifinerAttention(32, 4, **{option: bad})
+
+
+@pytest.mark.parametrize('options', [dict(), dict(impl='gather'), dict(predictor_dim=4),
+                                     dict(connectivity='block', block_size=4), dict(keep_scores=True)])
+def test_an_empty_batch_is_attended(options):
+    """A batch of 0 images (as nn.Linear and SDPA take): the predictor's W_down K reshape(B, -1, H, d) of 0 elements
+    raised "cannot reshape tensor of 0 elements ... ambiguous"."""
+    layer = SparsifinerAttention(16, 2, seq_len=9, **options)
+    x = torch.randn(0, 9, 16, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 9, 16) and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize('connectivity', ['token', 'block'])
+def test_a_layer_that_kept_its_scores_can_be_copied(connectivity):
+    """With keep_scores (the attention-distillation phases), `last_scores` holds the predictor's graph for the loss.
+    copy.deepcopy of the layer, or of a model holding it (timm's ModelEmaV3, weight averaging), then failed: "Only
+    Tensors created explicitly by the user (graph leaves) support the deepcopy protocol". A copy has run no forward:
+    it carries no scores, and the original keeps its own."""
+    import copy
+    import io
+    torch.manual_seed(0)
+    layer = SparsifinerAttention(16, 2, seq_len=9, keep_scores=True, connectivity=connectivity, block_size=4)
+    x = torch.randn(2, 9, 16)
+    layer(x)
+    assert layer.last_scores is not None and layer.last_scores.requires_grad
+    twin = copy.deepcopy(layer)
+    assert twin.last_scores is None and layer.last_scores is not None
+    torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)         # the same ops on the same weights
+    torch.save(layer, io.BytesIO())
 
 
 @pytest.mark.parametrize('b, h, n, keys, dense_rows', [(2, 3, 17, 5, 0), (2, 3, 17, 5, 1), (1, 1, 5, 1, 0),
@@ -209,12 +252,12 @@ def test_wrong_token_count_and_options_are_named():
         layer(torch.randn(1, 9, 32))
     with pytest.raises(ValueError, match='impl='):
         SparsifinerAttention(32, 4, impl='sparse')
-    with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
+    with pytest.raises(ValueError, match=r'^tau=1.5 must be a number in \[0, 1\)'):
         SparsifinerAttention(32, 4, tau=1.5)
     for bad in (-1e-3, float('nan'), float('inf')):             # NaN zeroed every W_up entry, silently
-        with pytest.raises(ValueError, match='up_threshold must be a finite number >= 0'):
+        with pytest.raises(ValueError, match=r'^up_threshold=\S+ must be a finite number >= 0'):
             SparsifinerAttention(32, 4, up_threshold=bad)
-    with pytest.raises(ValueError, match=r'tau must be in \[0, 1\)'):
+    with pytest.raises(ValueError, match=r'^tau=nan must be a number in \[0, 1\)'):
         SparsifinerAttention(32, 4, tau=float('nan'))
     with pytest.raises(ValueError, match=r'^seq_len=0 must be None or a positive integer \(tokens per image\)$'):
         SparsifinerAttention(32, 4, seq_len=0)

@@ -251,7 +251,7 @@ class _NewtonPinv(torch.autograd.Function):
         # saved X is this function's output, so autograd differentiates Eq. 12 again through X's own backward, Eq. 12
         # (once_differentiable had dropped X's dependence on A silently when grad_x did not require grad)
         (x,) = ctx.saved_tensors
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with float32_island(x.device.type):
             xt = x.transpose(-2, -1)
             grad_a = -(xt @ grad_x.to(x.dtype) @ xt)
         return grad_a, None, None
@@ -287,7 +287,10 @@ def newton_pinv(a: torch.Tensor, num_iter: int = 20, ridge: float = 0.0, return_
     """
     _check_num_iter(num_iter)
     check_rule(rule, backward)
-    if a.shape[-1] != a.shape[-2]:
+    # as the layers check theirs: a negative ridge made A + ridge·I indefinite and NaN gave NaN inverses, silently
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not 0 <= ridge < float('inf'):
+        raise ValueError(f"ridge={ridge!r} must be a finite number >= 0 (added as ridge·I to A before inverting)")
+    if a.dim() < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"newton_pinv expects square matrices [..., m, m], got shape {tuple(a.shape)}")
     with float32_island(a.device.type):
         if a.dtype in _LOW_PRECISION:

@@ -59,7 +59,7 @@ def down_projected_keys(k: torch.Tensor, w_down: torch.Tensor, scale: Optional[f
     # of a projection, as in the layer): 6 heads as one [n_down, n] × [n, 384] product instead of a broadcast
     # batch of six; the scale on the n_down keys, not on the n × n_down logits
     tokens = k.transpose(1, 2).reshape(b, n, h * d)
-    return (torch.matmul(w_down, tokens) * scale).reshape(b, -1, h, d).transpose(1, 2)
+    return (torch.matmul(w_down, tokens) * scale).reshape(b, w_down.shape[-2], h, d).transpose(1, 2)   # B may be 0
 
 
 @computes_in_float32

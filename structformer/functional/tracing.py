@@ -14,7 +14,8 @@ the traced module runs. (No timm import here: importing timm imports structforme
 Modules whose forward FX cannot trace (einops patterns, autocast blocks on the input's device) are registered
 with timm's `register_notrace_module` where they are defined, and are leaves of timm's FX traces.
 """
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch.fx import _symbolic_trace
@@ -23,7 +24,7 @@ from torch.fx import _symbolic_trace
 # `is_fx_symbolic_tracing` kept the old meaning. Before the split, `is_fx_tracing` is symbolic tracing alone.
 is_fx_symbolic_tracing = getattr(_symbolic_trace, 'is_fx_symbolic_tracing', _symbolic_trace.is_fx_tracing)
 
-__all__ = ['recording_graph', 'checked_images', 'checked_token_ids']
+__all__ = ['recording_graph', 'graph_constant', 'checked_images', 'checked_token_ids']
 
 
 def _exporting() -> bool:
@@ -41,6 +42,26 @@ def recording_graph() -> bool:
     `torch.compile`."""
     return (_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
             or is_fx_symbolic_tracing())
+
+
+@contextmanager
+def graph_constant() -> Iterator[None]:
+    """Run the block eagerly, on real tensors, even while a graph is recorded: for a value that is a function of the
+    module's configuration alone (a seeded draw), which the graph should hold as a constant. Recorded instead, a
+    `torch.randperm(n, generator=...)` became a graph op without its generator, a fresh draw on every call. Lifts
+    torch.export's (non-strict) fake and proxy modes and the TorchScript tracer for the block; under dynamo
+    (torch.compile, strict export), which cannot step out of its trace, it is a plain block."""
+    if torch.compiler.is_dynamo_compiling() or not recording_graph():
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes      # private: no public way out of a trace
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 def checked_images(x: torch.Tensor, owner: str, in_chans: int, img_size: Optional[Tuple[int, int]] = None

@@ -8,7 +8,7 @@ This is how `sparsify` converts a ViT (Sparsifiner §4: the backbone is the pret
 the Linformer comparison of Sparsifiner Table 4 gets the same backbone. Registered as the model transform
 'swap_attention', so runs reload.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import Attention as TimmAttention
@@ -36,6 +36,14 @@ def token_count(model: nn.Module) -> Optional[int]:
     return patches + getattr(model, 'num_prefix_tokens', 0)
 
 
+def token_layout(model: nn.Module) -> Optional[Tuple[int, Tuple[int, int]]]:
+    """(prefix tokens, (H, W) patch grid) of a ViT with a fixed input size, or None where either is not known."""
+    grid = getattr(getattr(model, 'patch_embed', None), 'grid_size', None)
+    if token_count(model) is None or grid is None:
+        return None
+    return getattr(model, 'num_prefix_tokens', 0), (int(grid[0]), int(grid[1]))
+
+
 def check_attention_fits(model: nn.Module) -> nn.Module:
     """Refuse, when the model is built, attention options its fixed token count makes impossible (Nyström's or
     Linformer's num_landmarks above N, SOFT's above the grid): each structformer attention's `check_num_tokens`.
@@ -43,7 +51,7 @@ def check_attention_fits(model: nn.Module) -> nn.Module:
     A model with a dynamic input size (no fixed N) is checked by its forwards instead."""
     vit = model if hasattr(model, 'patch_embed') else getattr(model, 'model', model)
     num_tokens = token_count(vit)
-    misfit = attention_misfit(model, num_tokens) if num_tokens is not None else None
+    misfit = attention_misfit(model, num_tokens, token_layout(vit)) if num_tokens is not None else None
     if misfit:
         raise ValueError(f"{misfit[0]} in a model of {num_tokens} tokens: {misfit[1]}")
     return model
@@ -68,13 +76,17 @@ def shape_sequence_projections(model: nn.Module) -> nn.Module:
     return model
 
 
-def attention_misfit(model: nn.Module, num_tokens: int):
+def attention_misfit(model: nn.Module, num_tokens: int, layout=None):
     """(layer named with its type, why) for the first attention of `model` that cannot take `num_tokens` tokens
-    (its `check_num_tokens`), or None when every one can."""
+    (its `check_num_tokens`), or would misread their `layout` (prefix tokens, (H, W) patch grid) where the model
+    knows it (SOFT's `check_token_layout`), or None when every one can."""
     for name, module in model.named_modules():
         if isinstance(module, AttentionBase):
             try:
                 module.check_num_tokens(num_tokens)
+                if layout is not None and hasattr(module, 'check_token_layout') \
+                        and layout[0] + layout[1][0] * layout[1][1] == num_tokens:
+                    module.check_token_layout(*layout)
             except ValueError as e:
                 return f"{name} ({type(module).__name__})", str(e)
     return None

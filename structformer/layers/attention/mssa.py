@@ -3,6 +3,7 @@
 One compression step on the coding rate R_c: each head k projects tokens onto its subspace
 U_k (the shared Q = K = V projection) and pulls tokens of the same subspace together.
 """
+import math
 from typing import Optional
 
 import torch
@@ -101,8 +102,9 @@ class MSSA(nn.Module):
                              "qk_norm / scale_norm are not defined for it; pass qk_norm=False")
         attn_head_dim = check_head_sizes(dim, num_heads, attn_head_dim)
         check_dropouts(attn_drop, proj_drop)
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0 (the ε of Eq. 12's (p/(Nε²)) scaling), got {eps!r}")
+        # an infinite ε made the tied output 0 for every input, silently; None or a string failed in the comparison
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"eps={eps!r} must be a finite number > 0 (the ε of Eq. 12's p/(Nε²) scaling)")
         if ssa_impl not in SSA_IMPLS:
             raise ValueError(f"ssa_impl={ssa_impl!r}: accepted {', '.join(repr(i) for i in SSA_IMPLS)}")
         self.ssa_impl = ssa_impl
@@ -123,6 +125,11 @@ class MSSA(nn.Module):
                              f"equal dim = {dim}")
         self.proj = TunedLinear(inner, dim, bias=proj_bias, **dd) if project_out and not tied_output else None
         self.proj_drop = nn.Dropout(proj_drop)
+
+    def extra_repr(self) -> str:
+        eps = f', eps={self.eps}' if self.tied_output else ''                # ε of Eq. 12: the tied output's only
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, tied_output={self.tied_output}{eps}, "
+                f"project_out={self.proj is not None}, ssa_impl={self.ssa_impl!r}")
 
     def subspace_bases(self) -> torch.Tensor:
         """The learned U_k as a [K, d, p] stack (columns of Wᵀ, head by head)."""

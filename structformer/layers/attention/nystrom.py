@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...functional.newton_pinv import newton_pinv
+from ...functional.precision import float32_island
 from .registry import register_attention
 from ...arguments import positive_int
 from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
@@ -40,7 +41,7 @@ def nystrom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_lan
                       newton_iter: int = 20) -> torch.Tensor:
     """F̃ (Ã⁺ (B̃ V)) of paper Eq. 15 for q, k, v [..., n, d]; float32 inside under autocast."""
     out_dtype = v.dtype
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with float32_island(q.device.type):
         q, k, v = (t.float() if t.dtype in _LOW_PRECISION else t for t in (q, k, v))
         scale = q.shape[-1] ** -0.5
         q_l, k_l = segment_means(q, num_landmarks), segment_means(k, num_landmarks)

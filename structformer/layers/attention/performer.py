@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...functional.precision import float32_island
 from .registry import register_attention
 from ...arguments import positive_int
 from .softmax import AttentionBase, check_no_mask, refuse_attn_drop
@@ -80,7 +81,8 @@ def performer_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 class PerformerAttention(AttentionBase):
     """FAVOR+ attention with timm's `attn_layer` signature.
 
-    Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice), `redraw_features()`
+    Kwargs: `num_features` (m; default ⌈d·ln d⌉ per head, the paper's choice, and at least d: a head of width 1
+    has ⌈d·ln d⌉ = 0), `redraw_features()`
     to draw new ω, `redraw_interval` (None: ω fixed, as before; N: a new ω before every N-th training forward, the
     public performer-pytorch's feature redrawing, 1000 there; the forward count is a buffer, so a reload keeps
     the schedule). `attn_drop` must be 0 (there are no attention weights to drop: refused, not ignored);
@@ -118,6 +120,16 @@ class PerformerAttention(AttentionBase):
             self.projection = features.to(device=self.projection.device, dtype=torch.float32)
         return self
 
+    def reset_parameters(self) -> None:
+        """A fresh ω (from the global generator, as the constructor draws it) and the redraw count at 0: the layer's
+        own state, which torch's deferred initialisation (a meta-device build, `to_empty`, then `reset_parameters` on
+        every module) must fill in; `to_empty` leaves it uninitialised memory. The q/k/v and output maps reset
+        themselves."""
+        self.redraw_features()
+        if self.redraw_interval is not None:
+            with torch.no_grad():
+                self.training_forwards.zero_()
+
     @torch.no_grad()
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
         """Draw a new ω (the only time the features change), in the buffer's dtype: a float64 layer's redraw
@@ -134,7 +146,7 @@ class PerformerAttention(AttentionBase):
                 self.redraw_features()
             self.training_forwards += 1
         q, k, v = self.project(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with float32_island(x.device.type):
             # exp of a difference of large dot products: bf16 there gives wrong weights
             q, k, v32 = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
             out = performer_attention(q, k, v32, self.projection.to(q.dtype))

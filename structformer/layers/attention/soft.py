@@ -53,6 +53,7 @@ unrolled backward, sampler init) so it can be ablated. docs/soft.md has the tabl
 public attention written from its equations is in tests/test_soft_official.py.
 """
 import math
+from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
@@ -64,9 +65,10 @@ from ...functional.gaussian_kernel import gaussian_kernel, gaussian_kernel_refer
 from ...functional.newton_pinv import check_rule, newton_pinv
 from ...functional.precision import autocast_dtype, float32_island
 from ...functional.precision import upcast as _upcast
+from ...functional.tracing import graph_constant, recording_graph
 from .registry import register_attention
 from .soft_landmarks import SAMPLER_INITS, ConvLandmarkSampler, sampling_ratio_for   # noqa: F401 (re-exported)
-from ...arguments import count, positive_int
+from ...arguments import count, image_size, positive_int
 from .softmax import AttentionBase, check_no_mask
 
 SAMPLERS = ('conv', 'avgpool', 'random')
@@ -178,6 +180,17 @@ def exact_gaussian_attention(q: torch.Tensor, v: torch.Tensor, scale: Optional[f
     return gaussian_kernel(q, q, scale) @ v
 
 
+def _grid_pair(grid_size) -> Tuple[int, int]:
+    """A forward's grid_size as (H, W), or a ValueError naming it (`arguments.image_size`'s rule), taking the sizes a
+    graph recorder hands over for an image's shape as the integers they stand for: SymInts (torch.compile,
+    torch.export) and 0-dim integer tensors (TorchScript's tracer, the ONNX exporter's dynamo=False path)."""
+    if isinstance(grid_size, (tuple, list)) and len(grid_size) == 2 and all(
+            isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point()
+                                            and v.dtype != torch.bool) for v in grid_size):
+        return tuple(grid_size)
+    return image_size('grid_size', grid_size)
+
+
 @register_attention('soft')
 class SoftAttention(AttentionBase):
     """SOFT attention (Alg. 1, Eq. 9) with timm's `attn_layer` signature; `normalize=True` gives SOFT++ (Eq. 17).
@@ -221,8 +234,11 @@ class SoftAttention(AttentionBase):
         positive_int('newton_iter', newton_iter)        # True would have run one step
         positive_int('num_landmarks', num_landmarks)
         count('seed', seed)            # 2.5 failed at the first eval forward (manual_seed)
-        if not 0 <= ridge < float('inf'):          # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently
-            raise ValueError(f"ridge must be a finite number >= 0 (added as ridge·I to A before inverting), got {ridge!r}")
+        # NaN / inf / negative: a NaN or indefinite A + ridge·I, silently; None or a string failed in the comparison
+        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not 0 <= ridge < float('inf'):
+            raise ValueError(f"ridge={ridge!r} must be a finite number >= 0 (added as ridge·I to A before inverting)")
+        if grid_size is not None:        # (4,), (2.5, 4), (-4, -4) failed at the first forward, naming nothing
+            grid_size = image_size('grid_size', grid_size)
         if sampling_ratio is not None:
             positive_int('sampling_ratio', sampling_ratio)
         if num_prefix_tokens is not None:
@@ -286,7 +302,7 @@ class SoftAttention(AttentionBase):
 
     def resolve_grid(self, num_tokens: int, grid_size: Optional[Tuple[int, int]] = None):
         """-> (num_prefix, (H, W) or None). H·W grid tokens follow the prefix tokens."""
-        grid_size = grid_size if grid_size is not None else self.grid_size
+        grid_size = _grid_pair(grid_size) if grid_size is not None else self.grid_size
         if grid_size is not None:
             h, w = grid_size
             prefix = num_tokens - h * w
@@ -321,13 +337,34 @@ class SoftAttention(AttentionBase):
             raise ValueError(f"landmark_border='drop' needs a token grid of at least k×k = {k}×{k}, got "
                              f"{grid[0]}×{grid[1]}; use landmark_border='replicate' or a smaller sampling_ratio")
 
+    def check_token_layout(self, num_prefix_tokens: int, grid_size: Tuple[int, int]) -> None:
+        """Refuse, when a model of a fixed input size is built, a layout this layer would read otherwise: without
+        grid_size / num_prefix_tokens it infers a square grid from N, which fits a non-square grid with the wrong
+        prefix (1 cls + 14×16 patches = 225 tokens read as a 15×15 grid without a prefix), silently. The random
+        sampler reads no grid, only the prefix (unless its V conv needs the grid)."""
+        h, w = grid_size
+        prefix, grid = self.resolve_grid(num_prefix_tokens + h * w)
+        reads_grid = self.sampler != 'random' or self.value_conv is not None
+        if prefix != num_prefix_tokens or (reads_grid and grid != (h, w)):
+            seen = f"a {grid[0]}×{grid[1]} grid" if grid is not None else "no grid"
+            raise ValueError(f"the model's tokens are {num_prefix_tokens} prefix token(s) and a {h}×{w} grid, which "
+                             f"this layer would read as {prefix} prefix token(s) and {seen}; pass attn_kwargs "
+                             f"grid_size=({h}, {w}), num_prefix_tokens={num_prefix_tokens}")
+
     def _random_indices(self, n: int, m: int, device) -> torch.Tensor:
         if self.training:
             return torch.randperm(n, device=device)[:m]
         idx = self._eval_indices.get((n, m))
         if idx is None:
-            gen = torch.Generator().manual_seed(self.seed)
-            idx = self._eval_indices[(n, m)] = torch.randperm(n, generator=gen)[:m].sort().values
+            # exported or traced: the seeded subset as a constant, not a randperm op drawn per call (TorchScript's
+            # tracer hands n over as a 0-dim tensor; a token count torch.export leaves free, a SymInt, has no one
+            # subset: drawn in the graph, as before)
+            constant = not isinstance(n, torch.SymInt)
+            with graph_constant() if constant else nullcontext():
+                gen = torch.Generator().manual_seed(self.seed)
+                idx = torch.randperm(int(n) if constant else n, generator=gen)[:m].sort().values
+            if not recording_graph():          # an exported program cannot write module attributes (export warns)
+                self._eval_indices[(n, m)] = idx
         return idx.to(device)
 
     def landmarks(self, q: torch.Tensor, grid_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
@@ -372,7 +409,7 @@ class SoftAttention(AttentionBase):
         h, w = grid_size
         prefix = v.shape[-2] - h * w
         planes = rearrange(v[..., prefix:, :], 'b h (y x) d -> (b d) h y x', y=h, x=w)
-        out = rearrange(self.value_conv(planes), '(b d) h y x -> b h (y x) d', b=v.shape[0])
+        out = rearrange(self.value_conv(planes), '(b d) h y x -> b h (y x) d', d=v.shape[-1])   # d: B may be 0
         return F.pad(out, (0, 0, prefix, 0)) if prefix else out
 
     def folding_pays(self, num_landmarks: int) -> bool:

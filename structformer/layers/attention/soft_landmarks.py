@@ -105,7 +105,8 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
             tokens, h, w = rearrange(planes, 'b c y x -> b (y x) c'), planes.shape[-2], planes.shape[-1]
         windows = rearrange(tokens, '... (gy ky gx kx) c -> ... (gy gx) (ky kx c)', ky=k, kx=k, gy=h // k, gx=w // k)
         weight = self.weight.reshape(self.channels, -1)          # (ky kx c) rows: a view, no copy
-        return (windows @ weight.t()).reshape(*lead, -1, self.channels)
+        # no -1 in the shape: a batch may be empty
+        return (windows @ weight.t()).reshape(*lead, windows.shape[-2], self.channels)
 
     def _whole_windows(self, tokens: torch.Tensor, h: int, w: int):
         """The grid cut to its whole k×k windows (`border='drop'`): tokens [..., H·W, C] -> [..., H'·W', C]."""
@@ -124,10 +125,12 @@ class ConvLandmarkSampler(LazyModuleMixin, nn.Module):
         planes = rearrange(tokens, '... (y x) c -> (...) c y x', y=h, x=w)
         if self.border == 'drop':
             pooled = F.conv2d(planes, self.weight.permute(0, 3, 1, 2), stride=k)
-            return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
+            landmarks = rearrange(pooled, 'b c y x -> b (y x) c')
+            return landmarks.reshape(*tokens.shape[:-2], landmarks.shape[-2], self.channels)
         planes = F.pad(planes, (0, -w % k, 0, -h % k), mode='replicate')
         pooled = F.conv2d(planes, self.weight.permute(0, 3, 1, 2), stride=k)
-        return rearrange(pooled, 'b c y x -> b (y x) c').reshape(*tokens.shape[:-2], -1, self.channels)
+        landmarks = rearrange(pooled, 'b c y x -> b (y x) c')
+        return landmarks.reshape(*tokens.shape[:-2], landmarks.shape[-2], self.channels)
 
     def extra_repr(self) -> str:
         border = '' if self.border == 'replicate' else f", border={self.border!r}"

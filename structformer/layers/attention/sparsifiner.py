@@ -77,7 +77,7 @@ from ...functional.sparsifiner import (block_indices_to_mask, block_mask_from_sc
                                        tile_attention, tile_budget, tile_candidates, tile_shape_class, top_tiles,
                                        topk_indices)
 from ...functional import autotune, tile_kernel
-from ...functional.precision import upcast
+from ...functional.precision import float32_island, upcast
 from ...functional.sparsifiner_flex import flex_attention_available
 from ...functional.tracing import recording_graph
 from ..lazy import drop_lazy_hooks, is_uninitialized
@@ -196,11 +196,13 @@ class SparsifinerAttention(AttentionBase):
             raise ValueError(f"predictor_scale={predictor_scale!r}: accepted 'dim' (1/sqrt(d), Eq. 1) or 'heads' "
                              "(num_heads^-1/2, the public code)")
         self.coef_topk, self.predictor_scale = coef_topk, predictor_scale
-        if not 0 <= tau < 1:
-            raise ValueError(f"tau must be in [0, 1) (a threshold on softmax coefficients), got {tau!r}")
-        if not 0 <= up_threshold < float('inf'):          # NaN too: it zeroed the whole basis silently
-            raise ValueError(f"up_threshold must be a finite number >= 0 (|W_up| entries below it are zeroed), "
-                             f"got {up_threshold!r}")
+        if not _is_number(tau) or not 0 <= tau < 1:
+            raise ValueError(f"tau={tau!r} must be a number in [0, 1) (a threshold on softmax coefficients)")
+        if not _is_number(up_threshold) or not 0 <= up_threshold < float('inf'):   # NaN too: it zeroed the basis
+            raise ValueError(f"up_threshold={up_threshold!r} must be a finite number >= 0 (|W_up| entries below it "
+                             "are zeroed)")
+        # 0 built q/k maps to no channels (every score 0, silently); -1 failed inside torch.empty
+        optional_positive_int('predictor_dim', predictor_dim, "the predictor's q/k channels")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: accepted {', '.join(map(repr, IMPLS))}")
         if impl in ('flex', 'kernel') and attn_drop:
@@ -234,6 +236,13 @@ class SparsifinerAttention(AttentionBase):
         # the fraction of (query, key) pairs the last forward attended to, dense rows included (0-dim tensor):
         # what the path really computed, beside the nominal keep ratio (`functional.sparsifiner.realised_density`)
         self.last_density: Optional[torch.Tensor] = None
+
+    def __getstate__(self):
+        # a copy (copy.deepcopy: EMA, weight averaging; pickling) has run no forward: the last forward's scores, which
+        # hold the predictor's graph for the distillation loss, are left out (deepcopy refused that non-leaf tensor)
+        state = super().__getstate__()
+        state['last_scores'] = None
+        return state
 
     def budget(self, num_tokens: int) -> int:
         if self.keys_per_query is None:
@@ -296,7 +305,7 @@ class SparsifinerAttention(AttentionBase):
         q, k = upcast(q), upcast(k)
         if self.predictor_q is None:
             return q, k
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with float32_island(q.device.type):
             # linear_weight: the [out, in] matrix also after `factorize` swaps the maps; the bias (public code's
             # default, predictor_bias) where the map has one
             return tuple(F.linear(x, linear_weight(m).to(x.dtype), _bias(m, x.dtype))
@@ -430,6 +439,10 @@ class SparsifinerAttention(AttentionBase):
         return (f"{budget_text}, {coefficients}{scale}, up_threshold={self.up_threshold}, "
                 f"dense_cls_row={self.dense_cls_row}, connectivity={self.connectivity!r}, impl={self.impl!r}, "
                 f"up_basis={self.up_basis!r}, stage1={self.stage1!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _bias(layer: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...arguments import count, positive_int
+from ...arguments import image_size, positive_int
 from ...functional.onednn_linear import linear
+from ...functional.precision import float32_island
 from .base import StructuredLinear
 
 __all__ = ['FactorizedLinear', 'FactorizedConv2d', 'resolve_rank', 'saves_parameters', 'INITS',
@@ -97,11 +98,18 @@ class FactorizedLinear(StructuredLinear):
         if init not in INITS:
             raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
         self.rank = resolve_rank(rank, out_features, in_features)
+        self.init = init
         self.U = nn.Parameter(torch.empty(out_features, self.rank, device=device, dtype=dtype))
         self.V = nn.Parameter(torch.empty(in_features, self.rank, device=device, dtype=dtype))
-        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)   # nn.Linear's init
-        self.set_from_dense(dense.weight, init)
-        if bias:
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of the dense weight and bias, the weight factorised by `init` (the constructor's;
+        also what torch's deferred initialisation calls after a meta-device build and `to_empty`)."""
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.U.device,
+                          dtype=self.U.dtype)
+        self.set_from_dense(dense.weight, self.init)
+        if self.bias is not None:
             with torch.no_grad():
                 self.bias.copy_(dense.bias)
 
@@ -112,6 +120,7 @@ class FactorizedLinear(StructuredLinear):
         new = cls(layer.in_features, layer.out_features, rank, bias=layer.bias is not None, init='he',
                   device=w.device, dtype=w.dtype)
         new.set_from_dense(w, init)
+        new.init = init
         if layer.bias is not None:
             with torch.no_grad():
                 new.bias.copy_(layer.bias)
@@ -129,7 +138,7 @@ class FactorizedLinear(StructuredLinear):
         return self.U, self.V
 
     def to_dense(self) -> torch.Tensor:
-        with torch.autocast(device_type=self.U.device.type, enabled=False):   # the weight, not a bf16 copy
+        with float32_island(self.U.device.type):   # the weight, not a bf16 copy
             return self.U @ self.V.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,15 +162,17 @@ class FactorizedConv2d(nn.Module):
         super().__init__()
         if init not in INITS:
             raise ValueError(f"init={init!r} is not a factor initialisation: accepted {', '.join(INITS)}")
-        sizes = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-        for name, value in (('in_channels', in_channels), ('out_channels', out_channels)) + tuple(
-                ('kernel_size', k) for k in sizes):
-            positive_int(name, value)
-        # nn.Conv2d took a negative stride, padding or dilation and failed at the first forward
-        for name, value, check in (('stride', stride, positive_int), ('padding', padding, count),
-                                   ('dilation', dilation, positive_int)):
-            for entry in (value if isinstance(value, (tuple, list)) else () if isinstance(value, str) else (value,)):
-                check(name, entry)
+        positive_int('in_channels', in_channels)
+        positive_int('out_channels', out_channels)
+        # an integer or an (H, W) pair each: nn.Conv2d took a negative, a string or a three-entry stride (and the
+        # same padding or dilation) and failed at the first forward; kernel_size=2.5 failed as "not iterable"
+        kernel_size, stride, dilation = (image_size(name, value) for name, value in (
+            ('kernel_size', kernel_size), ('stride', stride), ('dilation', dilation)))
+        if not isinstance(padding, str):            # 'same' / 'valid': nn.Conv2d checks the name and the stride
+            pair = tuple(padding) if isinstance(padding, (tuple, list)) else (padding, padding)
+            if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair):
+                raise ValueError(f"padding={padding!r} must be an integer >= 0, an (H, W) pair of them, or "
+                                 "'same' / 'valid'")
         dense = nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                           dilation=dilation, bias=bias, device=device, dtype=dtype)
         self.in_channels, self.out_channels = in_channels, out_channels
@@ -172,7 +183,18 @@ class FactorizedConv2d(nn.Module):
         self.V = nn.Parameter(torch.empty(self.rank, in_channels, *dense.kernel_size, device=device, dtype=dtype))
         self.U = nn.Parameter(torch.empty(out_channels, self.rank, 1, 1, device=device, dtype=dtype))
         self.bias = dense.bias
+        self.init = init
         self.set_from_dense(dense.weight, init)
+
+    def reset_parameters(self) -> None:
+        """nn.Conv2d's initialisation of the dense kernel and bias, the kernel factorised by `init` (the constructor's;
+        also what torch's deferred initialisation calls after a meta-device build and `to_empty`)."""
+        dense = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, bias=self.bias is not None,
+                          device=self.V.device, dtype=self.V.dtype)
+        self.set_from_dense(dense.weight, self.init)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(dense.bias)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, rank: Union[int, float], init: str = 'spectral') -> 'FactorizedConv2d':
@@ -184,6 +206,7 @@ class FactorizedConv2d(nn.Module):
                   padding=conv.padding, dilation=conv.dilation, bias=conv.bias is not None, init='he',
                   device=w.device, dtype=w.dtype)
         new.set_from_dense(w, init)
+        new.init = init
         if conv.bias is not None:
             with torch.no_grad():
                 new.bias.copy_(conv.bias)
@@ -202,7 +225,7 @@ class FactorizedConv2d(nn.Module):
     def to_dense(self) -> torch.Tensor:
         """The [c_out, c_in, h, w] kernel this layer applies (in the parameters' dtype, autocast or not)."""
         u, v = self.factors()
-        with torch.autocast(device_type=u.device.type, enabled=False):
+        with float32_island(u.device.type):
             return (u @ v.T).reshape(self.out_channels, self.in_channels, *self.kernel_size)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:

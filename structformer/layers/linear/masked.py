@@ -51,11 +51,9 @@ class MaskedLinear(StructuredLinear):
                           f"{bytes_needed:,} bytes ({bytes_needed / 2**30:.1f} GiB)", ResourceWarning, stacklevel=2)
         self.density, self.seed = float(density), int(seed)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        # on the meta device (parameter counts, dry runs) the mask has no values: drawing it cost ~1 s per
-        # swmlp_cifar; kept_weights() draws it then, from the seed, when a count needs it
-        mask = torch.empty(out_features, in_features, dtype=torch.bool, device='meta') if self.weight.is_meta \
-            else self._draw_mask().to(self.weight.device)
-        self.register_buffer('mask', mask)
+        # drawn by reset_parameters (also what fills it in after a meta-device build and `to_empty`)
+        self.register_buffer('mask', torch.empty(out_features, in_features, dtype=torch.bool,
+                                                 device=self.weight.device))
         self.reset_parameters()
 
     def _draw_mask(self) -> torch.Tensor:
@@ -68,7 +66,13 @@ class MaskedLinear(StructuredLinear):
         return int((self._draw_mask() if self.mask.is_meta else self.mask).count_nonzero())
 
     def reset_parameters(self) -> None:
+        """The mask drawn from `seed` and the kept weights N(0, 1/(p·in)). On the meta device (parameter counts, dry
+        runs) the mask has no values and is not drawn (~1 s per swmlp_cifar; `kept_weights()` draws it when a count
+        needs it); after `to_empty` (torch's deferred initialisation) this fills in the seed's mask, not the
+        uninitialised memory `to_empty` leaves."""
         with torch.no_grad():
+            if not self.mask.is_meta:
+                self.mask.copy_(self._draw_mask())
             nn.init.normal_(self.weight, std=1 / math.sqrt(self.density * self.in_features))
             self.weight.mul_(self.mask)
             if self.bias is not None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ...arguments import positive_int
+from ...functional.precision import float32_island
 from ...functional.tracing import recording_graph
 from .base import StructuredLinear
 
@@ -108,7 +109,7 @@ class MonarchLinear(StructuredLinear):
         left = torch.block_diag(*self.weight_left)                        # [b·s, b·q]
         middle_shuffle = torch.arange(b * q, device=right.device).view(b, q).t().reshape(-1)
         out_shuffle = torch.arange(b * s, device=right.device).view(b, s).t().reshape(-1)
-        with torch.autocast(device_type=right.device.type, enabled=False):   # the weight, not a bf16 copy
+        with float32_island(right.device.type):   # the weight, not a bf16 copy
             return (left @ right[middle_shuffle])[out_shuffle]
 
     @classmethod

@@ -11,7 +11,7 @@ from torch import nn
 from ...arguments import positive_int, rate
 from ...functional.crate_ops import ista_reference, mm_sparsify_reference
 from ...functional.onednn_linear import linear
-from ...functional.precision import autocast_dtype
+from ...functional.precision import autocast_dtype, float32_island
 from ...functional.tracing import recording_graph
 
 
@@ -62,16 +62,25 @@ class ISTA(nn.Module):
         self.step = step
         self.eps = eps
         self.fused = fused
-        # the dictionary D (d×d), kaiming-uniform as in the paper's code
         self.weight = nn.Parameter(torch.empty(in_features, in_features, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight)
+        self.reset_parameters()
         self.drop = nn.Dropout(drop)
+
+    def reset_parameters(self) -> None:
+        """The dictionary D (d×d), kaiming-uniform as in the paper's code (also what torch's deferred initialisation
+        calls after a meta-device build and `to_empty`)."""
+        nn.init.kaiming_uniform_(self.weight)
+
+    def extra_repr(self) -> str:
+        eps = f', eps={self.eps}' if self.step == 'mm' else ''                  # α = d/(Nε²): the MM step's only
+        return (f"in_features={self.dim}, step={self.step!r}, eta={self.eta}, lambd={self.lambd}{eps}, "
+                f"fused={self.fused}")
 
     def effective_matrix(self) -> torch.Tensor:
         """I + η(D − DᵀD): x ↦ x @ this equals x + η(x D − x DᵀD), the row form of Eq. 17. In the weight's
         dtype, autocast or not (d³ work, independent of batch and tokens)."""
         d = self.weight
-        with torch.autocast(device_type=d.device.type, enabled=False):
+        with float32_island(d.device.type):
             eye = torch.eye(self.dim, dtype=d.dtype, device=d.device)
             return eye + self.eta * (d - d.t() @ d)
 
