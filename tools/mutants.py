@@ -142,7 +142,7 @@ MUTANTS = [
        'dense[:, :] = block_diagonal[:, self.input_permutation()]', 1)],
      ['test_mixer_layers', 'test_mixer_fidelity']),
     ('mixer_pk_seed', "J₂ seeded like J₁ (seed, not seed + 1): the two random permutations coincide",
-     [('structformer/layers/linear/permuted.py', 'self.seed + 1)', 'self.seed)', 1)],
+     [('structformer/layers/linear/permuted.py', 'self.seed + 1)', 'self.seed)', 2)],     # built and reset
      ['test_mixer_layers', 'test_mixer_fidelity', 'test_mixer_models']),
     ('mixer_monarch_dense', "MonarchLinear.to_dense without the middle permutation P",
      [('structformer/layers/linear/monarch.py', '(left @ right[middle_shuffle])[out_shuffle]',
