@@ -162,6 +162,9 @@ CASES = [
     ('dry-run-data-missing', ['train', '--recipe', 'wrn28_10_cifar100', '--data', 'imagefolder:{base}/no_such_data',
                               '--dry-run'], ['--data imagefolder:', 'does not exist']),
     ('dry-run-device-absent', ['train', '--device', 'cuda:99', '--dry-run'], ['--device cuda:99']),
+    # a lazily shaped attention is shaped by a forward at the data's size, which a patch-16 model cannot take
+    ('dry-run-lazy-layer-input', ['train', '--dry-run', '--model', 'vit_tiny_patch16_224', '--data', 'digits',
+                                  '--model-kwargs', 'attn_layer=sparsifiner'], ['cannot take a 1x8x8 input', 'Kernel size']),
     ('recipe-other-family', ['train', '--recipe', 'crate_tiny_in1k', '--model', 'soft_digits', '--data', 'digits',
                              '--output', OUT], ['--model soft_digits', '--recipe crate_tiny_in1k', '--allow-other-model']),
     # a smoke run of a recipe: --epochs 1 under the recipe's 5-epoch warm-up named --warmup-epochs, never typed

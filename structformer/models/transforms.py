@@ -138,6 +138,16 @@ def materialize_lazy(model: nn.Module, context: TransformContext) -> nn.Module:
     with torch.random.fork_rng(devices=gpus), torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='.*created at the first forward')   # handled here
         model.eval()
-        model(torch.zeros(1, *context.input_size, device=device, dtype=dtype))
-    model.train(was_training)
+        try:
+            model(torch.zeros(1, *context.input_size, device=device, dtype=dtype))
+        except (RuntimeError, ValueError, AssertionError, NotImplementedError) as e:
+            # the input is the data's or the recipe's size, which this model may not take (patch 16 on 8-px digits):
+            # one line saying so, as a training run's first batch gets (train/scoring_data.check_model_input),
+            # not torch's traceback from inside the forward
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            size = 'x'.join(str(s) for s in context.input_size)
+            raise ValueError(f"the model cannot take a {size} input, at which its lazily shaped layers are shaped "
+                             f"(one forward of zeros): {first}") from None
+        finally:
+            model.train(was_training)
     return model
