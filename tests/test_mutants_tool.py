@@ -43,6 +43,14 @@ def test_an_unknown_mutant_is_one_line_and_exit_2(capsys):
     assert err.startswith('--only: no mutant named no_such_mutant; accepted: crate_') and err.count('\n') == 1
 
 
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys):
+    assert _tool().main(['--output', str(tmp_path)]) == 2              # a folder, not a file
+    err = capsys.readouterr().err
+    assert err.startswith('--output') and err.count('\n') == 1
+    assert 'structformer-mutants-' not in subprocess.run(['git', '-C', str(ROOT), 'worktree', 'list'],
+                                                         capture_output=True, text=True).stdout
+
 @pytest.mark.slow
 def test_a_run_kills_a_wrong_equation_in_a_copy_and_records_it(tmp_path, monkeypatch, capsys):
     if subprocess.run(['git', '-C', str(ROOT), 'rev-parse', 'HEAD'], capture_output=True).returncode != 0:

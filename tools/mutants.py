@@ -330,6 +330,13 @@ def main(argv=None) -> int:
         print(f"--only: no mutant named {', '.join(sorted(unknown))}; accepted: {', '.join(m[0] for m in MUTANTS)}",
               file=sys.stderr)
         return 2
+    if args.output:                                        # before the run: a long run never dies at its write
+        from structformer.records import check_output_file
+        try:
+            check_output_file(args.output, '--output')
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
     head = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', 'HEAD'], capture_output=True, text=True,
                           check=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix='structformer-mutants-') as scratch:
@@ -348,6 +355,7 @@ def main(argv=None) -> int:
                       + (f"  [{result['killed_by']}]" if result['killed_by'] else ''), flush=True)
         finally:
             subprocess.run(['git', '-C', str(ROOT), 'worktree', 'remove', '--force', str(tree)], capture_output=True)
+            subprocess.run(['git', '-C', str(ROOT), 'worktree', 'prune'], capture_output=True)   # if remove failed
     survived = [r['name'] for r in results if r['outcome'] != 'killed']
     print(f"{len(results) - len(survived)} of {len(results)} mutants killed" +
           (f"; not killed: {', '.join(survived)}" if survived else ''))
