@@ -636,16 +636,8 @@ def test_performer_built_on_meta_is_filled_in_by_to_empty_and_reset_parameters(c
     schedule counted from garbage."""
     def build(**dd):
         return PerformerAttention(16, num_heads=2, num_features=12, redraw_interval=3, **dd)
-    if context:
-        with torch.device('meta'):
-            layer = build()
-    else:
-        layer = build(device='meta')
-    layer.to_empty(device='cpu')
-    torch.manual_seed(5)
-    for module in layer.modules():
-        if hasattr(module, 'reset_parameters'):
-            module.reset_parameters()
+    from deferred_init import deferred_init
+    layer = deferred_init(build, context, seed=5)
     torch.manual_seed(5)
     features = orthogonal_random_features(12, 8)     # what the reset drew: modules() yields the layer before its maps
     assert torch.equal(layer.projection, features) and int(layer.training_forwards) == 0
