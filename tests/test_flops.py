@@ -107,8 +107,9 @@ def test_the_tile_kernel_counts_what_the_gathered_tiles_count():
     assert 2 * backward.get_total_flops() == 5 * forward.get_total_flops()
     p = 3
     with FlopCounterMode(display=False) as predictor:
-        tile_kernel.block_connectivity(q.detach(), torch.randn(b, h, p, d), torch.randn(p, n // bs), 0.0, bs, kept)
-    assert predictor.get_total_flops() == 2 * b * h * (n * p * d + (n // bs) * p * (n // bs))
+        tile_kernel.block_connectivity(q.detach(), k.detach(), torch.randn(p, n), torch.randn(p, n), 0.5, 0.0, 0.0,
+                                       bs, kept)
+    assert predictor.get_total_flops() == 2 * b * h * (2 * n * p * d + (n // bs) * p * (n // bs))
 
 
 @pytest.mark.parametrize('name, kwargs', [

@@ -1,6 +1,7 @@
 """The CPU tile kernel of Sparsifiner's block connectivity (csrc/) against its slow, obvious references:
 masked_attention on block_indices_to_mask (outputs, and gradients through autograd), gradcheck in float64,
 and pooled_block_scores + top_tiles for its predictor."""
+import math
 from pathlib import Path
 
 import pytest
@@ -192,7 +193,18 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(kernel, tmp_path, mon
     assert not list((tmp_path / 'cache').rglob('.build-*'))
 
 
-def _exact_tile_scores(q, k_down, basis, tau, block_size, pooled_after=0):
+def dyadic(*shape, generator, levels=8, exponent=-4, dtype=torch.float32):
+    """Integers in [−levels, levels] times 2^exponent: float32 holds their products and sums of a few thousand exactly."""
+    return torch.randint(-levels, levels + 1, shape, generator=generator).to(dtype) * 2.0 ** exponent
+
+
+def is_dyadic(t, exponent_floor=-12):
+    """Whether every entry of t is an integer multiple of 2^exponent_floor of magnitude below 2^12."""
+    scaled = t.double() * 2.0 ** -exponent_floor
+    return bool((scaled == scaled.round()).all() and t.abs().max() < 2 ** 12)
+
+
+def _exact_tile_scores(q, k_down, basis, tau, block_size, pooled_after=0, bases=None):
     """The tile scores both predictors compute, in float64 from the same inputs (q, the down-projected keys and the
     pooled basis they share), and the bound on either path's rounding error in its own dtype, entry by entry.
 
@@ -201,18 +213,40 @@ def _exact_tile_scores(q, k_down, basis, tau, block_size, pooled_after=0):
     γ_p Σ|c̄||b̄|). So |score − exact| ≤ (2E + (2p + bs + 4)u)·(|c̄| @ |b̄|), u the dtype's unit roundoff. Returns
     (exact scores, bound) and refuses inputs with a coefficient within its rounding of τ (there Eq. 2's threshold
     itself may fall either way, and the scores jump). `pooled_after`: the length of one more mean of non-negative
-    weights taken after the product (the masked block path's key-tile mean over the n × n scores)."""
-    from structformer.functional.sparsifiner import _tile_pooling
+    weights taken after the product (the masked block path's key-tile mean over the n × n scores).
+
+    `bases` = (k, w_down, w_up, up_threshold): the paths do not share k_down and the basis but each computes its
+    own from these (the CPU kernel does both inside its op), so they must be dyadic: small integers times powers of
+    two (`dyadic`), whose products and n-term sums float32 holds exactly in any order, as it does the scale 1/√d for
+    d a power of 4 and the tile means over bs a power of 2. The exact k_down and basis are computed from them in
+    float64; what remains of either path's rounding is the partial key tile's shrink, μ + √(r/bs)·(mean_r − μ): a
+    division by n, a product and a sum, error ≤ γ_3 |W̃_up| P_kᵀ (added through c̄). (Worst-case bounds on general
+    inputs, γ_n of n-term sums, were 12× wider than the gaps between tile scores at n = 577 in float32.)"""
+    from structformer.functional.sparsifiner import _key_tile_pooling, _tile_pooling
     u = torch.finfo(q.dtype).eps / 2
     d, p = q.shape[-1], k_down.shape[-2]
-    q64, kd64, basis64 = q.double(), k_down.double(), basis.double()
-    logit_error = d * u / (1 - d * u) * (q64.abs() @ kd64.abs().transpose(-2, -1)).amax(-1, keepdim=True)  # E per row
+
+    def gamma(terms):
+        return terms * u / (1 - terms * u)
+    q64 = q.double()
+    basis_error = 0
+    if bases is None:
+        kd64, basis64 = k_down.double(), basis.double()
+    else:
+        k, w_down, w_up, up_threshold = bases
+        assert all(is_dyadic(t) for t in (k, w_down, w_up)) and (d ** 0.5).is_integer() and math.log2(d) % 2 == 0
+        kd64 = down_projected_keys(k.double(), w_down.double(), d ** -0.5)
+        kept = w_up.double() * (w_up.abs() >= up_threshold)          # the threshold: the same decision on both
+        pooling = _key_tile_pooling(k.shape[-2], block_size, kept)
+        basis64 = kept @ pooling.transpose(-2, -1)
+        basis_error = gamma(3) * (kept.abs() @ pooling.transpose(-2, -1))
+    logit_error = (gamma(d) * (q64.abs() @ kd64.abs().transpose(-2, -1))).amax(-1, keepdim=True)  # E per row
     a_down = torch.softmax(q64 @ kd64.transpose(-2, -1), dim=-1)
     relative = 2 * logit_error + (2 * p + block_size + pooled_after + 4) * u
     assert not ((a_down - tau).abs() <= 2 * relative * a_down).any(), 'a coefficient within rounding of tau'
     pooling = _tile_pooling(q.shape[-2], block_size, q64)
     coefficients = pooling @ (a_down * (a_down > tau))
-    bound = (pooling @ (relative * (a_down * (a_down > tau)))) @ basis64.abs()
+    bound = (pooling @ (relative * (a_down * (a_down > tau)))) @ basis64.abs() + coefficients @ basis_error
     return coefficients @ basis64, bound + (p * u / (1 - p * u)) * (coefficients @ basis64.abs())
 
 
@@ -250,14 +284,15 @@ def test_kernel_predictor_picks_the_tiles_of_the_torch_ops(kernel, dtype, n, blo
     two compute the scores in another order, so their picks are compared up to the rounding of near ties."""
     g = torch.Generator().manual_seed(1)
     b, h, d, p = 2, 3, 16, 8
-    q, k = (torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(2))
-    w_down, w_up = (torch.randn(p, n, generator=g, dtype=dtype) * 0.05 for _ in range(2))
+    q = torch.randn(b, h, n, d, generator=g, dtype=dtype)
+    k = dyadic(b, h, n, d, generator=g, exponent=-3, dtype=dtype)           # the kernel makes its own k_down: exact
+    w_down, w_up = (dyadic(p, n, generator=g, levels=4, exponent=-6, dtype=dtype) for _ in range(2))
     tiles = pooled_block_scores(low_rank_attention(q, k, w_down), w_up, tau, 0.03, block_size)
     expected = top_tiles(tiles, budget(tiles.shape[-1], keep))
     k_down, basis = down_projected_keys(k, w_down), pooled_basis(w_up, 0.03, block_size)
-    got = tile_kernel.block_connectivity(q, k_down, basis, tau, block_size, expected.shape[-1])
+    got = tile_kernel.block_connectivity(q, k, w_down, w_up, d ** -0.5, tau, 0.03, block_size, expected.shape[-1])
     assert got.dtype == torch.int64 and got.shape == expected.shape
-    exact, bound = _exact_tile_scores(q, k_down, basis, tau, block_size)
+    exact, bound = _exact_tile_scores(q, k_down, basis, tau, block_size, bases=(k, w_down, w_up, 0.03))
     _assert_same_tiles_up_to_rounding(got, expected, exact, bound)
     _assert_same_tiles_up_to_rounding(predicted_tiles(q, k, w_down, w_up, tau, 0.03, keep, block_size, kernel=True),
                                       expected, exact, bound)
@@ -284,14 +319,15 @@ def test_exact_ties_keep_the_same_tiles_on_every_path(kernel):
 
 def test_kernel_predictor_breaks_ties_to_the_lower_tile_and_refuses_bad_input(kernel):
     """All-equal scores (zero W_up) keep tiles 0..kept-1; a budget outside 1..tiles is named."""
-    q, k = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
-    k_down = down_projected_keys(k, torch.randn(4, 40))
-    got = tile_kernel.block_connectivity(q, k_down, torch.zeros(4, 3), 0.05, 16, 2)
+    q, k, w_down = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(4, 40)
+    got = tile_kernel.block_connectivity(q, k, w_down, torch.zeros(4, 40), 0.5, 0.05, 0.0, 16, 2)
     assert torch.equal(got, torch.tensor([0, 1]).expand(1, 2, 3, 2))
     with pytest.raises(ValueError, match=r'kept must be in 1\.\.3, got 4'):
-        tile_kernel.block_connectivity(q, k_down, torch.zeros(4, 3), 0.05, 16, 4)
+        tile_kernel.block_connectivity(q, k, w_down, torch.zeros(4, 40), 0.5, 0.05, 0.0, 16, 4)
     with pytest.raises(ValueError, match='float32 or float64'):
-        tile_kernel.block_connectivity(q.double(), k_down, torch.zeros(4, 3), 0.05, 16, 2)
+        tile_kernel.block_connectivity(q.double(), k, w_down, torch.zeros(4, 40), 0.5, 0.05, 0.0, 16, 2)
+    with pytest.raises(ValueError, match='do not fit'):
+        tile_kernel.block_connectivity(q, k, w_down, torch.zeros(4, 39), 0.5, 0.05, 0.0, 16, 2)
 
 
 def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):

@@ -92,17 +92,20 @@ def test_every_block_path_keeps_the_same_tiles_with_a_partial_tile():
     """The masked block path (tile scores of S), the tile-mean predictor and the CPU kernel's predictor agree on
     the shrunk partial tile (n = 577: one token): the same kept tiles up to the rounding of near ties (the three
     compute the scores in another order, float32; `_exact_tile_scores` bounds each one's rounding)."""
-    from test_sparsifiner_kernel import _assert_same_tiles_up_to_rounding, _exact_tile_scores, assert_allowance_is_small
+    from test_sparsifiner_kernel import (_assert_same_tiles_up_to_rounding, _exact_tile_scores, assert_allowance_is_small,
+                                         dyadic)
 
     from structformer.functional.sparsifiner import down_projected_keys, pooled_basis
     g = torch.Generator().manual_seed(5)
     n = 577
-    q, k = torch.randn(1, 3, n, 32, generator=g), torch.randn(1, 3, n, 32, generator=g)
-    w_down, w_up = torch.randn(32, n, generator=g) / n ** 0.5, torch.randn(32, n, generator=g) / 32 ** 0.5
+    # k and the bases dyadic (`dyadic`): the kernel computes its own down-projected keys and pooled basis, which
+    # float32 then holds exactly, as the torch ops do; d = 16 (a power of 4: the scale 1/4 is exact too)
+    q, k = torch.randn(1, 3, n, 16, generator=g), dyadic(1, 3, n, 16, generator=g, exponent=-3)
+    w_down, w_up = dyadic(32, n, generator=g, levels=4, exponent=-7), dyadic(32, n, generator=g, levels=4, exponent=-5)
     indices = predicted_tiles(q, k, w_down, w_up, 0.0, 0.0, 0.25, BS)
     scores = connectivity_scores(low_rank_attention(q, k, w_down), w_up, 0.0, 0.0)
     exact, bound = _exact_tile_scores(q, down_projected_keys(k, w_down), pooled_basis(w_up, 0.0, BS), 0.0, BS,
-                                      pooled_after=BS)
+                                      pooled_after=BS, bases=(k, w_down, w_up, 0.0))
     # kept key tiles per query tile, read off each mask at the tiles' first token (tiles are kept whole)
     masked_tiles = block_mask_from_scores(scores, BS, 0.25)[..., ::BS, ::BS]
     predicted = block_indices_to_mask(indices, n, BS)[..., ::BS, ::BS]

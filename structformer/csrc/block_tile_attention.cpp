@@ -124,7 +124,8 @@ TORCH_LIBRARY(structformer, m) {
         "int dense_rows) -> Tensor");
   m.def("block_tile_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, "
         "Tensor block_indices, int block_size, float scale, int dense_rows) -> (Tensor, Tensor, Tensor)");
-  m.def("block_connectivity(Tensor q, Tensor k_down, Tensor basis_tiles, float tau, int block_size, int kept) -> Tensor");
+  m.def("block_connectivity(Tensor q, Tensor k, Tensor w_down, Tensor w_up, float scale, float tau, "
+        "float up_threshold, int block_size, int kept) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(structformer, CPU, m) {

@@ -280,9 +280,8 @@ def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up
     `scale`: of Eq. 1's logits (default 1/√d)."""
     with torch.no_grad():
         if kernel and coef_topk is None:
-            basis = pooled_basis(w_up, up_threshold, block_size)
-            return block_connectivity(q, down_projected_keys(k, w_down, scale), basis, tau, block_size,
-                                      tile_budget(k.shape[-2], block_size, keep_ratio))
+            return block_connectivity(q, k, w_down, w_up, k.shape[-1] ** -0.5 if scale is None else scale, tau,
+                                      up_threshold, block_size, tile_budget(k.shape[-2], block_size, keep_ratio))
         tiles = pooled_block_scores(low_rank_attention(q, k, w_down, scale), w_up, tau, up_threshold, block_size,
                                     coef_topk)
         return top_tiles(tiles, tile_budget(k.shape[-2], block_size, keep_ratio))

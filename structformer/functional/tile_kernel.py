@@ -371,11 +371,14 @@ def _tile_attention_backward_flops(q_shape, k_shape, v_shape, out_shape_, grad_s
     return 5 * _tile_attention_flops(q_shape, k_shape, v_shape, indices_shape, block_size, scale, dense_rows) // 2
 
 
-def _connectivity_flops(q_shape, k_down_shape, basis_shape, tau, block_size, kept, **kwargs) -> int:
-    """A_down = Q K_downᵀ on every query, then the query tiles' mean rows times the key tiles' basis means."""
+def _connectivity_flops(q_shape, k_shape, w_down_shape, w_up_shape, scale, tau, up_threshold, block_size, kept,
+                        **kwargs) -> int:
+    """K_down = W_down K and A_down = Q K_downᵀ per (batch, head), then the query tiles' mean rows times the key
+    tiles' basis means (the tile sums themselves are additions, as the masked path's are not counted either)."""
     batch, heads, n, d = q_shape
-    p, key_tiles = basis_shape
-    return 2 * batch * heads * (n * p * d + -(-n // block_size) * p * key_tiles)
+    p, n_k = w_down_shape
+    key_tiles = -(-n_k // block_size)
+    return 2 * batch * heads * (p * n_k * d + n * p * d + -(-n // block_size) * p * key_tiles)
 
 
 def available() -> bool:
@@ -485,17 +488,20 @@ def block_tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         return torch.ops.structformer.block_tile_attention(*arguments)
 
 
-def block_connectivity(q: torch.Tensor, k_down: torch.Tensor, basis_tiles: torch.Tensor, tau: float,
-                       block_size: int, kept: int) -> torch.Tensor:
+def block_connectivity(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, scale: float,
+                       tau: float, up_threshold: float, block_size: int, kept: int) -> torch.Tensor:
     """The block connectivity's top `kept` key tiles per query tile, [B, H, ⌈n/bs⌉, kept] int64: Eq. 1–3 on tile
-    means in one pass per (batch, head), from q [B, H, n, d], the scaled down-projected keys k_down [B, H, p, d]
-    (`down_projected_keys`) and the key-tile means of W̃_up, basis_tiles [p, key tiles] (`pooled_basis`).
-    Ties go to the lower tile index. No gradient (the tiles are a detached choice)."""
+    means in one op, from q and k [B, H, n, d] and the bases W_down, W_up [p, n] as the scores use them
+    (`SparsifinerAttention.scoring_basis`): the key-tile means of W̃_up once per call (`pooled_basis`), then per
+    (batch, head) K_down = W_down K (`down_projected_keys`), the softmax of scale · Q K_downᵀ, its coefficients
+    above τ pooled per query tile, and the top tiles. Ties go to the lower tile index. No gradient (the tiles are a
+    detached choice)."""
     _require_kernel()
-    if q.dtype not in DTYPES or any(t.device.type != 'cpu' or t.dtype != q.dtype for t in (q, k_down, basis_tiles)):
+    tensors = (q, k, w_down, w_up)
+    if q.dtype not in DTYPES or any(t.device.type != 'cpu' or t.dtype != q.dtype for t in tensors):
         raise ValueError(f"the tile kernel takes float32 or float64 CPU tensors, got q {q.dtype} on {q.device}, "
-                         f"k_down {k_down.dtype}, basis_tiles {basis_tiles.dtype}")
-    q, k_down = _blas_rows(q), _blas_rows(k_down)
+                         f"k {k.dtype}, w_down {w_down.dtype}, w_up {w_up.dtype}")
     with _argument_errors():
-        return torch.ops.structformer.block_connectivity(q, k_down, basis_tiles.contiguous(), float(tau),
-                                                         int(block_size), int(kept))
+        return torch.ops.structformer.block_connectivity(_blas_rows(q), _blas_rows(k), w_down.contiguous(),
+                                                         w_up.contiguous(), float(scale), float(tau),
+                                                         float(up_threshold), int(block_size), int(kept))
