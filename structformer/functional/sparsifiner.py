@@ -212,7 +212,8 @@ def _key_tile_pooling(num_tokens: int, block_size: int, like: torch.Tensor) -> t
     a full tile. Shrunk by √(r/bs), its deviation from the row mean has a full tile's variance when keys' scores
     are exchangeable, so it is kept about as often as a full tile (tests/test_sparsifiner_tiles.py). The row
     mean μ is a mean over all keys, so P_k's rows still sum to 1 and the map stays linear: pooled scores are
-    still two small products (`pooled_block_scores`), and the CPU kernel needs no change (`pooled_basis`)."""
+    still two small products (`pooled_block_scores`); the CPU kernel pools W̃_up's rows by the same rule
+    (`pooled_up_basis` in csrc/block_connectivity.cpp, tested against `pooled_basis`)."""
     pooling = _tile_pooling(num_tokens, block_size, like)
     partial = num_tokens % block_size
     if partial:
