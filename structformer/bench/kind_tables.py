@@ -57,7 +57,9 @@ SUMMARY_START, SUMMARY_END = '<!-- kind-summary -->', '<!-- /kind-summary -->'
 # the README's column names of the kinds met so far (a kind not named here is headed by its id), in this order
 KIND_LABELS = {'amd-avx2': 'AMD EPYC, AVX2 only', 'amd-avx512-bf16': 'AMD EPYC, AVX-512 + BF16 (Zen 5)',
                'amd-avx512-bf16+cap-avx2': 'the same Zen 5, kernels capped to AVX2',
-               'intel-avx512-vnni': 'Intel Xeon, AVX-512 VNNI'}
+               'intel-avx512-vnni': 'Intel Xeon, AVX-512 VNNI',
+               'intel-amx': 'Intel Xeon, AVX-512 BF16 + AMX (family 6 model 207)',
+               'intel-amx+cap-avx512_core_vnni-avx512_e1': "the same Xeon, kernels capped to Cascade Lake's"}
 
 
 def _display(path: Path) -> str:
