@@ -273,25 +273,30 @@ def _kind_goals(kind: str) -> dict:
 def test_the_flop_rate_percentages_of_benchmarks_md_are_the_kind_records():
     """'Why a goal misses, in numbers': each FLOP rate the paragraph quotes is its kind record's `rates`."""
     text = flat('docs/benchmarks.md')
-    amd, capped, intel = (_kind_goals(k) for k in ('amd-avx512-bf16', 'amd-avx512-bf16+cap-avx2', 'intel-avx512-vnni'))
+    amd, capped, amx, amx_capped, intel = (_kind_goals(k) for k in (
+        'amd-avx512-bf16', 'amd-avx512-bf16+cap-avx2', 'intel-amx', 'intel-amx+cap-avx512_core_vnni-avx512_e1',
+        'intel-avx512-vnni'))
 
     def pct(goal, key='rate', kinds=(amd,)):
         return [f"{100 * k[goal]['rates'][key]:.0f} %" for k in kinds]
     soft_needed, = pct('soft_sdpa', 'rate_needed')
-    soft_amd, soft_intel = pct('soft_sdpa', kinds=(amd, intel))
-    assert f"40× needs SOFT at {soft_needed} of SDPA's FLOP rate ({soft_amd} on the AVX-512 EPYC, {soft_intel} on the " \
-           "Intel Xeon)" in text
+    soft_amd, soft_amx, soft_intel = pct('soft_sdpa', kinds=(amd, amx, intel))
+    assert f"40× needs SOFT at {soft_needed} of SDPA's FLOP rate ({soft_amd} on the AVX-512 EPYC, {soft_amx} on the " \
+           f"AMX Xeon, {soft_intel} on the Cascade Lake Xeon)" in text
     needed, = pct('sparsifiner_sdpa', 'rate_needed')
-    got_amd, got_intel = pct('sparsifiner_sdpa', kinds=(amd, intel))
-    assert f"needs {needed} of SDPA's rate ({got_amd} on the AVX-512 EPYC, {got_intel} on the Intel Xeon)" in text
+    got_amd, got_amx, got_intel = pct('sparsifiner_sdpa', kinds=(amd, amx, intel))
+    assert f"needs {needed} of SDPA's rate ({got_amd} on the AVX-512 EPYC, {got_amx} on the AMX Xeon, {got_intel} on " \
+           "the Cascade Lake Xeon)" in text
     assert f"tiles are {1 / amd['sparsifiner_sdpa']['rates']['flop_ratio']:.3f} of SDPA's FLOPs" in text
-    monarch_amd, monarch_intel = pct('monarch_step', kinds=(amd, intel))
+    monarch_amd, monarch_amx, monarch_intel = pct('monarch_step', kinds=(amd, amx, intel))
     assert f"MonarchLinear needs {100 * amd['monarch_step']['rates']['rate_needed']:.1f} % of one large GEMM's rate " \
-           f"({monarch_amd} on the AVX-512 EPYC; the Intel Xeon's {monarch_intel} predates" in text
+           f"({monarch_amd} on the AVX-512 EPYC, {monarch_amx} on the AMX Xeon; the Cascade Lake Xeon's " \
+           f"{monarch_intel} predates" in text
     crate_needed, = pct('crate_vit', 'rate_needed')
-    crate_amd, crate_capped = pct('crate_vit', kinds=(amd, capped))
+    crate_amd, crate_capped, crate_amx, crate_amx_capped = pct('crate_vit', kinds=(amd, capped, amx, amx_capped))
     assert f"CRATE-T's layers at {crate_needed} of ViT-T's FLOP rate" in text
     assert f"({crate_amd} on the AVX-512 EPYC, {crate_capped} capped to AVX2" in text
+    assert f"({crate_amx} on the AMX Xeon, {crate_amx_capped} capped to Cascade Lake's kernels)" in text
 
 
 def test_the_capped_lowrank_paragraph_is_its_two_records():
@@ -497,3 +502,51 @@ def test_benchmarks_md_capped_bf16_ratios_are_their_record():
               ('Mixer-B/16', 'sparse_mixer_b16_224'))
     sentence = ', '.join(f"{name} {rows[label]:.3f}×" for name, label in quoted)
     assert f"bfloat16 / float32 training, paired, {sentence}." in flat('docs/benchmarks.md')
+
+
+def test_the_intel_xeon_paragraphs_are_their_records():
+    """The AMX Xeon's and its Cascade Lake stand-in's prose (benchmarks.md): every number taken from the current
+    records is that record's (the first AMX record's, commit bf592e8, are history and not checked here)."""
+    text = flat('docs/benchmarks.md')
+    amx = _kind_goals('intel-amx')
+    stand_in = _kind_goals('intel-amx+cap-avx512_core_vnni-avx512_e1')
+
+    def times(value, digits=2):
+        return f"{value:.{digits}f}×"
+    sparse = amx['sparsifiner_sdpa']
+    assert (f"the goal holds at {sparse['value']:.3f}× (quartiles {sparse['quartiles'][0]:.3f}–"
+            f"{sparse['quartiles'][1]:.3f})") in text
+    predictor = [r for r in record('kinds/intel-amx/sparse_attention.json')['rows']
+                 if r['path'] == 'block-kernel core'][0]['predictor_vs_dense']
+    assert f"the predictor fell to {predictor:.2f}×" in text
+    assert f"SOFT ({times(amx['soft_sdpa']['value'], 1)};" in text
+    assert f"RP-Mixer ({times(amx['rp_mixer_step']['value'])})" in text
+    monarch = amx['monarch_step']
+    assert f"Monarch ({times(monarch['value'])};" in text
+    assert f"quartiles {monarch['quartiles'][0]:.2f}–{monarch['quartiles'][1]:.2f})" in text
+    crate = amx['crate_vit']
+    assert f"CRATE-T / ViT-T, {times(crate['value'], 3)}" in text
+    assert f"they run at {100 * crate['rates']['rate']:.0f} %" in text
+    lowrank = record('kinds/intel-amx/lowrank.json')
+    layer = {r['label']: r for r in lowrank['layer']}['FactorizedLinear r=256 (0.25)']
+    assert f"Low-rank layer {times(amx['lowrank_layer']['value'])}, ViT-S stack {times(amx['lowrank_stack']['value'])}" \
+        in text
+    ceiling = lowrank['gemms'][0]
+    assert (f"allow {ceiling['ceiling']:.2f}× (quartiles {ceiling['ceiling_q1']:.2f}–{ceiling['ceiling_q3']:.2f}"
+            in text)
+    assert f"MKL's thin products run at {100 * ceiling['efficiency']:.0f} % of its square ones" in text
+    assert f"the factorised layer runs {layer['speedup_same_kernels']:.2f}×" in text
+    stack = amx['lowrank_stack']['value']
+    flop_ratio = {r['label']: r for r in lowrank['stack']}['ViT-S blocks, rank 0.25']['flop_ratio']
+    assert f"gets {100 * stack / flop_ratio:.0f} %" in text
+    # the stand-in (capped to Cascade Lake's kernels)
+    assert f"SOFT now meets its goal ({times(stand_in['soft_sdpa']['value'], 1)} against 37.1×" in text
+    assert f"Monarch too ({times(stand_in['monarch_step']['value'])} against 2.59×" in text
+    assert f"RP-Mixer holds ({times(stand_in['rp_mixer_step']['value'])})" in text
+    assert f"Sparsifiner ({times(stand_in['sparsifiner_sdpa']['value'], 3)} against 0.83×)" in text
+    assert (f"the low-rank layer and stack ({times(stand_in['lowrank_layer']['value'])} / "
+            f"{times(stand_in['lowrank_stack']['value'])} against 2.22× /") in text
+    assert f"CRATE-T at one thread misses ({times(stand_in['crate_vit']['value'], 3)};" in text
+    capped_ceiling = record('kinds/intel-amx+cap-avx512_core_vnni-avx512_e1/lowrank.json')['gemms'][0]
+    assert f"GEMMs alone allow {capped_ceiling['ceiling']:.2f}× (paired rounds; its thin products at " \
+           f"{100 * capped_ceiling['efficiency']:.0f} %" in text
