@@ -552,6 +552,9 @@ def test_the_intel_xeon_paragraphs_are_their_records():
     assert f"CRATE-T at one thread misses ({times(stand_in['crate_vit']['value'], 3)};" in text
     assert (f"AMX Xeon runs it at {times(monarch['value'])} and at {times(stand_in['monarch_step']['value'])} with its "
             "kernels capped") in text
+    capped_layer = record('kinds/intel-amx+cap-avx512_core_vnni-avx512_e1/lowrank.json')['layer']
+    onednn = {r['label']: r for r in capped_layer}['dense, oneDNN kernels']['speedup']
+    assert f"oneDNN over MKL here: {onednn:.2f}× on the dense layer" in text
     capped_ceiling = record('kinds/intel-amx+cap-avx512_core_vnni-avx512_e1/lowrank.json')['gemms'][0]
     assert f"GEMMs alone allow {capped_ceiling['ceiling']:.2f}× (paired rounds; its thin products at " \
            f"{100 * capped_ceiling['efficiency']:.0f} %" in text
