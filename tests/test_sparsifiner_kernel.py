@@ -234,7 +234,7 @@ def _exact_tile_scores(q, k_down, basis, tau, block_size, pooled_after=0, bases=
         kd64, basis64 = k_down.double(), basis.double()
     else:
         k, w_down, w_up, up_threshold = bases
-        assert all(is_dyadic(t) for t in (k, w_down, w_up)) and (d ** 0.5).is_integer() and math.log2(d) % 2 == 0
+        assert all(is_dyadic(t) for t in (k, w_down, w_up)) and math.log2(d) % 2 == 0      # d a power of 4
         kd64 = down_projected_keys(k.double(), w_down.double(), d ** -0.5)
         kept = w_up.double() * (w_up.abs() >= up_threshold)          # the threshold: the same decision on both
         pooling = _key_tile_pooling(k.shape[-2], block_size, kept)

@@ -50,10 +50,16 @@ def tile_budget(num_tokens: int, block_size: int, keep_ratio: float) -> int:
     return min(-(-num_tokens // block_size), -(-keys // block_size))
 
 
+def logits_scale(k: torch.Tensor, scale: Optional[float] = None) -> float:
+    """The scale of Eq. 1's logits: `scale` where given, else 1/√d of k's channels. One rule for the torch ops
+    (`down_projected_keys`) and the CPU kernel, which takes it as a number (`predicted_tiles`)."""
+    return k.shape[-1] ** -0.5 if scale is None else scale
+
+
 @computes_in_float32
 def down_projected_keys(k: torch.Tensor, w_down: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """W_down K · scale [B, H, n_down, d]: the n_down keys of Eq. 1, the scale folded into them."""
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    scale = logits_scale(k, scale)
     b, h, n, d = k.shape
     # every head's W_down K in one GEMM over the token-major keys [B, n, H·d] (a view when k is the head split
     # of a projection, as in the layer): 6 heads as one [n_down, n] × [n, 384] product instead of a broadcast
@@ -281,8 +287,8 @@ def predicted_tiles(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, w_up
     `scale`: of Eq. 1's logits (default 1/√d)."""
     with torch.no_grad():
         if kernel and coef_topk is None:
-            return block_connectivity(q, k, w_down, w_up, k.shape[-1] ** -0.5 if scale is None else scale, tau,
-                                      up_threshold, block_size, tile_budget(k.shape[-2], block_size, keep_ratio))
+            return block_connectivity(q, k, w_down, w_up, logits_scale(k, scale), tau, up_threshold, block_size,
+                                      tile_budget(k.shape[-2], block_size, keep_ratio))
         tiles = pooled_block_scores(low_rank_attention(q, k, w_down, scale), w_up, tau, up_threshold, block_size,
                                     coef_topk)
         return top_tiles(tiles, tile_budget(k.shape[-2], block_size, keep_ratio))
