@@ -412,10 +412,27 @@ def test_a_worker_is_stopped_at_its_deadline():
     assert rows == [] and 'deadline' in note and time.time() - start < 10
 
 
+def _cpu_bfloat16_sdpa_failure():
+    """torch's own error for a tiny bfloat16 SDPA on this CPU, or None where it runs. torch 2.14 raises
+    'pack_vnni2 is only supported when avx512 is supported' on an AMX Xeon whose ATen kernels are capped below
+    AVX-512 (ATEN_CPU_CAPABILITY=default or avx2): its flash-attention kernel picks the AMX packing by the CPU's
+    flags, not by the capability it was dispatched at (seen on family 6 model 207, 2026-11-28)."""
+    q = torch.randn(1, 2, 65, 32, dtype=torch.bfloat16)        # the size of the bench's Sparsifiner rows
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
 @pytest.mark.slow
 def test_bench_gpu_dry_path_on_the_cpu(tmp_path, capsys):
     """`structformer bench gpu --device cpu`: every planned row is measured or marked not timed, the record holds
-    the goals and renders, and `--render ... --doc` writes a page's section from it."""
+    the goals and renders, and `--render ... --doc` writes a page's section from it. Its rows run in bfloat16, so
+    where torch's CPU bfloat16 SDPA itself fails (`_cpu_bfloat16_sdpa_failure`) there is nothing of ours to test."""
+    failure = _cpu_bfloat16_sdpa_failure()
+    if failure:
+        pytest.skip(f"torch's CPU bfloat16 SDPA fails in this setting: {failure}")
     out = tmp_path / 'dry.json'
     assert main(['bench', 'gpu', '--device', 'cpu', '--budget-s', '100', '--output', str(out)]) == 0
     record = json.loads(out.read_text())
